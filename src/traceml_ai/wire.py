@@ -5,9 +5,32 @@ See ``docs/dev/wire-format.md``. This module never imports torch.
 
 from __future__ import annotations
 
+import hmac
+import secrets
+import struct
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import orjson
+
+__all__ = [
+    "BATCH_STREAMS",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "ENV_AGGREGATOR_ADDR",
+    "ENV_RUN_TOKEN",
+    "ENV_SAMPLER_INTERVAL",
+    "FRAME_HEADER",
+    "MESSAGE_TYPES",
+    "WIRE_VERSION",
+    "FrameError",
+    "ReceivedBatch",
+    "decode_message",
+    "encode_frame",
+    "make_batch_message",
+    "make_finished_message",
+    "new_run_token",
+]
 
 WIRE_VERSION = 1
 
@@ -25,6 +48,13 @@ BATCH_STREAMS = (
     "stdout_stderr",
 )
 
+MESSAGE_TYPES = ("batch", "finished")
+
+DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
+
+# 4-byte big-endian unsigned length that precedes every frame body.
+FRAME_HEADER = struct.Struct(">I")
+
 
 @attrs.frozen(slots=True)
 class ReceivedBatch:
@@ -33,3 +63,95 @@ class ReceivedBatch:
     observed_timestamp_unix_ns: int
     payload: dict[str, Any]
     nbytes: int
+
+
+class FrameError(ValueError):
+    """A frame whose envelope is not a valid wire message; ``reason`` is a short label."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def new_run_token() -> str:
+    """Return a fresh random run token (URL-safe text, 256 bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def encode_frame(message: Mapping[str, Any]) -> bytes:
+    """Serialize ``message`` with orjson and prefix it with its 4-byte big-endian length.
+
+    Raises ``orjson.JSONEncodeError`` (a ``TypeError``) for values orjson cannot encode.
+    """
+    body = orjson.dumps(message)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def make_batch_message(
+    token: str, identity: Mapping[str, Any], stream: str, items: Sequence[Any]
+) -> dict[str, Any]:
+    """Build a ``batch`` message carrying ``items`` of one ``stream``."""
+    return {
+        "v": WIRE_VERSION,
+        "token": token,
+        "type": "batch",
+        "identity": identity,
+        "stream": stream,
+        "items": items,
+    }
+
+
+def make_finished_message(
+    token: str, identity: Mapping[str, Any], sent_batches: int, dropped_batches: int
+) -> dict[str, Any]:
+    """Build the ``finished`` message a rank sends last, with its batch counts."""
+    return {
+        "v": WIRE_VERSION,
+        "token": token,
+        "type": "finished",
+        "identity": identity,
+        "sent_batches": sent_batches,
+        "dropped_batches": dropped_batches,
+    }
+
+
+def _is_count(value: object) -> bool:
+    # bool is an int subclass; a count of ``true`` is a malformed message.
+    return type(value) is int and value >= 0
+
+
+def decode_message(data: bytes, token: str) -> dict[str, Any]:
+    """Parse one frame body and check its envelope; raise ``FrameError`` when it is invalid.
+
+    Only the envelope is checked (version, token, type, identity, stream, items list,
+    finished counts). Items are the export engine's business.
+    """
+    try:
+        message = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise FrameError("bad json") from None
+    if not isinstance(message, dict):
+        raise FrameError("not an object")
+    sent_token = message.get("token")
+    # Constant-time comparison on bytes: compare_digest refuses non-ASCII str.
+    if not isinstance(sent_token, str) or not hmac.compare_digest(
+        sent_token.encode("utf-8"), token.encode("utf-8")
+    ):
+        raise FrameError("wrong token")
+    version = message.get("v")
+    if type(version) is not int or version != WIRE_VERSION:
+        raise FrameError("bad version")
+    kind = message.get("type")
+    if kind not in MESSAGE_TYPES:
+        raise FrameError("unknown type")
+    if not isinstance(message.get("identity"), dict):
+        raise FrameError("missing identity")
+    if kind == "batch":
+        stream = message.get("stream")
+        if not isinstance(stream, str) or stream not in BATCH_STREAMS:
+            raise FrameError("stream not in BATCH_STREAMS")
+        if not isinstance(message.get("items"), list):
+            raise FrameError("items not a list")
+    elif not (_is_count(message.get("sent_batches")) and _is_count(message.get("dropped_batches"))):
+        raise FrameError("bad counts")
+    return message
