@@ -1,0 +1,629 @@
+"""Tests for export settings resolution (CLI > env > traceml.yaml > default)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from traceml_ai import settings
+from traceml_ai.settings import (
+    ExportSettings,
+    SettingsError,
+    exporter_kind,
+    load_yaml_config,
+    parse_bool_value,
+    parse_exporter_value,
+    resolve_export_settings,
+    settings_from_values,
+)
+
+SUPPORTED = "supported: step_time, step_memory, process, system, all"
+
+
+def write_yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "traceml.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def yaml_source(path: Path) -> str:
+    return f"traceml.yaml ({path.absolute()})"
+
+
+def resolve(
+    tmp_path: Path,
+    *,
+    cli_exporter: str | None = None,
+    cli_export_streams: str | None = None,
+    cli_exporter_hostname: bool | None = None,
+    environ: dict[str, str] | None = None,
+    yaml_text: str | None = None,
+) -> settings.ResolvedExportSettings:
+    """Resolve with an explicit env and a YAML file in tmp_path (absent when None)."""
+    path = tmp_path / "traceml.yaml"
+    if yaml_text is not None:
+        path.write_text(yaml_text, encoding="utf-8")
+    return resolve_export_settings(
+        cli_exporter=cli_exporter,
+        cli_export_streams=cli_export_streams,
+        cli_exporter_hostname=cli_exporter_hostname,
+        environ={} if environ is None else environ,
+        yaml_path=path,
+    )
+
+
+# --- precedence ---------------------------------------------------------------------
+
+
+class Layers(NamedTuple):
+    """One setting's CLI kwarg, flag, env var and the value each layer supplies."""
+
+    kwarg: str
+    flag: str
+    env_name: str
+    cli_value: object
+    env_text: str
+    yaml_text: str
+    cli_expected: object
+    env_expected: object
+    yaml_expected: object
+    default: object
+
+
+PRECEDENCE_CASES = {
+    "exporter": Layers(
+        "cli_exporter",
+        "--exporter",
+        "TRACEML_EXPORTER",
+        "jsonl",
+        "env_pkg.mod:make",
+        "yaml_pkg:factory",
+        "jsonl",
+        "env_pkg.mod:make",
+        "yaml_pkg:factory",
+        "",
+    ),
+    "export_streams": Layers(
+        "cli_export_streams",
+        "--export-streams",
+        "TRACEML_EXPORT_STREAMS",
+        "step_memory",
+        "process",
+        "step_time,step_memory",
+        "step_memory",
+        "process",
+        "step_time,step_memory",
+        "step_time",
+    ),
+    "exporter_hostname": Layers(
+        "cli_exporter_hostname",
+        "--exporter-hostname",
+        "TRACEML_EXPORTER_HOSTNAME",
+        True,
+        "off",
+        "yes",
+        True,
+        False,
+        True,
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(PRECEDENCE_CASES))
+@pytest.mark.parametrize(
+    ("use_cli", "use_env", "use_yaml"), list(itertools.product([False, True], repeat=3))
+)
+def test_precedence_matrix(
+    tmp_path: Path, setting: str, use_cli: bool, use_env: bool, use_yaml: bool
+) -> None:
+    case = PRECEDENCE_CASES[setting]
+    path = write_yaml(tmp_path, f"{setting}: {case.yaml_text}\n" if use_yaml else "{}\n")
+    cli: dict[str, object] = {
+        "cli_exporter": None,
+        "cli_export_streams": None,
+        "cli_exporter_hostname": None,
+    }
+    if use_cli:
+        cli[case.kwarg] = case.cli_value
+    environ = {case.env_name: case.env_text} if use_env else {}
+
+    resolved = resolve_export_settings(
+        environ=environ,
+        yaml_path=path,
+        **cli,  # type: ignore[arg-type]
+    )
+
+    want_value: object
+    if use_cli:
+        want_value, want_source = case.cli_expected, case.flag
+    elif use_env:
+        want_value, want_source = case.env_expected, case.env_name
+    elif use_yaml:
+        want_value, want_source = case.yaml_expected, yaml_source(path)
+    else:
+        want_value, want_source = case.default, "default"
+    assert getattr(resolved.settings, setting) == want_value
+    assert getattr(resolved.sources, setting) == want_source
+    # The other two settings are untouched by this one's layers.
+    for other in PRECEDENCE_CASES:
+        if other != setting:
+            assert getattr(resolved.sources, other) == "default"
+    assert resolved.warnings == ()
+
+
+def test_settings_resolve_independently(tmp_path: Path) -> None:
+    resolved = resolve(
+        tmp_path,
+        cli_exporter="jsonl",
+        environ={"TRACEML_EXPORT_STREAMS": " step_time , process "},
+        yaml_text="exporter: my.mod:f\nexport_streams: all\nexporter_hostname: true\n",
+    )
+    assert resolved.settings == ExportSettings("jsonl", "step_time , process", True)
+    assert resolved.sources.exporter == "--exporter"
+    assert resolved.sources.export_streams == "TRACEML_EXPORT_STREAMS"
+    assert resolved.sources.exporter_hostname == yaml_source(tmp_path / "traceml.yaml")
+    assert resolved.selected_streams == ("step_time", "process")
+
+
+def test_defaults_without_file(tmp_path: Path) -> None:
+    resolved = resolve(tmp_path)
+    assert resolved.settings == ExportSettings("", "step_time", False)
+    assert resolved.settings.exporter_kind == "off"
+    assert resolved.selected_streams == ("step_time",)
+    assert resolved.sources == settings.SettingSources("default", "default", "default")
+    assert resolved.warnings == ()
+
+
+def test_yaml_looked_up_in_cwd_and_env_from_os_environ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_yaml(tmp_path, "exporter: jsonl\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRACEML_EXPORT_STREAMS", "system")
+    monkeypatch.delenv("TRACEML_EXPORTER", raising=False)
+    monkeypatch.delenv("TRACEML_EXPORTER_HOSTNAME", raising=False)
+    resolved = resolve_export_settings(
+        cli_exporter=None, cli_export_streams=None, cli_exporter_hostname=None
+    )
+    assert resolved.settings.exporter == "jsonl"
+    assert resolved.sources.exporter == f"traceml.yaml ({tmp_path.resolve() / 'traceml.yaml'})"
+    assert resolved.sources.export_streams == "TRACEML_EXPORT_STREAMS"
+    assert resolved.selected_streams == ("system", "system_gpu")
+
+
+def test_empty_env_exporter_is_explicit_off(tmp_path: Path) -> None:
+    resolved = resolve(tmp_path, environ={"TRACEML_EXPORTER": ""}, yaml_text="exporter: jsonl\n")
+    assert resolved.settings.exporter == ""
+    assert resolved.sources.exporter == "TRACEML_EXPORTER"
+
+
+def test_cli_empty_exporter_turns_off_env(tmp_path: Path) -> None:
+    resolved = resolve(tmp_path, cli_exporter="", environ={"TRACEML_EXPORTER": "jsonl"})
+    assert resolved.settings.exporter == ""
+    assert resolved.sources.exporter == "--exporter"
+
+
+def test_yaml_null_counts_as_not_set(tmp_path: Path) -> None:
+    resolved = resolve(
+        tmp_path, yaml_text="exporter: null\nexport_streams: ~\nexporter_hostname:\n"
+    )
+    assert resolved.settings == ExportSettings()
+    assert resolved.sources == settings.SettingSources("default", "default", "default")
+
+
+def test_bad_value_in_shadowed_layer_is_ignored(tmp_path: Path) -> None:
+    resolved = resolve(
+        tmp_path,
+        cli_exporter="jsonl",
+        cli_export_streams="process",
+        cli_exporter_hostname=False,
+        environ={"TRACEML_EXPORTER": "nope", "TRACEML_EXPORTER_HOSTNAME": "maybe"},
+        yaml_text="export_streams: bogus\n",
+    )
+    assert resolved.settings == ExportSettings("jsonl", "process", False)
+
+
+def test_all_selects_seven_streams(tmp_path: Path) -> None:
+    resolved = resolve(tmp_path, cli_export_streams="all")
+    assert len(resolved.selected_streams) == 7
+    assert set(resolved.selected_streams) >= {"runtime_environment", "stdout_stderr"}
+
+
+# --- bad values name their source ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"cli_exporter": "jsonl:"},
+            "--exporter: expected '' (off), 'jsonl', or 'module.path:factory', got 'jsonl:'",
+        ),
+        (
+            {"environ": {"TRACEML_EXPORTER": "JSONL"}},
+            "TRACEML_EXPORTER: expected '' (off), 'jsonl', or 'module.path:factory', got 'JSONL'",
+        ),
+        (
+            {"yaml_text": "exporter: a-b:c\n"},
+            "{yaml}: exporter: expected '' (off), 'jsonl', or 'module.path:factory', got 'a-b:c'",
+        ),
+        (
+            {"cli_export_streams": "stepp_time"},
+            f"--export-streams: unknown stream 'stepp_time'; {SUPPORTED}",
+        ),
+        (
+            {"environ": {"TRACEML_EXPORT_STREAMS": "stepp_time"}},
+            f"TRACEML_EXPORT_STREAMS: unknown stream 'stepp_time'; {SUPPORTED}",
+        ),
+        (
+            {"yaml_text": "export_streams: step_time,stepp_time\n"},
+            f"{{yaml}}: export_streams: unknown stream 'stepp_time'; {SUPPORTED}",
+        ),
+        (
+            {"environ": {"TRACEML_EXPORTER_HOSTNAME": "maybe"}},
+            "TRACEML_EXPORTER_HOSTNAME: expected one of 1/0, true/false, yes/no, on/off, "
+            "got 'maybe'",
+        ),
+        (
+            {"yaml_text": "exporter_hostname: 'maybe'\n"},
+            "{yaml}: exporter_hostname: expected one of 1/0, true/false, yes/no, on/off, "
+            "got 'maybe'",
+        ),
+    ],
+)
+def test_bad_value_messages_name_source(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(SettingsError) as info:
+        resolve(tmp_path, **kwargs)  # type: ignore[arg-type]
+    assert str(info.value) == message.format(yaml=yaml_source(tmp_path / "traceml.yaml"))
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "prefix"),
+    [
+        ({"environ": {"TRACEML_EXPORT_STREAMS": ""}}, "TRACEML_EXPORT_STREAMS: "),
+        ({"cli_export_streams": ""}, "--export-streams: "),
+        ({"cli_export_streams": "step_time,,process"}, "--export-streams: "),
+        ({"yaml_text": "export_streams: ''\n"}, "traceml.yaml ("),
+        ({"environ": {"TRACEML_EXPORTER_HOSTNAME": ""}}, "TRACEML_EXPORTER_HOSTNAME: "),
+    ],
+)
+def test_empty_values_are_errors(tmp_path: Path, kwargs: dict[str, object], prefix: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        resolve(tmp_path, **kwargs)  # type: ignore[arg-type]
+    assert str(info.value).startswith(prefix)
+    assert "supported" in str(info.value) or "expected" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"cli_export_streams": "nope"},
+        {"environ": {"TRACEML_EXPORTER": "", "TRACEML_EXPORT_STREAMS": "nope"}},
+        {"cli_exporter": "", "yaml_text": "export_streams: nope\n"},
+        {"yaml_text": "exporter: ''\nexport_streams: nope\n"},
+    ],
+)
+def test_export_streams_checked_while_exporter_off(
+    tmp_path: Path, kwargs: dict[str, object]
+) -> None:
+    with pytest.raises(SettingsError, match="unknown stream 'nope'"):
+        resolve(tmp_path, **kwargs)  # type: ignore[arg-type]
+
+
+# --- booleans -----------------------------------------------------------------------
+
+TRUE_WORDS = ["1", "true", "yes", "on"]
+FALSE_WORDS = ["0", "false", "no", "off"]
+
+
+def case_variants(word: str) -> list[str]:
+    return [word, word.upper(), word.capitalize(), f"  {word.swapcase()}\t"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [(v, True) for w in TRUE_WORDS for v in case_variants(w)]
+    + [(v, False) for w in FALSE_WORDS for v in case_variants(w)],
+)
+def test_bool_forms(tmp_path: Path, text: str, expected: bool) -> None:
+    assert parse_bool_value(text) is expected
+    from_env = resolve(tmp_path, environ={"TRACEML_EXPORTER_HOSTNAME": text})
+    assert from_env.settings.exporter_hostname is expected
+    from_yaml = resolve(tmp_path, yaml_text=f"exporter_hostname: {text.strip()!r}\n")
+    assert from_yaml.settings.exporter_hostname is expected
+
+
+@pytest.mark.parametrize("text", ["maybe", "", " ", "2", "y", "n", "tru", "enable", "1.0"])
+def test_bool_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"got {text!r}")):
+        parse_bool_value(text)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("true", True), ("on", True), ("no", False)])
+def test_yaml_native_booleans(tmp_path: Path, text: str, expected: bool) -> None:
+    resolved = resolve(tmp_path, yaml_text=f"exporter_hostname: {text}\n")
+    assert resolved.settings.exporter_hostname is expected
+
+
+# --- YAML file handling -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("exporter: jsonl\nexport_streams: [step_time\n", 3),
+        ("exporter: jsonl\n bad: x: y\n", 2),
+        ("exporter: jsonl\n\texporter_hostname: 1\n", 2),
+    ],
+)
+def test_yaml_syntax_error_names_file_and_line(tmp_path: Path, text: str, line: int) -> None:
+    with pytest.raises(SettingsError) as info:
+        resolve(tmp_path, yaml_text=text)
+    message = str(info.value)
+    assert message.startswith(f"{yaml_source(tmp_path / 'traceml.yaml')}: invalid YAML at ")
+    assert f"line {line}, column " in message
+
+
+def test_yaml_syntax_error_raised_even_when_cli_sets_everything(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="invalid YAML at line 1"):
+        resolve(
+            tmp_path,
+            cli_exporter="jsonl",
+            cli_export_streams="all",
+            cli_exporter_hostname=True,
+            yaml_text="exporter: a: b\n",
+        )
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [("- exporter\n", "a list"), ("jsonl\n", "a string"), ("3\n", "an integer")],
+)
+def test_yaml_top_level_must_be_mapping(tmp_path: Path, text: str, kind: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        resolve(tmp_path, yaml_text=text)
+    assert str(info.value) == (
+        f"{yaml_source(tmp_path / 'traceml.yaml')}: expected a mapping of setting names to "
+        f"values at the top level, got {kind}"
+    )
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"])
+def test_empty_yaml_file_is_fine(tmp_path: Path, text: str) -> None:
+    assert resolve(tmp_path, yaml_text=text).settings == ExportSettings()
+
+
+def test_unknown_yaml_key_warns(tmp_path: Path) -> None:
+    resolved = resolve(
+        tmp_path, yaml_text="exporter: jsonl\nexport_stream: all\nlogs_dir: /tmp\n7: x\n"
+    )
+    source = yaml_source(tmp_path / "traceml.yaml")
+    assert resolved.settings.exporter == "jsonl"
+    assert resolved.settings.export_streams == "step_time"
+    assert resolved.warnings == (
+        f"{source}: unknown key 'export_stream' ignored (did you mean 'export_streams'?)",
+        f"{source}: unknown key 'logs_dir' ignored",
+        f"{source}: unknown key 7 ignored",
+    )
+
+
+def test_known_yaml_keys_can_be_extended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings, "KNOWN_YAML_KEYS", {*settings.KNOWN_YAML_KEYS, "logs_dir"})
+    resolved = resolve(tmp_path, yaml_text="logs_dir: /tmp\nexporter: jsonl\n")
+    assert resolved.warnings == ()
+    assert resolved.settings.exporter == "jsonl"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "exporter: off\n",
+            "exporter: expected a string, '' (off), 'jsonl', or 'module.path:factory'; "
+            "got a boolean False",
+        ),
+        (
+            "exporter: 3\n",
+            "exporter: expected a string, '' (off), 'jsonl', or 'module.path:factory'; "
+            "got an integer 3",
+        ),
+        (
+            "export_streams: [step_time, process]\n",
+            "export_streams: expected a string of comma-separated stream names; "
+            "got a list ['step_time', 'process']",
+        ),
+        (
+            "export_streams: 1.5\n",
+            "export_streams: expected a string of comma-separated stream names; got a number 1.5",
+        ),
+        (
+            "exporter_hostname: 1\n",
+            "exporter_hostname: expected a boolean or a string, "
+            "one of 1/0, true/false, yes/no, on/off; got an integer 1",
+        ),
+        (
+            "exporter_hostname: {a: 1}\n",
+            "exporter_hostname: expected a boolean or a string, "
+            "one of 1/0, true/false, yes/no, on/off; got a mapping {'a': 1}",
+        ),
+    ],
+)
+def test_yaml_wrong_types_name_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        resolve(tmp_path, yaml_text=text)
+    assert str(info.value) == f"{yaml_source(tmp_path / 'traceml.yaml')}: {message}"
+
+
+def test_unreadable_yaml_names_path(tmp_path: Path) -> None:
+    path = tmp_path / "traceml.yaml"
+    path.mkdir()
+    with pytest.raises(SettingsError) as info:
+        resolve(tmp_path)
+    assert str(info.value).startswith(f"{yaml_source(path)}: cannot read file: ")
+
+
+def test_non_utf8_yaml_names_path(tmp_path: Path) -> None:
+    path = tmp_path / "traceml.yaml"
+    path.write_bytes(b"exporter: \xff\xfe\n")
+    with pytest.raises(SettingsError) as info:
+        resolve(tmp_path)
+    assert str(info.value).startswith(f"{yaml_source(path)}: not valid UTF-8")
+
+
+def test_load_yaml_config_missing_file(tmp_path: Path) -> None:
+    assert load_yaml_config(tmp_path / "absent" / "traceml.yaml") is None
+    config = load_yaml_config(write_yaml(tmp_path, "exporter: jsonl\nother: 1\n"))
+    assert config is not None
+    assert dict(config.data) == {"exporter": "jsonl", "other": 1}
+
+
+# --- exporter values ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected", "kind"),
+    [
+        ("", "", "off"),
+        ("   ", "", "off"),
+        ("jsonl", "jsonl", "jsonl"),
+        (" jsonl\n", "jsonl", "jsonl"),
+        ("a:b", "a:b", "custom"),
+        ("my_pkg.my_mod:make_exporter", "my_pkg.my_mod:make_exporter", "custom"),
+        ("  _p.q2.r:_Factory ", "_p.q2.r:_Factory", "custom"),
+        ("jsonl:make", "jsonl:make", "custom"),
+    ],
+)
+def test_exporter_valid_forms(tmp_path: Path, text: str, expected: str, kind: str) -> None:
+    assert parse_exporter_value(text) == expected
+    assert exporter_kind(text) == kind
+    resolved = resolve(tmp_path, environ={"TRACEML_EXPORTER": text})
+    assert resolved.settings.exporter == expected
+    assert resolved.settings.exporter_kind == kind
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a",
+        "a:",
+        ":b",
+        "a:b:c",
+        "1a:b",
+        "a-b:c",
+        "a.:b",
+        ".a:b",
+        "a..b:c",
+        "a:b.c",
+        "a:1b",
+        "a :b",
+        "a: b",
+        "JSONL",
+        "json",
+        "off",
+        "a/b:c",
+    ],
+)
+def test_exporter_invalid_forms(text: str) -> None:
+    expected = f"expected '' (off), 'jsonl', or 'module.path:factory', got {text!r}"
+    with pytest.raises(ValueError) as info:
+        parse_exporter_value(text)
+    assert str(info.value) == expected
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        exporter_kind(text)
+
+
+identifier = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True)
+
+
+@given(module=st.lists(identifier, min_size=1, max_size=4), factory=identifier)
+def test_exporter_any_dotted_module_and_factory_accepted(module: list[str], factory: str) -> None:
+    value = f"{'.'.join(module)}:{factory}"
+    assert parse_exporter_value(f" {value} ") == value
+    assert exporter_kind(value) == "custom"
+
+
+@given(text=st.text(max_size=20))
+def test_exporter_parse_accepts_only_documented_forms(text: str) -> None:
+    try:
+        value = parse_exporter_value(text)
+    except ValueError as exc:
+        assert str(exc).startswith("expected '' (off), 'jsonl', or 'module.path:factory'")
+        return
+    assert value == text.strip()
+    assert value in ("", "jsonl") or value.count(":") == 1
+
+
+# --- programmatic values (Ray) and round trip ---------------------------------------
+
+
+def test_settings_from_values_ok() -> None:
+    resolved = settings_from_values(
+        exporter=" jsonl ",
+        export_streams="step_time,system",
+        exporter_hostname=True,
+        source="TraceMLRayConfig",
+    )
+    assert resolved.settings == ExportSettings("jsonl", "step_time,system", True)
+    assert resolved.selected_streams == ("step_time", "system", "system_gpu")
+    assert resolved.sources == settings.SettingSources(*["TraceMLRayConfig"] * 3)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"exporter": "a:b:c"},
+            "TraceMLRayConfig.exporter: expected '' (off), 'jsonl', or 'module.path:factory', "
+            "got 'a:b:c'",
+        ),
+        (
+            {"export_streams": "stepp_time"},
+            f"TraceMLRayConfig.export_streams: unknown stream 'stepp_time'; {SUPPORTED}",
+        ),
+        (
+            {"exporter_hostname": "yes"},
+            "TraceMLRayConfig.exporter_hostname: expected a boolean, got a string 'yes'",
+        ),
+        (
+            {"exporter": None},
+            "TraceMLRayConfig.exporter: expected a string, '' (off), 'jsonl', or "
+            "'module.path:factory'; got None",
+        ),
+    ],
+)
+def test_settings_from_values_errors(values: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {
+        "exporter": "",
+        "export_streams": "step_time",
+        "exporter_hostname": False,
+        **values,
+    }
+    with pytest.raises(SettingsError) as info:
+        settings_from_values(source="TraceMLRayConfig", **args)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        ExportSettings(),
+        ExportSettings("jsonl", "all", True),
+        ExportSettings("pkg.mod:make", "step_memory,process", False),
+    ],
+)
+def test_as_environ_round_trips(tmp_path: Path, value: ExportSettings) -> None:
+    resolved = resolve(tmp_path, environ=value.as_environ(), yaml_text="exporter: jsonl\n")
+    assert resolved.settings == value
+    assert resolved.sources == settings.SettingSources(
+        "TRACEML_EXPORTER", "TRACEML_EXPORT_STREAMS", "TRACEML_EXPORTER_HOSTNAME"
+    )
