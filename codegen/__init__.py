@@ -1,0 +1,1 @@
+"""Generator: JSON Schemas → attrs record classes, stream registry and reference docs."""

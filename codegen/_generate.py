@@ -1,0 +1,34 @@
+"""Produce every generated file from the schemas, as a mapping path → content."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from codegen._model import load_schemas
+from codegen._render_docs import render_reference, render_stream_keys
+from codegen._render_python import render_records, render_registry
+
+PACKAGE = Path("src/traceml_records")
+
+
+def generate(root: Path) -> dict[Path, bytes]:
+    """Every generated file, relative to the repository ``root``."""
+    schema_set = load_schemas(root / "schemas")
+    files: dict[Path, bytes] = {
+        PACKAGE
+        / "_generated"
+        / "__init__.py": b'"""Generated code: do not edit (see codegen/)."""\n',
+        PACKAGE / "_generated" / "records.py": render_records(schema_set).encode(),
+        PACKAGE / "_generated" / "registry.py": render_registry(schema_set).encode(),
+        Path("docs/reference/export-records.md"): render_reference(schema_set).encode(),
+        Path("docs/reference/stream-keys.md"): render_stream_keys(schema_set).encode(),
+    }
+    # The schemas travel as package data, byte for byte.
+    for name, data in schema_set.schema_files:
+        files[PACKAGE / "schemas" / name] = data
+    return files
+
+
+def generated_dirs() -> tuple[Path, ...]:
+    """Folders that hold only generated files (stale files there are reported)."""
+    return (PACKAGE / "_generated", PACKAGE / "schemas")

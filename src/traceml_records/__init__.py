@@ -1,0 +1,55 @@
+"""The TraceML export contract in Python: typed records, the stream registry, codecs and validation.
+
+Light to import: attrs, orjson and jsonschema only, never torch.
+"""
+
+from traceml_records._errors import RecordError
+from traceml_records._generated.records import (
+    ClosingLine,
+    ExportLoss,
+    FinalizationWarning,
+    PhaseTiming,
+    ProcessRecord,
+    RuntimeEnvironmentRecord,
+    StdoutStderrRecord,
+    StepMemoryRecord,
+    StepTimeRecord,
+    SystemGpuRecord,
+    SystemRecord,
+)
+from traceml_records._generated.registry import SELECTION_NAMES, STREAMS
+from traceml_records._registry import (
+    DEFAULT_EXPORT_STREAMS,
+    STREAMS_BY_NAME,
+    parse_export_streams,
+    stream_spec,
+    streams_selected_by,
+)
+from traceml_records._stream_spec import StreamSpec
+
+SCHEMA_VERSION = 1
+"""``schema_version`` of every line this release writes."""
+
+__all__ = [
+    "DEFAULT_EXPORT_STREAMS",
+    "SCHEMA_VERSION",
+    "SELECTION_NAMES",
+    "STREAMS",
+    "STREAMS_BY_NAME",
+    "ClosingLine",
+    "ExportLoss",
+    "FinalizationWarning",
+    "PhaseTiming",
+    "ProcessRecord",
+    "RecordError",
+    "RuntimeEnvironmentRecord",
+    "StdoutStderrRecord",
+    "StepMemoryRecord",
+    "StepTimeRecord",
+    "StreamSpec",
+    "SystemGpuRecord",
+    "SystemRecord",
+    "parse_export_streams",
+    "stream_spec",
+    "streams_selected_by",
+]
