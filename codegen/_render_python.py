@@ -110,14 +110,15 @@ def render_records(schema_set: SchemaSet) -> str:
         _render_class(body, model)
         body.line()
         body.line()
+    by_name = {c.class_name: c for c in classes}
     for model in classes:
-        _render_dump(body, model)
+        _render_dump(body, model, by_name)
         body.line()
         body.line()
         _render_load(body, model, names)
         body.line()
         body.line()
-    body.line("DUMPERS: dict[type[Any], Callable[[Any, bool, Path], dict[str, Any]]] = {")
+    body.line("DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {")
     for model in classes:
         body.line(f"    {model.class_name}: _dump_{snake(model.class_name)},")
     body.line("}")
@@ -128,6 +129,16 @@ def render_records(schema_set: SchemaSet) -> str:
         body.line(f"    {model.class_name}: _load_{snake(model.class_name)},")
     body.line("}")
     body.line('"""Record class → strict function building it from a parsed JSON object."""')
+    body.line()
+    body.line("NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {")
+    for model in classes:
+        markers = "".join(f"b'\"{n}\":null', " for n in _non_nullable_float_keys(model, by_name))
+        body.line(f"    {model.class_name}: ({markers}),")
+    body.line("}")
+    body.line(
+        '"""Record class → ``"name":null`` byte strings that betray a non-finite value in a '
+        "non-nullable float field (orjson writes NaN and Infinity as null).\"\"\""
+    )
 
     out = CodeWriter()
     out.line(HEADER)
@@ -183,74 +194,79 @@ def _doc(text: str) -> str:
 # -- dump ---------------------------------------------------------------------
 
 
-def _render_dump(w: CodeWriter, model: ClassModel) -> None:
+def _render_dump(w: CodeWriter, model: ClassModel, classes: dict[str, ClassModel]) -> None:
     fn = f"_dump_{snake(model.class_name)}"
-    with w.block(
-        f"def {fn}(r: {model.class_name}, include_hostname: bool, path: Path) -> dict[str, Any]:"
-    ):
-        checks = [f for f in model.fields if _needs_dump_check(f.type)]
-        for field in checks:
-            _dump_check(w, field)
+    with w.block(f"def {fn}(r: {model.class_name}, include_hostname: bool) -> dict[str, Any]:"):
         # Keys are inserted in schema order; a key that may be absent splits the literal.
         w.line("d: dict[str, Any] = {")
         index = 0
         fields = list(model.fields)
         while index < len(fields) and fields[index].required:
-            w.line(f'    "{fields[index].name}": {_dump_value(fields[index])},')
+            w.line(f'    "{fields[index].name}": {_dump_value(fields[index], classes)},')
             index += 1
         w.line("}")
         for field in fields[index:]:
             if field.required:
-                w.line(f'd["{field.name}"] = {_dump_value(field)}')
+                w.line(f'd["{field.name}"] = {_dump_value(field, classes)}')
             elif field.name == "hostname":
                 with w.block("if include_hostname:"):
-                    w.line(f'd["hostname"] = {_dump_value(field)}')
+                    w.line(f'd["hostname"] = {_dump_value(field, classes)}')
             else:
                 with w.block(f"if r.{field.name} is not None:"):
-                    w.line(f'd["{field.name}"] = {_dump_value(field)}')
+                    w.line(f'd["{field.name}"] = {_dump_value(field, classes)}')
         w.line("return d")
 
 
-def _needs_dump_check(type_ref: TypeRef) -> bool:
-    return isinstance(type_ref, Scalar) and type_ref.kind == "number"
+def _dump_value(field: FieldModel, classes: dict[str, ClassModel]) -> str:
+    return _dump_expr(field.type, f"r.{field.name}", 0, classes)
 
 
-def _dump_check(w: CodeWriter, field: FieldModel) -> None:
-    # ``v - v`` is 0.0 for every finite float and NaN for NaN and ±Infinity.
-    v = f"r.{field.name}"
-    if _is_nullable(field.type):
-        cond = f"{v} is not None and {v} - {v} != 0.0"
-    else:
-        cond = f"{v} - {v} != 0.0"
-    with w.block(f"if {cond}:"):
-        w.line(f'raise RecordError((*path, "{field.name}"), "non-finite number")')
+def _inlinable(model: ClassModel) -> bool:
+    return all(f.required and isinstance(f.type, Scalar) for f in model.fields)
 
 
-def _dump_value(field: FieldModel) -> str:
-    return _dump_expr(
-        field.type,
-        f"r.{field.name}",
-        f'(*path, "{field.name}")',
-        field.required or _is_nullable(field.type),
-        0,
-    )
-
-
-def _dump_expr(type_ref: TypeRef, value: str, path: str, present: bool, depth: int) -> str:
+def _dump_expr(type_ref: TypeRef, value: str, depth: int, classes: dict[str, ClassModel]) -> str:
     if isinstance(type_ref, Scalar):
         return value
     if isinstance(type_ref, ClassRef):
-        return f"_dump_{snake(type_ref.class_name)}({value}, include_hostname, {path})"
+        nested = classes[type_ref.class_name]
+        if _inlinable(nested) and value.isidentifier():
+            # Small leaf objects are written inline: a call per phase timing costs
+            # more than the JSON encoding of the whole line.
+            items = ", ".join(f'"{f.name}": {value}.{f.name}' for f in nested.fields)
+            return "{" + items + "}"
+        return f"_dump_{snake(type_ref.class_name)}({value}, include_hostname)"
     if isinstance(type_ref, ArrayOf):
         k = f"i{depth}"
-        inner = _dump_expr(type_ref.item, f"{k}", f"(*{path}, {k})", True, depth + 1)
+        inner = _dump_expr(type_ref.item, k, depth + 1, classes)
         if inner == k:
             return f"list({value})"
         return f"[{inner} for {k} in {value}]"
-    # Maps are written with sorted keys (the spec sorts event names and device keys).
-    k = f"k{depth}"
-    inner = _dump_expr(type_ref.value, f"{value}[{k}]", f"(*{path}, {k})", True, depth + 1)
-    return f"{{{k}: {inner} for {k} in sorted({value})}}"
+    # Maps are written with sorted keys (the spec sorts event names and device keys);
+    # keys are unique, so sorting the items never compares the values.
+    k, v = f"k{depth}", f"v{depth}"
+    inner = _dump_expr(type_ref.value, v, depth + 1, classes)
+    return f"{{{k}: {inner} for {k}, {v} in sorted({value}.items())}}"
+
+
+def _non_nullable_float_keys(model: ClassModel, classes: dict[str, ClassModel]) -> list[str]:
+    """Names of non-nullable float fields anywhere in a record's tree."""
+    names: list[str] = []
+
+    def visit(type_ref: TypeRef, name: str | None) -> None:
+        if isinstance(type_ref, Scalar):
+            if type_ref.kind == "number" and not type_ref.nullable and name and name not in names:
+                names.append(name)
+        elif isinstance(type_ref, ClassRef):
+            for f in classes[type_ref.class_name].fields:
+                visit(f.type, f.name)
+        elif isinstance(type_ref, ArrayOf):
+            visit(type_ref.item, None)
+        else:
+            visit(type_ref.value, None)
+
+    visit(ClassRef(model.class_name), None)
+    return names
 
 
 # -- load ---------------------------------------------------------------------

@@ -882,7 +882,7 @@ class PhaseTiming:
     """How many calls were summed."""
 
 
-def _dump_step_time_record(r: StepTimeRecord, include_hostname: bool, path: Path) -> dict[str, Any]:
+def _dump_step_time_record(r: StepTimeRecord, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
         "schema_version": r.schema_version,
@@ -901,12 +901,16 @@ def _dump_step_time_record(r: StepTimeRecord, include_hostname: bool, path: Path
     d["step"] = r.step
     d["events"] = {
         k0: {
-            k1: _dump_phase_timing(
-                r.events[k0][k1], include_hostname, (*(*(*path, "events"), k0), k1)
-            )
-            for k1 in sorted(r.events[k0])
+            k1: {
+                "cpu_ms": v1.cpu_ms,
+                "duration_ms": v1.duration_ms,
+                "gpu_ms": v1.gpu_ms,
+                "is_gpu": v1.is_gpu,
+                "n_calls": v1.n_calls,
+            }
+            for k1, v1 in sorted(v0.items())
         }
-        for k0 in sorted(r.events)
+        for k0, v0 in sorted(r.events.items())
     }
     return d
 
@@ -1030,9 +1034,7 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
     )
 
 
-def _dump_step_memory_record(
-    r: StepMemoryRecord, include_hostname: bool, path: Path
-) -> dict[str, Any]:
+def _dump_step_memory_record(r: StepMemoryRecord, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
         "schema_version": r.schema_version,
@@ -1179,9 +1181,7 @@ def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
     )
 
 
-def _dump_process_record(r: ProcessRecord, include_hostname: bool, path: Path) -> dict[str, Any]:
-    if r.cpu_percent - r.cpu_percent != 0.0:
-        raise RecordError((*path, "cpu_percent"), "non-finite number")
+def _dump_process_record(r: ProcessRecord, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
         "schema_version": r.schema_version,
@@ -1410,9 +1410,7 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
     )
 
 
-def _dump_system_record(r: SystemRecord, include_hostname: bool, path: Path) -> dict[str, Any]:
-    if r.cpu_percent - r.cpu_percent != 0.0:
-        raise RecordError((*path, "cpu_percent"), "non-finite number")
+def _dump_system_record(r: SystemRecord, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
         "schema_version": r.schema_version,
@@ -1574,17 +1572,7 @@ def _load_system_record(d: Any, path: Path) -> SystemRecord:
     )
 
 
-def _dump_system_gpu_record(
-    r: SystemGpuRecord, include_hostname: bool, path: Path
-) -> dict[str, Any]:
-    if r.utilization_percent is not None and r.utilization_percent - r.utilization_percent != 0.0:
-        raise RecordError((*path, "utilization_percent"), "non-finite number")
-    if r.temperature_c is not None and r.temperature_c - r.temperature_c != 0.0:
-        raise RecordError((*path, "temperature_c"), "non-finite number")
-    if r.power_usage_w is not None and r.power_usage_w - r.power_usage_w != 0.0:
-        raise RecordError((*path, "power_usage_w"), "non-finite number")
-    if r.power_limit_w is not None and r.power_limit_w - r.power_limit_w != 0.0:
-        raise RecordError((*path, "power_limit_w"), "non-finite number")
+def _dump_system_gpu_record(r: SystemGpuRecord, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
         "schema_version": r.schema_version,
@@ -1798,7 +1786,7 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
 
 
 def _dump_runtime_environment_record(
-    r: RuntimeEnvironmentRecord, include_hostname: bool, path: Path
+    r: RuntimeEnvironmentRecord, include_hostname: bool
 ) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
@@ -1988,9 +1976,7 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
     )
 
 
-def _dump_stdout_stderr_record(
-    r: StdoutStderrRecord, include_hostname: bool, path: Path
-) -> dict[str, Any]:
+def _dump_stdout_stderr_record(r: StdoutStderrRecord, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
         "schema_version": r.schema_version,
@@ -2064,7 +2050,7 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     )
 
 
-def _dump_closing_line(r: ClosingLine, include_hostname: bool, path: Path) -> dict[str, Any]:
+def _dump_closing_line(r: ClosingLine, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
         "closing": r.closing,
@@ -2133,7 +2119,7 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
     )
 
 
-def _dump_export_loss(r: ExportLoss, include_hostname: bool, path: Path) -> dict[str, Any]:
+def _dump_export_loss(r: ExportLoss, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "written_records": r.written_records,
         "dropped_batches": r.dropped_batches,
@@ -2200,9 +2186,7 @@ def _load_export_loss(d: Any, path: Path) -> ExportLoss:
     )
 
 
-def _dump_finalization_warning(
-    r: FinalizationWarning, include_hostname: bool, path: Path
-) -> dict[str, Any]:
+def _dump_finalization_warning(r: FinalizationWarning, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "status": r.status,
         "completed_at": r.completed_at,
@@ -2216,7 +2200,7 @@ def _dump_finalization_warning(
     if r.missing_ranks is not None:
         d["missing_ranks"] = list(r.missing_ranks)
     if r.export is not None:
-        d["export"] = _dump_export_loss(r.export, include_hostname, (*path, "export"))
+        d["export"] = _dump_export_loss(r.export, include_hostname)
     return d
 
 
@@ -2304,13 +2288,7 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
     )
 
 
-def _dump_phase_timing(r: PhaseTiming, include_hostname: bool, path: Path) -> dict[str, Any]:
-    if r.cpu_ms - r.cpu_ms != 0.0:
-        raise RecordError((*path, "cpu_ms"), "non-finite number")
-    if r.duration_ms - r.duration_ms != 0.0:
-        raise RecordError((*path, "duration_ms"), "non-finite number")
-    if r.gpu_ms is not None and r.gpu_ms - r.gpu_ms != 0.0:
-        raise RecordError((*path, "gpu_ms"), "non-finite number")
+def _dump_phase_timing(r: PhaseTiming, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "cpu_ms": r.cpu_ms,
         "duration_ms": r.duration_ms,
@@ -2379,7 +2357,7 @@ def _load_phase_timing(d: Any, path: Path) -> PhaseTiming:
     )
 
 
-DUMPERS: dict[type[Any], Callable[[Any, bool, Path], dict[str, Any]]] = {
+DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {
     StepTimeRecord: _dump_step_time_record,
     StepMemoryRecord: _dump_step_memory_record,
     ProcessRecord: _dump_process_record,
@@ -2408,3 +2386,24 @@ LOADERS: dict[type[Any], Callable[[Any, Path], Any]] = {
     PhaseTiming: _load_phase_timing,
 }
 """Record class → strict function building it from a parsed JSON object."""
+
+NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {
+    StepTimeRecord: (
+        b'"cpu_ms":null',
+        b'"duration_ms":null',
+    ),
+    StepMemoryRecord: (),
+    ProcessRecord: (b'"cpu_percent":null',),
+    SystemRecord: (b'"cpu_percent":null',),
+    SystemGpuRecord: (),
+    RuntimeEnvironmentRecord: (),
+    StdoutStderrRecord: (),
+    ClosingLine: (),
+    ExportLoss: (),
+    FinalizationWarning: (),
+    PhaseTiming: (
+        b'"cpu_ms":null',
+        b'"duration_ms":null',
+    ),
+}
+"""Record class → ``"name":null`` byte strings that betray a non-finite value in a non-nullable float field (orjson writes NaN and Infinity as null)."""
