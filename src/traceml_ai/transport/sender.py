@@ -1,0 +1,398 @@
+"""Rank side of the transport: batch telemetry items and send them from a background thread.
+
+The training thread only appends to per-stream deques (``put``). One daemon thread wakes
+every ``flush_interval_s`` (or early when a stream has a full batch pending), cuts the
+pending items into ``batch`` frames and writes them with a blocking ``sendall`` under a
+timeout. Nothing the aggregator does (stall, crash, restart) can block ``put``; what
+cannot be delivered is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import weakref
+from collections import deque
+from time import monotonic
+from typing import Any
+
+import orjson
+
+from traceml_ai.wire import (
+    BATCH_STREAMS,
+    DEFAULT_MAX_FRAME_BYTES,
+    FRAME_HEADER,
+    encode_frame,
+    make_batch_message,
+    make_finished_message,
+)
+
+__all__ = ["RankSender"]
+
+_INITIAL_BACKOFF_S = 0.1
+_MAX_BACKOFF_S = 2.0
+# Time a closing sender keeps back from its flush so the ``finished`` frame still fits.
+_FINISH_RESERVE_S = 0.25
+# Extra time ``close`` grants a sender thread stuck in a syscall after interrupting it.
+_CLOSE_GRACE_S = 0.5
+# Key of put-time drops for names outside BATCH_STREAMS.
+_UNKNOWN_STREAM = ""
+
+_live_senders: weakref.WeakSet[RankSender] = weakref.WeakSet()
+
+
+def _disable_senders_in_child() -> None:
+    # The child of a fork has the parent's queues and socket but not its thread: make
+    # every inherited sender inert so nothing of the parent's is sent twice.
+    for sender in list(_live_senders):
+        sender._disable_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disable_senders_in_child)
+
+
+def _batches_for(items: int, per_batch: int) -> int:
+    return -(-items // per_batch)
+
+
+class RankSender:
+    """Send a rank's telemetry items to the aggregator without ever blocking the caller.
+
+    ``max_pending_items`` bounds each stream's queue; when a queue is full, ``put`` drops
+    the *newest* item (the one being put) and counts it, so what arrives stays a
+    contiguous prefix. Items dropped by ``put`` are also charged to ``dropped_batches`` as
+    the batches they would have formed, so the ``finished`` message reflects them.
+    Batches that fail to send (timeout, broken connection, deadline of ``close``) are
+    dropped, never retried, because part of them may already have been delivered.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        token: str,
+        identity: dict[str, object],
+        *,
+        flush_interval_s: float = 0.25,
+        max_pending_items: int = 20_000,
+        max_items_per_batch: int = 1_000,
+        connect_timeout_s: float = 1.0,
+        send_timeout_s: float = 2.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        if flush_interval_s <= 0 or connect_timeout_s <= 0 or send_timeout_s <= 0:
+            raise ValueError("intervals and timeouts must be positive")
+        if max_pending_items < 1 or max_items_per_batch < 1 or max_frame_bytes < 1:
+            raise ValueError("limits must be at least 1")
+        # Fail here rather than on every batch in the sender thread.
+        orjson.dumps(identity)
+        self._address = (address[0], int(address[1]))
+        self._token = token
+        self._identity = dict(identity)
+        self._flush_interval_s = flush_interval_s
+        self._max_pending_items = max_pending_items
+        self._max_items_per_batch = max_items_per_batch
+        self._connect_timeout_s = connect_timeout_s
+        self._send_timeout_s = send_timeout_s
+        self._max_frame_bytes = max_frame_bytes
+        self._wake_at = min(max_items_per_batch, max_pending_items)
+
+        self._streams: tuple[tuple[str, deque[dict[str, Any]]], ...] = tuple(
+            (name, deque()) for name in BATCH_STREAMS
+        )
+        # ``put`` looks streams up here; emptied on close/fork, which turns ``put`` off.
+        self._queues: dict[str, deque[dict[str, Any]]] = dict(self._streams)
+
+        self._drop_lock = threading.Lock()
+        self._put_dropped: dict[str, int] = dict.fromkeys((*BATCH_STREAMS, _UNKNOWN_STREAM), 0)
+        self._put_dropped_charged: dict[str, int] = dict(self._put_dropped)
+
+        # Written by the sender thread only.
+        self._sent_batches = 0
+        self._sent_items = 0
+        self._dropped_batches = 0
+        self._thread_dropped_items = 0
+        self._sock: socket.socket | None = None
+        self._backoff_s = _INITIAL_BACKOFF_S
+        self._retry_at = 0.0
+
+        self._lifecycle_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._forked = False
+        self._deadline: float | None = None
+        _live_senders.add(self)
+
+    # ---- stats -------------------------------------------------------------------------
+
+    @property
+    def sent_batches(self) -> int:
+        """Batches fully written to the socket."""
+        return self._sent_batches
+
+    @property
+    def sent_items(self) -> int:
+        """Items in ``sent_batches``."""
+        return self._sent_items
+
+    @property
+    def dropped_batches(self) -> int:
+        """Batches lost: unsendable, cut short by ``close``, or formed by dropped puts."""
+        return self._dropped_batches
+
+    @property
+    def dropped_items(self) -> int:
+        """Items lost, whether refused by ``put`` or in a dropped batch."""
+        return self._thread_dropped_items + sum(self._put_dropped.values())
+
+    @property
+    def pending_items(self) -> int:
+        """Items queued and not yet sent or dropped."""
+        return sum(len(queue) for _, queue in self._streams)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the sender currently holds a connection to the aggregator."""
+        return self._sock is not None
+
+    # ---- caller side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the sender thread (once; no-op after ``close`` or in a forked child)."""
+        with self._lifecycle_lock:
+            if self._closed or self._thread is not None:
+                return
+            thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
+            self._thread = thread
+            thread.start()
+
+    def put(self, stream: str, item: dict[str, Any]) -> None:
+        """Queue ``item`` for ``stream``. Never blocks, never raises; no-op after close."""
+        try:
+            queue = self._queues.get(stream)
+            if queue is None:
+                if self._queues:
+                    self._count_put_drop(_UNKNOWN_STREAM)
+                return
+            if len(queue) >= self._max_pending_items:
+                self._count_put_drop(stream)
+                return
+            queue.append(item)
+            if len(queue) == self._wake_at:
+                self._wake.set()
+        except Exception:
+            pass
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Flush within ``timeout``, send ``finished``, close and join. Idempotent, never raises."""
+        try:
+            with self._lifecycle_lock:
+                if self._closed:
+                    return
+                self._closed = True
+                self._queues = {}
+                thread = self._thread
+            if thread is None:
+                # Never started: no thread will ever deliver what is pending.
+                self._drop_pending()
+                self._charge_put_drops()
+                return
+            timeout = max(0.0, timeout)
+            self._deadline = monotonic() + timeout
+            self._stop.set()
+            self._wake.set()
+            thread.join(timeout + 0.1)
+            if thread.is_alive():
+                # Stuck in sendall/recv: shutdown() makes the blocking call return at once.
+                sock = self._sock
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                thread.join(_CLOSE_GRACE_S)
+        except Exception:
+            pass
+        finally:
+            _live_senders.discard(self)
+
+    def _count_put_drop(self, stream: str) -> None:
+        # Only taken when a queue is full or the stream is unknown, never on the fast path.
+        with self._drop_lock:
+            self._put_dropped[stream] += 1
+
+    def _disable_after_fork(self) -> None:
+        self._forked = True
+        self._closed = True
+        self._queues = {}
+        self._thread = None
+        for _, queue in self._streams:
+            queue.clear()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            # Closing the child's copy of the descriptor leaves the parent's connection up;
+            # shutdown() would not, so it is never called here.
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    # ---- sender thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(self._flush_interval_s)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                self._charge_put_drops()
+                if self._sock is None and monotonic() >= self._retry_at:
+                    self._connect(self._connect_timeout_s)
+                if self._sock is not None:
+                    self._check_peer()
+                    self._flush(stop_at=None)
+            self._finish()
+        except Exception:
+            pass
+        finally:
+            self._disconnect()
+
+    def _finish(self) -> None:
+        deadline = self._deadline if self._deadline is not None else monotonic()
+        reserve = min(_FINISH_RESERVE_S, max(0.0, deadline - monotonic()) * 0.2)
+        flush_until = deadline - reserve
+        self._charge_put_drops()
+        if self._sock is None:
+            self._connect(min(self._connect_timeout_s, flush_until - monotonic()))
+        if self._sock is not None:
+            self._check_peer()
+            self._flush(stop_at=flush_until)
+        self._drop_pending()
+        self._charge_put_drops()
+        frame = encode_frame(
+            make_finished_message(
+                self._token, self._identity, self._sent_batches, self._dropped_batches
+            )
+        )
+        if self._sock is None:
+            self._connect(min(self._connect_timeout_s, deadline - monotonic()))
+        self._send_frame(frame)
+
+    def _charge_put_drops(self) -> None:
+        for stream, dropped in list(self._put_dropped.items()):
+            fresh = dropped - self._put_dropped_charged[stream]
+            if fresh > 0:
+                self._put_dropped_charged[stream] = dropped
+                self._dropped_batches += _batches_for(fresh, self._max_items_per_batch)
+
+    def _drop_pending(self) -> None:
+        for _, queue in self._streams:
+            count = 0
+            while queue:
+                queue.popleft()
+                count += 1
+            if count:
+                self._thread_dropped_items += count
+                self._dropped_batches += _batches_for(count, self._max_items_per_batch)
+
+    def _flush(self, stop_at: float | None) -> None:
+        # Only what is pending now: a producer faster than the network cannot pin us here.
+        for stream, queue in self._streams:
+            remaining = len(queue)
+            while remaining > 0:
+                if self._sock is None or (stop_at is not None and monotonic() >= stop_at):
+                    return
+                take = min(remaining, self._max_items_per_batch)
+                remaining -= take
+                items = [queue.popleft() for _ in range(take)]
+                self._send_items(stream, items)
+
+    def _send_items(self, stream: str, items: list[dict[str, Any]]) -> None:
+        frames: list[tuple[bytes | None, int]] = []
+        self._encode(stream, items, frames)
+        for frame, count in frames:
+            if frame is not None and self._send_frame(frame):
+                self._sent_batches += 1
+                self._sent_items += count
+            else:
+                self._dropped_batches += 1
+                self._thread_dropped_items += count
+
+    def _encode(
+        self, stream: str, items: list[dict[str, Any]], out: list[tuple[bytes | None, int]]
+    ) -> None:
+        # Halve a batch that is too big or holds an unencodable item, so one bad item
+        # costs only itself.
+        frame: bytes | None
+        try:
+            frame = encode_frame(make_batch_message(self._token, self._identity, stream, items))
+        except Exception:
+            frame = None
+        if frame is not None and len(frame) - FRAME_HEADER.size <= self._max_frame_bytes:
+            out.append((frame, len(items)))
+            return
+        if len(items) == 1:
+            out.append((None, 1))
+            return
+        middle = len(items) // 2
+        self._encode(stream, items[:middle], out)
+        self._encode(stream, items[middle:], out)
+
+    def _send_frame(self, frame: bytes) -> bool:
+        sock = self._sock
+        if sock is None:
+            return False
+        timeout = self._send_timeout_s
+        if self._deadline is not None:
+            timeout = min(timeout, self._deadline - monotonic())
+            if timeout <= 0:
+                return False
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(frame)
+        except OSError:
+            # A timeout may have cut the frame short: the stream is unusable.
+            self._disconnect()
+            return False
+        self._backoff_s = _INITIAL_BACKOFF_S
+        return True
+
+    def _connect(self, timeout: float) -> None:
+        if timeout <= 0:
+            return
+        try:
+            sock = socket.create_connection(self._address, timeout=timeout)
+        except OSError:
+            self._schedule_retry()
+            return
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+
+    def _check_peer(self) -> None:
+        # The aggregator never writes, so a readable socket means it closed or reset:
+        # reconnect now instead of losing the next batch into a dead connection.
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            sock.settimeout(0.0)
+            sock.recv(1)
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):
+            sock.close()
+        self._schedule_retry()
+
+    def _schedule_retry(self) -> None:
+        self._retry_at = monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, _MAX_BACKOFF_S)

@@ -1,0 +1,275 @@
+"""Aggregator side of the transport: an asyncio TCP server in its own daemon thread.
+
+One event loop holds every rank connection. Each frame is length-checked, stamped with
+``observed_timestamp_unix_ns`` on receipt, decoded with ``decode_message`` and handed to a
+callback on the loop thread, so callbacks must be quick and must not block (the export
+worker's ``submit`` fits). Bad input is counted and never reaches the callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from traceml_ai.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FRAME_HEADER,
+    FrameError,
+    ReceivedBatch,
+    decode_message,
+)
+
+__all__ = ["AggregatorServer"]
+
+_T = TypeVar("_T")
+
+# Read buffer per connection; larger than asyncio's 64 KiB default so big frames need
+# fewer wake-ups.
+_STREAM_LIMIT = 1024 * 1024
+
+
+class AggregatorServer:
+    """Receive rank frames over TCP and hand valid messages to callbacks.
+
+    ``on_batch`` gets a ``ReceivedBatch`` for each valid ``batch`` frame. ``on_finished``
+    gets the whole decoded ``finished`` message (``identity``, ``sent_batches``,
+    ``dropped_batches``). ``on_connection_lost`` gets the identity of the last valid
+    message a closed connection carried, or ``None`` if it carried none. All callbacks run
+    on the server's event-loop thread; an exception in one is counted in
+    ``callback_errors`` and the connection goes on.
+
+    A frame longer than ``max_frame_bytes`` is counted and its connection closed (its
+    length header cannot be trusted to find the next frame). A frame with a bad envelope
+    is counted under its ``FrameError`` reason and the connection goes on. A connection
+    that ends inside a frame counts a ``"truncated frame"``.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        on_batch: Callable[[ReceivedBatch], None],
+        on_finished: Callable[[dict[str, Any]], None],
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        on_connection_lost: Callable[[dict[str, Any] | None], None] | None = None,
+    ) -> None:
+        self._host = host
+        self._port = port
+        self._token = token
+        self._on_batch = on_batch
+        self._on_finished = on_finished
+        self._on_connection_lost = on_connection_lost
+        self._max_frame_bytes = max_frame_bytes
+
+        self._lifecycle_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self._address: tuple[str, int] | None = None
+        self._start_error: BaseException | None = None
+        self._stopped = False
+        self._connection_tasks: set[asyncio.Task[Any]] = set()
+
+        # Written on the loop thread only.
+        self._accepted_batches = 0
+        self._finished_messages = 0
+        self._rejected_frames = 0
+        self._rejected_by_reason: dict[str, int] = {}
+        self._callback_errors = 0
+        self._connections_total = 0
+        self._connections_open = 0
+
+    # ---- counters ----------------------------------------------------------------------
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The bound ``(host, port)`` once started."""
+        return self._address
+
+    @property
+    def accepted_batches(self) -> int:
+        """Valid ``batch`` frames handed to ``on_batch``."""
+        return self._accepted_batches
+
+    @property
+    def finished_messages(self) -> int:
+        """Valid ``finished`` frames handed to ``on_finished``."""
+        return self._finished_messages
+
+    @property
+    def rejected_frames(self) -> int:
+        """Frames refused for any reason."""
+        return self._rejected_frames
+
+    @property
+    def rejected_by_reason(self) -> dict[str, int]:
+        """A copy of the rejected-frame counts per reason."""
+        return dict(self._rejected_by_reason)
+
+    @property
+    def callback_errors(self) -> int:
+        """Exceptions raised by the callbacks."""
+        return self._callback_errors
+
+    @property
+    def connections_total(self) -> int:
+        """Connections accepted since start."""
+        return self._connections_total
+
+    @property
+    def connections_open(self) -> int:
+        """Connections open now."""
+        return self._connections_open
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> tuple[str, int]:
+        """Bind and start serving; return the bound address. Raises ``OSError`` if bind fails."""
+        with self._lifecycle_lock:
+            if self._address is not None:
+                return self._address
+            if self._stopped:
+                raise RuntimeError("AggregatorServer cannot be restarted after stop()")
+            ready = threading.Event()
+            thread = threading.Thread(
+                target=self._run, args=(ready,), name="traceml-aggregator-server", daemon=True
+            )
+            self._thread = thread
+            thread.start()
+            ready.wait()
+            if self._address is None:
+                thread.join()
+                error = self._start_error
+                raise error if error is not None else RuntimeError("server failed to start")
+            return self._address
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Close the listener and every connection, then join the loop thread. Idempotent."""
+        with self._lifecycle_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        deadline = time.monotonic() + max(0.0, timeout)
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+            future.result(max(0.0, timeout))
+        except Exception:
+            pass
+        # RuntimeError: the loop already closed on its own.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(max(0.1, deadline - time.monotonic()))
+
+    def _run(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            try:
+                server = loop.run_until_complete(
+                    asyncio.start_server(self._handle, self._host, self._port, limit=_STREAM_LIMIT)
+                )
+            except BaseException as exc:
+                self._start_error = exc
+                return
+            self._server = server
+            sockname = server.sockets[0].getsockname()
+            self._address = (str(sockname[0]), int(sockname[1]))
+            ready.set()
+            loop.run_forever()
+        finally:
+            ready.set()
+            self._close_loop(loop)
+
+    @staticmethod
+    def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        except Exception:
+            pass
+        finally:
+            loop.close()
+
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        tasks = list(self._connection_tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
+
+    # ---- connections -------------------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connection_tasks.add(task)
+        self._connections_total += 1
+        self._connections_open += 1
+        last_identity: dict[str, Any] | None = None
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(FRAME_HEADER.size)
+                except asyncio.IncompleteReadError as exc:
+                    if exc.partial:
+                        self._reject("truncated frame")
+                    return
+                (length,) = FRAME_HEADER.unpack(header)
+                if length > self._max_frame_bytes:
+                    self._reject("oversized frame")
+                    return
+                try:
+                    body = await reader.readexactly(length)
+                except asyncio.IncompleteReadError:
+                    self._reject("truncated frame")
+                    return
+                observed = time.time_ns()
+                try:
+                    message = decode_message(body, self._token)
+                except FrameError as exc:
+                    self._reject(exc.reason)
+                    continue
+                last_identity = message["identity"]
+                if message["type"] == "batch":
+                    self._accepted_batches += 1
+                    self._call(self._on_batch, ReceivedBatch(observed, message, length))
+                else:
+                    self._finished_messages += 1
+                    self._call(self._on_finished, message)
+                # Buffered frames complete without suspending; yield so one busy rank
+                # cannot starve the others.
+                await asyncio.sleep(0)
+        except OSError:
+            pass  # reset by peer and the like: the connection is over either way
+        finally:
+            self._connections_open -= 1
+            if task is not None:
+                self._connection_tasks.discard(task)
+            with contextlib.suppress(Exception):
+                writer.close()
+            if self._on_connection_lost is not None:
+                self._call(self._on_connection_lost, last_identity)
+
+    def _reject(self, reason: str) -> None:
+        self._rejected_frames += 1
+        self._rejected_by_reason[reason] = self._rejected_by_reason.get(reason, 0) + 1
+
+    def _call(self, callback: Callable[[_T], None], argument: _T) -> None:
+        try:
+            callback(argument)
+        except Exception:
+            self._callback_errors += 1
