@@ -1,0 +1,564 @@
+"""Step timing: the phases of each traced step, and the step_time/step_memory items.
+
+Forward, backward, optimizer step and DataLoader waits are measured by hooks and
+patches installed once per process. They report to the module-level ``_ACTIVE``
+timer, so when TraceML is off or disabled each costs one global lookup.
+
+On CUDA every timed call also records a pair of CUDA events. The events are read
+later, when they have completed (checked with ``query()`` at the end of later
+steps), so the training loop never synchronizes with the GPU; the step's
+``step_time`` item is sent once its events are resolved, and at shutdown.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from traceml_ai.rank.gpu import CudaBackend, CudaEvent
+from traceml_ai.rank.sink import ItemSink
+
+INTERNAL_PREFIX = "_traceml_internal:"
+DATALOADER_NEXT = INTERNAL_PREFIX + "dataloader_next"
+FORWARD = INTERNAL_PREFIX + "forward_time"
+BACKWARD = INTERNAL_PREFIX + "backward_time"
+OPTIMIZER_STEP = INTERNAL_PREFIX + "optimizer_step"
+STEP_TIME = INTERNAL_PREFIX + "step_time"
+
+# Phases that always report host time (spec: the step and the DataLoader wait).
+_HOST_ONLY = frozenset({DATALOADER_NEXT, STEP_TIME})
+
+# Steps whose CUDA events are still running; past this many, the oldest is sent
+# with gpu_ms null for what has not completed rather than waiting for the GPU.
+MAX_PENDING_STEPS = 64
+
+_get_ident = threading.get_ident
+_perf_ns = time.perf_counter_ns
+
+_ACTIVE: StepTimer | None = None
+
+
+def _set_active(timer: StepTimer | None) -> None:
+    global _ACTIVE
+    _ACTIVE = timer
+
+
+class _Phase:
+    """One phase of one step: host time and CUDA event pairs summed over its calls."""
+
+    __slots__ = ("cpu_ns", "missing", "n_calls", "pairs")
+
+    def __init__(self) -> None:
+        self.cpu_ns = 0
+        self.n_calls = 0
+        self.pairs: list[tuple[CudaEvent, CudaEvent]] = []
+        self.missing = False
+
+
+class _Open:
+    """An in-flight hook-timed phase; ``depth`` keeps nested calls from counting twice."""
+
+    __slots__ = ("depth", "ev0", "t0")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.t0 = 0
+        self.ev0: CudaEvent | None = None
+
+
+class _PendingStep:
+    __slots__ = ("acc", "device", "step", "ts")
+
+    def __init__(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
+        self.step = step
+        self.ts = ts
+        self.device = device
+        self.acc = acc
+
+
+def _gpu_ms(phase: _Phase, sync: bool) -> float | None:
+    """Summed device time, or ``None`` when any call lacks a usable measurement."""
+    pairs = phase.pairs
+    if phase.missing or len(pairs) != phase.n_calls:
+        return None
+    total = 0.0
+    for start, end in pairs:
+        try:
+            if sync:
+                end.synchronize()
+            elif not end.query():
+                return None
+            ms = float(start.elapsed_time(end))
+        except Exception:
+            return None
+        if not math.isfinite(ms) or ms < 0:
+            return None
+        total += ms
+    return total
+
+
+def _ready(pending: _PendingStep) -> bool:
+    for phase in pending.acc.values():
+        for _, end in phase.pairs:
+            try:
+                if not end.query():
+                    return False
+            except Exception:
+                continue
+    return True
+
+
+def _first_tensor_device(model: object) -> Any:
+    for attr in ("parameters", "buffers"):
+        getter = getattr(model, attr, None)
+        if not callable(getter):
+            continue
+        try:
+            tensor = next(iter(getter()), None)
+        except Exception:
+            continue
+        if tensor is not None:
+            return getattr(tensor, "device", None)
+    return None
+
+
+def _device_key(device: Any) -> str:
+    kind = getattr(device, "type", None)
+    if not isinstance(kind, str) or not kind.isalpha() or not kind.islower() or kind == "meta":
+        return "cpu"
+    if kind in ("cpu", "mps"):
+        return kind
+    index = getattr(device, "index", None)
+    return f"{kind}:{index if isinstance(index, int) and index >= 0 else 0}"
+
+
+class StepTimer:
+    """Measures traced steps and puts their ``step_time``/``step_memory`` items into a sink.
+
+    Only the thread that runs the traced steps is measured; calls from other
+    threads (e.g. ``DataParallel`` replicas) are ignored.
+    """
+
+    def __init__(
+        self,
+        sink: ItemSink,
+        cuda: CudaBackend,
+        on_new_model: Callable[[object], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self._sink = sink
+        self._cuda = cuda
+        self._on_new_model = on_new_model
+        self._on_error = on_error
+        self.enabled = True
+        self.in_step = False
+        self.thread = _get_ident()
+        self.step = 0
+        self.device = "cpu"
+        self.cuda_index: int | None = None
+        self._device_known = False
+        self._model_ref: Callable[[], object] | None = None
+        # Calls outside a step (DataLoader waits, user phases) collect here and
+        # belong to the next step that begins.
+        self._acc: dict[str, _Phase] = {}
+        self._t0 = 0
+        self.fwd = _Open()
+        self.bwd = _Open()
+        self.opt = _Open()
+        self._pending: deque[_PendingStep] = deque()
+        self._seq_time = 0
+        self._seq_mem = 0
+
+    # -- failure --------------------------------------------------------------
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop measuring after an internal error; training goes on."""
+        self.enabled = False
+        self.in_step = False
+        if _ACTIVE is self:
+            _set_active(None)
+        self._on_error(exc)
+
+    # -- phases ---------------------------------------------------------------
+
+    def _record(self) -> CudaEvent | None:
+        index = self.cuda_index
+        return None if index is None else self._cuda.record_event(index)
+
+    def _add(self, name: str, dt_ns: int, ev0: CudaEvent | None, ev1: CudaEvent | None) -> None:
+        phase = self._acc.get(name)
+        if phase is None:
+            phase = self._acc[name] = _Phase()
+        phase.cpu_ns += dt_ns
+        phase.n_calls += 1
+        if ev0 is not None and ev1 is not None:
+            phase.pairs.append((ev0, ev1))
+        else:
+            phase.missing = True
+
+    def open(self, slot: _Open) -> None:
+        """Start a hook-timed phase (forward, backward, optimizer) inside a step."""
+        if not self.in_step or _get_ident() != self.thread:
+            return
+        try:
+            if slot.depth == 0:
+                slot.ev0 = self._record()
+                slot.t0 = _perf_ns()
+            slot.depth += 1
+        except Exception as exc:
+            self.fail(exc)
+
+    def close(self, slot: _Open, name: str) -> None:
+        """End a hook-timed phase; only the outermost of nested calls is counted."""
+        if slot.depth == 0 or _get_ident() != self.thread:
+            return
+        try:
+            slot.depth -= 1
+            if slot.depth == 0:
+                dt = _perf_ns() - slot.t0
+                ev0 = slot.ev0
+                ev1 = self._record() if ev0 is not None else None
+                slot.ev0 = None
+                if self.in_step:
+                    self._add(name, dt, ev0, ev1)
+        except Exception as exc:
+            self.fail(exc)
+
+    def add_host(self, name: str, dt_ns: int) -> None:
+        """Add one host-timed call (the DataLoader wait) to the current or next step."""
+        if _get_ident() != self.thread:
+            return
+        try:
+            self._add(name, dt_ns, None, None)
+        except Exception as exc:
+            self.fail(exc)
+
+    def user_phase_begin(self) -> tuple[int, CudaEvent | None]:
+        """Start a user phase; returns what ``user_phase_end`` needs."""
+        ev0 = self._record()
+        return _perf_ns(), ev0
+
+    def user_phase_end(self, name: str, t0: int, ev0: CudaEvent | None) -> None:
+        """End a user phase and add it to the current step, or to the next one outside a step."""
+        dt = _perf_ns() - t0
+        ev1 = self._record() if ev0 is not None else None
+        if _get_ident() == self.thread:
+            self._add(name, dt, ev0, ev1)
+
+    # -- steps ----------------------------------------------------------------
+
+    def _adopt(self, model: object) -> None:
+        try:
+            ref: Callable[[], object] = weakref.ref(model)
+        except TypeError:
+            ref = functools.partial(lambda m: m, model)
+        self._model_ref = ref
+        _install_model_hooks(model)
+        index = self._cuda.device_index_of(model)
+        if index is not None:
+            self.device, self.cuda_index = f"cuda:{index}", index
+        else:
+            self.device, self.cuda_index = _device_key(_first_tensor_device(model)), None
+        self._device_known = True
+        self._on_new_model(model)
+
+    def begin(self, model: object | None) -> None:
+        """Start step ``self.step + 1``."""
+        self.thread = _get_ident()
+        if model is not None:
+            ref = self._model_ref
+            if ref is None or ref() is not model:
+                self._adopt(model)
+        elif not self._device_known:
+            if self._cuda.is_available():
+                index = self._cuda.current_device()
+                if index is not None:
+                    self.device, self.cuda_index = f"cuda:{index}", index
+            self._device_known = True
+        self.step += 1
+        self.fwd.depth = self.bwd.depth = self.opt.depth = 0
+        if self.cuda_index is not None:
+            self._cuda.reset_peak_memory_stats(self.cuda_index)
+        self.in_step = True
+        self._t0 = _perf_ns()
+
+    def end(self) -> None:
+        """Finish the current step and send its items."""
+        dt = _perf_ns() - self._t0
+        self.in_step = False
+        self._add(STEP_TIME, dt, None, None)
+        self.fwd.depth = self.bwd.depth = self.opt.depth = 0
+        acc = self._acc
+        self._acc = {}
+        ts = time.time_ns()
+        index = self.cuda_index
+        if index is not None:
+            peak_alloc = self._cuda.max_memory_allocated(index)
+            peak_reserved = self._cuda.max_memory_reserved(index)
+        else:
+            peak_alloc = peak_reserved = None
+        self._sink.put(
+            "step_memory",
+            {
+                "timestamp_unix_ns": ts,
+                "seq": self._next_mem_seq(),
+                "step": self.step,
+                "device": self.device,
+                "peak_allocated_bytes": peak_alloc,
+                "peak_reserved_bytes": peak_reserved,
+            },
+        )
+        pending = _PendingStep(self.step, ts, self.device, acc)
+        if not self._pending and not any(p.pairs for p in acc.values()):
+            self._emit(pending, sync=False)
+            return
+        self._pending.append(pending)
+        self.drain(sync=False)
+
+    def _next_mem_seq(self) -> int:
+        seq = self._seq_mem
+        self._seq_mem = seq + 1
+        return seq
+
+    def drain(self, sync: bool) -> None:
+        """Send steps whose CUDA events completed; with ``sync`` wait for all (shutdown only)."""
+        queue = self._pending
+        while queue:
+            head = queue[0]
+            if not sync and len(queue) <= MAX_PENDING_STEPS and not _ready(head):
+                return
+            queue.popleft()
+            self._emit(head, sync)
+
+    def _emit(self, pending: _PendingStep, sync: bool) -> None:
+        device = pending.device
+        cuda = device.startswith("cuda:")
+        events: dict[str, dict[str, dict[str, object]]] = {}
+        for name in sorted(pending.acc):
+            phase = pending.acc[name]
+            cpu_ms = phase.cpu_ns / 1e6
+            gpu_ms = None if not cuda or name in _HOST_ONLY else _gpu_ms(phase, sync)
+            is_gpu = gpu_ms is not None
+            events[name] = {
+                device: {
+                    "cpu_ms": cpu_ms,
+                    "duration_ms": gpu_ms if gpu_ms is not None else cpu_ms,
+                    "gpu_ms": gpu_ms,
+                    "is_gpu": is_gpu,
+                    "n_calls": phase.n_calls,
+                }
+            }
+        seq = self._seq_time
+        self._seq_time = seq + 1
+        self._sink.put(
+            "step_time",
+            {"timestamp_unix_ns": pending.ts, "seq": seq, "step": pending.step, "events": events},
+        )
+
+
+class StepContext:
+    """``with trace_step(model):`` — one traced step; exceptions propagate unchanged."""
+
+    __slots__ = ("_live", "_model", "_timer")
+
+    def __init__(self, timer: StepTimer, model: object | None) -> None:
+        self._timer = timer
+        self._model = model
+        self._live = False
+
+    def __enter__(self) -> None:
+        timer = self._timer
+        if not timer.enabled or timer.in_step:
+            return  # TraceML disabled, or a nested step: the outer one is measured
+        try:
+            timer.begin(self._model)
+            self._live = True
+        except Exception as exc:
+            timer.fail(exc)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # A step that raised is still recorded, with the phases that completed.
+        if not self._live:
+            return
+        self._live = False
+        timer = self._timer
+        if not timer.enabled:
+            return
+        try:
+            timer.end()
+        except Exception as error:
+            timer.fail(error)
+
+
+class PhaseContext:
+    """``with trace_phase(name):`` — a user-named phase of the current (or next) step."""
+
+    __slots__ = ("_ev0", "_live", "_name", "_t0", "_timer")
+
+    def __init__(self, timer: StepTimer, name: str) -> None:
+        self._timer = timer
+        self._name = name
+        self._live = False
+        self._t0 = 0
+        self._ev0: CudaEvent | None = None
+
+    def __enter__(self) -> None:
+        timer = self._timer
+        if not timer.enabled:
+            return
+        try:
+            self._t0, self._ev0 = timer.user_phase_begin()
+            self._live = True
+        except Exception as exc:
+            timer.fail(exc)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._live:
+            return
+        self._live = False
+        timer = self._timer
+        if not timer.enabled:
+            return
+        try:
+            timer.user_phase_end(self._name, self._t0, self._ev0)
+        except Exception as error:
+            timer.fail(error)
+
+
+# -- hooks and patches, installed once per process ----------------------------
+
+_HOOKED: weakref.WeakSet[Any] = weakref.WeakSet()
+_HOOKED_IDS: set[int] = set()
+_patch_lock = threading.Lock()
+_patched = False
+
+
+def _forward_pre_hook(module: Any, args: Any) -> None:
+    timer = _ACTIVE
+    if timer is not None:
+        timer.open(timer.fwd)
+
+
+def _forward_hook(module: Any, args: Any, output: Any) -> None:
+    timer = _ACTIVE
+    if timer is not None:
+        timer.close(timer.fwd, FORWARD)
+
+
+def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    timer = _ACTIVE
+    if timer is not None:
+        timer.open(timer.opt)
+
+
+def _optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    timer = _ACTIVE
+    if timer is not None:
+        timer.close(timer.opt, OPTIMIZER_STEP)
+
+
+def _install_model_hooks(model: object) -> None:
+    """Hook the model's forward once per model object (a DDP wrapper is hooked itself)."""
+    try:
+        weakref.ref(model)
+        weakable = True
+    except TypeError:
+        weakable = False
+    if (model in _HOOKED) if weakable else (id(model) in _HOOKED_IDS):
+        return
+    pre = getattr(model, "register_forward_pre_hook", None)
+    post = getattr(model, "register_forward_hook", None)
+    if not callable(pre) or not callable(post):
+        return
+    pre(_forward_pre_hook)
+    try:
+        # always_call closes the phase even when forward raises.
+        post(_forward_hook, always_call=True)
+    except TypeError:
+        post(_forward_hook)
+    if weakable:
+        _HOOKED.add(model)
+    else:
+        _HOOKED_IDS.add(id(model))
+
+
+def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        timer = _ACTIVE
+        if timer is None or not timer.in_step:
+            return original(*args, **kwargs)
+        slot = timer.bwd
+        timer.open(slot)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timer.close(slot, BACKWARD)
+
+    backward.__traceml_wrapped__ = True  # type: ignore[attr-defined]
+    return backward
+
+
+def install_patches(torch: Any) -> None:
+    """Wrap ``Tensor.backward``, ``torch.autograd.backward`` and the DataLoader iterator,
+    and register global optimizer step hooks; once per process."""
+    global _patched
+    with _patch_lock:
+        if _patched:
+            return
+        # Import every submodule first, so a failure leaves nothing half-installed.
+        optim = importlib.import_module("torch.optim.optimizer")
+        dataloader = importlib.import_module("torch.utils.data.dataloader")
+        base = dataloader._BaseDataLoaderIter
+        original_next = base.__next__
+        _patched = True
+
+        for owner, attr in ((torch.Tensor, "backward"), (torch.autograd, "backward")):
+            original = getattr(owner, attr)
+            if not getattr(original, "__traceml_wrapped__", False):
+                setattr(owner, attr, _timed_backward(original))
+
+        optim.register_optimizer_step_pre_hook(_optimizer_pre_hook)
+        optim.register_optimizer_step_post_hook(_optimizer_post_hook)
+
+        @functools.wraps(original_next)
+        def __next__(self: Any) -> Any:
+            timer = _ACTIVE
+            if timer is None:
+                return original_next(self)
+            t0 = _perf_ns()
+            # Only fetches that returned a batch count; the StopIteration that
+            # ends an epoch is not a wait for a batch.
+            batch = original_next(self)
+            timer.add_host(DATALOADER_NEXT, _perf_ns() - t0)
+            return batch
+
+        base.__next__ = __next__
+
+
+def activate(timer: StepTimer | None) -> None:
+    """Make ``timer`` the one hooks report to (``None``: hooks do nothing)."""
+    _set_active(timer)
+
+
+def active() -> StepTimer | None:
+    """The timer hooks report to, if any."""
+    return _ACTIVE

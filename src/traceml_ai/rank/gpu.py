@@ -1,0 +1,329 @@
+"""GPU access for the rank SDK, behind two small interfaces.
+
+``CudaBackend`` is what this process sees through ``torch.cuda`` (memory of this
+process, CUDA events for step timing); ``NvmlBackend`` is what the host's driver
+reports for every GPU (through ``pynvml``). The real implementations import their
+libraries lazily and guard every call, so a missing driver or a failing device
+gives ``None``/nulls rather than an exception. Tests pass fakes for both, because
+no GPU exists in CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import threading
+from typing import Any, Protocol
+
+import attrs
+
+from traceml_ai.rank._lazy import torch_or_none
+
+
+class CudaEvent(Protocol):
+    """The part of ``torch.cuda.Event`` the step timer uses."""
+
+    def query(self) -> bool:
+        """Whether the work before this event has completed (never blocks)."""
+        ...
+
+    def elapsed_time(self, end_event: Any) -> float:
+        """Milliseconds between this event and ``end_event``."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for the event to complete."""
+        ...
+
+
+class CudaBackend(Protocol):
+    """Per-process CUDA access used for step timing, step memory and process samples.
+
+    Every method returns ``None`` (or does nothing) instead of raising when CUDA
+    cannot answer.
+    """
+
+    def is_available(self) -> bool | None:
+        """Whether this process can use a GPU; ``None`` while it cannot be probed safely."""
+        ...
+
+    def device_count(self) -> int | None:
+        """GPUs visible to this process."""
+        ...
+
+    def current_device(self) -> int | None:
+        """The current CUDA device index, if CUDA is in use."""
+        ...
+
+    def device_index_of(self, model: object) -> int | None:
+        """The CUDA device index the model's parameters live on; ``None`` if not on CUDA."""
+        ...
+
+    def reset_peak_memory_stats(self, index: int) -> None:
+        """Start a new peak-memory window on that device."""
+        ...
+
+    def max_memory_allocated(self, index: int) -> int | None:
+        """Peak bytes allocated by tensors since the last reset."""
+        ...
+
+    def max_memory_reserved(self, index: int) -> int | None:
+        """Peak bytes reserved by the caching allocator since the last reset."""
+        ...
+
+    def memory_allocated(self, index: int) -> int | None:
+        """Bytes allocated by this process's tensors now."""
+        ...
+
+    def memory_reserved(self, index: int) -> int | None:
+        """Bytes reserved by this process's caching allocator now."""
+        ...
+
+    def total_memory(self, index: int) -> int | None:
+        """The device's total memory."""
+        ...
+
+    def record_event(self, index: int) -> CudaEvent | None:
+        """Record a timing event on the device's current stream; ``None`` if that failed."""
+        ...
+
+
+def _nonneg_int(value: Any) -> int | None:
+    try:
+        result = int(value)
+    except Exception:
+        return None
+    return result if result >= 0 else None
+
+
+class TorchCudaBackend:
+    """``CudaBackend`` over ``torch.cuda``; never initializes CUDA on its own."""
+
+    def _cuda(self) -> Any:
+        torch = torch_or_none()
+        if torch is None:
+            return None
+        try:
+            if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+                return None
+            # Probing before the training code initialized CUDA would start the
+            # driver in this process, which breaks a later fork; wait for the user.
+            if not torch.cuda.is_initialized():
+                return None
+        except Exception:
+            return None
+        return torch.cuda
+
+    def is_available(self) -> bool | None:
+        """False on a CPU-only torch build; ``None`` until the process initialized CUDA."""
+        torch = torch_or_none()
+        if torch is None:
+            return False
+        try:
+            if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+                return False
+            if not torch.cuda.is_initialized():
+                return None
+            return bool(torch.cuda.device_count() > 0)
+        except Exception:
+            return None
+
+    def device_count(self) -> int | None:
+        """GPUs visible to this process, once CUDA is initialized."""
+        cuda = self._cuda()
+        if cuda is None:
+            return None
+        try:
+            return _nonneg_int(cuda.device_count())
+        except Exception:
+            return None
+
+    def current_device(self) -> int | None:
+        """``torch.cuda.current_device()`` once CUDA is initialized."""
+        cuda = self._cuda()
+        if cuda is None:
+            return None
+        try:
+            return _nonneg_int(cuda.current_device())
+        except Exception:
+            return None
+
+    def device_index_of(self, model: object) -> int | None:
+        """The index of the CUDA device holding the model's first parameter or buffer."""
+        for attr in ("parameters", "buffers"):
+            getter = getattr(model, attr, None)
+            if not callable(getter):
+                continue
+            try:
+                tensor = next(iter(getter()), None)
+            except Exception:
+                continue
+            if tensor is None:
+                continue
+            device = getattr(tensor, "device", None)
+            if getattr(device, "type", None) != "cuda":
+                return None
+            index = getattr(device, "index", None)
+            return index if isinstance(index, int) else self.current_device()
+        return None
+
+    def reset_peak_memory_stats(self, index: int) -> None:
+        """``torch.cuda.reset_peak_memory_stats(index)``, errors ignored."""
+        cuda = self._cuda()
+        if cuda is None:
+            return
+        with contextlib.suppress(Exception):
+            cuda.reset_peak_memory_stats(index)
+
+    def _call_int(self, name: str, index: int) -> int | None:
+        cuda = self._cuda()
+        if cuda is None:
+            return None
+        try:
+            return _nonneg_int(getattr(cuda, name)(index))
+        except Exception:
+            return None
+
+    def max_memory_allocated(self, index: int) -> int | None:
+        """``torch.cuda.max_memory_allocated(index)``."""
+        return self._call_int("max_memory_allocated", index)
+
+    def max_memory_reserved(self, index: int) -> int | None:
+        """``torch.cuda.max_memory_reserved(index)``."""
+        return self._call_int("max_memory_reserved", index)
+
+    def memory_allocated(self, index: int) -> int | None:
+        """``torch.cuda.memory_allocated(index)``."""
+        return self._call_int("memory_allocated", index)
+
+    def memory_reserved(self, index: int) -> int | None:
+        """``torch.cuda.memory_reserved(index)``."""
+        return self._call_int("memory_reserved", index)
+
+    def total_memory(self, index: int) -> int | None:
+        """Total memory from the device properties."""
+        cuda = self._cuda()
+        if cuda is None:
+            return None
+        try:
+            return _nonneg_int(cuda.get_device_properties(index).total_memory)
+        except Exception:
+            return None
+
+    def record_event(self, index: int) -> CudaEvent | None:
+        """A timing ``torch.cuda.Event`` recorded on the device's current stream."""
+        cuda = self._cuda()
+        if cuda is None:
+            return None
+        try:
+            event = cuda.Event(enable_timing=True)
+            event.record(cuda.current_stream(index))
+        except Exception:
+            return None
+        return event  # type: ignore[no-any-return]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GpuReading:
+    """One host GPU as NVML reported it; a field it could not read is ``None``."""
+
+    utilization_percent: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_c: float | None = None
+    power_usage_w: float | None = None
+    power_limit_w: float | None = None
+
+
+class NvmlBackend(Protocol):
+    """Host-wide GPU access for system samples."""
+
+    def device_count(self) -> int:
+        """GPUs on the host; 0 when there is no driver or no GPU."""
+        ...
+
+    def read(self, index: int) -> GpuReading:
+        """Read one GPU; may raise, and the sampler then keeps the GPU with nulls."""
+        ...
+
+    def close(self) -> None:
+        """Release the library."""
+        ...
+
+
+def _finite_float(value: Any, scale: float = 1.0) -> float | None:
+    try:
+        result = float(value) * scale
+    except Exception:
+        return None
+    return result if math.isfinite(result) else None
+
+
+class PynvmlBackend:
+    """``NvmlBackend`` over ``pynvml`` (nvidia-ml-py); initializes NVML on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._nvml: Any = None
+        self._tried = False
+
+    def _lib(self) -> Any:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                try:
+                    nvml = importlib.import_module("pynvml")
+                    nvml.nvmlInit()
+                    self._nvml = nvml
+                except Exception:
+                    # No library, no driver or no GPU: report none, and do not retry
+                    # every interval.
+                    self._nvml = None
+            return self._nvml
+
+    def device_count(self) -> int:
+        """``nvmlDeviceGetCount()``, or 0 without a driver."""
+        nvml = self._lib()
+        if nvml is None:
+            return 0
+        try:
+            return max(0, int(nvml.nvmlDeviceGetCount()))
+        except Exception:
+            return 0
+
+    def read(self, index: int) -> GpuReading:
+        """Read utilization, memory, temperature and power; each field guarded on its own."""
+        nvml = self._lib()
+        if nvml is None:
+            raise RuntimeError("NVML is not available")
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+
+        def attempt(fn: Any, *args: Any) -> Any:
+            try:
+                return fn(*args)
+            except Exception:
+                return None
+
+        util = attempt(nvml.nvmlDeviceGetUtilizationRates, handle)
+        mem = attempt(nvml.nvmlDeviceGetMemoryInfo, handle)
+        temp = attempt(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
+        power = attempt(nvml.nvmlDeviceGetPowerUsage, handle)
+        limit = attempt(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+        return GpuReading(
+            utilization_percent=None if util is None else _finite_float(util.gpu),
+            memory_used_bytes=None if mem is None else _nonneg_int(mem.used),
+            memory_total_bytes=None if mem is None else _nonneg_int(mem.total),
+            temperature_c=None if temp is None else _finite_float(temp),
+            # NVML reports milliwatts.
+            power_usage_w=None if power is None else _finite_float(power, 1e-3),
+            power_limit_w=None if limit is None else _finite_float(limit, 1e-3),
+        )
+
+    def close(self) -> None:
+        """``nvmlShutdown()`` if NVML was initialized."""
+        with self._lock:
+            if self._nvml is not None:
+                with contextlib.suppress(Exception):
+                    self._nvml.nvmlShutdown()
+                self._nvml = None

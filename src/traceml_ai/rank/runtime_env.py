@@ -1,0 +1,91 @@
+"""The ``runtime_environment`` item: topology, torch.distributed state, training strategy."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+from traceml_ai.rank._lazy import torch_or_none
+from traceml_ai.rank.identity import RankIdentity
+
+# Class names are matched instead of importing the wrapper classes, so detection
+# never imports torch.distributed.fsdp or deepspeed just to ask.
+_DDP_NAMES = frozenset({"DistributedDataParallel"})
+_FSDP_NAMES = frozenset({"FullyShardedDataParallel", "FSDPModule"})
+_DEEPSPEED_NAMES = frozenset({"DeepSpeedEngine"})
+
+
+def topology_of(world_size: int, local_world_size: int) -> str:
+    """``single_process``, ``single_node_multi_process`` or ``multi_node`` from world sizes."""
+    if world_size <= 1:
+        return "single_process"
+    if local_world_size == world_size:
+        return "single_node_multi_process"
+    return "multi_node"
+
+
+def model_strategy(model: object) -> str | None:
+    """``ddp``, ``fsdp`` or ``deepspeed`` when the model is such a wrapper, else ``None``."""
+    for cls in type(model).__mro__:
+        name = cls.__name__
+        module = cls.__module__ or ""
+        if name in _DDP_NAMES and module.startswith("torch."):
+            return "ddp"
+        if name in _FSDP_NAMES and module.startswith("torch."):
+            return "fsdp"
+        if name in _DEEPSPEED_NAMES and module.startswith("deepspeed"):
+            return "deepspeed"
+    return None
+
+
+def distributed_state() -> tuple[bool, str | None]:
+    """``(torch.distributed.is_initialized(), backend name or None)``; never raises."""
+    torch = torch_or_none()
+    if torch is None:
+        return False, None
+    try:
+        dist: Any = torch.distributed
+        if not dist.is_available() or not dist.is_initialized():
+            return False, None
+        backend = dist.get_backend()
+    except Exception:
+        return False, None
+    return True, str(backend) if backend is not None else "unknown"
+
+
+def torch_version() -> str | None:
+    """``torch.__version__``, or ``None`` without torch."""
+    torch = torch_or_none()
+    if torch is None:
+        return None
+    try:
+        return str(torch.__version__)
+    except Exception:
+        return None
+
+
+def runtime_environment_fields(
+    identity: RankIdentity, strategy_from_model: str | None
+) -> dict[str, object]:
+    """Every ``runtime_environment`` item field except ``timestamp_unix_ns`` and ``seq``."""
+    initialized, backend = distributed_state()
+    topology = topology_of(identity.world_size, identity.local_world_size)
+    if strategy_from_model is not None:
+        strategy, source, confidence = strategy_from_model, "runtime_model", "high"
+    elif initialized:
+        strategy, source, confidence = "distributed_unknown", "runtime_distributed", "low"
+    elif topology == "single_process":
+        strategy, source, confidence = "single_process", "topology", "high"
+    else:
+        # Several ranks but torch.distributed not (yet) up and no wrapper seen.
+        strategy, source, confidence = "distributed_unknown", "topology", "low"
+    return {
+        "topology": topology,
+        "distributed_initialized": initialized,
+        "distributed_backend": backend,
+        "training_strategy": strategy,
+        "strategy_source": source,
+        "strategy_confidence": confidence,
+        "torch_version": torch_version(),
+        "python_version": platform.python_version(),
+    }
