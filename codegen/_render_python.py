@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -111,6 +112,11 @@ def render_records(schema_set: SchemaSet) -> str:
         body.line()
         body.line()
     by_name = {c.class_name: c for c in classes}
+    done: set[str] = set()
+    for model in classes:
+        for field in model.fields:
+            if isinstance(field.type, MapOf):
+                render_map_dumper(body, field.type, 0, by_name, done)
     for model in classes:
         _render_dump(body, model, by_name)
         body.line()
@@ -137,7 +143,7 @@ def render_records(schema_set: SchemaSet) -> str:
     body.line("}")
     body.line(
         '"""Record class → ``"name":null`` byte strings that betray a non-finite value in a '
-        "non-nullable float field (orjson writes NaN and Infinity as null).\"\"\""
+        'non-nullable float field (orjson writes NaN and Infinity as null)."""'
     )
 
     out = CodeWriter()
@@ -242,11 +248,41 @@ def _dump_expr(type_ref: TypeRef, value: str, depth: int, classes: dict[str, Cla
         if inner == k:
             return f"list({value})"
         return f"[{inner} for {k} in {value}]"
-    # Maps are written with sorted keys (the spec sorts event names and device keys);
-    # keys are unique, so sorting the items never compares the values.
-    k, v = f"k{depth}", f"v{depth}"
-    inner = _dump_expr(type_ref.value, v, depth + 1, classes)
-    return f"{{{k}: {inner} for {k}, {v} in sorted({value}.items())}}"
+    return f"_dump_map_{depth}_{id_of(type_ref)}({value}, include_hostname)"
+
+
+def id_of(type_ref: MapOf) -> str:
+    """A stable name fragment for a map type (maps of equal shape share a function)."""
+    return hashlib.sha1(repr(type_ref).encode()).hexdigest()[:8]
+
+
+def render_map_dumper(
+    w: CodeWriter, m: MapOf, depth: int, classes: dict[str, ClassModel], done: set[str]
+) -> None:
+    """A function writing a map with sorted keys, and the functions of its inner maps.
+
+    Maps are written with sorted keys (the spec sorts event names and device keys).
+    Explicit loops beat nested comprehensions here (each comprehension is a call on
+    Python < 3.12), and a one-entry map needs no sort.
+    """
+    name = f"_dump_map_{depth}_{id_of(m)}"
+    if name in done:
+        return
+    done.add(name)
+    if isinstance(m.value, MapOf):
+        render_map_dumper(w, m.value, depth + 1, classes, done)
+    inner = _dump_expr(m.value, "v", depth + 1, classes)
+    with w.block(f"def {name}(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:"):
+        with w.block("if len(m) == 1:"):
+            w.line("for k, v in m.items():")
+            w.line(f"    return {{k: {inner}}}")
+        w.line("out: dict[str, Any] = {}")
+        with w.block("for k in sorted(m):"):
+            w.line("v = m[k]")
+            w.line(f"out[k] = {inner}")
+        w.line("return out")
+    w.line()
+    w.line()
 
 
 def _non_nullable_float_keys(model: ClassModel, classes: dict[str, ClassModel]) -> list[str]:
@@ -518,13 +554,9 @@ def render_registry(schema_set: SchemaSet) -> str:
         w.line(f'        name="{s.name}",')
         w.line(f'        file_name="{s.file_name}",')
         w.line(f"        record_class={s.class_name},")
-        w.line(
-            "        key_fields=(" + "".join(f'"{k}", ' for k in s.key_fields).rstrip(" ") + "),"
-        )
+        w.line(f"        key_fields={_tuple(s.key_fields)},")
         w.line(f"        carries_hostname={s.carries_hostname},")
-        w.line(
-            "        selected_by=(" + "".join(f'"{k}", ' for k in s.selected_by).rstrip(" ") + "),"
-        )
+        w.line(f"        selected_by={_tuple(s.selected_by)},")
         w.line(f'        schema_id="{s.schema_id}",')
         w.line(f'        schema_file="{s.schema_file}",')
         w.line("    ),")
@@ -543,6 +575,11 @@ def render_registry(schema_set: SchemaSet) -> str:
     w.line(")")
     w.line('"""Schema files shipped as package data under traceml_records/schemas/."""')
     return format_python(w.render())
+
+
+def _tuple(items: tuple[str, ...]) -> str:
+    inner = ", ".join(_lit(i) for i in items)
+    return f"({inner},)" if len(items) == 1 else f"({inner})"
 
 
 def selection_names(schema_set: SchemaSet) -> list[str]:

@@ -882,6 +882,42 @@ class PhaseTiming:
     """How many calls were summed."""
 
 
+def _dump_map_1_ed1d60d0(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+    if len(m) == 1:
+        for k, v in m.items():
+            return {
+                k: {
+                    "cpu_ms": v.cpu_ms,
+                    "duration_ms": v.duration_ms,
+                    "gpu_ms": v.gpu_ms,
+                    "is_gpu": v.is_gpu,
+                    "n_calls": v.n_calls,
+                }
+            }
+    out: dict[str, Any] = {}
+    for k in sorted(m):
+        v = m[k]
+        out[k] = {
+            "cpu_ms": v.cpu_ms,
+            "duration_ms": v.duration_ms,
+            "gpu_ms": v.gpu_ms,
+            "is_gpu": v.is_gpu,
+            "n_calls": v.n_calls,
+        }
+    return out
+
+
+def _dump_map_0_0c34781c(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+    if len(m) == 1:
+        for k, v in m.items():
+            return {k: _dump_map_1_ed1d60d0(v, include_hostname)}
+    out: dict[str, Any] = {}
+    for k in sorted(m):
+        v = m[k]
+        out[k] = _dump_map_1_ed1d60d0(v, include_hostname)
+    return out
+
+
 def _dump_step_time_record(r: StepTimeRecord, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
@@ -899,19 +935,7 @@ def _dump_step_time_record(r: StepTimeRecord, include_hostname: bool) -> dict[st
     d["timestamp_unix_ns"] = r.timestamp_unix_ns
     d["seq"] = r.seq
     d["step"] = r.step
-    d["events"] = {
-        k0: {
-            k1: {
-                "cpu_ms": v1.cpu_ms,
-                "duration_ms": v1.duration_ms,
-                "gpu_ms": v1.gpu_ms,
-                "is_gpu": v1.is_gpu,
-                "n_calls": v1.n_calls,
-            }
-            for k1, v1 in sorted(v0.items())
-        }
-        for k0, v0 in sorted(r.events.items())
-    }
+    d["events"] = _dump_map_0_0c34781c(r.events, include_hostname)
     return d
 
 
