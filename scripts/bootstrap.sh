@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment with the project and its test tools.
+# Usage: source this file, or run it; VENV picks the folder (default .venv).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+fi
+# torch first, pinned to the CPU build, so nothing later pulls a CUDA build.
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  "$venv/bin/python" -m pip install -q "torch==2.13.0"
+fi
+"$venv/bin/python" -m pip install -q -e "$root[test]"
