@@ -255,6 +255,10 @@ class AggregatorServer:
                 await asyncio.sleep(0)
         except OSError:
             pass  # reset by peer and the like: the connection is over either way
+        except asyncio.CancelledError:
+            # Only stop() cancels a connection. Ending normally keeps asyncio's
+            # connection callback from logging the cancellation as an error.
+            pass
         finally:
             self._connections_open -= 1
             if task is not None:
