@@ -1,0 +1,488 @@
+"""The built-in JSONL exporter: one JSON Lines file per selected stream.
+
+Files are created once, exclusively, when the exporter starts; lines go to disk
+with plain ``os.write`` calls on the raw descriptor, so a reader tailing a file
+sees each line as soon as ``export`` returns and never sees half a line except
+at the very end while a write is in progress. A file whose write fails is
+abandoned (no more lines, no closing line) while the other files go on. Every
+file still healthy at ``close`` ends with exactly one closing line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from traceml_ai.export._protocol import ExportContext, ExportSummary
+from traceml_records import STREAMS_BY_NAME, ClosingLine, RecordError
+from traceml_records._generated.records import DUMPERS, NON_NULLABLE_FLOAT_KEYS
+from traceml_records._registry import STREAM_BY_CLASS
+
+__all__ = [
+    "ExportBatchError",
+    "ExportCloseError",
+    "ExportStartError",
+    "ExportTargetExists",
+    "ExporterClosedError",
+    "JsonlExporter",
+    "PartialExportError",
+    "StreamAbandoned",
+]
+
+_log = logging.getLogger(__name__)
+
+# O_EXCL refuses any existing entry, a symlink included (dangling or not), and
+# O_NOFOLLOW makes that explicit; neither ever truncates nor appends.
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# The export folder is opened once, without following a symlink, and every file
+# is created relative to that descriptor, so swapping the folder for a symlink
+# between the check and the creation cannot redirect the files.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_MODE = 0o644
+
+
+class ExportStartError(Exception):
+    """The exporter could not start; export is off for this run."""
+
+
+class ExportTargetExists(ExportStartError):
+    """A selected export file (or a symlink in its place) already exists.
+
+    No file was created by this start (any that a racing start had created was
+    removed again), and the existing entry was not touched.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        super().__init__(
+            f"export file {path} already exists; TraceML never overwrites or appends "
+            "to an existing export file, so export is off for this run"
+        )
+
+
+class ExportBatchError(Exception):
+    """``export`` did not write every record of one batch.
+
+    ``written`` records of the batch were written as whole lines and ``failed``
+    were not; ``written + failed`` is the batch length. Callers count ``failed``
+    as failed records and ``written`` as written ones.
+    """
+
+    def __init__(self, message: str, *, stream: str, written: int, failed: int) -> None:
+        self.stream = stream
+        self.written = written
+        self.failed = failed
+        super().__init__(message)
+
+
+class PartialExportError(ExportBatchError):
+    """Some records of the batch could not be serialized; the others were written."""
+
+
+class StreamAbandoned(ExportBatchError):
+    """The stream's file is abandoned after a write failure; it takes no more lines."""
+
+
+class ExporterClosedError(ExportBatchError):
+    """``export`` was called after ``close``; nothing was written."""
+
+
+class ExportCloseError(Exception):
+    """``close`` finished, but some files do not end with a closing line.
+
+    ``streams`` names them, sorted; each was abandoned (a write failed, the file
+    was removed, or it was still being written when ``close`` gave up waiting).
+    """
+
+    def __init__(self, streams: Sequence[str]) -> None:
+        self.streams = tuple(sorted(streams))
+        super().__init__(
+            "export files without a closing line (a write failed or the file was removed): "
+            + ", ".join(self.streams)
+        )
+
+
+def _serialize(record: Any, include_hostname: bool) -> bytes:
+    """One compact JSON line (with ``\\n``) for ``record``; RecordError if it has no valid line."""
+    # Stand-in for traceml_records.dumps_line until it lands: same bytes, same refusal
+    # of non-finite floats (orjson writes NaN/Infinity as null, betraying them).
+    line = orjson.dumps(
+        DUMPERS[type(record)](record, include_hostname), option=orjson.OPT_APPEND_NEWLINE
+    )
+    for marker in NON_NULLABLE_FLOAT_KEYS[type(record)]:
+        if marker in line:
+            raise RecordError((marker.split(b'"')[1].decode(),), "expected a finite number")
+    return line
+
+
+class _StreamFile:
+    """One export file and its counts; every field is guarded by ``lock``."""
+
+    def __init__(self, stream: str, path: Path, fd: int) -> None:
+        self.stream = stream
+        self.path = path
+        self.fd: int | None = fd
+        self.lock = threading.Lock()
+        self.written = 0
+        self.serialization_failures = 0
+        self.abandoned_reason: str | None = None
+        self.closed = False
+        self.last_link_check = time.monotonic()
+
+    def abandon(self, reason: str) -> None:
+        """Stop writing this file for good: close its descriptor, remember why."""
+        if self.abandoned_reason is None:
+            self.abandoned_reason = reason
+            _log.warning(
+                "export file %s abandoned (%s); its later records are not written",
+                self.path,
+                reason,
+            )
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            # The descriptor is gone either way; the abandonment is what matters.
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def removed(self) -> bool:
+        """Whether the file was unlinked (a write to it would succeed and be lost)."""
+        assert self.fd is not None
+        return os.fstat(self.fd).st_nlink == 0
+
+
+def _write_all(fd: int, data: bytes) -> int:
+    """Write all of ``data`` to ``fd``; return the byte count. On OSError, ``.written`` is set."""
+    view = memoryview(data)
+    done = 0
+    try:
+        while done < len(data):
+            n = os.write(fd, view[done:])
+            if n == 0:
+                # A regular file never legitimately takes zero bytes of a non-empty write;
+                # looping on it would spin forever.
+                raise OSError(errno.EIO, "write accepted no bytes")
+            done += n
+    except OSError as exc:
+        exc.written = done  # type: ignore[attr-defined]
+        raise
+    return done
+
+
+def _remove_created(dir_fd: int, created: Sequence[tuple[str, int]]) -> None:
+    """Remove files this start created, and only those (same inode), then close them."""
+    for name, fd in created:
+        try:
+            mine = os.fstat(fd)
+            there = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass  # Already gone or replaced by someone else: nothing of ours to remove.
+        finally:
+            os.close(fd)
+
+
+class JsonlExporter:
+    """Writes each selected stream to ``<export_dir>/<stream>.jsonl``.
+
+    Build it with :meth:`create`. ``export`` is called from one worker thread;
+    ``close`` may come from another thread and waits at most
+    ``close_wait_s`` per file for a write in progress.
+    """
+
+    def __init__(
+        self,
+        context: ExportContext,
+        files: Mapping[str, _StreamFile],
+        *,
+        link_check_interval_s: float,
+        close_wait_s: float,
+    ) -> None:
+        """Use :meth:`create`; this only wires already-created files together."""
+        self._context = context
+        self._files = dict(files)
+        self._link_check_interval_s = link_check_interval_s
+        self._close_wait_s = close_wait_s
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls,
+        context: ExportContext,
+        *,
+        link_check_interval_s: float = 1.0,
+        close_wait_s: float = 5.0,
+    ) -> JsonlExporter:
+        """Create the export folder and every selected file, empty, and return the exporter.
+
+        The folder is created with its parents; if the folder path itself is a
+        symlink, nothing is created and ``ExportStartError`` is raised. If any
+        selected file already exists (a symlink too, dangling or not), no file
+        is created and ``ExportTargetExists`` names it. Should a creation fail
+        midway (another process racing), the files this call created are
+        removed again, never anyone else's. Any other failure raises
+        ``ExportStartError``. Existing files are never truncated or appended to.
+
+        ``link_check_interval_s``: how often, at most, each file is checked for
+        having been removed (a write to an unlinked file succeeds but is lost).
+        ``close_wait_s``: how long ``close`` waits for a write in progress.
+        """
+        export_dir = Path(context.export_dir)
+        names: dict[str, str] = {}
+        for stream in context.streams:
+            spec = STREAMS_BY_NAME.get(stream)
+            if spec is None:
+                raise ExportStartError(f"unknown export stream {stream!r}; export is off")
+            names[stream] = spec.file_name
+
+        try:
+            is_link = stat.S_ISLNK(os.lstat(export_dir).st_mode)
+        except FileNotFoundError:
+            is_link = False
+        except OSError as exc:
+            raise ExportStartError(f"cannot inspect export folder {export_dir}: {exc}") from exc
+        if is_link:
+            raise ExportStartError(
+                f"export folder {export_dir} is a symbolic link; TraceML does not "
+                "follow it, so export is off for this run"
+            )
+        try:
+            os.makedirs(export_dir, exist_ok=True)
+            dir_fd = os.open(export_dir, _DIR_FLAGS)
+        except OSError as exc:
+            raise ExportStartError(
+                f"cannot create export folder {export_dir} ({exc}); export is off for this run"
+            ) from exc
+
+        try:
+            # Check every name before creating any, so an existing file leaves no
+            # half-created set behind.
+            for name in names.values():
+                try:
+                    os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise ExportStartError(
+                        f"cannot inspect export file {export_dir / name} ({exc}); "
+                        "export is off for this run"
+                    ) from exc
+                raise ExportTargetExists(export_dir / name)
+
+            created: list[tuple[str, int]] = []
+            try:
+                for name in names.values():
+                    fd = os.open(name, _CREATE_FLAGS, _FILE_MODE, dir_fd=dir_fd)
+                    created.append((name, fd))
+            except BaseException as exc:
+                _remove_created(dir_fd, created)
+                if isinstance(exc, OSError):
+                    path = export_dir / name
+                    if isinstance(exc, FileExistsError) or exc.errno == errno.ELOOP:
+                        raise ExportTargetExists(path) from exc
+                    raise ExportStartError(
+                        f"cannot create export file {path} ({exc}); export is off for this run"
+                    ) from exc
+                raise
+        finally:
+            os.close(dir_fd)
+
+        files = {
+            stream: _StreamFile(stream, export_dir / name, fd)
+            for (stream, name), (_, fd) in zip(names.items(), created, strict=True)
+        }
+        return cls(
+            context,
+            files,
+            link_check_interval_s=link_check_interval_s,
+            close_wait_s=close_wait_s,
+        )
+
+    # -- queries ------------------------------------------------------------
+
+    @property
+    def paths(self) -> Mapping[str, Path]:
+        """Selected stream → its file."""
+        return {stream: f.path for stream, f in self._files.items()}
+
+    @property
+    def abandoned_streams(self) -> frozenset[str]:
+        """Streams whose file was abandoned (it has no closing line)."""
+        return frozenset(s for s, f in self._files.items() if f.abandoned_reason is not None)
+
+    def abandoned_reason(self, stream: str) -> str | None:
+        """Why ``stream``'s file was abandoned, or None while it is healthy."""
+        return self._files[stream].abandoned_reason
+
+    def written_lines(self, stream: str) -> int:
+        """Data lines written whole to ``stream``'s file (the closing line not counted)."""
+        return self._files[stream].written
+
+    def serialization_failures(self, stream: str) -> int:
+        """Records of ``stream`` that were not written because they had no valid line."""
+        return self._files[stream].serialization_failures
+
+    # -- protocol -----------------------------------------------------------
+
+    def export(self, records: Sequence[Any]) -> None:
+        """Write ``records`` (all of one stream) to that stream's file, one line each.
+
+        All lines of the batch go out in one loop of ``os.write`` calls on the
+        raw descriptor (short writes are continued), so they are visible to a
+        reader as soon as this returns. Returns normally only when every record
+        was written. Otherwise it raises an :class:`ExportBatchError` whose
+        ``written``/``failed`` say how many records of THIS batch were written
+        as whole lines and how many were not (they sum to ``len(records)``):
+
+        - :class:`PartialExportError`: some records could not be serialized
+          (``RecordError``/``ValueError``/``TypeError``, e.g. a non-finite float in
+          a non-nullable field); those were skipped, every other one was written.
+        - :class:`StreamAbandoned`: the file failed (a write raised ``OSError``
+          such as ENOSPC or EIO, or the file was found removed) during this batch
+          or before; the file is abandoned and this and every later batch of the
+          stream raises it. Lines completed before the failure count as written.
+        - :class:`ExporterClosedError`: called after :meth:`close`.
+        - :class:`ExportBatchError` itself: the records belong to no selected stream.
+        """
+        n = len(records)
+        if n == 0:
+            return
+        spec = STREAM_BY_CLASS.get(type(records[0]))
+        stream_file = self._files.get(spec.name) if spec is not None else None
+        if stream_file is None:
+            name = spec.name if spec is not None else type(records[0]).__name__
+            raise ExportBatchError(
+                f"records of {name} are not a selected export stream",
+                stream=name,
+                written=0,
+                failed=n,
+            )
+        f = stream_file
+        record_class = spec.record_class if spec is not None else None
+        with f.lock:
+            if f.abandoned_reason is not None:
+                raise StreamAbandoned(
+                    f"export file {f.path} was abandoned ({f.abandoned_reason})",
+                    stream=f.stream,
+                    written=0,
+                    failed=n,
+                )
+            if f.closed or f.fd is None:
+                raise ExporterClosedError(
+                    f"export file {f.path} is closed", stream=f.stream, written=0, failed=n
+                )
+            now = time.monotonic()
+            if now - f.last_link_check >= self._link_check_interval_s:
+                f.last_link_check = now
+                try:
+                    gone = f.removed()
+                except OSError as exc:
+                    f.abandon(f"cannot stat the file: {exc}")
+                    gone = False
+                if gone:
+                    f.abandon("the file was removed")
+                if f.abandoned_reason is not None:
+                    raise StreamAbandoned(
+                        f"export file {f.path} was abandoned ({f.abandoned_reason})",
+                        stream=f.stream,
+                        written=0,
+                        failed=n,
+                    )
+
+            lines: list[bytes] = []
+            bad = 0
+            include_hostname = self._context.include_hostname
+            for record in records:
+                if type(record) is not record_class:
+                    bad += 1  # A stray record of another stream never goes into this file.
+                    continue
+                try:
+                    lines.append(_serialize(record, include_hostname))
+                except (RecordError, ValueError, TypeError):
+                    bad += 1
+            f.serialization_failures += bad
+
+            data = b"".join(lines)
+            assert f.fd is not None
+            try:
+                _write_all(f.fd, data)
+            except OSError as exc:
+                done: int = getattr(exc, "written", 0)
+                whole = data.count(b"\n", 0, done)
+                f.written += whole
+                f.abandon(f"write failed: {exc}")
+                raise StreamAbandoned(
+                    f"writing export file {f.path} failed ({exc}); the file is abandoned",
+                    stream=f.stream,
+                    written=whole,
+                    failed=n - whole,
+                ) from exc
+            f.written += len(lines)
+            if bad:
+                raise PartialExportError(
+                    f"{bad} of {n} {f.stream} records could not be serialized and were not written",
+                    stream=f.stream,
+                    written=len(lines),
+                    failed=bad,
+                )
+
+    def close(self, summary: ExportSummary) -> None:
+        """Write one closing line to every healthy file, fsync it, and close every file.
+
+        Each closing line counts the data lines this exporter wrote to that file
+        and carries ``summary.dropped_batches``. A file that fails now (closing
+        line write, fsync, found removed) or whose write in progress outlasts
+        ``close_wait_s`` is abandoned. Idempotent: later calls do nothing. After
+        all files are handled, raises :class:`ExportCloseError` if any file
+        (abandoned now or earlier) lacks a closing line.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for f in self._files.values():
+            if not f.lock.acquire(timeout=self._close_wait_s):
+                # The worker is stuck in a write: leave its descriptor alone (closing it
+                # under a running write could hand the number to another file).
+                if f.abandoned_reason is None:
+                    f.abandoned_reason = "still being written when the exporter closed"
+                continue
+            try:
+                self._close_one(f, summary.dropped_batches)
+            finally:
+                f.lock.release()
+        not_clean = self.abandoned_streams
+        if not_clean:
+            raise ExportCloseError(sorted(not_clean))
+
+    def _close_one(self, f: _StreamFile, dropped_batches: int) -> None:
+        f.closed = True
+        if f.fd is None:
+            return
+        try:
+            if f.removed():
+                f.abandon("the file was removed")
+                return
+            closing = ClosingLine(
+                stream=f.stream,  # type: ignore[arg-type]
+                written_records=f.written,
+                dropped_batches=dropped_batches,
+            )
+            _write_all(f.fd, _serialize(closing, False))
+            os.fsync(f.fd)
+        except OSError as exc:
+            f.abandon(f"closing the file failed: {exc}")
+            return
+        fd, f.fd = f.fd, None
+        os.close(fd)
