@@ -707,3 +707,24 @@ def test_batch_streams_all_accepted(
     sender.close()
     collector.wait(lambda c: len(c.finished) == 1)
     assert sorted(b.payload["stream"] for b in collector.batches) == sorted(BATCH_STREAMS)
+
+
+def test_stop_from_a_callback(collector: Collector) -> None:
+    holder: list[AggregatorServer] = []
+
+    def stop_when_finished(message: dict[str, Any]) -> None:
+        collector.on_finished(message)
+        holder[0].stop()
+
+    server = AggregatorServer("127.0.0.1", 0, TOKEN, collector.on_batch, stop_when_finished)
+    holder.append(server)
+    address = server.start()
+    sender = RankSender(address, TOKEN, identity(), flush_interval_s=0.02)
+    sender.put("step_time", {"seq": 0})
+    sender.start()
+    sender.close()
+    collector.wait(lambda c: len(c.finished) == 1)
+    wait_until(lambda: server._thread is not None and not server._thread.is_alive())
+    assert server.accepted_batches == 1 and server.callback_errors == 0
+    with pytest.raises(OSError):
+        socket.create_connection(address, timeout=1).close()

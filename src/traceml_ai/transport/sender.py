@@ -171,7 +171,11 @@ class RankSender:
             thread.start()
 
     def put(self, stream: str, item: dict[str, Any]) -> None:
-        """Queue ``item`` for ``stream``. Never blocks, never raises; no-op after close."""
+        """Queue ``item`` for ``stream``. Never blocks, never raises.
+
+        Items put before ``start`` or while disconnected wait (within the bound) for a
+        connection. After ``close``, and in a forked child, ``put`` does nothing.
+        """
         try:
             queue = self._queues.get(stream)
             if queue is None:

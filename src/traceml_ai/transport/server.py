@@ -150,13 +150,20 @@ class AggregatorServer:
             return self._address
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Close the listener and every connection, then join the loop thread. Idempotent."""
+        """Close the listener and every connection, then join the loop thread. Idempotent.
+
+        Called from a callback (the loop thread itself), it schedules the shutdown and
+        returns at once, since waiting there would wait on itself.
+        """
         with self._lifecycle_lock:
             if self._stopped:
                 return
             self._stopped = True
             loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive():
+            return
+        if threading.current_thread() is thread:
+            loop.create_task(self._shutdown()).add_done_callback(lambda _: loop.stop())
             return
         deadline = time.monotonic() + max(0.0, timeout)
         try:
