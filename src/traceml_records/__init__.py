@@ -3,6 +3,14 @@
 Light to import: attrs, orjson and jsonschema only, never torch.
 """
 
+from traceml_records._codec import (
+    AnyRecord,
+    StreamRecord,
+    dumps_line,
+    dumps_warning_file,
+    loads_line,
+    loads_warning_file,
+)
 from traceml_records._errors import RecordError
 from traceml_records._generated.records import (
     ClosingLine,
@@ -18,6 +26,7 @@ from traceml_records._generated.records import (
     SystemRecord,
 )
 from traceml_records._generated.registry import SELECTION_NAMES, STREAMS
+from traceml_records._reader import LineError, read_jsonl
 from traceml_records._registry import (
     DEFAULT_EXPORT_STREAMS,
     STREAMS_BY_NAME,
@@ -26,6 +35,13 @@ from traceml_records._registry import (
     streams_selected_by,
 )
 from traceml_records._stream_spec import StreamSpec
+from traceml_records._validate import (
+    FileSummary,
+    Problem,
+    ValidationReport,
+    validate_line,
+    validate_paths,
+)
 
 SCHEMA_VERSION = 1
 """``schema_version`` of every line this release writes."""
@@ -36,20 +52,33 @@ __all__ = [
     "SELECTION_NAMES",
     "STREAMS",
     "STREAMS_BY_NAME",
+    "AnyRecord",
     "ClosingLine",
     "ExportLoss",
+    "FileSummary",
     "FinalizationWarning",
+    "LineError",
     "PhaseTiming",
+    "Problem",
     "ProcessRecord",
     "RecordError",
     "RuntimeEnvironmentRecord",
     "StdoutStderrRecord",
     "StepMemoryRecord",
     "StepTimeRecord",
+    "StreamRecord",
     "StreamSpec",
     "SystemGpuRecord",
     "SystemRecord",
+    "ValidationReport",
+    "dumps_line",
+    "dumps_warning_file",
+    "loads_line",
+    "loads_warning_file",
     "parse_export_streams",
+    "read_jsonl",
     "stream_spec",
     "streams_selected_by",
+    "validate_line",
+    "validate_paths",
 ]

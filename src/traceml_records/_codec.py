@@ -1,0 +1,163 @@
+"""One record ↔ one JSON line: compact, schema-ordered, strict both ways.
+
+Non-finite floats: orjson writes NaN and ±Infinity as ``null``. In a nullable float
+field that is exactly what the spec asks for ("a non-finite measurement is written as
+``null`` where the field is nullable"), so :func:`dumps_line` lets it through. In a
+non-nullable float field it would make an invalid line, so :func:`dumps_line` raises
+:class:`RecordError` naming the field instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, TypeAlias
+
+import orjson
+
+from traceml_records._errors import Path, RecordError, describe
+from traceml_records._generated.records import (
+    DUMPERS,
+    LOADERS,
+    NON_NULLABLE_FLOAT_KEYS,
+    ClosingLine,
+    FinalizationWarning,
+    ProcessRecord,
+    RuntimeEnvironmentRecord,
+    StdoutStderrRecord,
+    StepMemoryRecord,
+    StepTimeRecord,
+    SystemGpuRecord,
+    SystemRecord,
+)
+from traceml_records._generated.registry import STREAMS
+
+StreamRecord: TypeAlias = (
+    StepTimeRecord
+    | StepMemoryRecord
+    | ProcessRecord
+    | SystemRecord
+    | SystemGpuRecord
+    | RuntimeEnvironmentRecord
+    | StdoutStderrRecord
+)
+"""A data record of any export stream."""
+
+AnyRecord: TypeAlias = StreamRecord | ClosingLine | FinalizationWarning
+"""Anything :func:`loads_line` can return."""
+
+_STREAM_LOADERS: dict[str, Any] = {spec.name: LOADERS[spec.record_class] for spec in STREAMS}
+_STREAM_NAMES = ", ".join(spec.name for spec in STREAMS)
+_LOAD_CLOSING = LOADERS[ClosingLine]
+_LOAD_WARNING = LOADERS[FinalizationWarning]
+# Marker bytes → field names, so a marker hit can be traced back to a value.
+_MARKER_FIELDS: dict[type[Any], frozenset[str]] = {
+    cls: frozenset(m.split(b'"')[1].decode() for m in markers)
+    for cls, markers in NON_NULLABLE_FLOAT_KEYS.items()
+}
+_APPEND_NEWLINE = orjson.OPT_APPEND_NEWLINE
+
+
+def _dumper(record: object) -> Any:
+    try:
+        return DUMPERS[type(record)]
+    except KeyError:
+        raise TypeError(f"not a TraceML record: {type(record).__name__}") from None
+
+
+def _non_finite(obj: Any, names: frozenset[str], path: Path) -> Iterator[Path]:
+    """Paths of non-finite floats held under one of ``names`` inside ``obj``."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if (
+                key in names
+                and isinstance(value, float)
+                and value - value != 0.0  # NaN and ±inf only
+            ):
+                yield (*path, key)
+            elif isinstance(value, dict | list):
+                yield from _non_finite(value, names, (*path, key))
+    elif isinstance(obj, list):
+        for index, value in enumerate(obj):
+            yield from _non_finite(value, names, (*path, index))
+
+
+def _encode(record: object, obj: dict[str, Any], option: int) -> bytes:
+    try:
+        data = orjson.dumps(obj, option=option)
+    except orjson.JSONEncodeError as exc:
+        # Integers beyond 64 bits and lone surrogates in strings cannot be written.
+        raise RecordError((), f"cannot be serialized: {exc}") from None
+    for marker in NON_NULLABLE_FLOAT_KEYS[type(record)]:
+        if marker in data:
+            for path in _non_finite(obj, _MARKER_FIELDS[type(record)], ()):
+                raise RecordError(path, "non-finite number in a field that cannot be null")
+    return data
+
+
+def dumps_line(record: AnyRecord, *, include_hostname: bool = False) -> bytes:
+    """Serialize ``record`` to one compact JSON line ending in ``\\n``.
+
+    Keys follow the schema order and maps are sorted. ``hostname`` is written only
+    when ``include_hostname`` is true and the stream carries it. A non-finite float
+    becomes ``null`` in a nullable field; in any other field it raises
+    :class:`RecordError`, as do integers beyond 64 bits and lone surrogates.
+    """
+    obj = _dumper(record)(record, include_hostname)
+    return _encode(record, obj, _APPEND_NEWLINE)
+
+
+def _parse(data: bytes | str) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise RecordError((), f"invalid JSON: {exc}") from None
+
+
+def record_from_object(obj: Any) -> AnyRecord:
+    """Build the typed record of one parsed line (dispatch as :func:`loads_line`)."""
+    if type(obj) is not dict:
+        raise RecordError((), f"expected object, got {describe(obj)}")
+    if "closing" in obj:
+        closing = obj["closing"]
+        if closing is not True:
+            raise RecordError(
+                ("closing",),
+                f"expected true (data lines never carry closing), got {describe(closing)}",
+            )
+        return _LOAD_CLOSING(obj, ())  # type: ignore[no-any-return]
+    if "status" in obj:
+        return _LOAD_WARNING(obj, ())  # type: ignore[no-any-return]
+    try:
+        stream = obj["stream"]
+    except KeyError:
+        raise RecordError(("stream",), "required key is missing") from None
+    loader = _STREAM_LOADERS.get(stream) if type(stream) is str else None
+    if loader is None:
+        raise RecordError(
+            ("stream",), f"unknown stream {describe(stream)}; expected one of {_STREAM_NAMES}"
+        )
+    return loader(obj, ())  # type: ignore[no-any-return]
+
+
+def loads_line(data: bytes | str) -> AnyRecord:
+    """Parse one line (a data line, a closing line or the warning object) strictly.
+
+    A line with ``closing`` is a :class:`ClosingLine`, one with ``status`` a
+    :class:`FinalizationWarning`; any other line is a record of the stream its
+    ``stream`` names. Anything that breaks the schema raises :class:`RecordError`
+    with a JSON pointer to the offending value.
+    """
+    return record_from_object(_parse(data))
+
+
+def dumps_warning_file(warning: FinalizationWarning) -> bytes:
+    """The pretty-printed content of ``finalization_warning.json`` (ends in ``\\n``)."""
+    if type(warning) is not FinalizationWarning:
+        raise TypeError(f"expected FinalizationWarning, got {type(warning).__name__}")
+    obj = DUMPERS[FinalizationWarning](warning, False)
+    return _encode(warning, obj, orjson.OPT_INDENT_2 | _APPEND_NEWLINE)
+
+
+def loads_warning_file(data: bytes | str) -> FinalizationWarning:
+    """Parse ``finalization_warning.json`` content strictly (RecordError on any fault)."""
+    return _LOAD_WARNING(_parse(data), ())  # type: ignore[no-any-return]

@@ -1,0 +1,50 @@
+"""The JSON Schemas shipped as package data, and validators built from them once.
+
+The schemas live in ``traceml_records/schemas/`` (copied there by the generator) and
+reference each other by ``$id`` URN, so every validator resolves ``$ref`` through a
+registry built from those files: nothing is ever fetched over the network.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from traceml_records._generated.registry import SCHEMA_FILES, STREAMS
+
+CLOSING_SCHEMA_FILE = "closing.schema.json"
+WARNING_SCHEMA_FILE = "finalization_warning.schema.json"
+COMMON_SCHEMA_FILE = "common.schema.json"
+
+
+@functools.cache
+def schema_documents() -> Mapping[str, dict[str, Any]]:
+    """Schema file name → parsed schema, read from the package data."""
+    folder = importlib.resources.files("traceml_records") / "schemas"
+    return {name: orjson.loads(folder.joinpath(name).read_bytes()) for name in SCHEMA_FILES}
+
+
+def stream_schema_file(stream: str) -> str:
+    """The schema file of ``stream`` (KeyError for an unknown stream)."""
+    for spec in STREAMS:
+        if spec.name == stream:
+            return spec.schema_file
+    raise KeyError(stream)
+
+
+@functools.cache
+def rs_validators() -> Mapping[str, Any]:
+    """Schema file name → compiled ``jsonschema_rs`` validator (built once, reused)."""
+    import jsonschema_rs
+
+    docs = schema_documents()
+    registry = jsonschema_rs.Registry([(doc["$id"], doc) for doc in docs.values()])
+    return {
+        name: jsonschema_rs.validator_for(doc, registry=registry)
+        for name, doc in docs.items()
+        if name != COMMON_SCHEMA_FILE
+    }

@@ -1,0 +1,840 @@
+"""``traceml validate``: export files checked against the schemas and the spec's rules.
+
+Each line is parsed with orjson and checked against its JSON Schema with a compiled
+``jsonschema_rs`` validator (fast path: ``is_valid``; the error list is built only for
+a bad line). A schema-valid line then gets the checks a schema cannot express: keys
+in schema order, integers written as integers, sorted maps, the cross-field rules of
+the Export Records page. Whole files and folders get the cross-line rules: one
+closing line, last, with the right stream and count; one ``dropped_batches`` per
+folder; unique keys; ``seq`` never decreasing; system_gpu lines matching their
+snapshot; ``hostname`` on every line or none.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import re
+from collections.abc import Callable, Iterable
+from operator import itemgetter
+from pathlib import Path as FsPath
+from typing import Any
+
+import attrs
+import orjson
+
+from traceml_records._errors import Path, describe, json_pointer
+from traceml_records._generated.registry import STREAMS
+from traceml_records._schemas import (
+    CLOSING_SCHEMA_FILE,
+    WARNING_SCHEMA_FILE,
+    rs_validators,
+    schema_documents,
+)
+
+WARNING_FILE_NAME = "finalization_warning.json"
+"""Name of the warning file in a run folder."""
+
+EXPORT_SUBFOLDER = ("aggregator", "export")
+"""Where a run folder keeps its export files."""
+
+RESERVED_EVENT_PREFIX = "_traceml_internal:"
+"""Prefix of the event names TraceML reserves for itself."""
+
+BUILTIN_EVENTS = frozenset(
+    {
+        "_traceml_internal:dataloader_next",
+        "_traceml_internal:h2d_time",
+        "_traceml_internal:forward_time",
+        "_traceml_internal:backward_time",
+        "_traceml_internal:optimizer_step",
+        "_traceml_internal:step_time",
+    }
+)
+"""The reserved event names this release writes."""
+
+_STREAM_BY_FILE = {spec.file_name: spec for spec in STREAMS}
+_IDENTITY = (
+    "observed_timestamp_unix_ns",
+    "rank",
+    "global_rank",
+    "local_rank",
+    "world_size",
+    "local_world_size",
+    "node_rank",
+    "timestamp_unix_ns",
+    "seq",
+)
+_SNAPSHOT_KEY = itemgetter("node_rank", "seq")
+_RFC3339_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?\+00:00")
+_PYTHON_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+\S*")
+_NOT_INT = "expected an integer written without fraction or exponent, got"
+
+# (pointer, message) pairs: what the per-line checks produce before a file and a
+# line number are attached.
+_Found = list[tuple[str, str]]
+
+
+@attrs.frozen
+class Problem:
+    """One thing wrong: where (file, line, JSON pointer) and what."""
+
+    file: str | None
+    line: int | None
+    pointer: str
+    message: str
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file is not None:
+            where = f"{self.file}:{self.line}: " if self.line is not None else f"{self.file}: "
+        return f"{where}{self.pointer or '/'}: {self.message}"
+
+
+@attrs.frozen
+class FileSummary:
+    """The outcome for one file; ``stream`` is None for finalization_warning.json."""
+
+    file: str
+    stream: str | None
+    data_lines: int
+    closed: bool
+    problems: int
+
+    def __str__(self) -> str:
+        verdict = "OK" if self.problems == 0 else f"{self.problems} problem(s)"
+        if self.stream is None and self.file.endswith(WARNING_FILE_NAME):
+            return f"{self.file}: finalization warning, {verdict}"
+        closed = "closed" if self.closed else "not closed"
+        return f"{self.file}: {self.stream or 'unknown stream'}, {self.data_lines} data line(s), {closed}, {verdict}"
+
+
+@attrs.frozen
+class ValidationReport:
+    """Every file checked, and the problems found (capped per file when asked)."""
+
+    files: tuple[FileSummary, ...]
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when no file has a problem."""
+        return all(f.problems == 0 for f in self.files)
+
+
+# --------------------------------------------------------------------------- schemas
+
+
+def _resolve(node: dict[str, Any]) -> dict[str, Any]:
+    """Follow a ``$ref`` into the shipped schemas (only the forms they use)."""
+    ref = node.get("$ref")
+    if ref is None:
+        return node
+    uri, _, fragment = ref.partition("#")
+    docs = schema_documents()
+    target: Any = next(d for d in docs.values() if d["$id"] == uri)
+    for part in fragment.strip("/").split("/"):
+        if part:
+            target = target[part]
+    return _resolve(target)
+
+
+def _is_int_schema(node: dict[str, Any]) -> bool:
+    kind = _resolve(node).get("type")
+    return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
+
+
+def _float_ints(value: Any, node: dict[str, Any], path: Path, out: _Found) -> None:
+    """Report floats where the schema wants integers (JSON Schema accepts ``1.0``)."""
+    node = _resolve(node)
+    if type(value) is float:
+        if _is_int_schema(node):
+            out.append((json_pointer(path), f"{_NOT_INT} {describe(value)}"))
+    elif type(value) is dict:
+        props = node.get("properties", {})
+        extra = node.get("additionalProperties")
+        for key, item in value.items():
+            sub = props.get(key, extra)
+            if isinstance(sub, dict):
+                _float_ints(item, sub, (*path, key), out)
+    elif type(value) is list and isinstance(node.get("items"), dict):
+        for index, item in enumerate(value):
+            _float_ints(item, node["items"], (*path, index), out)
+
+
+def _schema_problems(validator: Any, obj: Any) -> _Found:
+    out: _Found = []
+    for error in validator.iter_errors(obj):
+        path = tuple(error.instance_path)
+        kind = error.kind
+        name = type(kind).__name__
+        if name == "Required":
+            out.append((json_pointer((*path, kind.property)), "required key is missing"))
+        elif name == "AdditionalProperties":
+            out.extend(
+                (json_pointer((*path, key)), "key is not allowed here") for key in kind.unexpected
+            )
+        elif name == "PropertyNames":
+            out.append((json_pointer((*path, kind.error.instance)), f"bad key: {error.message}"))
+        else:
+            out.append((json_pointer(path), error.message))
+    return out
+
+
+# ------------------------------------------------------------------ per-line checks
+
+
+def _check_identity(d: dict[str, Any], out: _Found) -> None:
+    rank, global_rank, local_rank = d["rank"], d["global_rank"], d["local_rank"]
+    world, local_world = d["world_size"], d["local_world_size"]
+    if rank != global_rank:
+        out.append(("/rank", f"rank {rank} differs from global_rank {global_rank}"))
+    if global_rank >= world:
+        out.append(("/global_rank", f"global_rank {global_rank} is not below world_size {world}"))
+    if local_rank >= local_world:
+        out.append(
+            ("/local_rank", f"local_rank {local_rank} is not below local_world_size {local_world}")
+        )
+    if local_world > world:
+        out.append(
+            ("/local_world_size", f"local_world_size {local_world} exceeds world_size {world}")
+        )
+
+
+def _check_step_time(d: dict[str, Any], out: _Found) -> None:
+    _check_identity(d, out)
+    events = d["events"]
+    if len(events) > 1:
+        names = list(events)
+        if names != sorted(names):
+            out.append(("/events", "event names are not sorted by code point"))
+    for name, devices in events.items():
+        if name.startswith(RESERVED_EVENT_PREFIX) and name not in BUILTIN_EVENTS:
+            out.append(
+                (
+                    json_pointer(("events", name)),
+                    f"event names starting with {RESERVED_EVENT_PREFIX!r} are reserved; "
+                    "this one is not a built-in event",
+                )
+            )
+        if len(devices) > 1:
+            keys = list(devices)
+            if keys != sorted(keys):
+                out.append((json_pointer(("events", name)), "device keys are not sorted"))
+        for device, t in devices.items():
+            cpu, duration, gpu = t["cpu_ms"], t["duration_ms"], t["gpu_ms"]
+            if type(t["n_calls"]) is float:
+                at = json_pointer(("events", name, device, "n_calls"))
+                out.append((at, f"{_NOT_INT} {describe(t['n_calls'])}"))
+            if t["is_gpu"]:
+                if gpu is None:
+                    at = json_pointer(("events", name, device, "gpu_ms"))
+                    out.append((at, "is_gpu is true but gpu_ms is null"))
+                elif duration != gpu:
+                    at = json_pointer(("events", name, device, "duration_ms"))
+                    out.append((at, f"is_gpu is true but duration_ms {duration} != gpu_ms {gpu}"))
+            elif duration != cpu:
+                at = json_pointer(("events", name, device, "duration_ms"))
+                out.append((at, f"is_gpu is false but duration_ms {duration} != cpu_ms {cpu}"))
+
+
+def _check_step_memory(d: dict[str, Any], out: _Found) -> None:
+    _check_identity(d, out)
+    if d["device"] == "cpu":
+        for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+            if d[key] is not None:
+                out.append((f"/{key}", "must be null on device cpu"))
+
+
+_PROCESS_GPU_FIELDS = (
+    "gpu_count",
+    "gpu_device_index",
+    "gpu_memory_used_bytes",
+    "gpu_memory_reserved_bytes",
+    "gpu_memory_total_bytes",
+)
+
+
+def _check_process(d: dict[str, Any], out: _Found) -> None:
+    _check_identity(d, out)
+    if d["gpu_available"] is not True:
+        for key in _PROCESS_GPU_FIELDS:
+            if d[key] is not None:
+                out.append((f"/{key}", "must be null unless gpu_available is true"))
+
+
+def _check_system(d: dict[str, Any], out: _Found) -> None:
+    _check_identity(d, out)
+    if d["local_rank"] != 0:
+        out.append(("/local_rank", "system lines come from local rank 0"))
+    if d["gpu_available"] is False and d["gpu_count"] != 0:
+        out.append(("/gpu_count", "must be 0 when gpu_available is false"))
+
+
+def _check_system_gpu(d: dict[str, Any], out: _Found) -> None:
+    _check_identity(d, out)
+    if d["local_rank"] != 0:
+        out.append(("/local_rank", "system_gpu lines come from local rank 0"))
+
+
+def _check_runtime_environment(d: dict[str, Any], out: _Found) -> None:
+    _check_identity(d, out)
+    world, local_world = d["world_size"], d["local_world_size"]
+    if world == 1:
+        topology = "single_process"
+    elif local_world == world:
+        topology = "single_node_multi_process"
+    else:
+        topology = "multi_node"
+    if d["topology"] != topology:
+        out.append(
+            (
+                "/topology",
+                f"expected {topology!r} for world_size {world}, local_world_size {local_world}",
+            )
+        )
+    if (d["distributed_backend"] is not None) != d["distributed_initialized"]:
+        out.append(
+            ("/distributed_backend", "must be non-null exactly when distributed_initialized")
+        )
+    if _PYTHON_VERSION.fullmatch(d["python_version"]) is None:
+        out.append(("/python_version", "expected platform.python_version(), e.g. '3.11.7'"))
+
+
+def _check_stdout_stderr(d: dict[str, Any], out: _Found) -> None:
+    if "\n" in d["line"]:
+        out.append(("/line", "one line of output, without its newline"))
+
+
+_CROSS_FIELD: dict[str, Callable[[dict[str, Any], _Found], None]] = {
+    "step_time": _check_step_time,
+    "step_memory": _check_step_memory,
+    "process": _check_process,
+    "system": _check_system,
+    "system_gpu": _check_system_gpu,
+    "runtime_environment": _check_runtime_environment,
+    "stdout_stderr": _check_stdout_stderr,
+}
+
+
+@attrs.frozen
+class _Kind:
+    """What the per-line checks of one stream need, derived from its schema once."""
+
+    stream: str
+    validator: Any
+    order: tuple[str, ...]
+    order_without_hostname: tuple[str, ...]
+    int_keys: tuple[str, ...]
+    cross_field: Callable[[dict[str, Any], _Found], None]
+    key_of: Callable[[dict[str, Any]], Any]
+    unique_keys: bool
+    carries_hostname: bool
+
+    def check(self, d: dict[str, Any]) -> tuple[bool, _Found]:
+        """Whether the line passes its schema, and its problems (schema, then the rest)."""
+        if not self.validator.is_valid(d):
+            return False, _schema_problems(self.validator, d)
+        out: _Found = []
+        keys = tuple(d)
+        if keys != self.order and keys != self.order_without_hostname:
+            out.append(("", f"keys are not in schema order ({', '.join(self.order)})"))
+        for key in self.int_keys:
+            if type(d.get(key)) is float:
+                out.append((f"/{key}", f"{_NOT_INT} {describe(d[key])}"))
+        self.cross_field(d, out)
+        return True, out
+
+
+@functools.cache
+def _kinds() -> dict[str, _Kind]:
+    validators = rs_validators()
+    docs = schema_documents()
+    kinds = {}
+    for spec in STREAMS:
+        schema = docs[spec.schema_file]
+        props: dict[str, Any] = schema["properties"]
+        order = tuple(props)
+        kinds[spec.name] = _Kind(
+            stream=spec.name,
+            validator=validators[spec.schema_file],
+            order=order,
+            order_without_hostname=tuple(k for k in order if k != "hostname"),
+            int_keys=tuple(k for k, v in props.items() if _is_int_schema(v)),
+            cross_field=_CROSS_FIELD[spec.name],
+            key_of=itemgetter(*spec.key_fields),
+            # A later runtime_environment line for a rank replaces the earlier one.
+            unique_keys=spec.name != "runtime_environment",
+            carries_hostname=spec.carries_hostname,
+        )
+    return kinds
+
+
+def _check_closing(d: dict[str, Any]) -> _Found:
+    schema = schema_documents()[CLOSING_SCHEMA_FILE]
+    validator = rs_validators()[CLOSING_SCHEMA_FILE]
+    if not validator.is_valid(d):
+        return _schema_problems(validator, d)
+    out: _Found = []
+    if tuple(d) != tuple(schema["properties"]):
+        out.append(("", f"keys are not in schema order ({', '.join(schema['properties'])})"))
+    _float_ints(d, schema, (), out)
+    return out
+
+
+def _check_warning(d: Any) -> _Found:
+    """Schema and cross-field rules of finalization_warning.json."""
+    schema = schema_documents()[WARNING_SCHEMA_FILE]
+    validator = rs_validators()[WARNING_SCHEMA_FILE]
+    if not validator.is_valid(d):
+        return _schema_problems(validator, d)
+    out: _Found = []
+    order = [k for k in schema["properties"] if k in d]
+    if list(d) != order:
+        out.append(("", f"keys are not in schema order ({', '.join(order)})"))
+    _float_ints(d, schema, (), out)
+    completed = d["completed_at"]
+    valid_time = _RFC3339_UTC.fullmatch(completed) is not None
+    if valid_time:
+        try:
+            datetime.datetime.fromisoformat(completed)
+        except ValueError:
+            valid_time = False
+    if not valid_time:
+        out.append(
+            (
+                "/completed_at",
+                "expected datetime.now(timezone.utc).isoformat(), e.g. "
+                "'2025-01-31T12:00:00.123456+00:00'",
+            )
+        )
+    if "expected_world_size" in d:
+        world = d["expected_world_size"]
+        finished, missing = d["finished_ranks"], d["missing_ranks"]
+        for key, ranks in (("finished_ranks", finished), ("missing_ranks", missing)):
+            if ranks != sorted(ranks):
+                out.append((f"/{key}", "ranks are not sorted"))
+            if any(r >= world for r in ranks):
+                out.append((f"/{key}", f"ranks must be below expected_world_size {world}"))
+        both = sorted(set(finished) & set(missing))
+        if both:
+            out.append(("/missing_ranks", f"ranks {both} are also in finished_ranks"))
+    export = d.get("export")
+    if export is not None and not (
+        export["dropped_batches"] > 0
+        or export["failed_records"] > 0
+        or export["skipped_items"] > 0
+        or export["exporter_failed"]
+    ):
+        out.append(("/export", "the export block shows no loss"))
+    return out
+
+
+def validate_line(data: bytes | str) -> list[Problem]:
+    """Problems of one line on its own: JSON, schema and cross-field rules.
+
+    The line may be a data line of any stream, a closing line or the warning object.
+    Cross-line rules need the whole file; see :func:`validate_paths`.
+    """
+    try:
+        d = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        return [Problem(None, None, "", f"invalid JSON: {exc}")]
+    return [Problem(None, None, p, m) for p, m in _check_object(d)]
+
+
+def _check_object(d: Any) -> _Found:
+    if type(d) is not dict:
+        return [("", f"expected object, got {describe(d)}")]
+    if "closing" in d:
+        return _check_closing(d)
+    if "status" in d:
+        return _check_warning(d)
+    stream = d.get("stream")
+    kind = _kinds().get(stream) if type(stream) is str else None
+    if kind is None:
+        return [_unknown_stream(d)]
+    return kind.check(d)[1]
+
+
+def _unknown_stream(d: dict[str, Any]) -> tuple[str, str]:
+    if "stream" not in d:
+        return ("/stream", "required key is missing")
+    names = ", ".join(spec.name for spec in STREAMS)
+    return ("/stream", f"unknown stream {describe(d['stream'])}; expected one of {names}")
+
+
+# ------------------------------------------------------------------ files and folders
+
+
+@attrs.define
+class _FileState:
+    """Mutable bookkeeping of one file while its folder is checked."""
+
+    display: str
+    stream: str | None
+    cap: int | None
+    problems: list[Problem] = attrs.Factory(list)
+    count: int = 0
+    lines: int = 0
+    data_lines: int = 0
+    closing: dict[str, Any] | None = None
+    closing_line: int | None = None
+    closed: bool = False
+    # system: (node_rank, seq) → (line, gpu_count, identity)
+    snapshots: dict[Any, tuple[int, int, tuple[Any, ...]]] = attrs.Factory(dict)
+    # system_gpu: (node_rank, seq) → [lines, first line, identity]
+    gpu_groups: dict[Any, list[Any]] = attrs.Factory(dict)
+
+    def add(self, line: int | None, pointer: str, message: str) -> None:
+        self.count += 1
+        if self.cap is None or len(self.problems) < self.cap:
+            self.problems.append(Problem(self.display, line, pointer, message))
+
+    def summary(self) -> FileSummary:
+        return FileSummary(self.display, self.stream, self.data_lines, self.closed, self.count)
+
+
+@attrs.define
+class _Folder:
+    """State shared by the files of one export folder (the cross-file rules)."""
+
+    hostname: tuple[bool, str] | None = None
+
+
+def _identity_of(d: dict[str, Any]) -> tuple[Any, ...]:
+    return (*(d[k] for k in _IDENTITY), d.get("hostname", ...))
+
+
+def _scan_file(
+    path: FsPath,
+    state: _FileState,
+    folder: _Folder,
+    progress: Callable[[int], None] | None,
+) -> None:
+    kinds = _kinds()
+    loads = orjson.loads
+    decode_error = orjson.JSONDecodeError
+    add = state.add
+    seen: dict[Any, int] = {}
+    last_seq: dict[int, int] = {}
+    number = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            number += 1
+            if progress is not None and number % 65536 == 0:
+                progress(f.tell())
+            if raw[-1:] != b"\n":
+                add(number, "", "last line has no newline (still being written, or truncated)")
+                break
+            state.lines = number
+            try:
+                d = loads(raw)
+            except decode_error as exc:
+                state.data_lines += 1
+                add(number, "", f"invalid JSON: {exc}")
+                continue
+            if type(d) is dict and "closing" in d:
+                _closing_line(state, number, d)
+                continue
+            state.data_lines += 1
+            if type(d) is not dict:
+                add(number, "", f"expected object, got {describe(d)}")
+                continue
+            stream = d.get("stream")
+            kind = kinds.get(stream) if type(stream) is str else None
+            if kind is None:
+                if "status" in d:
+                    add(number, "", "a finalization warning object is not an export line")
+                else:
+                    add(number, *_unknown_stream(d))
+                continue
+            if state.stream is None:
+                state.stream = stream
+            elif stream != state.stream:
+                add(number, "/stream", f"a {stream} line in a {state.stream} file")
+                continue
+            valid, found = kind.check(d)
+            for pointer, message in found:
+                add(number, pointer, message)
+            if not valid:
+                continue  # values may have any type: no cross-line checks
+            _cross_line(state, folder, kind, d, number, seen, last_seq)
+    if progress is not None:
+        progress(os.path.getsize(path))
+    _finish_file(state)
+
+
+def _closing_line(state: _FileState, number: int, d: dict[str, Any]) -> None:
+    if state.closing_line is not None:
+        state.add(
+            number, "", f"more than one closing line (the first is line {state.closing_line})"
+        )
+        return
+    state.closing_line = number
+    for pointer, message in _check_closing(d):
+        state.add(number, pointer, message)
+    if rs_validators()[CLOSING_SCHEMA_FILE].is_valid(d):
+        state.closing = d
+
+
+def _cross_line(
+    state: _FileState,
+    folder: _Folder,
+    kind: _Kind,
+    d: dict[str, Any],
+    number: int,
+    seen: dict[Any, int],
+    last_seq: dict[int, int],
+) -> None:
+    if kind.unique_keys:
+        key = kind.key_of(d)
+        first = seen.get(key)
+        if first is None:
+            seen[key] = number
+        else:
+            state.add(number, "", f"duplicate key {key!r} (first on line {first})")
+    rank, seq = d["rank"], d["seq"]
+    previous = last_seq.get(rank)
+    if previous is not None and seq < previous:
+        state.add(number, "/seq", f"seq {seq} decreases (was {previous} for rank {rank})")
+    last_seq[rank] = seq
+    if kind.carries_hostname:
+        has = "hostname" in d
+        if folder.hostname is None:
+            folder.hostname = (has, f"{state.display}:{number}")
+        elif folder.hostname[0] is not has:
+            other = "absent" if has else "present"
+            state.add(
+                number,
+                "/hostname",
+                f"hostname must be on every line or none; it is {other} on {folder.hostname[1]}",
+            )
+    if kind.stream == "system":
+        state.snapshots.setdefault(_SNAPSHOT_KEY(d), (number, d["gpu_count"], _identity_of(d)))
+    elif kind.stream == "system_gpu":
+        group = state.gpu_groups.get(_SNAPSHOT_KEY(d))
+        if group is None:
+            state.gpu_groups[_SNAPSHOT_KEY(d)] = [1, number, _identity_of(d)]
+        else:
+            group[0] += 1
+            if _identity_of(d) != group[2]:
+                state.add(number, "", f"identity differs from line {group[1]} of the same snapshot")
+
+
+def _finish_file(state: _FileState) -> None:
+    if state.closing_line is None:
+        state.add(state.lines + 1, "", "no closing line (the file did not finish cleanly)")
+        return
+    if state.closing_line != state.lines:
+        after = state.lines - state.closing_line
+        state.add(state.closing_line, "", f"closing line is not the last line ({after} follow)")
+    closing = state.closing
+    if closing is None:
+        return
+    state.closed = state.closing_line == state.lines
+    if state.stream is None:
+        state.stream = closing["stream"]
+    elif closing["stream"] != state.stream:
+        state.add(
+            state.closing_line, "/stream", f"closes {closing['stream']} in a {state.stream} file"
+        )
+    if closing["written_records"] != state.data_lines:
+        state.add(
+            state.closing_line,
+            "/written_records",
+            f"{closing['written_records']} but the file has {state.data_lines} data line(s)",
+        )
+
+
+def _finish_folder(states: list[_FileState], warning: tuple[_FileState, Any] | None) -> None:
+    closings = [s for s in states if s.closing is not None]
+    if closings:
+        first = closings[0]
+        dropped = first.closing["dropped_batches"]  # type: ignore[index]
+        for s in closings[1:]:
+            value = s.closing["dropped_batches"]  # type: ignore[index]
+            if value != dropped:
+                s.add(
+                    s.closing_line,
+                    "/dropped_batches",
+                    f"{value} but {first.display} shows {dropped}; one count per run",
+                )
+    by_stream: dict[str, list[_FileState]] = {}
+    for s in states:
+        if s.stream is not None:
+            by_stream.setdefault(s.stream, []).append(s)
+    systems, gpus = by_stream.get("system", []), by_stream.get("system_gpu", [])
+    if len(systems) == 1 and len(gpus) == 1:
+        _match_snapshots(systems[0], gpus[0])
+    if warning is not None:
+        _match_warning(warning[0], warning[1], states)
+
+
+def _match_snapshots(system: _FileState, gpu: _FileState) -> None:
+    for key, (line, count, identity) in system.snapshots.items():
+        group = gpu.gpu_groups.get(key)
+        lines = 0 if group is None else group[0]
+        if lines != count:
+            system.add(
+                line,
+                "/gpu_count",
+                f"{count} but {gpu.display} has {lines} line(s) for node_rank {key[0]}, seq {key[1]}",
+            )
+        elif group is not None and group[2] != identity:
+            gpu.add(group[1], "", f"identity differs from its snapshot on {system.display}:{line}")
+    for key, (_, first, _) in gpu.gpu_groups.items():
+        if key not in system.snapshots:
+            gpu.add(
+                first,
+                "",
+                f"no snapshot for node_rank {key[0]}, seq {key[1]} in {system.display}",
+            )
+
+
+def _match_warning(state: _FileState, d: dict[str, Any], states: list[_FileState]) -> None:
+    export = d.get("export")
+    if export is None or not states or any(not s.closed for s in states):
+        return
+    dropped = states[0].closing["dropped_batches"]  # type: ignore[index]
+    if export["dropped_batches"] != dropped:
+        state.add(
+            1,
+            "/export/dropped_batches",
+            f"{export['dropped_batches']} but closing lines show {dropped}",
+        )
+    written = sum(s.data_lines for s in states)
+    if export["written_records"] != written:
+        state.add(
+            1,
+            "/export/written_records",
+            f"{export['written_records']} but the export files hold {written} data line(s)",
+        )
+
+
+def _scan_warning(path: FsPath, state: _FileState) -> Any:
+    """Check finalization_warning.json; returns the parsed object when it is valid."""
+    data = path.read_bytes()
+    try:
+        d = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        state.add(1, "", f"invalid JSON: {exc}")
+        return None
+    if type(d) is not dict:
+        state.add(1, "", f"expected object, got {describe(d)}")
+        return None
+    found = _check_warning(d)
+    for pointer, message in found:
+        state.add(_line_of(data, pointer), pointer, message)
+    state.closed = True
+    return None if found else d
+
+
+def _line_of(data: bytes, pointer: str) -> int:
+    """Line of a top-level key in the pretty-printed warning file (1 when not found)."""
+    top = pointer.split("/")[1] if pointer.count("/") else ""
+    at = data.find(b'"' + top.encode() + b'":') if top else -1
+    return data.count(b"\n", 0, at) + 1 if at >= 0 else 1
+
+
+@attrs.frozen
+class _Group:
+    """Files of one folder, checked together."""
+
+    files: tuple[FsPath, ...]
+    warning: FsPath | None
+
+
+def _expand(paths: Iterable[str | os.PathLike[str]]) -> list[_Group]:
+    groups: dict[FsPath, tuple[list[FsPath], list[FsPath]]] = {}
+    done: set[FsPath] = set()
+
+    def put(folder: FsPath, file: FsPath, is_warning: bool) -> None:
+        real = file.resolve()
+        if real in done:
+            return
+        done.add(real)
+        entry = groups.setdefault(folder.resolve(), ([], []))
+        entry[1 if is_warning else 0].append(file)
+
+    for raw in paths:
+        path = FsPath(raw)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such file or folder")
+        if path.is_file():
+            put(path.parent, path, path.name == WARNING_FILE_NAME)
+            continue
+        export = path.joinpath(*EXPORT_SUBFOLDER)
+        folder = export if export.is_dir() else path
+        files = _export_files(folder)
+        warning = path / WARNING_FILE_NAME
+        if not files and not warning.is_file():
+            raise ValueError(f"{path}: no export files (*.jsonl) and no {WARNING_FILE_NAME}")
+        for file in files:
+            put(folder, file, False)
+        if warning.is_file():
+            # A run folder's warning is checked with its export folder's files.
+            put(folder, warning, True)
+    out = []
+    for files, warnings in groups.values():
+        for extra in warnings[1:]:
+            out.append(_Group((), extra))
+        out.append(_Group(tuple(files), warnings[0] if warnings else None))
+    return out
+
+
+def _export_files(folder: FsPath) -> list[FsPath]:
+    order = {spec.file_name: i for i, spec in enumerate(STREAMS)}
+    files = [p for p in folder.glob("*.jsonl") if p.is_file()]
+    return sorted(files, key=lambda p: (order.get(p.name, len(order)), p.name))
+
+
+def validate_paths(
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    max_problems_per_file: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ValidationReport:
+    """Check export files, export folders and run folders.
+
+    A folder is a run folder when it has ``aggregator/export/`` (its export files and
+    its ``finalization_warning.json`` are checked), else an export folder (its
+    ``*.jsonl`` files). Files given one by one are grouped by folder for the
+    cross-file rules. ``progress(done_bytes, total_bytes)`` is called now and then.
+    Raises FileNotFoundError for a missing path and ValueError for a folder with
+    nothing to check.
+    """
+    groups = _expand(paths)
+    total = sum(p.stat().st_size for g in groups for p in (*g.files, *filter(None, [g.warning])))
+    done = 0
+    states_out: list[_FileState] = []
+    for group in groups:
+        folder = _Folder()
+        states = []
+        for path in group.files:
+            name = path.name
+            spec = _STREAM_BY_FILE.get(name)
+            state = _FileState(str(path), spec.name if spec else None, max_problems_per_file)
+            on_bytes = None
+            if progress is not None:
+                base = done
+
+                def on_bytes(n: int, base: int = base) -> None:
+                    progress(base + n, total)
+
+            _scan_file(path, state, folder, on_bytes)
+            done += path.stat().st_size
+            states.append(state)
+        warning = None
+        wstate = None
+        if group.warning is not None:
+            wstate = _FileState(str(group.warning), None, max_problems_per_file)
+            parsed = _scan_warning(group.warning, wstate)
+            warning = (wstate, parsed) if parsed is not None else None
+        _finish_folder(states, warning)
+        states_out.extend(states)
+        if wstate is not None:
+            states_out.append(wstate)
+    problems = [p for s in states_out for p in s.problems]
+    return ValidationReport(tuple(s.summary() for s in states_out), tuple(problems))
