@@ -13,8 +13,8 @@ from typing import Any, Literal
 import attrs
 import orjson
 
-from traceml_records import ExportLoss, FinalizationWarning, RecordError
-from traceml_records._generated.records import DUMPERS, LOADERS
+from traceml_records import ExportLoss, FinalizationWarning, RecordError, dumps_warning_file
+from traceml_records._generated.records import LOADERS
 
 __all__ = ["WARNING_FILE_NAME", "RankOutcome", "write_finalization_warning"]
 
@@ -136,11 +136,8 @@ def _check_warning(w: FinalizationWarning) -> None:
 
 def _encode(w: FinalizationWarning) -> bytes:
     """Pretty-printed bytes of ``w``, checked by the strict loader before they are written."""
-    data = orjson.dumps(
-        DUMPERS[FinalizationWarning](w, False),
-        option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE,
-    )
-    # Round-trip through the generated loader: what goes to disk must load back equal.
+    data = dumps_warning_file(w)
+    # Round-trip through the generated strict loader: what goes to disk must load back equal.
     loaded = LOADERS[FinalizationWarning](orjson.loads(data), ())
     if loaded != w:
         raise ValueError("finalization warning does not round-trip")

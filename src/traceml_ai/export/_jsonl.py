@@ -21,11 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from traceml_ai.export._protocol import ExportContext, ExportSummary
-from traceml_records import STREAMS_BY_NAME, ClosingLine, RecordError
-from traceml_records._generated.records import DUMPERS, NON_NULLABLE_FLOAT_KEYS
+from traceml_records import STREAMS_BY_NAME, ClosingLine, RecordError, dumps_line
 from traceml_records._registry import STREAM_BY_CLASS
 
 __all__ = [
@@ -110,19 +107,6 @@ class ExportCloseError(Exception):
             "export files without a closing line (a write failed or the file was removed): "
             + ", ".join(self.streams)
         )
-
-
-def _serialize(record: Any, include_hostname: bool) -> bytes:
-    """One compact JSON line (with ``\\n``) for ``record``; RecordError if it has no valid line."""
-    # Stand-in for traceml_records.dumps_line until it lands: same bytes, same refusal
-    # of non-finite floats (orjson writes NaN/Infinity as null, betraying them).
-    line = orjson.dumps(
-        DUMPERS[type(record)](record, include_hostname), option=orjson.OPT_APPEND_NEWLINE
-    )
-    for marker in NON_NULLABLE_FLOAT_KEYS[type(record)]:
-        if marker in line:
-            raise RecordError((marker.split(b'"')[1].decode(),), "expected a finite number")
-    return line
 
 
 class _StreamFile:
@@ -408,7 +392,7 @@ class JsonlExporter:
                     bad += 1  # A stray record of another stream never goes into this file.
                     continue
                 try:
-                    lines.append(_serialize(record, include_hostname))
+                    lines.append(dumps_line(record, include_hostname=include_hostname))
                 except (RecordError, ValueError, TypeError):
                     bad += 1
             f.serialization_failures += bad
@@ -479,7 +463,7 @@ class JsonlExporter:
                 written_records=f.written,
                 dropped_batches=dropped_batches,
             )
-            _write_all(f.fd, _serialize(closing, False))
+            _write_all(f.fd, dumps_line(closing))
             os.fsync(f.fd)
         except OSError as exc:
             f.abandon(f"closing the file failed: {exc}")
