@@ -696,7 +696,7 @@ def test_plain_python_script_runs_with_one_warning(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "done"
-    assert result.stderr.count("TraceMLWarning") == 1
+    assert result.stderr.count("TraceMLWarning") == 1, result.stderr
     assert "not launched by `traceml run`" in result.stderr
 
 

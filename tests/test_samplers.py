@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -392,3 +393,125 @@ def test_a_failing_nvml_count_means_no_gpus() -> None:
     item = SystemSampler(_BrokenNvml([])).sample()
     assert item is not None
     assert item["gpu_available"] is False and item["gpus"] == []
+
+
+class _FakePynvml:
+    """Stands in for the ``pynvml`` module: no NVIDIA driver exists in CI."""
+
+    NVML_TEMPERATURE_GPU = 0
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.shutdowns = 0
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if index == 1:
+            raise self.NVMLError("GPU is lost")
+        return index
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return type("Util", (), {"gpu": 42, "memory": 7})()
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        return type("Mem", (), {"used": 1 << 30, "total": 80 << 30, "free": 79 << 30})()
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
+        return 61
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+        return 123_456  # milliwatts
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: int) -> int:
+        raise self.NVMLError("not supported")
+
+
+def test_pynvml_backend_maps_nvml_readings(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakePynvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nvml = PynvmlBackend()
+    item = SystemSampler(nvml).sample()
+    nvml.close()
+    assert fake.shutdowns == 1
+    assert item is not None and item["gpu_available"] is True
+    first, second = item["gpus"]  # type: ignore[misc]
+    assert first == {
+        "gpu_index": 0,
+        "utilization_percent": 42.0,
+        "memory_used_bytes": 1 << 30,
+        "memory_total_bytes": 80 << 30,
+        "temperature_c": 61.0,
+        "power_usage_w": 123.456,
+        "power_limit_w": None,  # this reading failed alone; the others stay
+    }
+    assert second["gpu_index"] == 1
+    assert all(v is None for k, v in second.items() if k != "gpu_index")
+
+
+def test_pynvml_backend_without_a_driver_reports_no_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakePynvml()
+
+    def no_driver() -> None:
+        raise fake.NVMLError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(fake, "nvmlInit", no_driver)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nvml = PynvmlBackend()
+    assert nvml.device_count() == 0
+    with pytest.raises(RuntimeError):
+        nvml.read(0)
+
+
+class _FakeTorchEvent:
+    """Stands in for ``torch.cuda.Event``: no GPU exists in CI."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.stream: Any = None
+
+    def record(self, stream: Any = None) -> None:
+        self.stream = stream
+
+
+def test_torch_cuda_backend_calls_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = torch.cuda
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(cuda, "is_initialized", lambda: False)
+    backend = TorchCudaBackend()
+    # Not yet initialized by the training code: no probing, no figures.
+    assert backend.is_available() is None
+    assert backend.record_event(0) is None
+    monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(cuda, "Event", _FakeTorchEvent)
+    monkeypatch.setattr(cuda, "current_stream", lambda i: f"stream{i}")
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda i: calls.append(("reset", i)))
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda i: 10 + i)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda i: 20 + i)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda i: -5)  # nonsense becomes None
+
+    def no_props(i: int) -> Any:
+        raise RuntimeError("CUDA error: device-side assert")
+
+    monkeypatch.setattr(cuda, "get_device_properties", no_props)
+    assert backend.is_available() is True
+    assert (backend.device_count(), backend.current_device()) == (2, 1)
+    event = backend.record_event(1)
+    assert isinstance(event, _FakeTorchEvent) and event.stream == "stream1"
+    backend.reset_peak_memory_stats(1)
+    assert calls == [("reset", 1)]
+    assert (backend.max_memory_allocated(1), backend.max_memory_reserved(1)) == (11, 21)
+    assert backend.memory_allocated(1) is None
+    assert backend.total_memory(1) is None

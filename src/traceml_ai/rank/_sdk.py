@@ -13,10 +13,12 @@ import atexit
 import contextlib
 import importlib
 import os
+import sys
 import threading
 import time
 import warnings
 from contextlib import AbstractContextManager
+from types import FrameType
 from typing import Any, Protocol
 
 from traceml_ai.rank._lazy import torch_or_none
@@ -62,11 +64,25 @@ _warned: set[str] = set()
 _process_hooks_installed = False
 
 
-def _warn_once(key: str, message: str, stacklevel: int = 2) -> None:
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside traceml_ai."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _warn_once(key: str, message: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(message, TraceMLWarning, stacklevel=stacklevel + 1)
+    # Blame the user's line (init/trace_step call or the hooked torch call), not ours.
+    warnings.warn(message, TraceMLWarning, stacklevel=_user_stacklevel())
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -123,7 +139,6 @@ class _Runtime:
         _warn_once(
             "timer",
             f"TraceML step timing failed and is now off for this run ({exc!r}); training continues.",
-            stacklevel=4,
         )
 
     def _guarded(self, component: str, fn: Any) -> None:
@@ -266,7 +281,6 @@ def init(
                 "not_launched",
                 "TraceML export is off: this script was not launched by `traceml run` "
                 f"({ENV_AGGREGATOR_ADDR} is not set); TraceML calls do nothing.",
-                stacklevel=3,
             )
             return
         identity = RankIdentity.from_env()
@@ -292,7 +306,6 @@ def init(
             _warn_once(
                 "start_failed",
                 f"TraceML could not start ({exc!r}); export is off and training continues.",
-                stacklevel=3,
             )
             return
         _runtime = runtime
