@@ -45,6 +45,21 @@ StreamRecord: TypeAlias = (
 AnyRecord: TypeAlias = StreamRecord | ClosingLine | FinalizationWarning
 """Anything :func:`loads_line` can return."""
 
+RESERVED_EVENT_PREFIX = "_traceml_internal:"
+"""Prefix of the event names TraceML reserves for itself."""
+
+BUILTIN_EVENTS = frozenset(
+    {
+        "_traceml_internal:dataloader_next",
+        "_traceml_internal:h2d_time",
+        "_traceml_internal:forward_time",
+        "_traceml_internal:backward_time",
+        "_traceml_internal:optimizer_step",
+        "_traceml_internal:step_time",
+    }
+)
+"""The reserved event names this release writes."""
+
 _STREAM_LOADERS: dict[str, Any] = {spec.name: LOADERS[spec.record_class] for spec in STREAMS}
 _STREAM_NAMES = ", ".join(spec.name for spec in STREAMS)
 _LOAD_CLOSING = LOADERS[ClosingLine]
@@ -136,7 +151,27 @@ def record_from_object(obj: Any) -> AnyRecord:
         raise RecordError(
             ("stream",), f"unknown stream {describe(stream)}; expected one of {_STREAM_NAMES}"
         )
-    return loader(obj, ())  # type: ignore[no-any-return]
+    record = loader(obj, ())
+    if type(record) is StepTimeRecord:
+        check_event_names(record.events)
+    return record  # type: ignore[no-any-return]
+
+
+def check_event_names(events: dict[str, Any]) -> None:
+    """Raise RecordError for a ``_traceml_internal:`` name that is not a built-in event.
+
+    The schema cannot say this (it only asks for non-empty names), so the generated
+    loader does not check it.
+    """
+    for name in events:
+        if name.startswith(RESERVED_EVENT_PREFIX) and name not in BUILTIN_EVENTS:
+            raise RecordError(("events", name), _RESERVED_MESSAGE)
+
+
+_RESERVED_MESSAGE = (
+    f"event names starting with {RESERVED_EVENT_PREFIX!r} are reserved; "
+    "this one is not a built-in event"
+)
 
 
 def loads_line(data: bytes | str) -> AnyRecord:

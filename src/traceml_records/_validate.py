@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import orjson
 
+from traceml_records._codec import _RESERVED_MESSAGE, BUILTIN_EVENTS, RESERVED_EVENT_PREFIX
 from traceml_records._errors import Path, describe, json_pointer
 from traceml_records._generated.registry import STREAMS
 from traceml_records._schemas import (
@@ -38,21 +39,6 @@ WARNING_FILE_NAME = "finalization_warning.json"
 
 EXPORT_SUBFOLDER = ("aggregator", "export")
 """Where a run folder keeps its export files."""
-
-RESERVED_EVENT_PREFIX = "_traceml_internal:"
-"""Prefix of the event names TraceML reserves for itself."""
-
-BUILTIN_EVENTS = frozenset(
-    {
-        "_traceml_internal:dataloader_next",
-        "_traceml_internal:h2d_time",
-        "_traceml_internal:forward_time",
-        "_traceml_internal:backward_time",
-        "_traceml_internal:optimizer_step",
-        "_traceml_internal:step_time",
-    }
-)
-"""The reserved event names this release writes."""
 
 _STREAM_BY_FILE = {spec.file_name: spec for spec in STREAMS}
 _IDENTITY = (
@@ -126,30 +112,32 @@ class ValidationReport:
 # --------------------------------------------------------------------------- schemas
 
 
-def _resolve(node: dict[str, Any]) -> dict[str, Any]:
-    """Follow a ``$ref`` into the shipped schemas (only the forms they use)."""
-    ref = node.get("$ref")
-    if ref is None:
-        return node
-    uri, _, fragment = ref.partition("#")
-    docs = schema_documents()
-    target: Any = next(d for d in docs.values() if d["$id"] == uri)
-    for part in fragment.strip("/").split("/"):
-        if part:
-            target = target[part]
-    return _resolve(target)
+def _resolve(node: dict[str, Any], root: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Follow ``$ref``s (URN of a shipped schema, or local) to the node and its document."""
+    while "$ref" in node:
+        uri, _, fragment = node["$ref"].partition("#")
+        if uri:
+            root = next(d for d in schema_documents().values() if d["$id"] == uri)
+        target: Any = root
+        for part in fragment.strip("/").split("/"):
+            if part:
+                target = target[part]
+        node = target
+    return node, root
 
 
-def _is_int_schema(node: dict[str, Any]) -> bool:
-    kind = _resolve(node).get("type")
+def _is_int_schema(node: dict[str, Any], root: dict[str, Any]) -> bool:
+    kind = _resolve(node, root)[0].get("type")
     return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
 
 
-def _float_ints(value: Any, node: dict[str, Any], path: Path, out: _Found) -> None:
+def _float_ints(
+    value: Any, node: dict[str, Any], root: dict[str, Any], path: Path, out: _Found
+) -> None:
     """Report floats where the schema wants integers (JSON Schema accepts ``1.0``)."""
-    node = _resolve(node)
+    node, root = _resolve(node, root)
     if type(value) is float:
-        if _is_int_schema(node):
+        if _is_int_schema(node, root):
             out.append((json_pointer(path), f"{_NOT_INT} {describe(value)}"))
     elif type(value) is dict:
         props = node.get("properties", {})
@@ -157,10 +145,10 @@ def _float_ints(value: Any, node: dict[str, Any], path: Path, out: _Found) -> No
         for key, item in value.items():
             sub = props.get(key, extra)
             if isinstance(sub, dict):
-                _float_ints(item, sub, (*path, key), out)
+                _float_ints(item, sub, root, (*path, key), out)
     elif type(value) is list and isinstance(node.get("items"), dict):
         for index, item in enumerate(value):
-            _float_ints(item, node["items"], (*path, index), out)
+            _float_ints(item, node["items"], root, (*path, index), out)
 
 
 def _schema_problems(validator: Any, obj: Any) -> _Found:
@@ -211,13 +199,7 @@ def _check_step_time(d: dict[str, Any], out: _Found) -> None:
             out.append(("/events", "event names are not sorted by code point"))
     for name, devices in events.items():
         if name.startswith(RESERVED_EVENT_PREFIX) and name not in BUILTIN_EVENTS:
-            out.append(
-                (
-                    json_pointer(("events", name)),
-                    f"event names starting with {RESERVED_EVENT_PREFIX!r} are reserved; "
-                    "this one is not a built-in event",
-                )
-            )
+            out.append((json_pointer(("events", name)), _RESERVED_MESSAGE))
         if len(devices) > 1:
             keys = list(devices)
             if keys != sorted(keys):
@@ -361,7 +343,7 @@ def _kinds() -> dict[str, _Kind]:
             validator=validators[spec.schema_file],
             order=order,
             order_without_hostname=tuple(k for k in order if k != "hostname"),
-            int_keys=tuple(k for k, v in props.items() if _is_int_schema(v)),
+            int_keys=tuple(k for k, v in props.items() if _is_int_schema(v, schema)),
             cross_field=_CROSS_FIELD[spec.name],
             key_of=itemgetter(*spec.key_fields),
             # A later runtime_environment line for a rank replaces the earlier one.
@@ -379,7 +361,7 @@ def _check_closing(d: dict[str, Any]) -> _Found:
     out: _Found = []
     if tuple(d) != tuple(schema["properties"]):
         out.append(("", f"keys are not in schema order ({', '.join(schema['properties'])})"))
-    _float_ints(d, schema, (), out)
+    _float_ints(d, schema, schema, (), out)
     return out
 
 
@@ -393,7 +375,7 @@ def _check_warning(d: Any) -> _Found:
     order = [k for k in schema["properties"] if k in d]
     if list(d) != order:
         out.append(("", f"keys are not in schema order ({', '.join(order)})"))
-    _float_ints(d, schema, (), out)
+    _float_ints(d, schema, schema, (), out)
     completed = d["completed_at"]
     valid_time = _RFC3339_UTC.fullmatch(completed) is not None
     if valid_time:
