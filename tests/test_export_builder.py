@@ -361,7 +361,17 @@ MALFORMED: list[tuple[str, str, Any]] = [
         "huge python_version",
         _mutate("runtime_environment", lambda i: i.update(python_version=BIG)),
     ),
+    (
+        "runtime_environment",
+        "python_version not a version",
+        _mutate("runtime_environment", lambda i: i.update(python_version="CPython")),
+    ),
     # stdout_stderr
+    (
+        "stdout_stderr",
+        "line with newline",
+        _mutate("stdout_stderr", lambda i: i.update(line="a\nb")),
+    ),
     ("stdout_stderr", "bad source", _mutate("stdout_stderr", lambda i: i.update(source="both"))),
     ("stdout_stderr", "line not a string", _mutate("stdout_stderr", lambda i: i.update(line=5))),
     ("stdout_stderr", "huge line", _mutate("stdout_stderr", lambda i: i.update(line="é" * 40000))),
@@ -382,6 +392,12 @@ def test_malformed_item_is_skipped_and_counted(stream: str, item: Any) -> None:
     if stream == "system":
         # The whole snapshot goes, gpus included, so (node_rank, seq) keeps gpu_count lines.
         assert [g.seq for g in result.records["system_gpu"]] == [0, 0, 2, 2]
+
+
+def test_stdout_line_may_be_empty_or_hold_carriage_return() -> None:
+    builder = RecordBuilder(("stdout_stderr",), False)
+    result = builder.build(batch("stdout_stderr", [stdout_item(line=""), stdout_item(line="a\rb")]))
+    assert [r.line for r in result.records["stdout_stderr"]] == ["", "a\rb"]
 
 
 def test_strings_at_the_size_limit_are_kept() -> None:

@@ -11,6 +11,7 @@ express are checked afterwards. An item that fails anything is skipped and count
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ from traceml_records import (
     SystemGpuRecord,
     SystemRecord,
 )
+from traceml_records._codec import BUILTIN_EVENTS, RESERVED_EVENT_PREFIX
 from traceml_records._generated.records import LOADERS
 
 __all__ = [
@@ -50,20 +52,13 @@ MAX_EVENT_ENTRIES = 1024
 MAX_GPUS_PER_SNAPSHOT = 1024
 """Most GPU entries one system item may carry."""
 
-INTERNAL_PREFIX = "_traceml_internal:"
+INTERNAL_PREFIX = RESERVED_EVENT_PREFIX
 STEP_TIME_EVENT = INTERNAL_PREFIX + "step_time"
-BUILTIN_EVENT_NAMES = frozenset(
-    INTERNAL_PREFIX + name
-    for name in (
-        "dataloader_next",
-        "h2d_time",
-        "forward_time",
-        "backward_time",
-        "optimizer_step",
-        "step_time",
-    )
-)
+BUILTIN_EVENT_NAMES = BUILTIN_EVENTS
 """The reserved event names this release writes; other ``_traceml_internal:`` names are invalid."""
+
+# What ``traceml validate`` accepts as ``platform.python_version()``.
+_PYTHON_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+\S*")
 
 _INT64_MAX = 2**63 - 1
 # A str of at most this many code points is at most MAX_STRING_BYTES in UTF-8 (4 bytes
@@ -549,8 +544,10 @@ class RecordBuilder:
                 d = base.copy()
                 d.update(item)
                 record = _load_runtime(d, _NO_PATH)
-                if record.topology != topology or record.distributed_initialized is (
-                    record.distributed_backend is None
+                if (
+                    record.topology != topology
+                    or record.distributed_initialized is (record.distributed_backend is None)
+                    or _PYTHON_VERSION.fullmatch(record.python_version) is None
                 ):
                     raise _Skip
             except Exception:
@@ -574,7 +571,8 @@ class RecordBuilder:
                 if type(item) is not dict or item.keys() != _STDOUT_KEYS:
                     raise _Skip
                 line = item["line"]
-                if type(line) is str and _str_too_big(line):
+                # One line of output: a newline inside would make it two.
+                if type(line) is str and ("\n" in line or _str_too_big(line)):
                     raise _Skip
                 d = base.copy()
                 d.update(item)
