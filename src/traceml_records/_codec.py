@@ -30,6 +30,7 @@ from traceml_records._generated.records import (
     SystemRecord,
 )
 from traceml_records._generated.registry import STREAMS
+from traceml_records._schemas import WARNING_SCHEMA_FILE, rs_validators, schema_errors
 
 StreamRecord: TypeAlias = (
     StepTimeRecord
@@ -141,7 +142,7 @@ def record_from_object(obj: Any) -> AnyRecord:
             )
         return _LOAD_CLOSING(obj, ())  # type: ignore[no-any-return]
     if "status" in obj:
-        return _LOAD_WARNING(obj, ())  # type: ignore[no-any-return]
+        return _load_warning(obj)
     try:
         stream = obj["stream"]
     except KeyError:
@@ -195,4 +196,15 @@ def dumps_warning_file(warning: FinalizationWarning) -> bytes:
 
 def loads_warning_file(data: bytes | str) -> FinalizationWarning:
     """Parse ``finalization_warning.json`` content strictly (RecordError on any fault)."""
-    return _LOAD_WARNING(_parse(data), ())  # type: ignore[no-any-return]
+    return _load_warning(_parse(data))
+
+
+def _load_warning(obj: Any) -> FinalizationWarning:
+    warning: FinalizationWarning = _LOAD_WARNING(obj, ())
+    # The generated loader leaves the schema's allOf/dependentRequired rules (which
+    # keys go together, which reason needs which block) to a JSON Schema validator.
+    validator = rs_validators()[WARNING_SCHEMA_FILE]
+    if not validator.is_valid(obj):
+        path, message = schema_errors(validator, obj)[0]
+        raise RecordError(path, message)
+    return warning

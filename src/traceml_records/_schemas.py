@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from traceml_records._errors import Path
 from traceml_records._generated.registry import SCHEMA_FILES, STREAMS
 
 CLOSING_SCHEMA_FILE = "closing.schema.json"
@@ -48,3 +49,26 @@ def rs_validators() -> Mapping[str, Any]:
         for name, doc in docs.items()
         if name != COMMON_SCHEMA_FILE
     }
+
+
+def schema_errors(validator: Any, obj: Any) -> list[tuple[Path, str]]:
+    """(path, message) of each error a ``jsonschema_rs`` validator finds in ``obj``.
+
+    A missing or unexpected key is reported at the key itself, as the generated
+    loaders do, rather than at the object holding it. Repeats (one missing key
+    required by several rules) are reported once.
+    """
+    out: list[tuple[Path, str]] = []
+    for error in validator.iter_errors(obj):
+        path = tuple(error.instance_path)
+        kind = error.kind
+        name = type(kind).__name__
+        if name == "Required":
+            out.append(((*path, kind.property), "required key is missing"))
+        elif name == "AdditionalProperties":
+            out.extend(((*path, key), "key is not allowed here") for key in kind.unexpected)
+        elif name == "PropertyNames":
+            out.append(((*path, kind.error.instance), f"bad key: {error.message}"))
+        else:
+            out.append((path, error.message))
+    return list(dict.fromkeys(out))

@@ -32,6 +32,7 @@ from traceml_records._schemas import (
     WARNING_SCHEMA_FILE,
     rs_validators,
     schema_documents,
+    schema_errors,
 )
 
 WARNING_FILE_NAME = "finalization_warning.json"
@@ -152,22 +153,7 @@ def _float_ints(
 
 
 def _schema_problems(validator: Any, obj: Any) -> _Found:
-    out: _Found = []
-    for error in validator.iter_errors(obj):
-        path = tuple(error.instance_path)
-        kind = error.kind
-        name = type(kind).__name__
-        if name == "Required":
-            out.append((json_pointer((*path, kind.property)), "required key is missing"))
-        elif name == "AdditionalProperties":
-            out.extend(
-                (json_pointer((*path, key)), "key is not allowed here") for key in kind.unexpected
-            )
-        elif name == "PropertyNames":
-            out.append((json_pointer((*path, kind.error.instance)), f"bad key: {error.message}"))
-        else:
-            out.append((json_pointer(path), error.message))
-    return out
+    return [(json_pointer(path), message) for path, message in schema_errors(validator, obj)]
 
 
 # ------------------------------------------------------------------ per-line checks
@@ -430,6 +416,8 @@ def _check_object(d: Any) -> _Found:
     if type(d) is not dict:
         return [("", f"expected object, got {describe(d)}")]
     if "closing" in d:
+        if d["closing"] is not True:
+            return [_closing_not_true(d)]
         return _check_closing(d)
     if "status" in d:
         return _check_warning(d)
@@ -438,6 +426,13 @@ def _check_object(d: Any) -> _Found:
     if kind is None:
         return [_unknown_stream(d)]
     return kind.check(d)[1]
+
+
+def _closing_not_true(d: dict[str, Any]) -> tuple[str, str]:
+    return (
+        "/closing",
+        f"expected true (data lines never carry closing), got {describe(d['closing'])}",
+    )
 
 
 def _unknown_stream(d: dict[str, Any]) -> tuple[str, str]:
@@ -517,12 +512,15 @@ def _scan_file(
                 state.data_lines += 1
                 add(number, "", f"invalid JSON: {exc}")
                 continue
-            if type(d) is dict and "closing" in d:
+            if type(d) is dict and d.get("closing") is True:
                 _closing_line(state, number, d)
                 continue
             state.data_lines += 1
             if type(d) is not dict:
                 add(number, "", f"expected object, got {describe(d)}")
+                continue
+            if "closing" in d:
+                add(number, *_closing_not_true(d))
                 continue
             stream = d.get("stream")
             kind = kinds.get(stream) if type(stream) is str else None
