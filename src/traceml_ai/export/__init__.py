@@ -1,0 +1,42 @@
+"""Live export: records of the selected streams, from rank batches to an exporter.
+
+Public API:
+
+- :func:`start_export` / :class:`ExportPipeline`: what the aggregator runs.
+- :class:`Exporter`, :class:`ExportContext`, :class:`ExportSummary`: the protocol a
+  custom exporter (``exporter: my_pkg.my_module:make_exporter``) implements.
+- :class:`InMemoryExporter`, :func:`make_in_memory_exporter`, :func:`capture_export`:
+  an exporter for tests, TraceML's and yours.
+- :class:`JsonlExporter`: the built-in exporter.
+- :class:`ExportStats`: the worker's counts.
+"""
+
+from traceml_ai.export._builder import BuildResult, RecordBuilder
+from traceml_ai.export._custom import ExporterStartFailure, create_exporter, load_exporter_factory
+from traceml_ai.export._finalize import write_finalization_warning
+from traceml_ai.export._jsonl import JsonlExporter
+from traceml_ai.export._memory import InMemoryExporter, capture_export, make_in_memory_exporter
+from traceml_ai.export._pipeline import ExportPipeline, start_export
+from traceml_ai.export._protocol import ExportContext, Exporter, ExporterFactory, ExportSummary
+from traceml_ai.export._worker import ExportStats, ExportWorker
+
+__all__ = [
+    "BuildResult",
+    "ExportContext",
+    "ExportPipeline",
+    "ExportStats",
+    "ExportSummary",
+    "ExportWorker",
+    "Exporter",
+    "ExporterFactory",
+    "ExporterStartFailure",
+    "InMemoryExporter",
+    "JsonlExporter",
+    "RecordBuilder",
+    "capture_export",
+    "create_exporter",
+    "load_exporter_factory",
+    "make_in_memory_exporter",
+    "start_export",
+    "write_finalization_warning",
+]

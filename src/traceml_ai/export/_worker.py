@@ -1,0 +1,459 @@
+"""The export worker: a bounded queue of wire batches and one thread feeding an exporter.
+
+``submit`` is called from the aggregator's receive loop and must never slow it down:
+it appends to a deque under a briefly held lock, or counts a dropped batch. The
+worker thread builds records (only of the selected streams) and hands each
+per-stream group to the exporter. Every exporter call happens on the worker thread,
+so a hung exporter holds only that thread; ``shutdown`` waits for it with a deadline
+and gives up on it when the deadline passes.
+
+Fork safety: the aggregator may fork (e.g. a launcher started in-process). A child
+must not inherit a lock held by a parent thread, nor write the parent's lines, so
+every worker is reset in the child to a fresh, stopped one that drops everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from traceml_ai.export._builder import RecordBuilder
+from traceml_ai.export._jsonl import ExportBatchError
+from traceml_ai.export._protocol import Exporter, ExportSummary
+from traceml_ai.wire import ReceivedBatch
+from traceml_records import ExportLoss
+
+__all__ = [
+    "CLOSE_GRACE_S",
+    "DEFAULT_MAX_QUEUE_BATCHES",
+    "DEFAULT_MAX_QUEUE_BYTES",
+    "ExportStats",
+    "ExportWorker",
+]
+
+_log = logging.getLogger("traceml_ai.export")
+
+DEFAULT_MAX_QUEUE_BATCHES = 10_000
+DEFAULT_MAX_QUEUE_BYTES = 64 * 1024 * 1024
+
+CLOSE_GRACE_S = 0.5
+"""How long past its deadline ``shutdown`` waits for the exporter's ``close``."""
+
+_ABANDONED_CLOSE_WAIT_S = 0.25
+"""How long ``close`` gets on a helper thread when the worker is stuck in ``export``."""
+
+
+@attrs.frozen(kw_only=True)
+class ExportStats:
+    """Counts of one export worker (a live snapshot, or the final figures of ``shutdown``).
+
+    ``written_records`` and ``failed_records`` have every selected stream as a key.
+    """
+
+    written_records: Mapping[str, int]
+    """Records of each stream that the exporter accepted."""
+    failed_records: Mapping[str, int]
+    """Records of each stream that were built but not written (exporter raised, hung or is off)."""
+    skipped_items: int
+    """Items of selected streams that could not become valid records."""
+    dropped_batches: int
+    """Whole wire batches dropped (full queue, submitted after shutdown, left at the deadline)."""
+    exporter_failed: bool
+    """The exporter could not start, hung, or failed to close."""
+    queue_high_water_batches: int
+    """Most batches queued at once."""
+    queue_high_water_bytes: int
+    """Most bytes (sum of ``ReceivedBatch.nbytes``) queued at once."""
+
+    @property
+    def written_total(self) -> int:
+        """Records written over all streams."""
+        return sum(self.written_records.values())
+
+    @property
+    def failed_total(self) -> int:
+        """Records failed over all streams."""
+        return sum(self.failed_records.values())
+
+    @property
+    def lost_anything(self) -> bool:
+        """Whether any selected record or batch was lost, or the exporter failed."""
+        return bool(
+            self.dropped_batches or self.failed_total or self.skipped_items or self.exporter_failed
+        )
+
+    def to_loss(self) -> ExportLoss | None:
+        """The ``export`` block of ``finalization_warning.json``, or None when nothing was lost."""
+        if not self.lost_anything:
+            return None
+        return ExportLoss(
+            written_records=self.written_total,
+            dropped_batches=self.dropped_batches,
+            failed_records=self.failed_total,
+            skipped_items=self.skipped_items,
+            exporter_failed=self.exporter_failed,
+        )
+
+
+# Every live worker, so the fork hook can reset them in the child.
+_WORKERS: weakref.WeakSet[ExportWorker] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for worker in list(_WORKERS):
+        worker._reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ExportWorker:
+    """A bounded queue of wire batches and the thread that exports them.
+
+    ``submit`` never blocks and never raises; a full queue (``max_queue_batches`` or
+    ``max_queue_bytes`` of ``ReceivedBatch.nbytes``) or a submit after shutdown began
+    counts one dropped batch. ``shutdown(timeout)`` drains until the deadline, counts
+    what is left as dropped, closes the exporter and returns the final
+    :class:`ExportStats`; it returns within ``timeout + CLOSE_GRACE_S`` plus a quarter
+    second even when the exporter hangs.
+
+    ``exporter_failed=True`` starts the worker in the failed state (the exporter could
+    not be created): records are still built and counted, as failed, and no failure is
+    logged again.
+    """
+
+    def __init__(
+        self,
+        exporter: Exporter,
+        builder: RecordBuilder,
+        *,
+        max_queue_batches: int = DEFAULT_MAX_QUEUE_BATCHES,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
+        exporter_failed: bool = False,
+    ) -> None:
+        if max_queue_batches < 1 or max_queue_bytes < 1:
+            raise ValueError("queue limits must be at least 1")
+        self._exporter = exporter
+        self._builder = builder
+        self._max_batches = max_queue_batches
+        self._max_bytes = max_queue_bytes
+        streams = builder.streams
+        self._written: dict[str, int] = dict.fromkeys(streams, 0)
+        self._failed: dict[str, int] = dict.fromkeys(streams, 0)
+        self._skipped = 0
+        self._dropped = 0
+        self._exporter_failed = exporter_failed
+        # An exporter that never started has been reported already; don't log per batch.
+        self._logged_export_error = exporter_failed
+        self._hw_batches = 0
+        self._hw_bytes = 0
+        self._queue: deque[ReceivedBatch] = deque()
+        self._queued_bytes = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._stopping = False
+        self._drain_deadline = float("inf")
+        # Set by shutdown when it gives up on a stuck worker: the worker counts nothing more.
+        self._abandoned = False
+        # What the worker thread is doing: "idle", "build", "export" or "close"; and the
+        # groups of the batch in hand (still to be counted if the worker is abandoned).
+        self._phase = "idle"
+        self._in_hand: list[tuple[str, int]] = []
+        self._forked_child = False
+        self._final: ExportStats | None = None
+        self._shutdown_lock = threading.Lock()
+        _WORKERS.add(self)
+
+    # -- public API -----------------------------------------------------------------
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        """The selected file streams."""
+        return self._builder.streams
+
+    def start(self) -> None:
+        """Start the worker thread (idempotent; a no-op in a forked child or after shutdown)."""
+        with self._cond:
+            if self._thread is not None or self._forked_child or not self._accepting:
+                return
+            self._thread = threading.Thread(
+                target=self._run, name="traceml-export-worker", daemon=True
+            )
+            self._thread.start()
+
+    def submit(self, batch: ReceivedBatch) -> None:
+        """Queue ``batch`` for export; never blocks and never raises.
+
+        A full queue, a batch larger than the byte bound, or a submit after shutdown
+        began counts one dropped batch.
+        """
+        try:
+            nbytes = batch.nbytes
+            if type(nbytes) is not int or nbytes < 0:
+                raise TypeError("ReceivedBatch.nbytes must be an int >= 0")
+            with self._cond:
+                queue = self._queue
+                queued = self._queued_bytes + nbytes
+                if (
+                    not self._accepting
+                    or len(queue) >= self._max_batches
+                    or queued > self._max_bytes
+                ):
+                    self._dropped += 1
+                    return
+                queue.append(batch)
+                self._queued_bytes = queued
+                if len(queue) > self._hw_batches:
+                    self._hw_batches = len(queue)
+                if queued > self._hw_bytes:
+                    self._hw_bytes = queued
+                if len(queue) == 1:
+                    self._cond.notify()
+        except Exception:
+            # Only a broken batch object (e.g. no usable ``nbytes``) gets here.
+            with self._cond:
+                self._dropped += 1
+
+    @property
+    def dropped_batches(self) -> int:
+        """Batches dropped so far (live)."""
+        return self._dropped
+
+    @property
+    def queued_batches(self) -> int:
+        """Batches waiting in the queue now (live)."""
+        return len(self._queue)
+
+    def stats(self) -> ExportStats:
+        """A consistent snapshot of the counters (the final figures after shutdown)."""
+        if self._final is not None:
+            return self._final
+        with self._cond:
+            return self._snapshot()
+
+    def shutdown(self, timeout: float) -> ExportStats:
+        """Stop accepting, drain for at most ``timeout`` seconds, close the exporter.
+
+        Idempotent: later calls return the same figures. Batches still queued at the
+        deadline count as dropped. If the exporter is stuck in ``export`` past the
+        deadline, the rest is counted as dropped, the records in hand as failed,
+        ``exporter_failed`` becomes true and ``close`` is tried on a helper thread
+        for a short bounded time; if it is stuck in ``close``, ``exporter_failed``
+        becomes true and shutdown returns anyway. In a forked child nothing is
+        exported or closed.
+        """
+        with self._shutdown_lock:
+            if self._final is not None:
+                return self._final
+            self._final = self._shutdown(max(0.0, timeout))
+            return self._final
+
+    # -- shutdown -------------------------------------------------------------------
+
+    def _shutdown(self, timeout: float) -> ExportStats:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._accepting = False
+            if self._forked_child:
+                self._dropped += len(self._queue)
+                self._clear_queue()
+                return self._snapshot()
+            self._stopping = True
+            self._drain_deadline = deadline
+            self._cond.notify_all()
+            thread = self._thread
+            if thread is None:
+                # Never started: the thread still drains and closes, within the deadline.
+                thread = self._thread = threading.Thread(
+                    target=self._run, name="traceml-export-worker", daemon=True
+                )
+                thread.start()
+        thread.join(max(0.0, deadline + CLOSE_GRACE_S - time.monotonic()))
+        if not thread.is_alive():
+            with self._cond:
+                return self._snapshot()
+        with self._cond:
+            if not thread.is_alive():
+                return self._snapshot()
+            self._abandoned = True
+            self._exporter_failed = True
+            if self._phase == "close":
+                _log.error("export: the exporter did not finish close() in time; giving up on it")
+                return self._snapshot()
+            # Stuck in export (or still building): what is in hand failed, the rest is dropped.
+            if self._phase == "build":
+                self._dropped += 1  # popped from the queue, records not built yet
+            for stream, count in self._in_hand:
+                self._failed[stream] = self._failed.get(stream, 0) + count
+            self._in_hand = []
+            self._dropped += len(self._queue)
+            self._clear_queue()
+            summary = self._summary()
+            final = self._snapshot()
+        _log.error("export: the exporter did not return from export() in time; giving up on it")
+        self._close_on_helper(summary)
+        return final
+
+    def _close_on_helper(self, summary: ExportSummary) -> None:
+        """Try ``close`` on a daemon thread for a short bounded time (the worker is stuck)."""
+        helper = threading.Thread(
+            target=self._call_close,
+            args=(summary,),
+            name="traceml-export-close",
+            daemon=True,
+        )
+        helper.start()
+        helper.join(_ABANDONED_CLOSE_WAIT_S)
+
+    def _call_close(self, summary: ExportSummary) -> bool:
+        try:
+            self._exporter.close(summary)
+        except Exception:
+            _log.exception("export: the exporter's close() raised")
+            return False
+        return True
+
+    # -- worker thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        cond = self._cond
+        queue = self._queue
+        while True:
+            with cond:
+                while not queue and not self._stopping:
+                    cond.wait()
+                if self._abandoned:
+                    return
+                if not queue or (self._stopping and time.monotonic() >= self._drain_deadline):
+                    break
+                batch = queue.popleft()
+                self._queued_bytes -= batch.nbytes
+                self._phase = "build"
+            if not self._process(batch):
+                return
+        with cond:
+            if self._abandoned:
+                return
+            self._dropped += len(queue)
+            self._clear_queue()
+            summary = self._summary()
+            self._phase = "close"
+        ok = self._call_close(summary)
+        with cond:
+            if not ok:
+                self._exporter_failed = True
+            self._phase = "idle"
+
+    def _process(self, batch: ReceivedBatch) -> bool:
+        """Build and export one batch; False when shutdown gave up on this thread."""
+        try:
+            result = self._builder.build(batch)
+        except Exception:
+            # The builder is written never to raise; if it does, lose the batch, not the thread.
+            _log.exception("export: building records from a batch failed")
+            with self._cond:
+                if self._abandoned:
+                    return False
+                self._dropped += 1
+                self._phase = "idle"
+            return True
+        groups = [(stream, records) for stream, records in result.records.items() if records]
+        with self._cond:
+            if self._abandoned:
+                return False
+            self._skipped += result.skipped_items
+            self._in_hand = [(stream, len(records)) for stream, records in groups]
+            self._phase = "export"
+        for stream, records in groups:
+            written, failed = self._export(records)
+            with self._cond:
+                if self._abandoned:
+                    return False
+                self._written[stream] = self._written.get(stream, 0) + written
+                self._failed[stream] = self._failed.get(stream, 0) + failed
+                self._in_hand.pop(0)
+        with self._cond:
+            self._phase = "idle"
+        return True
+
+    def _export(self, records: list[Any]) -> tuple[int, int]:
+        """Hand one group to the exporter; return (written, failed) record counts."""
+        n = len(records)
+        try:
+            self._exporter.export(records)
+        except Exception as exc:
+            written = 0
+            if (
+                isinstance(exc, ExportBatchError)
+                and type(exc.written) is int
+                and type(exc.failed) is int
+                and exc.written >= 0
+                and exc.written + exc.failed == n
+            ):
+                # The exporter says exactly which part of the group made it to disk.
+                written = exc.written
+            if not self._logged_export_error:
+                # Once per worker: a broken exporter would otherwise log every batch.
+                self._logged_export_error = True
+                # A partial JSONL write explains itself; anything else gets its traceback.
+                _log.error(
+                    "export: the exporter raised; its records count as failed: %s",
+                    exc,
+                    exc_info=not isinstance(exc, ExportBatchError),
+                )
+            return written, n - written
+        return n, 0
+
+    # -- helpers (call with the lock held) ------------------------------------------
+
+    def _clear_queue(self) -> None:
+        self._queue.clear()
+        self._queued_bytes = 0
+
+    def _summary(self) -> ExportSummary:
+        return ExportSummary(written_records=dict(self._written), dropped_batches=self._dropped)
+
+    def _snapshot(self) -> ExportStats:
+        return ExportStats(
+            written_records=dict(self._written),
+            failed_records=dict(self._failed),
+            skipped_items=self._skipped,
+            dropped_batches=self._dropped,
+            exporter_failed=self._exporter_failed,
+            queue_high_water_batches=self._hw_batches,
+            queue_high_water_bytes=self._hw_bytes,
+        )
+
+    def _reset_after_fork(self) -> None:
+        """In a forked child: a fresh, stopped worker; the parent's lines stay the parent's.
+
+        Only the forking thread exists in the child, so any lock another parent thread
+        held is held forever here: every lock is replaced, never acquired.
+        """
+        self._cond = threading.Condition(threading.Lock())
+        self._shutdown_lock = threading.Lock()
+        self._queue = deque()
+        self._queued_bytes = 0
+        self._thread = None
+        self._accepting = False
+        self._stopping = True
+        self._forked_child = True
+        self._abandoned = False
+        self._phase = "idle"
+        self._in_hand = []
+        self._final = None
+        self._written = dict.fromkeys(self._written, 0)
+        self._failed = dict.fromkeys(self._failed, 0)
+        self._skipped = 0
+        self._dropped = 0
+        self._hw_batches = 0
+        self._hw_bytes = 0
