@@ -49,17 +49,23 @@ def report_to_stderr(message: str) -> None:
     print(f"traceml: {message}", file=sys.stderr, flush=True)
 
 
+_OWN_FILE = os.path.normcase(os.path.abspath(__file__))
+_IMPORTLIB_DIR = os.path.normcase(os.path.dirname(os.path.abspath(importlib.__file__ or "")))
+
+
+def _is_machinery(filename: str) -> bool:
+    """Frames of the import system or of this loader: noise in a user's traceback."""
+    if filename.startswith("<frozen importlib"):
+        return True
+    path = os.path.normcase(os.path.abspath(filename))
+    return path == _OWN_FILE or os.path.dirname(path) == _IMPORTLIB_DIR
+
+
 def _user_traceback(exc: BaseException) -> str:
     """The traceback of ``exc`` without importlib's and this module's own frames."""
     te = traceback.TracebackException.from_exception(exc)
-    own = os.path.normcase(os.path.abspath(__file__))
     te.stack = traceback.StackSummary.from_list(
-        [
-            frame
-            for frame in te.stack
-            if not frame.filename.startswith("<frozen importlib")
-            and os.path.normcase(os.path.abspath(frame.filename)) != own
-        ]
+        [frame for frame in te.stack if not _is_machinery(frame.filename)]
     )
     return "".join(te.format()).rstrip("\n")
 
