@@ -19,7 +19,7 @@ settings.register_profile(
     "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
-    "thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 _default = "ci" if os.environ.get("CI") or os.environ.get("FAST") else "thorough"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))

@@ -157,10 +157,11 @@ def consistent(stream: str, d: dict[str, Any]) -> dict[str, Any]:
     if stream != "stdout_stderr":
         _identity(d)
     if stream == "step_time":
-        events = {}
-        for name, devices in d["events"].items():
-            events[name] = {dev: _phase(t) for dev, t in devices.items()}
-        d["events"] = events
+        # Maps sorted by code point, as the producer writes them.
+        d["events"] = {
+            name: {dev: _phase(t) for dev, t in sorted(devices.items())}
+            for name, devices in sorted(d["events"].items())
+        }
     elif stream == "step_memory":
         if d["device"] == "cpu":
             d["peak_allocated_bytes"] = d["peak_reserved_bytes"] = None

@@ -296,6 +296,7 @@ class _Kind:
     order_without_hostname: tuple[str, ...]
     int_keys: tuple[str, ...]
     cross_field: Callable[[dict[str, Any], _Found], None]
+    key_fields: tuple[str, ...]
     key_of: Callable[[dict[str, Any]], Any]
     unique_keys: bool
     carries_hostname: bool
@@ -331,6 +332,7 @@ def _kinds() -> dict[str, _Kind]:
             order_without_hostname=tuple(k for k in order if k != "hostname"),
             int_keys=tuple(k for k, v in props.items() if _is_int_schema(v, schema)),
             cross_field=_CROSS_FIELD[spec.name],
+            key_fields=spec.key_fields,
             key_of=itemgetter(*spec.key_fields),
             # A later runtime_environment line for a rank replaces the earlier one.
             unique_keys=spec.name != "runtime_environment",
@@ -574,7 +576,8 @@ def _cross_line(
         if first is None:
             seen[key] = number
         else:
-            state.add(number, "", f"duplicate key {key!r} (first on line {first})")
+            shown = ", ".join(f"{f}={d[f]!r}" for f in kind.key_fields)
+            state.add(number, "", f"duplicate key {shown} (first on line {first})")
     rank, seq = d["rank"], d["seq"]
     previous = last_seq.get(rank)
     if previous is not None and seq < previous:
