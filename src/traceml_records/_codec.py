@@ -9,7 +9,8 @@ non-nullable float field it would make an invalid line, so :func:`dumps_line` ra
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 
 import orjson
@@ -73,11 +74,14 @@ _MARKER_FIELDS: dict[type[Any], frozenset[str]] = {
 _APPEND_NEWLINE = orjson.OPT_APPEND_NEWLINE
 
 
-def _dumper(record: object) -> Any:
-    try:
-        return DUMPERS[type(record)]
-    except KeyError:
-        raise TypeError(f"not a TraceML record: {type(record).__name__}") from None
+def _marker_scan(markers: tuple[bytes, ...]) -> Callable[[bytes], object] | None:
+    """One pass over the line for all markers (a bytes search per marker costs more)."""
+    if not markers:
+        return None
+    return re.compile(b"|".join(re.escape(m) for m in markers)).search
+
+
+_MARKER_SCAN = {cls: _marker_scan(markers) for cls, markers in NON_NULLABLE_FLOAT_KEYS.items()}
 
 
 def _non_finite(obj: Any, names: frozenset[str], path: Path) -> Iterator[Path]:
@@ -103,10 +107,10 @@ def _encode(record: object, obj: dict[str, Any], option: int) -> bytes:
     except orjson.JSONEncodeError as exc:
         # Integers beyond 64 bits and lone surrogates in strings cannot be written.
         raise RecordError((), f"cannot be serialized: {exc}") from None
-    for marker in NON_NULLABLE_FLOAT_KEYS[type(record)]:
-        if marker in data:
-            for path in _non_finite(obj, _MARKER_FIELDS[type(record)], ()):
-                raise RecordError(path, "non-finite number in a field that cannot be null")
+    scan = _MARKER_SCAN[type(record)]
+    if scan is not None and scan(data) is not None:
+        for path in _non_finite(obj, _MARKER_FIELDS[type(record)], ()):
+            raise RecordError(path, "non-finite number in a field that cannot be null")
     return data
 
 
@@ -118,8 +122,10 @@ def dumps_line(record: AnyRecord, *, include_hostname: bool = False) -> bytes:
     becomes ``null`` in a nullable field; in any other field it raises
     :class:`RecordError`, as do integers beyond 64 bits and lone surrogates.
     """
-    obj = _dumper(record)(record, include_hostname)
-    return _encode(record, obj, _APPEND_NEWLINE)
+    dumper = DUMPERS.get(type(record))
+    if dumper is None:
+        raise TypeError(f"not a TraceML record: {type(record).__name__}")
+    return _encode(record, dumper(record, include_hostname), _APPEND_NEWLINE)
 
 
 def _parse(data: bytes | str) -> Any:
