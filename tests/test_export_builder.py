@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -27,7 +28,7 @@ from custom_exporters import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from traceml_ai.export import RecordBuilder
+from traceml_ai.export import ExportContext, ExportSummary, JsonlExporter, RecordBuilder
 from traceml_ai.export._builder import MAX_EVENT_ENTRIES, MAX_STRING_BYTES
 from traceml_records import (
     STREAMS_BY_NAME,
@@ -38,6 +39,7 @@ from traceml_records import (
     StepMemoryRecord,
     StepTimeRecord,
     SystemGpuRecord,
+    validate_paths,
 )
 from traceml_records._generated.records import DUMPERS, LOADERS
 
@@ -574,3 +576,39 @@ def test_build_never_raises_and_accounts_for_every_item(data: st.DataObject) -> 
         for record in records:
             assert type(record) is spec.record_class
             assert round_trip(record, True) == record
+
+
+# -- what the builder lets through, the validator accepts ------------------------------------
+
+
+def test_built_records_pass_the_validator(tmp_path: Path) -> None:
+    """Valid and malformed items of every stream → JSONL files that ``traceml validate`` passes."""
+    context = ExportContext(
+        run_dir=tmp_path,
+        export_dir=tmp_path / "aggregator" / "export",
+        streams=ALL_FILE_STREAMS,
+        include_hostname=True,
+    )
+    exporter = JsonlExporter.create(context)
+    builder = RecordBuilder(ALL_FILE_STREAMS, include_hostname=True)
+    malformed_by_stream: dict[str, list[Any]] = {}
+    for stream, _why, item in MALFORMED:
+        malformed_by_stream.setdefault(stream, []).append(item)
+    skipped = 0
+    written = 0
+    for stream, maker in ITEM_MAKERS.items():
+        bad = malformed_by_stream.get(stream, [])
+        items: list[Any] = []
+        for i, item in enumerate(bad):
+            items += [maker(i), item]
+        items.append(maker(len(bad)))
+        result = builder.build(batch(stream, items))
+        skipped += result.skipped_items
+        for records in result.records.values():
+            exporter.export(records)
+            written += len(records)
+    exporter.close(ExportSummary(written_records={}, dropped_batches=0))
+    report = validate_paths([context.export_dir])
+    assert report.problems == (), "\n".join(str(p) for p in report.problems)
+    assert skipped == len(MALFORMED)
+    assert sum(s.data_lines for s in report.files) == written
