@@ -10,6 +10,7 @@ creates.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -86,6 +87,15 @@ class InMemoryExporter:
 
 _capture_lock = threading.Lock()
 _capture_stack: list[list[InMemoryExporter]] = []
+
+
+def _reset_capture_lock_in_child() -> None:
+    # A parent thread may hold the lock at fork time; the child would wait forever.
+    global _capture_lock
+    _capture_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_capture_lock_in_child)
 
 
 def make_in_memory_exporter(context: ExportContext) -> InMemoryExporter:
