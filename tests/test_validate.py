@@ -431,7 +431,10 @@ def test_warning_export_block_must_match_the_closing_lines(tmp_path: Path) -> No
         orjson.dumps(warning(export=export), option=orjson.OPT_INDENT_2)
     )
     found = problems(validate_paths([tmp_path]))
-    where = f"{tmp_path / 'finalization_warning.json'}:1: "
+    text = (tmp_path / "finalization_warning.json").read_bytes()
+    line = text[: text.index(b'"export":')].count(b"\n") + 1
+    assert line > 1
+    where = f"{tmp_path / 'finalization_warning.json'}:{line}: "
     assert f"{where}/export/dropped_batches: 1 but closing lines show 3" in found
     assert f"{where}/export/written_records: 99 but the export files hold 23 data line(s)" in found
 
@@ -626,3 +629,11 @@ def test_real_subprocess_traceml_validate(folder: Path, tmp_path: Path) -> None:
 def test_cli_module_does_not_import_torch() -> None:
     code = "import sys, traceml_ai.cli; assert 'torch' not in sys.modules; assert 'jsonschema_rs' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_problems_of_a_file_come_in_line_order(folder: Path) -> None:
+    replace_obj("system", 1, gpu_count=1, gpu_available=True)(folder)  # found after the scan
+    replace_obj("system", 2, cpu_percent=101.0)(folder)  # found during the scan
+    report = validate_paths([folder])
+    lines = [p.line for p in report.problems if p.file == str(folder / "system.jsonl")]
+    assert lines == [2, 3]

@@ -465,6 +465,8 @@ class _FileState:
     snapshots: dict[Any, tuple[int, int, tuple[Any, ...]]] = attrs.Factory(dict)
     # system_gpu: (node_rank, seq) → [lines, first line, identity]
     gpu_groups: dict[Any, list[Any]] = attrs.Factory(dict)
+    # finalization_warning.json: its bytes, to give problems a line number.
+    text: bytes = b""
 
     def add(self, line: int | None, pointer: str, message: str) -> None:
         self.count += 1
@@ -683,14 +685,14 @@ def _match_warning(state: _FileState, d: dict[str, Any], states: list[_FileState
     dropped = states[0].closing["dropped_batches"]  # type: ignore[index]
     if export["dropped_batches"] != dropped:
         state.add(
-            1,
+            _line_of(state.text, "/export"),
             "/export/dropped_batches",
             f"{export['dropped_batches']} but closing lines show {dropped}",
         )
     written = sum(s.data_lines for s in states)
     if export["written_records"] != written:
         state.add(
-            1,
+            _line_of(state.text, "/export"),
             "/export/written_records",
             f"{export['written_records']} but the export files hold {written} data line(s)",
         )
@@ -698,7 +700,7 @@ def _match_warning(state: _FileState, d: dict[str, Any], states: list[_FileState
 
 def _scan_warning(path: FsPath, state: _FileState) -> Any:
     """Check finalization_warning.json; returns the parsed object when it is valid."""
-    data = path.read_bytes()
+    data = state.text = path.read_bytes()
     try:
         d = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
@@ -819,5 +821,6 @@ def validate_paths(
         states_out.extend(states)
         if wstate is not None:
             states_out.append(wstate)
-    problems = [p for s in states_out for p in s.problems]
+    # Folder-level rules report after the scan; show each file's problems in line order.
+    problems = [p for s in states_out for p in sorted(s.problems, key=lambda p: p.line or 0)]
     return ValidationReport(tuple(s.summary() for s in states_out), tuple(problems))
