@@ -340,27 +340,52 @@ def test_local_rank_one_sends_no_system_items(monkeypatch: pytest.MonkeyPatch) -
     assert env["training_strategy"] == "distributed_unknown"
 
 
-def test_runtime_environment_is_sent_again_after_init_process_group(tmp_path: Path) -> None:
+def test_runtime_environment_is_sent_once_at_the_first_step(tmp_path: Path) -> None:
+    # Sent when the first traced step begins, after the script set up torch.distributed;
+    # the teardown at the end of the script is not reported as a new environment.
     sink = RecordingSink()
     traceml.init(sink=sink, sampler_interval=0.01, nvml_backend=FakeNvml([]))
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    assert wait_for(lambda: len(sink.items("process")) >= 2)
+    assert sink.items("runtime_environment") == []
+    model = torch.nn.Linear(2, 1)
     try:
-        assert wait_for(lambda: len(sink.items("runtime_environment")) >= 2)
+        with traceml.trace_step(model):
+            model(torch.ones(1, 2)).sum().backward()
     finally:
-        traceml.shutdown()
         dist.destroy_process_group()
-    before, after = sink.items("runtime_environment")[:2]
-    assert (before["seq"], after["seq"]) == (0, 1)
-    assert before["distributed_initialized"] is False
-    assert before["distributed_backend"] is None
-    assert after["distributed_initialized"] is True
-    assert after["distributed_backend"] == "gloo"
-    assert (after["training_strategy"], after["strategy_source"]) == (
+        traceml.shutdown()
+    (env,) = sink.items("runtime_environment")
+    assert env["seq"] == 0
+    assert env["distributed_initialized"] is True
+    assert env["distributed_backend"] == "gloo"
+    assert (env["training_strategy"], env["strategy_source"]) == (
         "distributed_unknown",
         "runtime_distributed",
     )
-    assert after["strategy_confidence"] == "low"
+    assert env["strategy_confidence"] == "low"
+
+
+def test_runtime_environment_is_sent_again_when_a_new_model_changes_it(tmp_path: Path) -> None:
+    sink = RecordingSink()
+    traceml.init(sink=sink, sampler_interval=0.01, nvml_backend=FakeNvml([]))
+    plain = torch.nn.Linear(2, 1)
+    with traceml.trace_step(plain):
+        plain(torch.ones(1, 2))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        with traceml.trace_step(ddp):
+            ddp(torch.ones(1, 2)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+        traceml.shutdown()
+    before, after = sink.items("runtime_environment")
+    assert (before["seq"], after["seq"]) == (0, 1)
+    assert before["distributed_initialized"] is False
+    assert (after["training_strategy"], after["distributed_backend"]) == ("ddp", "gloo")
 
 
 class _BrokenNvml(FakeNvml):

@@ -75,3 +75,13 @@ def validate(paths: tuple[str, ...], max_problems: int) -> None:
             click.echo(f"{summary.file}: ... {hidden} more problem(s) not shown")
         click.echo(str(summary))
     sys.exit(0 if report.ok else 1)
+
+
+def _add_launch_commands() -> None:
+    from traceml_ai._cli_commands import run, serve
+
+    main.add_command(run)
+    main.add_command(serve)
+
+
+_add_launch_commands()

@@ -128,7 +128,9 @@ class _Runtime:
         self._process = ProcessSampler(cuda, lambda: self.timer.cuda_index)
         # Only local rank 0 reports the host, so a node's snapshot is sent once.
         self._system = SystemSampler(nvml) if identity.local_rank == 0 else None
-        self._guarded("runtime_environment", self.report_runtime_environment)
+        # runtime_environment is first sent when the first traced step begins: by
+        # then the script has set up torch.distributed and wrapped its model, so a
+        # rank usually sends exactly one line (see report_runtime_environment).
         activate(self.timer)
         self._thread = SamplerThread(interval, self._tick)
         self._thread.start()
@@ -169,10 +171,14 @@ class _Runtime:
     def _tick(self) -> None:
         self._guarded("process", self._sample_process)
         self._guarded("system", self._sample_system)
-        self._guarded("runtime_environment", self.report_runtime_environment)
 
     def report_runtime_environment(self) -> None:
-        """Send a ``runtime_environment`` item if it differs from the last one sent."""
+        """Send a ``runtime_environment`` item if it differs from the last one sent.
+
+        Called when a traced step meets a model it has not seen (the strategy may
+        change), and at shutdown only when nothing was sent yet: tearing down the
+        process group at the end of a script is not a new environment.
+        """
         with self._env_lock:
             fields = runtime_environment_fields(self.identity, self._strategy)
             if fields == self._env_last:
@@ -209,6 +215,8 @@ class _Runtime:
             # One more sample so that even a short run has process/system lines;
             # only when the thread has ended, so seq stays monotonic.
             self._tick()
+        if self._env_last is None:
+            self._guarded("runtime_environment", self.report_runtime_environment)
         with contextlib.suppress(Exception):
             self._nvml.close()
         if self._owned is not None:

@@ -1,0 +1,17 @@
+"""The aggregator: one per run, whatever the number of ranks and nodes."""
+
+from traceml_ai.aggregator._runner import run_until_done
+from traceml_ai.aggregator._service import (
+    DEFAULT_FINALIZE_TIMEOUT_S,
+    Aggregator,
+    AggregatorConfig,
+    FinalizeResult,
+)
+
+__all__ = [
+    "DEFAULT_FINALIZE_TIMEOUT_S",
+    "Aggregator",
+    "AggregatorConfig",
+    "FinalizeResult",
+    "run_until_done",
+]

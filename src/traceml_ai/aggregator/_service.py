@@ -1,0 +1,210 @@
+"""The aggregator: receives rank batches, feeds the export pipeline, tracks ranks, finalizes.
+
+One instance serves one run. ``traceml run`` starts it in its own process (so a
+stalled or killed aggregator never takes the launcher or the ranks with it),
+``traceml serve`` runs it in the foreground, and tests and benchmarks use it in
+process. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from traceml_ai.export import ExportPipeline, ExportStats, start_export
+from traceml_ai.export._finalize import RankOutcome, write_finalization_warning
+from traceml_ai.settings import ExportSettings
+from traceml_ai.transport.server import AggregatorServer
+from traceml_ai.wire import ReceivedBatch
+from traceml_records import ExportLoss, parse_export_streams
+
+DEFAULT_FINALIZE_TIMEOUT_S = 10.0
+
+
+@attrs.frozen(kw_only=True)
+class AggregatorConfig:
+    """Everything an aggregator needs to serve one run."""
+
+    run_dir: Path
+    settings: ExportSettings
+    token: str
+    bind_host: str = "127.0.0.1"
+    port: int = 0
+    expected_world_size: int | None = None
+    """Ranks the job should have; ``None`` takes the world size the first rank reports."""
+    finalize_timeout_s: float = DEFAULT_FINALIZE_TIMEOUT_S
+    max_queue_batches: int | None = None
+    max_queue_bytes: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class FinalizeResult:
+    """What finalization found and wrote."""
+
+    stats: ExportStats | None
+    loss: ExportLoss | None
+    ranks: RankOutcome
+    warning_path: Path | None
+    rejected_frames: int
+
+
+class Aggregator:
+    """One run's aggregator: a TCP server, the export pipeline and rank bookkeeping."""
+
+    def __init__(self, config: AggregatorConfig) -> None:
+        self.config = config
+        self._selected = parse_export_streams(config.settings.export_streams)
+        self._lock = threading.Lock()
+        self._seen_ranks: set[int] = set()
+        # Ranks whose latest connection is open (set on every frame, cleared on close).
+        self._connected_ranks: set[int] = set()
+        self._finished_ranks: set[int] = set()
+        self._reported_world_size: int | None = None
+        self._all_finished = threading.Event()
+        self._finalized: FinalizeResult | None = None
+        self._pipeline: ExportPipeline | None = None
+        self._server: AggregatorServer | None = None
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The bound ``(host, port)`` once started."""
+        return self._server.address if self._server else None
+
+    @property
+    def expected_world_size(self) -> int | None:
+        """The configured world size, else the one the first rank reported."""
+        return self.config.expected_world_size or self._reported_world_size
+
+    @property
+    def finished_ranks(self) -> frozenset[int]:
+        """Global ranks that sent their ``finished`` message."""
+        with self._lock:
+            return frozenset(self._finished_ranks)
+
+    def start(self) -> tuple[str, int]:
+        """Open the export files (when export is on) and start listening."""
+        queue_limits: dict[str, Any] = {}
+        if self.config.max_queue_batches is not None:
+            queue_limits["max_queue_batches"] = self.config.max_queue_batches
+        if self.config.max_queue_bytes is not None:
+            queue_limits["max_queue_bytes"] = self.config.max_queue_bytes
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        self._pipeline = start_export(
+            self.config.settings,
+            self.config.run_dir,
+            selected_streams=self._selected,
+            **queue_limits,
+        )
+        self._server = AggregatorServer(
+            self.config.bind_host,
+            self.config.port,
+            self.config.token,
+            on_batch=self._on_batch,
+            on_finished=self._on_finished,
+            on_connection_lost=self._on_connection_lost,
+        )
+        return self._server.start()
+
+    # Runs on the server's event-loop thread: must stay quick and never block.
+    def _on_batch(self, batch: ReceivedBatch) -> None:
+        self._note_identity(batch.payload.get("identity"))
+        if self._pipeline is not None:
+            self._pipeline.submit(batch)
+
+    def _on_finished(self, message: dict[str, Any]) -> None:
+        rank = self._note_identity(message.get("identity"))
+        if rank is None:
+            return
+        with self._lock:
+            self._finished_ranks.add(rank)
+            expected = self.expected_world_size
+            if (
+                expected is not None
+                and len(self._finished_ranks & set(range(expected))) >= expected
+            ):
+                self._all_finished.set()
+
+    def _on_connection_lost(self, identity: dict[str, Any] | None) -> None:
+        rank = _rank_of(identity)
+        if rank is not None:
+            self._connected_ranks.discard(rank)
+
+    def _note_identity(self, identity: Any) -> int | None:
+        rank = _rank_of(identity)
+        if rank is None:
+            return None
+        self._connected_ranks.add(rank)
+        if rank not in self._seen_ranks:
+            world = identity.get("world_size")
+            with self._lock:
+                self._seen_ranks.add(rank)
+                if self._reported_world_size is None and type(world) is int and world >= 1:
+                    self._reported_world_size = world
+        return rank
+
+    def wait_all_finished(self, timeout: float | None) -> bool:
+        """Block until every expected rank finished (True) or ``timeout`` passes (False)."""
+        return self._all_finished.wait(timeout)
+
+    def wait_connections_closed(self, timeout: float) -> bool:
+        """Block until no rank connection is open (their last frames are then read)."""
+        deadline = time.monotonic() + timeout
+        while self._server is not None and self._server.connections_open > 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def finalize(self) -> FinalizeResult:
+        """Stop listening, drain the export, write closing lines and the warning file.
+
+        A rank that did not finish is reported as ``timeout`` when its connection was
+        still open as finalization began (we stopped waiting for it), else as
+        ``ranks_disconnected``. Idempotent: a second call returns the first result.
+        """
+        if self._finalized is not None:
+            return self._finalized
+        rejected = 0
+        with self._lock:
+            still_connected = set(self._connected_ranks)
+        if self._server is not None:
+            rejected = self._server.rejected_frames
+            self._server.stop()
+        stats = None
+        loss = None
+        if self._pipeline is not None:
+            stats = self._pipeline.finalize(self.config.finalize_timeout_s)
+            loss = self._pipeline.loss()
+        with self._lock:
+            expected = self.expected_world_size or len(self._seen_ranks)
+            finished = tuple(sorted(r for r in self._finished_ranks if r < expected))
+            missing = tuple(r for r in range(expected) if r not in self._finished_ranks)
+        ranks = RankOutcome(
+            expected_world_size=max(expected, 1), finished_ranks=finished, missing_ranks=missing
+        )
+        reason: Literal["ranks_disconnected", "timeout"] = (
+            "timeout" if still_connected & set(missing) else "ranks_disconnected"
+        )
+        warning_path = write_finalization_warning(
+            self.config.run_dir,
+            export_loss=loss,
+            ranks=ranks if missing else None,
+            reason_if_ranks=reason if missing else None,
+        )
+        self._finalized = FinalizeResult(
+            stats=stats, loss=loss, ranks=ranks, warning_path=warning_path, rejected_frames=rejected
+        )
+        return self._finalized
+
+
+def _rank_of(identity: Any) -> int | None:
+    if not isinstance(identity, dict):
+        return None
+    rank = identity.get("global_rank")
+    if type(rank) is not int or rank < 0:
+        return None
+    return rank
