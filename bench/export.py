@@ -33,7 +33,7 @@ import orjson
 
 from traceml_ai.export import ExportSummary, ExportWorker, RecordBuilder, start_export
 from traceml_ai.settings import ExportSettings
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.wire import ReceivedBatch, make_batch_message
 
 IDENTITY = {
     "global_rank": 0,
@@ -65,20 +65,14 @@ def step_time_item(seq: int) -> dict[str, Any]:
 
 def frame(first_seq: int, n: int) -> bytes:
     """One batch message body, as a rank sends it."""
-    message = {
-        "v": 1,
-        "token": "t",
-        "type": "batch",
-        "identity": IDENTITY,
-        "stream": "step_time",
-        "items": [step_time_item(seq) for seq in range(first_seq, first_seq + n)],
-    }
-    return orjson.dumps(message)
+    items = [step_time_item(seq) for seq in range(first_seq, first_seq + n)]
+    return orjson.dumps(make_batch_message("t", IDENTITY, "step_time", items))
 
 
 def received(body: bytes) -> ReceivedBatch:
-    """Decode a frame body the way the aggregator does (fresh objects every time)."""
-    return ReceivedBatch(time.time_ns(), orjson.loads(body), len(body))
+    """A batch as the aggregator's server queues it: the frame body, still encoded (a
+    fresh copy each time, as each frame arrives in its own buffer)."""
+    return ReceivedBatch(time.time_ns(), bytes(bytearray(body)), len(body))
 
 
 def bench_end_to_end(records: int, per_batch: int) -> tuple[float, float, float]:
@@ -124,7 +118,7 @@ def bench_end_to_end(records: int, per_batch: int) -> tuple[float, float, float]
                 **item,
             }
             for b in batches
-            for item in b.payload["items"]
+            for item in orjson.loads(b.payload)["items"]
         ]
         raw_path = Path(tmp) / "raw.jsonl"
         option = orjson.OPT_APPEND_NEWLINE

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
 import torch.distributed as dist
@@ -735,7 +736,9 @@ def test_auto_init_under_traceml_run_sends_over_the_transport(
     finally:
         server.stop()
     with lock:
-        payloads = [b.payload for b in received]
+        payloads = [
+            orjson.loads(b.payload) if isinstance(b.payload, bytes) else b.payload for b in received
+        ]
     steps = [i["step"] for p in payloads if p["stream"] == "step_time" for i in p["items"]]
     assert steps == [1, 2, 3]
     identity = payloads[0]["identity"]

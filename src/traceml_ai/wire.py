@@ -25,11 +25,14 @@ __all__ = [
     "WIRE_VERSION",
     "FrameError",
     "ReceivedBatch",
+    "batch_prefix",
+    "decode_batch_body",
     "decode_message",
     "encode_frame",
     "make_batch_message",
     "make_finished_message",
     "new_run_token",
+    "peek_batch_stream",
 ]
 
 WIRE_VERSION = 1
@@ -58,10 +61,17 @@ FRAME_HEADER = struct.Struct(">I")
 
 @attrs.frozen(slots=True)
 class ReceivedBatch:
-    """A decoded ``batch`` message as the aggregator received it."""
+    """A ``batch`` message as the aggregator received it.
+
+    ``payload`` is normally the frame body, still encoded: the server checks the
+    envelope prefix (version, token, type, stream) without parsing the JSON, and the
+    export worker parses it off the receive loop, only for selected streams. Queued
+    memory is then exactly ``nbytes`` per batch. A decoded ``dict`` is accepted too
+    (frames a different encoder wrote, and direct callers such as tests).
+    """
 
     observed_timestamp_unix_ns: int
-    payload: dict[str, Any]
+    payload: dict[str, Any] | bytes
     nbytes: int
 
 
@@ -91,12 +101,14 @@ def make_batch_message(
     token: str, identity: Mapping[str, Any], stream: str, items: Sequence[Any]
 ) -> dict[str, Any]:
     """Build a ``batch`` message carrying ``items`` of one ``stream``."""
+    # Key order matters: the aggregator recognises a batch by its encoded prefix
+    # (see ``batch_prefix``) and reads the stream name without parsing the body.
     return {
         "v": WIRE_VERSION,
         "token": token,
         "type": "batch",
-        "identity": identity,
         "stream": stream,
+        "identity": identity,
         "items": items,
     }
 
@@ -113,6 +125,49 @@ def make_finished_message(
         "sent_batches": sent_batches,
         "dropped_batches": dropped_batches,
     }
+
+
+def batch_prefix(token: str) -> bytes:
+    """The first bytes of every ``batch`` frame body our senders write for ``token``.
+
+    A body that starts with it has the right version, token and type; the server then
+    queues it still encoded. Anything else goes through ``decode_message``.
+    """
+    return b'{"v":%d,"token":%s,"type":"batch","stream":"' % (WIRE_VERSION, orjson.dumps(token))
+
+
+_STREAM_MARKER = b'"type":"batch","stream":"'
+_STREAM_NAMES = {name.encode(): name for name in BATCH_STREAMS}
+
+
+def peek_batch_stream(body: bytes) -> str | None:
+    """The stream of an encoded batch body, read from its prefix; None if not found there."""
+    start = body.find(_STREAM_MARKER, 0, 512)
+    if start < 0:
+        return None
+    start += len(_STREAM_MARKER)
+    end = body.find(b'"', start, start + 64)
+    return _STREAM_NAMES.get(body[start:end]) if end > 0 else None
+
+
+def decode_batch_body(body: bytes) -> dict[str, Any]:
+    """Parse an encoded batch body whose prefix the server already checked.
+
+    Checks the rest of the envelope (identity, stream, items); raises ``FrameError``.
+    """
+    try:
+        message = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise FrameError("bad json") from None
+    if not isinstance(message, dict):
+        raise FrameError("not an object")
+    if not isinstance(message.get("identity"), dict):
+        raise FrameError("missing identity")
+    if message.get("stream") not in BATCH_STREAMS:
+        raise FrameError("stream not in BATCH_STREAMS")
+    if not isinstance(message.get("items"), list):
+        raise FrameError("items not a list")
+    return message
 
 
 def _is_count(value: object) -> bool:

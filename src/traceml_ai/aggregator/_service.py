@@ -60,8 +60,6 @@ class Aggregator:
         self._selected = parse_export_streams(config.settings.export_streams)
         self._lock = threading.Lock()
         self._seen_ranks: set[int] = set()
-        # Ranks whose latest connection is open (set on every frame, cleared on close).
-        self._connected_ranks: set[int] = set()
         self._finished_ranks: set[int] = set()
         self._reported_world_size: int | None = None
         self._all_finished = threading.Event()
@@ -105,13 +103,13 @@ class Aggregator:
             self.config.token,
             on_batch=self._on_batch,
             on_finished=self._on_finished,
-            on_connection_lost=self._on_connection_lost,
         )
         return self._server.start()
 
-    # Runs on the server's event-loop thread: must stay quick and never block.
+    # Runs on the server's event-loop thread: must stay quick and never block. The
+    # batch is usually still encoded (the export worker parses it), so ranks are
+    # tracked from their ``finished`` messages and open connections, not from here.
     def _on_batch(self, batch: ReceivedBatch) -> None:
-        self._note_identity(batch.payload.get("identity"))
         if self._pipeline is not None:
             self._pipeline.submit(batch)
 
@@ -128,16 +126,10 @@ class Aggregator:
             ):
                 self._all_finished.set()
 
-    def _on_connection_lost(self, identity: dict[str, Any] | None) -> None:
-        rank = _rank_of(identity)
-        if rank is not None:
-            self._connected_ranks.discard(rank)
-
     def _note_identity(self, identity: Any) -> int | None:
         rank = _rank_of(identity)
         if rank is None:
             return None
-        self._connected_ranks.add(rank)
         if rank not in self._seen_ranks:
             world = identity.get("world_size")
             with self._lock:
@@ -162,15 +154,14 @@ class Aggregator:
     def finalize(self) -> FinalizeResult:
         """Stop listening, drain the export, write closing lines and the warning file.
 
-        A rank that did not finish is reported as ``timeout`` when its connection was
-        still open as finalization began (we stopped waiting for it), else as
+        Ranks that did not finish are reported as ``timeout`` when a rank connection
+        was still open as finalization began (we stopped waiting for it), else as
         ``ranks_disconnected``. Idempotent: a second call returns the first result.
         """
         if self._finalized is not None:
             return self._finalized
         rejected = 0
-        with self._lock:
-            still_connected = set(self._connected_ranks)
+        still_connected = self._server is not None and self._server.connections_open > 0
         if self._server is not None:
             rejected = self._server.rejected_frames
             self._server.stop()
@@ -187,7 +178,7 @@ class Aggregator:
             expected_world_size=max(expected, 1), finished_ranks=finished, missing_ranks=missing
         )
         reason: Literal["ranks_disconnected", "timeout"] = (
-            "timeout" if still_connected & set(missing) else "ranks_disconnected"
+            "timeout" if still_connected else "ranks_disconnected"
         )
         warning_path = write_finalization_warning(
             self.config.run_dir,

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.wire import FrameError, ReceivedBatch, decode_batch_body, peek_batch_stream
 from traceml_records import (
     STREAMS,
     STREAMS_BY_NAME,
@@ -302,6 +302,9 @@ class RecordBuilder:
     def wants(self, batch: ReceivedBatch) -> bool:
         """Whether ``batch`` feeds a selected stream (looks at its stream name only)."""
         payload = batch.payload
+        if type(payload) is bytes:
+            stream = peek_batch_stream(payload)
+            return stream is None or stream in self._handlers
         return type(payload) is dict and payload.get("stream") in self._handlers
 
     def build(self, batch: ReceivedBatch) -> BuildResult:
@@ -310,7 +313,17 @@ class RecordBuilder:
         Every item of a selected stream becomes its record(s) or counts once in
         ``skipped_items``. A bad identity or timestamp skips every item of the batch.
         """
-        payload = batch.payload
+        payload: Any = batch.payload
+        if type(payload) is bytes:
+            peeked = peek_batch_stream(payload)
+            if peeked is not None and peeked not in self._handlers:
+                return _EMPTY  # an unselected stream is never parsed nor counted
+            try:
+                payload = decode_batch_body(payload)
+            except FrameError:
+                # Passed the server's prefix check but broken further in: count it as
+                # lost rather than let it vanish.
+                return BuildResult(records={}, skipped_items=1)
         if type(payload) is not dict:
             return _EMPTY
         stream = payload.get("stream")

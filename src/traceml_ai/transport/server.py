@@ -16,10 +16,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from traceml_ai.wire import (
+    BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
     FrameError,
     ReceivedBatch,
+    batch_prefix,
     decode_message,
 )
 
@@ -32,13 +34,21 @@ _T = TypeVar("_T")
 _STREAM_LIMIT = 1024 * 1024
 
 
+_KNOWN_STREAMS = tuple(f'{name}"'.encode() for name in BATCH_STREAMS)
+
+
+def _known_stream_follows(body: bytes, offset: int) -> bool:
+    return body.startswith(_KNOWN_STREAMS, offset)
+
+
 class AggregatorServer:
     """Receive rank frames over TCP and hand valid messages to callbacks.
 
     ``on_batch`` gets a ``ReceivedBatch`` for each valid ``batch`` frame. ``on_finished``
     gets the whole decoded ``finished`` message (``identity``, ``sent_batches``,
-    ``dropped_batches``). ``on_connection_lost`` gets the identity of the last valid
-    message a closed connection carried, or ``None`` if it carried none. All callbacks run
+    ``dropped_batches``). ``on_connection_lost`` gets the identity of the last decoded
+    message a closed connection carried, or ``None`` if it carried none (our senders'
+    batches are passed on still encoded, so usually only ``finished`` counts). All callbacks run
     on the server's event-loop thread; an exception in one is counted in
     ``callback_errors`` and the connection goes on.
 
@@ -66,6 +76,7 @@ class AggregatorServer:
         self._on_finished = on_finished
         self._on_connection_lost = on_connection_lost
         self._max_frame_bytes = max_frame_bytes
+        self._batch_prefix = batch_prefix(token)
 
         self._lifecycle_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -245,6 +256,16 @@ class AggregatorServer:
                     self._reject("truncated frame")
                     return
                 observed = time.time_ns()
+                if body.startswith(self._batch_prefix) and _known_stream_follows(
+                    body, len(self._batch_prefix)
+                ):
+                    # Our senders' batches: right version, token and type. They are
+                    # queued still encoded and parsed by the export worker, off this
+                    # loop (its parse checks the rest of the envelope).
+                    self._accepted_batches += 1
+                    self._call(self._on_batch, ReceivedBatch(observed, body, length))
+                    await asyncio.sleep(0)
+                    continue
                 try:
                     message = decode_message(body, self._token)
                 except FrameError as exc:
