@@ -1,0 +1,417 @@
+"""TraceML for Ray Train: ``TraceMLTorchTrainer`` and ``TraceMLRayConfig``.
+
+::
+
+    from ray.train import ScalingConfig
+    from traceml_ai.integrations.ray import TraceMLRayConfig, TraceMLTorchTrainer
+
+    trainer = TraceMLTorchTrainer(
+        train_loop_per_worker,  # uses traceml.trace_step(model) as usual
+        scaling_config=ScalingConfig(num_workers=2),
+        traceml_config=TraceMLRayConfig(exporter="jsonl"),
+    )
+    result = trainer.fit()
+
+``fit()`` runs one TraceML aggregator for the job as a Ray actor on the driver's node,
+points every worker at it, wraps each worker's loop in ``traceml.init()`` /
+``traceml.shutdown()``, runs Ray's ``TorchTrainer`` and, whether training succeeded or
+not, finalizes the export (closing lines, ``finalization_warning.json``) and kills
+the actor. Settings come only from ``TraceMLRayConfig``: no ``TRACEML_*`` variable
+and no ``traceml.yaml`` is read.
+
+Importing this module needs Ray Train: ``pip install 'traceml-ai[ray]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+# Ray is held as ``Any``: its bundled hints are partial under ``mypy --strict``, and a
+# checkout without the extra sees it as ``Any`` anyway, so both type-check alike.
+try:
+    ray: Any = importlib.import_module("ray")
+    importlib.import_module("ray.train")
+    importlib.import_module("ray.util")
+    TorchTrainer: Any = importlib.import_module("ray.train.torch").TorchTrainer
+    NodeAffinitySchedulingStrategy: Any = importlib.import_module(
+        "ray.util.scheduling_strategies"
+    ).NodeAffinitySchedulingStrategy
+except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "traceml_ai.integrations.ray needs Ray Train, which is not installed "
+        f"({_exc}). Install it with: pip install 'traceml-ai[ray]'"
+    ) from _exc
+
+import traceml_ai as traceml
+from traceml_ai._launch import default_run_name
+from traceml_ai.aggregator import Aggregator, AggregatorConfig
+from traceml_ai.integrations._ray_config import TraceMLRayConfig
+from traceml_ai.settings import ExportSettings
+from traceml_ai.wire import (
+    ENV_AGGREGATOR_ADDR,
+    ENV_RUN_TOKEN,
+    ENV_SAMPLER_INTERVAL,
+    new_run_token,
+)
+
+__all__ = ["TraceMLRayConfig", "TraceMLRayRun", "TraceMLTorchTrainer"]
+
+ACTOR_NAME_PREFIX = "traceml-aggregator-"
+"""The aggregator actor of a run is named ``traceml-aggregator-<session_id>``."""
+
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+# Extra seconds, beyond the aggregator's own bounds, to wait for the actor to answer.
+_ACTOR_CALL_MARGIN_S = 30.0
+
+
+def _say(message: str) -> None:
+    print(f"traceml: {message}", file=sys.stderr, flush=True)
+
+
+# -- the aggregator actor (runs on the driver's node) ------------------------------------
+
+
+class _AggregatorActor:
+    """One run's :class:`Aggregator`, hosted in a Ray actor."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        settings: ExportSettings,
+        token: str,
+        bind_host: str,
+        port: int,
+        expected_world_size: int | None,
+        finalize_timeout_s: float,
+    ) -> None:
+        self._aggregator = Aggregator(
+            AggregatorConfig(
+                run_dir=Path(run_dir),
+                settings=settings,
+                token=token,
+                bind_host=bind_host,
+                port=port,
+                expected_world_size=expected_world_size,
+                finalize_timeout_s=finalize_timeout_s,
+            )
+        )
+
+    def start(self) -> tuple[str, int]:
+        """Open the export files and listen; the address workers should connect to."""
+        host, port = self._aggregator.start()
+        if host in _WILDCARD_HOSTS:
+            # Listening everywhere: hand out this node's address as Ray knows it.
+            host = ray.util.get_node_ip_address()
+        return host, port
+
+    def stop(self, wait_s: float) -> dict[str, Any]:
+        """Wait (bounded) for the workers' connections to close, then finalize."""
+        self._aggregator.wait_connections_closed(wait_s)
+        result = self._aggregator.finalize()
+        stats = result.stats
+        return {
+            "written_records": sum(stats.written_records.values()) if stats else 0,
+            "written_by_stream": dict(stats.written_records) if stats else {},
+            "dropped_batches": stats.dropped_batches if stats else 0,
+            "exporter_failed": stats.exporter_failed if stats else False,
+            "finished_ranks": list(result.ranks.finished_ranks),
+            "missing_ranks": list(result.ranks.missing_ranks),
+            "warning_path": str(result.warning_path) if result.warning_path else None,
+        }
+
+
+@attrs.frozen(kw_only=True)
+class TraceMLRayRun:
+    """What the last ``fit()`` did with TraceML (``TraceMLTorchTrainer.traceml_run``)."""
+
+    session_id: str | None
+    """The run folder's name; ``None`` when export was off."""
+    run_dir: Path | None
+    """``<logs_dir>/<session_id>``; ``None`` when export was off."""
+    address: tuple[str, int] | None
+    """Where workers sent telemetry; ``None`` when the aggregator did not start."""
+    finalized: bool
+    """The aggregator finalized (closing lines written) before its actor was killed."""
+    summary: Mapping[str, Any] | None
+    """Counts from finalization: ``written_records``, ``written_by_stream``,
+    ``dropped_batches``, ``exporter_failed``, ``finished_ranks``, ``missing_ranks``,
+    ``warning_path``."""
+
+
+# -- the worker side --------------------------------------------------------------------
+
+
+@attrs.frozen
+class _WorkerPlan:
+    """What each worker needs to reach the aggregator (captured by the wrapped loop)."""
+
+    address: str
+    token: str
+    sampler_interval: float
+
+
+def _required_positional_params(fn: Callable[..., Any]) -> int:
+    # Ray Train calls a loop with one required parameter as fn(config), else fn().
+    kinds = {
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.VAR_POSITIONAL,
+    }
+    return sum(
+        1
+        for p in inspect.signature(fn).parameters.values()
+        if p.default is inspect.Parameter.empty and p.kind in kinds
+    )
+
+
+@contextlib.contextmanager
+def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def _worker_environ(plan: _WorkerPlan) -> dict[str, str]:
+    context = ray.train.get_context()
+    return {
+        "RANK": str(context.get_world_rank()),
+        "LOCAL_RANK": str(context.get_local_rank()),
+        "WORLD_SIZE": str(context.get_world_size()),
+        "LOCAL_WORLD_SIZE": str(context.get_local_world_size()),
+        "GROUP_RANK": str(context.get_node_rank()),
+        ENV_AGGREGATOR_ADDR: plan.address,
+        ENV_RUN_TOKEN: plan.token,
+        ENV_SAMPLER_INTERVAL: repr(plan.sampler_interval),
+    }
+
+
+def _shutdown_quietly() -> None:
+    # Never let TraceML's shutdown replace the loop's own result or exception.
+    try:
+        traceml.shutdown()
+    except Exception as exc:
+        warnings.warn(
+            f"TraceML could not shut down cleanly on this worker ({exc!r}).",
+            traceml.TraceMLWarning,
+            stacklevel=2,
+        )
+
+
+def _run_traced(plan: _WorkerPlan | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """Run the user's loop between ``traceml.init()`` and ``traceml.shutdown()``."""
+    if plan is None:
+        # Export off (or no aggregator): trace_step & co. stay silent no-ops.
+        traceml.init(mode="off")
+        try:
+            return fn(*args)
+        finally:
+            _shutdown_quietly()
+    with _patched_environ(_worker_environ(plan)):
+        traceml.init()
+        try:
+            return fn(*args)
+        finally:
+            _shutdown_quietly()
+
+
+def _wrap_loop(fn: Callable[..., Any], plan: _WorkerPlan | None) -> Callable[..., Any]:
+    """The user's loop with TraceML around it, taking the same arguments as ``fn``."""
+    if _required_positional_params(fn) == 1:
+
+        @functools.wraps(fn)
+        def loop_with_config(config: Any) -> Any:
+            return _run_traced(plan, fn, (config,))
+
+        return loop_with_config
+
+    @functools.wraps(fn)
+    def loop() -> Any:
+        return _run_traced(plan, fn, ())
+
+    return loop
+
+
+# -- the driver side --------------------------------------------------------------------
+
+
+class TraceMLTorchTrainer:
+    """Ray Train's ``TorchTrainer`` with TraceML telemetry from every worker.
+
+    Takes what ``ray.train.torch.TorchTrainer`` takes, plus ``traceml_config``
+    (a :class:`TraceMLRayConfig`; the default has export off). Inside
+    ``train_loop_per_worker``, use ``traceml.trace_step(model)`` as in any TraceML
+    script; ``traceml.init()`` and ``traceml.shutdown()`` are called for you.
+
+    With ``exporter=""`` no aggregator starts and no run folder is made: the loop runs
+    unchanged and TraceML calls in it do nothing.
+    """
+
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        train_loop_config: dict[str, Any] | None = None,
+        traceml_config: TraceMLRayConfig | None = None,
+        **torch_trainer_kwargs: Any,
+    ) -> None:
+        if traceml_config is None:
+            traceml_config = TraceMLRayConfig()
+        if not isinstance(traceml_config, TraceMLRayConfig):
+            raise TypeError(
+                f"traceml_config must be a TraceMLRayConfig, got {type(traceml_config).__name__}"
+            )
+        if not callable(train_loop_per_worker):
+            raise TypeError("train_loop_per_worker must be callable")
+        required = _required_positional_params(train_loop_per_worker)
+        if required > 1:
+            raise ValueError(
+                "train_loop_per_worker should take in 0 or 1 required arguments, but it "
+                f"accepts {required} required arguments instead."
+            )
+        self.train_loop_per_worker = train_loop_per_worker
+        self.train_loop_config = train_loop_config
+        self.traceml_config = traceml_config
+        self.torch_trainer_kwargs = torch_trainer_kwargs
+        self.traceml_run: TraceMLRayRun | None = None
+        """What the last ``fit()`` did with TraceML (set even when it raised)."""
+
+    def _expected_world_size(self) -> int | None:
+        scaling = self.torch_trainer_kwargs.get("scaling_config")
+        workers = getattr(scaling, "num_workers", None)
+        return workers if type(workers) is int and workers >= 1 else None
+
+    def _torch_trainer(self, plan: _WorkerPlan | None) -> Any:
+        return TorchTrainer(
+            _wrap_loop(self.train_loop_per_worker, plan),
+            train_loop_config=self.train_loop_config,
+            **self.torch_trainer_kwargs,
+        )
+
+    def fit(self) -> Any:
+        """Run training with TraceML; returns (and raises) what ``TorchTrainer.fit()`` does."""
+        config = self.traceml_config
+        if not config.export_enabled:
+            self.traceml_run = TraceMLRayRun(
+                session_id=None, run_dir=None, address=None, finalized=False, summary=None
+            )
+            return self._torch_trainer(None).fit()
+
+        session_id = config.session_id or _fresh_session_id(config)
+        run_dir = config.run_dir(session_id)
+        token = new_run_token()
+        actor, address = self._start_actor(session_id, run_dir, token)
+        self.traceml_run = TraceMLRayRun(
+            session_id=session_id, run_dir=run_dir, address=address, finalized=False, summary=None
+        )
+        plan = None
+        if address is not None:
+            plan = _WorkerPlan(
+                f"{_url_host(address[0])}:{address[1]}", token, config.sampler_interval_sec
+            )
+        try:
+            return self._torch_trainer(plan).fit()
+        finally:
+            if actor is not None:
+                self._stop_actor(actor)
+
+    def _start_actor(
+        self, session_id: str, run_dir: Path, token: str
+    ) -> tuple[Any, tuple[str, int] | None]:
+        config = self.traceml_config
+        if not ray.is_initialized():
+            ray.init()
+        options: dict[str, Any] = {
+            "num_cpus": 0,
+            "name": ACTOR_NAME_PREFIX + session_id,
+            "max_restarts": 0,
+        }
+        # The run folder is on the driver's node, so the aggregator runs there too.
+        node_id = _driver_node_id()
+        if node_id is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        actor = None
+        try:
+            actor = (
+                ray.remote(_AggregatorActor)
+                .options(**options)
+                .remote(
+                    str(run_dir),
+                    config.export_settings,
+                    token,
+                    config.bind_host,
+                    config.port,
+                    self._expected_world_size(),
+                    config.stop_timeout_sec,
+                )
+            )
+            host, port = ray.get(actor.start.remote(), timeout=60.0)
+        except Exception as exc:
+            _say(f"the aggregator did not start ({exc}); training runs without TraceML telemetry")
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            return None, None
+        _say(f"run folder {run_dir}")
+        return actor, (str(host), int(port))
+
+    def _stop_actor(self, actor: Any) -> None:
+        config = self.traceml_config
+        run = self.traceml_run
+        try:
+            summary = ray.get(
+                actor.stop.remote(config.stop_timeout_sec),
+                timeout=2 * config.stop_timeout_sec + _ACTOR_CALL_MARGIN_S,
+            )
+        except Exception as exc:
+            _say(
+                f"the aggregator did not finalize ({exc}); "
+                "export files may lack their closing lines"
+            )
+        else:
+            if run is not None:
+                self.traceml_run = attrs.evolve(run, finalized=True, summary=summary)
+                export_dir = run.run_dir / "aggregator" / "export" if run.run_dir else None
+                _say(f"export: {summary['written_records']} records in {export_dir}")
+            if summary.get("warning_path"):
+                _say(f"something was lost; see {summary['warning_path']}")
+        finally:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+
+def _fresh_session_id(config: TraceMLRayConfig) -> str:
+    """A sortable, timestamp-based id whose run folder does not exist yet."""
+    while True:
+        session_id = default_run_name()
+        if not config.run_dir(session_id).exists():
+            return session_id
+
+
+def _driver_node_id() -> str | None:
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
+    return str(node_id) if node_id else None
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
