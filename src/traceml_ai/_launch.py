@@ -161,6 +161,8 @@ class _Aggregator:
             "port": p.port,
             "expected_world_size": p.world_size,
             "finalize_timeout_s": options.finalize_timeout_s,
+            # Lets it finalize on its own if we die without asking it to.
+            "parent_pid": os.getpid(),
         }
         env = dict(os.environ)
         env[ENV_RUN_TOKEN] = p.token

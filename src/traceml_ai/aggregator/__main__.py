@@ -5,6 +5,12 @@ finalize_timeout_s); the run token comes from ``TRACEML_RUN_TOKEN`` so it never
 shows in a process listing. It prints one JSON line when it listens
 (``{"event": "ready", ...}``) and one when it has finalized
 (``{"event": "finalized", ...}``), and exits 0; SIGTERM or SIGINT make it finalize.
+
+Those event lines go to the stdout it was started with, and only they do: anything
+else written to stdout in this process (a custom exporter's ``print``) is sent to
+stderr, so it can neither break the protocol nor fill a pipe nobody reads. If the
+launcher (``parent_pid`` in CONFIG) dies without asking it to finalize, it finalizes
+once the ranks have finished or disconnected, instead of serving forever.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import TextIO
 
 import orjson
 
@@ -21,14 +28,41 @@ from traceml_ai.aggregator._service import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
 from traceml_ai.wire import ENV_RUN_TOKEN
 
+PARENT_POLL_S = 0.5
 
-def _emit(event: dict[str, object]) -> None:
-    sys.stdout.write(orjson.dumps(event).decode() + "\n")
+
+def _protocol_stream() -> TextIO:
+    """A private copy of stdout for the event lines; fd 1 becomes stderr for all else."""
     sys.stdout.flush()
+    events = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    return events
+
+
+def _emit(out: TextIO, event: dict[str, object]) -> None:
+    out.write(orjson.dumps(event).decode() + "\n")
+    out.flush()
+
+
+def _watch_parent(parent_pid: int, aggregator: Aggregator, stop: threading.Event) -> None:
+    """Set ``stop`` once the launcher is gone and its ranks finished or disconnected."""
+    while not stop.wait(PARENT_POLL_S):
+        if os.getppid() == parent_pid:
+            continue
+        # The launcher was killed: the ranks (in their own session) may still run;
+        # serve them until they finish or disconnect, then finalize.
+        while not stop.is_set():
+            if aggregator.wait_all_finished(PARENT_POLL_S) or aggregator.wait_connections_closed(
+                0.0
+            ):
+                break
+        stop.set()
+        return
 
 
 def main(argv: list[str]) -> int:
     """Serve one run as configured by ``argv[0]`` (JSON)."""
+    out = _protocol_stream()
     raw = orjson.loads(argv[0])
     config = AggregatorConfig(
         run_dir=Path(raw["run_dir"]),
@@ -48,23 +82,34 @@ def main(argv: list[str]) -> int:
         host, port = aggregator.start()
     except OSError as exc:
         _emit(
+            out,
             {
                 "event": "failed",
                 "error": f"cannot listen on {config.bind_host}:{config.port}: {exc}",
-            }
+            },
         )
         return 1
-    _emit({"event": "ready", "host": host, "port": port, "pid": os.getpid()})
-    result = run_until_done(aggregator, stop=threading.Event(), wait_for_ranks=False)
+    _emit(out, {"event": "ready", "host": host, "port": port, "pid": os.getpid()})
+    stop = threading.Event()
+    parent_pid = raw.get("parent_pid")
+    if type(parent_pid) is int:
+        threading.Thread(
+            target=_watch_parent,
+            args=(parent_pid, aggregator, stop),
+            name="traceml-parent-watch",
+            daemon=True,
+        ).start()
+    result = run_until_done(aggregator, stop=stop, wait_for_ranks=False)
     stats = result.stats
     _emit(
+        out,
         {
             "event": "finalized",
             "written_records": stats.written_total if stats else 0,
             "warning": str(result.warning_path) if result.warning_path else None,
             "missing_ranks": list(result.ranks.missing_ranks),
             "rejected_frames": result.rejected_frames,
-        }
+        },
     )
     return 0
 
