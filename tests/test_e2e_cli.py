@@ -482,6 +482,42 @@ def test_serve_existing_export_file_turns_export_off(tmp_path: Path) -> None:
     assert_valid(logs / "mine" / "finalization_warning.json", tmp_path)
 
 
+def test_serve_busy_port_leaves_no_export_file_and_retry_exports(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = run_cli(
+            [
+                "serve",
+                "--logs-dir",
+                logs,
+                "--run-name",
+                "retry",
+                "--aggregator-port",
+                str(port),
+                "--exporter",
+                "jsonl",
+            ],
+            cwd=tmp_path,
+            timeout=60,
+        )
+    _ok(res, 1)
+    assert "cannot listen" in res.stderr
+    assert export_files(logs, "retry") == set()
+    # The same run folder again, on a free port: export is on (no leftover file).
+    serve, _ = _start_serve(
+        tmp_path, "--logs-dir", logs, "--run-name", "retry", "--exporter", "jsonl"
+    )
+    serve.send_signal(signal.SIGINT)
+    code, err = _finish(serve)
+    assert code == 0, err
+    assert data_lines(export_dir(logs, "retry") / "step_time.jsonl") == []
+    warning = warning_file(logs, "retry")
+    assert warning is None or "export" not in warning, warning
+
+
 # --------------------------------------------------------------------------- signals
 
 

@@ -65,6 +65,9 @@ class Aggregator:
         self._all_finished = threading.Event()
         self._finalized: FinalizeResult | None = None
         self._pipeline: ExportPipeline | None = None
+        # Batches that arrive between listening and the export's start, in order.
+        self._export_started = False
+        self._early_batches: list[ReceivedBatch] = []
         self._server: AggregatorServer | None = None
 
     @property
@@ -84,19 +87,20 @@ class Aggregator:
             return frozenset(self._finished_ranks)
 
     def start(self) -> tuple[str, int]:
-        """Open the export files (when export is on) and start listening."""
+        """Start listening, then open the export files (when export is on).
+
+        Listening comes first so that a port that cannot be bound (``OSError``) leaves
+        no export file behind: a file left there would turn export off when the run is
+        retried in the same run folder. Ranks learn the address only once this returns;
+        a batch that still comes earlier (a rank retrying a fixed port) is held and
+        handed to the export as soon as it starts.
+        """
         queue_limits: dict[str, Any] = {}
         if self.config.max_queue_batches is not None:
             queue_limits["max_queue_batches"] = self.config.max_queue_batches
         if self.config.max_queue_bytes is not None:
             queue_limits["max_queue_bytes"] = self.config.max_queue_bytes
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
-        self._pipeline = start_export(
-            self.config.settings,
-            self.config.run_dir,
-            selected_streams=self._selected,
-            **queue_limits,
-        )
         self._server = AggregatorServer(
             self.config.bind_host,
             self.config.port,
@@ -104,12 +108,35 @@ class Aggregator:
             on_batch=self._on_batch,
             on_finished=self._on_finished,
         )
-        return self._server.start()
+        address = self._server.start()
+        try:
+            pipeline = start_export(
+                self.config.settings,
+                self.config.run_dir,
+                selected_streams=self._selected,
+                **queue_limits,
+            )
+        except BaseException:
+            self._server.stop()
+            raise
+        with self._lock:
+            self._pipeline = pipeline
+            if pipeline is not None:
+                for batch in self._early_batches:
+                    pipeline.submit(batch)
+            self._early_batches.clear()
+            self._export_started = True
+        return address
 
     # Runs on the server's event-loop thread: must stay quick and never block. The
     # batch is usually still encoded (the export worker parses it), so ranks are
     # tracked from their ``finished`` messages and open connections, not from here.
     def _on_batch(self, batch: ReceivedBatch) -> None:
+        if not self._export_started:
+            with self._lock:
+                if not self._export_started:
+                    self._early_batches.append(batch)
+                    return
         if self._pipeline is not None:
             self._pipeline.submit(batch)
 
