@@ -708,6 +708,26 @@ def test_custom_exporter_printing_to_stdout_does_not_break_launch(tmp_path: Path
     assert warning_file(logs, "noisy") is None
 
 
+def test_serve_env_line_comes_first_even_with_a_printing_exporter(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    serve, env = _start_serve(
+        tmp_path,
+        "--logs-dir",
+        logs,
+        "--run-name",
+        "noisy",
+        "--exporter",
+        "tests.scripts.noisy_exporter:make_exporter",
+    )
+    assert env["TRACEML_AGGREGATOR_ADDR"].startswith("127.0.0.1:")
+    serve.send_signal(signal.SIGINT)
+    code, err = _finish(serve)
+    assert code == 0, err
+    assert "hello from a noisy exporter factory" in err
+    close = orjson.loads((logs / "noisy" / "custom_export" / "close.json").read_bytes())
+    assert close["written_records"] == {"step_time": 0}
+
+
 # --------------------------------------------------------------------------- startup
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import sys
@@ -265,7 +266,10 @@ def serve(
         )
     )
     try:
-        host, port = aggregator.start()
+        # The environment line below is the first thing on stdout, whatever a custom
+        # exporter's factory prints while the aggregator starts.
+        with contextlib.redirect_stdout(sys.stderr):
+            host, port = aggregator.start()
     except OSError as exc:
         click.echo(
             f"traceml: error: cannot listen on {aggregator_bind_host}:{aggregator_port}: {exc}",
