@@ -239,7 +239,12 @@ def serve(
     prints the environment the ranks need (TRACEML_AGGREGATOR_ADDR, TRACEML_RUN_TOKEN).
     """
     from traceml_ai._launch import default_run_name
-    from traceml_ai.aggregator import Aggregator, AggregatorConfig, run_until_done
+    from traceml_ai.aggregator import (
+        Aggregator,
+        AggregatorConfig,
+        install_stop_handlers,
+        run_until_done,
+    )
     from traceml_ai.wire import ENV_RUN_TOKEN
 
     resolved = _resolve(exporter, export_streams, exporter_hostname)
@@ -265,6 +270,9 @@ def serve(
             finalize_timeout_s=finalize_timeout_sec,
         )
     )
+    # From here on a Ctrl-C or SIGTERM finalizes the run (closing lines), never aborts.
+    stop = threading.Event()
+    install_stop_handlers(stop)
     try:
         # The environment line below is the first thing on stdout, whatever a custom
         # exporter's factory prints while the aggregator starts.
@@ -281,7 +289,7 @@ def serve(
     click.echo("traceml: start the ranks with:", err=True)
     click.echo(f"export TRACEML_AGGREGATOR_ADDR={connect_host}:{port} TRACEML_RUN_TOKEN={token}")
     sys.stdout.flush()
-    result = run_until_done(aggregator, stop=threading.Event(), wait_for_ranks=True)
+    result = run_until_done(aggregator, stop=stop, wait_for_ranks=True)
     if resolved.settings.exporter:
         written = result.stats.written_total if result.stats else 0
         click.echo(

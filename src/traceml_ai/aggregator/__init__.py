@@ -1,6 +1,6 @@
 """The aggregator: one per run, whatever the number of ranks and nodes."""
 
-from traceml_ai.aggregator._runner import run_until_done
+from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
 from traceml_ai.aggregator._service import (
     DEFAULT_FINALIZE_TIMEOUT_S,
     Aggregator,
@@ -13,5 +13,6 @@ __all__ = [
     "Aggregator",
     "AggregatorConfig",
     "FinalizeResult",
+    "install_stop_handlers",
     "run_until_done",
 ]

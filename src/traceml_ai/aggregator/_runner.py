@@ -30,7 +30,7 @@ def run_until_done(
     SIGINT and SIGTERM set ``stop`` (when called from the main thread). On stop, the
     ranks' open connections get a short grace to deliver what they sent.
     """
-    _install_stop_handlers(stop, on_stop_signal)
+    install_stop_handlers(stop, on_stop_signal)
     while not stop.is_set():
         if wait_for_ranks and aggregator.wait_all_finished(0.1):
             break
@@ -40,9 +40,14 @@ def run_until_done(
     return aggregator.finalize()
 
 
-def _install_stop_handlers(
-    stop: threading.Event, on_stop_signal: Callable[[], None] | None
+def install_stop_handlers(
+    stop: threading.Event, on_stop_signal: Callable[[], None] | None = None
 ) -> None:
+    """Make SIGINT and SIGTERM set ``stop`` (main thread only; else nothing).
+
+    ``traceml serve`` calls it before it starts listening, so a Ctrl-C that comes
+    before ``run_until_done`` still finalizes instead of killing the process.
+    """
     if threading.current_thread() is not threading.main_thread():
         return
 
