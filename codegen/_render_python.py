@@ -121,7 +121,7 @@ def render_records(schema_set: SchemaSet) -> str:
         _render_dump(body, model, by_name)
         body.line()
         body.line()
-        _render_load(body, model, names)
+        _render_load(body, model, names, by_name)
         body.line()
         body.line()
     body.line("DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {")
@@ -171,7 +171,24 @@ def render_records(schema_set: SchemaSet) -> str:
         out.line(f"{name} = {expression}")
     out.line()
     out.line()
+    out.lines(*_NO_MATCH_HELPER)
+    out.line()
+    out.line()
     return format_python(out.render() + body.render())
+
+
+# Strings checked against a pattern repeat a lot (device keys on every step): a value
+# that matched is remembered, so checking it again is one set lookup, not a regex run.
+# The memory is bounded (count and length), so odd input cannot grow it.
+_NO_MATCH_HELPER = (
+    "def _no_match(pattern: re.Pattern[str], matched: set[str], value: str) -> bool:",
+    '    """``pattern.search(value) is None``, remembering (boundedly) values that match."""',
+    "    if pattern.search(value) is None:",
+    "        return True",
+    "    if len(matched) < 1024 and len(value) <= 256:",
+    "        matched.add(value)",
+    "    return False",
+)
 
 
 def _render_class(w: CodeWriter, model: ClassModel) -> None:
@@ -308,8 +325,8 @@ def _non_nullable_float_keys(model: ClassModel, classes: dict[str, ClassModel]) 
 # -- load ---------------------------------------------------------------------
 
 
-def _render_load(w: CodeWriter, model: ClassModel, names: _Names) -> None:
-    fn = f"_load_{snake(model.class_name)}"
+def _key_sets(model: ClassModel, names: _Names) -> tuple[str, str, bool]:
+    """Names of the required and allowed key sets, and whether they are equal."""
     cname = snake(model.class_name).upper()
     required = [f.name for f in model.fields if f.required]
     every = [f.name for f in model.fields]
@@ -317,17 +334,31 @@ def _render_load(w: CodeWriter, model: ClassModel, names: _Names) -> None:
         f"_REQUIRED_{cname}", "frozenset({" + ", ".join(_lit(n) for n in required) + "})"
     )
     all_name = names.add(f"_KEYS_{cname}", "frozenset({" + ", ".join(_lit(n) for n in every) + "})")
+    return req_name, all_name, required == every
+
+
+def _key_check(w: CodeWriter, model: ClassModel, names: _Names, keys: str, path: str) -> None:
+    req_name, all_name, exact = _key_sets(model, names)
+    # Every key required: one set comparison instead of two.
+    cond = f"{keys} != {all_name}" if exact else f"not ({req_name} <= {keys} <= {all_name})"
+    with w.block(f"if {cond}:"):
+        w.line(f"_key_error({keys}, {req_name}, {all_name}, {path})")
+
+
+def _render_load(
+    w: CodeWriter, model: ClassModel, names: _Names, classes: dict[str, ClassModel]
+) -> None:
+    fn = f"_load_{snake(model.class_name)}"
     with w.block(f"def {fn}(d: Any, path: Path) -> {model.class_name}:"):
         with w.block("if type(d) is not dict:"):
             w.line('raise RecordError(path, f"expected object, got {describe(d)}")')
         w.line("keys = d.keys()")
-        with w.block(f"if not ({req_name} <= keys <= {all_name}):"):
-            w.line(f"_key_error(keys, {req_name}, {all_name}, path)")
+        _key_check(w, model, names, "keys", "path")
         for field in model.fields:
             var = f"f_{field.name}"
             if field.required:
                 w.line(f'{var} = d["{field.name}"]')
-                _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0)
+                _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
             elif isinstance(field.type, Scalar):
                 # An absent key reads as None, which the nullable check lets through.
                 w.line(f'{var} = d.get("{field.name}")')
@@ -341,34 +372,66 @@ def _render_load(w: CodeWriter, model: ClassModel, names: _Names) -> None:
             else:
                 w.line(f'{var} = d.get("{field.name}")')
                 with w.block(f"if {var} is not None:"):
-                    _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0)
+                    _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
         args = ", ".join(f"{f.name}={_typed_arg(f)}" for f in model.fields)
         w.line(f"return {model.class_name}({args})")
 
 
-def _typed_arg(field: FieldModel) -> str:
-    # The checks above narrow a value to ``str``/``int``; a Literal field needs the cast.
+def _load_inline(w: CodeWriter, model: ClassModel, var: str, path: str, names: _Names) -> None:
+    """The checks of a small leaf object (all fields required scalars), written in place.
+
+    Inside a map or array this saves a call per value and, above all, building the
+    value's path tuple: here ``path`` is only evaluated when an error is raised.
+    """
+    with w.block(f"if type({var}) is not dict:"):
+        w.line(f'raise RecordError({path}, f"expected object, got {{describe({var})}}")')
+    _key_check(w, model, names, f"{var}.keys()", path)
+    for field in model.fields:
+        assert isinstance(field.type, Scalar)
+        w.line(f'{var}_{field.name} = {var}["{field.name}"]')
+        _load_scalar(w, field.type, f"{var}_{field.name}", f'(*{path}, "{field.name}")', names)
+    args = ", ".join(f"{f.name}={_typed_arg(f, f'{var}_')}" for f in model.fields)
+    w.line(f"{var} = {model.class_name}({args})")
+
+
+def _typed_arg(field: FieldModel, prefix: str = "f_") -> str:
+    # The checks above narrow a value to ``str``/``int``; a Literal field needs its
+    # Literal type. A const field was checked equal to its constant, so the constant
+    # itself is passed. An enum field is cast with the type as a string: evaluating
+    # ``Literal[...]`` at run time costs a typing lookup on every record.
+    if isinstance(field.type, Scalar) and field.type.has_const and field.required:
+        return _lit(field.type.const)
     if (
         isinstance(field.type, Scalar)
         and field.type.kind != "boolean"
         and (field.type.has_const or field.type.enum is not None)
     ):
-        return f"cast({_field_annotation(field)}, f_{field.name})"
-    return f"f_{field.name}"
+        return f"cast('{_field_annotation(field)}', {prefix}{field.name})"
+    return f"{prefix}{field.name}"
 
 
 def _load_check(
-    w: CodeWriter, type_ref: TypeRef, var: str, path: str, names: _Names, depth: int
+    w: CodeWriter,
+    type_ref: TypeRef,
+    var: str,
+    path: str,
+    names: _Names,
+    depth: int,
+    classes: dict[str, ClassModel],
 ) -> None:
     """Write statements that check ``var`` (and rebind it to its typed value)."""
     if isinstance(type_ref, ClassRef):
-        w.line(f"{var} = _load_{snake(type_ref.class_name)}({var}, {path})")
+        nested = classes[type_ref.class_name]
+        if depth > 0 and _inlinable(nested):
+            _load_inline(w, nested, var, path, names)
+        else:
+            w.line(f"{var} = _load_{snake(type_ref.class_name)}({var}, {path})")
         return
     if isinstance(type_ref, MapOf):
-        _load_map(w, type_ref, var, path, names, depth)
+        _load_map(w, type_ref, var, path, names, depth, classes)
         return
     if isinstance(type_ref, ArrayOf):
-        _load_array(w, type_ref, var, path, names, depth)
+        _load_array(w, type_ref, var, path, names, depth, classes)
         return
     _load_scalar(w, type_ref, var, path, names)
 
@@ -425,7 +488,7 @@ def _load_scalar(w: CodeWriter, s: Scalar, var: str, path: str, names: _Names) -
     if s.min_length is not None:
         conds.append(f"len({var}) < {s.min_length}")
     if s.pattern is not None:
-        conds.append(f"{_pattern_constant(names, s.pattern)}.search({var}) is None")
+        conds.append(_no_match(names, s.pattern, var))
     cond = " or ".join(conds)
     with w.block(f"if {guard}({cond}):" if guard else f"if {cond}:"):
         w.line(fail)
@@ -436,6 +499,15 @@ def _find_constant(names: _Names, expression: str, default: str) -> str:
         if expr == expression and name.startswith("_ENUM_"):
             return name
     return default
+
+
+def _no_match(names: _Names, pattern: str, var: str) -> str:
+    """An expression true when ``var`` does not match ``pattern`` (see ``_no_match``)."""
+    compiled = _pattern_constant(names, pattern)
+    matched = "_MATCHED" + compiled[len("_PATTERN") :]
+    # The constant's "name" carries its annotation: ``_MATCHED_0: set[str] = set()``.
+    names.add(f"{matched}: set[str]", "set()")
+    return f"({var} not in {matched} and _no_match({compiled}, {matched}, {var}))"
 
 
 def _pattern_constant(names: _Names, pattern: str) -> str:
@@ -492,7 +564,15 @@ def _expected_text(s: Scalar) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("{", "{{").replace("}", "}}")
 
 
-def _load_map(w: CodeWriter, m: MapOf, var: str, path: str, names: _Names, depth: int) -> None:
+def _load_map(
+    w: CodeWriter,
+    m: MapOf,
+    var: str,
+    path: str,
+    names: _Names,
+    depth: int,
+    classes: dict[str, ClassModel],
+) -> None:
     k, v, out = f"k{depth}", f"v{depth}", f"m{depth}"
     with w.block(f"if type({var}) is not dict or len({var}) < {m.min_properties}:"):
         w.line(
@@ -504,16 +584,24 @@ def _load_map(w: CodeWriter, m: MapOf, var: str, path: str, names: _Names, depth
         if m.key_min_length is not None:
             key_conds.append(f"len({k}) < {m.key_min_length}")
         if m.key_pattern is not None:
-            key_conds.append(f"{_pattern_constant(names, m.key_pattern)}.search({k}) is None")
+            key_conds.append(_no_match(names, m.key_pattern, k))
         if key_conds:
             with w.block(f"if {' or '.join(key_conds)}:"):
                 w.line(f'raise RecordError((*{path}, {k}), "invalid key")')
-        _load_check(w, m.value, v, f"(*{path}, {k})", names, depth + 1)
+        _load_check(w, m.value, v, f"(*{path}, {k})", names, depth + 1, classes)
         w.line(f"{out}[{k}] = {v}")
     w.line(f"{var} = {out}")
 
 
-def _load_array(w: CodeWriter, a: ArrayOf, var: str, path: str, names: _Names, depth: int) -> None:
+def _load_array(
+    w: CodeWriter,
+    a: ArrayOf,
+    var: str,
+    path: str,
+    names: _Names,
+    depth: int,
+    classes: dict[str, ClassModel],
+) -> None:
     i, v, out = f"i{depth}", f"v{depth}", f"a{depth}"
     with w.block(f"if type({var}) is not list or len({var}) < {a.min_items}:"):
         w.line(
@@ -521,7 +609,7 @@ def _load_array(w: CodeWriter, a: ArrayOf, var: str, path: str, names: _Names, d
         )
     w.line(f"{out} = []")
     with w.block(f"for {i}, {v} in enumerate({var}):"):
-        _load_check(w, a.item, v, f"(*{path}, {i})", names, depth + 1)
+        _load_check(w, a.item, v, f"(*{path}, {i})", names, depth + 1, classes)
         w.line(f"{out}.append({v})")
     if a.unique:
         with w.block(f"if len(set({out})) != len({out}):"):

@@ -26,14 +26,14 @@ __all__ = [
     "SystemRecord",
 ]
 
-_ENUM_13 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
-_ENUM_14 = frozenset(
+_ENUM_16 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
+_ENUM_17 = frozenset(
     {"single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"}
 )
-_ENUM_15 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
-_ENUM_16 = frozenset({"high", "low"})
-_ENUM_19 = frozenset({"stdout", "stderr"})
-_ENUM_22 = frozenset(
+_ENUM_18 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
+_ENUM_19 = frozenset({"high", "low"})
+_ENUM_22 = frozenset({"stdout", "stderr"})
+_ENUM_25 = frozenset(
     {
         "step_time",
         "step_memory",
@@ -44,7 +44,7 @@ _ENUM_22 = frozenset(
         "stdout_stderr",
     }
 )
-_ENUM_27 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
+_ENUM_30 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
 _KEYS_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
 )
@@ -210,6 +210,7 @@ _KEYS_SYSTEM_RECORD = frozenset(
         "gpu_count",
     }
 )
+_MATCHED_0: set[str] = set()
 _PATTERN_0 = re.compile("^[a-z]+(:[0-9]+)?\\Z")
 _REQUIRED_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
@@ -359,6 +360,15 @@ _REQUIRED_SYSTEM_RECORD = frozenset(
         "gpu_count",
     }
 )
+
+
+def _no_match(pattern: re.Pattern[str], matched: set[str], value: str) -> bool:
+    """``pattern.search(value) is None``, remembering (boundedly) values that match."""
+    if pattern.search(value) is None:
+        return True
+    if len(matched) < 1024 and len(value) <= 256:
+        matched.add(value)
+    return False
 
 
 @attrs.frozen(kw_only=True)
@@ -1033,16 +1043,87 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
             )
         m1: dict[str, PhaseTiming] = {}
         for k1, v1 in v0.items():
-            if _PATTERN_0.search(k1) is None:
+            if k1 not in _MATCHED_0 and _no_match(_PATTERN_0, _MATCHED_0, k1):
                 raise RecordError((*(*(*path, "events"), k0), k1), "invalid key")
-            v1 = _load_phase_timing(v1, (*(*(*path, "events"), k0), k1))
+            if type(v1) is not dict:
+                raise RecordError(
+                    (*(*(*path, "events"), k0), k1), f"expected object, got {describe(v1)}"
+                )
+            if v1.keys() != _KEYS_PHASE_TIMING:
+                _key_error(
+                    v1.keys(),
+                    _REQUIRED_PHASE_TIMING,
+                    _KEYS_PHASE_TIMING,
+                    (*(*(*path, "events"), k0), k1),
+                )
+            v1_cpu_ms = v1["cpu_ms"]
+            if type(v1_cpu_ms) is not float:
+                if type(v1_cpu_ms) is int and -(2**63) <= v1_cpu_ms < 2**63:
+                    v1_cpu_ms = float(v1_cpu_ms)
+                else:
+                    raise RecordError(
+                        (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
+                        f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
+                    )
+            if v1_cpu_ms - v1_cpu_ms != 0.0 or v1_cpu_ms < 0:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
+                    f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
+                )
+            v1_duration_ms = v1["duration_ms"]
+            if type(v1_duration_ms) is not float:
+                if type(v1_duration_ms) is int and -(2**63) <= v1_duration_ms < 2**63:
+                    v1_duration_ms = float(v1_duration_ms)
+                else:
+                    raise RecordError(
+                        (*(*(*(*path, "events"), k0), k1), "duration_ms"),
+                        f"expected finite number >= 0, got {describe(v1_duration_ms)}",
+                    )
+            if v1_duration_ms - v1_duration_ms != 0.0 or v1_duration_ms < 0:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "duration_ms"),
+                    f"expected finite number >= 0, got {describe(v1_duration_ms)}",
+                )
+            v1_gpu_ms = v1["gpu_ms"]
+            if v1_gpu_ms is not None and type(v1_gpu_ms) is not float:
+                if type(v1_gpu_ms) is int and -(2**63) <= v1_gpu_ms < 2**63:
+                    v1_gpu_ms = float(v1_gpu_ms)
+                else:
+                    raise RecordError(
+                        (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
+                        f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
+                    )
+            if v1_gpu_ms is not None and (v1_gpu_ms - v1_gpu_ms != 0.0 or v1_gpu_ms < 0):
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
+                    f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
+                )
+            v1_is_gpu = v1["is_gpu"]
+            if v1_is_gpu is not True and v1_is_gpu is not False:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "is_gpu"),
+                    f"expected boolean, got {describe(v1_is_gpu)}",
+                )
+            v1_n_calls = v1["n_calls"]
+            if type(v1_n_calls) is not int or v1_n_calls < 1 or v1_n_calls > 9223372036854775807:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "n_calls"),
+                    f"expected integer >= 1, got {describe(v1_n_calls)}",
+                )
+            v1 = PhaseTiming(
+                cpu_ms=v1_cpu_ms,
+                duration_ms=v1_duration_ms,
+                gpu_ms=v1_gpu_ms,
+                is_gpu=v1_is_gpu,
+                n_calls=v1_n_calls,
+            )
             m1[k1] = v1
         v0 = m1
         m0[k0] = v0
     f_events = m0
     return StepTimeRecord(
-        stream=cast(Literal["step_time"], f_stream),
-        schema_version=cast(Literal[1], f_schema_version),
+        stream="step_time",
+        schema_version=1,
         observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
         rank=f_rank,
         global_rank=f_global_rank,
@@ -1160,7 +1241,9 @@ def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
     if type(f_step) is not int or f_step < 1 or f_step > 9223372036854775807:
         raise RecordError((*path, "step"), f"expected integer >= 1, got {describe(f_step)}")
     f_device = d["device"]
-    if type(f_device) is not str or _PATTERN_0.search(f_device) is None:
+    if type(f_device) is not str or (
+        f_device not in _MATCHED_0 and _no_match(_PATTERN_0, _MATCHED_0, f_device)
+    ):
         raise RecordError(
             (*path, "device"),
             f"expected string matching ^[a-z]+(:[0-9]+)?$, got {describe(f_device)}",
@@ -1186,8 +1269,8 @@ def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
             f"expected integer >= 0 or null, got {describe(f_peak_reserved_bytes)}",
         )
     return StepMemoryRecord(
-        stream=cast(Literal["step_memory"], f_stream),
-        schema_version=cast(Literal[1], f_schema_version),
+        stream="step_memory",
+        schema_version=1,
         observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
         rank=f_rank,
         global_rank=f_global_rank,
@@ -1408,8 +1491,8 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
             f"expected integer >= 0 or null, got {describe(f_gpu_memory_total_bytes)}",
         )
     return ProcessRecord(
-        stream=cast(Literal["process"], f_stream),
-        schema_version=cast(Literal[1], f_schema_version),
+        stream="process",
+        schema_version=1,
         observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
         rank=f_rank,
         global_rank=f_global_rank,
@@ -1576,8 +1659,8 @@ def _load_system_record(d: Any, path: Path) -> SystemRecord:
             (*path, "gpu_count"), f"expected integer >= 0, got {describe(f_gpu_count)}"
         )
     return SystemRecord(
-        stream=cast(Literal["system"], f_stream),
-        schema_version=cast(Literal[1], f_schema_version),
+        stream="system",
+        schema_version=1,
         observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
         rank=f_rank,
         global_rank=f_global_rank,
@@ -1787,8 +1870,8 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
             f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
         )
     return SystemGpuRecord(
-        stream=cast(Literal["system_gpu"], f_stream),
-        schema_version=cast(Literal[1], f_schema_version),
+        stream="system_gpu",
+        schema_version=1,
         observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
         rank=f_rank,
         global_rank=f_global_rank,
@@ -1922,7 +2005,7 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
     if type(f_pid) is not int or f_pid < 1 or f_pid > 9223372036854775807:
         raise RecordError((*path, "pid"), f"expected integer >= 1, got {describe(f_pid)}")
     f_topology = d["topology"]
-    if type(f_topology) is not str or f_topology not in _ENUM_13:
+    if type(f_topology) is not str or f_topology not in _ENUM_16:
         raise RecordError(
             (*path, "topology"),
             f"expected one of single_process, single_node_multi_process, multi_node, got {describe(f_topology)}",
@@ -1940,19 +2023,19 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
             f"expected string or null, got {describe(f_distributed_backend)}",
         )
     f_training_strategy = d["training_strategy"]
-    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_14:
+    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_17:
         raise RecordError(
             (*path, "training_strategy"),
             f"expected one of single_process, ddp, fsdp, deepspeed, distributed_unknown, unknown, got {describe(f_training_strategy)}",
         )
     f_strategy_source = d["strategy_source"]
-    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_15:
+    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_18:
         raise RecordError(
             (*path, "strategy_source"),
             f"expected one of runtime_model, runtime_distributed, topology, unknown, got {describe(f_strategy_source)}",
         )
     f_strategy_confidence = d["strategy_confidence"]
-    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_16:
+    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_19:
         raise RecordError(
             (*path, "strategy_confidence"),
             f"expected one of high, low, got {describe(f_strategy_confidence)}",
@@ -1968,8 +2051,8 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
             (*path, "python_version"), f"expected string, got {describe(f_python_version)}"
         )
     return RuntimeEnvironmentRecord(
-        stream=cast(Literal["runtime_environment"], f_stream),
-        schema_version=cast(Literal[1], f_schema_version),
+        stream="runtime_environment",
+        schema_version=1,
         observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
         rank=f_rank,
         global_rank=f_global_rank,
@@ -1982,19 +2065,19 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
         seq=f_seq,
         pid=f_pid,
         topology=cast(
-            Literal["single_process", "single_node_multi_process", "multi_node"], f_topology
+            'Literal["single_process", "single_node_multi_process", "multi_node"]', f_topology
         ),
         distributed_initialized=f_distributed_initialized,
         distributed_backend=f_distributed_backend,
         training_strategy=cast(
-            Literal["single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"],
+            'Literal["single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"]',
             f_training_strategy,
         ),
         strategy_source=cast(
-            Literal["runtime_model", "runtime_distributed", "topology", "unknown"],
+            'Literal["runtime_model", "runtime_distributed", "topology", "unknown"]',
             f_strategy_source,
         ),
-        strategy_confidence=cast(Literal["high", "low"], f_strategy_confidence),
+        strategy_confidence=cast('Literal["high", "low"]', f_strategy_confidence),
         torch_version=f_torch_version,
         python_version=f_python_version,
     )
@@ -2018,7 +2101,7 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if not (_REQUIRED_STDOUT_STDERR_RECORD <= keys <= _KEYS_STDOUT_STDERR_RECORD):
+    if keys != _KEYS_STDOUT_STDERR_RECORD:
         _key_error(keys, _REQUIRED_STDOUT_STDERR_RECORD, _KEYS_STDOUT_STDERR_RECORD, path)
     f_stream = d["stream"]
     if type(f_stream) is not str or f_stream != "stdout_stderr":
@@ -2055,7 +2138,7 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
         raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
     f_source = d["source"]
-    if type(f_source) is not str or f_source not in _ENUM_19:
+    if type(f_source) is not str or f_source not in _ENUM_22:
         raise RecordError(
             (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
         )
@@ -2063,13 +2146,13 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     if type(f_line) is not str:
         raise RecordError((*path, "line"), f"expected string, got {describe(f_line)}")
     return StdoutStderrRecord(
-        stream=cast(Literal["stdout_stderr"], f_stream),
-        schema_version=cast(Literal[1], f_schema_version),
+        stream="stdout_stderr",
+        schema_version=1,
         observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
         rank=f_rank,
         timestamp_unix_ns=f_timestamp_unix_ns,
         seq=f_seq,
-        source=cast(Literal["stdout", "stderr"], f_source),
+        source=cast('Literal["stdout", "stderr"]', f_source),
         line=f_line,
     )
 
@@ -2089,10 +2172,10 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if not (_REQUIRED_CLOSING_LINE <= keys <= _KEYS_CLOSING_LINE):
+    if keys != _KEYS_CLOSING_LINE:
         _key_error(keys, _REQUIRED_CLOSING_LINE, _KEYS_CLOSING_LINE, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream not in _ENUM_22:
+    if type(f_stream) is not str or f_stream not in _ENUM_25:
         raise RecordError(
             (*path, "stream"),
             f"expected one of step_time, step_memory, process, system, system_gpu, runtime_environment, stdout_stderr, got {describe(f_stream)}",
@@ -2125,19 +2208,11 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
         )
     return ClosingLine(
         stream=cast(
-            Literal[
-                "step_time",
-                "step_memory",
-                "process",
-                "system",
-                "system_gpu",
-                "runtime_environment",
-                "stdout_stderr",
-            ],
+            'Literal["step_time", "step_memory", "process", "system", "system_gpu", "runtime_environment", "stdout_stderr"]',
             f_stream,
         ),
-        closing=f_closing,
-        schema_version=cast(Literal[1], f_schema_version),
+        closing=True,
+        schema_version=1,
         written_records=f_written_records,
         dropped_batches=f_dropped_batches,
     )
@@ -2158,7 +2233,7 @@ def _load_export_loss(d: Any, path: Path) -> ExportLoss:
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if not (_REQUIRED_EXPORT_LOSS <= keys <= _KEYS_EXPORT_LOSS):
+    if keys != _KEYS_EXPORT_LOSS:
         _key_error(keys, _REQUIRED_EXPORT_LOSS, _KEYS_EXPORT_LOSS, path)
     f_written_records = d["written_records"]
     if (
@@ -2243,7 +2318,7 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
             (*path, "completed_at"), f"expected string, got {describe(f_completed_at)}"
         )
     f_reason = d["reason"]
-    if type(f_reason) is not str or f_reason not in _ENUM_27:
+    if type(f_reason) is not str or f_reason not in _ENUM_30:
         raise RecordError(
             (*path, "reason"),
             f"expected one of export_incomplete, ranks_disconnected, timeout, got {describe(f_reason)}",
@@ -2301,9 +2376,9 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
     if f_export is not None:
         f_export = _load_export_loss(f_export, (*path, "export"))
     return FinalizationWarning(
-        status=cast(Literal["warning"], f_status),
+        status="warning",
         completed_at=f_completed_at,
-        reason=cast(Literal["export_incomplete", "ranks_disconnected", "timeout"], f_reason),
+        reason=cast('Literal["export_incomplete", "ranks_disconnected", "timeout"]', f_reason),
         message=f_message,
         expected_world_size=f_expected_world_size,
         finished_ranks=f_finished_ranks,
@@ -2327,7 +2402,7 @@ def _load_phase_timing(d: Any, path: Path) -> PhaseTiming:
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if not (_REQUIRED_PHASE_TIMING <= keys <= _KEYS_PHASE_TIMING):
+    if keys != _KEYS_PHASE_TIMING:
         _key_error(keys, _REQUIRED_PHASE_TIMING, _KEYS_PHASE_TIMING, path)
     f_cpu_ms = d["cpu_ms"]
     if type(f_cpu_ms) is not float:
