@@ -296,34 +296,17 @@ def test_exporter_off_ignores_env_and_yaml(
     assert not list(driver_env.rglob("*.jsonl"))
 
 
-def test_hostname_on_lines_and_wildcard_bind(
+def test_failing_loop_reraises_and_finalizes_with_hostnames(
     ray_cluster: None, driver_env: Path, tmp_path: Path
 ) -> None:
+    # One fit covers the error path, exporter_hostname=True and a wildcard bind_host.
     config = TraceMLRayConfig(
         exporter="jsonl",
         exporter_hostname=True,
         bind_host="0.0.0.0",
         logs_dir=str(tmp_path / "abs-logs"),
-        session_id="host-run",
+        session_id="failing",
     )
-    trainer = make_trainer(tmp_path, config, {"steps": 2})
-    trainer.fit()
-    run = trainer.traceml_run
-    assert run is not None and run.address is not None
-    # Workers are told a routable address, never the wildcard.
-    assert run.address[0] not in ("0.0.0.0", "::")
-    export_dir = tmp_path / "abs-logs" / "host-run" / "aggregator" / "export"
-    assert [p.name for p in export_dir.iterdir()] == ["step_time.jsonl"]
-    data = lines(export_dir / "step_time.jsonl")[:-1]
-    assert len(data) == NUM_WORKERS * 2
-    assert all(isinstance(line["hostname"], str) and line["hostname"] for line in data)
-    assert_valid(tmp_path / "abs-logs" / "host-run")
-
-
-def test_failing_loop_reraises_and_finalizes(
-    ray_cluster: None, driver_env: Path, tmp_path: Path
-) -> None:
-    config = TraceMLRayConfig(exporter="jsonl", logs_dir="runs", session_id="failing")
     trainer = make_trainer(tmp_path, config, {"fail_at": 2})
     with pytest.raises(Exception) as info:
         trainer.fit()
@@ -332,14 +315,20 @@ def test_failing_loop_reraises_and_finalizes(
     run = trainer.traceml_run
     assert run is not None and run.finalized
     assert_actor_gone("failing")
-    step_time = lines(driver_env / "runs" / "failing" / "aggregator" / "export" / "step_time.jsonl")
+    # Workers were told a routable address, never the wildcard.
+    assert run.address is not None and run.address[0] not in ("0.0.0.0", "::")
+    run_dir = tmp_path / "abs-logs" / "failing"
+    export_dir = run_dir / "aggregator" / "export"
+    assert [p.name for p in export_dir.iterdir()] == ["step_time.jsonl"]
+    step_time = lines(export_dir / "step_time.jsonl")
     assert step_time[-1]["closing"] is True
     # Both workers traced steps 1 and 2 before raising; shutdown still sent them.
     assert {(line["global_rank"], line["step"]) for line in step_time[:-1]} == {
         (r, s) for r in range(NUM_WORKERS) for s in (1, 2)
     }
     assert step_time[-1]["written_records"] == 2 * NUM_WORKERS
-    assert_valid(driver_env / "runs" / "failing")
+    assert all(isinstance(line["hostname"], str) and line["hostname"] for line in step_time[:-1])
+    assert_valid(run_dir)
 
 
 def test_custom_exporter_receives_records(

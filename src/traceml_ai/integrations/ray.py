@@ -70,6 +70,9 @@ __all__ = ["TraceMLRayConfig", "TraceMLRayRun", "TraceMLTorchTrainer"]
 ACTOR_NAME_PREFIX = "traceml-aggregator-"
 """The aggregator actor of a run is named ``traceml-aggregator-<session_id>``."""
 
+AGGREGATOR_START_TIMEOUT_S = 60.0
+"""How long a worker waits for the aggregator actor to listen before training without it."""
+
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 # Extra seconds, beyond the aggregator's own bounds, to wait for the actor to answer.
 _ACTOR_CALL_MARGIN_S = 30.0
@@ -154,9 +157,13 @@ class TraceMLRayRun:
 
 @attrs.frozen
 class _WorkerPlan:
-    """What each worker needs to reach the aggregator (captured by the wrapped loop)."""
+    """What each worker needs to reach the aggregator (captured by the wrapped loop).
 
-    address: str
+    ``address_ref`` is the ``ObjectRef`` of the actor's ``start()``: the aggregator
+    starts while Ray brings the worker group up, and each worker waits for it.
+    """
+
+    address_ref: Any
     token: str
     sampler_interval: float
 
@@ -189,7 +196,22 @@ def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = old
 
 
-def _worker_environ(plan: _WorkerPlan) -> dict[str, str]:
+def _aggregator_address(plan: _WorkerPlan) -> str | None:
+    """``host:port`` of the aggregator, or ``None`` (with a warning) when it did not start."""
+    try:
+        host, port = ray.get(plan.address_ref, timeout=AGGREGATOR_START_TIMEOUT_S)
+    except Exception as exc:
+        warnings.warn(
+            f"TraceML's aggregator did not start ({exc!r}); this worker trains without "
+            "TraceML telemetry.",
+            traceml.TraceMLWarning,
+            stacklevel=2,
+        )
+        return None
+    return f"{_url_host(str(host))}:{int(port)}"
+
+
+def _worker_environ(plan: _WorkerPlan, address: str) -> dict[str, str]:
     context = ray.train.get_context()
     return {
         "RANK": str(context.get_world_rank()),
@@ -197,7 +219,7 @@ def _worker_environ(plan: _WorkerPlan) -> dict[str, str]:
         "WORLD_SIZE": str(context.get_world_size()),
         "LOCAL_WORLD_SIZE": str(context.get_local_world_size()),
         "GROUP_RANK": str(context.get_node_rank()),
-        ENV_AGGREGATOR_ADDR: plan.address,
+        ENV_AGGREGATOR_ADDR: address,
         ENV_RUN_TOKEN: plan.token,
         ENV_SAMPLER_INTERVAL: repr(plan.sampler_interval),
     }
@@ -217,14 +239,15 @@ def _shutdown_quietly() -> None:
 
 def _run_traced(plan: _WorkerPlan | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """Run the user's loop between ``traceml.init()`` and ``traceml.shutdown()``."""
-    if plan is None:
+    address = _aggregator_address(plan) if plan is not None else None
+    if plan is None or address is None:
         # Export off (or no aggregator): trace_step & co. stay silent no-ops.
         traceml.init(mode="off")
         try:
             return fn(*args)
         finally:
             _shutdown_quietly()
-    with _patched_environ(_worker_environ(plan)):
+    with _patched_environ(_worker_environ(plan, address)):
         traceml.init()
         try:
             return fn(*args)
@@ -317,24 +340,22 @@ class TraceMLTorchTrainer:
         session_id = config.session_id or _fresh_session_id(config)
         run_dir = config.run_dir(session_id)
         token = new_run_token()
-        actor, address = self._start_actor(session_id, run_dir, token)
         self.traceml_run = TraceMLRayRun(
-            session_id=session_id, run_dir=run_dir, address=address, finalized=False, summary=None
+            session_id=session_id, run_dir=run_dir, address=None, finalized=False, summary=None
         )
+        actor, address_ref = self._launch_actor(session_id, run_dir, token)
         plan = None
-        if address is not None:
-            plan = _WorkerPlan(
-                f"{_url_host(address[0])}:{address[1]}", token, config.sampler_interval_sec
-            )
+        if address_ref is not None:
+            _say(f"run folder {run_dir}")
+            plan = _WorkerPlan(address_ref, token, config.sampler_interval_sec)
         try:
             return self._torch_trainer(plan).fit()
         finally:
             if actor is not None:
-                self._stop_actor(actor)
+                self._stop_actor(actor, address_ref)
 
-    def _start_actor(
-        self, session_id: str, run_dir: Path, token: str
-    ) -> tuple[Any, tuple[str, int] | None]:
+    def _launch_actor(self, session_id: str, run_dir: Path, token: str) -> tuple[Any, Any]:
+        """Create the aggregator actor and ask it to start, without waiting for either."""
         config = self.traceml_config
         if not ray.is_initialized():
             ray.init()
@@ -362,30 +383,37 @@ class TraceMLTorchTrainer:
                     config.stop_timeout_sec,
                 )
             )
-            host, port = ray.get(actor.start.remote(), timeout=60.0)
+            return actor, actor.start.remote()
         except Exception as exc:
             _say(f"the aggregator did not start ({exc}); training runs without TraceML telemetry")
             if actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
             return None, None
-        _say(f"run folder {run_dir}")
-        return actor, (str(host), int(port))
 
-    def _stop_actor(self, actor: Any) -> None:
+    def _stop_actor(self, actor: Any, address_ref: Any) -> None:
+        """Finalize the aggregator (bounded), then kill its actor, whatever happened."""
         config = self.traceml_config
-        run = self.traceml_run
         try:
-            summary = ray.get(
-                actor.stop.remote(config.stop_timeout_sec),
-                timeout=2 * config.stop_timeout_sec + _ACTOR_CALL_MARGIN_S,
-            )
-        except Exception as exc:
-            _say(
-                f"the aggregator did not finalize ({exc}); "
-                "export files may lack their closing lines"
-            )
-        else:
+            try:
+                host, port = ray.get(address_ref, timeout=AGGREGATOR_START_TIMEOUT_S)
+            except Exception as exc:
+                _say(f"the aggregator did not start ({exc}); no TraceML telemetry was kept")
+                return
+            run = self.traceml_run
+            if run is not None:
+                self.traceml_run = run = attrs.evolve(run, address=(str(host), int(port)))
+            try:
+                summary = ray.get(
+                    actor.stop.remote(config.stop_timeout_sec),
+                    timeout=2 * config.stop_timeout_sec + _ACTOR_CALL_MARGIN_S,
+                )
+            except Exception as exc:
+                _say(
+                    f"the aggregator did not finalize ({exc}); "
+                    "export files may lack their closing lines"
+                )
+                return
             if run is not None:
                 self.traceml_run = attrs.evolve(run, finalized=True, summary=summary)
                 export_dir = run.run_dir / "aggregator" / "export" if run.run_dir else None
