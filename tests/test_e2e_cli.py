@@ -521,6 +521,28 @@ def test_serve_busy_port_leaves_no_export_file_and_retry_exports(tmp_path: Path)
     assert warning is None or "export" not in warning, warning
 
 
+def test_run_aggregator_cannot_listen_training_goes_on_loss_reported(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = run_cli(
+            train_run_args(
+                logs, "nolisten", "--aggregator-port", str(port), "--exporter", "jsonl", steps=2
+            ),
+            cwd=tmp_path,
+        )
+    _ok(res)
+    assert "cannot listen" in res.stderr
+    assert export_files(logs, "nolisten") == set()
+    warning = warning_file(logs, "nolisten")
+    assert warning is not None, res.stderr
+    assert warning["reason"] == "export_incomplete"
+    assert warning["export"]["exporter_failed"] is True
+    assert_valid(logs / "nolisten", tmp_path)
+
+
 # --------------------------------------------------------------------------- signals
 
 

@@ -244,6 +244,7 @@ def run(options: RunOptions) -> int:
     """Run the training script under TraceML; return its exit code."""
     p = plan(options, os.environ)
     aggregator: _Aggregator | None = None
+    not_started: str | None = None
     env = dict(os.environ)
     env[ENV_SAMPLER_INTERVAL] = repr(options.interval)
     env.pop(ENV_AGGREGATOR_ADDR, None)
@@ -255,6 +256,7 @@ def run(options: RunOptions) -> int:
         if isinstance(ready, str):
             _say(f"{ready}; training runs without TraceML telemetry")
             aggregator = None
+            not_started = ready
         else:
             env[ENV_AGGREGATOR_ADDR] = f"{p.connect_host}:{ready[1]}"
             env[ENV_RUN_TOKEN] = p.token
@@ -266,6 +268,9 @@ def run(options: RunOptions) -> int:
 
     exit_code = _run_ranks(options, env)
 
+    if not_started is not None and options.export.settings.exporter:
+        assert p.run_dir is not None
+        _report_export_off(p.run_dir, not_started)
     if aggregator is not None:
         event = aggregator.finalize()
         if event is None or event.get("event") != "finalized":
@@ -281,6 +286,31 @@ def run(options: RunOptions) -> int:
             if event.get("warning"):
                 _say(f"something was lost; see {event['warning']}")
     return exit_code
+
+
+def _report_export_off(run_dir: Path, why: str) -> None:
+    """The aggregator never started, so nothing was exported: say so in the warning file."""
+    from traceml_ai.export._finalize import write_finalization_warning
+    from traceml_records import ExportLoss
+
+    loss = ExportLoss(
+        written_records=0,
+        dropped_batches=0,
+        failed_records=0,
+        skipped_items=0,
+        exporter_failed=True,
+    )
+    try:
+        path = write_finalization_warning(
+            run_dir,
+            export_loss=loss,
+            message=f"Export was off for this run because the aggregator did not start ({why}).",
+        )
+    except (OSError, ValueError) as exc:
+        _say(f"cannot write {run_dir / 'finalization_warning.json'}: {exc}")
+        return
+    if path is not None:
+        _say(f"something was lost; see {path}")
 
 
 def _run_ranks(options: RunOptions, env: dict[str, str]) -> int:
