@@ -9,6 +9,7 @@ configs used here, so every test also checks that Ray reads neither.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -359,3 +360,20 @@ def test_custom_exporter_receives_records(
     assert close["include_hostname"] is False
     # A custom exporter writes no JSONL files of its own.
     assert not list((driver_env / "runs" / "custom" / "aggregator" / "export").glob("*.jsonl"))
+
+
+def test_aggregator_that_cannot_start_never_fails_training(
+    ray_cluster: None, driver_env: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = TraceMLRayConfig(exporter="jsonl", port=port, session_id="no-port")
+        trainer = make_trainer(tmp_path, config, {"steps": 2})
+        result = trainer.fit()
+    assert result.error is None and result.return_value is not None
+    run = trainer.traceml_run
+    assert run is not None and not run.finalized and run.address is None
+    assert f"cannot listen on 127.0.0.1:{port}" in capfd.readouterr().err
+    assert_actor_gone("no-port")

@@ -112,7 +112,11 @@ class _AggregatorActor:
 
     def start(self) -> tuple[str, int]:
         """Open the export files and listen; the address workers should connect to."""
-        host, port = self._aggregator.start()
+        config = self._aggregator.config
+        try:
+            host, port = self._aggregator.start()
+        except OSError as exc:
+            raise OSError(f"cannot listen on {config.bind_host}:{config.port}: {exc}") from exc
         if host in _WILDCARD_HOSTS:
             # Listening everywhere: hand out this node's address as Ray knows it.
             host = ray.util.get_node_ip_address()
