@@ -197,6 +197,9 @@ def test_config_reads_no_environment_or_yaml(driver_env: Path) -> None:
     )
     assert not config.export_enabled
     assert config.run_dir("s1") == driver_env / "logs" / "s1"
+    assert TraceMLRayConfig(logs_dir=driver_env / "x").logs_dir == str(driver_env / "x")
+    with pytest.raises(AttributeError):
+        config.exporter = "jsonl"  # type: ignore[misc]  # frozen
 
 
 def test_trainer_rejects_bad_arguments_before_ray_starts() -> None:
