@@ -39,6 +39,31 @@ def _export_options(func: Any) -> Any:
     return func
 
 
+def _run_folder_options(func: Any) -> Any:
+    func = click.option(
+        "--run-name",
+        default=None,
+        help="Run folder name (default: UTC timestamp plus a random suffix).",
+    )(func)
+    func = click.option(
+        "--logs-dir",
+        type=click.Path(path_type=Path),
+        default=Path("logs"),
+        show_default=True,
+        help="Where run folders are created.",
+    )(func)
+    return func
+
+
+_finalize_option = click.option(
+    "--finalize-timeout-sec",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Longest wait for pending records at shutdown.",
+)
+
+
 def _resolve(
     exporter: str | None, export_streams: str | None, exporter_hostname: bool | None
 ) -> ResolvedExportSettings:
@@ -60,18 +85,7 @@ def _resolve(
 @click.command(
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
-@click.option(
-    "--logs-dir",
-    type=click.Path(path_type=Path),
-    default=Path("logs"),
-    show_default=True,
-    help="Where run folders are created.",
-)
-@click.option(
-    "--run-name",
-    default=None,
-    help="Run folder name (default: UTC timestamp plus a random suffix).",
-)
+@_run_folder_options
 @click.option(
     "--nproc-per-node",
     type=int,
@@ -112,13 +126,7 @@ def _resolve(
     show_default=True,
     help="Seconds between process/system samples.",
 )
-@click.option(
-    "--finalize-timeout-sec",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Longest wait for pending records at shutdown.",
-)
+@_finalize_option
 @_export_options
 @click.argument("script", type=str)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -176,18 +184,7 @@ def run(
 
 
 @click.command()
-@click.option(
-    "--logs-dir",
-    type=click.Path(path_type=Path),
-    default=Path("logs"),
-    show_default=True,
-    help="Where the run folder is created.",
-)
-@click.option(
-    "--run-name",
-    default=None,
-    help="Run folder name (default: UTC timestamp plus a random suffix).",
-)
+@_run_folder_options
 @click.option(
     "--aggregator-bind-host",
     default="127.0.0.1",
@@ -213,13 +210,7 @@ def run(
     default=None,
     help="Ranks per node; without it, the world size the first rank reports is expected.",
 )
-@click.option(
-    "--finalize-timeout-sec",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Longest wait for pending records at shutdown.",
-)
+@_finalize_option
 @_export_options
 def serve(
     logs_dir: Path,
