@@ -380,3 +380,10 @@ def test_aggregator_that_cannot_start_never_fails_training(
     assert run is not None and not run.finalized and run.address is None
     assert f"cannot listen on 127.0.0.1:{port}" in capfd.readouterr().err
     assert_actor_gone("no-port")
+    # As with `traceml run`: the loss is reported in the run folder.
+    warning = orjson.loads(
+        (driver_env / "logs" / "no-port" / "finalization_warning.json").read_bytes()
+    )
+    assert warning["reason"] == "export_incomplete"
+    assert warning["export"]["exporter_failed"] is True
+    assert f"cannot listen on 127.0.0.1:{port}" in warning["message"]

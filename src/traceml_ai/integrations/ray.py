@@ -56,6 +56,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
 import traceml_ai as traceml
 from traceml_ai._launch import default_run_name
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
+from traceml_ai.export import write_finalization_warning
 from traceml_ai.integrations._ray_config import TraceMLRayConfig
 from traceml_ai.settings import ExportSettings
 from traceml_ai.wire import (
@@ -64,6 +65,7 @@ from traceml_ai.wire import (
     ENV_SAMPLER_INTERVAL,
     new_run_token,
 )
+from traceml_records import ExportLoss
 
 __all__ = ["TraceMLRayConfig", "TraceMLRayRun", "TraceMLTorchTrainer"]
 
@@ -402,7 +404,12 @@ class TraceMLTorchTrainer:
             try:
                 host, port = ray.get(address_ref, timeout=AGGREGATOR_START_TIMEOUT_S)
             except Exception as exc:
-                _say(f"the aggregator did not start ({exc}); no TraceML telemetry was kept")
+                why = _reason(exc)
+                _say(
+                    f"the aggregator did not start ({why}); training ran without TraceML telemetry"
+                )
+                if self.traceml_run is not None and self.traceml_run.run_dir is not None:
+                    _report_export_off(self.traceml_run.run_dir, why)
                 return
             run = self.traceml_run
             if run is not None:
@@ -427,6 +434,38 @@ class TraceMLTorchTrainer:
         finally:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
+
+
+def _reason(exc: BaseException) -> str:
+    """The short reason of a failed actor call (Ray wraps the actor's exception)."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else exc)
+
+
+def _report_export_off(run_dir: Path, why: str) -> None:
+    """The aggregator never started, so nothing was exported: say so in the warning file.
+
+    The same report as ``traceml run`` makes: an export block with ``exporter_failed``.
+    """
+    loss = ExportLoss(
+        written_records=0,
+        dropped_batches=0,
+        failed_records=0,
+        skipped_items=0,
+        exporter_failed=True,
+    )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = write_finalization_warning(
+            run_dir,
+            export_loss=loss,
+            message=f"Export was off for this run because the aggregator did not start ({why}).",
+        )
+    except (OSError, ValueError) as exc:
+        _say(f"cannot write {run_dir / 'finalization_warning.json'}: {exc}")
+        return
+    if path is not None:
+        _say(f"something was lost; see {path}")
 
 
 def _fresh_session_id(config: TraceMLRayConfig) -> str:
