@@ -1,9 +1,18 @@
 """Aggregator side of the transport: an asyncio TCP server in its own daemon thread.
 
 One event loop holds every rank connection. Each frame is length-checked, stamped with
-``observed_timestamp_unix_ns`` on receipt, decoded with ``decode_message`` and handed to a
-callback on the loop thread, so callbacks must be quick and must not block (the export
-worker's ``submit`` fits). Bad input is counted and never reaches the callbacks.
+``observed_timestamp_unix_ns`` on receipt, decoded with ``decode_message`` (or, for our
+senders' batches, only prefix-checked) and handed to a callback on the loop thread, so
+callbacks must be quick and must not block (the export worker's ``submit`` fits). Bad
+input is counted and never reaches the callbacks.
+
+Connections are ``asyncio.Protocol`` objects that cut frames out of each chunk the
+transport reads (one ``recv`` of at most 256 KiB), rather than a coroutine per
+connection awaiting ``readexactly`` twice per frame: with a thousand ranks sending a
+few frames a second each, the per-frame cost of the coroutine machinery was a large
+share of the aggregator's CPU. Each chunk is handled whole before the loop moves on,
+so one busy rank cannot starve the others, and a connection holds at most one
+partial frame plus one chunk.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from traceml_ai.wire import (
     BATCH_STREAMS,
@@ -29,16 +38,88 @@ __all__ = ["AggregatorServer"]
 
 _T = TypeVar("_T")
 
-# Read buffer per connection; larger than asyncio's 64 KiB default so big frames need
-# fewer wake-ups.
-_STREAM_LIMIT = 1024 * 1024
-
-
 _KNOWN_STREAMS = tuple(f'{name}"'.encode() for name in BATCH_STREAMS)
+_HEADER_SIZE = FRAME_HEADER.size
+_unpack_header = FRAME_HEADER.unpack_from
 
 
 def _known_stream_follows(body: bytes, offset: int) -> bool:
     return body.startswith(_KNOWN_STREAMS, offset)
+
+
+class _Connection(asyncio.Protocol):
+    """One rank connection: frames are cut out of the received chunks as they complete."""
+
+    def __init__(self, server: AggregatorServer) -> None:
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        # Bytes of the frame in progress (header included), when a chunk ended inside one.
+        self._pending = bytearray()
+        self._refused = False
+        self.last_identity: dict[str, Any] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        server = self._server
+        server._connections.add(self)
+        server._connections_total += 1
+        server._connections_open += 1
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        server = self._server
+        pending = self._pending
+        if pending:
+            pending += data
+            if len(pending) < _HEADER_SIZE:
+                return
+            (length,) = _unpack_header(pending, 0)
+            if length <= server._max_frame_bytes and len(pending) < _HEADER_SIZE + length:
+                return  # still inside the frame: no copy until it is complete
+            data = bytes(pending)
+            pending.clear()
+        size = len(data)
+        pos = 0
+        observed = time.time_ns()
+        while size - pos >= _HEADER_SIZE:
+            (length,) = _unpack_header(data, pos)
+            if length > server._max_frame_bytes:
+                # Its length header cannot be trusted to find the next frame.
+                server._reject("oversized frame")
+                self._refuse()
+                return
+            end = pos + _HEADER_SIZE + length
+            if end > size:
+                break
+            server._frame(self, data[pos + _HEADER_SIZE : end], length, observed)
+            pos = end
+            if server._stopped:
+                return
+        if pos < size:
+            pending += memoryview(data)[pos:]
+
+    def _refuse(self) -> None:
+        self._refused = True
+        self._pending.clear()
+        self.close()
+
+    def eof_received(self) -> bool | None:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        server = self._server
+        if self._pending and not self._refused:
+            server._reject("truncated frame")
+        self._pending.clear()
+        server._connections.discard(self)
+        server._connections_open -= 1
+        if server._on_connection_lost is not None:
+            server._call(server._on_connection_lost, self.last_identity)
 
 
 class AggregatorServer:
@@ -85,7 +166,7 @@ class AggregatorServer:
         self._address: tuple[str, int] | None = None
         self._start_error: BaseException | None = None
         self._stopped = False
-        self._connection_tasks: set[asyncio.Task[Any]] = set()
+        self._connections: set[_Connection] = set()
 
         # Written on the loop thread only.
         self._accepted_batches = 0
@@ -193,7 +274,7 @@ class AggregatorServer:
         try:
             try:
                 server = loop.run_until_complete(
-                    asyncio.start_server(self._handle, self._host, self._port, limit=_STREAM_LIMIT)
+                    loop.create_server(lambda: _Connection(self), self._host, self._port)
                 )
             except BaseException as exc:
                 self._start_error = exc
@@ -223,78 +304,39 @@ class AggregatorServer:
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
-        tasks = list(self._connection_tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=1.0)
+        for connection in list(self._connections):
+            connection.close()
+        # Closed transports report connection_lost on the next loop iterations.
+        for _ in range(3):
+            if not self._connections:
+                break
+            await asyncio.sleep(0)
 
     # ---- connections -------------------------------------------------------------------
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._connection_tasks.add(task)
-        self._connections_total += 1
-        self._connections_open += 1
-        last_identity: dict[str, Any] | None = None
+    def _frame(self, connection: _Connection, body: bytes, length: int, observed: int) -> None:
+        """Handle one complete frame body (on the loop thread)."""
+        if body.startswith(self._batch_prefix) and _known_stream_follows(
+            body, len(self._batch_prefix)
+        ):
+            # Our senders' batches: right version, token and type. They are queued
+            # still encoded and parsed by the export worker, off this loop (its parse
+            # checks the rest of the envelope).
+            self._accepted_batches += 1
+            self._call(self._on_batch, ReceivedBatch(observed, body, length))
+            return
         try:
-            while True:
-                try:
-                    header = await reader.readexactly(FRAME_HEADER.size)
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial:
-                        self._reject("truncated frame")
-                    return
-                (length,) = FRAME_HEADER.unpack(header)
-                if length > self._max_frame_bytes:
-                    self._reject("oversized frame")
-                    return
-                try:
-                    body = await reader.readexactly(length)
-                except asyncio.IncompleteReadError:
-                    self._reject("truncated frame")
-                    return
-                observed = time.time_ns()
-                if body.startswith(self._batch_prefix) and _known_stream_follows(
-                    body, len(self._batch_prefix)
-                ):
-                    # Our senders' batches: right version, token and type. They are
-                    # queued still encoded and parsed by the export worker, off this
-                    # loop (its parse checks the rest of the envelope).
-                    self._accepted_batches += 1
-                    self._call(self._on_batch, ReceivedBatch(observed, body, length))
-                    await asyncio.sleep(0)
-                    continue
-                try:
-                    message = decode_message(body, self._token)
-                except FrameError as exc:
-                    self._reject(exc.reason)
-                    continue
-                last_identity = message["identity"]
-                if message["type"] == "batch":
-                    self._accepted_batches += 1
-                    self._call(self._on_batch, ReceivedBatch(observed, message, length))
-                else:
-                    self._finished_messages += 1
-                    self._call(self._on_finished, message)
-                # Buffered frames complete without suspending; yield so one busy rank
-                # cannot starve the others.
-                await asyncio.sleep(0)
-        except OSError:
-            pass  # reset by peer and the like: the connection is over either way
-        except asyncio.CancelledError:
-            # Only stop() cancels a connection. Ending normally keeps asyncio's
-            # connection callback from logging the cancellation as an error.
-            pass
-        finally:
-            self._connections_open -= 1
-            if task is not None:
-                self._connection_tasks.discard(task)
-            with contextlib.suppress(Exception):
-                writer.close()
-            if self._on_connection_lost is not None:
-                self._call(self._on_connection_lost, last_identity)
+            message = decode_message(body, self._token)
+        except FrameError as exc:
+            self._reject(exc.reason)
+            return
+        connection.last_identity = message["identity"]
+        if message["type"] == "batch":
+            self._accepted_batches += 1
+            self._call(self._on_batch, ReceivedBatch(observed, message, length))
+        else:
+            self._finished_messages += 1
+            self._call(self._on_finished, message)
 
     def _reject(self, reason: str) -> None:
         self._rejected_frames += 1
