@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from traceml_ai.export._protocol import ExportContext, ExportSummary
-from traceml_records import STREAMS_BY_NAME, ClosingLine, RecordError, dumps_line
+from traceml_records import STREAMS_BY_NAME, ClosingLine, dumps_line
+from traceml_records._codec import dumps_lines
 from traceml_records._registry import STREAM_BY_CLASS
 
 __all__ = [
@@ -384,17 +385,12 @@ class JsonlExporter:
                         failed=n,
                     )
 
-            lines: list[bytes] = []
-            bad = 0
-            include_hostname = self._context.include_hostname
-            for record in records:
-                if type(record) is not record_class:
-                    bad += 1  # A stray record of another stream never goes into this file.
-                    continue
-                try:
-                    lines.append(dumps_line(record, include_hostname=include_hostname))
-                except (RecordError, ValueError, TypeError):
-                    bad += 1
+            # A stray record of another stream never goes into this file; neither does
+            # one without a valid line (RecordError, ValueError, TypeError).
+            assert record_class is not None
+            lines, bad = dumps_lines(
+                records, record_class, include_hostname=self._context.include_hostname
+            )
             f.serialization_failures += bad
 
             data = b"".join(lines)
