@@ -8,12 +8,15 @@ process. It never imports torch.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
+import orjson
 
 from traceml_ai.export import ExportPipeline, ExportStats, start_export
 from traceml_ai.export._finalize import RankOutcome, write_finalization_warning
@@ -23,6 +26,9 @@ from traceml_ai.wire import ReceivedBatch
 from traceml_records import ExportLoss, parse_export_streams
 
 DEFAULT_FINALIZE_TIMEOUT_S = 10.0
+
+STATS_FILE_PARTS = ("aggregator", "stats.json")
+"""Where, under the run folder, finalization writes the aggregator's counters (export on)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -216,7 +222,42 @@ class Aggregator:
         self._finalized = FinalizeResult(
             stats=stats, loss=loss, ranks=ranks, warning_path=warning_path, rejected_frames=rejected
         )
+        if stats is not None:
+            self._write_stats(stats, ranks)
         return self._finalized
+
+    def _write_stats(self, stats: ExportStats, ranks: RankOutcome) -> None:
+        """Write ``aggregator/stats.json``: the export counters, queue high-water marks and
+        transport counts of this run (for operators and benchmarks; never fails the run)."""
+        server, pipeline = self._server, self._pipeline
+        content: dict[str, Any] = {
+            "written_records": dict(stats.written_records),
+            "failed_records": dict(stats.failed_records),
+            "skipped_items": stats.skipped_items,
+            "dropped_batches": stats.dropped_batches,
+            "exporter_failed": stats.exporter_failed,
+            "queue_high_water_batches": stats.queue_high_water_batches,
+            "queue_high_water_bytes": stats.queue_high_water_bytes,
+            "max_queue_batches": pipeline.worker.max_queue_batches if pipeline else None,
+            "max_queue_bytes": pipeline.worker.max_queue_bytes if pipeline else None,
+            "accepted_batches": server.accepted_batches if server else 0,
+            "finished_messages": server.finished_messages if server else 0,
+            "rejected_frames": server.rejected_frames if server else 0,
+            "rejected_by_reason": server.rejected_by_reason if server else {},
+            "connections_total": server.connections_total if server else 0,
+            "expected_world_size": ranks.expected_world_size,
+            "finished_ranks": len(ranks.finished_ranks),
+            "missing_ranks": list(ranks.missing_ranks),
+        }
+        path = self.config.run_dir.joinpath(*STATS_FILE_PARTS)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(orjson.dumps(content, option=orjson.OPT_INDENT_2) + b"\n")
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def _rank_of(identity: Any) -> int | None:

@@ -224,6 +224,16 @@ class ExportWorker:
                 self._dropped += 1
 
     @property
+    def max_queue_batches(self) -> int:
+        """The queue's bound in batches."""
+        return self._max_batches
+
+    @property
+    def max_queue_bytes(self) -> int:
+        """The queue's bound in bytes (sum of ``ReceivedBatch.nbytes``)."""
+        return self._max_bytes
+
+    @property
     def dropped_batches(self) -> int:
         """Batches dropped so far (live)."""
         return self._dropped
