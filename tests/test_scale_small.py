@@ -1,0 +1,75 @@
+"""The scale load generator, small: simulated ranks over the real transport into a real
+aggregator process, and exact accounting of every record sent (``bench/scale.py``).
+
+Seconds, not minutes, and no assertion on timing: the figures are ``bench/scale.py``'s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import orjson
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_scale() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "bench" / "scale.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+scale = _load_scale()
+SPEC = scale.LoadSpec(ranks=16, steps_per_s=20.0, seconds=3.0)
+
+
+def test_small_load_through_traceml_serve_is_written_exactly_once(tmp_path: Path) -> None:
+    """16 ranks (2 nodes x 8) x 20 steps/s x 3 s, every stream: each record once, valid."""
+    result = scale.run_once(
+        SPEC, "all", logs_dir=tmp_path, run_name="small", procs=2, do_validate=True, quiet=True
+    )
+    check = result.check
+    assert check.exact, check
+    assert result.dropped == 0 and check.missing_batches == 0
+    # Every step of every rank, twice (step_time and step_memory), plus the samplers.
+    steps = SPEC.ranks * SPEC.total_steps * 2
+    samples = SPEC.total_samples * (SPEC.ranks + SPEC.nodes * (1 + SPEC.gpus))
+    assert check.written_records == check.generated_records == steps + samples + SPEC.ranks
+    assert result.valid is not None and result.valid[0], result.valid
+    stats = orjson.loads((tmp_path / "small" / "aggregator" / "stats.json").read_bytes())
+    assert sum(stats["written_records"].values()) == check.written_records
+    assert stats["dropped_batches"] == 0 and stats["finished_ranks"] == SPEC.ranks
+    assert 1 <= stats["queue_high_water_batches"] <= stats["max_queue_batches"]
+    assert 0 < stats["queue_high_water_bytes"] <= stats["max_queue_bytes"]
+    assert stats["connections_total"] == SPEC.ranks and stats["rejected_frames"] == 0
+
+
+def test_dropped_batches_are_accounted_for_exactly(tmp_path: Path) -> None:
+    """A byte bound smaller than a step_time batch: those batches are all dropped at the
+    aggregator, and written + records in dropped batches = records generated."""
+    result = scale.run_once(
+        SPEC,
+        "all",
+        logs_dir=tmp_path,
+        run_name="drops",
+        procs=1,
+        do_validate=True,
+        quiet=True,
+        bounds=scale.QueueBounds(bytes=2_000),
+    )
+    check = result.check
+    assert check.exact, check
+    # At 20 steps/s and 4 flushes/s, a step_time batch (about 5 steps) is over 2,000 bytes.
+    assert check.missing_batches == check.agg_dropped_batches == result.agg_dropped_batches > 0
+    assert check.written_records + check.missing_records == check.generated_records
+    assert check.duplicates == 0 and check.partial_batches == 0
+    assert result.valid is not None and result.valid[0], result.valid
+    warning = orjson.loads((tmp_path / "drops" / "finalization_warning.json").read_bytes())
+    assert warning["export"]["dropped_batches"] == result.agg_dropped_batches
+    assert warning["export"]["written_records"] == check.written_records
