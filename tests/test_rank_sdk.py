@@ -834,3 +834,15 @@ def test_topology_and_strategy_rules() -> None:
     assert single["torch_version"] == torch.__version__
     fsdp = runtime_environment_fields(multi, "fsdp")
     assert (fsdp["training_strategy"], fsdp["strategy_source"]) == ("fsdp", "runtime_model")
+
+
+def test_init_after_mode_off_stays_off_without_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An integration (Ray's trainer) turns TraceML off before the user's own init().
+    monkeypatch.delenv("TRACEML_AGGREGATOR_ADDR", raising=False)
+    traceml.init(mode="off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        traceml.init()
+        with traceml.trace_step(None):
+            pass
+    traceml.shutdown()

@@ -58,7 +58,7 @@ class _ClosableSink(ItemSink, Protocol):
 
 _NULL: AbstractContextManager[None] = contextlib.nullcontext()
 _lock = threading.RLock()
-_state = "new"  # new | off | on | closed
+_state = "new"  # new | off | disabled | on | closed ("disabled": init(mode="off") was called)
 _runtime: _Runtime | None = None
 _warned: set[str] = set()
 _process_hooks_installed = False
@@ -268,9 +268,11 @@ def init(
     ``mode="auto"`` exports when the script was launched by ``traceml run`` (the
     launcher sets ``TRACEML_AGGREGATOR_ADDR``) or when ``sink`` is given; otherwise
     it warns once and every TraceML call is a no-op. ``mode="off"`` turns TraceML
-    off silently. ``sampler_interval`` overrides ``TRACEML_SAMPLER_INTERVAL``
-    (seconds). ``cuda_backend``/``nvml_backend`` replace the GPU access (tests
-    pass fakes). Calling ``init`` again while running does nothing.
+    off silently, and a later ``init()`` in the same process then does nothing (an
+    integration such as Ray's may turn TraceML off before the user's own ``init()``
+    runs). ``sampler_interval`` overrides ``TRACEML_SAMPLER_INTERVAL`` (seconds).
+    ``cuda_backend``/``nvml_backend`` replace the GPU access (tests pass fakes).
+    Calling ``init`` again while running does nothing.
     """
     global _runtime, _state
     if mode not in MODES:
@@ -278,10 +280,10 @@ def init(
     if sampler_interval is not None and not sampler_interval > 0:
         raise ValueError(f"sampler_interval must be positive; got {sampler_interval!r}")
     with _lock:
-        if _runtime is not None:
+        if _runtime is not None or (_state == "disabled" and sink is None):
             return
         if mode == "off":
-            _state = "off"
+            _state = "disabled"
             return
         if sink is None and not os.environ.get(ENV_AGGREGATOR_ADDR, "").strip():
             _state = "off"
