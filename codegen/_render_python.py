@@ -111,6 +111,7 @@ def render_records(schema_set: SchemaSet) -> str:
         _render_class(body, model)
         body.line()
         body.line()
+    _render_setters(body, classes)
     by_name = {c.class_name: c for c in classes}
     done: set[str] = set()
     for model in classes:
@@ -208,6 +209,42 @@ def _render_class(w: CodeWriter, model: ClassModel) -> None:
             w.line(f"{field.name}: {_field_annotation(field)}{suffix}")
             unit = f" [{field.unit}]" if field.unit else ""
             w.line(f'"""{_doc(field.description)}{unit}"""')
+
+
+def _setter(model: ClassModel, field: FieldModel) -> str:
+    return f"_set_{snake(model.class_name)}_{field.name}"
+
+
+def _render_setters(w: CodeWriter, classes: list[ClassModel]) -> None:
+    """The slot setters the loaders build records with (see ``_construct``)."""
+    w.line("# Loaders build records without calling __init__ (see codegen/_render_python.py).")
+    w.line('_new = cast("Callable[[type[Any]], Any]", object.__new__)')
+    for model in classes:
+        for field in model.fields:
+            w.line(f'{_setter(model, field)} = {model.class_name}.__dict__["{field.name}"].__set__')
+    w.line()
+    w.line()
+
+
+def _construct(
+    w: CodeWriter, model: ClassModel, var: str, prefix: str, *, annotate: bool = False
+) -> None:
+    """Bind ``var`` to a new ``model`` record whose fields are the checked ``prefix`` values.
+
+    The generated classes are plain ``attrs.frozen`` slotted classes (no validators,
+    converters, defaults that compute, or ``__attrs_post_init__``), so setting every
+    slot directly gives the very object ``__init__`` would; ``__init__`` of a frozen
+    class goes through ``object.__setattr__`` per field, which costs twice as much,
+    and the loaders are the aggregator's hot path. A const field gets its constant.
+    """
+    annotation = f": {model.class_name}" if annotate else ""
+    w.line(f"{var}{annotation} = _new({model.class_name})")
+    for field in model.fields:
+        if isinstance(field.type, Scalar) and field.type.has_const and field.required:
+            value = _lit(field.type.const)
+        else:
+            value = f"{prefix}{field.name}"
+        w.line(f"{_setter(model, field)}({var}, {value})")
 
 
 def _doc(text: str) -> str:
@@ -373,8 +410,8 @@ def _render_load(
                 w.line(f'{var} = d.get("{field.name}")')
                 with w.block(f"if {var} is not None:"):
                     _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
-        args = ", ".join(f"{f.name}={_typed_arg(f)}" for f in model.fields)
-        w.line(f"return {model.class_name}({args})")
+        _construct(w, model, "record", "f_", annotate=True)
+        w.line("return record")
 
 
 def _load_inline(w: CodeWriter, model: ClassModel, var: str, path: str, names: _Names) -> None:
@@ -390,24 +427,7 @@ def _load_inline(w: CodeWriter, model: ClassModel, var: str, path: str, names: _
         assert isinstance(field.type, Scalar)
         w.line(f'{var}_{field.name} = {var}["{field.name}"]')
         _load_scalar(w, field.type, f"{var}_{field.name}", f'(*{path}, "{field.name}")', names)
-    args = ", ".join(f"{f.name}={_typed_arg(f, f'{var}_')}" for f in model.fields)
-    w.line(f"{var} = {model.class_name}({args})")
-
-
-def _typed_arg(field: FieldModel, prefix: str = "f_") -> str:
-    # The checks above narrow a value to ``str``/``int``; a Literal field needs its
-    # Literal type. A const field was checked equal to its constant, so the constant
-    # itself is passed. An enum field is cast with the type as a string: evaluating
-    # ``Literal[...]`` at run time costs a typing lookup on every record.
-    if isinstance(field.type, Scalar) and field.type.has_const and field.required:
-        return _lit(field.type.const)
-    if (
-        isinstance(field.type, Scalar)
-        and field.type.kind != "boolean"
-        and (field.type.has_const or field.type.enum is not None)
-    ):
-        return f"cast('{_field_annotation(field)}', {prefix}{field.name})"
-    return f"{prefix}{field.name}"
+    _construct(w, model, var, f"{var}_")
 
 
 def _load_check(

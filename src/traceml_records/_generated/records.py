@@ -892,6 +892,199 @@ class PhaseTiming:
     """How many calls were summed."""
 
 
+# Loaders build records without calling __init__ (see codegen/_render_python.py).
+_new = cast("Callable[[type[Any]], Any]", object.__new__)
+_set_step_time_record_stream = StepTimeRecord.__dict__["stream"].__set__
+_set_step_time_record_schema_version = StepTimeRecord.__dict__["schema_version"].__set__
+_set_step_time_record_observed_timestamp_unix_ns = StepTimeRecord.__dict__[
+    "observed_timestamp_unix_ns"
+].__set__
+_set_step_time_record_rank = StepTimeRecord.__dict__["rank"].__set__
+_set_step_time_record_global_rank = StepTimeRecord.__dict__["global_rank"].__set__
+_set_step_time_record_local_rank = StepTimeRecord.__dict__["local_rank"].__set__
+_set_step_time_record_world_size = StepTimeRecord.__dict__["world_size"].__set__
+_set_step_time_record_local_world_size = StepTimeRecord.__dict__["local_world_size"].__set__
+_set_step_time_record_node_rank = StepTimeRecord.__dict__["node_rank"].__set__
+_set_step_time_record_hostname = StepTimeRecord.__dict__["hostname"].__set__
+_set_step_time_record_timestamp_unix_ns = StepTimeRecord.__dict__["timestamp_unix_ns"].__set__
+_set_step_time_record_seq = StepTimeRecord.__dict__["seq"].__set__
+_set_step_time_record_step = StepTimeRecord.__dict__["step"].__set__
+_set_step_time_record_events = StepTimeRecord.__dict__["events"].__set__
+_set_step_memory_record_stream = StepMemoryRecord.__dict__["stream"].__set__
+_set_step_memory_record_schema_version = StepMemoryRecord.__dict__["schema_version"].__set__
+_set_step_memory_record_observed_timestamp_unix_ns = StepMemoryRecord.__dict__[
+    "observed_timestamp_unix_ns"
+].__set__
+_set_step_memory_record_rank = StepMemoryRecord.__dict__["rank"].__set__
+_set_step_memory_record_global_rank = StepMemoryRecord.__dict__["global_rank"].__set__
+_set_step_memory_record_local_rank = StepMemoryRecord.__dict__["local_rank"].__set__
+_set_step_memory_record_world_size = StepMemoryRecord.__dict__["world_size"].__set__
+_set_step_memory_record_local_world_size = StepMemoryRecord.__dict__["local_world_size"].__set__
+_set_step_memory_record_node_rank = StepMemoryRecord.__dict__["node_rank"].__set__
+_set_step_memory_record_hostname = StepMemoryRecord.__dict__["hostname"].__set__
+_set_step_memory_record_timestamp_unix_ns = StepMemoryRecord.__dict__["timestamp_unix_ns"].__set__
+_set_step_memory_record_seq = StepMemoryRecord.__dict__["seq"].__set__
+_set_step_memory_record_step = StepMemoryRecord.__dict__["step"].__set__
+_set_step_memory_record_device = StepMemoryRecord.__dict__["device"].__set__
+_set_step_memory_record_peak_allocated_bytes = StepMemoryRecord.__dict__[
+    "peak_allocated_bytes"
+].__set__
+_set_step_memory_record_peak_reserved_bytes = StepMemoryRecord.__dict__[
+    "peak_reserved_bytes"
+].__set__
+_set_process_record_stream = ProcessRecord.__dict__["stream"].__set__
+_set_process_record_schema_version = ProcessRecord.__dict__["schema_version"].__set__
+_set_process_record_observed_timestamp_unix_ns = ProcessRecord.__dict__[
+    "observed_timestamp_unix_ns"
+].__set__
+_set_process_record_rank = ProcessRecord.__dict__["rank"].__set__
+_set_process_record_global_rank = ProcessRecord.__dict__["global_rank"].__set__
+_set_process_record_local_rank = ProcessRecord.__dict__["local_rank"].__set__
+_set_process_record_world_size = ProcessRecord.__dict__["world_size"].__set__
+_set_process_record_local_world_size = ProcessRecord.__dict__["local_world_size"].__set__
+_set_process_record_node_rank = ProcessRecord.__dict__["node_rank"].__set__
+_set_process_record_hostname = ProcessRecord.__dict__["hostname"].__set__
+_set_process_record_timestamp_unix_ns = ProcessRecord.__dict__["timestamp_unix_ns"].__set__
+_set_process_record_seq = ProcessRecord.__dict__["seq"].__set__
+_set_process_record_pid = ProcessRecord.__dict__["pid"].__set__
+_set_process_record_cpu_percent = ProcessRecord.__dict__["cpu_percent"].__set__
+_set_process_record_cpu_logical_cores = ProcessRecord.__dict__["cpu_logical_cores"].__set__
+_set_process_record_ram_used_bytes = ProcessRecord.__dict__["ram_used_bytes"].__set__
+_set_process_record_ram_total_bytes = ProcessRecord.__dict__["ram_total_bytes"].__set__
+_set_process_record_gpu_available = ProcessRecord.__dict__["gpu_available"].__set__
+_set_process_record_gpu_count = ProcessRecord.__dict__["gpu_count"].__set__
+_set_process_record_gpu_device_index = ProcessRecord.__dict__["gpu_device_index"].__set__
+_set_process_record_gpu_memory_used_bytes = ProcessRecord.__dict__["gpu_memory_used_bytes"].__set__
+_set_process_record_gpu_memory_reserved_bytes = ProcessRecord.__dict__[
+    "gpu_memory_reserved_bytes"
+].__set__
+_set_process_record_gpu_memory_total_bytes = ProcessRecord.__dict__[
+    "gpu_memory_total_bytes"
+].__set__
+_set_system_record_stream = SystemRecord.__dict__["stream"].__set__
+_set_system_record_schema_version = SystemRecord.__dict__["schema_version"].__set__
+_set_system_record_observed_timestamp_unix_ns = SystemRecord.__dict__[
+    "observed_timestamp_unix_ns"
+].__set__
+_set_system_record_rank = SystemRecord.__dict__["rank"].__set__
+_set_system_record_global_rank = SystemRecord.__dict__["global_rank"].__set__
+_set_system_record_local_rank = SystemRecord.__dict__["local_rank"].__set__
+_set_system_record_world_size = SystemRecord.__dict__["world_size"].__set__
+_set_system_record_local_world_size = SystemRecord.__dict__["local_world_size"].__set__
+_set_system_record_node_rank = SystemRecord.__dict__["node_rank"].__set__
+_set_system_record_hostname = SystemRecord.__dict__["hostname"].__set__
+_set_system_record_timestamp_unix_ns = SystemRecord.__dict__["timestamp_unix_ns"].__set__
+_set_system_record_seq = SystemRecord.__dict__["seq"].__set__
+_set_system_record_cpu_percent = SystemRecord.__dict__["cpu_percent"].__set__
+_set_system_record_ram_used_bytes = SystemRecord.__dict__["ram_used_bytes"].__set__
+_set_system_record_ram_total_bytes = SystemRecord.__dict__["ram_total_bytes"].__set__
+_set_system_record_gpu_available = SystemRecord.__dict__["gpu_available"].__set__
+_set_system_record_gpu_count = SystemRecord.__dict__["gpu_count"].__set__
+_set_system_gpu_record_stream = SystemGpuRecord.__dict__["stream"].__set__
+_set_system_gpu_record_schema_version = SystemGpuRecord.__dict__["schema_version"].__set__
+_set_system_gpu_record_observed_timestamp_unix_ns = SystemGpuRecord.__dict__[
+    "observed_timestamp_unix_ns"
+].__set__
+_set_system_gpu_record_rank = SystemGpuRecord.__dict__["rank"].__set__
+_set_system_gpu_record_global_rank = SystemGpuRecord.__dict__["global_rank"].__set__
+_set_system_gpu_record_local_rank = SystemGpuRecord.__dict__["local_rank"].__set__
+_set_system_gpu_record_world_size = SystemGpuRecord.__dict__["world_size"].__set__
+_set_system_gpu_record_local_world_size = SystemGpuRecord.__dict__["local_world_size"].__set__
+_set_system_gpu_record_node_rank = SystemGpuRecord.__dict__["node_rank"].__set__
+_set_system_gpu_record_hostname = SystemGpuRecord.__dict__["hostname"].__set__
+_set_system_gpu_record_timestamp_unix_ns = SystemGpuRecord.__dict__["timestamp_unix_ns"].__set__
+_set_system_gpu_record_seq = SystemGpuRecord.__dict__["seq"].__set__
+_set_system_gpu_record_gpu_index = SystemGpuRecord.__dict__["gpu_index"].__set__
+_set_system_gpu_record_utilization_percent = SystemGpuRecord.__dict__["utilization_percent"].__set__
+_set_system_gpu_record_memory_used_bytes = SystemGpuRecord.__dict__["memory_used_bytes"].__set__
+_set_system_gpu_record_memory_total_bytes = SystemGpuRecord.__dict__["memory_total_bytes"].__set__
+_set_system_gpu_record_temperature_c = SystemGpuRecord.__dict__["temperature_c"].__set__
+_set_system_gpu_record_power_usage_w = SystemGpuRecord.__dict__["power_usage_w"].__set__
+_set_system_gpu_record_power_limit_w = SystemGpuRecord.__dict__["power_limit_w"].__set__
+_set_runtime_environment_record_stream = RuntimeEnvironmentRecord.__dict__["stream"].__set__
+_set_runtime_environment_record_schema_version = RuntimeEnvironmentRecord.__dict__[
+    "schema_version"
+].__set__
+_set_runtime_environment_record_observed_timestamp_unix_ns = RuntimeEnvironmentRecord.__dict__[
+    "observed_timestamp_unix_ns"
+].__set__
+_set_runtime_environment_record_rank = RuntimeEnvironmentRecord.__dict__["rank"].__set__
+_set_runtime_environment_record_global_rank = RuntimeEnvironmentRecord.__dict__[
+    "global_rank"
+].__set__
+_set_runtime_environment_record_local_rank = RuntimeEnvironmentRecord.__dict__["local_rank"].__set__
+_set_runtime_environment_record_world_size = RuntimeEnvironmentRecord.__dict__["world_size"].__set__
+_set_runtime_environment_record_local_world_size = RuntimeEnvironmentRecord.__dict__[
+    "local_world_size"
+].__set__
+_set_runtime_environment_record_node_rank = RuntimeEnvironmentRecord.__dict__["node_rank"].__set__
+_set_runtime_environment_record_hostname = RuntimeEnvironmentRecord.__dict__["hostname"].__set__
+_set_runtime_environment_record_timestamp_unix_ns = RuntimeEnvironmentRecord.__dict__[
+    "timestamp_unix_ns"
+].__set__
+_set_runtime_environment_record_seq = RuntimeEnvironmentRecord.__dict__["seq"].__set__
+_set_runtime_environment_record_pid = RuntimeEnvironmentRecord.__dict__["pid"].__set__
+_set_runtime_environment_record_topology = RuntimeEnvironmentRecord.__dict__["topology"].__set__
+_set_runtime_environment_record_distributed_initialized = RuntimeEnvironmentRecord.__dict__[
+    "distributed_initialized"
+].__set__
+_set_runtime_environment_record_distributed_backend = RuntimeEnvironmentRecord.__dict__[
+    "distributed_backend"
+].__set__
+_set_runtime_environment_record_training_strategy = RuntimeEnvironmentRecord.__dict__[
+    "training_strategy"
+].__set__
+_set_runtime_environment_record_strategy_source = RuntimeEnvironmentRecord.__dict__[
+    "strategy_source"
+].__set__
+_set_runtime_environment_record_strategy_confidence = RuntimeEnvironmentRecord.__dict__[
+    "strategy_confidence"
+].__set__
+_set_runtime_environment_record_torch_version = RuntimeEnvironmentRecord.__dict__[
+    "torch_version"
+].__set__
+_set_runtime_environment_record_python_version = RuntimeEnvironmentRecord.__dict__[
+    "python_version"
+].__set__
+_set_stdout_stderr_record_stream = StdoutStderrRecord.__dict__["stream"].__set__
+_set_stdout_stderr_record_schema_version = StdoutStderrRecord.__dict__["schema_version"].__set__
+_set_stdout_stderr_record_observed_timestamp_unix_ns = StdoutStderrRecord.__dict__[
+    "observed_timestamp_unix_ns"
+].__set__
+_set_stdout_stderr_record_rank = StdoutStderrRecord.__dict__["rank"].__set__
+_set_stdout_stderr_record_timestamp_unix_ns = StdoutStderrRecord.__dict__[
+    "timestamp_unix_ns"
+].__set__
+_set_stdout_stderr_record_seq = StdoutStderrRecord.__dict__["seq"].__set__
+_set_stdout_stderr_record_source = StdoutStderrRecord.__dict__["source"].__set__
+_set_stdout_stderr_record_line = StdoutStderrRecord.__dict__["line"].__set__
+_set_closing_line_stream = ClosingLine.__dict__["stream"].__set__
+_set_closing_line_closing = ClosingLine.__dict__["closing"].__set__
+_set_closing_line_schema_version = ClosingLine.__dict__["schema_version"].__set__
+_set_closing_line_written_records = ClosingLine.__dict__["written_records"].__set__
+_set_closing_line_dropped_batches = ClosingLine.__dict__["dropped_batches"].__set__
+_set_export_loss_written_records = ExportLoss.__dict__["written_records"].__set__
+_set_export_loss_dropped_batches = ExportLoss.__dict__["dropped_batches"].__set__
+_set_export_loss_failed_records = ExportLoss.__dict__["failed_records"].__set__
+_set_export_loss_skipped_items = ExportLoss.__dict__["skipped_items"].__set__
+_set_export_loss_exporter_failed = ExportLoss.__dict__["exporter_failed"].__set__
+_set_finalization_warning_status = FinalizationWarning.__dict__["status"].__set__
+_set_finalization_warning_completed_at = FinalizationWarning.__dict__["completed_at"].__set__
+_set_finalization_warning_reason = FinalizationWarning.__dict__["reason"].__set__
+_set_finalization_warning_message = FinalizationWarning.__dict__["message"].__set__
+_set_finalization_warning_expected_world_size = FinalizationWarning.__dict__[
+    "expected_world_size"
+].__set__
+_set_finalization_warning_finished_ranks = FinalizationWarning.__dict__["finished_ranks"].__set__
+_set_finalization_warning_missing_ranks = FinalizationWarning.__dict__["missing_ranks"].__set__
+_set_finalization_warning_export = FinalizationWarning.__dict__["export"].__set__
+_set_phase_timing_cpu_ms = PhaseTiming.__dict__["cpu_ms"].__set__
+_set_phase_timing_duration_ms = PhaseTiming.__dict__["duration_ms"].__set__
+_set_phase_timing_gpu_ms = PhaseTiming.__dict__["gpu_ms"].__set__
+_set_phase_timing_is_gpu = PhaseTiming.__dict__["is_gpu"].__set__
+_set_phase_timing_n_calls = PhaseTiming.__dict__["n_calls"].__set__
+
+
 def _dump_map_1_ed1d60d0(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
     if len(m) == 1:
         for k, v in m.items():
@@ -1110,33 +1303,32 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
                     (*(*(*(*path, "events"), k0), k1), "n_calls"),
                     f"expected integer >= 1, got {describe(v1_n_calls)}",
                 )
-            v1 = PhaseTiming(
-                cpu_ms=v1_cpu_ms,
-                duration_ms=v1_duration_ms,
-                gpu_ms=v1_gpu_ms,
-                is_gpu=v1_is_gpu,
-                n_calls=v1_n_calls,
-            )
+            v1 = _new(PhaseTiming)
+            _set_phase_timing_cpu_ms(v1, v1_cpu_ms)
+            _set_phase_timing_duration_ms(v1, v1_duration_ms)
+            _set_phase_timing_gpu_ms(v1, v1_gpu_ms)
+            _set_phase_timing_is_gpu(v1, v1_is_gpu)
+            _set_phase_timing_n_calls(v1, v1_n_calls)
             m1[k1] = v1
         v0 = m1
         m0[k0] = v0
     f_events = m0
-    return StepTimeRecord(
-        stream="step_time",
-        schema_version=1,
-        observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
-        rank=f_rank,
-        global_rank=f_global_rank,
-        local_rank=f_local_rank,
-        world_size=f_world_size,
-        local_world_size=f_local_world_size,
-        node_rank=f_node_rank,
-        hostname=f_hostname,
-        timestamp_unix_ns=f_timestamp_unix_ns,
-        seq=f_seq,
-        step=f_step,
-        events=f_events,
-    )
+    record: StepTimeRecord = _new(StepTimeRecord)
+    _set_step_time_record_stream(record, "step_time")
+    _set_step_time_record_schema_version(record, 1)
+    _set_step_time_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_step_time_record_rank(record, f_rank)
+    _set_step_time_record_global_rank(record, f_global_rank)
+    _set_step_time_record_local_rank(record, f_local_rank)
+    _set_step_time_record_world_size(record, f_world_size)
+    _set_step_time_record_local_world_size(record, f_local_world_size)
+    _set_step_time_record_node_rank(record, f_node_rank)
+    _set_step_time_record_hostname(record, f_hostname)
+    _set_step_time_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_step_time_record_seq(record, f_seq)
+    _set_step_time_record_step(record, f_step)
+    _set_step_time_record_events(record, f_events)
+    return record
 
 
 def _dump_step_memory_record(r: StepMemoryRecord, include_hostname: bool) -> dict[str, Any]:
@@ -1268,24 +1460,24 @@ def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
             (*path, "peak_reserved_bytes"),
             f"expected integer >= 0 or null, got {describe(f_peak_reserved_bytes)}",
         )
-    return StepMemoryRecord(
-        stream="step_memory",
-        schema_version=1,
-        observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
-        rank=f_rank,
-        global_rank=f_global_rank,
-        local_rank=f_local_rank,
-        world_size=f_world_size,
-        local_world_size=f_local_world_size,
-        node_rank=f_node_rank,
-        hostname=f_hostname,
-        timestamp_unix_ns=f_timestamp_unix_ns,
-        seq=f_seq,
-        step=f_step,
-        device=f_device,
-        peak_allocated_bytes=f_peak_allocated_bytes,
-        peak_reserved_bytes=f_peak_reserved_bytes,
-    )
+    record: StepMemoryRecord = _new(StepMemoryRecord)
+    _set_step_memory_record_stream(record, "step_memory")
+    _set_step_memory_record_schema_version(record, 1)
+    _set_step_memory_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_step_memory_record_rank(record, f_rank)
+    _set_step_memory_record_global_rank(record, f_global_rank)
+    _set_step_memory_record_local_rank(record, f_local_rank)
+    _set_step_memory_record_world_size(record, f_world_size)
+    _set_step_memory_record_local_world_size(record, f_local_world_size)
+    _set_step_memory_record_node_rank(record, f_node_rank)
+    _set_step_memory_record_hostname(record, f_hostname)
+    _set_step_memory_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_step_memory_record_seq(record, f_seq)
+    _set_step_memory_record_step(record, f_step)
+    _set_step_memory_record_device(record, f_device)
+    _set_step_memory_record_peak_allocated_bytes(record, f_peak_allocated_bytes)
+    _set_step_memory_record_peak_reserved_bytes(record, f_peak_reserved_bytes)
+    return record
 
 
 def _dump_process_record(r: ProcessRecord, include_hostname: bool) -> dict[str, Any]:
@@ -1490,31 +1682,31 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
             (*path, "gpu_memory_total_bytes"),
             f"expected integer >= 0 or null, got {describe(f_gpu_memory_total_bytes)}",
         )
-    return ProcessRecord(
-        stream="process",
-        schema_version=1,
-        observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
-        rank=f_rank,
-        global_rank=f_global_rank,
-        local_rank=f_local_rank,
-        world_size=f_world_size,
-        local_world_size=f_local_world_size,
-        node_rank=f_node_rank,
-        hostname=f_hostname,
-        timestamp_unix_ns=f_timestamp_unix_ns,
-        seq=f_seq,
-        pid=f_pid,
-        cpu_percent=f_cpu_percent,
-        cpu_logical_cores=f_cpu_logical_cores,
-        ram_used_bytes=f_ram_used_bytes,
-        ram_total_bytes=f_ram_total_bytes,
-        gpu_available=f_gpu_available,
-        gpu_count=f_gpu_count,
-        gpu_device_index=f_gpu_device_index,
-        gpu_memory_used_bytes=f_gpu_memory_used_bytes,
-        gpu_memory_reserved_bytes=f_gpu_memory_reserved_bytes,
-        gpu_memory_total_bytes=f_gpu_memory_total_bytes,
-    )
+    record: ProcessRecord = _new(ProcessRecord)
+    _set_process_record_stream(record, "process")
+    _set_process_record_schema_version(record, 1)
+    _set_process_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_process_record_rank(record, f_rank)
+    _set_process_record_global_rank(record, f_global_rank)
+    _set_process_record_local_rank(record, f_local_rank)
+    _set_process_record_world_size(record, f_world_size)
+    _set_process_record_local_world_size(record, f_local_world_size)
+    _set_process_record_node_rank(record, f_node_rank)
+    _set_process_record_hostname(record, f_hostname)
+    _set_process_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_process_record_seq(record, f_seq)
+    _set_process_record_pid(record, f_pid)
+    _set_process_record_cpu_percent(record, f_cpu_percent)
+    _set_process_record_cpu_logical_cores(record, f_cpu_logical_cores)
+    _set_process_record_ram_used_bytes(record, f_ram_used_bytes)
+    _set_process_record_ram_total_bytes(record, f_ram_total_bytes)
+    _set_process_record_gpu_available(record, f_gpu_available)
+    _set_process_record_gpu_count(record, f_gpu_count)
+    _set_process_record_gpu_device_index(record, f_gpu_device_index)
+    _set_process_record_gpu_memory_used_bytes(record, f_gpu_memory_used_bytes)
+    _set_process_record_gpu_memory_reserved_bytes(record, f_gpu_memory_reserved_bytes)
+    _set_process_record_gpu_memory_total_bytes(record, f_gpu_memory_total_bytes)
+    return record
 
 
 def _dump_system_record(r: SystemRecord, include_hostname: bool) -> dict[str, Any]:
@@ -1658,25 +1850,25 @@ def _load_system_record(d: Any, path: Path) -> SystemRecord:
         raise RecordError(
             (*path, "gpu_count"), f"expected integer >= 0, got {describe(f_gpu_count)}"
         )
-    return SystemRecord(
-        stream="system",
-        schema_version=1,
-        observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
-        rank=f_rank,
-        global_rank=f_global_rank,
-        local_rank=f_local_rank,
-        world_size=f_world_size,
-        local_world_size=f_local_world_size,
-        node_rank=f_node_rank,
-        hostname=f_hostname,
-        timestamp_unix_ns=f_timestamp_unix_ns,
-        seq=f_seq,
-        cpu_percent=f_cpu_percent,
-        ram_used_bytes=f_ram_used_bytes,
-        ram_total_bytes=f_ram_total_bytes,
-        gpu_available=f_gpu_available,
-        gpu_count=f_gpu_count,
-    )
+    record: SystemRecord = _new(SystemRecord)
+    _set_system_record_stream(record, "system")
+    _set_system_record_schema_version(record, 1)
+    _set_system_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_system_record_rank(record, f_rank)
+    _set_system_record_global_rank(record, f_global_rank)
+    _set_system_record_local_rank(record, f_local_rank)
+    _set_system_record_world_size(record, f_world_size)
+    _set_system_record_local_world_size(record, f_local_world_size)
+    _set_system_record_node_rank(record, f_node_rank)
+    _set_system_record_hostname(record, f_hostname)
+    _set_system_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_system_record_seq(record, f_seq)
+    _set_system_record_cpu_percent(record, f_cpu_percent)
+    _set_system_record_ram_used_bytes(record, f_ram_used_bytes)
+    _set_system_record_ram_total_bytes(record, f_ram_total_bytes)
+    _set_system_record_gpu_available(record, f_gpu_available)
+    _set_system_record_gpu_count(record, f_gpu_count)
+    return record
 
 
 def _dump_system_gpu_record(r: SystemGpuRecord, include_hostname: bool) -> dict[str, Any]:
@@ -1869,27 +2061,27 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
             (*path, "power_limit_w"),
             f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
         )
-    return SystemGpuRecord(
-        stream="system_gpu",
-        schema_version=1,
-        observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
-        rank=f_rank,
-        global_rank=f_global_rank,
-        local_rank=f_local_rank,
-        world_size=f_world_size,
-        local_world_size=f_local_world_size,
-        node_rank=f_node_rank,
-        hostname=f_hostname,
-        timestamp_unix_ns=f_timestamp_unix_ns,
-        seq=f_seq,
-        gpu_index=f_gpu_index,
-        utilization_percent=f_utilization_percent,
-        memory_used_bytes=f_memory_used_bytes,
-        memory_total_bytes=f_memory_total_bytes,
-        temperature_c=f_temperature_c,
-        power_usage_w=f_power_usage_w,
-        power_limit_w=f_power_limit_w,
-    )
+    record: SystemGpuRecord = _new(SystemGpuRecord)
+    _set_system_gpu_record_stream(record, "system_gpu")
+    _set_system_gpu_record_schema_version(record, 1)
+    _set_system_gpu_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_system_gpu_record_rank(record, f_rank)
+    _set_system_gpu_record_global_rank(record, f_global_rank)
+    _set_system_gpu_record_local_rank(record, f_local_rank)
+    _set_system_gpu_record_world_size(record, f_world_size)
+    _set_system_gpu_record_local_world_size(record, f_local_world_size)
+    _set_system_gpu_record_node_rank(record, f_node_rank)
+    _set_system_gpu_record_hostname(record, f_hostname)
+    _set_system_gpu_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_system_gpu_record_seq(record, f_seq)
+    _set_system_gpu_record_gpu_index(record, f_gpu_index)
+    _set_system_gpu_record_utilization_percent(record, f_utilization_percent)
+    _set_system_gpu_record_memory_used_bytes(record, f_memory_used_bytes)
+    _set_system_gpu_record_memory_total_bytes(record, f_memory_total_bytes)
+    _set_system_gpu_record_temperature_c(record, f_temperature_c)
+    _set_system_gpu_record_power_usage_w(record, f_power_usage_w)
+    _set_system_gpu_record_power_limit_w(record, f_power_limit_w)
+    return record
 
 
 def _dump_runtime_environment_record(
@@ -2050,37 +2242,29 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
         raise RecordError(
             (*path, "python_version"), f"expected string, got {describe(f_python_version)}"
         )
-    return RuntimeEnvironmentRecord(
-        stream="runtime_environment",
-        schema_version=1,
-        observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
-        rank=f_rank,
-        global_rank=f_global_rank,
-        local_rank=f_local_rank,
-        world_size=f_world_size,
-        local_world_size=f_local_world_size,
-        node_rank=f_node_rank,
-        hostname=f_hostname,
-        timestamp_unix_ns=f_timestamp_unix_ns,
-        seq=f_seq,
-        pid=f_pid,
-        topology=cast(
-            'Literal["single_process", "single_node_multi_process", "multi_node"]', f_topology
-        ),
-        distributed_initialized=f_distributed_initialized,
-        distributed_backend=f_distributed_backend,
-        training_strategy=cast(
-            'Literal["single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"]',
-            f_training_strategy,
-        ),
-        strategy_source=cast(
-            'Literal["runtime_model", "runtime_distributed", "topology", "unknown"]',
-            f_strategy_source,
-        ),
-        strategy_confidence=cast('Literal["high", "low"]', f_strategy_confidence),
-        torch_version=f_torch_version,
-        python_version=f_python_version,
-    )
+    record: RuntimeEnvironmentRecord = _new(RuntimeEnvironmentRecord)
+    _set_runtime_environment_record_stream(record, "runtime_environment")
+    _set_runtime_environment_record_schema_version(record, 1)
+    _set_runtime_environment_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_runtime_environment_record_rank(record, f_rank)
+    _set_runtime_environment_record_global_rank(record, f_global_rank)
+    _set_runtime_environment_record_local_rank(record, f_local_rank)
+    _set_runtime_environment_record_world_size(record, f_world_size)
+    _set_runtime_environment_record_local_world_size(record, f_local_world_size)
+    _set_runtime_environment_record_node_rank(record, f_node_rank)
+    _set_runtime_environment_record_hostname(record, f_hostname)
+    _set_runtime_environment_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_runtime_environment_record_seq(record, f_seq)
+    _set_runtime_environment_record_pid(record, f_pid)
+    _set_runtime_environment_record_topology(record, f_topology)
+    _set_runtime_environment_record_distributed_initialized(record, f_distributed_initialized)
+    _set_runtime_environment_record_distributed_backend(record, f_distributed_backend)
+    _set_runtime_environment_record_training_strategy(record, f_training_strategy)
+    _set_runtime_environment_record_strategy_source(record, f_strategy_source)
+    _set_runtime_environment_record_strategy_confidence(record, f_strategy_confidence)
+    _set_runtime_environment_record_torch_version(record, f_torch_version)
+    _set_runtime_environment_record_python_version(record, f_python_version)
+    return record
 
 
 def _dump_stdout_stderr_record(r: StdoutStderrRecord, include_hostname: bool) -> dict[str, Any]:
@@ -2145,16 +2329,16 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     f_line = d["line"]
     if type(f_line) is not str:
         raise RecordError((*path, "line"), f"expected string, got {describe(f_line)}")
-    return StdoutStderrRecord(
-        stream="stdout_stderr",
-        schema_version=1,
-        observed_timestamp_unix_ns=f_observed_timestamp_unix_ns,
-        rank=f_rank,
-        timestamp_unix_ns=f_timestamp_unix_ns,
-        seq=f_seq,
-        source=cast('Literal["stdout", "stderr"]', f_source),
-        line=f_line,
-    )
+    record: StdoutStderrRecord = _new(StdoutStderrRecord)
+    _set_stdout_stderr_record_stream(record, "stdout_stderr")
+    _set_stdout_stderr_record_schema_version(record, 1)
+    _set_stdout_stderr_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_stdout_stderr_record_rank(record, f_rank)
+    _set_stdout_stderr_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_stdout_stderr_record_seq(record, f_seq)
+    _set_stdout_stderr_record_source(record, f_source)
+    _set_stdout_stderr_record_line(record, f_line)
+    return record
 
 
 def _dump_closing_line(r: ClosingLine, include_hostname: bool) -> dict[str, Any]:
@@ -2206,16 +2390,13 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
         raise RecordError(
             (*path, "dropped_batches"), f"expected integer >= 0, got {describe(f_dropped_batches)}"
         )
-    return ClosingLine(
-        stream=cast(
-            'Literal["step_time", "step_memory", "process", "system", "system_gpu", "runtime_environment", "stdout_stderr"]',
-            f_stream,
-        ),
-        closing=True,
-        schema_version=1,
-        written_records=f_written_records,
-        dropped_batches=f_dropped_batches,
-    )
+    record: ClosingLine = _new(ClosingLine)
+    _set_closing_line_stream(record, f_stream)
+    _set_closing_line_closing(record, True)
+    _set_closing_line_schema_version(record, 1)
+    _set_closing_line_written_records(record, f_written_records)
+    _set_closing_line_dropped_batches(record, f_dropped_batches)
+    return record
 
 
 def _dump_export_loss(r: ExportLoss, include_hostname: bool) -> dict[str, Any]:
@@ -2276,13 +2457,13 @@ def _load_export_loss(d: Any, path: Path) -> ExportLoss:
         raise RecordError(
             (*path, "exporter_failed"), f"expected boolean, got {describe(f_exporter_failed)}"
         )
-    return ExportLoss(
-        written_records=f_written_records,
-        dropped_batches=f_dropped_batches,
-        failed_records=f_failed_records,
-        skipped_items=f_skipped_items,
-        exporter_failed=f_exporter_failed,
-    )
+    record: ExportLoss = _new(ExportLoss)
+    _set_export_loss_written_records(record, f_written_records)
+    _set_export_loss_dropped_batches(record, f_dropped_batches)
+    _set_export_loss_failed_records(record, f_failed_records)
+    _set_export_loss_skipped_items(record, f_skipped_items)
+    _set_export_loss_exporter_failed(record, f_exporter_failed)
+    return record
 
 
 def _dump_finalization_warning(r: FinalizationWarning, include_hostname: bool) -> dict[str, Any]:
@@ -2375,16 +2556,16 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
     f_export = d.get("export")
     if f_export is not None:
         f_export = _load_export_loss(f_export, (*path, "export"))
-    return FinalizationWarning(
-        status="warning",
-        completed_at=f_completed_at,
-        reason=cast('Literal["export_incomplete", "ranks_disconnected", "timeout"]', f_reason),
-        message=f_message,
-        expected_world_size=f_expected_world_size,
-        finished_ranks=f_finished_ranks,
-        missing_ranks=f_missing_ranks,
-        export=f_export,
-    )
+    record: FinalizationWarning = _new(FinalizationWarning)
+    _set_finalization_warning_status(record, "warning")
+    _set_finalization_warning_completed_at(record, f_completed_at)
+    _set_finalization_warning_reason(record, f_reason)
+    _set_finalization_warning_message(record, f_message)
+    _set_finalization_warning_expected_world_size(record, f_expected_world_size)
+    _set_finalization_warning_finished_ranks(record, f_finished_ranks)
+    _set_finalization_warning_missing_ranks(record, f_missing_ranks)
+    _set_finalization_warning_export(record, f_export)
+    return record
 
 
 def _dump_phase_timing(r: PhaseTiming, include_hostname: bool) -> dict[str, Any]:
@@ -2447,13 +2628,13 @@ def _load_phase_timing(d: Any, path: Path) -> PhaseTiming:
     f_n_calls = d["n_calls"]
     if type(f_n_calls) is not int or f_n_calls < 1 or f_n_calls > 9223372036854775807:
         raise RecordError((*path, "n_calls"), f"expected integer >= 1, got {describe(f_n_calls)}")
-    return PhaseTiming(
-        cpu_ms=f_cpu_ms,
-        duration_ms=f_duration_ms,
-        gpu_ms=f_gpu_ms,
-        is_gpu=f_is_gpu,
-        n_calls=f_n_calls,
-    )
+    record: PhaseTiming = _new(PhaseTiming)
+    _set_phase_timing_cpu_ms(record, f_cpu_ms)
+    _set_phase_timing_duration_ms(record, f_duration_ms)
+    _set_phase_timing_gpu_ms(record, f_gpu_ms)
+    _set_phase_timing_is_gpu(record, f_is_gpu)
+    _set_phase_timing_n_calls(record, f_n_calls)
+    return record
 
 
 DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {
