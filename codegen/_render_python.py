@@ -125,6 +125,13 @@ def render_records(schema_set: SchemaSet) -> str:
         _render_load(body, model, names, by_name)
         body.line()
         body.line()
+    stream_classes = [
+        m for m in classes if m.class_name in {s.class_name for s in schema_set.streams}
+    ]
+    for model in stream_classes:
+        _render_item_load(body, model, names, by_name)
+        body.line()
+        body.line()
     body.line("DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {")
     for model in classes:
         body.line(f"    {model.class_name}: _dump_{snake(model.class_name)},")
@@ -136,6 +143,23 @@ def render_records(schema_set: SchemaSet) -> str:
         body.line(f"    {model.class_name}: _load_{snake(model.class_name)},")
     body.line("}")
     body.line('"""Record class → strict function building it from a parsed JSON object."""')
+    body.line()
+    body.line("ITEM_LOADERS: dict[type[Any], Callable[[dict[str, Any], Any, Path], Any]] = {")
+    for model in stream_classes:
+        body.line(f"    {model.class_name}: _load_{snake(model.class_name)}_item,")
+    body.line("}")
+    body.line(
+        '"""Stream record class → ``load(identity, item, path)``: the record of ``item`` (every field '
+        "but the identity block, checked as strictly as LOADERS do) with the identity block "
+        "(IDENTITY_FIELDS present in the class) taken from ``identity`` UNCHECKED. The caller "
+        "vouches for ``identity``: e.g. it built one record with LOADERS from the same identity "
+        'values first."""'
+    )
+    body.line()
+    body.line(
+        f"IDENTITY_FIELDS: frozenset[str] = frozenset({{{', '.join(_lit(n) for n in IDENTITY_FIELDS)}}})"
+    )
+    body.line('"""Fields of the identity block that ITEM_LOADERS take from ``identity``."""')
     body.line()
     body.line("NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {")
     for model in classes:
@@ -398,6 +422,83 @@ def _render_load(
                 _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
             elif isinstance(field.type, Scalar):
                 # An absent key reads as None, which the nullable check lets through.
+                w.line(f'{var} = d.get("{field.name}")')
+                _load_scalar(
+                    w,
+                    attrs.evolve(field.type, nullable=True),
+                    var,
+                    f'(*path, "{field.name}")',
+                    names,
+                )
+            else:
+                w.line(f'{var} = d.get("{field.name}")')
+                with w.block(f"if {var} is not None:"):
+                    _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
+        _construct(w, model, "record", "f_", annotate=True)
+        w.line("return record")
+
+
+IDENTITY_FIELDS = (
+    "stream",
+    "schema_version",
+    "observed_timestamp_unix_ns",
+    "rank",
+    "global_rank",
+    "local_rank",
+    "world_size",
+    "local_world_size",
+    "node_rank",
+    "hostname",
+    "pid",
+)
+"""The identity block: what every record of one wire batch shares (see ITEM_LOADERS)."""
+
+
+def _render_item_load(
+    w: CodeWriter, model: ClassModel, names: _Names, classes: dict[str, ClassModel]
+) -> None:
+    """``_load_<record>_item(identity, d, path)``: the loader with a trusted identity block.
+
+    The aggregator builds every record of a wire batch from the same identity values;
+    checking them again on each record was a large share of the loaders' time.
+    """
+    fn = f"_load_{snake(model.class_name)}_item"
+    cname = snake(model.class_name).upper()
+    item_fields = [f for f in model.fields if f.name not in IDENTITY_FIELDS]
+    required = [f.name for f in item_fields if f.required]
+    every = [f.name for f in item_fields]
+    req_name = names.add(
+        f"_REQUIRED_{cname}_ITEM", "frozenset({" + ", ".join(_lit(n) for n in required) + "})"
+    )
+    all_name = names.add(
+        f"_KEYS_{cname}_ITEM", "frozenset({" + ", ".join(_lit(n) for n in every) + "})"
+    )
+    with w.block(f"def {fn}(identity: dict[str, Any], d: Any, path: Path) -> {model.class_name}:"):
+        with w.block("if type(d) is not dict:"):
+            w.line('raise RecordError(path, f"expected object, got {describe(d)}")')
+        w.line("keys = d.keys()")
+        cond = (
+            f"keys != {all_name}"
+            if required == every
+            else f"not ({req_name} <= keys <= {all_name})"
+        )
+        with w.block(f"if {cond}:"):
+            w.line(f"_key_error(keys, {req_name}, {all_name}, path)")
+        for field in model.fields:
+            var = f"f_{field.name}"
+            if field.name in IDENTITY_FIELDS:
+                if isinstance(field.type, Scalar) and field.type.has_const and field.required:
+                    continue  # _construct writes the constant
+                getter = (
+                    f'identity["{field.name}"]'
+                    if field.required
+                    else f'identity.get("{field.name}")'
+                )
+                w.line(f"{var} = {getter}")
+            elif field.required:
+                w.line(f'{var} = d["{field.name}"]')
+                _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
+            elif isinstance(field.type, Scalar):
                 w.line(f'{var} = d.get("{field.name}")')
                 _load_scalar(
                     w,

@@ -6,6 +6,11 @@ strict loader of its record class, which enforces types, ranges and patterns wit
 coercion. The cross-field rules of the Export Records page that a JSON Schema cannot
 express are checked afterwards. An item that fails anything is skipped and counted;
 ``build`` never raises.
+
+Every record of a batch shares the batch's identity block, so it is checked once: the
+first record of a batch that loads goes through the full loader (identity merged in),
+and the records after it through the generated item loader, which checks the item's
+fields just as strictly and takes the identity block as already checked.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from traceml_records import (
     SystemRecord,
 )
 from traceml_records._codec import BUILTIN_EVENTS, RESERVED_EVENT_PREFIX
-from traceml_records._generated.records import LOADERS
+from traceml_records._generated.records import ITEM_LOADERS, LOADERS
 
 __all__ = [
     "BUILTIN_EVENT_NAMES",
@@ -136,8 +141,11 @@ _RUNTIME_STRINGS = ("distributed_backend", "torch_version", "python_version")
 _STDOUT_KEYS = frozenset({"timestamp_unix_ns", "seq", "source", "line"})
 
 _load_step_time = LOADERS[StepTimeRecord]
+_load_step_time_item = ITEM_LOADERS[StepTimeRecord]
 _load_step_memory = LOADERS[StepMemoryRecord]
+_load_step_memory_item = ITEM_LOADERS[StepMemoryRecord]
 _load_process = LOADERS[ProcessRecord]
+_load_process_item = ITEM_LOADERS[ProcessRecord]
 _load_system = LOADERS[SystemRecord]
 _load_system_gpu = LOADERS[SystemGpuRecord]
 _load_runtime = LOADERS[RuntimeEnvironmentRecord]
@@ -411,7 +419,7 @@ class RecordBuilder:
         base = {"stream": "step_time", "schema_version": 1, **identity.base}
         skipped = 0
         keys = _STEP_TIME_KEYS
-        load = _load_step_time
+        load_item = None  # set once a record loaded with the identity checked
         for item in items:
             try:
                 if type(item) is not dict or item.keys() != keys:
@@ -419,14 +427,23 @@ class RecordBuilder:
                 events = item["events"]
                 if type(events) is not dict or len(events) > MAX_EVENT_ENTRIES:
                     raise _Skip
-                d = base.copy()
-                d.update(item)
-                try:
-                    record = load(d, _NO_PATH)
-                except ValueError:
-                    # Retry once with non-finite gpu_ms as null; clean items never get here.
-                    d["events"] = _nan_to_none_in_events(events)
-                    record = load(d, _NO_PATH)
+                if load_item is not None:
+                    try:
+                        record = load_item(base, item, _NO_PATH)
+                    except ValueError:
+                        # Retry once with non-finite gpu_ms as null; clean items never
+                        # get here.
+                        fixed = {**item, "events": _nan_to_none_in_events(events)}
+                        record = load_item(base, fixed, _NO_PATH)
+                else:
+                    d = base.copy()
+                    d.update(item)
+                    try:
+                        record = _load_step_time(d, _NO_PATH)
+                    except ValueError:
+                        d["events"] = _nan_to_none_in_events(events)
+                        record = _load_step_time(d, _NO_PATH)
+                    load_item = _load_step_time_item
                 _check_events(record.events)
             except Exception:
                 skipped += 1
@@ -438,6 +455,7 @@ class RecordBuilder:
         out = outs[0]
         base = {"stream": "step_memory", "schema_version": 1, **identity.base}
         skipped = 0
+        load_item = None  # set once a record loaded with the identity checked
         for item in items:
             try:
                 if type(item) is not dict or item.keys() != _STEP_MEMORY_KEYS:
@@ -445,9 +463,13 @@ class RecordBuilder:
                 device = item["device"]
                 if type(device) is str and len(device) > MAX_STRING_BYTES:
                     raise _Skip
-                d = base.copy()
-                d.update(item)
-                record = _load_step_memory(d, _NO_PATH)
+                if load_item is not None:
+                    record = load_item(base, item, _NO_PATH)
+                else:
+                    d = base.copy()
+                    d.update(item)
+                    record = _load_step_memory(d, _NO_PATH)
+                    load_item = _load_step_memory_item
                 if record.device == "cpu" and (
                     record.peak_allocated_bytes is not None
                     or record.peak_reserved_bytes is not None
@@ -465,13 +487,18 @@ class RecordBuilder:
         out = outs[0]
         base = {"stream": "process", "schema_version": 1, **identity.base, "pid": identity.pid}
         skipped = 0
+        load_item = None  # set once a record loaded with the identity checked
         for item in items:
             try:
                 if type(item) is not dict or item.keys() != _PROCESS_KEYS:
                     raise _Skip
-                d = base.copy()
-                d.update(item)
-                record = _load_process(d, _NO_PATH)
+                if load_item is not None:
+                    record = load_item(base, item, _NO_PATH)
+                else:
+                    d = base.copy()
+                    d.update(item)
+                    record = _load_process(d, _NO_PATH)
+                    load_item = _load_process_item
                 if record.gpu_available is not True and any(
                     getattr(record, name) is not None for name in _PROCESS_GPU_FIELDS
                 ):

@@ -45,6 +45,13 @@ _ENUM_25 = frozenset(
     }
 )
 _ENUM_30 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
+_ENUM_43 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
+_ENUM_44 = frozenset(
+    {"single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"}
+)
+_ENUM_45 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
+_ENUM_46 = frozenset({"high", "low"})
+_ENUM_49 = frozenset({"stdout", "stderr"})
 _KEYS_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
 )
@@ -91,6 +98,22 @@ _KEYS_PROCESS_RECORD = frozenset(
         "gpu_memory_total_bytes",
     }
 )
+_KEYS_PROCESS_RECORD_ITEM = frozenset(
+    {
+        "timestamp_unix_ns",
+        "seq",
+        "cpu_percent",
+        "cpu_logical_cores",
+        "ram_used_bytes",
+        "ram_total_bytes",
+        "gpu_available",
+        "gpu_count",
+        "gpu_device_index",
+        "gpu_memory_used_bytes",
+        "gpu_memory_reserved_bytes",
+        "gpu_memory_total_bytes",
+    }
+)
 _KEYS_RUNTIME_ENVIRONMENT_RECORD = frozenset(
     {
         "stream",
@@ -116,6 +139,20 @@ _KEYS_RUNTIME_ENVIRONMENT_RECORD = frozenset(
         "python_version",
     }
 )
+_KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM = frozenset(
+    {
+        "timestamp_unix_ns",
+        "seq",
+        "topology",
+        "distributed_initialized",
+        "distributed_backend",
+        "training_strategy",
+        "strategy_source",
+        "strategy_confidence",
+        "torch_version",
+        "python_version",
+    }
+)
 _KEYS_STDOUT_STDERR_RECORD = frozenset(
     {
         "stream",
@@ -128,6 +165,7 @@ _KEYS_STDOUT_STDERR_RECORD = frozenset(
         "line",
     }
 )
+_KEYS_STDOUT_STDERR_RECORD_ITEM = frozenset({"timestamp_unix_ns", "seq", "source", "line"})
 _KEYS_STEP_MEMORY_RECORD = frozenset(
     {
         "stream",
@@ -148,6 +186,9 @@ _KEYS_STEP_MEMORY_RECORD = frozenset(
         "peak_reserved_bytes",
     }
 )
+_KEYS_STEP_MEMORY_RECORD_ITEM = frozenset(
+    {"timestamp_unix_ns", "seq", "step", "device", "peak_allocated_bytes", "peak_reserved_bytes"}
+)
 _KEYS_STEP_TIME_RECORD = frozenset(
     {
         "stream",
@@ -166,6 +207,7 @@ _KEYS_STEP_TIME_RECORD = frozenset(
         "events",
     }
 )
+_KEYS_STEP_TIME_RECORD_ITEM = frozenset({"timestamp_unix_ns", "seq", "step", "events"})
 _KEYS_SYSTEM_GPU_RECORD = frozenset(
     {
         "stream",
@@ -189,6 +231,19 @@ _KEYS_SYSTEM_GPU_RECORD = frozenset(
         "power_limit_w",
     }
 )
+_KEYS_SYSTEM_GPU_RECORD_ITEM = frozenset(
+    {
+        "timestamp_unix_ns",
+        "seq",
+        "gpu_index",
+        "utilization_percent",
+        "memory_used_bytes",
+        "memory_total_bytes",
+        "temperature_c",
+        "power_usage_w",
+        "power_limit_w",
+    }
+)
 _KEYS_SYSTEM_RECORD = frozenset(
     {
         "stream",
@@ -201,6 +256,17 @@ _KEYS_SYSTEM_RECORD = frozenset(
         "local_world_size",
         "node_rank",
         "hostname",
+        "timestamp_unix_ns",
+        "seq",
+        "cpu_percent",
+        "ram_used_bytes",
+        "ram_total_bytes",
+        "gpu_available",
+        "gpu_count",
+    }
+)
+_KEYS_SYSTEM_RECORD_ITEM = frozenset(
+    {
         "timestamp_unix_ns",
         "seq",
         "cpu_percent",
@@ -246,6 +312,22 @@ _REQUIRED_PROCESS_RECORD = frozenset(
         "gpu_memory_total_bytes",
     }
 )
+_REQUIRED_PROCESS_RECORD_ITEM = frozenset(
+    {
+        "timestamp_unix_ns",
+        "seq",
+        "cpu_percent",
+        "cpu_logical_cores",
+        "ram_used_bytes",
+        "ram_total_bytes",
+        "gpu_available",
+        "gpu_count",
+        "gpu_device_index",
+        "gpu_memory_used_bytes",
+        "gpu_memory_reserved_bytes",
+        "gpu_memory_total_bytes",
+    }
+)
 _REQUIRED_RUNTIME_ENVIRONMENT_RECORD = frozenset(
     {
         "stream",
@@ -270,6 +352,20 @@ _REQUIRED_RUNTIME_ENVIRONMENT_RECORD = frozenset(
         "python_version",
     }
 )
+_REQUIRED_RUNTIME_ENVIRONMENT_RECORD_ITEM = frozenset(
+    {
+        "timestamp_unix_ns",
+        "seq",
+        "topology",
+        "distributed_initialized",
+        "distributed_backend",
+        "training_strategy",
+        "strategy_source",
+        "strategy_confidence",
+        "torch_version",
+        "python_version",
+    }
+)
 _REQUIRED_STDOUT_STDERR_RECORD = frozenset(
     {
         "stream",
@@ -282,6 +378,7 @@ _REQUIRED_STDOUT_STDERR_RECORD = frozenset(
         "line",
     }
 )
+_REQUIRED_STDOUT_STDERR_RECORD_ITEM = frozenset({"timestamp_unix_ns", "seq", "source", "line"})
 _REQUIRED_STEP_MEMORY_RECORD = frozenset(
     {
         "stream",
@@ -301,6 +398,9 @@ _REQUIRED_STEP_MEMORY_RECORD = frozenset(
         "peak_reserved_bytes",
     }
 )
+_REQUIRED_STEP_MEMORY_RECORD_ITEM = frozenset(
+    {"timestamp_unix_ns", "seq", "step", "device", "peak_allocated_bytes", "peak_reserved_bytes"}
+)
 _REQUIRED_STEP_TIME_RECORD = frozenset(
     {
         "stream",
@@ -318,6 +418,7 @@ _REQUIRED_STEP_TIME_RECORD = frozenset(
         "events",
     }
 )
+_REQUIRED_STEP_TIME_RECORD_ITEM = frozenset({"timestamp_unix_ns", "seq", "step", "events"})
 _REQUIRED_SYSTEM_GPU_RECORD = frozenset(
     {
         "stream",
@@ -340,6 +441,19 @@ _REQUIRED_SYSTEM_GPU_RECORD = frozenset(
         "power_limit_w",
     }
 )
+_REQUIRED_SYSTEM_GPU_RECORD_ITEM = frozenset(
+    {
+        "timestamp_unix_ns",
+        "seq",
+        "gpu_index",
+        "utilization_percent",
+        "memory_used_bytes",
+        "memory_total_bytes",
+        "temperature_c",
+        "power_usage_w",
+        "power_limit_w",
+    }
+)
 _REQUIRED_SYSTEM_RECORD = frozenset(
     {
         "stream",
@@ -351,6 +465,17 @@ _REQUIRED_SYSTEM_RECORD = frozenset(
         "world_size",
         "local_world_size",
         "node_rank",
+        "timestamp_unix_ns",
+        "seq",
+        "cpu_percent",
+        "ram_used_bytes",
+        "ram_total_bytes",
+        "gpu_available",
+        "gpu_count",
+    }
+)
+_REQUIRED_SYSTEM_RECORD_ITEM = frozenset(
+    {
         "timestamp_unix_ns",
         "seq",
         "cpu_percent",
@@ -2637,6 +2762,752 @@ def _load_phase_timing(d: Any, path: Path) -> PhaseTiming:
     return record
 
 
+def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) -> StepTimeRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_STEP_TIME_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_STEP_TIME_RECORD_ITEM, _KEYS_STEP_TIME_RECORD_ITEM, path)
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_step = d["step"]
+    if type(f_step) is not int or f_step < 1 or f_step > 9223372036854775807:
+        raise RecordError((*path, "step"), f"expected integer >= 1, got {describe(f_step)}")
+    f_events = d["events"]
+    if type(f_events) is not dict or len(f_events) < 1:
+        raise RecordError(
+            (*path, "events"), f"expected object with at least 1 key(s), got {describe(f_events)}"
+        )
+    m0: dict[str, dict[str, PhaseTiming]] = {}
+    for k0, v0 in f_events.items():
+        if len(k0) < 1:
+            raise RecordError((*(*path, "events"), k0), "invalid key")
+        if type(v0) is not dict or len(v0) < 1:
+            raise RecordError(
+                (*(*path, "events"), k0),
+                f"expected object with at least 1 key(s), got {describe(v0)}",
+            )
+        m1: dict[str, PhaseTiming] = {}
+        for k1, v1 in v0.items():
+            if k1 not in _MATCHED_0 and _no_match(_PATTERN_0, _MATCHED_0, k1):
+                raise RecordError((*(*(*path, "events"), k0), k1), "invalid key")
+            if type(v1) is not dict:
+                raise RecordError(
+                    (*(*(*path, "events"), k0), k1), f"expected object, got {describe(v1)}"
+                )
+            if v1.keys() != _KEYS_PHASE_TIMING:
+                _key_error(
+                    v1.keys(),
+                    _REQUIRED_PHASE_TIMING,
+                    _KEYS_PHASE_TIMING,
+                    (*(*(*path, "events"), k0), k1),
+                )
+            v1_cpu_ms = v1["cpu_ms"]
+            if type(v1_cpu_ms) is not float:
+                if type(v1_cpu_ms) is int and -(2**63) <= v1_cpu_ms < 2**63:
+                    v1_cpu_ms = float(v1_cpu_ms)
+                else:
+                    raise RecordError(
+                        (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
+                        f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
+                    )
+            if v1_cpu_ms - v1_cpu_ms != 0.0 or v1_cpu_ms < 0:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
+                    f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
+                )
+            v1_duration_ms = v1["duration_ms"]
+            if type(v1_duration_ms) is not float:
+                if type(v1_duration_ms) is int and -(2**63) <= v1_duration_ms < 2**63:
+                    v1_duration_ms = float(v1_duration_ms)
+                else:
+                    raise RecordError(
+                        (*(*(*(*path, "events"), k0), k1), "duration_ms"),
+                        f"expected finite number >= 0, got {describe(v1_duration_ms)}",
+                    )
+            if v1_duration_ms - v1_duration_ms != 0.0 or v1_duration_ms < 0:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "duration_ms"),
+                    f"expected finite number >= 0, got {describe(v1_duration_ms)}",
+                )
+            v1_gpu_ms = v1["gpu_ms"]
+            if v1_gpu_ms is not None and type(v1_gpu_ms) is not float:
+                if type(v1_gpu_ms) is int and -(2**63) <= v1_gpu_ms < 2**63:
+                    v1_gpu_ms = float(v1_gpu_ms)
+                else:
+                    raise RecordError(
+                        (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
+                        f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
+                    )
+            if v1_gpu_ms is not None and (v1_gpu_ms - v1_gpu_ms != 0.0 or v1_gpu_ms < 0):
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
+                    f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
+                )
+            v1_is_gpu = v1["is_gpu"]
+            if v1_is_gpu is not True and v1_is_gpu is not False:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "is_gpu"),
+                    f"expected boolean, got {describe(v1_is_gpu)}",
+                )
+            v1_n_calls = v1["n_calls"]
+            if type(v1_n_calls) is not int or v1_n_calls < 1 or v1_n_calls > 9223372036854775807:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "n_calls"),
+                    f"expected integer >= 1, got {describe(v1_n_calls)}",
+                )
+            v1 = _new(PhaseTiming)
+            _set_phase_timing_cpu_ms(v1, v1_cpu_ms)
+            _set_phase_timing_duration_ms(v1, v1_duration_ms)
+            _set_phase_timing_gpu_ms(v1, v1_gpu_ms)
+            _set_phase_timing_is_gpu(v1, v1_is_gpu)
+            _set_phase_timing_n_calls(v1, v1_n_calls)
+            m1[k1] = v1
+        v0 = m1
+        m0[k0] = v0
+    f_events = m0
+    record: StepTimeRecord = _new(StepTimeRecord)
+    _set_step_time_record_stream(record, "step_time")
+    _set_step_time_record_schema_version(record, 1)
+    _set_step_time_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_step_time_record_rank(record, f_rank)
+    _set_step_time_record_global_rank(record, f_global_rank)
+    _set_step_time_record_local_rank(record, f_local_rank)
+    _set_step_time_record_world_size(record, f_world_size)
+    _set_step_time_record_local_world_size(record, f_local_world_size)
+    _set_step_time_record_node_rank(record, f_node_rank)
+    _set_step_time_record_hostname(record, f_hostname)
+    _set_step_time_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_step_time_record_seq(record, f_seq)
+    _set_step_time_record_step(record, f_step)
+    _set_step_time_record_events(record, f_events)
+    return record
+
+
+def _load_step_memory_record_item(identity: dict[str, Any], d: Any, path: Path) -> StepMemoryRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_STEP_MEMORY_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_STEP_MEMORY_RECORD_ITEM, _KEYS_STEP_MEMORY_RECORD_ITEM, path)
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_step = d["step"]
+    if type(f_step) is not int or f_step < 1 or f_step > 9223372036854775807:
+        raise RecordError((*path, "step"), f"expected integer >= 1, got {describe(f_step)}")
+    f_device = d["device"]
+    if type(f_device) is not str or (
+        f_device not in _MATCHED_0 and _no_match(_PATTERN_0, _MATCHED_0, f_device)
+    ):
+        raise RecordError(
+            (*path, "device"),
+            f"expected string matching ^[a-z]+(:[0-9]+)?$, got {describe(f_device)}",
+        )
+    f_peak_allocated_bytes = d["peak_allocated_bytes"]
+    if f_peak_allocated_bytes is not None and (
+        type(f_peak_allocated_bytes) is not int
+        or f_peak_allocated_bytes < 0
+        or f_peak_allocated_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "peak_allocated_bytes"),
+            f"expected integer >= 0 or null, got {describe(f_peak_allocated_bytes)}",
+        )
+    f_peak_reserved_bytes = d["peak_reserved_bytes"]
+    if f_peak_reserved_bytes is not None and (
+        type(f_peak_reserved_bytes) is not int
+        or f_peak_reserved_bytes < 0
+        or f_peak_reserved_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "peak_reserved_bytes"),
+            f"expected integer >= 0 or null, got {describe(f_peak_reserved_bytes)}",
+        )
+    record: StepMemoryRecord = _new(StepMemoryRecord)
+    _set_step_memory_record_stream(record, "step_memory")
+    _set_step_memory_record_schema_version(record, 1)
+    _set_step_memory_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_step_memory_record_rank(record, f_rank)
+    _set_step_memory_record_global_rank(record, f_global_rank)
+    _set_step_memory_record_local_rank(record, f_local_rank)
+    _set_step_memory_record_world_size(record, f_world_size)
+    _set_step_memory_record_local_world_size(record, f_local_world_size)
+    _set_step_memory_record_node_rank(record, f_node_rank)
+    _set_step_memory_record_hostname(record, f_hostname)
+    _set_step_memory_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_step_memory_record_seq(record, f_seq)
+    _set_step_memory_record_step(record, f_step)
+    _set_step_memory_record_device(record, f_device)
+    _set_step_memory_record_peak_allocated_bytes(record, f_peak_allocated_bytes)
+    _set_step_memory_record_peak_reserved_bytes(record, f_peak_reserved_bytes)
+    return record
+
+
+def _load_process_record_item(identity: dict[str, Any], d: Any, path: Path) -> ProcessRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_PROCESS_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_PROCESS_RECORD_ITEM, _KEYS_PROCESS_RECORD_ITEM, path)
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_pid = identity["pid"]
+    f_cpu_percent = d["cpu_percent"]
+    if type(f_cpu_percent) is not float:
+        if type(f_cpu_percent) is int and -(2**63) <= f_cpu_percent < 2**63:
+            f_cpu_percent = float(f_cpu_percent)
+        else:
+            raise RecordError(
+                (*path, "cpu_percent"),
+                f"expected finite number >= 0, got {describe(f_cpu_percent)}",
+            )
+    if f_cpu_percent - f_cpu_percent != 0.0 or f_cpu_percent < 0:
+        raise RecordError(
+            (*path, "cpu_percent"), f"expected finite number >= 0, got {describe(f_cpu_percent)}"
+        )
+    f_cpu_logical_cores = d["cpu_logical_cores"]
+    if f_cpu_logical_cores is not None and (
+        type(f_cpu_logical_cores) is not int
+        or f_cpu_logical_cores < 1
+        or f_cpu_logical_cores > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "cpu_logical_cores"),
+            f"expected integer >= 1 or null, got {describe(f_cpu_logical_cores)}",
+        )
+    f_ram_used_bytes = d["ram_used_bytes"]
+    if (
+        type(f_ram_used_bytes) is not int
+        or f_ram_used_bytes < 0
+        or f_ram_used_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "ram_used_bytes"), f"expected integer >= 0, got {describe(f_ram_used_bytes)}"
+        )
+    f_ram_total_bytes = d["ram_total_bytes"]
+    if f_ram_total_bytes is not None and (
+        type(f_ram_total_bytes) is not int
+        or f_ram_total_bytes < 0
+        or f_ram_total_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "ram_total_bytes"),
+            f"expected integer >= 0 or null, got {describe(f_ram_total_bytes)}",
+        )
+    f_gpu_available = d["gpu_available"]
+    if f_gpu_available is not None and f_gpu_available is not True and f_gpu_available is not False:
+        raise RecordError(
+            (*path, "gpu_available"), f"expected boolean or null, got {describe(f_gpu_available)}"
+        )
+    f_gpu_count = d["gpu_count"]
+    if f_gpu_count is not None and (
+        type(f_gpu_count) is not int or f_gpu_count < 0 or f_gpu_count > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "gpu_count"), f"expected integer >= 0 or null, got {describe(f_gpu_count)}"
+        )
+    f_gpu_device_index = d["gpu_device_index"]
+    if f_gpu_device_index is not None and (
+        type(f_gpu_device_index) is not int
+        or f_gpu_device_index < 0
+        or f_gpu_device_index > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "gpu_device_index"),
+            f"expected integer >= 0 or null, got {describe(f_gpu_device_index)}",
+        )
+    f_gpu_memory_used_bytes = d["gpu_memory_used_bytes"]
+    if f_gpu_memory_used_bytes is not None and (
+        type(f_gpu_memory_used_bytes) is not int
+        or f_gpu_memory_used_bytes < 0
+        or f_gpu_memory_used_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "gpu_memory_used_bytes"),
+            f"expected integer >= 0 or null, got {describe(f_gpu_memory_used_bytes)}",
+        )
+    f_gpu_memory_reserved_bytes = d["gpu_memory_reserved_bytes"]
+    if f_gpu_memory_reserved_bytes is not None and (
+        type(f_gpu_memory_reserved_bytes) is not int
+        or f_gpu_memory_reserved_bytes < 0
+        or f_gpu_memory_reserved_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "gpu_memory_reserved_bytes"),
+            f"expected integer >= 0 or null, got {describe(f_gpu_memory_reserved_bytes)}",
+        )
+    f_gpu_memory_total_bytes = d["gpu_memory_total_bytes"]
+    if f_gpu_memory_total_bytes is not None and (
+        type(f_gpu_memory_total_bytes) is not int
+        or f_gpu_memory_total_bytes < 0
+        or f_gpu_memory_total_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "gpu_memory_total_bytes"),
+            f"expected integer >= 0 or null, got {describe(f_gpu_memory_total_bytes)}",
+        )
+    record: ProcessRecord = _new(ProcessRecord)
+    _set_process_record_stream(record, "process")
+    _set_process_record_schema_version(record, 1)
+    _set_process_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_process_record_rank(record, f_rank)
+    _set_process_record_global_rank(record, f_global_rank)
+    _set_process_record_local_rank(record, f_local_rank)
+    _set_process_record_world_size(record, f_world_size)
+    _set_process_record_local_world_size(record, f_local_world_size)
+    _set_process_record_node_rank(record, f_node_rank)
+    _set_process_record_hostname(record, f_hostname)
+    _set_process_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_process_record_seq(record, f_seq)
+    _set_process_record_pid(record, f_pid)
+    _set_process_record_cpu_percent(record, f_cpu_percent)
+    _set_process_record_cpu_logical_cores(record, f_cpu_logical_cores)
+    _set_process_record_ram_used_bytes(record, f_ram_used_bytes)
+    _set_process_record_ram_total_bytes(record, f_ram_total_bytes)
+    _set_process_record_gpu_available(record, f_gpu_available)
+    _set_process_record_gpu_count(record, f_gpu_count)
+    _set_process_record_gpu_device_index(record, f_gpu_device_index)
+    _set_process_record_gpu_memory_used_bytes(record, f_gpu_memory_used_bytes)
+    _set_process_record_gpu_memory_reserved_bytes(record, f_gpu_memory_reserved_bytes)
+    _set_process_record_gpu_memory_total_bytes(record, f_gpu_memory_total_bytes)
+    return record
+
+
+def _load_system_record_item(identity: dict[str, Any], d: Any, path: Path) -> SystemRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_SYSTEM_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_SYSTEM_RECORD_ITEM, _KEYS_SYSTEM_RECORD_ITEM, path)
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_cpu_percent = d["cpu_percent"]
+    if type(f_cpu_percent) is not float:
+        if type(f_cpu_percent) is int and -(2**63) <= f_cpu_percent < 2**63:
+            f_cpu_percent = float(f_cpu_percent)
+        else:
+            raise RecordError(
+                (*path, "cpu_percent"),
+                f"expected finite number in [0, 100], got {describe(f_cpu_percent)}",
+            )
+    if f_cpu_percent - f_cpu_percent != 0.0 or f_cpu_percent < 0 or f_cpu_percent > 100:
+        raise RecordError(
+            (*path, "cpu_percent"),
+            f"expected finite number in [0, 100], got {describe(f_cpu_percent)}",
+        )
+    f_ram_used_bytes = d["ram_used_bytes"]
+    if (
+        type(f_ram_used_bytes) is not int
+        or f_ram_used_bytes < 0
+        or f_ram_used_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "ram_used_bytes"), f"expected integer >= 0, got {describe(f_ram_used_bytes)}"
+        )
+    f_ram_total_bytes = d["ram_total_bytes"]
+    if (
+        type(f_ram_total_bytes) is not int
+        or f_ram_total_bytes < 0
+        or f_ram_total_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "ram_total_bytes"), f"expected integer >= 0, got {describe(f_ram_total_bytes)}"
+        )
+    f_gpu_available = d["gpu_available"]
+    if f_gpu_available is not True and f_gpu_available is not False:
+        raise RecordError(
+            (*path, "gpu_available"), f"expected boolean, got {describe(f_gpu_available)}"
+        )
+    f_gpu_count = d["gpu_count"]
+    if type(f_gpu_count) is not int or f_gpu_count < 0 or f_gpu_count > 9223372036854775807:
+        raise RecordError(
+            (*path, "gpu_count"), f"expected integer >= 0, got {describe(f_gpu_count)}"
+        )
+    record: SystemRecord = _new(SystemRecord)
+    _set_system_record_stream(record, "system")
+    _set_system_record_schema_version(record, 1)
+    _set_system_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_system_record_rank(record, f_rank)
+    _set_system_record_global_rank(record, f_global_rank)
+    _set_system_record_local_rank(record, f_local_rank)
+    _set_system_record_world_size(record, f_world_size)
+    _set_system_record_local_world_size(record, f_local_world_size)
+    _set_system_record_node_rank(record, f_node_rank)
+    _set_system_record_hostname(record, f_hostname)
+    _set_system_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_system_record_seq(record, f_seq)
+    _set_system_record_cpu_percent(record, f_cpu_percent)
+    _set_system_record_ram_used_bytes(record, f_ram_used_bytes)
+    _set_system_record_ram_total_bytes(record, f_ram_total_bytes)
+    _set_system_record_gpu_available(record, f_gpu_available)
+    _set_system_record_gpu_count(record, f_gpu_count)
+    return record
+
+
+def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -> SystemGpuRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_SYSTEM_GPU_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_SYSTEM_GPU_RECORD_ITEM, _KEYS_SYSTEM_GPU_RECORD_ITEM, path)
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_gpu_index = d["gpu_index"]
+    if type(f_gpu_index) is not int or f_gpu_index < 0 or f_gpu_index > 9223372036854775807:
+        raise RecordError(
+            (*path, "gpu_index"), f"expected integer >= 0, got {describe(f_gpu_index)}"
+        )
+    f_utilization_percent = d["utilization_percent"]
+    if f_utilization_percent is not None and type(f_utilization_percent) is not float:
+        if type(f_utilization_percent) is int and -(2**63) <= f_utilization_percent < 2**63:
+            f_utilization_percent = float(f_utilization_percent)
+        else:
+            raise RecordError(
+                (*path, "utilization_percent"),
+                f"expected finite number in [0, 100] or null, got {describe(f_utilization_percent)}",
+            )
+    if f_utilization_percent is not None and (
+        f_utilization_percent - f_utilization_percent != 0.0
+        or f_utilization_percent < 0
+        or f_utilization_percent > 100
+    ):
+        raise RecordError(
+            (*path, "utilization_percent"),
+            f"expected finite number in [0, 100] or null, got {describe(f_utilization_percent)}",
+        )
+    f_memory_used_bytes = d["memory_used_bytes"]
+    if f_memory_used_bytes is not None and (
+        type(f_memory_used_bytes) is not int
+        or f_memory_used_bytes < 0
+        or f_memory_used_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "memory_used_bytes"),
+            f"expected integer >= 0 or null, got {describe(f_memory_used_bytes)}",
+        )
+    f_memory_total_bytes = d["memory_total_bytes"]
+    if f_memory_total_bytes is not None and (
+        type(f_memory_total_bytes) is not int
+        or f_memory_total_bytes < 0
+        or f_memory_total_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "memory_total_bytes"),
+            f"expected integer >= 0 or null, got {describe(f_memory_total_bytes)}",
+        )
+    f_temperature_c = d["temperature_c"]
+    if f_temperature_c is not None and type(f_temperature_c) is not float:
+        if type(f_temperature_c) is int and -(2**63) <= f_temperature_c < 2**63:
+            f_temperature_c = float(f_temperature_c)
+        else:
+            raise RecordError(
+                (*path, "temperature_c"),
+                f"expected finite number or null, got {describe(f_temperature_c)}",
+            )
+    if f_temperature_c is not None and (f_temperature_c - f_temperature_c != 0.0):
+        raise RecordError(
+            (*path, "temperature_c"),
+            f"expected finite number or null, got {describe(f_temperature_c)}",
+        )
+    f_power_usage_w = d["power_usage_w"]
+    if f_power_usage_w is not None and type(f_power_usage_w) is not float:
+        if type(f_power_usage_w) is int and -(2**63) <= f_power_usage_w < 2**63:
+            f_power_usage_w = float(f_power_usage_w)
+        else:
+            raise RecordError(
+                (*path, "power_usage_w"),
+                f"expected finite number >= 0 or null, got {describe(f_power_usage_w)}",
+            )
+    if f_power_usage_w is not None and (
+        f_power_usage_w - f_power_usage_w != 0.0 or f_power_usage_w < 0
+    ):
+        raise RecordError(
+            (*path, "power_usage_w"),
+            f"expected finite number >= 0 or null, got {describe(f_power_usage_w)}",
+        )
+    f_power_limit_w = d["power_limit_w"]
+    if f_power_limit_w is not None and type(f_power_limit_w) is not float:
+        if type(f_power_limit_w) is int and -(2**63) <= f_power_limit_w < 2**63:
+            f_power_limit_w = float(f_power_limit_w)
+        else:
+            raise RecordError(
+                (*path, "power_limit_w"),
+                f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
+            )
+    if f_power_limit_w is not None and (
+        f_power_limit_w - f_power_limit_w != 0.0 or f_power_limit_w < 0
+    ):
+        raise RecordError(
+            (*path, "power_limit_w"),
+            f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
+        )
+    record: SystemGpuRecord = _new(SystemGpuRecord)
+    _set_system_gpu_record_stream(record, "system_gpu")
+    _set_system_gpu_record_schema_version(record, 1)
+    _set_system_gpu_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_system_gpu_record_rank(record, f_rank)
+    _set_system_gpu_record_global_rank(record, f_global_rank)
+    _set_system_gpu_record_local_rank(record, f_local_rank)
+    _set_system_gpu_record_world_size(record, f_world_size)
+    _set_system_gpu_record_local_world_size(record, f_local_world_size)
+    _set_system_gpu_record_node_rank(record, f_node_rank)
+    _set_system_gpu_record_hostname(record, f_hostname)
+    _set_system_gpu_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_system_gpu_record_seq(record, f_seq)
+    _set_system_gpu_record_gpu_index(record, f_gpu_index)
+    _set_system_gpu_record_utilization_percent(record, f_utilization_percent)
+    _set_system_gpu_record_memory_used_bytes(record, f_memory_used_bytes)
+    _set_system_gpu_record_memory_total_bytes(record, f_memory_total_bytes)
+    _set_system_gpu_record_temperature_c(record, f_temperature_c)
+    _set_system_gpu_record_power_usage_w(record, f_power_usage_w)
+    _set_system_gpu_record_power_limit_w(record, f_power_limit_w)
+    return record
+
+
+def _load_runtime_environment_record_item(
+    identity: dict[str, Any], d: Any, path: Path
+) -> RuntimeEnvironmentRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM:
+        _key_error(
+            keys,
+            _REQUIRED_RUNTIME_ENVIRONMENT_RECORD_ITEM,
+            _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM,
+            path,
+        )
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_pid = identity["pid"]
+    f_topology = d["topology"]
+    if type(f_topology) is not str or f_topology not in _ENUM_16:
+        raise RecordError(
+            (*path, "topology"),
+            f"expected one of single_process, single_node_multi_process, multi_node, got {describe(f_topology)}",
+        )
+    f_distributed_initialized = d["distributed_initialized"]
+    if f_distributed_initialized is not True and f_distributed_initialized is not False:
+        raise RecordError(
+            (*path, "distributed_initialized"),
+            f"expected boolean, got {describe(f_distributed_initialized)}",
+        )
+    f_distributed_backend = d["distributed_backend"]
+    if f_distributed_backend is not None and (type(f_distributed_backend) is not str):
+        raise RecordError(
+            (*path, "distributed_backend"),
+            f"expected string or null, got {describe(f_distributed_backend)}",
+        )
+    f_training_strategy = d["training_strategy"]
+    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_17:
+        raise RecordError(
+            (*path, "training_strategy"),
+            f"expected one of single_process, ddp, fsdp, deepspeed, distributed_unknown, unknown, got {describe(f_training_strategy)}",
+        )
+    f_strategy_source = d["strategy_source"]
+    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_18:
+        raise RecordError(
+            (*path, "strategy_source"),
+            f"expected one of runtime_model, runtime_distributed, topology, unknown, got {describe(f_strategy_source)}",
+        )
+    f_strategy_confidence = d["strategy_confidence"]
+    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_19:
+        raise RecordError(
+            (*path, "strategy_confidence"),
+            f"expected one of high, low, got {describe(f_strategy_confidence)}",
+        )
+    f_torch_version = d["torch_version"]
+    if f_torch_version is not None and (type(f_torch_version) is not str):
+        raise RecordError(
+            (*path, "torch_version"), f"expected string or null, got {describe(f_torch_version)}"
+        )
+    f_python_version = d["python_version"]
+    if type(f_python_version) is not str:
+        raise RecordError(
+            (*path, "python_version"), f"expected string, got {describe(f_python_version)}"
+        )
+    record: RuntimeEnvironmentRecord = _new(RuntimeEnvironmentRecord)
+    _set_runtime_environment_record_stream(record, "runtime_environment")
+    _set_runtime_environment_record_schema_version(record, 1)
+    _set_runtime_environment_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_runtime_environment_record_rank(record, f_rank)
+    _set_runtime_environment_record_global_rank(record, f_global_rank)
+    _set_runtime_environment_record_local_rank(record, f_local_rank)
+    _set_runtime_environment_record_world_size(record, f_world_size)
+    _set_runtime_environment_record_local_world_size(record, f_local_world_size)
+    _set_runtime_environment_record_node_rank(record, f_node_rank)
+    _set_runtime_environment_record_hostname(record, f_hostname)
+    _set_runtime_environment_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_runtime_environment_record_seq(record, f_seq)
+    _set_runtime_environment_record_pid(record, f_pid)
+    _set_runtime_environment_record_topology(record, f_topology)
+    _set_runtime_environment_record_distributed_initialized(record, f_distributed_initialized)
+    _set_runtime_environment_record_distributed_backend(record, f_distributed_backend)
+    _set_runtime_environment_record_training_strategy(record, f_training_strategy)
+    _set_runtime_environment_record_strategy_source(record, f_strategy_source)
+    _set_runtime_environment_record_strategy_confidence(record, f_strategy_confidence)
+    _set_runtime_environment_record_torch_version(record, f_torch_version)
+    _set_runtime_environment_record_python_version(record, f_python_version)
+    return record
+
+
+def _load_stdout_stderr_record_item(
+    identity: dict[str, Any], d: Any, path: Path
+) -> StdoutStderrRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_STDOUT_STDERR_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_STDOUT_STDERR_RECORD_ITEM, _KEYS_STDOUT_STDERR_RECORD_ITEM, path)
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_source = d["source"]
+    if type(f_source) is not str or f_source not in _ENUM_22:
+        raise RecordError(
+            (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
+        )
+    f_line = d["line"]
+    if type(f_line) is not str:
+        raise RecordError((*path, "line"), f"expected string, got {describe(f_line)}")
+    record: StdoutStderrRecord = _new(StdoutStderrRecord)
+    _set_stdout_stderr_record_stream(record, "stdout_stderr")
+    _set_stdout_stderr_record_schema_version(record, 1)
+    _set_stdout_stderr_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_stdout_stderr_record_rank(record, f_rank)
+    _set_stdout_stderr_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_stdout_stderr_record_seq(record, f_seq)
+    _set_stdout_stderr_record_source(record, f_source)
+    _set_stdout_stderr_record_line(record, f_line)
+    return record
+
+
 DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {
     StepTimeRecord: _dump_step_time_record,
     StepMemoryRecord: _dump_step_memory_record,
@@ -2666,6 +3537,34 @@ LOADERS: dict[type[Any], Callable[[Any, Path], Any]] = {
     PhaseTiming: _load_phase_timing,
 }
 """Record class → strict function building it from a parsed JSON object."""
+
+ITEM_LOADERS: dict[type[Any], Callable[[dict[str, Any], Any, Path], Any]] = {
+    StepTimeRecord: _load_step_time_record_item,
+    StepMemoryRecord: _load_step_memory_record_item,
+    ProcessRecord: _load_process_record_item,
+    SystemRecord: _load_system_record_item,
+    SystemGpuRecord: _load_system_gpu_record_item,
+    RuntimeEnvironmentRecord: _load_runtime_environment_record_item,
+    StdoutStderrRecord: _load_stdout_stderr_record_item,
+}
+"""Stream record class → ``load(identity, item, path)``: the record of ``item`` (every field but the identity block, checked as strictly as LOADERS do) with the identity block (IDENTITY_FIELDS present in the class) taken from ``identity`` UNCHECKED. The caller vouches for ``identity``: e.g. it built one record with LOADERS from the same identity values first."""
+
+IDENTITY_FIELDS: frozenset[str] = frozenset(
+    {
+        "stream",
+        "schema_version",
+        "observed_timestamp_unix_ns",
+        "rank",
+        "global_rank",
+        "local_rank",
+        "world_size",
+        "local_world_size",
+        "node_rank",
+        "hostname",
+        "pid",
+    }
+)
+"""Fields of the identity block that ITEM_LOADERS take from ``identity``."""
 
 NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {
     StepTimeRecord: (
