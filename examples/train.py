@@ -28,7 +28,7 @@ import traceml_ai as traceml
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="training steps per rank")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per rank")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--fail-at-step", type=int, default=0, help="raise at this step (tests)")
     parser.add_argument("--sleep-ms", type=float, default=0.0, help="extra work per step (tests)")
