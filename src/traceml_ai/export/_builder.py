@@ -234,10 +234,10 @@ def _check_events(events: Mapping[str, Mapping[str, Any]]) -> None:
     """Cross-field and size rules of a loaded step_time ``events`` map."""
     entries = 0
     for name, devices in events.items():
-        if name.startswith(INTERNAL_PREFIX):
-            if name not in BUILTIN_EVENT_NAMES:
-                raise _Skip
-        elif len(name) > _SAFE_CHARS and _str_too_big(name):
+        # Built-in names (the usual case) first: they are reserved and short.
+        if name not in BUILTIN_EVENT_NAMES and (
+            name.startswith(INTERNAL_PREFIX) or (len(name) > _SAFE_CHARS and _str_too_big(name))
+        ):
             raise _Skip
         entries += len(devices)
         for device, timing in devices.items():
