@@ -42,6 +42,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import re
 import resource
 import selectors
 import shutil
@@ -591,9 +592,8 @@ def start_aggregator(
     """``traceml serve`` on a free loopback port, expecting ``spec.ranks`` ranks."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEML_")}
     env[ENV_RUN_TOKEN] = token
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p
-    )
+    src = os.environ.get("SCALE_AGGREGATOR_SRC") or str(REPO / "src")  # e.g. a baseline's
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     cmd = [
         sys.executable,
         "-m",
@@ -832,7 +832,14 @@ def py_spy(out: Path, seconds: float) -> Callable[[AggregatorProc, float], None]
     def start(agg: AggregatorProc, t0: float) -> None:
         exe = Path(sys.executable).with_name("py-spy")
         cmd = [str(exe), "record", "--pid", str(agg.pid), "--format", "raw", "--rate", "200"]
-        cmd += ["--nonblocking", "--duration", str(max(1, int(seconds))), "--output", str(out)]
+        cmd += [
+            "--gil",
+            "--nonblocking",
+            "--duration",
+            str(max(1, int(seconds))),
+            "--output",
+            str(out),
+        ]
         threading.Thread(
             target=subprocess.run,
             args=(cmd,),
@@ -849,6 +856,11 @@ def summarize_profile(path: Path, top: int = 15) -> None:
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
     time.sleep(1.0)  # py-spy writes the file when the target exits
+    print_profile(path, top)
+
+
+def print_profile(path: Path, top: int = 15) -> None:
+    """Print the summary of a py-spy ``raw`` profile (also ``scale.py --summarize FILE``)."""
     selfs: dict[str, int] = {}
     totals: dict[str, int] = {}
     threads: dict[str, int] = {}
@@ -858,7 +870,8 @@ def summarize_profile(path: Path, top: int = 15) -> None:
         if not stack:
             continue
         count = int(count_s)
-        frames = stack.split(";")
+        # One entry per function: "name (file:line)" -> "name (file)".
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
         n += count
         threads[frames[0]] = threads.get(frames[0], 0) + count
         leaf = frames[-1]
@@ -1018,7 +1031,9 @@ def run_once(
         cpu_s_per_1k=cpu_load / max(written, 1) * 1000,
         agg_cpu_cores=cpu_load / load_s,
         gen_cpu_cores=sum(r["cpu_s"] for r in results) / spec.seconds,
-        peak_rss_mb=usage.ru_maxrss / 1024,
+        # VmHWM of the aggregator's own address space (ru_maxrss of wait4 would include
+        # the image of the process that forked it, before exec).
+        peak_rss_mb=max((x.hwm for x in agg.samples), default=0) / 2**20,
         idle_rss_mb=idle.rss / 2**20,
         queue_hw_batches=int(stats.get("queue_high_water_batches", -1)),
         queue_hw_bytes=int(stats.get("queue_high_water_bytes", -1)),
@@ -1398,11 +1413,11 @@ def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
     if not args.no_validate:
         ok, secs, line = validate(agg.run_dir)
         print(f"  traceml validate: {'ok' if ok else 'FAILED'} ({secs:.0f} s): {line}")
-    usage = agg.rusage
     print(
         f"ranks={spec.ranks} steps_per_s={spec.steps_per_s:g} records_per_s={written / spec.seconds:.0f} "
         f"dropped_batches={agg_dropped + sum(r['dropped_batches'] for r in results)} "
-        f"peak_rss_mb={(usage.ru_maxrss / 1024) if usage else 0:.0f} max_sustained_records_per_s=0"
+        f"peak_rss_mb={max((x.hwm for x in agg.samples), default=0) / 2**20:.0f} "
+        "max_sustained_records_per_s=0"
     )
 
 
@@ -1430,6 +1445,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--py-spy", type=Path, default=None, help="profile the aggregator into this raw file"
     )
+    parser.add_argument("--summarize", type=Path, default=None, help="print a raw profile")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--find-max", action="store_true")
     mode.add_argument("--overload", action="store_true", help="check memory vs queue bound")
@@ -1473,7 +1489,9 @@ def main(argv: list[str] | None = None) -> None:
         logs_dir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
     try:
-        if args.find_max:
+        if args.summarize:
+            print_profile(args.summarize)
+        elif args.find_max:
             find_max(args, spec, logs_dir)
         elif args.soak:
             soak(args, spec, logs_dir)
