@@ -13,12 +13,20 @@ few frames a second each, the per-frame cost of the coroutine machinery was a la
 share of the aggregator's CPU. Each chunk is handled whole before the loop moves on,
 so one busy rank cannot starve the others, and a connection holds at most one
 partial frame plus one chunk.
+
+Order per rank across reconnections: a sender whose send timed out (the aggregator
+stalled) closes its connection and opens a new one, while the old one may still hold
+megabytes in kernel buffers. Read side by side, the two would interleave that rank's
+records out of order (``seq`` decreasing in the files). So a connection whose first
+frame names a rank that an older open connection also carries is held (not read)
+until every older connection of that rank has closed, or for at most ``HOLD_MAX_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +55,14 @@ def _known_stream_follows(body: bytes, offset: int) -> bool:
     return body.startswith(_KNOWN_STREAMS, offset)
 
 
+HOLD_MAX_S = 10.0
+"""Longest a newer connection of a rank waits for its older connections to close."""
+
+# The identity precedes the items, and a key's opening quote cannot occur unescaped
+# inside a JSON string, so the first match is the identity's global_rank.
+_GLOBAL_RANK = re.compile(rb'"global_rank":(0|[1-9][0-9]{0,18})[,}]')
+
+
 class _Connection(asyncio.Protocol):
     """One rank connection: frames are cut out of the received chunks as they complete."""
 
@@ -57,6 +73,13 @@ class _Connection(asyncio.Protocol):
         self._pending = bytearray()
         self._refused = False
         self.last_identity: dict[str, Any] | None = None
+        self.order = server._next_order()
+        # The global rank its first accepted frame named (None before it, or if none).
+        self.rank: int | None = None
+        # While held behind an older connection of the same rank: the unread bytes.
+        self._held: bytes | None = None
+        self._held_rank = -1
+        self._hold_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -96,12 +119,49 @@ class _Connection(asyncio.Protocol):
             end = pos + _HEADER_SIZE + length
             if end > size:
                 break
-            server._frame(self, data[pos + _HEADER_SIZE : end], length, observed)
+            body = data[pos + _HEADER_SIZE : end]
+            if self.rank is None:
+                rank = server._rank_of(body)
+                if rank is not None:
+                    if server._must_wait(self, rank):
+                        self._hold(rank, data[pos:])
+                        return
+                    server._register(self, rank)
+            server._frame(self, body, length, observed)
             pos = end
             if server._stopped:
                 return
         if pos < size:
             pending += memoryview(data)[pos:]
+
+    def _hold(self, rank: int, data: bytes) -> None:
+        """Stop reading until the older connections of ``rank`` are gone (bounded)."""
+        self._held = data
+        self._held_rank = rank
+        self._server._held.setdefault(rank, []).append(self)
+        self._server._held_connections += 1
+        if self._transport is not None:
+            self._transport.pause_reading()
+        self._hold_timer = asyncio.get_running_loop().call_later(HOLD_MAX_S, self.release)
+
+    def release(self) -> None:
+        """Read again: the held bytes first, then the socket."""
+        data = self._held
+        if data is None:
+            return
+        self._held = None
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        server = self._server
+        waiting = server._held.get(self._held_rank, [])
+        if self in waiting:
+            waiting.remove(self)
+        server._register(self, self._held_rank)
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+            self.data_received(data)
 
     def _refuse(self) -> None:
         self._refused = True
@@ -116,8 +176,18 @@ class _Connection(asyncio.Protocol):
         if self._pending and not self._refused:
             server._reject("truncated frame")
         self._pending.clear()
+        if self._held is not None:
+            # Closed while held (the server stops): what it held was never read.
+            self._held = None
+            if self._hold_timer is not None:
+                self._hold_timer.cancel()
+            waiting = server._held.get(self._held_rank, [])
+            if self in waiting:
+                waiting.remove(self)
         server._connections.discard(self)
         server._connections_open -= 1
+        if self.rank is not None:
+            server._unregister(self, self.rank)
         if server._on_connection_lost is not None:
             server._call(server._on_connection_lost, self.last_identity)
 
@@ -167,6 +237,12 @@ class AggregatorServer:
         self._start_error: BaseException | None = None
         self._stopped = False
         self._connections: set[_Connection] = set()
+        # Per global rank: open connections that carried it, and connections held
+        # behind them (see the module docstring). Loop thread only.
+        self._by_rank: dict[int, set[_Connection]] = {}
+        self._held: dict[int, list[_Connection]] = {}
+        self._orders = 0
+        self._held_connections = 0
 
         # Written on the loop thread only.
         self._accepted_batches = 0
@@ -213,6 +289,11 @@ class AggregatorServer:
     def connections_total(self) -> int:
         """Connections accepted since start."""
         return self._connections_total
+
+    @property
+    def held_connections(self) -> int:
+        """Connections held back behind an older open connection of the same rank."""
+        return self._held_connections
 
     @property
     def connections_open(self) -> int:
@@ -337,6 +418,46 @@ class AggregatorServer:
         else:
             self._finished_messages += 1
             self._call(self._on_finished, message)
+
+    def _next_order(self) -> int:
+        self._orders += 1
+        return self._orders
+
+    def _rank_of(self, body: bytes) -> int | None:
+        """The global rank a valid frame's identity names (first frames only)."""
+        if body.startswith(self._batch_prefix) and _known_stream_follows(
+            body, len(self._batch_prefix)
+        ):
+            match = _GLOBAL_RANK.search(body, 0, 4096)
+            return int(match.group(1)) if match else None
+        try:
+            identity = decode_message(body, self._token)["identity"]
+        except FrameError:
+            return None
+        rank = identity.get("global_rank")
+        return rank if type(rank) is int and rank >= 0 else None
+
+    def _must_wait(self, connection: _Connection, rank: int) -> bool:
+        order = connection.order
+        return any(c.order < order for c in self._by_rank.get(rank, ())) or any(
+            c.order < order for c in self._held.get(rank, ())
+        )
+
+    def _register(self, connection: _Connection, rank: int) -> None:
+        connection.rank = rank
+        self._by_rank.setdefault(rank, set()).add(connection)
+
+    def _unregister(self, connection: _Connection, rank: int) -> None:
+        carriers = self._by_rank.get(rank)
+        if carriers is not None:
+            carriers.discard(connection)
+            if not carriers:
+                del self._by_rank[rank]
+        for waiting in sorted(self._held.get(rank, ()), key=lambda c: c.order):
+            if not self._must_wait(waiting, rank):
+                waiting.release()
+        if not self._held.get(rank, True):
+            del self._held[rank]
 
     def _reject(self, reason: str) -> None:
         self._rejected_frames += 1
