@@ -245,6 +245,7 @@ class Aggregator:
             "rejected_frames": server.rejected_frames if server else 0,
             "rejected_by_reason": server.rejected_by_reason if server else {},
             "connections_total": server.connections_total if server else 0,
+            "held_connections": server.held_connections if server else 0,
             "expected_world_size": ranks.expected_world_size,
             "finished_ranks": len(ranks.finished_ranks),
             "missing_ranks": list(ranks.missing_ranks),
