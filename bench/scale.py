@@ -1038,7 +1038,9 @@ def run_once(
         queue_hw_batches=int(stats.get("queue_high_water_batches", -1)),
         queue_hw_bytes=int(stats.get("queue_high_water_bytes", -1)),
         max_queue_bytes=int(stats.get("max_queue_bytes") or 0),
-        drain_s=(agg.exit_t or gen_done) - gen_done,
+        # From the end of the load schedule to the aggregator's exit (final flush, drain,
+        # finalize).
+        drain_s=(agg.exit_t or gen_done) - (t0 + spec.seconds),
         gen_max_lag_s=max(r["max_lag_s"] for r in results),
         gen_max_flush_ms=max(r["max_flush_s"] for r in results) * 1000,
         gen_max_pending_kib=max(r["max_pending_bytes"] for r in results) / 1024,
@@ -1243,7 +1245,7 @@ def _pause_rank_main(
     local = rank % spec.ranks_per_node
     device = f"cuda:{local}"
     events = step_events(device)
-    put = {s: 0 for s in spec.wire_streams}
+    put = dict.fromkeys(WIRE_ORDER, 0)  # a real rank sends every stream
     t0 = conn.recv()
     while time.monotonic() < t0:
         time.sleep(0.001)
@@ -1307,11 +1309,20 @@ def _pause_rank_main(
     )
 
 
-def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
-    """SIGSTOP the aggregator for ``--pause-s`` seconds mid-run; real senders keep going."""
-    files = parse_export_streams(args.streams)
+def run_pause(
+    spec: LoadSpec,
+    streams: str,
+    *,
+    logs_dir: Path,
+    pause_at: float,
+    pause_s: float,
+    do_validate: bool,
+    bounds: QueueBounds | None = None,
+) -> dict[str, Any]:
+    """SIGSTOP the aggregator for ``pause_s`` seconds mid-run while real senders go on."""
+    files = parse_export_streams(streams)
     token = f"pause-{os.getpid()}"
-    agg = start_aggregator(logs_dir, "pause", spec, args.streams, token, args.bounds)
+    agg = start_aggregator(logs_dir, "pause", spec, streams, token, bounds)
     ctx = mp.get_context("fork")
     procs = []
     for rank in range(spec.ranks):
@@ -1325,11 +1336,10 @@ def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
     t0 = time.monotonic() + 1.0
     for _, conn in procs:
         conn.send(t0)
-    stop_at = t0 + args.pause_at
-    time.sleep(max(0.0, stop_at - time.monotonic()))
+    time.sleep(max(0.0, t0 + pause_at - time.monotonic()))
     os.kill(agg.pid, signal.SIGSTOP)
     stopped = time.monotonic()
-    time.sleep(args.pause_s)
+    time.sleep(pause_s)
     os.kill(agg.pid, signal.SIGCONT)
     resumed = time.monotonic()
     results = []
@@ -1349,17 +1359,6 @@ def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
         for t, step_s, _ in res["steps"]:
             key = "before" if t < a else "during" if t < b + 2.5 else "after"
             windows[key].append(step_s * 1000)
-    print(
-        f"pause: {spec.ranks} real RankSenders (one process each), {spec.steps_per_s:g} steps/s, "
-        f"{spec.seconds:g} s; aggregator SIGSTOPped at {a:.1f} s for {b - a:.1f} s"
-    )
-    for key, vals in windows.items():
-        if vals:
-            v = np.asarray(vals)
-            print(
-                f"  step body ({key:6s}; 'during' = pause + 2.5 s): n={len(v):,} p50 "
-                f"{np.percentile(v, 50):.3f} ms p99 {np.percentile(v, 99):.3f} ms max {v.max():.3f} ms"
-            )
     # Accounting: per (rank, stream), the seqs written; missing = put - written.
     export = agg.run_dir / "aggregator" / "export"
     fields = {
@@ -1369,10 +1368,8 @@ def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
         "system": ("node_rank", "seq"),
         "runtime_environment": ("global_rank", "seq"),
     }
-    written = 0
-    dup = 0
+    written = dup = missing_items = out_of_order = 0
     closing_dropped = set()
-    missing_items = 0
     for stream, flds in fields.items():
         if stream not in files:
             continue
@@ -1382,42 +1379,91 @@ def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
         keys = list(zip(*cols, strict=True))
         written += len(keys)
         dup += len(keys) - len(set(keys))
+        last: dict[int, int] = {}
+        for who, seq in keys:  # file order: a rank's seq never decreases
+            out_of_order += seq < last.get(who, -1)
+            last[who] = seq
         for res in results:
             rank = res["rank"]
-            who = rank // spec.ranks_per_node if stream == "system" else rank
-            seqs = {s for w, s in keys if w == who}
             if stream == "system" and rank % spec.ranks_per_node:
                 continue
+            who = rank // spec.ranks_per_node if stream == "system" else rank
+            seqs = {s for w, s in keys if w == who}
             n_put = res["put"][stream]
-            if any(s >= n_put for s in seqs):
-                dup += 1
+            dup += sum(1 for s in seqs if s >= n_put)
             missing_items += n_put - len(seqs)
     sender_dropped = sum(r["dropped_items"] for r in results)
     agg_dropped = int(stats.get("dropped_batches", -1))
-    exact = dup == 0 and missing_items == sender_dropped and agg_dropped == 0
+    return {
+        "stopped_at": a,
+        "paused_s": b - a,
+        "windows": windows,
+        "results": results,
+        "stats": stats,
+        "written": written,
+        "duplicates": dup,
+        "out_of_order": out_of_order,
+        "missing_items": missing_items,
+        "sender_dropped_items": sender_dropped,
+        "sender_dropped_batches": sum(r["dropped_batches"] for r in results),
+        "agg_dropped_batches": agg_dropped,
+        "closing_dropped": sorted(closing_dropped),
+        "exact": dup == 0 and missing_items == sender_dropped and agg_dropped == 0,
+        "valid": validate(agg.run_dir) if do_validate else None,
+        "peak_rss_mb": max((x.hwm for x in agg.samples), default=0) / 2**20,
+    }
+
+
+def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
+    r = run_pause(
+        spec,
+        args.streams,
+        logs_dir=logs_dir,
+        pause_at=args.pause_at,
+        pause_s=args.pause_s,
+        do_validate=not args.no_validate,
+        bounds=args.bounds,
+    )
+    results, stats = r["results"], r["stats"]
     print(
-        f"  senders: {sum(r['sent_batches'] for r in results):,} batches sent, "
-        f"{sum(r['dropped_batches'] for r in results):,} dropped ({sender_dropped:,} items); "
-        f"connects per rank {sorted(r['connects'] for r in results)}"
+        f"pause: {spec.ranks} real RankSenders (one process each), {spec.steps_per_s:g} steps/s, "
+        f"{spec.seconds:g} s; aggregator SIGSTOPped at {r['stopped_at']:.1f} s for "
+        f"{r['paused_s']:.1f} s"
+    )
+    for key, vals in r["windows"].items():
+        if vals:
+            v = np.asarray(vals)
+            print(
+                f"  step body ({key:6s}; 'during' = pause + 2.5 s): n={len(v):,} p50 "
+                f"{np.percentile(v, 50):.3f} ms p99 {np.percentile(v, 99):.3f} ms "
+                f"max {v.max():.3f} ms"
+            )
+    print(
+        f"  senders: {sum(x['sent_batches'] for x in results):,} batches sent, "
+        f"{r['sender_dropped_batches']:,} dropped ({r['sender_dropped_items']:,} items); "
+        f"connects per rank {sorted(x['connects'] for x in results)}"
     )
     print(
-        f"  aggregator: dropped batches {agg_dropped}, rejected frames "
-        f"{stats.get('rejected_by_reason', {})}, connections {stats.get('connections_total')}, "
-        f"closing dropped_batches {sorted(closing_dropped)}"
+        f"  aggregator: dropped batches {r['agg_dropped_batches']}, rejected frames "
+        f"{stats.get('rejected_by_reason', {})}, connections {stats.get('connections_total')} "
+        f"(held behind an older one of the same rank: {stats.get('held_connections')}), "
+        f"closing dropped_batches {r['closing_dropped']}"
     )
     print(
-        f"  accounting: written {written:,}, missing items {missing_items:,} = dropped by senders "
-        f"{sender_dropped:,} + aggregator-dropped {'0' if agg_dropped == 0 else '?'}: "
-        f"{'EXACT' if exact else 'NOT EXACT'} (duplicates {dup})"
+        f"  accounting: written {r['written']:,}, missing items {r['missing_items']:,} = dropped "
+        f"by senders {r['sender_dropped_items']:,} + aggregator-dropped "
+        f"{'0' if r['agg_dropped_batches'] == 0 else '?'}: "
+        f"{'EXACT' if r['exact'] else 'NOT EXACT'} (duplicates {r['duplicates']}, "
+        f"seq out of order {r['out_of_order']})"
     )
-    if not args.no_validate:
-        ok, secs, line = validate(agg.run_dir)
+    if r["valid"] is not None:
+        ok, secs, line = r["valid"]
         print(f"  traceml validate: {'ok' if ok else 'FAILED'} ({secs:.0f} s): {line}")
     print(
-        f"ranks={spec.ranks} steps_per_s={spec.steps_per_s:g} records_per_s={written / spec.seconds:.0f} "
-        f"dropped_batches={agg_dropped + sum(r['dropped_batches'] for r in results)} "
-        f"peak_rss_mb={max((x.hwm for x in agg.samples), default=0) / 2**20:.0f} "
-        "max_sustained_records_per_s=0"
+        f"ranks={spec.ranks} steps_per_s={spec.steps_per_s:g} "
+        f"records_per_s={r['written'] / spec.seconds:.0f} "
+        f"dropped_batches={r['agg_dropped_batches'] + r['sender_dropped_batches']} "
+        f"peak_rss_mb={r['peak_rss_mb']:.0f} max_sustained_records_per_s=0"
     )
 
 
