@@ -523,10 +523,18 @@ def _load_inline(w: CodeWriter, model: ClassModel, var: str, path: str, names: _
     """
     with w.block(f"if type({var}) is not dict:"):
         w.line(f'raise RecordError({path}, f"expected object, got {{describe({var})}}")')
-    _key_check(w, model, names, f"{var}.keys()", path)
+    # Every field is required: as many keys as fields, and each found, is the exact key
+    # set (cheaper than comparing key sets); a KeyError means another key stood in.
+    req_name, all_name, _ = _key_sets(model, names)
+    with w.block(f"if len({var}) != {len(model.fields)}:"):
+        w.line(f"_key_error({var}.keys(), {req_name}, {all_name}, {path})")
+    with w.block("try:"):
+        for field in model.fields:
+            w.line(f'{var}_{field.name} = {var}["{field.name}"]')
+    with w.block("except KeyError:"):
+        w.line(f"_key_error({var}.keys(), {req_name}, {all_name}, {path})")
     for field in model.fields:
         assert isinstance(field.type, Scalar)
-        w.line(f'{var}_{field.name} = {var}["{field.name}"]')
         _load_scalar(w, field.type, f"{var}_{field.name}", f'(*{path}, "{field.name}")', names)
     _construct(w, model, var, f"{var}_")
 
@@ -568,8 +576,7 @@ def _load_scalar(w: CodeWriter, s: Scalar, var: str, path: str, names: _Names) -
                 w.line(f"{var} = float({var})")
             with w.block("else:"):
                 w.line(fail)
-        range_cond = _range_condition(s, var, finite_check=True)
-        with w.block(f"if {guard}({range_cond}):"):
+        with w.block(f"if {guard}{_number_condition(s, var, names)}:"):
             w.line(fail)
         return
     if s.has_const:
@@ -597,14 +604,11 @@ def _load_scalar(w: CodeWriter, s: Scalar, var: str, path: str, names: _Names) -
     # string
     conds = [f"type({var}) is not str"]
     if s.enum is not None:
-        enum_name = names.add(
-            f"_ENUM_{len(names.constants)}",
-            "frozenset({" + ", ".join(_lit(e) for e in s.enum) + "})",
-        )
-        # Look the name up again so identical enums share one constant.
-        enum_name = _find_constant(
-            names, "frozenset({" + ", ".join(_lit(e) for e in s.enum) + "})", enum_name
-        )
+        expression = "frozenset({" + ", ".join(_lit(e) for e in s.enum) + "})"
+        # Identical enums share one constant.
+        enum_name = _find_constant(names, expression, "")
+        if not enum_name:
+            enum_name = names.add(f"_ENUM_{len(names.constants)}", expression)
         conds.append(f"{var} not in {enum_name}")
     if s.min_length is not None:
         conds.append(f"len({var}) < {s.min_length}")
@@ -646,6 +650,15 @@ def _pattern_expression(pattern: str) -> str:
     # Python spells "\Z" (its "$" would also match before a final newline).
     python_pattern = re.sub(r"(?<!\\)\$", r"\\Z", pattern)
     return f"re.compile({_lit(python_pattern)})"
+
+
+def _number_condition(s: Scalar, var: str, names: _Names) -> str:
+    """True when the float ``var`` is NaN, infinite or out of range: one chained
+    comparison (NaN compares false with everything, so it fails the chain)."""
+    inf = names.add("_INF", 'float("inf")')
+    low = f"{_lit(s.minimum)} <= " if s.minimum is not None else f"-{inf} < "
+    high = f" <= {_lit(s.maximum)}" if s.maximum is not None else f" < {inf}"
+    return f"not ({low}{var}{high})"
 
 
 def _range_condition(s: Scalar, var: str, *, finite_check: bool) -> str:

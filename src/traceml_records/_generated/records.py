@@ -26,14 +26,14 @@ __all__ = [
     "SystemRecord",
 ]
 
-_ENUM_16 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
-_ENUM_17 = frozenset(
+_ENUM_17 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
+_ENUM_18 = frozenset(
     {"single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"}
 )
-_ENUM_18 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
-_ENUM_19 = frozenset({"high", "low"})
-_ENUM_22 = frozenset({"stdout", "stderr"})
-_ENUM_25 = frozenset(
+_ENUM_19 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
+_ENUM_20 = frozenset({"high", "low"})
+_ENUM_23 = frozenset({"stdout", "stderr"})
+_ENUM_26 = frozenset(
     {
         "step_time",
         "step_memory",
@@ -44,14 +44,8 @@ _ENUM_25 = frozenset(
         "stdout_stderr",
     }
 )
-_ENUM_30 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
-_ENUM_43 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
-_ENUM_44 = frozenset(
-    {"single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"}
-)
-_ENUM_45 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
-_ENUM_46 = frozenset({"high", "low"})
-_ENUM_49 = frozenset({"stdout", "stderr"})
+_ENUM_31 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
+_INF = float("inf")
 _KEYS_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
 )
@@ -1367,14 +1361,26 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
                 raise RecordError(
                     (*(*(*path, "events"), k0), k1), f"expected object, got {describe(v1)}"
                 )
-            if v1.keys() != _KEYS_PHASE_TIMING:
+            if len(v1) != 5:
                 _key_error(
                     v1.keys(),
                     _REQUIRED_PHASE_TIMING,
                     _KEYS_PHASE_TIMING,
                     (*(*(*path, "events"), k0), k1),
                 )
-            v1_cpu_ms = v1["cpu_ms"]
+            try:
+                v1_cpu_ms = v1["cpu_ms"]
+                v1_duration_ms = v1["duration_ms"]
+                v1_gpu_ms = v1["gpu_ms"]
+                v1_is_gpu = v1["is_gpu"]
+                v1_n_calls = v1["n_calls"]
+            except KeyError:
+                _key_error(
+                    v1.keys(),
+                    _REQUIRED_PHASE_TIMING,
+                    _KEYS_PHASE_TIMING,
+                    (*(*(*path, "events"), k0), k1),
+                )
             if type(v1_cpu_ms) is not float:
                 if type(v1_cpu_ms) is int and -(2**63) <= v1_cpu_ms < 2**63:
                     v1_cpu_ms = float(v1_cpu_ms)
@@ -1383,12 +1389,11 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
                         (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
                         f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
                     )
-            if v1_cpu_ms - v1_cpu_ms != 0.0 or v1_cpu_ms < 0:
+            if not (0 <= v1_cpu_ms < _INF):
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
                     f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
                 )
-            v1_duration_ms = v1["duration_ms"]
             if type(v1_duration_ms) is not float:
                 if type(v1_duration_ms) is int and -(2**63) <= v1_duration_ms < 2**63:
                     v1_duration_ms = float(v1_duration_ms)
@@ -1397,12 +1402,11 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
                         (*(*(*(*path, "events"), k0), k1), "duration_ms"),
                         f"expected finite number >= 0, got {describe(v1_duration_ms)}",
                     )
-            if v1_duration_ms - v1_duration_ms != 0.0 or v1_duration_ms < 0:
+            if not (0 <= v1_duration_ms < _INF):
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "duration_ms"),
                     f"expected finite number >= 0, got {describe(v1_duration_ms)}",
                 )
-            v1_gpu_ms = v1["gpu_ms"]
             if v1_gpu_ms is not None and type(v1_gpu_ms) is not float:
                 if type(v1_gpu_ms) is int and -(2**63) <= v1_gpu_ms < 2**63:
                     v1_gpu_ms = float(v1_gpu_ms)
@@ -1411,18 +1415,16 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
                         (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
                         f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
                     )
-            if v1_gpu_ms is not None and (v1_gpu_ms - v1_gpu_ms != 0.0 or v1_gpu_ms < 0):
+            if v1_gpu_ms is not None and not (0 <= v1_gpu_ms < _INF):
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
                     f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
                 )
-            v1_is_gpu = v1["is_gpu"]
             if v1_is_gpu is not True and v1_is_gpu is not False:
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "is_gpu"),
                     f"expected boolean, got {describe(v1_is_gpu)}",
                 )
-            v1_n_calls = v1["n_calls"]
             if type(v1_n_calls) is not int or v1_n_calls < 1 or v1_n_calls > 9223372036854775807:
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "n_calls"),
@@ -1722,7 +1724,7 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
                 (*path, "cpu_percent"),
                 f"expected finite number >= 0, got {describe(f_cpu_percent)}",
             )
-    if f_cpu_percent - f_cpu_percent != 0.0 or f_cpu_percent < 0:
+    if not (0 <= f_cpu_percent < _INF):
         raise RecordError(
             (*path, "cpu_percent"), f"expected finite number >= 0, got {describe(f_cpu_percent)}"
         )
@@ -1942,7 +1944,7 @@ def _load_system_record(d: Any, path: Path) -> SystemRecord:
                 (*path, "cpu_percent"),
                 f"expected finite number in [0, 100], got {describe(f_cpu_percent)}",
             )
-    if f_cpu_percent - f_cpu_percent != 0.0 or f_cpu_percent < 0 or f_cpu_percent > 100:
+    if not (0 <= f_cpu_percent <= 100):
         raise RecordError(
             (*path, "cpu_percent"),
             f"expected finite number in [0, 100], got {describe(f_cpu_percent)}",
@@ -2111,11 +2113,7 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
                 (*path, "utilization_percent"),
                 f"expected finite number in [0, 100] or null, got {describe(f_utilization_percent)}",
             )
-    if f_utilization_percent is not None and (
-        f_utilization_percent - f_utilization_percent != 0.0
-        or f_utilization_percent < 0
-        or f_utilization_percent > 100
-    ):
+    if f_utilization_percent is not None and not (0 <= f_utilization_percent <= 100):
         raise RecordError(
             (*path, "utilization_percent"),
             f"expected finite number in [0, 100] or null, got {describe(f_utilization_percent)}",
@@ -2149,7 +2147,7 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
                 (*path, "temperature_c"),
                 f"expected finite number or null, got {describe(f_temperature_c)}",
             )
-    if f_temperature_c is not None and (f_temperature_c - f_temperature_c != 0.0):
+    if f_temperature_c is not None and not (-_INF < f_temperature_c < _INF):
         raise RecordError(
             (*path, "temperature_c"),
             f"expected finite number or null, got {describe(f_temperature_c)}",
@@ -2163,9 +2161,7 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
                 (*path, "power_usage_w"),
                 f"expected finite number >= 0 or null, got {describe(f_power_usage_w)}",
             )
-    if f_power_usage_w is not None and (
-        f_power_usage_w - f_power_usage_w != 0.0 or f_power_usage_w < 0
-    ):
+    if f_power_usage_w is not None and not (0 <= f_power_usage_w < _INF):
         raise RecordError(
             (*path, "power_usage_w"),
             f"expected finite number >= 0 or null, got {describe(f_power_usage_w)}",
@@ -2179,9 +2175,7 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
                 (*path, "power_limit_w"),
                 f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
             )
-    if f_power_limit_w is not None and (
-        f_power_limit_w - f_power_limit_w != 0.0 or f_power_limit_w < 0
-    ):
+    if f_power_limit_w is not None and not (0 <= f_power_limit_w < _INF):
         raise RecordError(
             (*path, "power_limit_w"),
             f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
@@ -2322,7 +2316,7 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
     if type(f_pid) is not int or f_pid < 1 or f_pid > 9223372036854775807:
         raise RecordError((*path, "pid"), f"expected integer >= 1, got {describe(f_pid)}")
     f_topology = d["topology"]
-    if type(f_topology) is not str or f_topology not in _ENUM_16:
+    if type(f_topology) is not str or f_topology not in _ENUM_17:
         raise RecordError(
             (*path, "topology"),
             f"expected one of single_process, single_node_multi_process, multi_node, got {describe(f_topology)}",
@@ -2340,19 +2334,19 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
             f"expected string or null, got {describe(f_distributed_backend)}",
         )
     f_training_strategy = d["training_strategy"]
-    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_17:
+    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_18:
         raise RecordError(
             (*path, "training_strategy"),
             f"expected one of single_process, ddp, fsdp, deepspeed, distributed_unknown, unknown, got {describe(f_training_strategy)}",
         )
     f_strategy_source = d["strategy_source"]
-    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_18:
+    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_19:
         raise RecordError(
             (*path, "strategy_source"),
             f"expected one of runtime_model, runtime_distributed, topology, unknown, got {describe(f_strategy_source)}",
         )
     f_strategy_confidence = d["strategy_confidence"]
-    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_19:
+    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_20:
         raise RecordError(
             (*path, "strategy_confidence"),
             f"expected one of high, low, got {describe(f_strategy_confidence)}",
@@ -2447,7 +2441,7 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
         raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
     f_source = d["source"]
-    if type(f_source) is not str or f_source not in _ENUM_22:
+    if type(f_source) is not str or f_source not in _ENUM_23:
         raise RecordError(
             (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
         )
@@ -2484,7 +2478,7 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
     if keys != _KEYS_CLOSING_LINE:
         _key_error(keys, _REQUIRED_CLOSING_LINE, _KEYS_CLOSING_LINE, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream not in _ENUM_25:
+    if type(f_stream) is not str or f_stream not in _ENUM_26:
         raise RecordError(
             (*path, "stream"),
             f"expected one of step_time, step_memory, process, system, system_gpu, runtime_environment, stdout_stderr, got {describe(f_stream)}",
@@ -2624,7 +2618,7 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
             (*path, "completed_at"), f"expected string, got {describe(f_completed_at)}"
         )
     f_reason = d["reason"]
-    if type(f_reason) is not str or f_reason not in _ENUM_30:
+    if type(f_reason) is not str or f_reason not in _ENUM_31:
         raise RecordError(
             (*path, "reason"),
             f"expected one of export_incomplete, ranks_disconnected, timeout, got {describe(f_reason)}",
@@ -2718,7 +2712,7 @@ def _load_phase_timing(d: Any, path: Path) -> PhaseTiming:
             raise RecordError(
                 (*path, "cpu_ms"), f"expected finite number >= 0, got {describe(f_cpu_ms)}"
             )
-    if f_cpu_ms - f_cpu_ms != 0.0 or f_cpu_ms < 0:
+    if not (0 <= f_cpu_ms < _INF):
         raise RecordError(
             (*path, "cpu_ms"), f"expected finite number >= 0, got {describe(f_cpu_ms)}"
         )
@@ -2731,7 +2725,7 @@ def _load_phase_timing(d: Any, path: Path) -> PhaseTiming:
                 (*path, "duration_ms"),
                 f"expected finite number >= 0, got {describe(f_duration_ms)}",
             )
-    if f_duration_ms - f_duration_ms != 0.0 or f_duration_ms < 0:
+    if not (0 <= f_duration_ms < _INF):
         raise RecordError(
             (*path, "duration_ms"), f"expected finite number >= 0, got {describe(f_duration_ms)}"
         )
@@ -2743,7 +2737,7 @@ def _load_phase_timing(d: Any, path: Path) -> PhaseTiming:
             raise RecordError(
                 (*path, "gpu_ms"), f"expected finite number >= 0 or null, got {describe(f_gpu_ms)}"
             )
-    if f_gpu_ms is not None and (f_gpu_ms - f_gpu_ms != 0.0 or f_gpu_ms < 0):
+    if f_gpu_ms is not None and not (0 <= f_gpu_ms < _INF):
         raise RecordError(
             (*path, "gpu_ms"), f"expected finite number >= 0 or null, got {describe(f_gpu_ms)}"
         )
@@ -2814,14 +2808,26 @@ def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) ->
                 raise RecordError(
                     (*(*(*path, "events"), k0), k1), f"expected object, got {describe(v1)}"
                 )
-            if v1.keys() != _KEYS_PHASE_TIMING:
+            if len(v1) != 5:
                 _key_error(
                     v1.keys(),
                     _REQUIRED_PHASE_TIMING,
                     _KEYS_PHASE_TIMING,
                     (*(*(*path, "events"), k0), k1),
                 )
-            v1_cpu_ms = v1["cpu_ms"]
+            try:
+                v1_cpu_ms = v1["cpu_ms"]
+                v1_duration_ms = v1["duration_ms"]
+                v1_gpu_ms = v1["gpu_ms"]
+                v1_is_gpu = v1["is_gpu"]
+                v1_n_calls = v1["n_calls"]
+            except KeyError:
+                _key_error(
+                    v1.keys(),
+                    _REQUIRED_PHASE_TIMING,
+                    _KEYS_PHASE_TIMING,
+                    (*(*(*path, "events"), k0), k1),
+                )
             if type(v1_cpu_ms) is not float:
                 if type(v1_cpu_ms) is int and -(2**63) <= v1_cpu_ms < 2**63:
                     v1_cpu_ms = float(v1_cpu_ms)
@@ -2830,12 +2836,11 @@ def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) ->
                         (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
                         f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
                     )
-            if v1_cpu_ms - v1_cpu_ms != 0.0 or v1_cpu_ms < 0:
+            if not (0 <= v1_cpu_ms < _INF):
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
                     f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
                 )
-            v1_duration_ms = v1["duration_ms"]
             if type(v1_duration_ms) is not float:
                 if type(v1_duration_ms) is int and -(2**63) <= v1_duration_ms < 2**63:
                     v1_duration_ms = float(v1_duration_ms)
@@ -2844,12 +2849,11 @@ def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) ->
                         (*(*(*(*path, "events"), k0), k1), "duration_ms"),
                         f"expected finite number >= 0, got {describe(v1_duration_ms)}",
                     )
-            if v1_duration_ms - v1_duration_ms != 0.0 or v1_duration_ms < 0:
+            if not (0 <= v1_duration_ms < _INF):
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "duration_ms"),
                     f"expected finite number >= 0, got {describe(v1_duration_ms)}",
                 )
-            v1_gpu_ms = v1["gpu_ms"]
             if v1_gpu_ms is not None and type(v1_gpu_ms) is not float:
                 if type(v1_gpu_ms) is int and -(2**63) <= v1_gpu_ms < 2**63:
                     v1_gpu_ms = float(v1_gpu_ms)
@@ -2858,18 +2862,16 @@ def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) ->
                         (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
                         f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
                     )
-            if v1_gpu_ms is not None and (v1_gpu_ms - v1_gpu_ms != 0.0 or v1_gpu_ms < 0):
+            if v1_gpu_ms is not None and not (0 <= v1_gpu_ms < _INF):
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
                     f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
                 )
-            v1_is_gpu = v1["is_gpu"]
             if v1_is_gpu is not True and v1_is_gpu is not False:
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "is_gpu"),
                     f"expected boolean, got {describe(v1_is_gpu)}",
                 )
-            v1_n_calls = v1["n_calls"]
             if type(v1_n_calls) is not int or v1_n_calls < 1 or v1_n_calls > 9223372036854775807:
                 raise RecordError(
                     (*(*(*(*path, "events"), k0), k1), "n_calls"),
@@ -3018,7 +3020,7 @@ def _load_process_record_item(identity: dict[str, Any], d: Any, path: Path) -> P
                 (*path, "cpu_percent"),
                 f"expected finite number >= 0, got {describe(f_cpu_percent)}",
             )
-    if f_cpu_percent - f_cpu_percent != 0.0 or f_cpu_percent < 0:
+    if not (0 <= f_cpu_percent < _INF):
         raise RecordError(
             (*path, "cpu_percent"), f"expected finite number >= 0, got {describe(f_cpu_percent)}"
         )
@@ -3166,7 +3168,7 @@ def _load_system_record_item(identity: dict[str, Any], d: Any, path: Path) -> Sy
                 (*path, "cpu_percent"),
                 f"expected finite number in [0, 100], got {describe(f_cpu_percent)}",
             )
-    if f_cpu_percent - f_cpu_percent != 0.0 or f_cpu_percent < 0 or f_cpu_percent > 100:
+    if not (0 <= f_cpu_percent <= 100):
         raise RecordError(
             (*path, "cpu_percent"),
             f"expected finite number in [0, 100], got {describe(f_cpu_percent)}",
@@ -3261,11 +3263,7 @@ def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -
                 (*path, "utilization_percent"),
                 f"expected finite number in [0, 100] or null, got {describe(f_utilization_percent)}",
             )
-    if f_utilization_percent is not None and (
-        f_utilization_percent - f_utilization_percent != 0.0
-        or f_utilization_percent < 0
-        or f_utilization_percent > 100
-    ):
+    if f_utilization_percent is not None and not (0 <= f_utilization_percent <= 100):
         raise RecordError(
             (*path, "utilization_percent"),
             f"expected finite number in [0, 100] or null, got {describe(f_utilization_percent)}",
@@ -3299,7 +3297,7 @@ def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -
                 (*path, "temperature_c"),
                 f"expected finite number or null, got {describe(f_temperature_c)}",
             )
-    if f_temperature_c is not None and (f_temperature_c - f_temperature_c != 0.0):
+    if f_temperature_c is not None and not (-_INF < f_temperature_c < _INF):
         raise RecordError(
             (*path, "temperature_c"),
             f"expected finite number or null, got {describe(f_temperature_c)}",
@@ -3313,9 +3311,7 @@ def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -
                 (*path, "power_usage_w"),
                 f"expected finite number >= 0 or null, got {describe(f_power_usage_w)}",
             )
-    if f_power_usage_w is not None and (
-        f_power_usage_w - f_power_usage_w != 0.0 or f_power_usage_w < 0
-    ):
+    if f_power_usage_w is not None and not (0 <= f_power_usage_w < _INF):
         raise RecordError(
             (*path, "power_usage_w"),
             f"expected finite number >= 0 or null, got {describe(f_power_usage_w)}",
@@ -3329,9 +3325,7 @@ def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -
                 (*path, "power_limit_w"),
                 f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
             )
-    if f_power_limit_w is not None and (
-        f_power_limit_w - f_power_limit_w != 0.0 or f_power_limit_w < 0
-    ):
+    if f_power_limit_w is not None and not (0 <= f_power_limit_w < _INF):
         raise RecordError(
             (*path, "power_limit_w"),
             f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
@@ -3395,7 +3389,7 @@ def _load_runtime_environment_record_item(
         raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
     f_pid = identity["pid"]
     f_topology = d["topology"]
-    if type(f_topology) is not str or f_topology not in _ENUM_16:
+    if type(f_topology) is not str or f_topology not in _ENUM_17:
         raise RecordError(
             (*path, "topology"),
             f"expected one of single_process, single_node_multi_process, multi_node, got {describe(f_topology)}",
@@ -3413,19 +3407,19 @@ def _load_runtime_environment_record_item(
             f"expected string or null, got {describe(f_distributed_backend)}",
         )
     f_training_strategy = d["training_strategy"]
-    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_17:
+    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_18:
         raise RecordError(
             (*path, "training_strategy"),
             f"expected one of single_process, ddp, fsdp, deepspeed, distributed_unknown, unknown, got {describe(f_training_strategy)}",
         )
     f_strategy_source = d["strategy_source"]
-    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_18:
+    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_19:
         raise RecordError(
             (*path, "strategy_source"),
             f"expected one of runtime_model, runtime_distributed, topology, unknown, got {describe(f_strategy_source)}",
         )
     f_strategy_confidence = d["strategy_confidence"]
-    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_19:
+    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_20:
         raise RecordError(
             (*path, "strategy_confidence"),
             f"expected one of high, low, got {describe(f_strategy_confidence)}",
@@ -3489,7 +3483,7 @@ def _load_stdout_stderr_record_item(
     if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
         raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
     f_source = d["source"]
-    if type(f_source) is not str or f_source not in _ENUM_22:
+    if type(f_source) is not str or f_source not in _ENUM_23:
         raise RecordError(
             (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
         )
