@@ -928,8 +928,11 @@ class RunResult:
 
     @property
     def sustained(self) -> bool:
-        """No batch lost anywhere, exact accounting, and the generator kept its schedule."""
-        return self.dropped == 0 and self.check.exact and self.gen_max_lag_s < 0.5
+        """No batch lost anywhere, exact accounting, the generator kept its schedule, and
+        the queue never got past half its byte bound (a queue that fills up slowly over a
+        probe would drop in a longer run)."""
+        headroom = self.max_queue_bytes <= 0 or self.queue_hw_bytes <= self.max_queue_bytes / 2
+        return self.dropped == 0 and self.check.exact and self.gen_max_lag_s < 0.5 and headroom
 
 
 def run_once(
@@ -1129,7 +1132,8 @@ def find_max(args: argparse.Namespace, base: LoadSpec, logs_dir: Path) -> None:
             f" written {r.records_per_s:,.0f} records/s, dropped {r.dropped:,}, "
             f"agg {r.agg_cpu_cores:.2f} cores ({r.cpu_s_per_1k:.3f} CPU s/1k), gen "
             f"{r.gen_cpu_cores:.2f} cores lag {r.gen_max_lag_s * 1000:.0f} ms, "
-            f"queue hw {r.queue_hw_batches:,}, peak RSS {r.peak_rss_mb:.0f} MB, "
+            f"queue hw {r.queue_hw_batches:,} / {r.queue_hw_bytes / 2**20:.1f} MiB, "
+            f"drain {r.drain_s:.1f} s, peak RSS {r.peak_rss_mb:.0f} MB, "
             f"accounting {'exact' if r.check.exact else 'NOT EXACT'}: {verdict}",
             flush=True,
         )
