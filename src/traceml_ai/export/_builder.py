@@ -35,7 +35,7 @@ from traceml_records import (
     SystemRecord,
 )
 from traceml_records._codec import BUILTIN_EVENTS, RESERVED_EVENT_PREFIX
-from traceml_records._generated.records import ITEM_LOADERS, LOADERS
+from traceml_records._generated.records import IDENTITY_FIELDS, ITEM_LOADERS, LOADERS
 
 __all__ = [
     "BUILTIN_EVENT_NAMES",
@@ -80,26 +80,23 @@ _FILE_STREAMS_OF_BATCH: dict[str, tuple[str, ...]] = {
     "stdout_stderr": ("stdout_stderr",),
 }
 
-_STEP_TIME_KEYS = frozenset({"timestamp_unix_ns", "seq", "step", "events"})
-_STEP_MEMORY_KEYS = frozenset(
-    {"timestamp_unix_ns", "seq", "step", "device", "peak_allocated_bytes", "peak_reserved_bytes"}
-)
-_PROCESS_KEYS = frozenset(
-    {
-        "timestamp_unix_ns",
-        "seq",
-        "cpu_percent",
-        "cpu_logical_cores",
-        "ram_used_bytes",
-        "ram_total_bytes",
-        "gpu_available",
-        "gpu_count",
-        "gpu_device_index",
-        "gpu_memory_used_bytes",
-        "gpu_memory_reserved_bytes",
-        "gpu_memory_total_bytes",
-    }
-)
+
+def _item_keys(record_class: type[Any]) -> frozenset[str]:
+    """The keys of a wire item: its record's fields less the identity block (schema-derived)."""
+    return frozenset(f.name for f in attrs.fields(record_class)) - IDENTITY_FIELDS
+
+
+# The wire items carry the record fields a rank knows (docs/dev/wire-format.md); the
+# aggregator adds the identity block. A system item carries its GPUs (one system_gpu
+# record each) instead of their count, and a GPU entry shares its snapshot's
+# timestamp and seq.
+_STEP_TIME_KEYS = _item_keys(StepTimeRecord)
+_STEP_MEMORY_KEYS = _item_keys(StepMemoryRecord)
+_PROCESS_KEYS = _item_keys(ProcessRecord)
+_SYSTEM_KEYS = (_item_keys(SystemRecord) - {"gpu_count"}) | {"gpus"}
+_GPU_KEYS = _item_keys(SystemGpuRecord) - {"timestamp_unix_ns", "seq"}
+_RUNTIME_KEYS = _item_keys(RuntimeEnvironmentRecord)
+_STDOUT_KEYS = _item_keys(StdoutStderrRecord)
 _PROCESS_GPU_FIELDS = (
     "gpu_count",
     "gpu_device_index",
@@ -107,38 +104,8 @@ _PROCESS_GPU_FIELDS = (
     "gpu_memory_reserved_bytes",
     "gpu_memory_total_bytes",
 )
-_SYSTEM_KEYS = frozenset(
-    {"timestamp_unix_ns", "seq", "cpu_percent", "ram_used_bytes", "ram_total_bytes"}
-    | {"gpu_available", "gpus"}
-)
-_GPU_KEYS = frozenset(
-    {
-        "gpu_index",
-        "utilization_percent",
-        "memory_used_bytes",
-        "memory_total_bytes",
-        "temperature_c",
-        "power_usage_w",
-        "power_limit_w",
-    }
-)
 _GPU_NULLABLE_FLOATS = ("utilization_percent", "temperature_c", "power_usage_w", "power_limit_w")
-_RUNTIME_KEYS = frozenset(
-    {
-        "timestamp_unix_ns",
-        "seq",
-        "topology",
-        "distributed_initialized",
-        "distributed_backend",
-        "training_strategy",
-        "strategy_source",
-        "strategy_confidence",
-        "torch_version",
-        "python_version",
-    }
-)
 _RUNTIME_STRINGS = ("distributed_backend", "torch_version", "python_version")
-_STDOUT_KEYS = frozenset({"timestamp_unix_ns", "seq", "source", "line"})
 
 _load_step_time = LOADERS[StepTimeRecord]
 _load_step_time_item = ITEM_LOADERS[StepTimeRecord]
