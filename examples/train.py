@@ -68,9 +68,12 @@ def main() -> None:
         if step >= args.steps:
             break
 
-    if world_size > 1:
-        dist.destroy_process_group()
     traceml.shutdown()
+    if world_size > 1:
+        # Every rank reaches the end before the group goes away: gloo can abort a
+        # rank whose peer tears the group down under it.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
