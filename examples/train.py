@@ -15,6 +15,7 @@ does nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -70,9 +71,12 @@ def main() -> None:
 
     traceml.shutdown()
     if world_size > 1:
-        # Every rank reaches the end before the group goes away: gloo can abort a
-        # rank whose peer tears the group down under it.
+        # Free the DDP model (it sits in reference cycles) while torch is fully alive:
+        # collected only at interpreter exit, it tears down gloo state late enough that
+        # rank 0 sometimes aborts ("terminate called without an active exception").
         dist.barrier()
+        del model, optimizer
+        gc.collect()
         dist.destroy_process_group()
 
 
