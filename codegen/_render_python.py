@@ -417,23 +417,7 @@ def _render_load(
         _key_check(w, model, names, "keys", "path")
         for field in model.fields:
             var = f"f_{field.name}"
-            if field.required:
-                w.line(f'{var} = d["{field.name}"]')
-                _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
-            elif isinstance(field.type, Scalar):
-                # An absent key reads as None, which the nullable check lets through.
-                w.line(f'{var} = d.get("{field.name}")')
-                _load_scalar(
-                    w,
-                    attrs.evolve(field.type, nullable=True),
-                    var,
-                    f'(*path, "{field.name}")',
-                    names,
-                )
-            else:
-                w.line(f'{var} = d.get("{field.name}")')
-                with w.block(f"if {var} is not None:"):
-                    _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
+            _render_field_load(w, field, var, names, classes)
         _construct(w, model, "record", "f_", annotate=True)
         w.line("return record")
 
@@ -495,22 +479,8 @@ def _render_item_load(
                     else f'identity.get("{field.name}")'
                 )
                 w.line(f"{var} = {getter}")
-            elif field.required:
-                w.line(f'{var} = d["{field.name}"]')
-                _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
-            elif isinstance(field.type, Scalar):
-                w.line(f'{var} = d.get("{field.name}")')
-                _load_scalar(
-                    w,
-                    attrs.evolve(field.type, nullable=True),
-                    var,
-                    f'(*path, "{field.name}")',
-                    names,
-                )
             else:
-                w.line(f'{var} = d.get("{field.name}")')
-                with w.block(f"if {var} is not None:"):
-                    _load_check(w, field.type, var, f'(*path, "{field.name}")', names, 0, classes)
+                _render_field_load(w, field, var, names, classes)
         _construct(w, model, "record", "f_", annotate=True)
         w.line("return record")
 
@@ -537,6 +507,24 @@ def _load_inline(w: CodeWriter, model: ClassModel, var: str, path: str, names: _
         assert isinstance(field.type, Scalar)
         _load_scalar(w, field.type, f"{var}_{field.name}", f'(*{path}, "{field.name}")', names)
     _construct(w, model, var, f"{var}_")
+
+
+def _render_field_load(
+    w: CodeWriter, field: FieldModel, var: str, names: _Names, classes: dict[str, ClassModel]
+) -> None:
+    """Read one field of ``d`` into ``var`` and check it (shared by both loader kinds)."""
+    path = f'(*path, "{field.name}")'
+    if field.required:
+        w.line(f'{var} = d["{field.name}"]')
+        _load_check(w, field.type, var, path, names, 0, classes)
+    elif isinstance(field.type, Scalar):
+        # An absent key reads as None, which the nullable check lets through.
+        w.line(f'{var} = d.get("{field.name}")')
+        _load_scalar(w, attrs.evolve(field.type, nullable=True), var, path, names)
+    else:
+        w.line(f'{var} = d.get("{field.name}")')
+        with w.block(f"if {var} is not None:"):
+            _load_check(w, field.type, var, path, names, 0, classes)
 
 
 def _load_check(
