@@ -161,6 +161,7 @@ def render_records(schema_set: SchemaSet) -> str:
     )
     body.line('"""Fields of the identity block that ITEM_LOADERS take from ``identity``."""')
     body.line()
+    _render_encoder_plans(body, classes, names)
     body.line("NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {")
     for model in classes:
         markers = "".join(f"b'\"{n}\":null', " for n in _non_nullable_float_keys(model, by_name))
@@ -360,6 +361,94 @@ def render_map_dumper(
             w.line(f"out[k] = {inner}")
         w.line("return out")
     w.line()
+    w.line()
+
+
+# Kind codes of the C encoder's plans (traceml_records/_speedups.c).
+_KIND_CODES = {"integer": 0, "number": 1, "boolean": 2, "string": 3}
+_K_OBJECT, _K_MAP, _K_ARRAY = 4, 5, 6
+# Field flags: always written, hostname (only when asked for), omitted when None.
+_F_ALWAYS, _F_HOSTNAME, _F_OMIT_NONE = 0, 1, 2
+
+
+def _allowed(names: _Names, s: Scalar) -> str:
+    """The ``allowed`` slot of a string spec: None (any), a set of values, or False."""
+    if s.format is not None:
+        return "False"  # the C encoder cannot check a format; Python does
+    if s.has_const:
+        return f"frozenset({{{_lit(s.const)}}})"
+    if s.enum is not None:
+        if s.pattern is not None:
+            return "False"
+        return "frozenset({" + ", ".join(_lit(v) for v in s.enum) + "})"
+    if s.pattern is not None:
+        # The values the generated loaders found to match, remembered (boundedly) in
+        # this set: one that is not there yet goes through the loader once.
+        return "_MATCHED" + _pattern_constant(names, s.pattern)[len("_PATTERN") :]
+    return "None"
+
+
+def _encoder_spec(type_ref: TypeRef, names: _Names) -> str:
+    """``(kind, nullable, sub, minimum, maximum, min_count, allowed)`` as a literal."""
+    if isinstance(type_ref, Scalar):
+        s = type_ref
+        if s.kind == "string":
+            allowed = _allowed(names, s)
+            return f"(3, {s.nullable}, None, None, None, {s.min_length or 0}, {allowed})"
+        low, high = s.minimum, s.maximum
+        if s.has_const and s.kind == "integer":
+            low = high = s.const
+        allowed = "frozenset({True, False})" if s.kind == "boolean" else "None"
+        if s.kind == "boolean" and s.has_const:
+            allowed = f"frozenset({{{_lit(s.const)}}})"
+        if s.enum is not None or (s.has_const and s.kind == "number"):
+            allowed = "False"
+        return (
+            f"({_KIND_CODES[s.kind]}, {s.nullable}, None, {_lit(low)}, {_lit(high)}, 0, {allowed})"
+        )
+    if isinstance(type_ref, ClassRef):
+        return f"({_K_OBJECT}, False, {type_ref.class_name}, None, None, 0, None)"
+    if isinstance(type_ref, ArrayOf):
+        item = _encoder_spec(type_ref.item, names)
+        allowed = "False" if type_ref.unique else "None"
+        return f"({_K_ARRAY}, False, {item}, None, None, {type_ref.min_items}, {allowed})"
+    value = _encoder_spec(type_ref.value, names)
+    if type_ref.key_pattern is not None:
+        keys = "_MATCHED" + _pattern_constant(names, type_ref.key_pattern)[len("_PATTERN") :]
+    else:
+        keys = "None"
+    return (
+        f"({_K_MAP}, False, {value}, {type_ref.key_min_length or 0}, None, "
+        f"{type_ref.min_properties}, {keys})"
+    )
+
+
+def _render_encoder_plans(w: CodeWriter, classes: list[ClassModel], names: _Names) -> None:
+    """ENCODER_PLANS: what the dumpers write and the loaders check, as data for C."""
+    w.line("ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {")
+    for model in classes:
+        w.line(f"    {model.class_name}: (")
+        for field in model.fields:
+            if field.required:
+                flag = _F_ALWAYS
+            elif field.name == "hostname":
+                flag = _F_HOSTNAME
+            else:
+                flag = _F_OMIT_NONE
+            w.line(f'        ("{field.name}", {_encoder_spec(field.type, names)}, {flag}),')
+        w.line("    ),")
+    w.line("}")
+    w.line(
+        '"""Record class → its fields in line order as ``(name, spec, flag)``: what DUMPERS '
+        "write and LOADERS check, as data for the C encoder (traceml_records/_speedups.c). "
+        "spec: ``(kind, nullable, sub, minimum, maximum, min_count, allowed)``; kinds: 0 "
+        "integer, 1 number, 2 boolean, 3 string, 4 object (sub: its class), 5 map (sub: "
+        "value spec; minimum: least key length; allowed: keys), 6 array (sub: item spec); "
+        "min_count: least length/entries/items; allowed: None (any), a set the value must "
+        "be in (enum, const, or the values found to match a pattern), or False (only "
+        "Python can check it). Flags: 0 always, 1 hostname (only when asked for), 2 "
+        'omitted when None."""'
+    )
     w.line()
 
 

@@ -9,15 +9,18 @@ non-nullable float field it would make an invalid line, so :func:`dumps_line` ra
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeAlias
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import orjson
 
 from traceml_records._errors import Path, RecordError, describe
 from traceml_records._generated.records import (
     DUMPERS,
+    ENCODER_PLANS,
     LOADERS,
     NON_NULLABLE_FLOAT_KEYS,
     ClosingLine,
@@ -114,7 +117,7 @@ def _encode(record: object, obj: dict[str, Any], option: int) -> bytes:
     return data
 
 
-def dumps_line(record: AnyRecord, *, include_hostname: bool = False) -> bytes:
+def _py_dumps_line(record: AnyRecord, *, include_hostname: bool = False) -> bytes:
     """Serialize ``record`` to one compact JSON line ending in ``\\n``.
 
     Keys follow the schema order and maps are sorted. ``hostname`` is written only
@@ -126,6 +129,48 @@ def dumps_line(record: AnyRecord, *, include_hostname: bool = False) -> bytes:
     if dumper is None:
         raise TypeError(f"not a TraceML record: {type(record).__name__}")
     return _encode(record, dumper(record, include_hostname), _APPEND_NEWLINE)
+
+
+def _load_speedups() -> ModuleType | None:
+    """The configured C encoder, or None (not built, or TRACEML_PURE_PYTHON set).
+
+    Its ``dumps_line`` writes the same bytes as :func:`_py_dumps_line` and hands it
+    every record it does not handle itself, so errors and odd values behave the same
+    either way.
+    """
+    if os.environ.get("TRACEML_PURE_PYTHON", "").strip() not in ("", "0"):
+        return None
+    try:
+        from traceml_records import _speedups
+    except ImportError:
+        return None
+    _speedups.configure(ENCODER_PLANS, _py_dumps_line, orjson.dumps)
+    return _speedups
+
+
+_speedups_module = _load_speedups()
+_c_dumps_line = _speedups_module.dumps_line if _speedups_module is not None else None
+SPEEDUPS = _speedups_module is not None
+"""Whether :func:`dumps_line` runs in C (the built extension, not disabled)."""
+
+encode_items: Callable[..., tuple[bytes, int, list[tuple[int, int]]]] | None = (
+    _speedups_module.encode_items if _speedups_module is not None else None
+)
+"""The C item encoder (``_speedups.encode_items``), or None without the extension.
+
+``encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules)``
+returns ``(data, count, pending)``: ``data`` holds, in item order, the line of every
+item it can vouch for (plainly valid: exact types, bounds and sets of the schema, and
+with ``step_rules`` the step_time rules), each ``prefix`` + the item's fields (the
+record's fields from index ``first_field`` on); ``count`` says how many; ``pending``
+lists ``(item index, offset in data)`` of every other item, for the caller to take
+through the strict Python loaders and put (or not) at that offset.
+"""
+
+if TYPE_CHECKING:
+    dumps_line = _py_dumps_line
+else:
+    dumps_line = _c_dumps_line or _py_dumps_line
 
 
 def dumps_lines(
@@ -143,6 +188,18 @@ def dumps_lines(
         raise TypeError(f"not a TraceML record: {record_class.__name__}")
     lines: list[bytes] = []
     append = lines.append
+    if _c_dumps_line is not None:
+        encode = _c_dumps_line
+        bad = 0
+        for record in records:
+            if type(record) is not record_class:
+                bad += 1
+                continue
+            try:
+                append(encode(record, include_hostname=include_hostname))
+            except (RecordError, ValueError, TypeError):
+                bad += 1
+        return lines, bad
     dumps = orjson.dumps
     option = _APPEND_NEWLINE
     bad = 0

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import orjson
 
+from traceml_ai.export._encoded import EncodedLines
 from traceml_ai.wire import FrameError, ReceivedBatch, decode_batch_body, peek_batch_stream
 from traceml_records import (
     STREAMS,
     STREAMS_BY_NAME,
+    PhaseTiming,
     ProcessRecord,
     RuntimeEnvironmentRecord,
     StdoutStderrRecord,
@@ -34,8 +37,13 @@ from traceml_records import (
     SystemGpuRecord,
     SystemRecord,
 )
-from traceml_records._codec import BUILTIN_EVENTS, RESERVED_EVENT_PREFIX
-from traceml_records._generated.records import IDENTITY_FIELDS, ITEM_LOADERS, LOADERS
+from traceml_records._codec import BUILTIN_EVENTS, RESERVED_EVENT_PREFIX, dumps_line, encode_items
+from traceml_records._generated.records import (
+    ENCODER_PLANS,
+    IDENTITY_FIELDS,
+    ITEM_LOADERS,
+    LOADERS,
+)
 
 __all__ = [
     "BUILTIN_EVENT_NAMES",
@@ -120,7 +128,20 @@ _load_stdout = LOADERS[StdoutStderrRecord]
 
 _NO_PATH: tuple[str | int, ...] = ()
 
-_Handler = Callable[[list[Any], "_Identity", list[list[Any]]], int]
+# The C item encoder writes a step_time line as the batch's identity prefix followed
+# by the item's fields, which are the record's fields from timestamp_unix_ns on.
+_STEP_TIME_FIELDS = tuple(field[0] for field in ENCODER_PLANS[StepTimeRecord])
+_STEP_TIME_FIRST_ITEM_FIELD = _STEP_TIME_FIELDS.index("timestamp_unix_ns")
+assert set(_STEP_TIME_FIELDS[_STEP_TIME_FIRST_ITEM_FIELD:]) == _STEP_TIME_KEYS
+_STEP_TIME_RULES = (
+    BUILTIN_EVENTS,
+    RESERVED_EVENT_PREFIX,
+    STEP_TIME_EVENT,
+    MAX_EVENT_ENTRIES,
+    PhaseTiming,
+)
+
+_Handler = Callable[[list[Any], "_Identity", list[Any]], int]
 
 
 class _Skip(Exception):
@@ -133,9 +154,10 @@ class BuildResult:
 
     ``records`` maps a file stream name to its records in item order; streams appear
     in registry order (``system`` before ``system_gpu``) and only when they got a record.
+    With ``encode_lines``, a step_time group is an :class:`EncodedLines`.
     """
 
-    records: Mapping[str, list[Any]]
+    records: Mapping[str, Sequence[Any]]
     skipped_items: int
 
     @property
@@ -244,7 +266,9 @@ class RecordBuilder:
     custom exporters cannot leak it either).
     """
 
-    def __init__(self, streams: Iterable[str], include_hostname: bool) -> None:
+    def __init__(
+        self, streams: Iterable[str], include_hostname: bool, *, encode_lines: bool = False
+    ) -> None:
         selected = set(streams)
         unknown = selected.difference(STREAMS_BY_NAME)
         if unknown:
@@ -263,11 +287,22 @@ class RecordBuilder:
         }
         wanted = batch_streams_for(self._streams)
         self._handlers = {name: fn for name, fn in handlers.items() if name in wanted}
+        self._encode_items = encode_items if encode_lines else None
+        self._encoded_skipped = 0  # items of the last encoded batch that were skipped
 
     @property
     def streams(self) -> tuple[str, ...]:
         """The selected file streams, in registry order."""
         return self._streams
+
+    @property
+    def encodes_lines(self) -> bool:
+        """Whether step_time groups come as :class:`EncodedLines` (for the JSONL exporter).
+
+        Asked for with ``encode_lines=True``; needs the C encoder of ``traceml_records``
+        (without it, groups are typed records as usual).
+        """
+        return self._encode_items is not None
 
     @property
     def include_hostname(self) -> bool:
@@ -313,14 +348,14 @@ class RecordBuilder:
         identity = self._identity(payload.get("identity"), batch.observed_timestamp_unix_ns)
         if identity is None:
             return BuildResult(records={}, skipped_items=len(items))
-        out: list[Any] = []
-        gpu_out: list[Any] = []
+        outs: list[Any] = [[], []]
         try:
-            skipped = handler(items, identity, [out, gpu_out])
+            skipped = handler(items, identity, outs)
+            out, gpu_out = outs
         except _Skip:
             # A batch-level rule (e.g. pid, or system from a local rank other than 0).
             return BuildResult(records={}, skipped_items=len(items))
-        records: dict[str, list[Any]] = {}
+        records: dict[str, Sequence[Any]] = {}
         if stream == "system":
             if out and self._want_system:
                 records["system"] = out
@@ -381,9 +416,15 @@ class RecordBuilder:
     # ``outs[1]``), returns the number of skipped items, and raises _Skip for a
     # batch-level problem.
 
-    def _step_time(self, items: list[Any], identity: _Identity, outs: list[list[Any]]) -> int:
+    def _step_time(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
         out = outs[0]
         base = {"stream": "step_time", "schema_version": 1, **identity.base}
+        if self._encode_items is not None:
+            encoded = self._step_time_lines(items, base)
+            if encoded is not None:
+                if encoded.line_count:
+                    outs[0] = encoded
+                return self._encoded_skipped
         skipped = 0
         keys = _STEP_TIME_KEYS
         load_item = None  # set once a record loaded with the identity checked
@@ -418,7 +459,60 @@ class RecordBuilder:
             out.append(record)
         return skipped
 
-    def _step_memory(self, items: list[Any], identity: _Identity, outs: list[list[Any]]) -> int:
+    def _step_time_lines(self, items: list[Any], base: dict[str, Any]) -> EncodedLines | None:
+        """The lines of a step_time batch (skipped items counted), or None for records.
+
+        The C encoder writes the line of every plainly valid item; each item it leaves
+        goes through the same strict loader and rules as in record mode, on its own,
+        and is skipped or written from its record at its place.
+        """
+        assert self._encode_items is not None
+        try:
+            # The identity block, as the line writes it: everything up to the item's fields.
+            prefix = orjson.dumps(base)[:-1]
+        except orjson.JSONEncodeError:
+            return None  # e.g. a surrogate in a hostname: record mode reports it
+        data, count, pending = self._encode_items(
+            items, StepTimeRecord, _STEP_TIME_FIRST_ITEM_FIELD, prefix, MAX_STRING_BYTES,
+            _STEP_TIME_RULES,
+        )  # fmt: skip
+        self._encoded_skipped = 0
+        if not pending:
+            return EncodedLines("step_time", data, count)
+        parts: list[bytes] = []
+        start = 0
+        include_hostname = self._include_hostname
+        for index, at in pending:
+            parts.append(data[start:at])
+            start = at
+            try:
+                record = self._step_time_record(base, items[index])
+                parts.append(dumps_line(record, include_hostname=include_hostname))
+                count += 1
+            except Exception:
+                self._encoded_skipped += 1
+        parts.append(data[start:])
+        return EncodedLines("step_time", b"".join(parts), count)
+
+    @staticmethod
+    def _step_time_record(base: dict[str, Any], item: Any) -> StepTimeRecord:
+        """The record of one step_time item (full strict loader), or an exception."""
+        if type(item) is not dict or item.keys() != _STEP_TIME_KEYS:
+            raise _Skip
+        events = item["events"]
+        if type(events) is not dict or len(events) > MAX_EVENT_ENTRIES:
+            raise _Skip
+        d = base.copy()
+        d.update(item)
+        try:
+            record: StepTimeRecord = _load_step_time(d, _NO_PATH)
+        except ValueError:
+            d["events"] = _nan_to_none_in_events(events)
+            record = _load_step_time(d, _NO_PATH)
+        _check_events(record.events)
+        return record
+
+    def _step_memory(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
         out = outs[0]
         base = {"stream": "step_memory", "schema_version": 1, **identity.base}
         skipped = 0
@@ -448,7 +542,7 @@ class RecordBuilder:
             out.append(record)
         return skipped
 
-    def _process(self, items: list[Any], identity: _Identity, outs: list[list[Any]]) -> int:
+    def _process(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
         if not _is_int(identity.pid, 1):
             raise _Skip
         out = outs[0]
@@ -476,7 +570,7 @@ class RecordBuilder:
             out.append(record)
         return skipped
 
-    def _system(self, items: list[Any], identity: _Identity, outs: list[list[Any]]) -> int:
+    def _system(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
         if identity.local_rank != 0:
             raise _Skip
         out, gpu_out = outs
@@ -521,9 +615,7 @@ class RecordBuilder:
             gpu_out.extend(gpu_records)
         return skipped
 
-    def _runtime_environment(
-        self, items: list[Any], identity: _Identity, outs: list[list[Any]]
-    ) -> int:
+    def _runtime_environment(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
         if not _is_int(identity.pid, 1):
             raise _Skip
         out = outs[0]
@@ -563,7 +655,7 @@ class RecordBuilder:
             out.append(record)
         return skipped
 
-    def _stdout_stderr(self, items: list[Any], identity: _Identity, outs: list[list[Any]]) -> int:
+    def _stdout_stderr(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
         out = outs[0]
         # No identity block beyond ``rank`` on this stream, and never a hostname.
         base = {

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from traceml_ai.export._encoded import EncodedLines
 from traceml_ai.export._protocol import ExportContext, ExportSummary
 from traceml_records import STREAMS_BY_NAME, ClosingLine, dumps_line
 from traceml_records._codec import dumps_lines
@@ -343,7 +344,11 @@ class JsonlExporter:
         n = len(records)
         if n == 0:
             return
-        spec = STREAM_BY_CLASS.get(type(records[0]))
+        encoded = records if type(records) is EncodedLines else None
+        if encoded is not None:
+            spec = STREAMS_BY_NAME.get(encoded.stream)
+        else:
+            spec = STREAM_BY_CLASS.get(type(records[0]))
         stream_file = self._files.get(spec.name) if spec is not None else None
         if stream_file is None:
             name = spec.name if spec is not None else type(records[0]).__name__
@@ -388,12 +393,16 @@ class JsonlExporter:
             # A stray record of another stream never goes into this file; neither does
             # one without a valid line (RecordError, ValueError, TypeError).
             assert record_class is not None
-            lines, bad = dumps_lines(
-                records, record_class, include_hostname=self._context.include_hostname
-            )
+            if encoded is not None:
+                # Written by the builder from the wire items (same bytes as dumps_line).
+                data, bad = encoded.data, 0
+            else:
+                lines, bad = dumps_lines(
+                    records, record_class, include_hostname=self._context.include_hostname
+                )
+                data = b"".join(lines)
             f.serialization_failures += bad
 
-            data = b"".join(lines)
             assert f.fd is not None
             try:
                 _write_all(f.fd, data)
@@ -408,12 +417,12 @@ class JsonlExporter:
                     written=whole,
                     failed=n - whole,
                 ) from exc
-            f.written += len(lines)
+            f.written += n - bad
             if bad:
                 raise PartialExportError(
                     f"{bad} of {n} {f.stream} records could not be serialized and were not written",
                     stream=f.stream,
-                    written=len(lines),
+                    written=n - bad,
                     failed=bad,
                 )
 

@@ -156,6 +156,9 @@ def start_export(
         include_hostname=settings.exporter_hostname,
     )
     exporter, failure = _open_exporter(settings, context, report)
+    if isinstance(exporter, JsonlExporter):
+        # The JSONL exporter only needs lines: let the builder write them directly.
+        builder = RecordBuilder(streams, settings.exporter_hostname, encode_lines=True)
     if exporter is None:
         exporter = _UnavailableExporter(failure or "the exporter could not start")
     worker = ExportWorker(

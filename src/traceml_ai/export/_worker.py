@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -414,7 +414,7 @@ class ExportWorker:
             self._phase = "idle"
         return True
 
-    def _export(self, records: list[Any]) -> tuple[int, int]:
+    def _export(self, records: Sequence[Any]) -> tuple[int, int]:
         """Hand one group to the exporter; return (written, failed) record counts."""
         n = len(records)
         try:

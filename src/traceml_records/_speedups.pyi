@@ -1,0 +1,19 @@
+from collections.abc import Callable
+from typing import Any
+
+def configure(
+    plans: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]],
+    fallback: Callable[..., bytes],
+    orjson_dumps: Callable[[Any], bytes],
+    /,
+) -> None: ...
+def dumps_line(record: object, /, *, include_hostname: bool = False) -> bytes: ...
+def encode_items(
+    items: list[Any],
+    record_class: type[Any],
+    first_field: int,
+    prefix: bytes,
+    max_string_bytes: int,
+    step_rules: tuple[frozenset[str], str, str, int, type[Any]] | None,
+    /,
+) -> tuple[bytes, int, list[tuple[int, int]]]: ...
