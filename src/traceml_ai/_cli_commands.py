@@ -235,6 +235,7 @@ def serve(
         AggregatorConfig,
         install_stop_handlers,
         run_until_done,
+        tune_gc_for_aggregator,
     )
     from traceml_ai.wire import ENV_RUN_TOKEN
 
@@ -250,6 +251,7 @@ def serve(
     if nproc_per_node is not None:
         expected = (nnodes or 1) * nproc_per_node
     token = os.environ.get(ENV_RUN_TOKEN, "").strip() or secrets.token_urlsafe(24)
+    tune_gc_for_aggregator()  # this process serves the run and nothing else
     aggregator = Aggregator(
         AggregatorConfig(
             run_dir=run_dir,

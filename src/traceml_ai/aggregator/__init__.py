@@ -1,5 +1,6 @@
 """The aggregator: one per run, whatever the number of ranks and nodes."""
 
+from traceml_ai.aggregator._process import tune_gc_for_aggregator
 from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
 from traceml_ai.aggregator._service import (
     DEFAULT_FINALIZE_TIMEOUT_S,
@@ -15,4 +16,5 @@ __all__ = [
     "FinalizeResult",
     "install_stop_handlers",
     "run_until_done",
+    "tune_gc_for_aggregator",
 ]

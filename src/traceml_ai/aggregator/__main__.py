@@ -23,6 +23,7 @@ from typing import TextIO
 
 import orjson
 
+from traceml_ai.aggregator._process import tune_gc_for_aggregator
 from traceml_ai.aggregator._runner import run_until_done
 from traceml_ai.aggregator._service import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
@@ -62,6 +63,7 @@ def _watch_parent(parent_pid: int, aggregator: Aggregator, stop: threading.Event
 
 def main(argv: list[str]) -> int:
     """Serve one run as configured by ``argv[0]`` (JSON)."""
+    tune_gc_for_aggregator()
     out = _protocol_stream()
     raw = orjson.loads(argv[0])
     config = AggregatorConfig(

@@ -55,7 +55,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
 
 import traceml_ai as traceml
 from traceml_ai._launch import default_run_name
-from traceml_ai.aggregator import Aggregator, AggregatorConfig
+from traceml_ai.aggregator import Aggregator, AggregatorConfig, tune_gc_for_aggregator
 from traceml_ai.export import write_finalization_warning
 from traceml_ai.integrations._ray_config import TraceMLRayConfig
 from traceml_ai.settings import ExportSettings
@@ -100,6 +100,7 @@ class _AggregatorActor:
         expected_world_size: int | None,
         finalize_timeout_s: float,
     ) -> None:
+        tune_gc_for_aggregator()  # the actor's process hosts the aggregator alone
         self._aggregator = Aggregator(
             AggregatorConfig(
                 run_dir=Path(run_dir),
