@@ -2,7 +2,8 @@
 
 Per stream: ``dumps_line`` and ``loads_line`` records/s, next to plain
 ``orjson.dumps`` / ``orjson.loads`` of the equivalent dict measured in the same run,
-and their ratio. Then ``validate_paths`` on a step_time file, in lines/s.
+and their ratio; also the pure-Python ``dumps_line`` (what runs without the C
+extension, or with TRACEML_PURE_PYTHON=1). Then ``validate_paths`` on a step_time file, in lines/s.
 
     .venv/bin/python bench/records.py [--seconds 0.5] [--lines 200000]
 
@@ -29,6 +30,7 @@ from traceml_records import (
     loads_line,
     validate_paths,
 )
+from traceml_records._codec import SPEEDUPS, _py_dumps_line
 
 _IDENT = (
     '"observed_timestamp_unix_ns":1793808200784977000,"rank":1,"global_rank":1,"local_rank":1,'
@@ -108,7 +110,7 @@ def bench_codec(seconds: float) -> dict[str, float]:
     """Prints one row per stream; returns dumps_line/orjson.dumps ratios."""
     ratios = {}
     print(f"{'stream':<20} {'dumps_line/s':>13} {'orjson.dumps/s':>15} {'ratio':>6}"
-          f" {'loads_line/s':>13} {'orjson.loads/s':>15} {'ratio':>6}")  # fmt: skip
+          f" {'pure Python/s':>14} {'loads_line/s':>13} {'orjson.loads/s':>15} {'ratio':>6}")  # fmt: skip
     for name, text in SAMPLE_LINES.items():
         data = text.encode() + b"\n"
         record = loads_line(data)
@@ -117,12 +119,13 @@ def bench_codec(seconds: float) -> dict[str, float]:
         option = orjson.OPT_APPEND_NEWLINE
         dumps = rate(lambda: dumps_line(record), seconds)  # noqa: B023
         plain_dumps = rate(lambda: orjson.dumps(obj, option=option), seconds)  # noqa: B023
+        py_dumps = rate(lambda: _py_dumps_line(record), seconds)  # noqa: B023
         loads = rate(lambda: loads_line(data), seconds)  # noqa: B023
         plain_loads = rate(lambda: orjson.loads(data), seconds)  # noqa: B023
         ratios[name] = dumps / plain_dumps
         print(
             f"{name:<20} {dumps:>13,.0f} {plain_dumps:>15,.0f} {dumps / plain_dumps:>6.2f}"
-            f" {loads:>13,.0f} {plain_loads:>15,.0f} {loads / plain_loads:>6.2f}"
+            f" {py_dumps:>14,.0f} {loads:>13,.0f} {plain_loads:>15,.0f} {loads / plain_loads:>6.2f}"
         )
     return ratios
 
@@ -157,6 +160,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.6, help="time per measurement")
     parser.add_argument("--lines", type=int, default=200_000, help="lines in the validated file")
     args = parser.parse_args()
+    print(f"dumps_line: {'C encoder (traceml_records._speedups)' if SPEEDUPS else 'pure Python'}")
     ratios = bench_codec(args.seconds)
     per_s = bench_validate(args.lines)
     print(f"dumps_ratio_step_time={ratios['step_time']:.3f} validate_lines_per_s={per_s:.0f}")

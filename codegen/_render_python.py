@@ -398,7 +398,7 @@ def _encoder_spec(type_ref: TypeRef, names: _Names) -> str:
         low, high = s.minimum, s.maximum
         if s.has_const and s.kind == "integer":
             low = high = s.const
-        allowed = "frozenset({True, False})" if s.kind == "boolean" else "None"
+        allowed = "None"
         if s.kind == "boolean" and s.has_const:
             allowed = f"frozenset({{{_lit(s.const)}}})"
         if s.enum is not None or (s.has_const and s.kind == "number"):

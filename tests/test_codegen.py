@@ -317,3 +317,41 @@ def test_registry_and_docs_for_the_fixture(tmp_path: Path) -> None:
     assert "| `size` | float -1.5 to 99 | no | mm | Size. |" in reference
     keys = files[Path("docs/reference/stream-keys.md")].decode()
     assert "| `widget` | `widget.jsonl` | `(id)` | yes | `widget`, `all` |" in keys
+
+
+def test_encoder_plans_describe_the_schema(gen: types.ModuleType) -> None:
+    """ENCODER_PLANS (what the C encoder walks) say what the schema says, in line order."""
+    plan = {name: (spec, flag) for name, spec, flag in gen.ENCODER_PLANS[gen.WidgetRecord]}
+    assert [name for name, _, _ in gen.ENCODER_PLANS[gen.WidgetRecord]] == [
+        f.name for f in attrs.fields(gen.WidgetRecord)
+    ]
+    assert plan["stream"] == ((3, False, None, None, None, 0, frozenset({"widget"})), 0)
+    assert plan["id"] == ((0, False, None, 0, 1000, 0, None), 0)
+    assert plan["hostname"] == ((3, True, None, None, None, 0, None), 1)  # only when asked
+    assert plan["size"] == ((1, False, None, -1.5, 99, 0, None), 0)
+    assert plan["kind"][0][6] == frozenset({"a", "b"})
+    label, flag = plan["label"]
+    # a pattern: the set of values the loader found to match (filled as it runs)
+    assert (label[0], label[5], flag) == (3, 2, 2) and isinstance(label[6], set)
+    leaves, _ = plan["leaves"]
+    assert leaves[:2] == (5, False) and leaves[2] == (4, False, gen.Leaf, None, None, 0, None)
+    assert leaves[5] == 1 and isinstance(leaves[6], set)  # minProperties, key pattern
+    assert plan["tags"] == ((6, False, (0, False, None, 0, None, 0, None), None, None, 0, False), 0)
+    assert gen.ENCODER_PLANS[gen.Leaf] == (
+        ("value", (1, True, None, 0, None, 0, None), 0),
+        ("flag", (2, False, None, None, None, 0, None), 0),
+    )
+    # the pattern sets are the very ones the generated loaders fill
+    gen.LOADERS[gen.WidgetRecord](
+        {
+            "stream": "widget",
+            "id": 1,
+            "size": 1.0,
+            "kind": "a",
+            "label": "ab",
+            "leaves": {"x": {"value": 1.0, "flag": True}},
+            "tags": [1],
+        },
+        (),
+    )
+    assert "ab" in label[6] and "x" in leaves[6]

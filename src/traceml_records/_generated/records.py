@@ -3625,7 +3625,7 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
         ("cpu_logical_cores", (0, True, None, 1, 9223372036854775807, 0, None), 0),
         ("ram_used_bytes", (0, False, None, 0, 9223372036854775807, 0, None), 0),
         ("ram_total_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_available", (2, True, None, None, None, 0, frozenset({True, False})), 0),
+        ("gpu_available", (2, True, None, None, None, 0, None), 0),
         ("gpu_count", (0, True, None, 0, 9223372036854775807, 0, None), 0),
         ("gpu_device_index", (0, True, None, 0, 9223372036854775807, 0, None), 0),
         ("gpu_memory_used_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
@@ -3648,7 +3648,7 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
         ("cpu_percent", (1, False, None, 0, 100, 0, None), 0),
         ("ram_used_bytes", (0, False, None, 0, 9223372036854775807, 0, None), 0),
         ("ram_total_bytes", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_available", (2, False, None, None, None, 0, frozenset({True, False})), 0),
+        ("gpu_available", (2, False, None, None, None, 0, None), 0),
         ("gpu_count", (0, False, None, 0, 9223372036854775807, 0, None), 0),
     ),
     SystemGpuRecord: (
@@ -3699,7 +3699,7 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
             ),
             0,
         ),
-        ("distributed_initialized", (2, False, None, None, None, 0, frozenset({True, False})), 0),
+        ("distributed_initialized", (2, False, None, None, None, 0, None), 0),
         ("distributed_backend", (3, True, None, None, None, 0, None), 0),
         (
             "training_strategy",
@@ -3777,7 +3777,7 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
         ("dropped_batches", (0, False, None, 0, 9223372036854775807, 0, None), 0),
         ("failed_records", (0, False, None, 0, 9223372036854775807, 0, None), 0),
         ("skipped_items", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("exporter_failed", (2, False, None, None, None, 0, frozenset({True, False})), 0),
+        ("exporter_failed", (2, False, None, None, None, 0, None), 0),
     ),
     FinalizationWarning: (
         ("status", (3, False, None, None, None, 0, frozenset({"warning"})), 0),
@@ -3813,7 +3813,7 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
         ("cpu_ms", (1, False, None, 0, None, 0, None), 0),
         ("duration_ms", (1, False, None, 0, None, 0, None), 0),
         ("gpu_ms", (1, True, None, 0, None, 0, None), 0),
-        ("is_gpu", (2, False, None, None, None, 0, frozenset({True, False})), 0),
+        ("is_gpu", (2, False, None, None, None, 0, None), 0),
         ("n_calls", (0, False, None, 1, 9223372036854775807, 0, None), 0),
     ),
 }
