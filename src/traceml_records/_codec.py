@@ -9,6 +9,7 @@ non-nullable float field it would make an invalid line, so :func:`dumps_line` ra
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -186,43 +187,35 @@ def dumps_lines(
     dumper = DUMPERS.get(record_class)
     if dumper is None:
         raise TypeError(f"not a TraceML record: {record_class.__name__}")
-    lines: list[bytes] = []
-    append = lines.append
     if _c_dumps_line is not None:
-        encode = _c_dumps_line
-        bad = 0
-        for record in records:
-            if type(record) is not record_class:
-                bad += 1
-                continue
-            try:
-                append(encode(record, include_hostname=include_hostname))
-            except (RecordError, ValueError, TypeError):
-                bad += 1
-        return lines, bad
-    dumps = orjson.dumps
-    option = _APPEND_NEWLINE
-    bad = 0
-    for record in records:
-        if type(record) is not record_class:
-            bad += 1
-            continue
-        try:
-            append(dumps(dumper(record, include_hostname), option=option))
-        except (RecordError, ValueError, TypeError):
-            bad += 1
+        c_encode = functools.partial(_c_dumps_line, include_hostname=include_hostname)
+        return _encode_each(records, record_class, c_encode)
+
+    def encode(record: Any) -> bytes:
+        # No non-finite check here: one scan over the whole batch below.
+        return orjson.dumps(dumper(record, include_hostname), option=_APPEND_NEWLINE)
+
+    lines, bad = _encode_each(records, record_class, encode)
     scan = _MARKER_SCAN[record_class]
     if scan is None or scan(b"".join(lines)) is None:
         return lines, bad
     # Rare: a marker showed up; give every record its exact one-by-one treatment.
-    lines = []
+    exact = functools.partial(_py_dumps_line, include_hostname=include_hostname)
+    return _encode_each(records, record_class, exact)
+
+
+def _encode_each(
+    records: Sequence[object], record_class: type[Any], encode: Callable[[Any], bytes]
+) -> tuple[list[bytes], int]:
+    lines: list[bytes] = []
+    append = lines.append
     bad = 0
     for record in records:
         if type(record) is not record_class:
             bad += 1
             continue
         try:
-            lines.append(dumps_line(record, include_hostname=include_hostname))  # type: ignore[arg-type]
+            append(encode(record))
         except (RecordError, ValueError, TypeError):
             bad += 1
     return lines, bad
