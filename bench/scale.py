@@ -1306,6 +1306,7 @@ def _pause_rank_main(
             "steps": steps,
             "sent_items": sender.sent_items,
             "dropped_items": sender.dropped_items,
+            "dropped_by_stream": sender.dropped_items_by_stream,
             "sent_batches": sender.sent_batches,
             "dropped_batches": sender.dropped_batches,
             "connects": connects[0],
@@ -1397,6 +1398,11 @@ def run_pause(
             dup += sum(1 for s in seqs if s >= n_put)
             missing_items += n_put - len(seqs)
     sender_dropped = sum(r["dropped_items"] for r in results)
+    # Ranks send every stream; only the drops of exported ones can be missing from files.
+    exported = batch_streams_for(files)
+    sender_dropped_exported = sum(
+        n for r in results for stream, n in r["dropped_by_stream"].items() if stream in exported
+    )
     agg_dropped = int(stats.get("dropped_batches", -1))
     return {
         "stopped_at": a,
@@ -1409,10 +1415,11 @@ def run_pause(
         "out_of_order": out_of_order,
         "missing_items": missing_items,
         "sender_dropped_items": sender_dropped,
+        "sender_dropped_exported_items": sender_dropped_exported,
         "sender_dropped_batches": sum(r["dropped_batches"] for r in results),
         "agg_dropped_batches": agg_dropped,
         "closing_dropped": sorted(closing_dropped),
-        "exact": dup == 0 and missing_items == sender_dropped and agg_dropped == 0,
+        "exact": dup == 0 and missing_items == sender_dropped_exported and agg_dropped == 0,
         "valid": validate(agg.run_dir) if do_validate else None,
         "peak_rss_mb": max((x.hwm for x in agg.samples), default=0) / 2**20,
     }
@@ -1455,7 +1462,8 @@ def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
     )
     print(
         f"  accounting: written {r['written']:,}, missing items {r['missing_items']:,} = dropped "
-        f"by senders {r['sender_dropped_items']:,} + aggregator-dropped "
+        f"by senders in exported streams {r['sender_dropped_exported_items']:,} (all streams "
+        f"{r['sender_dropped_items']:,}) + aggregator-dropped "
         f"{'0' if r['agg_dropped_batches'] == 0 else '?'}: "
         f"{'EXACT' if r['exact'] else 'NOT EXACT'} (duplicates {r['duplicates']}, "
         f"seq out of order {r['out_of_order']})"

@@ -91,7 +91,7 @@ def test_paused_aggregator_real_senders_reconnect_and_files_stay_valid(tmp_path:
     )
     assert r["exact"], {k: v for k, v in r.items() if k not in ("results", "windows")}
     assert r["duplicates"] == 0 and r["out_of_order"] == 0
-    assert r["missing_items"] == r["sender_dropped_items"]
+    assert r["missing_items"] == r["sender_dropped_exported_items"]
     assert r["valid"] is not None and r["valid"][0], r["valid"]
     assert r["written"] + r["missing_items"] == sum(
         x["put"]["step_time"] + x["put"]["step_memory"] for x in r["results"]

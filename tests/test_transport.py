@@ -736,3 +736,19 @@ def test_stop_from_a_callback(collector: Collector) -> None:
     assert server.accepted_batches == 1 and server.callback_errors == 0
     with pytest.raises(OSError):
         socket.create_connection(address, timeout=1).close()
+
+
+def test_dropped_items_are_split_by_stream() -> None:
+    # Nothing listens on this port: every flushed batch is dropped after the timeout.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sender = RankSender(("127.0.0.1", port), TOKEN, identity(0), connect_timeout_s=0.05)
+    sender.start()
+    sender.put("step_time", {"seq": 0})
+    sender.put("step_time", {"seq": 1})
+    sender.put("process", {"seq": 0})
+    sender.put("nope", {"seq": 0})
+    sender.close(timeout=0.5)
+    assert sender.dropped_items_by_stream == {"step_time": 2, "process": 1, "": 1}
+    assert sum(sender.dropped_items_by_stream.values()) == sender.dropped_items == 4

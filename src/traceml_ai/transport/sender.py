@@ -114,6 +114,7 @@ class RankSender:
         self._sent_items = 0
         self._dropped_batches = 0
         self._thread_dropped_items = 0
+        self._thread_dropped_by_stream: dict[str, int] = dict.fromkeys(BATCH_STREAMS, 0)
         self._sock: socket.socket | None = None
         self._backoff_s = _INITIAL_BACKOFF_S
         self._retry_at = 0.0
@@ -148,6 +149,17 @@ class RankSender:
     def dropped_items(self) -> int:
         """Items lost, whether refused by ``put`` or in a dropped batch."""
         return self._thread_dropped_items + sum(self._put_dropped.values())
+
+    @property
+    def dropped_items_by_stream(self) -> dict[str, int]:
+        """:attr:`dropped_items` split by wire stream, streams with none left out (``put``
+        refusals of an unknown stream are under ``""``)."""
+        with self._drop_lock:
+            by_stream = {k: v for k, v in self._put_dropped.items() if v}
+        for stream, count in list(self._thread_dropped_by_stream.items()):
+            if count:
+                by_stream[stream] = by_stream.get(stream, 0) + count
+        return by_stream
 
     @property
     def pending_items(self) -> int:
@@ -291,13 +303,14 @@ class RankSender:
                 self._dropped_batches += _batches_for(fresh, self._max_items_per_batch)
 
     def _drop_pending(self) -> None:
-        for _, queue in self._streams:
+        for stream, queue in self._streams:
             count = 0
             while queue:
                 queue.popleft()
                 count += 1
             if count:
                 self._thread_dropped_items += count
+                self._thread_dropped_by_stream[stream] += count
                 self._dropped_batches += _batches_for(count, self._max_items_per_batch)
 
     def _flush(self, stop_at: float | None) -> None:
@@ -322,6 +335,7 @@ class RankSender:
             else:
                 self._dropped_batches += 1
                 self._thread_dropped_items += count
+                self._thread_dropped_by_stream[stream] += count
 
     def _encode(
         self, stream: str, items: list[dict[str, Any]], out: list[tuple[bytes | None, int]]
