@@ -154,6 +154,7 @@ class Name(str):
                 for j in range(3)
             }
         },  # more floats than the encoder's first float table holds
+        {"events": {f"e{i:03d}": {"cpu": _timing(1.5)} for i in range(100)}},  # a big map
     ],
 )
 def test_odd_records_behave_as_in_python(changes: dict[str, Any]) -> None:

@@ -393,56 +393,15 @@ static int write_map(Out *o, PyObject *map, const Spec *value_spec) {
     if (!PyDict_CheckExact(map)) return FALLBACK;
     Py_ssize_t n = PyDict_GET_SIZE(map);
     if (n == 0) return out_write(o, "{}", 2);
-    if (out_char(o, '{') < 0) return ERR;
-    if (n == 1) {
-        Py_ssize_t pos = 0;
-        PyObject *key, *value;
-        PyDict_Next(map, &pos, &key, &value);
-        if (!PyUnicode_CheckExact(key)) return FALLBACK;
-        int rc = write_entry(o, key, value, value_spec);
-        if (rc != OK) return rc;
-        return out_char(o, '}');
+    if (n > SMALL_MAP) return FALLBACK; /* a big map is rare: Python's */
+    PyObject *keys[SMALL_MAP], *values[SMALL_MAP];
+    int rc = sorted_entries(map, keys, values);
+    if (rc == OK) rc = out_char(o, '{');
+    for (Py_ssize_t i = 0; i < n && rc == OK; i++) {
+        if (i) rc = out_char(o, ',');
+        if (rc == OK) rc = write_entry(o, keys[i], values[i], value_spec);
     }
-    if (n <= SMALL_MAP) {
-        PyObject *keys[SMALL_MAP], *values[SMALL_MAP];
-        int rc = sorted_entries(map, keys, values);
-        for (Py_ssize_t i = 0; i < n && rc == OK; i++) {
-            if (i) rc = out_char(o, ',');
-            if (rc == OK) rc = write_entry(o, keys[i], values[i], value_spec);
-        }
-        return rc == OK ? out_char(o, '}') : rc;
-    }
-    PyObject *keys = PyDict_Keys(map);
-    if (keys == NULL) return ERR;
-    int rc = OK;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyUnicode_CheckExact(PyList_GET_ITEM(keys, i))) {
-            rc = FALLBACK;
-            goto done;
-        }
-    }
-    if (PyList_Sort(keys) < 0) {
-        rc = ERR;
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        PyObject *value = PyDict_GetItemWithError(map, key);
-        if (value == NULL) {
-            rc = PyErr_Occurred() ? ERR : FALLBACK;
-            goto done;
-        }
-        if (i && out_char(o, ',') < 0) {
-            rc = ERR;
-            goto done;
-        }
-        rc = write_entry(o, key, value, value_spec);
-        if (rc != OK) goto done;
-    }
-    rc = out_char(o, '}');
-done:
-    Py_DECREF(keys);
-    return rc;
+    return rc == OK ? out_char(o, '}') : rc;
 }
 
 static int write_array(Out *o, PyObject *seq, const Spec *item_spec) {

@@ -242,6 +242,37 @@ def _check_events(events: Mapping[str, Mapping[str, Any]]) -> None:
         raise _Skip
 
 
+def _step_time_record(base: dict[str, Any], item: Any, identity_checked: bool) -> StepTimeRecord:
+    """The record of one step_time item, or an exception (the item is skipped).
+
+    ``identity_checked``: a record of the same batch already loaded, so the item
+    loader (which takes ``base`` as checked) suffices.
+    """
+    if type(item) is not dict or item.keys() != _STEP_TIME_KEYS:
+        raise _Skip
+    events = item["events"]
+    if type(events) is not dict or len(events) > MAX_EVENT_ENTRIES:
+        raise _Skip
+    try:
+        record = _load_step_time_with(base, item, identity_checked)
+    except ValueError:
+        # Retry once with non-finite gpu_ms as null; clean items never get here.
+        fixed = {**item, "events": _nan_to_none_in_events(events)}
+        record = _load_step_time_with(base, fixed, identity_checked)
+    _check_events(record.events)
+    return record
+
+
+def _load_step_time_with(
+    base: dict[str, Any], item: dict[str, Any], identity_checked: bool
+) -> StepTimeRecord:
+    if identity_checked:
+        return _load_step_time_item(base, item, _NO_PATH)  # type: ignore[no-any-return]
+    d = base.copy()
+    d.update(item)
+    return _load_step_time(d, _NO_PATH)  # type: ignore[no-any-return]
+
+
 @attrs.frozen(slots=True)
 class _Identity:
     """The validated identity of one batch."""
@@ -288,7 +319,6 @@ class RecordBuilder:
         wanted = batch_streams_for(self._streams)
         self._handlers = {name: fn for name, fn in handlers.items() if name in wanted}
         self._encode_items = encode_items if encode_lines else None
-        self._encoded_skipped = 0  # items of the last encoded batch that were skipped
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -417,50 +447,31 @@ class RecordBuilder:
     # batch-level problem.
 
     def _step_time(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
-        out = outs[0]
         base = {"stream": "step_time", "schema_version": 1, **identity.base}
         if self._encode_items is not None:
             encoded = self._step_time_lines(items, base)
             if encoded is not None:
-                if encoded.line_count:
-                    outs[0] = encoded
-                return self._encoded_skipped
+                lines, skipped = encoded
+                if len(lines):
+                    outs[0] = lines
+                return skipped
+        out = outs[0]
         skipped = 0
-        keys = _STEP_TIME_KEYS
-        load_item = None  # set once a record loaded with the identity checked
+        identity_checked = False  # True once a record loaded with the identity checked
         for item in items:
             try:
-                if type(item) is not dict or item.keys() != keys:
-                    raise _Skip
-                events = item["events"]
-                if type(events) is not dict or len(events) > MAX_EVENT_ENTRIES:
-                    raise _Skip
-                if load_item is not None:
-                    try:
-                        record = load_item(base, item, _NO_PATH)
-                    except ValueError:
-                        # Retry once with non-finite gpu_ms as null; clean items never
-                        # get here.
-                        fixed = {**item, "events": _nan_to_none_in_events(events)}
-                        record = load_item(base, fixed, _NO_PATH)
-                else:
-                    d = base.copy()
-                    d.update(item)
-                    try:
-                        record = _load_step_time(d, _NO_PATH)
-                    except ValueError:
-                        d["events"] = _nan_to_none_in_events(events)
-                        record = _load_step_time(d, _NO_PATH)
-                    load_item = _load_step_time_item
-                _check_events(record.events)
+                record = _step_time_record(base, item, identity_checked)
             except Exception:
                 skipped += 1
                 continue
+            identity_checked = True
             out.append(record)
         return skipped
 
-    def _step_time_lines(self, items: list[Any], base: dict[str, Any]) -> EncodedLines | None:
-        """The lines of a step_time batch (skipped items counted), or None for records.
+    def _step_time_lines(
+        self, items: list[Any], base: dict[str, Any]
+    ) -> tuple[EncodedLines, int] | None:
+        """(the lines of a step_time batch, skipped items), or None to build records.
 
         The C encoder writes the line of every plainly valid item; each item it leaves
         goes through the same strict loader and rules as in record mode, on its own,
@@ -476,41 +487,22 @@ class RecordBuilder:
             items, StepTimeRecord, _STEP_TIME_FIRST_ITEM_FIELD, prefix, MAX_STRING_BYTES,
             _STEP_TIME_RULES,
         )  # fmt: skip
-        self._encoded_skipped = 0
         if not pending:
-            return EncodedLines("step_time", data, count)
+            return EncodedLines("step_time", data, count), 0
         parts: list[bytes] = []
         start = 0
-        include_hostname = self._include_hostname
+        skipped = 0
         for index, at in pending:
             parts.append(data[start:at])
             start = at
             try:
-                record = self._step_time_record(base, items[index])
-                parts.append(dumps_line(record, include_hostname=include_hostname))
+                record = _step_time_record(base, items[index], identity_checked=False)
+                parts.append(dumps_line(record, include_hostname=self._include_hostname))
                 count += 1
             except Exception:
-                self._encoded_skipped += 1
+                skipped += 1
         parts.append(data[start:])
-        return EncodedLines("step_time", b"".join(parts), count)
-
-    @staticmethod
-    def _step_time_record(base: dict[str, Any], item: Any) -> StepTimeRecord:
-        """The record of one step_time item (full strict loader), or an exception."""
-        if type(item) is not dict or item.keys() != _STEP_TIME_KEYS:
-            raise _Skip
-        events = item["events"]
-        if type(events) is not dict or len(events) > MAX_EVENT_ENTRIES:
-            raise _Skip
-        d = base.copy()
-        d.update(item)
-        try:
-            record: StepTimeRecord = _load_step_time(d, _NO_PATH)
-        except ValueError:
-            d["events"] = _nan_to_none_in_events(events)
-            record = _load_step_time(d, _NO_PATH)
-        _check_events(record.events)
-        return record
+        return EncodedLines("step_time", b"".join(parts), count), skipped
 
     def _step_memory(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
         out = outs[0]

@@ -8,7 +8,7 @@ it parses the line back (strictly), so any code that walks it sees typed records
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 from traceml_records import loads_line
@@ -39,6 +39,11 @@ class EncodedLines(Sequence[Any]):
         if isinstance(index, slice):
             return [loads_line(line) for line in lines[index]]
         return loads_line(lines[index])
+
+    def __iter__(self) -> Iterator[Any]:
+        # One split for the whole walk (indexing splits the data each time).
+        for line in self.data.splitlines(keepends=True):
+            yield loads_line(line)
 
     def __repr__(self) -> str:
         return f"EncodedLines(stream={self.stream!r}, count={self.line_count})"
