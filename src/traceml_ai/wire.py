@@ -114,10 +114,19 @@ def make_batch_message(
 
 
 def make_finished_message(
-    token: str, identity: Mapping[str, Any], sent_batches: int, dropped_batches: int
+    token: str,
+    identity: Mapping[str, Any],
+    sent_batches: int,
+    dropped_batches: int,
+    dropped_batches_by_stream: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Build the ``finished`` message a rank sends last, with its batch counts."""
-    return {
+    """Build the ``finished`` message a rank sends last, with its batch counts.
+
+    ``dropped_batches_by_stream`` (batch stream → dropped batches, streams with none
+    may be left out) lets the aggregator count only the drops of selected streams;
+    ``dropped_batches`` stays the total, which also covers items of no known stream.
+    """
+    message: dict[str, Any] = {
         "v": WIRE_VERSION,
         "token": token,
         "type": "finished",
@@ -125,6 +134,9 @@ def make_finished_message(
         "sent_batches": sent_batches,
         "dropped_batches": dropped_batches,
     }
+    if dropped_batches_by_stream is not None:
+        message["dropped_batches_by_stream"] = dict(dropped_batches_by_stream)
+    return message
 
 
 def batch_prefix(token: str) -> bytes:
@@ -207,6 +219,21 @@ def decode_message(data: bytes, token: str) -> dict[str, Any]:
             raise FrameError("stream not in BATCH_STREAMS")
         if not isinstance(message.get("items"), list):
             raise FrameError("items not a list")
-    elif not (_is_count(message.get("sent_batches")) and _is_count(message.get("dropped_batches"))):
+    elif not _valid_counts(message):
         raise FrameError("bad counts")
     return message
+
+
+def _valid_counts(message: Mapping[str, Any]) -> bool:
+    """The counts of a ``finished`` message, ``dropped_batches_by_stream`` included."""
+    total = message.get("dropped_batches")
+    if not (_is_count(message.get("sent_batches")) and type(total) is int and total >= 0):
+        return False
+    # Optional (older senders omit it). Its counts are part of ``dropped_batches``, so a
+    # map that claims more than the total is malformed, not a bigger loss.
+    by_stream = message.get("dropped_batches_by_stream", {})
+    if not isinstance(by_stream, dict):
+        return False
+    if not all(k in BATCH_STREAMS and _is_count(v) for k, v in by_stream.items()):
+        return False
+    return sum(by_stream.values()) <= total

@@ -21,6 +21,8 @@ from contextlib import AbstractContextManager
 from types import FrameType
 from typing import Any, Protocol
 
+import attrs
+
 from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank._timing import (
     INTERNAL_PREFIX,
@@ -45,6 +47,9 @@ from traceml_ai.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN
 
 MODES = ("auto", "off")
 
+# Private test knob: the sender's per-stream queue bound (tests make ranks drop with it).
+_ENV_TEST_MAX_PENDING = "_TRACEML_TEST_SENDER_MAX_PENDING_ITEMS"
+
 
 class TraceMLWarning(RuntimeWarning):
     """Category of every warning the rank SDK emits (filterable by users)."""
@@ -62,6 +67,28 @@ _state = "new"  # new | off | disabled | on | closed ("disabled": init(mode="off
 _runtime: _Runtime | None = None
 _warned: set[str] = set()
 _process_hooks_installed = False
+
+
+@attrs.define
+class _Carried:
+    """What the next runtime of this process continues from after ``shutdown``.
+
+    Step numbers and every stream's ``seq`` are part of record keys, so an ``init``
+    after ``shutdown`` goes on counting instead of repeating keys (or letting ``seq``
+    go back); the new sender continues the closed one's batch counts, so its
+    ``finished`` message covers the drops of both.
+    """
+
+    step: int = 0
+    seq_step_time: int = 0
+    seq_step_memory: int = 0
+    seq_process: int = 0
+    seq_system: int = 0
+    seq_runtime_environment: int = 0
+    sender: Any = None
+
+
+_carried = _Carried()
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,6 +136,7 @@ class _Runtime:
         cuda: CudaBackend,
         nvml: NvmlBackend,
         interval: float,
+        carried: _Carried,
     ) -> None:
         self.identity = identity
         self.sink = sink
@@ -118,16 +146,22 @@ class _Runtime:
         self.interval = interval
         self._env_lock = threading.Lock()
         self._env_last: dict[str, object] | None = None
-        self._env_seq = 0
+        self._env_seq = carried.seq_runtime_environment
         self._strategy: str | None = None
         self._broken: set[str] = set()
         self.timer = StepTimer(sink, cuda, self._on_new_model, self._on_timer_error)
+        self.timer.continue_counts(carried.step, carried.seq_step_time, carried.seq_step_memory)
+        self._seq_system = carried.seq_system
         torch = torch_or_none()
         if torch is not None:
             install_patches(torch)
-        self._process = ProcessSampler(cuda, lambda: self.timer.cuda_index)
+        self._process = ProcessSampler(
+            cuda, lambda: self.timer.cuda_index, first_seq=carried.seq_process
+        )
         # Only local rank 0 reports the host, so a node's snapshot is sent once.
-        self._system = SystemSampler(nvml) if identity.local_rank == 0 else None
+        self._system = (
+            SystemSampler(nvml, first_seq=carried.seq_system) if identity.local_rank == 0 else None
+        )
         # runtime_environment is first sent when the first traced step begins: by
         # then the script has set up torch.distributed and wrapped its model, so a
         # rank usually sends exactly one line (see report_runtime_environment).
@@ -198,6 +232,18 @@ class _Runtime:
 
     # -- shutdown -------------------------------------------------------------
 
+    def counters(self) -> _Carried:
+        """Where the counters stand, for the next runtime of this process (after close)."""
+        return _Carried(
+            step=self.timer.step,
+            seq_step_time=self.timer.next_seq_time,
+            seq_step_memory=self.timer.next_seq_mem,
+            seq_process=self._process.next_seq,
+            seq_system=self._system.next_seq if self._system is not None else self._seq_system,
+            seq_runtime_environment=self._env_seq,
+            sender=self._owned,
+        )
+
     def close(self) -> None:
         """Flush pending steps, take final samples and close the sender."""
         if active() is self.timer:
@@ -226,12 +272,19 @@ class _Runtime:
                 _warn_once("sender", f"TraceML could not close its sender cleanly ({exc!r}).")
 
 
-def _build_sender(identity: RankIdentity) -> _ClosableSink:
+def _build_sender(identity: RankIdentity, previous: Any) -> _ClosableSink:
     host, port = parse_address(os.environ[ENV_AGGREGATOR_ADDR])
     token = os.environ.get(ENV_RUN_TOKEN, "")
     # Imported here: only ranks launched by traceml need the transport.
     module: Any = importlib.import_module("traceml_ai.transport.sender")
-    sender: _ClosableSink = module.RankSender((host, port), token, identity.to_wire())
+    options: dict[str, Any] = {}
+    if isinstance(previous, module.RankSender):
+        options["counts_from"] = previous
+    test_bound = os.environ.get(_ENV_TEST_MAX_PENDING, "").strip()
+    if test_bound:
+        with contextlib.suppress(ValueError):
+            options["max_pending_items"] = max(1, int(test_bound))
+    sender: _ClosableSink = module.RankSender((host, port), token, identity.to_wire(), **options)
     sender.start()
     return sender
 
@@ -287,6 +340,15 @@ def init(
             return
         if sink is None and not os.environ.get(ENV_AGGREGATOR_ADDR, "").strip():
             _state = "off"
+            # Set by `traceml run` (traceml_ai._launch) when its aggregator did not start.
+            unavailable = os.environ.get("TRACEML_AGGREGATOR_UNAVAILABLE", "").strip()
+            if unavailable:
+                _warn_once(
+                    "not_launched",
+                    f"traceml: the aggregator did not start ({unavailable}); "
+                    "telemetry is off for this run.",
+                )
+                return
             _warn_once(
                 "not_launched",
                 "TraceML export is off: this script was not launched by `traceml run` "
@@ -298,7 +360,7 @@ def init(
         owned: _ClosableSink | None = None
         try:
             if sink is None:
-                owned = _build_sender(identity)
+                owned = _build_sender(identity, _carried.sender)
                 sink = owned
             runtime = _Runtime(
                 identity,
@@ -307,6 +369,7 @@ def init(
                 cuda_backend if cuda_backend is not None else TorchCudaBackend(),
                 nvml_backend if nvml_backend is not None else PynvmlBackend(),
                 interval,
+                _carried,
             )
         except Exception as exc:
             if owned is not None:
@@ -367,21 +430,28 @@ def shutdown() -> None:
     """Send what is pending, take final samples and close the connection; idempotent.
 
     Registered with ``atexit`` by ``init``. Afterwards every call is a no-op until
-    ``init`` is called again.
+    ``init`` is called again, which continues the step numbers and ``seq`` counters.
     """
-    global _runtime, _state
+    global _runtime, _state, _carried
     with _lock:
         runtime = _runtime
         _runtime = None
         _state = "closed"
-    if runtime is not None:
-        runtime.close()
+        if runtime is None:
+            return
+        # Under the lock: an ``init`` racing this shutdown must start from the final
+        # counters, which are known only once the last steps and samples are sent.
+        try:
+            runtime.close()
+        finally:
+            _carried = runtime.counters()
 
 
 def _reset_for_tests() -> None:
     """Shut down and forget all process-wide state, including warn-once flags."""
-    global _state
+    global _state, _carried
     shutdown()
     with _lock:
         _state = "new"
+        _carried = _Carried()
         _warned.clear()

@@ -177,6 +177,28 @@ class StepTimer:
         self._seq_time = 0
         self._seq_mem = 0
 
+    # -- counters -------------------------------------------------------------
+
+    @property
+    def next_seq_time(self) -> int:
+        """The ``seq`` the next step_time item gets."""
+        return self._seq_time
+
+    @property
+    def next_seq_mem(self) -> int:
+        """The ``seq`` the next step_memory item gets."""
+        return self._seq_mem
+
+    def continue_counts(self, step: int, seq_time: int, seq_mem: int) -> None:
+        """Go on from an earlier timer of this process (``init`` after ``shutdown``).
+
+        Step numbers and ``seq`` are part of a record's key: starting again from 0
+        would repeat keys the earlier timer already sent.
+        """
+        self.step = step
+        self._seq_time = seq_time
+        self._seq_mem = seq_mem
+
     # -- failure --------------------------------------------------------------
 
     def fail(self, exc: BaseException) -> None:

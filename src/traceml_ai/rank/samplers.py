@@ -8,7 +8,6 @@ not, the whole item is skipped, so no NaN or Infinity ever leaves the rank.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import threading
@@ -63,17 +62,36 @@ def nonneg_int(value: Any) -> int | None:
     return result if result >= 0 else None
 
 
-class ProcessSampler:
+class _Sequenced:
+    """The ``seq`` counter of one sampler's stream."""
+
+    _seq: int
+
+    @property
+    def next_seq(self) -> int:
+        """The ``seq`` the next item gets."""
+        return self._seq
+
+    def _take_seq(self) -> int:
+        seq = self._seq
+        self._seq = seq + 1
+        return seq
+
+
+class ProcessSampler(_Sequenced):
     """Builds ``process`` items: this process's CPU and RSS, host RAM, and its GPU memory."""
 
-    def __init__(self, cuda: CudaBackend, device_index: Callable[[], int | None]) -> None:
+    def __init__(
+        self, cuda: CudaBackend, device_index: Callable[[], int | None], *, first_seq: int = 0
+    ) -> None:
         self._cuda = cuda
         self._device_index = device_index
         self._proc = psutil.Process()
         # psutil measures CPU between calls; the first call only starts the window.
         self._proc.cpu_percent(None)
         self._cores = psutil.cpu_count(logical=True)
-        self._seq = itertools.count()
+        # ``first_seq`` > 0 continues an earlier sampler of this process (init again).
+        self._seq = first_seq
 
     def sample(self) -> dict[str, object] | None:
         """One ``process`` item, or ``None`` when a non-nullable figure is unusable."""
@@ -96,7 +114,7 @@ class ProcessSampler:
                 gpu_total = self._cuda.total_memory(gpu_index)
         return {
             "timestamp_unix_ns": time.time_ns(),
-            "seq": next(self._seq),
+            "seq": self._take_seq(),
             "cpu_percent": cpu,
             "cpu_logical_cores": self._cores if self._cores and self._cores >= 1 else None,
             "ram_used_bytes": rss,
@@ -113,13 +131,14 @@ class ProcessSampler:
 _NULL_GPU = GpuReading()
 
 
-class SystemSampler:
+class SystemSampler(_Sequenced):
     """Builds ``system`` items: host CPU and RAM, and every GPU NVML reports."""
 
-    def __init__(self, nvml: NvmlBackend) -> None:
+    def __init__(self, nvml: NvmlBackend, *, first_seq: int = 0) -> None:
         self._nvml = nvml
         psutil.cpu_percent(None)
-        self._seq = itertools.count()
+        # ``first_seq`` > 0 continues an earlier sampler of this process (init again).
+        self._seq = first_seq
 
     def _gpu(self, index: int) -> dict[str, object]:
         try:
@@ -152,7 +171,7 @@ class SystemSampler:
         gpus = [self._gpu(i) for i in range(max(0, count))]
         return {
             "timestamp_unix_ns": time.time_ns(),
-            "seq": next(self._seq),
+            "seq": self._take_seq(),
             "cpu_percent": min(100.0, max(0.0, cpu)),
             "ram_used_bytes": max(0, total - available),
             "ram_total_bytes": total,

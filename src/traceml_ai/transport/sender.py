@@ -81,7 +81,12 @@ class RankSender:
         connect_timeout_s: float = 1.0,
         send_timeout_s: float = 2.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        counts_from: RankSender | None = None,
     ) -> None:
+        """``counts_from``: a closed sender of the same rank whose batch counts this one
+        continues (``init`` after ``shutdown`` in one process), so the ``finished`` message
+        always reports the process's whole loss; the aggregator keeps the largest count a
+        rank reports and would otherwise miss what the earlier sender dropped."""
         if flush_interval_s <= 0 or connect_timeout_s <= 0 or send_timeout_s <= 0:
             raise ValueError("intervals and timeouts must be positive")
         if max_pending_items < 1 or max_items_per_batch < 1 or max_frame_bytes < 1:
@@ -113,11 +118,17 @@ class RankSender:
         self._sent_batches = 0
         self._sent_items = 0
         self._dropped_batches = 0
+        self._dropped_batches_by_stream: dict[str, int] = dict.fromkeys(BATCH_STREAMS, 0)
         self._thread_dropped_items = 0
         self._thread_dropped_by_stream: dict[str, int] = dict.fromkeys(BATCH_STREAMS, 0)
         self._sock: socket.socket | None = None
         self._backoff_s = _INITIAL_BACKOFF_S
         self._retry_at = 0.0
+        if counts_from is not None:
+            self._sent_batches = counts_from._sent_batches
+            self._dropped_batches = counts_from._dropped_batches
+            for stream, count in counts_from._dropped_batches_by_stream.items():
+                self._dropped_batches_by_stream[stream] += count
 
         self._lifecycle_lock = threading.Lock()
         self._wake = threading.Event()
@@ -144,6 +155,14 @@ class RankSender:
     def dropped_batches(self) -> int:
         """Batches lost: unsendable, cut short by ``close``, or formed by dropped puts."""
         return self._dropped_batches
+
+    @property
+    def dropped_batches_by_stream(self) -> dict[str, int]:
+        """:attr:`dropped_batches` split by wire stream, streams with none left out.
+
+        ``put`` refusals of an unknown stream are in the total only: no stream owns them.
+        """
+        return {k: v for k, v in list(self._dropped_batches_by_stream.items()) if v}
 
     @property
     def dropped_items(self) -> int:
@@ -288,7 +307,11 @@ class RankSender:
         self._charge_put_drops()
         frame = encode_frame(
             make_finished_message(
-                self._token, self._identity, self._sent_batches, self._dropped_batches
+                self._token,
+                self._identity,
+                self._sent_batches,
+                self._dropped_batches,
+                self.dropped_batches_by_stream,
             )
         )
         if self._sock is None:
@@ -299,8 +322,15 @@ class RankSender:
         for stream, dropped in list(self._put_dropped.items()):
             fresh = dropped - self._put_dropped_charged[stream]
             if fresh > 0:
+                # Items refused one by one become the whole batches they would have
+                # formed (rounded up): the aggregator counts batches, never items.
                 self._put_dropped_charged[stream] = dropped
-                self._dropped_batches += _batches_for(fresh, self._max_items_per_batch)
+                self._count_dropped_batches(stream, _batches_for(fresh, self._max_items_per_batch))
+
+    def _count_dropped_batches(self, stream: str, batches: int) -> None:
+        self._dropped_batches += batches
+        if stream in self._dropped_batches_by_stream:
+            self._dropped_batches_by_stream[stream] += batches
 
     def _drop_pending(self) -> None:
         for stream, queue in self._streams:
@@ -311,7 +341,7 @@ class RankSender:
             if count:
                 self._thread_dropped_items += count
                 self._thread_dropped_by_stream[stream] += count
-                self._dropped_batches += _batches_for(count, self._max_items_per_batch)
+                self._count_dropped_batches(stream, _batches_for(count, self._max_items_per_batch))
 
     def _flush(self, stop_at: float | None) -> None:
         # Only what is pending now: a producer faster than the network cannot pin us here.
@@ -333,7 +363,7 @@ class RankSender:
                 self._sent_batches += 1
                 self._sent_items += count
             else:
-                self._dropped_batches += 1
+                self._count_dropped_batches(stream, 1)
                 self._thread_dropped_items += count
                 self._thread_dropped_by_stream[stream] += count
 
