@@ -1307,6 +1307,7 @@ def _pause_rank_main(
             "sent_items": sender.sent_items,
             "dropped_items": sender.dropped_items,
             "dropped_by_stream": sender.dropped_items_by_stream,
+            "dropped_batches_by_stream": sender.dropped_batches_by_stream,
             "sent_batches": sender.sent_batches,
             "dropped_batches": sender.dropped_batches,
             "connects": connects[0],
@@ -1403,7 +1404,16 @@ def run_pause(
     sender_dropped_exported = sum(
         n for r in results for stream, n in r["dropped_by_stream"].items() if stream in exported
     )
+    # The aggregator's dropped_batches includes what the senders reported dropping in
+    # exported streams; only the rest was dropped by the aggregator itself.
+    sender_dropped_exported_batches = sum(
+        n
+        for r in results
+        for stream, n in r["dropped_batches_by_stream"].items()
+        if stream in exported
+    )
     agg_dropped = int(stats.get("dropped_batches", -1))
+    queue_dropped = agg_dropped - sender_dropped_exported_batches
     return {
         "stopped_at": a,
         "paused_s": b - a,
@@ -1418,8 +1428,13 @@ def run_pause(
         "sender_dropped_exported_items": sender_dropped_exported,
         "sender_dropped_batches": sum(r["dropped_batches"] for r in results),
         "agg_dropped_batches": agg_dropped,
+        "sender_dropped_exported_batches": sender_dropped_exported_batches,
+        "queue_dropped_batches": queue_dropped,
         "closing_dropped": sorted(closing_dropped),
-        "exact": dup == 0 and missing_items == sender_dropped_exported and agg_dropped == 0,
+        "exact": dup == 0
+        and missing_items == sender_dropped_exported
+        and queue_dropped == 0
+        and closing_dropped <= {agg_dropped},
         "valid": validate(agg.run_dir) if do_validate else None,
         "peak_rss_mb": max((x.hwm for x in agg.samples), default=0) / 2**20,
     }
@@ -1455,7 +1470,9 @@ def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
         f"connects per rank {sorted(x['connects'] for x in results)}"
     )
     print(
-        f"  aggregator: dropped batches {r['agg_dropped_batches']}, rejected frames "
+        f"  aggregator: dropped batches {r['agg_dropped_batches']} (reported by senders "
+        f"{r['sender_dropped_exported_batches']}, its queue {r['queue_dropped_batches']}), "
+        "rejected frames "
         f"{stats.get('rejected_by_reason', {})}, connections {stats.get('connections_total')} "
         f"(held behind an older one of the same rank: {stats.get('held_connections')}), "
         f"closing dropped_batches {r['closing_dropped']}"
@@ -1464,7 +1481,7 @@ def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
         f"  accounting: written {r['written']:,}, missing items {r['missing_items']:,} = dropped "
         f"by senders in exported streams {r['sender_dropped_exported_items']:,} (all streams "
         f"{r['sender_dropped_items']:,}) + aggregator-dropped "
-        f"{'0' if r['agg_dropped_batches'] == 0 else '?'}: "
+        f"{'0' if r['queue_dropped_batches'] == 0 else '?'}: "
         f"{'EXACT' if r['exact'] else 'NOT EXACT'} (duplicates {r['duplicates']}, "
         f"seq out of order {r['out_of_order']})"
     )
@@ -1474,7 +1491,7 @@ def pause(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:
     print(
         f"ranks={spec.ranks} steps_per_s={spec.steps_per_s:g} "
         f"records_per_s={r['written'] / spec.seconds:.0f} "
-        f"dropped_batches={r['agg_dropped_batches'] + r['sender_dropped_batches']} "
+        f"dropped_batches={r['queue_dropped_batches'] + r['sender_dropped_batches']} "
         f"peak_rss_mb={r['peak_rss_mb']:.0f} max_sustained_records_per_s=0"
     )
 

@@ -19,6 +19,7 @@ import attrs
 import orjson
 
 from traceml_ai.export import ExportPipeline, ExportStats, start_export
+from traceml_ai.export._builder import batch_streams_for
 from traceml_ai.export._finalize import RankOutcome, write_finalization_warning
 from traceml_ai.settings import ExportSettings
 from traceml_ai.transport.server import AggregatorServer
@@ -67,6 +68,9 @@ class Aggregator:
         self._lock = threading.Lock()
         self._seen_ranks: set[int] = set()
         self._finished_ranks: set[int] = set()
+        # What each rank's sender reported losing, per rank (see ``_note_rank_drops``).
+        self._rank_drops: dict[int, _RankDrops] = {}
+        self._selected_wire = batch_streams_for(self._selected)
         self._reported_world_size: int | None = None
         self._all_finished = threading.Event()
         self._finalized: FinalizeResult | None = None
@@ -152,12 +156,51 @@ class Aggregator:
             return
         with self._lock:
             self._finished_ranks.add(rank)
+            self._note_rank_drops(rank, message)
+            dropped = self._rank_dropped_batches()
+            if self._pipeline is not None:
+                self._pipeline.set_rank_dropped_batches(dropped)
             expected = self.expected_world_size
             if (
                 expected is not None
                 and len(self._finished_ranks & set(range(expected))) >= expected
             ):
                 self._all_finished.set()
+
+    def _note_rank_drops(self, rank: int, message: dict[str, Any]) -> None:
+        """Merge a ``finished`` message's drop counts into ``rank``'s (call with the lock).
+
+        A sender's counts only grow over its life and the rank SDK carries them over a
+        re-``init`` in the same process, so a second ``finished`` of a rank (a sender
+        that reconnected, an ``init`` after ``shutdown``, a duplicated rank id) repeats
+        earlier drops rather than adding to them: the maximum per rank and stream is
+        kept, never the sum.
+        """
+        total = message.get("dropped_batches")
+        by_stream = message.get("dropped_batches_by_stream")
+        if type(total) is not int or total < 0:
+            return
+        drops = self._rank_drops.setdefault(rank, _RankDrops())
+        drops.total = max(drops.total, total)
+        if isinstance(by_stream, dict):
+            for stream, count in by_stream.items():
+                if type(count) is int and count > drops.by_stream.get(stream, 0):
+                    drops.by_stream[stream] = count
+        else:
+            # An older sender that does not split its drops: all of them may be ours.
+            drops.split = False
+
+    def _rank_dropped_batches(self) -> int:
+        """Batches the ranks lost that could have held records of a selected stream.
+
+        Drops of streams the run does not export are no loss (their records are never
+        built); a rank that did not split its drops by stream is counted in full.
+        """
+        selected = self._selected_wire
+        return sum(
+            sum(n for s, n in d.by_stream.items() if s in selected) if d.split else d.total
+            for d in self._rank_drops.values()
+        )
 
     def _note_identity(self, identity: Any) -> int | None:
         rank = _rank_of(identity)
@@ -201,6 +244,10 @@ class Aggregator:
         stats = None
         loss = None
         if self._pipeline is not None:
+            # Every ``finished`` that will ever come has come: the ranks' own drops must be
+            # in the worker's count before it writes the closing lines.
+            with self._lock:
+                self._pipeline.set_rank_dropped_batches(self._rank_dropped_batches())
             stats = self._pipeline.finalize(self.config.finalize_timeout_s)
             loss = self._pipeline.loss()
         with self._lock:
@@ -259,6 +306,16 @@ class Aggregator:
         except OSError:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+@attrs.define
+class _RankDrops:
+    """The largest drop counts one rank's ``finished`` messages reported."""
+
+    total: int = 0
+    by_stream: dict[str, int] = attrs.field(factory=dict)
+    split: bool = True
+    """Every message of the rank split its drops by stream."""
 
 
 def _rank_of(identity: Any) -> int | None:

@@ -81,6 +81,11 @@ class ExportPipeline:
         """Queue a received batch; never blocks, never raises (a full queue drops it)."""
         self._worker.submit(batch)
 
+    def set_rank_dropped_batches(self, batches: int) -> None:
+        """Batches the ranks reported dropping; they join ``dropped_batches`` (see
+        :meth:`ExportWorker.set_rank_dropped_batches`). Call it before :meth:`finalize`."""
+        self._worker.set_rank_dropped_batches(batches)
+
     def stats(self) -> ExportStats:
         """Live counters, or the final ones after :meth:`finalize`."""
         return self._final if self._final is not None else self._worker.stats()

@@ -74,7 +74,9 @@ class ExportStats:
     skipped_items: int
     """Items of selected streams that could not become valid records."""
     dropped_batches: int
-    """Whole wire batches dropped (full queue, submitted after shutdown, left at the deadline)."""
+    """Whole wire batches dropped: by this worker (full queue, submitted after shutdown, left
+    at the deadline) plus those the ranks' senders reported dropping (see
+    :meth:`ExportWorker.set_rank_dropped_batches`)."""
     exporter_failed: bool
     """The exporter could not start, hung, or failed to close."""
     queue_high_water_batches: int
@@ -159,6 +161,11 @@ class ExportWorker:
         self._failed: dict[str, int] = dict.fromkeys(streams, 0)
         self._skipped = 0
         self._dropped = 0
+        # Batches the ranks' senders lost before they reached us (set by the aggregator).
+        self._rank_dropped = 0
+        # Once close() got its summary, the counts it wrote into the closing lines must
+        # stay the counts reported everywhere else: later rank reports are ignored.
+        self._counts_frozen = False
         self._exporter_failed = exporter_failed
         # An exporter that never started has been reported already; don't log per batch.
         self._logged_export_error = exporter_failed
@@ -244,8 +251,22 @@ class ExportWorker:
 
     @property
     def dropped_batches(self) -> int:
-        """Batches dropped so far (live)."""
-        return self._dropped
+        """Batches dropped so far, the ranks' reported drops included (live)."""
+        return self._dropped + self._rank_dropped
+
+    def set_rank_dropped_batches(self, batches: int) -> None:
+        """Set how many batches the ranks' senders reported dropping (a total, not a delta).
+
+        They join ``dropped_batches`` in the closing lines, the summary and the stats, so
+        call it before :meth:`shutdown` with every rank report received. Once the
+        exporter's ``close`` has its summary the figure is frozen and this does nothing,
+        so the closing lines and the returned stats always agree.
+        """
+        if type(batches) is not int or batches < 0:
+            raise ValueError(f"dropped batches must be an int >= 0; got {batches!r}")
+        with self._cond:
+            if not self._counts_frozen and self._final is None:
+                self._rank_dropped = batches
 
     @property
     def queued_batches(self) -> int:
@@ -449,14 +470,17 @@ class ExportWorker:
         self._queued_bytes = 0
 
     def _summary(self) -> ExportSummary:
-        return ExportSummary(written_records=dict(self._written), dropped_batches=self._dropped)
+        self._counts_frozen = True
+        return ExportSummary(
+            written_records=dict(self._written), dropped_batches=self._dropped + self._rank_dropped
+        )
 
     def _snapshot(self) -> ExportStats:
         return ExportStats(
             written_records=dict(self._written),
             failed_records=dict(self._failed),
             skipped_items=self._skipped,
-            dropped_batches=self._dropped,
+            dropped_batches=self._dropped + self._rank_dropped,
             exporter_failed=self._exporter_failed,
             queue_high_water_batches=self._hw_batches,
             queue_high_water_bytes=self._hw_bytes,
@@ -484,5 +508,7 @@ class ExportWorker:
         self._failed = dict.fromkeys(self._failed, 0)
         self._skipped = 0
         self._dropped = 0
+        self._rank_dropped = 0
+        self._counts_frozen = False
         self._hw_batches = 0
         self._hw_bytes = 0
