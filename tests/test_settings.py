@@ -403,58 +403,72 @@ def test_empty_yaml_file_is_fine(tmp_path: Path, text: str) -> None:
     assert resolve(tmp_path, yaml_text=text).settings == ExportSettings()
 
 
-def test_unknown_yaml_key_warns(tmp_path: Path) -> None:
-    resolved = resolve(
-        tmp_path, yaml_text="exporter: jsonl\nexport_stream: all\nlogs_dir: /tmp\n7: x\n"
-    )
+KNOWN_KEYS = (
+    "known keys: aggregator_bind_host, aggregator_host, aggregator_port, export_streams, "
+    "exporter, exporter_hostname, finalize_timeout_sec, interval, logs_dir, nnodes, "
+    "nproc_per_node, run_name"
+)
+
+
+def test_unknown_yaml_key_is_an_error_listing_known_keys(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError) as info:
+        resolve(tmp_path, yaml_text="exporter: jsonl\nexport_stream: all\nlogs_dir: /tmp\n7: x\n")
     source = yaml_source(tmp_path / "traceml.yaml")
-    assert resolved.settings.exporter == "jsonl"
-    assert resolved.settings.export_streams == "step_time"
-    assert resolved.warnings == (
-        f"{source}: unknown key 'export_stream' ignored (did you mean 'export_streams'?)",
-        f"{source}: unknown key 'logs_dir' ignored",
-        f"{source}: unknown key 7 ignored",
+    assert str(info.value) == (
+        f"{source}: unknown keys 'export_stream' (did you mean 'export_streams'?), 7; {KNOWN_KEYS}"
+    )
+
+
+def test_one_unknown_yaml_key(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError) as info:
+        resolve(tmp_path, yaml_text="logsdir: /tmp\n")
+    source = yaml_source(tmp_path / "traceml.yaml")
+    assert str(info.value) == (
+        f"{source}: unknown key 'logsdir' (did you mean 'logs_dir'?); {KNOWN_KEYS}"
     )
 
 
 def test_known_yaml_keys_can_be_extended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(settings, "KNOWN_YAML_KEYS", {*settings.KNOWN_YAML_KEYS, "logs_dir"})
-    resolved = resolve(tmp_path, yaml_text="logs_dir: /tmp\nexporter: jsonl\n")
+    monkeypatch.setattr(settings, "KNOWN_YAML_KEYS", {*settings.KNOWN_YAML_KEYS, "my_feature"})
+    resolved = resolve(tmp_path, yaml_text="my_feature: 1\nexporter: jsonl\n")
     assert resolved.warnings == ()
     assert resolved.settings.exporter == "jsonl"
+
+
+def test_known_yaml_keys_are_the_table() -> None:
+    assert {s.yaml_key for s in settings.SETTINGS} == settings.KNOWN_YAML_KEYS
+
+
+STREAM_FORMS = "comma-separated stream names from step_time, step_memory, process, system, all"
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         (
-            "exporter: off\n",
-            "exporter: expected a string, '' (off), 'jsonl', or 'module.path:factory'; "
-            "got a boolean False",
+            "exporter: on\n",
+            "exporter: expected '' (off), 'jsonl', or 'module.path:factory', got a boolean True",
         ),
         (
             "exporter: 3\n",
-            "exporter: expected a string, '' (off), 'jsonl', or 'module.path:factory'; "
-            "got an integer 3",
+            "exporter: expected '' (off), 'jsonl', or 'module.path:factory', got an integer 3",
         ),
         (
             "export_streams: [step_time, process]\n",
-            "export_streams: expected a string of comma-separated stream names; "
-            "got a list ['step_time', 'process']",
+            f"export_streams: expected {STREAM_FORMS}, got a list ['step_time', 'process']",
         ),
         (
             "export_streams: 1.5\n",
-            "export_streams: expected a string of comma-separated stream names; got a number 1.5",
+            f"export_streams: expected {STREAM_FORMS}, got a number 1.5",
         ),
         (
-            "exporter_hostname: 1\n",
-            "exporter_hostname: expected a boolean or a string, "
-            "one of 1/0, true/false, yes/no, on/off; got an integer 1",
+            "exporter_hostname: 2\n",
+            "exporter_hostname: expected one of 1/0, true/false, yes/no, on/off, got an integer 2",
         ),
         (
             "exporter_hostname: {a: 1}\n",
-            "exporter_hostname: expected a boolean or a string, "
-            "one of 1/0, true/false, yes/no, on/off; got a mapping {'a': 1}",
+            "exporter_hostname: expected one of 1/0, true/false, yes/no, on/off, "
+            "got a mapping {'a': 1}",
         ),
     ],
 )
@@ -529,7 +543,7 @@ def test_exporter_valid_forms(tmp_path: Path, text: str, expected: str, kind: st
         "a: b",
         "JSONL",
         "json",
-        "off",
+        "offf",
         "a/b:c",
     ],
 )
@@ -558,6 +572,9 @@ def test_exporter_parse_accepts_only_documented_forms(text: str) -> None:
         value = parse_exporter_value(text)
     except ValueError as exc:
         assert str(exc).startswith("expected '' (off), 'jsonl', or 'module.path:factory'")
+        return
+    if text.strip().lower() in ("off", "false", "no", "0"):
+        assert value == ""
         return
     assert value == text.strip()
     assert value in ("", "jsonl") or value.count(":") == 1
@@ -627,3 +644,182 @@ def test_as_environ_round_trips(tmp_path: Path, value: ExportSettings) -> None:
     assert resolved.sources == settings.SettingSources(
         "TRACEML_EXPORTER", "TRACEML_EXPORT_STREAMS", "TRACEML_EXPORTER_HOSTNAME"
     )
+
+
+# --- the launcher's other settings (one table) -----------------------------------------
+
+LAUNCH_CASES: dict[str, tuple[str, str, str, object, object, object, object]] = {
+    # name: (cli text, env text, yaml text, cli value, env value, yaml value, default)
+    "logs_dir": ("c", "e", "y", Path("c"), Path("e"), Path("y"), Path("logs")),
+    "run_name": ("c", "e", "'2024'", "c", "e", "2024", None),
+    "interval": ("0.5", "1", "3", 0.5, 1.0, 3.0, 2.0),
+    "finalize_timeout_sec": ("1", "2.5", "7.5", 1.0, 2.5, 7.5, 10.0),
+    "aggregator_host": ("h1", "h2", "h3", "h1", "h2", "h3", None),
+    "aggregator_port": ("0", "29601", "29602", 0, 29601, 29602, None),
+    "aggregator_bind_host": ("0.0.0.0", "::", "10.0.0.1", "0.0.0.0", "::", "10.0.0.1", "127.0.0.1"),
+    "nnodes": ("2", "3", "4", 2, 3, 4, None),
+    "nproc_per_node": ("8", "4", "2", 8, 4, 2, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_CASES))
+@pytest.mark.parametrize(
+    ("use_cli", "use_env", "use_yaml"), list(itertools.product([False, True], repeat=3))
+)
+def test_launch_precedence_matrix(
+    tmp_path: Path, name: str, use_cli: bool, use_env: bool, use_yaml: bool
+) -> None:
+    cli_text, env_text, yaml_text, cli_v, env_v, yaml_v, default = LAUNCH_CASES[name]
+    setting = next(s for s in settings.SETTINGS if s.name == name)
+    command = setting.commands[0]
+    path = write_yaml(tmp_path, f"{name}: {yaml_text}\n" if use_yaml else "{}\n")
+    launch = settings.resolve_launch_settings(
+        command,
+        {name: cli_text} if use_cli else {},
+        environ={setting.env: env_text} if use_env else {},
+        yaml_path=path,
+    )
+    if use_cli:
+        want, source = cli_v, setting.flag
+    elif use_env:
+        want, source = env_v, setting.env
+    elif use_yaml:
+        want, source = yaml_v, yaml_source(path)
+    else:
+        want, source = default, "default"
+    assert getattr(launch, name) == want
+    assert launch.sources[name] == source
+
+
+def test_settings_of_another_command_are_not_read(tmp_path: Path) -> None:
+    environ = {"TRACEML_AGGREGATOR_BIND_HOST": "0.0.0.0", "TRACEML_INTERVAL": "nonsense"}
+    launch = settings.resolve_launch_settings(
+        "serve", {}, environ=environ, yaml_path=tmp_path / "absent.yaml"
+    )
+    assert launch.aggregator_bind_host == "0.0.0.0"
+    assert launch.interval == 2.0 and launch.sources["interval"] == "default"
+    run = settings.resolve_launch_settings(
+        "run", {}, environ={"TRACEML_AGGREGATOR_BIND_HOST": "x y"}, yaml_path=tmp_path / "a"
+    )
+    assert run.aggregator_bind_host == "127.0.0.1"
+    assert run.warnings == ()
+
+
+def test_run_warns_about_serve_world_size_settings(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "nproc_per_node: 4\n")
+    launch = settings.resolve_launch_settings(
+        "run", {}, environ={"TRACEML_NNODES": "2"}, yaml_path=path
+    )
+    assert launch.nnodes is None and launch.nproc_per_node is None
+    assert launch.warnings == (
+        "TRACEML_NNODES is read by `traceml serve` only; "
+        "`traceml run` takes --nnodes on its command line, as torchrun does",
+        f"{yaml_source(path)}: nproc_per_node is read by `traceml serve` only; "
+        "`traceml run` takes --nproc-per-node on its command line, as torchrun does",
+    )
+    serve = settings.resolve_launch_settings("serve", {}, environ={}, yaml_path=path)
+    assert serve.nproc_per_node == 4 and serve.warnings == ()
+
+
+@pytest.mark.parametrize(
+    ("cli", "environ", "yaml_text", "message"),
+    [
+        ({"interval": "0"}, {}, None, "--interval: expected a positive number of seconds, got '0'"),
+        (
+            {},
+            {"TRACEML_INTERVAL": "nan"},
+            None,
+            "TRACEML_INTERVAL: expected a positive number of seconds, got 'nan'",
+        ),
+        (
+            {},
+            {},
+            "interval: true\n",
+            "{yaml}: interval: expected a positive number of seconds, got a boolean True",
+        ),
+        (
+            {},
+            {},
+            "finalize_timeout_sec: .inf\n",
+            "{yaml}: finalize_timeout_sec: expected a positive number of seconds, got a number inf",
+        ),
+        (
+            {"aggregator_port": "-1"},
+            {},
+            None,
+            "--aggregator-port: expected an integer in [0, 65535] (0 picks a free port), got '-1'",
+        ),
+        (
+            {},
+            {},
+            "aggregator_port: 1.5\n",
+            "{yaml}: aggregator_port: expected an integer in [0, 65535] (0 picks a free port), "
+            "got a number 1.5",
+        ),
+        (
+            {},
+            {"TRACEML_AGGREGATOR_HOST": ""},
+            None,
+            "TRACEML_AGGREGATOR_HOST: expected a host name or an IP address, got ''",
+        ),
+        ({}, {"TRACEML_RUN_NAME": ""}, None, "TRACEML_RUN_NAME: expected a folder name, got ''"),
+        (
+            {},
+            {},
+            "logs_dir: [a, b]\n",
+            "{yaml}: logs_dir: expected a folder path, got a list ['a', 'b']",
+        ),
+    ],
+)
+def test_launch_bad_values_name_setting_and_layer(
+    tmp_path: Path,
+    cli: dict[str, object],
+    environ: dict[str, str],
+    yaml_text: str | None,
+    message: str,
+) -> None:
+    path = tmp_path / "traceml.yaml"
+    if yaml_text is not None:
+        path.write_text(yaml_text, encoding="utf-8")
+    with pytest.raises(SettingsError) as info:
+        settings.resolve_launch_settings("run", cli, environ=environ, yaml_path=path)
+    assert str(info.value) == message.format(yaml=yaml_source(path))
+
+
+def test_serve_count_settings_reject_zero(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"^TRACEML_NPROC_PER_NODE: expected a whole number"):
+        settings.resolve_launch_settings(
+            "serve", {}, environ={"TRACEML_NPROC_PER_NODE": "0"}, yaml_path=tmp_path / "a"
+        )
+
+
+@pytest.mark.parametrize("word", ["off", "false", "no", "0", "OFF", " Off "])
+def test_off_words_switch_export_off_in_every_layer(tmp_path: Path, word: str) -> None:
+    assert parse_exporter_value(word) == ""
+    assert resolve(tmp_path, cli_exporter=word, environ={"TRACEML_EXPORTER": "jsonl"}).settings == (
+        ExportSettings()
+    )
+    assert resolve(tmp_path, environ={"TRACEML_EXPORTER": word}).settings.exporter == ""
+
+
+@pytest.mark.parametrize(("text", "expected"), [("off", ""), ("false", ""), ("no", "")])
+def test_yaml_exporter_boolean_false_is_off(tmp_path: Path, text: str, expected: str) -> None:
+    resolved = resolve(tmp_path, yaml_text=f"exporter: {text}\n")
+    assert resolved.settings.exporter == expected
+    assert resolved.sources.exporter == yaml_source(tmp_path / "traceml.yaml")
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1", True), ("0", False)])
+def test_yaml_exporter_hostname_digits(tmp_path: Path, text: str, expected: bool) -> None:
+    resolved = resolve(tmp_path, yaml_text=f"exporter_hostname: {text}\n")
+    assert resolved.settings.exporter_hostname is expected
+
+
+def test_every_setting_has_flag_env_and_key() -> None:
+    names = [s.name for s in settings.SETTINGS]
+    assert len(names) == len(set(names))
+    for s in settings.SETTINGS:
+        assert s.flag == "--" + s.name.replace("_", "-")
+        assert s.env == "TRACEML_" + s.name.upper()
+        assert s.yaml_key == s.name
+        assert f"`{s.env}`" in settings.settings_table_markdown()
