@@ -7,173 +7,154 @@ import os
 import secrets
 import sys
 import threading
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
 from traceml_ai.settings import (
-    ResolvedExportSettings,
+    SETTINGS,
+    Command,
+    LaunchSettings,
     SettingsError,
-    resolve_export_settings,
+    resolve_launch_settings,
 )
 
-_EXPORT_HELP = "Exporter: '' (off), 'jsonl', or 'module.path:factory'. [env: TRACEML_EXPORTER]"
-_STREAMS_HELP = (
-    "Streams to export, comma-separated: step_time, step_memory, process, system, all "
-    "(default step_time). [env: TRACEML_EXPORT_STREAMS]"
-)
-_HOSTNAME_HELP = "Include hostname on the lines that carry it. [env: TRACEML_EXPORTER_HOSTNAME]"
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _export_options(func: Any) -> Any:
-    func = click.option(
-        "--exporter-hostname", "exporter_hostname", is_flag=True, default=None, help=_HOSTNAME_HELP
-    )(func)
-    func = click.option(
-        "--export-streams", "export_streams", default=None, metavar="NAMES", help=_STREAMS_HELP
-    )(func)
-    func = click.option(
-        "--exporter", "exporter", default=None, metavar="EXPORTER", help=_EXPORT_HELP
-    )(func)
-    return func
+def _setting_options(command: Command) -> Callable[[_F], _F]:
+    """One click option per setting of ``command`` in the settings table.
+
+    Every option defaults to ``None`` (not given) and takes text: the table's parser
+    checks it, so a flag, a variable and a YAML key get the same checks and messages.
+    """
+
+    def decorate(func: _F) -> _F:
+        for setting in reversed(SETTINGS):
+            if command not in setting.commands:
+                continue
+            where = f"env {setting.env}; traceml.yaml {setting.yaml_key}"
+            help_text = f"{setting.help} [default: {setting.default_doc}; {where}]"
+            if setting.is_switch:
+                # A real on/off pair, so the command line can switch off what the
+                # environment or traceml.yaml switched on.
+                decl = f"{setting.flag}/--no-{setting.flag[2:]}"
+                func = click.option(decl, setting.name, default=None, help=help_text)(func)
+            else:
+                func = click.option(
+                    setting.flag,
+                    setting.name,
+                    type=str,
+                    default=None,
+                    metavar=setting.metavar,
+                    help=help_text,
+                )(func)
+        return func
+
+    return decorate
 
 
-def _run_folder_options(func: Any) -> Any:
-    func = click.option(
-        "--run-name",
-        default=None,
-        help="Run folder name (default: UTC timestamp plus a random suffix).",
-    )(func)
-    func = click.option(
-        "--logs-dir",
-        type=click.Path(path_type=Path),
-        default=Path("logs"),
-        show_default=True,
-        help="Where run folders are created.",
-    )(func)
-    return func
-
-
-_finalize_option = click.option(
-    "--finalize-timeout-sec",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Longest wait for pending records at shutdown.",
-)
-
-
-def _resolve(
-    exporter: str | None, export_streams: str | None, exporter_hostname: bool | None
-) -> ResolvedExportSettings:
-    """Resolve the export settings or exit 2 with the message, before anything launches."""
+def _resolve(command: Command, cli: dict[str, Any]) -> LaunchSettings:
+    """Resolve every setting or exit 2 with the message, before anything launches."""
     try:
-        resolved = resolve_export_settings(
-            cli_exporter=exporter,
-            cli_export_streams=export_streams,
-            cli_exporter_hostname=exporter_hostname,
-        )
+        launch = resolve_launch_settings(command, cli)
     except SettingsError as exc:
         click.echo(f"traceml: error: {exc}", err=True)
         sys.exit(2)
-    for warning in resolved.warnings:
+    for warning in launch.warnings:
         click.echo(f"traceml: warning: {warning}", err=True)
-    return resolved
+    return launch
 
 
 @click.command(
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    # Options end at the script: whatever follows it is the script's, even --help.
+    # An unknown option before it is an error (with a did-you-mean), never the script.
+    context_settings={"allow_interspersed_args": False},
 )
-@_run_folder_options
+# torchrun's options, spelled as torchrun accepts them (dashes or underscores), read from
+# the command line only, as torchrun reads them.
 @click.option(
     "--nproc-per-node",
+    "--nproc_per_node",
+    "nproc_per_node",
     type=int,
     default=1,
     show_default=True,
     help="Rank processes on this node (more than 1 uses torch.distributed.run).",
 )
-@click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes in the job.")
-@click.option("--node-rank", type=int, default=0, show_default=True, help="This node's index.")
+@click.option(
+    "--nnodes", "nnodes", type=int, default=1, show_default=True, help="Nodes in the job."
+)
+@click.option(
+    "--node-rank",
+    "--node_rank",
+    "node_rank",
+    type=int,
+    default=0,
+    show_default=True,
+    help="This node's index.",
+)
 @click.option(
     "--master-addr",
+    "--master_addr",
+    "master_addr",
     default="127.0.0.1",
     show_default=True,
     help="Address of node 0 (torch.distributed rendezvous).",
 )
 @click.option(
     "--master-port",
+    "--master_port",
+    "master_port",
     type=int,
     default=29500,
     show_default=True,
     help="Port of the rendezvous on node 0.",
 )
-@click.option(
-    "--aggregator-host",
-    default=None,
-    help="Send to an aggregator already running there (e.g. `traceml serve`) instead of starting one on node 0.",
-)
-@click.option(
-    "--aggregator-port",
-    type=int,
-    default=None,
-    help="Aggregator port (default: any free port on one node; 29600 across nodes).",
-)
-@click.option(
-    "--interval",
-    type=float,
-    default=2.0,
-    show_default=True,
-    help="Seconds between process/system samples.",
-)
-@_finalize_option
-@_export_options
+@_setting_options("run")
 @click.argument("script", type=str)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(
-    logs_dir: Path,
-    run_name: str | None,
     nproc_per_node: int,
     nnodes: int,
     node_rank: int,
     master_addr: str,
     master_port: int,
-    aggregator_host: str | None,
-    aggregator_port: int | None,
-    interval: float,
-    finalize_timeout_sec: float,
-    exporter: str | None,
-    export_streams: str | None,
-    exporter_hostname: bool | None,
     script: str,
     script_args: tuple[str, ...],
+    **cli: Any,
 ) -> None:
     """Run SCRIPT [ARGS]... under TraceML and exit with its exit code.
 
-    One process runs the script directly; with --nproc-per-node or --nnodes above 1
-    the ranks are started by torch.distributed.run, and the rendezvous options mean
-    what torchrun users expect. The aggregator runs on node 0 and writes
-    <logs-dir>/<run-name>/aggregator/export/*.jsonl when an exporter is set.
+    Options go before SCRIPT; everything after it is passed to the script. One
+    process runs the script directly; with --nproc-per-node or --nnodes above 1 the
+    ranks are started by torch.distributed.run, and the rendezvous options mean what
+    torchrun users expect. The aggregator runs on node 0 and writes
+    <logs-dir>/<run-name>/aggregator/export/*.jsonl when the exporter is jsonl.
+
+    Each TraceML setting is read from its flag, else its TRACEML_* variable, else
+    traceml.yaml in the current folder, else its default.
     """
     from traceml_ai._launch import LaunchError, RunOptions
     from traceml_ai._launch import run as launch
 
-    resolved = _resolve(exporter, export_streams, exporter_hostname)
+    settings = _resolve("run", cli)
     options = RunOptions(
         script=script,
         script_args=script_args,
-        logs_dir=logs_dir,
-        run_name=run_name,
+        logs_dir=settings.logs_dir,
+        run_name=settings.run_name,
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
-        aggregator_host=aggregator_host,
-        aggregator_port=aggregator_port,
-        interval=interval,
-        finalize_timeout_s=finalize_timeout_sec,
-        export=resolved,
+        aggregator_host=settings.aggregator_host,
+        aggregator_port=settings.aggregator_port,
+        interval=settings.interval,
+        finalize_timeout_s=settings.finalize_timeout_sec,
+        export=settings.export,
     )
     try:
         code = launch(options)
@@ -184,46 +165,8 @@ def run(
 
 
 @click.command()
-@_run_folder_options
-@click.option(
-    "--aggregator-bind-host",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address to listen on (0.0.0.0 for ranks on other hosts).",
-)
-@click.option(
-    "--aggregator-port",
-    type=click.IntRange(0, 65535),
-    default=29600,
-    show_default=True,
-    help="Port to listen on (0 picks a free one).",
-)
-@click.option(
-    "--nnodes",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Nodes in the job (with --nproc-per-node gives the world size).",
-)
-@click.option(
-    "--nproc-per-node",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Ranks per node; without it, the world size the first rank reports is expected.",
-)
-@_finalize_option
-@_export_options
-def serve(
-    logs_dir: Path,
-    run_name: str | None,
-    aggregator_bind_host: str,
-    aggregator_port: int,
-    nnodes: int | None,
-    nproc_per_node: int | None,
-    finalize_timeout_sec: float,
-    exporter: str | None,
-    export_streams: str | None,
-    exporter_hostname: bool | None,
-) -> None:
+@_setting_options("serve")
+def serve(**cli: Any) -> None:
     """Run the aggregator alone, for ranks launched elsewhere (torchrun, SLURM, another node).
 
     It finalizes when every expected rank has finished, or on Ctrl-C / SIGTERM, and
@@ -239,10 +182,15 @@ def serve(
     )
     from traceml_ai.wire import ENV_RUN_TOKEN
 
-    resolved = _resolve(exporter, export_streams, exporter_hostname)
-    if not finalize_timeout_sec > 0:
-        click.echo("traceml: error: --finalize-timeout-sec must be positive", err=True)
-        sys.exit(2)
+    settings = _resolve("serve", cli)
+    resolved = settings.export
+    logs_dir = settings.logs_dir
+    run_name = settings.run_name
+    finalize_timeout_sec = settings.finalize_timeout_sec
+    aggregator_bind_host = settings.aggregator_bind_host
+    aggregator_port = 29600 if settings.aggregator_port is None else settings.aggregator_port
+    nnodes = settings.nnodes
+    nproc_per_node = settings.nproc_per_node
     run_dir = logs_dir / (run_name or default_run_name())
     if run_dir.exists() and not run_name:
         click.echo(f"traceml: error: run folder already exists: {run_dir}", err=True)
@@ -285,9 +233,12 @@ def serve(
     result = run_until_done(aggregator, stop=stop, wait_for_ranks=True)
     if resolved.settings.exporter:
         written = result.stats.written_total if result.stats else 0
-        click.echo(
-            f"traceml: export: {written} records in {run_dir / 'aggregator' / 'export'}", err=True
+        export_dir = run_dir / "aggregator" / "export"
+        # A custom exporter writes where it likes: name the folder only if it exists.
+        where = (
+            f"in {export_dir}" if export_dir.is_dir() else f"passed to {resolved.settings.exporter}"
         )
+        click.echo(f"traceml: export: {written} records {where}", err=True)
     if result.warning_path is not None:
         click.echo(f"traceml: something was lost; see {result.warning_path}", err=True)
     click.echo(f"traceml: run folder {run_dir}", err=True)

@@ -280,9 +280,14 @@ def run(options: RunOptions) -> int:
         else:
             if options.export.settings.exporter:
                 assert p.run_dir is not None
-                _say(
-                    f"export: {event.get('written_records')} records in {p.run_dir / 'aggregator' / 'export'}"
+                # A custom exporter writes where it likes: name the folder only if it exists.
+                export_dir = p.run_dir / "aggregator" / "export"
+                where = (
+                    f"in {export_dir}"
+                    if export_dir.is_dir()
+                    else f"passed to {options.export.settings.exporter}"
                 )
+                _say(f"export: {event.get('written_records')} records {where}")
             if event.get("warning"):
                 _say(f"something was lost; see {event['warning']}")
     return exit_code

@@ -7,6 +7,7 @@ imports what it needs inside its own function.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -15,7 +16,61 @@ _PROGRESS_MIN_BYTES = 64 * 1024 * 1024
 """Inputs smaller than this validate too fast to need a progress bar."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _usage_message(exc: click.ClickException) -> str:
+    """click's error as one lower-case line, the way every other traceml error reads."""
+    if isinstance(exc, click.NoSuchOption):
+        # click sorts the close matches best first; one suggestion reads best.
+        hint = f" (did you mean {exc.possibilities[0]}?)" if exc.possibilities else ""
+        return f"no such option {exc.option_name}{hint}"
+    # click >= 8.4 has NoSuchCommand (this project accepts 8.1, where it is a UsageError).
+    command_name = getattr(exc, "command_name", None)
+    if isinstance(command_name, str):
+        possibilities = getattr(exc, "possibilities", None) or []
+        hint = f" (did you mean {possibilities[0]}?)" if possibilities else ""
+        return f"no such command {command_name}{hint}"
+    text = " ".join(exc.format_message().split())
+    if text.endswith("."):
+        text = text[:-1]
+    if text[:2].istitle():  # "Missing argument" but not "SCRIPT ..."
+        text = text[0].lower() + text[1:]
+    return text
+
+
+class _TraceMLGroup(click.Group):
+    """A click group whose errors are one ``traceml: error: ...`` line on stderr.
+
+    click's own report is a usage block, a hint and an ``Error:`` line; every other
+    message of the launcher is one line starting with ``traceml:``, so its usage
+    errors read that way too. The exit status stays click's (2 for usage errors).
+    """
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except click.ClickException as exc:
+            click.echo(f"traceml: error: {_usage_message(exc)}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            # Ctrl-C before a command took over the signals: the shell's code, no "Aborted!".
+            click.echo("traceml: interrupted", err=True)
+            sys.exit(130)
+        # Without standalone mode click returns the code of an explicit exit (--help).
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_TraceMLGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(
+    package_name="traceml-ai", prog_name="traceml", message="%(prog)s %(version)s"
+)
 def main() -> None:
     """TraceML: live telemetry from every rank of a PyTorch run."""
 
@@ -37,9 +92,14 @@ def main() -> None:
 def validate(paths: tuple[str, ...], max_problems: int) -> None:
     """Check export files, export folders or run folders against the schemas.
 
-    Prints ``file:line: json-pointer: message`` for each problem and one summary
-    line per file. Exit status: 0 when everything is valid, 1 when a problem was
-    found, 2 on a usage error.
+    Prints one line per problem, FILE:LINE: JSON-POINTER: MESSAGE, and one summary
+    line per file.
+
+    \b
+    Exit status:
+      0  everything is valid
+      1  a problem was found
+      2  a usage error
     """
     from traceml_records import validate_paths
 
