@@ -338,9 +338,11 @@ def test_finished_carries_counts_and_connection_lost_identity(
     assert server.finished_messages == 1
 
 
-def test_bad_frames_counted_and_connection_survives(
+def test_bad_frame_counted_and_closes_only_its_connection(
     collector: Collector, server_factory: Callable[..., AggregatorServer]
 ) -> None:
+    # Each invalid frame closes its connection (it used to be counted and the
+    # connection went on); a healthy connection beside it is untouched.
     server = server_factory(collector)
     address = server.start()
     bad = [
@@ -350,21 +352,28 @@ def test_bad_frames_counted_and_connection_survives(
         raw_frame(orjson.dumps({**valid_batch(), "type": "hello"})),
         raw_frame(orjson.dumps({**valid_batch(), "stream": "bogus"})),
     ]
-    with socket.create_connection(address) as sock:
-        sock.sendall(b"".join(bad) + encode_frame(valid_batch(n=2)))
+    with socket.create_connection(address) as healthy:
+        healthy.sendall(encode_frame(valid_batch(n=1)))
         collector.wait(lambda c: len(c.batches) == 1)
+        for frame in bad:
+            with socket.create_connection(address) as sock:
+                sock.sendall(frame + encode_frame(valid_batch(n=2)))
+                sock.settimeout(WAIT_S)
+                with contextlib.suppress(ConnectionResetError):
+                    assert sock.recv(1) == b""
+        healthy.sendall(encode_frame(valid_batch(n=2)))
+        collector.wait(lambda c: len(c.batches) == 2)
     assert server.rejected_by_reason == {
         "wrong token": 1,
-        "bad json": 1,
-        "not an object": 1,
-        "unknown type": 1,
+        "bad prefix": 3,
         "stream not in BATCH_STREAMS": 1,
     }
     assert server.rejected_frames == 5
-    assert server.accepted_batches == 1
-    assert collector.item_count() == 2
-    # Batches stay encoded in the server, so the connection's identity is unknown.
-    collector.wait(lambda c: c.lost == [None])
+    assert server.rejected_connections_by_reason == server.rejected_by_reason
+    assert server.accepted_batches == 2
+    assert collector.item_count() == 3
+    # Batches stay encoded in the server, so the connections' identities are unknown.
+    collector.wait(lambda c: c.lost == [None] * 6)
 
 
 def test_oversized_frame_closes_only_that_connection(

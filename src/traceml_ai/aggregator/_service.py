@@ -293,6 +293,10 @@ class Aggregator:
             "rejected_by_reason": server.rejected_by_reason if server else {},
             "connections_total": server.connections_total if server else 0,
             "held_connections": server.held_connections if server else 0,
+            "rejected_connections": server.rejected_connections if server else 0,
+            "rejected_connections_by_reason": (
+                server.rejected_connections_by_reason if server else {}
+            ),
             "expected_world_size": ranks.expected_world_size,
             "finished_ranks": len(ranks.finished_ranks),
             "missing_ranks": list(ranks.missing_ranks),

@@ -20,17 +20,35 @@ megabytes in kernel buffers. Read side by side, the two would interleave that ra
 records out of order (``seq`` decreasing in the files). So a connection whose first
 frame names a rank that an older open connection also carries is held (not read)
 until every older connection of that rank has closed, or for at most ``HOLD_MAX_S``.
+
+Hostile or broken peers (anything can connect to the port: scanners, HTTP clients,
+half-open sockets, a rank of an earlier run) must never cost the real ranks their
+records. A connection is *unproven* until its first frame was accepted. Its first bytes
+are screened as they arrive: a length header within ``max_frame_bytes`` and not zero,
+then the prefix our senders write (``wire.batch_prefix`` or the ``finished`` message's
+prefix), so garbage is refused after a few bytes and an unproven connection never makes
+the server buffer more than that prefix (about a hundred bytes) before its token was
+checked. The token is compared only once all of it has arrived, in constant time, so
+the server's reaction never tells which leading part of a guess was right. Any invalid
+frame, on any connection, closes it (a stream with one bad frame cannot be trusted to
+frame the next, and one peer must not make the loop decode frame after frame). Unproven
+connections are bounded in number and in time (see the constants below), all
+connections in number; what is refused is counted per reason in
+``rejected_connections_by_reason``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import re
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
+
+import orjson
 
 from traceml_ai.wire import (
     BATCH_STREAMS,
@@ -40,6 +58,7 @@ from traceml_ai.wire import (
     ReceivedBatch,
     batch_prefix,
     decode_message,
+    make_finished_message,
 )
 
 __all__ = ["AggregatorServer"]
@@ -58,6 +77,51 @@ def _known_stream_follows(body: bytes, offset: int) -> bool:
 HOLD_MAX_S = 10.0
 """Longest a newer connection of a rank waits for its older connections to close."""
 
+# Limits for connections (see the module docstring). Module attributes, read when used,
+# so tests can shrink them.
+
+MAX_CONNECTIONS = 4096
+"""Open connections at most; a connection beyond it is closed at once.
+
+Four times the largest job we plan for (1,024 ranks), which leaves room for each rank's
+reconnection while its old connection drains, and for the unproven ones below."""
+
+MAX_UNPROVEN_CONNECTIONS = 2048
+"""Open connections that have not yet had a first frame accepted, at most.
+
+Above 1,024 ranks connecting at the same moment (each is unproven until its first
+frame is read, one loop turn later) with room to spare. A new connection beyond it
+closes the oldest unproven one whose token was not seen and that is older than
+``UNPROVEN_MIN_AGE_S``; if there is none, the new one is closed."""
+
+UNPROVEN_MIN_AGE_S = 1.0
+"""An unproven connection younger than this is never closed to make room: a real rank's
+first frame may be waiting in the kernel for the loop to read it, and closing the
+connection then would lose a batch its sender counts as sent."""
+
+FIRST_FRAME_TIMEOUT_S = 10.0
+"""Time from a connection's first byte to its first complete frame.
+
+Our sender writes a frame with one ``sendall`` under a 2 s timeout and drops the
+connection when that fails, so a first frame still incomplete after 10 s is not ours
+(or was given up); the peer is trickling bytes to hold the connection."""
+
+IDLE_UNPROVEN_TIMEOUT_S = 60.0
+"""Time a connection that has sent nothing at all may stay open.
+
+Longer than the first-frame bound on purpose: our sender connects before it has
+anything to send, and one that is idle (a long sampler interval, a long step) must not
+be closed just as it writes its first batch: that batch would be lost while the sender
+counts it as sent. Silent connections cost only a descriptor, and their number is
+bounded by ``MAX_UNPROVEN_CONNECTIONS``."""
+
+SWEEP_INTERVAL_S = 0.5
+"""How often the time bounds above are checked."""
+
+LISTEN_BACKLOG = 2048
+"""Pending connections the kernel queues for us: a flood of connections (or a large
+job starting) must not fill the queue so that a real rank's connect times out."""
+
 # The identity precedes the items, and a key's opening quote cannot occur unescaped
 # inside a JSON string, so the first match is the identity's global_rank.
 _GLOBAL_RANK = re.compile(rb'"global_rank":(0|[1-9][0-9]{0,18})[,}]')
@@ -72,6 +136,12 @@ class _Connection(asyncio.Protocol):
         # Bytes of the frame in progress (header included), when a chunk ended inside one.
         self._pending = bytearray()
         self._refused = False
+        # Whether the first frame's prefix (and so the token) checked out, and whether a
+        # first frame was accepted (the connection left the unproven set).
+        self._trusted = False
+        self._proven = False
+        self.accepted_at = time.monotonic()
+        self.first_byte_at: float | None = None
         self.last_identity: dict[str, Any] | None = None
         self.order = server._next_order()
         # The global rank its first accepted frame named (None before it, or if none).
@@ -87,6 +157,12 @@ class _Connection(asyncio.Protocol):
         server._connections.add(self)
         server._connections_total += 1
         server._connections_open += 1
+        reason = server._admit(self)
+        if reason is not None:
+            server._reject_connection(reason)
+            self._refuse()
+        else:
+            server._unproven[self] = None
 
     def close(self) -> None:
         if self._transport is not None:
@@ -97,7 +173,23 @@ class _Connection(asyncio.Protocol):
             return
         server = self._server
         pending = self._pending
-        if pending:
+        if not self._trusted:
+            # Before the token was seen, only the first frame's prefix is kept.
+            if self.first_byte_at is None:
+                self.first_byte_at = time.monotonic()
+            if pending:
+                pending += data
+                data = bytes(pending)
+                pending.clear()
+            verdict = server._screen(data)
+            if verdict is None:
+                pending += data  # shorter than the prefix: a hundred bytes at most
+                return
+            if verdict:
+                self.refuse_frame(verdict)
+                return
+            self._trusted = True
+        elif pending:
             pending += data
             if len(pending) < _HEADER_SIZE:
                 return
@@ -113,8 +205,7 @@ class _Connection(asyncio.Protocol):
             (length,) = _unpack_header(data, pos)
             if length > server._max_frame_bytes:
                 # Its length header cannot be trusted to find the next frame.
-                server._reject("oversized frame")
-                self._refuse()
+                self.refuse_frame("oversized frame")
                 return
             end = pos + _HEADER_SIZE + length
             if end > size:
@@ -124,10 +215,16 @@ class _Connection(asyncio.Protocol):
                 rank = server._rank_of(body)
                 if rank is not None:
                     if server._must_wait(self, rank):
+                        self._prove()  # its token checked out; the hold is bounded
                         self._hold(rank, data[pos:])
                         return
                     server._register(self, rank)
-            server._frame(self, body, length, observed)
+            reason = server._frame(self, body, length, observed)
+            if reason is not None:
+                self.refuse_frame(reason)
+                return
+            if not self._proven:
+                self._prove()
             pos = end
             if server._stopped:
                 return
@@ -163,10 +260,32 @@ class _Connection(asyncio.Protocol):
             transport.resume_reading()
             self.data_received(data)
 
+    def _prove(self) -> None:
+        self._proven = True
+        self._trusted = True
+        self._server._unproven.pop(self, None)
+
+    def refuse_frame(self, reason: str) -> None:
+        """Count an invalid frame and close the connection it came on."""
+        self._server._reject(reason)
+        self._server._reject_connection(reason)
+        self._refuse()
+
+    def refuse(self, reason: str) -> None:
+        """Close the connection for a reason other than a frame (a limit); count it."""
+        self._server._reject_connection(reason)
+        self._refuse()
+
     def _refuse(self) -> None:
         self._refused = True
         self._pending.clear()
+        self._server._unproven.pop(self, None)
         self.close()
+
+    @property
+    def evictable(self) -> bool:
+        """Unproven, its token never seen, and old enough to be closed to make room."""
+        return not self._trusted and time.monotonic() - self.accepted_at >= UNPROVEN_MIN_AGE_S
 
     def eof_received(self) -> bool | None:
         return False  # close our side too
@@ -185,6 +304,7 @@ class _Connection(asyncio.Protocol):
             if self in waiting:
                 waiting.remove(self)
         server._connections.discard(self)
+        server._unproven.pop(self, None)
         server._connections_open -= 1
         if self.rank is not None:
             server._unregister(self, self.rank)
@@ -203,10 +323,16 @@ class AggregatorServer:
     on the server's event-loop thread; an exception in one is counted in
     ``callback_errors`` and the connection goes on.
 
-    A frame longer than ``max_frame_bytes`` is counted and its connection closed (its
-    length header cannot be trusted to find the next frame). A frame with a bad envelope
-    is counted under its ``FrameError`` reason and the connection goes on. A connection
-    that ends inside a frame counts a ``"truncated frame"``.
+    Every invalid frame is counted under its reason (``rejected_by_reason``) and
+    closes its connection: a frame longer than ``max_frame_bytes`` (``"oversized
+    frame"``), a bad envelope (its ``FrameError`` reason), and for a connection's first
+    frame an empty one (``"empty frame"``), a prefix that is not our senders'
+    (``"bad prefix"``) or another token (``"wrong token"``), refused as soon as its first
+    bytes show it. Connections the server closes are counted per reason in
+    ``rejected_connections_by_reason``: those frame reasons, plus ``"first frame
+    timeout"``, ``"idle timeout"``, ``"too many unproven connections"`` and ``"too many
+    connections"`` (see the limits above). A connection that ends inside a frame counts
+    a ``"truncated frame"`` (the peer closed it, so no connection is counted).
     """
 
     def __init__(
@@ -228,6 +354,21 @@ class AggregatorServer:
         self._on_connection_lost = on_connection_lost
         self._max_frame_bytes = max_frame_bytes
         self._batch_prefix = batch_prefix(token)
+        # A first frame must start with _head + _token_json + one of _tails: the bytes
+        # our senders write for a batch and for a finished message.
+        token_json = orjson.dumps(token)
+        finished = orjson.dumps(make_finished_message(token, {}, 0, 0))
+        head_end = self._batch_prefix.index(token_json)
+        self._head = self._batch_prefix[:head_end]
+        self._token_json = token_json
+        self._token_end = head_end + len(token_json)
+        finished_end = finished.index(b'"identity":', self._token_end) + len(b'"identity":')
+        assert finished[: self._token_end] == self._batch_prefix[: self._token_end]
+        self._tails = (
+            self._batch_prefix[self._token_end :],
+            finished[self._token_end : finished_end],
+        )
+        self._screen_bytes = self._token_end + max(len(tail) for tail in self._tails)
 
         self._lifecycle_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -237,6 +378,8 @@ class AggregatorServer:
         self._start_error: BaseException | None = None
         self._stopped = False
         self._connections: set[_Connection] = set()
+        # Unproven open connections, oldest first (a dict keeps insertion order).
+        self._unproven: dict[_Connection, None] = {}
         # Per global rank: open connections that carried it, and connections held
         # behind them (see the module docstring). Loop thread only.
         self._by_rank: dict[int, set[_Connection]] = {}
@@ -252,6 +395,8 @@ class AggregatorServer:
         self._callback_errors = 0
         self._connections_total = 0
         self._connections_open = 0
+        self._rejected_connections = 0
+        self._rejected_connections_by_reason: dict[str, int] = {}
 
     # ---- counters ----------------------------------------------------------------------
 
@@ -279,6 +424,16 @@ class AggregatorServer:
     def rejected_by_reason(self) -> dict[str, int]:
         """A copy of the rejected-frame counts per reason."""
         return dict(self._rejected_by_reason)
+
+    @property
+    def rejected_connections(self) -> int:
+        """Connections the server closed: an invalid frame, a time bound or a limit."""
+        return self._rejected_connections
+
+    @property
+    def rejected_connections_by_reason(self) -> dict[str, int]:
+        """A copy of the rejected-connection counts per reason."""
+        return dict(self._rejected_connections_by_reason)
 
     @property
     def callback_errors(self) -> int:
@@ -355,7 +510,9 @@ class AggregatorServer:
         try:
             try:
                 server = loop.run_until_complete(
-                    loop.create_server(lambda: _Connection(self), self._host, self._port)
+                    loop.create_server(
+                        lambda: _Connection(self), self._host, self._port, backlog=LISTEN_BACKLOG
+                    )
                 )
             except BaseException as exc:
                 self._start_error = exc
@@ -364,6 +521,7 @@ class AggregatorServer:
             sockname = server.sockets[0].getsockname()
             self._address = (str(sockname[0]), int(sockname[1]))
             ready.set()
+            loop.call_later(SWEEP_INTERVAL_S, self._sweep)
             loop.run_forever()
         finally:
             ready.set()
@@ -395,8 +553,10 @@ class AggregatorServer:
 
     # ---- connections -------------------------------------------------------------------
 
-    def _frame(self, connection: _Connection, body: bytes, length: int, observed: int) -> None:
-        """Handle one complete frame body (on the loop thread)."""
+    def _frame(
+        self, connection: _Connection, body: bytes, length: int, observed: int
+    ) -> str | None:
+        """Handle one complete frame body (on the loop thread); the reason if it is invalid."""
         if body.startswith(self._batch_prefix) and _known_stream_follows(
             body, len(self._batch_prefix)
         ):
@@ -405,12 +565,11 @@ class AggregatorServer:
             # checks the rest of the envelope).
             self._accepted_batches += 1
             self._call(self._on_batch, ReceivedBatch(observed, body, length))
-            return
+            return None
         try:
             message = decode_message(body, self._token)
         except FrameError as exc:
-            self._reject(exc.reason)
-            return
+            return exc.reason
         connection.last_identity = message["identity"]
         if message["type"] == "batch":
             self._accepted_batches += 1
@@ -418,6 +577,72 @@ class AggregatorServer:
         else:
             self._finished_messages += 1
             self._call(self._on_finished, message)
+        return None
+
+    def _screen(self, data: bytes) -> str | None:
+        """Check the start of a connection's first frame (its bytes so far).
+
+        Returns ``None`` while more bytes are needed, ``""`` once the prefix (token
+        included) is right, else the reason to refuse. Only the public parts are
+        compared as they arrive; the token waits until all of it is here.
+        """
+        if len(data) < _HEADER_SIZE:
+            return None
+        (length,) = _unpack_header(data, 0)
+        if length > self._max_frame_bytes:
+            return "oversized frame"
+        if length == 0:
+            return "empty frame"
+        body = data[_HEADER_SIZE : _HEADER_SIZE + min(length, self._screen_bytes)]
+        head = self._head
+        if not head.startswith(body[: len(head)]):
+            return "bad prefix"
+        token_end = self._token_end
+        # Says no more about the token than its length, which is not secret.
+        if length < token_end:
+            return "bad prefix"
+        if len(body) < token_end:
+            return None
+        if not hmac.compare_digest(body[len(head) : token_end], self._token_json):
+            return "wrong token"
+        rest = body[token_end:]
+        wait = False
+        for tail in self._tails:
+            if rest.startswith(tail):
+                return ""
+            if tail.startswith(rest) and length >= token_end + len(tail):
+                wait = True
+        return None if wait else "bad prefix"
+
+    def _admit(self, connection: _Connection) -> str | None:
+        """Make room for a new connection; the reason to refuse it if there is none."""
+        if self._connections_open > MAX_CONNECTIONS:
+            return "too many connections"
+        unproven = self._unproven
+        if len(unproven) < MAX_UNPROVEN_CONNECTIONS:
+            return None
+        # The oldest first: it has had the longest to prove itself.
+        for candidate in unproven:
+            if candidate.evictable:
+                candidate.refuse("too many unproven connections")
+                return None
+            if not candidate._trusted:
+                break  # every later one is younger
+        return "too many unproven connections"
+
+    def _sweep(self) -> None:
+        """Close unproven connections past their time bound; runs every SWEEP_INTERVAL_S."""
+        if self._stopped or self._loop is None:
+            return
+        now = time.monotonic()
+        for connection in list(self._unproven):
+            started = connection.first_byte_at
+            if started is not None:
+                if now - started > FIRST_FRAME_TIMEOUT_S:
+                    connection.refuse("first frame timeout")
+            elif now - connection.accepted_at > IDLE_UNPROVEN_TIMEOUT_S:
+                connection.refuse("idle timeout")
+        self._loop.call_later(SWEEP_INTERVAL_S, self._sweep)
 
     def _next_order(self) -> int:
         self._orders += 1
@@ -462,6 +687,11 @@ class AggregatorServer:
     def _reject(self, reason: str) -> None:
         self._rejected_frames += 1
         self._rejected_by_reason[reason] = self._rejected_by_reason.get(reason, 0) + 1
+
+    def _reject_connection(self, reason: str) -> None:
+        self._rejected_connections += 1
+        by_reason = self._rejected_connections_by_reason
+        by_reason[reason] = by_reason.get(reason, 0) + 1
 
     def _call(self, callback: Callable[[_T], None], argument: _T) -> None:
         try:
