@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Literal
 import attrs
 import orjson
 
-from traceml_ai.export import ExportPipeline, ExportStats, start_export
+from traceml_ai.export import ExportPipeline, ExportStats, WarningWriteError, start_export
 from traceml_ai.export._builder import batch_streams_for
 from traceml_ai.export._finalize import RankOutcome, write_finalization_warning
 from traceml_ai.settings import ExportSettings
@@ -260,12 +261,19 @@ class Aggregator:
         reason: Literal["ranks_disconnected", "timeout"] = (
             "timeout" if still_connected else "ranks_disconnected"
         )
-        warning_path = write_finalization_warning(
-            self.config.run_dir,
-            export_loss=loss,
-            ranks=ranks if missing else None,
-            reason_if_ranks=reason if missing else None,
-        )
+        warning_path: Path | None = None
+        try:
+            warning_path = write_finalization_warning(
+                self.config.run_dir,
+                export_loss=loss,
+                ranks=ranks if missing else None,
+                reason_if_ranks=reason if missing else None,
+            )
+        except WarningWriteError as exc:
+            # Disk full or read-only: the loss must still be told, so what the file
+            # would have held goes to stderr as one line.
+            with contextlib.suppress(Exception):
+                print(exc.report_line(), file=sys.stderr, flush=True)
         self._finalized = FinalizeResult(
             stats=stats, loss=loss, ranks=ranks, warning_path=warning_path, rejected_frames=rejected
         )

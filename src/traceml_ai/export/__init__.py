@@ -13,7 +13,7 @@ Public API:
 
 from traceml_ai.export._builder import BuildResult, RecordBuilder
 from traceml_ai.export._custom import ExporterStartFailure, create_exporter, load_exporter_factory
-from traceml_ai.export._finalize import write_finalization_warning
+from traceml_ai.export._finalize import WarningWriteError, write_finalization_warning
 from traceml_ai.export._jsonl import JsonlExporter
 from traceml_ai.export._memory import InMemoryExporter, capture_export, make_in_memory_exporter
 from traceml_ai.export._pipeline import ExportPipeline, start_export
@@ -33,6 +33,7 @@ __all__ = [
     "InMemoryExporter",
     "JsonlExporter",
     "RecordBuilder",
+    "WarningWriteError",
     "capture_export",
     "create_exporter",
     "load_exporter_factory",

@@ -16,12 +16,39 @@ import orjson
 from traceml_records import ExportLoss, FinalizationWarning, RecordError, dumps_warning_file
 from traceml_records._generated.records import LOADERS
 
-__all__ = ["WARNING_FILE_NAME", "RankOutcome", "write_finalization_warning"]
+__all__ = [
+    "WARNING_FILE_NAME",
+    "RankOutcome",
+    "WarningWriteError",
+    "write_finalization_warning",
+]
 
 WARNING_FILE_NAME = "finalization_warning.json"
 """The warning file's name inside the run folder."""
 
 RankReason = Literal["ranks_disconnected", "timeout"]
+
+
+class WarningWriteError(OSError):
+    """``finalization_warning.json`` could not be written (disk full, read-only, I/O error).
+
+    An ``OSError`` (callers that catch ``OSError`` keep working) that carries what the
+    file would have held, so the loss can still be reported: ``content`` is the warning
+    as one line of JSON, and ``str()`` of the error includes it.
+    """
+
+    def __init__(self, path: Path, error: OSError, content: str) -> None:
+        super().__init__(error.errno, error.strerror or str(error))
+        self.path = path
+        self.error = error
+        self.content = content
+
+    def __str__(self) -> str:
+        return f"{self.error}; its content: {self.content}"
+
+    def report_line(self) -> str:
+        """The one stderr line that stands in for the file: ``traceml: cannot write ...``."""
+        return f"traceml: cannot write {self.path} ({self.error}); its content: {self.content}"
 
 
 def _rank_tuple(values: Iterable[int]) -> tuple[int, ...]:
@@ -234,7 +261,9 @@ def write_finalization_warning(
     ``finalization_warning.json.invalid`` (or ``.invalid.N``, the first free
     name) and a fresh warning is written. The file is written atomically (temp
     file in the same folder, fsync, rename) and validated with the generated
-    strict loader before it is written. OSError propagates.
+    strict loader before it is written. When it cannot be written (an ``OSError``:
+    disk full, read-only folder, I/O error), :class:`WarningWriteError` is raised with
+    the content; nothing half-written is left under the warning's name.
     """
     loss = export_loss if export_loss is not None and _shows_loss(export_loss) else None
     rank_loss = ranks if ranks is not None and ranks.lost else None
@@ -283,7 +312,11 @@ def write_finalization_warning(
             )
 
     data = _encode(new)
-    if exists and old is None:
-        _keep_aside(path)
-    _write_atomically(path, data)
+    try:
+        if exists and old is None:
+            _keep_aside(path)
+        _write_atomically(path, data)
+    except OSError as exc:
+        content = orjson.dumps(orjson.loads(data)).decode()
+        raise WarningWriteError(path, exc, content) from exc
     return path

@@ -130,7 +130,7 @@ class _StreamFile:
         if self.abandoned_reason is None:
             self.abandoned_reason = reason
             _log.warning(
-                "export file %s abandoned (%s); its later records are not written",
+                "traceml: export file %s abandoned (%s); its later records are not written",
                 self.path,
                 reason,
             )
@@ -474,4 +474,7 @@ class JsonlExporter:
             f.abandon(f"closing the file failed: {exc}")
             return
         fd, f.fd = f.fd, None
-        os.close(fd)
+        # The closing line is written and fsynced: an error of close() itself (EIO on
+        # some network file systems) cannot take it back, and must not raise out of here.
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 
 from traceml_ai.export._builder import RecordBuilder
-from traceml_ai.export._jsonl import ExportBatchError
+from traceml_ai.export._jsonl import ExportBatchError, ExportCloseError
 from traceml_ai.export._protocol import Exporter, ExportSummary
 from traceml_ai.wire import ReceivedBatch
 from traceml_records import ExportLoss
@@ -327,7 +327,9 @@ class ExportWorker:
             self._abandoned = True
             self._exporter_failed = True
             if self._phase == "close":
-                _log.error("export: the exporter did not finish close() in time; giving up on it")
+                _log.error(
+                    "traceml: export: the exporter did not finish close() in time; giving up on it"
+                )
                 return self._snapshot()
             # Stuck in export (or still building): what is in hand failed, the rest is dropped.
             if self._phase == "build":
@@ -339,7 +341,9 @@ class ExportWorker:
             self._clear_queue()
             summary = self._summary()
             final = self._snapshot()
-        _log.error("export: the exporter did not return from export() in time; giving up on it")
+        _log.error(
+            "traceml: export: the exporter did not return from export() in time; giving up on it"
+        )
         self._close_on_helper(summary)
         return final
 
@@ -357,8 +361,14 @@ class ExportWorker:
     def _call_close(self, summary: ExportSummary) -> bool:
         try:
             self._exporter.close(summary)
+        except (ExportCloseError, OSError) as exc:
+            # Disk full, read-only folder, I/O error: the files say it (no closing line)
+            # and so does the warning; one line, no traceback.
+            _log.error("traceml: export: closing the exporter failed: %s", exc)
+            return False
         except Exception:
-            _log.exception("export: the exporter's close() raised")
+            # Anything else is a bug in a custom exporter: its author needs the traceback.
+            _log.exception("traceml: export: the exporter's close() raised")
             return False
         return True
 
@@ -409,7 +419,7 @@ class ExportWorker:
             result = self._builder.build(batch)
         except Exception:
             # The builder is written never to raise; if it does, lose the batch, not the thread.
-            _log.exception("export: building records from a batch failed")
+            _log.exception("traceml: export: building records from a batch failed")
             with self._cond:
                 if self._abandoned:
                     return False
@@ -454,11 +464,12 @@ class ExportWorker:
             if not self._logged_export_error:
                 # Once per worker: a broken exporter would otherwise log every batch.
                 self._logged_export_error = True
-                # A partial JSONL write explains itself; anything else gets its traceback.
+                # A partial JSONL write or an I/O error explains itself; anything else
+                # (a custom exporter's bug) gets its traceback.
                 _log.error(
-                    "export: the exporter raised; its records count as failed: %s",
+                    "traceml: export: the exporter raised; its records count as failed: %s",
                     exc,
-                    exc_info=not isinstance(exc, ExportBatchError),
+                    exc_info=not isinstance(exc, (ExportBatchError, OSError)),
                 )
             return written, n - written
         return n, 0
