@@ -31,12 +31,14 @@ for child in psutil.Process().parent().children():
         continue
     if "traceml_ai.aggregator" in cmd:
         config = json.loads(cmd[-1])
-print("PROBE " + json.dumps({
+line = "PROBE " + json.dumps({
     "argv": sys.argv[1:],
     "interval": os.environ.get("TRACEML_SAMPLER_INTERVAL"),
     "world_size": os.environ.get("WORLD_SIZE"),
     "config": config,
-}), flush=True)
+}) + "\n"
+# One write of a short line to a pipe is atomic: two ranks' lines never interleave.
+os.write(1, line.encode())
 print("SCRIPT-STDERR", file=sys.stderr, flush=True)
 """
 
@@ -208,6 +210,13 @@ def test_usage_errors_are_one_prefixed_line(tmp_path: Path, args: list[str], exp
     res = run_cli(args, cwd=tmp_path, timeout=60)
     assert one_error(res) == expected
     assert res.stdout == ""
+
+
+def test_bare_traceml_prints_the_usage(tmp_path: Path) -> None:
+    """A guard for the one-line error wrapper: asking for nothing is not an error."""
+    res = run_cli([], cwd=tmp_path, timeout=60)
+    assert "Usage: traceml [OPTIONS] COMMAND" in res.stdout + res.stderr
+    assert "traceml: error" not in res.stderr
 
 
 def test_every_launcher_line_has_the_prefix(tmp_path: Path) -> None:

@@ -823,3 +823,14 @@ def test_every_setting_has_flag_env_and_key() -> None:
         assert s.env == "TRACEML_" + s.name.upper()
         assert s.yaml_key == s.name
         assert f"`{s.env}`" in settings.settings_table_markdown()
+
+
+def test_launch_settings_label_names_the_layer(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "logs_dir: y\n")
+    launch = settings.resolve_launch_settings(
+        "run", {"interval": "1"}, environ={"TRACEML_RUN_NAME": "r"}, yaml_path=path
+    )
+    assert launch.label("interval") == "--interval"
+    assert launch.label("run_name") == "TRACEML_RUN_NAME"
+    assert launch.label("logs_dir") == f"{yaml_source(path)}: logs_dir"
+    assert launch.label("finalize_timeout_sec") == "--finalize-timeout-sec"

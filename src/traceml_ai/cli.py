@@ -57,7 +57,11 @@ class _TraceMLGroup(click.Group):
         try:
             rv = super().main(args, prog_name, complete_var, False, **extra)
         except click.ClickException as exc:
-            click.echo(f"traceml: error: {_usage_message(exc)}", err=True)
+            if type(exc).__name__ == "NoArgsIsHelpError":
+                # A bare `traceml` (or `traceml run`) asks for the help text, not an error.
+                exc.show()
+            else:
+                click.echo(f"traceml: error: {_usage_message(exc)}", err=True)
             sys.exit(exc.exit_code)
         except click.Abort:
             # Ctrl-C before a command took over the signals: the shell's code, no "Aborted!".

@@ -485,6 +485,20 @@ class LaunchSettings:
     sources: Mapping[str, str]
     warnings: tuple[str, ...] = ()
 
+    def label(self, name: str) -> str:
+        """How a later message names where setting ``name`` came from.
+
+        The flag for a flag or a default (``--logs-dir``), the variable for the
+        environment (``TRACEML_LOGS_DIR``), ``traceml.yaml (/abs/path): logs_dir`` for
+        the file: the same prefix resolution errors use.
+        """
+        source = self.sources.get(name, SOURCE_DEFAULT)
+        if source == SOURCE_DEFAULT:
+            return "--" + name.replace("_", "-")
+        if source.startswith(f"{YAML_FILENAME} ("):
+            return f"{source}: {name}"
+        return source
+
 
 # --- traceml.yaml --------------------------------------------------------------------
 
