@@ -23,7 +23,9 @@ Accounting (exact, also with drops): every item of a (rank, wire stream) has its
 sent or dropped by the generator). After the run every record of the files is counted
 by key. Every key must appear at most once; every batch the generator sent must be in
 the files whole or not at all; the number of missing batches must equal the
-aggregator's ``dropped_batches`` (closing lines, ``aggregator/stats.json``); so
+aggregator's ``dropped_batches`` (closing lines, ``aggregator/stats.json``) less the
+generator-dropped batches of selected streams, which the generator reports in its
+``finished`` message and the aggregator counts too; so
 records written + records in aggregator-dropped batches + records in generator-dropped
 batches = records generated, batch by batch. Generator sockets are non-blocking: a
 connection with more than ``--sender-buffer-kib`` unsent drops the batch (counted), so a
@@ -210,6 +212,7 @@ class _Rank:
     __slots__ = (
         "device",
         "dropped_batches",
+        "dropped_by_stream",
         "events",
         "identity",
         "local_rank",
@@ -238,6 +241,7 @@ class _Rank:
         self.next_env = 0
         self.sent_batches = 0
         self.dropped_batches = 0
+        self.dropped_by_stream: dict[str, int] = {}
         self.logs = {stream: _Log() for stream in spec.wire_streams}
 
 
@@ -344,6 +348,7 @@ class _Generator:
         if len(r.pending) + len(frame) > self.spec.sender_buffer_bytes:
             log.dropped.append(1)
             r.dropped_batches += 1
+            r.dropped_by_stream[stream] = r.dropped_by_stream.get(stream, 0) + 1
             return
         log.dropped.append(0)
         r.sent_batches += 1
@@ -381,7 +386,7 @@ class _Generator:
             r.sock.setblocking(True)
             r.sock.settimeout(120)
             finished = make_finished_message(
-                self.token, r.identity, r.sent_batches, r.dropped_batches
+                self.token, r.identity, r.sent_batches, r.dropped_batches, r.dropped_by_stream
             )
             r.sock.sendall(bytes(r.pending) + encode_frame(finished))
             r.pending.clear()
@@ -653,6 +658,9 @@ class Check:
     written_records: int = 0
     sender_dropped_batches: int = 0
     sender_dropped_records: int = 0
+    sender_dropped_selected_batches: int = 0
+    """Generator-dropped batches of wire streams that feed a selected file: the aggregator
+    counts them in its ``dropped_batches`` too (the generator reports them in ``finished``)."""
     missing_batches: int = 0
     missing_records: int = 0
     partial_batches: int = 0
@@ -670,7 +678,8 @@ class Check:
             and self.duplicates == 0
             and self.unexpected == 0
             and self.closing_ok
-            and self.missing_batches == self.agg_dropped_batches
+            and self.missing_batches
+            == self.agg_dropped_batches - self.sender_dropped_selected_batches
             and self.written_records + self.missing_records + self.sender_dropped_records
             == self.generated_records
         )
@@ -786,6 +795,7 @@ def check_files(
             out.sender_dropped_records += int(want[dropped].sum())
             if r == 0:
                 continue
+            out.sender_dropped_selected_batches += int(dropped.sum())
             if int(got[dropped].sum()):
                 out.problems.append(
                     f"rank {rank} {wire}: a batch dropped by the sender was written"
@@ -1029,7 +1039,9 @@ def run_once(
         written_records=written,
         records_per_s=written / spec.seconds,
         offered_records_per_s=check.generated_records / spec.seconds,
-        agg_dropped_batches=int(stats.get("dropped_batches", check.agg_dropped_batches)),
+        # The aggregator's own drops: its dropped_batches less what the generator reported.
+        agg_dropped_batches=int(stats.get("dropped_batches", check.agg_dropped_batches))
+        - check.sender_dropped_selected_batches,
         sender_dropped_batches=sum(r["sender_dropped_batches"] for r in results),
         cpu_s_per_1k=cpu_load / max(written, 1) * 1000,
         agg_cpu_cores=cpu_load / load_s,
@@ -1083,7 +1095,9 @@ def report(r: RunResult) -> None:
     print(
         f"accounting: {'EXACT' if c.exact else 'NOT EXACT'}: written {c.written_records:,} + "
         f"in aggregator-dropped batches {c.missing_records:,} ({c.missing_batches:,} batches, "
-        f"aggregator says {c.agg_dropped_batches:,}) + in generator-dropped batches "
+        f"aggregator says {c.agg_dropped_batches - c.sender_dropped_selected_batches:,} of its "
+        f"{c.agg_dropped_batches:,}, the rest reported by the generator) + in "
+        "generator-dropped batches "
         f"{c.sender_dropped_records:,} = {c.written_records + c.missing_records + c.sender_dropped_records:,}"
         f" of {c.generated_records:,} generated; duplicates {c.duplicates}, partial batches "
         f"{c.partial_batches}, unexpected {c.unexpected}, closing lines "
