@@ -276,3 +276,29 @@ def test_failed_write_leaves_no_temp_file_and_the_old_file_intact(tmp_path: Path
     assert names(run_dir) == [WARNING]
     assert (tmp_path / WARNING).read_bytes() == original
     assert names(tmp_path) == [WARNING, "other"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_warning_file_gets_the_export_files_mode(tmp_path: Path, umask: int) -> None:
+    from traceml_ai.export._jsonl import EXPORT_FILE_MODE
+
+    old = os.umask(umask)
+    try:
+        path = write_finalization_warning(
+            tmp_path,
+            export_loss=ExportLoss(
+                written_records=1,
+                dropped_batches=1,
+                failed_records=0,
+                skipped_items=0,
+                exporter_failed=False,
+            ),
+            now=NOW,
+        )
+        probe = tmp_path / "probe.jsonl"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, EXPORT_FILE_MODE))
+    finally:
+        os.umask(old)
+    assert path is not None
+    assert path.stat().st_mode & 0o777 == EXPORT_FILE_MODE & ~umask
+    assert path.stat().st_mode & 0o777 == probe.stat().st_mode & 0o777

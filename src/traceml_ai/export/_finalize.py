@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,6 +13,7 @@ from typing import Any, Literal
 import attrs
 import orjson
 
+from traceml_ai.export._jsonl import EXPORT_FILE_MODE
 from traceml_records import ExportLoss, FinalizationWarning, RecordError, dumps_warning_file
 from traceml_records._generated.records import LOADERS
 
@@ -208,8 +209,24 @@ def _keep_aside(path: Path) -> Path:
     raise FileExistsError(f"no free name to keep {path} aside")
 
 
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new temp file beside ``path`` with the export files' mode (umask applied).
+
+    ``tempfile.mkstemp`` would make it 0600, so the warning file would be the one
+    file of the run folder that a reader of the export files cannot open.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, EXPORT_FILE_MODE), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temp name beside {path}")
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

@@ -47,7 +47,8 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOE
 # is created relative to that descriptor, so swapping the folder for a symlink
 # between the check and the creation cannot redirect the files.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_MODE = 0o644
+EXPORT_FILE_MODE = 0o644
+"""Mode of every file the export writes (export files, the warning file), before the umask."""
 
 
 class ExportStartError(Exception):
@@ -269,7 +270,7 @@ class JsonlExporter:
             created: list[tuple[str, int]] = []
             try:
                 for name in names.values():
-                    fd = os.open(name, _CREATE_FLAGS, _FILE_MODE, dir_fd=dir_fd)
+                    fd = os.open(name, _CREATE_FLAGS, EXPORT_FILE_MODE, dir_fd=dir_fd)
                     created.append((name, fd))
             except BaseException as exc:
                 _remove_created(dir_fd, created)
