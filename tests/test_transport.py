@@ -761,3 +761,23 @@ def test_dropped_items_are_split_by_stream() -> None:
     sender.close(timeout=0.5)
     assert sender.dropped_items_by_stream == {"step_time": 2, "process": 1, "": 1}
     assert sum(sender.dropped_items_by_stream.values()) == sender.dropped_items == 4
+
+
+def test_sender_connects_only_with_something_to_send(
+    collector: Collector, server_factory: Callable[..., AggregatorServer]
+) -> None:
+    # The server closes connections that send no first frame for a while; a sender
+    # idling on an open connection could lose its first batch to that close.
+    server = server_factory(collector)
+    address = server.start()
+    sender = RankSender(address, TOKEN, identity(), flush_interval_s=0.02)
+    sender.start()
+    try:
+        time.sleep(0.3)
+        assert server.connections_total == 0 and not sender.connected
+        sender.put("step_time", {"seq": 0})
+        collector.wait(lambda c: c.item_count() == 1)
+        assert server.connections_total == 1
+    finally:
+        sender.close()
+    collector.wait(lambda c: len(c.finished) == 1)

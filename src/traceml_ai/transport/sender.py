@@ -282,7 +282,14 @@ class RankSender:
                 if self._stop.is_set():
                     break
                 self._charge_put_drops()
-                if self._sock is None and monotonic() >= self._retry_at:
+                # Connect only with something to send: the aggregator closes a
+                # connection that has not proven itself with a first frame for a
+                # while, and a batch written as it does so would be lost unseen.
+                if (
+                    self._sock is None
+                    and monotonic() >= self._retry_at
+                    and any(queue for _, queue in self._streams)
+                ):
                     self._connect(self._connect_timeout_s)
                 if self._sock is not None:
                     self._check_peer()
