@@ -781,3 +781,28 @@ def test_sender_connects_only_with_something_to_send(
     finally:
         sender.close()
     collector.wait(lambda c: len(c.finished) == 1)
+
+
+def test_received_batches_are_tallied_per_rank(
+    collector: Collector, server_factory: Callable[..., AggregatorServer]
+) -> None:
+    server = server_factory(collector)
+    address = server.start()
+    senders = [
+        RankSender(address, TOKEN, identity(rank), flush_interval_s=0.02, max_items_per_batch=3)
+        for rank in (0, 1)
+    ]
+    for rank, sender in enumerate(senders):
+        sender.start()
+        for seq in range(10 * (rank + 1)):
+            sender.put("step_time", {"seq": seq})
+    collector.wait(lambda c: c.item_count() == 30)
+    for sender in senders:
+        sender.close()
+    collector.wait(lambda c: len(c.finished) == 2)
+    server.stop()
+    assert server.received_batches_by_rank() == {
+        0: senders[0].sent_batches,
+        1: senders[1].sent_batches,
+    }
+    assert senders[1].sent_batches >= 7

@@ -158,6 +158,8 @@ class _Gate:
         self.unproven: dict[_Connection, None] = {}
         # Connections the server closed, per reason.
         self.rejected: dict[str, int] = {}
+        # Batch frames accepted per global rank, from connections that have closed.
+        self.batches_by_rank: dict[int, int] = {}
 
     def check(self, data: bytes) -> str | None:
         """Check the start of a connection's first frame (its bytes so far).
@@ -214,6 +216,8 @@ class _Connection(asyncio.Protocol):
         self.order = server._next_order()
         # The global rank its first accepted frame named (None before it, or if none).
         self.rank: int | None = None
+        # Batch frames accepted on it, added to its rank's tally when it closes.
+        self.batches = 0
         # While held behind an older connection of the same rank: the unread bytes.
         self._held: bytes | None = None
         self._held_rank = -1
@@ -393,6 +397,10 @@ class _Connection(asyncio.Protocol):
         server._gate.unproven.pop(self, None)
         server._connections_open -= 1
         if self.rank is not None:
+            if self.batches:
+                tally = server._gate.batches_by_rank
+                tally[self.rank] = tally.get(self.rank, 0) + self.batches
+                self.batches = 0
             server._unregister(self, self.rank)
         if server._on_connection_lost is not None:
             server._call(server._on_connection_lost, self.last_identity)
@@ -513,6 +521,19 @@ class AggregatorServer:
         """Connections accepted since start."""
         return self._connections_total
 
+    def received_batches_by_rank(self) -> dict[int, int]:
+        """Batch frames accepted per global rank, over all of its connections.
+
+        Exact once the server has stopped (every connection is then closed); while it
+        runs, a snapshot. Compared with the ``sent_batches`` a rank reports, it shows
+        batches a rank wrote that never arrived.
+        """
+        tally = dict(self._gate.batches_by_rank)
+        for connection in list(self._connections):
+            if connection.rank is not None and connection.batches:
+                tally[connection.rank] = tally.get(connection.rank, 0) + connection.batches
+        return tally
+
     @property
     def held_connections(self) -> int:
         """Connections held back behind an older open connection of the same rank."""
@@ -630,12 +651,14 @@ class AggregatorServer:
             # still encoded and parsed by the export worker, off this loop (its parse
             # checks the rest of the envelope).
             self._accepted_batches += 1
+            connection.batches += 1
             self._call(self._on_batch, ReceivedBatch(observed, body, length))
             return
         message = decode_message(body, self._token)
         connection.last_identity = message["identity"]
         if message["type"] == "batch":
             self._accepted_batches += 1
+            connection.batches += 1
             self._call(self._on_batch, ReceivedBatch(observed, message, length))
         else:
             self._finished_messages += 1
