@@ -135,6 +135,40 @@ def test_finished_drops_show_in_closing_lines_warning_and_stats(tmp_path: Path) 
     assert result.stats is not None and result.stats.dropped_batches == 3
 
 
+def test_batches_a_rank_sent_that_never_arrived_are_counted(tmp_path: Path) -> None:
+    # The rank's socket took 4 batches (sent_batches 4) but only 2 reached the
+    # aggregator (a connection that died with two unread): 2 dropped, not silence.
+    agg = _start(tmp_path)
+    ident = _identity()
+    _send(
+        agg,
+        make_batch_message(TOKEN, ident, "step_time", [_step_item(0)]),
+        make_batch_message(TOKEN, ident, "step_time", [_step_item(1)]),
+        make_finished_message(TOKEN, ident, 4, 0, {}),
+    )
+    assert agg.wait_all_finished(10.0)
+    agg.finalize()
+    run_dir = tmp_path / "run"
+    assert _closing_dropped(run_dir) == {2}
+    warning = _warning(run_dir)
+    assert warning is not None and warning["export"]["dropped_batches"] == 2
+
+
+def test_every_batch_sent_arrived_is_no_loss(tmp_path: Path) -> None:
+    agg = _start(tmp_path)
+    ident = _identity()
+    _send(
+        agg,
+        make_batch_message(TOKEN, ident, "step_time", [_step_item(0)]),
+        make_batch_message(TOKEN, ident, "step_time", [_step_item(1)]),
+        make_finished_message(TOKEN, ident, 2, 0, {}),
+    )
+    assert agg.wait_all_finished(10.0)
+    agg.finalize()
+    assert _closing_dropped(tmp_path / "run") == {0}
+    assert _warning(tmp_path / "run") is None
+
+
 def test_drops_of_streams_not_selected_are_no_loss(tmp_path: Path) -> None:
     agg = _start(tmp_path, streams="step_time")
     ident = _identity()
@@ -165,10 +199,10 @@ def test_repeated_finished_of_a_rank_counts_its_drops_once(tmp_path: Path) -> No
     # grow); rank 1 reports once. Per rank the largest count stands: 5 + 2.
     _send(
         agg,
-        make_finished_message(TOKEN, _identity(0, 2), 1, 4, {"step_time": 4}),
-        make_finished_message(TOKEN, _identity(0, 2), 2, 5, {"step_time": 5}),
-        make_finished_message(TOKEN, _identity(1, 2), 1, 2, {"step_time": 2}),
-        make_finished_message(TOKEN, _identity(0, 2), 2, 5, {"step_time": 5}),
+        make_finished_message(TOKEN, _identity(0, 2), 0, 4, {"step_time": 4}),
+        make_finished_message(TOKEN, _identity(0, 2), 0, 5, {"step_time": 5}),
+        make_finished_message(TOKEN, _identity(1, 2), 0, 2, {"step_time": 2}),
+        make_finished_message(TOKEN, _identity(0, 2), 0, 5, {"step_time": 5}),
     )
     agg.finalize()
     run_dir = tmp_path / "run"

@@ -179,10 +179,13 @@ class Aggregator:
         """
         total = message.get("dropped_batches")
         by_stream = message.get("dropped_batches_by_stream")
+        sent = message.get("sent_batches")
         if type(total) is not int or total < 0:
             return
         drops = self._rank_drops.setdefault(rank, _RankDrops())
         drops.total = max(drops.total, total)
+        if type(sent) is int and sent > drops.sent:
+            drops.sent = sent
         if isinstance(by_stream, dict):
             for stream, count in by_stream.items():
                 if type(count) is int and count > drops.by_stream.get(stream, 0):
@@ -202,6 +205,20 @@ class Aggregator:
             sum(n for s, n in d.by_stream.items() if s in selected) if d.split else d.total
             for d in self._rank_drops.values()
         )
+
+    def _unseen_batches(self) -> int:
+        """Batches the finished ranks wrote to their sockets that never arrived here.
+
+        A rank counts a batch as sent once its socket took it; if the connection then
+        died with the batch unread, neither side would report it. The server tallies
+        the batch frames it accepted per rank, so the difference is the loss. (Which
+        streams those batches held is unknown, so they count whatever the selection.)
+        Call with the lock, after the server stopped (its tally is then final).
+        """
+        if self._server is None:
+            return 0
+        received = self._server.received_batches_by_rank()
+        return sum(max(0, d.sent - received.get(rank, 0)) for rank, d in self._rank_drops.items())
 
     def _note_identity(self, identity: Any) -> int | None:
         rank = _rank_of(identity)
@@ -248,7 +265,9 @@ class Aggregator:
             # Every ``finished`` that will ever come has come: the ranks' own drops must be
             # in the worker's count before it writes the closing lines.
             with self._lock:
-                self._pipeline.set_rank_dropped_batches(self._rank_dropped_batches())
+                self._pipeline.set_rank_dropped_batches(
+                    self._rank_dropped_batches() + self._unseen_batches()
+                )
             stats = self._pipeline.finalize(self.config.finalize_timeout_s)
             loss = self._pipeline.loss()
         with self._lock:
@@ -325,6 +344,8 @@ class _RankDrops:
     """The largest drop counts one rank's ``finished`` messages reported."""
 
     total: int = 0
+    sent: int = 0
+    """The largest ``sent_batches`` it reported."""
     by_stream: dict[str, int] = attrs.field(factory=dict)
     split: bool = True
     """Every message of the rank split its drops by stream."""
