@@ -109,11 +109,13 @@ connection when that fails, so a first frame still incomplete after 10 s is not 
 IDLE_UNPROVEN_TIMEOUT_S = 60.0
 """Time a connection that has sent nothing at all may stay open.
 
-Longer than the first-frame bound on purpose: our sender connects before it has
-anything to send, and one that is idle (a long sampler interval, a long step) must not
-be closed just as it writes its first batch: that batch would be lost while the sender
-counts it as sent. Silent connections cost only a descriptor, and their number is
-bounded by ``MAX_UNPROVEN_CONNECTIONS``."""
+Longer than the first-frame bound on purpose: a sender (ours connects only with a
+batch to write, but other clients may connect first) must not be closed just as it
+writes its first batch. Such a batch would be counted on the rank as sent; the
+aggregator would still count it as dropped from the difference between the rank's
+``sent_batches`` and :meth:`AggregatorServer.received_batches_by_rank`. Silent
+connections cost only a descriptor, and their number is bounded by
+``MAX_UNPROVEN_CONNECTIONS``."""
 
 SWEEP_INTERVAL_S = 0.5
 """How often the time bounds above are checked."""
