@@ -191,9 +191,19 @@ def serve(**cli: Any) -> None:
     aggregator_port = 29600 if settings.aggregator_port is None else settings.aggregator_port
     nnodes = settings.nnodes
     nproc_per_node = settings.nproc_per_node
-    run_dir = logs_dir / (run_name or default_run_name())
-    if run_dir.exists() and not run_name:
-        click.echo(f"traceml: error: run folder already exists: {run_dir}", err=True)
+    from traceml_ai._run_folder import RunFolderError, check_logs_dir, create_run_folder
+
+    try:
+        check_logs_dir(logs_dir)
+        # A name given on purpose may be an existing run folder (the spec's case: export
+        # is then off if it holds a selected export file); a generated one is always new.
+        run_dir = create_run_folder(
+            logs_dir,
+            run_name if run_name is not None else default_run_name(),
+            exist_ok=run_name is not None,
+        )
+    except RunFolderError as exc:
+        click.echo(f"traceml: error: {exc}", err=True)
         sys.exit(2)
     expected = None
     if nproc_per_node is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from traceml_ai._run_folder import run_name_problem
 from traceml_ai.settings import ExportSettings, ResolvedExportSettings, settings_from_values
 
 __all__ = ["CONFIG_SOURCE", "TraceMLRayConfig"]
@@ -64,17 +65,14 @@ def _session_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
         raise ValueError(f"{CONFIG_SOURCE}.{attribute.name}: expected a string, got {value!r}")
     if value == "":
         return
-    if (
-        value != value.strip()
-        or value in (".", "..")
-        or "/" in value
-        or (os.altsep is not None and os.altsep in value)
-        or "\\" in value
-        or "\x00" in value
-    ):
+    # The same rule as `traceml run --run-name`: one plain folder name under logs_dir.
+    problem = run_name_problem(value)
+    if problem is None and value != value.strip():
+        problem = f"{value!r} has leading or trailing spaces"
+    if problem is not None:
         raise ValueError(
-            f"{CONFIG_SOURCE}.{attribute.name}: expected '' (a fresh id per fit) or a "
-            f"folder name without path separators, got {value!r}"
+            f"{CONFIG_SOURCE}.{attribute.name} {problem}; expected '' (a fresh id per fit) "
+            "or a plain folder name"
         )
 
 
