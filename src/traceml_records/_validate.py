@@ -88,13 +88,25 @@ class FileSummary:
     data_lines: int
     closed: bool
     problems: int
+    earlier_run: bool = False
+    """The file belongs to an earlier run than the folder's finalization warning
+    (that run's export was off because this file already existed)."""
 
     def __str__(self) -> str:
         verdict = "OK" if self.problems == 0 else f"{self.problems} problem(s)"
         if self.stream is None and self.file.endswith(WARNING_FILE_NAME):
             return f"{self.file}: finalization warning, {verdict}"
         closed = "closed" if self.closed else "not closed"
-        return f"{self.file}: {self.stream or 'unknown stream'}, {self.data_lines} data line(s), {closed}, {verdict}"
+        earlier = (
+            " (an earlier run's file: the finalization warning is of a later run whose "
+            "export was off)"
+            if self.earlier_run
+            else ""
+        )
+        return (
+            f"{self.file}: {self.stream or 'unknown stream'}, {self.data_lines} data line(s), "
+            f"{closed}, {verdict}{earlier}"
+        )
 
 
 @attrs.frozen
@@ -461,6 +473,7 @@ class _FileState:
     closing: dict[str, Any] | None = None
     closing_line: int | None = None
     closed: bool = False
+    earlier_run: bool = False
     # system: (node_rank, seq) → (line, gpu_count, identity)
     snapshots: dict[Any, tuple[int, int, tuple[Any, ...]]] = attrs.Factory(dict)
     # system_gpu: (node_rank, seq) → [lines, first line, identity]
@@ -474,7 +487,9 @@ class _FileState:
             self.problems.append(Problem(self.display, line, pointer, message))
 
     def summary(self) -> FileSummary:
-        return FileSummary(self.display, self.stream, self.data_lines, self.closed, self.count)
+        return FileSummary(
+            self.display, self.stream, self.data_lines, self.closed, self.count, self.earlier_run
+        )
 
 
 @attrs.define
@@ -680,7 +695,21 @@ def _match_snapshots(system: _FileState, gpu: _FileState) -> None:
 
 def _match_warning(state: _FileState, d: dict[str, Any], states: list[_FileState]) -> None:
     export = d.get("export")
-    if export is None or not states or any(not s.closed for s in states):
+    if export is None or not states:
+        return
+    if (
+        export["exporter_failed"]
+        and export["written_records"] == 0
+        and any(s.data_lines > 0 for s in states)
+    ):
+        # The warning's run wrote no data line, yet the folder holds some: its exporter
+        # did not start because these files already existed (`traceml serve --run-name`
+        # or Ray into a used folder; TraceML never appends). They are an earlier run's,
+        # checked on their own, and not compared with this warning's counts.
+        for s in states:
+            s.earlier_run = True
+        return
+    if any(not s.closed for s in states):
         return
     dropped = states[0].closing["dropped_batches"]  # type: ignore[index]
     if export["dropped_batches"] != dropped:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,7 +22,11 @@ import orjson
 
 from traceml_ai.export import ExportPipeline, ExportStats, WarningWriteError, start_export
 from traceml_ai.export._builder import batch_streams_for
-from traceml_ai.export._finalize import RankOutcome, write_finalization_warning
+from traceml_ai.export._finalize import (
+    WARNING_FILE_NAME,
+    RankOutcome,
+    write_finalization_warning,
+)
 from traceml_ai.settings import ExportSettings
 from traceml_ai.transport.server import AggregatorServer
 from traceml_ai.wire import ReceivedBatch
@@ -80,6 +85,9 @@ class Aggregator:
         self._export_started = False
         self._early_batches: list[ReceivedBatch] = []
         self._server: AggregatorServer | None = None
+        # (device, inode) of a finalization_warning.json an earlier run left in the run
+        # folder (``traceml serve --run-name`` into an existing folder), if any.
+        self._earlier_warning: tuple[int, int] | None = None
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -97,6 +105,13 @@ class Aggregator:
         with self._lock:
             return frozenset(self._finished_ranks)
 
+    @property
+    def heard_from_ranks(self) -> bool:
+        """Whether any rank sent a batch or its ``finished`` message; a script that never
+        calls ``traceml.init()`` sends neither."""
+        server = self._server
+        return server is not None and (server.accepted_batches > 0 or server.finished_messages > 0)
+
     def start(self) -> tuple[str, int]:
         """Start listening, then open the export files (when export is on).
 
@@ -112,6 +127,7 @@ class Aggregator:
         if self.config.max_queue_bytes is not None:
             queue_limits["max_queue_bytes"] = self.config.max_queue_bytes
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        self._earlier_warning = _file_identity(self.config.run_dir / WARNING_FILE_NAME)
         self._server = AggregatorServer(
             self.config.bind_host,
             self.config.port,
@@ -280,6 +296,8 @@ class Aggregator:
         reason: Literal["ranks_disconnected", "timeout"] = (
             "timeout" if still_connected else "ranks_disconnected"
         )
+        if loss is not None or missing:
+            _set_aside_earlier_warning(self.config.run_dir, self._earlier_warning)
         warning_path: Path | None = None
         try:
             warning_path = write_finalization_warning(
@@ -329,14 +347,7 @@ class Aggregator:
             "missing_ranks": list(ranks.missing_ranks),
         }
         path = self.config.run_dir.joinpath(*STATS_FILE_PARTS)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(orjson.dumps(content, option=orjson.OPT_INDENT_2) + b"\n")
-            os.replace(tmp, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        _write_new_file(path, orjson.dumps(content, option=orjson.OPT_INDENT_2) + b"\n")
 
 
 @attrs.define
@@ -349,6 +360,70 @@ class _RankDrops:
     by_stream: dict[str, int] = attrs.field(factory=dict)
     split: bool = True
     """Every message of the rank split its drops by stream."""
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _set_aside_earlier_warning(run_dir: Path, earlier: tuple[int, int] | None) -> None:
+    """Keep an earlier run's warning file as ``finalization_warning.earlier[.N].json``.
+
+    Our warning must not be merged into another run's (that would rewrite its file and
+    mix two runs' counts). The earlier file is hard-linked under the first free name
+    (its bytes stay reachable at every instant) and only then unlinked from the warning
+    name, so ours is written fresh. A warning this run wrote itself is left alone.
+    """
+    path = run_dir / WARNING_FILE_NAME
+    if earlier is None or _file_identity(path) != earlier:
+        return
+    for i in range(1000):
+        aside = run_dir / (f"finalization_warning.earlier{f'.{i}' if i else ''}.json")
+        try:
+            os.link(path, aside, follow_symlinks=False)
+        except FileExistsError:
+            continue
+        except OSError:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return
+
+
+def _write_new_file(path: Path, data: bytes) -> Path | None:
+    """Write ``data`` to ``path``, or to ``<stem>.1<suffix>``, ``.2``... when it exists.
+
+    Never replaces a file: a run folder served again (``traceml serve --run-name``)
+    keeps the earlier run's ``stats.json``. The bytes go to a temp file first and are
+    hard-linked under the first free name (``os.link`` refuses an existing one), so a
+    reader never sees a half-written file. Returns the path, or None on OSError.
+    """
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        # mkstemp makes 0600; stats.json is as readable as the export files.
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        for i in range(1000):
+            target = path if i == 0 else path.with_name(f"{path.stem}.{i}{path.suffix}")
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                continue
+            return target
+        return None
+    except OSError:
+        return None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _rank_of(identity: Any) -> int | None:
