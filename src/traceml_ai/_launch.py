@@ -17,13 +17,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import attrs
 import orjson
 
+from traceml_ai._run_folder import (
+    RunFolderError,
+    check_logs_dir,
+    check_run_name,
+    create_run_folder,
+    existing_folder_message,
+)
 from traceml_ai.settings import ResolvedExportSettings
 from traceml_ai.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN, ENV_SAMPLER_INTERVAL
 
@@ -129,9 +138,23 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> _Pl
         bind_host = "127.0.0.1"
     run_dir = None
     if start_aggregator:
-        run_dir = options.logs_dir / (options.run_name or default_run_name())
-        if run_dir.exists():
-            raise LaunchError(f"run folder already exists: {run_dir} (pick another --run-name)")
+        try:
+            name = check_run_name(options.run_name) if options.run_name is not None else None
+            check_logs_dir(options.logs_dir)
+        except RunFolderError as exc:
+            raise LaunchError(str(exc)) from None
+        run_dir = options.logs_dir / (name or default_run_name())
+        # Any entry by that name (an empty folder, a crashed or export-off run, a
+        # file) is refused: a run folder holds one run, so nothing of an earlier
+        # run can be mistaken for this one's.
+        if os.path.lexists(run_dir):
+            raise LaunchError(existing_folder_message(run_dir))
+    elif options.run_name is not None:
+        # No run folder on this node, but a bad name is still a mistake worth saying.
+        try:
+            check_run_name(options.run_name)
+        except RunFolderError as exc:
+            raise LaunchError(str(exc)) from None
     return _Plan(
         run_dir=run_dir,
         start_aggregator=start_aggregator,
@@ -143,8 +166,86 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> _Pl
     )
 
 
+ENV_AGGREGATOR_UNAVAILABLE = "TRACEML_AGGREGATOR_UNAVAILABLE"
+"""Set for the ranks when the aggregator did not start; ``traceml.init()`` shows the reason."""
+
+_READ_SLICE_S = 0.1
+"""How often a wait for an aggregator event looks at the signals that came meanwhile."""
+
+
 def _say(message: str) -> None:
     print(f"traceml: {message}", file=sys.stderr, flush=True)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _exit_description(code: int) -> str:
+    return f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+
+
+class _Signals:
+    """SIGINT and SIGTERM for the whole of ``traceml run``: recorded, and forwarded to the
+    ranks while they run.
+
+    Installed before anything starts, so a Ctrl-C at any moment never raises
+    KeyboardInterrupt (click would print ``Aborted!``, exit 1 and leave the aggregator
+    writing into a pipe nobody reads). A handler also replaces a ``SIG_IGN`` inherited
+    from ``nohup`` or ``cmd &``, and since a handled signal is reset to its default on
+    exec, the ranks started meanwhile can be stopped by the signal we forward.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._ranks_pgid: int | None = None
+        self._forwarded = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+    @property
+    def count(self) -> int:
+        """Signals received so far."""
+        return len(self.received)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        self.received.append(signum)
+        if self._ranks_pgid is not None:
+            self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        assert self._ranks_pgid is not None
+        self._forwarded += 1
+        # First signal as sent, then SIGTERM, then SIGKILL for a run that will not stop.
+        sig = (
+            signum
+            if self._forwarded == 1
+            else (signal.SIGTERM if self._forwarded == 2 else signal.SIGKILL)
+        )
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._ranks_pgid, sig)
+
+    def ranks_started(self, pgid: int, seen_before: int) -> None:
+        """Forward from now on; a signal that came while they were being started is sent now."""
+        self._ranks_pgid = pgid
+        if self.count > seen_before:
+            self._forward(self.received[-1])
+
+    def ranks_done(self) -> None:
+        """Stop forwarding: the ranks' process group is gone."""
+        self._ranks_pgid = None
 
 
 class _Aggregator:
@@ -175,16 +276,22 @@ class _Aggregator:
             start_new_session=True,
         )
         self._buffer = b""
+        self._stop_sent = False
 
-    def _read_event(self, timeout: float) -> dict[str, object] | None:
+    def _read_event(
+        self, timeout: float, give_up: Callable[[], bool] | None = None
+    ) -> dict[str, object] | None:
+        """The next event line; None on timeout, end of stream, a bad line or ``give_up()``."""
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
+            if give_up is not None and give_up():
+                return None
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            ready, _, _ = select.select([fd], [], [], left)
+            ready, _, _ = select.select([fd], [], [], min(left, _READ_SLICE_S))
             if not ready:
                 continue
             chunk = os.read(fd, 65536)
@@ -198,28 +305,89 @@ class _Aggregator:
             return None
         return event if isinstance(event, dict) else None
 
-    def wait_ready(self) -> tuple[str, int] | str:
-        """The address it listens on, or why it did not start."""
-        event = self._read_event(AGGREGATOR_READY_TIMEOUT_S)
-        if event is None:
+    def ask_to_finalize(self) -> None:
+        """SIGTERM it once: it finalizes as soon as it can (even while still starting)."""
+        if not self._stop_sent and self.proc.poll() is None:
+            self._stop_sent = True
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
+    def _kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
+        self.proc.wait()
+
+    def wait_ready(self, signals: _Signals) -> tuple[str, int] | str:
+        """The address it listens on, or why it did not start.
+
+        A signal while it starts asks it to finalize right after it started; a second
+        one stops waiting for it.
+        """
+        seen = signals.count
+
+        def give_up() -> bool:
+            if signals.count > seen:
+                self.ask_to_finalize()
+            return signals.count > seen + 1
+
+        event = self._read_event(AGGREGATOR_READY_TIMEOUT_S, give_up)
+        if event is None:
+            self._kill()
+            code = self.proc.returncode
+            if signals.count > seen + 1:
+                return "interrupted while it started"
+            if code is not None and code != 0 and code != -signal.SIGKILL:
+                return f"the aggregator {_exit_description(code)} while starting"
             return "the aggregator did not start"
         if event.get("event") != "ready":
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5.0)
             return str(event.get("error", "the aggregator failed to start"))
         return str(event["host"]), int(event["port"])  # type: ignore[call-overload]
 
-    def finalize(self) -> dict[str, object] | None:
-        """Ask it to finalize and wait (bounded); the ``finalized`` event, if it came."""
-        if self.proc.poll() is not None:
-            return None
-        self.proc.send_signal(signal.SIGTERM)
-        event = self._read_event(self.finalize_timeout_s + 15.0)
-        try:
-            self.proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        return event
+    def finalize(self, signals: _Signals) -> tuple[dict[str, object] | None, str]:
+        """Ask it to finalize and wait (bounded): (the ``finalized`` event, "") or
+        (None, what happened to it instead).
+
+        A first signal meanwhile only says how long this may take; a second stops it.
+        """
+        code = self.proc.poll()
+        if code is not None:
+            self._kill()
+            return None, f"{_exit_description(code)} during the run"
+        self.ask_to_finalize()
+        seen = signals.count
+        told = False
+
+        def give_up() -> bool:
+            nonlocal told
+            if signals.count > seen and not told:
+                told = True
+                _say(
+                    "finishing the export (at most "
+                    f"{self.finalize_timeout_s + 15.0:.0f} s); press Ctrl-C again to stop it now"
+                )
+            return signals.count > seen + 1
+
+        event = self._read_event(self.finalize_timeout_s + 15.0, give_up)
+        if event is not None and event.get("event") == "finalized":
+            try:
+                self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._kill()
+            return event, ""
+        interrupted = signals.count > seen + 1
+        if not interrupted:
+            # It may be writing its last lines; give it a moment before the kill.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=2.0)
+        still_running = self.proc.poll() is None
+        self._kill()
+        if interrupted:
+            return None, "was stopped by a second Ctrl-C while it finalized"
+        if still_running:
+            return None, f"did not finalize within {self.finalize_timeout_s + 15.0:.0f} s"
+        return None, f"{_exit_description(self.proc.returncode)} while it finalized"
 
 
 def rank_command(options: RunOptions) -> list[str]:
@@ -241,22 +409,40 @@ def rank_command(options: RunOptions) -> list[str]:
 
 
 def run(options: RunOptions) -> int:
-    """Run the training script under TraceML; return its exit code."""
+    """Run the training script under TraceML; return its exit code.
+
+    Raises ``LaunchError`` (nothing launched, nothing created) for a bad option.
+    A SIGINT or SIGTERM before the ranks start returns ``128 + signal``.
+    """
     p = plan(options, os.environ)
+    if p.run_dir is not None:
+        try:
+            create_run_folder(options.logs_dir, p.run_dir.name, exist_ok=False)
+        except RunFolderError as exc:
+            raise LaunchError(str(exc)) from None
+    with _Signals() as signals:
+        return _run_planned(options, p, signals)
+
+
+def _run_planned(options: RunOptions, p: _Plan, signals: _Signals) -> int:
     aggregator: _Aggregator | None = None
     not_started: str | None = None
+    export_on = bool(options.export.settings.exporter)
     env = dict(os.environ)
     env[ENV_SAMPLER_INTERVAL] = repr(options.interval)
     env.pop(ENV_AGGREGATOR_ADDR, None)
+    env.pop(ENV_AGGREGATOR_UNAVAILABLE, None)
     if p.start_aggregator:
         assert p.run_dir is not None
-        p.run_dir.mkdir(parents=True)
         aggregator = _Aggregator(options, p)
-        ready = aggregator.wait_ready()
+        ready = aggregator.wait_ready(signals)
         if isinstance(ready, str):
-            _say(f"{ready}; training runs without TraceML telemetry")
+            if not signals.received:
+                _say(f"{ready}; training runs without TraceML telemetry")
             aggregator = None
             not_started = ready
+            # The ranks say why telemetry is off instead of "not launched by traceml run".
+            env[ENV_AGGREGATOR_UNAVAILABLE] = ready
         else:
             env[ENV_AGGREGATOR_ADDR] = f"{p.connect_host}:{ready[1]}"
             env[ENV_RUN_TOKEN] = p.token
@@ -266,31 +452,132 @@ def run(options: RunOptions) -> int:
     if p.run_dir is not None:
         _say(f"run folder {p.run_dir}")
 
-    exit_code = _run_ranks(options, env)
+    interrupted_early = bool(signals.received)
+    if interrupted_early:
+        # Stopped before training began: start no rank, finalize what was started.
+        exit_code = 128 + signals.received[0]
+        _say(
+            f"interrupted ({_signal_name(signals.received[0])}) before the training script started"
+        )
+    else:
+        exit_code = _run_ranks(options, env, signals)
 
-    if not_started is not None and options.export.settings.exporter:
+    if not_started is not None and export_on:
         assert p.run_dir is not None
         _report_export_off(p.run_dir, not_started)
     if aggregator is not None:
-        event = aggregator.finalize()
-        if event is None or event.get("event") != "finalized":
-            _say(
-                "the aggregator stopped before finalizing; export files may lack their closing lines"
-            )
+        assert p.run_dir is not None
+        event, why = aggregator.finalize(signals)
+        if event is None:
+            _report_aggregator_lost(p, why, exit_code, export_on=export_on)
         else:
-            if options.export.settings.exporter:
-                assert p.run_dir is not None
-                # A custom exporter writes where it likes: name the folder only if it exists.
-                export_dir = p.run_dir / "aggregator" / "export"
-                where = (
-                    f"in {export_dir}"
-                    if export_dir.is_dir()
-                    else f"passed to {options.export.settings.exporter}"
-                )
-                _say(f"export: {event.get('written_records')} records {where}")
-            if event.get("warning"):
-                _say(f"something was lost; see {event['warning']}")
+            _report_finalized(options, p, event, ranks_started=not interrupted_early)
     return exit_code
+
+
+def _report_finalized(
+    options: RunOptions, p: _Plan, event: dict[str, object], *, ranks_started: bool
+) -> None:
+    assert p.run_dir is not None
+    if options.export.settings.exporter:
+        # A custom exporter writes where it likes: name the folder only if it exists.
+        export_dir = p.run_dir / "aggregator" / "export"
+        where = (
+            f"in {export_dir}"
+            if export_dir.is_dir()
+            else f"passed to {options.export.settings.exporter}"
+        )
+        _say(f"export: {event.get('written_records')} records {where}")
+    warning = event.get("warning")
+    see = f"; see {warning}" if warning else ""
+    if ranks_started and event.get("ranks_heard") is False:
+        # The usual cause is a script without traceml.init(): say that, not "lost".
+        _say(
+            f"no rank connected to the aggregator: {options.script} may not call "
+            f"traceml.init() (or it exited before calling it){see}"
+        )
+    elif warning:
+        _say(f"something was lost; see {warning}")
+
+
+def count_data_lines(export_dir: Path) -> int:
+    """Data lines in the ``*.jsonl`` files of ``export_dir``: complete lines that are
+    not a closing line (a closing line is always a file's last line)."""
+    total = 0
+    for path in sorted(export_dir.glob("*.jsonl")):
+        try:
+            with open(path, "rb") as fh:
+                lines = 0
+                last = b""
+                while chunk := fh.read(1 << 20):
+                    lines += chunk.count(b"\n")
+                    last = (last + chunk)[-4096:]
+        except OSError:
+            continue
+        complete = last[: last.rfind(b"\n") + 1] if b"\n" in last else b""
+        final = complete.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+        if lines and b'"closing":true' in final:
+            lines -= 1
+        total += lines
+    return total
+
+
+def _report_aggregator_lost(p: _Plan, why: str, exit_code: int, *, export_on: bool) -> None:
+    """The aggregator is gone without finalizing: we outlived it, so we write the warning.
+
+    The export files stay exactly as they are; without a closing line they say that
+    the aggregator did not finish cleanly.
+    """
+    assert p.run_dir is not None
+    if not export_on:
+        _say(f"the aggregator {why}; export was off, so no file is affected")
+        return
+    from traceml_ai.export._finalize import RankOutcome, write_finalization_warning
+    from traceml_records import ExportLoss
+
+    export_dir = p.run_dir / "aggregator" / "export"
+    counted = export_dir.is_dir()
+    written = count_data_lines(export_dir) if counted else 0
+    written_text = (
+        f"{written} records were written (counted from the export files' data lines)"
+        if counted
+        else "the records written by the custom exporter are not counted (0 in the export block)"
+    )
+    message = (
+        f"The aggregator process {why}, so the export did not finish: the export files "
+        f"end without closing lines and {written_text}; the training script exited with "
+        f"code {exit_code}."
+    )
+    loss = ExportLoss(
+        written_records=written,
+        dropped_batches=0,
+        failed_records=0,
+        skipped_items=0,
+        exporter_failed=True,
+    )
+    ranks = None
+    if exit_code != 0:
+        # The aggregator kept the record of which ranks finished; with it gone, none is known.
+        ranks = RankOutcome(
+            expected_world_size=p.world_size,
+            finished_ranks=(),
+            missing_ranks=tuple(range(p.world_size)),
+        )
+    try:
+        path = write_finalization_warning(
+            p.run_dir,
+            export_loss=loss,
+            ranks=ranks,
+            reason_if_ranks="ranks_disconnected" if ranks is not None else None,
+            message=message,
+        )
+    except (OSError, ValueError) as exc:
+        _say(
+            f"the aggregator {why}; export files lack closing lines, and "
+            f"{p.run_dir / 'finalization_warning.json'} could not be written ({exc})"
+        )
+        return
+    _say(f"the aggregator {why}; export files lack closing lines; see {path}")
 
 
 def _report_export_off(run_dir: Path, why: str) -> None:
@@ -318,29 +605,14 @@ def _report_export_off(run_dir: Path, why: str) -> None:
         _say(f"something was lost; see {path}")
 
 
-def _run_ranks(options: RunOptions, env: dict[str, str]) -> int:
+def _run_ranks(options: RunOptions, env: dict[str, str], signals: _Signals) -> int:
+    seen = signals.count
     # A session of their own: the terminal's Ctrl-C reaches the ranks once, through us.
     proc = subprocess.Popen(rank_command(options), env=env, start_new_session=True)
-    signals_seen = 0
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        nonlocal signals_seen
-        del frame
-        signals_seen += 1
-        # First signal as sent, then SIGTERM, then SIGKILL for a run that will not stop.
-        sig = (
-            signum
-            if signals_seen == 1
-            else (signal.SIGTERM if signals_seen == 2 else signal.SIGKILL)
-        )
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals.ranks_started(proc.pid, seen)
     try:
         code: int = proc.wait()
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signals.ranks_done()
     # A negative code means killed by a signal; report it the way shells do.
     return code if code >= 0 else 128 + (-code)

@@ -15,6 +15,7 @@ once the ranks have finished or disconnected, instead of serving forever.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -24,7 +25,7 @@ from typing import TextIO
 import orjson
 
 from traceml_ai.aggregator._process import tune_gc_for_aggregator
-from traceml_ai.aggregator._runner import run_until_done
+from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
 from traceml_ai.aggregator._service import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
 from traceml_ai.wire import ENV_RUN_TOKEN
@@ -41,8 +42,18 @@ def _protocol_stream() -> TextIO:
 
 
 def _emit(out: TextIO, event: dict[str, object]) -> None:
-    out.write(orjson.dumps(event).decode() + "\n")
-    out.flush()
+    try:
+        out.write(orjson.dumps(event).decode() + "\n")
+        out.flush()
+    except (BrokenPipeError, ValueError):
+        # The launcher is gone (killed) and nobody reads the events: that is no
+        # error of ours, and a traceback here would land on the user's terminal
+        # after their prompt returned. Point the stream at nothing so its final
+        # flush at exit cannot fail again.
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, out.fileno())
+            os.close(devnull)
 
 
 def _watch_parent(parent_pid: int, aggregator: Aggregator, stop: threading.Event) -> None:
@@ -80,6 +91,10 @@ def main(argv: list[str]) -> int:
         finalize_timeout_s=float(raw.get("finalize_timeout_s", 10.0)),
     )
     aggregator = Aggregator(config)
+    # Before starting (a custom exporter's factory may take a while): a SIGTERM from
+    # the launcher, interrupted while we start, then finalizes as soon as we listen.
+    stop = threading.Event()
+    install_stop_handlers(stop)
     try:
         host, port = aggregator.start()
     except OSError as exc:
@@ -92,7 +107,6 @@ def main(argv: list[str]) -> int:
         )
         return 1
     _emit(out, {"event": "ready", "host": host, "port": port, "pid": os.getpid()})
-    stop = threading.Event()
     parent_pid = raw.get("parent_pid")
     if type(parent_pid) is int:
         threading.Thread(
@@ -111,6 +125,9 @@ def main(argv: list[str]) -> int:
             "warning": str(result.warning_path) if result.warning_path else None,
             "missing_ranks": list(result.ranks.missing_ranks),
             "rejected_frames": result.rejected_frames,
+            # False when no rank ever sent anything: the launcher then names the likely
+            # cause (no traceml.init()) instead of a bare "something was lost".
+            "ranks_heard": aggregator.heard_from_ranks,
         },
     )
     return 0
