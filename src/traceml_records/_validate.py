@@ -8,6 +8,13 @@ the Export Records page. Whole files and folders get the cross-line rules: one
 closing line, last, with the right stream and count; one ``dropped_batches`` per
 folder; unique keys; ``seq`` never decreasing; system_gpu lines matching their
 snapshot; ``hostname`` on every line or none.
+
+A run folder's ``finalization_warning.json`` is compared with its export files,
+except when the warning says its run's exporter failed and wrote nothing
+(``exporter_failed`` true, ``written_records`` 0) while the files hold data lines:
+that run's export was off because the files already existed (``traceml serve
+--run-name`` or Ray into a used folder; TraceML never appends), so they are an
+earlier run's. They are still checked on their own and their summaries say so.
 """
 
 from __future__ import annotations
