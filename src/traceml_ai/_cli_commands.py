@@ -245,10 +245,9 @@ def serve(**cli: Any) -> None:
         written = result.stats.written_total if result.stats else 0
         export_dir = run_dir / "aggregator" / "export"
         # A custom exporter writes where it likes: name the folder only if it exists.
-        where = (
-            f"in {export_dir}" if export_dir.is_dir() else f"passed to {resolved.settings.exporter}"
-        )
-        click.echo(f"traceml: export: {written} records {where}", err=True)
+        where = f"in {export_dir}" if export_dir.is_dir() else "passed to the custom exporter"
+        failed = "; the exporter failed" if result.stats and result.stats.exporter_failed else ""
+        click.echo(f"traceml: export: {written} records {where}{failed}", err=True)
     if result.warning_path is not None:
         click.echo(f"traceml: something was lost; see {result.warning_path}", err=True)
     click.echo(f"traceml: run folder {run_dir}", err=True)

@@ -482,12 +482,9 @@ def _report_finalized(
     if options.export.settings.exporter:
         # A custom exporter writes where it likes: name the folder only if it exists.
         export_dir = p.run_dir / "aggregator" / "export"
-        where = (
-            f"in {export_dir}"
-            if export_dir.is_dir()
-            else f"passed to {options.export.settings.exporter}"
-        )
-        _say(f"export: {event.get('written_records')} records {where}")
+        where = f"in {export_dir}" if export_dir.is_dir() else "passed to the custom exporter"
+        failed = "; the exporter failed" if event.get("exporter_failed") else ""
+        _say(f"export: {event.get('written_records')} records {where}{failed}")
     warning = event.get("warning")
     see = f"; see {warning}" if warning else ""
     if ranks_started and event.get("ranks_heard") is False:

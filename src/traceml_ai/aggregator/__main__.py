@@ -122,6 +122,7 @@ def main(argv: list[str]) -> int:
         {
             "event": "finalized",
             "written_records": stats.written_total if stats else 0,
+            "exporter_failed": stats.exporter_failed if stats else False,
             "warning": str(result.warning_path) if result.warning_path else None,
             "missing_ranks": list(result.ranks.missing_ranks),
             "rejected_frames": result.rejected_frames,

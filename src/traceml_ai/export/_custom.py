@@ -4,10 +4,10 @@ The factory is imported and called once, in the aggregator, with the run's
 :class:`ExportContext`; it returns an object with callable ``export(records)`` and
 ``close(summary)``. Anything that goes wrong on the way gives one clear message
 naming the value and the problem, and the run goes on with the exporter failed (the
-pipeline then counts every selected record as failed). A failure inside the user's
-own code (an import error raised by their module, a factory that raises) keeps its
-traceback in the message, because that is what they need to fix it; a module that
-simply does not exist is a one-line message.
+pipeline then counts every selected record as failed). The message is one line, also
+for a failure inside the user's own code (an import error raised by their module, a
+factory that raises): the exception and the file, line and function of their code
+that raised it, which is what they need to find it, without a traceback.
 """
 
 from __future__ import annotations
@@ -61,13 +61,20 @@ def _is_machinery(filename: str) -> bool:
     return path == _OWN_FILE or os.path.dirname(path) == _IMPORTLIB_DIR
 
 
-def _user_traceback(exc: BaseException) -> str:
-    """The traceback of ``exc`` without importlib's and this module's own frames."""
+def _user_error(exc: BaseException) -> str:
+    """``exc`` as one line: its type and message, and where in the user's code it was
+    raised (the innermost frame that is not importlib's or ours).
+
+    One line rather than a traceback: the run goes on without the exporter, and the
+    message must read as one clear line among the launcher's.
+    """
     te = traceback.TracebackException.from_exception(exc)
-    te.stack = traceback.StackSummary.from_list(
-        [frame for frame in te.stack if not _is_machinery(frame.filename)]
-    )
-    return "".join(te.format()).rstrip("\n")
+    frames = [frame for frame in te.stack if not _is_machinery(frame.filename)]
+    what = "".join(te.format_exception_only()).strip().replace("\n", " ")
+    if not frames:
+        return what
+    last = frames[-1]
+    return f"{what} (at {last.filename}:{last.lineno}, in {last.name})"
 
 
 def _is_missing_module(exc: ModuleNotFoundError, module: str) -> bool:
@@ -82,7 +89,7 @@ def _import(value: str, module: str) -> Any:
     except ModuleNotFoundError as exc:
         if not _is_missing_module(exc, module):
             raise ExporterLoadError(
-                f"exporter {value!r}: importing module {module!r} raised:\n{_user_traceback(exc)}"
+                f"exporter {value!r}: importing module {module!r} raised {_user_error(exc)}"
             ) from exc
         cwd = os.getcwd()
         if cwd in sys.path or "" in sys.path:
@@ -92,7 +99,7 @@ def _import(value: str, module: str) -> Any:
     except (Exception, SystemExit) as exc:
         # SystemExit too: a module that calls sys.exit() must not end the aggregator.
         raise ExporterLoadError(
-            f"exporter {value!r}: importing module {module!r} raised:\n{_user_traceback(exc)}"
+            f"exporter {value!r}: importing module {module!r} raised {_user_error(exc)}"
         ) from exc
     # Console scripts (``traceml``) do not put the working directory on sys.path, but
     # a user naming ``my_pkg.exporters:make`` expects their project folder to count,
@@ -107,11 +114,11 @@ def _import(value: str, module: str) -> Any:
                 f"exporter {value!r}: cannot import module {module!r}: {exc}"
             ) from None
         raise ExporterLoadError(
-            f"exporter {value!r}: importing module {module!r} raised:\n{_user_traceback(exc)}"
+            f"exporter {value!r}: importing module {module!r} raised {_user_error(exc)}"
         ) from exc
     except (Exception, SystemExit) as exc:
         raise ExporterLoadError(
-            f"exporter {value!r}: importing module {module!r} raised:\n{_user_traceback(exc)}"
+            f"exporter {value!r}: importing module {module!r} raised {_user_error(exc)}"
         ) from exc
 
 
@@ -119,8 +126,8 @@ def load_exporter_factory(value: str) -> ExporterFactory:
     """Import ``module.path:factory`` and return the factory (not called yet).
 
     Raises :class:`ExporterLoadError` with one message naming ``value`` when the
-    value is malformed, the module cannot be imported (with the traceback when the
-    error was raised inside the module), the attribute is missing, or it is not
+    value is malformed, the module cannot be imported (with the exception and where it
+    was raised when that was inside the module), the attribute is missing, or it is not
     callable. If the module is not found, the working directory is added to the end
     of ``sys.path`` and the import tried once more.
     """
@@ -175,7 +182,7 @@ def create_exporter(
         try:
             exporter = factory(context)
         except (Exception, SystemExit) as exc:
-            failure = f"exporter {value!r}: the factory raised:\n{_user_traceback(exc)}"
+            failure = f"exporter {value!r}: the factory raised {_user_error(exc)}"
         else:
             missing = _missing_methods(exporter)
             if not missing:
@@ -185,7 +192,7 @@ def create_exporter(
                 f"which has no callable {' or '.join(m + '()' for m in missing)}; "
                 "an exporter needs export(records) and close(summary)"
             )
-    message = f"{failure}\nExport is off for this run; its records count as failed."
+    message = f"{failure}; export is off for this run and its records count as failed"
     if report is not None:
         report(message)
     return ExporterStartFailure(value=value, message=message)
