@@ -390,6 +390,47 @@ class _Aggregator:
         return None, f"{_exit_description(self.proc.returncode)} while it finalized"
 
 
+TORCHRUN_SINGLE_PROCESS_ENV = (
+    ("RANK", "0"),
+    ("LOCAL_RANK", "0"),
+    ("WORLD_SIZE", "1"),
+    ("LOCAL_WORLD_SIZE", "1"),
+    ("GROUP_RANK", "0"),
+    ("NODE_RANK", "0"),
+)
+"""What ``torch.distributed.run`` gives its one worker (with MASTER_ADDR/MASTER_PORT)."""
+
+ENV_RUN_DIR = "TRACEML_RUN_DIR"
+"""The run folder, for the ranks of the node that hosts the aggregator."""
+
+ENV_SUMMARY_FILE = "TRACEML_SUMMARY_STEP_TIME_FILE"
+"""The ``step_time.jsonl`` this run exports, when it exports one (``traceml.summary()``)."""
+
+
+def single_process_environment(options: RunOptions, env: dict[str, str]) -> dict[str, str]:
+    """The environment torchrun would give a one-process run, over ``env``.
+
+    The one process is started directly (no torch.distributed.run), but a DDP script
+    must still find what torchrun sets (``init_process_group("env://")`` reads
+    MASTER_ADDR/MASTER_PORT), so it runs unchanged as one process. A value the user
+    already set is kept.
+    """
+    out = dict(env)
+    for name, value in TORCHRUN_SINGLE_PROCESS_ENV:
+        out.setdefault(name, value)
+    out.setdefault("MASTER_ADDR", options.master_addr)
+    out.setdefault("MASTER_PORT", str(options.master_port))
+    return out
+
+
+def step_time_export_file(options: RunOptions, run_dir: Path) -> Path | None:
+    """Where the built-in exporter writes this run's step_time lines; None if it does not."""
+    export = options.export
+    if export.settings.exporter != "jsonl" or "step_time" not in export.selected_streams:
+        return None
+    return run_dir / "aggregator" / "export" / "step_time.jsonl"
+
+
 def rank_command(options: RunOptions) -> list[str]:
     """One process runs the script directly; more go through ``torch.distributed.run``."""
     if options.nproc_per_node == 1 and options.nnodes == 1:
@@ -432,6 +473,8 @@ def _run_planned(options: RunOptions, p: _Plan, signals: _Signals) -> int:
     env[ENV_SAMPLER_INTERVAL] = repr(options.interval)
     env.pop(ENV_AGGREGATOR_ADDR, None)
     env.pop(ENV_AGGREGATOR_UNAVAILABLE, None)
+    env.pop(ENV_RUN_DIR, None)
+    env.pop(ENV_SUMMARY_FILE, None)
     if p.start_aggregator:
         assert p.run_dir is not None
         aggregator = _Aggregator(options, p)
@@ -446,6 +489,10 @@ def _run_planned(options: RunOptions, p: _Plan, signals: _Signals) -> int:
         else:
             env[ENV_AGGREGATOR_ADDR] = f"{p.connect_host}:{ready[1]}"
             env[ENV_RUN_TOKEN] = p.token
+            env[ENV_RUN_DIR] = str(p.run_dir)
+            summary_file = step_time_export_file(options, p.run_dir)
+            if summary_file is not None:
+                env[ENV_SUMMARY_FILE] = str(summary_file)
     else:
         env[ENV_AGGREGATOR_ADDR] = f"{p.connect_host}:{p.port}"
         env[ENV_RUN_TOKEN] = p.token
@@ -604,6 +651,8 @@ def _report_export_off(run_dir: Path, why: str) -> None:
 
 def _run_ranks(options: RunOptions, env: dict[str, str], signals: _Signals) -> int:
     seen = signals.count
+    if options.nproc_per_node == 1 and options.nnodes == 1:
+        env = single_process_environment(options, env)
     # A session of their own: the terminal's Ctrl-C reaches the ranks once, through us.
     proc = subprocess.Popen(rank_command(options), env=env, start_new_session=True)
     signals.ranks_started(proc.pid, seen)
