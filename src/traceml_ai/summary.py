@@ -1,0 +1,834 @@
+"""A run summary read from the export files: step time per rank, phases, memory,
+process and system figures, the straggler view and what was lost.
+
+It reads only the files, so it works for any number of nodes (the aggregator wrote
+every rank's lines) and on a run still in progress: a partial last line is a line
+still being written and is ignored; a file without its closing line is reported as
+unfinished. Light to import: orjson only (never torch, never pyarrow), because
+``traceml run`` calls it at the end of every run with export on.
+
+Straggler definition (one place, used by the text and by ``--json``):
+
+* A rank's *figure* is the median over its steps of a per-step time. A rank is a
+  straggler when its figure is above the median of the other ranks' figures by more
+  than ``STRAGGLER_REL`` (10 %) **and** more than ``STRAGGLER_ABS_MS`` (1 ms): both,
+  so that neither microsecond noise nor a small relative spread on long steps counts.
+* The per-step time is first the step time. In synchronous data parallel training
+  (DDP) every rank's step lasts as long as the slowest one's, because the fast ranks
+  wait inside backward's all-reduce; step times then look equal. So when no rank
+  stands out on step time, the summary looks for a *wait phase*: a phase whose median
+  differs between ranks by a clear margin and is shortest on the rank that has the
+  most time outside it. That rank causes the wait, the others wait inside that phase,
+  and the per-step time becomes "step time minus the wait phase".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+STRAGGLER_REL = 0.10
+"""A straggler's figure exceeds the others' median by more than this fraction..."""
+STRAGGLER_ABS_MS = 1.0
+"""...and by more than this many milliseconds."""
+SAME_RANK_SHARE = 0.75
+"""The slowest rank counts as "the same rank" when it was slowest in this share of steps."""
+
+_PREFIX = "_traceml_internal:"
+STEP_EVENT = _PREFIX + "step_time"
+PHASES: tuple[tuple[str, str], ...] = (
+    ("dataloader_wait", _PREFIX + "dataloader_next"),
+    ("h2d", _PREFIX + "h2d_time"),
+    ("forward", _PREFIX + "forward_time"),
+    ("backward", _PREFIX + "backward_time"),
+    ("optimizer", _PREFIX + "optimizer_step"),
+)
+"""Summary name and event name of each built-in phase, in step order."""
+_PHASE_BY_EVENT = {event: name for name, event in PHASES}
+_CORE_PHASES = ("dataloader_wait", "forward", "backward", "optimizer")
+"""Phases always shown (with 0 when not measured); h2d and user phases when present."""
+
+_WAIT_PRIORITY = ("backward", "forward", "optimizer")
+"""Phases where data parallel collectives wait, most likely first."""
+
+STREAM_FILES = (
+    "step_time",
+    "step_memory",
+    "process",
+    "system",
+    "system_gpu",
+    "runtime_environment",
+    "stdout_stderr",
+)
+WARNING_FILE = "finalization_warning.json"
+
+
+class SummaryError(Exception):
+    """The path cannot be summarized (missing, or no export files); one line of text."""
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _folders(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
+    """(export folder, run folder or None) for a run, aggregator or export folder."""
+    p = Path(path)
+    if not p.exists():
+        raise SummaryError(f"{p}: no such file or folder")
+    if p.is_file():
+        raise SummaryError(f"{p}: give a run folder or an export folder, not a file")
+    if (p / "aggregator" / "export").is_dir():
+        return p / "aggregator" / "export", p
+    if (p / "export").is_dir() and p.name == "aggregator":
+        return p / "export", p.parent
+    if any(p.glob("*.jsonl")):
+        run = p.parent.parent if p.parent.name == "aggregator" else None
+        return p, run
+    raise SummaryError(f"{p}: no export files here (expected a run folder or an export folder)")
+
+
+class _FileRead:
+    """What reading one export file found besides its data lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data_lines = 0
+        self.closing: dict[str, Any] | None = None
+        self.partial_last_line = False
+        self.bad_lines = 0
+        self.lines_after_closing = 0
+
+
+def _iter_objects(path: Path, info: _FileRead) -> Iterator[dict[str, Any]]:
+    """The data lines of one file as dicts; the closing line goes to ``info``."""
+    with open(path, "rb") as fh:
+        blob = fh.read()
+    lines = blob.split(b"\n")
+    if lines and lines[-1]:
+        # No final newline: the exporter is still writing this line.
+        info.partial_last_line = True
+    for raw in lines[:-1]:
+        if not raw:
+            continue
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            info.bad_lines += 1
+            continue
+        if not isinstance(obj, dict):
+            info.bad_lines += 1
+            continue
+        if obj.get("closing") is True:
+            info.closing = obj
+            continue
+        if info.closing is not None:
+            info.lines_after_closing += 1
+        info.data_lines += 1
+        yield obj
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
+    n = len(sorted_values)
+    if n == 1:
+        return float(sorted_values[0])
+    pos = (n - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    frac = pos - lo
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac)
+
+
+def _median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    return _percentile(ordered, 50.0) if ordered else 0.0
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _r(x: float, digits: int = 3) -> float:
+    return round(float(x), digits)
+
+
+def _clearly_above(value: float, reference: float) -> bool:
+    excess = value - reference
+    return excess > STRAGGLER_ABS_MS and excess > STRAGGLER_REL * reference
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def _phase_ms(devices: Any) -> float | None:
+    """One phase's time in a step: its longest device (devices run side by side)."""
+    if not isinstance(devices, dict) or not devices:
+        return None
+    best: float | None = None
+    for timing in devices.values():
+        if isinstance(timing, dict):
+            d = timing.get("duration_ms")
+            if isinstance(d, (int, float)) and (best is None or d > best):
+                best = float(d)
+    return best
+
+
+def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, float]]]:
+    """rank -> step -> {"step": ms, phase name: ms, ...}; a repeated key keeps the last."""
+    out: dict[int, dict[int, dict[str, float]]] = {}
+    for obj in objs:
+        rank, step, events = obj.get("global_rank"), obj.get("step"), obj.get("events")
+        if not isinstance(rank, int) or not isinstance(step, int) or not isinstance(events, dict):
+            continue
+        total = _phase_ms(events.get(STEP_EVENT))
+        if total is None:
+            continue
+        row: dict[str, float] = {"step": total, "_ts": float(obj.get("timestamp_unix_ns") or 0)}
+        for event, devices in events.items():
+            if event == STEP_EVENT:
+                continue
+            ms = _phase_ms(devices)
+            if ms is None:
+                continue
+            name = _PHASE_BY_EVENT.get(event)
+            if name is None:
+                if event.startswith(_PREFIX):
+                    continue  # a reserved name this reader does not know yet
+                name = f"user:{event}"
+            row[name] = ms
+        out.setdefault(rank, {})[step] = row
+    return out
+
+
+def _rest(row: dict[str, float]) -> float:
+    # Phases may nest (a user phase inside forward), so the rest is never below 0.
+    used = sum(v for k, v in row.items() if k not in ("step", "_ts"))
+    return max(0.0, row["step"] - used)
+
+
+def _step_section(
+    rows: dict[int, dict[int, dict[str, float]]],
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(per-rank step figures, per-rank phase breakdown, phase names in order)."""
+    user_phases = sorted(
+        {
+            k
+            for steps in rows.values()
+            for row in steps.values()
+            for k in row
+            if k.startswith("user:")
+        }
+    )
+    has_h2d = any("h2d" in row for steps in rows.values() for row in steps.values())
+    names = [
+        "dataloader_wait",
+        *(["h2d"] if has_h2d else []),
+        "forward",
+        "backward",
+        "optimizer",
+        *user_phases,
+        "rest",
+    ]
+    per_rank: dict[str, Any] = {}
+    phases: dict[str, Any] = {}
+    for rank in sorted(rows):
+        steps = rows[rank]
+        ordered = [steps[s] for s in sorted(steps)]
+        times = sorted(r["step"] for r in ordered)
+        stamps = sorted(r["_ts"] for r in ordered if r["_ts"] > 0)
+        span_s = (stamps[-1] - stamps[0]) / 1e9 if len(stamps) >= 2 else 0.0
+        # Steps per second over the wall time between the first and last step ends
+        # (includes time between steps); from the mean step time when that is unknown.
+        if span_s > 0:
+            rate = (len(stamps) - 1) / span_s
+        else:
+            mean = _mean(times)
+            rate = 1000.0 / mean if mean > 0 else 0.0
+        per_rank[str(rank)] = {
+            "steps": len(times),
+            "first_step": min(steps),
+            "last_step": max(steps),
+            "p50_ms": _r(_percentile(times, 50)),
+            "p90_ms": _r(_percentile(times, 90)),
+            "p99_ms": _r(_percentile(times, 99)),
+            "max_ms": _r(times[-1]),
+            "mean_ms": _r(_mean(times)),
+            "steps_per_s": _r(rate),
+        }
+        breakdown: dict[str, Any] = {}
+        mean_step = _mean(times)
+        for name in names:
+            values = [_rest(r) if name == "rest" else r.get(name, 0.0) for r in ordered]
+            m = _mean(values)
+            breakdown[name] = {
+                "mean_ms": _r(m),
+                "p50_ms": _r(_median(values)),
+                "share": _r(m / mean_step if mean_step > 0 else 0.0, 4),
+            }
+        phases[str(rank)] = breakdown
+    return per_rank, phases, names
+
+
+def _straggler_view(
+    rows: dict[int, dict[int, dict[str, float]]], phase_names: Sequence[str], strategy: str | None
+) -> dict[str, Any]:
+    ranks = sorted(rows)
+    view: dict[str, Any] = {
+        "definition": (
+            f"a rank whose median per-step time is above the other ranks' median by more "
+            f"than {int(STRAGGLER_REL * 100)} % and more than {STRAGGLER_ABS_MS:g} ms"
+        ),
+        "ranks": len(ranks),
+    }
+    if len(ranks) < 2:
+        view.update(applicable=False, reason="one rank: nothing to compare", stragglers=[])
+        return view
+    view["applicable"] = True
+
+    def stragglers_by(metric: dict[int, float]) -> list[dict[str, Any]]:
+        found = []
+        for r in ranks:
+            others = _median(metric[o] for o in ranks if o != r)
+            if _clearly_above(metric[r], others):
+                found.append(
+                    {
+                        "rank": r,
+                        "median_ms": _r(metric[r]),
+                        "others_median_ms": _r(others),
+                        "excess_ms": _r(metric[r] - others),
+                        "excess_pct": _r(100.0 * (metric[r] - others) / others, 1)
+                        if others > 0
+                        else None,
+                    }
+                )
+        return found
+
+    step_median = {r: _median(row["step"] for row in rows[r].values()) for r in ranks}
+    metric_name = "step_time"
+    per_step: dict[int, dict[int, float]] = {
+        r: {s: row["step"] for s, row in rows[r].items()} for r in ranks
+    }
+    found = stragglers_by(step_median)
+
+    # The wait pattern: a phase clearly longer on some ranks and shortest on the rank
+    # with the most time outside it (that rank keeps the others waiting in it).
+    wait: dict[str, Any] | None = None
+    candidates = [n for n in phase_names if n != "rest"]
+    best: tuple[int, int, float] | None = None
+    for name in candidates:
+        med = {r: _median(row.get(name, 0.0) for row in rows[r].values()) for r in ranks}
+        own = {
+            r: _median(row["step"] - row.get(name, 0.0) for row in rows[r].values()) for r in ranks
+        }
+        cause = max(ranks, key=lambda r: own[r])
+        if min(ranks, key=lambda r: med[r]) != cause:
+            continue
+        others_own = _median(own[o] for o in ranks if o != cause)
+        if not _clearly_above(own[cause], others_own):
+            continue
+        waiting = [r for r in ranks if r != cause and _clearly_above(med[r], med[cause])]
+        if not waiting:
+            continue
+        # One slow rank keeps every other rank waiting, so the reading with the most
+        # waiting ranks wins. With two ranks "1 is slow in forward, 0 waits in backward"
+        # and "0 is slow in backward, 1 waits in forward" fit the same numbers; the
+        # collectives of data parallel training run in backward (DDP's all-reduce),
+        # then forward (FSDP's all-gather), so those phases come first.
+        priority = _WAIT_PRIORITY.index(name) if name in _WAIT_PRIORITY else len(_WAIT_PRIORITY)
+        score = (len(waiting), -priority, max(med.values()) - med[cause])
+        if best is None or score > best:
+            best = score
+            wait = {
+                "phase": name,
+                "caused_by_rank": cause,
+                "waiting_ranks": waiting,
+                "wait_ms_per_step": {str(r): _r(med[r] - med[cause]) for r in waiting},
+                "time_outside_phase_ms": {str(r): _r(own[r]) for r in ranks},
+            }
+    if wait is not None:
+        if strategy == "ddp" and wait["phase"] == "backward":
+            wait["why"] = (
+                "DDP: the fast ranks wait for the slow one in backward's gradient all-reduce"
+            )
+        else:
+            wait["why"] = (
+                f"the other ranks wait for rank {wait['caused_by_rank']} in {wait['phase']}"
+            )
+    view["wait"] = wait
+    if not found and wait is not None:
+        phase = wait["phase"]
+        metric_name = f"step_time minus {phase}"
+        per_step = {
+            r: {s: row["step"] - row.get(phase, 0.0) for s, row in rows[r].items()} for r in ranks
+        }
+        found = stragglers_by({r: _median(per_step[r].values()) for r in ranks})
+    view["metric"] = metric_name
+    view["stragglers"] = found
+
+    # Step by step: which rank was slowest on the same metric, over steps all ranks have.
+    common = set.intersection(*(set(per_step[r]) for r in ranks))
+    counts = {r: 0 for r in ranks}
+    for s in common:
+        counts[max(ranks, key=lambda r: per_step[r][s])] += 1
+    view["steps_compared"] = len(common)
+    view["slowest_counts"] = {str(r): counts[r] for r in ranks}
+    if common:
+        top = max(ranks, key=lambda r: counts[r])
+        share = counts[top] / len(common)
+        view["most_often_slowest"] = {"rank": top, "share": _r(share, 3)}
+        view["same_rank"] = share >= SAME_RANK_SHARE
+    else:
+        view["most_often_slowest"] = None
+        view["same_rank"] = None
+    return view
+
+
+def _memory_section(objs: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """rank -> device -> peaks; and whether any device had allocator figures."""
+    peaks: dict[int, dict[str, dict[str, int | None]]] = {}
+    any_figure = False
+    for obj in objs:
+        rank, device = obj.get("global_rank"), obj.get("device")
+        if not isinstance(rank, int) or not isinstance(device, str):
+            continue
+        slot = peaks.setdefault(rank, {}).setdefault(
+            device, {"peak_allocated_bytes": None, "peak_reserved_bytes": None}
+        )
+        for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+            v = obj.get(key)
+            if isinstance(v, int):
+                any_figure = True
+                old = slot[key]
+                slot[key] = v if old is None else max(old, v)
+    return {str(r): peaks[r] for r in sorted(peaks)}, any_figure
+
+
+def _process_section(objs: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    acc: dict[int, dict[str, list[float]]] = {}
+    for obj in objs:
+        rank = obj.get("global_rank")
+        if not isinstance(rank, int):
+            continue
+        a = acc.setdefault(rank, {"cpu": [], "ram": [], "gpu_used": [], "gpu_reserved": []})
+        for key, field in (
+            ("cpu", "cpu_percent"),
+            ("ram", "ram_used_bytes"),
+            ("gpu_used", "gpu_memory_used_bytes"),
+            ("gpu_reserved", "gpu_memory_reserved_bytes"),
+        ):
+            v = obj.get(field)
+            if isinstance(v, (int, float)):
+                a[key].append(float(v))
+    out: dict[str, Any] = {}
+    for rank in sorted(acc):
+        a = acc[rank]
+        out[str(rank)] = {
+            "samples": len(a["ram"]),
+            "cpu_percent_mean": _r(_mean(a["cpu"]), 1),
+            "cpu_percent_max": _r(max(a["cpu"], default=0.0), 1),
+            "ram_used_bytes_max": int(max(a["ram"], default=0)),
+            "gpu_memory_used_bytes_max": int(max(a["gpu_used"])) if a["gpu_used"] else None,
+            "gpu_memory_reserved_bytes_max": int(max(a["gpu_reserved"]))
+            if a["gpu_reserved"]
+            else None,
+        }
+    return out
+
+
+def _system_section(
+    sys_objs: Iterable[dict[str, Any]], gpu_objs: Iterable[dict[str, Any]] | None
+) -> dict[str, Any]:
+    nodes: dict[int, dict[str, Any]] = {}
+    for obj in sys_objs:
+        node = obj.get("node_rank")
+        if not isinstance(node, int):
+            continue
+        n = nodes.setdefault(node, {"cpu": [], "ram": [], "ram_total": 0, "gpu_count": 0})
+        cpu, ram = obj.get("cpu_percent"), obj.get("ram_used_bytes")
+        if isinstance(cpu, (int, float)):
+            n["cpu"].append(float(cpu))
+        if isinstance(ram, int):
+            n["ram"].append(ram)
+        total, count = obj.get("ram_total_bytes"), obj.get("gpu_count")
+        if isinstance(total, int):
+            n["ram_total"] = max(n["ram_total"], total)
+        if isinstance(count, int):
+            n["gpu_count"] = max(n["gpu_count"], count)
+    gpus: dict[int, dict[int, dict[str, list[float]]]] = {}
+    for obj in gpu_objs or ():
+        node, index = obj.get("node_rank"), obj.get("gpu_index")
+        if not isinstance(node, int) or not isinstance(index, int):
+            continue
+        g = gpus.setdefault(node, {}).setdefault(
+            index, {"util": [], "mem": [], "mem_total": [], "temp": [], "power": []}
+        )
+        for key, field in (
+            ("util", "utilization_percent"),
+            ("mem", "memory_used_bytes"),
+            ("mem_total", "memory_total_bytes"),
+            ("temp", "temperature_c"),
+            ("power", "power_usage_w"),
+        ):
+            v = obj.get(field)
+            if isinstance(v, (int, float)):
+                g[key].append(float(v))
+    out: dict[str, Any] = {}
+    for node in sorted(set(nodes) | set(gpus)):
+        n = nodes.get(node, {"cpu": [], "ram": [], "ram_total": 0, "gpu_count": 0})
+        entry: dict[str, Any] = {
+            "samples": len(n["cpu"]),
+            "cpu_percent_mean": _r(_mean(n["cpu"]), 1),
+            "cpu_percent_max": _r(max(n["cpu"], default=0.0), 1),
+            "ram_used_bytes_max": int(max(n["ram"], default=0)),
+            "ram_total_bytes": int(n["ram_total"]),
+            "gpu_count": int(n["gpu_count"]),
+            "gpus": {},
+        }
+        for index, g in sorted(gpus.get(node, {}).items()):
+            entry["gpus"][str(index)] = {
+                "utilization_percent_mean": _r(_mean(g["util"]), 1) if g["util"] else None,
+                "memory_used_bytes_max": int(max(g["mem"])) if g["mem"] else None,
+                "memory_total_bytes": int(max(g["mem_total"])) if g["mem_total"] else None,
+                "temperature_c_max": _r(max(g["temp"]), 1) if g["temp"] else None,
+                "power_usage_w_max": _r(max(g["power"]), 1) if g["power"] else None,
+            }
+        out[str(node)] = entry
+    return out
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Summarize a run folder (or its export folder) as a JSON-able dict.
+
+    Raises :class:`SummaryError` (one line of text) when ``path`` is missing or holds
+    no export files. Everything else that is missing is said in ``notes``.
+    """
+    export_dir, run_dir = _folders(path)
+    files = {name: export_dir / f"{name}.jsonl" for name in STREAM_FILES}
+    present = {name: p for name, p in files.items() if p.is_file()}
+    reads: dict[str, _FileRead] = {}
+    objs: dict[str, list[dict[str, Any]]] = {}
+    for name, p in present.items():
+        info = _FileRead(p)
+        try:
+            objs[name] = list(_iter_objects(p, info))
+        except OSError as exc:
+            raise SummaryError(f"{p}: cannot read ({exc.strerror or exc})") from None
+        reads[name] = info
+
+    notes: list[str] = []
+    summary: dict[str, Any] = {
+        "export_folder": str(export_dir),
+        "run_folder": str(run_dir) if run_dir is not None else None,
+        "streams": sorted(present, key=STREAM_FILES.index),
+    }
+
+    strategy: str | None = None
+    env_rows = objs.get("runtime_environment", [])
+    if env_rows:
+        last: dict[int, dict[str, Any]] = {}
+        for obj in env_rows:
+            if isinstance(obj.get("global_rank"), int):
+                last[obj["global_rank"]] = obj
+        strategies = sorted({str(o.get("training_strategy")) for o in last.values()})
+        strategy = strategies[0] if len(strategies) == 1 else None
+        first = next(iter(last.values()), {})
+        summary["environment"] = {
+            "training_strategy": strategies[0] if len(strategies) == 1 else strategies,
+            "distributed_backend": first.get("distributed_backend"),
+            "topology": first.get("topology"),
+            "world_size": first.get("world_size"),
+            "torch_version": first.get("torch_version"),
+        }
+    else:
+        summary["environment"] = None
+
+    rows = _step_rows(objs.get("step_time", []))
+    if "step_time" not in present:
+        notes.append("step times: step_time was not exported")
+        summary.update(ranks=[], step_time=None, phases=None, straggler=None)
+    elif not rows:
+        notes.append("step times: no step recorded yet")
+        summary.update(ranks=[], step_time=None, phases=None, straggler=None)
+    else:
+        world: set[int] = {
+            o["world_size"] for o in objs["step_time"] if isinstance(o.get("world_size"), int)
+        }
+        if strategy is None and world and max(world) > 1:
+            notes.append(
+                "training strategy unknown (runtime_environment not exported); "
+                "the wait analysis does not assume DDP"
+            )
+        per_rank, phases, names = _step_section(rows)
+        summary["ranks"] = sorted(rows)
+        summary["step_time"] = per_rank
+        summary["phases"] = phases
+        summary["phase_names"] = names
+        summary["straggler"] = _straggler_view(rows, names, strategy)
+        if world:
+            summary["world_size"] = max(world)
+            missing = sorted(set(range(max(world))) - set(rows))
+            if missing:
+                notes.append(f"step times: no line yet from rank(s) {missing}")
+
+    if "step_memory" in present:
+        mem, any_figure = _memory_section(objs["step_memory"])
+        summary["memory"] = mem
+        if mem and not any_figure:
+            notes.append("peak memory: no allocator figures (a CPU run: peaks are null on cpu)")
+    else:
+        summary["memory"] = None
+        notes.append("peak memory: step_memory was not exported")
+
+    if "process" in present:
+        summary["process"] = _process_section(objs["process"])
+        if summary["process"] and all(
+            p["gpu_memory_used_bytes_max"] is None for p in summary["process"].values()
+        ):
+            notes.append("process GPU memory: none (no GPU used by the ranks)")
+    else:
+        summary["process"] = None
+        notes.append("process figures: process was not exported")
+    if "system" in present:
+        summary["system"] = _system_section(objs["system"], objs.get("system_gpu"))
+        if summary["system"] and all(n["gpu_count"] == 0 for n in summary["system"].values()):
+            notes.append("GPU figures: no GPU on the host(s)")
+    else:
+        summary["system"] = None
+        notes.append("system figures: system was not exported")
+
+    summary["loss"] = _loss_report(reads, run_dir, notes)
+    summary["notes"] = notes
+    return summary
+
+
+def _loss_report(
+    reads: dict[str, _FileRead], run_dir: Path | None, notes: list[str]
+) -> dict[str, Any]:
+    files: dict[str, Any] = {}
+    unfinished: list[str] = []
+    dropped: set[int] = set()
+    for name, info in reads.items():
+        closing = info.closing
+        entry: dict[str, Any] = {
+            "data_lines": info.data_lines,
+            "closed": closing is not None,
+            "partial_last_line": info.partial_last_line,
+        }
+        if info.bad_lines:
+            entry["unreadable_lines"] = info.bad_lines
+        if info.lines_after_closing:
+            entry["lines_after_closing"] = info.lines_after_closing
+        if closing is not None:
+            written = closing.get("written_records")
+            entry["written_records"] = written
+            entry["dropped_batches"] = closing.get("dropped_batches")
+            if isinstance(closing.get("dropped_batches"), int):
+                dropped.add(closing["dropped_batches"])
+            if isinstance(written, int) and written != info.data_lines:
+                entry["mismatch"] = True
+        else:
+            unfinished.append(name)
+        files[name] = entry
+    warning: Any = None
+    if run_dir is not None and (run_dir / WARNING_FILE).is_file():
+        try:
+            warning = orjson.loads((run_dir / WARNING_FILE).read_bytes())
+        except (OSError, orjson.JSONDecodeError) as exc:
+            warning = {"unreadable": str(exc)}
+    if warning is not None:
+        status = "lost"
+    elif unfinished:
+        status = "in_progress"
+    elif any(f.get("mismatch") or f.get("unreadable_lines") for f in files.values()):
+        status = "inconsistent"
+    elif dropped and max(dropped) > 0:
+        status = "lost"
+    else:
+        status = "complete"
+    if unfinished:
+        notes.append(
+            f"no closing line yet in {', '.join(sorted(unfinished))}: "
+            "the run is in progress or did not finish cleanly"
+        )
+    return {
+        "status": status,
+        "dropped_batches": max(dropped) if dropped else None,
+        "files": files,
+        "unfinished_files": sorted(unfinished),
+        "warning": warning,
+        "warning_file": str(run_dir / WARNING_FILE) if warning is not None and run_dir else None,
+    }
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def straggler_line(summary: dict[str, Any]) -> str:
+    """The straggler verdict as one sentence (shared by the text and the live view)."""
+    view = summary.get("straggler")
+    if not view:
+        return "straggler: no step times"
+    if not view.get("applicable"):
+        return f"straggler: n/a ({view.get('reason')})"
+    found = view.get("stragglers") or []
+    wait = view.get("wait")
+    if not found:
+        text = "straggler: none (no rank clearly slower than the others)"
+    else:
+        metric = view["metric"]
+        if metric == "step_time":
+            what = "median step"
+        else:
+            what = f"median time outside {metric.removeprefix('step_time minus ')}"
+        parts = []
+        for s in found:
+            pct = (
+                f", +{s['excess_pct']:.0f}%"
+                if s.get("excess_pct") is not None and metric == "step_time"
+                else ""
+            )
+            parts.append(
+                f"rank {s['rank']} ({what} {s['median_ms']:.2f} ms vs "
+                f"{s['others_median_ms']:.2f} ms on the others{pct})"
+            )
+        text = "straggler: " + ", ".join(parts)
+    most = view.get("most_often_slowest")
+    if most:
+        same = "same rank" if view.get("same_rank") else "varies"
+        text += (
+            f"; slowest in {most['share'] * 100:.0f}% of {view['steps_compared']} steps: "
+            f"rank {most['rank']} ({same})"
+        )
+    if wait:
+        waits = ", ".join(f"rank {r} {ms:.1f} ms" for r, ms in wait["wait_ms_per_step"].items())
+        text += (
+            f"; wait is in {wait['phase']} ({waits} per step), "
+            f"caused by rank {wait['caused_by_rank']}"
+        )
+    return text
+
+
+def _loss_line(summary: dict[str, Any]) -> str:
+    loss = summary["loss"]
+    status = loss["status"]
+    if status == "complete":
+        return "export: complete (every file closed, nothing lost)"
+    if status == "in_progress":
+        return f"export: in progress or unfinished (no closing line in {', '.join(loss['unfinished_files'])})"
+    if status == "inconsistent":
+        return "export: closing lines disagree with the data lines; run traceml validate"
+    warning = loss.get("warning")
+    if isinstance(warning, dict) and warning.get("message"):
+        return f"export: something was lost: {warning['message']} (see {loss['warning_file']})"
+    return f"export: something was lost ({loss.get('dropped_batches')} dropped batches)"
+
+
+def format_summary(summary: dict[str, Any], full: bool = True) -> str:
+    """The summary as plain text: a few lines (``full=False``) or every section."""
+    out: list[str] = []
+    ranks = summary.get("ranks") or []
+    steps = summary.get("step_time")
+    env = summary.get("environment") or {}
+    head = f"traceml: summary of {summary.get('run_folder') or summary['export_folder']}"
+    if env.get("training_strategy"):
+        head += f" ({env['training_strategy']}, {len(ranks)} rank(s))"
+    out.append(head)
+    if steps:
+        if full:
+            out.append("step time per rank (ms):")
+            out.append("  rank  steps      p50      p90      p99      max   steps/s")
+            for r in ranks:
+                s = steps[str(r)]
+                out.append(
+                    f"  {r:>4} {s['steps']:>6} {s['p50_ms']:>8.2f} {s['p90_ms']:>8.2f} "
+                    f"{s['p99_ms']:>8.2f} {s['max_ms']:>8.2f} {s['steps_per_s']:>9.2f}"
+                )
+            names = summary["phase_names"]
+            out.append("phases per rank (mean ms, share of the step):")
+            for r in ranks:
+                ph = summary["phases"][str(r)]
+                cells = ", ".join(
+                    f"{n} {ph[n]['mean_ms']:.2f} ({ph[n]['share'] * 100:.0f}%)" for n in names
+                )
+                out.append(f"  rank {r}: {cells}")
+        else:
+            p50 = [steps[str(r)]["p50_ms"] for r in ranks]
+            out.append(
+                f"step time: p50 {min(p50):.2f} to {max(p50):.2f} ms over {len(ranks)} rank(s), "
+                f"{sum(steps[str(r)]['steps'] for r in ranks)} steps"
+            )
+            # The largest phase on average, the quickest pointer to where time goes.
+            totals: dict[str, float] = {}
+            for r in ranks:
+                for n, v in summary["phases"][str(r)].items():
+                    totals[n] = totals.get(n, 0.0) + v["share"] / len(ranks)
+            top = sorted(totals.items(), key=lambda kv: -kv[1])[:3]
+            out.append("phases: " + ", ".join(f"{n} {v * 100:.0f}%" for n, v in top))
+        out.append(straggler_line(summary))
+    mem = summary.get("memory")
+    if full and mem:
+        rows = [
+            f"rank {r} {d}: allocated {_bytes(v['peak_allocated_bytes'])}, "
+            f"reserved {_bytes(v['peak_reserved_bytes'])}"
+            for r, devs in mem.items()
+            for d, v in devs.items()
+            if v["peak_allocated_bytes"] is not None or v["peak_reserved_bytes"] is not None
+        ]
+        if rows:
+            out.append("peak memory per device:")
+            out.extend(f"  {row}" for row in rows)
+    proc = summary.get("process")
+    if full and proc:
+        out.append("process per rank:")
+        for r, p in proc.items():
+            gpu = (
+                f", GPU memory max {_bytes(p['gpu_memory_used_bytes_max'])}"
+                if p["gpu_memory_used_bytes_max"] is not None
+                else ""
+            )
+            out.append(
+                f"  rank {r}: CPU {p['cpu_percent_mean']:.0f}% mean, {p['cpu_percent_max']:.0f}% max; "
+                f"RSS max {_bytes(p['ram_used_bytes_max'])}{gpu}"
+            )
+    system = summary.get("system")
+    if full and system:
+        out.append("system per node:")
+        for node, n in system.items():
+            out.append(
+                f"  node {node}: CPU {n['cpu_percent_mean']:.0f}% mean, {n['cpu_percent_max']:.0f}% max; "
+                f"RAM max {_bytes(n['ram_used_bytes_max'])} of {_bytes(n['ram_total_bytes'])}; "
+                f"{n['gpu_count']} GPU(s)"
+            )
+            for index, g in n["gpus"].items():
+                util = g["utilization_percent_mean"]
+                out.append(
+                    f"    gpu {index}: util {'n/a' if util is None else f'{util:.0f}%'} mean, "
+                    f"memory max {_bytes(g['memory_used_bytes_max'])}, "
+                    f"temp max {g['temperature_c_max']} C, power max {g['power_usage_w_max']} W"
+                )
+    out.append(_loss_line(summary))
+    if full:
+        out.extend(f"note: {n}" for n in summary.get("notes", []))
+    return "\n".join(line if line.startswith("traceml:") else f"traceml: {line}" for line in out)

@@ -1,0 +1,158 @@
+"""traceml_ai.summary on folders made here: stragglers, DDP wait, live files, loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from traceml_ai.summary import SummaryError, format_summary, summarize_run
+
+P = "_traceml_internal:"
+
+
+def _timing(ms: float) -> dict[str, Any]:
+    return {"cpu": {"cpu_ms": ms, "duration_ms": ms, "gpu_ms": None, "is_gpu": False, "n_calls": 1}}
+
+
+def step_line(rank: int, step: int, world: int, phases: dict[str, float]) -> dict[str, Any]:
+    total = phases.pop("step")
+    events = {P + "step_time": _timing(total)}
+    for name, ms in phases.items():
+        events[name if ":" in name or name.startswith("user") else P + name] = _timing(ms)
+    return {
+        "stream": "step_time",
+        "schema_version": 1,
+        "observed_timestamp_unix_ns": 10**18 + step * 10**7,
+        "rank": rank,
+        "global_rank": rank,
+        "local_rank": rank,
+        "world_size": world,
+        "local_world_size": world,
+        "node_rank": 0,
+        "timestamp_unix_ns": 10**18 + step * 10**7,
+        "seq": step - 1,
+        "step": step,
+        "events": dict(sorted(events.items())),
+    }
+
+
+def closing(stream: str, written: int, dropped: int = 0) -> dict[str, Any]:
+    return {
+        "stream": stream,
+        "closing": True,
+        "schema_version": 1,
+        "written_records": written,
+        "dropped_batches": dropped,
+    }
+
+
+def write(path: Path, objs: list[dict[str, Any]], tail: bytes = b"") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(orjson.dumps(o) + b"\n" for o in objs) + tail)
+
+
+def run_folder(tmp_path: Path, lines: list[dict[str, Any]], *, close: bool = True) -> Path:
+    run = tmp_path / "run"
+    objs = [*lines, closing("step_time", len(lines))] if close else lines
+    write(run / "aggregator" / "export" / "step_time.jsonl", objs)
+    return run
+
+
+def test_straggler_by_step_time(tmp_path: Path) -> None:
+    lines = [
+        step_line(r, s, 3, {"step": 30.0 if r == 2 else 10.0, "forward_time": 4.0})
+        for s in range(1, 21)
+        for r in range(3)
+    ]
+    summary = summarize_run(run_folder(tmp_path, lines))
+    view = summary["straggler"]
+    assert [s["rank"] for s in view["stragglers"]] == [2]
+    assert view["metric"] == "step_time"
+    assert view["same_rank"] is True
+    assert view["slowest_counts"] == {"0": 0, "1": 0, "2": 20}
+    assert summary["step_time"]["2"]["p50_ms"] == 30.0
+    assert summary["phases"]["0"]["rest"]["mean_ms"] == 6.0
+    assert "straggler: rank 2" in format_summary(summary, full=False)
+
+
+def test_no_straggler_within_margin(tmp_path: Path) -> None:
+    # 5 % slower: below the 10 % margin.
+    lines = [
+        step_line(r, s, 2, {"step": 10.5 if r == 1 else 10.0})
+        for s in range(1, 11)
+        for r in range(2)
+    ]
+    view = summarize_run(run_folder(tmp_path, lines))["straggler"]
+    assert view["stragglers"] == []
+    assert view["wait"] is None
+
+
+def test_ddp_wait_in_backward_names_the_cause(tmp_path: Path) -> None:
+    # Equal step times; rank 1 is slow in forward, rank 0 waits in backward.
+    lines = []
+    for s in range(1, 16):
+        lines.append(step_line(0, s, 2, {"step": 22.0, "forward_time": 0.5, "backward_time": 21.0}))
+        lines.append(step_line(1, s, 2, {"step": 22.2, "forward_time": 20.0, "backward_time": 1.5}))
+    summary = summarize_run(run_folder(tmp_path, lines))
+    view = summary["straggler"]
+    assert view["wait"]["phase"] == "backward"
+    assert view["wait"]["caused_by_rank"] == 1
+    assert view["wait"]["waiting_ranks"] == [0]
+    assert view["metric"] == "step_time minus backward"
+    assert [s["rank"] for s in view["stragglers"]] == [1]
+    text = format_summary(summary)
+    assert "wait is in backward" in text and "caused by rank 1" in text
+    assert all(line.startswith("traceml:") for line in text.splitlines())
+
+
+def test_live_file_partial_line_and_no_closing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    lines = [step_line(0, s, 1, {"step": 5.0}) for s in range(1, 4)]
+    write(run / "aggregator" / "export" / "step_time.jsonl", lines, tail=b'{"stream":"step_ti')
+    summary = summarize_run(run)
+    assert summary["step_time"]["0"]["steps"] == 3
+    loss = summary["loss"]
+    assert loss["status"] == "in_progress"
+    assert loss["files"]["step_time"]["partial_last_line"] is True
+    assert loss["unfinished_files"] == ["step_time"]
+    assert summary["straggler"]["applicable"] is False
+    assert "export: in progress or unfinished" in format_summary(summary)
+
+
+def test_warning_file_and_missing_streams(tmp_path: Path) -> None:
+    lines = [step_line(0, s, 1, {"step": 5.0}) for s in range(1, 4)]
+    run = run_folder(tmp_path, lines)
+    warning = {
+        "status": "warning",
+        "completed_at": "2026-01-01T00:00:00+00:00",
+        "reason": "export_incomplete",
+        "message": "2 batches were dropped.",
+        "export": {
+            "written_records": 3,
+            "dropped_batches": 2,
+            "failed_records": 0,
+            "skipped_items": 0,
+            "exporter_failed": False,
+        },
+    }
+    (run / "finalization_warning.json").write_text(json.dumps(warning, indent=2))
+    summary = summarize_run(run / "aggregator" / "export")  # the export folder works too
+    assert summary["run_folder"] == str(run)
+    assert summary["loss"]["status"] == "lost"
+    assert summary["loss"]["warning"]["reason"] == "export_incomplete"
+    text = format_summary(summary)
+    assert "something was lost: 2 batches were dropped." in text
+    assert "note: peak memory: step_memory was not exported" in text
+    assert "note: system figures: system was not exported" in text
+    orjson.dumps(summary)  # JSON-able
+
+
+def test_bad_paths(tmp_path: Path) -> None:
+    with pytest.raises(SummaryError, match="no such file or folder"):
+        summarize_run(tmp_path / "nope")
+    with pytest.raises(SummaryError, match="no export files here"):
+        summarize_run(tmp_path)
