@@ -13,4 +13,4 @@ fi
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   "$venv/bin/python" -m pip install -q "torch==2.13.0"
 fi
-"$venv/bin/python" -m pip install -q -e "$root[test,ray]"
+"$venv/bin/python" -m pip install -q -e "$root[test,ray,plot,frames]"

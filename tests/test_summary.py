@@ -120,7 +120,7 @@ def test_live_file_partial_line_and_no_closing(tmp_path: Path) -> None:
     assert loss["files"]["step_time"]["partial_last_line"] is True
     assert loss["unfinished_files"] == ["step_time"]
     assert summary["straggler"]["applicable"] is False
-    assert "export: in progress or unfinished" in format_summary(summary)
+    assert "files: in progress or unfinished" in format_summary(summary)
 
 
 def test_warning_file_and_missing_streams(tmp_path: Path) -> None:
@@ -156,3 +156,158 @@ def test_bad_paths(tmp_path: Path) -> None:
         summarize_run(tmp_path / "nope")
     with pytest.raises(SummaryError, match="no export files here"):
         summarize_run(tmp_path)
+
+
+# --- the command: text, --json, --plot, --follow, and traceml run's last lines --------
+
+
+def _ddp_folder(tmp_path: Path) -> Path:
+    lines = []
+    for s in range(1, 16):
+        lines.append(step_line(0, s, 2, {"step": 22.0, "forward_time": 0.5, "backward_time": 21.0}))
+        lines.append(step_line(1, s, 2, {"step": 22.2, "forward_time": 20.0, "backward_time": 1.5}))
+    return run_folder(tmp_path, lines)
+
+
+def test_cli_text_json_and_messages(tmp_path: Path) -> None:
+    from tests.e2e_helpers import run_cli
+
+    run = _ddp_folder(tmp_path)
+    text = run_cli(["summary", run], cwd=tmp_path, timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert all(line.startswith("traceml: ") for line in text.stdout.splitlines())
+    assert "traceml: note: peak memory: step_memory was not exported" in text.stdout
+    as_json = run_cli(["summary", "--json", run], cwd=tmp_path, timeout=60)
+    assert as_json.returncode == 0, as_json.stderr
+    obj = orjson.loads(as_json.stdout)
+    assert obj == orjson.loads(orjson.dumps(summarize_run(run)))
+    assert obj["straggler"]["wait"]["caused_by_rank"] == 1
+    missing = run_cli(["summary", tmp_path / "nope"], cwd=tmp_path, timeout=60)
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == f"traceml: error: {tmp_path / 'nope'}: no such file or folder"
+
+
+def test_cli_plot_is_a_real_image(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    from tests.e2e_helpers import run_cli
+
+    run = _ddp_folder(tmp_path)
+    out = tmp_path / "plot.png"
+    res = run_cli(["summary", "--short", "--plot", out, run], cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"traceml: plot written to {out}" in res.stdout
+    img = matplotlib.image.imread(str(out))
+    height, width = img.shape[:2]
+    assert (width, height) == (1000, 800)
+    # Not blank: many distinct colours, and a good share of non-white pixels.
+    rgb = img[:, :, :3].reshape(-1, 3)
+    assert len({tuple(px) for px in rgb[::97].tolist()}) > 10
+    assert (rgb.min(axis=1) < 0.9).mean() > 0.05
+
+
+def test_cli_plot_without_step_time_says_why(tmp_path: Path) -> None:
+    from tests.e2e_helpers import run_cli
+
+    export = tmp_path / "export"
+    write(export / "process.jsonl", [closing("process", 0)])
+    res = run_cli(["summary", "--plot", tmp_path / "p.png", export], cwd=tmp_path, timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == (
+        "traceml: cannot plot: nothing to plot: no step times "
+        "(step_time not exported, or no step yet)"
+    )
+    assert "note: step times: step_time was not exported" in res.stdout
+
+
+def test_cli_follow_a_live_file_until_closed(tmp_path: Path) -> None:
+    import subprocess
+    import time
+
+    from tests.e2e_helpers import clean_env, traceml_cmd
+
+    run = tmp_path / "run"
+    path = run / "aggregator" / "export" / "step_time.jsonl"
+    lines = [step_line(0, s, 1, {"step": 5.0}) for s in range(1, 30)]
+    write(path, lines[:5], tail=b'{"stream":"st')  # a line still being written
+    proc = subprocess.Popen(
+        traceml_cmd("summary", "--follow", "--interval", "0.2", run),
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1.5)
+        assert proc.poll() is None, proc.communicate()
+        # Append the rest while it refreshes, then the closing line: it stops by itself.
+        write(path, lines, tail=b"")
+        with open(path, "ab") as fh:
+            fh.write(orjson.dumps(closing("step_time", len(lines))) + b"\n")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "traceml: files: complete" in out
+    assert "29" in out  # the last refresh saw every step
+
+
+def test_importing_the_cli_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, traceml_ai.cli;"
+        "print(sorted(m for m in ('torch','pyarrow','rich','matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_two_rank_run_names_the_slowed_rank(tmp_path: Path) -> None:
+    """A real DDP run (gloo, 2 CPU ranks) where rank 1 sleeps inside forward."""
+    from tests.e2e_helpers import REPO, free_port, run_cli
+
+    script = REPO / "tests" / "scripts" / "slow_rank_train.py"
+    res = run_cli(
+        [
+            "run",
+            "--logs-dir",
+            tmp_path / "logs",
+            "--run-name",
+            "slow",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--exporter",
+            "jsonl",
+            "--export-streams",
+            "all",
+            script,
+            "--steps",
+            "20",
+            "--sleep-ms",
+            "25",
+        ],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    run = tmp_path / "logs" / "slow"
+    summary = summarize_run(run)
+    view = summary["straggler"]
+    assert [s["rank"] for s in view["stragglers"]] == [1], format_summary(summary)
+    assert view["wait"]["caused_by_rank"] == 1
+    assert view["wait"]["phase"] == "backward"
+    assert view["same_rank"] is True
+    assert summary["loss"]["status"] == "complete"
+    assert summary["environment"]["training_strategy"] == "ddp"
+    # A CPU run: say so instead of showing empty GPU figures.
+    assert any("no allocator figures" in n for n in summary["notes"])
+    # traceml run ends with the short form.
+    assert "traceml: straggler: rank 1 " in res.stderr
+    assert "traceml: files: complete" in res.stderr

@@ -532,6 +532,14 @@ def _report_finalized(
         where = f"in {export_dir}" if export_dir.is_dir() else "passed to the custom exporter"
         failed = "; the exporter failed" if event.get("exporter_failed") else ""
         _say(f"export: {event.get('written_records')} records {where}{failed}")
+        if export_dir.is_dir():
+            try:
+                from traceml_ai.summary import format_summary, summarize_run
+
+                text = format_summary(summarize_run(p.run_dir), full=False)
+                print(text, file=sys.stderr, flush=True)
+            except Exception as exc:  # a courtesy: the summary never fails the run
+                _say(f"summary unavailable: {type(exc).__name__}: {exc}")
     warning = event.get("warning")
     see = f"; see {warning}" if warning else ""
     if ranks_started and event.get("ranks_heard") is False:

@@ -141,6 +141,69 @@ def validate(paths: tuple[str, ...], max_problems: int) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+@main.command()
+@click.argument("path", metavar="RUN_FOLDER_OR_EXPORT_FOLDER", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--short", is_flag=True, help="Only the few lines traceml run prints at the end.")
+@click.option(
+    "--follow", is_flag=True, help="Refresh a terminal view while the run writes its files."
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes with --follow.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also draw step time per rank and the phase breakdown into this PNG.",
+)
+def summary(
+    path: str, as_json: bool, short: bool, follow: bool, interval: float, plot_path: str | None
+) -> None:
+    """Summarize a run from its export files: step time per rank, phases, memory,
+    process and system figures, the straggler, and what was lost.
+
+    Works on a run still in progress (a partial last line is ignored).
+    """
+    import orjson
+
+    from traceml_ai.summary import SummaryError, format_summary, summarize_run
+
+    try:
+        if follow:
+            from traceml_ai.summary_live import follow as follow_view
+
+            result = follow_view(path, interval)
+            if result is None:
+                sys.exit(1)
+        else:
+            result = summarize_run(path)
+    except SummaryError as exc:
+        click.echo(f"traceml: error: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(orjson.dumps(result).decode())
+    elif not follow:
+        click.echo(format_summary(result, full=not short))
+    if plot_path is not None:
+        from traceml_ai.summary_plot import PlotUnavailable, plot_summary
+
+        try:
+            plot_summary(path, plot_path, result)
+        except PlotUnavailable as exc:
+            click.echo(f"traceml: cannot plot: {exc}", err=True)
+            sys.exit(1)
+        except OSError as exc:
+            click.echo(f"traceml: cannot write {plot_path}: {exc.strerror or exc}", err=True)
+            sys.exit(1)
+        click.echo(f"traceml: plot written to {plot_path}", err=as_json)
+
+
 def _add_launch_commands() -> None:
     from traceml_ai._cli_commands import run, serve
 

@@ -507,6 +507,16 @@ def _system_section(
 # --------------------------------------------------------------------------- summary
 
 
+def step_series(path: str | os.PathLike[str]) -> dict[int, list[tuple[int, float]]]:
+    """rank -> [(step, step time in ms)] in step order, for plots; {} without step_time."""
+    export_dir, _ = _folders(path)
+    p = export_dir / "step_time.jsonl"
+    if not p.is_file():
+        return {}
+    rows = _step_rows(_iter_objects(p, _FileRead(p)))
+    return {r: [(s, rows[r][s]["step"]) for s in sorted(rows[r])] for r in sorted(rows)}
+
+
 def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarize a run folder (or its export folder) as a JSON-able dict.
 
@@ -734,15 +744,15 @@ def _loss_line(summary: dict[str, Any]) -> str:
     loss = summary["loss"]
     status = loss["status"]
     if status == "complete":
-        return "export: complete (every file closed, nothing lost)"
+        return "files: complete (every file closed, nothing lost)"
     if status == "in_progress":
-        return f"export: in progress or unfinished (no closing line in {', '.join(loss['unfinished_files'])})"
+        return f"files: in progress or unfinished (no closing line in {', '.join(loss['unfinished_files'])})"
     if status == "inconsistent":
-        return "export: closing lines disagree with the data lines; run traceml validate"
+        return "files: closing lines disagree with the data lines; run traceml validate"
     warning = loss.get("warning")
     if isinstance(warning, dict) and warning.get("message"):
-        return f"export: something was lost: {warning['message']} (see {loss['warning_file']})"
-    return f"export: something was lost ({loss.get('dropped_batches')} dropped batches)"
+        return f"files: something was lost: {warning['message']} (see {loss['warning_file']})"
+    return f"files: something was lost ({loss.get('dropped_batches')} dropped batches)"
 
 
 def format_summary(summary: dict[str, Any], full: bool = True) -> str:

@@ -1,0 +1,72 @@
+"""``traceml summary --plot``: step time per rank over steps and the phase breakdown.
+
+matplotlib is optional (the ``plot`` extra) and imported only here, with the Agg
+backend, so the plot works without a display.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from traceml_ai.summary import step_series, summarize_run
+
+_MAX_LABELLED_RANKS = 16
+"""Above this many ranks the legend would hide the plot; the title says the count."""
+
+
+class PlotUnavailable(Exception):
+    """The plot cannot be drawn (no matplotlib, no step times); one line of text."""
+
+
+def plot_summary(
+    path: str | os.PathLike[str], out: str | os.PathLike[str], summary: dict[str, Any] | None = None
+) -> str:
+    """Draw the run at ``path`` into the PNG ``out``; returns ``out`` as a string."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'traceml-ai[plot]'") from None
+    if summary is None:
+        summary = summarize_run(path)
+    series = step_series(path)
+    if not series:
+        raise PlotUnavailable(
+            "nothing to plot: no step times (step_time not exported, or no step yet)"
+        )
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8), constrained_layout=True)
+    try:
+        stragglers = {s["rank"] for s in (summary.get("straggler") or {}).get("stragglers", [])}
+        for rank, points in series.items():
+            steps = [p[0] for p in points]
+            ms = [p[1] for p in points]
+            label = f"rank {rank}" + (" (straggler)" if rank in stragglers else "")
+            top.plot(steps, ms, linewidth=2.0 if rank in stragglers else 1.0, label=label)
+        top.set_xlabel("step")
+        top.set_ylabel("step time (ms)")
+        top.set_title(f"Step time per rank ({len(series)} rank(s))")
+        if len(series) <= _MAX_LABELLED_RANKS:
+            top.legend(loc="upper right", fontsize="small")
+        top.grid(alpha=0.3)
+
+        phases = summary.get("phases") or {}
+        names = [n for n in summary.get("phase_names", []) if n]
+        ranks = sorted(phases, key=int)
+        x = list(range(len(ranks)))
+        base = [0.0] * len(ranks)
+        for name in names:
+            heights = [phases[r][name]["mean_ms"] for r in ranks]
+            bottom.bar(x, heights, bottom=base, label=name)
+            base = [b + h for b, h in zip(base, heights, strict=True)]
+        bottom.set_xticks(x, [f"rank {r}" for r in ranks] if len(ranks) <= 32 else ranks)
+        bottom.set_ylabel("mean time per step (ms)")
+        bottom.set_title("Phase breakdown per rank")
+        bottom.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+        bottom.grid(axis="y", alpha=0.3)
+        fig.savefig(out, dpi=100)
+    finally:
+        plt.close(fig)
+    return os.fspath(out)
