@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from traceml_ai.summary import SummaryError, format_summary, summarize_run
 
@@ -145,7 +147,7 @@ def test_warning_file_and_missing_streams(tmp_path: Path) -> None:
     assert summary["loss"]["status"] == "lost"
     assert summary["loss"]["warning"]["reason"] == "export_incomplete"
     text = format_summary(summary)
-    assert "something was lost: 2 batches were dropped." in text
+    assert "files: incomplete (export_incomplete): 2 batches were dropped." in text
     assert "note: peak memory: step_memory was not exported" in text
     assert "note: system figures: system was not exported" in text
     orjson.dumps(summary)  # JSON-able
@@ -299,15 +301,88 @@ def test_two_rank_run_names_the_slowed_rank(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     run = tmp_path / "logs" / "slow"
     summary = summarize_run(run)
+    why = format_summary(summary) + "\n" + res.stderr
     view = summary["straggler"]
-    assert [s["rank"] for s in view["stragglers"]] == [1], format_summary(summary)
-    assert view["wait"]["caused_by_rank"] == 1
-    assert view["wait"]["phase"] == "backward"
-    assert view["same_rank"] is True
-    assert summary["loss"]["status"] == "complete"
-    assert summary["environment"]["training_strategy"] == "ddp"
+    assert [s["rank"] for s in view["stragglers"]] == [1], why
+    assert view["wait"]["caused_by_rank"] == 1, why
+    assert view["wait"]["phase"] == "backward", why
+    assert view["same_rank"] is True, why
+    assert summary["loss"]["status"] == "complete", why
+    assert summary["environment"]["training_strategy"] == "ddp", why
     # A CPU run: say so instead of showing empty GPU figures.
-    assert any("no allocator figures" in n for n in summary["notes"])
+    assert any("no allocator figures" in n for n in summary["notes"]), why
     # traceml run ends with the short form.
-    assert "traceml: straggler: rank 1 " in res.stderr
-    assert "traceml: files: complete" in res.stderr
+    assert "traceml: straggler: rank 1 " in res.stderr, why
+    assert "traceml: files: complete" in res.stderr, why
+
+
+def test_ddp_three_ranks_one_slow(tmp_path: Path) -> None:
+    lines = []
+    for s in range(1, 12):
+        for r in range(3):
+            slow = r == 2
+            lines.append(
+                step_line(
+                    r,
+                    s,
+                    3,
+                    {
+                        "step": 31.0 + 0.1 * r,
+                        "forward_time": 25.0 if slow else 2.0,
+                        "backward_time": 4.0 if slow else 27.0,
+                        "optimizer_step": 1.0,
+                    },
+                )
+            )
+    view = summarize_run(run_folder(tmp_path, lines))["straggler"]
+    assert view["wait"]["phase"] == "backward"
+    assert view["wait"]["caused_by_rank"] == 2
+    assert view["wait"]["waiting_ranks"] == [0, 1]
+    assert [s["rank"] for s in view["stragglers"]] == [2]
+    assert view["slowest_counts"] == {"0": 0, "1": 0, "2": 11}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    data=st.data(),
+    streams=st.sets(
+        st.sampled_from(
+            ["step_time", "step_memory", "process", "system", "system_gpu", "runtime_environment"]
+        ),
+        min_size=1,
+    ),
+    close=st.booleans(),
+    partial=st.booleans(),
+)
+def test_hypothesis_folders(
+    tmp_path_factory: pytest.TempPathFactory,
+    data: st.DataObject,
+    streams: set[str],
+    close: bool,
+    partial: bool,
+) -> None:
+    """Any schema-valid folder, closed or not, with or without a partial last line."""
+    from tests.strategies import consistent_json, warning_json
+
+    export = tmp_path_factory.mktemp("h") / "aggregator" / "export"
+    drawn: dict[str, list[dict[str, Any]]] = {}
+    for stream in sorted(streams):
+        objs = data.draw(st.lists(consistent_json(stream), max_size=8), label=stream)
+        drawn[stream] = objs
+        body = [*objs, closing(stream, len(objs))] if close else objs
+        write(export / f"{stream}.jsonl", body, tail=b'{"stream":' if partial else b"")
+    if data.draw(st.booleans(), label="warning"):
+        warning = data.draw(warning_json(), label="warning file")
+        (export.parent.parent / "finalization_warning.json").write_bytes(orjson.dumps(warning))
+    summary = summarize_run(export.parent.parent)
+    orjson.dumps(summary)  # JSON-able
+    assert format_summary(summary) and format_summary(summary, full=False)
+    expected = {
+        (o["global_rank"], o["step"])
+        for o in drawn.get("step_time", [])
+        if P + "step_time" in o["events"]
+    }
+    counted = sum(s["steps"] for s in (summary["step_time"] or {}).values())
+    assert counted == len(expected)
+    if not close:
+        assert summary["loss"]["status"] in ("in_progress", "lost")

@@ -13,10 +13,10 @@ Straggler definition (one place, used by the text and by ``--json``):
   straggler when its figure is above the median of the other ranks' figures by more
   than ``STRAGGLER_REL`` (10 %) **and** more than ``STRAGGLER_ABS_MS`` (1 ms): both,
   so that neither microsecond noise nor a small relative spread on long steps counts.
-* The per-step time is first the step time. In synchronous data parallel training
-  (DDP) every rank's step lasts as long as the slowest one's, because the fast ranks
-  wait inside backward's all-reduce; step times then look equal. So when no rank
-  stands out on step time, the summary looks for a *wait phase*: a phase whose median
+* The per-step time is the step time, unless the ranks wait for each other. In
+  synchronous data parallel training (DDP) every rank's step lasts as long as the
+  slowest one's, because the fast ranks wait inside backward's all-reduce; step times
+  then look equal. So the summary looks for a *wait phase*: a phase whose median
   differs between ranks by a clear margin and is shortest on the rank that has the
   most time outside it. That rank causes the wait, the others wait inside that phase,
   and the per-step time becomes "step time minus the wait phase".
@@ -363,7 +363,10 @@ def _straggler_view(
                 f"the other ranks wait for rank {wait['caused_by_rank']} in {wait['phase']}"
             )
     view["wait"] = wait
-    if not found and wait is not None:
+    if wait is not None:
+        # Ranks that wait in a collective finish their steps together, so step times
+        # hide the cause (and their small differences are noise): judge on the time
+        # outside the wait phase instead.
         phase = wait["phase"]
         metric_name = f"step_time minus {phase}"
         per_step = {
@@ -587,9 +590,15 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         summary["straggler"] = _straggler_view(rows, names, strategy)
         if world:
             summary["world_size"] = max(world)
-            missing = sorted(set(range(max(world))) - set(rows))
+            # Count rather than list every rank: a world may be very large.
+            missing = max(world) - len([r for r in rows if r < max(world)])
             if missing:
-                notes.append(f"step times: no line yet from rank(s) {missing}")
+                first = [r for r in range(min(max(world), 1 << 16)) if r not in rows][:10]
+                more = ", ..." if missing > len(first) else ""
+                notes.append(
+                    f"step times: no line yet from {missing} rank(s) "
+                    f"({', '.join(map(str, first))}{more})"
+                )
 
     if "step_memory" in present:
         mem, any_figure = _memory_section(objs["step_memory"])
@@ -751,8 +760,11 @@ def _loss_line(summary: dict[str, Any]) -> str:
         return "files: closing lines disagree with the data lines; run traceml validate"
     warning = loss.get("warning")
     if isinstance(warning, dict) and warning.get("message"):
-        return f"files: something was lost: {warning['message']} (see {loss['warning_file']})"
-    return f"files: something was lost ({loss.get('dropped_batches')} dropped batches)"
+        return (
+            f"files: incomplete ({warning.get('reason')}): {warning['message']} "
+            f"(see {loss['warning_file']})"
+        )
+    return f"files: incomplete ({loss.get('dropped_batches')} dropped batches)"
 
 
 def format_summary(summary: dict[str, Any], full: bool = True) -> str:
