@@ -593,11 +593,11 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
             # Count rather than list every rank: a world may be very large.
             missing = max(world) - len([r for r in rows if r < max(world)])
             if missing:
-                first = [r for r in range(min(max(world), 1 << 16)) if r not in rows][:10]
-                more = ", ..." if missing > len(first) else ""
+                absent = [r for r in range(min(max(world), 1 << 16)) if r not in rows][:10]
+                more = ", ..." if missing > len(absent) else ""
                 notes.append(
                     f"step times: no line yet from {missing} rank(s) "
-                    f"({', '.join(map(str, first))}{more})"
+                    f"({', '.join(map(str, absent))}{more})"
                 )
 
     if "step_memory" in present:
