@@ -1,10 +1,12 @@
-"""The rank SDK behind ``traceml_ai.init``/``trace_step``/``trace_phase``/``shutdown``.
+"""The rank SDK behind ``traceml_ai.init``/``trace_step``/``trace_phase``/``shutdown``,
+``summary``/``final_summary`` and the ``wrap_*`` helpers.
 
 Process-wide state lives here. Outside ``traceml run`` (no ``TRACEML_AGGREGATOR_ADDR``
 and no sink passed) ``init()`` warns once and every call is a no-op. Calling
 ``trace_step``/``trace_phase`` before ``init()`` initializes with the defaults
 (auto-init); note that the DataLoader wait before the first step is then missed,
-because it happened before TraceML was installed.
+because it happened before TraceML was installed. ``init`` takes TraceML 0.5.0's
+keywords too (docs/compat-0.5.md).
 """
 
 from __future__ import annotations
@@ -13,16 +15,27 @@ import atexit
 import contextlib
 import importlib
 import os
-import sys
 import threading
 import time
-import warnings
 from contextlib import AbstractContextManager
-from types import FrameType
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 
+from traceml_ai.rank import _compat_summary, _wrappers
+from traceml_ai.rank._compat import (
+    TraceMLInitConfig,
+    TraceMLWarning,
+    build_config,
+    disabled_config,
+    env_disabled,
+    forget_warnings,
+    notice_unsupported,
+    resolve_on_missing_aggregator,
+    trace_max_steps_from_env,
+    warn_once,
+)
 from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank._timing import (
     INTERNAL_PREFIX,
@@ -45,14 +58,13 @@ from traceml_ai.rank.samplers import (
 from traceml_ai.rank.sink import ItemSink
 from traceml_ai.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN
 
-MODES = ("auto", "off")
+__all__ = ["TraceMLInitConfig", "TraceMLWarning"]
 
 # Private test knob: the sender's per-stream queue bound (tests make ranks drop with it).
 _ENV_TEST_MAX_PENDING = "_TRACEML_TEST_SENDER_MAX_PENDING_ITEMS"
-
-
-class TraceMLWarning(RuntimeWarning):
-    """Category of every warning the rank SDK emits (filterable by users)."""
+# Set by `traceml run` (traceml_ai._launch) for the ranks of the aggregator's node.
+_ENV_SUMMARY_FILE = "TRACEML_SUMMARY_STEP_TIME_FILE"
+_DEFAULT_SERVE_PORT = 29600  # `traceml serve`'s default, for init(aggregator_host=...)
 
 
 class _ClosableSink(ItemSink, Protocol):
@@ -65,8 +77,10 @@ _NULL: AbstractContextManager[None] = contextlib.nullcontext()
 _lock = threading.RLock()
 _state = "new"  # new | off | disabled | on | closed ("disabled": init(mode="off") was called)
 _runtime: _Runtime | None = None
-_warned: set[str] = set()
+_config: TraceMLInitConfig | None = None
 _process_hooks_installed = False
+# This rank's recent steps, kept across init/shutdown for summary() (in-process figures).
+_recorder: _compat_summary.StepRecorder | None = None
 
 
 @attrs.define
@@ -91,25 +105,7 @@ class _Carried:
 _carried = _Carried()
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside traceml_ai."""
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key in _warned:
-        return
-    _warned.add(key)
-    # Blame the user's line (init/trace_step call or the hooked torch call), not ours.
-    warnings.warn(message, TraceMLWarning, stacklevel=_user_stacklevel())
+_warn_once = warn_once
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -137,6 +133,8 @@ class _Runtime:
         nvml: NvmlBackend,
         interval: float,
         carried: _Carried,
+        config: TraceMLInitConfig,
+        recorder: _compat_summary.StepRecorder,
     ) -> None:
         self.identity = identity
         self.sink = sink
@@ -149,12 +147,26 @@ class _Runtime:
         self._env_seq = carried.seq_runtime_environment
         self._strategy: str | None = None
         self._broken: set[str] = set()
-        self.timer = StepTimer(sink, cuda, self._on_new_model, self._on_timer_error)
+        # Step items go through the recorder: summary() reads this rank's steps from it.
+        recorder.sink = sink
+        self.timer = StepTimer(recorder, cuda, self._on_new_model, self._on_timer_error)
         self.timer.continue_counts(carried.step, carried.seq_step_time, carried.seq_step_memory)
+        self.timer.auto_forward = config.patch_forward
+        self.timer.auto_backward = config.patch_backward
+        self.timer.auto_optimizer = config.patch_optimizer
+        self.timer.auto_dataloader = config.patch_dataloader
         self._seq_system = carried.seq_system
         torch = torch_or_none()
         if torch is not None:
-            install_patches(torch)
+            install_patches(
+                torch,
+                backward=config.patch_backward,
+                optimizer=config.patch_optimizer,
+                dataloader=config.patch_dataloader,
+            )
+            if config.patch_h2d:
+                _wrappers.install_h2d_patch(torch)
+        _wrappers.set_auto_h2d(config.patch_h2d)
         self._process = ProcessSampler(
             cuda, lambda: self.timer.cuda_index, first_seq=carried.seq_process
         )
@@ -272,8 +284,8 @@ class _Runtime:
                 _warn_once("sender", f"TraceML could not close its sender cleanly ({exc!r}).")
 
 
-def _build_sender(identity: RankIdentity, previous: Any) -> _ClosableSink:
-    host, port = parse_address(os.environ[ENV_AGGREGATOR_ADDR])
+def _build_sender(identity: RankIdentity, previous: Any, address: str) -> _ClosableSink:
+    host, port = parse_address(address)
     token = os.environ.get(ENV_RUN_TOKEN, "")
     # Imported here: only ranks launched by traceml need the transport.
     module: Any = importlib.import_module("traceml_ai.transport.sender")
@@ -311,56 +323,123 @@ def _install_process_hooks() -> None:
 def init(
     mode: str = "auto",
     *,
+    patch_dataloader: bool | None = None,
+    patch_forward: bool | None = None,
+    patch_backward: bool | None = None,
+    patch_h2d: bool | None = None,
+    disabled: bool | None = None,
+    ui_mode: str | None = None,
+    interval: float | None = None,
+    logs_dir: str | None = None,
+    enable_logging: bool | None = None,
+    session_id: str | None = None,
+    aggregator_host: str | None = None,
+    aggregator_port: int | None = None,
+    connect_timeout_sec: float = 10.0,
+    connect_retry_interval_sec: float = 0.25,
+    on_missing_aggregator: str | None = None,
     sink: ItemSink | None = None,
     sampler_interval: float | None = None,
     cuda_backend: CudaBackend | None = None,
     nvml_backend: NvmlBackend | None = None,
-) -> None:
-    """Start TraceML on this rank.
+) -> TraceMLInitConfig:
+    """Start TraceML on this rank; returns what was set up (TraceML 0.5.0's config).
 
-    ``mode="auto"`` exports when the script was launched by ``traceml run`` (the
-    launcher sets ``TRACEML_AGGREGATOR_ADDR``) or when ``sink`` is given; otherwise
-    it warns once and every TraceML call is a no-op. ``mode="off"`` turns TraceML
-    off silently, and a later ``init()`` in the same process then does nothing (an
-    integration such as Ray's may turn TraceML off before the user's own ``init()``
-    runs). ``sampler_interval`` overrides ``TRACEML_SAMPLER_INTERVAL`` (seconds).
-    ``cuda_backend``/``nvml_backend`` replace the GPU access (tests pass fakes).
-    Calling ``init`` again while running does nothing.
+    ``mode="auto"`` times forward, backward, the optimizer step, DataLoader waits and
+    host-to-device copies automatically; ``"manual"`` times nothing automatically
+    (use the ``wrap_*`` helpers); ``"selective"`` (alias ``"custom"``) times what its
+    ``patch_*`` choices switch on (the optimizer step only through
+    ``wrap_optimizer``). ``mode="off"`` turns TraceML off silently, and a later
+    ``init()`` in the same process then does nothing (an integration such as Ray's
+    may turn TraceML off before the user's own ``init()`` runs). ``disabled=True`` or
+    ``TRACEML_DISABLED=1`` turns everything off too.
+
+    TraceML exports when the script was launched by ``traceml run`` (the launcher
+    sets ``TRACEML_AGGREGATOR_ADDR``), when ``aggregator_host``/``aggregator_port``
+    name a ``traceml serve`` (with its ``TRACEML_RUN_TOKEN`` in the environment) or
+    when ``sink`` is given; otherwise it warns once and every TraceML call is a
+    no-op, or raises ``RuntimeError`` with ``on_missing_aggregator="raise"`` (or
+    ``TRACEML_ON_MISSING_AGGREGATOR=raise``).
+
+    ``interval`` / ``sampler_interval`` override ``TRACEML_SAMPLER_INTERVAL``
+    (seconds). ``ui_mode``, ``logs_dir``, ``enable_logging`` and ``session_id`` have no
+    effect here and say so once; ``connect_timeout_sec`` and
+    ``connect_retry_interval_sec`` are accepted (the sender never blocks training,
+    so there is no connection wait to bound). ``cuda_backend``/``nvml_backend``
+    replace the GPU access (tests pass fakes). A bad ``mode`` or ``patch_*``
+    combination raises ``ValueError``, as in 0.5.0. Calling ``init`` again while
+    running returns the running config (with a warning if this call asked for a
+    different one).
     """
-    global _runtime, _state
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    global _runtime, _state, _config, _recorder
+    off = disabled if disabled is not None else env_disabled()
+    # Checked only when on, as 0.5.0 does: a disabled run never fails on its arguments.
+    config = (
+        disabled_config()
+        if off
+        else build_config(
+            mode,
+            patch_dataloader=patch_dataloader,
+            patch_forward=patch_forward,
+            patch_backward=patch_backward,
+            patch_h2d=patch_h2d,
+        )
+    )
+    policy = resolve_on_missing_aggregator(on_missing_aggregator)
+    if sampler_interval is None and interval is not None:
+        sampler_interval = interval
     if sampler_interval is not None and not sampler_interval > 0:
         raise ValueError(f"sampler_interval must be positive; got {sampler_interval!r}")
+    notice_unsupported(
+        ui_mode=ui_mode, logs_dir=logs_dir, enable_logging=enable_logging, session_id=session_id
+    )
     with _lock:
-        if _runtime is not None or (_state == "disabled" and sink is None):
-            return
-        if mode == "off":
+        if _runtime is not None:
+            if _config is not None and not _config.same_effective_configuration(config):
+                _warn_once(
+                    "reinit",
+                    f"traceml: init(mode={config.mode!r}) is ignored: TraceML is already "
+                    f"running in this process with mode={_config.mode!r}",
+                )
+            return _config if _config is not None else config
+        if _state == "disabled" and sink is None:
+            return _config if _config is not None else disabled_config("off")
+        if config.disabled:
             _state = "disabled"
-            return
-        if sink is None and not os.environ.get(ENV_AGGREGATOR_ADDR, "").strip():
+            _config = config
+            return config
+        address = os.environ.get(ENV_AGGREGATOR_ADDR, "").strip()
+        if not address and (aggregator_host is not None or aggregator_port is not None):
+            host = aggregator_host or "127.0.0.1"
+            port = aggregator_port if aggregator_port is not None else _DEFAULT_SERVE_PORT
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if sink is None and not address:
             _state = "off"
+            _config = disabled_config(source=config.source)
             # Set by `traceml run` (traceml_ai._launch) when its aggregator did not start.
             unavailable = os.environ.get("TRACEML_AGGREGATOR_UNAVAILABLE", "").strip()
             if unavailable:
-                _warn_once(
-                    "not_launched",
+                message = (
                     f"traceml: the aggregator did not start ({unavailable}); "
-                    "telemetry is off for this run.",
+                    "telemetry is off for this run."
                 )
-                return
-            _warn_once(
-                "not_launched",
-                "TraceML export is off: this script was not launched by `traceml run` "
-                f"({ENV_AGGREGATOR_ADDR} is not set); TraceML calls do nothing.",
-            )
-            return
+            else:
+                message = (
+                    "TraceML export is off: this script was not launched by `traceml run` "
+                    f"({ENV_AGGREGATOR_ADDR} is not set); TraceML calls do nothing."
+                )
+            if policy == "raise":
+                raise RuntimeError(message + " (on_missing_aggregator='raise')")
+            _warn_once("not_launched", message)
+            return _config
         identity = RankIdentity.from_env()
-        interval = sampler_interval or sampler_interval_from_env()
+        interval_s = sampler_interval or sampler_interval_from_env()
+        if _recorder is None:
+            _recorder = _compat_summary.StepRecorder(trace_max_steps_from_env())
         owned: _ClosableSink | None = None
         try:
             if sink is None:
-                owned = _build_sender(identity, _carried.sender)
+                owned = _build_sender(identity, _carried.sender, address)
                 sink = owned
             runtime = _Runtime(
                 identity,
@@ -368,22 +447,67 @@ def init(
                 owned,
                 cuda_backend if cuda_backend is not None else TorchCudaBackend(),
                 nvml_backend if nvml_backend is not None else PynvmlBackend(),
-                interval,
+                interval_s,
                 _carried,
+                config,
+                _recorder,
             )
         except Exception as exc:
             if owned is not None:
                 with contextlib.suppress(Exception):
                     owned.close(timeout=0.5)
             _state = "off"
-            _warn_once(
-                "start_failed",
-                f"TraceML could not start ({exc!r}); export is off and training continues.",
-            )
-            return
+            _config = disabled_config(source=config.source)
+            message = f"TraceML could not start ({exc!r}); export is off and training continues."
+            if policy == "raise":
+                raise RuntimeError(message + " (on_missing_aggregator='raise')") from exc
+            _warn_once("start_failed", message)
+            return _config
         _runtime = runtime
         _state = "on"
+        _config = config
         _install_process_hooks()
+        return config
+
+
+def start(
+    *,
+    mode: str = "auto",
+    patch_dataloader: bool | None = None,
+    patch_forward: bool | None = None,
+    patch_backward: bool | None = None,
+    patch_h2d: bool | None = None,
+    disabled: bool | None = None,
+    ui_mode: str | None = None,
+    interval: float | None = None,
+    logs_dir: str | None = None,
+    enable_logging: bool | None = None,
+    session_id: str | None = None,
+    aggregator_host: str | None = None,
+    aggregator_port: int | None = None,
+    connect_timeout_sec: float = 10.0,
+    connect_retry_interval_sec: float = 0.25,
+    on_missing_aggregator: str | None = None,
+) -> TraceMLInitConfig:
+    """TraceML 0.5.0's alias of :func:`init` (same keywords, same result)."""
+    return init(
+        mode,
+        patch_dataloader=patch_dataloader,
+        patch_forward=patch_forward,
+        patch_backward=patch_backward,
+        patch_h2d=patch_h2d,
+        disabled=disabled,
+        ui_mode=ui_mode,
+        interval=interval,
+        logs_dir=logs_dir,
+        enable_logging=enable_logging,
+        session_id=session_id,
+        aggregator_host=aggregator_host,
+        aggregator_port=aggregator_port,
+        connect_timeout_sec=connect_timeout_sec,
+        connect_retry_interval_sec=connect_retry_interval_sec,
+        on_missing_aggregator=on_missing_aggregator,
+    )
 
 
 def _current() -> _Runtime | None:
@@ -401,7 +525,8 @@ def trace_step(model: object | None = None) -> AbstractContextManager[None]:
     ``.module`` both work), ``backward()`` and ``optimizer.step()`` are timed, and
     the DataLoader wait since the previous step is attributed to this step. The
     step is numbered from 1. An exception raised inside the block propagates
-    unchanged; the step is still recorded with the phases that completed.
+    unchanged, and that step is discarded (not sent, not counted) as TraceML 0.5.0
+    does: the next step gets its number, so step numbers stay consecutive.
     """
     runtime = _current()
     if runtime is None:
@@ -449,9 +574,131 @@ def shutdown() -> None:
 
 def _reset_for_tests() -> None:
     """Shut down and forget all process-wide state, including warn-once flags."""
-    global _state, _carried
+    global _state, _carried, _config, _recorder
     shutdown()
     with _lock:
         _state = "new"
         _carried = _Carried()
-        _warned.clear()
+        _config = None
+        _recorder = None
+        forget_warnings()
+
+
+# -- TraceML 0.5.0's end-of-run summaries -------------------------------------------------
+
+
+def _flush_for_summary(runtime: _Runtime, deadline: float) -> None:
+    """Send this rank's finished steps now: resolve pending CUDA events, empty the sender."""
+    timer = runtime.timer
+    with _lock:
+        if timer.enabled and not timer.in_step:
+            try:
+                timer.drain(sync=True)
+            except Exception as exc:
+                timer.fail(exc)
+    sender = runtime._owned
+    pending = getattr(sender, "pending_items", None)
+    if pending is None:
+        return
+    # The sender sends what is queued within its flush interval (a fraction of a second).
+    while time.monotonic() < deadline and getattr(sender, "pending_items", 0) > 0:
+        time.sleep(0.02)
+
+
+def final_summary(
+    *,
+    timeout_sec: float = 30.0,
+    poll_interval_sec: float = 0.1,
+    print_text: bool = False,
+    rank0_only: bool = True,
+) -> dict[str, Any] | None:
+    """The run's summary so far: per-rank step time and phase figures, as a dict.
+
+    ``None`` on ranks other than 0 when ``rank0_only`` (the default), and when
+    TraceML is off in this process. Under ``traceml run`` with the jsonl exporter
+    writing ``step_time``, it reads the run's ``step_time.jsonl`` (every rank): it
+    sends this rank's finished steps and polls the file until its own last step is
+    there, for at most ``timeout_sec`` (then the figures cover what was written, and
+    ``complete`` is false). Other ranks may still be behind, so the final figures of
+    a run are those read after it ended (the files' closing lines). With export off
+    there are no files: the figures are this rank's own recent steps, and
+    ``source`` says ``in_process``. ``print_text`` prints a few ``traceml:`` lines.
+    Never raises for a missing aggregator or file: it says so once and returns what
+    it has.
+    """
+    runtime = _runtime
+    identity = runtime.identity if runtime is not None else RankIdentity.from_env()
+    if rank0_only and identity.global_rank != 0:
+        return None
+    recorder = _recorder
+    if recorder is None or (runtime is None and recorder.total_steps == 0):
+        why = (
+            "TraceML is disabled (disabled=True or TRACEML_DISABLED=1)"
+            if _state == "disabled"
+            else "TraceML did not run in this process"
+        )
+        _warn_once("summary_off", f"traceml: summary(): {why}; there is no summary")
+        return None
+    deadline = time.monotonic() + max(0.0, float(timeout_sec))
+    if runtime is not None:
+        _flush_for_summary(runtime, deadline)
+    recent, total = recorder.snapshot()
+    file_text = os.environ.get(_ENV_SUMMARY_FILE, "").strip()
+    if file_text:
+        reader, reached = _compat_summary.wait_for_file(
+            Path(file_text),
+            identity.global_rank,
+            recorder.last_step,
+            deadline - time.monotonic(),
+            float(poll_interval_sec),
+        )
+        notes: list[str] = []
+        if not reached:
+            notes.append(
+                f"timed out after {timeout_sec:g} s waiting for rank {identity.global_rank}'s "
+                f"step {recorder.last_step} in {file_text}; figures cover the steps written"
+            )
+            _warn_once("summary_timeout", f"traceml: summary(): {notes[-1]}")
+        result = _compat_summary.build_summary(
+            reader.steps,
+            source="export",
+            complete=reader.closed,
+            notes=notes,
+            file=file_text,
+        )
+    else:
+        steps = {identity.global_rank: dict(recent)}
+        notes = [
+            f"export of step_time is off: figures are rank {identity.global_rank}'s own "
+            f"last {len(recent)} of {total} steps, measured in this process"
+        ]
+        result = _compat_summary.build_summary(
+            steps, source="in_process", complete=runtime is None, notes=notes
+        )
+    if print_text:
+        print(_compat_summary.text(result), flush=True)
+    return result
+
+
+def summary(
+    *,
+    timeout_sec: float = 30.0,
+    poll_interval_sec: float = 0.1,
+    print_text: bool = False,
+    rank0_only: bool = True,
+) -> dict[str, Any] | None:
+    """:func:`final_summary` as a flat dict for experiment trackers (W&B, MLflow).
+
+    Keys as TraceML 0.5.0 names them where the figure is the same
+    (``traceml/step_time/step_time_ms``, ``.../forward_ms``, ``.../input_wait_ms``,
+    ...): each is the mean over ranks of each rank's mean per step. ``None`` where
+    :func:`final_summary` is ``None``.
+    """
+    return _compat_summary.compact(
+        final_summary(
+            timeout_sec=timeout_sec,
+            poll_interval_sec=poll_interval_sec,
+            print_text=print_text,
+            rank0_only=rank0_only,
+        )
+    )

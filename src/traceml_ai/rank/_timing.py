@@ -31,6 +31,7 @@ DATALOADER_NEXT = INTERNAL_PREFIX + "dataloader_next"
 FORWARD = INTERNAL_PREFIX + "forward_time"
 BACKWARD = INTERNAL_PREFIX + "backward_time"
 OPTIMIZER_STEP = INTERNAL_PREFIX + "optimizer_step"
+H2D = INTERNAL_PREFIX + "h2d_time"
 STEP_TIME = INTERNAL_PREFIX + "step_time"
 
 # Phases that always report host time (spec: the step and the DataLoader wait).
@@ -173,6 +174,14 @@ class StepTimer:
         self.fwd = _Open()
         self.bwd = _Open()
         self.opt = _Open()
+        self.h2d = _Open()
+        # What init's mode times automatically; the rest only through traceml.wrap_*
+        # (mode="manual"/"selective"). Hooks installed by an earlier init of the
+        # process read these, so they time nothing a later config left out.
+        self.auto_forward = True
+        self.auto_backward = True
+        self.auto_optimizer = True
+        self.auto_dataloader = True
         self._pending: deque[_PendingStep] = deque()
         self._seq_time = 0
         self._seq_mem = 0
@@ -283,7 +292,8 @@ class StepTimer:
         except TypeError:
             ref = functools.partial(lambda m: m, model)
         self._model_ref = ref
-        _install_model_hooks(model)
+        if self.auto_forward:
+            _install_model_hooks(model)
         index = self._cuda.device_index_of(model)
         if index is not None:
             self.device, self.cuda_index = f"cuda:{index}", index
@@ -306,7 +316,7 @@ class StepTimer:
                     self.device, self.cuda_index = f"cuda:{index}", index
             self._device_known = True
         self.step += 1
-        self.fwd.depth = self.bwd.depth = self.opt.depth = 0
+        self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
         if self.cuda_index is not None:
             self._cuda.reset_peak_memory_stats(self.cuda_index)
         self.in_step = True
@@ -317,7 +327,7 @@ class StepTimer:
         dt = _perf_ns() - self._t0
         self.in_step = False
         self._add(STEP_TIME, dt, None, None)
-        self.fwd.depth = self.bwd.depth = self.opt.depth = 0
+        self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
         acc = self._acc
         self._acc = {}
         ts = time.time_ns()
@@ -344,6 +354,18 @@ class StepTimer:
             return
         self._pending.append(pending)
         self.drain(sync=False)
+
+    def discard(self) -> None:
+        """Drop the current step: its body raised (TraceML 0.5.0 does not count it).
+
+        Nothing of it is sent, and its number is given to the next step, so step
+        numbers stay consecutive. What it had collected (a DataLoader wait before it
+        included) goes with it.
+        """
+        self.in_step = False
+        self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
+        self._acc = {}
+        self.step -= 1
 
     def _next_mem_seq(self) -> int:
         seq = self._seq_mem
@@ -412,7 +434,6 @@ class StepContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # A step that raised is still recorded, with the phases that completed.
         if not self._live:
             return
         self._live = False
@@ -420,6 +441,11 @@ class StepContext:
         if not timer.enabled:
             return
         try:
+            if exc_type is not None:
+                # A step whose body raised is discarded, as TraceML 0.5.0 does: its
+                # partial phases would distort the figures (docs/compat-0.5.md).
+                timer.discard()
+                return
             timer.end()
         except Exception as error:
             timer.fail(error)
@@ -470,30 +496,30 @@ class PhaseContext:
 _HOOKED: weakref.WeakSet[Any] = weakref.WeakSet()
 _HOOKED_IDS: set[int] = set()
 _patch_lock = threading.Lock()
-_patched = False
+_patched: set[str] = set()
 
 
 def _forward_pre_hook(module: Any, args: Any) -> None:
     timer = _ACTIVE
-    if timer is not None:
+    if timer is not None and timer.auto_forward:
         timer.open(timer.fwd)
 
 
 def _forward_hook(module: Any, args: Any, output: Any) -> None:
     timer = _ACTIVE
-    if timer is not None:
+    if timer is not None and timer.auto_forward:
         timer.close(timer.fwd, FORWARD)
 
 
 def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     timer = _ACTIVE
-    if timer is not None:
+    if timer is not None and timer.auto_optimizer:
         timer.open(timer.opt)
 
 
 def _optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     timer = _ACTIVE
-    if timer is not None:
+    if timer is not None and timer.auto_optimizer:
         timer.close(timer.opt, OPTIMIZER_STEP)
 
 
@@ -526,7 +552,7 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def backward(*args: Any, **kwargs: Any) -> Any:
         timer = _ACTIVE
-        if timer is None or not timer.in_step:
+        if timer is None or not timer.in_step or not timer.auto_backward:
             return original(*args, **kwargs)
         slot = timer.bwd
         timer.open(slot)
@@ -539,32 +565,51 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     return backward
 
 
-def install_patches(torch: Any) -> None:
+def install_patches(
+    torch: Any, *, backward: bool = True, optimizer: bool = True, dataloader: bool = True
+) -> None:
     """Wrap ``Tensor.backward``, ``torch.autograd.backward`` and the DataLoader iterator,
-    and register global optimizer step hooks; once per process."""
-    global _patched
+    and register global optimizer step hooks; each once per process.
+
+    The keywords leave a patch out (``traceml.init(mode="manual"/"selective")``); one
+    installed by an earlier ``init`` of the process stays.
+    """
     with _patch_lock:
-        if _patched:
+        wanted = {
+            name
+            for name, on in (
+                ("backward", backward),
+                ("optimizer", optimizer),
+                ("dataloader", dataloader),
+            )
+            if on and name not in _patched
+        }
+        if not wanted:
             return
         # Import every submodule first, so a failure leaves nothing half-installed.
         optim = importlib.import_module("torch.optim.optimizer")
-        dataloader = importlib.import_module("torch.utils.data.dataloader")
-        base = dataloader._BaseDataLoaderIter
+        loader_module = importlib.import_module("torch.utils.data.dataloader")
+        base = loader_module._BaseDataLoaderIter
         original_next = base.__next__
-        _patched = True
+        _patched.update(wanted)
 
-        for owner, attr in ((torch.Tensor, "backward"), (torch.autograd, "backward")):
-            original = getattr(owner, attr)
-            if not getattr(original, "__traceml_wrapped__", False):
-                setattr(owner, attr, _timed_backward(original))
+        if "backward" in wanted:
+            for owner, attr in ((torch.Tensor, "backward"), (torch.autograd, "backward")):
+                original = getattr(owner, attr)
+                if not getattr(original, "__traceml_wrapped__", False):
+                    setattr(owner, attr, _timed_backward(original))
 
-        optim.register_optimizer_step_pre_hook(_optimizer_pre_hook)
-        optim.register_optimizer_step_post_hook(_optimizer_post_hook)
+        if "optimizer" in wanted:
+            optim.register_optimizer_step_pre_hook(_optimizer_pre_hook)
+            optim.register_optimizer_step_post_hook(_optimizer_post_hook)
+
+        if "dataloader" not in wanted:
+            return
 
         @functools.wraps(original_next)
         def __next__(self: Any) -> Any:
             timer = _ACTIVE
-            if timer is None:
+            if timer is None or not timer.auto_dataloader:
                 return original_next(self)
             t0 = _perf_ns()
             # Only fetches that returned a batch count; the StopIteration that

@@ -1,0 +1,345 @@
+"""``traceml.summary()`` / ``final_summary()``: the run's step figures on rank 0.
+
+Two sources, said in the result's ``source``:
+
+* ``export``: under ``traceml run`` with the jsonl exporter writing ``step_time``, the
+  aggregator's ``step_time.jsonl`` (every rank's steps). The rank first sends what
+  it has, then polls the file until its own last step is there (up to
+  ``timeout_sec``): figures of other ranks cover what they had sent by then, and
+  the final figures of a run come with the closing lines, after the run.
+* ``in_process``: with export off there are no files; the figures are this rank's
+  own recent steps (a bounded record kept in the process).
+
+Light: never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from traceml_ai.rank.sink import ItemSink
+
+_PREFIX = "_traceml_internal:"
+STEP_EVENT = _PREFIX + "step_time"
+PHASES: tuple[tuple[str, str], ...] = (
+    ("dataloader_wait", _PREFIX + "dataloader_next"),
+    ("h2d", _PREFIX + "h2d_time"),
+    ("forward", _PREFIX + "forward_time"),
+    ("backward", _PREFIX + "backward_time"),
+    ("optimizer", _PREFIX + "optimizer_step"),
+)
+_PHASE_BY_EVENT = {event: name for name, event in PHASES}
+
+RECENT_STEPS = 4096
+"""Steps a rank keeps for its in-process summary (the most recent ones)."""
+
+# 0.5.0's compact keys (traceml/step_time/<metric>) for the phases this project measures.
+_COMPACT_PHASES = (
+    ("dataloader_wait", "input_wait_ms"),
+    ("h2d", "h2d_ms"),
+    ("forward", "forward_ms"),
+    ("backward", "backward_ms"),
+    ("optimizer", "optimizer_ms"),
+    ("rest", "residual_ms"),
+)
+
+Events = Mapping[str, Any]
+
+
+class StepRecorder:
+    """An ``ItemSink`` in front of the real one: keeps this rank's recent steps.
+
+    It also applies ``--trace-max-steps``: step items past that step are not sent.
+    """
+
+    def __init__(self, max_steps: int | None) -> None:
+        self.sink: ItemSink | None = None
+        self.max_steps = max_steps
+        self._lock = threading.Lock()
+        self.recent: deque[tuple[int, Events]] = deque(maxlen=RECENT_STEPS)
+        self.total_steps = 0
+        self.last_step = 0
+
+    def put(self, stream: str, item: dict[str, object]) -> None:
+        step = item.get("step")
+        if isinstance(step, int) and self.max_steps is not None and step > self.max_steps:
+            return
+        if stream == "step_time" and isinstance(step, int):
+            events = item.get("events")
+            if isinstance(events, dict):
+                with self._lock:
+                    self.recent.append((step, events))
+                    self.total_steps += 1
+                    self.last_step = max(self.last_step, step)
+        sink = self.sink
+        if sink is not None:
+            sink.put(stream, item)
+
+    def snapshot(self) -> tuple[list[tuple[int, Events]], int]:
+        """(recent steps, steps recorded in all) at this moment."""
+        with self._lock:
+            return list(self.recent), self.total_steps
+
+
+# -- figures ------------------------------------------------------------------------
+
+
+def _phase_ms(devices: Any) -> float | None:
+    """One phase's time in a step: its longest device (devices run side by side)."""
+    if not isinstance(devices, dict):
+        return None
+    best: float | None = None
+    for timing in devices.values():
+        if isinstance(timing, dict):
+            d = timing.get("duration_ms")
+            if isinstance(d, (int, float)) and math.isfinite(d) and (best is None or d > best):
+                best = float(d)
+    return best
+
+
+def _row(events: Events) -> dict[str, float] | None:
+    total = _phase_ms(events.get(STEP_EVENT))
+    if total is None:
+        return None
+    row = {"step": total}
+    for event, devices in events.items():
+        if event == STEP_EVENT:
+            continue
+        ms = _phase_ms(devices)
+        if ms is None:
+            continue
+        name = _PHASE_BY_EVENT.get(event)
+        if name is None:
+            if event.startswith(_PREFIX):
+                continue
+            name = f"user:{event}"
+        row[name] = ms
+    return row
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile of sorted ``values`` (non-empty)."""
+    if len(values) == 1:
+        return values[0]
+    pos = (len(values) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (pos - low)
+
+
+def _r(x: float, digits: int = 3) -> float:
+    return round(x, digits)
+
+
+def figures(
+    steps_by_rank: Mapping[int, Mapping[int, Events]],
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(per-rank step time figures, per-rank phase breakdown, phase names)."""
+    rows: dict[int, list[dict[str, float]]] = {}
+    for rank, steps in steps_by_rank.items():
+        ordered = [r for s in sorted(steps) if (r := _row(steps[s])) is not None]
+        if ordered:
+            rows[rank] = ordered
+    seen = {k for ordered in rows.values() for row in ordered for k in row}
+    names = [
+        "dataloader_wait",
+        *(["h2d"] if "h2d" in seen else []),
+        "forward",
+        "backward",
+        "optimizer",
+        *sorted(k for k in seen if k.startswith("user:")),
+        "rest",
+    ]
+    per_rank: dict[str, Any] = {}
+    phases: dict[str, Any] = {}
+    for rank in sorted(rows):
+        ordered = rows[rank]
+        step_numbers = sorted(steps_by_rank[rank])
+        times = sorted(r["step"] for r in ordered)
+        mean = sum(times) / len(times)
+        per_rank[str(rank)] = {
+            "steps": len(times),
+            "first_step": step_numbers[0],
+            "last_step": step_numbers[-1],
+            "p50_ms": _r(_percentile(times, 50)),
+            "p90_ms": _r(_percentile(times, 90)),
+            "p99_ms": _r(_percentile(times, 99)),
+            "max_ms": _r(times[-1]),
+            "mean_ms": _r(mean),
+        }
+        breakdown: dict[str, Any] = {}
+        for name in names:
+            if name == "rest":
+                # Phases may nest (a user phase inside forward): never below 0.
+                values = [
+                    max(0.0, r["step"] - sum(v for k, v in r.items() if k != "step"))
+                    for r in ordered
+                ]
+            else:
+                values = [r.get(name, 0.0) for r in ordered]
+            m = sum(values) / len(values)
+            breakdown[name] = {
+                "mean_ms": _r(m),
+                "p50_ms": _r(_percentile(sorted(values), 50)),
+                "share": _r(m / mean if mean > 0 else 0.0, 4),
+            }
+        phases[str(rank)] = breakdown
+    return per_rank, phases, names
+
+
+def build_summary(
+    steps_by_rank: Mapping[int, Mapping[int, Events]],
+    *,
+    source: str,
+    complete: bool,
+    notes: Iterable[str] = (),
+    **extra: Any,
+) -> dict[str, Any]:
+    """The structured summary ``final_summary()`` returns."""
+    per_rank, phases, names = figures(steps_by_rank)
+    out: dict[str, Any] = {
+        "source": source,
+        "complete": complete,
+        **extra,
+        "ranks": sorted(int(r) for r in per_rank),
+        "step_time": per_rank or None,
+        "phases": phases or None,
+        "phase_names": names,
+        "notes": list(notes),
+    }
+    if not per_rank:
+        out["notes"].append("step times: no step recorded")
+    return out
+
+
+def compact(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A flat dict for experiment trackers (``traceml/...`` keys, as 0.5.0's ``summary()``).
+
+    Step-time figures are the mean over ranks of each rank's mean.
+    """
+    if summary is None:
+        return None
+    out: dict[str, Any] = {}
+    for key in ("source", "complete"):
+        value = summary.get(key)
+        if isinstance(value, (str, bool)):
+            out[f"traceml/{key}"] = value
+    per_rank = summary.get("step_time")
+    phases = summary.get("phases")
+    if not isinstance(per_rank, Mapping) or not per_rank:
+        return out
+    ranks = list(per_rank.values())
+    out["traceml/ranks"] = len(ranks)
+    out["traceml/steps"] = max(int(r.get("steps", 0)) for r in ranks)
+
+    def mean_of(values: list[float]) -> float:
+        return _r(sum(values) / len(values))
+
+    out["traceml/step_time/step_time_ms"] = mean_of([float(r["mean_ms"]) for r in ranks])
+    out["traceml/step_time/step_time_p50_ms"] = mean_of([float(r["p50_ms"]) for r in ranks])
+    out["traceml/step_time/step_time_max_ms"] = _r(max(float(r["max_ms"]) for r in ranks))
+    if isinstance(phases, Mapping):
+        for name, key in _COMPACT_PHASES:
+            values = [
+                float(p[name]["mean_ms"])
+                for p in phases.values()
+                if isinstance(p, Mapping) and isinstance(p.get(name), Mapping)
+            ]
+            if values:
+                out[f"traceml/step_time/{key}"] = mean_of(values)
+    return out
+
+
+def text(summary: Mapping[str, Any]) -> str:
+    """A few ``traceml:`` lines: one per rank, then the notes."""
+    where = "export files" if summary.get("source") == "export" else "this rank's own steps"
+    state = "" if summary.get("complete") else ", run still in progress"
+    lines = [f"traceml: summary from {where}{state}"]
+    per_rank = summary.get("step_time") or {}
+    phases = summary.get("phases") or {}
+    for rank, fig in per_rank.items():
+        parts = [
+            f"{name} {info['mean_ms']:.2f} ms"
+            for name, info in (phases.get(rank) or {}).items()
+            if info.get("mean_ms")
+        ]
+        lines.append(
+            f"traceml: rank {rank}: {fig['steps']} steps, step p50 {fig['p50_ms']:.2f} ms, "
+            f"mean {fig['mean_ms']:.2f} ms, max {fig['max_ms']:.2f} ms"
+            + (f"; mean per step: {', '.join(parts)}" if parts else "")
+        )
+    for note in summary.get("notes") or ():
+        lines.append(f"traceml: note: {note}")
+    return "\n".join(lines)
+
+
+# -- the export file ----------------------------------------------------------------
+
+
+class StepTimeFile:
+    """Reads a growing ``step_time.jsonl`` incrementally (a partial last line waits)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+        self.steps: dict[int, dict[int, Events]] = {}
+        self.closed = False
+
+    def read_new(self) -> None:
+        """Take the lines written since the last call; a missing file is no line yet."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except OSError:
+            return
+        self._offset += len(data)
+        data = self._partial + data
+        cut = data.rfind(b"\n") + 1
+        self._partial = data[cut:]
+        for line in data[:cut].splitlines():
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if obj.get("closing") is True:
+                self.closed = True
+                continue
+            rank, step, events = obj.get("global_rank"), obj.get("step"), obj.get("events")
+            if isinstance(rank, int) and isinstance(step, int) and isinstance(events, dict):
+                self.steps.setdefault(rank, {})[step] = events
+
+    def has(self, rank: int, step: int) -> bool:
+        """Whether ``rank``'s step ``step`` (or a later one) is in the file."""
+        steps = self.steps.get(rank)
+        return steps is not None and max(steps, default=0) >= step
+
+
+def wait_for_file(
+    path: Path, rank: int, last_step: int, timeout_s: float, poll_s: float
+) -> tuple[StepTimeFile, bool]:
+    """Poll ``path`` until ``rank``'s ``last_step`` is there or the file is closed.
+
+    Returns the read file and whether that happened within ``timeout_s``.
+    """
+    reader = StepTimeFile(path)
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    poll = min(max(poll_s, 0.01), 1.0)
+    while True:
+        reader.read_new()
+        if reader.closed or last_step <= 0 or reader.has(rank, last_step):
+            return reader, True
+        if time.monotonic() >= deadline:
+            return reader, False
+        time.sleep(poll)
