@@ -13,4 +13,6 @@ fi
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   "$venv/bin/python" -m pip install -q "torch==2.13.0"
 fi
-"$venv/bin/python" -m pip install -q -e "$root[test,ray,plot,frames]"
+# The framework extras (hf, lightning) require torch: the constraint keeps the CPU
+# build installed above instead of letting pip pick another.
+"$venv/bin/python" -m pip install -q -c <(echo "torch==2.13.0") -e "$root[test,ray,plot,frames,hf,lightning]"

@@ -431,10 +431,15 @@ def step_time_export_file(options: RunOptions, run_dir: Path) -> Path | None:
     return run_dir / "aggregator" / "export" / "step_time.jsonl"
 
 
+BOOTSTRAP_MODULE = "traceml_ai._bootstrap"
+"""Each rank runs ``python -m traceml_ai._bootstrap SCRIPT ARGS``: the script as
+``__main__``, after a hook that attaches TraceML to HF/Lightning Trainers it imports."""
+
+
 def rank_command(options: RunOptions) -> list[str]:
     """One process runs the script directly; more go through ``torch.distributed.run``."""
     if options.nproc_per_node == 1 and options.nnodes == 1:
-        return [sys.executable, options.script, *options.script_args]
+        return [sys.executable, "-m", BOOTSTRAP_MODULE, options.script, *options.script_args]
     return [
         sys.executable,
         "-m",
@@ -444,6 +449,9 @@ def rank_command(options: RunOptions) -> list[str]:
         f"--node-rank={options.node_rank}",
         f"--master-addr={options.master_addr}",
         f"--master-port={options.master_port}",
+        # torchrun's -m: every worker runs `python -m BOOTSTRAP_MODULE SCRIPT ARGS`.
+        "-m",
+        BOOTSTRAP_MODULE,
         options.script,
         *options.script_args,
     ]

@@ -263,6 +263,30 @@ class StepTimer:
         except Exception as exc:
             self.fail(exc)
 
+    def restart(self, slot: _Open) -> None:
+        """Move an open phase's start to now (nothing when it is not open).
+
+        Lightning runs forward and backward inside ``optimizer.step(closure)``, after
+        the optimizer's pre-hook opened the phase; restarting it when the closure has
+        returned keeps the optimizer phase to the update itself.
+        """
+        if slot.depth == 0 or _get_ident() != self.thread:
+            return
+        try:
+            slot.ev0 = self._record() if slot.ev0 is not None else None
+            slot.t0 = _perf_ns()
+        except Exception as exc:
+            self.fail(exc)
+
+    def discard_outside(self, name: str) -> None:
+        """Forget what ``name`` collected since the last step ended (not yet in a step).
+
+        An evaluation loop between two training steps fetches batches too; those
+        waits are not the next training step's.
+        """
+        if not self.in_step:
+            self._acc.pop(name, None)
+
     def add_host(self, name: str, dt_ns: int) -> None:
         """Add one host-timed call (the DataLoader wait) to the current or next step."""
         if _get_ident() != self.thread:

@@ -1,0 +1,170 @@
+"""What the framework integrations share: one traced step driven by callbacks, and the
+guard that keeps an integration's own failure from reaching training.
+
+A framework calls us at points of its loop (HF ``on_step_begin``/``on_step_end``,
+Lightning ``on_train_batch_start``/``on_train_batch_end``, Accelerate's
+``accumulate``); :class:`StepDriver` turns those into one ``trace_step`` per optimizer
+update, so the micro-batches of gradient accumulation fold into the step that ends
+with the update.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import traceml_ai as traceml
+from traceml_ai.rank._timing import DATALOADER_NEXT, FORWARD, StepTimer, activate, active
+
+
+def say(message: str) -> None:
+    """One ``traceml:`` line on stderr."""
+    print(f"traceml: {message}", file=sys.stderr, flush=True)
+
+
+class HookGuard:
+    """Runs integration hooks so that none of their exceptions reaches the framework.
+
+    The first failure is reported once on stderr; every failure is counted in
+    ``errors``. After a failure the integration is off for the rest of the run
+    (``failed``): its state may no longer match the framework's loop, and a wrong
+    step is worse than none.
+    """
+
+    def __init__(self, framework: str, on_failure: Callable[[], None]) -> None:
+        self.framework = framework
+        self.errors = 0
+        self.failed = False
+        self._on_failure = on_failure
+
+    def run(self, hook: str, fn: Callable[[], None]) -> None:
+        """Call ``fn``; an ``Exception`` from it is caught, counted and reported once."""
+        if self.failed:
+            return
+        try:
+            fn()
+        except Exception as exc:
+            self.errors += 1
+            self.failed = True
+            say(
+                f"the {self.framework} integration failed in {hook} ({exc!r}); TraceML "
+                "stops tracing this run's steps and training continues"
+            )
+            try:
+                self._on_failure()
+            except Exception:
+                self.errors += 1
+
+
+class StepDriver:
+    """One open ``trace_step`` at a time, begun and ended by framework hooks."""
+
+    def __init__(self) -> None:
+        self._step: AbstractContextManager[None] | None = None
+        self._paused: StepTimer | None = None
+        self._atexit = False
+
+    def start(self) -> None:
+        """Training begins: start TraceML (no-op when running, off or disabled) and close
+        a step an earlier loop left open.
+
+        Started here rather than at the first step, so the first step's DataLoader
+        waits, fetched before it begins, are measured.
+        """
+        traceml.init()
+        self.end()
+
+    @property
+    def open(self) -> bool:
+        """Whether a step is open."""
+        return self._step is not None
+
+    def begin(self, model: object | None) -> None:
+        """Open a step (auto-initializes TraceML under ``traceml run``); nothing if one is open."""
+        if self._step is not None:
+            return
+        step = traceml.trace_step(model)
+        step.__enter__()
+        self._step = step
+        if not self._atexit:
+            # Registered after traceml.init's shutdown, so it runs first (atexit is
+            # LIFO): a step left open by an exception is still recorded.
+            self._atexit = True
+            atexit.register(self._end_at_exit)
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """Close the open step, if any.
+
+        ``exc`` is the exception that ended training inside it: the step then ends as
+        ``with trace_step(...)`` ends when its body raises.
+        """
+        step = self._step
+        if step is None:
+            return
+        self._step = None
+        if exc is None:
+            step.__exit__(None, None, None)
+        else:
+            step.__exit__(type(exc), exc, exc.__traceback__)
+
+    def _end_at_exit(self) -> None:
+        # A step still open at exit was interrupted by an exception that escaped the
+        # script (the interpreter has printed it and kept it in sys.last_value).
+        last = getattr(sys, "last_value", None)
+        self.end(last if isinstance(last, BaseException) else None)
+
+    @staticmethod
+    def timer() -> StepTimer | None:
+        """The timer hooks report to now (``None``: TraceML off, or paused)."""
+        return active()
+
+    def open_forward(self) -> None:
+        """Start the forward phase of the open step (nested hook calls count once)."""
+        timer = active()
+        if timer is not None and self._step is not None:
+            timer.open(timer.fwd)
+
+    def close_forward(self) -> None:
+        """End the forward phase opened by :meth:`open_forward`, if it is still open."""
+        timer = active()
+        if timer is not None and timer.fwd.depth > 0:
+            # Close every level: hooks inside have closed theirs already.
+            while timer.fwd.depth > 1:
+                timer.fwd.depth -= 1
+            timer.close(timer.fwd, FORWARD)
+
+    def restart_optimizer(self) -> None:
+        """Start the open optimizer phase now (its closure has run forward and backward)."""
+        timer = active()
+        if timer is not None:
+            timer.restart(timer.opt)
+
+    def pause(self) -> None:
+        """Stop every hook from reporting (an evaluation loop runs); idempotent."""
+        timer = active()
+        if timer is not None:
+            self._paused = timer
+            activate(None)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`; nothing if TraceML was shut down or failed meanwhile."""
+        timer = self._paused
+        self._paused = None
+        if timer is not None and timer.enabled and active() is None:
+            activate(timer)
+
+    @staticmethod
+    def discard_dataloader_waits() -> None:
+        """Forget DataLoader waits since the last step ended (they were an evaluation's)."""
+        timer = active()
+        if timer is not None:
+            timer.discard_outside(DATALOADER_NEXT)
+
+    def abandon(self) -> None:
+        """After a failed hook: close what is open, resume hooks, never raise."""
+        try:
+            self.resume()
+        finally:
+            self.end()
