@@ -1,0 +1,213 @@
+"""TraceML with PyTorch Lightning: zero code under ``traceml run``, and the explicit
+``TraceMLCallback``.
+
+A small LightningModule trains on random data. Each run checks several things:
+
+- zero code, 1 process: ``accumulate_grad_batches=2`` folds two batches into one step
+  per update; the sanity check, validation inside ``fit()`` and ``validate()``/
+  ``predict()`` after it are left out; every stream is exported and valid;
+- zero code, 2 ranks (DDP, gloo): one step per update on each rank;
+- zero code, the user's ``training_step`` raises: the exception propagates
+  unchanged and the run is finalized;
+- explicit callback with the automatic attach off: a hook failure is reported once
+  and training continues.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e_helpers import assert_valid, export_dir
+from tests.integration_helpers import (
+    BACKWARD,
+    DATALOADER,
+    FORWARD,
+    OPTIMIZER,
+    STEP,
+    assert_all_streams_closed,
+    calls,
+    describe,
+    integration_failures,
+    steps_by_rank,
+    stream_lines,
+    traceml_run,
+    write_script,
+)
+
+pytest.importorskip("lightning")
+
+pytestmark = pytest.mark.timeout(600)
+
+COMMON = """
+import os, sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import lightning.pytorch as pl
+
+
+class Model(pl.LightningModule):
+    def __init__(self, fail_at=-1):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.fail_at = fail_at
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_at:
+            raise KeyError(f"user error at update {self.fail_at + 1}")
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def loader(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)),
+                      batch_size=4)
+
+
+def make_trainer(accumulate, max_steps, **kw):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return pl.Trainer(
+        accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
+        max_steps=max_steps, accumulate_grad_batches=accumulate, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **kw,
+    )
+
+
+torch.manual_seed(0)
+"""
+
+# No TraceML import: the launcher adds TraceMLCallback to every Trainer.
+ZERO_CODE = (
+    COMMON
+    + """
+accumulate, max_steps, fail_at = (int(a) for a in sys.argv[1:4])
+trainer = make_trainer(accumulate, max_steps, val_check_interval=4, limit_val_batches=3,
+                       num_sanity_val_steps=2)
+model = Model(fail_at)
+trainer.fit(model, loader(64, 0), loader(12, 1))
+trainer.validate(model, loader(12, 1), verbose=False)
+trainer.predict(model, loader(8, 2))
+print("TRAINED", "traceml_ai" in sys.modules)
+"""
+)
+
+EXPLICIT = (
+    COMMON
+    + """
+import traceml_ai as traceml
+from traceml_ai.integrations import _common
+from traceml_ai.integrations.lightning import TraceMLCallback
+
+assert os.environ["TRACEML_ZERO_CODE"] == "0"
+traceml.init()
+
+# A fault inside TraceML's own hook at the 3rd step: reported once, training goes on.
+calls = {"n": 0}
+original_begin = _common.StepDriver.begin
+def failing_begin(self, model):
+    calls["n"] += 1
+    if calls["n"] == 3:
+        raise RuntimeError("injected hook fault")
+    return original_begin(self, model)
+_common.StepDriver.begin = failing_begin
+
+callback = TraceMLCallback()
+trainer = make_trainer(1, 6, callbacks=[callback], num_sanity_val_steps=0)
+trainer.fit(Model(), loader(64, 0))
+print("STEPS", trainer.global_step, "HOOK_ERRORS", callback.hook_errors, flush=True)
+"""
+)
+
+
+def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
+    res = traceml_run(tmp_path, script, "2", "4", "-1")
+    assert res.returncode == 0, describe(res)
+    assert "TRAINED True" in res.stdout, describe(res)
+    assert not integration_failures(res.stderr), describe(res)
+
+    (lines,) = steps_by_rank(tmp_path).values()
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    for line in lines:
+        assert set(line["events"]) == {STEP, FORWARD, BACKWARD, OPTIMIZER, DATALOADER}, line
+        assert calls(line, FORWARD) == 2, line
+        assert calls(line, BACKWARD) == 2, line
+        assert calls(line, OPTIMIZER) == 1, line
+        # Two batches per update; validation's 3 batches (after every 4 batches)
+        # and the sanity check's 2 are not counted.
+        assert calls(line, DATALOADER) == 2, line
+        for entry in line["events"].values():
+            (device,) = entry
+            assert device == "cpu"
+        # The optimizer phase is the update only, not the closure's forward+backward.
+        opt = line["events"][OPTIMIZER]["cpu"]["cpu_ms"]
+        step = line["events"][STEP]["cpu"]["cpu_ms"]
+        assert opt < step, line
+    memory = stream_lines(tmp_path, "step_memory")
+    assert [m["step"] for m in memory] == [1, 2, 3, 4]
+    assert_all_streams_closed(tmp_path)
+    assert_valid(export_dir(tmp_path / "logs", "run"), tmp_path)
+
+
+def test_zero_code_ddp_two_ranks(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
+    res = traceml_run(tmp_path, script, "2", "3", "-1", nproc=2)
+    assert res.returncode == 0, describe(res)
+    assert not integration_failures(res.stderr), describe(res)
+    by_rank = steps_by_rank(tmp_path)
+    assert sorted(by_rank) == [0, 1]
+    for lines in by_rank.values():
+        assert [line["step"] for line in lines] == [1, 2, 3]
+        for line in lines:
+            assert calls(line, FORWARD) == 2 and calls(line, BACKWARD) == 2, line
+            assert calls(line, OPTIMIZER) == 1, line
+    environments = stream_lines(tmp_path, "runtime_environment")
+    assert {e["global_rank"] for e in environments} == {0, 1}
+    assert {e["world_size"] for e in environments} == {2}
+    assert "ddp" in {e["training_strategy"] for e in environments}
+    assert_all_streams_closed(tmp_path)
+
+
+def test_zero_code_user_exception_propagates_and_run_is_finalized(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
+    res = traceml_run(tmp_path, script, "1", "6", "2")
+    assert res.returncode == 1, describe(res)
+    assert "KeyError: 'user error at update 3'" in res.stderr, describe(res)
+    assert not integration_failures(res.stderr), describe(res)
+    (lines,) = steps_by_rank(tmp_path).values()
+    assert [line["step"] for line in lines][:2] == [1, 2]
+    assert len(lines) <= 3
+    assert_all_streams_closed(tmp_path)
+    assert not (tmp_path / "logs" / "run" / "finalization_warning.json").exists(), describe(res)
+
+
+def test_explicit_callback_hook_fault(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "train_pl_explicit.py", EXPLICIT)
+    res = traceml_run(tmp_path, script, env={"TRACEML_ZERO_CODE": "0"})
+    assert res.returncode == 0, describe(res)
+    assert "STEPS 6 HOOK_ERRORS 1" in res.stdout, describe(res)
+    assert integration_failures(res.stderr) == [
+        "traceml: the Lightning integration failed in on_train_batch_start "
+        "(RuntimeError('injected hook fault')); TraceML stops tracing this run's steps "
+        "and training continues"
+    ], describe(res)
+    (lines,) = steps_by_rank(tmp_path).values()
+    assert [line["step"] for line in lines] == [1, 2]
+    assert_all_streams_closed(tmp_path)
