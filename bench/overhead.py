@@ -13,6 +13,14 @@
 
 Last line: ``overhead_us_per_step=<x> stalled_aggregator_ratio=<y>``. Figures only; no
 pass/fail.
+
+    python bench/overhead.py --paired [--rounds 5] [--seconds 3]
+
+Paired mode, so that noise cannot hide the cost: one process under ``traceml run
+--exporter jsonl --export-streams all`` (bench/_overhead_paired_train.py) alternates
+traced and untraced steps of a ~600 µs CPU step with a DataLoader fetch; the figure is
+the median of (traced step - the next untraced step), per round, and the median over
+rounds. Last line: ``paired_overhead_us=<x> step_us=<y>``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "_overhead_train.py"
+PAIRED_TRAIN = HERE / "_overhead_paired_train.py"
 
 
 def _env() -> dict[str, str]:
@@ -46,12 +55,12 @@ def _plain(out: Path, seconds: float) -> None:
     )
 
 
-def _traced_cmd(tmp: Path, name: str, out: Path, seconds: float) -> list[str]:
+def _traced_cmd(tmp: Path, name: str, out: Path, seconds: float, script: Path = TRAIN) -> list[str]:
     return [
         sys.executable, "-m", "traceml_ai", "run",
         "--logs-dir", str(tmp / "logs"), "--run-name", name,
         "--exporter", "jsonl", "--export-streams", "all", "--interval", "0.5",
-        str(TRAIN), str(out), str(seconds),
+        str(script), str(out), str(seconds),
     ]  # fmt: skip
 
 
@@ -84,6 +93,38 @@ def overhead(rounds: int, seconds: float, tmp: Path) -> tuple[float, float]:
         traced.append(_median_us(_load(out)["durations"]))
         print(f"round {i + 1}: plain {plain[-1]:.1f} us, traced {traced[-1]:.1f} us", flush=True)
     return statistics.median(plain), statistics.median(traced)
+
+
+def paired(rounds: int, seconds: float, tmp: Path) -> tuple[float, float]:
+    """(median µs of traced step - next untraced step, median untraced step µs)."""
+    overheads: list[float] = []
+    steps: list[float] = []
+    for i in range(rounds):
+        out = tmp / f"paired{i}.json"
+        subprocess.run(
+            _traced_cmd(tmp, f"paired{i}", out, seconds, PAIRED_TRAIN),
+            env=_env(), check=True, timeout=180, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        data = orjson.loads(out.read_bytes())
+        traced_flags, durations = data["traced"], data["durations"]
+        # Skip the first steps: hooks are installed and caches warm on the first ones.
+        start = min(50, len(durations) // 10) // 2 * 2
+        diffs = [
+            durations[j] - durations[j + 1]
+            for j in range(start, len(durations) - 1)
+            if traced_flags[j] and not traced_flags[j + 1]
+        ]
+        untraced = [
+            d for d, t in zip(durations[start:], traced_flags[start:], strict=True) if not t
+        ]
+        overheads.append(statistics.median(diffs) * 1e6)
+        steps.append(_median_us(untraced))
+        print(
+            f"round {i + 1}: {len(diffs)} pairs, traced - untraced {overheads[-1]:.1f} us, "
+            f"untraced step {steps[-1]:.1f} us",
+            flush=True,
+        )
+    return statistics.median(overheads), statistics.median(steps)
 
 
 def _aggregator_of(launcher: psutil.Process, deadline: float) -> psutil.Process:
@@ -136,7 +177,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each run")
+    parser.add_argument(
+        "--paired", action="store_true", help="traced and untraced steps alternating in one run"
+    )
     args = parser.parse_args()
+    if args.paired:
+        with tempfile.TemporaryDirectory() as name:
+            overhead_us, step_us = paired(args.rounds, args.seconds, Path(name))
+        print(f"paired_overhead_us={overhead_us:.1f} step_us={step_us:.1f}")
+        return
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         plain, traced = overhead(args.rounds, args.seconds, tmp)

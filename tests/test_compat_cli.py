@@ -98,3 +98,252 @@ def test_values_the_user_set_are_kept(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "ADDR localhost 12345" in res.stdout
+
+
+# -- scripts as 0.5.0's examples write them -----------------------------------------
+
+SUMMARY_SCRIPT = textwrap.dedent(
+    """
+    # As 0.5.0's summary_logging_minimal example: init, a traced loop, summary().
+    import json
+    import torch
+    from torch import nn
+    import traceml_ai as traceml
+
+    traceml.init()
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    for _ in range(4):
+        with traceml.trace_step(model):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    summary = traceml.summary(print_text=True)
+    full = traceml.final_summary(timeout_sec=60)
+    print("SUMMARY " + json.dumps({"summary": summary, "full": full}))
+    """
+)
+
+MANUAL_SCRIPT = textwrap.dedent(
+    """
+    # As 0.5.0's manual_custom_minimal example: mode="manual" and the wrap_* helpers.
+    import sys
+    import torch
+    from torch import nn
+    import traceml_ai as traceml
+
+    cfg = traceml.init(mode="manual")
+    assert cfg.mode == "manual" and not cfg.patch_forward, cfg
+
+    def batches():
+        for _ in range(3):
+            yield torch.randn(4, 8), torch.randn(4, 1)
+
+    model = traceml.wrap_forward(nn.Linear(8, 1))
+    opt = traceml.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for x, y in traceml.wrap_dataloader_fetch(batches()):
+        with traceml.trace_step(model):
+            x = traceml.wrap_h2d(x).to("cpu")
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            traceml.wrap_backward(loss).backward()
+            opt.step()
+    print("ARGV", sys.argv[1:])
+    """
+)
+
+
+def summary_of(res: Any) -> dict[str, Any]:
+    for line in res.stdout.splitlines():
+        if line.startswith("SUMMARY "):
+            value = orjson.loads(line.removeprefix("SUMMARY "))
+            assert isinstance(value, dict)
+            return value
+    raise AssertionError(res.stdout + res.stderr)
+
+
+def test_summary_in_a_script_reads_the_export_file(tmp_path: Path) -> None:
+    script = write(tmp_path, "s.py", SUMMARY_SCRIPT)
+    logs = tmp_path / "logs"
+    res = run_cli(
+        ["run", "--logs-dir", logs, "--run-name", "s", "--exporter", "jsonl", script],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = summary_of(res)
+    full, flat = got["full"], got["summary"]
+    assert full["source"] == "export" and full["ranks"] == [0]
+    assert full["step_time"]["0"]["steps"] == 4
+    assert flat["traceml/source"] == "export" and flat["traceml/steps"] == 4
+    assert "traceml: summary from export files" in res.stdout
+
+
+def test_summary_in_a_script_with_export_off_is_in_process(tmp_path: Path) -> None:
+    script = write(tmp_path, "s.py", SUMMARY_SCRIPT)
+    res = run_cli(["run", "--logs-dir", tmp_path / "logs", script], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    full = summary_of(res)["full"]
+    assert full["source"] == "in_process" and full["step_time"]["0"]["steps"] == 4
+
+
+def test_manual_mode_script_with_0_5_args_form(tmp_path: Path) -> None:
+    script = write(tmp_path, "m.py", MANUAL_SCRIPT)
+    logs = tmp_path / "logs"
+    # 0.5.0's form: options after the script, the script's arguments after --args.
+    res = run_cli(
+        [
+            "run",
+            script,
+            "--logs-dir",
+            logs,
+            "--run-name",
+            "m",
+            "--exporter",
+            "jsonl",
+            "--args",
+            "--lr",
+            "0.1",
+            "--exporter",
+        ],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ARGV ['--lr', '0.1', '--exporter']" in res.stdout
+    assert "warning" not in res.stderr
+    steps = data_lines(export_dir(logs, "m") / "step_time.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for s in steps[1:]:
+        names = set(s["events"])
+        assert {
+            "_traceml_internal:forward_time",
+            "_traceml_internal:backward_time",
+            "_traceml_internal:optimizer_step",
+            "_traceml_internal:dataloader_next",
+        } <= names, names
+
+
+ARGV_SCRIPT = "import os, sys\nprint('ARGV', sys.argv[1:], os.environ.get('WORLD_SIZE'))\n"
+
+
+def test_torchrun_form_keeps_everything_after_the_script_and_warns(tmp_path: Path) -> None:
+    script = write(tmp_path, "a.py", ARGV_SCRIPT)
+    res = run_cli(
+        ["run", "--logs-dir", tmp_path / "logs", script, "--nproc-per-node=2", "--", "--mode"],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "ARGV ['--nproc-per-node=2', '--', '--mode'] 1" in res.stdout
+    warnings = [line for line in res.stderr.splitlines() if "traceml: warning" in line]
+    assert warnings == [
+        "traceml: warning: --nproc-per-node after the script is passed to the script; for "
+        "traceml, put it before the script (traceml run [OPTIONS] SCRIPT [ARGS]) or end "
+        "traceml's options with --args (traceml run SCRIPT [OPTIONS] --args [ARGS])"
+    ]
+
+
+def test_an_unknown_option_in_the_args_form_is_an_error(tmp_path: Path) -> None:
+    script = write(tmp_path, "a.py", ARGV_SCRIPT)
+    res = run_cli(["run", script, "--exportr", "jsonl", "--args", "x"], cwd=tmp_path, timeout=60)
+    assert res.returncode == 2
+    assert (
+        res.stderr.strip() == "traceml: error: no such option --exportr (did you mean --exporter?)"
+    )
+    assert "ARGV" not in res.stdout
+
+
+def test_mode_summary_prints_the_run_summary_and_exports_step_time(tmp_path: Path) -> None:
+    script = write(tmp_path, "s.py", SUMMARY_SCRIPT)
+    logs = tmp_path / "logs"
+    res = run_cli(
+        ["run", "--mode", "summary", "--logs-dir", logs, "--session-id", "sid", script],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (export_dir(logs, "sid") / "step_time.jsonl").is_file()
+    lines = res.stderr.splitlines()
+    assert "traceml: summary from export files" in lines
+    assert any(line.startswith("traceml: rank 0: 4 steps, step p50 ") for line in lines)
+
+
+def test_trace_max_steps_and_on_missing_aggregator(tmp_path: Path) -> None:
+    script = write(tmp_path, "s.py", SUMMARY_SCRIPT)
+    logs = tmp_path / "logs"
+    res = run_cli(
+        [
+            "run",
+            "--trace-max-steps",
+            "2",
+            "--on-missing-aggregator",
+            "warn",
+            "--logs-dir",
+            logs,
+            "--run-name",
+            "t",
+            "--exporter",
+            "jsonl",
+            script,
+        ],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    steps = data_lines(export_dir(logs, "t") / "step_time.jsonl")
+    assert [s["step"] for s in steps] == [1, 2]
+
+
+def test_disable_traceml_runs_the_script_untouched(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        "d.py",
+        "import sys\nimport traceml_ai as traceml\ntraceml.init()\n"
+        "with traceml.trace_step(None):\n    pass\nprint('RAN', sys.argv[1:])\nsys.exit(3)\n",
+    )
+    res = run_cli(
+        ["run", "--disable-traceml", "--logs-dir", tmp_path / "logs", script, "x"], cwd=tmp_path
+    )
+    assert res.returncode == 3
+    assert "RAN ['x']" in res.stdout
+    assert res.stderr == ""
+    assert not (tmp_path / "logs").exists()
+
+
+def test_options_without_a_feature_here_are_one_notice_each(tmp_path: Path) -> None:
+    script = write(tmp_path, "a.py", ARGV_SCRIPT)
+    res = run_cli(
+        [
+            "run",
+            "--logs-dir",
+            tmp_path / "logs",
+            "--mode",
+            "cli",
+            "--enable-logging",
+            "--html-report",
+            "--no-history",
+            "--history-retention",
+            "2h",
+            "--dashboard-port",
+            "8765",
+            "--no-dashboard-auto-open",
+            "--save-training-output",
+            script,
+        ],
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    notices = [line for line in res.stderr.splitlines() if "has no effect here" in line]
+    assert notices == [
+        "traceml: --enable-logging has no effect here: TraceML writes no log files; its "
+        "messages go to stderr",
+        "traceml: --html-report has no effect here: there is no HTML report; --mode summary "
+        "prints the run summary",
+        "traceml: --no-history has no effect here: TraceML keeps no history database; "
+        "--exporter decides what is written",
+        "traceml: --history-retention has no effect here: TraceML keeps no history database",
+        "traceml: --dashboard-port has no effect here: there is no dashboard",
+        "traceml: --no-dashboard-auto-open has no effect here: there is no dashboard",
+        "traceml: --save-training-output has no effect here: the script's output goes to the "
+        "terminal",
+        "traceml: --mode cli has no effect here: there is no live view; --mode summary prints "
+        "the run summary at the end",
+    ]

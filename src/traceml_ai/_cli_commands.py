@@ -5,15 +5,20 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
 import click
 
 from traceml_ai.settings import (
     SETTINGS,
+    SOURCE_DEFAULT,
     Command,
     LaunchSettings,
     SettingsError,
@@ -55,6 +60,234 @@ def _setting_options(command: Command) -> Callable[[_F], _F]:
     return decorate
 
 
+# -- TraceML 0.5.0's command line (docs/compat-0.5.md) ----------------------------------
+
+ARGS_MARKER = "--args"
+"""0.5.0's end of traceml's options: what follows it is the script's."""
+
+_NO_EFFECT = {
+    "enable_logging": "--enable-logging has no effect here: TraceML writes no log files; "
+    "its messages go to stderr",
+    "html_report": "--html-report has no effect here: there is no HTML report; "
+    "--mode summary prints the run summary",
+    "no_history": "--no-history has no effect here: TraceML keeps no history database; "
+    "--exporter decides what is written",
+    "history_retention": "--history-retention has no effect here: TraceML keeps no history "
+    "database",
+    "dashboard_port": "--dashboard-port has no effect here: there is no dashboard",
+    "no_dashboard_auto_open": "--no-dashboard-auto-open has no effect here: there is no dashboard",
+}
+
+
+def _compat_options(func: _F) -> _F:
+    """TraceML 0.5.0's ``traceml run`` options that are not settings of this project."""
+    options = [
+        click.option(
+            "--mode",
+            "mode",
+            type=click.Choice(["cli", "dashboard", "summary"]),
+            default=None,
+            help="TraceML 0.5.0: summary prints the run summary at the end (and switches the "
+            "jsonl exporter on unless an exporter is set); cli and dashboard have no live "
+            "view here.",
+        ),
+        click.option(
+            "--session-id",
+            "session_id",
+            default=None,
+            metavar="NAME",
+            help="TraceML 0.5.0's alias of --run-name.",
+        ),
+        click.option(
+            "--disable-traceml",
+            "--disable_traceml",
+            "disable_traceml",
+            is_flag=True,
+            default=False,
+            help="Run the script untouched: no aggregator, no run folder, TRACEML_DISABLED=1.",
+        ),
+        click.option(
+            "--trace-max-steps",
+            "trace_max_steps",
+            type=click.IntRange(min=0),
+            default=None,
+            metavar="N",
+            help="Send the step figures of the first N traced steps only; training goes on.",
+        ),
+        click.option(
+            "--on-missing-aggregator",
+            "on_missing_aggregator",
+            type=click.Choice(["raise", "warn"]),
+            default=None,
+            help="When the aggregator did not start: warn (default here: training runs "
+            "without telemetry) or raise (traceml.init() in the script raises).",
+        ),
+        click.option(
+            "--enable-logging",
+            "enable_logging",
+            is_flag=True,
+            default=False,
+            help="TraceML 0.5.0; no effect here.",
+        ),
+        click.option(
+            "--html-report",
+            "html_report",
+            is_flag=True,
+            default=False,
+            help="TraceML 0.5.0; no effect here.",
+        ),
+        click.option(
+            "--no-history",
+            "no_history",
+            is_flag=True,
+            default=False,
+            help="TraceML 0.5.0; no effect here.",
+        ),
+        click.option(
+            "--history-retention",
+            "history_retention",
+            default=None,
+            metavar="DURATION",
+            help="TraceML 0.5.0; no effect here.",
+        ),
+        click.option(
+            "--dashboard-port",
+            "dashboard_port",
+            default=None,
+            metavar="PORT",
+            help="TraceML 0.5.0; no effect here.",
+        ),
+        click.option(
+            "--no-dashboard-auto-open",
+            "no_dashboard_auto_open",
+            is_flag=True,
+            default=False,
+            help="TraceML 0.5.0; no effect here.",
+        ),
+        click.option(
+            "--save-training-output/--no-save-training-output",
+            "save_training_output",
+            default=None,
+            help="TraceML 0.5.0: the script's output goes to the terminal here "
+            "(--no-save-training-output's behaviour).",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+class _RunCommand(click.Command):
+    """``traceml run`` in both forms: torchrun's and TraceML 0.5.0's ``--args``.
+
+    Without ``--args`` options end at the script and everything after it is the
+    script's (an unknown option before it is an error with a did-you-mean). With
+    ``--args`` (before any ``--``), options may also stand after the script, and what
+    follows ``--args`` is the script's.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        cut = args.index("--") if "--" in args else len(args)
+        if ARGS_MARKER in args[:cut]:
+            i = args.index(ARGS_MARKER)
+            # Options and the script in any order, then the script's arguments verbatim.
+            ctx.allow_interspersed_args = True
+            args = [*args[:i], "--", *args[i + 1 :]]
+            ctx.meta["traceml_args_form"] = True
+        return super().parse_args(ctx, args)
+
+    def own_option_names(self) -> set[str]:
+        """Every spelling of ``traceml run``'s own options."""
+        names: set[str] = set()
+        for param in self.params:
+            if isinstance(param, click.Option):
+                names.update(param.opts)
+                names.update(param.secondary_opts)
+        return names
+
+
+def _warn_options_after_script(command: _RunCommand, script_args: tuple[str, ...]) -> None:
+    """One line when the script's arguments hold one of ``traceml run``'s own options."""
+    cut = script_args.index("--") if "--" in script_args else len(script_args)
+    own = command.own_option_names()
+    found = [a.split("=", 1)[0] for a in script_args[:cut] if a.split("=", 1)[0] in own]
+    if not found:
+        return
+    names = ", ".join(dict.fromkeys(found))
+    click.echo(
+        f"traceml: warning: {names} after the script is passed to the script; for traceml, "
+        "put it before the script (traceml run [OPTIONS] SCRIPT [ARGS]) or end traceml's "
+        "options with --args (traceml run SCRIPT [OPTIONS] --args [ARGS])",
+        err=True,
+    )
+
+
+def _run_untouched(
+    script: str,
+    script_args: tuple[str, ...],
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+) -> int:
+    """``--disable-traceml``: the script alone, as torchrun would start it; its exit code."""
+    from traceml_ai._launch import TORCHRUN_SINGLE_PROCESS_ENV
+
+    if not Path(script).is_file():
+        click.echo(f"traceml: error: training script not found: {script}", err=True)
+        sys.exit(2)
+    env = dict(os.environ)
+    env["TRACEML_DISABLED"] = "1"  # a traceml.init() in the script does nothing
+    if nproc_per_node == 1 and nnodes == 1:
+        for name, value in TORCHRUN_SINGLE_PROCESS_ENV:
+            env.setdefault(name, value)
+        env.setdefault("MASTER_ADDR", master_addr)
+        env.setdefault("MASTER_PORT", str(master_port))
+        cmd = [sys.executable, script, *script_args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc_per_node}",
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            f"--master-addr={master_addr}",
+            f"--master-port={master_port}",
+            script,
+            *script_args,
+        ]
+    proc = subprocess.Popen(cmd, env=env)
+    # The terminal's Ctrl-C reaches the script itself (same process group); we wait.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return code if code >= 0 else 128 + (-code)
+
+
+def _print_run_summary(run_dir: Path) -> None:
+    """``--mode summary``: the run's step figures from its step_time.jsonl."""
+    from traceml_ai.rank import _compat_summary
+
+    path = run_dir / "aggregator" / "export" / "step_time.jsonl"
+    if not path.is_file():
+        click.echo(f"traceml: --mode summary: no {path} to summarize", err=True)
+        return
+    reader = _compat_summary.StepTimeFile(path)
+    try:
+        reader.read_new()
+    except OSError as exc:
+        click.echo(f"traceml: --mode summary: cannot read {path}: {exc}", err=True)
+        return
+    summary = _compat_summary.build_summary(
+        reader.steps, source="export", complete=reader.closed, file=str(path)
+    )
+    click.echo(_compat_summary.text(summary), err=True)
+
+
 def _resolve(command: Command, cli: dict[str, Any]) -> LaunchSettings:
     """Resolve every setting or exit 2 with the message, before anything launches."""
     try:
@@ -68,8 +301,10 @@ def _resolve(command: Command, cli: dict[str, Any]) -> LaunchSettings:
 
 
 @click.command(
+    cls=_RunCommand,
     # Options end at the script: whatever follows it is the script's, even --help.
     # An unknown option before it is an error (with a did-you-mean), never the script.
+    # TraceML 0.5.0's --args form is handled by _RunCommand.
     context_settings={"allow_interspersed_args": False},
 )
 # torchrun's options, spelled as torchrun accepts them (dashes or underscores), read from
@@ -113,6 +348,7 @@ def _resolve(command: Command, cli: dict[str, Any]) -> LaunchSettings:
     help="Port of the rendezvous on node 0.",
 )
 @_setting_options("run")
+@_compat_options
 @click.argument("script", type=str)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(
@@ -123,12 +359,20 @@ def run(
     master_port: int,
     script: str,
     script_args: tuple[str, ...],
+    mode: str | None,
+    session_id: str | None,
+    disable_traceml: bool,
+    trace_max_steps: int | None,
+    on_missing_aggregator: str | None,
+    save_training_output: bool | None,
     **cli: Any,
 ) -> None:
     """Run SCRIPT [ARGS]... under TraceML and exit with its exit code.
 
-    Options go before SCRIPT; everything after it is passed to the script. One
-    process runs the script directly; with --nproc-per-node or --nnodes above 1 the
+    Options go before SCRIPT; everything after it is passed to the script. TraceML
+    0.5.0's form works too: traceml run SCRIPT [OPTIONS] --args [ARGS]. One process
+    runs the script directly, with the environment torchrun gives its worker (RANK,
+    WORLD_SIZE, MASTER_ADDR, ...); with --nproc-per-node or --nnodes above 1 the
     ranks are started by torch.distributed.run, and the rendezvous options mean what
     torchrun users expect. The aggregator runs on node 0 and writes
     <logs-dir>/<run-name>/aggregator/export/*.jsonl when the exporter is jsonl.
@@ -136,10 +380,52 @@ def run(
     Each TraceML setting is read from its flag, else its TRACEML_* variable, else
     traceml.yaml in the current folder, else its default.
     """
-    from traceml_ai._launch import LaunchError, RunOptions
+    from traceml_ai._launch import LaunchError, RunOptions, default_run_name
     from traceml_ai._launch import run as launch
 
+    ctx = click.get_current_context()
+    if not ctx.meta.get("traceml_args_form") and isinstance(ctx.command, _RunCommand):
+        _warn_options_after_script(ctx.command, script_args)
+    for name, message in _NO_EFFECT.items():
+        if cli.pop(name, None):
+            click.echo(f"traceml: {message}", err=True)
+    if save_training_output:
+        click.echo(
+            "traceml: --save-training-output has no effect here: the script's output goes "
+            "to the terminal",
+            err=True,
+        )
+    if mode in ("cli", "dashboard"):
+        click.echo(
+            f"traceml: --mode {mode} has no effect here: there is no live view; "
+            "--mode summary prints the run summary at the end",
+            err=True,
+        )
+    if disable_traceml:
+        sys.exit(
+            _run_untouched(
+                script, script_args, nproc_per_node, nnodes, node_rank, master_addr, master_port
+            )
+        )
+    if session_id is not None:
+        if cli.get("run_name") is not None and cli["run_name"] != session_id:
+            click.echo(
+                "traceml: error: --session-id (an alias of --run-name) and --run-name disagree",
+                err=True,
+            )
+            sys.exit(2)
+        cli["run_name"] = session_id
     settings = _resolve("run", cli)
+    if mode == "summary":
+        if settings.sources.get("exporter", SOURCE_DEFAULT) == SOURCE_DEFAULT:
+            # 0.5.0's summary mode always has its figures: export step_time for it.
+            settings = _resolve("run", {**cli, "exporter": "jsonl"})
+        if settings.run_name is None and settings.aggregator_host is None and node_rank == 0:
+            settings = attrs.evolve(settings, run_name=default_run_name())
+    if trace_max_steps is not None:
+        os.environ["TRACEML_TRACE_MAX_STEPS"] = str(trace_max_steps)
+    if on_missing_aggregator is not None:
+        os.environ["TRACEML_ON_MISSING_AGGREGATOR"] = on_missing_aggregator
     options = RunOptions(
         script=script,
         script_args=script_args,
@@ -161,6 +447,10 @@ def run(
     except LaunchError as exc:
         click.echo(f"traceml: error: {exc}", err=True)
         sys.exit(2)
+    # The run folder is on node 0, where the aggregator ran.
+    here = settings.aggregator_host is None and node_rank == 0
+    if mode == "summary" and here and settings.run_name is not None:
+        _print_run_summary(settings.logs_dir / settings.run_name)
     sys.exit(code)
 
 

@@ -1,0 +1,61 @@
+"""Training loop of bench/overhead.py's paired mode: traced and untraced steps alternate.
+
+One process under ``traceml run``: step i is traced when i is even. Each step fetches
+its batch from a DataLoader (inside the timed window, as a training loop does) and
+runs forward, backward and the optimizer on an MLP sized for a step of roughly
+600 µs on one CPU thread. Writes one JSON object to argv[1]: per step, whether it was
+traced and its duration in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import orjson
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import traceml_ai as traceml
+
+out_path = sys.argv[1]
+seconds = float(sys.argv[2])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Sequential(
+    nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)
+)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+loss_fn = nn.MSELoss()
+data = TensorDataset(torch.randn(4096, 256), torch.randn(4096, 1))
+loader = DataLoader(data, batch_size=64, shuffle=True, drop_last=True)
+traceml.init()
+
+
+def batches() -> object:
+    while True:
+        yield from loader
+
+
+untraced = contextlib.nullcontext()
+it = iter(batches())  # type: ignore[call-overload]
+traced_flags: list[bool] = []
+durations: list[float] = []
+end = time.monotonic() + seconds
+i = 0
+while time.monotonic() < end:
+    traced = i % 2 == 0
+    t0 = time.perf_counter()
+    x, y = next(it)
+    with traceml.trace_step(model) if traced else untraced:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    durations.append(time.perf_counter() - t0)
+    traced_flags.append(traced)
+    i += 1
+traceml.shutdown()
+with open(out_path, "wb") as f:
+    f.write(orjson.dumps({"traced": traced_flags, "durations": durations}))
