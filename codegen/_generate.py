@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from codegen._model import load_schemas
+from codegen._render_arrow import render_arrow_tables, render_tables_reference
 from codegen._render_docs import render_reference, render_stream_keys
 from codegen._render_python import render_records, render_registry
 
@@ -22,6 +23,8 @@ def generate(root: Path) -> dict[Path, bytes]:
         PACKAGE / "_generated" / "registry.py": render_registry(schema_set).encode(),
         Path("docs/reference/export-records.md"): render_reference(schema_set).encode(),
         Path("docs/reference/stream-keys.md"): render_stream_keys(schema_set).encode(),
+        PACKAGE / "_generated" / "tables.py": render_arrow_tables(schema_set).encode(),
+        Path("docs/reference/tables.md"): render_tables_reference(schema_set).encode(),
     }
     # The schemas travel as package data, byte for byte.
     for name, data in schema_set.schema_files:

@@ -1,0 +1,128 @@
+"""Loading one step_time file as typed tables, side by side with the usual readers.
+
+On the same file of ``--lines`` step_time lines (written by the real encoder,
+``dumps_line``, plus its closing line), in this order:
+
+* ``traceml_records.frames.load``: the typed ``step_time`` table and the flattened
+  ``step_time_phases`` table (both built; closing line left out);
+* ``pyarrow.json.read_json``, untyped (nested structs, nothing flattened);
+* ``pandas.read_json(lines=True)`` (``events`` stays a column of Python dicts).
+
+    .venv/bin/python bench/frames.py [--lines 1000000] [--keep FILE]
+
+Prints figures, never pass/fail. The last line is machine-readable:
+``frames_vs_pandas=<x> frames_vs_pyarrow_json=<y> lines_per_s=<z>`` where a ratio
+is the other reader's time over ours (above 1: ours is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from traceml_records import ClosingLine, PhaseTiming, StepTimeRecord, dumps_line
+
+_P = "_traceml_internal:"
+
+
+def _timing(ms: float) -> dict[str, PhaseTiming]:
+    return {"cpu": PhaseTiming(cpu_ms=ms, duration_ms=ms, gpu_ms=None, is_gpu=False, n_calls=1)}
+
+
+def write_file(path: Path, lines: int, world: int = 8) -> None:
+    """``lines`` step_time lines of ``world`` ranks (5 phases each), then the closing line."""
+    rnd = random.Random(0)
+    with open(path, "wb") as fh:
+        batch: list[bytes] = []
+        for i in range(lines):
+            rank, step = i % world, i // world + 1
+            fwd, bwd, opt, dl = rnd.random() * 8, rnd.random() * 15, rnd.random(), rnd.random() * 3
+            record = StepTimeRecord(
+                observed_timestamp_unix_ns=1_796_073_447_523_468_974 + i,
+                rank=rank,
+                global_rank=rank,
+                local_rank=rank,
+                world_size=world,
+                local_world_size=world,
+                node_rank=0,
+                timestamp_unix_ns=1_796_073_447_453_688_073 + i,
+                seq=step - 1,
+                step=step,
+                events={
+                    _P + "backward_time": _timing(bwd),
+                    _P + "dataloader_next": _timing(dl),
+                    _P + "forward_time": _timing(fwd),
+                    _P + "optimizer_step": _timing(opt),
+                    _P + "step_time": _timing(fwd + bwd + opt + dl + 0.5),
+                },
+            )
+            batch.append(dumps_line(record))
+            if len(batch) >= 10_000:
+                fh.write(b"".join(batch))
+                batch.clear()
+        fh.write(b"".join(batch))
+        fh.write(
+            dumps_line(
+                ClosingLine(
+                    stream="step_time", closing=True, written_records=lines, dropped_batches=0
+                )
+            )
+        )
+
+
+def _timed(label: str, fn: Callable[[], Any]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    result = fn()
+    elapsed = time.perf_counter() - start
+    print(f"{label:<34} {elapsed:8.2f} s")
+    del result
+    gc.collect()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lines", type=int, default=1_000_000)
+    parser.add_argument("--keep", type=Path, default=None, help="write (or reuse) the file here")
+    args = parser.parse_args()
+
+    import pandas as pd
+    import pyarrow.json as pajson
+
+    from traceml_records import frames
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.keep or Path(tmp) / "step_time.jsonl"
+        if not path.exists():
+            start = time.perf_counter()
+            write_file(path, args.lines)
+            print(f"wrote {args.lines} lines in {time.perf_counter() - start:.1f} s: {path}")
+        size = path.stat().st_size
+        print(f"file: {size / 1e6:.0f} MB, {args.lines} data lines + closing line")
+
+        def ours() -> Any:
+            loaded = frames.load(path)
+            assert loaded.tables["step_time"].num_rows == args.lines
+            assert loaded.tables["step_time_phases"].num_rows == 5 * args.lines
+            return loaded
+
+        t_ours = _timed("frames.load (typed + phases)", ours)
+        t_arrow = _timed("pyarrow.json.read_json (untyped)", lambda: pajson.read_json(path))
+        t_pandas = _timed("pandas.read_json(lines=True)", lambda: pd.read_json(path, lines=True))
+    vs_pandas = t_pandas / t_ours
+    vs_arrow = t_arrow / t_ours
+    print(
+        f"frames_vs_pandas={vs_pandas:.2f} frames_vs_pyarrow_json={vs_arrow:.2f} "
+        f"lines_per_s={args.lines / t_ours:.0f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
