@@ -11,7 +11,8 @@ transformers is slow, so there are three runs, each checking several things:
 - zero code, the user's code raises inside ``train()``: it propagates unchanged and
   the run is finalized;
 - explicit callback with the automatic attach off: a hook failure is reported
-  once and training continues; the user's exception still propagates.
+  once and training continues; evaluation's batches are dropped at ``on_evaluate``;
+  the user's exception still propagates.
 """
 
 from __future__ import annotations
@@ -134,8 +135,10 @@ class Failing(Trainer):
 
 
 callback = TraceMLTrainerCallback()
-args = make_args("out", gradient_accumulation_steps=2, max_steps=8)
-trainer = Failing(model=model, args=args, train_dataset=Tokens(64), callbacks=[callback])
+args = make_args("out", gradient_accumulation_steps=2, max_steps=8, eval_strategy="steps",
+                 eval_steps=1)
+trainer = Failing(model=model, args=args, train_dataset=Tokens(64), eval_dataset=Tokens(12, 1),
+                  callbacks=[callback])
 try:
     trainer.train()
 finally:
@@ -232,5 +235,7 @@ def test_explicit_callback_hook_fault_and_user_exception(tmp_path: Path) -> None
     assert [line["step"] for line in lines] == [1, 2]
     for line in lines:
         assert calls(line, FORWARD) == 2 and calls(line, OPTIMIZER) == 1, line
+    # The evaluation after step 1 (3 batches) is dropped at on_evaluate, not in step 2.
+    assert 1 <= calls(lines[1], DATALOADER) <= 3, lines[1]
     assert_all_streams_closed(tmp_path)
     assert not (tmp_path / "logs" / "run" / "finalization_warning.json").exists(), describe(res)

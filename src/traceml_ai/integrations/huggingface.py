@@ -92,12 +92,6 @@ class TraceMLTrainerCallback(TrainerCallback):  # type: ignore[misc]
         """``train()`` returned or raised ``exc``: close a step its exception left open."""
         self._guard.run("train", lambda: self._driver.end(exc))
 
-    def _pause(self) -> None:
-        self._guard.run("evaluate", self._driver.pause)
-
-    def _resume(self) -> None:
-        self._guard.run("evaluate", self._driver.resume)
-
 
 # -- zero-code attach under `traceml run` (traceml_ai._bootstrap) ------------------------
 
@@ -121,6 +115,7 @@ def _attach(trainer: Any) -> TraceMLTrainerCallback:
 
 
 _ATTACH_GUARD = HookGuard(FRAMEWORK, lambda: None)
+_LOOP_GUARD = HookGuard(FRAMEWORK, lambda: None)
 
 
 def _guarded_attach(trainer: Any) -> TraceMLTrainerCallback | None:
@@ -153,14 +148,13 @@ def _wrap_loop(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def loop(self: Any, *args: Any, **kwargs: Any) -> Any:
-        callback = _callback_of(self)
-        if callback is None:
-            return original(self, *args, **kwargs)
-        callback._pause()
+        # Its own driver: evaluate() may come before train() attached a callback.
+        driver = StepDriver()
+        _LOOP_GUARD.run("Trainer.evaluate", driver.pause)
         try:
             return original(self, *args, **kwargs)
         finally:
-            callback._resume()
+            _LOOP_GUARD.run("Trainer.evaluate", driver.resume)
 
     loop.__traceml_wrapped__ = True  # type: ignore[attr-defined]
     return loop
