@@ -277,14 +277,12 @@ def _print_run_summary(run_dir: Path) -> None:
         click.echo(f"traceml: --mode summary: no {path} to summarize", err=True)
         return
     reader = _compat_summary.StepTimeFile(path)
-    try:
-        reader.read_new()
-    except OSError as exc:
-        click.echo(f"traceml: --mode summary: cannot read {path}: {exc}", err=True)
-        return
-    summary = _compat_summary.build_summary(
-        reader.steps, source="export", complete=reader.closed, file=str(path)
-    )
+    reader.read_new()
+    summary = _compat_summary.full_run_summary(path, complete=reader.closed, notes=())
+    if summary is None:
+        summary = _compat_summary.build_summary(
+            reader.steps, source="export", complete=reader.closed, file=str(path)
+        )
     click.echo(_compat_summary.text(summary), err=True)
 
 

@@ -258,8 +258,39 @@ def compact(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
+def full_run_summary(
+    step_time_file: Path, *, complete: bool, notes: Sequence[str]
+) -> dict[str, Any] | None:
+    """The run's full summary (``traceml summary``'s) from its export folder, or None.
+
+    It has every figure of the export files (memory, process, system, the straggler
+    view) besides the step and phase figures; None when it cannot be read, and the
+    caller falls back to :func:`build_summary` over the lines it read itself.
+    """
+    try:
+        from traceml_ai.summary import summarize_run
+
+        full = summarize_run(step_time_file.parent)
+    except Exception:
+        return None
+    return {
+        "source": "export",
+        "complete": complete,
+        "file": str(step_time_file),
+        **full,
+        "notes": [*notes, *full.get("notes", [])],
+    }
+
+
 def text(summary: Mapping[str, Any]) -> str:
     """A few ``traceml:`` lines: one per rank, then the notes."""
+    if "export_folder" in summary:
+        try:
+            from traceml_ai.summary import format_summary
+
+            return format_summary(dict(summary), full=True)
+        except Exception:
+            pass  # the few lines below need only the step figures
     where = "export files" if summary.get("source") == "export" else "this rank's own steps"
     state = "" if summary.get("complete") else ", run still in progress"
     lines = [f"traceml: summary from {where}{state}"]

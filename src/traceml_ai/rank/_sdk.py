@@ -659,13 +659,17 @@ def final_summary(
                 f"step {recorder.last_step} in {file_text}; figures cover the steps written"
             )
             _warn_once("summary_timeout", f"traceml: summary(): {notes[-1]}")
-        result = _compat_summary.build_summary(
-            reader.steps,
-            source="export",
-            complete=reader.closed,
-            notes=notes,
-            file=file_text,
+        result = _compat_summary.full_run_summary(
+            Path(file_text), complete=reader.closed, notes=notes
         )
+        if result is None:
+            result = _compat_summary.build_summary(
+                reader.steps,
+                source="export",
+                complete=reader.closed,
+                notes=notes,
+                file=file_text,
+            )
     else:
         steps = {identity.global_rank: dict(recent)}
         notes = [
