@@ -386,3 +386,50 @@ def test_hypothesis_folders(
     assert counted == len(expected)
     if not close:
         assert summary["loss"]["status"] in ("in_progress", "lost")
+
+
+def test_arrow_path_matches_the_plain_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Big files go through pyarrow; the figures must not change."""
+    import traceml_ai.summary as summary_mod
+
+    lines = []
+    for s in range(1, 40):
+        lines.append(
+            step_line(0, s, 2, {"step": 22.0 + s % 3, "forward_time": 0.5, "backward_time": 21.0})
+        )
+        lines.append(
+            step_line(
+                1,
+                s,
+                2,
+                {
+                    "step": 22.2,
+                    "forward_time": 20.0 + s % 2,
+                    "backward_time": 1.5,
+                    "user_phase": 0.3,
+                },
+            )
+        )
+    run = run_folder(tmp_path, lines)
+    mem = [
+        {
+            **{k: v for k, v in step_line(r, s, 2, {"step": 1.0}).items() if k != "events"},
+            "stream": "step_memory",
+            "device": "cuda:0",
+            "peak_allocated_bytes": 100 * s + r,
+            "peak_reserved_bytes": None if s == 1 else 1000,
+        }
+        for s in range(1, 5)
+        for r in range(2)
+    ]
+    write(run / "aggregator" / "export" / "step_memory.jsonl", [*mem, closing("step_memory", 8)])
+    plain = summarize_run(run)
+    monkeypatch.setattr(summary_mod, "_ARROW_MIN_BYTES", 0)
+    fast = summarize_run(run)
+    assert fast == plain
+    assert fast["memory"]["1"]["cuda:0"] == {
+        "peak_allocated_bytes": 401,
+        "peak_reserved_bytes": 1000,
+    }

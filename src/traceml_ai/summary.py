@@ -36,6 +36,8 @@ STRAGGLER_REL = 0.10
 """A straggler's figure exceeds the others' median by more than this fraction..."""
 STRAGGLER_ABS_MS = 1.0
 """...and by more than this many milliseconds."""
+_ARROW_MIN_BYTES = 8 << 20
+"""step_time/step_memory files from this size are read with pyarrow when installed."""
 SAME_RANK_SHARE = 0.75
 """The slowest rank counts as "the same rank" when it was slowest in this share of steps."""
 
@@ -198,14 +200,85 @@ def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, 
             ms = _phase_ms(devices)
             if ms is None:
                 continue
-            name = _PHASE_BY_EVENT.get(event)
-            if name is None:
-                if event.startswith(_PREFIX):
-                    continue  # a reserved name this reader does not know yet
-                name = f"user:{event}"
-            row[name] = ms
+            name = _phase_name(event)
+            if name is not None:
+                row[name] = ms
         out.setdefault(rank, {})[step] = row
     return out
+
+
+def _phase_name(event: str) -> str | None:
+    """The summary's name of an event; None for a reserved name this reader does not know."""
+    name = _PHASE_BY_EVENT.get(event)
+    if name is None and not event.startswith(_PREFIX):
+        name = f"user:{event}"
+    return name
+
+
+def _arrow_frames() -> Any:
+    """traceml_records.frames when pyarrow is installed, else None."""
+    try:
+        from traceml_records import frames
+    except ImportError:
+        return None
+    return frames
+
+
+def _step_rows_arrow(loaded: Any) -> tuple[dict[int, dict[int, dict[str, float]]], set[int]]:
+    """The rows of :func:`_step_rows` from Arrow tables (a big file: vectorized)."""
+    st = loaded.tables["step_time"]
+    ph = loaded.tables["step_time_phases"]
+    # One figure per (rank, step, event): the longest device, as in _phase_ms.
+    agg = ph.group_by(["global_rank", "step", "event"]).aggregate([("duration_ms", "max")])
+    acc: dict[tuple[int, int], dict[str, float]] = {}
+    names: dict[str, str | None] = {}
+    for rank, step, event, ms in zip(
+        agg.column("global_rank").to_pylist(),
+        agg.column("step").to_pylist(),
+        agg.column("event").to_pylist(),
+        agg.column("duration_ms_max").to_pylist(),
+        strict=True,
+    ):
+        if ms is None:
+            continue
+        if event not in names:
+            names[event] = "step" if event == STEP_EVENT else _phase_name(event)
+        key = names[event]
+        if key is not None:
+            acc.setdefault((rank, step), {})[key] = float(ms)
+    stamps = dict(
+        zip(
+            zip(st.column("global_rank").to_pylist(), st.column("step").to_pylist(), strict=True),
+            st.column("timestamp_unix_ns").to_pylist(),
+            strict=True,
+        )
+    )
+    out: dict[int, dict[int, dict[str, float]]] = {}
+    for (rank, step), row in acc.items():
+        if "step" in row:
+            row["_ts"] = float(stamps.get((rank, step)) or 0)
+            out.setdefault(rank, {})[step] = row
+    world = {w for w in st.column("world_size").unique().to_pylist() if isinstance(w, int)}
+    return out, world
+
+
+def _memory_arrow(loaded: Any) -> tuple[dict[str, Any], bool]:
+    """:func:`_memory_section` from an Arrow table."""
+    agg = (
+        loaded.tables["step_memory"]
+        .group_by(["global_rank", "device"])
+        .aggregate([("peak_allocated_bytes", "max"), ("peak_reserved_bytes", "max")])
+    )
+    peaks: dict[int, dict[str, dict[str, int | None]]] = {}
+    any_figure = False
+    for row in agg.to_pylist():
+        alloc, reserved = row["peak_allocated_bytes_max"], row["peak_reserved_bytes_max"]
+        any_figure = any_figure or alloc is not None or reserved is not None
+        peaks.setdefault(row["global_rank"], {})[row["device"]] = {
+            "peak_allocated_bytes": alloc,
+            "peak_reserved_bytes": reserved,
+        }
+    return {str(r): dict(sorted(peaks[r].items())) for r in sorted(peaks)}, any_figure
 
 
 def _rest(row: dict[str, float]) -> float:
@@ -520,6 +593,28 @@ def step_series(path: str | os.PathLike[str]) -> dict[int, list[tuple[int, float
     return {r: [(s, rows[r][s]["step"]) for s in sorted(rows[r])] for r in sorted(rows)}
 
 
+def _load_fast(name: str, path: Path) -> Any:
+    """A big step_time/step_memory file through pyarrow (when installed), else None.
+
+    Parsing a million lines one by one takes tens of seconds; pyarrow's reader takes a
+    few. Small files stay on the plain reader (importing pyarrow costs more than them).
+    """
+    if name not in ("step_time", "step_memory"):
+        return None
+    try:
+        if path.stat().st_size < _ARROW_MIN_BYTES:
+            return None
+    except OSError:
+        return None
+    frames = _arrow_frames()
+    if frames is None:
+        return None
+    try:
+        return frames.load(path, name)
+    except (frames.FramesError, OSError):
+        return None  # the plain reader counts what it cannot read
+
+
 def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarize a run folder (or its export folder) as a JSON-able dict.
 
@@ -531,13 +626,21 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     present = {name: p for name, p in files.items() if p.is_file()}
     reads: dict[str, _FileRead] = {}
     objs: dict[str, list[dict[str, Any]]] = {}
+    fast: dict[str, Any] = {}
     for name, p in present.items():
         info = _FileRead(p)
+        reads[name] = info
+        loaded = _load_fast(name, p)
+        if loaded is not None:
+            info.data_lines = loaded.tables[name].num_rows
+            info.closing = loaded.closing
+            info.partial_last_line = loaded.partial_last_line
+            fast[name] = loaded
+            continue
         try:
             objs[name] = list(_iter_objects(p, info))
         except OSError as exc:
             raise SummaryError(f"{p}: cannot read ({exc.strerror or exc})") from None
-        reads[name] = info
 
     notes: list[str] = []
     summary: dict[str, Any] = {
@@ -566,7 +669,16 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     else:
         summary["environment"] = None
 
-    rows = _step_rows(objs.get("step_time", []))
+    world: set[int] = set()
+    if "step_time" in fast:
+        rows, world = _step_rows_arrow(fast["step_time"])
+    else:
+        rows = _step_rows(objs.get("step_time", []))
+        world = {
+            o["world_size"]
+            for o in objs.get("step_time", [])
+            if isinstance(o.get("world_size"), int)
+        }
     if "step_time" not in present:
         notes.append("step times: step_time was not exported")
         summary.update(ranks=[], step_time=None, phases=None, straggler=None)
@@ -574,9 +686,6 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         notes.append("step times: no step recorded yet")
         summary.update(ranks=[], step_time=None, phases=None, straggler=None)
     else:
-        world: set[int] = {
-            o["world_size"] for o in objs["step_time"] if isinstance(o.get("world_size"), int)
-        }
         if strategy is None and world and max(world) > 1:
             notes.append(
                 "training strategy unknown (runtime_environment not exported); "
@@ -601,7 +710,11 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
                 )
 
     if "step_memory" in present:
-        mem, any_figure = _memory_section(objs["step_memory"])
+        mem, any_figure = (
+            _memory_arrow(fast["step_memory"])
+            if "step_memory" in fast
+            else _memory_section(objs["step_memory"])
+        )
         summary["memory"] = mem
         if mem and not any_figure:
             notes.append("peak memory: no allocator figures (a CPU run: peaks are null on cpu)")
