@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -433,3 +434,23 @@ def test_arrow_path_matches_the_plain_reader(
         "peak_allocated_bytes": 401,
         "peak_reserved_bytes": 1000,
     }
+
+
+def test_live_view_with_many_ranks_shows_the_straggler(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from traceml_ai.summary_live import _render
+
+    lines = [
+        step_line(r, s, 40, {"step": 30.0 if r == 7 else 10.0 + r * 0.01})
+        for s in range(1, 5)
+        for r in range(40)
+    ]
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(_render(summarize_run(run_folder(tmp_path, lines)), None))
+    text = console.export_text()
+    assert "32 of 40 ranks: the stragglers, then the slowest p50" in text
+    assert "  7 * " in text
+    assert (
+        "traceml: straggler: rank 7 (median step 30.00 ms vs 10.20 ms on the others, +194%)" in text
+    )

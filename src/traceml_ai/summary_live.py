@@ -12,6 +12,9 @@ from typing import Any
 
 from traceml_ai.summary import SummaryError, format_summary, straggler_line, summarize_run
 
+_MAX_ROWS = 32
+"""Rows of the live table; more ranks show the stragglers and the slowest."""
+
 
 def _render(summary: dict[str, Any] | None, waiting: str | None) -> Any:
     from rich.console import Group
@@ -29,9 +32,20 @@ def _render(summary: dict[str, Any] | None, waiting: str | None) -> Any:
             table.add_column(col, justify="right")
         names = summary["phase_names"]
         for name in names:
-            table.add_column(name, justify="right")
+            table.add_column(f"{name} ms", justify="right")
         stragglers = {s["rank"] for s in summary["straggler"].get("stragglers", [])}
-        for r in summary["ranks"]:
+        ranks = summary["ranks"]
+        if len(ranks) > _MAX_ROWS:
+            # Many ranks: the stragglers and the slowest by p50 fit on a screen.
+            by_p50 = sorted(ranks, key=lambda r: -steps[str(r)]["p50_ms"])
+            order = [*sorted(stragglers), *(r for r in by_p50 if r not in stragglers)]
+            shown = sorted(order[:_MAX_ROWS])
+            table.caption = (
+                f"{len(shown)} of {len(ranks)} ranks: the stragglers, then the slowest p50"
+            )
+        else:
+            shown = ranks
+        for r in shown:
             s = steps[str(r)]
             ph = summary["phases"][str(r)]
             table.add_row(
