@@ -153,6 +153,7 @@ def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> No
     assert res.returncode == 0, describe(res)
     assert "TRAINED True" in res.stdout, describe(res)
     assert not integration_failures(res.stderr), describe(res)
+    assert "could not attach" not in res.stderr, describe(res)
 
     (lines,) = steps_by_rank(tmp_path).values()
     # One line per optimizer update; the 2 micro-batches fold into it.
@@ -183,6 +184,7 @@ def test_zero_code_ddp_two_ranks(tmp_path: Path) -> None:
     res = traceml_run(tmp_path, script, "2", "3", nproc=2)
     assert res.returncode == 0, describe(res)
     assert not integration_failures(res.stderr), describe(res)
+    assert "could not attach" not in res.stderr, describe(res)
     by_rank = steps_by_rank(tmp_path)
     assert sorted(by_rank) == [0, 1]
     for lines in by_rank.values():
@@ -207,6 +209,7 @@ def test_zero_code_user_exception_propagates_and_run_is_finalized(tmp_path: Path
     assert res.returncode == 1, describe(res)
     assert "KeyError: 'user error at update 3'" in res.stderr, describe(res)
     assert not integration_failures(res.stderr), describe(res)
+    assert "could not attach" not in res.stderr, describe(res)
     (lines,) = steps_by_rank(tmp_path).values()
     # Updates 1 and 2 completed; the 3rd, which raised, ends as a raising
     # `with trace_step()` ends (recorded or dropped), never as a later step.

@@ -7,8 +7,8 @@ A small LightningModule trains on random data. Each run checks several things:
   per update; the sanity check, validation inside ``fit()`` and ``validate()``/
   ``predict()`` after it are left out; every stream is exported and valid;
 - zero code, 2 ranks (DDP, gloo): one step per update on each rank;
-- zero code, the user's ``training_step`` raises: the exception propagates
-  unchanged and the run is finalized;
+- zero code with the ``pytorch_lightning`` package, the user's ``training_step``
+  raises: the exception propagates unchanged and the run is finalized;
 - explicit callback with the automatic attach off: a hook failure is reported once
   and training continues.
 """
@@ -45,7 +45,9 @@ import os, sys
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-import lightning.pytorch as pl
+import importlib
+# The exception test uses the older package name, which the launcher patches too.
+pl = importlib.import_module(os.environ.get("PL_PACKAGE", "lightning.pytorch"))
 
 
 class Model(pl.LightningModule):
@@ -98,6 +100,7 @@ ZERO_CODE = (
     COMMON
     + """
 accumulate, max_steps, fail_at = (int(a) for a in sys.argv[1:4])
+print("PACKAGES", sorted(m for m in ("lightning", "pytorch_lightning") if m in sys.modules))
 trainer = make_trainer(accumulate, max_steps, val_check_interval=4, limit_val_batches=3,
                        num_sanity_val_steps=2)
 model = Model(fail_at)
@@ -142,6 +145,7 @@ def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> No
     assert res.returncode == 0, describe(res)
     assert "TRAINED True" in res.stdout, describe(res)
     assert not integration_failures(res.stderr), describe(res)
+    assert "could not attach" not in res.stderr, describe(res)
 
     (lines,) = steps_by_rank(tmp_path).values()
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
@@ -171,6 +175,7 @@ def test_zero_code_ddp_two_ranks(tmp_path: Path) -> None:
     res = traceml_run(tmp_path, script, "2", "3", "-1", nproc=2)
     assert res.returncode == 0, describe(res)
     assert not integration_failures(res.stderr), describe(res)
+    assert "could not attach" not in res.stderr, describe(res)
     by_rank = steps_by_rank(tmp_path)
     assert sorted(by_rank) == [0, 1]
     for lines in by_rank.values():
@@ -186,11 +191,15 @@ def test_zero_code_ddp_two_ranks(tmp_path: Path) -> None:
 
 
 def test_zero_code_user_exception_propagates_and_run_is_finalized(tmp_path: Path) -> None:
+    pytest.importorskip("pytorch_lightning")
     script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
-    res = traceml_run(tmp_path, script, "1", "6", "2")
+    res = traceml_run(tmp_path, script, "1", "6", "2", env={"PL_PACKAGE": "pytorch_lightning"})
     assert res.returncode == 1, describe(res)
+    assert "'pytorch_lightning'" in res.stdout, describe(res)
+    assert "'lightning'" not in res.stdout, describe(res)
     assert "KeyError: 'user error at update 3'" in res.stderr, describe(res)
     assert not integration_failures(res.stderr), describe(res)
+    assert "could not attach" not in res.stderr, describe(res)
     (lines,) = steps_by_rank(tmp_path).values()
     assert [line["step"] for line in lines][:2] == [1, 2]
     assert len(lines) <= 3

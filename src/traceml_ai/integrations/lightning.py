@@ -25,23 +25,37 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
-# From the defining module, not the package: under `traceml run` this module is
-# imported while lightning.pytorch itself is still initializing.
-try:
-    Callback: Any = importlib.import_module("lightning.pytorch.callbacks.callback").Callback
-except ImportError:
-    try:
-        Callback = importlib.import_module("pytorch_lightning.callbacks.callback").Callback
-    except ImportError as _exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "traceml_ai.integrations.lightning needs Lightning, which is not installed "
-            f"({_exc}). Install it with: pip install 'traceml-ai[lightning]'"
-        ) from _exc
-
 from traceml_ai.integrations._common import HookGuard, StepDriver
+
+
+def _callback_base() -> Any:
+    """Lightning's ``Callback`` class, from the package the script uses.
+
+    Taken from the defining module, not the package: under ``traceml run`` this
+    module is imported while that package is still initializing. A script that
+    imported only ``pytorch_lightning`` gets its class (importing ``lightning``
+    then would initialize a second package, and patch its Trainer, from here).
+    """
+    names = ["lightning.pytorch", "pytorch_lightning"]
+    if "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules:
+        names.reverse()
+    error: ImportError | None = None
+    for name in names:
+        try:
+            return importlib.import_module(f"{name}.callbacks.callback").Callback
+        except ImportError as exc:
+            error = error or exc
+    raise ImportError(
+        "traceml_ai.integrations.lightning needs Lightning, which is not installed "
+        f"({error}). Install it with: pip install 'traceml-ai[lightning]'"
+    )
+
+
+Callback: Any = _callback_base()
 
 __all__ = ["TraceMLCallback"]
 
