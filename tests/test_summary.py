@@ -376,6 +376,17 @@ def test_hypothesis_folders(
         warning = data.draw(warning_json(), label="warning file")
         (export.parent.parent / "finalization_warning.json").write_bytes(orjson.dumps(warning))
     summary = summarize_run(export.parent.parent)
+    # The same folder through pyarrow (the path big files take) reads the same steps.
+    import traceml_ai.summary as summary_mod
+
+    saved = summary_mod._ARROW_MIN_BYTES
+    summary_mod._ARROW_MIN_BYTES = 0
+    try:
+        fast = summarize_run(export.parent.parent)
+    finally:
+        summary_mod._ARROW_MIN_BYTES = saved
+    assert fast["ranks"] == summary["ranks"]
+    assert fast["loss"]["status"] == summary["loss"]["status"]
     orjson.dumps(summary)  # JSON-able
     assert format_summary(summary) and format_summary(summary, full=False)
     expected = {
