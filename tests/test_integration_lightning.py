@@ -9,8 +9,8 @@ A small LightningModule trains on random data. Each run checks several things:
 - zero code, 2 ranks (DDP, gloo): one step per update on each rank;
 - zero code with the ``pytorch_lightning`` package, the user's ``training_step``
   raises: the exception propagates unchanged and the run is finalized;
-- explicit callback with the automatic attach off: a hook failure is reported once
-  and training continues.
+- explicit callback imported before Lightning, automatic attach on: the trainer
+  keeps that one callback; a hook failure is reported once and training continues.
 """
 
 from __future__ import annotations
@@ -111,14 +111,17 @@ print("TRAINED", "traceml_ai" in sys.modules)
 """
 )
 
+# The explicit form imported before Lightning, with the automatic attach on: the
+# trainer keeps the one callback it was given.
 EXPLICIT = (
-    COMMON
+    """
+from traceml_ai.integrations.lightning import TraceMLCallback
+"""
+    + COMMON
     + """
 import traceml_ai as traceml
 from traceml_ai.integrations import _common
-from traceml_ai.integrations.lightning import TraceMLCallback
 
-assert os.environ["TRACEML_ZERO_CODE"] == "0"
 traceml.init()
 
 # A fault inside TraceML's own hook at the 3rd step: reported once, training goes on.
@@ -133,6 +136,7 @@ _common.StepDriver.begin = failing_begin
 
 callback = TraceMLCallback()
 trainer = make_trainer(1, 6, callbacks=[callback], num_sanity_val_steps=0)
+assert [c for c in trainer.callbacks if isinstance(c, TraceMLCallback)] == [callback]
 trainer.fit(Model(), loader(64, 0))
 print("STEPS", trainer.global_step, "HOOK_ERRORS", callback.hook_errors, flush=True)
 """
@@ -209,9 +213,10 @@ def test_zero_code_user_exception_propagates_and_run_is_finalized(tmp_path: Path
 
 def test_explicit_callback_hook_fault(tmp_path: Path) -> None:
     script = write_script(tmp_path, "train_pl_explicit.py", EXPLICIT)
-    res = traceml_run(tmp_path, script, env={"TRACEML_ZERO_CODE": "0"})
+    res = traceml_run(tmp_path, script)
     assert res.returncode == 0, describe(res)
     assert "STEPS 6 HOOK_ERRORS 1" in res.stdout, describe(res)
+    assert "could not attach" not in res.stderr, describe(res)
     assert integration_failures(res.stderr) == [
         "traceml: the Lightning integration failed in on_train_batch_start "
         "(RuntimeError('injected hook fault')); TraceML stops tracing this run's steps "

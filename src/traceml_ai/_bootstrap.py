@@ -16,6 +16,7 @@ failure to patch is one ``traceml:`` line and the script runs unpatched.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -29,14 +30,49 @@ ENV_ZERO_CODE = "TRACEML_ZERO_CODE"
 """``0``/``false``/``off``: do not attach to Trainer/Lightning automatically."""
 
 
+def _lazy_wrap(cls: Any, name: str, integration: str, factory: str) -> None:
+    """Replace ``cls.name`` by a wrapper that builds TraceML's wrapper at its first call.
+
+    The integration module is imported then, not while the framework's module is
+    being imported: the script may be importing that integration itself (explicit
+    form), and it imports the framework, so importing it here could meet it half
+    initialized.
+    """
+    original = getattr(cls, name, None)
+    if not callable(original) or getattr(original, "__traceml_wrapped__", False):
+        return
+    built: list[Callable[..., Any]] = []
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not built:
+            try:
+                built.append(getattr(importlib.import_module(integration), factory)(original))
+            except Exception as exc:
+                built.append(original)
+                _say(
+                    f"could not attach to {cls.__module__}.{cls.__qualname__}.{name} ({exc!r}); "
+                    "this run's training steps are not traced"
+                )
+        return built[0](self, *args, **kwargs)
+
+    method.__traceml_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(cls, name, method)
+
+
+_HF = "traceml_ai.integrations.huggingface"
+_LIGHTNING = "traceml_ai.integrations.lightning"
+
+
 def _patch_transformers(module: types.ModuleType) -> None:
-    huggingface = importlib.import_module("traceml_ai.integrations.huggingface")
-    huggingface.patch_trainer(module.Trainer)
+    trainer = module.Trainer
+    _lazy_wrap(trainer, "train", _HF, "_wrap_train")
+    _lazy_wrap(trainer, "evaluate", _HF, "_wrap_loop")
+    _lazy_wrap(trainer, "predict", _HF, "_wrap_loop")
 
 
 def _patch_lightning(module: types.ModuleType) -> None:
-    lightning = importlib.import_module("traceml_ai.integrations.lightning")
-    lightning.patch_trainer(module.Trainer)
+    _lazy_wrap(module.Trainer, "__init__", _LIGHTNING, "_wrap_init")
 
 
 # The module that defines each Trainer class; patched right after it has executed.

@@ -158,11 +158,3 @@ def _wrap_loop(original: Callable[..., Any]) -> Callable[..., Any]:
 
     loop.__traceml_wrapped__ = True  # type: ignore[attr-defined]
     return loop
-
-
-def patch_trainer(trainer_cls: Any) -> None:
-    """Make ``trainer_cls.train`` attach :class:`TraceMLTrainerCallback`; once per class."""
-    for name, wrap in (("train", _wrap_train), ("evaluate", _wrap_loop), ("predict", _wrap_loop)):
-        original = getattr(trainer_cls, name, None)
-        if callable(original) and not getattr(original, "__traceml_wrapped__", False):
-            setattr(trainer_cls, name, wrap(original))

@@ -189,10 +189,3 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
     __init__.__traceml_wrapped__ = True  # type: ignore[attr-defined]
     return __init__
-
-
-def patch_trainer(trainer_cls: Any) -> None:
-    """Make every ``trainer_cls`` get a :class:`TraceMLCallback`; once per class."""
-    original = trainer_cls.__init__
-    if not getattr(original, "__traceml_wrapped__", False):
-        trainer_cls.__init__ = _wrap_init(original)
