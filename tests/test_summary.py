@@ -465,3 +465,21 @@ def test_live_view_with_many_ranks_shows_the_straggler(tmp_path: Path) -> None:
     assert (
         "traceml: straggler: rank 7 (median step 30.00 ms vs 10.20 ms on the others, +194%)" in text
     )
+
+
+def test_short_form_names_the_warning_file(tmp_path: Path) -> None:
+    run = run_folder(tmp_path, [step_line(0, 1, 1, {"step": 5.0})])
+    warning = {
+        "status": "warning",
+        "completed_at": "2026-01-01T00:00:00+00:00",
+        "reason": "ranks_disconnected",
+        "message": "rank 1 never finished.",
+        "expected_world_size": 2,
+        "finished_ranks": [0],
+        "missing_ranks": [1],
+    }
+    (run / "finalization_warning.json").write_text(json.dumps(warning))
+    short = format_summary(summarize_run(run), full=False)
+    assert short.splitlines()[-1] == (
+        f"traceml: files: incomplete (ranks_disconnected; see {run / 'finalization_warning.json'})"
+    )

@@ -862,7 +862,7 @@ def straggler_line(summary: dict[str, Any]) -> str:
     return text
 
 
-def _loss_line(summary: dict[str, Any]) -> str:
+def _loss_line(summary: dict[str, Any], full: bool = True) -> str:
     loss = summary["loss"]
     status = loss["status"]
     if status == "complete":
@@ -873,6 +873,9 @@ def _loss_line(summary: dict[str, Any]) -> str:
         return "files: closing lines disagree with the data lines; run traceml validate"
     warning = loss.get("warning")
     if isinstance(warning, dict) and warning.get("message"):
+        if not full:
+            # traceml run has just printed the warning's path; the reason is enough here.
+            return f"files: incomplete ({warning.get('reason')}; see {loss['warning_file']})"
         return (
             f"files: incomplete ({warning.get('reason')}): {warning['message']} "
             f"(see {loss['warning_file']})"
@@ -963,7 +966,7 @@ def format_summary(summary: dict[str, Any], full: bool = True) -> str:
                     f"memory max {_bytes(g['memory_used_bytes_max'])}, "
                     f"temp max {g['temperature_c_max']} C, power max {g['power_usage_w_max']} W"
                 )
-    out.append(_loss_line(summary))
+    out.append(_loss_line(summary, full))
     if full:
         out.extend(f"note: {n}" for n in summary.get("notes", []))
     return "\n".join(line if line.startswith("traceml:") else f"traceml: {line}" for line in out)
