@@ -90,7 +90,8 @@ class StepDriver:
         self._step = step
         if not self._atexit:
             # Registered after traceml.init's shutdown, so it runs first (atexit is
-            # LIFO): a step left open by an exception is still recorded.
+            # LIFO): a step left open by an exception that escaped the script is
+            # closed before the final flush.
             self._atexit = True
             atexit.register(self._end_at_exit)
 
@@ -115,11 +116,6 @@ class StepDriver:
         last = getattr(sys, "last_value", None)
         self.end(last if isinstance(last, BaseException) else None)
 
-    @staticmethod
-    def timer() -> StepTimer | None:
-        """The timer hooks report to now (``None``: TraceML off, or paused)."""
-        return active()
-
     def open_forward(self) -> None:
         """Start the forward phase of the open step (nested hook calls count once)."""
         timer = active()
@@ -130,9 +126,9 @@ class StepDriver:
         """End the forward phase opened by :meth:`open_forward`, if it is still open."""
         timer = active()
         if timer is not None and timer.fwd.depth > 0:
-            # Close every level: hooks inside have closed theirs already.
-            while timer.fwd.depth > 1:
-                timer.fwd.depth -= 1
+            # Inner forward hooks close their own levels; one that did not (a forward
+            # that raised without always_call) must not keep the phase open.
+            timer.fwd.depth = 1
             timer.close(timer.fwd, FORWARD)
 
     def restart_optimizer(self) -> None:
