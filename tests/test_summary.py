@@ -483,3 +483,20 @@ def test_short_form_names_the_warning_file(tmp_path: Path) -> None:
     assert short.splitlines()[-1] == (
         f"traceml: files: incomplete (ranks_disconnected; see {run / 'finalization_warning.json'})"
     )
+
+
+def test_end_of_run_summary_skips_big_exports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A long run's files would hold the prompt back for minutes: the launcher points
+    # to `traceml summary` instead of reading them.
+    from traceml_ai import _launch
+
+    export_dir = tmp_path / "run" / "aggregator" / "export"
+    export_dir.mkdir(parents=True)
+    (export_dir / "step_time.jsonl").write_bytes(b"x" * 4096)
+    monkeypatch.setattr(_launch, "END_OF_RUN_SUMMARY_MAX_BYTES", 1024)
+    _launch._print_short_summary(tmp_path / "run", export_dir)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("traceml: summary: ")
+    assert f"traceml summary {tmp_path / 'run'}" in err[0]

@@ -530,6 +530,31 @@ def _run_planned(options: RunOptions, p: _Plan, signals: _Signals) -> int:
     return exit_code
 
 
+END_OF_RUN_SUMMARY_MAX_BYTES = 64 * 1024 * 1024
+"""Export files larger than this get no summary at the end of ``traceml run``.
+
+The summary reads every line; on a long run that would hold the prompt back for
+minutes after training ended. ``traceml summary RUN_FOLDER`` gives it on demand."""
+
+
+def _print_short_summary(run_dir: Path, export_dir: Path) -> None:
+    """The short run summary on stderr; a courtesy that never fails or stalls the run."""
+    try:
+        size = sum(f.stat().st_size for f in export_dir.glob("*.jsonl"))
+        if size > END_OF_RUN_SUMMARY_MAX_BYTES:
+            _say(
+                f"summary: {size / 2**20:.0f} MiB of export files; "
+                f"`traceml summary {run_dir}` gives it"
+            )
+            return
+        from traceml_ai.summary import format_summary, summarize_run
+
+        text = format_summary(summarize_run(run_dir), full=False)
+        print(text, file=sys.stderr, flush=True)
+    except Exception as exc:
+        _say(f"summary unavailable: {type(exc).__name__}: {exc}")
+
+
 def _report_finalized(
     options: RunOptions, p: _Plan, event: dict[str, object], *, ranks_started: bool
 ) -> None:
@@ -541,13 +566,7 @@ def _report_finalized(
         failed = "; the exporter failed" if event.get("exporter_failed") else ""
         _say(f"export: {event.get('written_records')} records {where}{failed}")
         if export_dir.is_dir():
-            try:
-                from traceml_ai.summary import format_summary, summarize_run
-
-                text = format_summary(summarize_run(p.run_dir), full=False)
-                print(text, file=sys.stderr, flush=True)
-            except Exception as exc:  # a courtesy: the summary never fails the run
-                _say(f"summary unavailable: {type(exc).__name__}: {exc}")
+            _print_short_summary(p.run_dir, export_dir)
     warning = event.get("warning")
     see = f"; see {warning}" if warning else ""
     if ranks_started and event.get("ranks_heard") is False:
