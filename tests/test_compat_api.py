@@ -375,6 +375,18 @@ def test_on_missing_aggregator(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.disabled
 
 
+def test_aggregator_host_and_port_name_a_traceml_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRACEML_RUN_TOKEN", raising=False)
+    with pytest.warns(traceml.TraceMLWarning, match="TRACEML_RUN_TOKEN is not set"):
+        cfg = traceml.init(aggregator_host="127.0.0.1", aggregator_port=1)
+    assert cfg.disabled
+    _sdk._reset_for_tests()
+    monkeypatch.setenv("TRACEML_RUN_TOKEN", "t")
+    cfg = traceml.init(aggregator_host="127.0.0.1", aggregator_port=1, sampler_interval=60)
+    assert not cfg.disabled and _sdk._runtime is not None
+    traceml.shutdown()
+
+
 # -- summaries ----------------------------------------------------------------------
 
 

@@ -409,16 +409,26 @@ def init(
             _config = config
             return config
         address = os.environ.get(ENV_AGGREGATOR_ADDR, "").strip()
+        no_token = ""
         if not address and (aggregator_host is not None or aggregator_port is not None):
             host = aggregator_host or "127.0.0.1"
             port = aggregator_port if aggregator_port is not None else _DEFAULT_SERVE_PORT
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if not os.environ.get(ENV_RUN_TOKEN, "").strip():
+                # The aggregator refuses a rank without its token: nothing would arrive.
+                no_token = address
+                address = ""
         if sink is None and not address:
             _state = "off"
             _config = disabled_config(source=config.source)
             # Set by `traceml run` (traceml_ai._launch) when its aggregator did not start.
             unavailable = os.environ.get("TRACEML_AGGREGATOR_UNAVAILABLE", "").strip()
-            if unavailable:
+            if no_token:
+                message = (
+                    f"traceml: init(aggregator_host/aggregator_port) names {no_token}, but "
+                    f"{ENV_RUN_TOKEN} is not set (`traceml serve` prints it); telemetry is off."
+                )
+            elif unavailable:
                 message = (
                     f"traceml: the aggregator did not start ({unavailable}); "
                     "telemetry is off for this run."
