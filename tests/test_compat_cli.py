@@ -348,3 +348,40 @@ def test_options_without_a_feature_here_are_one_notice_each(tmp_path: Path) -> N
         "traceml: --mode cli has no effect here: there is no live view; --mode summary prints "
         "the run summary at the end",
     ]
+
+
+DDP_SUMMARY_SCRIPT = DDP_SCRIPT + textwrap.dedent(
+    """
+    import json
+    full = traceml.final_summary(timeout_sec=60)
+    print(f"RANK{os.environ['RANK']} " + json.dumps(full and full["ranks"]), flush=True)
+    """
+)
+
+
+def test_0_5_form_with_nproc_after_the_script_runs_two_ranks_and_rank0_sums_both(
+    tmp_path: Path,
+) -> None:
+    script = write(tmp_path, "ddp.py", DDP_SUMMARY_SCRIPT)
+    logs = tmp_path / "logs"
+    res = run_cli(
+        [
+            "run",
+            script,
+            "--nproc-per-node=2",
+            "--master-port",
+            str(free_port()),
+            "--logs-dir",
+            logs,
+            "--exporter",
+            "jsonl",
+            "--args",
+        ],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("WORLD_SIZE=2 LOCAL_WORLD_SIZE=2") == 2, res.stdout
+    # summary() is rank 0's; it waits for its own last step, so rank 1's may lag.
+    assert "RANK1 null" in res.stdout
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RANK0 "))
+    assert 0 in orjson.loads(line.removeprefix("RANK0 "))
