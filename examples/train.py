@@ -8,6 +8,10 @@ or on two processes with DDP (gloo):
 
     traceml run --nproc-per-node 2 --exporter jsonl examples/train.py --steps 20
 
+On GPUs, ``--device cuda`` puts each rank on ``cuda:LOCAL_RANK`` (DDP then uses NCCL):
+
+    traceml run --nproc-per-node 2 --exporter jsonl examples/train.py --device cuda
+
 It also runs with plain ``python examples/train.py``: TraceML then warns once and
 does nothing.
 """
@@ -33,12 +37,22 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--fail-at-step", type=int, default=0, help="raise at this step (tests)")
     parser.add_argument("--sleep-ms", type=float, default=0.0, help="extra work per step (tests)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default), or cuda: each rank on cuda:LOCAL_RANK, DDP over NCCL",
+    )
     args = parser.parse_args()
 
     traceml.init()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if world_size > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(0)
 
     samples = args.steps * args.batch_size * world_size
@@ -48,21 +62,24 @@ def main() -> None:
     sampler = DistributedSampler(dataset, shuffle=False) if world_size > 1 else None
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, shuffle=False)
 
-    model: nn.Module = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    model: nn.Module = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)
     if world_size > 1:
-        model = nn.parallel.DistributedDataParallel(model)
+        ids = [device.index] if device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     loss_fn = nn.BCEWithLogitsLoss()
 
     for step, (x, y) in enumerate(loader, start=1):
         with traceml.trace_step(model):
+            if device.type != "cpu":
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
             optimizer.step()
             if args.sleep_ms:
                 with traceml.trace_phase("extra_work"):
-                    torch.randn(64, 64).matmul(torch.randn(64, 64))
+                    torch.randn(64, 64, device=device).matmul(torch.randn(64, 64, device=device))
                     __import__("time").sleep(args.sleep_ms / 1000)
         if step == args.fail_at_step:
             raise RuntimeError(f"failing on purpose at step {step}")
