@@ -65,17 +65,20 @@ class Dev:
             torch.cuda.synchronize(self.device)
 
     def calibrate(self) -> None:
-        """Cycles of ``torch.cuda._sleep`` per millisecond, measured now."""
+        """Cycles of ``torch.cuda._sleep`` per millisecond, measured now.
+
+        Measured twice, the second time kept: the first spin brings the clocks up from
+        idle. Judgements use measured durations, never this estimate.
+        """
         if not self.cuda:
             return
-        torch.cuda._sleep(1_000_000)
-        self.sync()
-        cycles = 100_000_000
-        e0 = self.event()
-        torch.cuda._sleep(cycles)
-        e1 = self.event()
-        self.sync()
-        self.cycles_per_ms = cycles / max(1e-3, e0.elapsed_time(e1))
+        cycles = 200_000_000
+        for _ in range(2):
+            e0 = self.event()
+            torch.cuda._sleep(cycles)
+            e1 = self.event()
+            self.sync()
+            self.cycles_per_ms = cycles / max(1e-3, e0.elapsed_time(e1))
 
     def gpu_sleep_ms(self, ms: float) -> None:
         """Queue about ``ms`` of GPU work (``torch.cuda._sleep``); CPU: sleep a twentieth."""
@@ -296,7 +299,7 @@ def amp_skipped_steps(dev: Dev) -> Result:
     model = mlp(width, 2).to(dev.device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(256, width, device=dev.device)
-    scaler = torch.amp.GradScaler("cuda" if dev.cuda else "cpu")
+    scaler = torch.amp.GradScaler("cuda" if dev.cuda else "cpu", init_scale=1024.0)
     dtype = torch.float16 if dev.cuda else torch.bfloat16
     steps = 8
     poisoned = {3, 6}
@@ -359,14 +362,18 @@ def bounded_shutdown(dev: Dev) -> Result:
         with traceml.trace_step(model):
             _train_step(model, opt, x)
     dev.sync()
-    queued_s = 24.0
+    target_s = 24.0
     with traceml.trace_step(model):
         _train_step(model, opt, x)
         with traceml.trace_phase("queued"):
-            dev.gpu_sleep_ms(queued_s * 1000)
+            t_launch = time.perf_counter()
+            dev.gpu_sleep_ms(target_s * 1000)
     t0 = time.perf_counter()
     traceml.shutdown()
     shutdown_s = time.perf_counter() - t0
+    # How long the queued work really took (the clock estimate may be off): wait for it.
+    dev.sync()
+    queued_s = time.perf_counter() - t_launch if dev.cuda else target_s
     return {"device": dev.key, "queued_s": queued_s, "shutdown_s": shutdown_s, "steps": 3}
 
 
