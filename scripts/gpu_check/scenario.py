@@ -406,7 +406,9 @@ def _compile(dev: Dev, **options: Any) -> Result:
         "error": error,
         "seconds": time.perf_counter() - t0,
         "graph_breaks": sum(counters["graph_break"].values()),
-        "graph_break_reasons": sorted(counters["graph_break"])[:5],
+        "graph_break_reasons": sorted({" ".join(r.split())[:200] for r in counters["graph_break"]})[
+            :5
+        ],
     }
 
 
