@@ -36,8 +36,12 @@ AGREEMENT_TOL = 0.20
 EXIT_LIMIT_MS = 50.0
 """A step's (or phase's) exit with ~1 s of GPU work queued must return within this."""
 TEMPERATURE_TOL_C = 10.0
-OVERHEAD_LIMIT_US = 100.0
-"""Ceiling for the paired overhead of a traced GPU step (median traced - next untraced)."""
+OVERHEAD_LIMIT_US = 150.0
+"""Ceiling for the paired overhead of a traced GPU step (median traced - next untraced).
+
+The issue sets no GPU target (≤ 20 µs is the CPU step's); a traced GPU step also records
+CUDA event pairs and reads the allocator's peaks. 150 µs stays below what the published
+TraceML 0.5.0 adds on a CPU step (160-240 µs): above it the GPU path has regressed."""
 MAX_LISTED = 3
 """Problems of one kind listed in a verdict line before '... and N more'."""
 
