@@ -320,6 +320,8 @@ def check_system_gpu(ctx: Ctx, timeout: float) -> Verdict:
         return judge.skipped(name, raw) if ctx.cpu else judge.verdict(name, [raw], "")
     if run is None or not run.export.is_dir():
         return judge.verdict(name, ["no export of train_cuda_1proc to compare"], "")
+    if not smi:
+        return judge.verdict(name, ["nvidia-smi listed no GPU"], "", nvidia_smi=raw)
     snapshot = judge.last_snapshot(run.read("system_gpu"))
     problems = [] if snapshot else ["no system_gpu lines in train_cuda_1proc's export"]
     problems += judge.system_gpu_problems(snapshot, smi)
@@ -336,9 +338,10 @@ def check_system_gpu(ctx: Ctx, timeout: float) -> Verdict:
 
 def check_train_cuda_2proc_nccl(ctx: Ctx, timeout: float) -> Verdict:
     name = "train_cuda_2proc_nccl"
-    if ctx.cpu or ctx.gpu_count() < 2:
+    if not ctx.cpu and ctx.gpu_count() < 2:
         return judge.skipped(name, f"needs 2 GPUs, this machine has {ctx.gpu_count()}")
     steps = 100
+    backend = "gloo" if ctx.cpu else "nccl"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -346,7 +349,7 @@ def check_train_cuda_2proc_nccl(ctx: Ctx, timeout: float) -> Verdict:
         ctx,
         name,
         TRAIN,
-        ["--device", "cuda", "--steps", str(steps)],
+        ["--device", "cpu" if ctx.cpu else "cuda", "--steps", str(steps)],
         timeout,
         options=["--nproc-per-node", "2", "--master-port", str(port)],
     )
@@ -366,15 +369,17 @@ def check_train_cuda_2proc_nccl(ctx: Ctx, timeout: float) -> Verdict:
                 host=ctx.cpu,
             )
         ]
-        problems += judge.step_memory_problems(
-            run.read("step_memory"), ctx.device(rank), steps, rank
-        )
+        if not ctx.cpu:
+            problems += judge.step_memory_problems(
+                run.read("step_memory"), ctx.device(rank), steps, rank
+            )
         first_ts = min((int(r["timestamp_unix_ns"]) for r in mine), default=0)
         problems += judge.device_index_problems(proc, rank, rank, first_ts)
     backends = {r.get("distributed_backend") for r in run.read("runtime_environment")}
-    if backends != {"nccl"}:
+    if backends != {backend}:
         problems.append(f"runtime_environment distributed_backend {sorted(map(str, backends))}")
-    return judge.verdict(name, problems, f"2 ranks x {steps} steps, NCCL, {run.seconds:.1f} s")
+    figures = f"2 ranks x {steps} steps, {backend}, {run.seconds:.1f} s"
+    return judge.verdict(name, problems, figures)
 
 
 def _agreement(
