@@ -523,8 +523,22 @@ def test_torch_cuda_backend_calls_torch_cuda(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(cuda, "Event", _FakeTorchEvent)
     monkeypatch.setattr(cuda, "current_stream", lambda i: f"stream{i}")
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda i: calls.append(("reset", i)))
-    monkeypatch.setattr(cuda, "max_memory_allocated", lambda i: 10 + i)
-    monkeypatch.setattr(cuda, "max_memory_reserved", lambda i: 20 + i)
+    capturing = [False]
+    monkeypatch.setattr(cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    def flattening(i: int) -> Any:
+        raise AssertionError("memory_stats() flattens and sorts: not on the training thread")
+
+    monkeypatch.setattr(cuda, "memory_stats", flattening)
+    monkeypatch.setattr(cuda, "max_memory_allocated", flattening)
+    monkeypatch.setattr(
+        cuda,
+        "memory_stats_as_nested_dict",
+        lambda i: {
+            "allocated_bytes": {"all": {"peak": 10 + i, "current": 1}},
+            "reserved_bytes": {"all": {"peak": 20 + i, "current": 2}},
+        },
+    )
     monkeypatch.setattr(cuda, "memory_allocated", lambda i: -5)  # nonsense becomes None
 
     def no_props(i: int) -> Any:
@@ -535,6 +549,10 @@ def test_torch_cuda_backend_calls_torch_cuda(monkeypatch: pytest.MonkeyPatch) ->
     assert (backend.device_count(), backend.current_device()) == (2, 1)
     event = backend.record_event(1)
     assert isinstance(event, _FakeTorchEvent) and event.stream == "stream1"
+    # Inside a CUDA graph capture no event is recorded (it would join the graph).
+    capturing[0] = True
+    assert backend.record_event(1) is None
+    capturing[0] = False
     backend.reset_peak_memory_stats(1)
     assert calls == [("reset", 1)]
     assert (backend.max_memory_allocated(1), backend.max_memory_reserved(1)) == (11, 21)

@@ -39,6 +39,7 @@ from traceml_ai.rank._compat import (
 from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank._timing import (
     INTERNAL_PREFIX,
+    SHUTDOWN_GPU_WAIT_S,
     PhaseContext,
     StepContext,
     StepTimer,
@@ -135,6 +136,7 @@ class _Runtime:
         carried: _Carried,
         config: TraceMLInitConfig,
         recorder: _compat_summary.StepRecorder,
+        reset_peak_memory: bool = True,
     ) -> None:
         self.identity = identity
         self.sink = sink
@@ -155,6 +157,8 @@ class _Runtime:
         self.timer.auto_backward = config.patch_backward
         self.timer.auto_optimizer = config.patch_optimizer
         self.timer.auto_dataloader = config.patch_dataloader
+        self.timer.local_rank = identity.local_rank
+        self.timer.reset_peak = reset_peak_memory
         self._seq_system = carried.seq_system
         torch = torch_or_none()
         if torch is not None:
@@ -168,7 +172,10 @@ class _Runtime:
                 _wrappers.install_h2d_patch(torch)
         _wrappers.set_auto_h2d(config.patch_h2d)
         self._process = ProcessSampler(
-            cuda, lambda: self.timer.cuda_index, first_seq=carried.seq_process
+            cuda,
+            lambda: self.timer.cuda_index,
+            first_seq=carried.seq_process,
+            local_rank=identity.local_rank,
         )
         # Only local rank 0 reports the host, so a node's snapshot is sent once.
         self._system = (
@@ -214,7 +221,18 @@ class _Runtime:
             if item is not None:
                 self.sink.put("system", item)
 
+    def _poll_steps(self) -> None:
+        timer = self.timer
+        if timer.enabled:
+            try:
+                timer.poll()
+            except Exception as exc:
+                timer.fail(exc)
+
     def _tick(self) -> None:
+        # The last step's line is sent once its CUDA events completed, within one
+        # interval, not when (if ever) a next step ends.
+        self._poll_steps()
         self._guarded("process", self._sample_process)
         self._guarded("system", self._sample_system)
 
@@ -301,6 +319,17 @@ def _build_sender(identity: RankIdentity, previous: Any, address: str) -> _Closa
     return sender
 
 
+_ENV_RESET_PEAK = "TRACEML_RESET_PEAK_MEMORY"
+
+
+def _reset_peak_choice(keyword: bool | None) -> bool:
+    """The init keyword, else ``TRACEML_RESET_PEAK_MEMORY`` (0/false/no/off: keep the peak)."""
+    if keyword is not None:
+        return bool(keyword)
+    raw = os.environ.get(_ENV_RESET_PEAK, "").strip().lower()
+    return raw not in ("0", "false", "no", "off")
+
+
 def _after_fork_in_child() -> None:
     # A forked child (e.g. a DataLoader worker) must not report as this rank, nor
     # touch the parent's socket or sampler thread.
@@ -342,6 +371,7 @@ def init(
     sampler_interval: float | None = None,
     cuda_backend: CudaBackend | None = None,
     nvml_backend: NvmlBackend | None = None,
+    reset_peak_memory: bool | None = None,
 ) -> TraceMLInitConfig:
     """Start TraceML on this rank; returns what was set up (TraceML 0.5.0's config).
 
@@ -366,7 +396,10 @@ def init(
     effect here and say so once; ``connect_timeout_sec`` and
     ``connect_retry_interval_sec`` are accepted (the sender never blocks training,
     so there is no connection wait to bound). ``cuda_backend``/``nvml_backend``
-    replace the GPU access (tests pass fakes). A bad ``mode`` or ``patch_*``
+    replace the GPU access (tests pass fakes). ``reset_peak_memory=False`` (or
+    ``TRACEML_RESET_PEAK_MEMORY=0``) leaves CUDA's peak-memory counters alone, so
+    the script's own ``torch.cuda.max_memory_allocated()`` keeps its meaning; the
+    step_memory peaks are then null. A bad ``mode`` or ``patch_*``
     combination raises ``ValueError``, as in 0.5.0. Calling ``init`` again while
     running returns the running config (with a warning if this call asked for a
     different one).
@@ -461,6 +494,7 @@ def init(
                 _carried,
                 config,
                 _recorder,
+                reset_peak_memory=_reset_peak_choice(reset_peak_memory),
             )
         except Exception as exc:
             if owned is not None:
@@ -603,7 +637,9 @@ def _flush_for_summary(runtime: _Runtime, deadline: float) -> None:
     with _lock:
         if timer.enabled and not timer.in_step:
             try:
-                timer.drain(sync=True)
+                timer.drain(
+                    sync=True, deadline=min(deadline, time.monotonic() + SHUTDOWN_GPU_WAIT_S)
+                )
             except Exception as exc:
                 timer.fail(exc)
     sender = runtime._owned

@@ -40,11 +40,29 @@ _HOST_ONLY = frozenset({DATALOADER_NEXT, STEP_TIME})
 # Steps whose CUDA events are still running; past this many, the oldest is sent
 # with gpu_ms null for what has not completed rather than waiting for the GPU.
 MAX_PENDING_STEPS = 64
+# Event pairs one phase may collect outside a step (trace_phase in a loop no step
+# follows); past this, the phase keeps host time only (gpu_ms null), so the
+# events cannot pile up.
+MAX_OUTSIDE_PAIRS = 256
+# Shutdown (and summary()) polls the pending steps' events against this one
+# deadline, never Event.synchronize(): behind an unjoined NCCL collective the GPU
+# may never finish, and then gpu_ms is null for what did not complete.
+SHUTDOWN_GPU_WAIT_S = 3.0
 
 _get_ident = threading.get_ident
 _perf_ns = time.perf_counter_ns
 
 _ACTIVE: StepTimer | None = None
+
+
+def _never_compiling() -> bool:
+    return False
+
+
+# torch.compiler.is_compiling once torch is patched: while dynamo traces a compiled
+# module (model.compile() puts the hooks inside the compiled region) it is a
+# constant True, so each hook returns at once and adds no graph break.
+_is_compiling: Callable[[], bool] = _never_compiling
 
 
 def _set_active(timer: StepTimer | None) -> None:
@@ -85,17 +103,20 @@ class _PendingStep:
         self.acc = acc
 
 
-def _gpu_ms(phase: _Phase, sync: bool) -> float | None:
-    """Summed device time, or ``None`` when any call lacks a usable measurement."""
+def _gpu_ms(phase: _Phase) -> float | None:
+    """Summed device time, or ``None`` when any call lacks a usable measurement.
+
+    ``elapsed_time`` is only asked once both events completed (it raises
+    otherwise); the start was recorded before the end on the same stream, so
+    checking both costs two non-blocking queries.
+    """
     pairs = phase.pairs
     if phase.missing or len(pairs) != phase.n_calls:
         return None
     total = 0.0
     for start, end in pairs:
         try:
-            if sync:
-                end.synchronize()
-            elif not end.query():
+            if not end.query() or not start.query():
                 return None
             ms = float(start.elapsed_time(end))
         except Exception:
@@ -117,18 +138,36 @@ def _ready(pending: _PendingStep) -> bool:
     return True
 
 
-def _first_tensor_device(model: object) -> Any:
+def _probe_tensor(model: object) -> Any:
+    """The model's first CUDA parameter or buffer, else its first tensor (or ``None``).
+
+    A model with some parameters offloaded to CPU still runs on its GPU: the first
+    parameter alone does not tell the device.
+    """
+    first = None
     for attr in ("parameters", "buffers"):
         getter = getattr(model, attr, None)
         if not callable(getter):
             continue
         try:
-            tensor = next(iter(getter()), None)
+            for tensor in getter():
+                if first is None:
+                    first = tensor
+                if getattr(getattr(tensor, "device", None), "type", None) == "cuda":
+                    return tensor
         except Exception:
             continue
-        if tensor is not None:
-            return getattr(tensor, "device", None)
-    return None
+    return first
+
+
+def _where(tensor: Any) -> object:
+    """Where a tensor is, cheaply: ``get_device()`` (-1 on CPU, else the CUDA index)
+    is ~40 ns where building ``tensor.device`` costs ~0.5 µs a step."""
+    try:
+        return tensor.get_device()
+    except Exception:
+        device = getattr(tensor, "device", None)
+        return (getattr(device, "type", None), getattr(device, "index", None))
 
 
 def _device_key(device: Any) -> str:
@@ -167,6 +206,21 @@ class StepTimer:
         self.cuda_index: int | None = None
         self._device_known = False
         self._model_ref: Callable[[], object] | None = None
+        # A tensor of the traced model and the (type, index) it was on: read again
+        # every step (one attribute), so a model moved to the GPU after step 1 is seen.
+        self._probe: Callable[[], object] | None = None
+        self._probe_at: object = None
+        # trace_step(None): the training thread's current CUDA device, last answer.
+        self._raw_current: int | None = None
+        self._no_cuda = False
+        # The rank's LOCAL_RANK, for trace_step(None) without torch.cuda.set_device.
+        self.local_rank = 0
+        # False: never reset the CUDA peak (TRACEML_RESET_PEAK_MEMORY=0), so the
+        # user's own max_memory_allocated() keeps its meaning; step peaks are null.
+        self.reset_peak = True
+        # Guards the pending steps and the step_time seq: the sampler thread sends a
+        # last step whose events completed without waiting for the next step.
+        self._pending_lock = threading.Lock()
         # Calls outside a step (DataLoader waits, user phases) collect here and
         # belong to the next step that begins.
         self._acc: dict[str, _Phase] = {}
@@ -230,10 +284,15 @@ class StepTimer:
             phase = self._acc[name] = _Phase()
         phase.cpu_ns += dt_ns
         phase.n_calls += 1
-        if ev0 is not None and ev1 is not None:
-            phase.pairs.append((ev0, ev1))
-        else:
-            phase.missing = True
+        if ev0 is not None and ev1 is not None and not phase.missing:
+            pairs = phase.pairs
+            if len(pairs) < MAX_OUTSIDE_PAIRS or self.in_step:
+                pairs.append((ev0, ev1))
+                return
+        # gpu_ms is null for the whole phase now; drop its events so they do
+        # not pile up (trace_phase called outside steps with no step following).
+        phase.missing = True
+        phase.pairs = []
 
     def open(self, slot: _Open) -> None:
         """Start a hook-timed phase (forward, backward, optimizer) inside a step."""
@@ -318,13 +377,67 @@ class StepTimer:
         self._model_ref = ref
         if self.auto_forward:
             _install_model_hooks(model)
+        self._locate(model)
+        self._on_new_model(model)
+
+    def _locate(self, model: object) -> None:
+        """Set the step's device from where the model's tensors are now."""
+        probe = _probe_tensor(model)
         index = self._cuda.device_index_of(model)
         if index is not None:
             self.device, self.cuda_index = f"cuda:{index}", index
         else:
-            self.device, self.cuda_index = _device_key(_first_tensor_device(model)), None
+            device = None if probe is None else getattr(probe, "device", None)
+            self.device, self.cuda_index = _device_key(device), None
+        self._probe = None
+        self._probe_at = None
+        if probe is not None:
+            try:
+                self._probe = weakref.ref(probe)
+            except TypeError:
+                self._probe = functools.partial(lambda t: t, probe)
+            self._probe_at = _where(probe)
         self._device_known = True
-        self._on_new_model(model)
+
+    def _moved(self) -> bool:
+        """Whether the traced model's probe tensor changed device (or is gone) since located."""
+        probe_ref = self._probe
+        if probe_ref is None:
+            return False
+        probe = probe_ref()
+        return probe is None or _where(probe) != self._probe_at
+
+    def _current_device(self) -> None:
+        """trace_step(None): time the training thread's current CUDA device.
+
+        Asked every step (cheap), so a later ``torch.cuda.set_device`` is followed.
+        Current device 0 on a non-zero local rank that allocated memory only on
+        cuda:LOCAL_RANK means ``set_device`` was never called: that rank's device
+        is LOCAL_RANK, and timing cuda:0 would time (and use) another rank's GPU.
+        """
+        if self._no_cuda:
+            return
+        cuda = self._cuda
+        available = cuda.is_available()
+        if not available:
+            # False is final (no CUDA build/GPU); None: not initialized yet, ask again.
+            self._no_cuda = available is False
+            return
+        raw = cuda.current_device()
+        if raw is None or (raw == self._raw_current and self.cuda_index is not None):
+            return
+        self._raw_current = raw
+        index = raw
+        local = self.local_rank
+        if raw == 0 and local > 0:
+            count = cuda.device_count() or 0
+            if (
+                local < count
+                and (cuda.memory_allocated(local) or 0) > 0
+                and not cuda.memory_allocated(0)
+            ):
+                index = local
+        self.device, self.cuda_index = f"cuda:{index}", index
 
     def begin(self, model: object | None) -> None:
         """Start step ``self.step + 1``."""
@@ -333,15 +446,13 @@ class StepTimer:
             ref = self._model_ref
             if ref is None or ref() is not model:
                 self._adopt(model)
-        elif not self._device_known:
-            if self._cuda.is_available():
-                index = self._cuda.current_device()
-                if index is not None:
-                    self.device, self.cuda_index = f"cuda:{index}", index
-            self._device_known = True
+            elif self._moved():
+                self._locate(model)
+        else:
+            self._current_device()
         self.step += 1
         self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
-        if self.cuda_index is not None:
+        if self.cuda_index is not None and self.reset_peak:
             self._cuda.reset_peak_memory_stats(self.cuda_index)
         self.in_step = True
         self._t0 = _perf_ns()
@@ -356,7 +467,7 @@ class StepTimer:
         self._acc = {}
         ts = time.time_ns()
         index = self.cuda_index
-        if index is not None:
+        if index is not None and self.reset_peak:
             peak_alloc = self._cuda.max_memory_allocated(index)
             peak_reserved = self._cuda.max_memory_reserved(index)
         else:
@@ -374,10 +485,14 @@ class StepTimer:
         )
         pending = _PendingStep(self.step, ts, self.device, acc)
         if not self._pending and not any(p.pairs for p in acc.values()):
-            self._emit(pending, sync=False)
+            # No event to wait for (CPU): sent at once. The sampler thread only
+            # sends while the queue is not empty (drain pops after sending), so
+            # this cannot interleave with it.
+            self._emit(pending)
             return
-        self._pending.append(pending)
-        self.drain(sync=False)
+        with self._pending_lock:
+            self._pending.append(pending)
+            self._drain_ready()
 
     def discard(self) -> None:
         """Drop the current step: its body raised (TraceML 0.5.0 does not count it).
@@ -396,24 +511,54 @@ class StepTimer:
         self._seq_mem = seq + 1
         return seq
 
-    def drain(self, sync: bool) -> None:
-        """Send steps whose CUDA events completed; with ``sync`` wait for all (shutdown only)."""
+    def _drain_ready(self) -> None:
+        # Caller holds _pending_lock. The head is popped only after it was sent.
         queue = self._pending
         while queue:
             head = queue[0]
-            if not sync and len(queue) <= MAX_PENDING_STEPS and not _ready(head):
+            if len(queue) <= MAX_PENDING_STEPS and not _ready(head):
                 return
+            self._emit(head)
             queue.popleft()
-            self._emit(head, sync)
 
-    def _emit(self, pending: _PendingStep, sync: bool) -> None:
+    def poll(self) -> None:
+        """Send steps whose CUDA events completed (sampler thread: the last step's
+        line does not wait for a next step that may never come)."""
+        if self._pending:
+            with self._pending_lock:
+                self._drain_ready()
+
+    def drain(self, sync: bool, deadline: float | None = None) -> None:
+        """Send steps whose CUDA events completed; with ``sync`` (shutdown, summary)
+        poll every pending step until all completed or ``deadline`` (monotonic;
+        default ``SHUTDOWN_GPU_WAIT_S`` from now), then send them all, ``gpu_ms``
+        null for what did not complete. Never ``Event.synchronize()``.
+        """
+        if not sync:
+            self.poll()
+            return
+        if deadline is None:
+            deadline = time.monotonic() + SHUTDOWN_GPU_WAIT_S
+        pause = 0.0005
+        while self._pending and not all(_ready(p) for p in list(self._pending)):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        with self._pending_lock:
+            queue = self._pending
+            while queue:
+                self._emit(queue[0])
+                queue.popleft()
+
+    def _emit(self, pending: _PendingStep) -> None:
         device = pending.device
         cuda = device.startswith("cuda:")
         events: dict[str, dict[str, dict[str, object]]] = {}
         for name in sorted(pending.acc):
             phase = pending.acc[name]
             cpu_ms = phase.cpu_ns / 1e6
-            gpu_ms = None if not cuda or name in _HOST_ONLY else _gpu_ms(phase, sync)
+            gpu_ms = None if not cuda or name in _HOST_ONLY else _gpu_ms(phase)
             is_gpu = gpu_ms is not None
             events[name] = {
                 device: {
@@ -524,24 +669,32 @@ _patched: set[str] = set()
 
 
 def _forward_pre_hook(module: Any, args: Any) -> None:
+    if _is_compiling():
+        return
     timer = _ACTIVE
     if timer is not None and timer.auto_forward:
         timer.open(timer.fwd)
 
 
 def _forward_hook(module: Any, args: Any, output: Any) -> None:
+    if _is_compiling():
+        return
     timer = _ACTIVE
     if timer is not None and timer.auto_forward:
         timer.close(timer.fwd, FORWARD)
 
 
 def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _is_compiling():
+        return
     timer = _ACTIVE
     if timer is not None and timer.auto_optimizer:
         timer.open(timer.opt)
 
 
 def _optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _is_compiling():
+        return
     timer = _ACTIVE
     if timer is not None and timer.auto_optimizer:
         timer.close(timer.opt, OPTIMIZER_STEP)
@@ -576,7 +729,7 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def backward(*args: Any, **kwargs: Any) -> Any:
         timer = _ACTIVE
-        if timer is None or not timer.in_step or not timer.auto_backward:
+        if timer is None or not timer.in_step or not timer.auto_backward or _is_compiling():
             return original(*args, **kwargs)
         slot = timer.bwd
         timer.open(slot)
@@ -598,7 +751,12 @@ def install_patches(
     The keywords leave a patch out (``traceml.init(mode="manual"/"selective")``); one
     installed by an earlier ``init`` of the process stays.
     """
+    global _is_compiling
     with _patch_lock:
+        compiler = getattr(torch, "compiler", None)
+        check = getattr(compiler, "is_compiling", None)
+        if callable(check):
+            _is_compiling = check
         wanted = {
             name
             for name, on in (

@@ -82,10 +82,19 @@ class ProcessSampler(_Sequenced):
     """Builds ``process`` items: this process's CPU and RSS, host RAM, and its GPU memory."""
 
     def __init__(
-        self, cuda: CudaBackend, device_index: Callable[[], int | None], *, first_seq: int = 0
+        self,
+        cuda: CudaBackend,
+        device_index: Callable[[], int | None],
+        *,
+        first_seq: int = 0,
+        local_rank: int = 0,
     ) -> None:
         self._cuda = cuda
+        # The device the training thread uses (the step timer's); asking
+        # torch.cuda.current_device() here would answer for the sampler thread,
+        # which is 0 on every rank.
         self._device_index = device_index
+        self._local_rank = local_rank
         self._proc = psutil.Process()
         # psutil measures CPU between calls; the first call only starts the window.
         self._proc.cpu_percent(None)
@@ -107,7 +116,7 @@ class ProcessSampler(_Sequenced):
             gpu_count = self._cuda.device_count()
             gpu_index = self._device_index()
             if gpu_index is None:
-                gpu_index = self._cuda.current_device()
+                gpu_index = self._rank_device(gpu_count)
             if gpu_index is not None:
                 gpu_used = self._cuda.memory_allocated(gpu_index)
                 gpu_reserved = self._cuda.memory_reserved(gpu_index)
@@ -126,6 +135,15 @@ class ProcessSampler(_Sequenced):
             "gpu_memory_reserved_bytes": nonneg_int(gpu_reserved),
             "gpu_memory_total_bytes": nonneg_int(gpu_total),
         }
+
+    def _rank_device(self, count: int | None) -> int | None:
+        """Before the first step: one visible GPU is the rank's; else cuda:LOCAL_RANK
+        (torchrun's convention), when that many are visible."""
+        if count is None or count < 1:
+            return None
+        if count == 1:
+            return 0
+        return self._local_rank if self._local_rank < count else None
 
 
 _NULL_GPU = GpuReading()

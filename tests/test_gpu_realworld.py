@@ -1,0 +1,431 @@
+"""Real-world GPU setups on CPU: CUDA and NVML through fakes as strict as the real APIs.
+
+``StrictCuda`` behaves as ``torch.cuda`` does where the forgiving fakes did not:
+``current_device()`` answers per thread (0 on a thread that never called
+``set_device``), ``Event.elapsed_time`` raises until both events completed,
+``Event.synchronize()`` blocks while the GPU is busy (behind an unjoined NCCL
+collective it would never return), and peaks are per device since the last reset.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import traceml_ai as traceml
+from traceml_ai.rank import _sdk, _timing
+from traceml_ai.rank.gpu import CudaEvent, TorchCudaBackend
+from traceml_ai.rank.samplers import ProcessSampler
+from traceml_ai.rank.sink import RecordingSink
+
+FWD = "_traceml_internal:forward_time"
+ENV_VARS = (
+    "TRACEML_AGGREGATOR_ADDR",
+    "TRACEML_RUN_TOKEN",
+    "TRACEML_RESET_PEAK_MEMORY",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    _sdk._reset_for_tests()
+    yield
+    _sdk._reset_for_tests()
+
+
+class StrictEvent:
+    """``torch.cuda.Event``: completes when the fake GPU's clock passes its stamp."""
+
+    def __init__(self, gpu: StrictCuda, stamp: int, device: int) -> None:
+        self.gpu = gpu
+        self.stamp = stamp
+        self.device = device
+
+    def query(self) -> bool:
+        return self.gpu.completed >= self.stamp
+
+    def elapsed_time(self, end_event: Any) -> float:
+        assert isinstance(end_event, StrictEvent)
+        if not (self.query() and end_event.query()):
+            # What torch raises when either event has not completed.
+            raise RuntimeError("CUDA error: device not ready")
+        return float(end_event.stamp - self.stamp)
+
+    def synchronize(self) -> None:
+        self.gpu.synchronize_calls += 1
+        # Blocks while the GPU is busy; behind a hung collective that is forever.
+        if not self.gpu.finished.wait(timeout=30):
+            raise AssertionError("Event.synchronize() blocked: TraceML must never call it")
+
+
+class StrictCuda:
+    """A ``CudaBackend`` as strict as ``torch.cuda`` (see the module docstring)."""
+
+    def __init__(self, count: int = 2) -> None:
+        self.count = count
+        self.clock = 0
+        self.completed = 0  # the GPU has finished all work up to this stamp
+        self.finished = threading.Event()
+        self.synchronize_calls = 0
+        self.resets: list[int] = []
+        self.allocated: dict[int, int] = {}
+        self._local = threading.local()
+        self.record_devices: list[int] = []
+        self.capturing = False
+
+    # torch.cuda.set_device / current_device: per thread, 0 until set.
+    def set_device(self, index: int) -> None:
+        self._local.device = index
+
+    def current_device(self) -> int | None:
+        return int(getattr(self._local, "device", 0))
+
+    def is_available(self) -> bool | None:
+        return True
+
+    def device_count(self) -> int | None:
+        return self.count
+
+    def device_index_of(self, model: object) -> int | None:
+        return TorchCudaBackend().device_index_of(model)
+
+    def reset_peak_memory_stats(self, index: int) -> None:
+        self.resets.append(index)
+
+    def max_memory_allocated(self, index: int) -> int | None:
+        return 1000 + index
+
+    def max_memory_reserved(self, index: int) -> int | None:
+        return 2000 + index
+
+    def memory_allocated(self, index: int) -> int | None:
+        return self.allocated.get(index, 0)
+
+    def memory_reserved(self, index: int) -> int | None:
+        return self.allocated.get(index, 0)
+
+    def total_memory(self, index: int) -> int | None:
+        return 80 << 30
+
+    def record_event(self, index: int) -> CudaEvent | None:
+        if self.capturing:
+            return None
+        self.record_devices.append(index)
+        self.clock += 1
+        return StrictEvent(self, self.clock, index)
+
+    def finish_all(self) -> None:
+        self.completed = self.clock
+        self.finished.set()
+
+
+def _device(kind: str, index: int | None = None) -> SimpleNamespace:
+    return SimpleNamespace(type=kind, index=index)
+
+
+class FakeTensor:
+    """A parameter whose device a test changes (model.to('cuda') keeps the object)."""
+
+    def __init__(self, device: SimpleNamespace) -> None:
+        self.device = device
+
+
+class FakeModel:
+    """Parameters only: no forward hooks (the timer leaves such a model's forward alone)."""
+
+    def __init__(self, *devices: SimpleNamespace) -> None:
+        self.params = [FakeTensor(d) for d in devices]
+
+    def parameters(self) -> Iterator[FakeTensor]:
+        return iter(self.params)
+
+    def buffers(self) -> Iterator[FakeTensor]:
+        return iter(())
+
+    def to(self, device: SimpleNamespace) -> FakeModel:
+        for p in self.params:
+            p.device = device
+        return self
+
+
+def step_items(sink: RecordingSink) -> list[dict[str, Any]]:
+    return sink.items("step_time")
+
+
+def one_step(model: object | None, cuda: StrictCuda) -> None:
+    with traceml.trace_step(model), traceml.trace_phase("work"):
+        pass
+
+
+# -- shutdown ---------------------------------------------------------------------------
+
+
+def test_shutdown_polls_one_deadline_and_never_synchronizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_timing, "SHUTDOWN_GPU_WAIT_S", 0.3)
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    model = FakeModel(_device("cuda", 0))
+    for _ in range(5):
+        one_step(model, cuda)
+    cuda.completed = 2  # the first step's pair completed; the GPU hangs after it
+    t0 = time.monotonic()
+    traceml.shutdown()
+    took = time.monotonic() - t0
+    assert cuda.synchronize_calls == 0
+    # One deadline for all five pending steps, not one per step.
+    assert 0.25 <= took < 1.5, took
+    items = step_items(sink)
+    assert [i["step"] for i in items] == [1, 2, 3, 4, 5]
+    works = [i["events"]["work"]["cuda:0"] for i in items]
+    assert works[0]["gpu_ms"] == 1.0 and works[0]["is_gpu"] is True
+    for work in works[1:]:
+        assert work["gpu_ms"] is None and work["is_gpu"] is False
+        assert work["duration_ms"] == work["cpu_ms"]
+
+
+def test_shutdown_returns_as_soon_as_the_gpu_finished() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    model = FakeModel(_device("cuda", 0))
+    for _ in range(3):
+        one_step(model, cuda)
+    threading.Timer(0.1, cuda.finish_all).start()
+    t0 = time.monotonic()
+    traceml.shutdown()
+    assert time.monotonic() - t0 < 1.0
+    assert [i["events"]["work"]["cuda:0"]["gpu_ms"] for i in step_items(sink)] == [1.0] * 3
+
+
+def test_last_step_is_sent_when_its_events_complete_without_a_next_step() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=0.05, cuda_backend=cuda)
+    one_step(FakeModel(_device("cuda", 0)), cuda)
+    time.sleep(0.2)
+    assert step_items(sink) == []  # still running on the GPU
+    cuda.finish_all()
+    deadline = time.monotonic() + 5
+    while not step_items(sink) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (item,) = step_items(sink)
+    assert item["events"]["work"]["cuda:0"]["gpu_ms"] == 1.0
+    traceml.shutdown()
+    assert len(step_items(sink)) == 1
+
+
+# -- event pairs outside steps, CUDA graph capture --------------------------------------
+
+
+def test_trace_phase_outside_steps_keeps_a_bounded_number_of_events() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    one_step(FakeModel(_device("cuda", 0)), cuda)  # the device is known from here on
+    timer = _timing.active()
+    assert timer is not None
+    for _ in range(_timing.MAX_OUTSIDE_PAIRS * 3):
+        with traceml.trace_phase("eval"):
+            pass
+    phase = timer._acc["eval"]
+    assert len(phase.pairs) == 0 and phase.missing
+    assert phase.n_calls == _timing.MAX_OUTSIDE_PAIRS * 3
+    cuda.finish_all()
+    one_step(FakeModel(_device("cuda", 0)), cuda)
+    traceml.shutdown()
+    evals = step_items(sink)[-1]["events"]["eval"]["cuda:0"]
+    assert evals["n_calls"] == _timing.MAX_OUTSIDE_PAIRS * 3 and evals["gpu_ms"] is None
+
+
+def test_no_events_inside_a_cuda_graph_capture() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    cuda.capturing = True
+    one_step(FakeModel(_device("cuda", 0)), cuda)
+    cuda.capturing = False
+    traceml.shutdown()
+    work = step_items(sink)[0]["events"]["work"]["cuda:0"]
+    assert work["gpu_ms"] is None and work["n_calls"] == 1
+
+
+# -- peak memory ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["env", "keyword"])
+def test_peak_reset_opt_out_leaves_the_users_peak_alone(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    if how == "env":
+        monkeypatch.setenv("TRACEML_RESET_PEAK_MEMORY", "0")
+        traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    else:
+        traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda, reset_peak_memory=False)
+    model = FakeModel(_device("cuda", 0))
+    for _ in range(3):
+        one_step(model, cuda)
+    cuda.finish_all()
+    traceml.shutdown()
+    assert cuda.resets == []
+    memory = sink.items("step_memory")
+    assert [(m["device"], m["peak_allocated_bytes"]) for m in memory] == [("cuda:0", None)] * 3
+
+
+def test_peak_is_reset_per_step_by_default() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    model = FakeModel(_device("cuda", 1))
+    for _ in range(2):
+        one_step(model, cuda)
+    cuda.finish_all()
+    traceml.shutdown()
+    assert cuda.resets == [1, 1]
+    assert [m["peak_allocated_bytes"] for m in sink.items("step_memory")] == [1001, 1001]
+
+
+# -- device detection -------------------------------------------------------------------
+
+
+def test_parameters_offloaded_to_cpu_do_not_make_the_run_cpu() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    # Embeddings offloaded to CPU come first; the rest trains on cuda:1.
+    one_step(FakeModel(_device("cpu"), _device("cuda", 1), _device("cuda", 1)), cuda)
+    cuda.finish_all()
+    traceml.shutdown()
+    assert list(step_items(sink)[0]["events"]["work"]) == ["cuda:1"]
+    assert cuda.record_devices and set(cuda.record_devices) == {1}
+
+
+def test_model_moved_to_the_gpu_after_step_one_is_followed() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    model = FakeModel(_device("cpu"), _device("cpu"))
+    one_step(model, cuda)
+    model.to(_device("cuda", 1))
+    one_step(model, cuda)
+    one_step(model, cuda)
+    cuda.finish_all()
+    traceml.shutdown()
+    devices = [next(iter(i["events"]["work"])) for i in step_items(sink)]
+    assert devices == ["cpu", "cuda:1", "cuda:1"]
+    assert [m["device"] for m in sink.items("step_memory")] == devices
+
+
+def test_trace_step_none_follows_the_training_threads_device() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    one_step(None, cuda)
+    cuda.set_device(1)  # a later set_device on the training thread is followed
+    one_step(None, cuda)
+    cuda.finish_all()
+    traceml.shutdown()
+    assert [next(iter(i["events"]["work"])) for i in step_items(sink)] == ["cuda:0", "cuda:1"]
+
+
+def test_trace_step_none_without_set_device_does_not_time_cuda0_on_local_rank_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    cuda.allocated = {1: 4096}  # the script put its tensors on cuda:LOCAL_RANK
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    one_step(None, cuda)
+    one_step(None, cuda)
+    cuda.finish_all()
+    traceml.shutdown()
+    assert [next(iter(i["events"]["work"])) for i in step_items(sink)] == ["cuda:1", "cuda:1"]
+    assert set(cuda.record_devices) == {1}
+
+
+# -- the process sampler's device --------------------------------------------------------
+
+
+def test_process_sampler_reports_the_ranks_device_not_its_own_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    cuda.allocated = {1: 4096}
+    cuda.set_device(1)  # on the training thread; the sampler thread still answers 0
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    # Before the first step: the rank's device from LOCAL_RANK.
+    deadline = time.monotonic() + 5
+    while not sink.items("process") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first = sink.items("process")[0]
+    assert first["gpu_device_index"] == 1 and first["gpu_memory_used_bytes"] == 4096
+    one_step(None, cuda)
+    cuda.finish_all()
+    traceml.shutdown()
+    last = sink.items("process")[-1]
+    assert last["gpu_device_index"] == 1 and last["gpu_memory_used_bytes"] == 4096
+
+
+def test_process_sampler_alone_on_another_thread() -> None:
+    cuda = StrictCuda()
+    cuda.set_device(1)
+    sampler = ProcessSampler(cuda, lambda: None, local_rank=1)
+    result: list[dict[str, object] | None] = []
+    thread = threading.Thread(target=lambda: result.append(sampler.sample()))
+    thread.start()
+    thread.join()
+    assert result[0] is not None and result[0]["gpu_device_index"] == 1
+
+
+# -- torch.compile ----------------------------------------------------------------------
+
+
+def test_compiled_model_fullgraph_with_trace_step_has_no_graph_break() -> None:
+    dynamo = pytest.importorskip("torch._dynamo")
+    sink = RecordingSink()
+    traceml.init(sink=sink, sampler_interval=60)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dynamo.reset()
+    model.compile(fullgraph=True, backend="eager")
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        with traceml.trace_step(model):
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    # The hooks stepped aside while dynamo traced: one graph, no break.
+    explained = dynamo.explain(model._compiled_call_impl)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    traceml.shutdown()
+    items = step_items(sink)
+    assert [i["step"] for i in items] == [1, 2, 3]
+    for item in items:
+        # Backward and the optimizer run eagerly and are timed; forward is inside
+        # the compiled region (docs/live-export.md, GPU notes).
+        assert "_traceml_internal:backward_time" in item["events"]
+        assert "_traceml_internal:optimizer_step" in item["events"]
