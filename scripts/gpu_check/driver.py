@@ -782,6 +782,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = wanted - {c.name for c in CHECKS}
     if unknown:
         parser.error(f"unknown check(s): {sorted(unknown)}")
+    if "system_gpu_vs_nvidia_smi" in wanted:
+        wanted.add("train_cuda_1proc")  # its export is what nvidia-smi is compared with
     checks = [c for c in CHECKS if not wanted or c.name in wanted]
     names = ", ".join(info.get("names") or ["cpu"])
     say(
