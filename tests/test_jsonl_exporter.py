@@ -24,16 +24,19 @@ import orjson
 import pytest
 
 from traceml_ai.export._jsonl import (
-    ExportBatchError,
     ExportCloseError,
-    ExporterClosedError,
     ExportStartError,
     ExportTargetExists,
     JsonlExporter,
-    PartialExportError,
-    StreamAbandoned,
 )
-from traceml_ai.export._protocol import ExportContext, Exporter, ExportSummary
+from traceml_ai.export._protocol import (
+    ExportContext,
+    Exporter,
+    ExportResult,
+    ExportSummary,
+    LineExporter,
+    export_input_of,
+)
 from traceml_records import (
     STREAMS,
     STREAMS_BY_NAME,
@@ -146,7 +149,8 @@ def dev_full() -> Iterator[int]:
 def test_create_makes_every_selected_file_empty(tmp_path: Path) -> None:
     ctx = context(tmp_path, ALL_STREAMS)
     exporter = JsonlExporter.create(ctx)
-    assert isinstance(exporter, Exporter)
+    assert isinstance(exporter, Exporter) and isinstance(exporter, LineExporter)
+    assert export_input_of(exporter) == "encoded_lines"
     names = sorted(p.name for p in ctx.export_dir.iterdir())
     assert names == sorted(STREAMS_BY_NAME[s].file_name for s in ALL_STREAMS)
     assert len(names) == 7
@@ -263,9 +267,10 @@ def test_unknown_stream_is_a_start_error(tmp_path: Path) -> None:
 def test_lines_are_compact_ordered_and_closed(tmp_path: Path) -> None:
     ctx = context(tmp_path, ("step_time", "step_memory"))
     exporter = JsonlExporter.create(ctx)
-    exporter.export([step_time(0), step_time(1, rank=1)])
-    exporter.export([step_time(2)])
-    exporter.export([step_memory(0)])
+    assert exporter.export([step_time(0), step_time(1, rank=1)]) == ExportResult(written=2)
+    assert exporter.export([step_time(2)]) == ExportResult(written=1)
+    assert exporter.export([step_memory(0)]) == ExportResult(written=1)
+    assert exporter.export([]) == ExportResult(written=0)
     exporter.close(summary(dropped=4))
 
     st_lines = lines_of(file_of(ctx, "step_time"))
@@ -335,9 +340,9 @@ def test_close_is_idempotent_and_later_exports_fail(tmp_path: Path) -> None:
     content = file_of(ctx, "step_time").read_bytes()
     exporter.close(summary(dropped=9))
     assert file_of(ctx, "step_time").read_bytes() == content
-    with pytest.raises(ExporterClosedError) as info:
-        exporter.export([step_time(1), step_time(2)])
-    assert (info.value.written, info.value.failed) == (0, 2)
+    result = exporter.export([step_time(1), step_time(2)])
+    assert (result.written, result.failed, result.abandoned) == (0, 2, 0)
+    assert result.problem is not None and "is closed" in result.problem
     assert file_of(ctx, "step_time").read_bytes() == content
 
 
@@ -357,9 +362,9 @@ def test_unserializable_records_are_skipped_and_reported(tmp_path: Path) -> None
     ctx = context(tmp_path, ("step_time",))
     exporter = JsonlExporter.create(ctx)
     batch = [step_time(0), step_time(1, cpu_ms=float("nan")), step_time(2), step_memory(3)]
-    with pytest.raises(PartialExportError) as info:
-        exporter.export(batch)
-    assert (info.value.written, info.value.failed, info.value.stream) == (2, 2, "step_time")
+    result = exporter.export(batch)
+    assert (result.written, result.failed, result.abandoned) == (2, 2, 0)
+    assert result.problem == "2 of 4 step_time records could not be serialized and were not written"
     assert exporter.serialization_failures("step_time") == 2
     # The stream goes on: a partial batch is no write failure.
     exporter.export([step_time(4)])
@@ -376,9 +381,12 @@ def test_records_of_an_unselected_stream_fail_whole(tmp_path: Path) -> None:
     stray = StdoutStderrRecord(
         observed_timestamp_unix_ns=1, rank=0, timestamp_unix_ns=1, seq=0, source="stdout", line="x"
     )
-    with pytest.raises(ExportBatchError) as info:
-        exporter.export([stray, stray])
-    assert (info.value.written, info.value.failed) == (0, 2)
+    result = exporter.export([stray, stray])
+    assert result == ExportResult(
+        written=0,
+        failed=2,
+        problem="records of stdout_stderr are not a selected export stream",
+    )
     exporter.close(summary())
     assert len(lines_of(file_of(ctx, "step_time"))) == 1
 
@@ -463,18 +471,16 @@ def test_a_failing_file_is_abandoned_and_the_others_go_on(tmp_path: Path, dev_fu
 
     # From here on every write to step_time.jsonl fails with ENOSPC, as on a full disk.
     os.dup2(dev_full, fd_of(exporter, "step_time"))
-    with pytest.raises(StreamAbandoned) as info:
-        exporter.export([step_time(2), step_time(3), step_time(4)])
-    assert (info.value.written, info.value.failed) == (0, 3)
-    assert isinstance(info.value.__cause__, OSError)
-    assert info.value.__cause__.errno == errno.ENOSPC
+    result = exporter.export([step_time(2), step_time(3), step_time(4)])
+    assert (result.written, result.failed, result.abandoned) == (0, 0, 3)
+    assert result.problem is not None and os.strerror(errno.ENOSPC) in result.problem
     assert exporter.abandoned_streams == {"step_time"}
     reason = exporter.abandoned_reason("step_time")
     assert reason is not None and "write failed" in reason
 
-    with pytest.raises(StreamAbandoned) as later:
-        exporter.export([step_time(5)])
-    assert (later.value.written, later.value.failed) == (0, 1)
+    later = exporter.export([step_time(5)])
+    assert (later.written, later.failed, later.abandoned) == (0, 0, 1)
+    assert later.problem is not None and "was abandoned" in later.problem
 
     exporter.export([step_memory(1), step_memory(2)])
     with pytest.raises(ExportCloseError) as closed:
@@ -507,14 +513,12 @@ def test_short_write_then_failure_counts_whole_lines(tmp_path: Path) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
     try:
-        with pytest.raises(StreamAbandoned) as info:
-            exporter.export([step_time(i) for i in range(1, 6)])
+        result = exporter.export([step_time(i) for i in range(1, 6)])
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
-    assert (info.value.written, info.value.failed) == (2, 3)
-    assert isinstance(info.value.__cause__, OSError)
-    assert info.value.__cause__.errno == errno.EFBIG
+    assert (result.written, result.failed, result.abandoned) == (2, 0, 3)
+    assert result.problem is not None and os.strerror(errno.EFBIG) in result.problem
     assert path.stat().st_size == limit
     data = path.read_bytes()
     *whole, tail = data.split(b"\n")
@@ -534,9 +538,8 @@ def test_removed_file_is_detected_and_abandoned(tmp_path: Path) -> None:
     exporter = JsonlExporter.create(ctx, link_check_interval_s=0.0)
     exporter.export([step_time(0)])
     file_of(ctx, "step_time").unlink()
-    with pytest.raises(StreamAbandoned) as info:
-        exporter.export([step_time(1)])
-    assert (info.value.written, info.value.failed) == (0, 1)
+    result = exporter.export([step_time(1)])
+    assert (result.written, result.failed, result.abandoned) == (0, 0, 1)
     assert exporter.abandoned_reason("step_time") == "the file was removed"
     exporter.export([step_memory(0)])
     with pytest.raises(ExportCloseError) as closed:

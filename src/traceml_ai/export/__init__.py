@@ -4,7 +4,10 @@ Public API:
 
 - :func:`start_export` / :class:`ExportPipeline`: what the aggregator runs.
 - :class:`Exporter`, :class:`ExportContext`, :class:`ExportSummary`: the protocol a
-  custom exporter (``exporter: my_pkg.my_module:make_exporter``) implements.
+  custom exporter (``exporter: my_pkg.my_module:make_exporter``) implements;
+  :class:`ExportResult`, :class:`ExporterError`: what ``export`` may return or raise;
+  :class:`LineExporter`, :class:`EncodedLines`, :func:`export_input_of`: the declared
+  fast path (``export_input = "encoded_lines"``) that the JSONL exporter takes.
 - :class:`InMemoryExporter`, :func:`make_in_memory_exporter`, :func:`capture_export`:
   an exporter for tests, TraceML's and yours.
 - :class:`JsonlExporter`: the built-in exporter.
@@ -13,29 +16,47 @@ Public API:
 
 from traceml_ai.export._builder import BuildResult, RecordBuilder
 from traceml_ai.export._custom import ExporterStartFailure, create_exporter, load_exporter_factory
+from traceml_ai.export._encoded import EncodedLines
 from traceml_ai.export._finalize import WarningWriteError, write_finalization_warning
 from traceml_ai.export._jsonl import JsonlExporter
 from traceml_ai.export._memory import InMemoryExporter, capture_export, make_in_memory_exporter
-from traceml_ai.export._pipeline import ExportPipeline, start_export
-from traceml_ai.export._protocol import ExportContext, Exporter, ExporterFactory, ExportSummary
+from traceml_ai.export._pipeline import ExportPipeline, builder_for, start_export
+from traceml_ai.export._protocol import (
+    ExportContext,
+    Exporter,
+    ExporterError,
+    ExporterFactory,
+    ExportInput,
+    ExportResult,
+    ExportSummary,
+    LineExporter,
+    export_input_of,
+)
 from traceml_ai.export._worker import ExportStats, ExportWorker
 
 __all__ = [
     "BuildResult",
+    "EncodedLines",
     "ExportContext",
+    "ExportInput",
     "ExportPipeline",
+    "ExportResult",
     "ExportStats",
     "ExportSummary",
     "ExportWorker",
     "Exporter",
+    "ExporterError",
     "ExporterFactory",
     "ExporterStartFailure",
     "InMemoryExporter",
     "JsonlExporter",
+    "LineExporter",
     "RecordBuilder",
     "WarningWriteError",
+    "builder_for",
     "capture_export",
     "create_exporter",
+    "export_input_of",
     "load_exporter_factory",
     "make_in_memory_exporter",
     "start_export",

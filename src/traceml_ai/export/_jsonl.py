@@ -19,23 +19,19 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from traceml_ai.export._encoded import EncodedLines
-from traceml_ai.export._protocol import ExportContext, ExportSummary
+from traceml_ai.export._protocol import ExportContext, ExporterError, ExportResult, ExportSummary
 from traceml_records import STREAMS_BY_NAME, ClosingLine, dumps_line
 from traceml_records._codec import dumps_lines
 from traceml_records._registry import STREAM_BY_CLASS
 
 __all__ = [
-    "ExportBatchError",
     "ExportCloseError",
     "ExportStartError",
     "ExportTargetExists",
-    "ExporterClosedError",
     "JsonlExporter",
-    "PartialExportError",
-    "StreamAbandoned",
 ]
 
 _log = logging.getLogger(__name__)
@@ -70,34 +66,7 @@ class ExportTargetExists(ExportStartError):
         )
 
 
-class ExportBatchError(Exception):
-    """``export`` did not write every record of one batch.
-
-    ``written`` records of the batch were written as whole lines and ``failed``
-    were not; ``written + failed`` is the batch length. Callers count ``failed``
-    as failed records and ``written`` as written ones.
-    """
-
-    def __init__(self, message: str, *, stream: str, written: int, failed: int) -> None:
-        self.stream = stream
-        self.written = written
-        self.failed = failed
-        super().__init__(message)
-
-
-class PartialExportError(ExportBatchError):
-    """Some records of the batch could not be serialized; the others were written."""
-
-
-class StreamAbandoned(ExportBatchError):
-    """The stream's file is abandoned after a write failure; it takes no more lines."""
-
-
-class ExporterClosedError(ExportBatchError):
-    """``export`` was called after ``close``; nothing was written."""
-
-
-class ExportCloseError(Exception):
+class ExportCloseError(ExporterError):
     """``close`` finished, but some files do not end with a closing line.
 
     ``streams`` names them, sorted; each was abandoned (a write failed, the file
@@ -185,7 +154,12 @@ class JsonlExporter:
     Build it with :meth:`create`. ``export`` is called from one worker thread;
     ``close`` may come from another thread and waits at most
     ``close_wait_s`` per file for a write in progress.
+
+    It declares ``export_input = "encoded_lines"``: the pipeline then lets the builder
+    write step_time lines straight from the wire items (typed records are taken too).
     """
+
+    export_input: Literal["encoded_lines"] = "encoded_lines"
 
     def __init__(
         self,
@@ -322,57 +296,45 @@ class JsonlExporter:
 
     # -- protocol -----------------------------------------------------------
 
-    def export(self, records: Sequence[Any]) -> None:
+    def export(self, records: Sequence[Any]) -> ExportResult:
         """Write ``records`` (all of one stream) to that stream's file, one line each.
 
-        All lines of the batch go out in one loop of ``os.write`` calls on the
-        raw descriptor (short writes are continued), so they are visible to a
-        reader as soon as this returns. Returns normally only when every record
-        was written. Otherwise it raises an :class:`ExportBatchError` whose
-        ``written``/``failed`` say how many records of THIS batch were written
-        as whole lines and how many were not (they sum to ``len(records)``):
+        ``records`` is a sequence of typed records or an :class:`EncodedLines` group
+        (lines the builder already wrote). All lines of the group go out in one loop of
+        ``os.write`` calls on the raw descriptor (short writes are continued), so they
+        are visible to a reader as soon as this returns. Never raises for a failed
+        write: the returned :class:`ExportResult` counts every record of THIS group
+        once, with ``problem`` saying why some were not written:
 
-        - :class:`PartialExportError`: some records could not be serialized
-          (``RecordError``/``ValueError``/``TypeError``, e.g. a non-finite float in
-          a non-nullable field); those were skipped, every other one was written.
-        - :class:`StreamAbandoned`: the file failed (a write raised ``OSError``
-          such as ENOSPC or EIO, or the file was found removed) during this batch
-          or before; the file is abandoned and this and every later batch of the
-          stream raises it. Lines completed before the failure count as written.
-        - :class:`ExporterClosedError`: called after :meth:`close`.
-        - :class:`ExportBatchError` itself: the records belong to no selected stream.
+        - ``written``: records written as whole lines (before a failure too);
+        - ``failed``: records without a valid line (``RecordError``/``ValueError``/
+          ``TypeError``, e.g. a non-finite float in a non-nullable field; the others
+          are written and the stream goes on), records of no selected stream, or
+          records exported after :meth:`close`;
+        - ``abandoned``: records not written because the stream's file failed (a write
+          raised ``OSError`` such as ENOSPC or EIO, or the file was found removed)
+          during this group or before; the file takes no more lines.
         """
         n = len(records)
         if n == 0:
-            return
+            return ExportResult(written=0)
         encoded = records if type(records) is EncodedLines else None
         if encoded is not None:
             spec = STREAMS_BY_NAME.get(encoded.stream)
         else:
             spec = STREAM_BY_CLASS.get(type(records[0]))
         stream_file = self._files.get(spec.name) if spec is not None else None
-        if stream_file is None:
+        if spec is None or stream_file is None:
             name = spec.name if spec is not None else type(records[0]).__name__
-            raise ExportBatchError(
-                f"records of {name} are not a selected export stream",
-                stream=name,
-                written=0,
-                failed=n,
+            return ExportResult(
+                written=0, failed=n, problem=f"records of {name} are not a selected export stream"
             )
         f = stream_file
-        record_class = spec.record_class if spec is not None else None
         with f.lock:
             if f.abandoned_reason is not None:
-                raise StreamAbandoned(
-                    f"export file {f.path} was abandoned ({f.abandoned_reason})",
-                    stream=f.stream,
-                    written=0,
-                    failed=n,
-                )
+                return self._abandoned(f, n)
             if f.closed or f.fd is None:
-                raise ExporterClosedError(
-                    f"export file {f.path} is closed", stream=f.stream, written=0, failed=n
-                )
+                return ExportResult(written=0, failed=n, problem=f"export file {f.path} is closed")
             now = time.monotonic()
             if now - f.last_link_check >= self._link_check_interval_s:
                 f.last_link_check = now
@@ -384,22 +346,16 @@ class JsonlExporter:
                 if gone:
                     f.abandon("the file was removed")
                 if f.abandoned_reason is not None:
-                    raise StreamAbandoned(
-                        f"export file {f.path} was abandoned ({f.abandoned_reason})",
-                        stream=f.stream,
-                        written=0,
-                        failed=n,
-                    )
+                    return self._abandoned(f, n)
 
             # A stray record of another stream never goes into this file; neither does
             # one without a valid line (RecordError, ValueError, TypeError).
-            assert record_class is not None
             if encoded is not None:
                 # Written by the builder from the wire items (same bytes as dumps_line).
                 data, bad = encoded.data, 0
             else:
                 lines, bad = dumps_lines(
-                    records, record_class, include_hostname=self._context.include_hostname
+                    records, spec.record_class, include_hostname=self._context.include_hostname
                 )
                 data = b"".join(lines)
             f.serialization_failures += bad
@@ -412,20 +368,31 @@ class JsonlExporter:
                 whole = data.count(b"\n", 0, done)
                 f.written += whole
                 f.abandon(f"write failed: {exc}")
-                raise StreamAbandoned(
-                    f"writing export file {f.path} failed ({exc}); the file is abandoned",
-                    stream=f.stream,
+                return ExportResult(
                     written=whole,
-                    failed=n - whole,
-                ) from exc
+                    failed=bad,
+                    abandoned=n - bad - whole,
+                    problem=f"writing export file {f.path} failed ({exc}); the file is abandoned",
+                )
             f.written += n - bad
             if bad:
-                raise PartialExportError(
-                    f"{bad} of {n} {f.stream} records could not be serialized and were not written",
-                    stream=f.stream,
+                return ExportResult(
                     written=n - bad,
                     failed=bad,
+                    problem=(
+                        f"{bad} of {n} {f.stream} records could not be serialized "
+                        "and were not written"
+                    ),
                 )
+            return ExportResult(written=n)
+
+    @staticmethod
+    def _abandoned(f: _StreamFile, n: int) -> ExportResult:
+        return ExportResult(
+            written=0,
+            abandoned=n,
+            problem=f"export file {f.path} was abandoned ({f.abandoned_reason})",
+        )
 
     def close(self, summary: ExportSummary) -> None:
         """Write one closing line to every healthy file, fsync it, and close every file.

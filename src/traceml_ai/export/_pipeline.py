@@ -9,14 +9,20 @@ with ``exporter_failed`` true, so the loss shows in ``finalization_warning.json`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from traceml_ai.export._builder import RecordBuilder
 from traceml_ai.export._custom import ExporterStartFailure, create_exporter, report_to_stderr
 from traceml_ai.export._jsonl import JsonlExporter
-from traceml_ai.export._protocol import ExportContext, Exporter, ExportSummary
+from traceml_ai.export._protocol import (
+    ExportContext,
+    Exporter,
+    ExportResult,
+    ExportSummary,
+    export_input_of,
+)
 from traceml_ai.export._worker import (
     DEFAULT_MAX_QUEUE_BATCHES,
     DEFAULT_MAX_QUEUE_BYTES,
@@ -27,7 +33,7 @@ from traceml_ai.settings import ExportSettings, exporter_kind
 from traceml_ai.wire import ReceivedBatch
 from traceml_records import ExportLoss, parse_export_streams
 
-__all__ = ["EXPORT_DIR_PARTS", "ExportPipeline", "ExportUnavailable", "start_export"]
+__all__ = ["EXPORT_DIR_PARTS", "ExportPipeline", "builder_for", "start_export"]
 
 _log = logging.getLogger("traceml_ai.export")
 
@@ -40,18 +46,14 @@ EXPORT_DIR_PARTS = ("aggregator", "export")
 _JSONL_CLOSE_WAIT_S = 0.1
 
 
-class ExportUnavailable(RuntimeError):
-    """Raised by the stand-in exporter of a pipeline whose exporter could not start."""
-
-
 class _UnavailableExporter:
     """Stands in for an exporter that could not start: every record counts as failed."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
-    def export(self, records: Sequence[Any]) -> None:
-        raise ExportUnavailable(self.reason)
+    def export(self, records: Sequence[Any]) -> ExportResult:
+        return ExportResult(written=0, failed=len(records), problem=self.reason)
 
     def close(self, summary: ExportSummary) -> None:
         return None
@@ -107,6 +109,18 @@ class ExportPipeline:
         return self.stats().to_loss()
 
 
+def builder_for(exporter: object, streams: Iterable[str], include_hostname: bool) -> RecordBuilder:
+    """The record builder for ``exporter``: its mode follows what the exporter declares.
+
+    An exporter that takes encoded lines (``export_input = "encoded_lines"``, as the JSONL
+    exporter does) gets groups the builder writes straight from the wire items, with no
+    typed records in between; any other gets typed records.
+    """
+    return RecordBuilder(
+        streams, include_hostname, encode_lines=export_input_of(exporter) == "encoded_lines"
+    )
+
+
 def _open_exporter(
     settings: ExportSettings,
     context: ExportContext,
@@ -141,7 +155,8 @@ def start_export(
 
     ``selected_streams`` (file stream names) defaults to parsing
     ``settings.export_streams``. The exporter is ``JsonlExporter`` for ``jsonl``, else
-    the custom ``module:factory``. If it cannot start, ``report`` gets one message
+    the custom ``module:factory``; the builder's mode follows what the exporter declares
+    (``export_input``: typed records unless it takes encoded lines). If it cannot start, ``report`` gets one message
     (default: printed to stderr) and the returned pipeline counts every selected
     record as failed, with ``exporter_failed`` true. The worker thread is started.
     """
@@ -161,11 +176,9 @@ def start_export(
         include_hostname=settings.exporter_hostname,
     )
     exporter, failure = _open_exporter(settings, context, report)
-    if isinstance(exporter, JsonlExporter):
-        # The JSONL exporter only needs lines: let the builder write them directly.
-        builder = RecordBuilder(streams, settings.exporter_hostname, encode_lines=True)
     if exporter is None:
         exporter = _UnavailableExporter(failure or "the exporter could not start")
+    builder = builder_for(exporter, builder.streams, settings.exporter_hostname)
     worker = ExportWorker(
         exporter,
         builder,

@@ -26,8 +26,14 @@ from typing import Any
 import attrs
 
 from traceml_ai.export._builder import RecordBuilder
-from traceml_ai.export._jsonl import ExportBatchError, ExportCloseError
-from traceml_ai.export._protocol import Exporter, ExportSummary
+from traceml_ai.export._protocol import (
+    Exporter,
+    ExporterError,
+    ExportInput,
+    ExportResult,
+    ExportSummary,
+    export_input_of,
+)
 from traceml_ai.wire import ReceivedBatch
 from traceml_records import ExportLoss
 
@@ -139,6 +145,9 @@ class ExportWorker:
     ``exporter_failed=True`` starts the worker in the failed state (the exporter could
     not be created): records are still built and counted, as failed, and no failure is
     logged again.
+
+    The builder's mode must match what the exporter declares (``export_input``): a
+    builder that writes lines only feeds an exporter that takes encoded lines.
     """
 
     def __init__(
@@ -152,6 +161,12 @@ class ExportWorker:
     ) -> None:
         if max_queue_batches < 1 or max_queue_bytes < 1:
             raise ValueError("queue limits must be at least 1")
+        self._export_input: ExportInput = export_input_of(exporter)
+        if builder.encodes_lines and self._export_input != "encoded_lines":
+            raise ValueError(
+                "the builder writes encoded lines but the exporter takes typed records "
+                "(it does not declare export_input = 'encoded_lines')"
+            )
         self._exporter = exporter
         self._builder = builder
         self._max_batches = max_queue_batches
@@ -195,6 +210,16 @@ class ExportWorker:
     def streams(self) -> tuple[str, ...]:
         """The selected file streams."""
         return self._builder.streams
+
+    @property
+    def export_input(self) -> ExportInput:
+        """What the exporter declared it takes (``export_input``)."""
+        return self._export_input
+
+    @property
+    def encodes_lines(self) -> bool:
+        """Whether the builder hands the exporter encoded lines (the JSONL fast path)."""
+        return self._builder.encodes_lines
 
     def start(self) -> None:
         """Start the worker thread (idempotent; a no-op in a forked child or after shutdown)."""
@@ -361,7 +386,7 @@ class ExportWorker:
     def _call_close(self, summary: ExportSummary) -> bool:
         try:
             self._exporter.close(summary)
-        except (ExportCloseError, OSError) as exc:
+        except (ExporterError, OSError) as exc:
             # Disk full, read-only folder, I/O error: the files say it (no closing line)
             # and so does the warning; one line, no traceback.
             _log.error("traceml: export: closing the exporter failed: %s", exc)
@@ -446,33 +471,57 @@ class ExportWorker:
         return True
 
     def _export(self, records: Sequence[Any]) -> tuple[int, int]:
-        """Hand one group to the exporter; return (written, failed) record counts."""
+        """Hand one group to the exporter; return (written, failed) record counts.
+
+        The exporter's answer is a value: None (every record written) or an
+        :class:`ExportResult` that counts the group. Raising means the group failed.
+        """
         n = len(records)
         try:
-            self._exporter.export(records)
+            result = self._exporter.export(records)
         except Exception as exc:
-            written = 0
-            if (
-                isinstance(exc, ExportBatchError)
-                and type(exc.written) is int
-                and type(exc.failed) is int
-                and exc.written >= 0
-                and exc.written + exc.failed == n
-            ):
-                # The exporter says exactly which part of the group made it to disk.
-                written = exc.written
-            if not self._logged_export_error:
-                # Once per worker: a broken exporter would otherwise log every batch.
-                self._logged_export_error = True
-                # A partial JSONL write or an I/O error explains itself; anything else
+            self._log_export_problem(
+                "the exporter raised; its records count as failed: %s",
+                exc,
+                # An I/O error or an exporter's own error explains itself; anything else
                 # (a custom exporter's bug) gets its traceback.
-                _log.error(
-                    "traceml: export: the exporter raised; its records count as failed: %s",
-                    exc,
-                    exc_info=not isinstance(exc, (ExportBatchError, OSError)),
-                )
-            return written, n - written
-        return n, 0
+                traceback=not isinstance(exc, (ExporterError, OSError)),
+            )
+            return 0, n
+        if not isinstance(result, ExportResult):
+            # The plain protocol: returning means written (whatever a custom exporter returns).
+            return n, 0
+        written = result.written
+        if (
+            type(written) is not int
+            or type(result.failed) is not int
+            or type(result.abandoned) is not int
+            or min(written, result.failed, result.abandoned) < 0
+            or result.total != n
+        ):
+            # A result that does not account for the group cannot be trusted: none written.
+            self._log_export_problem(
+                "the exporter returned %s for a group of %d records; they count as failed",
+                result,
+                n,
+            )
+            return 0, n
+        if result.problem is not None or written != n:
+            self._log_export_problem(
+                "%s (%d of %d records of the group count as failed)",
+                result.problem or "the exporter did not write every record",
+                n - written,
+                n,
+            )
+        return written, n - written
+
+    def _log_export_problem(self, message: str, *args: object, traceback: bool = False) -> None:
+        """Log the first export problem of this worker (a broken exporter would log every
+        batch); the counts and finalization_warning.json say the rest."""
+        if self._logged_export_error:
+            return
+        self._logged_export_error = True
+        _log.error("traceml: export: " + message, *args, exc_info=traceback)
 
     # -- helpers (call with the lock held) ------------------------------------------
 
