@@ -12,9 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import e2e_helpers as e2e
 import pytest
 import torch
 
@@ -429,3 +431,84 @@ def test_compiled_model_fullgraph_with_trace_step_has_no_graph_break() -> None:
         # the compiled region (docs/live-export.md, GPU notes).
         assert "_traceml_internal:backward_time" in item["events"]
         assert "_traceml_internal:optimizer_step" in item["events"]
+
+
+# -- DataLoader workers started with spawn / forkserver ---------------------------------
+
+_WORKER_SCRIPT = """
+import sys
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import traceml_ai as traceml
+
+# Top level: spawn and forkserver workers re-import this script and run it again.
+traceml.init()
+
+
+class Data(Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        # A phase inside a worker would auto-init a second copy of the rank there.
+        with traceml.trace_phase("load"):
+            return torch.randn(8), torch.randn(1)
+
+
+def main():
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(Data(), batch_size=4, num_workers=2, multiprocessing_context=sys.argv[1])
+    for x, y in loader:
+        with traceml.trace_step(model):
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_spawn_and_forkserver_workers_stay_off(tmp_path: Path, context: str) -> None:
+    script = tmp_path / "train_workers.py"
+    script.write_text(_WORKER_SCRIPT)
+    logs = tmp_path / "logs"
+    res = e2e.run_cli(
+        [
+            "run",
+            "--logs-dir",
+            logs,
+            "--run-name",
+            "w",
+            "--interval",
+            "0.2",
+            "--exporter",
+            "jsonl",
+            "--export-streams",
+            "all",
+            script,
+            context,
+        ],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    folder = e2e.export_dir(logs, "w")
+    steps = e2e.data_lines(folder / "step_time.jsonl")
+    # One sender: seq never restarts, the steps are the rank's 8.
+    assert [s["seq"] for s in steps] == list(range(8))
+    assert [s["step"] for s in steps] == list(range(1, 9))
+    assert all("load" not in s["events"] for s in steps)
+    process = e2e.data_lines(folder / "process.jsonl")
+    assert len({p["pid"] for p in process}) == 1, {p["pid"] for p in process}
+    assert [p["seq"] for p in process] == list(range(len(process)))
+    system = e2e.data_lines(folder / "system.jsonl")
+    assert [s["seq"] for s in system] == list(range(len(system)))
+    envs = e2e.data_lines(folder / "runtime_environment.jsonl")
+    assert len({e["pid"] for e in envs}) == 1
+    e2e.assert_valid(folder, tmp_path)

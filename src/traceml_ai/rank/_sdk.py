@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import importlib
 import os
+import sys
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -320,6 +321,40 @@ def _build_sender(identity: RankIdentity, previous: Any, address: str) -> _Closa
 
 
 _ENV_RESET_PEAK = "TRACEML_RESET_PEAK_MEMORY"
+# Set by a rank when its TraceML starts: processes it starts through
+# multiprocessing inherit it (spawn and forkserver copy the environment).
+_ENV_RANK_PID = "_TRACEML_RANK_PID"
+
+
+def _child_of_a_rank() -> bool:
+    """Whether this is a multiprocessing child of a TraceML rank (e.g. a DataLoader worker).
+
+    Spawn and forkserver workers re-import the script, so a top-level
+    ``traceml.init()`` runs again there; it must not start a second copy of the
+    rank (a second sender, ``seq`` from 0, NVML in every worker). Neither
+    ``torch.utils.data.get_worker_info()`` nor ``parent_process()`` is set yet
+    while the script is re-imported (multiprocessing sets them after), so the
+    test is: the environment names a rank pid other than ours (the rank set it
+    before starting its workers), and multiprocessing started this process (a
+    name other than MainProcess, the import flag ``_inheriting`` — the forkserver
+    server imports the script with it — or a parent process). A process started
+    otherwise (torchrun, Ray, subprocess) is not a worker and may be a rank.
+    """
+    owner = os.environ.get(_ENV_RANK_PID, "").strip()
+    if not owner or owner == str(os.getpid()):
+        return False
+    mp = sys.modules.get("multiprocessing")
+    if mp is None:
+        return False
+    try:
+        current = mp.current_process()
+        return bool(
+            getattr(current, "_inheriting", False)
+            or current.name != "MainProcess"
+            or mp.parent_process() is not None
+        )
+    except Exception:
+        return False
 
 
 def _reset_peak_choice(keyword: bool | None) -> bool:
@@ -437,6 +472,13 @@ def init(
             return _config if _config is not None else config
         if _state == "disabled" and sink is None:
             return _config if _config is not None else disabled_config("off")
+        if _child_of_a_rank():
+            # A DataLoader worker (spawn/forkserver) re-importing the script: the
+            # rank that started it reports; this process stays off, silently
+            # (one message per worker and epoch would only be noise).
+            _state = "off"
+            _config = disabled_config(source=config.source)
+            return _config
         if config.disabled:
             _state = "disabled"
             _config = config
@@ -510,6 +552,8 @@ def init(
         _runtime = runtime
         _state = "on"
         _config = config
+        # Before the script starts DataLoader workers: they inherit it.
+        os.environ[_ENV_RANK_PID] = str(os.getpid())
         _install_process_hooks()
         return config
 
@@ -626,6 +670,7 @@ def _reset_for_tests() -> None:
         _config = None
         _recorder = None
         forget_warnings()
+        os.environ.pop(_ENV_RANK_PID, None)
 
 
 # -- TraceML 0.5.0's end-of-run summaries -------------------------------------------------
