@@ -9,8 +9,10 @@ collective it would never return), and peaks are per device since the last reset
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -512,3 +514,44 @@ def test_spawn_and_forkserver_workers_stay_off(tmp_path: Path, context: str) -> 
     envs = e2e.data_lines(folder / "runtime_environment.jsonl")
     assert len({e["pid"] for e in envs}) == 1
     e2e.assert_valid(folder, tmp_path)
+
+
+# -- NVML missing --------------------------------------------------------------------------
+
+
+def test_missing_nvidia_ml_py_warns_once_when_cuda_is_available(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As on a host without nvidia-ml-py: `import pynvml` raises ImportError.
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    sink = RecordingSink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traceml.init(sink=sink, sampler_interval=0.05, cuda_backend=StrictCuda())
+        deadline = time.monotonic() + 5
+        while len(sink.items("system")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        traceml.shutdown()
+    assert sink.items("system")[0]["gpus"] == []
+    messages = [str(w.message) for w in caught if "NVML" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("traceml: CUDA is available but NVML could not be loaded")
+    assert "nvidia-ml-py" in messages[0]
+
+
+def test_missing_nvidia_ml_py_is_silent_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    monkeypatch.setattr(cuda, "is_available", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+        traceml.shutdown()
+    assert not [w for w in caught if "NVML" in str(w.message)]
+
+
+def test_nvidia_ml_py_is_a_linux_dependency() -> None:
+    text = (e2e.REPO / "pyproject.toml").read_text()
+    deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
+    assert "\"nvidia-ml-py>=12; sys_platform == 'linux'\"" in deps

@@ -221,6 +221,19 @@ class _Runtime:
             item = self._system.sample()
             if item is not None:
                 self.sink.put("system", item)
+                if not item["gpus"]:
+                    self._check_nvml()
+
+    def _check_nvml(self) -> None:
+        # A GPU host without nvidia-ml-py would silently report gpu_available false.
+        error = getattr(self._nvml, "load_error", None)
+        if error and self._cuda.is_available():
+            _warn_once(
+                "nvml_missing",
+                f"traceml: CUDA is available but NVML could not be loaded ({error}); "
+                "system and system_gpu lines report no GPU. Install nvidia-ml-py "
+                "(`pip install nvidia-ml-py`; a dependency of traceml-ai on Linux).",
+            )
 
     def _poll_steps(self) -> None:
         timer = self.timer

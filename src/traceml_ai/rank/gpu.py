@@ -284,6 +284,9 @@ class PynvmlBackend:
         self._lock = threading.Lock()
         self._nvml: Any = None
         self._tried = False
+        # Why NVML could not be loaded (no nvidia-ml-py, no driver), for the rank's
+        # one warning when CUDA works but system lines would report no GPU.
+        self.load_error: str | None = None
 
     def _lib(self) -> Any:
         with self._lock:
@@ -293,10 +296,11 @@ class PynvmlBackend:
                     nvml = importlib.import_module("pynvml")
                     nvml.nvmlInit()
                     self._nvml = nvml
-                except Exception:
+                except Exception as exc:
                     # No library, no driver or no GPU: report none, and do not retry
                     # every interval.
                     self._nvml = None
+                    self.load_error = repr(exc)
             return self._nvml
 
     def device_count(self) -> int:
