@@ -58,4 +58,10 @@ while time.monotonic() < end:
     i += 1
 traceml.shutdown()
 with open(out_path, "wb") as f:
-    f.write(orjson.dumps({"traced": traced_flags, "durations": durations}))
+    # traceml_file: which TraceML ran (bench/overhead.py prints it, so a baseline run
+    # with PYTHONPATH=<old tree>/src can be seen to run the old code).
+    f.write(
+        orjson.dumps(
+            {"traced": traced_flags, "durations": durations, "traceml_file": traceml.__file__}
+        )
+    )

@@ -117,6 +117,8 @@ def paired(rounds: int, seconds: float, tmp: Path) -> tuple[float, float]:
         untraced = [
             d for d, t in zip(durations[start:], traced_flags[start:], strict=True) if not t
         ]
+        if i == 0:
+            print(f"traceml: {data.get('traceml_file')}", flush=True)
         overheads.append(statistics.median(diffs) * 1e6)
         steps.append(_median_us(untraced))
         print(

@@ -294,13 +294,29 @@ class StepTimer:
         phase.missing = True
         phase.pairs = []
 
+    def _add_host(self, name: str, dt_ns: int) -> None:
+        """``_add(name, dt_ns, None, None)`` in fewer steps: a call without CUDA events
+        (every call on CPU, the DataLoader wait, the step itself), on the hot path."""
+        acc = self._acc
+        phase = acc.get(name)
+        if phase is None:
+            phase = acc[name] = _Phase()
+            phase.missing = True
+        elif not phase.missing:
+            phase.missing = True
+            phase.pairs = []
+        phase.cpu_ns += dt_ns
+        phase.n_calls += 1
+
     def open(self, slot: _Open) -> None:
         """Start a hook-timed phase (forward, backward, optimizer) inside a step."""
         if not self.in_step or _get_ident() != self.thread:
             return
         try:
             if slot.depth == 0:
-                slot.ev0 = self._record()
+                # _record() inlined: this runs for every hooked call of every step.
+                index = self.cuda_index
+                slot.ev0 = None if index is None else self._cuda.record_event(index)
                 slot.t0 = _perf_ns()
             slot.depth += 1
         except Exception as exc:
@@ -311,11 +327,16 @@ class StepTimer:
         if slot.depth == 0 or _get_ident() != self.thread:
             return
         try:
-            slot.depth -= 1
-            if slot.depth == 0:
+            depth = slot.depth - 1
+            slot.depth = depth
+            if depth == 0:
                 dt = _perf_ns() - slot.t0
                 ev0 = slot.ev0
-                ev1 = self._record() if ev0 is not None else None
+                if ev0 is None:
+                    if self.in_step:
+                        self._add_host(name, dt)
+                    return
+                ev1 = self._record()
                 slot.ev0 = None
                 if self.in_step:
                     self._add(name, dt, ev0, ev1)
@@ -351,7 +372,7 @@ class StepTimer:
         if _get_ident() != self.thread:
             return
         try:
-            self._add(name, dt_ns, None, None)
+            self._add_host(name, dt_ns)
         except Exception as exc:
             self.fail(exc)
 
@@ -461,29 +482,40 @@ class StepTimer:
         """Finish the current step and send its items."""
         dt = _perf_ns() - self._t0
         self.in_step = False
-        self._add(STEP_TIME, dt, None, None)
+        self._add_host(STEP_TIME, dt)
         self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
         acc = self._acc
         self._acc = {}
         ts = time.time_ns()
+        step = self.step
+        device = self.device
         index = self.cuda_index
         if index is not None and self.reset_peak:
             peak_alloc = self._cuda.max_memory_allocated(index)
             peak_reserved = self._cuda.max_memory_reserved(index)
         else:
             peak_alloc = peak_reserved = None
+        seq_mem = self._seq_mem
+        self._seq_mem = seq_mem + 1
         self._sink.put(
             "step_memory",
             {
                 "timestamp_unix_ns": ts,
-                "seq": self._next_mem_seq(),
-                "step": self.step,
-                "device": self.device,
+                "seq": seq_mem,
+                "step": step,
+                "device": device,
                 "peak_allocated_bytes": peak_alloc,
                 "peak_reserved_bytes": peak_reserved,
             },
         )
-        pending = _PendingStep(self.step, ts, self.device, acc)
+        if index is None and not self._pending:
+            # Not on CUDA: no GPU time to wait for, so the line is built and sent
+            # now, without the pending-step bookkeeping (the common CPU hot path).
+            # Event pairs a phase may still hold from an earlier CUDA step are not
+            # read off a CUDA device either way (gpu_ms is null).
+            self._emit_host(step, ts, device, acc)
+            return
+        pending = _PendingStep(step, ts, device, acc)
         if not self._pending and not any(p.pairs for p in acc.values()):
             # No event to wait for (CPU): sent at once. The sampler thread only
             # sends while the queue is not empty (drain pops after sending), so
@@ -505,11 +537,6 @@ class StepTimer:
         self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
         self._acc = {}
         self.step -= 1
-
-    def _next_mem_seq(self) -> int:
-        seq = self._seq_mem
-        self._seq_mem = seq + 1
-        return seq
 
     def _drain_ready(self) -> None:
         # Caller holds _pending_lock. The head is popped only after it was sent.
@@ -550,6 +577,26 @@ class StepTimer:
             while queue:
                 self._emit(queue[0])
                 queue.popleft()
+
+    def _emit_host(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
+        """``_emit`` for a step off CUDA (host time only), each event built in one go."""
+        events = {
+            name: {
+                device: {
+                    "cpu_ms": phase.cpu_ns / 1e6,
+                    "duration_ms": phase.cpu_ns / 1e6,
+                    "gpu_ms": None,
+                    "is_gpu": False,
+                    "n_calls": phase.n_calls,
+                }
+            }
+            for name, phase in sorted(acc.items())
+        }
+        seq = self._seq_time
+        self._seq_time = seq + 1
+        self._sink.put(
+            "step_time", {"timestamp_unix_ns": ts, "seq": seq, "step": step, "events": events}
+        )
 
     def _emit(self, pending: _PendingStep) -> None:
         device = pending.device
