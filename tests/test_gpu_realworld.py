@@ -24,7 +24,7 @@ import torch
 
 import traceml_ai as traceml
 from traceml_ai.rank import _sdk, _timing
-from traceml_ai.rank.gpu import CudaEvent, TorchCudaBackend
+from traceml_ai.rank.gpu import CudaEvent, TorchCudaBackend, normalize_uuid
 from traceml_ai.rank.samplers import ProcessSampler
 from traceml_ai.rank.sink import RecordingSink
 
@@ -129,6 +129,9 @@ class StrictCuda:
         self.record_devices.append(index)
         self.clock += 1
         return StrictEvent(self, self.clock, index)
+
+    def device_uuid(self, index: int) -> str | None:
+        return f"GPU-{index:08x}-1111-2222-3333-444444444444"
 
     def finish_all(self) -> None:
         self.completed = self.clock
@@ -555,3 +558,28 @@ def test_nvidia_ml_py_is_a_linux_dependency() -> None:
     text = (e2e.REPO / "pyproject.toml").read_text()
     deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
     assert "\"nvidia-ml-py>=12; sys_platform == 'linux'\"" in deps
+
+
+# -- GPU UUIDs ----------------------------------------------------------------------------
+
+
+def test_uuids_are_written_as_nvml_writes_them() -> None:
+    # torch prints the UUID bare; NVML prefixes it (bytes in old nvidia-ml-py).
+    bare = "2b5f3f3c-9d1e-4c1a-8f00-0123456789ab"
+    assert normalize_uuid(bare) == "GPU-" + bare
+    assert normalize_uuid(("GPU-" + bare).encode()) == "GPU-" + bare
+    assert normalize_uuid("MIG-" + bare) == "MIG-" + bare
+    assert normalize_uuid(None) is None
+    assert normalize_uuid("") is None
+    assert normalize_uuid(b"\xff") is None
+    assert normalize_uuid("x" * 200) is None
+
+
+def test_torch_backend_reads_the_uuid_from_device_properties(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bare = "2b5f3f3c-9d1e-4c1a-8f00-0123456789ab"
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=bare))
+    assert TorchCudaBackend().device_uuid(0) == "GPU-" + bare

@@ -510,6 +510,9 @@ class FakeCuda:
     def total_memory(self, index: int) -> int | None:
         return 333
 
+    def device_uuid(self, index: int) -> str | None:
+        return f"GPU-0000000{index}-aaaa-bbbb-cccc-000000000000"
+
     def record_event(self, index: int) -> CudaEvent | None:
         self.records += 1
         self.record_threads.add(threading.get_ident())

@@ -127,6 +127,9 @@ class CpuOnlyCuda:
     def record_event(self, index: int) -> Any:
         return None
 
+    def device_uuid(self, index: int) -> str | None:
+        return None
+
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout

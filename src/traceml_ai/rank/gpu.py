@@ -88,6 +88,34 @@ class CudaBackend(Protocol):
         """Record a timing event on the device's current stream; ``None`` if that failed."""
         ...
 
+    def device_uuid(self, index: int) -> str | None:
+        """The device's UUID as NVML writes it (``GPU-…``), to join process and system_gpu lines."""
+        ...
+
+
+def normalize_uuid(value: Any) -> str | None:
+    """A GPU UUID as NVML writes it: ``GPU-`` (or ``MIG-``) and the hex digits with dashes.
+
+    torch prints a device's UUID without the prefix; NVML returns it with one (as
+    ``bytes`` in old nvidia-ml-py). Anything else unusable is ``None``.
+    """
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    if value is None:
+        return None
+    try:
+        text = str(value).strip()
+    except Exception:
+        return None
+    if not text or len(text) > 128 or not text.isprintable() or " " in text:
+        return None
+    if not text.startswith(("GPU-", "MIG-")):
+        text = "GPU-" + text
+    return text
+
 
 def _nonneg_int(value: Any) -> int | None:
     try:
@@ -224,6 +252,16 @@ class TorchCudaBackend:
         except Exception:
             return None
 
+    def device_uuid(self, index: int) -> str | None:
+        """``torch.cuda.get_device_properties(index).uuid``, with NVML's ``GPU-`` prefix."""
+        cuda = self._cuda()
+        if cuda is None:
+            return None
+        try:
+            return normalize_uuid(getattr(cuda.get_device_properties(index), "uuid", None))
+        except Exception:
+            return None
+
     def record_event(self, index: int) -> CudaEvent | None:
         """A timing ``torch.cuda.Event`` recorded on the device's current stream."""
         cuda = self._cuda()
@@ -251,6 +289,7 @@ class GpuReading:
     temperature_c: float | None = None
     power_usage_w: float | None = None
     power_limit_w: float | None = None
+    uuid: str | None = None
 
 
 class NvmlBackend(Protocol):
@@ -331,6 +370,7 @@ class PynvmlBackend:
         temp = attempt(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
         power = attempt(nvml.nvmlDeviceGetPowerUsage, handle)
         limit = attempt(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+        uuid = attempt(nvml.nvmlDeviceGetUUID, handle)
         return GpuReading(
             utilization_percent=None if util is None else _finite_float(util.gpu),
             memory_used_bytes=None if mem is None else _nonneg_int(mem.used),
@@ -339,6 +379,7 @@ class PynvmlBackend:
             # NVML reports milliwatts.
             power_usage_w=None if power is None else _finite_float(power, 1e-3),
             power_limit_w=None if limit is None else _finite_float(limit, 1e-3),
+            uuid=normalize_uuid(uuid),
         )
 
     def close(self) -> None:
