@@ -370,7 +370,8 @@ class PynvmlBackend:
         temp = attempt(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
         power = attempt(nvml.nvmlDeviceGetPowerUsage, handle)
         limit = attempt(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-        uuid = attempt(nvml.nvmlDeviceGetUUID, handle)
+        # Looked up guarded too: a stand-in module may lack it.
+        uuid = attempt(getattr(nvml, "nvmlDeviceGetUUID", None), handle)
         return GpuReading(
             utilization_percent=None if util is None else _finite_float(util.gpu),
             memory_used_bytes=None if mem is None else _nonneg_int(mem.used),
