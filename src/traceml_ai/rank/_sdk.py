@@ -231,8 +231,9 @@ class _Runtime:
             _warn_once(
                 "nvml_missing",
                 f"traceml: CUDA is available but NVML could not be loaded ({error}); "
-                "system and system_gpu lines report no GPU. Install nvidia-ml-py "
-                "(`pip install nvidia-ml-py`; a dependency of traceml-ai on Linux).",
+                "system and system_gpu lines report no GPU. It needs nvidia-ml-py "
+                "(`pip install nvidia-ml-py`; a dependency of traceml-ai on Linux) and "
+                "the driver's libnvidia-ml.so.1 on the library path.",
             )
 
     def _poll_steps(self) -> None:
