@@ -24,8 +24,16 @@ from types import FrameType
 from typing import Any
 
 import attrs
-import orjson
 
+from traceml_ai._converter import StructureError
+from traceml_ai._messages import (
+    AggregatorEvent,
+    AggregatorLaunchConfig,
+    FailedEvent,
+    FinalizedEvent,
+    ReadyEvent,
+    parse_event,
+)
 from traceml_ai._run_folder import (
     RunFolderError,
     check_logs_dir,
@@ -253,23 +261,23 @@ class _Aggregator:
 
     def __init__(self, options: RunOptions, p: _Plan) -> None:
         assert p.run_dir is not None
-        config = {
-            "run_dir": str(p.run_dir),
-            "exporter": options.export.settings.exporter,
-            "export_streams": options.export.settings.export_streams,
-            "exporter_hostname": options.export.settings.exporter_hostname,
-            "bind_host": p.bind_host,
-            "port": p.port,
-            "expected_world_size": p.world_size,
-            "finalize_timeout_s": options.finalize_timeout_s,
+        config = AggregatorLaunchConfig(
+            run_dir=str(p.run_dir),
+            exporter=options.export.settings.exporter,
+            export_streams=options.export.settings.export_streams,
+            exporter_hostname=options.export.settings.exporter_hostname,
+            bind_host=p.bind_host,
+            port=p.port,
+            expected_world_size=p.world_size,
+            finalize_timeout_s=options.finalize_timeout_s,
             # Lets it finalize on its own if we die without asking it to.
-            "parent_pid": os.getpid(),
-        }
+            parent_pid=os.getpid(),
+        )
         env = dict(os.environ)
         env[ENV_RUN_TOKEN] = p.token
         self.finalize_timeout_s = options.finalize_timeout_s
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "traceml_ai.aggregator", orjson.dumps(config).decode()],
+            [sys.executable, "-m", "traceml_ai.aggregator", config.to_json()],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             env=env,
@@ -280,8 +288,8 @@ class _Aggregator:
 
     def _read_event(
         self, timeout: float, give_up: Callable[[], bool] | None = None
-    ) -> dict[str, object] | None:
-        """The next event line; None on timeout, end of stream, a bad line or ``give_up()``."""
+    ) -> AggregatorEvent | None:
+        """The next event; None on timeout, end of stream, a bad line or ``give_up()``."""
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         fd = self.proc.stdout.fileno()
@@ -300,10 +308,9 @@ class _Aggregator:
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         try:
-            event = orjson.loads(line)
-        except orjson.JSONDecodeError:
+            return parse_event(line)
+        except StructureError:
             return None
-        return event if isinstance(event, dict) else None
 
     def ask_to_finalize(self) -> None:
         """SIGTERM it once: it finalizes as soon as it can (even while still starting)."""
@@ -339,13 +346,15 @@ class _Aggregator:
             if code is not None and code != 0 and code != -signal.SIGKILL:
                 return f"the aggregator {_exit_description(code)} while starting"
             return "the aggregator did not start"
-        if event.get("event") != "ready":
+        if not isinstance(event, ReadyEvent):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5.0)
-            return str(event.get("error", "the aggregator failed to start"))
-        return str(event["host"]), int(event["port"])  # type: ignore[call-overload]
+            return (
+                event.error if isinstance(event, FailedEvent) else "the aggregator failed to start"
+            )
+        return event.host, event.port
 
-    def finalize(self, signals: _Signals) -> tuple[dict[str, object] | None, str]:
+    def finalize(self, signals: _Signals) -> tuple[FinalizedEvent | None, str]:
         """Ask it to finalize and wait (bounded): (the ``finalized`` event, "") or
         (None, what happened to it instead).
 
@@ -370,7 +379,7 @@ class _Aggregator:
             return signals.count > seen + 1
 
         event = self._read_event(self.finalize_timeout_s + 15.0, give_up)
-        if event is not None and event.get("event") == "finalized":
+        if isinstance(event, FinalizedEvent):
             try:
                 self.proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
@@ -556,20 +565,20 @@ def _print_short_summary(run_dir: Path, export_dir: Path) -> None:
 
 
 def _report_finalized(
-    options: RunOptions, p: _Plan, event: dict[str, object], *, ranks_started: bool
+    options: RunOptions, p: _Plan, event: FinalizedEvent, *, ranks_started: bool
 ) -> None:
     assert p.run_dir is not None
     if options.export.settings.exporter:
         # A custom exporter writes where it likes: name the folder only if it exists.
         export_dir = p.run_dir / "aggregator" / "export"
         where = f"in {export_dir}" if export_dir.is_dir() else "passed to the custom exporter"
-        failed = "; the exporter failed" if event.get("exporter_failed") else ""
-        _say(f"export: {event.get('written_records')} records {where}{failed}")
+        failed = "; the exporter failed" if event.exporter_failed else ""
+        _say(f"export: {event.written_records} records {where}{failed}")
         if export_dir.is_dir():
             _print_short_summary(p.run_dir, export_dir)
-    warning = event.get("warning")
+    warning = event.warning
     see = f"; see {warning}" if warning else ""
-    if ranks_started and event.get("ranks_heard") is False:
+    if ranks_started and not event.ranks_heard:
         # The usual cause is a script without traceml.init(): say that, not "lost".
         _say(
             f"no rank connected to the aggregator: {options.script} may not call "

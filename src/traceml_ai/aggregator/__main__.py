@@ -1,10 +1,12 @@
 """The aggregator process that ``traceml run`` starts: ``python -m traceml_ai.aggregator CONFIG``.
 
-CONFIG is a JSON object (run_dir, settings, bind_host, port, expected_world_size,
-finalize_timeout_s); the run token comes from ``TRACEML_RUN_TOKEN`` so it never
-shows in a process listing. It prints one JSON line when it listens
-(``{"event": "ready", ...}``) and one when it has finalized
-(``{"event": "finalized", ...}``), and exits 0; SIGTERM or SIGINT make it finalize.
+CONFIG is an :class:`AggregatorLaunchConfig` as JSON (run_dir, settings, bind_host,
+port, expected_world_size, finalize_timeout_s, parent_pid); the run token comes from
+``TRACEML_RUN_TOKEN`` so it never shows in a process listing. It prints one event line
+when it listens (:class:`ReadyEvent`, or :class:`FailedEvent`) and one when it has
+finalized (:class:`FinalizedEvent`), and exits 0; SIGTERM or SIGINT make it finalize.
+Config and events are attrs classes of ``traceml_ai._messages``, shared with the
+launcher through one converter.
 
 Those event lines go to the stdout it was started with, and only they do: anything
 else written to stdout in this process (a custom exporter's ``print``) is sent to
@@ -22,8 +24,15 @@ import threading
 from pathlib import Path
 from typing import TextIO
 
-import orjson
-
+from traceml_ai._converter import StructureError
+from traceml_ai._messages import (
+    AggregatorEvent,
+    AggregatorLaunchConfig,
+    FailedEvent,
+    FinalizedEvent,
+    ReadyEvent,
+    dump_event,
+)
 from traceml_ai.aggregator._process import tune_gc_for_aggregator
 from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
 from traceml_ai.aggregator._service import Aggregator, AggregatorConfig
@@ -41,9 +50,9 @@ def _protocol_stream() -> TextIO:
     return events
 
 
-def _emit(out: TextIO, event: dict[str, object]) -> None:
+def _emit(out: TextIO, event: AggregatorEvent) -> None:
     try:
-        out.write(orjson.dumps(event).decode() + "\n")
+        out.write(dump_event(event) + "\n")
         out.flush()
     except (BrokenPipeError, ValueError):
         # The launcher is gone (killed) and nobody reads the events: that is no
@@ -76,19 +85,24 @@ def main(argv: list[str]) -> int:
     """Serve one run as configured by ``argv[0]`` (JSON)."""
     tune_gc_for_aggregator()
     out = _protocol_stream()
-    raw = orjson.loads(argv[0])
+    try:
+        raw = AggregatorLaunchConfig.from_json(argv[0] if argv else "")
+    except StructureError as exc:
+        # A launcher of another version, or a hand-made call: say what does not fit.
+        _emit(out, FailedEvent(error=str(exc)))
+        return 2
     config = AggregatorConfig(
-        run_dir=Path(raw["run_dir"]),
+        run_dir=Path(raw.run_dir),
         settings=ExportSettings(
-            exporter=raw["exporter"],
-            export_streams=raw["export_streams"],
-            exporter_hostname=raw["exporter_hostname"],
+            exporter=raw.exporter,
+            export_streams=raw.export_streams,
+            exporter_hostname=raw.exporter_hostname,
         ),
         token=os.environ[ENV_RUN_TOKEN],
-        bind_host=raw.get("bind_host", "127.0.0.1"),
-        port=int(raw.get("port", 0)),
-        expected_world_size=raw.get("expected_world_size"),
-        finalize_timeout_s=float(raw.get("finalize_timeout_s", 10.0)),
+        bind_host=raw.bind_host,
+        port=raw.port,
+        expected_world_size=raw.expected_world_size,
+        finalize_timeout_s=raw.finalize_timeout_s,
     )
     aggregator = Aggregator(config)
     # Before starting (a custom exporter's factory may take a while): a SIGTERM from
@@ -98,17 +112,11 @@ def main(argv: list[str]) -> int:
     try:
         host, port = aggregator.start()
     except OSError as exc:
-        _emit(
-            out,
-            {
-                "event": "failed",
-                "error": f"cannot listen on {config.bind_host}:{config.port}: {exc}",
-            },
-        )
+        _emit(out, FailedEvent(error=f"cannot listen on {config.bind_host}:{config.port}: {exc}"))
         return 1
-    _emit(out, {"event": "ready", "host": host, "port": port, "pid": os.getpid()})
-    parent_pid = raw.get("parent_pid")
-    if type(parent_pid) is int:
+    _emit(out, ReadyEvent(host=host, port=port, pid=os.getpid()))
+    parent_pid = raw.parent_pid
+    if parent_pid is not None:
         threading.Thread(
             target=_watch_parent,
             args=(parent_pid, aggregator, stop),
@@ -119,17 +127,16 @@ def main(argv: list[str]) -> int:
     stats = result.stats
     _emit(
         out,
-        {
-            "event": "finalized",
-            "written_records": stats.written_total if stats else 0,
-            "exporter_failed": stats.exporter_failed if stats else False,
-            "warning": str(result.warning_path) if result.warning_path else None,
-            "missing_ranks": list(result.ranks.missing_ranks),
-            "rejected_frames": result.rejected_frames,
+        FinalizedEvent(
+            written_records=stats.written_total if stats else 0,
+            exporter_failed=stats.exporter_failed if stats else False,
+            warning=str(result.warning_path) if result.warning_path else None,
+            missing_ranks=tuple(result.ranks.missing_ranks),
+            rejected_frames=result.rejected_frames,
             # False when no rank ever sent anything: the launcher then names the likely
             # cause (no traceml.init()) instead of a bare "something was lost".
-            "ranks_heard": aggregator.heard_from_ranks,
-        },
+            ranks_heard=aggregator.heard_from_ranks,
+        ),
     )
     return 0
 

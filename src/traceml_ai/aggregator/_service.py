@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import attrs
-import orjson
 
+from traceml_ai._messages import AggregatorStatsFile
 from traceml_ai.export import ExportPipeline, ExportStats, WarningWriteError, start_export
 from traceml_ai.export._builder import batch_streams_for
 from traceml_ai.export._finalize import (
@@ -322,32 +322,32 @@ class Aggregator:
         """Write ``aggregator/stats.json``: the export counters, queue high-water marks and
         transport counts of this run (for operators and benchmarks; never fails the run)."""
         server, pipeline = self._server, self._pipeline
-        content: dict[str, Any] = {
-            "written_records": dict(stats.written_records),
-            "failed_records": dict(stats.failed_records),
-            "skipped_items": stats.skipped_items,
-            "dropped_batches": stats.dropped_batches,
-            "exporter_failed": stats.exporter_failed,
-            "queue_high_water_batches": stats.queue_high_water_batches,
-            "queue_high_water_bytes": stats.queue_high_water_bytes,
-            "max_queue_batches": pipeline.worker.max_queue_batches if pipeline else None,
-            "max_queue_bytes": pipeline.worker.max_queue_bytes if pipeline else None,
-            "accepted_batches": server.accepted_batches if server else 0,
-            "finished_messages": server.finished_messages if server else 0,
-            "rejected_frames": server.rejected_frames if server else 0,
-            "rejected_by_reason": server.rejected_by_reason if server else {},
-            "connections_total": server.connections_total if server else 0,
-            "held_connections": server.held_connections if server else 0,
-            "rejected_connections": server.rejected_connections if server else 0,
-            "rejected_connections_by_reason": (
+        content = AggregatorStatsFile(
+            written_records=dict(stats.written_records),
+            failed_records=dict(stats.failed_records),
+            skipped_items=stats.skipped_items,
+            dropped_batches=stats.dropped_batches,
+            exporter_failed=stats.exporter_failed,
+            queue_high_water_batches=stats.queue_high_water_batches,
+            queue_high_water_bytes=stats.queue_high_water_bytes,
+            max_queue_batches=pipeline.worker.max_queue_batches if pipeline else None,
+            max_queue_bytes=pipeline.worker.max_queue_bytes if pipeline else None,
+            accepted_batches=server.accepted_batches if server else 0,
+            finished_messages=server.finished_messages if server else 0,
+            rejected_frames=server.rejected_frames if server else 0,
+            rejected_by_reason=server.rejected_by_reason if server else {},
+            connections_total=server.connections_total if server else 0,
+            held_connections=server.held_connections if server else 0,
+            rejected_connections=server.rejected_connections if server else 0,
+            rejected_connections_by_reason=(
                 server.rejected_connections_by_reason if server else {}
             ),
-            "expected_world_size": ranks.expected_world_size,
-            "finished_ranks": len(ranks.finished_ranks),
-            "missing_ranks": list(ranks.missing_ranks),
-        }
+            expected_world_size=ranks.expected_world_size,
+            finished_ranks=len(ranks.finished_ranks),
+            missing_ranks=tuple(ranks.missing_ranks),
+        )
         path = self.config.run_dir.joinpath(*STATS_FILE_PARTS)
-        _write_new_file(path, orjson.dumps(content, option=orjson.OPT_INDENT_2) + b"\n")
+        _write_new_file(path, content.to_json())
 
 
 @attrs.define

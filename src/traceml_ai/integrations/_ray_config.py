@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from traceml_ai._converter import structure, unstructure
 from traceml_ai._run_folder import run_name_problem
 from traceml_ai.settings import ExportSettings, ResolvedExportSettings, settings_from_values
 
@@ -115,6 +117,22 @@ class TraceMLRayConfig:
         # Same checks and messages as `traceml run`, with TraceMLRayConfig.<field>
         # in place of the flag; no environment variable or traceml.yaml is read.
         self.resolved_settings()
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> TraceMLRayConfig:
+        """A config from plain data (a job's JSON or YAML config section).
+
+        An unknown key raises :class:`~traceml_ai._converter.StructureError` (a
+        ``ValueError``) naming it with its ``$.key`` path and listing the known keys; a
+        value of the wrong kind is named the same way (``"8"`` is no port); the rest is
+        checked as when the config is made in code.
+        """
+        return structure(dict(data), cls, what=CONFIG_SOURCE)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The config as plain data; :meth:`from_mapping` reads it back."""
+        data: dict[str, Any] = unstructure(self)
+        return data
 
     def resolved_settings(self) -> ResolvedExportSettings:
         """The validated export settings, with the selected stream names."""
