@@ -373,7 +373,7 @@ def test_unknown_yaml_key_lists_the_known_keys(tmp_path: Path) -> None:
     res = run_cli(["run", script], cwd=tmp_path, timeout=60)
     path = tmp_path / "traceml.yaml"
     assert one_error(res) == (
-        f"traceml: error: traceml.yaml ({path}): unknown key 'logsdir' "
+        f"traceml: error: traceml.yaml ({path}): unknown key 'logsdir' at $.logsdir "
         f"(did you mean 'logs_dir'?); {UNKNOWN_KEY_HINT}"
     )
     assert not probes(res)

@@ -415,7 +415,8 @@ def test_unknown_yaml_key_is_an_error_listing_known_keys(tmp_path: Path) -> None
         resolve(tmp_path, yaml_text="exporter: jsonl\nexport_stream: all\nlogs_dir: /tmp\n7: x\n")
     source = yaml_source(tmp_path / "traceml.yaml")
     assert str(info.value) == (
-        f"{source}: unknown keys 'export_stream' (did you mean 'export_streams'?), 7; {KNOWN_KEYS}"
+        f"{source}: unknown keys 'export_stream' at $.export_stream (did you mean 'export_streams'?), "
+        f"7 at $[7]; {KNOWN_KEYS}"
     )
 
 
@@ -424,7 +425,7 @@ def test_one_unknown_yaml_key(tmp_path: Path) -> None:
         resolve(tmp_path, yaml_text="logsdir: /tmp\n")
     source = yaml_source(tmp_path / "traceml.yaml")
     assert str(info.value) == (
-        f"{source}: unknown key 'logsdir' (did you mean 'logs_dir'?); {KNOWN_KEYS}"
+        f"{source}: unknown key 'logsdir' at $.logsdir (did you mean 'logs_dir'?); {KNOWN_KEYS}"
     )
 
 

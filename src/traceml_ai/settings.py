@@ -569,7 +569,11 @@ def _describe(value: object) -> str:
 
 
 def _check_yaml_keys(config: YamlConfig) -> None:
-    """An unknown key is an error that lists the known ones (likely a typo)."""
+    """An unknown key is an error that lists the known ones (likely a typo).
+
+    Checked here rather than by the cattrs converter: the known keys are an open set
+    (:data:`KNOWN_YAML_KEYS`) and each value is parsed by its setting, in its layer.
+    """
     known = sorted(KNOWN_YAML_KEYS)
     unknown: list[str] = []
     for key in config.data:
@@ -580,7 +584,9 @@ def _check_yaml_keys(config: YamlConfig) -> None:
             close = difflib.get_close_matches(key, known, n=1)
             if close:
                 hint = f" (did you mean {close[0]!r}?)"
-        unknown.append(f"{key!r}{hint}")
+        # The key's path in the document, as the converter's messages write it.
+        path = f"$.{key}" if isinstance(key, str) and key.isidentifier() else f"$[{key!r}]"
+        unknown.append(f"{key!r} at {path}{hint}")
     if unknown:
         noun = "key" if len(unknown) == 1 else "keys"
         raise SettingsError(
