@@ -37,8 +37,9 @@ _VALUE_KEYWORDS = {
 }
 # Keywords that only document.
 _ANNOTATION_KEYWORDS = {"$schema", "$id", "$defs", "title", "description"}
-# Keywords checked by the JSON Schema validator alone (cross-field rules); the
-# classes do not represent them.
+# Conditional keywords. On a record or nested class they become checks in the
+# generated loaders (see ``Condition``); on the top-level schemas without a stream
+# (finalization warning, closing line) they are left to the JSON Schema validator.
 _VALIDATION_ONLY_KEYWORDS = {"dependentRequired", "allOf", "if", "then", "else", "not"}
 SUPPORTED_KEYWORDS = _VALUE_KEYWORDS | _ANNOTATION_KEYWORDS | _VALIDATION_ONLY_KEYWORDS
 
@@ -53,6 +54,7 @@ _KNOWN_EXTENSIONS = {
     "x-traceml-order",
     "x-traceml-unit",
     "x-traceml-optional",
+    "x-traceml-rules",
 }
 _SCALAR_TYPES = {"integer", "number", "boolean", "string"}
 
@@ -90,6 +92,36 @@ class MapOf:
     min_properties: int
     key_pattern: str | None
     key_min_length: int | None
+    required_keys: tuple[str, ...] = ()
+    """``required`` on the map: keys every map must have."""
+    reserved_key_pattern: str | None = None
+    """``propertyNames: {if: {pattern: P}, then: {enum: [...]}}``: keys matching P ..."""
+    reserved_keys: tuple[str, ...] = ()
+    """... must be one of these."""
+
+
+@attrs.frozen
+class FieldTest:
+    """``properties: {field: {const: v}}`` or ``{type: t}`` inside a condition."""
+
+    field: str
+    has_const: bool
+    const: Any
+    type: str | None
+
+
+@attrs.frozen
+class Condition:
+    """One ``if``/``then``/``else`` (``when`` None: ``then`` always holds).
+
+    Only tests of one field each are supported (``const`` or a single ``type``),
+    which says every nullness implication of the contract and stays cheap to check.
+    """
+
+    when: tuple[FieldTest, ...] | None
+    then: tuple[FieldTest, ...]
+    otherwise: tuple[FieldTest, ...]
+    pointer: str
 
 
 @attrs.frozen
@@ -134,6 +166,7 @@ class ClassModel:
     schema_file: str
     schema_id: str
     pointer: str
+    conditions: tuple[Condition, ...] = ()
 
 
 @attrs.frozen
@@ -149,6 +182,8 @@ class StreamModel:
     order: int
     schema_file: str
     schema_id: str
+    rules: tuple[str, ...] = ()
+    """Names of the rules of ``traceml_records._rules`` that apply (x-traceml-rules)."""
 
 
 @attrs.frozen
@@ -330,15 +365,39 @@ class _Loader:
         value, _, _ = self._type(file, schema_id, pointer + "/additionalProperties", value_node)
         names = node.get("propertyNames", {})
         for key in names:
-            if key not in ("pattern", "minLength"):
+            if key not in ("pattern", "minLength", "if", "then"):
                 raise SchemaError(
                     file, f"{pointer}/propertyNames/{key}", f"unsupported keyword {key!r}"
                 )
+        reserved_pattern: str | None = None
+        reserved: tuple[str, ...] = ()
+        if "if" in names or "then" in names:
+            when, then = names.get("if"), names.get("then")
+            if (
+                not isinstance(when, dict)
+                or set(when) != {"pattern"}
+                or not isinstance(then, dict)
+                or set(then) != {"enum"}
+                or not all(isinstance(e, str) for e in then["enum"])
+            ):
+                raise SchemaError(
+                    file,
+                    f"{pointer}/propertyNames",
+                    "only if: {pattern} then: {enum of strings} is supported",
+                )
+            reserved_pattern = when["pattern"]
+            reserved = tuple(then["enum"])
+        required = node.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(file, f"{pointer}/required", "a list of key names")
         return MapOf(
             value=value,
             min_properties=int(node.get("minProperties", 0)),
             key_pattern=names.get("pattern"),
             key_min_length=names.get("minLength"),
+            required_keys=tuple(required),
+            reserved_key_pattern=reserved_pattern,
+            reserved_keys=reserved,
         )
 
     def _object_class(
@@ -378,6 +437,12 @@ class _Loader:
             if not description:
                 raise SchemaError(file, here, "every field needs a description")
             fields.append(FieldModel(name, type_ref, name in required, description, unit, here))
+        # Top-level schemas without a stream (the warning file, the closing line) keep
+        # their conditionals for the JSON Schema validator; records get loader checks.
+        conditions: tuple[Condition, ...] = ()
+        if pointer or "x-traceml-stream" in node:
+            by_name = {f.name: f for f in fields}
+            conditions = self._conditions(file, pointer, node, by_name)
         model = ClassModel(
             class_name=class_name,
             title=str(node.get("title", class_name)),
@@ -386,10 +451,60 @@ class _Loader:
             schema_file=file,
             schema_id=schema_id,
             pointer=pointer,
+            conditions=conditions,
         )
         self.classes[class_name] = model
         self.class_order.append(class_name)
         return model
+
+    def _conditions(
+        self, file: str, pointer: str, node: dict[str, Any], fields: dict[str, FieldModel]
+    ) -> tuple[Condition, ...]:
+        entries: list[tuple[str, dict[str, Any]]] = []
+        if any(k in node for k in ("if", "then", "else")):
+            entries.append((pointer, node))
+        for index, sub in enumerate(node.get("allOf", [])):
+            entries.append((f"{pointer}/allOf/{index}", sub))
+        for key in ("dependentRequired", "not"):
+            if key in node:
+                raise SchemaError(file, f"{pointer}/{key}", "not supported on a record")
+        out: list[Condition] = []
+        for here, entry in entries:
+            if "if" in entry:
+                if "then" not in entry and "else" not in entry:
+                    raise SchemaError(file, here, "if needs then or else")
+                out.append(
+                    Condition(
+                        when=self._tests(file, f"{here}/if", entry["if"], fields),
+                        then=self._tests(file, f"{here}/then", entry.get("then", {}), fields),
+                        otherwise=self._tests(file, f"{here}/else", entry.get("else", {}), fields),
+                        pointer=here,
+                    )
+                )
+            else:
+                if "then" in entry or "else" in entry:
+                    raise SchemaError(file, here, "then/else without if")
+                out.append(Condition(None, self._tests(file, here, entry, fields), (), here))
+        return tuple(out)
+
+    def _tests(
+        self, file: str, pointer: str, node: Any, fields: dict[str, FieldModel]
+    ) -> tuple[FieldTest, ...]:
+        if not isinstance(node, dict) or set(node) - {"properties"}:
+            raise SchemaError(file, pointer, "conditions may only hold properties")
+        tests = []
+        for name, test in node.get("properties", {}).items():
+            here = f"{pointer}/properties/{_escape(name)}"
+            field = fields.get(name)
+            if field is None or not isinstance(field.type, Scalar) or not field.required:
+                raise SchemaError(file, here, "conditions test required scalar fields only")
+            if not isinstance(test, dict) or len(test) != 1 or not set(test) <= {"const", "type"}:
+                raise SchemaError(file, here, "a field test is one const or one type")
+            json_type = test.get("type")
+            if json_type is not None and json_type not in ("null", field.type.kind):
+                raise SchemaError(file, here, f"type must be 'null' or {field.type.kind!r}")
+            tests.append(FieldTest(name, "const" in test, test.get("const"), json_type))
+        return tuple(tests)
 
     def _stream(self, file: str, schema_id: str, doc: dict[str, Any]) -> StreamModel:
         def need(key: str, kind: type) -> Any:
@@ -424,6 +539,7 @@ class _Loader:
             order=need("x-traceml-order", int),
             schema_file=file,
             schema_id=schema_id,
+            rules=tuple(doc.get("x-traceml-rules", [])),
         )
 
 

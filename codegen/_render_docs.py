@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
 from codegen._model import (
     ArrayOf,
     ClassModel,
     ClassRef,
+    Condition,
     FieldModel,
+    FieldTest,
     MapOf,
     Scalar,
+    SchemaError,
     SchemaSet,
+    StreamModel,
     TypeRef,
 )
 from codegen._render_python import selection_names
@@ -71,6 +80,79 @@ def _nullable(field: FieldModel) -> str:
     return text
 
 
+_RULES_FILE = Path(__file__).resolve().parents[1] / "src" / "traceml_records" / "_rules.py"
+
+
+def _rule_texts() -> dict[str, str]:
+    """Rule name → text, from traceml_records/_rules.py loaded by path (it imports
+    nothing from its package, so this works before the generated code exists)."""
+    spec = importlib.util.spec_from_file_location("_traceml_rules_for_docs", _RULES_FILE)
+    assert spec is not None and spec.loader is not None
+    module: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name: rule.text for name, rule in module.RULES.items()}
+
+
+def _test_text(test: FieldTest) -> str:
+    if test.has_const:
+        return f"`{test.field}` is `{json.dumps(test.const)}`"
+    if test.type == "null":
+        return f"`{test.field}` is `null`"
+    return f"`{test.field}` is a {test.type}"
+
+
+def _condition_text(cond: Condition) -> str:
+    then = " and ".join(_test_text(t) for t in cond.then)
+    otherwise = " and ".join(_test_text(t) for t in cond.otherwise)
+    if cond.when is None:
+        return f"Always: {then}."
+    when = " and ".join(_test_text(t) for t in cond.when)
+    parts = []
+    if then:
+        parts.append(f"when {when}: {then}")
+    if otherwise:
+        parts.append(f"otherwise: {otherwise}" if then else f"unless {when}: {otherwise}")
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:] + "."
+
+
+def _map_rules(model: ClassModel) -> list[str]:
+    out = []
+    for f in model.fields:
+        m = f.type
+        if not isinstance(m, MapOf):
+            continue
+        for key in m.required_keys:
+            out.append(f"`{f.name}` always has the key `{key}`.")
+        if m.reserved_key_pattern is not None:
+            names = ", ".join(f"`{n}`" for n in m.reserved_keys)
+            out.append(
+                f"`{f.name}` keys matching `{m.reserved_key_pattern}` are reserved: only {names}."
+            )
+    return out
+
+
+def _rules_section(
+    lines: list[str], model: ClassModel, stream: StreamModel | None, texts: dict[str, str]
+) -> None:
+    """The schema's conditions and the named rules of traceml_records._rules."""
+    schema_rules = _map_rules(model) + [_condition_text(c) for c in model.conditions]
+    named = stream.rules if stream is not None else ()
+    if not schema_rules and not named:
+        return
+    lines.append("Rules:")
+    lines.append("")
+    for text in schema_rules:
+        lines.append(f"- {text} (schema)")
+    for name in named:
+        if name not in texts:
+            raise SchemaError(
+                stream.schema_file if stream else "", "/x-traceml-rules", f"unknown rule {name!r}"
+            )
+        lines.append(f"- `{name}`: {texts[name]}")
+    lines.append("")
+
+
 def _table(lines: list[str], model: ClassModel) -> None:
     lines.append("| field | type | null? | unit | meaning |")
     lines.append("|---|---|---|---|---|")
@@ -84,12 +166,22 @@ def _table(lines: list[str], model: ClassModel) -> None:
 def render_reference(schema_set: SchemaSet) -> str:
     """``docs/reference/export-records.md``."""
     classes = {c.class_name: c for c in schema_set.classes}
+    texts = _rule_texts()
     lines = [HEADER, "# Export Records", ""]
     lines.append(
         "Every data line is one compact JSON object on one line, keys in the order of the tables "
         'below, `stream` and `schema_version` first. "null?" says whether the value may be JSON `null`; '
         '"opt" means the key may be absent (`hostname` is present only with the exporter hostname setting on). '
         "Times are Unix nanoseconds, durations milliseconds, memory bytes."
+    )
+    lines.append("")
+    lines.append(
+        "Under each table, its rules: those marked (schema) are in the JSON Schema itself "
+        "(every JSON Schema validator and the generated loaders check them); the named ones "
+        "are what a JSON Schema cannot state, defined once in `traceml_records/_rules.py` "
+        "and checked by the export builder, `traceml validate` and strict "
+        "`loads_line`/`dumps_line` alike (line rules) or by `traceml validate` over whole "
+        "files (cross-line rules)."
     )
     lines.append("")
     for s in schema_set.streams:
@@ -105,6 +197,7 @@ def render_reference(schema_set: SchemaSet) -> str:
         lines.append("")
         _table(lines, model)
         lines.append("")
+        _rules_section(lines, model, s, texts)
     stream_classes = {s.class_name for s in schema_set.streams}
     for model in schema_set.classes:
         if model.class_name in stream_classes:
@@ -119,6 +212,7 @@ def render_reference(schema_set: SchemaSet) -> str:
         lines.append("")
         _table(lines, model)
         lines.append("")
+        _rules_section(lines, model, None, texts)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -17,6 +17,7 @@ from codegen._model import (
     ClassModel,
     ClassRef,
     FieldModel,
+    FieldTest,
     MapOf,
     Scalar,
     SchemaSet,
@@ -107,6 +108,9 @@ def render_records(schema_set: SchemaSet) -> str:
     classes = _ordered(schema_set)
     names = _Names()
     body = CodeWriter()
+    body.lines(*_CHECKED_BASE)
+    body.line()
+    body.line()
     for model in classes:
         _render_class(body, model)
         body.line()
@@ -162,6 +166,7 @@ def render_records(schema_set: SchemaSet) -> str:
     body.line('"""Fields of the identity block that ITEM_LOADERS take from ``identity``."""')
     body.line()
     _render_encoder_plans(body, classes, names)
+    _render_map_key_rules(body, classes)
     body.line("NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {")
     for model in classes:
         markers = "".join(f"b'\"{n}\":null', " for n in _non_nullable_float_keys(model, by_name))
@@ -217,9 +222,36 @@ _NO_MATCH_HELPER = (
 )
 
 
+# Records the loaders built (or dumps_line checked once) carry a mark, so that
+# dumps_line can write them without checking them again; a record built by calling its
+# class (a user's, a custom exporter's) has no mark and is checked as strictly as
+# loads_line would check its line. The mark is a slot of a common base, not an attrs
+# field: fields, equality, repr and attrs.evolve (which gives an unmarked copy) are
+# unchanged.
+_CHECKED_BASE = (
+    "class _Checked:",
+    '    """Base of every record class: the slot holding the mark of a checked record."""',
+    "",
+    '    __slots__ = ("_traceml_checked",)',
+    "",
+    "",
+    '_mark_checked = cast("Callable[[Any, bool], None]", _Checked.__dict__["_traceml_checked"].__set__)',
+    "",
+    "",
+    "def is_checked(record: object) -> bool:",
+    '    """Whether ``record`` was built by a generated loader or already passed a strict check."""',
+    '    return getattr(record, "_traceml_checked", False) is True',
+    "",
+    "",
+    "def mark_checked(record: object, checked: bool = True) -> None:",
+    '    """Set (or, with ``checked`` false, clear) the mark of a checked record."""',
+    "    _mark_checked(record, checked)",
+)
+
+
 def _render_class(w: CodeWriter, model: ClassModel) -> None:
     w.line("@attrs.frozen(kw_only=True)")
-    with w.block(f"class {model.class_name}:"):
+    with w.block(f"class {model.class_name}(_Checked):"):
         doc = model.description or model.title
         w.line(f'"""{_doc(doc)}')
         w.line()
@@ -270,6 +302,8 @@ def _construct(
         else:
             value = f"{prefix}{field.name}"
         w.line(f"{_setter(model, field)}({var}, {value})")
+    if annotate:  # a whole record (not a value written inline in a map)
+        w.line(f"_mark_checked({var}, True)")
 
 
 def _doc(text: str) -> str:
@@ -507,6 +541,7 @@ def _render_load(
         for field in model.fields:
             var = f"f_{field.name}"
             _render_field_load(w, field, var, names, classes)
+        _render_conditions(w, model, "f_", "path")
         _construct(w, model, "record", "f_", annotate=True)
         w.line("return record")
 
@@ -570,6 +605,7 @@ def _render_item_load(
                 w.line(f"{var} = {getter}")
             else:
                 _render_field_load(w, field, var, names, classes)
+        _render_conditions(w, model, "f_", "path")
         _construct(w, model, "record", "f_", annotate=True)
         w.line("return record")
 
@@ -595,7 +631,52 @@ def _load_inline(w: CodeWriter, model: ClassModel, var: str, path: str, names: _
     for field in model.fields:
         assert isinstance(field.type, Scalar)
         _load_scalar(w, field.type, f"{var}_{field.name}", f'(*{path}, "{field.name}")', names)
+    _render_conditions(w, model, f"{var}_", path)
     _construct(w, model, var, f"{var}_")
+
+
+def _test_expr(test: FieldTest, var: str, *, negate: bool = False) -> str:
+    """True when the (already type-checked) ``var`` passes ``test`` (fails, with negate)."""
+    if test.has_const and not (test.const is None or isinstance(test.const, bool)):
+        return f"{var} {'!=' if negate else '=='} {_lit(test.const)}"
+    value = _lit(test.const) if test.has_const else "None"
+    is_null = test.has_const or test.type == "null"
+    # "is not None" for a type test: the field's own check already fixed its type.
+    return f"{var} {'is' if is_null != negate else 'is not'} {value}"
+
+
+def _test_text(test: FieldTest) -> str:
+    if test.has_const:
+        return json.dumps(test.const)
+    return "null" if test.type == "null" else f"a {test.type}"
+
+
+def _render_conditions(w: CodeWriter, model: ClassModel, prefix: str, path: str) -> None:
+    """The schema's if/then/else (and unconditional allOf entries) of ``model``."""
+
+    def fail(when: str, tests: tuple[FieldTest, ...], why: str) -> None:
+        for t in tests:
+            broken = _test_expr(t, prefix + t.field, negate=True)
+            with w.block(f"if {when}{broken}:"):
+                message = f"expected {_test_text(t)}{why}, got "
+                w.line(
+                    f"raise RecordError((*{path}, {_lit(t.field)}), "
+                    f"{_lit(message)} + describe({prefix}{t.field}))"
+                )
+
+    for cond in model.conditions:
+        if cond.when is None:
+            fail("", cond.then, "")
+            continue
+        said = " and ".join(f"{t.field} is {_test_text(t)}" for t in cond.when)
+        holds = " and ".join(_test_expr(t, prefix + t.field) for t in cond.when)
+        fails = " or ".join(_test_expr(t, prefix + t.field, negate=True) for t in cond.when)
+        fail(f"{holds} and ", cond.then, f" when {said}")
+        fail(
+            f"({fails}) and " if len(cond.when) > 1 else f"{fails} and ",
+            cond.otherwise,
+            f" unless {said}",
+        )
 
 
 def _render_field_load(
@@ -789,8 +870,29 @@ def _load_map(
         w.line(
             f'raise RecordError({path}, f"expected object with at least {m.min_properties} key(s), got {{describe({var})}}")'
         )
+    for required in m.required_keys:
+        with w.block(f"if {_lit(required)} not in {var}:"):
+            w.line(f'raise RecordError((*{path}, {_lit(required)}), "required key is missing")')
     w.line(f"{out}: dict[str, {annotation(m.value)}] = {{}}")
     with w.block(f"for {k}, {v} in {var}.items():"):
+        if m.reserved_key_pattern is not None:
+            allowed = names.add(
+                f"_RESERVED_KEYS_{id_of(m)}",
+                "frozenset({" + ", ".join(_lit(n) for n in m.reserved_keys) + "})",
+            )
+            prefix = literal_prefix(m.reserved_key_pattern)
+            reserved = (
+                f"{k}.startswith({_lit(prefix)})"
+                if prefix is not None
+                else f"not {_no_match(names, m.reserved_key_pattern, k)}"
+            )
+            message = (
+                f"keys matching {m.reserved_key_pattern} are reserved; "
+                f"expected one of {', '.join(m.reserved_keys)}"
+            )
+            # The allowed names (the usual keys) are one set lookup.
+            with w.block(f"if {k} not in {allowed} and {reserved}:"):
+                w.line(f"raise RecordError((*{path}, {k}), {_lit(message)})")
         key_conds = []
         if m.key_min_length is not None:
             key_conds.append(f"len({k}) < {m.key_min_length}")
@@ -802,6 +904,40 @@ def _load_map(
         _load_check(w, m.value, v, f"(*{path}, {k})", names, depth + 1, classes)
         w.line(f"{out}[{k}] = {v}")
     w.line(f"{var} = {out}")
+
+
+def literal_prefix(pattern: str) -> str | None:
+    """``P`` when ``pattern`` is ``^P`` with no regex syntax in P (a startswith test)."""
+    if pattern.startswith("^") and re.fullmatch(r"[A-Za-z0-9_:\-]+", pattern[1:]):
+        return pattern[1:]
+    return None
+
+
+def _render_map_key_rules(w: CodeWriter, classes: list[ClassModel]) -> None:
+    """MAP_KEY_RULES: the key rules of every map field, as data (for the C encoder)."""
+    w.line(
+        "MAP_KEY_RULES: dict[tuple[type[Any], str], "
+        "tuple[tuple[str, ...], str | None, frozenset[str]]] = {"
+    )
+    for model in classes:
+        for field in model.fields:
+            m = field.type
+            if not isinstance(m, MapOf) or not (m.required_keys or m.reserved_key_pattern):
+                continue
+            prefix = literal_prefix(m.reserved_key_pattern or "")
+            if m.reserved_key_pattern is not None and prefix is None:
+                raise ValueError(f"{field.pointer}: the C encoder needs a literal reserved prefix")
+            keys = "frozenset({" + ", ".join(_lit(n) for n in m.reserved_keys) + "})"
+            w.line(
+                f"    ({model.class_name}, {_lit(field.name)}): "
+                f"({_tuple(m.required_keys)}, {_lit(prefix)}, {keys}),"
+            )
+    w.line("}")
+    w.line(
+        '"""(record class, map field) → (required keys, reserved key prefix or None, the '
+        'reserved keys allowed): the map key rules of the schemas, as data."""'
+    )
+    w.line()
 
 
 def _load_array(
@@ -858,6 +994,7 @@ def render_registry(schema_set: SchemaSet) -> str:
         w.line(f"        selected_by={_tuple(s.selected_by)},")
         w.line(f'        schema_id="{s.schema_id}",')
         w.line(f'        schema_file="{s.schema_file}",')
+        w.line(f"        rules={_tuple(s.rules)},")
         w.line("    ),")
     w.line(")")
     w.line('"""Every export stream, in file order."""')

@@ -25,13 +25,13 @@ from traceml_records import (
     FinalizationWarning,
     RecordError,
 )
+from traceml_records._codec import BUILTIN_EVENTS, RESERVED_EVENT_PREFIX, STEP_TIME_EVENT
 from traceml_records._generated.records import LOADERS
 from traceml_records._schemas import (
     CLOSING_SCHEMA_FILE,
     WARNING_SCHEMA_FILE,
     schema_documents,
 )
-from traceml_records._validate import BUILTIN_EVENTS, RESERVED_EVENT_PREFIX
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -157,6 +157,10 @@ def consistent(stream: str, d: dict[str, Any]) -> dict[str, Any]:
     if stream != "stdout_stderr":
         _identity(d)
     if stream == "step_time":
+        # Every step has the whole-step event (the schema requires it).
+        events = dict(d["events"])
+        events.setdefault(STEP_TIME_EVENT, next(iter(events.values())))
+        d["events"] = events
         # Maps sorted by code point, as the producer writes them.
         d["events"] = {
             name: {dev: _phase(t) for dev, t in sorted(devices.items())}

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.strategies import stream_json
+from tests.strategies import consistent_json
 from traceml_records import STREAMS, RecordError
 from traceml_records._generated.records import IDENTITY_FIELDS, ITEM_LOADERS, LOADERS
 
@@ -35,7 +35,7 @@ def _split(cls: type[Any], line: dict[str, Any]) -> tuple[dict[str, Any], dict[s
 @given(data=st.data())
 def test_item_loader_builds_the_same_record(stream: str, data: st.DataObject) -> None:
     cls = next(spec.record_class for spec in STREAMS if spec.name == stream)
-    line = data.draw(stream_json(stream))
+    line = data.draw(consistent_json(stream))
     identity, item = _split(cls, line)
     expected = LOADERS[cls]({**identity, **item}, ())
     assert ITEM_LOADERS[cls](identity, item, ()) == expected
@@ -45,7 +45,7 @@ def test_item_loader_builds_the_same_record(stream: str, data: st.DataObject) ->
 @given(data=st.data())
 def test_item_loader_refuses_what_loaders_refuse(stream: str, data: st.DataObject) -> None:
     cls = next(spec.record_class for spec in STREAMS if spec.name == stream)
-    identity, item = _split(cls, data.draw(stream_json(stream)))
+    identity, item = _split(cls, data.draw(consistent_json(stream)))
     key = data.draw(st.sampled_from(sorted(item)))
     bad = data.draw(st.sampled_from(["5", -1, 1.5, None, [], {}, True]))
     broken = {**item, key: bad}

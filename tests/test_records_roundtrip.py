@@ -135,8 +135,10 @@ def _phase(**changes: Any) -> PhaseTiming:
 
 
 def _step(events: dict[str, dict[str, PhaseTiming]], **changes: Any) -> StepTimeRecord:
+    """The example record with these events (plus the whole-step event every line has)."""
     record = loads_line(EXAMPLE_DATA_LINE)
     assert type(record) is StepTimeRecord
+    events = {"_traceml_internal:step_time": {"cpu": _phase()}, **events}
     return attrs.evolve(record, events=events, **changes)
 
 

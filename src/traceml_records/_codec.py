@@ -1,5 +1,14 @@
 """One record ↔ one JSON line: compact, schema-ordered, strict both ways.
 
+Writer and reader agree with ``traceml validate``: strict :func:`loads_line` raises
+on exactly the single-line problems the validator reports (schema, key order, sorted
+maps, integers written as integers, the named rules of :mod:`traceml_records._rules`),
+and :func:`dumps_line` refuses to write what strict :func:`loads_line` would refuse.
+A record a generated loader built is valid by construction and carries a mark
+(``is_checked``), so it is written at full speed; a record built by calling its class
+is checked once (its line goes through strict :func:`loads_line`) and then marked.
+Mutating a marked record's maps in place afterwards is not supported.
+
 Non-finite floats: orjson writes NaN and ±Infinity as ``null``. In a nullable float
 field that is exactly what the spec asks for ("a non-finite measurement is written as
 ``null`` where the field is nullable"), so :func:`dumps_line` lets it through. In a
@@ -23,6 +32,7 @@ from traceml_records._generated.records import (
     DUMPERS,
     ENCODER_PLANS,
     LOADERS,
+    MAP_KEY_RULES,
     NON_NULLABLE_FLOAT_KEYS,
     ClosingLine,
     FinalizationWarning,
@@ -33,8 +43,11 @@ from traceml_records._generated.records import (
     StepTimeRecord,
     SystemGpuRecord,
     SystemRecord,
+    is_checked,
+    mark_checked,
 )
 from traceml_records._generated.registry import STREAMS
+from traceml_records._rules import LineCheck, line_checks, line_findings
 from traceml_records._schemas import WARNING_SCHEMA_FILE, rs_validators, schema_errors
 
 StreamRecord: TypeAlias = (
@@ -51,20 +64,15 @@ StreamRecord: TypeAlias = (
 AnyRecord: TypeAlias = StreamRecord | ClosingLine | FinalizationWarning
 """Anything :func:`loads_line` can return."""
 
-RESERVED_EVENT_PREFIX = "_traceml_internal:"
+# The step_time event name rules, as the schema states them (required event,
+# ``propertyNames`` if/then) and codegen renders them.
+_REQUIRED_EVENTS, _PREFIX, BUILTIN_EVENTS = MAP_KEY_RULES[(StepTimeRecord, "events")]
+assert _PREFIX is not None and len(_REQUIRED_EVENTS) == 1
+RESERVED_EVENT_PREFIX: str = _PREFIX
 """Prefix of the event names TraceML reserves for itself."""
-
-BUILTIN_EVENTS = frozenset(
-    {
-        "_traceml_internal:dataloader_next",
-        "_traceml_internal:h2d_time",
-        "_traceml_internal:forward_time",
-        "_traceml_internal:backward_time",
-        "_traceml_internal:optimizer_step",
-        "_traceml_internal:step_time",
-    }
-)
-"""The reserved event names this release writes."""
+STEP_TIME_EVENT: str = _REQUIRED_EVENTS[0]
+"""The event every step_time line has: the whole step."""
+# BUILTIN_EVENTS: the reserved event names this release writes (the schema's enum).
 
 _STREAM_LOADERS: dict[str, Any] = {spec.name: LOADERS[spec.record_class] for spec in STREAMS}
 _STREAM_NAMES = ", ".join(spec.name for spec in STREAMS)
@@ -129,7 +137,20 @@ def _py_dumps_line(record: AnyRecord, *, include_hostname: bool = False) -> byte
     dumper = DUMPERS.get(type(record))
     if dumper is None:
         raise TypeError(f"not a TraceML record: {type(record).__name__}")
-    return _encode(record, dumper(record, include_hostname), _APPEND_NEWLINE)
+    data = _encode(record, dumper(record, include_hostname), _APPEND_NEWLINE)
+    if not is_checked(record):
+        _check_written(record, data)
+    return data
+
+
+def _check_written(record: object, data: bytes) -> None:
+    """Refuse (RecordError naming the field) a line strict loads_line would refuse.
+
+    Only records built by calling their class get here, once: the mark set after a
+    pass makes later dumps of the same record take the fast path.
+    """
+    loads_line(data, strict=True)
+    mark_checked(record)
 
 
 def _load_speedups() -> ModuleType | None:
@@ -192,6 +213,8 @@ def dumps_lines(
         return _encode_each(records, record_class, c_encode)
 
     def encode(record: Any) -> bytes:
+        if not is_checked(record):
+            return _py_dumps_line(record, include_hostname=include_hostname)
         # No non-finite check here: one scan over the whole batch below.
         return orjson.dumps(dumper(record, include_hostname), option=_APPEND_NEWLINE)
 
@@ -229,7 +252,11 @@ def _parse(data: bytes | str) -> Any:
 
 
 def record_from_object(obj: Any) -> AnyRecord:
-    """Build the typed record of one parsed line (dispatch as :func:`loads_line`)."""
+    """Build the typed record of one parsed line (dispatch as non-strict :func:`loads_line`)."""
+    return _trusted_only_if_clean(_load_object(obj), obj)
+
+
+def _load_object(obj: Any) -> AnyRecord:
     if type(obj) is not dict:
         raise RecordError((), f"expected object, got {describe(obj)}")
     if "closing" in obj:
@@ -251,38 +278,93 @@ def record_from_object(obj: Any) -> AnyRecord:
         raise RecordError(
             ("stream",), f"unknown stream {describe(stream)}; expected one of {_STREAM_NAMES}"
         )
-    record = loader(obj, ())
-    if type(record) is StepTimeRecord:
-        check_event_names(record.events)
-    return record  # type: ignore[no-any-return]
+    return loader(obj, ())  # type: ignore[no-any-return]
 
 
-def check_event_names(events: dict[str, Any]) -> None:
-    """Raise RecordError for a ``_traceml_internal:`` name that is not a built-in event.
+class _LineForm:
+    """What strict loading checks beyond the loader, for one stream (from the registry)."""
 
-    The schema cannot say this (it only asks for non-empty names), so the generated
-    loader does not check it.
+    __slots__ = ("checks", "order", "order_without_hostname", "sorted_map")
+
+    def __init__(self, record_class: type[Any], rules: tuple[str, ...]) -> None:
+        self.order = tuple(field[0] for field in ENCODER_PLANS[record_class])
+        self.order_without_hostname = tuple(k for k in self.order if k != "hostname")
+        self.checks: tuple[LineCheck, ...] = line_checks(rules)
+        # step_time's events: names and each device map sorted (a line format rule).
+        self.sorted_map = "events" if "events" in self.order else None
+
+
+_LINE_FORMS = {spec.name: _LineForm(spec.record_class, spec.rules) for spec in STREAMS}
+_CLOSING_ORDER = tuple(field[0] for field in ENCODER_PLANS[ClosingLine])
+
+
+def line_problems(obj: dict[str, Any]) -> list[tuple[Path, str]]:
+    """Problems of a line the loader accepted: key order, sorted maps, named rules.
+
+    The same findings, in the same order, as ``traceml validate`` reports for a line
+    that passes its schema.
     """
-    for name in events:
-        if name.startswith(RESERVED_EVENT_PREFIX) and name not in BUILTIN_EVENTS:
-            raise RecordError(("events", name), _RESERVED_MESSAGE)
+    if "closing" in obj:
+        if tuple(obj) != _CLOSING_ORDER:
+            return [((), f"keys are not in schema order ({', '.join(_CLOSING_ORDER)})")]
+        return []
+    form = _LINE_FORMS.get(obj.get("stream"))  # type: ignore[arg-type]
+    if form is None:
+        return []
+    found: list[tuple[Path, str]] = []
+    keys = tuple(obj)
+    if keys != form.order and keys != form.order_without_hostname:
+        found.append(((), f"keys are not in schema order ({', '.join(form.order)})"))
+    if form.sorted_map is not None:
+        found.extend(_unsorted(obj[form.sorted_map], form.sorted_map))
+    found.extend(line_findings(form.checks, obj))
+    return found
 
 
-_RESERVED_MESSAGE = (
-    f"event names starting with {RESERVED_EVENT_PREFIX!r} are reserved; "
-    "this one is not a built-in event"
-)
+def _unsorted(events: dict[str, dict[str, Any]], field: str) -> Iterator[tuple[Path, str]]:
+    names = list(events)
+    if len(names) > 1 and names != sorted(names):
+        yield (field,), "event names are not sorted by code point"
+    for name, devices in events.items():
+        if len(devices) > 1:
+            keys = list(devices)
+            if keys != sorted(keys):
+                yield (field, name), "device keys are not sorted"
 
 
-def loads_line(data: bytes | str) -> AnyRecord:
-    """Parse one line (a data line, a closing line or the warning object) strictly.
+def loads_line(data: bytes | str, strict: bool = True) -> AnyRecord:
+    """Parse one line (a data line, a closing line or the warning object).
 
     A line with ``closing`` is a :class:`ClosingLine`, one with ``status`` a
     :class:`FinalizationWarning`; any other line is a record of the stream its
     ``stream`` names. Anything that breaks the schema raises :class:`RecordError`
     with a JSON pointer to the offending value.
+
+    ``strict`` (the default) also raises on every other single-line problem
+    ``traceml validate`` reports: keys out of schema order, unsorted event maps and
+    the stream's named rules (``rank == global_rank``, ``duration_ms`` matching its
+    timing, ...). ``strict=False`` keeps the schema checks only, for lines of other
+    producers whose values you want even when they break a cross-field rule.
     """
-    return record_from_object(_parse(data))
+    obj = _parse(data)
+    record = _load_object(obj)
+    if strict:
+        found = line_problems(obj)
+        if found:
+            raise RecordError(*found[0])
+        return record
+    return _trusted_only_if_clean(record, obj)
+
+
+def _trusted_only_if_clean(record: AnyRecord, obj: dict[str, Any]) -> AnyRecord:
+    """Clear the loader's mark on a record whose line breaks a non-schema rule.
+
+    The loader marks every record it builds; one that breaks a named rule is not
+    valid, so dumps_line must check (and refuse) it.
+    """
+    if line_problems(obj):
+        mark_checked(record, False)
+    return record
 
 
 def dumps_warning_file(warning: FinalizationWarning) -> bytes:

@@ -58,6 +58,10 @@ struct ClassPlan {
     PyTypeObject *type;
     Py_ssize_t n;
     FieldPlan *fields;
+    /* offset of the _traceml_checked slot (the mark the generated loaders put on a
+     * record they built), or -1. dumps_line writes a marked record here and leaves an
+     * unmarked one to Python, which checks it as strictly as loads_line would. */
+    Py_ssize_t checked_offset;
 };
 
 /* Plans live as long as the process: configure() is called once at import. */
@@ -527,6 +531,10 @@ static PyObject *dumps_line(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     ClassPlan *plan = plan_of(Py_TYPE(args[0]));
     if (plan == NULL) goto python;
+    if (plan->checked_offset >= 0 &&
+        *(PyObject **)((char *)args[0] + plan->checked_offset) != Py_True) {
+        goto python; /* not built by a loader: Python checks it first */
+    }
     Out o;
     out_init(&o);
     int rc = write_object(&o, args[0], plan, include_hostname);
@@ -1031,6 +1039,10 @@ static int build_class(ClassPlan *plan, PyObject *cls, PyObject *fields, PyObjec
     }
     Py_INCREF(cls);
     plan->type = (PyTypeObject *)cls;
+    PyObject *checked = PyUnicode_InternFromString("_traceml_checked");
+    if (checked == NULL) return ERR;
+    plan->checked_offset = slot_offset(plan->type, checked);
+    Py_DECREF(checked);
     plan->n = PyTuple_GET_SIZE(fields);
     plan->fields = PyMem_Calloc(plan->n ? plan->n : 1, sizeof(FieldPlan));
     if (plan->fields == NULL) {

@@ -19,3 +19,5 @@ class StreamSpec:
     selected_by: tuple[str, ...]
     schema_id: str
     schema_file: str
+    rules: tuple[str, ...] = ()
+    """Names of the rules in ``traceml_records._rules`` that apply (x-traceml-rules)."""

@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import orjson
 
-from traceml_records._codec import _RESERVED_MESSAGE, BUILTIN_EVENTS, RESERVED_EVENT_PREFIX
+from traceml_records._codec import line_problems
 from traceml_records._errors import Path, describe, json_pointer
 from traceml_records._generated.registry import STREAMS
 from traceml_records._schemas import (
@@ -62,7 +62,6 @@ _IDENTITY = (
 )
 _SNAPSHOT_KEY = itemgetter("node_rank", "seq")
 _RFC3339_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?\+00:00")
-_PYTHON_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+\S*")
 _NOT_INT = "expected an integer written without fraction or exponent, got"
 
 # (pointer, message) pairs: what the per-line checks produce before a file and a
@@ -176,133 +175,19 @@ def _schema_problems(validator: Any, obj: Any) -> _Found:
 
 
 # ------------------------------------------------------------------ per-line checks
+# A schema-valid line then gets what the schema cannot say, from the one place that
+# says it for the codec too (``line_problems``: key order, sorted maps and the named
+# rules of ``traceml_records._rules``), so ``traceml validate`` and strict
+# ``loads_line`` report the same lines.
 
 
-def _check_identity(d: dict[str, Any], out: _Found) -> None:
-    rank, global_rank, local_rank = d["rank"], d["global_rank"], d["local_rank"]
-    world, local_world = d["world_size"], d["local_world_size"]
-    if rank != global_rank:
-        out.append(("/rank", f"rank {rank} differs from global_rank {global_rank}"))
-    if global_rank >= world:
-        out.append(("/global_rank", f"global_rank {global_rank} is not below world_size {world}"))
-    if local_rank >= local_world:
-        out.append(
-            ("/local_rank", f"local_rank {local_rank} is not below local_world_size {local_world}")
-        )
-    if local_world > world:
-        out.append(
-            ("/local_world_size", f"local_world_size {local_world} exceeds world_size {world}")
-        )
-
-
-def _check_step_time(d: dict[str, Any], out: _Found) -> None:
-    _check_identity(d, out)
-    events = d["events"]
-    if len(events) > 1:
-        names = list(events)
-        if names != sorted(names):
-            out.append(("/events", "event names are not sorted by code point"))
-    for name, devices in events.items():
-        if name.startswith(RESERVED_EVENT_PREFIX) and name not in BUILTIN_EVENTS:
-            out.append((json_pointer(("events", name)), _RESERVED_MESSAGE))
-        if len(devices) > 1:
-            keys = list(devices)
-            if keys != sorted(keys):
-                out.append((json_pointer(("events", name)), "device keys are not sorted"))
+def _event_int_floats(d: dict[str, Any], out: _Found) -> None:
+    """``n_calls`` written as a float (JSON Schema's integer accepts ``1.0``)."""
+    for name, devices in d["events"].items():
         for device, t in devices.items():
-            cpu, duration, gpu = t["cpu_ms"], t["duration_ms"], t["gpu_ms"]
             if type(t["n_calls"]) is float:
                 at = json_pointer(("events", name, device, "n_calls"))
                 out.append((at, f"{_NOT_INT} {describe(t['n_calls'])}"))
-            if t["is_gpu"]:
-                if gpu is None:
-                    at = json_pointer(("events", name, device, "gpu_ms"))
-                    out.append((at, "is_gpu is true but gpu_ms is null"))
-                elif duration != gpu:
-                    at = json_pointer(("events", name, device, "duration_ms"))
-                    out.append((at, f"is_gpu is true but duration_ms {duration} != gpu_ms {gpu}"))
-            elif duration != cpu:
-                at = json_pointer(("events", name, device, "duration_ms"))
-                out.append((at, f"is_gpu is false but duration_ms {duration} != cpu_ms {cpu}"))
-
-
-def _check_step_memory(d: dict[str, Any], out: _Found) -> None:
-    _check_identity(d, out)
-    if d["device"] == "cpu":
-        for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
-            if d[key] is not None:
-                out.append((f"/{key}", "must be null on device cpu"))
-
-
-_PROCESS_GPU_FIELDS = (
-    "gpu_count",
-    "gpu_device_index",
-    "gpu_memory_used_bytes",
-    "gpu_memory_reserved_bytes",
-    "gpu_memory_total_bytes",
-)
-
-
-def _check_process(d: dict[str, Any], out: _Found) -> None:
-    _check_identity(d, out)
-    if d["gpu_available"] is not True:
-        for key in _PROCESS_GPU_FIELDS:
-            if d[key] is not None:
-                out.append((f"/{key}", "must be null unless gpu_available is true"))
-
-
-def _check_system(d: dict[str, Any], out: _Found) -> None:
-    _check_identity(d, out)
-    if d["local_rank"] != 0:
-        out.append(("/local_rank", "system lines come from local rank 0"))
-    if d["gpu_available"] is False and d["gpu_count"] != 0:
-        out.append(("/gpu_count", "must be 0 when gpu_available is false"))
-
-
-def _check_system_gpu(d: dict[str, Any], out: _Found) -> None:
-    _check_identity(d, out)
-    if d["local_rank"] != 0:
-        out.append(("/local_rank", "system_gpu lines come from local rank 0"))
-
-
-def _check_runtime_environment(d: dict[str, Any], out: _Found) -> None:
-    _check_identity(d, out)
-    world, local_world = d["world_size"], d["local_world_size"]
-    if world == 1:
-        topology = "single_process"
-    elif local_world == world:
-        topology = "single_node_multi_process"
-    else:
-        topology = "multi_node"
-    if d["topology"] != topology:
-        out.append(
-            (
-                "/topology",
-                f"expected {topology!r} for world_size {world}, local_world_size {local_world}",
-            )
-        )
-    if (d["distributed_backend"] is not None) != d["distributed_initialized"]:
-        out.append(
-            ("/distributed_backend", "must be non-null exactly when distributed_initialized")
-        )
-    if _PYTHON_VERSION.fullmatch(d["python_version"]) is None:
-        out.append(("/python_version", "expected platform.python_version(), e.g. '3.11.7'"))
-
-
-def _check_stdout_stderr(d: dict[str, Any], out: _Found) -> None:
-    if "\n" in d["line"]:
-        out.append(("/line", "one line of output, without its newline"))
-
-
-_CROSS_FIELD: dict[str, Callable[[dict[str, Any], _Found], None]] = {
-    "step_time": _check_step_time,
-    "step_memory": _check_step_memory,
-    "process": _check_process,
-    "system": _check_system,
-    "system_gpu": _check_system_gpu,
-    "runtime_environment": _check_runtime_environment,
-    "stdout_stderr": _check_stdout_stderr,
-}
 
 
 @attrs.frozen
@@ -314,7 +199,6 @@ class _Kind:
     order: tuple[str, ...]
     order_without_hostname: tuple[str, ...]
     int_keys: tuple[str, ...]
-    cross_field: Callable[[dict[str, Any], _Found], None]
     key_fields: tuple[str, ...]
     key_of: Callable[[dict[str, Any]], Any]
     unique_keys: bool
@@ -325,13 +209,12 @@ class _Kind:
         if not self.validator.is_valid(d):
             return False, _schema_problems(self.validator, d)
         out: _Found = []
-        keys = tuple(d)
-        if keys != self.order and keys != self.order_without_hostname:
-            out.append(("", f"keys are not in schema order ({', '.join(self.order)})"))
         for key in self.int_keys:
             if type(d.get(key)) is float:
                 out.append((f"/{key}", f"{_NOT_INT} {describe(d[key])}"))
-        self.cross_field(d, out)
+        if "events" in d:
+            _event_int_floats(d, out)
+        out.extend((json_pointer(path), message) for path, message in line_problems(d))
         return True, out
 
 
@@ -350,7 +233,6 @@ def _kinds() -> dict[str, _Kind]:
             order=order,
             order_without_hostname=tuple(k for k in order if k != "hostname"),
             int_keys=tuple(k for k, v in props.items() if _is_int_schema(v, schema)),
-            cross_field=_CROSS_FIELD[spec.name],
             key_fields=spec.key_fields,
             key_of=itemgetter(*spec.key_fields),
             # A later runtime_environment line for a rank replaces the earlier one.

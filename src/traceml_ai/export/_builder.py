@@ -16,7 +16,6 @@ fields just as strictly and takes the identity block as already checked.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -37,12 +36,26 @@ from traceml_records import (
     SystemGpuRecord,
     SystemRecord,
 )
-from traceml_records._codec import BUILTIN_EVENTS, RESERVED_EVENT_PREFIX, dumps_line, encode_items
+from traceml_records._codec import (
+    BUILTIN_EVENTS,
+    RESERVED_EVENT_PREFIX,
+    STEP_TIME_EVENT,
+    dumps_line,
+    encode_items,
+)
 from traceml_records._generated.records import (
     ENCODER_PLANS,
     IDENTITY_FIELDS,
     ITEM_LOADERS,
     LOADERS,
+)
+from traceml_records._rules import (
+    IDENTITY_RULES,
+    LineCheck,
+    duration_ok,
+    identity_ok,
+    line_checks,
+    line_findings,
 )
 
 __all__ = [
@@ -66,12 +79,8 @@ MAX_GPUS_PER_SNAPSHOT = 1024
 """Most GPU entries one system item may carry."""
 
 INTERNAL_PREFIX = RESERVED_EVENT_PREFIX
-STEP_TIME_EVENT = INTERNAL_PREFIX + "step_time"
 BUILTIN_EVENT_NAMES = BUILTIN_EVENTS
 """The reserved event names this release writes; other ``_traceml_internal:`` names are invalid."""
-
-# What ``traceml validate`` accepts as ``platform.python_version()``.
-_PYTHON_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+\S*")
 
 _INT64_MAX = 2**63 - 1
 # A str of at most this many code points is at most MAX_STRING_BYTES in UTF-8 (4 bytes
@@ -105,13 +114,6 @@ _SYSTEM_KEYS = (_item_keys(SystemRecord) - {"gpu_count"}) | {"gpus"}
 _GPU_KEYS = _item_keys(SystemGpuRecord) - {"timestamp_unix_ns", "seq"}
 _RUNTIME_KEYS = _item_keys(RuntimeEnvironmentRecord)
 _STDOUT_KEYS = _item_keys(StdoutStderrRecord)
-_PROCESS_GPU_FIELDS = (
-    "gpu_count",
-    "gpu_device_index",
-    "gpu_memory_used_bytes",
-    "gpu_memory_reserved_bytes",
-    "gpu_memory_total_bytes",
-)
 _GPU_NULLABLE_FLOATS = ("utilization_percent", "temperature_c", "power_usage_w", "power_limit_w")
 _RUNTIME_STRINGS = ("distributed_backend", "torch_version", "python_version")
 
@@ -128,11 +130,28 @@ _load_stdout = LOADERS[StdoutStderrRecord]
 
 _NO_PATH: tuple[str | int, ...] = ()
 
+# The rules of traceml_records._rules each stream's schema lists, less the identity
+# rules (checked once per batch with identity_ok) and step_time's duration rule
+# (checked on the loaded timings, the hot path, with duration_ok).
+_ITEM_RULES: dict[str, tuple[LineCheck, ...]] = {
+    spec.name: line_checks(
+        tuple(r for r in spec.rules if r not in IDENTITY_RULES and r != "duration-matches-timing")
+    )
+    for spec in STREAMS
+}
+_RUNTIME_RULES = _ITEM_RULES["runtime_environment"]
+_STDOUT_RULES = _ITEM_RULES["stdout_stderr"]
+assert not _ITEM_RULES["step_time"] and not _ITEM_RULES["step_memory"]
+assert not _ITEM_RULES["process"] and not _ITEM_RULES["system"]
+
 # The C item encoder writes a step_time line as the batch's identity prefix followed
 # by the item's fields, which are the record's fields from timestamp_unix_ns on.
 _STEP_TIME_FIELDS = tuple(field[0] for field in ENCODER_PLANS[StepTimeRecord])
 _STEP_TIME_FIRST_ITEM_FIELD = _STEP_TIME_FIELDS.index("timestamp_unix_ns")
 assert set(_STEP_TIME_FIELDS[_STEP_TIME_FIRST_ITEM_FIELD:]) == _STEP_TIME_KEYS
+# The C encoder's rule data: the schema's event name rules (generated MAP_KEY_RULES,
+# via traceml_records._codec), the size limit, and the class whose timings get the
+# duration rule.
 _STEP_TIME_RULES = (
     BUILTIN_EVENTS,
     RESERVED_EVENT_PREFIX,
@@ -220,25 +239,24 @@ def _nan_to_none_in_events(events: object) -> object:
 
 
 def _check_events(events: Mapping[str, Mapping[str, Any]]) -> None:
-    """Cross-field and size rules of a loaded step_time ``events`` map."""
+    """The duration rule and the size limits of a loaded step_time ``events`` map.
+
+    (Reserved names, the required step event and ``is_gpu`` ⇒ ``gpu_ms`` are schema
+    rules: the loader checked them.)
+    """
     entries = 0
     for name, devices in events.items():
-        # Built-in names (the usual case) first: they are reserved and short.
-        if name not in BUILTIN_EVENT_NAMES and (
-            name.startswith(INTERNAL_PREFIX) or (len(name) > _SAFE_CHARS and _str_too_big(name))
-        ):
+        # Built-in names (the usual case) are short.
+        if name not in BUILTIN_EVENT_NAMES and len(name) > _SAFE_CHARS and _str_too_big(name):
             raise _Skip
         entries += len(devices)
         for device, timing in devices.items():
             # Device keys match ^[a-z]+(:[0-9]+)?$ (ASCII), so len() is their byte size.
             if len(device) > MAX_STRING_BYTES:
                 raise _Skip
-            if timing.is_gpu:
-                if timing.gpu_ms is None or timing.duration_ms != timing.gpu_ms:
-                    raise _Skip
-            elif timing.duration_ms != timing.cpu_ms:
+            if not duration_ok(timing.is_gpu, timing.cpu_ms, timing.duration_ms, timing.gpu_ms):
                 raise _Skip
-    if entries > MAX_EVENT_ENTRIES or STEP_TIME_EVENT not in events:
+    if entries > MAX_EVENT_ENTRIES:
         raise _Skip
 
 
@@ -415,7 +433,7 @@ class RecordBuilder:
             return None
         assert type(rank) is int and type(local_rank) is int  # narrowed by _is_int
         assert type(world_size) is int and type(local_world_size) is int
-        if not (rank < world_size and local_rank < local_world_size <= world_size):
+        if not identity_ok(rank, rank, local_rank, world_size, local_world_size):
             return None
         base: dict[str, Any] = {
             "observed_timestamp_unix_ns": observed,
@@ -523,11 +541,6 @@ class RecordBuilder:
                     d.update(item)
                     record = _load_step_memory(d, _NO_PATH)
                     load_item = _load_step_memory_item
-                if record.device == "cpu" and (
-                    record.peak_allocated_bytes is not None
-                    or record.peak_reserved_bytes is not None
-                ):
-                    raise _Skip
             except Exception:
                 skipped += 1
                 continue
@@ -552,10 +565,6 @@ class RecordBuilder:
                     d.update(item)
                     record = _load_process(d, _NO_PATH)
                     load_item = _load_process_item
-                if record.gpu_available is not True and any(
-                    getattr(record, name) is not None for name in _PROCESS_GPU_FIELDS
-                ):
-                    raise _Skip
             except Exception:
                 skipped += 1
                 continue
@@ -563,8 +572,8 @@ class RecordBuilder:
         return skipped
 
     def _system(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
-        if identity.local_rank != 0:
-            raise _Skip
+        # local_rank 0 and gpu_available false ⇒ no GPUs are schema rules: the loaders
+        # of system and system_gpu refuse such items.
         out, gpu_out = outs
         base = {"stream": "system", "schema_version": 1, **identity.base}
         gpu_base = {"stream": "system_gpu", "schema_version": 1, **identity.base}
@@ -581,8 +590,6 @@ class RecordBuilder:
                 del d["gpus"]
                 d["gpu_count"] = len(gpus)
                 record = _load_system(d, _NO_PATH)
-                if record.gpu_available is False and gpus:
-                    raise _Skip
                 # The whole snapshot or nothing: system_gpu lines must match gpu_count.
                 gpu_records: list[Any] = []
                 seen: set[int] = set()
@@ -617,12 +624,6 @@ class RecordBuilder:
             **identity.base,
             "pid": identity.pid,
         }
-        if identity.world_size == 1:
-            topology = "single_process"
-        elif identity.local_world_size == identity.world_size:
-            topology = "single_node_multi_process"
-        else:
-            topology = "multi_node"
         skipped = 0
         for item in items:
             try:
@@ -635,11 +636,7 @@ class RecordBuilder:
                 d = base.copy()
                 d.update(item)
                 record = _load_runtime(d, _NO_PATH)
-                if (
-                    record.topology != topology
-                    or record.distributed_initialized is (record.distributed_backend is None)
-                    or _PYTHON_VERSION.fullmatch(record.python_version) is None
-                ):
+                if line_findings(_RUNTIME_RULES, d):
                     raise _Skip
             except Exception:
                 skipped += 1
@@ -662,12 +659,13 @@ class RecordBuilder:
                 if type(item) is not dict or item.keys() != _STDOUT_KEYS:
                     raise _Skip
                 line = item["line"]
-                # One line of output: a newline inside would make it two.
-                if type(line) is str and ("\n" in line or _str_too_big(line)):
+                if type(line) is str and _str_too_big(line):
                     raise _Skip
                 d = base.copy()
                 d.update(item)
                 record = _load_stdout(d, _NO_PATH)
+                if line_findings(_STDOUT_RULES, d):
+                    raise _Skip
             except Exception:
                 skipped += 1
                 continue

@@ -7,6 +7,7 @@ from typing import Any
 
 from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank.identity import RankIdentity
+from traceml_records import _rules
 
 # Class names are matched instead of importing the wrapper classes, so detection
 # never imports torch.distributed.fsdp or deepspeed just to ask.
@@ -15,13 +16,9 @@ _FSDP_NAMES = frozenset({"FullyShardedDataParallel", "FSDPModule"})
 _DEEPSPEED_NAMES = frozenset({"DeepSpeedEngine"})
 
 
-def topology_of(world_size: int, local_world_size: int) -> str:
-    """``single_process``, ``single_node_multi_process`` or ``multi_node`` from world sizes."""
-    if world_size <= 1:
-        return "single_process"
-    if local_world_size == world_size:
-        return "single_node_multi_process"
-    return "multi_node"
+# The contract's rule (traceml_records._rules, "topology-from-world-sizes"), so the
+# rank sends the topology the builder and the validator expect.
+topology_of = _rules.topology_of
 
 
 def model_strategy(model: object) -> str | None:

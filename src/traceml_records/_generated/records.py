@@ -26,14 +26,14 @@ __all__ = [
     "SystemRecord",
 ]
 
-_ENUM_17 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
-_ENUM_18 = frozenset(
+_ENUM_18 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
+_ENUM_19 = frozenset(
     {"single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"}
 )
-_ENUM_19 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
-_ENUM_20 = frozenset({"high", "low"})
-_ENUM_23 = frozenset({"stdout", "stderr"})
-_ENUM_26 = frozenset(
+_ENUM_20 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
+_ENUM_21 = frozenset({"high", "low"})
+_ENUM_24 = frozenset({"stdout", "stderr"})
+_ENUM_27 = frozenset(
     {
         "step_time",
         "step_memory",
@@ -44,7 +44,7 @@ _ENUM_26 = frozenset(
         "stdout_stderr",
     }
 )
-_ENUM_31 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
+_ENUM_32 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
 _INF = float("inf")
 _KEYS_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
@@ -479,6 +479,16 @@ _REQUIRED_SYSTEM_RECORD_ITEM = frozenset(
         "gpu_count",
     }
 )
+_RESERVED_KEYS_df1b3c6a = frozenset(
+    {
+        "_traceml_internal:backward_time",
+        "_traceml_internal:dataloader_next",
+        "_traceml_internal:forward_time",
+        "_traceml_internal:h2d_time",
+        "_traceml_internal:optimizer_step",
+        "_traceml_internal:step_time",
+    }
+)
 
 
 def _no_match(pattern: re.Pattern[str], matched: set[str], value: str) -> bool:
@@ -490,8 +500,27 @@ def _no_match(pattern: re.Pattern[str], matched: set[str], value: str) -> bool:
     return False
 
 
+class _Checked:
+    """Base of every record class: the slot holding the mark of a checked record."""
+
+    __slots__ = ("_traceml_checked",)
+
+
+_mark_checked = cast("Callable[[Any, bool], None]", _Checked.__dict__["_traceml_checked"].__set__)
+
+
+def is_checked(record: object) -> bool:
+    """Whether ``record`` was built by a generated loader or already passed a strict check."""
+    return getattr(record, "_traceml_checked", False) is True
+
+
+def mark_checked(record: object, checked: bool = True) -> None:
+    """Set (or, with ``checked`` false, clear) the mark of a checked record."""
+    _mark_checked(record, checked)
+
+
 @attrs.frozen(kw_only=True)
-class StepTimeRecord:
+class StepTimeRecord(_Checked):
     """One line for every step each rank reports, with its phase timings.
 
     Schema ``urn:traceml:schema:step_time:v1`` (step_time.schema.json).
@@ -537,11 +566,11 @@ class StepTimeRecord:
     """Training step number on the rank, starting at 1 for the first traced step."""
 
     events: dict[str, dict[str, PhaseTiming]]
-    """Phase timings of the step: event name -> device key -> timing. Names and device keys are sorted."""
+    """Phase timings of the step: event name -> device key -> timing. Names and device keys are sorted; the whole step (_traceml_internal:step_time) is always there, and names starting with _traceml_internal: are the built-in events only."""
 
 
 @attrs.frozen(kw_only=True)
-class StepMemoryRecord:
+class StepMemoryRecord(_Checked):
     """One line per step and device of each rank, with peak memory.
 
     Schema ``urn:traceml:schema:step_memory:v1`` (step_memory.schema.json).
@@ -597,7 +626,7 @@ class StepMemoryRecord:
 
 
 @attrs.frozen(kw_only=True)
-class ProcessRecord:
+class ProcessRecord(_Checked):
     """One line per snapshot of each training process, with its CPU, RAM and GPU memory.
 
     Schema ``urn:traceml:schema:process:v1`` (process.schema.json).
@@ -674,7 +703,7 @@ class ProcessRecord:
 
 
 @attrs.frozen(kw_only=True)
-class SystemRecord:
+class SystemRecord(_Checked):
     """One line per host snapshot, sent by local rank 0 of each node.
 
     Schema ``urn:traceml:schema:system:v1`` (system.schema.json).
@@ -733,7 +762,7 @@ class SystemRecord:
 
 
 @attrs.frozen(kw_only=True)
-class SystemGpuRecord:
+class SystemGpuRecord(_Checked):
     """One line per GPU in a system snapshot; a GPU that could not be read keeps its line, with nulls.
 
     Schema ``urn:traceml:schema:system_gpu:v1`` (system_gpu.schema.json).
@@ -798,7 +827,7 @@ class SystemGpuRecord:
 
 
 @attrs.frozen(kw_only=True)
-class RuntimeEnvironmentRecord:
+class RuntimeEnvironmentRecord(_Checked):
     """One line per rank (again only if its values change; the last line wins) with topology, torch.distributed state and training strategy.
 
     Schema ``urn:traceml:schema:runtime_environment:v1`` (runtime_environment.schema.json).
@@ -871,7 +900,7 @@ class RuntimeEnvironmentRecord:
 
 
 @attrs.frozen(kw_only=True)
-class StdoutStderrRecord:
+class StdoutStderrRecord(_Checked):
     """One captured line of stdout or stderr. Ranks of this release capture nothing.
 
     Schema ``urn:traceml:schema:stdout_stderr:v1`` (stdout_stderr.schema.json).
@@ -903,7 +932,7 @@ class StdoutStderrRecord:
 
 
 @attrs.frozen(kw_only=True)
-class ClosingLine:
+class ClosingLine(_Checked):
     """Last line of every export file that finished cleanly.
 
     Schema ``urn:traceml:schema:closing:v1`` (closing.schema.json).
@@ -934,7 +963,7 @@ class ClosingLine:
 
 
 @attrs.frozen(kw_only=True)
-class ExportLoss:
+class ExportLoss(_Checked):
     """What the export did not write.
 
     Schema ``urn:traceml:schema:finalization_warning:v1`` (finalization_warning.schema.json#/$defs/export_loss).
@@ -957,7 +986,7 @@ class ExportLoss:
 
 
 @attrs.frozen(kw_only=True)
-class FinalizationWarning:
+class FinalizationWarning(_Checked):
     """finalization_warning.json in the run folder, written only when something was lost.
 
     Schema ``urn:traceml:schema:finalization_warning:v1`` (finalization_warning.schema.json).
@@ -989,7 +1018,7 @@ class FinalizationWarning:
 
 
 @attrs.frozen(kw_only=True)
-class PhaseTiming:
+class PhaseTiming(_Checked):
     """One phase of one step on one device.
 
     Schema ``urn:traceml:schema:common:v1`` (common.schema.json#/$defs/phase_timing).
@@ -1204,7 +1233,7 @@ _set_phase_timing_is_gpu = PhaseTiming.__dict__["is_gpu"].__set__
 _set_phase_timing_n_calls = PhaseTiming.__dict__["n_calls"].__set__
 
 
-def _dump_map_1_ed1d60d0(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+def _dump_map_1_536251bd(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
     if len(m) == 1:
         for k, v in m.items():
             return {
@@ -1229,14 +1258,14 @@ def _dump_map_1_ed1d60d0(m: dict[str, Any], include_hostname: bool) -> dict[str,
     return out
 
 
-def _dump_map_0_0c34781c(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+def _dump_map_0_df1b3c6a(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
     if len(m) == 1:
         for k, v in m.items():
-            return {k: _dump_map_1_ed1d60d0(v, include_hostname)}
+            return {k: _dump_map_1_536251bd(v, include_hostname)}
     out: dict[str, Any] = {}
     for k in sorted(m):
         v = m[k]
-        out[k] = _dump_map_1_ed1d60d0(v, include_hostname)
+        out[k] = _dump_map_1_536251bd(v, include_hostname)
     return out
 
 
@@ -1257,7 +1286,7 @@ def _dump_step_time_record(r: StepTimeRecord, include_hostname: bool) -> dict[st
     d["timestamp_unix_ns"] = r.timestamp_unix_ns
     d["seq"] = r.seq
     d["step"] = r.step
-    d["events"] = _dump_map_0_0c34781c(r.events, include_hostname)
+    d["events"] = _dump_map_0_df1b3c6a(r.events, include_hostname)
     return d
 
 
@@ -1344,8 +1373,17 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
         raise RecordError(
             (*path, "events"), f"expected object with at least 1 key(s), got {describe(f_events)}"
         )
+    if "_traceml_internal:step_time" not in f_events:
+        raise RecordError(
+            (*(*path, "events"), "_traceml_internal:step_time"), "required key is missing"
+        )
     m0: dict[str, dict[str, PhaseTiming]] = {}
     for k0, v0 in f_events.items():
+        if k0 not in _RESERVED_KEYS_df1b3c6a and k0.startswith("_traceml_internal:"):
+            raise RecordError(
+                (*(*path, "events"), k0),
+                "keys matching ^_traceml_internal: are reserved; expected one of _traceml_internal:backward_time, _traceml_internal:dataloader_next, _traceml_internal:forward_time, _traceml_internal:h2d_time, _traceml_internal:optimizer_step, _traceml_internal:step_time",
+            )
         if len(k0) < 1:
             raise RecordError((*(*path, "events"), k0), "invalid key")
         if type(v0) is not dict or len(v0) < 1:
@@ -1430,6 +1468,11 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
                     (*(*(*(*path, "events"), k0), k1), "n_calls"),
                     f"expected integer >= 1, got {describe(v1_n_calls)}",
                 )
+            if v1_is_gpu is True and v1_gpu_ms is None:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
+                    "expected a number when is_gpu is true, got " + describe(v1_gpu_ms),
+                )
             v1 = _new(PhaseTiming)
             _set_phase_timing_cpu_ms(v1, v1_cpu_ms)
             _set_phase_timing_duration_ms(v1, v1_duration_ms)
@@ -1455,6 +1498,7 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
     _set_step_time_record_seq(record, f_seq)
     _set_step_time_record_step(record, f_step)
     _set_step_time_record_events(record, f_events)
+    _mark_checked(record, True)
     return record
 
 
@@ -1587,6 +1631,16 @@ def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
             (*path, "peak_reserved_bytes"),
             f"expected integer >= 0 or null, got {describe(f_peak_reserved_bytes)}",
         )
+    if f_device == "cpu" and f_peak_allocated_bytes is not None:
+        raise RecordError(
+            (*path, "peak_allocated_bytes"),
+            'expected null when device is "cpu", got ' + describe(f_peak_allocated_bytes),
+        )
+    if f_device == "cpu" and f_peak_reserved_bytes is not None:
+        raise RecordError(
+            (*path, "peak_reserved_bytes"),
+            'expected null when device is "cpu", got ' + describe(f_peak_reserved_bytes),
+        )
     record: StepMemoryRecord = _new(StepMemoryRecord)
     _set_step_memory_record_stream(record, "step_memory")
     _set_step_memory_record_schema_version(record, 1)
@@ -1604,6 +1658,7 @@ def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
     _set_step_memory_record_device(record, f_device)
     _set_step_memory_record_peak_allocated_bytes(record, f_peak_allocated_bytes)
     _set_step_memory_record_peak_reserved_bytes(record, f_peak_reserved_bytes)
+    _mark_checked(record, True)
     return record
 
 
@@ -1809,6 +1864,32 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
             (*path, "gpu_memory_total_bytes"),
             f"expected integer >= 0 or null, got {describe(f_gpu_memory_total_bytes)}",
         )
+    if f_gpu_available is not True and f_gpu_count is not None:
+        raise RecordError(
+            (*path, "gpu_count"),
+            "expected null unless gpu_available is true, got " + describe(f_gpu_count),
+        )
+    if f_gpu_available is not True and f_gpu_device_index is not None:
+        raise RecordError(
+            (*path, "gpu_device_index"),
+            "expected null unless gpu_available is true, got " + describe(f_gpu_device_index),
+        )
+    if f_gpu_available is not True and f_gpu_memory_used_bytes is not None:
+        raise RecordError(
+            (*path, "gpu_memory_used_bytes"),
+            "expected null unless gpu_available is true, got " + describe(f_gpu_memory_used_bytes),
+        )
+    if f_gpu_available is not True and f_gpu_memory_reserved_bytes is not None:
+        raise RecordError(
+            (*path, "gpu_memory_reserved_bytes"),
+            "expected null unless gpu_available is true, got "
+            + describe(f_gpu_memory_reserved_bytes),
+        )
+    if f_gpu_available is not True and f_gpu_memory_total_bytes is not None:
+        raise RecordError(
+            (*path, "gpu_memory_total_bytes"),
+            "expected null unless gpu_available is true, got " + describe(f_gpu_memory_total_bytes),
+        )
     record: ProcessRecord = _new(ProcessRecord)
     _set_process_record_stream(record, "process")
     _set_process_record_schema_version(record, 1)
@@ -1833,6 +1914,7 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
     _set_process_record_gpu_memory_used_bytes(record, f_gpu_memory_used_bytes)
     _set_process_record_gpu_memory_reserved_bytes(record, f_gpu_memory_reserved_bytes)
     _set_process_record_gpu_memory_total_bytes(record, f_gpu_memory_total_bytes)
+    _mark_checked(record, True)
     return record
 
 
@@ -1977,6 +2059,13 @@ def _load_system_record(d: Any, path: Path) -> SystemRecord:
         raise RecordError(
             (*path, "gpu_count"), f"expected integer >= 0, got {describe(f_gpu_count)}"
         )
+    if f_local_rank != 0:
+        raise RecordError((*path, "local_rank"), "expected 0, got " + describe(f_local_rank))
+    if f_gpu_available is False and f_gpu_count != 0:
+        raise RecordError(
+            (*path, "gpu_count"),
+            "expected 0 when gpu_available is false, got " + describe(f_gpu_count),
+        )
     record: SystemRecord = _new(SystemRecord)
     _set_system_record_stream(record, "system")
     _set_system_record_schema_version(record, 1)
@@ -1995,6 +2084,7 @@ def _load_system_record(d: Any, path: Path) -> SystemRecord:
     _set_system_record_ram_total_bytes(record, f_ram_total_bytes)
     _set_system_record_gpu_available(record, f_gpu_available)
     _set_system_record_gpu_count(record, f_gpu_count)
+    _mark_checked(record, True)
     return record
 
 
@@ -2180,6 +2270,8 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
             (*path, "power_limit_w"),
             f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
         )
+    if f_local_rank != 0:
+        raise RecordError((*path, "local_rank"), "expected 0, got " + describe(f_local_rank))
     record: SystemGpuRecord = _new(SystemGpuRecord)
     _set_system_gpu_record_stream(record, "system_gpu")
     _set_system_gpu_record_schema_version(record, 1)
@@ -2200,6 +2292,7 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
     _set_system_gpu_record_temperature_c(record, f_temperature_c)
     _set_system_gpu_record_power_usage_w(record, f_power_usage_w)
     _set_system_gpu_record_power_limit_w(record, f_power_limit_w)
+    _mark_checked(record, True)
     return record
 
 
@@ -2316,7 +2409,7 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
     if type(f_pid) is not int or f_pid < 1 or f_pid > 9223372036854775807:
         raise RecordError((*path, "pid"), f"expected integer >= 1, got {describe(f_pid)}")
     f_topology = d["topology"]
-    if type(f_topology) is not str or f_topology not in _ENUM_17:
+    if type(f_topology) is not str or f_topology not in _ENUM_18:
         raise RecordError(
             (*path, "topology"),
             f"expected one of single_process, single_node_multi_process, multi_node, got {describe(f_topology)}",
@@ -2334,19 +2427,19 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
             f"expected string or null, got {describe(f_distributed_backend)}",
         )
     f_training_strategy = d["training_strategy"]
-    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_18:
+    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_19:
         raise RecordError(
             (*path, "training_strategy"),
             f"expected one of single_process, ddp, fsdp, deepspeed, distributed_unknown, unknown, got {describe(f_training_strategy)}",
         )
     f_strategy_source = d["strategy_source"]
-    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_19:
+    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_20:
         raise RecordError(
             (*path, "strategy_source"),
             f"expected one of runtime_model, runtime_distributed, topology, unknown, got {describe(f_strategy_source)}",
         )
     f_strategy_confidence = d["strategy_confidence"]
-    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_20:
+    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_21:
         raise RecordError(
             (*path, "strategy_confidence"),
             f"expected one of high, low, got {describe(f_strategy_confidence)}",
@@ -2360,6 +2453,18 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
     if type(f_python_version) is not str:
         raise RecordError(
             (*path, "python_version"), f"expected string, got {describe(f_python_version)}"
+        )
+    if f_distributed_initialized is True and f_distributed_backend is None:
+        raise RecordError(
+            (*path, "distributed_backend"),
+            "expected a string when distributed_initialized is true, got "
+            + describe(f_distributed_backend),
+        )
+    if f_distributed_initialized is not True and f_distributed_backend is not None:
+        raise RecordError(
+            (*path, "distributed_backend"),
+            "expected null unless distributed_initialized is true, got "
+            + describe(f_distributed_backend),
         )
     record: RuntimeEnvironmentRecord = _new(RuntimeEnvironmentRecord)
     _set_runtime_environment_record_stream(record, "runtime_environment")
@@ -2383,6 +2488,7 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
     _set_runtime_environment_record_strategy_confidence(record, f_strategy_confidence)
     _set_runtime_environment_record_torch_version(record, f_torch_version)
     _set_runtime_environment_record_python_version(record, f_python_version)
+    _mark_checked(record, True)
     return record
 
 
@@ -2441,7 +2547,7 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
         raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
     f_source = d["source"]
-    if type(f_source) is not str or f_source not in _ENUM_23:
+    if type(f_source) is not str or f_source not in _ENUM_24:
         raise RecordError(
             (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
         )
@@ -2457,6 +2563,7 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     _set_stdout_stderr_record_seq(record, f_seq)
     _set_stdout_stderr_record_source(record, f_source)
     _set_stdout_stderr_record_line(record, f_line)
+    _mark_checked(record, True)
     return record
 
 
@@ -2478,7 +2585,7 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
     if keys != _KEYS_CLOSING_LINE:
         _key_error(keys, _REQUIRED_CLOSING_LINE, _KEYS_CLOSING_LINE, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream not in _ENUM_26:
+    if type(f_stream) is not str or f_stream not in _ENUM_27:
         raise RecordError(
             (*path, "stream"),
             f"expected one of step_time, step_memory, process, system, system_gpu, runtime_environment, stdout_stderr, got {describe(f_stream)}",
@@ -2515,6 +2622,7 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
     _set_closing_line_schema_version(record, 1)
     _set_closing_line_written_records(record, f_written_records)
     _set_closing_line_dropped_batches(record, f_dropped_batches)
+    _mark_checked(record, True)
     return record
 
 
@@ -2582,6 +2690,7 @@ def _load_export_loss(d: Any, path: Path) -> ExportLoss:
     _set_export_loss_failed_records(record, f_failed_records)
     _set_export_loss_skipped_items(record, f_skipped_items)
     _set_export_loss_exporter_failed(record, f_exporter_failed)
+    _mark_checked(record, True)
     return record
 
 
@@ -2618,7 +2727,7 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
             (*path, "completed_at"), f"expected string, got {describe(f_completed_at)}"
         )
     f_reason = d["reason"]
-    if type(f_reason) is not str or f_reason not in _ENUM_31:
+    if type(f_reason) is not str or f_reason not in _ENUM_32:
         raise RecordError(
             (*path, "reason"),
             f"expected one of export_incomplete, ranks_disconnected, timeout, got {describe(f_reason)}",
@@ -2684,6 +2793,7 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
     _set_finalization_warning_finished_ranks(record, f_finished_ranks)
     _set_finalization_warning_missing_ranks(record, f_missing_ranks)
     _set_finalization_warning_export(record, f_export)
+    _mark_checked(record, True)
     return record
 
 
@@ -2747,12 +2857,17 @@ def _load_phase_timing(d: Any, path: Path) -> PhaseTiming:
     f_n_calls = d["n_calls"]
     if type(f_n_calls) is not int or f_n_calls < 1 or f_n_calls > 9223372036854775807:
         raise RecordError((*path, "n_calls"), f"expected integer >= 1, got {describe(f_n_calls)}")
+    if f_is_gpu is True and f_gpu_ms is None:
+        raise RecordError(
+            (*path, "gpu_ms"), "expected a number when is_gpu is true, got " + describe(f_gpu_ms)
+        )
     record: PhaseTiming = _new(PhaseTiming)
     _set_phase_timing_cpu_ms(record, f_cpu_ms)
     _set_phase_timing_duration_ms(record, f_duration_ms)
     _set_phase_timing_gpu_ms(record, f_gpu_ms)
     _set_phase_timing_is_gpu(record, f_is_gpu)
     _set_phase_timing_n_calls(record, f_n_calls)
+    _mark_checked(record, True)
     return record
 
 
@@ -2791,8 +2906,17 @@ def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) ->
         raise RecordError(
             (*path, "events"), f"expected object with at least 1 key(s), got {describe(f_events)}"
         )
+    if "_traceml_internal:step_time" not in f_events:
+        raise RecordError(
+            (*(*path, "events"), "_traceml_internal:step_time"), "required key is missing"
+        )
     m0: dict[str, dict[str, PhaseTiming]] = {}
     for k0, v0 in f_events.items():
+        if k0 not in _RESERVED_KEYS_df1b3c6a and k0.startswith("_traceml_internal:"):
+            raise RecordError(
+                (*(*path, "events"), k0),
+                "keys matching ^_traceml_internal: are reserved; expected one of _traceml_internal:backward_time, _traceml_internal:dataloader_next, _traceml_internal:forward_time, _traceml_internal:h2d_time, _traceml_internal:optimizer_step, _traceml_internal:step_time",
+            )
         if len(k0) < 1:
             raise RecordError((*(*path, "events"), k0), "invalid key")
         if type(v0) is not dict or len(v0) < 1:
@@ -2877,6 +3001,11 @@ def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) ->
                     (*(*(*(*path, "events"), k0), k1), "n_calls"),
                     f"expected integer >= 1, got {describe(v1_n_calls)}",
                 )
+            if v1_is_gpu is True and v1_gpu_ms is None:
+                raise RecordError(
+                    (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
+                    "expected a number when is_gpu is true, got " + describe(v1_gpu_ms),
+                )
             v1 = _new(PhaseTiming)
             _set_phase_timing_cpu_ms(v1, v1_cpu_ms)
             _set_phase_timing_duration_ms(v1, v1_duration_ms)
@@ -2902,6 +3031,7 @@ def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) ->
     _set_step_time_record_seq(record, f_seq)
     _set_step_time_record_step(record, f_step)
     _set_step_time_record_events(record, f_events)
+    _mark_checked(record, True)
     return record
 
 
@@ -2963,6 +3093,16 @@ def _load_step_memory_record_item(identity: dict[str, Any], d: Any, path: Path) 
             (*path, "peak_reserved_bytes"),
             f"expected integer >= 0 or null, got {describe(f_peak_reserved_bytes)}",
         )
+    if f_device == "cpu" and f_peak_allocated_bytes is not None:
+        raise RecordError(
+            (*path, "peak_allocated_bytes"),
+            'expected null when device is "cpu", got ' + describe(f_peak_allocated_bytes),
+        )
+    if f_device == "cpu" and f_peak_reserved_bytes is not None:
+        raise RecordError(
+            (*path, "peak_reserved_bytes"),
+            'expected null when device is "cpu", got ' + describe(f_peak_reserved_bytes),
+        )
     record: StepMemoryRecord = _new(StepMemoryRecord)
     _set_step_memory_record_stream(record, "step_memory")
     _set_step_memory_record_schema_version(record, 1)
@@ -2980,6 +3120,7 @@ def _load_step_memory_record_item(identity: dict[str, Any], d: Any, path: Path) 
     _set_step_memory_record_device(record, f_device)
     _set_step_memory_record_peak_allocated_bytes(record, f_peak_allocated_bytes)
     _set_step_memory_record_peak_reserved_bytes(record, f_peak_reserved_bytes)
+    _mark_checked(record, True)
     return record
 
 
@@ -3105,6 +3246,32 @@ def _load_process_record_item(identity: dict[str, Any], d: Any, path: Path) -> P
             (*path, "gpu_memory_total_bytes"),
             f"expected integer >= 0 or null, got {describe(f_gpu_memory_total_bytes)}",
         )
+    if f_gpu_available is not True and f_gpu_count is not None:
+        raise RecordError(
+            (*path, "gpu_count"),
+            "expected null unless gpu_available is true, got " + describe(f_gpu_count),
+        )
+    if f_gpu_available is not True and f_gpu_device_index is not None:
+        raise RecordError(
+            (*path, "gpu_device_index"),
+            "expected null unless gpu_available is true, got " + describe(f_gpu_device_index),
+        )
+    if f_gpu_available is not True and f_gpu_memory_used_bytes is not None:
+        raise RecordError(
+            (*path, "gpu_memory_used_bytes"),
+            "expected null unless gpu_available is true, got " + describe(f_gpu_memory_used_bytes),
+        )
+    if f_gpu_available is not True and f_gpu_memory_reserved_bytes is not None:
+        raise RecordError(
+            (*path, "gpu_memory_reserved_bytes"),
+            "expected null unless gpu_available is true, got "
+            + describe(f_gpu_memory_reserved_bytes),
+        )
+    if f_gpu_available is not True and f_gpu_memory_total_bytes is not None:
+        raise RecordError(
+            (*path, "gpu_memory_total_bytes"),
+            "expected null unless gpu_available is true, got " + describe(f_gpu_memory_total_bytes),
+        )
     record: ProcessRecord = _new(ProcessRecord)
     _set_process_record_stream(record, "process")
     _set_process_record_schema_version(record, 1)
@@ -3129,6 +3296,7 @@ def _load_process_record_item(identity: dict[str, Any], d: Any, path: Path) -> P
     _set_process_record_gpu_memory_used_bytes(record, f_gpu_memory_used_bytes)
     _set_process_record_gpu_memory_reserved_bytes(record, f_gpu_memory_reserved_bytes)
     _set_process_record_gpu_memory_total_bytes(record, f_gpu_memory_total_bytes)
+    _mark_checked(record, True)
     return record
 
 
@@ -3201,6 +3369,13 @@ def _load_system_record_item(identity: dict[str, Any], d: Any, path: Path) -> Sy
         raise RecordError(
             (*path, "gpu_count"), f"expected integer >= 0, got {describe(f_gpu_count)}"
         )
+    if f_local_rank != 0:
+        raise RecordError((*path, "local_rank"), "expected 0, got " + describe(f_local_rank))
+    if f_gpu_available is False and f_gpu_count != 0:
+        raise RecordError(
+            (*path, "gpu_count"),
+            "expected 0 when gpu_available is false, got " + describe(f_gpu_count),
+        )
     record: SystemRecord = _new(SystemRecord)
     _set_system_record_stream(record, "system")
     _set_system_record_schema_version(record, 1)
@@ -3219,6 +3394,7 @@ def _load_system_record_item(identity: dict[str, Any], d: Any, path: Path) -> Sy
     _set_system_record_ram_total_bytes(record, f_ram_total_bytes)
     _set_system_record_gpu_available(record, f_gpu_available)
     _set_system_record_gpu_count(record, f_gpu_count)
+    _mark_checked(record, True)
     return record
 
 
@@ -3330,6 +3506,8 @@ def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -
             (*path, "power_limit_w"),
             f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
         )
+    if f_local_rank != 0:
+        raise RecordError((*path, "local_rank"), "expected 0, got " + describe(f_local_rank))
     record: SystemGpuRecord = _new(SystemGpuRecord)
     _set_system_gpu_record_stream(record, "system_gpu")
     _set_system_gpu_record_schema_version(record, 1)
@@ -3350,6 +3528,7 @@ def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -
     _set_system_gpu_record_temperature_c(record, f_temperature_c)
     _set_system_gpu_record_power_usage_w(record, f_power_usage_w)
     _set_system_gpu_record_power_limit_w(record, f_power_limit_w)
+    _mark_checked(record, True)
     return record
 
 
@@ -3389,7 +3568,7 @@ def _load_runtime_environment_record_item(
         raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
     f_pid = identity["pid"]
     f_topology = d["topology"]
-    if type(f_topology) is not str or f_topology not in _ENUM_17:
+    if type(f_topology) is not str or f_topology not in _ENUM_18:
         raise RecordError(
             (*path, "topology"),
             f"expected one of single_process, single_node_multi_process, multi_node, got {describe(f_topology)}",
@@ -3407,19 +3586,19 @@ def _load_runtime_environment_record_item(
             f"expected string or null, got {describe(f_distributed_backend)}",
         )
     f_training_strategy = d["training_strategy"]
-    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_18:
+    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_19:
         raise RecordError(
             (*path, "training_strategy"),
             f"expected one of single_process, ddp, fsdp, deepspeed, distributed_unknown, unknown, got {describe(f_training_strategy)}",
         )
     f_strategy_source = d["strategy_source"]
-    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_19:
+    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_20:
         raise RecordError(
             (*path, "strategy_source"),
             f"expected one of runtime_model, runtime_distributed, topology, unknown, got {describe(f_strategy_source)}",
         )
     f_strategy_confidence = d["strategy_confidence"]
-    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_20:
+    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_21:
         raise RecordError(
             (*path, "strategy_confidence"),
             f"expected one of high, low, got {describe(f_strategy_confidence)}",
@@ -3433,6 +3612,18 @@ def _load_runtime_environment_record_item(
     if type(f_python_version) is not str:
         raise RecordError(
             (*path, "python_version"), f"expected string, got {describe(f_python_version)}"
+        )
+    if f_distributed_initialized is True and f_distributed_backend is None:
+        raise RecordError(
+            (*path, "distributed_backend"),
+            "expected a string when distributed_initialized is true, got "
+            + describe(f_distributed_backend),
+        )
+    if f_distributed_initialized is not True and f_distributed_backend is not None:
+        raise RecordError(
+            (*path, "distributed_backend"),
+            "expected null unless distributed_initialized is true, got "
+            + describe(f_distributed_backend),
         )
     record: RuntimeEnvironmentRecord = _new(RuntimeEnvironmentRecord)
     _set_runtime_environment_record_stream(record, "runtime_environment")
@@ -3456,6 +3647,7 @@ def _load_runtime_environment_record_item(
     _set_runtime_environment_record_strategy_confidence(record, f_strategy_confidence)
     _set_runtime_environment_record_torch_version(record, f_torch_version)
     _set_runtime_environment_record_python_version(record, f_python_version)
+    _mark_checked(record, True)
     return record
 
 
@@ -3483,7 +3675,7 @@ def _load_stdout_stderr_record_item(
     if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
         raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
     f_source = d["source"]
-    if type(f_source) is not str or f_source not in _ENUM_23:
+    if type(f_source) is not str or f_source not in _ENUM_24:
         raise RecordError(
             (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
         )
@@ -3499,6 +3691,7 @@ def _load_stdout_stderr_record_item(
     _set_stdout_stderr_record_seq(record, f_seq)
     _set_stdout_stderr_record_source(record, f_source)
     _set_stdout_stderr_record_line(record, f_line)
+    _mark_checked(record, True)
     return record
 
 
@@ -3818,6 +4011,24 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
     ),
 }
 """Record class → its fields in line order as ``(name, spec, flag)``: what DUMPERS write and LOADERS check, as data for the C encoder (traceml_records/_speedups.c). spec: ``(kind, nullable, sub, minimum, maximum, min_count, allowed)``; kinds: 0 integer, 1 number, 2 boolean, 3 string, 4 object (sub: its class), 5 map (sub: value spec; minimum: least key length; allowed: keys), 6 array (sub: item spec); min_count: least length/entries/items; allowed: None (any), a set the value must be in (enum, const, or the values found to match a pattern), or False (only Python can check it). Flags: 0 always, 1 hostname (only when asked for), 2 omitted when None."""
+
+MAP_KEY_RULES: dict[tuple[type[Any], str], tuple[tuple[str, ...], str | None, frozenset[str]]] = {
+    (StepTimeRecord, "events"): (
+        ("_traceml_internal:step_time",),
+        "_traceml_internal:",
+        frozenset(
+            {
+                "_traceml_internal:backward_time",
+                "_traceml_internal:dataloader_next",
+                "_traceml_internal:forward_time",
+                "_traceml_internal:h2d_time",
+                "_traceml_internal:optimizer_step",
+                "_traceml_internal:step_time",
+            }
+        ),
+    ),
+}
+"""(record class, map field) → (required keys, reserved key prefix or None, the reserved keys allowed): the map key rules of the schemas, as data."""
 
 NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {
     StepTimeRecord: (
