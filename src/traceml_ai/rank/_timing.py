@@ -779,6 +779,10 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         if timer is None or not timer.in_step or not timer.auto_backward or _is_compiling():
             return original(*args, **kwargs)
         slot = timer.bwd
+        if slot.depth:
+            # Already open: Tensor.backward calls the wrapped torch.autograd.backward.
+            # open/close of a nested call would only count depth up and down again.
+            return original(*args, **kwargs)
         timer.open(slot)
         try:
             return original(*args, **kwargs)
