@@ -20,7 +20,9 @@ Paired mode, so that noise cannot hide the cost: one process under ``traceml run
 --exporter jsonl --export-streams all`` (bench/_overhead_paired_train.py) alternates
 traced and untraced steps of a ~600 µs CPU step with a DataLoader fetch; the figure is
 the median of (traced step - the next untraced step), per round, and the median over
-rounds. Last line: ``paired_overhead_us=<x> step_us=<y>``.
+rounds; also in the training thread's CPU time (``time.thread_time``), which the other
+processes of a busy machine do not inflate. Last line: ``paired_overhead_us=<x>
+step_us=<y> paired_overhead_cpu_us=<z>``.
 """
 
 from __future__ import annotations
@@ -95,9 +97,19 @@ def overhead(rounds: int, seconds: float, tmp: Path) -> tuple[float, float]:
     return statistics.median(plain), statistics.median(traced)
 
 
-def paired(rounds: int, seconds: float, tmp: Path) -> tuple[float, float]:
-    """(median µs of traced step - next untraced step, median untraced step µs)."""
+def _pair_diffs(values: list[float], traced_flags: list[bool], start: int) -> list[float]:
+    return [
+        values[j] - values[j + 1]
+        for j in range(start, len(values) - 1)
+        if traced_flags[j] and not traced_flags[j + 1]
+    ]
+
+
+def paired(rounds: int, seconds: float, tmp: Path) -> tuple[float, float, float]:
+    """(median µs of traced step - next untraced step, median untraced step µs, the
+    first figure in the training thread's CPU time)."""
     overheads: list[float] = []
+    cpu_overheads: list[float] = []
     steps: list[float] = []
     for i in range(rounds):
         out = tmp / f"paired{i}.json"
@@ -109,24 +121,22 @@ def paired(rounds: int, seconds: float, tmp: Path) -> tuple[float, float]:
         traced_flags, durations = data["traced"], data["durations"]
         # Skip the first steps: hooks are installed and caches warm on the first ones.
         start = min(50, len(durations) // 10) // 2 * 2
-        diffs = [
-            durations[j] - durations[j + 1]
-            for j in range(start, len(durations) - 1)
-            if traced_flags[j] and not traced_flags[j + 1]
-        ]
+        diffs = _pair_diffs(durations, traced_flags, start)
+        cpu_diffs = _pair_diffs(data["cpu"], traced_flags, start)
         untraced = [
             d for d, t in zip(durations[start:], traced_flags[start:], strict=True) if not t
         ]
         if i == 0:
             print(f"traceml: {data.get('traceml_file')}", flush=True)
         overheads.append(statistics.median(diffs) * 1e6)
+        cpu_overheads.append(statistics.median(cpu_diffs) * 1e6)
         steps.append(_median_us(untraced))
         print(
-            f"round {i + 1}: {len(diffs)} pairs, traced - untraced {overheads[-1]:.1f} us, "
-            f"untraced step {steps[-1]:.1f} us",
+            f"round {i + 1}: {len(diffs)} pairs, traced - untraced {overheads[-1]:.1f} us "
+            f"(CPU time {cpu_overheads[-1]:.1f} us), untraced step {steps[-1]:.1f} us",
             flush=True,
         )
-    return statistics.median(overheads), statistics.median(steps)
+    return statistics.median(overheads), statistics.median(steps), statistics.median(cpu_overheads)
 
 
 def _aggregator_of(launcher: psutil.Process, deadline: float) -> psutil.Process:
@@ -185,8 +195,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.paired:
         with tempfile.TemporaryDirectory() as name:
-            overhead_us, step_us = paired(args.rounds, args.seconds, Path(name))
-        print(f"paired_overhead_us={overhead_us:.1f} step_us={step_us:.1f}")
+            overhead_us, step_us, cpu_us = paired(args.rounds, args.seconds, Path(name))
+        print(
+            f"paired_overhead_us={overhead_us:.1f} step_us={step_us:.1f} "
+            f"paired_overhead_cpu_us={cpu_us:.1f}"
+        )
         return
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
