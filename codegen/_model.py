@@ -167,6 +167,8 @@ class ClassModel:
     schema_id: str
     pointer: str
     conditions: tuple[Condition, ...] = ()
+    rules: tuple[str, ...] = ()
+    """x-traceml-rules of a top-level schema (named rules of traceml_records._rules)."""
 
 
 @attrs.frozen
@@ -452,6 +454,7 @@ class _Loader:
             schema_id=schema_id,
             pointer=pointer,
             conditions=conditions,
+            rules=tuple(node.get("x-traceml-rules", [])),
         )
         self.classes[class_name] = model
         self.class_order.append(class_name)

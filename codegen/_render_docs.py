@@ -137,7 +137,7 @@ def _rules_section(
 ) -> None:
     """The schema's conditions and the named rules of traceml_records._rules."""
     schema_rules = _map_rules(model) + [_condition_text(c) for c in model.conditions]
-    named = stream.rules if stream is not None else ()
+    named = stream.rules if stream is not None else model.rules
     if not schema_rules and not named:
         return
     lines.append("Rules:")
@@ -146,9 +146,7 @@ def _rules_section(
         lines.append(f"- {text} (schema)")
     for name in named:
         if name not in texts:
-            raise SchemaError(
-                stream.schema_file if stream else "", "/x-traceml-rules", f"unknown rule {name!r}"
-            )
+            raise SchemaError(model.schema_file, "/x-traceml-rules", f"unknown rule {name!r}")
         lines.append(f"- `{name}`: {texts[name]}")
     lines.append("")
 

@@ -151,3 +151,19 @@ def test_follow_stops_at_the_closing_line(tmp_path: Path) -> None:
     records = list(read_jsonl(path, follow=True, poll_interval=5, timeout=60))
     assert time.monotonic() - started < 2  # no poll after the closing line
     assert type(records[-1]) is ClosingLine
+
+
+def test_strict_by_default_and_lenient_on_request(tmp_path: Path) -> None:
+    """A line that breaks a named rule (not the schema): refused like validate does,
+    read with strict=False."""
+    path = tmp_path / "step_time.jsonl"
+    record = loads_line(EXAMPLE_DATA_LINE)
+    assert type(record) is StepTimeRecord
+    beyond = EXAMPLE_DATA_LINE.replace(b'"world_size":2,', b'"world_size":1,', 1)
+    assert beyond != EXAMPLE_DATA_LINE
+    path.write_bytes(data_line(0) + beyond + closing_line(2))
+    with pytest.raises(LineError) as info:
+        list(read_jsonl(path))
+    assert (info.value.line, info.value.pointer) == (2, "/global_rank")
+    records = list(read_jsonl(path, strict=False))
+    assert [type(r) for r in records] == [StepTimeRecord, StepTimeRecord, ClosingLine]

@@ -28,13 +28,21 @@ import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import consistent_json
+from strategies import consistent_json, warning_json
 
 from traceml_ai.export._builder import RecordBuilder
+from traceml_ai.export._finalize import _check_warning
 from traceml_ai.wire import ReceivedBatch
-from traceml_records import RecordError, dumps_line, loads_line, validate_line
+from traceml_records import (
+    FinalizationWarning,
+    RecordError,
+    dumps_line,
+    loads_line,
+    loads_warning_file,
+    validate_line,
+)
 from traceml_records._codec import SPEEDUPS, line_problems
-from traceml_records._generated.records import IDENTITY_FIELDS, is_checked
+from traceml_records._generated.records import IDENTITY_FIELDS, LOADERS, is_checked
 from traceml_records._generated.registry import STREAMS
 from traceml_records._rules import RULES, duration_ok, identity_ok, line_checks, topology_of
 from traceml_records._schemas import schema_documents
@@ -300,6 +308,11 @@ def wire_batch(stream: str, d: dict[str, Any]) -> ReceivedBatch | None:
     }
     if stream == "stdout_stderr":
         item = {k: v for k, v in item.items() if k != "rank"}
+    # An optional field a line may lack (written before it existed) is null in an item.
+    schema = DOCS[SPECS[stream].schema_file]
+    for key in schema["properties"]:
+        if key not in schema["required"] and key not in IDENTITY_FIELDS and key not in item:
+            item[key] = None
     wire_stream = stream
     if stream == "system":
         count = item.pop("gpu_count")
@@ -405,12 +418,13 @@ def test_builder_validate_loads_and_dumps_agree(stream: str, data: st.DataObject
 # ------------------------------------------------------------------ the rules module
 
 
-def test_every_named_line_rule_has_a_mutation_and_a_stream() -> None:
+def test_every_named_rule_is_listed_by_a_schema_and_every_line_rule_is_broken() -> None:
+    warning_rules = set(DOCS["finalization_warning.schema.json"]["x-traceml-rules"])
     listed = {name for spec in STREAMS for name in spec.rules}
-    assert listed <= set(RULES)
+    assert listed | warning_rules <= set(RULES)
     for name, rule in RULES.items():
-        assert name in listed, f"rule {name} is on no stream"
-        if rule.check is not None:
+        assert name in listed | warning_rules, f"rule {name} is on no schema"
+        if rule.check is not None and name not in warning_rules:
             assert name in RULE_MUTATIONS, f"no mutation breaks {name}"
 
 
@@ -505,3 +519,74 @@ def test_nan_in_a_nullable_float_is_still_written_as_null_for_a_user_record() ->
     )
     hot = attrs.evolve(record, temperature_c=math.nan)
     assert b'"temperature_c":null' in dumps_line(hot)
+
+
+# ------------------------------------------------------------------ finalization_warning.json
+
+WARNING_MUTATIONS: dict[str, Any] = {
+    "valid": lambda d: d,
+    "warning-ranks-sorted": lambda d: (
+        {**d, "missing_ranks": d["missing_ranks"][::-1]}
+        if len(d.get("missing_ranks", ())) > 1
+        else None
+    ),
+    "warning-ranks-below-world-size": lambda d: (
+        {**d, "missing_ranks": [*d["missing_ranks"], d["expected_world_size"]]}
+        if "missing_ranks" in d
+        else None
+    ),
+    "warning-ranks-disjoint": lambda d: (
+        {**d, "finished_ranks": sorted({*d["finished_ranks"], d["missing_ranks"][0]})}
+        if "missing_ranks" in d
+        else None
+    ),
+    "warning-export-shows-loss": lambda d: (
+        {
+            **d,
+            "export": {
+                **d["export"],
+                "dropped_batches": 0,
+                "failed_records": 0,
+                "skipped_items": 0,
+                "exporter_failed": False,
+            },
+        }
+        if "export" in d
+        else None
+    ),
+    "warning-completed-at-utc": lambda d: {**d, "completed_at": "2026-01-01T00:00:00Z"},
+    "warning-message-not-blank": lambda d: {**d, "message": " \t"},
+}
+
+
+def test_every_warning_rule_has_a_mutation() -> None:
+    rules = DOCS["finalization_warning.schema.json"]["x-traceml-rules"]
+    assert set(rules) == set(WARNING_MUTATIONS) - {"valid"}
+
+
+@given(
+    d=warning_json(),
+    name=st.sampled_from(sorted(WARNING_MUTATIONS)),
+)
+def test_validate_loads_and_finalize_agree_on_the_warning(d: dict[str, Any], name: str) -> None:
+    mutated = WARNING_MUTATIONS[name](d)
+    if mutated is None:
+        return
+    data = orjson.dumps(mutated, option=orjson.OPT_INDENT_2) + b"\n"
+    flagged = validate_line(data)
+    try:
+        warning = loads_warning_file(data)
+        refused = None
+    except RecordError as exc:
+        refused = exc
+        warning = None
+    assert bool(flagged) == (refused is not None), (name, flagged, refused)
+    if name != "valid":
+        assert refused is not None and refused.pointer in {p.pointer for p in flagged}
+    # finalize checks a warning before writing it with the same rules.
+    record = LOADERS[FinalizationWarning](mutated, ())
+    if warning is None:
+        with pytest.raises(ValueError):
+            _check_warning(record)
+    else:
+        _check_warning(record)

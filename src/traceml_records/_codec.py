@@ -48,7 +48,12 @@ from traceml_records._generated.records import (
 )
 from traceml_records._generated.registry import STREAMS
 from traceml_records._rules import LineCheck, line_checks, line_findings
-from traceml_records._schemas import WARNING_SCHEMA_FILE, rs_validators, schema_errors
+from traceml_records._schemas import (
+    WARNING_SCHEMA_FILE,
+    rs_validators,
+    schema_documents,
+    schema_errors,
+)
 
 StreamRecord: TypeAlias = (
     StepTimeRecord
@@ -308,6 +313,8 @@ def line_problems(obj: dict[str, Any]) -> list[tuple[Path, str]]:
         if tuple(obj) != _CLOSING_ORDER:
             return [((), f"keys are not in schema order ({', '.join(_CLOSING_ORDER)})")]
         return []
+    if "status" in obj:
+        return _warning_problems(obj)
     form = _LINE_FORMS.get(obj.get("stream"))  # type: ignore[arg-type]
     if form is None:
         return []
@@ -318,6 +325,25 @@ def line_problems(obj: dict[str, Any]) -> list[tuple[Path, str]]:
     if form.sorted_map is not None:
         found.extend(_unsorted(obj[form.sorted_map], form.sorted_map))
     found.extend(line_findings(form.checks, obj))
+    return found
+
+
+_WARNING_ORDER = tuple(field[0] for field in ENCODER_PLANS[FinalizationWarning])
+
+
+@functools.cache
+def _warning_checks() -> tuple[LineCheck, ...]:
+    # The schema names its rules; read once, when a warning is first checked.
+    return line_checks(tuple(schema_documents()[WARNING_SCHEMA_FILE]["x-traceml-rules"]))
+
+
+def _warning_problems(obj: dict[str, Any]) -> list[tuple[Path, str]]:
+    """Key order and the named rules of finalization_warning.json (schema-valid ``obj``)."""
+    found: list[tuple[Path, str]] = []
+    order = [k for k in _WARNING_ORDER if k in obj]
+    if list(obj) != order:
+        found.append(((), f"keys are not in schema order ({', '.join(order)})"))
+    found.extend(line_findings(_warning_checks(), obj))
     return found
 
 
@@ -376,8 +402,17 @@ def dumps_warning_file(warning: FinalizationWarning) -> bytes:
 
 
 def loads_warning_file(data: bytes | str) -> FinalizationWarning:
-    """Parse ``finalization_warning.json`` content strictly (RecordError on any fault)."""
-    return _load_warning(_parse(data))
+    """Parse ``finalization_warning.json`` content strictly (RecordError on any fault).
+
+    The schema, then the named rules the schema lists (``x-traceml-rules``), as
+    ``traceml validate`` checks the file and finalize checks what it writes.
+    """
+    obj = _parse(data)
+    warning = _load_warning(obj)
+    found = _warning_problems(obj)
+    if found:
+        raise RecordError(*found[0])
+    return warning
 
 
 def _load_warning(obj: Any) -> FinalizationWarning:

@@ -44,13 +44,21 @@ def read_jsonl(
     follow: bool = False,
     poll_interval: float = 0.2,
     timeout: float | None = None,
+    strict: bool = True,
 ) -> Iterator[AnyRecord]:
     """Yield the typed records of one export file, its closing line included.
 
-    Lines are parsed strictly with :func:`loads_line`; a bad line raises
-    :class:`LineError` (a :class:`RecordError`) naming ``file:line``, and so does a
-    line after the closing line. An unterminated last line is a line still being
-    written and is not yielded.
+    Lines are parsed with :func:`loads_line`; a bad line raises :class:`LineError`
+    (a :class:`RecordError`) naming ``file:line``, and so does a line after the
+    closing line. An unterminated last line is a line still being written and is not
+    yielded.
+
+    ``strict`` is on by default, so the reader refuses exactly the lines ``traceml
+    validate`` reports on their own (schema, key order, sorted maps and the named
+    rules such as ``rank == global_rank``): what it yields is what the writer may
+    write. ``strict=False`` checks the schema only, to read the values of another
+    producer's lines that break a cross-field rule (cross-line rules such as unique
+    keys are ``traceml validate``'s in either case).
 
     With ``follow=True`` the reader keeps polling every ``poll_interval`` seconds as
     the file grows (waiting for it to appear if needed) and stops after the closing
@@ -81,7 +89,7 @@ def read_jsonl(
                 if closed:
                     raise LineError(name, number, (), "line after the closing line")
                 try:
-                    record = loads_line(raw)
+                    record = loads_line(raw, strict)
                 except RecordError as exc:
                     raise LineError(name, number, exc.path, exc.reason) from None
                 if type(record) is ClosingLine:

@@ -17,6 +17,7 @@ rule texts, so it must work before the generated code exists.
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -26,6 +27,7 @@ Finding = tuple[tuple[str | int, ...], str]
 LineCheck = Callable[[Mapping[str, Any]], Iterator[Finding]]
 
 _PYTHON_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+\S*")
+_RFC3339_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?\+00:00")
 
 # ----------------------------------------------------------------------- predicates
 # The fast forms, for callers that hold the values already (builder, rank side).
@@ -129,6 +131,74 @@ def _line_without_newline(d: Mapping[str, Any]) -> Iterator[Finding]:
         yield ("line",), "one line of output, without its newline"
 
 
+# finalization_warning.json: what its schema cannot say.
+
+
+def _warning_ranks_sorted(d: Mapping[str, Any]) -> Iterator[Finding]:
+    for key in ("finished_ranks", "missing_ranks"):
+        ranks = d.get(key)
+        if ranks is not None and list(ranks) != sorted(ranks):
+            yield (key,), "ranks are not sorted"
+
+
+def _warning_ranks_below_world_size(d: Mapping[str, Any]) -> Iterator[Finding]:
+    world = d.get("expected_world_size")
+    if world is None:
+        return
+    for key in ("finished_ranks", "missing_ranks"):
+        if any(r >= world for r in d.get(key) or ()):
+            yield (key,), f"ranks must be below expected_world_size {world}"
+
+
+def _warning_ranks_disjoint(d: Mapping[str, Any]) -> Iterator[Finding]:
+    both = sorted(set(d.get("finished_ranks") or ()) & set(d.get("missing_ranks") or ()))
+    if both:
+        yield ("missing_ranks",), f"ranks {both} are also in finished_ranks"
+
+
+def export_shows_loss(
+    dropped_batches: int, failed_records: int, skipped_items: int, exporter_failed: bool
+) -> bool:
+    """Whether an export block counts something lost (else it has no business there)."""
+    return dropped_batches > 0 or failed_records > 0 or skipped_items > 0 or exporter_failed
+
+
+def _warning_export_shows_loss(d: Mapping[str, Any]) -> Iterator[Finding]:
+    export = d.get("export")
+    if export is not None and not export_shows_loss(
+        export["dropped_batches"],
+        export["failed_records"],
+        export["skipped_items"],
+        export["exporter_failed"],
+    ):
+        yield ("export",), "the export block shows no loss"
+
+
+def completed_at_ok(value: str) -> bool:
+    """``datetime.now(timezone.utc).isoformat()``: RFC 3339 with ``+00:00``."""
+    if _RFC3339_UTC.fullmatch(value) is None:
+        return False
+    try:
+        datetime.datetime.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _warning_completed_at_utc(d: Mapping[str, Any]) -> Iterator[Finding]:
+    if not completed_at_ok(d["completed_at"]):
+        yield (
+            ("completed_at",),
+            "expected datetime.now(timezone.utc).isoformat(), e.g. "
+            "'2025-01-31T12:00:00.123456+00:00'",
+        )
+
+
+def _warning_message_not_blank(d: Mapping[str, Any]) -> Iterator[Finding]:
+    if not d["message"].strip():
+        yield ("message",), "message must not be blank (one human sentence)"
+
+
 class Rule:
     """One named rule: its text for the docs and, for a line rule, its check."""
 
@@ -187,6 +257,36 @@ RULES: dict[str, Rule] = {
             "line-without-newline",
             "`line` holds no newline (it may be empty or hold `\\r`).",
             _line_without_newline,
+        ),
+        Rule(
+            "warning-ranks-sorted",
+            "`finished_ranks` and `missing_ranks` are sorted.",
+            _warning_ranks_sorted,
+        ),
+        Rule(
+            "warning-ranks-below-world-size",
+            "Every rank of `finished_ranks` and `missing_ranks` is below `expected_world_size`.",
+            _warning_ranks_below_world_size,
+        ),
+        Rule(
+            "warning-ranks-disjoint",
+            "No rank is both in `finished_ranks` and in `missing_ranks`.",
+            _warning_ranks_disjoint,
+        ),
+        Rule(
+            "warning-export-shows-loss",
+            "The `export` block shows a loss: some count > 0 or `exporter_failed` true.",
+            _warning_export_shows_loss,
+        ),
+        Rule(
+            "warning-completed-at-utc",
+            "`completed_at` is `datetime.now(timezone.utc).isoformat()` (RFC 3339, `+00:00`).",
+            _warning_completed_at_utc,
+        ),
+        Rule(
+            "warning-message-not-blank",
+            "`message` is one human sentence: not only white space.",
+            _warning_message_not_blank,
         ),
         # Cross-line rules: checked by `traceml validate` over a whole file or folder.
         Rule(

@@ -19,10 +19,8 @@ earlier run's. They are still checked on their own and their summaries say so.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
-import re
 from collections.abc import Callable, Iterable
 from operator import itemgetter
 from pathlib import Path as FsPath
@@ -61,7 +59,6 @@ _IDENTITY = (
     "seq",
 )
 _SNAPSHOT_KEY = itemgetter("node_rank", "seq")
-_RFC3339_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?\+00:00")
 _NOT_INT = "expected an integer written without fraction or exponent, got"
 
 # (pointer, message) pairs: what the per-line checks produce before a file and a
@@ -255,50 +252,15 @@ def _check_closing(d: dict[str, Any]) -> _Found:
 
 
 def _check_warning(d: Any) -> _Found:
-    """Schema and cross-field rules of finalization_warning.json."""
+    """Schema, integers written as integers, then key order and the named rules
+    (``line_problems``, as strict loading and finalize check them)."""
     schema = schema_documents()[WARNING_SCHEMA_FILE]
     validator = rs_validators()[WARNING_SCHEMA_FILE]
     if not validator.is_valid(d):
         return _schema_problems(validator, d)
     out: _Found = []
-    order = [k for k in schema["properties"] if k in d]
-    if list(d) != order:
-        out.append(("", f"keys are not in schema order ({', '.join(order)})"))
     _float_ints(d, schema, schema, (), out)
-    completed = d["completed_at"]
-    valid_time = _RFC3339_UTC.fullmatch(completed) is not None
-    if valid_time:
-        try:
-            datetime.datetime.fromisoformat(completed)
-        except ValueError:
-            valid_time = False
-    if not valid_time:
-        out.append(
-            (
-                "/completed_at",
-                "expected datetime.now(timezone.utc).isoformat(), e.g. "
-                "'2025-01-31T12:00:00.123456+00:00'",
-            )
-        )
-    if "expected_world_size" in d:
-        world = d["expected_world_size"]
-        finished, missing = d["finished_ranks"], d["missing_ranks"]
-        for key, ranks in (("finished_ranks", finished), ("missing_ranks", missing)):
-            if ranks != sorted(ranks):
-                out.append((f"/{key}", "ranks are not sorted"))
-            if any(r >= world for r in ranks):
-                out.append((f"/{key}", f"ranks must be below expected_world_size {world}"))
-        both = sorted(set(finished) & set(missing))
-        if both:
-            out.append(("/missing_ranks", f"ranks {both} are also in finished_ranks"))
-    export = d.get("export")
-    if export is not None and not (
-        export["dropped_batches"] > 0
-        or export["failed_records"] > 0
-        or export["skipped_items"] > 0
-        or export["exporter_failed"]
-    ):
-        out.append(("/export", "the export block shows no loss"))
+    out.extend((json_pointer(path), message) for path, message in line_problems(d))
     return out
 
 

@@ -14,8 +14,15 @@ import attrs
 import orjson
 
 from traceml_ai.export._jsonl import EXPORT_FILE_MODE
-from traceml_records import ExportLoss, FinalizationWarning, RecordError, dumps_warning_file
+from traceml_records import (
+    ExportLoss,
+    FinalizationWarning,
+    RecordError,
+    dumps_warning_file,
+    loads_warning_file,
+)
 from traceml_records._generated.records import LOADERS
+from traceml_records._rules import export_shows_loss
 
 __all__ = [
     "WARNING_FILE_NAME",
@@ -88,8 +95,8 @@ class RankOutcome:
 
 
 def _shows_loss(loss: ExportLoss) -> bool:
-    return bool(
-        loss.dropped_batches or loss.failed_records or loss.skipped_items or loss.exporter_failed
+    return export_shows_loss(
+        loss.dropped_batches, loss.failed_records, loss.skipped_items, loss.exporter_failed
     )
 
 
@@ -134,32 +141,13 @@ def _default_message(
 
 
 def _check_warning(w: FinalizationWarning) -> None:
-    """The rules a JSON Schema alone cannot say; ValueError on the first broken one."""
-    rank_fields = (w.expected_world_size, w.finished_ranks, w.missing_ranks)
-    if any(v is None for v in rank_fields) and any(v is not None for v in rank_fields):
-        raise ValueError("expected_world_size, finished_ranks and missing_ranks go together")
-    if w.reason == "export_incomplete":
-        if w.export is None or w.missing_ranks is not None:
-            raise ValueError("export_incomplete needs the export block and no rank fields")
-    elif w.missing_ranks is None:
-        raise ValueError(f"{w.reason} needs the rank fields")
-    if w.missing_ranks is not None:
-        assert w.expected_world_size is not None and w.finished_ranks is not None
-        RankOutcome(
-            expected_world_size=w.expected_world_size,
-            finished_ranks=w.finished_ranks,
-            missing_ranks=w.missing_ranks,
-        )
-        if list(w.finished_ranks) != sorted(set(w.finished_ranks)) or list(
-            w.missing_ranks
-        ) != sorted(set(w.missing_ranks)):
-            raise ValueError("rank lists must be sorted and unique")
-        if not w.missing_ranks:
-            raise ValueError("missing_ranks must not be empty")
-    if w.export is not None and not _shows_loss(w.export):
-        raise ValueError("the export block must show a loss")
-    if not w.message.strip():
-        raise ValueError("message must not be blank")
+    """The warning's schema and named rules, as ``traceml validate`` and
+    ``loads_warning_file`` check them (traceml_records._rules); ValueError on the first
+    broken one."""
+    try:
+        loads_warning_file(dumps_warning_file(w))
+    except RecordError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _encode(w: FinalizationWarning) -> bytes:
