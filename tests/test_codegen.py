@@ -132,6 +132,11 @@ def test_dump_orders_keys_sorts_maps_and_places_hostname(gen: types.ModuleType) 
         ({"leaves": {"x": {"value": 1}}}, "/leaves/x/flag"),
         ({"tags": [1, 1]}, "/tags"),
         ({"tags": [1, "2"]}, "/tags/1"),
+        # if/then/else, const, propertyNames if/then (a reserved key prefix)
+        ({"kind": "b"}, "/id"),
+        ({"kind": "b", "id": 7}, "/size"),
+        ({"leaves": {"x": {"value": 1.0, "flag": False}}}, "/leaves/x/value"),
+        ({"leaves": {"ax": {"value": None, "flag": True}}}, "/leaves/ax"),
         ({"extra": 1}, "/extra"),
     ],
 )
