@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import stat
@@ -146,6 +147,13 @@ def _remove_created(dir_fd: int, created: Sequence[tuple[str, int]]) -> None:
             pass  # Already gone or replaced by someone else: nothing of ours to remove.
         finally:
             os.close(fd)
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_written(n: int) -> ExportResult:
+    """The result of a group written whole; results are immutable, so one per size serves
+    every call (the fast path answers once per group)."""
+    return ExportResult(written=n)
 
 
 class JsonlExporter:
@@ -384,7 +392,7 @@ class JsonlExporter:
                         "and were not written"
                     ),
                 )
-            return ExportResult(written=n)
+            return _all_written(n)
 
     @staticmethod
     def _abandoned(f: _StreamFile, n: int) -> ExportResult:

@@ -492,6 +492,9 @@ class ExportWorker:
             # The plain protocol: returning means written (whatever a custom exporter returns).
             return n, 0
         written = result.written
+        if type(written) is int and written == n and result.failed == 0 and result.abandoned == 0:
+            # The usual answer, checked first: this runs once per group on the fast path.
+            return n, 0
         if (
             type(written) is not int
             or type(result.failed) is not int
