@@ -69,16 +69,22 @@ class StepRecorder:
         self.last_step = 0
 
     def put(self, stream: str, item: dict[str, object]) -> None:
-        step = item.get("step")
-        if isinstance(step, int) and self.max_steps is not None and step > self.max_steps:
-            return
-        if stream == "step_time" and isinstance(step, int):
+        # Twice on every traced step's path: without --trace-max-steps a step_memory
+        # item costs two comparisons before the sink's put.
+        max_steps = self.max_steps
+        if max_steps is not None:
+            step = item.get("step")
+            if isinstance(step, int) and step > max_steps:
+                return
+        if stream == "step_time":
+            step = item.get("step")
             events = item.get("events")
-            if isinstance(events, dict):
+            if isinstance(step, int) and isinstance(events, dict):
                 with self._lock:
                     self.recent.append((step, events))
                     self.total_steps += 1
-                    self.last_step = max(self.last_step, step)
+                    if step > self.last_step:
+                        self.last_step = step
         sink = self.sink
         if sink is not None:
             sink.put(stream, item)

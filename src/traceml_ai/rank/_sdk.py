@@ -630,9 +630,12 @@ def trace_step(model: object | None = None) -> AbstractContextManager[None]:
     unchanged, and that step is discarded (not sent, not counted) as TraceML 0.5.0
     does: the next step gets its number, so step numbers stay consecutive.
     """
-    runtime = _current()
+    # Every step: the running runtime without the call into _current() (auto-init).
+    runtime = _runtime
     if runtime is None:
-        return _NULL
+        runtime = _current()
+        if runtime is None:
+            return _NULL
     return StepContext(runtime.timer, model)
 
 
