@@ -226,6 +226,7 @@ def process_item(seq: int = 0, gpu: bool = False) -> dict[str, Any]:
         "gpu_memory_used_bytes": 10**9 if gpu else None,
         "gpu_memory_reserved_bytes": 2 * 10**9 if gpu else None,
         "gpu_memory_total_bytes": 80 * 10**9 if gpu else None,
+        "gpu_uuid": "GPU-00000001-1111-2222-3333-444444444444" if gpu else None,
     }
 
 
@@ -238,6 +239,7 @@ def gpu_entry(index: int) -> dict[str, Any]:
         "temperature_c": 61,
         "power_usage_w": 250.5,
         "power_limit_w": 700.0,
+        "gpu_uuid": f"GPU-{index:08x}-1111-2222-3333-444444444444",
     }
 
 

@@ -18,13 +18,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import e2e_helpers as e2e
 import pytest
 import torch
 
 import traceml_ai as traceml
 from traceml_ai.rank import _sdk, _timing
-from traceml_ai.rank.gpu import CudaEvent, TorchCudaBackend, normalize_uuid
+from traceml_ai.rank.gpu import CudaEvent, GpuReading, TorchCudaBackend, normalize_uuid
 from traceml_ai.rank.samplers import ProcessSampler
 from traceml_ai.rank.sink import RecordingSink
 
@@ -583,3 +584,123 @@ def test_torch_backend_reads_the_uuid_from_device_properties(
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=bare))
     assert TorchCudaBackend().device_uuid(0) == "GPU-" + bare
+
+
+class UuidNvml:
+    """An ``NvmlBackend`` fake: NVML numbers the host's GPUs its own way (PCI order)."""
+
+    def __init__(self, uuids: list[str]) -> None:
+        self.uuids = uuids
+
+    def device_count(self) -> int:
+        return len(self.uuids)
+
+    def read(self, index: int) -> GpuReading:
+        return GpuReading(memory_used_bytes=1, memory_total_bytes=2, uuid=self.uuids[index])
+
+    def close(self) -> None:
+        pass
+
+
+def test_process_and_system_gpu_lines_join_on_gpu_uuid() -> None:
+    cuda = StrictCuda()
+    # Torch's cuda:1 is NVML's GPU 0 (CUDA_VISIBLE_DEVICES / CUDA's device order).
+    nvml = UuidNvml([cuda.device_uuid(1) or "", cuda.device_uuid(0) or ""])
+    sink = RecordingSink()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda, nvml_backend=nvml)
+    one_step(FakeModel(_device("cuda", 1)), cuda)
+    cuda.finish_all()
+    traceml.shutdown()
+    process = sink.items("process")[-1]
+    assert process["gpu_device_index"] == 1
+    gpus = {g["gpu_uuid"]: g["gpu_index"] for g in sink.items("system")[-1]["gpus"]}
+    assert gpus[process["gpu_uuid"]] == 0
+
+
+def test_lines_with_and_without_gpu_uuid_are_valid() -> None:
+    from traceml_records import dumps_line, loads_line
+    from traceml_records._generated.records import ProcessRecord, SystemGpuRecord
+
+    identity: dict[str, Any] = {
+        "schema_version": 1,
+        "observed_timestamp_unix_ns": 1,
+        "rank": 0,
+        "global_rank": 0,
+        "local_rank": 0,
+        "world_size": 1,
+        "local_world_size": 1,
+        "node_rank": 0,
+        "timestamp_unix_ns": 1,
+        "seq": 0,
+    }
+    base = ProcessRecord(
+        stream="process",
+        **identity,
+        pid=7,
+        cpu_percent=1.0,
+        cpu_logical_cores=2,
+        ram_used_bytes=1,
+        ram_total_bytes=2,
+        gpu_available=True,
+        gpu_count=2,
+        gpu_device_index=1,
+        gpu_memory_used_bytes=1,
+        gpu_memory_reserved_bytes=1,
+        gpu_memory_total_bytes=2,
+    )
+    # A line of the release before gpu_uuid (no key) loads as before.
+    old = dumps_line(base)
+    assert b"gpu_uuid" not in old
+    assert loads_line(old).gpu_uuid is None  # type: ignore[union-attr]
+    uuid = "GPU-00000001-1111-2222-3333-444444444444"
+    new = dumps_line(attrs.evolve(base, gpu_uuid=uuid))
+    assert new.endswith(b'"gpu_uuid":"' + uuid.encode() + b'"}\n')
+    assert loads_line(new).gpu_uuid == uuid  # type: ignore[union-attr]
+    gpu = SystemGpuRecord(
+        stream="system_gpu",
+        **identity,
+        gpu_index=0,
+        utilization_percent=None,
+        memory_used_bytes=None,
+        memory_total_bytes=None,
+        temperature_c=None,
+        power_usage_w=None,
+        power_limit_w=None,
+        gpu_uuid=uuid,
+    )
+    assert loads_line(dumps_line(gpu)).gpu_uuid == uuid  # type: ignore[union-attr]
+
+
+def test_gpu_uuid_null_is_refused_as_validate_refuses_it() -> None:
+    import orjson
+
+    from traceml_records import loads_line, validate_line
+    from traceml_records._errors import RecordError
+
+    good = {
+        "stream": "system_gpu",
+        "schema_version": 1,
+        "observed_timestamp_unix_ns": 1,
+        "rank": 0,
+        "global_rank": 0,
+        "local_rank": 0,
+        "world_size": 1,
+        "local_world_size": 1,
+        "node_rank": 0,
+        "timestamp_unix_ns": 1,
+        "seq": 0,
+        "gpu_index": 0,
+        "utilization_percent": None,
+        "memory_used_bytes": None,
+        "memory_total_bytes": None,
+        "temperature_c": None,
+        "power_usage_w": None,
+        "power_limit_w": None,
+    }
+    assert not validate_line(orjson.dumps(good) + b"\n")
+    # Absent when unknown, never null: both readers refuse a null at the same place.
+    line = orjson.dumps({**good, "gpu_uuid": None}) + b"\n"
+    assert [p.pointer for p in validate_line(line)] == ["/gpu_uuid"]
+    with pytest.raises(RecordError) as refused:
+        loads_line(line)
+    assert refused.value.pointer == "/gpu_uuid"

@@ -179,6 +179,7 @@ def test_system_item_matches_the_wire_format() -> None:
         temperature_c=55.0,
         power_usage_w=80.5,
         power_limit_w=300.0,
+        uuid="GPU-5",
     )
     sampler = SystemSampler(FakeNvml([ok]))
     item = sampler.sample()
@@ -198,6 +199,7 @@ def test_system_item_matches_the_wire_format() -> None:
         "temperature_c": 55.0,
         "power_usage_w": 80.5,
         "power_limit_w": 300.0,
+        "gpu_uuid": "GPU-5",
     }
 
 
@@ -463,6 +465,10 @@ class _FakePynvml:
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: int) -> int:
         raise self.NVMLError("not supported")
 
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:
+        # Old nvidia-ml-py returns bytes; the UUID is written as text.
+        return b"GPU-2b5f3f3c-0000-1111-2222-333344445555"
+
 
 def test_pynvml_backend_maps_nvml_readings(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _FakePynvml()
@@ -481,6 +487,7 @@ def test_pynvml_backend_maps_nvml_readings(monkeypatch: pytest.MonkeyPatch) -> N
         "temperature_c": 61.0,
         "power_usage_w": 123.456,
         "power_limit_w": None,  # this reading failed alone; the others stay
+        "gpu_uuid": "GPU-2b5f3f3c-0000-1111-2222-333344445555",
     }
     assert second["gpu_index"] == 1
     assert all(v is None for k, v in second.items() if k != "gpu_index")

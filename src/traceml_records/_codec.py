@@ -289,11 +289,23 @@ def _load_object(obj: Any) -> AnyRecord:
 class _LineForm:
     """What strict loading checks beyond the loader, for one stream (from the registry)."""
 
-    __slots__ = ("checks", "order", "order_without_hostname", "sorted_map")
+    __slots__ = ("checks", "not_null", "order", "orders", "sorted_map")
 
     def __init__(self, record_class: type[Any], rules: tuple[str, ...]) -> None:
-        self.order = tuple(field[0] for field in ENCODER_PLANS[record_class])
-        self.order_without_hostname = tuple(k for k in self.order if k != "hostname")
+        plan = ENCODER_PLANS[record_class]
+        self.order = tuple(field[0] for field in plan)
+        # Every key order a line may have: the schema order less any set of its
+        # optional keys (flag != 0: hostname, and keys omitted when null such as
+        # gpu_uuid, which lines written before that key existed lack).
+        optional = [field[0] for field in plan if field[2] != 0]
+        orders = set()
+        for mask in range(1 << len(optional)):
+            left_out = {name for bit, name in enumerate(optional) if mask >> bit & 1}
+            orders.add(tuple(k for k in self.order if k not in left_out))
+        self.orders = frozenset(orders)
+        # Optional keys that are absent when unknown, never null (gpu_uuid): the
+        # loader reads a null as absent, the schema refuses it.
+        self.not_null = tuple(field[0] for field in plan if field[2] == 2)
         self.checks: tuple[LineCheck, ...] = line_checks(rules)
         # step_time's events: names and each device map sorted (a line format rule).
         self.sorted_map = "events" if "events" in self.order else None
@@ -319,9 +331,11 @@ def line_problems(obj: dict[str, Any]) -> list[tuple[Path, str]]:
     if form is None:
         return []
     found: list[tuple[Path, str]] = []
-    keys = tuple(obj)
-    if keys != form.order and keys != form.order_without_hostname:
+    if tuple(obj) not in form.orders:
         found.append(((), f"keys are not in schema order ({', '.join(form.order)})"))
+    for key in form.not_null:
+        if key in obj and obj[key] is None:
+            found.append(((key,), 'null is not of type "string"'))
     if form.sorted_map is not None:
         found.extend(_unsorted(obj[form.sorted_map], form.sorted_map))
     found.extend(line_findings(form.checks, obj))

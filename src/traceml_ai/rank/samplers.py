@@ -95,6 +95,8 @@ class ProcessSampler(_Sequenced):
         # which is 0 on every rank.
         self._device_index = device_index
         self._local_rank = local_rank
+        # A device's UUID never changes: asked once per index.
+        self._uuids: dict[int, str | None] = {}
         self._proc = psutil.Process()
         # psutil measures CPU between calls; the first call only starts the window.
         self._proc.cpu_percent(None)
@@ -112,6 +114,7 @@ class ProcessSampler(_Sequenced):
         ram_total = nonneg_int(psutil.virtual_memory().total)
         gpu_available = self._cuda.is_available()
         gpu_count = gpu_index = gpu_used = gpu_reserved = gpu_total = None
+        gpu_uuid: str | None = None
         if gpu_available:
             gpu_count = self._cuda.device_count()
             gpu_index = self._device_index()
@@ -121,6 +124,9 @@ class ProcessSampler(_Sequenced):
                 gpu_used = self._cuda.memory_allocated(gpu_index)
                 gpu_reserved = self._cuda.memory_reserved(gpu_index)
                 gpu_total = self._cuda.total_memory(gpu_index)
+                if gpu_index not in self._uuids:
+                    self._uuids[gpu_index] = self._cuda.device_uuid(gpu_index)
+                gpu_uuid = self._uuids[gpu_index]
         return {
             "timestamp_unix_ns": time.time_ns(),
             "seq": self._take_seq(),
@@ -134,6 +140,8 @@ class ProcessSampler(_Sequenced):
             "gpu_memory_used_bytes": nonneg_int(gpu_used),
             "gpu_memory_reserved_bytes": nonneg_int(gpu_reserved),
             "gpu_memory_total_bytes": nonneg_int(gpu_total),
+            # Joins system_gpu.gpu_uuid: torch's and NVML's indices differ.
+            "gpu_uuid": gpu_uuid if gpu_available else None,
         }
 
     def _rank_device(self, count: int | None) -> int | None:
@@ -172,6 +180,7 @@ class SystemSampler(_Sequenced):
             "temperature_c": finite(reading.temperature_c),
             "power_usage_w": finite(reading.power_usage_w, low=0.0),
             "power_limit_w": finite(reading.power_limit_w, low=0.0),
+            "gpu_uuid": reading.uuid,
         }
 
     def sample(self) -> dict[str, object] | None:

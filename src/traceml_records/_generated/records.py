@@ -90,6 +90,7 @@ _KEYS_PROCESS_RECORD = frozenset(
         "gpu_memory_used_bytes",
         "gpu_memory_reserved_bytes",
         "gpu_memory_total_bytes",
+        "gpu_uuid",
     }
 )
 _KEYS_PROCESS_RECORD_ITEM = frozenset(
@@ -106,6 +107,7 @@ _KEYS_PROCESS_RECORD_ITEM = frozenset(
         "gpu_memory_used_bytes",
         "gpu_memory_reserved_bytes",
         "gpu_memory_total_bytes",
+        "gpu_uuid",
     }
 )
 _KEYS_RUNTIME_ENVIRONMENT_RECORD = frozenset(
@@ -223,6 +225,7 @@ _KEYS_SYSTEM_GPU_RECORD = frozenset(
         "temperature_c",
         "power_usage_w",
         "power_limit_w",
+        "gpu_uuid",
     }
 )
 _KEYS_SYSTEM_GPU_RECORD_ITEM = frozenset(
@@ -236,6 +239,7 @@ _KEYS_SYSTEM_GPU_RECORD_ITEM = frozenset(
         "temperature_c",
         "power_usage_w",
         "power_limit_w",
+        "gpu_uuid",
     }
 )
 _KEYS_SYSTEM_RECORD = frozenset(
@@ -701,6 +705,9 @@ class ProcessRecord(_Checked):
     gpu_memory_total_bytes: int | None
     """That GPU's total memory. [bytes]"""
 
+    gpu_uuid: str | None = None
+    """UUID of the GPU this rank uses, as NVML writes it (GPU-...): joins system_gpu.gpu_uuid, since gpu_device_index is torch's index among the visible GPUs and system_gpu.gpu_index NVML's. Optional: absent from lines written before it existed; absent when unknown."""
+
 
 @attrs.frozen(kw_only=True)
 class SystemRecord(_Checked):
@@ -824,6 +831,9 @@ class SystemGpuRecord(_Checked):
 
     power_limit_w: float | None
     """Power limit. [W]"""
+
+    gpu_uuid: str | None = None
+    """UUID of this GPU as NVML reports it (GPU-...): joins process.gpu_uuid. Optional: absent from lines written before it existed; absent when NVML cannot read it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -1109,6 +1119,7 @@ _set_process_record_gpu_memory_reserved_bytes = ProcessRecord.__dict__[
 _set_process_record_gpu_memory_total_bytes = ProcessRecord.__dict__[
     "gpu_memory_total_bytes"
 ].__set__
+_set_process_record_gpu_uuid = ProcessRecord.__dict__["gpu_uuid"].__set__
 _set_system_record_stream = SystemRecord.__dict__["stream"].__set__
 _set_system_record_schema_version = SystemRecord.__dict__["schema_version"].__set__
 _set_system_record_observed_timestamp_unix_ns = SystemRecord.__dict__[
@@ -1149,6 +1160,7 @@ _set_system_gpu_record_memory_total_bytes = SystemGpuRecord.__dict__["memory_tot
 _set_system_gpu_record_temperature_c = SystemGpuRecord.__dict__["temperature_c"].__set__
 _set_system_gpu_record_power_usage_w = SystemGpuRecord.__dict__["power_usage_w"].__set__
 _set_system_gpu_record_power_limit_w = SystemGpuRecord.__dict__["power_limit_w"].__set__
+_set_system_gpu_record_gpu_uuid = SystemGpuRecord.__dict__["gpu_uuid"].__set__
 _set_runtime_environment_record_stream = RuntimeEnvironmentRecord.__dict__["stream"].__set__
 _set_runtime_environment_record_schema_version = RuntimeEnvironmentRecord.__dict__[
     "schema_version"
@@ -1689,6 +1701,8 @@ def _dump_process_record(r: ProcessRecord, include_hostname: bool) -> dict[str, 
     d["gpu_memory_used_bytes"] = r.gpu_memory_used_bytes
     d["gpu_memory_reserved_bytes"] = r.gpu_memory_reserved_bytes
     d["gpu_memory_total_bytes"] = r.gpu_memory_total_bytes
+    if r.gpu_uuid is not None:
+        d["gpu_uuid"] = r.gpu_uuid
     return d
 
 
@@ -1864,6 +1878,12 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
             (*path, "gpu_memory_total_bytes"),
             f"expected integer >= 0 or null, got {describe(f_gpu_memory_total_bytes)}",
         )
+    f_gpu_uuid = d.get("gpu_uuid")
+    if f_gpu_uuid is not None and (type(f_gpu_uuid) is not str or len(f_gpu_uuid) < 1):
+        raise RecordError(
+            (*path, "gpu_uuid"),
+            f"expected string of length >= 1 or null, got {describe(f_gpu_uuid)}",
+        )
     if f_gpu_available is not True and f_gpu_count is not None:
         raise RecordError(
             (*path, "gpu_count"),
@@ -1914,6 +1934,7 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
     _set_process_record_gpu_memory_used_bytes(record, f_gpu_memory_used_bytes)
     _set_process_record_gpu_memory_reserved_bytes(record, f_gpu_memory_reserved_bytes)
     _set_process_record_gpu_memory_total_bytes(record, f_gpu_memory_total_bytes)
+    _set_process_record_gpu_uuid(record, f_gpu_uuid)
     _mark_checked(record, True)
     return record
 
@@ -2111,6 +2132,8 @@ def _dump_system_gpu_record(r: SystemGpuRecord, include_hostname: bool) -> dict[
     d["temperature_c"] = r.temperature_c
     d["power_usage_w"] = r.power_usage_w
     d["power_limit_w"] = r.power_limit_w
+    if r.gpu_uuid is not None:
+        d["gpu_uuid"] = r.gpu_uuid
     return d
 
 
@@ -2270,6 +2293,12 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
             (*path, "power_limit_w"),
             f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
         )
+    f_gpu_uuid = d.get("gpu_uuid")
+    if f_gpu_uuid is not None and (type(f_gpu_uuid) is not str or len(f_gpu_uuid) < 1):
+        raise RecordError(
+            (*path, "gpu_uuid"),
+            f"expected string of length >= 1 or null, got {describe(f_gpu_uuid)}",
+        )
     if f_local_rank != 0:
         raise RecordError((*path, "local_rank"), "expected 0, got " + describe(f_local_rank))
     record: SystemGpuRecord = _new(SystemGpuRecord)
@@ -2292,6 +2321,7 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
     _set_system_gpu_record_temperature_c(record, f_temperature_c)
     _set_system_gpu_record_power_usage_w(record, f_power_usage_w)
     _set_system_gpu_record_power_limit_w(record, f_power_limit_w)
+    _set_system_gpu_record_gpu_uuid(record, f_gpu_uuid)
     _mark_checked(record, True)
     return record
 
@@ -3128,7 +3158,7 @@ def _load_process_record_item(identity: dict[str, Any], d: Any, path: Path) -> P
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if keys != _KEYS_PROCESS_RECORD_ITEM:
+    if not (_REQUIRED_PROCESS_RECORD_ITEM <= keys <= _KEYS_PROCESS_RECORD_ITEM):
         _key_error(keys, _REQUIRED_PROCESS_RECORD_ITEM, _KEYS_PROCESS_RECORD_ITEM, path)
     f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
     f_rank = identity["rank"]
@@ -3246,6 +3276,12 @@ def _load_process_record_item(identity: dict[str, Any], d: Any, path: Path) -> P
             (*path, "gpu_memory_total_bytes"),
             f"expected integer >= 0 or null, got {describe(f_gpu_memory_total_bytes)}",
         )
+    f_gpu_uuid = d.get("gpu_uuid")
+    if f_gpu_uuid is not None and (type(f_gpu_uuid) is not str or len(f_gpu_uuid) < 1):
+        raise RecordError(
+            (*path, "gpu_uuid"),
+            f"expected string of length >= 1 or null, got {describe(f_gpu_uuid)}",
+        )
     if f_gpu_available is not True and f_gpu_count is not None:
         raise RecordError(
             (*path, "gpu_count"),
@@ -3296,6 +3332,7 @@ def _load_process_record_item(identity: dict[str, Any], d: Any, path: Path) -> P
     _set_process_record_gpu_memory_used_bytes(record, f_gpu_memory_used_bytes)
     _set_process_record_gpu_memory_reserved_bytes(record, f_gpu_memory_reserved_bytes)
     _set_process_record_gpu_memory_total_bytes(record, f_gpu_memory_total_bytes)
+    _set_process_record_gpu_uuid(record, f_gpu_uuid)
     _mark_checked(record, True)
     return record
 
@@ -3402,7 +3439,7 @@ def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if keys != _KEYS_SYSTEM_GPU_RECORD_ITEM:
+    if not (_REQUIRED_SYSTEM_GPU_RECORD_ITEM <= keys <= _KEYS_SYSTEM_GPU_RECORD_ITEM):
         _key_error(keys, _REQUIRED_SYSTEM_GPU_RECORD_ITEM, _KEYS_SYSTEM_GPU_RECORD_ITEM, path)
     f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
     f_rank = identity["rank"]
@@ -3506,6 +3543,12 @@ def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -
             (*path, "power_limit_w"),
             f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
         )
+    f_gpu_uuid = d.get("gpu_uuid")
+    if f_gpu_uuid is not None and (type(f_gpu_uuid) is not str or len(f_gpu_uuid) < 1):
+        raise RecordError(
+            (*path, "gpu_uuid"),
+            f"expected string of length >= 1 or null, got {describe(f_gpu_uuid)}",
+        )
     if f_local_rank != 0:
         raise RecordError((*path, "local_rank"), "expected 0, got " + describe(f_local_rank))
     record: SystemGpuRecord = _new(SystemGpuRecord)
@@ -3528,6 +3571,7 @@ def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -
     _set_system_gpu_record_temperature_c(record, f_temperature_c)
     _set_system_gpu_record_power_usage_w(record, f_power_usage_w)
     _set_system_gpu_record_power_limit_w(record, f_power_limit_w)
+    _set_system_gpu_record_gpu_uuid(record, f_gpu_uuid)
     _mark_checked(record, True)
     return record
 
@@ -3824,6 +3868,7 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
         ("gpu_memory_used_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
         ("gpu_memory_reserved_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
         ("gpu_memory_total_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
+        ("gpu_uuid", (3, False, None, None, None, 1, None), 2),
     ),
     SystemRecord: (
         ("stream", (3, False, None, None, None, 0, frozenset({"system"})), 0),
@@ -3864,6 +3909,7 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
         ("temperature_c", (1, True, None, None, None, 0, None), 0),
         ("power_usage_w", (1, True, None, 0, None, 0, None), 0),
         ("power_limit_w", (1, True, None, 0, None, 0, None), 0),
+        ("gpu_uuid", (3, False, None, None, None, 1, None), 2),
     ),
     RuntimeEnvironmentRecord: (
         ("stream", (3, False, None, None, None, 0, frozenset({"runtime_environment"})), 0),

@@ -77,6 +77,7 @@ TABLES: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("gpu_memory_used_bytes", "int64", True),
         ("gpu_memory_reserved_bytes", "int64", True),
         ("gpu_memory_total_bytes", "int64", True),
+        ("gpu_uuid", "string", True),
     ),
     "system": (
         ("stream", "string", False),
@@ -117,6 +118,7 @@ TABLES: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("temperature_c", "float64", True),
         ("power_usage_w", "float64", True),
         ("power_limit_w", "float64", True),
+        ("gpu_uuid", "string", True),
     ),
     "runtime_environment": (
         ("stream", "string", False),
