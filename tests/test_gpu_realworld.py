@@ -704,3 +704,26 @@ def test_gpu_uuid_null_is_refused_as_validate_refuses_it() -> None:
     with pytest.raises(RecordError) as refused:
         loads_line(line)
     assert refused.value.pointer == "/gpu_uuid"
+
+
+def test_step_peaks_cost_one_allocator_statistics_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def nested(i: int) -> dict[str, Any]:
+        calls.append(i)
+        return {
+            "allocated_bytes": {"all": {"peak": 10 + len(calls)}},
+            "reserved_bytes": {"all": {"peak": 20 + len(calls)}},
+        }
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", nested)
+    backend = TorchCudaBackend()
+    assert (backend.max_memory_allocated(0), backend.max_memory_reserved(0)) == (11, 21)
+    assert calls == [0]
+    # Alone, or for another device, reserved reads its own statistics.
+    assert backend.max_memory_reserved(0) == 22
+    backend.max_memory_allocated(0)
+    assert backend.max_memory_reserved(1) == 24
+    assert calls == [0, 0, 0, 1]

@@ -128,6 +128,12 @@ def _nonneg_int(value: Any) -> int | None:
 class TorchCudaBackend:
     """``CudaBackend`` over ``torch.cuda``; never initializes CUDA on its own."""
 
+    def __init__(self) -> None:
+        # The allocator statistics read for max_memory_allocated, kept for the
+        # max_memory_reserved that follows it at the end of a step: one C call
+        # (and one dict built) per step instead of two.
+        self._stats: tuple[int, Any] | None = None
+
     def _cuda(self) -> Any:
         torch = torch_or_none()
         if torch is None:
@@ -214,25 +220,33 @@ class TorchCudaBackend:
         except Exception:
             return None
 
-    def _peak(self, index: int, stat: str) -> int | None:
+    def _peak(self, index: int, stat: str, stats: Any = None) -> int | None:
         # torch.cuda.max_memory_allocated() goes through memory_stats(), which
         # flattens and sorts every allocator statistic (~0.4 ms a step on the
         # training thread); the nested dict is the same C call without that.
-        cuda = self._cuda()
-        if cuda is None:
-            return None
         try:
-            return _nonneg_int(cuda.memory_stats_as_nested_dict(index)[stat]["all"]["peak"])
+            if stats is None:
+                cuda = self._cuda()
+                if cuda is None:
+                    return None
+                stats = cuda.memory_stats_as_nested_dict(index)
+                self._stats = (index, stats)
+            return _nonneg_int(stats[stat]["all"]["peak"])
         except Exception:
             return None
 
     def max_memory_allocated(self, index: int) -> int | None:
         """Peak ``allocated_bytes`` (what ``torch.cuda.max_memory_allocated(index)`` reports)."""
+        self._stats = None
         return self._peak(index, "allocated_bytes")
 
     def max_memory_reserved(self, index: int) -> int | None:
-        """Peak ``reserved_bytes`` (what ``torch.cuda.max_memory_reserved(index)`` reports)."""
-        return self._peak(index, "reserved_bytes")
+        """Peak ``reserved_bytes`` (what ``torch.cuda.max_memory_reserved(index)`` reports);
+        from the statistics ``max_memory_allocated`` just read, when it did."""
+        cached = self._stats
+        self._stats = None
+        stats = cached[1] if cached is not None and cached[0] == index else None
+        return self._peak(index, "reserved_bytes", stats)
 
     def memory_allocated(self, index: int) -> int | None:
         """``torch.cuda.memory_allocated(index)``."""
