@@ -23,6 +23,14 @@ the median of (traced step - the next untraced step), per round, and the median 
 rounds; also in the training thread's CPU time (``time.thread_time``), which the other
 processes of a busy machine do not inflate. Last line: ``paired_overhead_us=<x>
 step_us=<y> paired_overhead_cpu_us=<z>``.
+
+    python bench/overhead.py --paired --baseline-src /tmp/base/src
+
+Before/after in one session: ``git archive <commit> src | tar -x -C /tmp/base`` (copy
+the built ``traceml_records/_speedups*.so`` in too), then each round runs that tree
+(``PYTHONPATH``, inherited by every process ``traceml run`` starts; the bench prints
+which ``traceml_ai`` ran) and the current one; the last line adds
+``baseline_paired_overhead_us=<b> baseline_paired_overhead_cpu_us=<c>``.
 """
 
 from __future__ import annotations
@@ -105,38 +113,67 @@ def _pair_diffs(values: list[float], traced_flags: list[bool], start: int) -> li
     ]
 
 
-def paired(rounds: int, seconds: float, tmp: Path) -> tuple[float, float, float]:
-    """(median µs of traced step - next untraced step, median untraced step µs, the
-    first figure in the training thread's CPU time)."""
-    overheads: list[float] = []
-    cpu_overheads: list[float] = []
-    steps: list[float] = []
-    for i in range(rounds):
-        out = tmp / f"paired{i}.json"
-        subprocess.run(
-            _traced_cmd(tmp, f"paired{i}", out, seconds, PAIRED_TRAIN),
-            env=_env(), check=True, timeout=180, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        data = orjson.loads(out.read_bytes())
-        traced_flags, durations = data["traced"], data["durations"]
-        # Skip the first steps: hooks are installed and caches warm on the first ones.
-        start = min(50, len(durations) // 10) // 2 * 2
-        diffs = _pair_diffs(durations, traced_flags, start)
-        cpu_diffs = _pair_diffs(data["cpu"], traced_flags, start)
-        untraced = [
-            d for d, t in zip(durations[start:], traced_flags[start:], strict=True) if not t
-        ]
-        if i == 0:
-            print(f"traceml: {data.get('traceml_file')}", flush=True)
-        overheads.append(statistics.median(diffs) * 1e6)
-        cpu_overheads.append(statistics.median(cpu_diffs) * 1e6)
-        steps.append(_median_us(untraced))
-        print(
-            f"round {i + 1}: {len(diffs)} pairs, traced - untraced {overheads[-1]:.1f} us "
-            f"(CPU time {cpu_overheads[-1]:.1f} us), untraced step {steps[-1]:.1f} us",
-            flush=True,
+def _paired_round(
+    tmp: Path, name: str, seconds: float, env: dict[str, str]
+) -> tuple[float, float, float, str]:
+    """One paired run: (median traced - next untraced µs, the same in CPU time, median
+    untraced step µs, the traceml_ai that ran)."""
+    out = tmp / f"{name}.json"
+    subprocess.run(
+        _traced_cmd(tmp, name, out, seconds, PAIRED_TRAIN),
+        env=env, check=True, timeout=180, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    data = orjson.loads(out.read_bytes())
+    traced_flags, durations = data["traced"], data["durations"]
+    # Skip the first steps: hooks are installed and caches warm on the first ones.
+    start = min(50, len(durations) // 10) // 2 * 2
+    diffs = _pair_diffs(durations, traced_flags, start)
+    cpu_diffs = _pair_diffs(data["cpu"], traced_flags, start)
+    untraced = [d for d, t in zip(durations[start:], traced_flags[start:], strict=True) if not t]
+    return (
+        statistics.median(diffs) * 1e6,
+        statistics.median(cpu_diffs) * 1e6,
+        _median_us(untraced),
+        str(data.get("traceml_file")),
+    )
+
+
+def paired(
+    rounds: int, seconds: float, tmp: Path, baseline: Path | None = None
+) -> dict[str, tuple[float, float, float]]:
+    """Per tree ("current", and "baseline" when given): (median over rounds of the paired
+    µs, of the paired µs in CPU time, of the untraced step µs).
+
+    With ``baseline`` (an old ``src/`` folder) each round runs it first with
+    ``PYTHONPATH=baseline``, then the current tree, so both see the same machine.
+    """
+    trees: dict[str, dict[str, str]] = {"current": _env()}
+    if baseline is not None:
+        old = _env()
+        old["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(baseline), old.get("PYTHONPATH", "")) if p
         )
-    return statistics.median(overheads), statistics.median(steps), statistics.median(cpu_overheads)
+        trees = {"baseline": old, **trees}
+    figures: dict[str, list[tuple[float, float, float]]] = {tree: [] for tree in trees}
+    for i in range(rounds):
+        for tree, env in trees.items():
+            overhead, cpu_overhead, step, ran = _paired_round(tmp, f"{tree}{i}", seconds, env)
+            if i == 0:
+                print(f"{tree}: traceml {ran}", flush=True)
+            figures[tree].append((overhead, cpu_overhead, step))
+            print(
+                f"round {i + 1} {tree}: traced - untraced {overhead:.1f} us "
+                f"(CPU time {cpu_overhead:.1f} us), untraced step {step:.1f} us",
+                flush=True,
+            )
+    return {
+        tree: (
+            statistics.median(r[0] for r in rows),
+            statistics.median(r[1] for r in rows),
+            statistics.median(r[2] for r in rows),
+        )
+        for tree, rows in figures.items()
+    }
 
 
 def _aggregator_of(launcher: psutil.Process, deadline: float) -> psutil.Process:
@@ -192,14 +229,28 @@ def main() -> None:
     parser.add_argument(
         "--paired", action="store_true", help="traced and untraced steps alternating in one run"
     )
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="with --paired: an old tree's src/ folder (git archive <commit> src), run "
+        "through PYTHONPATH alternately with the current tree, round by round",
+    )
     args = parser.parse_args()
     if args.paired:
         with tempfile.TemporaryDirectory() as name:
-            overhead_us, step_us, cpu_us = paired(args.rounds, args.seconds, Path(name))
-        print(
+            result = paired(args.rounds, args.seconds, Path(name), args.baseline_src)
+        overhead_us, cpu_us, step_us = result["current"]
+        last = (
             f"paired_overhead_us={overhead_us:.1f} step_us={step_us:.1f} "
             f"paired_overhead_cpu_us={cpu_us:.1f}"
         )
+        if "baseline" in result:
+            base_us, base_cpu_us, _ = result["baseline"]
+            last += (
+                f" baseline_paired_overhead_us={base_us:.1f}"
+                f" baseline_paired_overhead_cpu_us={base_cpu_us:.1f}"
+            )
+        print(last)
         return
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)

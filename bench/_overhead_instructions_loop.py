@@ -1,0 +1,69 @@
+"""Loop of bench/overhead_instructions.py: TraceML's hooks as a training step calls them.
+
+argv[1]: ``traced`` (each step inside ``trace_step``) or ``idle`` (the same hook
+calls outside a step, what an untraced step pays); argv[2]: steps. torch is kept out
+(``sys.modules["torch"] = None``), so only TraceML's own work is counted.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+sys.modules["torch"] = None  # type: ignore[assignment]
+
+import traceml_ai as traceml  # noqa: E402
+from traceml_ai.rank import _timing  # noqa: E402
+from traceml_ai.transport.sender import RankSender  # noqa: E402
+
+
+class Model:
+    """Stands for a module: no tensors (device ``cpu``), no hook registration."""
+
+    def parameters(self) -> Iterator[Any]:
+        return iter(())
+
+    def buffers(self) -> Iterator[Any]:
+        return iter(())
+
+
+def _autograd_backward() -> None:
+    return None
+
+
+def main() -> None:
+    kind, steps = sys.argv[1], int(sys.argv[2])
+    model = Model()
+    # Never connected and never started: put() queues as in a run; the queues are
+    # emptied every 256 steps, as the sender thread would.
+    sender = RankSender(("127.0.0.1", 1), "t", {"rank": 0}, max_pending_items=10**8)
+    traceml.init(sink=sender, sampler_interval=3600)
+    timer = _timing.active()
+    assert timer is not None
+    autograd_backward = _timing._timed_backward(_autograd_backward)
+    tensor_backward = _timing._timed_backward(lambda: autograd_backward())
+    queues = [queue for _, queue in sender._streams]
+
+    def hooks() -> None:
+        _timing._forward_pre_hook(model, ())
+        _timing._forward_hook(model, (), None)
+        tensor_backward()
+        _timing._optimizer_pre_hook(None, (), {})
+        _timing._optimizer_post_hook(None, (), {})
+
+    for i in range(steps):
+        timer.add_host(_timing.DATALOADER_NEXT, 1000)  # the DataLoader patch's call
+        if kind == "traced":
+            with traceml.trace_step(model):
+                hooks()
+        else:
+            hooks()
+        if i % 256 == 0:
+            for queue in queues:
+                queue.clear()
+    traceml.shutdown()
+
+
+if __name__ == "__main__":
+    main()
