@@ -109,6 +109,7 @@ def process_item(seq: int, ts: int, local_rank: int) -> dict[str, Any]:
         "gpu_memory_used_bytes": 30 * 10**9,
         "gpu_memory_reserved_bytes": 32 * 10**9,
         "gpu_memory_total_bytes": 80 * 10**9,
+        "gpu_uuid": None,
     }
 
 
@@ -129,6 +130,7 @@ def system_item(seq: int, ts: int, gpus: int) -> dict[str, Any]:
                 "temperature_c": 61.0,
                 "power_usage_w": 250.5,
                 "power_limit_w": 700.0,
+                "gpu_uuid": None,
             }
             for i in range(gpus)
         ],
