@@ -501,3 +501,17 @@ def test_trace_max_steps_sends_only_the_first_steps(monkeypatch: pytest.MonkeyPa
     traceml.shutdown()
     assert [i["step"] for i in step_items(sink)] == [1, 2]
     assert [m["step"] for m in sink.items("step_memory")] == [1, 2]
+
+
+def test_summary_stays_a_function_after_every_module_is_imported() -> None:
+    # A submodule named like a package attribute replaces it on import: a module
+    # traceml_ai/summary.py made `traceml.summary()` a module after its first use.
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(traceml.__path__, "traceml_ai."):
+        if info.name.startswith(("traceml_ai.integrations.", "traceml_ai.__main__")):
+            continue  # optional frameworks; the entry point runs the CLI
+        importlib.import_module(info.name)
+    for name in ("summary", "final_summary", "init", "start", "trace_step", "shutdown"):
+        assert callable(getattr(traceml, name)) and inspect.isfunction(getattr(traceml, name))

@@ -1,4 +1,4 @@
-"""traceml_ai.summary on folders made here: stragglers, DDP wait, live files, loss."""
+"""traceml_ai.run_summary on folders made here: stragglers, DDP wait, live files, loss."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from traceml_ai.summary import SummaryError, format_summary, summarize_run
+from traceml_ai.run_summary import SummaryError, format_summary, summarize_run
 
 P = "_traceml_internal:"
 
@@ -377,7 +377,7 @@ def test_hypothesis_folders(
         (export.parent.parent / "finalization_warning.json").write_bytes(orjson.dumps(warning))
     summary = summarize_run(export.parent.parent)
     # The same folder through pyarrow (the path big files take) reads the same steps.
-    import traceml_ai.summary as summary_mod
+    import traceml_ai.run_summary as summary_mod
 
     saved = summary_mod._ARROW_MIN_BYTES
     summary_mod._ARROW_MIN_BYTES = 0
@@ -404,7 +404,7 @@ def test_arrow_path_matches_the_plain_reader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Big files go through pyarrow; the figures must not change."""
-    import traceml_ai.summary as summary_mod
+    import traceml_ai.run_summary as summary_mod
 
     lines = []
     for s in range(1, 40):
@@ -450,7 +450,7 @@ def test_arrow_path_matches_the_plain_reader(
 def test_live_view_with_many_ranks_shows_the_straggler(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from traceml_ai.summary_live import _render
+    from traceml_ai.run_summary_live import _render
 
     lines = [
         step_line(r, s, 40, {"step": 30.0 if r == 7 else 10.0 + r * 0.01})

@@ -556,7 +556,7 @@ def _print_short_summary(run_dir: Path, export_dir: Path) -> None:
                 f"`traceml summary {run_dir}` gives it"
             )
             return
-        from traceml_ai.summary import format_summary, summarize_run
+        from traceml_ai.run_summary import format_summary, summarize_run
 
         text = format_summary(summarize_run(run_dir), full=False)
         print(text, file=sys.stderr, flush=True)

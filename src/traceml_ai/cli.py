@@ -172,11 +172,11 @@ def summary(
     """
     import orjson
 
-    from traceml_ai.summary import SummaryError, format_summary, summarize_run
+    from traceml_ai.run_summary import SummaryError, format_summary, summarize_run
 
     try:
         if follow:
-            from traceml_ai.summary_live import follow as follow_view
+            from traceml_ai.run_summary_live import follow as follow_view
 
             result = follow_view(path, interval)
             if result is None:
@@ -191,7 +191,7 @@ def summary(
     elif not follow:
         click.echo(format_summary(result, full=not short))
     if plot_path is not None:
-        from traceml_ai.summary_plot import PlotUnavailable, plot_summary
+        from traceml_ai.run_summary_plot import PlotUnavailable, plot_summary
 
         try:
             plot_summary(path, plot_path, result)

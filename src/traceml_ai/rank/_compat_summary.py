@@ -274,7 +274,7 @@ def full_run_summary(
     caller falls back to :func:`build_summary` over the lines it read itself.
     """
     try:
-        from traceml_ai.summary import summarize_run
+        from traceml_ai.run_summary import summarize_run
 
         full = summarize_run(step_time_file.parent)
     except Exception:
@@ -292,7 +292,7 @@ def text(summary: Mapping[str, Any]) -> str:
     """A few ``traceml:`` lines: one per rank, then the notes."""
     if "export_folder" in summary:
         try:
-            from traceml_ai.summary import format_summary
+            from traceml_ai.run_summary import format_summary
 
             return format_summary(dict(summary), full=True)
         except Exception:

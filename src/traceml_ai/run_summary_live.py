@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any
 
-from traceml_ai.summary import SummaryError, format_summary, straggler_line, summarize_run
+from traceml_ai.run_summary import SummaryError, format_summary, straggler_line, summarize_run
 
 _MAX_ROWS = 32
 """Rows of the live table; more ranks show the stragglers and the slowest."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from traceml_ai.summary import step_series, summarize_run
+from traceml_ai.run_summary import step_series, summarize_run
 
 _MAX_LABELLED_RANKS = 16
 """Above this many ranks the legend would hide the plot; the title says the count."""
