@@ -76,7 +76,10 @@ for i, (x, y) in enumerate(loader):
             with evaluation(), torch.no_grad():
                 for ex, ey in eval_loader:
                     model(ex)
-print("UPDATES", updates, "HOOK_ERRORS", hook_errors(), flush=True)
+# One write per line: ranks share stdout (unbuffered here), and print writes each
+# argument and the newline separately, so two ranks' lines could interleave.
+sys.stdout.write(f"UPDATES {updates} HOOK_ERRORS {hook_errors()}\\n")
+sys.stdout.flush()
 """
 
 

@@ -86,7 +86,7 @@ trainer = Trainer(model=model, args=args, train_dataset=Tokens(64), eval_dataset
 trainer.train()
 trainer.evaluate()
 trainer.predict(Tokens(8, 2))
-print("TRAINED", "traceml_ai" in sys.modules)
+sys.stdout.write(f"TRAINED {'traceml_ai' in sys.modules}\\n")  # one write per line
 """
 )
 
