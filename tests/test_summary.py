@@ -500,3 +500,16 @@ def test_end_of_run_summary_skips_big_exports(
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("traceml: summary: ")
     assert f"traceml summary {tmp_path / 'run'}" in err[0]
+
+
+def test_phase_shares_count_a_wait_before_the_step_once() -> None:
+    # The usual loop fetches the batch before `with trace_step(...)`: step_time leaves
+    # the wait out, so shares of the step alone would add up past 100 %.
+    from traceml_ai.run_summary import _iteration, _rest
+
+    outside = {"step": 1.0, "dataloader_wait": 3.0, "forward": 0.4, "backward": 0.5}
+    assert _iteration(outside) == 4.0
+    assert abs(_rest(outside) - 0.1) < 1e-9
+    inside = {"step": 4.0, "dataloader_wait": 3.0, "forward": 0.4, "backward": 0.5}
+    assert _iteration(inside) == 4.0
+    assert abs(_rest(inside) - 0.1) < 1e-9

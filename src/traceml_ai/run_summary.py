@@ -281,10 +281,29 @@ def _memory_arrow(loaded: Any) -> tuple[dict[str, Any], bool]:
     return {str(r): dict(sorted(peaks[r].items())) for r in sorted(peaks)}, any_figure
 
 
+_BUILT_IN_PHASES = ("dataloader_wait", "h2d", "forward", "backward", "optimizer")
+
+
+def _iteration(row: dict[str, float]) -> float:
+    """The time of one training iteration: the traced step, plus its DataLoader wait when
+    that wait happened before the step began.
+
+    In the usual loop (``for batch in loader: with trace_step(model): ...``) the batch is
+    fetched before the step opens, so ``step_time`` leaves the wait out, and shares "of
+    the step" would add up past 100 %. The files do not say where the fetch was; when the
+    built-in phases (which never nest in each other) do not fit inside the step, the wait
+    was outside it.
+    """
+    step = row["step"]
+    if sum(row.get(name, 0.0) for name in _BUILT_IN_PHASES) <= step * 1.000001:
+        return step
+    return step + row.get("dataloader_wait", 0.0)
+
+
 def _rest(row: dict[str, float]) -> float:
     # Phases may nest (a user phase inside forward), so the rest is never below 0.
     used = sum(v for k, v in row.items() if k not in ("step", "_ts"))
-    return max(0.0, row["step"] - used)
+    return max(0.0, _iteration(row) - used)
 
 
 def _step_section(
@@ -337,14 +356,14 @@ def _step_section(
             "steps_per_s": _r(rate),
         }
         breakdown: dict[str, Any] = {}
-        mean_step = _mean(times)
+        mean_iteration = _mean([_iteration(r) for r in ordered])
         for name in names:
             values = [_rest(r) if name == "rest" else r.get(name, 0.0) for r in ordered]
             m = _mean(values)
             breakdown[name] = {
                 "mean_ms": _r(m),
                 "p50_ms": _r(_median(values)),
-                "share": _r(m / mean_step if mean_step > 0 else 0.0, 4),
+                "share": _r(m / mean_iteration if mean_iteration > 0 else 0.0, 4),
             }
         phases[str(rank)] = breakdown
     return per_rank, phases, names
@@ -904,7 +923,7 @@ def format_summary(summary: dict[str, Any], full: bool = True) -> str:
                     f"{s['p99_ms']:>8.2f} {s['max_ms']:>8.2f} {s['steps_per_s']:>9.2f}"
                 )
             names = summary["phase_names"]
-            out.append("phases per rank (mean ms, share of the step):")
+            out.append("phases per rank (mean ms, share of the iteration):")
             for r in ranks:
                 ph = summary["phases"][str(r)]
                 cells = ", ".join(
