@@ -80,6 +80,15 @@ for i, (x, y) in enumerate(loader):
 # argument and the newline separately, so two ranks' lines could interleave.
 sys.stdout.write(f"UPDATES {updates} HOOK_ERRORS {hook_errors()}\\n")
 sys.stdout.flush()
+# A well-behaved DDP script's end: without it, gloo's threads sometimes abort the
+# process at interpreter exit, with or without TraceML (see the HF test).
+import gc
+import torch.distributed as dist
+if dist.is_initialized():
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 """
 
 
