@@ -30,6 +30,24 @@ OFFLINE_ENV = {
 }
 
 
+def ddp_teardown(*names: str) -> str:
+    """The end of a well-behaved DDP script, to append to a test script's source.
+
+    Without it, gloo's threads sometimes abort a rank at interpreter exit ("terminate
+    called without an active exception"), with or without TraceML; examples/train.py
+    ends the same way. ``names`` are the script's objects that hold the process group.
+    """
+    return (
+        "import gc\n"
+        "import torch.distributed as dist\n"
+        "if dist.is_initialized():\n"
+        f"    del {', '.join(names)}\n"
+        "    gc.collect()\n"
+        "    dist.barrier()\n"
+        "    dist.destroy_process_group()\n"
+    )
+
+
 def write_script(folder: Path, name: str, source: str) -> Path:
     path = folder / name
     path.write_text(textwrap.dedent(source))

@@ -20,6 +20,7 @@ from tests.integration_helpers import (
     OPTIMIZER,
     assert_all_streams_closed,
     calls,
+    ddp_teardown,
     describe,
     integration_failures,
     steps_by_rank,
@@ -80,16 +81,7 @@ for i, (x, y) in enumerate(loader):
 # argument and the newline separately, so two ranks' lines could interleave.
 sys.stdout.write(f"UPDATES {updates} HOOK_ERRORS {hook_errors()}\\n")
 sys.stdout.flush()
-# A well-behaved DDP script's end: without it, gloo's threads sometimes abort the
-# process at interpreter exit, with or without TraceML (see the HF test).
-import gc
-import torch.distributed as dist
-if dist.is_initialized():
-    del model, optimizer
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-"""
+""" + ddp_teardown("model", "optimizer")
 
 
 def test_accumulation_evaluation_and_user_exception(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from tests.integration_helpers import (
     STEP,
     assert_all_streams_closed,
     calls,
+    ddp_teardown,
     describe,
     integration_failures,
     steps_by_rank,
@@ -87,17 +88,8 @@ trainer.train()
 trainer.evaluate()
 trainer.predict(Tokens(8, 2))
 sys.stdout.write(f"TRAINED {'traceml_ai' in sys.modules}\\n")  # one write per line
-# A well-behaved DDP script's end: without it, gloo's threads sometimes abort the
-# process at interpreter exit ("terminate called without an active exception"), with
-# or without TraceML (examples/train.py does the same).
-import gc
-import torch.distributed as dist
-if dist.is_initialized():
-    del trainer, model
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
 """
+    + ddp_teardown("trainer", "model")
 )
 
 # No TraceML import either; the user's code raises inside train() at the 3rd update.

@@ -28,6 +28,7 @@ from tests.integration_helpers import (
     STEP,
     assert_all_streams_closed,
     calls,
+    ddp_teardown,
     describe,
     integration_failures,
     steps_by_rank,
@@ -108,16 +109,8 @@ trainer.fit(model, loader(64, 0), loader(12, 1))
 trainer.validate(model, loader(12, 1), verbose=False)
 trainer.predict(model, loader(8, 2))
 sys.stdout.write(f"TRAINED {'traceml_ai' in sys.modules}\\n")  # one write per line
-# A well-behaved DDP script's end: without it, gloo's threads sometimes abort the
-# process at interpreter exit, with or without TraceML (see the HF test).
-import gc
-import torch.distributed as dist
-if dist.is_initialized():
-    del trainer, model
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
 """
+    + ddp_teardown("trainer", "model")
 )
 
 # The explicit form imported before Lightning, with the automatic attach on: the
