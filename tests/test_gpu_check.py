@@ -390,6 +390,20 @@ def test_paired_overhead_median_of_traced_minus_next_untraced() -> None:
     assert judge.paired_overhead_us([True], [0.1], warmup=0) == (None, None, 0)
 
 
+def test_paired_overhead_pairs_each_kind_with_the_next_plain_step() -> None:
+    # traced, plain, by-hand, plain, ...: a traced step is never paired with a by-hand one.
+    kinds = ["traced", "plain", "by_hand", "plain"] * 4
+    cost = {"traced": 0.00003, "plain": 0.0, "by_hand": 0.00005}
+    durations = [0.001 + cost[k] for k in kinds]
+    plain = [k == "plain" for k in kinds]
+    traced = [k == "traced" for k in kinds]
+    by_hand = [k == "by_hand" for k in kinds]
+    med, step_us, pairs = judge.paired_overhead_us(traced, durations, warmup=0, plain=plain)
+    assert pairs == 4 and med == pytest.approx(30.0) and step_us == pytest.approx(1000.0)
+    hand, _, _ = judge.paired_overhead_us(by_hand, durations, warmup=0, plain=plain)
+    assert hand == pytest.approx(50.0)
+
+
 def test_shutdown_and_warnings() -> None:
     assert judge.shutdown_problems(2.0, 24.0) == []
     assert judge.shutdown_problems(23.9, 24.0) == [

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import traceml_ai as traceml
-from traceml_ai.rank import _sdk, _timing
+from traceml_ai.rank import _sdk, _timing, gpu
 from traceml_ai.rank.gpu import CudaEvent, GpuReading, TorchCudaBackend, normalize_uuid
 from traceml_ai.rank.samplers import ProcessSampler
 from traceml_ai.rank.sink import RecordingSink
@@ -57,8 +57,10 @@ class StrictEvent:
         self.gpu = gpu
         self.stamp = stamp
         self.device = device
+        self.released = False
 
     def query(self) -> bool:
+        assert not self.released, "an event given back for reuse was asked again"
         return self.gpu.completed >= self.stamp
 
     def elapsed_time(self, end_event: Any) -> float:
@@ -89,6 +91,8 @@ class StrictCuda:
         self._local = threading.local()
         self.record_devices: list[int] = []
         self.capturing = False
+        self.free: dict[int, list[StrictEvent]] = {}
+        self.created = 0
 
     # torch.cuda.set_device / current_device: per thread, 0 until set.
     def set_device(self, index: int) -> None:
@@ -129,7 +133,21 @@ class StrictCuda:
             return None
         self.record_devices.append(index)
         self.clock += 1
+        free = self.free.get(index)
+        if free:
+            event = free.pop()
+            event.stamp, event.released = self.clock, False
+            return event
+        self.created += 1
         return StrictEvent(self, self.clock, index)
+
+    def release_events(self, index: int, events: list[CudaEvent]) -> None:
+        for event in events:
+            assert isinstance(event, StrictEvent) and not event.released
+            # Only events whose work completed may be recorded again.
+            assert event.device == index and self.completed >= event.stamp
+            event.released = True
+        self.free.setdefault(index, []).extend(events)  # type: ignore[arg-type]
 
     def device_uuid(self, index: int) -> str | None:
         return f"GPU-{index:08x}-1111-2222-3333-444444444444"
@@ -727,3 +745,121 @@ def test_step_peaks_cost_one_allocator_statistics_call(monkeypatch: pytest.Monke
     backend.max_memory_allocated(0)
     assert backend.max_memory_reserved(1) == 24
     assert calls == [0, 0, 0, 1]
+
+
+# -- event reuse --------------------------------------------------------------------------
+
+
+def test_completed_events_are_recorded_again_and_every_gpu_ms_stays_exact() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    model = FakeModel(_device("cuda", 0))
+    for _ in range(50):
+        one_step(model, cuda)
+        cuda.completed = cuda.clock  # the GPU keeps up: each step completes
+    traceml.shutdown()
+    works = [i["events"]["work"]["cuda:0"] for i in step_items(sink)]
+    assert len(works) == 50
+    # StrictEvent refuses a query after its release: a stale pair would fail here.
+    assert all(w["gpu_ms"] == 1.0 and w["is_gpu"] for w in works)
+    # 100 recordings, a handful of CUDA events: each step's pair is recorded again.
+    assert len(cuda.record_devices) == 100
+    assert cuda.created <= 6, cuda.created
+
+
+def test_events_of_steps_still_running_are_never_reused() -> None:
+    sink = RecordingSink()
+    cuda = StrictCuda()
+    traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
+    model = FakeModel(_device("cuda", 0))
+    for _ in range(10):
+        one_step(model, cuda)  # the GPU completes nothing
+    assert cuda.created == 20 and not cuda.free
+    cuda.finish_all()
+    traceml.shutdown()
+    assert [i["events"]["work"]["cuda:0"]["gpu_ms"] for i in step_items(sink)] == [1.0] * 10
+
+
+class _TorchEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.streams: list[object] = []
+
+    def record(self, stream: object) -> None:
+        self.streams.append(stream)
+
+
+def _fake_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    calls: dict[str, list[Any]] = {"current_stream": [], "events": []}
+    current = {"id": 7}
+
+    def event(enable_timing: bool = False) -> _TorchEvent:
+        calls["events"].append(1)
+        return _TorchEvent(enable_timing)
+
+    def current_stream(index: int) -> tuple[str, int, int]:
+        calls["current_stream"].append(index)
+        return ("stream", current["id"], index)
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(
+        torch._C, "_cuda_getCurrentStream", lambda i: (current["id"], i, 1), raising=False
+    )
+    calls["switch"] = [lambda new: current.__setitem__("id", new)]
+    return calls
+
+
+def test_torch_backend_records_given_back_events_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_torch_cuda(monkeypatch)
+    backend = TorchCudaBackend()
+    first = backend.record_event(0)
+    second = backend.record_event(0)
+    assert first is not None and second is not None and first is not second
+    backend.release_events(0, [first, second])
+    again = backend.record_event(0)
+    assert again is second or again is first
+    # Events of one device are never recorded on another.
+    other = backend.record_event(1)
+    assert other is not first and other is not second
+    assert len(calls["events"]) == 3
+    # At most _MAX_FREE_EVENTS kept per device.
+    many: list[Any] = [backend.record_event(0) for _ in range(gpu._MAX_FREE_EVENTS + 10)]
+    backend.release_events(0, many)
+    assert len(backend._free_events[0]) == gpu._MAX_FREE_EVENTS
+
+
+def test_torch_backend_records_on_the_current_stream_as_it_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _fake_torch_cuda(monkeypatch)
+    backend = TorchCudaBackend()
+    events = [backend.record_event(0) for _ in range(3)]
+    calls["switch"][0](9)  # `with torch.cuda.stream(side):`
+    events += [backend.record_event(0) for _ in range(2)]
+    calls["switch"][0](7)
+    events.append(backend.record_event(0))
+    streams = [e.streams[-1] for e in events]  # type: ignore[union-attr]
+    assert [s[1] for s in streams] == [7, 7, 7, 9, 9, 7]
+    # One Stream object per distinct stream, not one per event.
+    assert calls["current_stream"] == [0, 0]
+
+
+def test_torch_backend_forgets_cached_cuda_state_in_a_fork_child(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_torch_cuda(monkeypatch)
+    backend = TorchCudaBackend()
+    event = backend.record_event(0)
+    assert event is not None
+    backend.release_events(0, [event])
+    monkeypatch.setattr(gpu, "_fork_generation", gpu._fork_generation + 1)
+    # A fork child's CUDA is unusable: torch says so through is_initialized().
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert backend.record_event(0) is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert backend.record_event(0) is not event  # the parent's pool is not reused

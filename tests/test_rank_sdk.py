@@ -472,6 +472,7 @@ class FakeCuda:
 
     def __init__(self) -> None:
         self.clock = 0.0
+        self.released = 0
         self.records = 0
         self.fail_records: set[int] = set()
         self.gpu_done = True
@@ -520,6 +521,9 @@ class FakeCuda:
             return None
         self.clock += 1.0
         return FakeEvent(self, self.clock)
+
+    def release_events(self, index: int, events: list[CudaEvent]) -> None:
+        self.released += len(events)
 
 
 def test_fake_cuda_gives_cuda_events_with_gpu_time() -> None:

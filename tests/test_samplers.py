@@ -127,6 +127,9 @@ class CpuOnlyCuda:
     def record_event(self, index: int) -> Any:
         return None
 
+    def release_events(self, index: int, events: list[Any]) -> None:
+        pass
+
     def device_uuid(self, index: int) -> str | None:
         return None
 

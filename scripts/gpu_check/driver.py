@@ -548,15 +548,26 @@ def check_paired_overhead(ctx: Ctx, timeout: float) -> Verdict:
     r = run.result
     if r is None:
         return judge.verdict(name, problems, "")
-    med, step_us, pairs = judge.paired_overhead_us(r["traced"], r["durations"])
-    traced = sum(1 for t in r["traced"] if t)
-    problems += judge.step_count_problems(run.read("step_time"), traced)
-    if med is None:
-        problems.append("no traced/untraced pair measured")
-    elif med > judge.OVERHEAD_LIMIT_US:
-        problems.append(f"paired overhead {med:.1f} µs > {judge.OVERHEAD_LIMIT_US:g} µs")
-    figures = f"paired_overhead_us={judge.fmt(med)} step_us={judge.fmt(step_us)} pairs={pairs}"
-    return judge.verdict(name, problems, figures, paired_overhead_us=med, step_us=step_us)
+    traced, by_hand, durations = r["traced"], r["by_hand"], r["durations"]
+    plain = [not (t or h) for t, h in zip(traced, by_hand, strict=True)]
+    med, step_us, pairs = judge.paired_overhead_us(traced, durations, plain=plain)
+    hand, _, _ = judge.paired_overhead_us(by_hand, durations, plain=plain)
+    problems += judge.step_count_problems(run.read("step_time"), sum(map(bool, traced)))
+    beyond = None if med is None or hand is None else med - hand
+    if beyond is None:
+        problems.append("no traced/untraced or by-hand/untraced pair measured")
+    elif beyond > judge.HOST_OVERHEAD_LIMIT_US:
+        problems.append(
+            f"a traced step costs {med:.1f} µs, {beyond:.1f} µs more than measuring it by "
+            f"hand ({hand:.1f} µs; limit {judge.HOST_OVERHEAD_LIMIT_US:g} µs)"
+        )
+    figures = (
+        f"paired_overhead_us={judge.fmt(med)} by_hand_us={judge.fmt(hand)} "
+        f"beyond_by_hand_us={judge.fmt(beyond)} step_us={judge.fmt(step_us)} pairs={pairs}"
+    )
+    return judge.verdict(
+        name, problems, figures, paired_overhead_us=med, by_hand_us=hand, step_us=step_us
+    )
 
 
 def check_spawn_workers(ctx: Ctx, timeout: float) -> Verdict:

@@ -36,12 +36,16 @@ AGREEMENT_TOL = 0.20
 EXIT_LIMIT_MS = 50.0
 """A step's (or phase's) exit with ~1 s of GPU work queued must return within this."""
 TEMPERATURE_TOL_C = 10.0
-OVERHEAD_LIMIT_US = 150.0
-"""Ceiling for the paired overhead of a traced GPU step (median traced - next untraced).
+HOST_OVERHEAD_LIMIT_US = 100.0
+"""Ceiling for what a traced GPU step adds beyond measuring the same step by hand.
 
-The issue sets no GPU target (≤ 20 µs is the CPU step's); a traced GPU step also records
-CUDA event pairs and reads the allocator's peaks. 150 µs stays below what the published
-TraceML 0.5.0 adds on a CPU step (160-240 µs): above it the GPU path has regressed."""
+Both are paired figures from one process: (traced step - next untraced step) and
+(by-hand step - next untraced step), where the by-hand step makes the CUDA calls
+TraceML makes (event pairs around each phase, read a step later; the peak reset and
+read) and nothing else. What the driver charges for those calls differs several-fold
+between machines (and under gVisor); what TraceML adds on top should not. The CPU
+step's figure is ~17 µs (bench/overhead.py --paired); 100 µs leaves room for the
+pending-step bookkeeping and a slower host. The issue sets no GPU target."""
 MAX_LISTED = 3
 """Problems of one kind listed in a verdict line before '... and N more'."""
 
@@ -544,22 +548,28 @@ def exit_time_problems(
 
 
 def paired_overhead_us(
-    traced: Sequence[bool], durations_s: Sequence[float], warmup: int = 20
+    marked: Sequence[bool],
+    durations_s: Sequence[float],
+    warmup: int = 20,
+    plain: Sequence[bool] | None = None,
 ) -> tuple[float | None, float | None, int]:
-    """Median of (traced step - the next untraced step) in µs, the untraced median, pairs.
+    """Median of (marked step - the next plain step) in µs, the plain median, pairs.
 
-    The first ``warmup`` steps are left out.
+    ``plain`` flags the untraced steps (default: every step not ``marked``). The
+    first ``warmup`` steps are left out.
     """
+    if plain is None:
+        plain = [not m for m in marked]
     diffs: list[float] = []
-    plain: list[float] = []
-    for i in range(warmup, len(traced)):
-        if not traced[i]:
-            plain.append(durations_s[i])
-        if traced[i] and i + 1 < len(traced) and not traced[i + 1]:
+    plain_s: list[float] = []
+    for i in range(warmup, len(marked)):
+        if plain[i]:
+            plain_s.append(durations_s[i])
+        if marked[i] and i + 1 < len(marked) and plain[i + 1]:
             diffs.append(durations_s[i] - durations_s[i + 1])
     if not diffs:
         return None, None, 0
-    return statistics.median(diffs) * 1e6, statistics.median(plain) * 1e6, len(diffs)
+    return statistics.median(diffs) * 1e6, statistics.median(plain_s) * 1e6, len(diffs)
 
 
 def shutdown_problems(shutdown_s: float, queued_s: float) -> list[str]:

@@ -94,21 +94,23 @@ class _Open:
 
 
 class _PendingStep:
-    __slots__ = ("acc", "device", "step", "ts")
+    __slots__ = ("acc", "device", "done", "step", "ts")
 
     def __init__(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
         self.step = step
         self.ts = ts
         self.device = device
         self.acc = acc
+        self.done = False
 
 
-def _gpu_ms(phase: _Phase) -> float | None:
+def _gpu_ms(phase: _Phase, ends_done: bool) -> float | None:
     """Summed device time, or ``None`` when any call lacks a usable measurement.
 
     ``elapsed_time`` is only asked once both events completed (it raises
-    otherwise); the start was recorded before the end on the same stream, so
-    checking both costs two non-blocking queries.
+    otherwise). ``ends_done``: every end event was seen completed (``_ready``), so
+    only the starts are asked; a start may sit on another stream than its end
+    (the current stream changed inside the phase), so it is asked too.
     """
     pairs = phase.pairs
     if phase.missing or len(pairs) != phase.n_calls:
@@ -116,7 +118,7 @@ def _gpu_ms(phase: _Phase) -> float | None:
     total = 0.0
     for start, end in pairs:
         try:
-            if not end.query() or not start.query():
+            if not (ends_done or end.query()) or not start.query():
                 return None
             ms = float(start.elapsed_time(end))
         except Exception:
@@ -128,6 +130,9 @@ def _gpu_ms(phase: _Phase) -> float | None:
 
 
 def _ready(pending: _PendingStep) -> bool:
+    """Whether every end event of the step completed (remembered once true)."""
+    if pending.done:
+        return True
     for phase in pending.acc.values():
         for _, end in phase.pairs:
             try:
@@ -135,6 +140,7 @@ def _ready(pending: _PendingStep) -> bool:
                     return False
             except Exception:
                 continue
+    pending.done = True
     return True
 
 
@@ -621,11 +627,16 @@ class StepTimer:
     def _emit(self, pending: _PendingStep) -> None:
         device = pending.device
         cuda = device.startswith("cuda:")
+        done = pending.done
         events: dict[str, dict[str, dict[str, object]]] = {}
+        measured: list[CudaEvent] = []
         for name in sorted(pending.acc):
             phase = pending.acc[name]
             cpu_ms = phase.cpu_ns / 1e6
-            gpu_ms = None if not cuda or name in _HOST_ONLY else _gpu_ms(phase)
+            gpu_ms = None if not cuda or name in _HOST_ONLY else _gpu_ms(phase, done)
+            if gpu_ms is not None:
+                for start, end in phase.pairs:
+                    measured += (start, end)
             is_gpu = gpu_ms is not None
             events[name] = {
                 device: {
@@ -642,6 +653,12 @@ class StepTimer:
             "step_time",
             {"timestamp_unix_ns": pending.ts, "seq": seq, "step": pending.step, "events": events},
         )
+        if measured:
+            # Both events of every pair read completed and nothing holds them now
+            # (the step's phases are dropped with ``pending``): recorded again later.
+            for phase in pending.acc.values():
+                phase.pairs = []
+            self._cuda.release_events(int(device[5:]), measured)
 
 
 class StepContext:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import os
 import threading
 from typing import Any, Protocol
 
@@ -88,6 +89,11 @@ class CudaBackend(Protocol):
         """Record a timing event on the device's current stream; ``None`` if that failed."""
         ...
 
+    def release_events(self, index: int, events: list[CudaEvent]) -> None:
+        """Take back completed events of device ``index`` that nothing refers to any more,
+        for ``record_event`` to record again (no new CUDA event per phase and step)."""
+        ...
+
     def device_uuid(self, index: int) -> str | None:
         """The device's UUID as NVML writes it (``GPU-…``), to join process and system_gpu lines."""
         ...
@@ -125,6 +131,25 @@ def _nonneg_int(value: Any) -> int | None:
     return result if result >= 0 else None
 
 
+# Events kept for reuse per device: a few steps' worth of phases.
+_MAX_FREE_EVENTS = 256
+# Distinct current streams remembered (a script that creates streams without end
+# gets a cleared cache now and then, not a growing one).
+_MAX_CACHED_STREAMS = 64
+# Bumped in every fork child: what a backend cached about CUDA in the parent is
+# not this process's.
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class TorchCudaBackend:
     """``CudaBackend`` over ``torch.cuda``; never initializes CUDA on its own."""
 
@@ -133,8 +158,22 @@ class TorchCudaBackend:
         # max_memory_reserved that follows it at the end of a step: one C call
         # (and one dict built) per step instead of two.
         self._stats: tuple[int, Any] | None = None
+        # torch.cuda once this process initialized CUDA, which it cannot undo; the
+        # fork generation it was found in (a fork child may not use the parent's CUDA).
+        self._ready: Any = None
+        self._ready_fork = -1
+        # Completed events given back by the step timer, per device: recording one
+        # again costs half of creating (and later destroying) a new one.
+        self._free_events: dict[int, list[Any]] = {}
+        # Stream objects by torch's (stream id, device index, device type) triple:
+        # torch.cuda.current_stream(index) builds a new Python object per call.
+        self._streams: dict[tuple[int, int, int], Any] = {}
+        self._get_current_stream: Any = None
 
     def _cuda(self) -> Any:
+        ready = self._ready
+        if ready is not None and self._ready_fork == _fork_generation:
+            return ready
         torch = torch_or_none()
         if torch is None:
             return None
@@ -147,6 +186,12 @@ class TorchCudaBackend:
                 return None
         except Exception:
             return None
+        if self._ready_fork != _fork_generation:
+            self._free_events = {}
+            self._streams = {}
+        self._ready = torch.cuda
+        self._ready_fork = _fork_generation
+        self._get_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
         return torch.cuda
 
     def is_available(self) -> bool | None:
@@ -286,11 +331,34 @@ class TorchCudaBackend:
             # graph (or fail the capture): no event then, and gpu_ms is null.
             if cuda.is_current_stream_capturing():
                 return None
-            event = cuda.Event(enable_timing=True)
-            event.record(cuda.current_stream(index))
+            stream = self._current_stream(cuda, index)
+            free = self._free_events.get(index)
+            event = free.pop() if free else cuda.Event(enable_timing=True)
+            event.record(stream)
         except Exception:
             return None
         return event  # type: ignore[no-any-return]
+
+    def _current_stream(self, cuda: Any, index: int) -> Any:
+        get = self._get_current_stream
+        if get is None:
+            return cuda.current_stream(index)
+        key = get(index)
+        stream = self._streams.get(key)
+        if stream is None:
+            if len(self._streams) >= _MAX_CACHED_STREAMS:
+                self._streams.clear()
+            stream = self._streams[key] = cuda.current_stream(index)
+        return stream
+
+    def release_events(self, index: int, events: list[CudaEvent]) -> None:
+        """Keep up to ``_MAX_FREE_EVENTS`` completed events per device for reuse."""
+        free = self._free_events.get(index)
+        if free is None:
+            free = self._free_events.setdefault(index, [])
+        room = _MAX_FREE_EVENTS - len(free)
+        if room > 0:
+            free.extend(events[:room])
 
 
 @attrs.frozen(slots=True, kw_only=True)
