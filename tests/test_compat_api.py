@@ -515,3 +515,37 @@ def test_summary_stays_a_function_after_every_module_is_imported() -> None:
         importlib.import_module(info.name)
     for name in ("summary", "final_summary", "init", "start", "trace_step", "shutdown"):
         assert callable(getattr(traceml, name)) and inspect.isfunction(getattr(traceml, name))
+
+
+def test_final_summary_phases_are_figured_as_traceml_summary_figures_them() -> None:
+    from traceml_ai import _step_phases, run_summary
+    from traceml_ai.rank import _compat_summary
+
+    def timing(ms: float) -> dict[str, dict[str, object]]:
+        return {"cpu": {"duration_ms": ms, "cpu_ms": ms, "gpu_ms": None, "is_gpu": False}}
+
+    # The batch fetched before the step opened (3 ms), then a 1 ms step.
+    events = {
+        "_traceml_internal:step_time": timing(1.0),
+        "_traceml_internal:dataloader_next": timing(3.0),
+        "_traceml_internal:forward_time": timing(0.4),
+        "_traceml_internal:backward_time": timing(0.5),
+        "loss": timing(0.05),
+    }
+    summary = _compat_summary.build_summary({0: {1: events, 2: events}}, source="x", complete=True)
+    phases = summary["phases"]["0"]
+    assert summary["phase_names"] == [
+        "dataloader_wait", "forward", "backward", "optimizer", "user:loss", "rest",
+    ]  # fmt: skip
+    # Shares of the 4 ms iteration, not of the 1 ms step: built-in phases and the
+    # rest add up to 100 % once, as in `traceml summary`.
+    assert phases["dataloader_wait"]["share"] == 0.75
+    assert abs(phases["rest"]["mean_ms"] - 0.05) < 1e-9
+    built_in = ("dataloader_wait", "forward", "backward", "optimizer")
+    assert (
+        abs(sum(phases[n]["share"] for n in built_in) + 0.0125 + phases["rest"]["share"] - 1) < 1e-3
+    )
+    # The same steps read from an export file give the same breakdown.
+    line = {"global_rank": 0, "timestamp_unix_ns": 0, "events": events}
+    rows = run_summary._step_rows([{**line, "step": 1}, {**line, "step": 2}])
+    assert phases == _step_phases.phase_breakdown(list(rows[0].values()), summary["phase_names"])

@@ -505,7 +505,8 @@ def test_end_of_run_summary_skips_big_exports(
 def test_phase_shares_count_a_wait_before_the_step_once() -> None:
     # The usual loop fetches the batch before `with trace_step(...)`: step_time leaves
     # the wait out, so shares of the step alone would add up past 100 %.
-    from traceml_ai.run_summary import _iteration, _rest
+    from traceml_ai._step_phases import iteration as _iteration
+    from traceml_ai._step_phases import rest as _rest
 
     outside = {"step": 1.0, "dataloader_wait": 3.0, "forward": 0.4, "backward": 0.5}
     assert _iteration(outside) == 4.0

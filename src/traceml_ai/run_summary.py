@@ -24,13 +24,21 @@ Straggler definition (one place, used by the text and by ``--json``):
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from traceml_ai._step_phases import (
+    STEP_EVENT,
+    percentile,
+    phase_breakdown,
+    phase_name,
+    phase_names,
+    step_row,
+)
 
 STRAGGLER_REL = 0.10
 """A straggler's figure exceeds the others' median by more than this fraction..."""
@@ -41,19 +49,6 @@ _ARROW_MIN_BYTES = 8 << 20
 SAME_RANK_SHARE = 0.75
 """The slowest rank counts as "the same rank" when it was slowest in this share of steps."""
 
-_PREFIX = "_traceml_internal:"
-STEP_EVENT = _PREFIX + "step_time"
-PHASES: tuple[tuple[str, str], ...] = (
-    ("dataloader_wait", _PREFIX + "dataloader_next"),
-    ("h2d", _PREFIX + "h2d_time"),
-    ("forward", _PREFIX + "forward_time"),
-    ("backward", _PREFIX + "backward_time"),
-    ("optimizer", _PREFIX + "optimizer_step"),
-)
-"""Summary name and event name of each built-in phase, in step order."""
-_PHASE_BY_EVENT = {event: name for name, event in PHASES}
-_CORE_PHASES = ("dataloader_wait", "forward", "backward", "optimizer")
-"""Phases always shown (with 0 when not measured); h2d and user phases when present."""
 
 _WAIT_PRIORITY = ("backward", "forward", "optimizer")
 """Phases where data parallel collectives wait, most likely first."""
@@ -137,21 +132,9 @@ def _iter_objects(path: Path, info: _FileRead) -> Iterator[dict[str, Any]]:
 # --------------------------------------------------------------------------- statistics
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
-    n = len(sorted_values)
-    if n == 1:
-        return float(sorted_values[0])
-    pos = (n - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, n - 1)
-    frac = pos - lo
-    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac)
-
-
 def _median(values: Iterable[float]) -> float:
     ordered = sorted(values)
-    return _percentile(ordered, 50.0) if ordered else 0.0
+    return percentile(ordered, 50.0) if ordered else 0.0
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -170,19 +153,6 @@ def _clearly_above(value: float, reference: float) -> bool:
 # --------------------------------------------------------------------------- streams
 
 
-def _phase_ms(devices: Any) -> float | None:
-    """One phase's time in a step: its longest device (devices run side by side)."""
-    if not isinstance(devices, dict) or not devices:
-        return None
-    best: float | None = None
-    for timing in devices.values():
-        if isinstance(timing, dict):
-            d = timing.get("duration_ms")
-            if isinstance(d, (int, float)) and (best is None or d > best):
-                best = float(d)
-    return best
-
-
 def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, float]]]:
     """rank -> step -> {"step": ms, phase name: ms, ...}; a repeated key keeps the last."""
     out: dict[int, dict[int, dict[str, float]]] = {}
@@ -190,29 +160,12 @@ def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, 
         rank, step, events = obj.get("global_rank"), obj.get("step"), obj.get("events")
         if not isinstance(rank, int) or not isinstance(step, int) or not isinstance(events, dict):
             continue
-        total = _phase_ms(events.get(STEP_EVENT))
-        if total is None:
+        row = step_row(events)
+        if row is None:
             continue
-        row: dict[str, float] = {"step": total, "_ts": float(obj.get("timestamp_unix_ns") or 0)}
-        for event, devices in events.items():
-            if event == STEP_EVENT:
-                continue
-            ms = _phase_ms(devices)
-            if ms is None:
-                continue
-            name = _phase_name(event)
-            if name is not None:
-                row[name] = ms
+        row["_ts"] = float(obj.get("timestamp_unix_ns") or 0)
         out.setdefault(rank, {})[step] = row
     return out
-
-
-def _phase_name(event: str) -> str | None:
-    """The summary's name of an event; None for a reserved name this reader does not know."""
-    name = _PHASE_BY_EVENT.get(event)
-    if name is None and not event.startswith(_PREFIX):
-        name = f"user:{event}"
-    return name
 
 
 def _arrow_frames() -> Any:
@@ -242,7 +195,7 @@ def _step_rows_arrow(loaded: Any) -> tuple[dict[int, dict[int, dict[str, float]]
         if ms is None:
             continue
         if event not in names:
-            names[event] = "step" if event == STEP_EVENT else _phase_name(event)
+            names[event] = "step" if event == STEP_EVENT else phase_name(event)
         key = names[event]
         if key is not None:
             acc.setdefault((rank, step), {})[key] = float(ms)
@@ -281,54 +234,11 @@ def _memory_arrow(loaded: Any) -> tuple[dict[str, Any], bool]:
     return {str(r): dict(sorted(peaks[r].items())) for r in sorted(peaks)}, any_figure
 
 
-_BUILT_IN_PHASES = ("dataloader_wait", "h2d", "forward", "backward", "optimizer")
-
-
-def _iteration(row: dict[str, float]) -> float:
-    """The time of one training iteration: the traced step, plus its DataLoader wait when
-    that wait happened before the step began.
-
-    In the usual loop (``for batch in loader: with trace_step(model): ...``) the batch is
-    fetched before the step opens, so ``step_time`` leaves the wait out, and shares "of
-    the step" would add up past 100 %. The files do not say where the fetch was; when the
-    built-in phases (which never nest in each other) do not fit inside the step, the wait
-    was outside it.
-    """
-    step = row["step"]
-    if sum(row.get(name, 0.0) for name in _BUILT_IN_PHASES) <= step * 1.000001:
-        return step
-    return step + row.get("dataloader_wait", 0.0)
-
-
-def _rest(row: dict[str, float]) -> float:
-    # Phases may nest (a user phase inside forward), so the rest is never below 0.
-    used = sum(v for k, v in row.items() if k not in ("step", "_ts"))
-    return max(0.0, _iteration(row) - used)
-
-
 def _step_section(
     rows: dict[int, dict[int, dict[str, float]]],
 ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """(per-rank step figures, per-rank phase breakdown, phase names in order)."""
-    user_phases = sorted(
-        {
-            k
-            for steps in rows.values()
-            for row in steps.values()
-            for k in row
-            if k.startswith("user:")
-        }
-    )
-    has_h2d = any("h2d" in row for steps in rows.values() for row in steps.values())
-    names = [
-        "dataloader_wait",
-        *(["h2d"] if has_h2d else []),
-        "forward",
-        "backward",
-        "optimizer",
-        *user_phases,
-        "rest",
-    ]
+    names = phase_names(row for steps in rows.values() for row in steps.values())
     per_rank: dict[str, Any] = {}
     phases: dict[str, Any] = {}
     for rank in sorted(rows):
@@ -348,24 +258,14 @@ def _step_section(
             "steps": len(times),
             "first_step": min(steps),
             "last_step": max(steps),
-            "p50_ms": _r(_percentile(times, 50)),
-            "p90_ms": _r(_percentile(times, 90)),
-            "p99_ms": _r(_percentile(times, 99)),
+            "p50_ms": _r(percentile(times, 50)),
+            "p90_ms": _r(percentile(times, 90)),
+            "p99_ms": _r(percentile(times, 99)),
             "max_ms": _r(times[-1]),
             "mean_ms": _r(_mean(times)),
             "steps_per_s": _r(rate),
         }
-        breakdown: dict[str, Any] = {}
-        mean_iteration = _mean([_iteration(r) for r in ordered])
-        for name in names:
-            values = [_rest(r) if name == "rest" else r.get(name, 0.0) for r in ordered]
-            m = _mean(values)
-            breakdown[name] = {
-                "mean_ms": _r(m),
-                "p50_ms": _r(_median(values)),
-                "share": _r(m / mean_iteration if mean_iteration > 0 else 0.0, 4),
-            }
-        phases[str(rank)] = breakdown
+        phases[str(rank)] = phase_breakdown(ordered, names)
     return per_rank, phases, names
 
 

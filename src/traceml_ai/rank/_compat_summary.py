@@ -15,7 +15,6 @@ Light: never imports torch.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -25,18 +24,8 @@ from typing import Any
 
 import orjson
 
+from traceml_ai._step_phases import percentile, phase_breakdown, phase_names, step_row
 from traceml_ai.rank.sink import ItemSink
-
-_PREFIX = "_traceml_internal:"
-STEP_EVENT = _PREFIX + "step_time"
-PHASES: tuple[tuple[str, str], ...] = (
-    ("dataloader_wait", _PREFIX + "dataloader_next"),
-    ("h2d", _PREFIX + "h2d_time"),
-    ("forward", _PREFIX + "forward_time"),
-    ("backward", _PREFIX + "backward_time"),
-    ("optimizer", _PREFIX + "optimizer_step"),
-)
-_PHASE_BY_EVENT = {event: name for name, event in PHASES}
 
 RECENT_STEPS = 4096
 """Steps a rank keeps for its in-process summary (the most recent ones)."""
@@ -98,49 +87,6 @@ class StepRecorder:
 # -- figures ------------------------------------------------------------------------
 
 
-def _phase_ms(devices: Any) -> float | None:
-    """One phase's time in a step: its longest device (devices run side by side)."""
-    if not isinstance(devices, dict):
-        return None
-    best: float | None = None
-    for timing in devices.values():
-        if isinstance(timing, dict):
-            d = timing.get("duration_ms")
-            if isinstance(d, (int, float)) and math.isfinite(d) and (best is None or d > best):
-                best = float(d)
-    return best
-
-
-def _row(events: Events) -> dict[str, float] | None:
-    total = _phase_ms(events.get(STEP_EVENT))
-    if total is None:
-        return None
-    row = {"step": total}
-    for event, devices in events.items():
-        if event == STEP_EVENT:
-            continue
-        ms = _phase_ms(devices)
-        if ms is None:
-            continue
-        name = _PHASE_BY_EVENT.get(event)
-        if name is None:
-            if event.startswith(_PREFIX):
-                continue
-            name = f"user:{event}"
-        row[name] = ms
-    return row
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile of sorted ``values`` (non-empty)."""
-    if len(values) == 1:
-        return values[0]
-    pos = (len(values) - 1) * q / 100.0
-    low = math.floor(pos)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (pos - low)
-
-
 def _r(x: float, digits: int = 3) -> float:
     return round(x, digits)
 
@@ -151,19 +97,10 @@ def figures(
     """(per-rank step time figures, per-rank phase breakdown, phase names)."""
     rows: dict[int, list[dict[str, float]]] = {}
     for rank, steps in steps_by_rank.items():
-        ordered = [r for s in sorted(steps) if (r := _row(steps[s])) is not None]
+        ordered = [r for s in sorted(steps) if (r := step_row(steps[s])) is not None]
         if ordered:
             rows[rank] = ordered
-    seen = {k for ordered in rows.values() for row in ordered for k in row}
-    names = [
-        "dataloader_wait",
-        *(["h2d"] if "h2d" in seen else []),
-        "forward",
-        "backward",
-        "optimizer",
-        *sorted(k for k in seen if k.startswith("user:")),
-        "rest",
-    ]
+    names = phase_names(row for ordered in rows.values() for row in ordered)
     per_rank: dict[str, Any] = {}
     phases: dict[str, Any] = {}
     for rank in sorted(rows):
@@ -175,29 +112,13 @@ def figures(
             "steps": len(times),
             "first_step": step_numbers[0],
             "last_step": step_numbers[-1],
-            "p50_ms": _r(_percentile(times, 50)),
-            "p90_ms": _r(_percentile(times, 90)),
-            "p99_ms": _r(_percentile(times, 99)),
+            "p50_ms": _r(percentile(times, 50)),
+            "p90_ms": _r(percentile(times, 90)),
+            "p99_ms": _r(percentile(times, 99)),
             "max_ms": _r(times[-1]),
             "mean_ms": _r(mean),
         }
-        breakdown: dict[str, Any] = {}
-        for name in names:
-            if name == "rest":
-                # Phases may nest (a user phase inside forward): never below 0.
-                values = [
-                    max(0.0, r["step"] - sum(v for k, v in r.items() if k != "step"))
-                    for r in ordered
-                ]
-            else:
-                values = [r.get(name, 0.0) for r in ordered]
-            m = sum(values) / len(values)
-            breakdown[name] = {
-                "mean_ms": _r(m),
-                "p50_ms": _r(_percentile(sorted(values), 50)),
-                "share": _r(m / mean if mean > 0 else 0.0, 4),
-            }
-        phases[str(rank)] = breakdown
+        phases[str(rank)] = phase_breakdown(ordered, names)
     return per_rank, phases, names
 
 

@@ -1,0 +1,137 @@
+"""Step rows and the phase breakdown, shared by ``traceml summary`` and ``traceml.summary()``.
+
+A step_time line's ``events`` become a *row*: ``{"step": ms, "<phase>": ms, ...}``,
+each figure the phase's longest device (devices run side by side), built-in phases
+under their short names (``forward``, ``dataloader_wait``, ...), user phases as
+``user:<name>``. Light: imported on the rank side, so nothing heavy here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+PREFIX = "_traceml_internal:"
+STEP_EVENT = PREFIX + "step_time"
+PHASES: tuple[tuple[str, str], ...] = (
+    ("dataloader_wait", PREFIX + "dataloader_next"),
+    ("h2d", PREFIX + "h2d_time"),
+    ("forward", PREFIX + "forward_time"),
+    ("backward", PREFIX + "backward_time"),
+    ("optimizer", PREFIX + "optimizer_step"),
+)
+"""Summary name and event name of each built-in phase, in step order."""
+BUILT_IN_PHASES = tuple(name for name, _ in PHASES)
+_PHASE_BY_EVENT = {event: name for name, event in PHASES}
+
+
+def phase_ms(devices: Any) -> float | None:
+    """One phase's time in a step: its longest device (devices run side by side)."""
+    if not isinstance(devices, dict):
+        return None
+    best: float | None = None
+    for timing in devices.values():
+        if isinstance(timing, dict):
+            d = timing.get("duration_ms")
+            if isinstance(d, (int, float)) and math.isfinite(d) and (best is None or d > best):
+                best = float(d)
+    return best
+
+
+def phase_name(event: str) -> str | None:
+    """The summary's name of an event; None for a reserved name this reader does not know."""
+    name = _PHASE_BY_EVENT.get(event)
+    if name is None and not event.startswith(PREFIX):
+        name = f"user:{event}"
+    return name
+
+
+def step_row(events: Mapping[str, Any]) -> dict[str, float] | None:
+    """The row of one step's events; None without a usable step time."""
+    total = phase_ms(events.get(STEP_EVENT))
+    if total is None:
+        return None
+    row = {"step": total}
+    for event, devices in events.items():
+        if event == STEP_EVENT:
+            continue
+        ms = phase_ms(devices)
+        if ms is None:
+            continue
+        name = phase_name(event)
+        if name is not None:
+            row[name] = ms
+    return row
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
+    n = len(sorted_values)
+    if n == 1:
+        return float(sorted_values[0])
+    pos = (n - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
+
+
+def _is_phase(key: str) -> bool:
+    # Rows may carry bookkeeping of their reader under "_"-keys (a timestamp).
+    return key != "step" and not key.startswith("_")
+
+
+def iteration(row: Mapping[str, float]) -> float:
+    """The time of one training iteration: the step, plus the DataLoader wait when it
+    was fetched before the step opened.
+
+    In the usual loop (``for batch in loader: with trace_step(model): ...``) the batch is
+    fetched before the step opens, so ``step_time`` leaves the wait out, and shares "of
+    the step" would add up past 100 %. The files do not say where the fetch was; when the
+    built-in phases (which never nest in each other) do not fit inside the step, the wait
+    was outside it.
+    """
+    step = row["step"]
+    if sum(row.get(name, 0.0) for name in BUILT_IN_PHASES) <= step * 1.000001:
+        return step
+    return step + row.get("dataloader_wait", 0.0)
+
+
+def rest(row: Mapping[str, float]) -> float:
+    """The iteration's time outside every measured phase (never below 0: phases may nest,
+    a user phase inside forward)."""
+    used = sum(v for k, v in row.items() if _is_phase(k))
+    return max(0.0, iteration(row) - used)
+
+
+def phase_names(rows: Iterable[Mapping[str, float]]) -> list[str]:
+    """The breakdown's phases in step order: the core ones always, h2d and user phases
+    when some row has them, then ``rest``."""
+    seen = {k for row in rows for k in row if _is_phase(k)}
+    return [
+        "dataloader_wait",
+        *(["h2d"] if "h2d" in seen else []),
+        "forward",
+        "backward",
+        "optimizer",
+        *sorted(k for k in seen if k.startswith("user:")),
+        "rest",
+    ]
+
+
+def phase_breakdown(
+    rows: Sequence[Mapping[str, float]], names: Sequence[str]
+) -> dict[str, dict[str, float]]:
+    """Per phase of ``names``: mean and median ms over ``rows`` (one rank's steps, not
+    empty), and the mean's share of the mean iteration."""
+    mean_iteration = sum(iteration(r) for r in rows) / len(rows)
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        values = [rest(r) if name == "rest" else r.get(name, 0.0) for r in rows]
+        mean = sum(values) / len(values)
+        out[name] = {
+            "mean_ms": round(mean, 3),
+            "p50_ms": round(percentile(sorted(values), 50.0), 3),
+            "share": round(mean / mean_iteration if mean_iteration > 0 else 0.0, 4),
+        }
+    return out
