@@ -8,8 +8,10 @@ from codegen._model import load_schemas
 from codegen._render_arrow import render_arrow_tables, render_tables_reference
 from codegen._render_docs import render_reference, render_stream_keys
 from codegen._render_python import render_records, render_registry
+from codegen._render_wire import render_wire, render_wire_table, splice_wire_table
 
 PACKAGE = Path("src/traceml_records")
+WIRE_DOC = Path("docs/dev/wire-format.md")
 
 
 def generate(root: Path) -> dict[Path, bytes]:
@@ -21,11 +23,18 @@ def generate(root: Path) -> dict[Path, bytes]:
         / "__init__.py": b'"""Generated code: do not edit (see codegen/)."""\n',
         PACKAGE / "_generated" / "records.py": render_records(schema_set).encode(),
         PACKAGE / "_generated" / "registry.py": render_registry(schema_set).encode(),
+        PACKAGE / "_generated" / "wire.py": render_wire(schema_set).encode(),
         Path("docs/reference/export-records.md"): render_reference(schema_set).encode(),
         Path("docs/reference/stream-keys.md"): render_stream_keys(schema_set).encode(),
         PACKAGE / "_generated" / "tables.py": render_arrow_tables(schema_set).encode(),
         Path("docs/reference/tables.md"): render_tables_reference(schema_set).encode(),
     }
+    wire_doc = root / WIRE_DOC
+    if wire_doc.exists():
+        # A hand-written page with one generated section (the item table).
+        files[WIRE_DOC] = splice_wire_table(
+            wire_doc.read_text(encoding="utf-8"), render_wire_table(schema_set)
+        ).encode()
     # The schemas travel as package data, byte for byte.
     for name, data in schema_set.schema_files:
         files[PACKAGE / "schemas" / name] = data

@@ -55,6 +55,7 @@ _KNOWN_EXTENSIONS = {
     "x-traceml-unit",
     "x-traceml-optional",
     "x-traceml-rules",
+    "x-traceml-wire",
 }
 _SCALAR_TYPES = {"integer", "number", "boolean", "string"}
 
@@ -172,6 +173,38 @@ class ClassModel:
 
 
 @attrs.frozen
+class FanOutModel:
+    """``x-traceml-wire/fan-out``: a list in each item of a batch stream that becomes records
+    of another stream, one per entry."""
+
+    stream: str
+    """The stream whose records the entries become."""
+    item_key: str
+    """The item key that holds the entries (a list of objects)."""
+    count_field: str
+    """The field of the item's own record that gets the number of entries."""
+    shared_fields: tuple[str, ...]
+    """Fields of each entry's record taken from the item's own record."""
+    max_entries: int
+    """Most entries one item may carry."""
+
+
+@attrs.frozen
+class WireModel:
+    """``x-traceml-wire``: how the rank's wire items become records of a stream."""
+
+    batch_stream: str
+    """The wire (batch) stream whose items carry this stream's records."""
+    from_batch: tuple[str, ...]
+    """Record fields the aggregator fills from the batch, not the item:
+    ``observed_timestamp_unix_ns`` (the time it received the batch), ``rank`` (the
+    identity's ``global_rank``) and identity fields of the same name."""
+    fan_out: FanOutModel | None = None
+    fan_out_of: str | None = None
+    """The stream whose items carry this stream's records as fan-out entries."""
+
+
+@attrs.frozen
 class StreamModel:
     """Stream-level annotations of a record schema."""
 
@@ -186,6 +219,8 @@ class StreamModel:
     schema_id: str
     rules: tuple[str, ...] = ()
     """Names of the rules of ``traceml_records._rules`` that apply (x-traceml-rules)."""
+    wire: WireModel | None = None
+    """How wire items become records of this stream (x-traceml-wire)."""
 
 
 @attrs.frozen
@@ -236,6 +271,7 @@ class _Loader:
             if "x-traceml-stream" in doc:
                 streams.append(self._stream(name, schema_id, doc))
         streams.sort(key=lambda s: s.order)
+        _check_wire(streams)
         return SchemaSet(
             classes=tuple(self.classes[c] for c in self.class_order),
             streams=tuple(streams),
@@ -543,7 +579,105 @@ class _Loader:
             schema_file=file,
             schema_id=schema_id,
             rules=tuple(doc.get("x-traceml-rules", [])),
+            wire=self._wire(file, doc),
         )
+
+    def _wire(self, file: str, doc: dict[str, Any]) -> WireModel | None:
+        raw = doc.get("x-traceml-wire")
+        if raw is None:
+            return None
+        here = "/x-traceml-wire"
+        known = {"batch-stream", "from-batch", "fan-out", "fan-out-of"}
+        if not isinstance(raw, dict) or not set(raw) <= known:
+            raise SchemaError(file, here, f"an object with keys among {sorted(known)}")
+        batch = raw.get("batch-stream")
+        if not isinstance(batch, str) or not batch.isidentifier():
+            raise SchemaError(file, here + "/batch-stream", "a stream name")
+        properties = doc["properties"]
+        from_batch = raw.get("from-batch", [])
+        if not isinstance(from_batch, list) or not all(
+            isinstance(f, str) and f in properties and f in WIRE_BATCH_FIELDS for f in from_batch
+        ):
+            raise SchemaError(
+                file,
+                here + "/from-batch",
+                f"a list of the record's fields among {list(WIRE_BATCH_FIELDS)}",
+            )
+        fan_out: FanOutModel | None = None
+        spec = raw.get("fan-out")
+        if spec is not None:
+            fan_keys = {"stream", "item-key", "count-field", "shared-fields", "max-entries"}
+            if not isinstance(spec, dict) or set(spec) != fan_keys:
+                raise SchemaError(
+                    file, here + "/fan-out", f"an object with keys {sorted(fan_keys)}"
+                )
+            count_field = spec["count-field"]
+            if count_field not in properties:
+                raise SchemaError(file, here + "/fan-out/count-field", "not a property")
+            shared = spec["shared-fields"]
+            if not isinstance(shared, list) or not all(f in properties for f in shared):
+                raise SchemaError(file, here + "/fan-out/shared-fields", "properties only")
+            if type(spec["max-entries"]) is not int or spec["max-entries"] < 1:
+                raise SchemaError(file, here + "/fan-out/max-entries", "a positive integer")
+            fan_out = FanOutModel(
+                stream=str(spec["stream"]),
+                item_key=str(spec["item-key"]),
+                count_field=str(count_field),
+                shared_fields=tuple(shared),
+                max_entries=spec["max-entries"],
+            )
+        fan_out_of = raw.get("fan-out-of")
+        if fan_out_of is not None and fan_out_of != batch:
+            raise SchemaError(file, here + "/fan-out-of", "must be the batch stream")
+        return WireModel(
+            batch_stream=batch,
+            from_batch=tuple(from_batch),
+            fan_out=fan_out,
+            fan_out_of=fan_out_of,
+        )
+
+
+def _check_wire(streams: list[StreamModel]) -> None:
+    """Fan-out streams and their parents name each other; batch streams are record streams."""
+    by_name = {s.name: s for s in streams}
+    for s in streams:
+        if s.wire is None:
+            continue
+        here = "/x-traceml-wire"
+        parent = by_name.get(s.wire.batch_stream)
+        if parent is None or parent.wire is None or parent.wire.fan_out_of is not None:
+            raise SchemaError(s.schema_file, here + "/batch-stream", "not a batch stream")
+        if s.wire.fan_out_of is None and s.wire.batch_stream != s.name:
+            raise SchemaError(
+                s.schema_file, here, "a stream fed by another's batches needs fan-out-of"
+            )
+        if s.wire.fan_out_of is not None and (
+            parent.wire.fan_out is None or parent.wire.fan_out.stream != s.name
+        ):
+            raise SchemaError(
+                s.schema_file, here + "/fan-out-of", f"{parent.name} declares no fan-out to it"
+            )
+        fan = s.wire.fan_out
+        if fan is not None:
+            entry = by_name.get(fan.stream)
+            if entry is None or entry.wire is None or entry.wire.fan_out_of != s.name:
+                raise SchemaError(
+                    s.schema_file, here + "/fan-out/stream", "needs a stream with fan-out-of"
+                )
+
+
+WIRE_BATCH_FIELDS = (
+    "observed_timestamp_unix_ns",
+    "rank",
+    "global_rank",
+    "local_rank",
+    "world_size",
+    "local_world_size",
+    "node_rank",
+    "hostname",
+    "pid",
+)
+"""Record fields a stream may take from its batch (x-traceml-wire/from-batch)."""
 
 
 def _escape(token: str) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 import orjson
 
+from traceml_records._generated.wire import BATCH_STREAMS
+
 __all__ = [
     "BATCH_STREAMS",
     "DEFAULT_MAX_FRAME_BYTES",
@@ -41,15 +43,8 @@ ENV_AGGREGATOR_ADDR = "TRACEML_AGGREGATOR_ADDR"
 ENV_RUN_TOKEN = "TRACEML_RUN_TOKEN"
 ENV_SAMPLER_INTERVAL = "TRACEML_SAMPLER_INTERVAL"
 
-# Streams a rank can send; ``system_gpu`` records are split out of ``system`` items.
-BATCH_STREAMS = (
-    "step_time",
-    "step_memory",
-    "process",
-    "system",
-    "runtime_environment",
-    "stdout_stderr",
-)
+# BATCH_STREAMS (generated from the schemas' x-traceml-wire): streams a rank can send;
+# ``system_gpu`` records are split out of ``system`` items.
 
 MESSAGE_TYPES = ("batch", "finished")
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from traceml_ai.rank.gpu import CudaBackend, CudaEvent
 from traceml_ai.rank.sink import ItemSink
+from traceml_records._generated.wire import PhaseTimingItem, StepMemoryItem, StepTimeItem
 
 INTERNAL_PREFIX = "_traceml_internal:"
 DATALOADER_NEXT = INTERNAL_PREFIX + "dataloader_next"
@@ -514,17 +515,15 @@ class StepTimer:
             peak_alloc = peak_reserved = None
         seq_mem = self._seq_mem
         self._seq_mem = seq_mem + 1
-        self._sink.put(
-            "step_memory",
-            {
-                "timestamp_unix_ns": ts,
-                "seq": seq_mem,
-                "step": step,
-                "device": device,
-                "peak_allocated_bytes": peak_alloc,
-                "peak_reserved_bytes": peak_reserved,
-            },
-        )
+        memory_item: StepMemoryItem = {
+            "timestamp_unix_ns": ts,
+            "seq": seq_mem,
+            "step": step,
+            "device": device,
+            "peak_allocated_bytes": peak_alloc,
+            "peak_reserved_bytes": peak_reserved,
+        }
+        self._sink.put("step_memory", memory_item)
         if index is None and not self._pending:
             # Not on CUDA: no GPU time to wait for, so the line is built and sent
             # now, without the pending-step bookkeeping (the common CPU hot path).
@@ -605,7 +604,7 @@ class StepTimer:
         A plain loop, not a dict comprehension: on Python 3.11 the comprehension
         builds a function and a frame per step (~20 % more instructions here).
         """
-        events: dict[str, dict[str, dict[str, object]]] = {}
+        events: dict[str, dict[str, PhaseTimingItem]] = {}
         for name in sorted(acc):
             phase = acc[name]
             ms = phase.cpu_ns / 1e6
@@ -620,15 +619,14 @@ class StepTimer:
             }
         seq = self._seq_time
         self._seq_time = seq + 1
-        self._sink.put(
-            "step_time", {"timestamp_unix_ns": ts, "seq": seq, "step": step, "events": events}
-        )
+        item: StepTimeItem = {"timestamp_unix_ns": ts, "seq": seq, "step": step, "events": events}
+        self._sink.put("step_time", item)
 
     def _emit(self, pending: _PendingStep) -> None:
         device = pending.device
         cuda = device.startswith("cuda:")
         done = pending.done
-        events: dict[str, dict[str, dict[str, object]]] = {}
+        events: dict[str, dict[str, PhaseTimingItem]] = {}
         measured: list[CudaEvent] = []
         for name in sorted(pending.acc):
             phase = pending.acc[name]
@@ -649,10 +647,13 @@ class StepTimer:
             }
         seq = self._seq_time
         self._seq_time = seq + 1
-        self._sink.put(
-            "step_time",
-            {"timestamp_unix_ns": pending.ts, "seq": seq, "step": pending.step, "events": events},
-        )
+        item: StepTimeItem = {
+            "timestamp_unix_ns": pending.ts,
+            "seq": seq,
+            "step": pending.step,
+            "events": events,
+        }
+        self._sink.put("step_time", item)
         if measured:
             # Both events of every pair read completed and nothing holds them now
             # (the step's phases are dropped with ``pending``): recorded again later.

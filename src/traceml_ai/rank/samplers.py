@@ -19,6 +19,7 @@ import psutil
 
 from traceml_ai.rank.gpu import CudaBackend, GpuReading, NvmlBackend
 from traceml_ai.wire import ENV_SAMPLER_INTERVAL
+from traceml_records._generated.wire import ProcessItem, SystemGpuItem, SystemItem
 
 DEFAULT_SAMPLER_INTERVAL = 2.0
 
@@ -104,7 +105,7 @@ class ProcessSampler(_Sequenced):
         # ``first_seq`` > 0 continues an earlier sampler of this process (init again).
         self._seq = first_seq
 
-    def sample(self) -> dict[str, object] | None:
+    def sample(self) -> ProcessItem | None:
         """One ``process`` item, or ``None`` when a non-nullable figure is unusable."""
         with self._proc.oneshot():
             cpu = finite(self._proc.cpu_percent(None), low=0.0)
@@ -166,7 +167,7 @@ class SystemSampler(_Sequenced):
         # ``first_seq`` > 0 continues an earlier sampler of this process (init again).
         self._seq = first_seq
 
-    def _gpu(self, index: int) -> dict[str, object]:
+    def _gpu(self, index: int) -> SystemGpuItem:
         try:
             reading = self._nvml.read(index)
         except Exception:
@@ -183,7 +184,7 @@ class SystemSampler(_Sequenced):
             "gpu_uuid": reading.uuid,
         }
 
-    def sample(self) -> dict[str, object] | None:
+    def sample(self) -> SystemItem | None:
         """One ``system`` item, or ``None`` when a non-nullable figure is unusable."""
         cpu = finite(psutil.cpu_percent(None))
         vm = psutil.virtual_memory()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol, cast
 
 
 class ItemSink(Protocol):
@@ -12,8 +13,14 @@ class ItemSink(Protocol):
     ``traceml_ai.transport.sender.RankSender`` is the production sink.
     """
 
-    def put(self, stream: str, item: dict[str, object]) -> None:
-        """Queue ``item`` (a wire item, see docs/dev/wire-format.md) for ``stream``."""
+    # ``item`` is Any so that sinks typed ``dict[str, object]`` still fit; the checking
+    # happens where producers build an item, as its generated TypedDict.
+    def put(self, stream: str, item: Any) -> None:
+        """Queue ``item`` (a wire item, see docs/dev/wire-format.md) for ``stream``.
+
+        Producers build items as the TypedDicts of ``traceml_records._generated.wire``
+        (generated from the schemas), so mypy checks them against the contract.
+        """
         ...
 
 
@@ -24,10 +31,11 @@ class RecordingSink:
         self._lock = threading.Lock()
         self._items: list[tuple[str, dict[str, object]]] = []
 
-    def put(self, stream: str, item: dict[str, object]) -> None:
+    def put(self, stream: str, item: Mapping[str, object]) -> None:
         """Record the item."""
         with self._lock:
-            self._items.append((stream, item))
+            # Items are plain dicts (the generated TypedDicts of traceml_records are dicts).
+            self._items.append((stream, cast("dict[str, object]", item)))
 
     def items(self, stream: str | None = None) -> list[dict[str, object]]:
         """The recorded items of ``stream`` (all streams when ``None``), in arrival order."""
