@@ -1,10 +1,11 @@
 """Real-world GPU setups on CPU: CUDA and NVML through fakes as strict as the real APIs.
 
-``StrictCuda`` behaves as ``torch.cuda`` does where the forgiving fakes did not:
-``current_device()`` answers per thread (0 on a thread that never called
+``traceml_ai.testing.FakeCuda`` behaves as ``torch.cuda`` does where forgiving fakes
+did not: ``current_device()`` answers per thread (0 on a thread that never called
 ``set_device``), ``Event.elapsed_time`` raises until both events completed,
 ``Event.synchronize()`` blocks while the GPU is busy (behind an unjoined NCCL
-collective it would never return), and peaks are per device since the last reset.
+collective it would never return), events given back for reuse must have completed,
+and peaks are per device since the last reset.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import attrs
-import e2e_helpers as e2e
 import pytest
 import torch
 
 import traceml_ai as traceml
+from tests import e2e_helpers as e2e
 from traceml_ai.rank import _sdk, _timing, gpu
-from traceml_ai.rank.gpu import CudaEvent, GpuReading, TorchCudaBackend, normalize_uuid
+from traceml_ai.rank.gpu import GpuReading, TorchCudaBackend, normalize_uuid
 from traceml_ai.rank.samplers import ProcessSampler
 from traceml_ai.rank.sink import RecordingSink
+from traceml_ai.testing import FakeCuda
 
 FWD = "_traceml_internal:forward_time"
 ENV_VARS = (
@@ -48,113 +50,6 @@ def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _sdk._reset_for_tests()
     yield
     _sdk._reset_for_tests()
-
-
-class StrictEvent:
-    """``torch.cuda.Event``: completes when the fake GPU's clock passes its stamp."""
-
-    def __init__(self, gpu: StrictCuda, stamp: int, device: int) -> None:
-        self.gpu = gpu
-        self.stamp = stamp
-        self.device = device
-        self.released = False
-
-    def query(self) -> bool:
-        assert not self.released, "an event given back for reuse was asked again"
-        return self.gpu.completed >= self.stamp
-
-    def elapsed_time(self, end_event: Any) -> float:
-        assert isinstance(end_event, StrictEvent)
-        if not (self.query() and end_event.query()):
-            # What torch raises when either event has not completed.
-            raise RuntimeError("CUDA error: device not ready")
-        return float(end_event.stamp - self.stamp)
-
-    def synchronize(self) -> None:
-        self.gpu.synchronize_calls += 1
-        # Blocks while the GPU is busy; behind a hung collective that is forever.
-        if not self.gpu.finished.wait(timeout=30):
-            raise AssertionError("Event.synchronize() blocked: TraceML must never call it")
-
-
-class StrictCuda:
-    """A ``CudaBackend`` as strict as ``torch.cuda`` (see the module docstring)."""
-
-    def __init__(self, count: int = 2) -> None:
-        self.count = count
-        self.clock = 0
-        self.completed = 0  # the GPU has finished all work up to this stamp
-        self.finished = threading.Event()
-        self.synchronize_calls = 0
-        self.resets: list[int] = []
-        self.allocated: dict[int, int] = {}
-        self._local = threading.local()
-        self.record_devices: list[int] = []
-        self.capturing = False
-        self.free: dict[int, list[StrictEvent]] = {}
-        self.created = 0
-
-    # torch.cuda.set_device / current_device: per thread, 0 until set.
-    def set_device(self, index: int) -> None:
-        self._local.device = index
-
-    def current_device(self) -> int | None:
-        return int(getattr(self._local, "device", 0))
-
-    def is_available(self) -> bool | None:
-        return True
-
-    def device_count(self) -> int | None:
-        return self.count
-
-    def device_index_of(self, model: object) -> int | None:
-        return TorchCudaBackend().device_index_of(model)
-
-    def reset_peak_memory_stats(self, index: int) -> None:
-        self.resets.append(index)
-
-    def max_memory_allocated(self, index: int) -> int | None:
-        return 1000 + index
-
-    def max_memory_reserved(self, index: int) -> int | None:
-        return 2000 + index
-
-    def memory_allocated(self, index: int) -> int | None:
-        return self.allocated.get(index, 0)
-
-    def memory_reserved(self, index: int) -> int | None:
-        return self.allocated.get(index, 0)
-
-    def total_memory(self, index: int) -> int | None:
-        return 80 << 30
-
-    def record_event(self, index: int) -> CudaEvent | None:
-        if self.capturing:
-            return None
-        self.record_devices.append(index)
-        self.clock += 1
-        free = self.free.get(index)
-        if free:
-            event = free.pop()
-            event.stamp, event.released = self.clock, False
-            return event
-        self.created += 1
-        return StrictEvent(self, self.clock, index)
-
-    def release_events(self, index: int, events: list[CudaEvent]) -> None:
-        for event in events:
-            assert isinstance(event, StrictEvent) and not event.released
-            # Only events whose work completed may be recorded again.
-            assert event.device == index and self.completed >= event.stamp
-            event.released = True
-        self.free.setdefault(index, []).extend(events)  # type: ignore[arg-type]
-
-    def device_uuid(self, index: int) -> str | None:
-        return f"GPU-{index:08x}-1111-2222-3333-444444444444"
-
-    def finish_all(self) -> None:
-        self.completed = self.clock
-        self.finished.set()
 
 
 def _device(kind: str, index: int | None = None) -> SimpleNamespace:
@@ -190,7 +85,7 @@ def step_items(sink: RecordingSink) -> list[dict[str, Any]]:
     return sink.items("step_time")
 
 
-def one_step(model: object | None, cuda: StrictCuda) -> None:
+def one_step(model: object | None, cuda: FakeCuda) -> None:
     with traceml.trace_step(model), traceml.trace_phase("work"):
         pass
 
@@ -203,7 +98,7 @@ def test_shutdown_polls_one_deadline_and_never_synchronizes(
 ) -> None:
     monkeypatch.setattr(_timing, "SHUTDOWN_GPU_WAIT_S", 0.3)
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = FakeModel(_device("cuda", 0))
     for _ in range(5):
@@ -212,7 +107,7 @@ def test_shutdown_polls_one_deadline_and_never_synchronizes(
     t0 = time.monotonic()
     traceml.shutdown()
     took = time.monotonic() - t0
-    assert cuda.synchronize_calls == 0
+    assert cuda.synchronize_calls == 0 and cuda.misuse == []
     # One deadline for all five pending steps, not one per step.
     assert 0.25 <= took < 1.5, took
     items = step_items(sink)
@@ -226,7 +121,7 @@ def test_shutdown_polls_one_deadline_and_never_synchronizes(
 
 def test_shutdown_returns_as_soon_as_the_gpu_finished() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = FakeModel(_device("cuda", 0))
     for _ in range(3):
@@ -240,7 +135,7 @@ def test_shutdown_returns_as_soon_as_the_gpu_finished() -> None:
 
 def test_last_step_is_sent_when_its_events_complete_without_a_next_step() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=0.05, cuda_backend=cuda)
     one_step(FakeModel(_device("cuda", 0)), cuda)
     time.sleep(0.2)
@@ -260,7 +155,7 @@ def test_last_step_is_sent_when_its_events_complete_without_a_next_step() -> Non
 
 def test_trace_phase_outside_steps_keeps_a_bounded_number_of_events() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     one_step(FakeModel(_device("cuda", 0)), cuda)  # the device is known from here on
     timer = _timing.active()
@@ -280,7 +175,7 @@ def test_trace_phase_outside_steps_keeps_a_bounded_number_of_events() -> None:
 
 def test_no_events_inside_a_cuda_graph_capture() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     cuda.capturing = True
     one_step(FakeModel(_device("cuda", 0)), cuda)
@@ -298,7 +193,7 @@ def test_peak_reset_opt_out_leaves_the_users_peak_alone(
     monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     if how == "env":
         monkeypatch.setenv("TRACEML_RESET_PEAK_MEMORY", "0")
         traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
@@ -316,11 +211,14 @@ def test_peak_reset_opt_out_leaves_the_users_peak_alone(
 
 def test_peak_is_reset_per_step_by_default() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
+    cuda.allocate(1, 1001)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = FakeModel(_device("cuda", 1))
     for _ in range(2):
         one_step(model, cuda)
+        cuda.allocate(1, 500)  # a peak of 1501 between steps: the next reset forgets it
+        cuda.allocate(1, -500)
     cuda.finish_all()
     traceml.shutdown()
     assert cuda.resets == [1, 1]
@@ -332,7 +230,7 @@ def test_peak_is_reset_per_step_by_default() -> None:
 
 def test_parameters_offloaded_to_cpu_do_not_make_the_run_cpu() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     # Embeddings offloaded to CPU come first; the rest trains on cuda:1.
     one_step(FakeModel(_device("cpu"), _device("cuda", 1), _device("cuda", 1)), cuda)
@@ -344,7 +242,7 @@ def test_parameters_offloaded_to_cpu_do_not_make_the_run_cpu() -> None:
 
 def test_model_moved_to_the_gpu_after_step_one_is_followed() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = FakeModel(_device("cpu"), _device("cpu"))
     one_step(model, cuda)
@@ -360,7 +258,7 @@ def test_model_moved_to_the_gpu_after_step_one_is_followed() -> None:
 
 def test_trace_step_none_follows_the_training_threads_device() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     one_step(None, cuda)
     cuda.set_device(1)  # a later set_device on the training thread is followed
@@ -378,8 +276,8 @@ def test_trace_step_none_without_set_device_does_not_time_cuda0_on_local_rank_1(
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     sink = RecordingSink()
-    cuda = StrictCuda()
-    cuda.allocated = {1: 4096}  # the script put its tensors on cuda:LOCAL_RANK
+    cuda = FakeCuda(devices=2)
+    cuda.allocate(1, 4096)  # the script put its tensors on cuda:LOCAL_RANK
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     one_step(None, cuda)
     one_step(None, cuda)
@@ -398,8 +296,8 @@ def test_process_sampler_reports_the_ranks_device_not_its_own_threads(
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     sink = RecordingSink()
-    cuda = StrictCuda()
-    cuda.allocated = {1: 4096}
+    cuda = FakeCuda(devices=2)
+    cuda.allocate(1, 4096)
     cuda.set_device(1)  # on the training thread; the sampler thread still answers 0
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     # Before the first step: the rank's device from LOCAL_RANK.
@@ -416,7 +314,7 @@ def test_process_sampler_reports_the_ranks_device_not_its_own_threads(
 
 
 def test_process_sampler_alone_on_another_thread() -> None:
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     cuda.set_device(1)
     sampler = ProcessSampler(cuda, lambda: None, local_rank=1)
     result: list[dict[str, object] | None] = []
@@ -549,7 +447,7 @@ def test_missing_nvidia_ml_py_warns_once_when_cuda_is_available(
     sink = RecordingSink()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        traceml.init(sink=sink, sampler_interval=0.05, cuda_backend=StrictCuda())
+        traceml.init(sink=sink, sampler_interval=0.05, cuda_backend=FakeCuda())
         deadline = time.monotonic() + 5
         while len(sink.items("system")) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -564,7 +462,7 @@ def test_missing_nvidia_ml_py_warns_once_when_cuda_is_available(
 def test_missing_nvidia_ml_py_is_silent_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     monkeypatch.setattr(cuda, "is_available", lambda: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -621,7 +519,7 @@ class UuidNvml:
 
 
 def test_process_and_system_gpu_lines_join_on_gpu_uuid() -> None:
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     # Torch's cuda:1 is NVML's GPU 0 (CUDA_VISIBLE_DEVICES / CUDA's device order).
     nvml = UuidNvml([cuda.device_uuid(1) or "", cuda.device_uuid(0) or ""])
     sink = RecordingSink()
@@ -752,7 +650,7 @@ def test_step_peaks_cost_one_allocator_statistics_call(monkeypatch: pytest.Monke
 
 def test_completed_events_are_recorded_again_and_every_gpu_ms_stays_exact() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = FakeModel(_device("cuda", 0))
     for _ in range(50):
@@ -766,19 +664,21 @@ def test_completed_events_are_recorded_again_and_every_gpu_ms_stays_exact() -> N
     # 100 recordings, a handful of CUDA events: each step's pair is recorded again.
     assert len(cuda.record_devices) == 100
     assert cuda.created <= 6, cuda.created
+    assert cuda.misuse == []
 
 
 def test_events_of_steps_still_running_are_never_reused() -> None:
     sink = RecordingSink()
-    cuda = StrictCuda()
+    cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = FakeModel(_device("cuda", 0))
     for _ in range(10):
         one_step(model, cuda)  # the GPU completes nothing
-    assert cuda.created == 20 and not cuda.free
+    assert cuda.created == 20 and not cuda.free_events
     cuda.finish_all()
     traceml.shutdown()
     assert [i["events"]["work"]["cuda:0"]["gpu_ms"] for i in step_items(sink)] == [1.0] * 10
+    assert cuda.misuse == []
 
 
 class _TorchEvent:
