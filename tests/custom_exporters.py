@@ -17,6 +17,14 @@ from typing import Any
 import orjson
 
 from traceml_ai.export import ExportContext, ExportSummary, InMemoryExporter
+from traceml_ai.testing import (
+    OBSERVED_TIMESTAMP_NS,
+    make_batch,
+    make_gpu_entry,
+    make_identity,
+    make_item,
+    make_phase,
+)
 from traceml_ai.wire import ReceivedBatch
 from traceml_records import STREAMS_BY_NAME
 from traceml_records._generated.records import DUMPERS
@@ -156,128 +164,58 @@ class HangingExporter(InMemoryExporter):
 
 
 # -- wire batches ----------------------------------------------------------------------
+# Built with traceml_ai.testing's factory, which the benches use too; the values here
+# are the ones these tests were written against.
 
-IDENTITY: dict[str, Any] = {
-    "global_rank": 1,
-    "local_rank": 1,
-    "world_size": 4,
-    "local_world_size": 2,
-    "node_rank": 0,
-    "hostname": "host-a",
-    "pid": 4242,
-}
+IDENTITY: dict[str, Any] = make_identity(1, world_size=4, local_world_size=2)
 """Rank 1 of 4, two per node: a valid identity for every stream except system."""
 
 IDENTITY_LOCAL0: dict[str, Any] = {**IDENTITY, "global_rank": 0, "local_rank": 0}
 """Local rank 0: may send system snapshots."""
 
-OBSERVED_NS = 1_793_808_200_784_977_000
+OBSERVED_NS = OBSERVED_TIMESTAMP_NS
 
-
-def phase(cpu_ms: float = 1.5, gpu_ms: float | None = None, n_calls: int = 1) -> dict[str, Any]:
-    """One phase timing as a rank sends it (GPU time used when given)."""
-    return {
-        "cpu_ms": cpu_ms,
-        "duration_ms": gpu_ms if gpu_ms is not None else cpu_ms,
-        "gpu_ms": gpu_ms,
-        "is_gpu": gpu_ms is not None,
-        "n_calls": n_calls,
-    }
+phase = make_phase
+"""One phase timing as a rank sends it (GPU time used when given)."""
 
 
 def step_time_item(seq: int = 0, step: int = 1, device: str = "cpu") -> dict[str, Any]:
     gpu = 2.0 if device.startswith("cuda") else None
-    return {
-        "timestamp_unix_ns": 1_793_808_199_881_904_896 + seq,
-        "seq": seq,
-        "step": step,
-        "events": {
-            "_traceml_internal:forward_time": {device: phase(8.2, gpu)},
-            "_traceml_internal:backward_time": {device: phase(15.3, gpu)},
-            "_traceml_internal:step_time": {device: phase(27.0)},
-            "my_phase": {device: phase(0.5, gpu, n_calls=3)},
-        },
+    events = {
+        "_traceml_internal:forward_time": {device: phase(8.2, gpu)},
+        "_traceml_internal:backward_time": {device: phase(15.3, gpu)},
+        "_traceml_internal:step_time": {device: phase(27.0)},
+        "my_phase": {device: phase(0.5, gpu, n_calls=3)},
     }
+    return make_item("step_time", seq, step=step, events=events)
 
 
 def step_memory_item(seq: int = 0, step: int = 1, device: str = "cpu") -> dict[str, Any]:
-    cpu = device == "cpu"
-    return {
-        "timestamp_unix_ns": 1_793_808_199_881_904_896 + seq,
-        "seq": seq,
-        "step": step,
-        "device": device,
-        "peak_allocated_bytes": None if cpu else 1_000_000 + seq,
-        "peak_reserved_bytes": None if cpu else 2_000_000 + seq,
-    }
+    return make_item("step_memory", seq, device=device, step=step)
 
 
 def process_item(seq: int = 0, gpu: bool = False) -> dict[str, Any]:
-    return {
-        "timestamp_unix_ns": 1_793_808_199_881_904_896 + seq,
-        "seq": seq,
-        "cpu_percent": 153.5,
-        "cpu_logical_cores": 16,
-        "ram_used_bytes": 123_456_789,
-        "ram_total_bytes": 64 * 2**30,
-        "gpu_available": gpu,
-        "gpu_count": 2 if gpu else None,
-        "gpu_device_index": 1 if gpu else None,
-        "gpu_memory_used_bytes": 10**9 if gpu else None,
-        "gpu_memory_reserved_bytes": 2 * 10**9 if gpu else None,
-        "gpu_memory_total_bytes": 80 * 10**9 if gpu else None,
-        "gpu_uuid": "GPU-00000001-1111-2222-3333-444444444444" if gpu else None,
-    }
+    return make_item("process", seq, device="cuda:1" if gpu else "cpu")
 
 
 def gpu_entry(index: int) -> dict[str, Any]:
-    return {
-        "gpu_index": index,
-        "utilization_percent": 87.0,
-        "memory_used_bytes": 10**9,
-        "memory_total_bytes": 80 * 10**9,
-        "temperature_c": 61,
-        "power_usage_w": 250.5,
-        "power_limit_w": 700.0,
-        "gpu_uuid": f"GPU-{index:08x}-1111-2222-3333-444444444444",
-    }
+    # An integer temperature: NVML reports whole degrees, and the builder takes them.
+    return make_gpu_entry(index, temperature_c=61)
 
 
 def system_item(seq: int = 0, gpus: int = 2) -> dict[str, Any]:
-    return {
-        "timestamp_unix_ns": 1_793_808_199_881_904_896 + seq,
-        "seq": seq,
-        "cpu_percent": 42.5,
-        "ram_used_bytes": 10 * 2**30,
-        "ram_total_bytes": 64 * 2**30,
-        "gpu_available": gpus > 0,
-        "gpus": [gpu_entry(i) for i in range(gpus)],
-    }
+    return make_item(
+        "system", seq, gpus=[gpu_entry(i) for i in range(gpus)], gpu_available=gpus > 0
+    )
 
 
 def runtime_item(seq: int = 0) -> dict[str, Any]:
     """For IDENTITY (4 ranks, 2 per node): a multi-node run with gloo up."""
-    return {
-        "timestamp_unix_ns": 1_793_808_199_881_904_896 + seq,
-        "seq": seq,
-        "topology": "multi_node",
-        "distributed_initialized": True,
-        "distributed_backend": "gloo",
-        "training_strategy": "ddp",
-        "strategy_source": "runtime_model",
-        "strategy_confidence": "high",
-        "torch_version": "2.13.0",
-        "python_version": "3.11.7",
-    }
+    return make_item("runtime_environment", seq, identity=IDENTITY, distributed_backend="gloo")
 
 
 def stdout_item(seq: int = 0, line: str = "epoch 1 done") -> dict[str, Any]:
-    return {
-        "timestamp_unix_ns": 1_793_808_199_881_904_896 + seq,
-        "seq": seq,
-        "source": "stdout",
-        "line": line,
-    }
+    return make_item("stdout_stderr", seq, line=line)
 
 
 def batch(
@@ -289,14 +227,7 @@ def batch(
 ) -> ReceivedBatch:
     """A received wire batch; ``nbytes`` defaults to the encoded payload's size."""
     ident = (IDENTITY_LOCAL0 if stream == "system" else IDENTITY) if identity is None else identity
-    payload = {"v": 1, "token": "t", "type": "batch", "identity": ident, "stream": stream}
-    payload["items"] = items
-    if nbytes is None:
-        try:
-            nbytes = len(orjson.dumps(payload))
-        except TypeError:
-            nbytes = 1024
-    return ReceivedBatch(observed_timestamp_unix_ns=observed, payload=payload, nbytes=nbytes)
+    return make_batch(stream, items, ident, observed=observed, nbytes=nbytes)
 
 
 ALL_FILE_STREAMS: tuple[str, ...] = tuple(STREAMS_BY_NAME)

@@ -27,6 +27,7 @@ from traceml_ai.rank.samplers import (
     sampler_interval_from_env,
 )
 from traceml_ai.rank.sink import RecordingSink
+from traceml_ai.testing import FakeNvml
 
 WIRE_DOC = Path(__file__).resolve().parents[1] / "docs" / "dev" / "wire-format.md"
 ENV_VARS = (
@@ -66,26 +67,6 @@ def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _sdk._reset_for_tests()
     yield
     _sdk._reset_for_tests()
-
-
-class FakeNvml:
-    """An ``NvmlBackend`` fake with scripted GPUs: no GPU exists in CI."""
-
-    def __init__(self, readings: list[GpuReading | Exception]) -> None:
-        self.readings = readings
-        self.closed = False
-
-    def device_count(self) -> int:
-        return len(self.readings)
-
-    def read(self, index: int) -> GpuReading:
-        reading = self.readings[index]
-        if isinstance(reading, Exception):
-            raise reading
-        return reading
-
-    def close(self) -> None:
-        self.closed = True
 
 
 class CpuOnlyCuda:

@@ -306,7 +306,7 @@ def test_items_are_deterministic_and_overridable() -> None:
     assert make_item("step_time", 7) == make_item("step_time", 7)
     assert make_item("step_time", 7) != make_item("step_time", 8)
     assert make_item("process", cpu_percent=1.0)["cpu_percent"] == 1.0
-    assert len(make_records("system_gpu", [make_item("system", gpus=3)])) == 3
+    assert len(make_records("system_gpu", [make_item("system", n_gpus=3)])) == 3
     with pytest.raises(ValueError, match="not valid records"):
         make_records("step_memory", [make_item("step_memory", step=-1)])
     with pytest.raises(ValueError, match="unknown batch stream"):

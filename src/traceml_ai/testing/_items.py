@@ -25,6 +25,7 @@ __all__ = [
     "make_batch",
     "make_batch_body",
     "make_events",
+    "make_gpu_entry",
     "make_identity",
     "make_item",
     "make_phase",
@@ -154,8 +155,9 @@ def _process(seq: int, device: str) -> dict[str, Any]:
     }
 
 
-def _gpu_entry(index: int) -> dict[str, Any]:
-    return {
+def make_gpu_entry(index: int = 0, **fields: Any) -> dict[str, Any]:
+    """One entry of a system item's ``gpus`` list; ``fields`` replace its keys."""
+    entry = {
         "gpu_index": index,
         "utilization_percent": 87.0,
         "memory_used_bytes": 10**9,
@@ -165,6 +167,8 @@ def _gpu_entry(index: int) -> dict[str, Any]:
         "power_limit_w": 700.0,
         "gpu_uuid": f"GPU-{index:08x}-1111-2222-3333-444444444444",
     }
+    entry.update(fields)
+    return entry
 
 
 def _system(gpus: int) -> dict[str, Any]:
@@ -173,7 +177,7 @@ def _system(gpus: int) -> dict[str, Any]:
         "ram_used_bytes": 10 * 2**30,
         "ram_total_bytes": 64 * 2**30,
         "gpu_available": gpus > 0,
-        "gpus": [_gpu_entry(i) for i in range(gpus)],
+        "gpus": [make_gpu_entry(i) for i in range(gpus)],
     }
 
 
@@ -197,7 +201,7 @@ def make_item(
     seq: int = 0,
     *,
     device: str = "cpu",
-    gpus: int = 2,
+    n_gpus: int = 2,
     identity: Mapping[str, Any] | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
@@ -205,7 +209,7 @@ def make_item(
 
     Deterministic: ``seq`` sets ``seq``, ``timestamp_unix_ns`` (``BASE_TIMESTAMP_NS +
     seq``) and a step's ``step`` (``seq + 1``). ``device`` (``"cpu"``, ``"cuda:1"``)
-    shapes step_time, step_memory and process items; ``gpus`` is the number of GPUs of
+    shapes step_time, step_memory and process items; ``n_gpus`` is the number of GPUs of
     a system item; ``identity`` (default: one process) sets a runtime_environment
     item's topology and distributed fields. ``fields`` replace keys of the item (a
     value that breaks the schemas makes an item the builder skips, on purpose).
@@ -218,7 +222,7 @@ def make_item(
     elif stream == "process":
         body = _process(seq, device)
     elif stream == "system":
-        body = _system(gpus)
+        body = _system(n_gpus)
     elif stream == "runtime_environment":
         body = _runtime_environment(make_identity() if identity is None else identity)
     elif stream == "stdout_stderr":
@@ -306,7 +310,7 @@ def make_records(
 def make_record(stream: str, seq: int = 0, **item_fields: Any) -> Any:
     """One typed record of file stream ``stream`` (the first, for ``system_gpu``).
 
-    ``item_fields`` go to :func:`make_item` (``device``, ``gpus``, ``identity`` and
+    ``item_fields`` go to :func:`make_item` (``device``, ``n_gpus``, ``identity`` and
     item keys); the identity also goes on the record.
     """
     batch_stream = "system" if stream == "system_gpu" else stream
