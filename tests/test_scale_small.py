@@ -1,31 +1,20 @@
 """The scale load generator, small: simulated ranks over the real transport into a real
-aggregator process, and exact accounting of every record sent (``bench/scale.py``).
+aggregator process, and exact accounting of every record sent (``bench/scale.py``, the
+``bench/scale/`` package).
 
 Seconds, not minutes, and no assertion on timing: the figures are ``bench/scale.py``'s.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import orjson
 
-REPO = Path(__file__).resolve().parents[1]
+# The bench/scale/ package, imported by name (the repository root is on sys.path for
+# the tests): python bench/scale.py runs the same code.
+from bench import scale
 
-
-def _load_scale() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "bench" / "scale.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-scale = _load_scale()
 SPEC = scale.LoadSpec(ranks=16, steps_per_s=20.0, seconds=3.0)
 
 

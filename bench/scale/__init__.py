@@ -1,0 +1,20 @@
+"""Aggregator at scale: N simulated ranks over the real transport and wire format.
+
+The command is ``python bench/scale.py`` (or ``python -m bench.scale`` from the
+repository root); ``cli`` documents its modes and accounting. Modules:
+
+- ``items``: what a simulated rank sends, and ``LoadSpec``, the load of one run;
+- ``generator``: generator processes, one TCP connection per simulated rank;
+- ``aggregator``: the ``traceml serve`` subprocess under load, and its queue bounds;
+- ``check``: exact accounting of every record in the files, ``traceml validate``;
+- ``run``: one run end to end and its report; ``modes``: --find-max, --soak,
+  --overload; ``pause``: --pause with real ``RankSender``s; ``pyspy``: profiles.
+"""
+
+from .aggregator import QueueBounds
+from .cli import main
+from .items import LoadSpec
+from .pause import run_pause
+from .run import RunResult, run_once
+
+__all__ = ["LoadSpec", "QueueBounds", "RunResult", "main", "run_once", "run_pause"]
