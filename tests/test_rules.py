@@ -305,8 +305,12 @@ def wire_batch(stream: str, d: dict[str, Any]) -> ReceivedBatch | None:
             "node_rank": 0,
         }
     else:
-        if "rank" in d and "global_rank" in d and d["rank"] != d["global_rank"]:
-            return None  # the aggregator writes both from one value
+        if (
+            "rank" in d
+            and "global_rank" in d
+            and (type(d["rank"]) is not type(d["global_rank"]) or d["rank"] != d["global_rank"])
+        ):
+            return None  # the aggregator writes both from one value (True == 1 in Python)
         identity = {k: d.get(k) for k in ("global_rank", "local_rank", "world_size")}
         identity.update(local_world_size=d.get("local_world_size"), node_rank=d.get("node_rank"))
         identity["pid"] = d.get("pid", 1)

@@ -1,11 +1,14 @@
 """Turns wire batches into typed records of the selected streams.
 
-This is the aggregator's hot path. Each item becomes the JSON-like dict its line would
-have (identity from the batch, fields from the item) and goes through the generated
-strict loader of its record class, which enforces types, ranges and patterns without
-coercion. The cross-field rules of the Export Records page that a JSON Schema cannot
-express are checked afterwards. An item that fails anything is skipped and counted;
-``build`` never raises.
+This is the aggregator's hot path, and it is one table-driven loop: the generated wire
+registry (``traceml_records._generated.wire``, from each schema's ``x-traceml-wire``)
+says, per batch stream, the item keys, which record fields come from the batch, and
+the declared fan-out (a ``system`` item's ``gpus`` become ``system_gpu`` records).
+Each item becomes the JSON-like dict its line would have (fields from the batch, then
+the item's) and goes through the generated strict loader of its record class, which
+enforces types, ranges and patterns without coercion; then the stream's named rules
+of ``traceml_records._rules`` that a JSON Schema cannot state. An item that fails
+anything is skipped and counted; ``build`` never raises.
 
 Every record of a batch shares the batch's identity block, so it is checked once: the
 first record of a batch that loads goes through the full loader (identity merged in),
@@ -25,16 +28,11 @@ import orjson
 from traceml_ai.export._encoded import EncodedLines
 from traceml_ai.wire import FrameError, ReceivedBatch, decode_batch_body, peek_batch_stream
 from traceml_records import (
+    SCHEMA_VERSION,
     STREAMS,
     STREAMS_BY_NAME,
     PhaseTiming,
-    ProcessRecord,
-    RuntimeEnvironmentRecord,
-    StdoutStderrRecord,
-    StepMemoryRecord,
     StepTimeRecord,
-    SystemGpuRecord,
-    SystemRecord,
 )
 from traceml_records._codec import (
     BUILTIN_EVENTS,
@@ -43,12 +41,9 @@ from traceml_records._codec import (
     dumps_line,
     encode_items,
 )
-from traceml_records._generated.records import (
-    ENCODER_PLANS,
-    IDENTITY_FIELDS,
-    ITEM_LOADERS,
-    LOADERS,
-)
+from traceml_records._errors import Path
+from traceml_records._generated.records import ENCODER_PLANS, ITEM_LOADERS, LOADERS
+from traceml_records._generated.wire import FILE_STREAMS_OF_BATCH, WIRE_STREAMS
 from traceml_records._rules import (
     IDENTITY_RULES,
     LineCheck,
@@ -57,6 +52,7 @@ from traceml_records._rules import (
     line_checks,
     line_findings,
 )
+from traceml_records._wire_spec import FanOut, WireStream
 
 __all__ = [
     "BUILTIN_EVENT_NAMES",
@@ -87,68 +83,92 @@ _INT64_MAX = 2**63 - 1
 # per code point), so only longer ones pay for an encode.
 _SAFE_CHARS = MAX_STRING_BYTES // 4
 
-# Which file streams each wire (batch) stream feeds; ``system`` items feed two files.
-_FILE_STREAMS_OF_BATCH: dict[str, tuple[str, ...]] = {
-    "step_time": ("step_time",),
-    "step_memory": ("step_memory",),
-    "process": ("process",),
-    "system": ("system", "system_gpu"),
-    "runtime_environment": ("runtime_environment",),
-    "stdout_stderr": ("stdout_stderr",),
-}
+_NO_PATH: Path = ()
 
 
-def _item_keys(record_class: type[Any]) -> frozenset[str]:
-    """The keys of a wire item: its record's fields less the identity block (schema-derived)."""
-    return frozenset(f.name for f in attrs.fields(record_class)) - IDENTITY_FIELDS
+class _Skip(Exception):
+    """An item (or a whole batch) that cannot become valid records."""
 
 
-# The wire items carry the record fields a rank knows (docs/dev/wire-format.md); the
-# aggregator adds the identity block. A system item carries its GPUs (one system_gpu
-# record each) instead of their count, and a GPU entry shares its snapshot's
-# timestamp and seq.
-_STEP_TIME_KEYS = _item_keys(StepTimeRecord)
-_STEP_MEMORY_KEYS = _item_keys(StepMemoryRecord)
-_PROCESS_KEYS = _item_keys(ProcessRecord)
-_SYSTEM_KEYS = (_item_keys(SystemRecord) - {"gpu_count"}) | {"gpus"}
-_GPU_KEYS = _item_keys(SystemGpuRecord) - {"timestamp_unix_ns", "seq"}
-_RUNTIME_KEYS = _item_keys(RuntimeEnvironmentRecord)
-_STDOUT_KEYS = _item_keys(StdoutStderrRecord)
-_GPU_NULLABLE_FLOATS = ("utilization_percent", "temperature_c", "power_usage_w", "power_limit_w")
-_RUNTIME_STRINGS = ("distributed_backend", "torch_version", "python_version")
+def _limit_step_time(item: dict[str, Any]) -> None:
+    """A step_time item's events map must be a map of at most MAX_EVENT_ENTRIES names."""
+    events = item["events"]
+    if type(events) is not dict or len(events) > MAX_EVENT_ENTRIES:
+        raise _Skip
 
-_load_step_time = LOADERS[StepTimeRecord]
-_load_step_time_item = ITEM_LOADERS[StepTimeRecord]
-_load_step_memory = LOADERS[StepMemoryRecord]
-_load_step_memory_item = ITEM_LOADERS[StepMemoryRecord]
-_load_process = LOADERS[ProcessRecord]
-_load_process_item = ITEM_LOADERS[ProcessRecord]
-_load_system = LOADERS[SystemRecord]
-_load_system_gpu = LOADERS[SystemGpuRecord]
-_load_runtime = LOADERS[RuntimeEnvironmentRecord]
-_load_stdout = LOADERS[StdoutStderrRecord]
 
-_NO_PATH: tuple[str | int, ...] = ()
+def _check_step_time(record: Any) -> None:
+    _check_events(record.events)
 
-# The rules of traceml_records._rules each stream's schema lists, less the identity
-# rules (checked once per batch with identity_ok) and step_time's duration rule
-# (checked on the loaded timings, the hot path, with duration_ok).
-_ITEM_RULES: dict[str, tuple[LineCheck, ...]] = {
-    spec.name: line_checks(
-        tuple(r for r in spec.rules if r not in IDENTITY_RULES and r != "duration-matches-timing")
+
+# What the aggregator adds to the schema's checks, per batch stream: size limits looked
+# at before loading, and checks of the loaded record (step_time's duration rule, on the
+# loaded timings: the hot path).
+_LIMITS: dict[str, Callable[[dict[str, Any]], None]] = {"step_time": _limit_step_time}
+_CHECKS: dict[str, Callable[[Any], None]] = {"step_time": _check_step_time}
+_CHECKED_RULES = frozenset((*IDENTITY_RULES, "duration-matches-timing"))
+"""Rules not checked per item by ``line_findings``: the identity rules (checked once per
+batch with identity_ok) and step_time's duration rule (``_CHECKS``)."""
+
+
+@attrs.frozen(slots=True)
+class _FanOutPlan:
+    """How the entries of an item's list become records of another stream."""
+
+    spec: FanOut
+    load: Callable[[Any, Path], Any]
+    unique_fields: tuple[str, ...]
+    """The fan-out stream's key fields that are not the same for every entry of an item."""
+
+
+@attrs.frozen(slots=True)
+class _Plan:
+    """How the items of one batch stream become records (from the generated WIRE_STREAMS)."""
+
+    wire: WireStream
+    load: Callable[[Any, Path], Any]
+    load_item: Callable[[dict[str, Any], Any, Path], Any] | None
+    """The item loader, used once the batch's identity block was checked; None when
+    every item needs its whole line (line rules to check, or a fan-out)."""
+    rules: tuple[LineCheck, ...]
+    limit: Callable[[dict[str, Any]], None] | None
+    check: Callable[[Any], None] | None
+    fan_out: _FanOutPlan | None
+
+
+def _plan(wire: WireStream) -> _Plan:
+    rules = line_checks(
+        tuple(r for r in STREAMS_BY_NAME[wire.stream].rules if r not in _CHECKED_RULES)
     )
-    for spec in STREAMS
-}
-_RUNTIME_RULES = _ITEM_RULES["runtime_environment"]
-_STDOUT_RULES = _ITEM_RULES["stdout_stderr"]
-assert not _ITEM_RULES["step_time"] and not _ITEM_RULES["step_memory"]
-assert not _ITEM_RULES["process"] and not _ITEM_RULES["system"]
+    fan_out = None
+    if wire.fan_out is not None:
+        fan = wire.fan_out
+        key_fields = STREAMS_BY_NAME[fan.stream].key_fields
+        fan_out = _FanOutPlan(
+            spec=fan,
+            load=LOADERS[fan.record_class],
+            unique_fields=tuple(
+                k for k in key_fields if k not in fan.shared_fields and k not in fan.from_batch
+            ),
+        )
+    return _Plan(
+        wire=wire,
+        load=LOADERS[wire.record_class],
+        load_item=ITEM_LOADERS[wire.record_class] if not rules and fan_out is None else None,
+        rules=rules,
+        limit=_LIMITS.get(wire.name),
+        check=_CHECKS.get(wire.name),
+        fan_out=fan_out,
+    )
+
+
+_PLANS: dict[str, _Plan] = {name: _plan(wire) for name, wire in WIRE_STREAMS.items()}
 
 # The C item encoder writes a step_time line as the batch's identity prefix followed
 # by the item's fields, which are the record's fields from timestamp_unix_ns on.
 _STEP_TIME_FIELDS = tuple(field[0] for field in ENCODER_PLANS[StepTimeRecord])
 _STEP_TIME_FIRST_ITEM_FIELD = _STEP_TIME_FIELDS.index("timestamp_unix_ns")
-assert set(_STEP_TIME_FIELDS[_STEP_TIME_FIRST_ITEM_FIELD:]) == _STEP_TIME_KEYS
+assert set(_STEP_TIME_FIELDS[_STEP_TIME_FIRST_ITEM_FIELD:]) == WIRE_STREAMS["step_time"].item_keys
 # The C encoder's rule data: the schema's event name rules (generated MAP_KEY_RULES,
 # via traceml_records._codec), the size limit, and the class whose timings get the
 # duration rule.
@@ -159,12 +179,6 @@ _STEP_TIME_RULES = (
     MAX_EVENT_ENTRIES,
     PhaseTiming,
 )
-
-_Handler = Callable[[list[Any], "_Identity", list[Any]], int]
-
-
-class _Skip(Exception):
-    """An item (or a whole batch) that cannot become valid records."""
 
 
 @attrs.frozen(slots=True)
@@ -192,7 +206,7 @@ def batch_streams_for(file_streams: Iterable[str]) -> frozenset[str]:
     """Wire (batch) streams whose items feed at least one of ``file_streams``."""
     wanted = set(file_streams)
     return frozenset(
-        batch for batch, files in _FILE_STREAMS_OF_BATCH.items() if wanted.intersection(files)
+        batch for batch, files in FILE_STREAMS_OF_BATCH.items() if wanted.intersection(files)
     )
 
 
@@ -207,35 +221,19 @@ def _str_too_big(value: str) -> bool:
     )
 
 
-def _finite_or_none(value: object) -> object:
-    """NaN/±Inf in a nullable float field becomes None (the line would say null)."""
-    if type(value) is float and not math.isfinite(value):
-        return None
-    return value
+def _nan_to_none(value: Any) -> Any:
+    """A copy of ``value`` with every non-finite float set to None (the line says null).
 
-
-def _nan_to_none_in_events(events: object) -> object:
-    """A copy of a step_time ``events`` map with non-finite ``gpu_ms`` set to None.
-
-    Only called after the strict loader refused the item, so clean items never pay
-    for the walk. Malformed shapes are returned as they are for the loader to refuse.
+    Only called after the strict loader refused an item, so clean items never pay for
+    the walk; where the field is not nullable the loader refuses the None in turn.
     """
-    if type(events) is not dict:
-        return events
-    fixed: dict[Any, Any] = {}
-    for name, devices in events.items():
-        if type(devices) is not dict:
-            fixed[name] = devices
-            continue
-        fixed_devices: dict[Any, Any] = {}
-        for device, timing in devices.items():
-            if type(timing) is dict and "gpu_ms" in timing:
-                gpu_ms = timing["gpu_ms"]
-                if type(gpu_ms) is float and not math.isfinite(gpu_ms):
-                    timing = {**timing, "gpu_ms": None}
-            fixed_devices[device] = timing
-        fixed[name] = fixed_devices
-    return fixed
+    if type(value) is float:
+        return value if math.isfinite(value) else None
+    if type(value) is dict:
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_nan_to_none(v) for v in value]
+    return value
 
 
 def _check_events(events: Mapping[str, Mapping[str, Any]]) -> None:
@@ -260,49 +258,79 @@ def _check_events(events: Mapping[str, Mapping[str, Any]]) -> None:
         raise _Skip
 
 
-def _step_time_record(base: dict[str, Any], item: Any, identity_checked: bool) -> StepTimeRecord:
-    """The record of one step_time item, or an exception (the item is skipped).
+_NO_FAN_OUT: list[Any] = []
 
-    ``identity_checked``: a record of the same batch already loaded, so the item
-    loader (which takes ``base`` as checked) suffices.
+
+def _record(
+    plan: _Plan, bases: tuple[dict[str, Any], dict[str, Any]], item: Any, trusted: bool
+) -> tuple[Any, list[Any]]:
+    """The record of one item and its fan-out records, or an exception (item skipped).
+
+    ``trusted``: a record of the same batch already loaded, so the item loader (which
+    takes the identity block as checked) suffices.
     """
-    if type(item) is not dict or item.keys() != _STEP_TIME_KEYS:
+    if type(item) is not dict or item.keys() != plan.wire.item_keys:
         raise _Skip
-    events = item["events"]
-    if type(events) is not dict or len(events) > MAX_EVENT_ENTRIES:
-        raise _Skip
+    for name in plan.wire.string_fields:
+        value = item[name]
+        if type(value) is str and _str_too_big(value):
+            raise _Skip
+    if plan.limit is not None:
+        plan.limit(item)
     try:
-        record = _load_step_time_with(base, item, identity_checked)
+        return _load(plan, bases, item, trusted)
     except ValueError:
-        # Retry once with non-finite gpu_ms as null; clean items never get here.
-        fixed = {**item, "events": _nan_to_none_in_events(events)}
-        record = _load_step_time_with(base, fixed, identity_checked)
-    _check_events(record.events)
-    return record
+        # Retry once with non-finite floats as null; clean items never get here.
+        return _load(plan, bases, _nan_to_none(item), trusted)
 
 
-def _load_step_time_with(
-    base: dict[str, Any], item: dict[str, Any], identity_checked: bool
-) -> StepTimeRecord:
-    if identity_checked:
-        return _load_step_time_item(base, item, _NO_PATH)  # type: ignore[no-any-return]
+def _load(
+    plan: _Plan, bases: tuple[dict[str, Any], dict[str, Any]], item: dict[str, Any], trusted: bool
+) -> tuple[Any, list[Any]]:
+    base = bases[0]
+    if trusted and plan.load_item is not None:
+        record = plan.load_item(base, item, _NO_PATH)
+        if plan.check is not None:
+            plan.check(record)
+        return record, _NO_FAN_OUT
     d = base.copy()
     d.update(item)
-    return _load_step_time(d, _NO_PATH)  # type: ignore[no-any-return]
+    fan = plan.fan_out
+    entries: Any = None
+    if fan is not None:
+        entries = d.pop(fan.spec.item_key)
+        if type(entries) is not list or len(entries) > fan.spec.max_entries:
+            raise _Skip
+        d[fan.spec.count_field] = len(entries)
+    record = plan.load(d, _NO_PATH)
+    if plan.rules and line_findings(plan.rules, d):
+        raise _Skip
+    if plan.check is not None:
+        plan.check(record)
+    if fan is None:
+        return record, _NO_FAN_OUT
+    return record, _fan_out(fan, bases[1], record, entries)
 
 
-@attrs.frozen(slots=True)
-class _Identity:
-    """The validated identity of one batch."""
-
-    base: dict[str, Any]
-    """Identity block of a line (stream and schema_version not included)."""
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    pid: object
-    """Unchecked: only process and runtime_environment need it; they check it."""
+def _fan_out(fan: _FanOutPlan, base: dict[str, Any], record: Any, entries: list[Any]) -> list[Any]:
+    """The records of an item's entries: all of them or none (an exception)."""
+    spec = fan.spec
+    shared = {name: getattr(record, name) for name in spec.shared_fields}
+    out: list[Any] = []
+    seen: set[tuple[Any, ...]] = set()
+    for entry in entries:
+        if type(entry) is not dict or entry.keys() != spec.entry_keys:
+            raise _Skip
+        d = base.copy()
+        d.update(shared)
+        d.update(entry)
+        entry_record = fan.load(d, _NO_PATH)
+        key = tuple(getattr(entry_record, name) for name in fan.unique_fields)
+        if key in seen:
+            raise _Skip  # the fan-out stream's key must be unique
+        seen.add(key)
+        out.append(entry_record)
+    return out
 
 
 class RecordBuilder:
@@ -324,18 +352,9 @@ class RecordBuilder:
             raise ValueError(f"unknown export streams: {', '.join(sorted(unknown))}")
         self._streams = tuple(spec.name for spec in STREAMS if spec.name in selected)
         self._include_hostname = include_hostname
-        self._want_system = "system" in selected
-        self._want_system_gpu = "system_gpu" in selected
-        handlers: dict[str, _Handler] = {
-            "step_time": self._step_time,
-            "step_memory": self._step_memory,
-            "process": self._process,
-            "system": self._system,
-            "runtime_environment": self._runtime_environment,
-            "stdout_stderr": self._stdout_stderr,
-        }
+        self._selected = frozenset(self._streams)
         wanted = batch_streams_for(self._streams)
-        self._handlers = {name: fn for name, fn in handlers.items() if name in wanted}
+        self._plans = {name: plan for name, plan in _PLANS.items() if name in wanted}
         self._encode_items = encode_items if encode_lines else None
 
     @property
@@ -362,8 +381,8 @@ class RecordBuilder:
         payload = batch.payload
         if type(payload) is bytes:
             stream = peek_batch_stream(payload)
-            return stream is None or stream in self._handlers
-        return type(payload) is dict and payload.get("stream") in self._handlers
+            return stream is None or stream in self._plans
+        return type(payload) is dict and payload.get("stream") in self._plans
 
     def build(self, batch: ReceivedBatch) -> BuildResult:
         """Records of the selected streams in ``batch``; never raises.
@@ -374,7 +393,7 @@ class RecordBuilder:
         payload: Any = batch.payload
         if type(payload) is bytes:
             peeked = peek_batch_stream(payload)
-            if peeked is not None and peeked not in self._handlers:
+            if peeked is not None and peeked not in self._plans:
                 return _EMPTY  # an unselected stream is never parsed nor counted
             try:
                 payload = decode_batch_body(payload)
@@ -385,37 +404,56 @@ class RecordBuilder:
         if type(payload) is not dict:
             return _EMPTY
         stream = payload.get("stream")
-        handler = self._handlers.get(stream) if type(stream) is str else None
-        if handler is None:
+        plan = self._plans.get(stream) if type(stream) is str else None
+        if plan is None:
             return _EMPTY
         items = payload.get("items")
         if type(items) is not list:
             # The transport refuses such frames; a direct caller's broken batch still
             # counts as lost rather than vanishing.
             return BuildResult(records={}, skipped_items=1)
-        identity = self._identity(payload.get("identity"), batch.observed_timestamp_unix_ns)
-        if identity is None:
+        batch_fields = self._batch_fields(payload.get("identity"), batch.observed_timestamp_unix_ns)
+        if batch_fields is None:
             return BuildResult(records={}, skipped_items=len(items))
-        outs: list[Any] = [[], []]
-        try:
-            skipped = handler(items, identity, outs)
-            out, gpu_out = outs
-        except _Skip:
-            # A batch-level rule (e.g. pid, or system from a local rank other than 0).
-            return BuildResult(records={}, skipped_items=len(items))
+        wire = plan.wire
+        base = _base(wire.stream, wire.from_batch, batch_fields)
+        if self._encode_items is not None and wire.stream == "step_time":
+            encoded = self._step_time_lines(plan, items, base)
+            if encoded is not None:
+                lines, skipped = encoded
+                return BuildResult(
+                    records={"step_time": lines} if len(lines) else {}, skipped_items=skipped
+                )
+        fan = plan.fan_out
+        bases = (
+            base,
+            base if fan is None else _base(fan.spec.stream, fan.spec.from_batch, batch_fields),
+        )
+        out: list[Any] = []
+        fan_records: list[Any] = []
+        skipped = 0
+        trusted = False  # True once a record loaded with the identity checked
+        for item in items:
+            try:
+                record, entries = _record(plan, bases, item, trusted)
+            except Exception:
+                skipped += 1
+                continue
+            trusted = True
+            out.append(record)
+            if entries:
+                fan_records.extend(entries)
         records: dict[str, Sequence[Any]] = {}
-        if stream == "system":
-            if out and self._want_system:
-                records["system"] = out
-            if gpu_out and self._want_system_gpu:
-                records["system_gpu"] = gpu_out
-        elif out:
-            records[str(stream)] = out
+        if out and wire.stream in self._selected:
+            records[wire.stream] = out
+        if fan_records and fan is not None and fan.spec.stream in self._selected:
+            records[fan.spec.stream] = fan_records
         return BuildResult(records=records, skipped_items=skipped)
 
     # -- identity --------------------------------------------------------------------
 
-    def _identity(self, raw: object, observed: object) -> _Identity | None:
+    def _batch_fields(self, raw: object, observed: object) -> dict[str, Any] | None:
+        """The record fields a batch gives (x-traceml-wire/from-batch), or None if bad."""
         if type(raw) is not dict or not _is_int(observed, 0):
             return None
         rank = raw.get("global_rank")
@@ -435,7 +473,7 @@ class RecordBuilder:
         assert type(world_size) is int and type(local_world_size) is int
         if not identity_ok(rank, rank, local_rank, world_size, local_world_size):
             return None
-        base: dict[str, Any] = {
+        fields: dict[str, Any] = {
             "observed_timestamp_unix_ns": observed,
             "rank": rank,
             "global_rank": rank,
@@ -443,51 +481,21 @@ class RecordBuilder:
             "world_size": world_size,
             "local_world_size": local_world_size,
             "node_rank": node_rank,
+            # Unchecked here: the loaders of the streams that take it check it.
+            "pid": raw.get("pid"),
         }
         if self._include_hostname:
             hostname = raw.get("hostname")
             # Hostname is decoration: a malformed one is dropped, not the whole batch.
-            base["hostname"] = (
+            fields["hostname"] = (
                 hostname if type(hostname) is str and not _str_too_big(hostname) else None
             )
-        return _Identity(
-            base=base,
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            pid=raw.get("pid"),
-        )
+        return fields
 
-    # -- per wire stream -------------------------------------------------------------
-    # Each handler appends records to ``outs[0]`` (and system_gpu records to
-    # ``outs[1]``), returns the number of skipped items, and raises _Skip for a
-    # batch-level problem.
-
-    def _step_time(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
-        base = {"stream": "step_time", "schema_version": 1, **identity.base}
-        if self._encode_items is not None:
-            encoded = self._step_time_lines(items, base)
-            if encoded is not None:
-                lines, skipped = encoded
-                if len(lines):
-                    outs[0] = lines
-                return skipped
-        out = outs[0]
-        skipped = 0
-        identity_checked = False  # True once a record loaded with the identity checked
-        for item in items:
-            try:
-                record = _step_time_record(base, item, identity_checked)
-            except Exception:
-                skipped += 1
-                continue
-            identity_checked = True
-            out.append(record)
-        return skipped
+    # -- the C encoder's mode ----------------------------------------------------------
 
     def _step_time_lines(
-        self, items: list[Any], base: dict[str, Any]
+        self, plan: _Plan, items: list[Any], base: dict[str, Any]
     ) -> tuple[EncodedLines, int] | None:
         """(the lines of a step_time batch, skipped items), or None to build records.
 
@@ -510,11 +518,12 @@ class RecordBuilder:
         parts: list[bytes] = []
         start = 0
         skipped = 0
+        bases = (base, base)
         for index, at in pending:
             parts.append(data[start:at])
             start = at
             try:
-                record = _step_time_record(base, items[index], identity_checked=False)
+                record, _ = _record(plan, bases, items[index], trusted=False)
                 parts.append(dumps_line(record, include_hostname=self._include_hostname))
                 count += 1
             except Exception:
@@ -522,152 +531,11 @@ class RecordBuilder:
         parts.append(data[start:])
         return EncodedLines("step_time", b"".join(parts), count), skipped
 
-    def _step_memory(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
-        out = outs[0]
-        base = {"stream": "step_memory", "schema_version": 1, **identity.base}
-        skipped = 0
-        load_item = None  # set once a record loaded with the identity checked
-        for item in items:
-            try:
-                if type(item) is not dict or item.keys() != _STEP_MEMORY_KEYS:
-                    raise _Skip
-                device = item["device"]
-                if type(device) is str and len(device) > MAX_STRING_BYTES:
-                    raise _Skip
-                if load_item is not None:
-                    record = load_item(base, item, _NO_PATH)
-                else:
-                    d = base.copy()
-                    d.update(item)
-                    record = _load_step_memory(d, _NO_PATH)
-                    load_item = _load_step_memory_item
-            except Exception:
-                skipped += 1
-                continue
-            out.append(record)
-        return skipped
 
-    def _process(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
-        if not _is_int(identity.pid, 1):
-            raise _Skip
-        out = outs[0]
-        base = {"stream": "process", "schema_version": 1, **identity.base, "pid": identity.pid}
-        skipped = 0
-        load_item = None  # set once a record loaded with the identity checked
-        for item in items:
-            try:
-                if type(item) is not dict or item.keys() != _PROCESS_KEYS:
-                    raise _Skip
-                if load_item is not None:
-                    record = load_item(base, item, _NO_PATH)
-                else:
-                    d = base.copy()
-                    d.update(item)
-                    record = _load_process(d, _NO_PATH)
-                    load_item = _load_process_item
-            except Exception:
-                skipped += 1
-                continue
-            out.append(record)
-        return skipped
-
-    def _system(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
-        # local_rank 0 and gpu_available false ⇒ no GPUs are schema rules: the loaders
-        # of system and system_gpu refuse such items.
-        out, gpu_out = outs
-        base = {"stream": "system", "schema_version": 1, **identity.base}
-        gpu_base = {"stream": "system_gpu", "schema_version": 1, **identity.base}
-        skipped = 0
-        for item in items:
-            try:
-                if type(item) is not dict or item.keys() != _SYSTEM_KEYS:
-                    raise _Skip
-                gpus = item["gpus"]
-                if type(gpus) is not list or len(gpus) > MAX_GPUS_PER_SNAPSHOT:
-                    raise _Skip
-                d = base.copy()
-                d.update(item)
-                del d["gpus"]
-                d["gpu_count"] = len(gpus)
-                record = _load_system(d, _NO_PATH)
-                # The whole snapshot or nothing: system_gpu lines must match gpu_count.
-                gpu_records: list[Any] = []
-                seen: set[int] = set()
-                for gpu in gpus:
-                    if type(gpu) is not dict or gpu.keys() != _GPU_KEYS:
-                        raise _Skip
-                    g = gpu_base.copy()
-                    g["timestamp_unix_ns"] = record.timestamp_unix_ns
-                    g["seq"] = record.seq
-                    g.update(gpu)
-                    for name in _GPU_NULLABLE_FLOATS:
-                        g[name] = _finite_or_none(g[name])
-                    gpu_record = _load_system_gpu(g, _NO_PATH)
-                    if gpu_record.gpu_index in seen:
-                        raise _Skip  # (node_rank, seq, gpu_index) must be unique
-                    seen.add(gpu_record.gpu_index)
-                    gpu_records.append(gpu_record)
-            except Exception:
-                skipped += 1
-                continue
-            out.append(record)
-            gpu_out.extend(gpu_records)
-        return skipped
-
-    def _runtime_environment(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
-        if not _is_int(identity.pid, 1):
-            raise _Skip
-        out = outs[0]
-        base = {
-            "stream": "runtime_environment",
-            "schema_version": 1,
-            **identity.base,
-            "pid": identity.pid,
-        }
-        skipped = 0
-        for item in items:
-            try:
-                if type(item) is not dict or item.keys() != _RUNTIME_KEYS:
-                    raise _Skip
-                for name in _RUNTIME_STRINGS:
-                    value = item[name]
-                    if type(value) is str and _str_too_big(value):
-                        raise _Skip
-                d = base.copy()
-                d.update(item)
-                record = _load_runtime(d, _NO_PATH)
-                if line_findings(_RUNTIME_RULES, d):
-                    raise _Skip
-            except Exception:
-                skipped += 1
-                continue
-            out.append(record)
-        return skipped
-
-    def _stdout_stderr(self, items: list[Any], identity: _Identity, outs: list[Any]) -> int:
-        out = outs[0]
-        # No identity block beyond ``rank`` on this stream, and never a hostname.
-        base = {
-            "stream": "stdout_stderr",
-            "schema_version": 1,
-            "observed_timestamp_unix_ns": identity.base["observed_timestamp_unix_ns"],
-            "rank": identity.rank,
-        }
-        skipped = 0
-        for item in items:
-            try:
-                if type(item) is not dict or item.keys() != _STDOUT_KEYS:
-                    raise _Skip
-                line = item["line"]
-                if type(line) is str and _str_too_big(line):
-                    raise _Skip
-                d = base.copy()
-                d.update(item)
-                record = _load_stdout(d, _NO_PATH)
-                if line_findings(_STDOUT_RULES, d):
-                    raise _Skip
-            except Exception:
-                skipped += 1
-                continue
-            out.append(record)
-        return skipped
+def _base(stream: str, from_batch: tuple[str, ...], batch_fields: dict[str, Any]) -> dict[str, Any]:
+    """The start of a line of ``stream``: its constants, then the fields from the batch."""
+    base: dict[str, Any] = {"stream": stream, "schema_version": SCHEMA_VERSION}
+    for name in from_batch:
+        if name in batch_fields:
+            base[name] = batch_fields[name]
+    return base
