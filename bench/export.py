@@ -39,40 +39,26 @@ import orjson
 from traceml_ai.aggregator import tune_gc_for_aggregator
 from traceml_ai.export import ExportSummary, ExportWorker, RecordBuilder, start_export
 from traceml_ai.settings import ExportSettings
-from traceml_ai.wire import ReceivedBatch, make_batch_message
+from traceml_ai.testing import make_batch_body, make_identity, make_item, make_phase
+from traceml_ai.wire import ReceivedBatch
 
-IDENTITY = {
-    "global_rank": 0,
-    "local_rank": 0,
-    "world_size": 2,
-    "local_world_size": 2,
-    "node_rank": 0,
-    "hostname": "host-a",
-    "pid": 1234,
-}
+IDENTITY = make_identity(0, world_size=2, local_world_size=2, pid=1234)
 PHASES = ("dataloader_next", "forward_time", "backward_time", "optimizer_step", "step_time")
 
 
 def step_time_item(seq: int) -> dict[str, Any]:
     """A CPU step as the rank SDK sends it: five built-in phases."""
-    events = {}
-    for k, name in enumerate(PHASES):
-        ms = 1.0 + k + seq % 7 / 8
-        events[f"_traceml_internal:{name}"] = {
-            "cpu": {"cpu_ms": ms, "duration_ms": ms, "gpu_ms": None, "is_gpu": False, "n_calls": 1}
-        }
-    return {
-        "timestamp_unix_ns": 1_793_808_199_881_904_896 + seq,
-        "seq": seq,
-        "step": seq + 1,
-        "events": events,
+    events = {
+        f"_traceml_internal:{name}": {"cpu": make_phase(1.0 + k + seq % 7 / 8)}
+        for k, name in enumerate(PHASES)
     }
+    return make_item("step_time", seq, events=events)
 
 
 def frame(first_seq: int, n: int) -> bytes:
     """One batch message body, as a rank sends it."""
     items = [step_time_item(seq) for seq in range(first_seq, first_seq + n)]
-    return orjson.dumps(make_batch_message("t", IDENTITY, "step_time", items))
+    return make_batch_body("step_time", items, IDENTITY)
 
 
 def received(body: bytes) -> ReceivedBatch:

@@ -14,22 +14,18 @@ import threading
 import time
 from typing import Any
 
+from traceml_ai.testing import make_item, make_phase
 from traceml_ai.transport import AggregatorServer, RankSender
 from traceml_ai.wire import ReceivedBatch, new_run_token
 
 
 def step_time_item(seq: int) -> dict[str, Any]:
     """An item shaped like a real step_time item (about 600 bytes of JSON)."""
-    timing = {"cpu_ms": 1.5, "duration_ms": 1.5, "gpu_ms": None, "is_gpu": False, "n_calls": 1}
-    return {
-        "timestamp_unix_ns": time.time_ns(),
-        "seq": seq,
-        "step": seq,
-        "events": {
-            f"_traceml_internal:{name}": {"cpu": dict(timing)}
-            for name in ("forward_time", "backward_time", "optimizer_step", "step_time")
-        },
+    events = {
+        f"_traceml_internal:{name}": {"cpu": make_phase(1.5)}
+        for name in ("forward_time", "backward_time", "optimizer_step", "step_time")
     }
+    return make_item("step_time", seq, timestamp_unix_ns=time.time_ns(), step=seq, events=events)
 
 
 def rank_main(
