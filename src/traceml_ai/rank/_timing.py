@@ -785,6 +785,16 @@ def _optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
         timer.close(timer.opt, OPTIMIZER_STEP)
 
 
+def forward_timed_elsewhere(model: object) -> None:
+    """``model``'s forward is timed by a framework integration (Lightning brackets the
+    ``training_step`` itself): never hook it. A module with hooks takes torch's slower
+    ``_call_impl`` path on every call, traced or not, for a phase already measured."""
+    try:
+        _HOOKED.add(model)
+    except TypeError:
+        _HOOKED_IDS.add(id(model))
+
+
 def _install_model_hooks(model: object) -> None:
     """Hook the model's forward once per model object (a DDP wrapper is hooked itself)."""
     try:
