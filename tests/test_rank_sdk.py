@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import traceml_ai as traceml
 from traceml_ai.rank import _sdk, _timing
-from traceml_ai.rank.gpu import CudaEvent
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.rank.runtime_env import model_strategy, runtime_environment_fields, topology_of
 from traceml_ai.rank.sink import RecordingSink
+from traceml_ai.testing import FakeCuda
 
 INTERNAL = (
     "_traceml_internal:backward_time",
@@ -444,93 +444,24 @@ def test_ddp_inner_module_can_be_traced(gloo_group: None) -> None:
 # -- CUDA through a fake backend ---------------------------------------------------
 
 
-class FakeEvent:
-    """Stands in for ``torch.cuda.Event``: no GPU exists in CI."""
-
-    def __init__(self, backend: FakeCuda, stamp: float) -> None:
-        self.backend = backend
-        self.stamp = stamp
-        self.synchronized = False
-
-    def query(self) -> bool:
-        return self.backend.gpu_done or self.synchronized
-
-    def elapsed_time(self, end_event: Any) -> float:
-        assert isinstance(end_event, FakeEvent)
-        # As torch.cuda.Event: asking before both events completed raises.
-        if not (self.query() and end_event.query()):
-            raise RuntimeError("CUDA error: device not ready")
-        return self.backend.elapsed_override or (end_event.stamp - self.stamp)
-
-    def synchronize(self) -> None:
-        self.synchronized = True
-        self.backend.synchronize_calls += 1
+def fake_cuda(*, gpu_keeps_up: bool = True) -> FakeCuda:
+    """One GPU whose memory grows by one byte per forward (so each step has its own
+    peak); the models are on CPU but count as on cuda:0 (no GPU in CI)."""
+    return FakeCuda(auto_complete=gpu_keeps_up, total_memory=333, model_device=0)
 
 
-class FakeCuda:
-    """A ``CudaBackend`` fake: the model is on CPU, but it reports cuda:0 (no GPU in CI)."""
-
-    def __init__(self) -> None:
-        self.clock = 0.0
-        self.released = 0
-        self.records = 0
-        self.fail_records: set[int] = set()
-        self.gpu_done = True
-        self.elapsed_override: float | None = None
-        self.resets: list[int] = []
-        self.synchronize_calls = 0
-        self.record_threads: set[int] = set()
-
-    def is_available(self) -> bool | None:
-        return True
-
-    def device_count(self) -> int | None:
-        return 1
-
-    def current_device(self) -> int | None:
-        return 0
-
-    def device_index_of(self, model: object) -> int | None:
-        return 0
-
-    def reset_peak_memory_stats(self, index: int) -> None:
-        self.resets.append(index)
-
-    def max_memory_allocated(self, index: int) -> int | None:
-        return 1000 + len(self.resets)
-
-    def max_memory_reserved(self, index: int) -> int | None:
-        return 2000 + len(self.resets)
-
-    def memory_allocated(self, index: int) -> int | None:
-        return 111
-
-    def memory_reserved(self, index: int) -> int | None:
-        return 222
-
-    def total_memory(self, index: int) -> int | None:
-        return 333
-
-    def device_uuid(self, index: int) -> str | None:
-        return f"GPU-0000000{index}-aaaa-bbbb-cccc-000000000000"
-
-    def record_event(self, index: int) -> CudaEvent | None:
-        self.records += 1
-        self.record_threads.add(threading.get_ident())
-        if self.records in self.fail_records:
-            return None
-        self.clock += 1.0
-        return FakeEvent(self, self.clock)
-
-    def release_events(self, index: int, events: list[CudaEvent]) -> None:
-        self.released += len(events)
+def grow_memory_per_forward(model: torch.nn.Module, cuda: FakeCuda) -> None:
+    cuda.allocate(0, 1000)
+    model.register_forward_hook(lambda *_: cuda.allocate(0, 1))
 
 
 def test_fake_cuda_gives_cuda_events_with_gpu_time() -> None:
     sink = RecordingSink()
-    cuda = FakeCuda()
+    cuda = fake_cuda()
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
-    train(make_model(), 3)
+    model = make_model()
+    grow_memory_per_forward(model, cuda)
+    train(model, 3)
     traceml.shutdown()
 
     items = step_items(sink)
@@ -551,28 +482,29 @@ def test_fake_cuda_gives_cuda_events_with_gpu_time() -> None:
                 assert timing["gpu_ms"] == (3.0 if name == "loss" else 1.0), name
     assert cuda.resets == [0, 0, 0]
     memory = sink.items("step_memory")
+    # Peaks since each step's reset: one more byte per step (reserved follows them up).
     assert [(m["device"], m["peak_allocated_bytes"], m["peak_reserved_bytes"]) for m in memory] == [
-        ("cuda:0", 1001, 2001),
-        ("cuda:0", 1002, 2002),
-        ("cuda:0", 1003, 2003),
+        ("cuda:0", 1001, 1001),
+        ("cuda:0", 1002, 1002),
+        ("cuda:0", 1003, 1003),
     ]
     # Resolved without waiting: nothing was synchronized.
-    assert cuda.synchronize_calls == 0
+    assert cuda.synchronize_calls == 0 and cuda.misuse == []
     proc = sink.items("process")[-1]
     assert proc["gpu_available"] is True
     assert (proc["gpu_count"], proc["gpu_device_index"]) == (1, 0)
-    assert (proc["gpu_memory_used_bytes"], proc["gpu_memory_reserved_bytes"]) == (111, 222)
+    assert (proc["gpu_memory_used_bytes"], proc["gpu_memory_reserved_bytes"]) == (1003, 1003)
     assert proc["gpu_memory_total_bytes"] == 333
 
 
 def test_fake_cuda_gpu_ms_is_null_when_one_call_lacked_a_measurement() -> None:
     sink = RecordingSink()
-    cuda = FakeCuda()
+    cuda = fake_cuda()
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = make_model()
     with traceml.trace_step(model):
         model(torch.randn(2, 8))
-        cuda.fail_records = {cuda.records + 1}  # the next forward's start event fails
+        cuda.failing_records = {cuda.record_calls + 1}  # the next forward's start event fails
         model(torch.randn(2, 8))
         with traceml.trace_phase("tail"):
             pass
@@ -588,7 +520,7 @@ def test_fake_cuda_gpu_ms_is_null_when_one_call_lacked_a_measurement() -> None:
 
 def test_fake_cuda_non_finite_elapsed_time_becomes_null() -> None:
     sink = RecordingSink()
-    cuda = FakeCuda()
+    cuda = fake_cuda()
     cuda.elapsed_override = float("nan")
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = make_model()
@@ -601,8 +533,7 @@ def test_fake_cuda_non_finite_elapsed_time_becomes_null() -> None:
 
 def test_fake_cuda_steps_wait_for_their_events_without_blocking() -> None:
     sink = RecordingSink()
-    cuda = FakeCuda()
-    cuda.gpu_done = False  # the GPU is "still running"
+    cuda = fake_cuda(gpu_keeps_up=False)  # the GPU is "still running"
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = make_model()
     for _ in range(3):
@@ -611,17 +542,18 @@ def test_fake_cuda_steps_wait_for_their_events_without_blocking() -> None:
     # step_memory goes out at once; step_time waits for its events.
     assert [m["step"] for m in sink.items("step_memory")] == [1, 2, 3]
     assert step_items(sink) == []
-    cuda.gpu_done = True
+    cuda.auto_complete = True
+    cuda.finish_all()
     with traceml.trace_step(model):
         model(torch.randn(2, 8))
     assert [i["step"] for i in step_items(sink)] == [1, 2, 3, 4]
-    cuda.gpu_done = False
+    cuda.auto_complete = False
     with traceml.trace_step(model):
         model(torch.randn(2, 8))
     assert len(step_items(sink)) == 4
     # Shutdown is the one place that waits for the GPU: it polls (never
     # Event.synchronize()) until the work completes, within one deadline.
-    threading.Timer(0.2, lambda: setattr(cuda, "gpu_done", True)).start()
+    threading.Timer(0.2, cuda.finish_all).start()
     traceml.shutdown()
     items = step_items(sink)
     assert [i["step"] for i in items] == [1, 2, 3, 4, 5]
@@ -632,8 +564,7 @@ def test_fake_cuda_steps_wait_for_their_events_without_blocking() -> None:
 
 def test_fake_cuda_backlog_is_bounded() -> None:
     sink = RecordingSink()
-    cuda = FakeCuda()
-    cuda.gpu_done = False
+    cuda = fake_cuda(gpu_keeps_up=False)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = make_model()
     total = _timing.MAX_PENDING_STEPS + 5

@@ -172,6 +172,8 @@ def test_capturing_and_failing_records_give_no_event() -> None:
     cuda.failing_records = {cuda.record_calls + 2}
     assert cuda.record_event(0) is not None and cuda.record_event(0) is None
     assert cuda.device_index_of(torch.nn.Linear(2, 2)) is None
+    # A CPU model standing in for a GPU one.
+    assert FakeCuda(devices=2, model_device=1).device_index_of(torch.nn.Linear(2, 2)) == 1
 
 
 # -- FakeNvml -------------------------------------------------------------------------------

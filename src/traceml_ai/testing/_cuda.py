@@ -97,8 +97,12 @@ class FakeCuda:
         auto_complete: bool = False,
         total_memory: int = 80 * _GIB,
         available: bool | None = True,
+        model_device: int | None = None,
     ) -> None:
         self.devices = devices
+        self.model_device = model_device
+        """When set, every model counts as living on this device: a real CPU model in a
+        test then goes through TraceML's GPU paths (events, peaks) as it would on CUDA."""
         self.auto_complete = auto_complete
         self.available = available
         self.total_memory_bytes = total_memory
@@ -190,7 +194,10 @@ class FakeCuda:
         return int(getattr(self._local, "device", 0))
 
     def device_index_of(self, model: object) -> int | None:
-        """The index of the first parameter or buffer whose ``device.type`` is ``cuda``."""
+        """The index of the first parameter or buffer whose ``device.type`` is ``cuda``
+        (``model_device`` instead, when set)."""
+        if self.model_device is not None:
+            return self.model_device
         for attr in ("parameters", "buffers"):
             getter = getattr(model, attr, None)
             if not callable(getter):
