@@ -8,7 +8,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-from custom_exporters import (
+
+from tests.custom_exporters import (
     CLOSE_FILE,
     CUSTOM_DIR,
     RECORDS_FILE,
@@ -18,7 +19,6 @@ from custom_exporters import (
     step_time_item,
     system_item,
 )
-
 from traceml_ai.export import (
     ExportContext,
     ExporterStartFailure,
@@ -121,26 +121,26 @@ def test_module_calling_sys_exit_does_not_end_the_aggregator(
 
 
 def test_attribute_missing(context: ExportContext) -> None:
-    message, _ = _failure("custom_exporters:no_such_factory", context)
-    assert "module 'custom_exporters' has no attribute 'no_such_factory'" in message
+    message, _ = _failure("tests.custom_exporters:no_such_factory", context)
+    assert "module 'tests.custom_exporters' has no attribute 'no_such_factory'" in message
 
 
 def test_not_callable(context: ExportContext) -> None:
-    message, _ = _failure("custom_exporters:NOT_CALLABLE", context)
-    assert "custom_exporters.NOT_CALLABLE is not callable (it is int)" in message
+    message, _ = _failure("tests.custom_exporters:NOT_CALLABLE", context)
+    assert "tests.custom_exporters.NOT_CALLABLE is not callable (it is int)" in message
 
 
 def test_factory_raises_is_one_line_with_its_location(context: ExportContext) -> None:
-    message, _ = _failure("custom_exporters:raising_factory", context)
+    message, _ = _failure("tests.custom_exporters:raising_factory", context)
     assert "the factory raised" in message and len(message.splitlines()) == 1
     assert "custom_exporters.py:" in message and "in raising_factory" in message
     assert "RuntimeError: factory exploded on purpose" in message
 
 
 def test_factory_returns_object_without_methods(context: ExportContext) -> None:
-    message, _ = _failure("custom_exporters:factory_without_methods", context)
+    message, _ = _failure("tests.custom_exporters:factory_without_methods", context)
     assert "returned object, which has no callable export() or close()" in message
-    message, _ = _failure("custom_exporters:factory_without_close", context)
+    message, _ = _failure("tests.custom_exporters:factory_without_close", context)
     assert "returned _ExportOnly, which has no callable close()" in message
 
 
@@ -152,8 +152,8 @@ def test_malformed_value(value: str, context: ExportContext) -> None:
 
 def test_load_exporter_factory_raises_load_error() -> None:
     with pytest.raises(ExporterLoadError, match="has no attribute 'nope'"):
-        load_exporter_factory("custom_exporters:nope")
-    factory = load_exporter_factory("custom_exporters:make_memory_exporter")
+        load_exporter_factory("tests.custom_exporters:nope")
+    factory = load_exporter_factory("tests.custom_exporters:make_memory_exporter")
     assert callable(factory)
 
 
@@ -181,10 +181,10 @@ def test_module_in_the_working_directory_is_found(
 
 BROKEN_VALUES = [
     "no_such_module_xyz:make",
-    "custom_exporters:no_such_factory",
-    "custom_exporters:NOT_CALLABLE",
-    "custom_exporters:raising_factory",
-    "custom_exporters:factory_without_methods",
+    "tests.custom_exporters:no_such_factory",
+    "tests.custom_exporters:NOT_CALLABLE",
+    "tests.custom_exporters:raising_factory",
+    "tests.custom_exporters:factory_without_methods",
 ]
 
 
@@ -221,7 +221,7 @@ def test_broken_custom_exporter_counts_selected_records_as_failed(
 
 def test_good_factory_receives_typed_records_of_selected_streams_only(tmp_path: Path) -> None:
     settings = ExportSettings(
-        exporter="custom_exporters:make_memory_exporter", export_streams="process,step_time"
+        exporter="tests.custom_exporters:make_memory_exporter", export_streams="process,step_time"
     )
     pipeline = start_export(settings, tmp_path)
     assert pipeline is not None and pipeline.failure is None
