@@ -328,3 +328,26 @@ def test_made_batches_build_the_same_encoded_or_decoded() -> None:
     first, second = exporter.records_of("step_time")[:3], exporter.records_of("step_time")[3:]
     assert first == second == make_records("step_time", items)
     assert [r.seq for r in first] == [0, 1, 2]
+
+
+# -- the user guide's examples run as written ---------------------------------------------
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "testing.md"
+
+
+def _doc_blocks() -> list[str]:
+    text = DOC.read_text()
+    blocks = [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
+    assert len(blocks) == 2, "docs/testing.md's examples changed: update this test"
+    return blocks
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_docs_examples_pass(index: int) -> None:
+    namespace: dict[str, Any] = {"__name__": f"docs_testing_example_{index}"}
+    exec(compile(_doc_blocks()[index], f"{DOC}:block{index}", "exec"), namespace)
+    tests = [fn for name, fn in namespace.items() if name.startswith("test_")]
+    assert tests
+    for test in tests:
+        reset()
+        test()
