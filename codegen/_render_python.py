@@ -122,18 +122,19 @@ def render_records(schema_set: SchemaSet) -> str:
         for field in model.fields:
             if isinstance(field.type, MapOf):
                 render_map_dumper(body, field.type, 0, by_name, done)
+    stream_classes = [
+        m for m in classes if m.class_name in {s.class_name for s in schema_set.streams}
+    ]
     for model in classes:
         _render_dump(body, model, by_name)
         body.line()
         body.line()
-        _render_load(body, model, names, by_name)
-        body.line()
-        body.line()
-    stream_classes = [
-        m for m in classes if m.class_name in {s.class_name for s in schema_set.streams}
-    ]
-    for model in stream_classes:
-        _render_item_load(body, model, names, by_name)
+        if model in stream_classes:
+            _render_build(body, model, names, by_name)
+            body.line()
+            body.line()
+            _render_item_load(body, model, names)
+        _render_load(body, model, names, by_name, split=model in stream_classes)
         body.line()
         body.line()
     body.line("DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {")
@@ -530,14 +531,30 @@ def _key_check(w: CodeWriter, model: ClassModel, names: _Names, keys: str, path:
 
 
 def _render_load(
-    w: CodeWriter, model: ClassModel, names: _Names, classes: dict[str, ClassModel]
+    w: CodeWriter,
+    model: ClassModel,
+    names: _Names,
+    classes: dict[str, ClassModel],
+    *,
+    split: bool = False,
 ) -> None:
+    """``_load_<record>(d, path)``: the strict loader of a whole line.
+
+    With ``split`` (stream records): it checks the identity block, then hands the rest
+    to ``_build_<record>`` as the item loader does, so each check is written once.
+    """
     fn = f"_load_{snake(model.class_name)}"
     with w.block(f"def {fn}(d: Any, path: Path) -> {model.class_name}:"):
         with w.block("if type(d) is not dict:"):
             w.line('raise RecordError(path, f"expected object, got {describe(d)}")')
         w.line("keys = d.keys()")
         _key_check(w, model, names, "keys", "path")
+        if split:
+            for field in model.fields:
+                if field.name in IDENTITY_FIELDS:
+                    _render_field_load(w, field, f"f_{field.name}", names, classes)
+            w.line(f"return _build_{snake(model.class_name)}(d, d, path)")
+            return
         for field in model.fields:
             var = f"f_{field.name}"
             _render_field_load(w, field, var, names, classes)
@@ -562,9 +579,7 @@ IDENTITY_FIELDS = (
 """The identity block: what every record of one wire batch shares (see ITEM_LOADERS)."""
 
 
-def _render_item_load(
-    w: CodeWriter, model: ClassModel, names: _Names, classes: dict[str, ClassModel]
-) -> None:
+def _render_item_load(w: CodeWriter, model: ClassModel, names: _Names) -> None:
     """``_load_<record>_item(identity, d, path)``: the loader with a trusted identity block.
 
     The aggregator builds every record of a wire batch from the same identity values;
@@ -592,6 +607,21 @@ def _render_item_load(
         )
         with w.block(f"if {cond}:"):
             w.line(f"_key_error(keys, {req_name}, {all_name}, path)")
+        w.line(f"return _build_{snake(model.class_name)}(identity, d, path)")
+    w.line()
+    w.line()
+
+
+def _render_build(
+    w: CodeWriter, model: ClassModel, names: _Names, classes: dict[str, ClassModel]
+) -> None:
+    """``_build_<record>(identity, d, path)``: the record, its item fields checked.
+
+    Shared by the full loader (``identity`` is ``d``, its identity block checked) and
+    the item loader (``identity`` trusted); ``d``'s keys are already checked.
+    """
+    fn = f"_build_{snake(model.class_name)}"
+    with w.block(f"def {fn}(identity: dict[str, Any], d: Any, path: Path) -> {model.class_name}:"):
         for field in model.fields:
             var = f"f_{field.name}"
             if field.name in IDENTITY_FIELDS:

@@ -26,14 +26,14 @@ __all__ = [
     "SystemRecord",
 ]
 
-_ENUM_18 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
-_ENUM_19 = frozenset(
+_ENUM_26 = frozenset({"single_process", "single_node_multi_process", "multi_node"})
+_ENUM_27 = frozenset(
     {"single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"}
 )
-_ENUM_20 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
-_ENUM_21 = frozenset({"high", "low"})
-_ENUM_24 = frozenset({"stdout", "stderr"})
-_ENUM_27 = frozenset(
+_ENUM_28 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
+_ENUM_29 = frozenset({"high", "low"})
+_ENUM_34 = frozenset({"stdout", "stderr"})
+_ENUM_41 = frozenset(
     {
         "step_time",
         "step_memory",
@@ -44,7 +44,7 @@ _ENUM_27 = frozenset(
         "stdout_stderr",
     }
 )
-_ENUM_32 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
+_ENUM_46 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
 _INF = float("inf")
 _KEYS_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
@@ -1302,68 +1302,15 @@ def _dump_step_time_record(r: StepTimeRecord, include_hostname: bool) -> dict[st
     return d
 
 
-def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
-    if type(d) is not dict:
-        raise RecordError(path, f"expected object, got {describe(d)}")
-    keys = d.keys()
-    if not (_REQUIRED_STEP_TIME_RECORD <= keys <= _KEYS_STEP_TIME_RECORD):
-        _key_error(keys, _REQUIRED_STEP_TIME_RECORD, _KEYS_STEP_TIME_RECORD, path)
-    f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream != "step_time":
-        raise RecordError((*path, "stream"), f'expected "step_time", got {describe(f_stream)}')
-    f_schema_version = d["schema_version"]
-    if type(f_schema_version) is not int or f_schema_version != 1:
-        raise RecordError(
-            (*path, "schema_version"), f"expected 1, got {describe(f_schema_version)}"
-        )
-    f_observed_timestamp_unix_ns = d["observed_timestamp_unix_ns"]
-    if (
-        type(f_observed_timestamp_unix_ns) is not int
-        or f_observed_timestamp_unix_ns < 0
-        or f_observed_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "observed_timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_observed_timestamp_unix_ns)}",
-        )
-    f_rank = d["rank"]
-    if type(f_rank) is not int or f_rank < 0 or f_rank > 9223372036854775807:
-        raise RecordError((*path, "rank"), f"expected integer >= 0, got {describe(f_rank)}")
-    f_global_rank = d["global_rank"]
-    if type(f_global_rank) is not int or f_global_rank < 0 or f_global_rank > 9223372036854775807:
-        raise RecordError(
-            (*path, "global_rank"), f"expected integer >= 0, got {describe(f_global_rank)}"
-        )
-    f_local_rank = d["local_rank"]
-    if type(f_local_rank) is not int or f_local_rank < 0 or f_local_rank > 9223372036854775807:
-        raise RecordError(
-            (*path, "local_rank"), f"expected integer >= 0, got {describe(f_local_rank)}"
-        )
-    f_world_size = d["world_size"]
-    if type(f_world_size) is not int or f_world_size < 1 or f_world_size > 9223372036854775807:
-        raise RecordError(
-            (*path, "world_size"), f"expected integer >= 1, got {describe(f_world_size)}"
-        )
-    f_local_world_size = d["local_world_size"]
-    if (
-        type(f_local_world_size) is not int
-        or f_local_world_size < 1
-        or f_local_world_size > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "local_world_size"),
-            f"expected integer >= 1, got {describe(f_local_world_size)}",
-        )
-    f_node_rank = d["node_rank"]
-    if type(f_node_rank) is not int or f_node_rank < 0 or f_node_rank > 9223372036854775807:
-        raise RecordError(
-            (*path, "node_rank"), f"expected integer >= 0, got {describe(f_node_rank)}"
-        )
-    f_hostname = d.get("hostname")
-    if f_hostname is not None and (type(f_hostname) is not str):
-        raise RecordError(
-            (*path, "hostname"), f"expected string or null, got {describe(f_hostname)}"
-        )
+def _build_step_time_record(identity: dict[str, Any], d: Any, path: Path) -> StepTimeRecord:
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
     f_timestamp_unix_ns = d["timestamp_unix_ns"]
     if (
         type(f_timestamp_unix_ns) is not int
@@ -1514,38 +1461,24 @@ def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
     return record
 
 
-def _dump_step_memory_record(r: StepMemoryRecord, include_hostname: bool) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "stream": r.stream,
-        "schema_version": r.schema_version,
-        "observed_timestamp_unix_ns": r.observed_timestamp_unix_ns,
-        "rank": r.rank,
-        "global_rank": r.global_rank,
-        "local_rank": r.local_rank,
-        "world_size": r.world_size,
-        "local_world_size": r.local_world_size,
-        "node_rank": r.node_rank,
-    }
-    if include_hostname:
-        d["hostname"] = r.hostname
-    d["timestamp_unix_ns"] = r.timestamp_unix_ns
-    d["seq"] = r.seq
-    d["step"] = r.step
-    d["device"] = r.device
-    d["peak_allocated_bytes"] = r.peak_allocated_bytes
-    d["peak_reserved_bytes"] = r.peak_reserved_bytes
-    return d
-
-
-def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
+def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) -> StepTimeRecord:
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if not (_REQUIRED_STEP_MEMORY_RECORD <= keys <= _KEYS_STEP_MEMORY_RECORD):
-        _key_error(keys, _REQUIRED_STEP_MEMORY_RECORD, _KEYS_STEP_MEMORY_RECORD, path)
+    if keys != _KEYS_STEP_TIME_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_STEP_TIME_RECORD_ITEM, _KEYS_STEP_TIME_RECORD_ITEM, path)
+    return _build_step_time_record(identity, d, path)
+
+
+def _load_step_time_record(d: Any, path: Path) -> StepTimeRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if not (_REQUIRED_STEP_TIME_RECORD <= keys <= _KEYS_STEP_TIME_RECORD):
+        _key_error(keys, _REQUIRED_STEP_TIME_RECORD, _KEYS_STEP_TIME_RECORD, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream != "step_memory":
-        raise RecordError((*path, "stream"), f'expected "step_memory", got {describe(f_stream)}')
+    if type(f_stream) is not str or f_stream != "step_time":
+        raise RecordError((*path, "stream"), f'expected "step_time", got {describe(f_stream)}')
     f_schema_version = d["schema_version"]
     if type(f_schema_version) is not int or f_schema_version != 1:
         raise RecordError(
@@ -1599,6 +1532,41 @@ def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
         raise RecordError(
             (*path, "hostname"), f"expected string or null, got {describe(f_hostname)}"
         )
+    return _build_step_time_record(d, d, path)
+
+
+def _dump_step_memory_record(r: StepMemoryRecord, include_hostname: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "stream": r.stream,
+        "schema_version": r.schema_version,
+        "observed_timestamp_unix_ns": r.observed_timestamp_unix_ns,
+        "rank": r.rank,
+        "global_rank": r.global_rank,
+        "local_rank": r.local_rank,
+        "world_size": r.world_size,
+        "local_world_size": r.local_world_size,
+        "node_rank": r.node_rank,
+    }
+    if include_hostname:
+        d["hostname"] = r.hostname
+    d["timestamp_unix_ns"] = r.timestamp_unix_ns
+    d["seq"] = r.seq
+    d["step"] = r.step
+    d["device"] = r.device
+    d["peak_allocated_bytes"] = r.peak_allocated_bytes
+    d["peak_reserved_bytes"] = r.peak_reserved_bytes
+    return d
+
+
+def _build_step_memory_record(identity: dict[str, Any], d: Any, path: Path) -> StepMemoryRecord:
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
     f_timestamp_unix_ns = d["timestamp_unix_ns"]
     if (
         type(f_timestamp_unix_ns) is not int
@@ -1674,47 +1642,24 @@ def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
     return record
 
 
-def _dump_process_record(r: ProcessRecord, include_hostname: bool) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "stream": r.stream,
-        "schema_version": r.schema_version,
-        "observed_timestamp_unix_ns": r.observed_timestamp_unix_ns,
-        "rank": r.rank,
-        "global_rank": r.global_rank,
-        "local_rank": r.local_rank,
-        "world_size": r.world_size,
-        "local_world_size": r.local_world_size,
-        "node_rank": r.node_rank,
-    }
-    if include_hostname:
-        d["hostname"] = r.hostname
-    d["timestamp_unix_ns"] = r.timestamp_unix_ns
-    d["seq"] = r.seq
-    d["pid"] = r.pid
-    d["cpu_percent"] = r.cpu_percent
-    d["cpu_logical_cores"] = r.cpu_logical_cores
-    d["ram_used_bytes"] = r.ram_used_bytes
-    d["ram_total_bytes"] = r.ram_total_bytes
-    d["gpu_available"] = r.gpu_available
-    d["gpu_count"] = r.gpu_count
-    d["gpu_device_index"] = r.gpu_device_index
-    d["gpu_memory_used_bytes"] = r.gpu_memory_used_bytes
-    d["gpu_memory_reserved_bytes"] = r.gpu_memory_reserved_bytes
-    d["gpu_memory_total_bytes"] = r.gpu_memory_total_bytes
-    if r.gpu_uuid is not None:
-        d["gpu_uuid"] = r.gpu_uuid
-    return d
-
-
-def _load_process_record(d: Any, path: Path) -> ProcessRecord:
+def _load_step_memory_record_item(identity: dict[str, Any], d: Any, path: Path) -> StepMemoryRecord:
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if not (_REQUIRED_PROCESS_RECORD <= keys <= _KEYS_PROCESS_RECORD):
-        _key_error(keys, _REQUIRED_PROCESS_RECORD, _KEYS_PROCESS_RECORD, path)
+    if keys != _KEYS_STEP_MEMORY_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_STEP_MEMORY_RECORD_ITEM, _KEYS_STEP_MEMORY_RECORD_ITEM, path)
+    return _build_step_memory_record(identity, d, path)
+
+
+def _load_step_memory_record(d: Any, path: Path) -> StepMemoryRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if not (_REQUIRED_STEP_MEMORY_RECORD <= keys <= _KEYS_STEP_MEMORY_RECORD):
+        _key_error(keys, _REQUIRED_STEP_MEMORY_RECORD, _KEYS_STEP_MEMORY_RECORD, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream != "process":
-        raise RecordError((*path, "stream"), f'expected "process", got {describe(f_stream)}')
+    if type(f_stream) is not str or f_stream != "step_memory":
+        raise RecordError((*path, "stream"), f'expected "step_memory", got {describe(f_stream)}')
     f_schema_version = d["schema_version"]
     if type(f_schema_version) is not int or f_schema_version != 1:
         raise RecordError(
@@ -1768,6 +1713,50 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
         raise RecordError(
             (*path, "hostname"), f"expected string or null, got {describe(f_hostname)}"
         )
+    return _build_step_memory_record(d, d, path)
+
+
+def _dump_process_record(r: ProcessRecord, include_hostname: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "stream": r.stream,
+        "schema_version": r.schema_version,
+        "observed_timestamp_unix_ns": r.observed_timestamp_unix_ns,
+        "rank": r.rank,
+        "global_rank": r.global_rank,
+        "local_rank": r.local_rank,
+        "world_size": r.world_size,
+        "local_world_size": r.local_world_size,
+        "node_rank": r.node_rank,
+    }
+    if include_hostname:
+        d["hostname"] = r.hostname
+    d["timestamp_unix_ns"] = r.timestamp_unix_ns
+    d["seq"] = r.seq
+    d["pid"] = r.pid
+    d["cpu_percent"] = r.cpu_percent
+    d["cpu_logical_cores"] = r.cpu_logical_cores
+    d["ram_used_bytes"] = r.ram_used_bytes
+    d["ram_total_bytes"] = r.ram_total_bytes
+    d["gpu_available"] = r.gpu_available
+    d["gpu_count"] = r.gpu_count
+    d["gpu_device_index"] = r.gpu_device_index
+    d["gpu_memory_used_bytes"] = r.gpu_memory_used_bytes
+    d["gpu_memory_reserved_bytes"] = r.gpu_memory_reserved_bytes
+    d["gpu_memory_total_bytes"] = r.gpu_memory_total_bytes
+    if r.gpu_uuid is not None:
+        d["gpu_uuid"] = r.gpu_uuid
+    return d
+
+
+def _build_process_record(identity: dict[str, Any], d: Any, path: Path) -> ProcessRecord:
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
     f_timestamp_unix_ns = d["timestamp_unix_ns"]
     if (
         type(f_timestamp_unix_ns) is not int
@@ -1781,9 +1770,7 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
     f_seq = d["seq"]
     if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
         raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
-    f_pid = d["pid"]
-    if type(f_pid) is not int or f_pid < 1 or f_pid > 9223372036854775807:
-        raise RecordError((*path, "pid"), f"expected integer >= 1, got {describe(f_pid)}")
+    f_pid = identity["pid"]
     f_cpu_percent = d["cpu_percent"]
     if type(f_cpu_percent) is not float:
         if type(f_cpu_percent) is int and -(2**63) <= f_cpu_percent < 2**63:
@@ -1939,39 +1926,24 @@ def _load_process_record(d: Any, path: Path) -> ProcessRecord:
     return record
 
 
-def _dump_system_record(r: SystemRecord, include_hostname: bool) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "stream": r.stream,
-        "schema_version": r.schema_version,
-        "observed_timestamp_unix_ns": r.observed_timestamp_unix_ns,
-        "rank": r.rank,
-        "global_rank": r.global_rank,
-        "local_rank": r.local_rank,
-        "world_size": r.world_size,
-        "local_world_size": r.local_world_size,
-        "node_rank": r.node_rank,
-    }
-    if include_hostname:
-        d["hostname"] = r.hostname
-    d["timestamp_unix_ns"] = r.timestamp_unix_ns
-    d["seq"] = r.seq
-    d["cpu_percent"] = r.cpu_percent
-    d["ram_used_bytes"] = r.ram_used_bytes
-    d["ram_total_bytes"] = r.ram_total_bytes
-    d["gpu_available"] = r.gpu_available
-    d["gpu_count"] = r.gpu_count
-    return d
-
-
-def _load_system_record(d: Any, path: Path) -> SystemRecord:
+def _load_process_record_item(identity: dict[str, Any], d: Any, path: Path) -> ProcessRecord:
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if not (_REQUIRED_SYSTEM_RECORD <= keys <= _KEYS_SYSTEM_RECORD):
-        _key_error(keys, _REQUIRED_SYSTEM_RECORD, _KEYS_SYSTEM_RECORD, path)
+    if not (_REQUIRED_PROCESS_RECORD_ITEM <= keys <= _KEYS_PROCESS_RECORD_ITEM):
+        _key_error(keys, _REQUIRED_PROCESS_RECORD_ITEM, _KEYS_PROCESS_RECORD_ITEM, path)
+    return _build_process_record(identity, d, path)
+
+
+def _load_process_record(d: Any, path: Path) -> ProcessRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if not (_REQUIRED_PROCESS_RECORD <= keys <= _KEYS_PROCESS_RECORD):
+        _key_error(keys, _REQUIRED_PROCESS_RECORD, _KEYS_PROCESS_RECORD, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream != "system":
-        raise RecordError((*path, "stream"), f'expected "system", got {describe(f_stream)}')
+    if type(f_stream) is not str or f_stream != "process":
+        raise RecordError((*path, "stream"), f'expected "process", got {describe(f_stream)}')
     f_schema_version = d["schema_version"]
     if type(f_schema_version) is not int or f_schema_version != 1:
         raise RecordError(
@@ -2025,6 +1997,45 @@ def _load_system_record(d: Any, path: Path) -> SystemRecord:
         raise RecordError(
             (*path, "hostname"), f"expected string or null, got {describe(f_hostname)}"
         )
+    f_pid = d["pid"]
+    if type(f_pid) is not int or f_pid < 1 or f_pid > 9223372036854775807:
+        raise RecordError((*path, "pid"), f"expected integer >= 1, got {describe(f_pid)}")
+    return _build_process_record(d, d, path)
+
+
+def _dump_system_record(r: SystemRecord, include_hostname: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "stream": r.stream,
+        "schema_version": r.schema_version,
+        "observed_timestamp_unix_ns": r.observed_timestamp_unix_ns,
+        "rank": r.rank,
+        "global_rank": r.global_rank,
+        "local_rank": r.local_rank,
+        "world_size": r.world_size,
+        "local_world_size": r.local_world_size,
+        "node_rank": r.node_rank,
+    }
+    if include_hostname:
+        d["hostname"] = r.hostname
+    d["timestamp_unix_ns"] = r.timestamp_unix_ns
+    d["seq"] = r.seq
+    d["cpu_percent"] = r.cpu_percent
+    d["ram_used_bytes"] = r.ram_used_bytes
+    d["ram_total_bytes"] = r.ram_total_bytes
+    d["gpu_available"] = r.gpu_available
+    d["gpu_count"] = r.gpu_count
+    return d
+
+
+def _build_system_record(identity: dict[str, Any], d: Any, path: Path) -> SystemRecord:
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
     f_timestamp_unix_ns = d["timestamp_unix_ns"]
     if (
         type(f_timestamp_unix_ns) is not int
@@ -2109,43 +2120,24 @@ def _load_system_record(d: Any, path: Path) -> SystemRecord:
     return record
 
 
-def _dump_system_gpu_record(r: SystemGpuRecord, include_hostname: bool) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "stream": r.stream,
-        "schema_version": r.schema_version,
-        "observed_timestamp_unix_ns": r.observed_timestamp_unix_ns,
-        "rank": r.rank,
-        "global_rank": r.global_rank,
-        "local_rank": r.local_rank,
-        "world_size": r.world_size,
-        "local_world_size": r.local_world_size,
-        "node_rank": r.node_rank,
-    }
-    if include_hostname:
-        d["hostname"] = r.hostname
-    d["timestamp_unix_ns"] = r.timestamp_unix_ns
-    d["seq"] = r.seq
-    d["gpu_index"] = r.gpu_index
-    d["utilization_percent"] = r.utilization_percent
-    d["memory_used_bytes"] = r.memory_used_bytes
-    d["memory_total_bytes"] = r.memory_total_bytes
-    d["temperature_c"] = r.temperature_c
-    d["power_usage_w"] = r.power_usage_w
-    d["power_limit_w"] = r.power_limit_w
-    if r.gpu_uuid is not None:
-        d["gpu_uuid"] = r.gpu_uuid
-    return d
-
-
-def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
+def _load_system_record_item(identity: dict[str, Any], d: Any, path: Path) -> SystemRecord:
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if not (_REQUIRED_SYSTEM_GPU_RECORD <= keys <= _KEYS_SYSTEM_GPU_RECORD):
-        _key_error(keys, _REQUIRED_SYSTEM_GPU_RECORD, _KEYS_SYSTEM_GPU_RECORD, path)
+    if keys != _KEYS_SYSTEM_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_SYSTEM_RECORD_ITEM, _KEYS_SYSTEM_RECORD_ITEM, path)
+    return _build_system_record(identity, d, path)
+
+
+def _load_system_record(d: Any, path: Path) -> SystemRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if not (_REQUIRED_SYSTEM_RECORD <= keys <= _KEYS_SYSTEM_RECORD):
+        _key_error(keys, _REQUIRED_SYSTEM_RECORD, _KEYS_SYSTEM_RECORD, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream != "system_gpu":
-        raise RecordError((*path, "stream"), f'expected "system_gpu", got {describe(f_stream)}')
+    if type(f_stream) is not str or f_stream != "system":
+        raise RecordError((*path, "stream"), f'expected "system", got {describe(f_stream)}')
     f_schema_version = d["schema_version"]
     if type(f_schema_version) is not int or f_schema_version != 1:
         raise RecordError(
@@ -2199,6 +2191,46 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
         raise RecordError(
             (*path, "hostname"), f"expected string or null, got {describe(f_hostname)}"
         )
+    return _build_system_record(d, d, path)
+
+
+def _dump_system_gpu_record(r: SystemGpuRecord, include_hostname: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "stream": r.stream,
+        "schema_version": r.schema_version,
+        "observed_timestamp_unix_ns": r.observed_timestamp_unix_ns,
+        "rank": r.rank,
+        "global_rank": r.global_rank,
+        "local_rank": r.local_rank,
+        "world_size": r.world_size,
+        "local_world_size": r.local_world_size,
+        "node_rank": r.node_rank,
+    }
+    if include_hostname:
+        d["hostname"] = r.hostname
+    d["timestamp_unix_ns"] = r.timestamp_unix_ns
+    d["seq"] = r.seq
+    d["gpu_index"] = r.gpu_index
+    d["utilization_percent"] = r.utilization_percent
+    d["memory_used_bytes"] = r.memory_used_bytes
+    d["memory_total_bytes"] = r.memory_total_bytes
+    d["temperature_c"] = r.temperature_c
+    d["power_usage_w"] = r.power_usage_w
+    d["power_limit_w"] = r.power_limit_w
+    if r.gpu_uuid is not None:
+        d["gpu_uuid"] = r.gpu_uuid
+    return d
+
+
+def _build_system_gpu_record(identity: dict[str, Any], d: Any, path: Path) -> SystemGpuRecord:
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
     f_timestamp_unix_ns = d["timestamp_unix_ns"]
     if (
         type(f_timestamp_unix_ns) is not int
@@ -2326,6 +2358,80 @@ def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
     return record
 
 
+def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -> SystemGpuRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if not (_REQUIRED_SYSTEM_GPU_RECORD_ITEM <= keys <= _KEYS_SYSTEM_GPU_RECORD_ITEM):
+        _key_error(keys, _REQUIRED_SYSTEM_GPU_RECORD_ITEM, _KEYS_SYSTEM_GPU_RECORD_ITEM, path)
+    return _build_system_gpu_record(identity, d, path)
+
+
+def _load_system_gpu_record(d: Any, path: Path) -> SystemGpuRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if not (_REQUIRED_SYSTEM_GPU_RECORD <= keys <= _KEYS_SYSTEM_GPU_RECORD):
+        _key_error(keys, _REQUIRED_SYSTEM_GPU_RECORD, _KEYS_SYSTEM_GPU_RECORD, path)
+    f_stream = d["stream"]
+    if type(f_stream) is not str or f_stream != "system_gpu":
+        raise RecordError((*path, "stream"), f'expected "system_gpu", got {describe(f_stream)}')
+    f_schema_version = d["schema_version"]
+    if type(f_schema_version) is not int or f_schema_version != 1:
+        raise RecordError(
+            (*path, "schema_version"), f"expected 1, got {describe(f_schema_version)}"
+        )
+    f_observed_timestamp_unix_ns = d["observed_timestamp_unix_ns"]
+    if (
+        type(f_observed_timestamp_unix_ns) is not int
+        or f_observed_timestamp_unix_ns < 0
+        or f_observed_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "observed_timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_observed_timestamp_unix_ns)}",
+        )
+    f_rank = d["rank"]
+    if type(f_rank) is not int or f_rank < 0 or f_rank > 9223372036854775807:
+        raise RecordError((*path, "rank"), f"expected integer >= 0, got {describe(f_rank)}")
+    f_global_rank = d["global_rank"]
+    if type(f_global_rank) is not int or f_global_rank < 0 or f_global_rank > 9223372036854775807:
+        raise RecordError(
+            (*path, "global_rank"), f"expected integer >= 0, got {describe(f_global_rank)}"
+        )
+    f_local_rank = d["local_rank"]
+    if type(f_local_rank) is not int or f_local_rank < 0 or f_local_rank > 9223372036854775807:
+        raise RecordError(
+            (*path, "local_rank"), f"expected integer >= 0, got {describe(f_local_rank)}"
+        )
+    f_world_size = d["world_size"]
+    if type(f_world_size) is not int or f_world_size < 1 or f_world_size > 9223372036854775807:
+        raise RecordError(
+            (*path, "world_size"), f"expected integer >= 1, got {describe(f_world_size)}"
+        )
+    f_local_world_size = d["local_world_size"]
+    if (
+        type(f_local_world_size) is not int
+        or f_local_world_size < 1
+        or f_local_world_size > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "local_world_size"),
+            f"expected integer >= 1, got {describe(f_local_world_size)}",
+        )
+    f_node_rank = d["node_rank"]
+    if type(f_node_rank) is not int or f_node_rank < 0 or f_node_rank > 9223372036854775807:
+        raise RecordError(
+            (*path, "node_rank"), f"expected integer >= 0, got {describe(f_node_rank)}"
+        )
+    f_hostname = d.get("hostname")
+    if f_hostname is not None and (type(f_hostname) is not str):
+        raise RecordError(
+            (*path, "hostname"), f"expected string or null, got {describe(f_hostname)}"
+        )
+    return _build_system_gpu_record(d, d, path)
+
+
 def _dump_runtime_environment_record(
     r: RuntimeEnvironmentRecord, include_hostname: bool
 ) -> dict[str, Any]:
@@ -2354,6 +2460,131 @@ def _dump_runtime_environment_record(
     d["torch_version"] = r.torch_version
     d["python_version"] = r.python_version
     return d
+
+
+def _build_runtime_environment_record(
+    identity: dict[str, Any], d: Any, path: Path
+) -> RuntimeEnvironmentRecord:
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_pid = identity["pid"]
+    f_topology = d["topology"]
+    if type(f_topology) is not str or f_topology not in _ENUM_26:
+        raise RecordError(
+            (*path, "topology"),
+            f"expected one of single_process, single_node_multi_process, multi_node, got {describe(f_topology)}",
+        )
+    f_distributed_initialized = d["distributed_initialized"]
+    if f_distributed_initialized is not True and f_distributed_initialized is not False:
+        raise RecordError(
+            (*path, "distributed_initialized"),
+            f"expected boolean, got {describe(f_distributed_initialized)}",
+        )
+    f_distributed_backend = d["distributed_backend"]
+    if f_distributed_backend is not None and (type(f_distributed_backend) is not str):
+        raise RecordError(
+            (*path, "distributed_backend"),
+            f"expected string or null, got {describe(f_distributed_backend)}",
+        )
+    f_training_strategy = d["training_strategy"]
+    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_27:
+        raise RecordError(
+            (*path, "training_strategy"),
+            f"expected one of single_process, ddp, fsdp, deepspeed, distributed_unknown, unknown, got {describe(f_training_strategy)}",
+        )
+    f_strategy_source = d["strategy_source"]
+    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_28:
+        raise RecordError(
+            (*path, "strategy_source"),
+            f"expected one of runtime_model, runtime_distributed, topology, unknown, got {describe(f_strategy_source)}",
+        )
+    f_strategy_confidence = d["strategy_confidence"]
+    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_29:
+        raise RecordError(
+            (*path, "strategy_confidence"),
+            f"expected one of high, low, got {describe(f_strategy_confidence)}",
+        )
+    f_torch_version = d["torch_version"]
+    if f_torch_version is not None and (type(f_torch_version) is not str):
+        raise RecordError(
+            (*path, "torch_version"), f"expected string or null, got {describe(f_torch_version)}"
+        )
+    f_python_version = d["python_version"]
+    if type(f_python_version) is not str:
+        raise RecordError(
+            (*path, "python_version"), f"expected string, got {describe(f_python_version)}"
+        )
+    if f_distributed_initialized is True and f_distributed_backend is None:
+        raise RecordError(
+            (*path, "distributed_backend"),
+            "expected a string when distributed_initialized is true, got "
+            + describe(f_distributed_backend),
+        )
+    if f_distributed_initialized is not True and f_distributed_backend is not None:
+        raise RecordError(
+            (*path, "distributed_backend"),
+            "expected null unless distributed_initialized is true, got "
+            + describe(f_distributed_backend),
+        )
+    record: RuntimeEnvironmentRecord = _new(RuntimeEnvironmentRecord)
+    _set_runtime_environment_record_stream(record, "runtime_environment")
+    _set_runtime_environment_record_schema_version(record, 1)
+    _set_runtime_environment_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_runtime_environment_record_rank(record, f_rank)
+    _set_runtime_environment_record_global_rank(record, f_global_rank)
+    _set_runtime_environment_record_local_rank(record, f_local_rank)
+    _set_runtime_environment_record_world_size(record, f_world_size)
+    _set_runtime_environment_record_local_world_size(record, f_local_world_size)
+    _set_runtime_environment_record_node_rank(record, f_node_rank)
+    _set_runtime_environment_record_hostname(record, f_hostname)
+    _set_runtime_environment_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_runtime_environment_record_seq(record, f_seq)
+    _set_runtime_environment_record_pid(record, f_pid)
+    _set_runtime_environment_record_topology(record, f_topology)
+    _set_runtime_environment_record_distributed_initialized(record, f_distributed_initialized)
+    _set_runtime_environment_record_distributed_backend(record, f_distributed_backend)
+    _set_runtime_environment_record_training_strategy(record, f_training_strategy)
+    _set_runtime_environment_record_strategy_source(record, f_strategy_source)
+    _set_runtime_environment_record_strategy_confidence(record, f_strategy_confidence)
+    _set_runtime_environment_record_torch_version(record, f_torch_version)
+    _set_runtime_environment_record_python_version(record, f_python_version)
+    _mark_checked(record, True)
+    return record
+
+
+def _load_runtime_environment_record_item(
+    identity: dict[str, Any], d: Any, path: Path
+) -> RuntimeEnvironmentRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM:
+        _key_error(
+            keys,
+            _REQUIRED_RUNTIME_ENVIRONMENT_RECORD_ITEM,
+            _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM,
+            path,
+        )
+    return _build_runtime_environment_record(identity, d, path)
 
 
 def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRecord:
@@ -2422,104 +2653,10 @@ def _load_runtime_environment_record(d: Any, path: Path) -> RuntimeEnvironmentRe
         raise RecordError(
             (*path, "hostname"), f"expected string or null, got {describe(f_hostname)}"
         )
-    f_timestamp_unix_ns = d["timestamp_unix_ns"]
-    if (
-        type(f_timestamp_unix_ns) is not int
-        or f_timestamp_unix_ns < 0
-        or f_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
-        )
-    f_seq = d["seq"]
-    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
-        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
     f_pid = d["pid"]
     if type(f_pid) is not int or f_pid < 1 or f_pid > 9223372036854775807:
         raise RecordError((*path, "pid"), f"expected integer >= 1, got {describe(f_pid)}")
-    f_topology = d["topology"]
-    if type(f_topology) is not str or f_topology not in _ENUM_18:
-        raise RecordError(
-            (*path, "topology"),
-            f"expected one of single_process, single_node_multi_process, multi_node, got {describe(f_topology)}",
-        )
-    f_distributed_initialized = d["distributed_initialized"]
-    if f_distributed_initialized is not True and f_distributed_initialized is not False:
-        raise RecordError(
-            (*path, "distributed_initialized"),
-            f"expected boolean, got {describe(f_distributed_initialized)}",
-        )
-    f_distributed_backend = d["distributed_backend"]
-    if f_distributed_backend is not None and (type(f_distributed_backend) is not str):
-        raise RecordError(
-            (*path, "distributed_backend"),
-            f"expected string or null, got {describe(f_distributed_backend)}",
-        )
-    f_training_strategy = d["training_strategy"]
-    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_19:
-        raise RecordError(
-            (*path, "training_strategy"),
-            f"expected one of single_process, ddp, fsdp, deepspeed, distributed_unknown, unknown, got {describe(f_training_strategy)}",
-        )
-    f_strategy_source = d["strategy_source"]
-    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_20:
-        raise RecordError(
-            (*path, "strategy_source"),
-            f"expected one of runtime_model, runtime_distributed, topology, unknown, got {describe(f_strategy_source)}",
-        )
-    f_strategy_confidence = d["strategy_confidence"]
-    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_21:
-        raise RecordError(
-            (*path, "strategy_confidence"),
-            f"expected one of high, low, got {describe(f_strategy_confidence)}",
-        )
-    f_torch_version = d["torch_version"]
-    if f_torch_version is not None and (type(f_torch_version) is not str):
-        raise RecordError(
-            (*path, "torch_version"), f"expected string or null, got {describe(f_torch_version)}"
-        )
-    f_python_version = d["python_version"]
-    if type(f_python_version) is not str:
-        raise RecordError(
-            (*path, "python_version"), f"expected string, got {describe(f_python_version)}"
-        )
-    if f_distributed_initialized is True and f_distributed_backend is None:
-        raise RecordError(
-            (*path, "distributed_backend"),
-            "expected a string when distributed_initialized is true, got "
-            + describe(f_distributed_backend),
-        )
-    if f_distributed_initialized is not True and f_distributed_backend is not None:
-        raise RecordError(
-            (*path, "distributed_backend"),
-            "expected null unless distributed_initialized is true, got "
-            + describe(f_distributed_backend),
-        )
-    record: RuntimeEnvironmentRecord = _new(RuntimeEnvironmentRecord)
-    _set_runtime_environment_record_stream(record, "runtime_environment")
-    _set_runtime_environment_record_schema_version(record, 1)
-    _set_runtime_environment_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
-    _set_runtime_environment_record_rank(record, f_rank)
-    _set_runtime_environment_record_global_rank(record, f_global_rank)
-    _set_runtime_environment_record_local_rank(record, f_local_rank)
-    _set_runtime_environment_record_world_size(record, f_world_size)
-    _set_runtime_environment_record_local_world_size(record, f_local_world_size)
-    _set_runtime_environment_record_node_rank(record, f_node_rank)
-    _set_runtime_environment_record_hostname(record, f_hostname)
-    _set_runtime_environment_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
-    _set_runtime_environment_record_seq(record, f_seq)
-    _set_runtime_environment_record_pid(record, f_pid)
-    _set_runtime_environment_record_topology(record, f_topology)
-    _set_runtime_environment_record_distributed_initialized(record, f_distributed_initialized)
-    _set_runtime_environment_record_distributed_backend(record, f_distributed_backend)
-    _set_runtime_environment_record_training_strategy(record, f_training_strategy)
-    _set_runtime_environment_record_strategy_source(record, f_strategy_source)
-    _set_runtime_environment_record_strategy_confidence(record, f_strategy_confidence)
-    _set_runtime_environment_record_torch_version(record, f_torch_version)
-    _set_runtime_environment_record_python_version(record, f_python_version)
-    _mark_checked(record, True)
-    return record
+    return _build_runtime_environment_record(d, d, path)
 
 
 def _dump_stdout_stderr_record(r: StdoutStderrRecord, include_hostname: bool) -> dict[str, Any]:
@@ -2534,6 +2671,54 @@ def _dump_stdout_stderr_record(r: StdoutStderrRecord, include_hostname: bool) ->
         "line": r.line,
     }
     return d
+
+
+def _build_stdout_stderr_record(identity: dict[str, Any], d: Any, path: Path) -> StdoutStderrRecord:
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_source = d["source"]
+    if type(f_source) is not str or f_source not in _ENUM_34:
+        raise RecordError(
+            (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
+        )
+    f_line = d["line"]
+    if type(f_line) is not str:
+        raise RecordError((*path, "line"), f"expected string, got {describe(f_line)}")
+    record: StdoutStderrRecord = _new(StdoutStderrRecord)
+    _set_stdout_stderr_record_stream(record, "stdout_stderr")
+    _set_stdout_stderr_record_schema_version(record, 1)
+    _set_stdout_stderr_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_stdout_stderr_record_rank(record, f_rank)
+    _set_stdout_stderr_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_stdout_stderr_record_seq(record, f_seq)
+    _set_stdout_stderr_record_source(record, f_source)
+    _set_stdout_stderr_record_line(record, f_line)
+    _mark_checked(record, True)
+    return record
+
+
+def _load_stdout_stderr_record_item(
+    identity: dict[str, Any], d: Any, path: Path
+) -> StdoutStderrRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_STDOUT_STDERR_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_STDOUT_STDERR_RECORD_ITEM, _KEYS_STDOUT_STDERR_RECORD_ITEM, path)
+    return _build_stdout_stderr_record(identity, d, path)
 
 
 def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
@@ -2563,38 +2748,7 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     f_rank = d["rank"]
     if type(f_rank) is not int or f_rank < 0 or f_rank > 9223372036854775807:
         raise RecordError((*path, "rank"), f"expected integer >= 0, got {describe(f_rank)}")
-    f_timestamp_unix_ns = d["timestamp_unix_ns"]
-    if (
-        type(f_timestamp_unix_ns) is not int
-        or f_timestamp_unix_ns < 0
-        or f_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
-        )
-    f_seq = d["seq"]
-    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
-        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
-    f_source = d["source"]
-    if type(f_source) is not str or f_source not in _ENUM_24:
-        raise RecordError(
-            (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
-        )
-    f_line = d["line"]
-    if type(f_line) is not str:
-        raise RecordError((*path, "line"), f"expected string, got {describe(f_line)}")
-    record: StdoutStderrRecord = _new(StdoutStderrRecord)
-    _set_stdout_stderr_record_stream(record, "stdout_stderr")
-    _set_stdout_stderr_record_schema_version(record, 1)
-    _set_stdout_stderr_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
-    _set_stdout_stderr_record_rank(record, f_rank)
-    _set_stdout_stderr_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
-    _set_stdout_stderr_record_seq(record, f_seq)
-    _set_stdout_stderr_record_source(record, f_source)
-    _set_stdout_stderr_record_line(record, f_line)
-    _mark_checked(record, True)
-    return record
+    return _build_stdout_stderr_record(d, d, path)
 
 
 def _dump_closing_line(r: ClosingLine, include_hostname: bool) -> dict[str, Any]:
@@ -2615,7 +2769,7 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
     if keys != _KEYS_CLOSING_LINE:
         _key_error(keys, _REQUIRED_CLOSING_LINE, _KEYS_CLOSING_LINE, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream not in _ENUM_27:
+    if type(f_stream) is not str or f_stream not in _ENUM_41:
         raise RecordError(
             (*path, "stream"),
             f"expected one of step_time, step_memory, process, system, system_gpu, runtime_environment, stdout_stderr, got {describe(f_stream)}",
@@ -2757,7 +2911,7 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
             (*path, "completed_at"), f"expected string, got {describe(f_completed_at)}"
         )
     f_reason = d["reason"]
-    if type(f_reason) is not str or f_reason not in _ENUM_32:
+    if type(f_reason) is not str or f_reason not in _ENUM_46:
         raise RecordError(
             (*path, "reason"),
             f"expected one of export_incomplete, ranks_disconnected, timeout, got {describe(f_reason)}",
@@ -2897,844 +3051,6 @@ def _load_phase_timing(d: Any, path: Path) -> PhaseTiming:
     _set_phase_timing_gpu_ms(record, f_gpu_ms)
     _set_phase_timing_is_gpu(record, f_is_gpu)
     _set_phase_timing_n_calls(record, f_n_calls)
-    _mark_checked(record, True)
-    return record
-
-
-def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) -> StepTimeRecord:
-    if type(d) is not dict:
-        raise RecordError(path, f"expected object, got {describe(d)}")
-    keys = d.keys()
-    if keys != _KEYS_STEP_TIME_RECORD_ITEM:
-        _key_error(keys, _REQUIRED_STEP_TIME_RECORD_ITEM, _KEYS_STEP_TIME_RECORD_ITEM, path)
-    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
-    f_rank = identity["rank"]
-    f_global_rank = identity["global_rank"]
-    f_local_rank = identity["local_rank"]
-    f_world_size = identity["world_size"]
-    f_local_world_size = identity["local_world_size"]
-    f_node_rank = identity["node_rank"]
-    f_hostname = identity.get("hostname")
-    f_timestamp_unix_ns = d["timestamp_unix_ns"]
-    if (
-        type(f_timestamp_unix_ns) is not int
-        or f_timestamp_unix_ns < 0
-        or f_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
-        )
-    f_seq = d["seq"]
-    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
-        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
-    f_step = d["step"]
-    if type(f_step) is not int or f_step < 1 or f_step > 9223372036854775807:
-        raise RecordError((*path, "step"), f"expected integer >= 1, got {describe(f_step)}")
-    f_events = d["events"]
-    if type(f_events) is not dict or len(f_events) < 1:
-        raise RecordError(
-            (*path, "events"), f"expected object with at least 1 key(s), got {describe(f_events)}"
-        )
-    if "_traceml_internal:step_time" not in f_events:
-        raise RecordError(
-            (*(*path, "events"), "_traceml_internal:step_time"), "required key is missing"
-        )
-    m0: dict[str, dict[str, PhaseTiming]] = {}
-    for k0, v0 in f_events.items():
-        if k0 not in _RESERVED_KEYS_df1b3c6a and k0.startswith("_traceml_internal:"):
-            raise RecordError(
-                (*(*path, "events"), k0),
-                "keys matching ^_traceml_internal: are reserved; expected one of _traceml_internal:backward_time, _traceml_internal:dataloader_next, _traceml_internal:forward_time, _traceml_internal:h2d_time, _traceml_internal:optimizer_step, _traceml_internal:step_time",
-            )
-        if len(k0) < 1:
-            raise RecordError((*(*path, "events"), k0), "invalid key")
-        if type(v0) is not dict or len(v0) < 1:
-            raise RecordError(
-                (*(*path, "events"), k0),
-                f"expected object with at least 1 key(s), got {describe(v0)}",
-            )
-        m1: dict[str, PhaseTiming] = {}
-        for k1, v1 in v0.items():
-            if k1 not in _MATCHED_0 and _no_match(_PATTERN_0, _MATCHED_0, k1):
-                raise RecordError((*(*(*path, "events"), k0), k1), "invalid key")
-            if type(v1) is not dict:
-                raise RecordError(
-                    (*(*(*path, "events"), k0), k1), f"expected object, got {describe(v1)}"
-                )
-            if len(v1) != 5:
-                _key_error(
-                    v1.keys(),
-                    _REQUIRED_PHASE_TIMING,
-                    _KEYS_PHASE_TIMING,
-                    (*(*(*path, "events"), k0), k1),
-                )
-            try:
-                v1_cpu_ms = v1["cpu_ms"]
-                v1_duration_ms = v1["duration_ms"]
-                v1_gpu_ms = v1["gpu_ms"]
-                v1_is_gpu = v1["is_gpu"]
-                v1_n_calls = v1["n_calls"]
-            except KeyError:
-                _key_error(
-                    v1.keys(),
-                    _REQUIRED_PHASE_TIMING,
-                    _KEYS_PHASE_TIMING,
-                    (*(*(*path, "events"), k0), k1),
-                )
-            if type(v1_cpu_ms) is not float:
-                if type(v1_cpu_ms) is int and -(2**63) <= v1_cpu_ms < 2**63:
-                    v1_cpu_ms = float(v1_cpu_ms)
-                else:
-                    raise RecordError(
-                        (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
-                        f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
-                    )
-            if not (0 <= v1_cpu_ms < _INF):
-                raise RecordError(
-                    (*(*(*(*path, "events"), k0), k1), "cpu_ms"),
-                    f"expected finite number >= 0, got {describe(v1_cpu_ms)}",
-                )
-            if type(v1_duration_ms) is not float:
-                if type(v1_duration_ms) is int and -(2**63) <= v1_duration_ms < 2**63:
-                    v1_duration_ms = float(v1_duration_ms)
-                else:
-                    raise RecordError(
-                        (*(*(*(*path, "events"), k0), k1), "duration_ms"),
-                        f"expected finite number >= 0, got {describe(v1_duration_ms)}",
-                    )
-            if not (0 <= v1_duration_ms < _INF):
-                raise RecordError(
-                    (*(*(*(*path, "events"), k0), k1), "duration_ms"),
-                    f"expected finite number >= 0, got {describe(v1_duration_ms)}",
-                )
-            if v1_gpu_ms is not None and type(v1_gpu_ms) is not float:
-                if type(v1_gpu_ms) is int and -(2**63) <= v1_gpu_ms < 2**63:
-                    v1_gpu_ms = float(v1_gpu_ms)
-                else:
-                    raise RecordError(
-                        (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
-                        f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
-                    )
-            if v1_gpu_ms is not None and not (0 <= v1_gpu_ms < _INF):
-                raise RecordError(
-                    (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
-                    f"expected finite number >= 0 or null, got {describe(v1_gpu_ms)}",
-                )
-            if v1_is_gpu is not True and v1_is_gpu is not False:
-                raise RecordError(
-                    (*(*(*(*path, "events"), k0), k1), "is_gpu"),
-                    f"expected boolean, got {describe(v1_is_gpu)}",
-                )
-            if type(v1_n_calls) is not int or v1_n_calls < 1 or v1_n_calls > 9223372036854775807:
-                raise RecordError(
-                    (*(*(*(*path, "events"), k0), k1), "n_calls"),
-                    f"expected integer >= 1, got {describe(v1_n_calls)}",
-                )
-            if v1_is_gpu is True and v1_gpu_ms is None:
-                raise RecordError(
-                    (*(*(*(*path, "events"), k0), k1), "gpu_ms"),
-                    "expected a number when is_gpu is true, got " + describe(v1_gpu_ms),
-                )
-            v1 = _new(PhaseTiming)
-            _set_phase_timing_cpu_ms(v1, v1_cpu_ms)
-            _set_phase_timing_duration_ms(v1, v1_duration_ms)
-            _set_phase_timing_gpu_ms(v1, v1_gpu_ms)
-            _set_phase_timing_is_gpu(v1, v1_is_gpu)
-            _set_phase_timing_n_calls(v1, v1_n_calls)
-            m1[k1] = v1
-        v0 = m1
-        m0[k0] = v0
-    f_events = m0
-    record: StepTimeRecord = _new(StepTimeRecord)
-    _set_step_time_record_stream(record, "step_time")
-    _set_step_time_record_schema_version(record, 1)
-    _set_step_time_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
-    _set_step_time_record_rank(record, f_rank)
-    _set_step_time_record_global_rank(record, f_global_rank)
-    _set_step_time_record_local_rank(record, f_local_rank)
-    _set_step_time_record_world_size(record, f_world_size)
-    _set_step_time_record_local_world_size(record, f_local_world_size)
-    _set_step_time_record_node_rank(record, f_node_rank)
-    _set_step_time_record_hostname(record, f_hostname)
-    _set_step_time_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
-    _set_step_time_record_seq(record, f_seq)
-    _set_step_time_record_step(record, f_step)
-    _set_step_time_record_events(record, f_events)
-    _mark_checked(record, True)
-    return record
-
-
-def _load_step_memory_record_item(identity: dict[str, Any], d: Any, path: Path) -> StepMemoryRecord:
-    if type(d) is not dict:
-        raise RecordError(path, f"expected object, got {describe(d)}")
-    keys = d.keys()
-    if keys != _KEYS_STEP_MEMORY_RECORD_ITEM:
-        _key_error(keys, _REQUIRED_STEP_MEMORY_RECORD_ITEM, _KEYS_STEP_MEMORY_RECORD_ITEM, path)
-    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
-    f_rank = identity["rank"]
-    f_global_rank = identity["global_rank"]
-    f_local_rank = identity["local_rank"]
-    f_world_size = identity["world_size"]
-    f_local_world_size = identity["local_world_size"]
-    f_node_rank = identity["node_rank"]
-    f_hostname = identity.get("hostname")
-    f_timestamp_unix_ns = d["timestamp_unix_ns"]
-    if (
-        type(f_timestamp_unix_ns) is not int
-        or f_timestamp_unix_ns < 0
-        or f_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
-        )
-    f_seq = d["seq"]
-    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
-        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
-    f_step = d["step"]
-    if type(f_step) is not int or f_step < 1 or f_step > 9223372036854775807:
-        raise RecordError((*path, "step"), f"expected integer >= 1, got {describe(f_step)}")
-    f_device = d["device"]
-    if type(f_device) is not str or (
-        f_device not in _MATCHED_0 and _no_match(_PATTERN_0, _MATCHED_0, f_device)
-    ):
-        raise RecordError(
-            (*path, "device"),
-            f"expected string matching ^[a-z]+(:[0-9]+)?$, got {describe(f_device)}",
-        )
-    f_peak_allocated_bytes = d["peak_allocated_bytes"]
-    if f_peak_allocated_bytes is not None and (
-        type(f_peak_allocated_bytes) is not int
-        or f_peak_allocated_bytes < 0
-        or f_peak_allocated_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "peak_allocated_bytes"),
-            f"expected integer >= 0 or null, got {describe(f_peak_allocated_bytes)}",
-        )
-    f_peak_reserved_bytes = d["peak_reserved_bytes"]
-    if f_peak_reserved_bytes is not None and (
-        type(f_peak_reserved_bytes) is not int
-        or f_peak_reserved_bytes < 0
-        or f_peak_reserved_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "peak_reserved_bytes"),
-            f"expected integer >= 0 or null, got {describe(f_peak_reserved_bytes)}",
-        )
-    if f_device == "cpu" and f_peak_allocated_bytes is not None:
-        raise RecordError(
-            (*path, "peak_allocated_bytes"),
-            'expected null when device is "cpu", got ' + describe(f_peak_allocated_bytes),
-        )
-    if f_device == "cpu" and f_peak_reserved_bytes is not None:
-        raise RecordError(
-            (*path, "peak_reserved_bytes"),
-            'expected null when device is "cpu", got ' + describe(f_peak_reserved_bytes),
-        )
-    record: StepMemoryRecord = _new(StepMemoryRecord)
-    _set_step_memory_record_stream(record, "step_memory")
-    _set_step_memory_record_schema_version(record, 1)
-    _set_step_memory_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
-    _set_step_memory_record_rank(record, f_rank)
-    _set_step_memory_record_global_rank(record, f_global_rank)
-    _set_step_memory_record_local_rank(record, f_local_rank)
-    _set_step_memory_record_world_size(record, f_world_size)
-    _set_step_memory_record_local_world_size(record, f_local_world_size)
-    _set_step_memory_record_node_rank(record, f_node_rank)
-    _set_step_memory_record_hostname(record, f_hostname)
-    _set_step_memory_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
-    _set_step_memory_record_seq(record, f_seq)
-    _set_step_memory_record_step(record, f_step)
-    _set_step_memory_record_device(record, f_device)
-    _set_step_memory_record_peak_allocated_bytes(record, f_peak_allocated_bytes)
-    _set_step_memory_record_peak_reserved_bytes(record, f_peak_reserved_bytes)
-    _mark_checked(record, True)
-    return record
-
-
-def _load_process_record_item(identity: dict[str, Any], d: Any, path: Path) -> ProcessRecord:
-    if type(d) is not dict:
-        raise RecordError(path, f"expected object, got {describe(d)}")
-    keys = d.keys()
-    if not (_REQUIRED_PROCESS_RECORD_ITEM <= keys <= _KEYS_PROCESS_RECORD_ITEM):
-        _key_error(keys, _REQUIRED_PROCESS_RECORD_ITEM, _KEYS_PROCESS_RECORD_ITEM, path)
-    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
-    f_rank = identity["rank"]
-    f_global_rank = identity["global_rank"]
-    f_local_rank = identity["local_rank"]
-    f_world_size = identity["world_size"]
-    f_local_world_size = identity["local_world_size"]
-    f_node_rank = identity["node_rank"]
-    f_hostname = identity.get("hostname")
-    f_timestamp_unix_ns = d["timestamp_unix_ns"]
-    if (
-        type(f_timestamp_unix_ns) is not int
-        or f_timestamp_unix_ns < 0
-        or f_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
-        )
-    f_seq = d["seq"]
-    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
-        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
-    f_pid = identity["pid"]
-    f_cpu_percent = d["cpu_percent"]
-    if type(f_cpu_percent) is not float:
-        if type(f_cpu_percent) is int and -(2**63) <= f_cpu_percent < 2**63:
-            f_cpu_percent = float(f_cpu_percent)
-        else:
-            raise RecordError(
-                (*path, "cpu_percent"),
-                f"expected finite number >= 0, got {describe(f_cpu_percent)}",
-            )
-    if not (0 <= f_cpu_percent < _INF):
-        raise RecordError(
-            (*path, "cpu_percent"), f"expected finite number >= 0, got {describe(f_cpu_percent)}"
-        )
-    f_cpu_logical_cores = d["cpu_logical_cores"]
-    if f_cpu_logical_cores is not None and (
-        type(f_cpu_logical_cores) is not int
-        or f_cpu_logical_cores < 1
-        or f_cpu_logical_cores > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "cpu_logical_cores"),
-            f"expected integer >= 1 or null, got {describe(f_cpu_logical_cores)}",
-        )
-    f_ram_used_bytes = d["ram_used_bytes"]
-    if (
-        type(f_ram_used_bytes) is not int
-        or f_ram_used_bytes < 0
-        or f_ram_used_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "ram_used_bytes"), f"expected integer >= 0, got {describe(f_ram_used_bytes)}"
-        )
-    f_ram_total_bytes = d["ram_total_bytes"]
-    if f_ram_total_bytes is not None and (
-        type(f_ram_total_bytes) is not int
-        or f_ram_total_bytes < 0
-        or f_ram_total_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "ram_total_bytes"),
-            f"expected integer >= 0 or null, got {describe(f_ram_total_bytes)}",
-        )
-    f_gpu_available = d["gpu_available"]
-    if f_gpu_available is not None and f_gpu_available is not True and f_gpu_available is not False:
-        raise RecordError(
-            (*path, "gpu_available"), f"expected boolean or null, got {describe(f_gpu_available)}"
-        )
-    f_gpu_count = d["gpu_count"]
-    if f_gpu_count is not None and (
-        type(f_gpu_count) is not int or f_gpu_count < 0 or f_gpu_count > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "gpu_count"), f"expected integer >= 0 or null, got {describe(f_gpu_count)}"
-        )
-    f_gpu_device_index = d["gpu_device_index"]
-    if f_gpu_device_index is not None and (
-        type(f_gpu_device_index) is not int
-        or f_gpu_device_index < 0
-        or f_gpu_device_index > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "gpu_device_index"),
-            f"expected integer >= 0 or null, got {describe(f_gpu_device_index)}",
-        )
-    f_gpu_memory_used_bytes = d["gpu_memory_used_bytes"]
-    if f_gpu_memory_used_bytes is not None and (
-        type(f_gpu_memory_used_bytes) is not int
-        or f_gpu_memory_used_bytes < 0
-        or f_gpu_memory_used_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "gpu_memory_used_bytes"),
-            f"expected integer >= 0 or null, got {describe(f_gpu_memory_used_bytes)}",
-        )
-    f_gpu_memory_reserved_bytes = d["gpu_memory_reserved_bytes"]
-    if f_gpu_memory_reserved_bytes is not None and (
-        type(f_gpu_memory_reserved_bytes) is not int
-        or f_gpu_memory_reserved_bytes < 0
-        or f_gpu_memory_reserved_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "gpu_memory_reserved_bytes"),
-            f"expected integer >= 0 or null, got {describe(f_gpu_memory_reserved_bytes)}",
-        )
-    f_gpu_memory_total_bytes = d["gpu_memory_total_bytes"]
-    if f_gpu_memory_total_bytes is not None and (
-        type(f_gpu_memory_total_bytes) is not int
-        or f_gpu_memory_total_bytes < 0
-        or f_gpu_memory_total_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "gpu_memory_total_bytes"),
-            f"expected integer >= 0 or null, got {describe(f_gpu_memory_total_bytes)}",
-        )
-    f_gpu_uuid = d.get("gpu_uuid")
-    if f_gpu_uuid is not None and (type(f_gpu_uuid) is not str or len(f_gpu_uuid) < 1):
-        raise RecordError(
-            (*path, "gpu_uuid"),
-            f"expected string of length >= 1 or null, got {describe(f_gpu_uuid)}",
-        )
-    if f_gpu_available is not True and f_gpu_count is not None:
-        raise RecordError(
-            (*path, "gpu_count"),
-            "expected null unless gpu_available is true, got " + describe(f_gpu_count),
-        )
-    if f_gpu_available is not True and f_gpu_device_index is not None:
-        raise RecordError(
-            (*path, "gpu_device_index"),
-            "expected null unless gpu_available is true, got " + describe(f_gpu_device_index),
-        )
-    if f_gpu_available is not True and f_gpu_memory_used_bytes is not None:
-        raise RecordError(
-            (*path, "gpu_memory_used_bytes"),
-            "expected null unless gpu_available is true, got " + describe(f_gpu_memory_used_bytes),
-        )
-    if f_gpu_available is not True and f_gpu_memory_reserved_bytes is not None:
-        raise RecordError(
-            (*path, "gpu_memory_reserved_bytes"),
-            "expected null unless gpu_available is true, got "
-            + describe(f_gpu_memory_reserved_bytes),
-        )
-    if f_gpu_available is not True and f_gpu_memory_total_bytes is not None:
-        raise RecordError(
-            (*path, "gpu_memory_total_bytes"),
-            "expected null unless gpu_available is true, got " + describe(f_gpu_memory_total_bytes),
-        )
-    record: ProcessRecord = _new(ProcessRecord)
-    _set_process_record_stream(record, "process")
-    _set_process_record_schema_version(record, 1)
-    _set_process_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
-    _set_process_record_rank(record, f_rank)
-    _set_process_record_global_rank(record, f_global_rank)
-    _set_process_record_local_rank(record, f_local_rank)
-    _set_process_record_world_size(record, f_world_size)
-    _set_process_record_local_world_size(record, f_local_world_size)
-    _set_process_record_node_rank(record, f_node_rank)
-    _set_process_record_hostname(record, f_hostname)
-    _set_process_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
-    _set_process_record_seq(record, f_seq)
-    _set_process_record_pid(record, f_pid)
-    _set_process_record_cpu_percent(record, f_cpu_percent)
-    _set_process_record_cpu_logical_cores(record, f_cpu_logical_cores)
-    _set_process_record_ram_used_bytes(record, f_ram_used_bytes)
-    _set_process_record_ram_total_bytes(record, f_ram_total_bytes)
-    _set_process_record_gpu_available(record, f_gpu_available)
-    _set_process_record_gpu_count(record, f_gpu_count)
-    _set_process_record_gpu_device_index(record, f_gpu_device_index)
-    _set_process_record_gpu_memory_used_bytes(record, f_gpu_memory_used_bytes)
-    _set_process_record_gpu_memory_reserved_bytes(record, f_gpu_memory_reserved_bytes)
-    _set_process_record_gpu_memory_total_bytes(record, f_gpu_memory_total_bytes)
-    _set_process_record_gpu_uuid(record, f_gpu_uuid)
-    _mark_checked(record, True)
-    return record
-
-
-def _load_system_record_item(identity: dict[str, Any], d: Any, path: Path) -> SystemRecord:
-    if type(d) is not dict:
-        raise RecordError(path, f"expected object, got {describe(d)}")
-    keys = d.keys()
-    if keys != _KEYS_SYSTEM_RECORD_ITEM:
-        _key_error(keys, _REQUIRED_SYSTEM_RECORD_ITEM, _KEYS_SYSTEM_RECORD_ITEM, path)
-    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
-    f_rank = identity["rank"]
-    f_global_rank = identity["global_rank"]
-    f_local_rank = identity["local_rank"]
-    f_world_size = identity["world_size"]
-    f_local_world_size = identity["local_world_size"]
-    f_node_rank = identity["node_rank"]
-    f_hostname = identity.get("hostname")
-    f_timestamp_unix_ns = d["timestamp_unix_ns"]
-    if (
-        type(f_timestamp_unix_ns) is not int
-        or f_timestamp_unix_ns < 0
-        or f_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
-        )
-    f_seq = d["seq"]
-    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
-        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
-    f_cpu_percent = d["cpu_percent"]
-    if type(f_cpu_percent) is not float:
-        if type(f_cpu_percent) is int and -(2**63) <= f_cpu_percent < 2**63:
-            f_cpu_percent = float(f_cpu_percent)
-        else:
-            raise RecordError(
-                (*path, "cpu_percent"),
-                f"expected finite number in [0, 100], got {describe(f_cpu_percent)}",
-            )
-    if not (0 <= f_cpu_percent <= 100):
-        raise RecordError(
-            (*path, "cpu_percent"),
-            f"expected finite number in [0, 100], got {describe(f_cpu_percent)}",
-        )
-    f_ram_used_bytes = d["ram_used_bytes"]
-    if (
-        type(f_ram_used_bytes) is not int
-        or f_ram_used_bytes < 0
-        or f_ram_used_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "ram_used_bytes"), f"expected integer >= 0, got {describe(f_ram_used_bytes)}"
-        )
-    f_ram_total_bytes = d["ram_total_bytes"]
-    if (
-        type(f_ram_total_bytes) is not int
-        or f_ram_total_bytes < 0
-        or f_ram_total_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "ram_total_bytes"), f"expected integer >= 0, got {describe(f_ram_total_bytes)}"
-        )
-    f_gpu_available = d["gpu_available"]
-    if f_gpu_available is not True and f_gpu_available is not False:
-        raise RecordError(
-            (*path, "gpu_available"), f"expected boolean, got {describe(f_gpu_available)}"
-        )
-    f_gpu_count = d["gpu_count"]
-    if type(f_gpu_count) is not int or f_gpu_count < 0 or f_gpu_count > 9223372036854775807:
-        raise RecordError(
-            (*path, "gpu_count"), f"expected integer >= 0, got {describe(f_gpu_count)}"
-        )
-    if f_local_rank != 0:
-        raise RecordError((*path, "local_rank"), "expected 0, got " + describe(f_local_rank))
-    if f_gpu_available is False and f_gpu_count != 0:
-        raise RecordError(
-            (*path, "gpu_count"),
-            "expected 0 when gpu_available is false, got " + describe(f_gpu_count),
-        )
-    record: SystemRecord = _new(SystemRecord)
-    _set_system_record_stream(record, "system")
-    _set_system_record_schema_version(record, 1)
-    _set_system_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
-    _set_system_record_rank(record, f_rank)
-    _set_system_record_global_rank(record, f_global_rank)
-    _set_system_record_local_rank(record, f_local_rank)
-    _set_system_record_world_size(record, f_world_size)
-    _set_system_record_local_world_size(record, f_local_world_size)
-    _set_system_record_node_rank(record, f_node_rank)
-    _set_system_record_hostname(record, f_hostname)
-    _set_system_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
-    _set_system_record_seq(record, f_seq)
-    _set_system_record_cpu_percent(record, f_cpu_percent)
-    _set_system_record_ram_used_bytes(record, f_ram_used_bytes)
-    _set_system_record_ram_total_bytes(record, f_ram_total_bytes)
-    _set_system_record_gpu_available(record, f_gpu_available)
-    _set_system_record_gpu_count(record, f_gpu_count)
-    _mark_checked(record, True)
-    return record
-
-
-def _load_system_gpu_record_item(identity: dict[str, Any], d: Any, path: Path) -> SystemGpuRecord:
-    if type(d) is not dict:
-        raise RecordError(path, f"expected object, got {describe(d)}")
-    keys = d.keys()
-    if not (_REQUIRED_SYSTEM_GPU_RECORD_ITEM <= keys <= _KEYS_SYSTEM_GPU_RECORD_ITEM):
-        _key_error(keys, _REQUIRED_SYSTEM_GPU_RECORD_ITEM, _KEYS_SYSTEM_GPU_RECORD_ITEM, path)
-    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
-    f_rank = identity["rank"]
-    f_global_rank = identity["global_rank"]
-    f_local_rank = identity["local_rank"]
-    f_world_size = identity["world_size"]
-    f_local_world_size = identity["local_world_size"]
-    f_node_rank = identity["node_rank"]
-    f_hostname = identity.get("hostname")
-    f_timestamp_unix_ns = d["timestamp_unix_ns"]
-    if (
-        type(f_timestamp_unix_ns) is not int
-        or f_timestamp_unix_ns < 0
-        or f_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
-        )
-    f_seq = d["seq"]
-    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
-        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
-    f_gpu_index = d["gpu_index"]
-    if type(f_gpu_index) is not int or f_gpu_index < 0 or f_gpu_index > 9223372036854775807:
-        raise RecordError(
-            (*path, "gpu_index"), f"expected integer >= 0, got {describe(f_gpu_index)}"
-        )
-    f_utilization_percent = d["utilization_percent"]
-    if f_utilization_percent is not None and type(f_utilization_percent) is not float:
-        if type(f_utilization_percent) is int and -(2**63) <= f_utilization_percent < 2**63:
-            f_utilization_percent = float(f_utilization_percent)
-        else:
-            raise RecordError(
-                (*path, "utilization_percent"),
-                f"expected finite number in [0, 100] or null, got {describe(f_utilization_percent)}",
-            )
-    if f_utilization_percent is not None and not (0 <= f_utilization_percent <= 100):
-        raise RecordError(
-            (*path, "utilization_percent"),
-            f"expected finite number in [0, 100] or null, got {describe(f_utilization_percent)}",
-        )
-    f_memory_used_bytes = d["memory_used_bytes"]
-    if f_memory_used_bytes is not None and (
-        type(f_memory_used_bytes) is not int
-        or f_memory_used_bytes < 0
-        or f_memory_used_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "memory_used_bytes"),
-            f"expected integer >= 0 or null, got {describe(f_memory_used_bytes)}",
-        )
-    f_memory_total_bytes = d["memory_total_bytes"]
-    if f_memory_total_bytes is not None and (
-        type(f_memory_total_bytes) is not int
-        or f_memory_total_bytes < 0
-        or f_memory_total_bytes > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "memory_total_bytes"),
-            f"expected integer >= 0 or null, got {describe(f_memory_total_bytes)}",
-        )
-    f_temperature_c = d["temperature_c"]
-    if f_temperature_c is not None and type(f_temperature_c) is not float:
-        if type(f_temperature_c) is int and -(2**63) <= f_temperature_c < 2**63:
-            f_temperature_c = float(f_temperature_c)
-        else:
-            raise RecordError(
-                (*path, "temperature_c"),
-                f"expected finite number or null, got {describe(f_temperature_c)}",
-            )
-    if f_temperature_c is not None and not (-_INF < f_temperature_c < _INF):
-        raise RecordError(
-            (*path, "temperature_c"),
-            f"expected finite number or null, got {describe(f_temperature_c)}",
-        )
-    f_power_usage_w = d["power_usage_w"]
-    if f_power_usage_w is not None and type(f_power_usage_w) is not float:
-        if type(f_power_usage_w) is int and -(2**63) <= f_power_usage_w < 2**63:
-            f_power_usage_w = float(f_power_usage_w)
-        else:
-            raise RecordError(
-                (*path, "power_usage_w"),
-                f"expected finite number >= 0 or null, got {describe(f_power_usage_w)}",
-            )
-    if f_power_usage_w is not None and not (0 <= f_power_usage_w < _INF):
-        raise RecordError(
-            (*path, "power_usage_w"),
-            f"expected finite number >= 0 or null, got {describe(f_power_usage_w)}",
-        )
-    f_power_limit_w = d["power_limit_w"]
-    if f_power_limit_w is not None and type(f_power_limit_w) is not float:
-        if type(f_power_limit_w) is int and -(2**63) <= f_power_limit_w < 2**63:
-            f_power_limit_w = float(f_power_limit_w)
-        else:
-            raise RecordError(
-                (*path, "power_limit_w"),
-                f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
-            )
-    if f_power_limit_w is not None and not (0 <= f_power_limit_w < _INF):
-        raise RecordError(
-            (*path, "power_limit_w"),
-            f"expected finite number >= 0 or null, got {describe(f_power_limit_w)}",
-        )
-    f_gpu_uuid = d.get("gpu_uuid")
-    if f_gpu_uuid is not None and (type(f_gpu_uuid) is not str or len(f_gpu_uuid) < 1):
-        raise RecordError(
-            (*path, "gpu_uuid"),
-            f"expected string of length >= 1 or null, got {describe(f_gpu_uuid)}",
-        )
-    if f_local_rank != 0:
-        raise RecordError((*path, "local_rank"), "expected 0, got " + describe(f_local_rank))
-    record: SystemGpuRecord = _new(SystemGpuRecord)
-    _set_system_gpu_record_stream(record, "system_gpu")
-    _set_system_gpu_record_schema_version(record, 1)
-    _set_system_gpu_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
-    _set_system_gpu_record_rank(record, f_rank)
-    _set_system_gpu_record_global_rank(record, f_global_rank)
-    _set_system_gpu_record_local_rank(record, f_local_rank)
-    _set_system_gpu_record_world_size(record, f_world_size)
-    _set_system_gpu_record_local_world_size(record, f_local_world_size)
-    _set_system_gpu_record_node_rank(record, f_node_rank)
-    _set_system_gpu_record_hostname(record, f_hostname)
-    _set_system_gpu_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
-    _set_system_gpu_record_seq(record, f_seq)
-    _set_system_gpu_record_gpu_index(record, f_gpu_index)
-    _set_system_gpu_record_utilization_percent(record, f_utilization_percent)
-    _set_system_gpu_record_memory_used_bytes(record, f_memory_used_bytes)
-    _set_system_gpu_record_memory_total_bytes(record, f_memory_total_bytes)
-    _set_system_gpu_record_temperature_c(record, f_temperature_c)
-    _set_system_gpu_record_power_usage_w(record, f_power_usage_w)
-    _set_system_gpu_record_power_limit_w(record, f_power_limit_w)
-    _set_system_gpu_record_gpu_uuid(record, f_gpu_uuid)
-    _mark_checked(record, True)
-    return record
-
-
-def _load_runtime_environment_record_item(
-    identity: dict[str, Any], d: Any, path: Path
-) -> RuntimeEnvironmentRecord:
-    if type(d) is not dict:
-        raise RecordError(path, f"expected object, got {describe(d)}")
-    keys = d.keys()
-    if keys != _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM:
-        _key_error(
-            keys,
-            _REQUIRED_RUNTIME_ENVIRONMENT_RECORD_ITEM,
-            _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM,
-            path,
-        )
-    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
-    f_rank = identity["rank"]
-    f_global_rank = identity["global_rank"]
-    f_local_rank = identity["local_rank"]
-    f_world_size = identity["world_size"]
-    f_local_world_size = identity["local_world_size"]
-    f_node_rank = identity["node_rank"]
-    f_hostname = identity.get("hostname")
-    f_timestamp_unix_ns = d["timestamp_unix_ns"]
-    if (
-        type(f_timestamp_unix_ns) is not int
-        or f_timestamp_unix_ns < 0
-        or f_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
-        )
-    f_seq = d["seq"]
-    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
-        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
-    f_pid = identity["pid"]
-    f_topology = d["topology"]
-    if type(f_topology) is not str or f_topology not in _ENUM_18:
-        raise RecordError(
-            (*path, "topology"),
-            f"expected one of single_process, single_node_multi_process, multi_node, got {describe(f_topology)}",
-        )
-    f_distributed_initialized = d["distributed_initialized"]
-    if f_distributed_initialized is not True and f_distributed_initialized is not False:
-        raise RecordError(
-            (*path, "distributed_initialized"),
-            f"expected boolean, got {describe(f_distributed_initialized)}",
-        )
-    f_distributed_backend = d["distributed_backend"]
-    if f_distributed_backend is not None and (type(f_distributed_backend) is not str):
-        raise RecordError(
-            (*path, "distributed_backend"),
-            f"expected string or null, got {describe(f_distributed_backend)}",
-        )
-    f_training_strategy = d["training_strategy"]
-    if type(f_training_strategy) is not str or f_training_strategy not in _ENUM_19:
-        raise RecordError(
-            (*path, "training_strategy"),
-            f"expected one of single_process, ddp, fsdp, deepspeed, distributed_unknown, unknown, got {describe(f_training_strategy)}",
-        )
-    f_strategy_source = d["strategy_source"]
-    if type(f_strategy_source) is not str or f_strategy_source not in _ENUM_20:
-        raise RecordError(
-            (*path, "strategy_source"),
-            f"expected one of runtime_model, runtime_distributed, topology, unknown, got {describe(f_strategy_source)}",
-        )
-    f_strategy_confidence = d["strategy_confidence"]
-    if type(f_strategy_confidence) is not str or f_strategy_confidence not in _ENUM_21:
-        raise RecordError(
-            (*path, "strategy_confidence"),
-            f"expected one of high, low, got {describe(f_strategy_confidence)}",
-        )
-    f_torch_version = d["torch_version"]
-    if f_torch_version is not None and (type(f_torch_version) is not str):
-        raise RecordError(
-            (*path, "torch_version"), f"expected string or null, got {describe(f_torch_version)}"
-        )
-    f_python_version = d["python_version"]
-    if type(f_python_version) is not str:
-        raise RecordError(
-            (*path, "python_version"), f"expected string, got {describe(f_python_version)}"
-        )
-    if f_distributed_initialized is True and f_distributed_backend is None:
-        raise RecordError(
-            (*path, "distributed_backend"),
-            "expected a string when distributed_initialized is true, got "
-            + describe(f_distributed_backend),
-        )
-    if f_distributed_initialized is not True and f_distributed_backend is not None:
-        raise RecordError(
-            (*path, "distributed_backend"),
-            "expected null unless distributed_initialized is true, got "
-            + describe(f_distributed_backend),
-        )
-    record: RuntimeEnvironmentRecord = _new(RuntimeEnvironmentRecord)
-    _set_runtime_environment_record_stream(record, "runtime_environment")
-    _set_runtime_environment_record_schema_version(record, 1)
-    _set_runtime_environment_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
-    _set_runtime_environment_record_rank(record, f_rank)
-    _set_runtime_environment_record_global_rank(record, f_global_rank)
-    _set_runtime_environment_record_local_rank(record, f_local_rank)
-    _set_runtime_environment_record_world_size(record, f_world_size)
-    _set_runtime_environment_record_local_world_size(record, f_local_world_size)
-    _set_runtime_environment_record_node_rank(record, f_node_rank)
-    _set_runtime_environment_record_hostname(record, f_hostname)
-    _set_runtime_environment_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
-    _set_runtime_environment_record_seq(record, f_seq)
-    _set_runtime_environment_record_pid(record, f_pid)
-    _set_runtime_environment_record_topology(record, f_topology)
-    _set_runtime_environment_record_distributed_initialized(record, f_distributed_initialized)
-    _set_runtime_environment_record_distributed_backend(record, f_distributed_backend)
-    _set_runtime_environment_record_training_strategy(record, f_training_strategy)
-    _set_runtime_environment_record_strategy_source(record, f_strategy_source)
-    _set_runtime_environment_record_strategy_confidence(record, f_strategy_confidence)
-    _set_runtime_environment_record_torch_version(record, f_torch_version)
-    _set_runtime_environment_record_python_version(record, f_python_version)
-    _mark_checked(record, True)
-    return record
-
-
-def _load_stdout_stderr_record_item(
-    identity: dict[str, Any], d: Any, path: Path
-) -> StdoutStderrRecord:
-    if type(d) is not dict:
-        raise RecordError(path, f"expected object, got {describe(d)}")
-    keys = d.keys()
-    if keys != _KEYS_STDOUT_STDERR_RECORD_ITEM:
-        _key_error(keys, _REQUIRED_STDOUT_STDERR_RECORD_ITEM, _KEYS_STDOUT_STDERR_RECORD_ITEM, path)
-    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
-    f_rank = identity["rank"]
-    f_timestamp_unix_ns = d["timestamp_unix_ns"]
-    if (
-        type(f_timestamp_unix_ns) is not int
-        or f_timestamp_unix_ns < 0
-        or f_timestamp_unix_ns > 9223372036854775807
-    ):
-        raise RecordError(
-            (*path, "timestamp_unix_ns"),
-            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
-        )
-    f_seq = d["seq"]
-    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
-        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
-    f_source = d["source"]
-    if type(f_source) is not str or f_source not in _ENUM_24:
-        raise RecordError(
-            (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
-        )
-    f_line = d["line"]
-    if type(f_line) is not str:
-        raise RecordError((*path, "line"), f"expected string, got {describe(f_line)}")
-    record: StdoutStderrRecord = _new(StdoutStderrRecord)
-    _set_stdout_stderr_record_stream(record, "stdout_stderr")
-    _set_stdout_stderr_record_schema_version(record, 1)
-    _set_stdout_stderr_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
-    _set_stdout_stderr_record_rank(record, f_rank)
-    _set_stdout_stderr_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
-    _set_stdout_stderr_record_seq(record, f_seq)
-    _set_stdout_stderr_record_source(record, f_source)
-    _set_stdout_stderr_record_line(record, f_line)
     _mark_checked(record, True)
     return record
 
