@@ -7,6 +7,13 @@ A callback of its own takes the time at the end of every optimizer update; write
 ``{"durations": [...], "cpu": [...]}`` to argv[1]: wall seconds and training-thread
 CPU seconds between consecutive update ends.
 argv[2]: optimizer updates.
+
+argv[3] ``paired`` (bench/overhead_frameworks.py's default mode): TraceML's benchmark
+switch ``traceml_ai.integrations._common.ALTERNATE`` makes every other update untraced,
+and the clock is the start of each update (``Trainer.get_batch_samples``, which fetches
+its batches, wrapped on this trainer), so each interval holds one whole update: its
+DataLoader fetch, every callback, and TraceML's begin and end of it. Adds
+``"traced"``: per interval, whether TraceML's hooks were on at its start.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import itertools
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,8 +65,33 @@ class UpdateClock(TrainerCallback):
         self.cpu_ends.append(time.thread_time())
 
 
+class FetchClock:
+    """The time at the start of each update (its batch fetch), and whether TraceML
+    traces it."""
+
+    def __init__(self, fetch: Callable[..., Any]) -> None:
+        from traceml_ai.rank import _timing
+
+        self._active = _timing.active
+        self._fetch = fetch
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []
+        self.traced: list[bool] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.thread_time())
+        self.traced.append(self._active() is not None)
+        return self._fetch(*args, **kwargs)
+
+
 def main() -> None:
     out_path, steps = sys.argv[1], int(sys.argv[2])
+    paired = len(sys.argv) > 3 and sys.argv[3] == "paired"
+    if paired:
+        from traceml_ai.integrations import _common
+
+        _common.ALTERNATE = True
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = GPT2Config(
@@ -82,11 +115,24 @@ def main() -> None:
             dataloader_num_workers=0,
         ),
         train_dataset=RandomTokens(4096, 32, config.vocab_size),
-        callbacks=[clock],
+        callbacks=[] if paired else [clock],
     )
+    if paired:
+        fetch = FetchClock(trainer.get_batch_samples)
+        # An instance attribute: the training loop's `self.get_batch_samples(...)`
+        # finds it first.
+        trainer.get_batch_samples = fetch  # type: ignore[method-assign]
     trainer.train()
     with open(out_path, "wb") as f:
-        f.write(orjson.dumps({"durations": _gaps(clock.ends), "cpu": _gaps(clock.cpu_ends)}))
+        if paired:
+            result = {
+                "durations": _gaps(fetch.ends),
+                "cpu": _gaps(fetch.cpu_ends),
+                "traced": fetch.traced[:-1],
+            }
+        else:
+            result = {"durations": _gaps(clock.ends), "cpu": _gaps(clock.cpu_ends)}
+        f.write(orjson.dumps(result))
 
 
 def _gaps(ends: list[float]) -> list[float]:

@@ -7,6 +7,13 @@ callback of its own takes the time at the end of every training batch; writes
 ``{"durations": [...], "cpu": [...]}`` to argv[1]: wall seconds and training-thread
 CPU seconds between consecutive batch ends.
 argv[2]: optimizer updates.
+
+argv[3] ``paired`` (bench/overhead_frameworks.py's default mode): TraceML's benchmark
+switch ``traceml_ai.integrations._common.ALTERNATE`` makes every other update untraced,
+and the clock is the start of each training batch (the epoch loop's ``advance``,
+wrapped on this trainer outside TraceML's own wraps, so each interval holds one whole
+update: its DataLoader fetch, every hook, and TraceML's begin and end of it). Adds
+``"traced"``: per interval, whether TraceML's hooks were on at its start.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -54,8 +62,32 @@ class BatchClock(pl.Callback):
         self.cpu_ends.append(time.thread_time())
 
 
+class AdvanceClock:
+    """The time at the start of each training batch, and whether TraceML traces it."""
+
+    def __init__(self, advance: Callable[..., Any]) -> None:
+        from traceml_ai.rank import _timing
+
+        self._active = _timing.active
+        self._advance = advance
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []
+        self.traced: list[bool] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.thread_time())
+        self.traced.append(self._active() is not None)
+        return self._advance(*args, **kwargs)
+
+
 def main() -> None:
     out_path, steps = sys.argv[1], int(sys.argv[2])
+    paired = len(sys.argv) > 3 and sys.argv[3] == "paired"
+    if paired:
+        from traceml_ai.integrations import _common
+
+        _common.ALTERNATE = True
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x = torch.randn(8192, 32, generator=torch.Generator().manual_seed(0))
@@ -70,11 +102,24 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[clock],
+        callbacks=[] if paired else [clock],
     )
+    if paired:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        advance = AdvanceClock(epoch_loop.advance)
+        # An instance attribute: the loop's `self.advance(...)` finds it first.
+        epoch_loop.advance = advance  # type: ignore[method-assign]
     trainer.fit(Regressor(), loader)
     with open(out_path, "wb") as f:
-        f.write(orjson.dumps({"durations": _gaps(clock.ends), "cpu": _gaps(clock.cpu_ends)}))
+        if paired:
+            result = {
+                "durations": _gaps(advance.ends),
+                "cpu": _gaps(advance.cpu_ends),
+                "traced": advance.traced[:-1],
+            }
+        else:
+            result = {"durations": _gaps(clock.ends), "cpu": _gaps(clock.cpu_ends)}
+        f.write(orjson.dumps(result))
 
 
 def _gaps(ends: list[float]) -> list[float]:

@@ -10,11 +10,18 @@ A small LightningModule trains on random data. Each run checks several things:
 - zero code with the ``pytorch_lightning`` package, the user's ``training_step``
   raises: the exception propagates unchanged and the run is finalized;
 - explicit callback imported before Lightning, automatic attach on: the trainer
-  keeps that one callback; a hook failure is reported once and training continues.
+  keeps that one callback; a hook failure is reported once and training continues;
+- zero code is no callback: Lightning's loop methods are wrapped once per process
+  (two trainers, two fits), a fit that raised leaves the next fit traced, a fault in
+  the integration's own code is reported once and training continues;
+- the benchmark switch ``_common.ALTERNATE``: every other update traced;
+- in this process (no ``traceml run``): importing the integration wraps nothing, and
+  the wraps install once and come off again.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -109,6 +116,8 @@ trainer.fit(model, loader(64, 0), loader(12, 1))
 trainer.validate(model, loader(12, 1), verbose=False)
 trainer.predict(model, loader(8, 2))
 sys.stdout.write(f"TRAINED {'traceml_ai' in sys.modules}\\n")  # one write per line
+callback_names = sorted(type(c).__name__ for c in trainer.callbacks)
+sys.stdout.write(f"TRACEML_CALLBACKS {[n for n in callback_names if 'TraceML' in n]}\\n")
 """
     + ddp_teardown("trainer", "model")
 )
@@ -228,3 +237,114 @@ def test_explicit_callback_hook_fault(tmp_path: Path) -> None:
     (lines,) = steps_by_rank(tmp_path).values()
     assert [line["step"] for line in lines] == [1, 2]
     assert_all_streams_closed(tmp_path)
+
+
+# Zero code, several fits in one process: the first raises inside fit() at its 2nd
+# update (caught by the script), the second runs 3 updates on a new trainer, then a
+# fault is injected into the integration's own code during a third fit.
+REFIT = (
+    COMMON
+    + """
+from traceml_ai.integrations import _common
+
+if os.environ.get("ALTERNATE") == "1":
+    _common.ALTERNATE = True
+    make_trainer(1, 6, num_sanity_val_steps=0).fit(Model(), loader(64, 0))
+    sys.stdout.write("ALTERNATED\\n")
+    sys.exit(0)
+
+try:
+    make_trainer(1, 6, num_sanity_val_steps=0).fit(Model(fail_at=1), loader(64, 0))
+except KeyError as exc:
+    sys.stdout.write(f"CAUGHT {exc}\\n")
+trainer = make_trainer(1, 3, num_sanity_val_steps=0)
+trainer.fit(Model(), loader(64, 0))
+Automatic = importlib.import_module(pl.__name__ + ".loops.optimization.automatic")._AutomaticOptimization
+run = Automatic.run
+once = run.__traceml_wrapped__ and not getattr(run.__wrapped__, "__traceml_wrapped__", False)
+fit = type(trainer).fit
+once = once and fit.__traceml_wrapped__ and not getattr(fit.__wrapped__, "__traceml_wrapped__", False)
+sys.stdout.write(f"WRAPPED_ONCE {once}\\n")
+
+calls = {"n": 0}
+original_end = _common.StepDriver.end
+def failing_end(self, exc=None):
+    calls["n"] += 1
+    if calls["n"] == 2:
+        raise RuntimeError("injected fault")
+    return original_end(self, exc)
+_common.StepDriver.end = failing_end
+third = make_trainer(1, 4, num_sanity_val_steps=0)
+third.fit(Model(), loader(64, 0))
+sys.stdout.write(f"THIRD {third.global_step}\\n")
+"""
+)
+
+
+def test_zero_code_is_no_callback_and_wraps_once(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
+    res = traceml_run(tmp_path, script, "1", "2", "-1")
+    assert res.returncode == 0, describe(res)
+    assert "TRACEML_CALLBACKS []" in res.stdout, describe(res)
+    (lines,) = steps_by_rank(tmp_path).values()
+    assert [line["step"] for line in lines] == [1, 2]
+
+
+def test_zero_code_refit_after_exception_and_own_fault(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "refit_pl.py", REFIT)
+    res = traceml_run(tmp_path, script)
+    assert res.returncode == 0, describe(res)
+    assert "CAUGHT 'user error at update 2'" in res.stdout, describe(res)
+    assert "WRAPPED_ONCE True" in res.stdout, describe(res)
+    # The third fit trains to its end although the integration failed in it.
+    assert "THIRD 4" in res.stdout, describe(res)
+    assert integration_failures(res.stderr) == [
+        "traceml: the Lightning integration failed in a training batch "
+        "(RuntimeError('injected fault')); TraceML stops tracing this run's steps "
+        "and training continues"
+    ], describe(res)
+    (lines,) = steps_by_rank(tmp_path).values()
+    # First fit: update 1 (update 2 raised: discarded). Second fit: 3 updates. Third
+    # fit: end() raised at its first update (fit's start called it once before); the
+    # guard's clean-up closed that step; nothing is traced after it.
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    for line in lines:
+        assert set(line["events"]) == {STEP, FORWARD, BACKWARD, OPTIMIZER, DATALOADER}, line
+        assert calls(line, FORWARD) == 1 and calls(line, BACKWARD) == 1, line
+    assert_all_streams_closed(tmp_path)
+
+
+def test_alternate_switch_traces_every_other_update(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "alt_pl.py", REFIT)
+    res = traceml_run(tmp_path, script, env={"ALTERNATE": "1"})
+    assert res.returncode == 0, describe(res)
+    assert "ALTERNATED" in res.stdout, describe(res)
+    (lines,) = steps_by_rank(tmp_path).values()
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        # An untraced update's DataLoader fetch is not counted into the next step.
+        assert calls(line, DATALOADER) == 1, line
+        assert calls(line, FORWARD) == 1 and calls(line, OPTIMIZER) == 1, line
+
+
+def test_import_wraps_nothing_and_install_is_once_and_undone() -> None:
+    trainer_module = importlib.import_module("lightning.pytorch.trainer.trainer")
+    automatic = importlib.import_module("lightning.pytorch.loops.optimization.automatic")
+    original_fit = trainer_module.Trainer.__dict__["fit"]
+    original_run = automatic._AutomaticOptimization.__dict__["run"]
+    lightning = importlib.import_module("traceml_ai.integrations.lightning")
+    # Outside `traceml run` nothing is wrapped (only the launcher's bootstrap installs).
+    assert not getattr(original_fit, "__traceml_wrapped__", False)
+    assert not getattr(original_run, "__traceml_wrapped__", False)
+    try:
+        lightning._install("lightning.pytorch")
+        lightning._install("lightning.pytorch")
+        run = automatic._AutomaticOptimization.__dict__["run"]
+        assert run.__traceml_wrapped__ and run.__wrapped__ is original_run
+        assert trainer_module.Trainer.__dict__["fit"].__wrapped__ is original_fit
+        # No traced fit: the wrapper passes straight through.
+        assert lightning._ZERO.trainer is None
+    finally:
+        lightning._uninstall()
+    assert automatic._AutomaticOptimization.__dict__["run"] is original_run
+    assert trainer_module.Trainer.__dict__["fit"] is original_fit

@@ -5,8 +5,10 @@ It runs SCRIPT as ``__main__`` exactly as ``python SCRIPT ARGS...`` would (same
 import hook that attaches TraceML to the training frameworks the script imports:
 
 - ``transformers.Trainer``: ``train()`` gets ``TraceMLTrainerCallback``;
-- ``lightning.pytorch.Trainer`` (and ``pytorch_lightning.Trainer``): every trainer
-  gets ``TraceMLCallback``.
+- ``lightning.pytorch.Trainer`` (and ``pytorch_lightning.Trainer``): the first
+  trainer wraps Lightning's training-batch, backward, optimizer-closure, epoch and
+  evaluation-loop methods and ``Trainer.fit`` once per process
+  (``traceml_ai.integrations.lightning``; no callback, so no per-hook dispatch cost).
 
 A framework is patched only if and when the script imports it, so a script that
 uses neither pays nothing. Only ranks started by ``traceml run`` run this module, so

@@ -18,6 +18,13 @@ from contextlib import AbstractContextManager
 import traceml_ai as traceml
 from traceml_ai.rank._timing import DATALOADER_NEXT, FORWARD, StepTimer, activate, active
 
+ALTERNATE = False
+"""Benchmarks only (``bench/overhead_frameworks.py``): every other optimizer update runs
+untraced, TraceML's hooks off from the end of a traced update to the end of the next
+one, so traced and untraced updates alternate inside one ``train()``/``fit()`` and
+their difference is TraceML's cost, free of the drift between separate runs. A
+module global, read once per update: nothing sets it outside the benchmark."""
+
 
 def say(message: str) -> None:
     """One ``traceml:`` line on stderr."""
@@ -46,16 +53,23 @@ class HookGuard:
         try:
             fn()
         except Exception as exc:
+            self.fail(hook, exc)
+
+    def fail(self, hook: str, exc: Exception) -> None:
+        """What :meth:`run` does when its ``fn`` raised ``exc``: for hot paths that catch
+        their own exceptions rather than pay for a closure per call."""
+        self.errors += 1
+        if self.failed:
+            return
+        self.failed = True
+        say(
+            f"the {self.framework} integration failed in {hook} ({exc!r}); TraceML "
+            "stops tracing this run's steps and training continues"
+        )
+        try:
+            self._on_failure()
+        except Exception:
             self.errors += 1
-            self.failed = True
-            say(
-                f"the {self.framework} integration failed in {hook} ({exc!r}); TraceML "
-                "stops tracing this run's steps and training continues"
-            )
-            try:
-                self._on_failure()
-            except Exception:
-                self.errors += 1
 
 
 class StepDriver:
@@ -65,6 +79,11 @@ class StepDriver:
         self._step: AbstractContextManager[None] | None = None
         self._paused: StepTimer | None = None
         self._atexit = False
+        # ALTERNATE (benchmarks): the current update runs untraced; the timer that
+        # the end of the last traced update took off, for the end of this one.
+        self._untraced = False
+        self._skip_next = False
+        self._alternate_paused: StepTimer | None = None
 
     def start(self) -> None:
         """Training begins: start TraceML (no-op when running, off or disabled) and close
@@ -78,12 +97,15 @@ class StepDriver:
 
     @property
     def open(self) -> bool:
-        """Whether a step is open."""
-        return self._step is not None
+        """Whether a step is open (or, with ``ALTERNATE``, an untraced update runs)."""
+        return self._step is not None or self._untraced
 
     def begin(self, model: object | None) -> None:
         """Open a step (auto-initializes TraceML under ``traceml run``); nothing if one is open."""
-        if self._step is not None:
+        if self._step is not None or self._untraced:
+            return
+        if self._skip_next and ALTERNATE:
+            self._untraced = True
             return
         step = traceml.trace_step(model)
         step.__enter__()
@@ -101,6 +123,9 @@ class StepDriver:
         ``exc`` is the exception that ended training inside it: the step then ends as
         ``with trace_step(...)`` ends when its body raises.
         """
+        if self._untraced:
+            self._end_untraced()
+            return
         step = self._step
         if step is None:
             return
@@ -109,6 +134,21 @@ class StepDriver:
             step.__exit__(None, None, None)
         else:
             step.__exit__(type(exc), exc, exc.__traceback__)
+        if ALTERNATE:
+            # The next update (its DataLoader fetch included) runs with the hooks off.
+            self._skip_next = True
+            timer = active()
+            if timer is not None:
+                self._alternate_paused = timer
+                activate(None)
+
+    def _end_untraced(self) -> None:
+        self._untraced = False
+        self._skip_next = False
+        timer = self._alternate_paused
+        self._alternate_paused = None
+        if timer is not None and timer.enabled and active() is None:
+            activate(timer)
 
     def _end_at_exit(self) -> None:
         # A step still open at exit was interrupted by an exception that escaped the
@@ -164,3 +204,5 @@ class StepDriver:
             self.resume()
         finally:
             self.end()
+            if self._alternate_paused is not None:
+                self._end_untraced()

@@ -1,8 +1,10 @@
 """TraceML for PyTorch Lightning: ``TraceMLCallback``.
 
-Under ``traceml run`` nothing needs to change in the script: the launcher adds this
-callback to every ``lightning.pytorch.Trainer`` (and ``pytorch_lightning.Trainer``).
-Launched otherwise (or to be explicit), add it yourself::
+Under ``traceml run`` nothing needs to change in the script: the launcher traces
+every ``lightning.pytorch.Trainer`` (and ``pytorch_lightning.Trainer``) ``fit()``, not
+through a callback but by wrapping a few of Lightning's loop methods once (cheaper:
+see the zero-code section below). Launched otherwise (or to be explicit), add the
+callback yourself::
 
     import lightning.pytorch as pl
     from traceml_ai.integrations.lightning import TraceMLCallback
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from traceml_ai.integrations._common import HookGuard, StepDriver
+from traceml_ai.rank._timing import forward_timed_elsewhere
 
 
 def _callback_base() -> Any:
@@ -171,21 +174,279 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
 
 
 # -- zero-code attach under `traceml run` (traceml_ai._bootstrap) ------------------------
+#
+# Not a callback: Lightning dispatches every hook of every callback through a profiler
+# context (~2 µs each, ~10 hooks a batch), so a callback costs ~10 µs a batch before it
+# does anything, 2 % of a small model's update. Instead, the first Trainer of the
+# process wraps, once per class, the few Lightning methods that bracket the phases:
+#
+# - ``_AutomaticOptimization.run`` / ``_ManualOptimization.run`` (one training batch:
+#   training_step, backward, optimizer step): the step opens before the first batch of
+#   an update and ends after the batch that changed ``trainer.global_step``; forward
+#   opens with the batch;
+# - ``Strategy.backward``: forward ends where backward begins (``on_before_backward``);
+# - ``Precision._after_closure``: the optimizer phase restarts once Lightning's closure
+#   has run forward and backward (``on_before_optimizer_step``);
+# - ``_TrainingEpochLoop.run`` (one epoch): a step never spans two epochs;
+# - ``_EvaluationLoop.run`` / ``_PredictionLoop.run``: hooks off while they run (sanity
+#   check, validation, test, predict are not training steps);
+# - ``Trainer.fit``: starts TraceML, picks the trainer whose batches are traced, and
+#   closes a step left open when ``fit()`` returns or raises.
+#
+# Each wrapper costs a call and a global read when nothing is traced (outside ``fit``,
+# after a failure, or a trainer that carries an explicit TraceMLCallback, which then
+# does the tracing). Only ranks started by ``traceml run`` install them.
 
-_ATTACH_GUARD = HookGuard(FRAMEWORK, lambda: None)
+
+class _ZeroCode:
+    """The zero-code attach's state: one traced ``fit()`` at a time per process."""
+
+    def __init__(self) -> None:
+        self.driver = StepDriver()
+        self.guard = HookGuard(FRAMEWORK, self._abandon)
+        # The trainer whose training batches are traced; None: every wrapper passes through.
+        self.trainer: Any = None
+        self.global_step = 0
+        # The model last seen by batch_start (its forward hooks were decided then).
+        self.model: Any = None
+
+    def _abandon(self) -> None:
+        self.trainer = None
+        self.model = None
+        self.driver.abandon()
+
+    def batch_start(self, trainer: Any) -> None:
+        try:
+            driver = self.driver
+            if not driver.open:
+                # The strategy's model is the DDP wrapper under DDP: its forward runs
+                # the training_step, and it names the strategy in runtime_environment.
+                model = getattr(trainer.strategy, "model", None)
+                if model is None:
+                    model = trainer.lightning_module
+                if model is not self.model:
+                    self.model = model
+                    if getattr(trainer.lightning_module, "automatic_optimization", False):
+                        # The forward phase is bracketed here, from the batch's start to
+                        # backward; hooks on the model would time the training_step a
+                        # second time, nested, and slow every call of it, traced or not.
+                        # (Manual optimization keeps them: forwards after a
+                        # manual_backward are outside the bracket.)
+                        forward_timed_elsewhere(model)
+                driver.begin(model)
+                self.global_step = trainer.global_step
+            driver.open_forward()
+        except Exception as exc:
+            self.guard.fail("a training batch", exc)
+
+    def batch_end(self, trainer: Any) -> None:
+        try:
+            driver = self.driver
+            driver.close_forward()  # a training_step without backward
+            # global_step counts optimizer updates: an accumulating batch leaves it as
+            # it was, and its step stays open for the next batch.
+            if trainer.global_step != self.global_step:
+                driver.end()
+        except Exception as exc:
+            self.guard.fail("a training batch", exc)
+
+    def close(self, where: str, exc: BaseException | None) -> None:
+        """End the open step (as ``with trace_step`` ends when ``exc`` is raised in it)."""
+        try:
+            driver = self.driver
+            driver.resume()
+            driver.close_forward()
+            driver.end(exc)
+        except Exception as error:
+            self.guard.fail(where, error)
 
 
-def _attach(trainer: Any) -> None:
-    callbacks = trainer.callbacks
-    if not any(isinstance(callback, TraceMLCallback) for callback in callbacks):
-        callbacks.append(TraceMLCallback())
+_ZERO = _ZeroCode()
+# (class, attribute, original) of every wrapped method, for _uninstall.
+_WRAPPED: list[tuple[Any, str, Any]] = []
+_INSTALLED: set[str] = set()
+
+
+def _wrap_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        zero = _ZERO
+        trainer = zero.trainer
+        if trainer is None or self.trainer is not trainer:
+            return original(self, *args, **kwargs)
+        zero.batch_start(trainer)
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException as exc:
+            # The user's exception propagates unchanged; the step is discarded.
+            zero.close("a training batch", exc)
+            raise
+        zero.batch_end(trainer)
+        return result
+
+    return run
+
+
+def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        zero = _ZERO
+        if zero.trainer is not None:
+            try:
+                zero.driver.close_forward()
+            except Exception as exc:
+                zero.guard.fail("Strategy.backward", exc)
+        return original(self, *args, **kwargs)
+
+    return backward
+
+
+def _wrap_after_closure(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _after_closure(self: Any, *args: Any, **kwargs: Any) -> Any:
+        zero = _ZERO
+        if zero.trainer is not None:
+            try:
+                zero.driver.restart_optimizer()
+            except Exception as exc:
+                zero.guard.fail("Precision._after_closure", exc)
+        return original(self, *args, **kwargs)
+
+    return _after_closure
+
+
+def _wrap_epoch(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        zero = _ZERO
+        if zero.trainer is not None and self.trainer is zero.trainer:
+            # An epoch whose last batches did not update (manual optimization).
+            zero.close("the end of an epoch", None)
+        return result
+
+    return run
+
+
+def _wrap_evaluation(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = _ZERO.guard
+        if guard.failed:
+            return original(self, *args, **kwargs)
+        # Its own driver: validate()/predict() may run outside fit(); the hooks are off
+        # while it runs, and what was off stays off.
+        driver = StepDriver()
+        guard.run("an evaluation loop", driver.pause)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            guard.run("an evaluation loop", driver.resume)
+
+    return run
+
+
+def _has_explicit_callback(trainer: Any) -> bool:
+    return any(isinstance(c, TraceMLCallback) for c in getattr(trainer, "callbacks", ()))
+
+
+def _wrap_fit(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        zero = _ZERO
+        previous = zero.trainer
+        traced = False
+        if not zero.guard.failed:
+            try:
+                # A trainer given TraceMLCallback is traced by that callback alone.
+                traced = not _has_explicit_callback(self)
+                if traced:
+                    zero.driver.start()
+            except Exception as exc:
+                traced = False
+                zero.guard.fail("Trainer.fit", exc)
+        zero.trainer = self if traced else None
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException as exc:
+            if traced:
+                zero.close("Trainer.fit", exc)
+            zero.model = None
+            if not zero.guard.failed:
+                zero.trainer = previous
+            raise
+        if traced:
+            zero.close("Trainer.fit", None)
+        zero.model = None
+        if not zero.guard.failed:
+            zero.trainer = previous
+        return result
+
+    return fit
+
+
+def _targets(package: str) -> list[tuple[str, str, str, Callable[..., Any]]]:
+    """(module, class, method, wrapper factory) of what the zero-code attach wraps."""
+    return [
+        (f"{package}.trainer.trainer", "Trainer", "fit", _wrap_fit),
+        (f"{package}.loops.optimization.automatic", "_AutomaticOptimization", "run", _wrap_batch),
+        (f"{package}.loops.optimization.manual", "_ManualOptimization", "run", _wrap_batch),
+        (f"{package}.strategies.strategy", "Strategy", "backward", _wrap_backward),
+        (
+            f"{package}.plugins.precision.precision",
+            "Precision",
+            "_after_closure",
+            _wrap_after_closure,
+        ),
+        (f"{package}.loops.training_epoch_loop", "_TrainingEpochLoop", "run", _wrap_epoch),
+        (f"{package}.loops.evaluation_loop", "_EvaluationLoop", "run", _wrap_evaluation),
+        (f"{package}.loops.prediction_loop", "_PredictionLoop", "run", _wrap_evaluation),
+    ]
+
+
+def _install(package: str) -> None:
+    """Wrap the methods of ``package`` (``lightning.pytorch`` or ``pytorch_lightning``)
+    once per process; all or nothing (a missing class leaves everything unwrapped)."""
+    if package in _INSTALLED:
+        return
+    plan = []
+    for module_name, class_name, method, factory in _targets(package):
+        cls = getattr(importlib.import_module(module_name), class_name)
+        original = cls.__dict__[method]
+        if not callable(original):
+            raise TypeError(f"{module_name}.{class_name}.{method} is not a function")
+        plan.append((cls, method, original, factory))
+    for cls, method, original, factory in plan:
+        wrapper = factory(original)
+        wrapper.__traceml_wrapped__ = True
+        setattr(cls, method, wrapper)
+        _WRAPPED.append((cls, method, original))
+    _INSTALLED.add(package)
+
+
+def _uninstall() -> None:
+    """Restore every wrapped method (tests)."""
+    while _WRAPPED:
+        cls, method, original = _WRAPPED.pop()
+        setattr(cls, method, original)
+    _INSTALLED.clear()
+    _ZERO.trainer = None
+
+
+def _package_of(trainer_module: str) -> str:
+    return trainer_module.removesuffix(".trainer.trainer")
 
 
 def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer.__init__`` under ``traceml run``: the first trainer installs the wraps
+    (Lightning is fully imported by then; the import hook runs while it is not)."""
+    package = _package_of(original.__module__)
+
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        _ATTACH_GUARD.run("Trainer.__init__", lambda: _attach(self))
+        if package not in _INSTALLED and not _ZERO.guard.failed:
+            _ZERO.guard.run("Trainer.__init__", lambda: _install(package))
 
     __init__.__traceml_wrapped__ = True  # type: ignore[attr-defined]
     return __init__
