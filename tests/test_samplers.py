@@ -27,7 +27,7 @@ from traceml_ai.rank.samplers import (
     sampler_interval_from_env,
 )
 from traceml_ai.rank.sink import RecordingSink
-from traceml_ai.testing import FakeNvml
+from traceml_ai.testing import FakeCuda, FakeNvml
 
 WIRE_DOC = Path(__file__).resolve().parents[1] / "docs" / "dev" / "wire-format.md"
 ENV_VARS = (
@@ -69,50 +69,9 @@ def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _sdk._reset_for_tests()
 
 
-class CpuOnlyCuda:
-    """A ``CudaBackend`` fake for a process without a GPU."""
-
-    def __init__(self, available: bool | None = False) -> None:
-        self.available = available
-
-    def is_available(self) -> bool | None:
-        return self.available
-
-    def device_count(self) -> int | None:
-        return None
-
-    def current_device(self) -> int | None:
-        return None
-
-    def device_index_of(self, model: object) -> int | None:
-        return None
-
-    def reset_peak_memory_stats(self, index: int) -> None:
-        pass
-
-    def max_memory_allocated(self, index: int) -> int | None:
-        return None
-
-    def max_memory_reserved(self, index: int) -> int | None:
-        return None
-
-    def memory_allocated(self, index: int) -> int | None:
-        return None
-
-    def memory_reserved(self, index: int) -> int | None:
-        return None
-
-    def total_memory(self, index: int) -> int | None:
-        return None
-
-    def record_event(self, index: int) -> Any:
-        return None
-
-    def release_events(self, index: int, events: list[Any]) -> None:
-        pass
-
-    def device_uuid(self, index: int) -> str | None:
-        return None
+def cpu_only_cuda(available: bool | None = False) -> FakeCuda:
+    """A process without a GPU (``available=None``: CUDA not initialized yet)."""
+    return FakeCuda(devices=0, available=available)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -129,7 +88,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 def test_process_item_matches_the_wire_format() -> None:
     keys, _ = wire_keys("process")
-    sampler = ProcessSampler(CpuOnlyCuda(), lambda: None)
+    sampler = ProcessSampler(cpu_only_cuda(), lambda: None)
     first = sampler.sample()
     second = sampler.sample()
     assert first is not None and second is not None
@@ -148,7 +107,7 @@ def test_process_item_matches_the_wire_format() -> None:
 
 
 def test_process_gpu_fields_stay_null_while_gpu_cannot_be_probed() -> None:
-    item = ProcessSampler(CpuOnlyCuda(available=None), lambda: None).sample()
+    item = ProcessSampler(cpu_only_cuda(available=None), lambda: None).sample()
     assert item is not None
     assert item["gpu_available"] is None
     assert item["gpu_count"] is None and item["gpu_memory_total_bytes"] is None
@@ -283,7 +242,7 @@ def test_local_rank_zero_sends_process_system_and_runtime_items(
     monkeypatch.setenv("TRACEML_SAMPLER_INTERVAL", "0.01")
     sink = RecordingSink()
     nvml = FakeNvml([GpuReading(), GpuReading(utilization_percent=3.0)])
-    traceml.init(sink=sink, nvml_backend=nvml, cuda_backend=CpuOnlyCuda())
+    traceml.init(sink=sink, nvml_backend=nvml, cuda_backend=cpu_only_cuda())
     assert wait_for(lambda: len(sink.items("system")) >= 3)
     traceml.shutdown()
     assert nvml.closed
