@@ -5,6 +5,8 @@ item factory makes what the builder, the reader and the validator all accept."""
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -351,3 +353,9 @@ def test_docs_examples_pass(index: int) -> None:
     for test in tests:
         reset()
         test()
+
+
+def test_importing_the_testing_module_does_not_import_torch() -> None:
+    # A user's exporter tests may run where torch is not installed.
+    code = "import sys, traceml_ai.testing; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
