@@ -206,6 +206,8 @@ def render_wire(schema_set: SchemaSet) -> str:
         w.line(f"        record_class={s.class_name},")
         w.line(f"        from_batch={_tuple(s.wire.from_batch)},")
         w.line(f"        item_keys={_frozenset(keys)},")
+        optional = {f.name for f in own if not f.required}
+        w.line(f"        required_item_keys={_frozenset([k for k in keys if k not in optional])},")
         w.line(f"        string_fields={_tuple(_strings(own))},")
         if fan is not None:
             entry = by_name[fan.stream]
@@ -219,6 +221,8 @@ def render_wire(schema_set: SchemaSet) -> str:
             w.line(f"            shared_fields={_tuple(fan.shared_fields)},")
             w.line(f"            from_batch={_tuple(entry.wire.from_batch)},")
             w.line(f"            entry_keys={_frozenset([f.name for f in entry_fields])},")
+            entry_required = [f.name for f in entry_fields if f.required]
+            w.line(f"            required_entry_keys={_frozenset(entry_required)},")
             w.line(f"            max_entries={fan.max_entries},")
             w.line("        ),")
         w.line("    ),")
@@ -276,7 +280,9 @@ def render_wire_table(schema_set: SchemaSet) -> str:
     lines += made
     lines += [
         "",
-        "Every item key is required. From the batch: `observed_timestamp_unix_ns` is when the "
+        "Ranks send every item key (null where the record omits the field); the aggregator "
+        "also takes items that lack a key of an optional record field (one added after "
+        "release 1). From the batch: `observed_timestamp_unix_ns` is when the "
         "aggregator received it, `rank` is `identity.global_rank`, the others are the identity "
         "fields of the same name (`hostname` only with the exporter's hostname setting). Declared "
         "by each stream schema's `x-traceml-wire`.",

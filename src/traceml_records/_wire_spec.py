@@ -27,7 +27,9 @@ class FanOut:
     from_batch: tuple[str, ...]
     """Fields of each entry's record taken from the batch (see ``WireStream.from_batch``)."""
     entry_keys: frozenset[str]
-    """The keys of one entry."""
+    """The keys of one entry (None where the record omits the field)."""
+    required_entry_keys: frozenset[str]
+    """The keys an entry cannot lack (``entry_keys`` less optional record fields)."""
     max_entries: int
     """Most entries one item may carry; an item with more is skipped."""
 
@@ -46,7 +48,10 @@ class WireStream:
     (when the aggregator received the batch), ``rank`` (the identity's ``global_rank``)
     and the identity fields of the same name (``hostname`` only when asked for)."""
     item_keys: frozenset[str]
-    """The keys of one item (every one required)."""
+    """The keys of one item; the rank sends every one (None where the record omits it)."""
+    required_item_keys: frozenset[str]
+    """The keys an item cannot lack: ``item_keys`` less the record's optional fields
+    (fields added after release 1, which items of older ranks lack)."""
     string_fields: tuple[str, ...]
     """Item fields holding strings, checked against the aggregator's string size limit."""
     fan_out: FanOut | None = None

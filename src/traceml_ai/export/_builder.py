@@ -269,8 +269,13 @@ def _record(
     ``trusted``: a record of the same batch already loaded, so the item loader (which
     takes the identity block as checked) suffices.
     """
-    if type(item) is not dict or item.keys() != plan.wire.item_keys:
+    if type(item) is not dict:
         raise _Skip
+    keys = item.keys()
+    if keys != plan.wire.item_keys and not (
+        plan.wire.required_item_keys <= keys <= plan.wire.item_keys
+    ):
+        raise _Skip  # an older rank's item may lack an optional field
     for name in plan.wire.string_fields:
         value = item[name]
         if type(value) is str and _str_too_big(value):
@@ -319,7 +324,10 @@ def _fan_out(fan: _FanOutPlan, base: dict[str, Any], record: Any, entries: list[
     out: list[Any] = []
     seen: set[tuple[Any, ...]] = set()
     for entry in entries:
-        if type(entry) is not dict or entry.keys() != spec.entry_keys:
+        if type(entry) is not dict:
+            raise _Skip
+        keys = entry.keys()
+        if keys != spec.entry_keys and not (spec.required_entry_keys <= keys <= spec.entry_keys):
             raise _Skip
         d = base.copy()
         d.update(shared)

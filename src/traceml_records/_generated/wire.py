@@ -155,6 +155,7 @@ WIRE_STREAMS: dict[str, WireStream] = {
             "hostname",
         ),
         item_keys=frozenset({"timestamp_unix_ns", "seq", "step", "events"}),
+        required_item_keys=frozenset({"timestamp_unix_ns", "seq", "step", "events"}),
         string_fields=(),
     ),
     "step_memory": WireStream(
@@ -172,6 +173,16 @@ WIRE_STREAMS: dict[str, WireStream] = {
             "hostname",
         ),
         item_keys=frozenset(
+            {
+                "timestamp_unix_ns",
+                "seq",
+                "step",
+                "device",
+                "peak_allocated_bytes",
+                "peak_reserved_bytes",
+            }
+        ),
+        required_item_keys=frozenset(
             {
                 "timestamp_unix_ns",
                 "seq",
@@ -215,6 +226,22 @@ WIRE_STREAMS: dict[str, WireStream] = {
                 "gpu_uuid",
             }
         ),
+        required_item_keys=frozenset(
+            {
+                "timestamp_unix_ns",
+                "seq",
+                "cpu_percent",
+                "cpu_logical_cores",
+                "ram_used_bytes",
+                "ram_total_bytes",
+                "gpu_available",
+                "gpu_count",
+                "gpu_device_index",
+                "gpu_memory_used_bytes",
+                "gpu_memory_reserved_bytes",
+                "gpu_memory_total_bytes",
+            }
+        ),
         string_fields=("gpu_uuid",),
     ),
     "system": WireStream(
@@ -232,6 +259,17 @@ WIRE_STREAMS: dict[str, WireStream] = {
             "hostname",
         ),
         item_keys=frozenset(
+            {
+                "timestamp_unix_ns",
+                "seq",
+                "cpu_percent",
+                "ram_used_bytes",
+                "ram_total_bytes",
+                "gpu_available",
+                "gpus",
+            }
+        ),
+        required_item_keys=frozenset(
             {
                 "timestamp_unix_ns",
                 "seq",
@@ -271,6 +309,17 @@ WIRE_STREAMS: dict[str, WireStream] = {
                     "gpu_uuid",
                 }
             ),
+            required_entry_keys=frozenset(
+                {
+                    "gpu_index",
+                    "utilization_percent",
+                    "memory_used_bytes",
+                    "memory_total_bytes",
+                    "temperature_c",
+                    "power_usage_w",
+                    "power_limit_w",
+                }
+            ),
             max_entries=1024,
         ),
     ),
@@ -303,6 +352,20 @@ WIRE_STREAMS: dict[str, WireStream] = {
                 "python_version",
             }
         ),
+        required_item_keys=frozenset(
+            {
+                "timestamp_unix_ns",
+                "seq",
+                "topology",
+                "distributed_initialized",
+                "distributed_backend",
+                "training_strategy",
+                "strategy_source",
+                "strategy_confidence",
+                "torch_version",
+                "python_version",
+            }
+        ),
         string_fields=(
             "topology",
             "distributed_backend",
@@ -319,6 +382,7 @@ WIRE_STREAMS: dict[str, WireStream] = {
         record_class=StdoutStderrRecord,
         from_batch=("observed_timestamp_unix_ns", "rank"),
         item_keys=frozenset({"timestamp_unix_ns", "seq", "source", "line"}),
+        required_item_keys=frozenset({"timestamp_unix_ns", "seq", "source", "line"}),
         string_fields=("source", "line"),
     ),
 }
