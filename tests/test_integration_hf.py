@@ -10,6 +10,7 @@ transformers is slow, so there are three runs, each checking several things:
 - zero code, 2 ranks (DDP, gloo): one step per update on each rank;
 - zero code, the user's code raises inside ``train()``: it propagates unchanged and
   the run is finalized;
+- the benchmark switch ``_common.ALTERNATE``: every other update traced;
 - explicit callback with the automatic attach off: a hook failure is reported
   once and training continues; evaluation's batches are dropped at ``on_evaluate``;
   the user's exception still propagates.
@@ -244,3 +245,34 @@ def test_explicit_callback_hook_fault_and_user_exception(tmp_path: Path) -> None
     assert 1 <= calls(lines[1], DATALOADER) <= 3, lines[1]
     assert_all_streams_closed(tmp_path)
     assert not (tmp_path / "logs" / "run" / "finalization_warning.json").exists(), describe(res)
+
+
+# The benchmark switch (bench/overhead_frameworks.py): every other update untraced.
+ALTERNATE = (
+    COMMON
+    + """
+from traceml_ai.integrations import _common
+
+_common.ALTERNATE = True
+args = make_args("out", gradient_accumulation_steps=2, max_steps=4)
+Trainer(model=model, args=args, train_dataset=Tokens(64)).train()
+sys.stdout.write("ALTERNATED\\n")
+"""
+)
+
+
+def test_alternate_switch_traces_every_other_update(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "alt_hf.py", ALTERNATE)
+    res = traceml_run(tmp_path, script)
+    assert res.returncode == 0, describe(res)
+    assert "ALTERNATED" in res.stdout, describe(res)
+    assert not integration_failures(res.stderr), describe(res)
+    (lines,) = steps_by_rank(tmp_path).values()
+    # Updates 1 and 3 traced, 2 and 4 not: two steps, numbered on.
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        assert calls(line, FORWARD) == 2 and calls(line, BACKWARD) == 2, line
+        assert calls(line, OPTIMIZER) == 1, line
+        # The untraced update's fetches are not counted into the next traced step.
+        assert 1 <= calls(line, DATALOADER) <= 3, line
+    assert_all_streams_closed(tmp_path)
