@@ -7,7 +7,7 @@ from pathlib import Path
 from codegen._model import load_schemas
 from codegen._render_arrow import render_arrow_tables, render_tables_reference
 from codegen._render_docs import render_reference, render_stream_keys
-from codegen._render_python import render_records, render_registry
+from codegen._render_python import render_plan_header, render_records, render_registry
 from codegen._render_wire import render_wire, render_wire_table, splice_wire_table
 
 PACKAGE = Path("src/traceml_records")
@@ -24,6 +24,7 @@ def generate(root: Path) -> dict[Path, bytes]:
         PACKAGE / "_generated" / "records.py": render_records(schema_set).encode(),
         PACKAGE / "_generated" / "registry.py": render_registry(schema_set).encode(),
         PACKAGE / "_generated" / "wire.py": render_wire(schema_set).encode(),
+        PACKAGE / "_plan_codes.h": render_plan_header().encode(),
         Path("docs/reference/export-records.md"): render_reference(schema_set).encode(),
         Path("docs/reference/stream-keys.md"): render_stream_keys(schema_set).encode(),
         PACKAGE / "_generated" / "tables.py": render_arrow_tables(schema_set).encode(),

@@ -1,8 +1,8 @@
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 def configure(
-    plans: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]],
+    plans: Mapping[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]],
     fallback: Callable[..., bytes],
     orjson_dumps: Callable[[Any], bytes],
     /,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from enum import IntEnum
+from typing import Any, Literal, NamedTuple, cast
 
 import attrs
 
@@ -521,6 +522,50 @@ def is_checked(record: object) -> bool:
 def mark_checked(record: object, checked: bool = True) -> None:
     """Set (or, with ``checked`` false, clear) the mark of a checked record."""
     _mark_checked(record, checked)
+
+
+class Kind(IntEnum):
+    """Value kinds of ENCODER_PLANS (the C encoder's K_* codes, _plan_codes.h)."""
+
+    INTEGER = 0
+    NUMBER = 1
+    BOOLEAN = 2
+    STRING = 3
+    OBJECT = 4
+    MAP = 5
+    ARRAY = 6
+
+
+class Flag(IntEnum):
+    """Field flags of ENCODER_PLANS (the C encoder's F_* codes, _plan_codes.h)."""
+
+    ALWAYS = 0
+    HOSTNAME = 1
+    OMIT_NONE = 2
+
+
+class ValueSpec(NamedTuple):
+    """What the dumpers write and the loaders check of one value, as data for C."""
+
+    kind: Kind
+    nullable: bool
+    sub: Any
+    """OBJECT: its class; MAP: the value spec; ARRAY: the item spec; else None."""
+    minimum: Any
+    """Least value (INTEGER, NUMBER); MAP: least key length."""
+    maximum: Any
+    min_count: int
+    """Least length (STRING), entries (MAP), items (ARRAY)."""
+    allowed: Any
+    """None (any), a set the value must be in (enum, const, the values found to match a pattern; MAP: the keys), or False (only Python can check it)."""
+
+
+class FieldPlan(NamedTuple):
+    """One field of a record class in line order."""
+
+    name: str
+    spec: ValueSpec
+    flag: Flag
 
 
 @attrs.frozen(kw_only=True)
@@ -3113,138 +3158,510 @@ IDENTITY_FIELDS: frozenset[str] = frozenset(
 )
 """Fields of the identity block that ITEM_LOADERS take from ``identity``."""
 
-ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
+ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
     StepTimeRecord: (
-        ("stream", (3, False, None, None, None, 0, frozenset({"step_time"})), 0),
-        ("schema_version", (0, False, None, 1, 1, 0, None), 0),
-        ("observed_timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("global_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("local_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("local_world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("node_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("hostname", (3, True, None, None, None, 0, None), 1),
-        ("timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("seq", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("step", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        (
+        FieldPlan(
+            "stream",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"step_time"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "schema_version", ValueSpec(Kind.INTEGER, False, None, 1, 1, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "observed_timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "global_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "node_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "hostname", ValueSpec(Kind.STRING, True, None, None, None, 0, None), Flag.HOSTNAME
+        ),
+        FieldPlan(
+            "timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "seq",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "step",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
             "events",
-            (
-                5,
+            ValueSpec(
+                Kind.MAP,
                 False,
-                (5, False, (4, False, PhaseTiming, None, None, 0, None), 0, None, 1, _MATCHED_0),
+                ValueSpec(
+                    Kind.MAP,
+                    False,
+                    ValueSpec(Kind.OBJECT, False, PhaseTiming, None, None, 0, None),
+                    0,
+                    None,
+                    1,
+                    _MATCHED_0,
+                ),
                 1,
                 None,
                 1,
                 None,
             ),
-            0,
+            Flag.ALWAYS,
         ),
     ),
     StepMemoryRecord: (
-        ("stream", (3, False, None, None, None, 0, frozenset({"step_memory"})), 0),
-        ("schema_version", (0, False, None, 1, 1, 0, None), 0),
-        ("observed_timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("global_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("local_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("local_world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("node_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("hostname", (3, True, None, None, None, 0, None), 1),
-        ("timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("seq", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("step", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("device", (3, False, None, None, None, 0, _MATCHED_0), 0),
-        ("peak_allocated_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("peak_reserved_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
+        FieldPlan(
+            "stream",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"step_memory"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "schema_version", ValueSpec(Kind.INTEGER, False, None, 1, 1, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "observed_timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "global_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "node_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "hostname", ValueSpec(Kind.STRING, True, None, None, None, 0, None), Flag.HOSTNAME
+        ),
+        FieldPlan(
+            "timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "seq",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "step",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "device", ValueSpec(Kind.STRING, False, None, None, None, 0, _MATCHED_0), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "peak_allocated_bytes",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "peak_reserved_bytes",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
     ),
     ProcessRecord: (
-        ("stream", (3, False, None, None, None, 0, frozenset({"process"})), 0),
-        ("schema_version", (0, False, None, 1, 1, 0, None), 0),
-        ("observed_timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("global_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("local_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("local_world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("node_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("hostname", (3, True, None, None, None, 0, None), 1),
-        ("timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("seq", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("pid", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("cpu_percent", (1, False, None, 0, None, 0, None), 0),
-        ("cpu_logical_cores", (0, True, None, 1, 9223372036854775807, 0, None), 0),
-        ("ram_used_bytes", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("ram_total_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_available", (2, True, None, None, None, 0, None), 0),
-        ("gpu_count", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_device_index", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_memory_used_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_memory_reserved_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_memory_total_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_uuid", (3, False, None, None, None, 1, None), 2),
+        FieldPlan(
+            "stream",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"process"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "schema_version", ValueSpec(Kind.INTEGER, False, None, 1, 1, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "observed_timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "global_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "node_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "hostname", ValueSpec(Kind.STRING, True, None, None, None, 0, None), Flag.HOSTNAME
+        ),
+        FieldPlan(
+            "timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "seq",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "pid",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "cpu_percent", ValueSpec(Kind.NUMBER, False, None, 0, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "cpu_logical_cores",
+            ValueSpec(Kind.INTEGER, True, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "ram_used_bytes",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "ram_total_bytes",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "gpu_available", ValueSpec(Kind.BOOLEAN, True, None, None, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "gpu_count",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "gpu_device_index",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "gpu_memory_used_bytes",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "gpu_memory_reserved_bytes",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "gpu_memory_total_bytes",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "gpu_uuid", ValueSpec(Kind.STRING, False, None, None, None, 1, None), Flag.OMIT_NONE
+        ),
     ),
     SystemRecord: (
-        ("stream", (3, False, None, None, None, 0, frozenset({"system"})), 0),
-        ("schema_version", (0, False, None, 1, 1, 0, None), 0),
-        ("observed_timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("global_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("local_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("local_world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("node_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("hostname", (3, True, None, None, None, 0, None), 1),
-        ("timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("seq", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("cpu_percent", (1, False, None, 0, 100, 0, None), 0),
-        ("ram_used_bytes", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("ram_total_bytes", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_available", (2, False, None, None, None, 0, None), 0),
-        ("gpu_count", (0, False, None, 0, 9223372036854775807, 0, None), 0),
+        FieldPlan(
+            "stream",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"system"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "schema_version", ValueSpec(Kind.INTEGER, False, None, 1, 1, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "observed_timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "global_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "node_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "hostname", ValueSpec(Kind.STRING, True, None, None, None, 0, None), Flag.HOSTNAME
+        ),
+        FieldPlan(
+            "timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "seq",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan("cpu_percent", ValueSpec(Kind.NUMBER, False, None, 0, 100, 0, None), Flag.ALWAYS),
+        FieldPlan(
+            "ram_used_bytes",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "ram_total_bytes",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "gpu_available", ValueSpec(Kind.BOOLEAN, False, None, None, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "gpu_count",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
     ),
     SystemGpuRecord: (
-        ("stream", (3, False, None, None, None, 0, frozenset({"system_gpu"})), 0),
-        ("schema_version", (0, False, None, 1, 1, 0, None), 0),
-        ("observed_timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("global_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("local_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("local_world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("node_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("hostname", (3, True, None, None, None, 0, None), 1),
-        ("timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("seq", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("gpu_index", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("utilization_percent", (1, True, None, 0, 100, 0, None), 0),
-        ("memory_used_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("memory_total_bytes", (0, True, None, 0, 9223372036854775807, 0, None), 0),
-        ("temperature_c", (1, True, None, None, None, 0, None), 0),
-        ("power_usage_w", (1, True, None, 0, None, 0, None), 0),
-        ("power_limit_w", (1, True, None, 0, None, 0, None), 0),
-        ("gpu_uuid", (3, False, None, None, None, 1, None), 2),
+        FieldPlan(
+            "stream",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"system_gpu"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "schema_version", ValueSpec(Kind.INTEGER, False, None, 1, 1, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "observed_timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "global_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "node_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "hostname", ValueSpec(Kind.STRING, True, None, None, None, 0, None), Flag.HOSTNAME
+        ),
+        FieldPlan(
+            "timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "seq",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "gpu_index",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "utilization_percent", ValueSpec(Kind.NUMBER, True, None, 0, 100, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "memory_used_bytes",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "memory_total_bytes",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "temperature_c", ValueSpec(Kind.NUMBER, True, None, None, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "power_usage_w", ValueSpec(Kind.NUMBER, True, None, 0, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "power_limit_w", ValueSpec(Kind.NUMBER, True, None, 0, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "gpu_uuid", ValueSpec(Kind.STRING, False, None, None, None, 1, None), Flag.OMIT_NONE
+        ),
     ),
     RuntimeEnvironmentRecord: (
-        ("stream", (3, False, None, None, None, 0, frozenset({"runtime_environment"})), 0),
-        ("schema_version", (0, False, None, 1, 1, 0, None), 0),
-        ("observed_timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("global_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("local_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("local_world_size", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        ("node_rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("hostname", (3, True, None, None, None, 0, None), 1),
-        ("timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("seq", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("pid", (0, False, None, 1, 9223372036854775807, 0, None), 0),
-        (
+        FieldPlan(
+            "stream",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"runtime_environment"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "schema_version", ValueSpec(Kind.INTEGER, False, None, 1, 1, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "observed_timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "global_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "node_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "hostname", ValueSpec(Kind.STRING, True, None, None, None, 0, None), Flag.HOSTNAME
+        ),
+        FieldPlan(
+            "timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "seq",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "pid",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
             "topology",
-            (
-                3,
+            ValueSpec(
+                Kind.STRING,
                 False,
                 None,
                 None,
@@ -3252,14 +3669,22 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
                 0,
                 frozenset({"single_process", "single_node_multi_process", "multi_node"}),
             ),
-            0,
+            Flag.ALWAYS,
         ),
-        ("distributed_initialized", (2, False, None, None, None, 0, None), 0),
-        ("distributed_backend", (3, True, None, None, None, 0, None), 0),
-        (
+        FieldPlan(
+            "distributed_initialized",
+            ValueSpec(Kind.BOOLEAN, False, None, None, None, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "distributed_backend",
+            ValueSpec(Kind.STRING, True, None, None, None, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
             "training_strategy",
-            (
-                3,
+            ValueSpec(
+                Kind.STRING,
                 False,
                 None,
                 None,
@@ -3269,12 +3694,12 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
                     {"single_process", "ddp", "fsdp", "deepspeed", "distributed_unknown", "unknown"}
                 ),
             ),
-            0,
+            Flag.ALWAYS,
         ),
-        (
+        FieldPlan(
             "strategy_source",
-            (
-                3,
+            ValueSpec(
+                Kind.STRING,
                 False,
                 None,
                 None,
@@ -3282,27 +3707,61 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
                 0,
                 frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"}),
             ),
-            0,
+            Flag.ALWAYS,
         ),
-        ("strategy_confidence", (3, False, None, None, None, 0, frozenset({"high", "low"})), 0),
-        ("torch_version", (3, True, None, None, None, 0, None), 0),
-        ("python_version", (3, False, None, None, None, 0, None), 0),
+        FieldPlan(
+            "strategy_confidence",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"high", "low"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "torch_version", ValueSpec(Kind.STRING, True, None, None, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "python_version", ValueSpec(Kind.STRING, False, None, None, None, 0, None), Flag.ALWAYS
+        ),
     ),
     StdoutStderrRecord: (
-        ("stream", (3, False, None, None, None, 0, frozenset({"stdout_stderr"})), 0),
-        ("schema_version", (0, False, None, 1, 1, 0, None), 0),
-        ("observed_timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("rank", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("timestamp_unix_ns", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("seq", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("source", (3, False, None, None, None, 0, frozenset({"stdout", "stderr"})), 0),
-        ("line", (3, False, None, None, None, 0, None), 0),
+        FieldPlan(
+            "stream",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"stdout_stderr"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "schema_version", ValueSpec(Kind.INTEGER, False, None, 1, 1, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "observed_timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "seq",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "source",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"stdout", "stderr"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan("line", ValueSpec(Kind.STRING, False, None, None, None, 0, None), Flag.ALWAYS),
     ),
     ClosingLine: (
-        (
+        FieldPlan(
             "stream",
-            (
-                3,
+            ValueSpec(
+                Kind.STRING,
                 False,
                 None,
                 None,
@@ -3320,27 +3779,67 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
                     }
                 ),
             ),
-            0,
+            Flag.ALWAYS,
         ),
-        ("closing", (2, False, None, None, None, 0, frozenset({True})), 0),
-        ("schema_version", (0, False, None, 1, 1, 0, None), 0),
-        ("written_records", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("dropped_batches", (0, False, None, 0, 9223372036854775807, 0, None), 0),
+        FieldPlan(
+            "closing",
+            ValueSpec(Kind.BOOLEAN, False, None, None, None, 0, frozenset({True})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "schema_version", ValueSpec(Kind.INTEGER, False, None, 1, 1, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "written_records",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "dropped_batches",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
     ),
     ExportLoss: (
-        ("written_records", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("dropped_batches", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("failed_records", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("skipped_items", (0, False, None, 0, 9223372036854775807, 0, None), 0),
-        ("exporter_failed", (2, False, None, None, None, 0, None), 0),
+        FieldPlan(
+            "written_records",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "dropped_batches",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "failed_records",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "skipped_items",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "exporter_failed",
+            ValueSpec(Kind.BOOLEAN, False, None, None, None, 0, None),
+            Flag.ALWAYS,
+        ),
     ),
     FinalizationWarning: (
-        ("status", (3, False, None, None, None, 0, frozenset({"warning"})), 0),
-        ("completed_at", (3, False, None, None, None, 0, False), 0),
-        (
+        FieldPlan(
+            "status",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"warning"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "completed_at", ValueSpec(Kind.STRING, False, None, None, None, 0, False), Flag.ALWAYS
+        ),
+        FieldPlan(
             "reason",
-            (
-                3,
+            ValueSpec(
+                Kind.STRING,
                 False,
                 None,
                 None,
@@ -3348,31 +3847,59 @@ ENCODER_PLANS: dict[type[Any], tuple[tuple[str, tuple[Any, ...], int], ...]] = {
                 0,
                 frozenset({"export_incomplete", "ranks_disconnected", "timeout"}),
             ),
-            0,
+            Flag.ALWAYS,
         ),
-        ("message", (3, False, None, None, None, 1, None), 0),
-        ("expected_world_size", (0, False, None, 1, 9223372036854775807, 0, None), 2),
-        (
+        FieldPlan("message", ValueSpec(Kind.STRING, False, None, None, None, 1, None), Flag.ALWAYS),
+        FieldPlan(
+            "expected_world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.OMIT_NONE,
+        ),
+        FieldPlan(
             "finished_ranks",
-            (6, False, (0, False, None, 0, 9223372036854775807, 0, None), None, None, 0, False),
-            2,
+            ValueSpec(
+                Kind.ARRAY,
+                False,
+                ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+                None,
+                None,
+                0,
+                False,
+            ),
+            Flag.OMIT_NONE,
         ),
-        (
+        FieldPlan(
             "missing_ranks",
-            (6, False, (0, False, None, 0, 9223372036854775807, 0, None), None, None, 1, False),
-            2,
+            ValueSpec(
+                Kind.ARRAY,
+                False,
+                ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+                None,
+                None,
+                1,
+                False,
+            ),
+            Flag.OMIT_NONE,
         ),
-        ("export", (4, False, ExportLoss, None, None, 0, None), 2),
+        FieldPlan(
+            "export", ValueSpec(Kind.OBJECT, False, ExportLoss, None, None, 0, None), Flag.OMIT_NONE
+        ),
     ),
     PhaseTiming: (
-        ("cpu_ms", (1, False, None, 0, None, 0, None), 0),
-        ("duration_ms", (1, False, None, 0, None, 0, None), 0),
-        ("gpu_ms", (1, True, None, 0, None, 0, None), 0),
-        ("is_gpu", (2, False, None, None, None, 0, None), 0),
-        ("n_calls", (0, False, None, 1, 9223372036854775807, 0, None), 0),
+        FieldPlan("cpu_ms", ValueSpec(Kind.NUMBER, False, None, 0, None, 0, None), Flag.ALWAYS),
+        FieldPlan(
+            "duration_ms", ValueSpec(Kind.NUMBER, False, None, 0, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan("gpu_ms", ValueSpec(Kind.NUMBER, True, None, 0, None, 0, None), Flag.ALWAYS),
+        FieldPlan("is_gpu", ValueSpec(Kind.BOOLEAN, False, None, None, None, 0, None), Flag.ALWAYS),
+        FieldPlan(
+            "n_calls",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
     ),
 }
-"""Record class → its fields in line order as ``(name, spec, flag)``: what DUMPERS write and LOADERS check, as data for the C encoder (traceml_records/_speedups.c). spec: ``(kind, nullable, sub, minimum, maximum, min_count, allowed)``; kinds: 0 integer, 1 number, 2 boolean, 3 string, 4 object (sub: its class), 5 map (sub: value spec; minimum: least key length; allowed: keys), 6 array (sub: item spec); min_count: least length/entries/items; allowed: None (any), a set the value must be in (enum, const, or the values found to match a pattern), or False (only Python can check it). Flags: 0 always, 1 hostname (only when asked for), 2 omitted when None."""
+"""Record class → its fields in line order: what DUMPERS write and LOADERS check, as data for the C encoder (traceml_records/_speedups.c reads the named tuples by position; its codes come from the same table, in _plan_codes.h)."""
 
 MAP_KEY_RULES: dict[tuple[type[Any], str], tuple[tuple[str, ...], str | None, frozenset[str]]] = {
     (StepTimeRecord, "events"): (
