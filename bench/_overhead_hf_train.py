@@ -1,6 +1,6 @@
 """Training script of bench/overhead_frameworks.py: a Hugging Face ``Trainer`` run.
 
-It knows nothing about TraceML (the bench runs it under ``traceml run``, with the
+Unpaired, it knows nothing about TraceML (the bench runs it under ``traceml run``, with the
 zero-code attach on or off). The model is examples/hf_trainer.py's: a 2-layer GPT-2
 built from a config, trained on random tokens on one CPU thread, no evaluation.
 A callback of its own takes the time at the end of every optimizer update; writes

@@ -1,6 +1,6 @@
 """Training script of bench/overhead_frameworks.py: a PyTorch Lightning ``fit``.
 
-It knows nothing about TraceML (the bench runs it under ``traceml run``, with the
+Unpaired, it knows nothing about TraceML (the bench runs it under ``traceml run``, with the
 zero-code attach on or off). The model is examples/lightning_fit.py's small MLP on
 random data, one CPU thread, no validation, one batch per optimizer update. A
 callback of its own takes the time at the end of every training batch; writes
