@@ -10,16 +10,57 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+import traceml_records
 
 # tests/strategies.py is imported as a plain module by the test files.
 sys.path.insert(0, str(Path(__file__).parent))
 
 settings.register_profile(
-    "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci",
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
-    "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 _default = "ci" if os.environ.get("CI") or os.environ.get("FAST") else "thorough"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
+
+
+# -- both encoders -------------------------------------------------------------------
+
+
+@pytest.fixture(params=["c", "python"])
+def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the C encoder (``_speedups``) and again with the pure-Python one.
+
+    The pure-Python run is what ``TRACEML_PURE_PYTHON=1`` gives at import: no C
+    ``dumps_line``, no item encoder (so builders asked for encoded lines build records),
+    patched wherever a module took the names at import. A suite opts in with
+    ``pytestmark = pytest.mark.usefixtures("encoder")``; the parity files keep only the
+    C encoder's own edge cases.
+    """
+    from traceml_ai.export import _builder, _jsonl
+    from traceml_ai.testing import _capture
+    from traceml_records import _codec
+
+    if request.param == "c":
+        if not _codec.SPEEDUPS:
+            pytest.skip("traceml_records._speedups is not built")
+        return "c"
+    pure = _codec._py_dumps_line
+    monkeypatch.setattr(_codec, "_c_dumps_line", None)
+    monkeypatch.setattr(_codec, "encode_items", None)
+    monkeypatch.setattr(_codec, "SPEEDUPS", False)
+    monkeypatch.setattr(_builder, "encode_items", None)
+    for module in (_codec, traceml_records, _jsonl, _capture):
+        if hasattr(module, "dumps_line"):
+            monkeypatch.setattr(module, "dumps_line", pure)
+    return "python"

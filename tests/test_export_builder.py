@@ -43,6 +43,9 @@ from traceml_records import (
 )
 from traceml_records._generated.records import DUMPERS, LOADERS
 
+# Every test runs with the C encoder and with the pure-Python one (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("encoder")
+
 ITEM_MAKERS: dict[str, Callable[[int], dict[str, Any]]] = {
     "step_time": lambda i: step_time_item(seq=i, step=i + 1),
     "step_memory": lambda i: step_memory_item(seq=i, step=i + 1, device="cuda:1"),
@@ -81,6 +84,7 @@ def build_one(stream: str, item: Any, streams: tuple[str, ...] = ALL_FILE_STREAM
 def test_every_stream_item_becomes_a_valid_record(
     stream: str, record_class: type[Any], include_hostname: bool
 ) -> None:
+
     builder = RecordBuilder(ALL_FILE_STREAMS, include_hostname=include_hostname)
     items = [ITEM_MAKERS[stream](i) for i in range(5)]
     result = builder.build(batch(stream, items))

@@ -46,6 +46,9 @@ from traceml_records import (
     StepTimeRecord,
 )
 
+# Every test runs with the C encoder and with the pure-Python one (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("encoder")
+
 ALL_STREAMS = tuple(spec.name for spec in STREAMS)
 
 STEP_TIME_KEYS = [
