@@ -1,9 +1,8 @@
 """Exporter factories and wire-batch makers shared by the export tests.
 
-Factories are named by ``module:factory`` values, in process
-(``custom_exporters:make_exporter`` or ``tests.custom_exporters:make_exporter``) and
-through the real CLI (``traceml run --exporter tests.custom_exporters:make_exporter``
-from the repository root). ``make_exporter`` writes what it receives under the run
+Factories are named by ``module:factory`` values, in process and through the real CLI
+(``traceml run --exporter tests.custom_exporters:make_exporter``, with the repository
+root on ``sys.path``). ``make_exporter`` writes what it receives under the run
 folder, so a test can check it after the aggregator process is gone.
 """
 
@@ -94,7 +93,7 @@ def make_memory_exporter(context: ExportContext) -> InMemoryExporter:
 
 
 NOT_CALLABLE = 42
-"""``custom_exporters:NOT_CALLABLE`` names something that is not a factory."""
+"""``tests.custom_exporters:NOT_CALLABLE`` names something that is not a factory."""
 
 
 def raising_factory(context: ExportContext) -> Any:

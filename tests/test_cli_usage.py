@@ -17,7 +17,8 @@ from typing import Any
 
 import orjson
 import pytest
-from e2e_helpers import REPO, clean_env, free_port, run_cli
+
+from tests.e2e_helpers import REPO, clean_env, free_port, run_cli
 
 PROBE = r"""
 import json, os, sys

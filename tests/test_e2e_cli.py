@@ -19,7 +19,8 @@ from pathlib import Path
 import orjson
 import psutil
 import pytest
-from e2e_helpers import (
+
+from tests.e2e_helpers import (
     ALL_FILES,
     INTERNAL_PHASES,
     PY,
@@ -40,7 +41,6 @@ from e2e_helpers import (
     wait_for,
     warning_file,
 )
-
 from traceml_records import SELECTION_NAMES, loads_line
 
 ALL_JSONL = {f"{s}.jsonl" for s in ALL_FILES}

@@ -11,7 +11,8 @@ from typing import Any
 
 import orjson
 import pytest
-from custom_exporters import (
+
+from tests.custom_exporters import (
     HangingExporter,
     RaisingExporter,
     batch,
@@ -20,7 +21,6 @@ from custom_exporters import (
     step_time_item,
     system_item,
 )
-
 from traceml_ai.export import (
     ExportStats,
     ExportWorker,

@@ -20,13 +20,13 @@ from typing import Any
 
 import attrs
 import pytest
-from custom_exporters import (
+
+from tests.custom_exporters import (
     batch,
     process_item,
     step_memory_item,
     step_time_item,
 )
-
 from traceml_ai.export import (
     EncodedLines,
     ExportContext,
@@ -289,7 +289,7 @@ def test_the_pipeline_picks_the_mode_from_the_declaration(tmp_path: Path) -> Non
 
 def test_an_exporter_that_cannot_start_counts_every_record_as_failed(tmp_path: Path) -> None:
     messages: list[str] = []
-    settings = ExportSettings(exporter="custom_exporters:raising_factory")
+    settings = ExportSettings(exporter="tests.custom_exporters:raising_factory")
     pipeline = start_export(settings, tmp_path, report=messages.append)
     assert pipeline is not None and pipeline.failure is not None
     assert pipeline.worker.export_input == "records"

@@ -22,7 +22,8 @@ from typing import Any
 
 import orjson
 import pytest
-from e2e_helpers import (
+
+from tests.e2e_helpers import (
     TRAIN,
     clean_env,
     closing_line,
@@ -32,7 +33,6 @@ from e2e_helpers import (
     traceml_cmd,
     warning_file,
 )
-
 from traceml_ai.transport import AggregatorServer
 from traceml_ai.transport import server as server_module
 from traceml_ai.wire import (

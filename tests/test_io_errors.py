@@ -22,8 +22,8 @@ from typing import Any
 
 import orjson
 import pytest
-from e2e_helpers import PY, clean_env
 
+from tests.e2e_helpers import PY, clean_env
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
 from traceml_ai.export import _finalize
 from traceml_ai.export._finalize import WarningWriteError

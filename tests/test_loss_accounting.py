@@ -20,7 +20,8 @@ from typing import Any
 import orjson
 import psutil
 import pytest
-from e2e_helpers import (
+
+from tests.e2e_helpers import (
     clean_env,
     closing_line,
     data_lines,
@@ -31,7 +32,6 @@ from e2e_helpers import (
     wait_for,
     warning_file,
 )
-
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
 from traceml_ai.transport.sender import RankSender

@@ -24,11 +24,10 @@ import ray.train
 from ray.train import RunConfig, ScalingConfig
 
 import traceml_ai as traceml
+from tests.e2e_helpers import REPO
 from traceml_ai.integrations.ray import ACTOR_NAME_PREFIX, TraceMLRayConfig, TraceMLTorchTrainer
 from traceml_records import read_jsonl, validate_paths
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parent
 STEPS = 4
 NUM_WORKERS = 2
 
@@ -83,9 +82,9 @@ def ray_cluster() -> Iterator[None]:
         runtime_env={
             "env_vars": {
                 **CONTRADICTING_ENV,
-                # Ray Train's controller unpickles the loops of this module by name,
-                # and the aggregator actor imports custom_exporters.
-                "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT)]),
+                # Ray Train's controller unpickles the loops of this module by name
+                # (tests.<...>), and the aggregator actor imports tests.custom_exporters.
+                "PYTHONPATH": str(REPO),
             }
         },
     )
@@ -338,9 +337,9 @@ def test_failing_loop_reraises_and_finalizes_with_hostnames(
 def test_custom_exporter_receives_records(
     ray_cluster: None, driver_env: Path, tmp_path: Path
 ) -> None:
-    # tests/custom_exporters.py; Ray gives the actor the driver's sys.path.
+    # tests/custom_exporters.py, found through the PYTHONPATH the cluster fixture sets.
     config = TraceMLRayConfig(
-        exporter="custom_exporters:make_exporter",
+        exporter="tests.custom_exporters:make_exporter",
         export_streams="step_time,process",
         logs_dir="runs",
         session_id="custom",

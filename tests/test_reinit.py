@@ -9,7 +9,9 @@ import textwrap
 from pathlib import Path
 
 import orjson
-from e2e_helpers import (
+
+import traceml_ai as traceml
+from tests.e2e_helpers import (
     clean_env,
     data_lines,
     export_dir,
@@ -17,8 +19,6 @@ from e2e_helpers import (
     traceml_cmd,
     warning_file,
 )
-
-import traceml_ai as traceml
 from traceml_ai.rank import _sdk
 
 _REINIT_SCRIPT = textwrap.dedent(

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import NetnsUnavailable, Node, kill_processes, two_nodes
 
+from tests.netns import NetnsUnavailable, Node, kill_processes, two_nodes
 from traceml_records import validate_paths
 
 ROOT = Path(__file__).resolve().parent.parent
