@@ -19,9 +19,10 @@ import pytest
 import torch
 
 import traceml_ai as traceml
-from tests.test_rank_sdk import ENV_VARS, FakeCuda, make_loader, make_model, step_items
+from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
 from traceml_ai.rank import _sdk, _timing, _wrappers
 from traceml_ai.rank.sink import RecordingSink
+from traceml_ai.testing import FakeCuda
 
 FWD, BWD, OPT, DL, STEP, H2D = (
     "_traceml_internal:forward_time",

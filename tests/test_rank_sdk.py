@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import traceml_ai as traceml
+from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
 from traceml_ai.rank import _sdk, _timing
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.rank.runtime_env import model_strategy, runtime_environment_fields, topology_of
@@ -62,17 +63,6 @@ def wire_keys(stream: str) -> tuple[set[str], list[str]]:
 STEP_TIME_KEYS, TIMING_KEYS = wire_keys("step_time")
 STEP_MEMORY_KEYS, _ = wire_keys("step_memory")
 RUNTIME_ENV_KEYS, _ = wire_keys("runtime_environment")
-ENV_VARS = (
-    "TRACEML_AGGREGATOR_ADDR",
-    "TRACEML_RUN_TOKEN",
-    "TRACEML_SAMPLER_INTERVAL",
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "NODE_RANK",
-)
 
 
 @pytest.fixture(autouse=True)
@@ -82,19 +72,6 @@ def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _sdk._reset_for_tests()
     yield
     _sdk._reset_for_tests()
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-
-
-def make_loader(steps: int, batch: int = 4) -> DataLoader[Any]:
-    torch.manual_seed(1)
-    return DataLoader(
-        TensorDataset(torch.randn(steps * batch, 8), torch.randn(steps * batch, 1)),
-        batch_size=batch,
-    )
 
 
 def train(model: torch.nn.Module, steps: int, *, phase: bool = True) -> None:
@@ -110,10 +87,6 @@ def train(model: torch.nn.Module, steps: int, *, phase: bool = True) -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-
-
-def step_items(sink: RecordingSink) -> list[dict[str, Any]]:
-    return sink.items("step_time")
 
 
 def check_timing(timing: dict[str, Any], *, gpu: bool = False) -> None:
