@@ -7,23 +7,19 @@ harness end to end in its CPU dry run on one quick check.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from scripts.gpu_check import driver, judge
+from tests.e2e_helpers import REPO
+
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
-if str(REPO / "scripts") not in sys.path:
-    sys.path.insert(0, str(REPO / "scripts"))
-judge: ModuleType = importlib.import_module("gpu_check.judge")
-driver: ModuleType = importlib.import_module("gpu_check.driver")
 
 FWD = judge.FORWARD
 BWD = judge.BACKWARD

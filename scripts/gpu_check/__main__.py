@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from gpu_check.driver import main
+from .driver import main
 
 sys.exit(main(sys.argv[1:]))

@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu_check import judge
-from gpu_check.judge import BACKWARD, FORWARD, H2D, OPTIMIZER, Verdict
+# Relative: the package runs as `gpu_check` (scripts/ on PYTHONPATH) and the tests
+# import it as `scripts.gpu_check` from the repository root.
+from . import judge
+from .judge import BACKWARD, FORWARD, H2D, OPTIMIZER, Verdict
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
