@@ -16,9 +16,8 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from test_records_invalid import schema_file_for
-from test_records_roundtrip import EXAMPLE_DATA_LINE, REFERENCE
 
+from tests.records_helpers import EXAMPLE_DATA_LINE, REFERENCE, schema_file_for
 from tests.strategies import KINDS, closing_json, consistent_json, warning_json
 from traceml_ai.cli import main
 from traceml_records import (
