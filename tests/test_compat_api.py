@@ -250,7 +250,9 @@ def test_h2d_copies_in_a_step_are_timed_with_gpu_time(monkeypatch: pytest.Monkey
     # No accelerator in CI: "meta" stands in for one, CUDA events come from the fake.
     monkeypatch.setattr(_wrappers, "_ACCELERATORS", frozenset({"meta"}))
     sink = RecordingSink()
-    traceml.init(sink=sink, sampler_interval=60, cuda_backend=FakeCuda())
+    traceml.init(
+        sink=sink, sampler_interval=60, cuda_backend=FakeCuda(model_device=0, auto_complete=True)
+    )
     model = make_model()
     x = torch.randn(2, 8)
     x.to("meta")  # outside a step: not counted

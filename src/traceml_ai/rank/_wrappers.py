@@ -60,14 +60,25 @@ def _is_host_tensor(tensor: Any) -> bool:
     return type(tensor).__name__ != "Parameter"
 
 
+_dtype_class: type | None = None
+"""``torch.dtype``, once the patch is installed: ``.to(dtype)`` is answered by one type
+check (a Hugging Face update makes ~35 ``.to`` calls, most of them casts)."""
+
+
 def copies_to_accelerator(tensor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``tensor.to(*args, **kwargs)`` copies a host tensor to an accelerator."""
-    if not _is_host_tensor(tensor):
-        return False
-    target = kwargs.get("device")
-    if target is None and args:
+    """Whether ``tensor.to(*args, **kwargs)`` copies a host tensor to an accelerator.
+
+    The target is looked at first: it is cheaper than the tensor's device (a new
+    ``torch.device`` per read), and most calls are casts that name no device.
+    """
+    target = kwargs.get("device") if kwargs else None
+    if target is None:
+        if not args:
+            return False
         target = args[0]
-    return target is not None and _device_type(target) in _ACCELERATORS
+        if type(target) is _dtype_class:
+            return False
+    return _device_type(target) in _ACCELERATORS and _is_host_tensor(tensor)
 
 
 def _timed(timer: _timing.StepTimer, call: Callable[[], Any]) -> Any:
@@ -81,10 +92,11 @@ def _timed(timer: _timing.StepTimer, call: Callable[[], Any]) -> Any:
 
 def install_h2d_patch(torch: Any) -> None:
     """Wrap ``torch.Tensor.to`` and ``torch.Tensor.cuda`` once per process."""
-    global _h2d_installed
+    global _h2d_installed, _dtype_class
     with _h2d_lock:
         if _h2d_installed:
             return
+        _dtype_class = type(torch.float32)
         tensor_cls = torch.Tensor
         original_to = tensor_cls.to
         original_cuda = tensor_cls.cuda
