@@ -126,6 +126,9 @@ class _Plan:
     """How the items of one batch stream become records (from the generated WIRE_STREAMS)."""
 
     wire: WireStream
+    keys: frozenset[str]
+    required_keys: frozenset[str]
+    strings: tuple[str, ...]
     load: Callable[[Any, Path], Any]
     load_item: Callable[[dict[str, Any], Any, Path], Any] | None
     """The item loader, used once the batch's identity block was checked; None when
@@ -153,6 +156,9 @@ def _plan(wire: WireStream) -> _Plan:
         )
     return _Plan(
         wire=wire,
+        keys=wire.item_keys,
+        required_keys=wire.required_item_keys,
+        strings=wire.string_fields,
         load=LOADERS[wire.record_class],
         load_item=ITEM_LOADERS[wire.record_class] if not rules and fan_out is None else None,
         rules=rules,
@@ -267,38 +273,40 @@ def _record(
     """The record of one item and its fan-out records, or an exception (item skipped).
 
     ``trusted``: a record of the same batch already loaded, so the item loader (which
-    takes the identity block as checked) suffices.
+    takes the identity block as checked) suffices where the stream has one.
     """
     if type(item) is not dict:
         raise _Skip
     keys = item.keys()
-    if keys != plan.wire.item_keys and not (
-        plan.wire.required_item_keys <= keys <= plan.wire.item_keys
-    ):
+    if keys != plan.keys and not (plan.required_keys <= keys <= plan.keys):
         raise _Skip  # an older rank's item may lack an optional field
-    for name in plan.wire.string_fields:
+    for name in plan.strings:
         value = item[name]
         if type(value) is str and _str_too_big(value):
             raise _Skip
     if plan.limit is not None:
         plan.limit(item)
-    try:
-        return _load(plan, bases, item, trusted)
-    except ValueError:
-        # Retry once with non-finite floats as null; clean items never get here.
-        return _load(plan, bases, _nan_to_none(item), trusted)
-
-
-def _load(
-    plan: _Plan, bases: tuple[dict[str, Any], dict[str, Any]], item: dict[str, Any], trusted: bool
-) -> tuple[Any, list[Any]]:
-    base = bases[0]
-    if trusted and plan.load_item is not None:
-        record = plan.load_item(base, item, _NO_PATH)
+    load_item = plan.load_item
+    if trusted and load_item is not None:  # the hot path
+        try:
+            record = load_item(bases[0], item, _NO_PATH)
+        except ValueError:
+            # Retry once with non-finite floats as null; clean items never get here.
+            record = load_item(bases[0], _nan_to_none(item), _NO_PATH)
         if plan.check is not None:
             plan.check(record)
         return record, _NO_FAN_OUT
-    d = base.copy()
+    try:
+        return _load(plan, bases, item)
+    except ValueError:
+        return _load(plan, bases, _nan_to_none(item))
+
+
+def _load(
+    plan: _Plan, bases: tuple[dict[str, Any], dict[str, Any]], item: dict[str, Any]
+) -> tuple[Any, list[Any]]:
+    """The full load of one item: its whole line, the line rules, the fan-out."""
+    d = bases[0].copy()
     d.update(item)
     fan = plan.fan_out
     entries: Any = None
