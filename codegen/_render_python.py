@@ -466,8 +466,9 @@ _PLAN_TYPES = (
     "    min_count: int",
     '    """Least length (STRING), entries (MAP), items (ARRAY)."""',
     "    allowed: Any",
-    '    """None (any), a set the value must be in (enum, const, the values found to '
-    'match a pattern; MAP: the keys), or False (only Python can check it)."""',
+    '    """None (any), a set the value must be in (enum, const), a compiled pattern it '
+    "must match (the C encoder remembers matches in a set of its own; MAP: the keys), "
+    'or False (only Python can check it)."""',
     "",
     "",
     "class FieldPlan(NamedTuple):",
@@ -490,9 +491,9 @@ def _allowed(names: _Names, s: Scalar) -> str:
             return "False"
         return "frozenset({" + ", ".join(_lit(v) for v in s.enum) + "})"
     if s.pattern is not None:
-        # The values the generated loaders found to match, remembered (boundedly) in
-        # this set: one that is not there yet goes through the loader once.
-        return "_MATCHED" + _pattern_constant(names, s.pattern)[len("_PATTERN") :]
+        # The compiled pattern: the C encoder keeps its own (bounded) set of values
+        # found to match it, apart from the loaders' (no cache shared with C).
+        return _pattern_constant(names, s.pattern)
     return "None"
 
 
@@ -526,7 +527,7 @@ def _encoder_spec(type_ref: TypeRef, names: _Names) -> str:
         return f"ValueSpec(Kind.ARRAY, False, {item}, None, None, {type_ref.min_items}, {allowed})"
     value = _encoder_spec(type_ref.value, names)
     if type_ref.key_pattern is not None:
-        keys = "_MATCHED" + _pattern_constant(names, type_ref.key_pattern)[len("_PATTERN") :]
+        keys = _pattern_constant(names, type_ref.key_pattern)
     else:
         keys = "None"
     return (

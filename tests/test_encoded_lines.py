@@ -296,3 +296,22 @@ def test_without_the_extension_line_mode_builds_records() -> None:
         check=True,
     )
     assert out.stdout.split() == ["list", "1"]
+
+
+def test_the_c_encoder_keeps_its_own_pattern_matches() -> None:
+    from traceml_records._generated import records as generated
+
+    # A device key never seen before: C matches it against the schema's pattern itself
+    # and writes the line, without the loaders' memo (no cache shared with C) ...
+    generated._MATCHED_0.clear()
+    item = step_time_item(device="xpu:7")
+    received = batch("step_time", [item])
+    built = RecordBuilder(("step_time",), False, encode_lines=True).build(received)
+    group = built.records.get("step_time")
+    assert isinstance(group, EncodedLines) and b'"xpu:7"' in group.data
+    assert "xpu:7" not in generated._MATCHED_0
+    # ... and a key the pattern refuses still goes to the strict loaders, which skip it.
+    bad = step_time_item(seq=1, step=2, device="XPU:7")
+    built = RecordBuilder(("step_time",), False, encode_lines=True).build(batch("step_time", [bad]))
+    assert built.skipped_items == 1 and built.records.get("step_time") is None
+    _modes([item, bad])

@@ -42,6 +42,8 @@ struct Spec {
     double fmin, fmax;     /* K_FLOAT bounds */
     Py_ssize_t min_count;  /* least length (str), entries (map), items (array) */
     PyObject *allowed;     /* NULL: any; a set: must be in it (K_MAP: the keys) */
+    PyObject *pattern;     /* a compiled re pattern the value must match, or NULL; then
+                              allowed is this encoder's own set of values found to match */
     int opaque;            /* only Python can check this value */
 };
 
@@ -599,11 +601,32 @@ static int str_eq(PyObject *a, PyObject *b) {
 
 static int item_value(Out *o, PyObject *value, const Spec *spec, Rules *rules);
 
+/* Values of a pattern-checked spec remembered as matching: at most this many, this long. */
+#define MATCHED_MAX 1024
+#define MATCHED_MAX_LENGTH 256
+
+/* 1: the value is allowed; 0: it is not (Python decides); -1: error. A str value of
+ * a spec with a pattern is matched once, then remembered in the spec's own set. */
+static int in_allowed(const Spec *spec, PyObject *value) {
+    int in = PySet_Contains(spec->allowed, value);
+    if (in != 0 || spec->pattern == NULL || !PyUnicode_CheckExact(value)) return in;
+    PyObject *match = PyObject_CallMethod(spec->pattern, "search", "O", value);
+    if (match == NULL) return -1;
+    int matched = match != Py_None;
+    Py_DECREF(match);
+    if (matched && PySet_GET_SIZE(spec->allowed) < MATCHED_MAX &&
+        PyUnicode_GET_LENGTH(value) <= MATCHED_MAX_LENGTH &&
+        PySet_Add(spec->allowed, value) < 0) {
+        return -1;
+    }
+    return matched;
+}
+
 static int item_str(Out *o, PyObject *value, const Spec *spec, const Rules *rules) {
     if (!PyUnicode_CheckExact(value) || spec->opaque) return FALLBACK;
     if (PyUnicode_GET_LENGTH(value) < spec->min_count) return FALLBACK;
     if (spec->allowed) {
-        int in = PySet_Contains(spec->allowed, value);
+        int in = in_allowed(spec, value);
         if (in <= 0) return in < 0 ? ERR : FALLBACK;
     }
     Py_ssize_t before = o->len;
@@ -690,7 +713,7 @@ static int item_key_checked(PyObject *key, const Spec *spec, Rules *rules) {
     if (!PyUnicode_CheckExact(key)) return FALLBACK;
     if (spec->has_min && PyUnicode_GET_LENGTH(key) < spec->imin) return FALLBACK;
     if (spec->allowed) {
-        int in = PySet_Contains(spec->allowed, key);
+        int in = in_allowed(spec, key);
         if (in <= 0) return in < 0 ? ERR : FALLBACK;
     }
     if (rules->step_rules && spec == rules->events_spec) {
@@ -1004,13 +1027,21 @@ static int build_spec(PyObject *desc, Spec *spec, PyObject *classes) {
     spec->sub = NULL;
     spec->cls = NULL;
     spec->allowed = NULL;
+    spec->pattern = NULL;
     spec->opaque = allowed == Py_False;
     if (PyAnySet_Check(allowed)) {
         Py_INCREF(allowed);
         spec->allowed = allowed;
     } else if (allowed != Py_None && allowed != Py_False) {
-        PyErr_SetString(PyExc_TypeError, "allowed must be None, a set or False");
-        return ERR;
+        if (!PyObject_HasAttrString(allowed, "search")) {
+            PyErr_SetString(PyExc_TypeError,
+                            "allowed must be None, a set, a compiled pattern or False");
+            return ERR;
+        }
+        spec->allowed = PySet_New(NULL);
+        if (spec->allowed == NULL) return ERR;
+        Py_INCREF(allowed);
+        spec->pattern = allowed;
     }
     if (bound(low, &spec->has_min, &spec->imin, &spec->fmin) < 0) return ERR;
     if (bound(high, &spec->has_max, &spec->imax, &spec->fmax) < 0) return ERR;

@@ -557,7 +557,7 @@ class ValueSpec(NamedTuple):
     min_count: int
     """Least length (STRING), entries (MAP), items (ARRAY)."""
     allowed: Any
-    """None (any), a set the value must be in (enum, const, the values found to match a pattern; MAP: the keys), or False (only Python can check it)."""
+    """None (any), a set the value must be in (enum, const), a compiled pattern it must match (the C encoder remembers matches in a set of its own; MAP: the keys), or False (only Python can check it)."""
 
 
 class FieldPlan(NamedTuple):
@@ -3233,7 +3233,7 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
                     0,
                     None,
                     1,
-                    _MATCHED_0,
+                    _PATTERN_0,
                 ),
                 1,
                 None,
@@ -3306,7 +3306,7 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
             Flag.ALWAYS,
         ),
         FieldPlan(
-            "device", ValueSpec(Kind.STRING, False, None, None, None, 0, _MATCHED_0), Flag.ALWAYS
+            "device", ValueSpec(Kind.STRING, False, None, None, None, 0, _PATTERN_0), Flag.ALWAYS
         ),
         FieldPlan(
             "peak_allocated_bytes",
