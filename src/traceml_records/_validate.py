@@ -32,6 +32,7 @@ import orjson
 from traceml_records._codec import line_problems
 from traceml_records._errors import Path, describe, json_pointer
 from traceml_records._generated.registry import STREAMS
+from traceml_records._generated.wire import WIRE_STREAMS
 from traceml_records._schemas import (
     CLOSING_SCHEMA_FILE,
     WARNING_SCHEMA_FILE,
@@ -47,17 +48,13 @@ EXPORT_SUBFOLDER = ("aggregator", "export")
 """Where a run folder keeps its export files."""
 
 _STREAM_BY_FILE = {spec.file_name: spec for spec in STREAMS}
+_FAN_OUT = next(w.fan_out for w in WIRE_STREAMS.values() if w.fan_out is not None)
 _IDENTITY = (
-    "observed_timestamp_unix_ns",
-    "rank",
-    "global_rank",
-    "local_rank",
-    "world_size",
-    "local_world_size",
-    "node_rank",
-    "timestamp_unix_ns",
-    "seq",
+    *(k for k in _FAN_OUT.from_batch if k != "hostname"),
+    *_FAN_OUT.shared_fields,
 )
+"""What each system_gpu line of a snapshot copies from its system item, as the wire
+registry declares it (hostname apart: it may be absent on every line)."""
 _SNAPSHOT_KEY = itemgetter("node_rank", "seq")
 _NOT_INT = "expected an integer written without fraction or exponent, got"
 
