@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -64,3 +65,26 @@ def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         if hasattr(module, "dumps_line"):
             monkeypatch.setattr(module, "dumps_line", pure)
     return "python"
+
+
+@pytest.fixture(params=["records", "lines"])
+def builder_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with every ``RecordBuilder`` in record mode, and again in line mode.
+
+    Line mode (``encode_lines=True``, what the JSONL exporter asks for) hands step_time
+    groups over as ``EncodedLines``: a sequence of the same records, read back from the
+    lines the C encoder wrote. A suite written against records therefore holds in both
+    modes; with the pure-Python encoder line mode builds records. Opt in with
+    ``pytest.mark.usefixtures("builder_mode")``.
+    """
+    from traceml_ai.export import _builder
+
+    if request.param == "lines":
+        plain_init = _builder.RecordBuilder.__init__
+
+        def init_in_line_mode(self: Any, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("encode_lines", True)
+            plain_init(self, *args, **kwargs)
+
+        monkeypatch.setattr(_builder.RecordBuilder, "__init__", init_in_line_mode)
+    return str(request.param)

@@ -44,7 +44,7 @@ from traceml_records import (
 from traceml_records._generated.records import DUMPERS, LOADERS
 
 # Every test runs with the C encoder and with the pure-Python one (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("encoder")
+pytestmark = pytest.mark.usefixtures("encoder", "builder_mode")
 
 ITEM_MAKERS: dict[str, Callable[[int], dict[str, Any]]] = {
     "step_time": lambda i: step_time_item(seq=i, step=i + 1),
@@ -616,3 +616,12 @@ def test_built_records_pass_the_validator(tmp_path: Path) -> None:
     assert report.problems == (), "\n".join(str(p) for p in report.problems)
     assert skipped == len(MALFORMED)
     assert sum(s.data_lines for s in report.files) == written
+
+
+def test_the_suite_runs_in_the_mode_it_says(encoder: str, builder_mode: str) -> None:
+    from traceml_ai.export._encoded import EncodedLines
+
+    built = RecordBuilder(["step_time"], False).build(batch("step_time", [step_time_item()]))
+    group = built.records["step_time"]
+    assert isinstance(group, EncodedLines) == (encoder == "c" and builder_mode == "lines")
+    assert [r.step for r in group] == [1]
