@@ -205,3 +205,23 @@ def test_ray_config_from_plain_data() -> None:
         TraceMLRayConfig.from_mapping({"port": 70000})
     with pytest.raises(ValueError, match="unknown stream"):
         TraceMLRayConfig.from_mapping({"export_streams": "bogus"})
+
+
+def test_ray_export_summary_is_the_dict_users_read() -> None:
+    from traceml_ai._converter import structure, unstructure
+    from traceml_ai._messages import RayExportSummary
+
+    summary = RayExportSummary(
+        written_records=12,
+        written_by_stream={"step_time": 10, "process": 2},
+        dropped_batches=0,
+        exporter_failed=False,
+        finished_ranks=[0, 1],
+        missing_ranks=[],
+        warning_path=None,
+    )
+    plain = unstructure(summary)
+    assert plain["written_records"] == 12 and plain["finished_ranks"] == [0, 1]
+    assert structure(plain, RayExportSummary, what="summary") == summary
+    with pytest.raises(ValueError, match="written_records"):
+        structure({**plain, "written_records": "12"}, RayExportSummary, what="summary")

@@ -91,6 +91,21 @@ class FinalizedEvent:
     """False when no rank ever sent anything (likely: no ``traceml.init()``)."""
 
 
+@attrs.frozen(kw_only=True)
+class RayExportSummary:
+    """What the Ray aggregator actor reports when it finalized the export
+    (``TraceMLTorchTrainer.traceml_run.summary``, as a plain dict)."""
+
+    written_records: int
+    written_by_stream: dict[str, int]
+    dropped_batches: int
+    exporter_failed: bool
+    finished_ranks: list[int]
+    missing_ranks: list[int]
+    warning_path: str | None
+    """The ``finalization_warning.json`` written, or None when nothing was lost."""
+
+
 AggregatorEvent = ReadyEvent | FailedEvent | FinalizedEvent
 
 _EVENTS: dict[str, type[AggregatorEvent]] = {

@@ -54,7 +54,9 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
     ) from _exc
 
 import traceml_ai as traceml
+from traceml_ai._converter import unstructure
 from traceml_ai._launch import default_run_name
+from traceml_ai._messages import RayExportSummary
 from traceml_ai.aggregator import Aggregator, AggregatorConfig, tune_gc_for_aggregator
 from traceml_ai.export import write_finalization_warning
 from traceml_ai.integrations._ray_config import TraceMLRayConfig
@@ -130,15 +132,18 @@ class _AggregatorActor:
         self._aggregator.wait_connections_closed(wait_s)
         result = self._aggregator.finalize()
         stats = result.stats
-        return {
-            "written_records": sum(stats.written_records.values()) if stats else 0,
-            "written_by_stream": dict(stats.written_records) if stats else {},
-            "dropped_batches": stats.dropped_batches if stats else 0,
-            "exporter_failed": stats.exporter_failed if stats else False,
-            "finished_ranks": list(result.ranks.finished_ranks),
-            "missing_ranks": list(result.ranks.missing_ranks),
-            "warning_path": str(result.warning_path) if result.warning_path else None,
-        }
+        summary = RayExportSummary(
+            written_records=sum(stats.written_records.values()) if stats else 0,
+            written_by_stream=dict(stats.written_records) if stats else {},
+            dropped_batches=stats.dropped_batches if stats else 0,
+            exporter_failed=stats.exporter_failed if stats else False,
+            finished_ranks=list(result.ranks.finished_ranks),
+            missing_ranks=list(result.ranks.missing_ranks),
+            warning_path=str(result.warning_path) if result.warning_path else None,
+        )
+        # A plain dict crosses the actor boundary and is what users read.
+        result_dict: dict[str, Any] = unstructure(summary)
+        return result_dict
 
 
 @attrs.frozen(kw_only=True)
@@ -154,9 +159,9 @@ class TraceMLRayRun:
     finalized: bool
     """The aggregator finalized (closing lines written) before its actor was killed."""
     summary: Mapping[str, Any] | None
-    """Counts from finalization: ``written_records``, ``written_by_stream``,
-    ``dropped_batches``, ``exporter_failed``, ``finished_ranks``, ``missing_ranks``,
-    ``warning_path``."""
+    """Counts from finalization, the fields of ``traceml_ai._messages.RayExportSummary``:
+    ``written_records``, ``written_by_stream``, ``dropped_batches``, ``exporter_failed``,
+    ``finished_ranks``, ``missing_ranks``, ``warning_path``."""
 
 
 # -- the worker side --------------------------------------------------------------------
