@@ -50,7 +50,11 @@ from traceml_ai.rank._timing import (
 )
 from traceml_ai.rank.gpu import CudaBackend, NvmlBackend, PynvmlBackend, TorchCudaBackend
 from traceml_ai.rank.identity import RankIdentity
-from traceml_ai.rank.runtime_env import model_strategy, runtime_environment_fields
+from traceml_ai.rank.runtime_env import (
+    environment_of,
+    model_strategy,
+    runtime_environment_item,
+)
 from traceml_ai.rank.samplers import (
     ProcessSampler,
     SamplerThread,
@@ -259,15 +263,15 @@ class _Runtime:
         process group at the end of a script is not a new environment.
         """
         with self._env_lock:
-            fields = runtime_environment_fields(self.identity, self._strategy)
-            if fields == self._env_last:
-                return
-            self._env_last = fields
-            seq = self._env_seq
-            self._env_seq = seq + 1
-            self.sink.put(
-                "runtime_environment", {"timestamp_unix_ns": time.time_ns(), "seq": seq, **fields}
+            item = runtime_environment_item(
+                self.identity, self._strategy, timestamp_unix_ns=time.time_ns(), seq=self._env_seq
             )
+            environment = environment_of(item)
+            if environment == self._env_last:
+                return
+            self._env_last = environment
+            self._env_seq += 1
+            self.sink.put("runtime_environment", item)
 
     def _on_new_model(self, model: object) -> None:
         strategy = model_strategy(model)

@@ -8,6 +8,7 @@ from typing import Any
 from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank.identity import RankIdentity
 from traceml_records import _rules
+from traceml_records._generated.wire import RuntimeEnvironmentItem
 
 # Class names are matched instead of importing the wrapper classes, so detection
 # never imports torch.distributed.fsdp or deepspeed just to ask.
@@ -61,10 +62,14 @@ def torch_version() -> str | None:
         return None
 
 
-def runtime_environment_fields(
-    identity: RankIdentity, strategy_from_model: str | None
-) -> dict[str, object]:
-    """Every ``runtime_environment`` item field except ``timestamp_unix_ns`` and ``seq``."""
+_CHANGING = ("timestamp_unix_ns", "seq")
+"""Item fields that differ on every item; the rest tells whether the environment changed."""
+
+
+def runtime_environment_item(
+    identity: RankIdentity, strategy_from_model: str | None, *, timestamp_unix_ns: int, seq: int
+) -> RuntimeEnvironmentItem:
+    """The ``runtime_environment`` item of the environment now (typed from the schema)."""
     initialized, backend = distributed_state()
     topology = topology_of(identity.world_size, identity.local_world_size)
     if strategy_from_model is not None:
@@ -77,6 +82,8 @@ def runtime_environment_fields(
         # Several ranks but torch.distributed not (yet) up and no wrapper seen.
         strategy, source, confidence = "distributed_unknown", "topology", "low"
     return {
+        "timestamp_unix_ns": timestamp_unix_ns,
+        "seq": seq,
         "topology": topology,
         "distributed_initialized": initialized,
         "distributed_backend": backend,
@@ -86,3 +93,16 @@ def runtime_environment_fields(
         "torch_version": torch_version(),
         "python_version": platform.python_version(),
     }
+
+
+def environment_of(item: RuntimeEnvironmentItem) -> dict[str, object]:
+    """The item without the fields that change on every item."""
+    return {k: v for k, v in item.items() if k not in _CHANGING}
+
+
+def runtime_environment_fields(
+    identity: RankIdentity, strategy_from_model: str | None
+) -> dict[str, object]:
+    """Every ``runtime_environment`` item field except ``timestamp_unix_ns`` and ``seq``."""
+    item = runtime_environment_item(identity, strategy_from_model, timestamp_unix_ns=0, seq=0)
+    return environment_of(item)
