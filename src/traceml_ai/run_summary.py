@@ -39,6 +39,7 @@ from traceml_ai._step_phases import (
     phase_names,
     step_row,
 )
+from traceml_records import STREAMS
 
 STRAGGLER_REL = 0.10
 """A straggler's figure exceeds the others' median by more than this fraction..."""
@@ -53,15 +54,8 @@ SAME_RANK_SHARE = 0.75
 _WAIT_PRIORITY = ("backward", "forward", "optimizer")
 """Phases where data parallel collectives wait, most likely first."""
 
-STREAM_FILES = (
-    "step_time",
-    "step_memory",
-    "process",
-    "system",
-    "system_gpu",
-    "runtime_environment",
-    "stdout_stderr",
-)
+STREAM_FILES = tuple(spec.name for spec in STREAMS)
+"""The export's file streams, in the registry's order."""
 WARNING_FILE = "finalization_warning.json"
 
 
