@@ -22,8 +22,9 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
+
+from _overhead_clock import StartClock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -65,26 +66,6 @@ class UpdateClock(TrainerCallback):
         self.cpu_ends.append(time.thread_time())
 
 
-class FetchClock:
-    """The time at the start of each update (its batch fetch), and whether TraceML
-    traces it."""
-
-    def __init__(self, fetch: Callable[..., Any]) -> None:
-        from traceml_ai.rank import _timing
-
-        self._active = _timing.active
-        self._fetch = fetch
-        self.ends: list[float] = []
-        self.cpu_ends: list[float] = []
-        self.traced: list[bool] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.ends.append(time.perf_counter())
-        self.cpu_ends.append(time.thread_time())
-        self.traced.append(self._active() is not None)
-        return self._fetch(*args, **kwargs)
-
-
 def main() -> None:
     out_path, steps = sys.argv[1], int(sys.argv[2])
     paired = len(sys.argv) > 3 and sys.argv[3] == "paired"
@@ -118,7 +99,7 @@ def main() -> None:
         callbacks=[] if paired else [clock],
     )
     if paired:
-        fetch = FetchClock(trainer.get_batch_samples)
+        fetch = StartClock(trainer.get_batch_samples)
         # An instance attribute: the training loop's `self.get_batch_samples(...)`
         # finds it first.
         trainer.get_batch_samples = fetch  # type: ignore[method-assign]

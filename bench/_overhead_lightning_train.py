@@ -21,12 +21,12 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import orjson
 import torch
+from _overhead_clock import StartClock
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -62,25 +62,6 @@ class BatchClock(pl.Callback):
         self.cpu_ends.append(time.thread_time())
 
 
-class AdvanceClock:
-    """The time at the start of each training batch, and whether TraceML traces it."""
-
-    def __init__(self, advance: Callable[..., Any]) -> None:
-        from traceml_ai.rank import _timing
-
-        self._active = _timing.active
-        self._advance = advance
-        self.ends: list[float] = []
-        self.cpu_ends: list[float] = []
-        self.traced: list[bool] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.ends.append(time.perf_counter())
-        self.cpu_ends.append(time.thread_time())
-        self.traced.append(self._active() is not None)
-        return self._advance(*args, **kwargs)
-
-
 def main() -> None:
     out_path, steps = sys.argv[1], int(sys.argv[2])
     paired = len(sys.argv) > 3 and sys.argv[3] == "paired"
@@ -106,7 +87,7 @@ def main() -> None:
     )
     if paired:
         epoch_loop = trainer.fit_loop.epoch_loop
-        advance = AdvanceClock(epoch_loop.advance)
+        advance = StartClock(epoch_loop.advance)
         # An instance attribute: the loop's `self.advance(...)` finds it first.
         epoch_loop.advance = advance  # type: ignore[method-assign]
     trainer.fit(Regressor(), loader)

@@ -1,0 +1,28 @@
+"""The update clock of the framework overhead scripts (bench/overhead_frameworks.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class StartClock:
+    """Wraps the call that starts each update (HF: the batch fetch; Lightning: the epoch
+    loop's ``advance``): the time it starts, in wall and the training thread's CPU
+    time, and whether TraceML traces that update."""
+
+    def __init__(self, starts_update: Callable[..., Any]) -> None:
+        from traceml_ai.rank import _timing
+
+        self._active = _timing.active
+        self._call = starts_update
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []
+        self.traced: list[bool] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.thread_time())
+        self.traced.append(self._active() is not None)
+        return self._call(*args, **kwargs)
