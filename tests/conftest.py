@@ -7,17 +7,12 @@ set; otherwise ``thorough``. ``HYPOTHESIS_PROFILE`` picks one explicitly.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 import traceml_records
-
-# tests/strategies.py is imported as a plain module by the test files.
-sys.path.insert(0, str(Path(__file__).parent))
 
 settings.register_profile(
     "ci",

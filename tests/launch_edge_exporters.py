@@ -1,4 +1,4 @@
-"""Slow custom exporters for the launcher edge tests (``tests/test_launch_edges.py``).
+"""Slow custom exporters for the launcher edge tests (``tests/e2e/test_launch_edges.py``).
 
 Named through the real CLI as ``tests.launch_edge_exporters:make_slow_start`` (its
 factory sleeps ``SLOW_S``, so the aggregator is still starting) or

@@ -1,6 +1,7 @@
 """Pure judgements of the GPU check: export lines and own measurements in, verdicts out.
 
-Standard library only, no torch, no CUDA: tests/test_gpu_check.py runs all of it on
+Standard library only, no torch, no CUDA: tests/gpu_check/test_gpu_check.py runs all of
+it on
 CPU with made-up lines, so the logic that decides PASS or FAIL on a GPU is tested
 before any GPU runs it. Each ``*_problems`` function returns a list of one-line
 problems (empty when the figures are right); ``verdict`` turns them into one line.

@@ -1,6 +1,7 @@
 """A tiny DDP run (gloo, CPU) where one rank is slowed inside its forward pass.
 
-Used by tests/test_summary.py: the summary must name that rank as the straggler,
+Used by tests/traceml_ai/test_summary.py: the summary must name that rank as the
+straggler,
 and the fast rank should show the wait inside backward (DDP's all-reduce).
 Usage: slow_rank_train.py [--steps N] [--slow-rank R] [--sleep-ms MS]
 """

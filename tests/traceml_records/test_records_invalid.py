@@ -11,12 +11,13 @@ from typing import Any
 
 import orjson
 import pytest
-from test_records_roundtrip import (
+
+from tests.records_helpers import (
     EXAMPLE_CLOSING_LINE,
     EXAMPLE_DATA_LINE,
     REFERENCE,
+    schema_file_for,
 )
-
 from traceml_records import RecordError, loads_line, loads_warning_file, validate_line
 from traceml_records._codec import record_from_object
 from traceml_records._schemas import rs_validators
@@ -182,17 +183,6 @@ def test_the_differential_sees_integral_floats_as_integers() -> None:
     d = orjson.loads(step(lambda d: d.update(step=1.0)))
     assert REFERENCE["step_time.schema.json"].is_valid(d)
     assert rs_validators()["step_time.schema.json"].is_valid(d)
-
-
-def schema_file_for(d: Any) -> str | None:
-    if type(d) is not dict:
-        return None
-    if "closing" in d:
-        return "closing.schema.json"
-    if "status" in d:
-        return "finalization_warning.schema.json"
-    stream = d.get("stream")
-    return f"{stream}.schema.json" if f"{stream}.schema.json" in REFERENCE else None
 
 
 def _keys(d: Any) -> list[str]:

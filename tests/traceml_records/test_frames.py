@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.e2e_helpers import REPO
 from tests.strategies import consistent_json
 from traceml_records import STREAMS, frames
 from traceml_records._generated.tables import TABLES
 
-REPO = Path(__file__).resolve().parents[1]
 P = "_traceml_internal:"
 
 

@@ -19,6 +19,7 @@ from tests.custom_exporters import (
     step_time_item,
     system_item,
 )
+from tests.e2e_helpers import REPO
 from traceml_ai.export import (
     ExportContext,
     ExporterStartFailure,
@@ -31,8 +32,6 @@ from traceml_ai.export import (
 from traceml_ai.export._custom import ExporterLoadError
 from traceml_ai.settings import ExportSettings
 from traceml_records import ExportLoss, ProcessRecord, StepTimeRecord
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -247,7 +246,7 @@ def test_file_recording_factory_by_its_dotted_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``tests.custom_exporters:make_exporter`` is what CLI tests pass to ``--exporter``."""
-    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.syspath_prepend(str(REPO))
     settings = ExportSettings(
         exporter="tests.custom_exporters:make_exporter",
         export_streams="step_time",

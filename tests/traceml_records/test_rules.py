@@ -28,8 +28,8 @@ import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import consistent_json, warning_json
 
+from tests.strategies import consistent_json, warning_json
 from traceml_ai.export._builder import RecordBuilder
 from traceml_ai.export._finalize import _check_warning
 from traceml_ai.wire import ReceivedBatch
@@ -107,7 +107,8 @@ def _field_mutations(stream: str) -> Iterator[tuple[str, Any]]:
             if label == "null" and name not in required:
                 # An optional key (gpu_uuid) is absent when unknown: validate and
                 # strict loads refuse its null, but its record is the line without
-                # the key, which dumps_line writes (tests/test_gpu_realworld.py).
+                # the key, which dumps_line writes
+                # (tests/traceml_ai/rank/test_gpu_realworld.py).
                 continue
 
             def mutate(d: dict[str, Any], name: str = name, value: Any = value) -> Any:

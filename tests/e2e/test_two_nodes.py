@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
+from tests.e2e_helpers import REPO
 from tests.netns import NetnsUnavailable, Node, kill_processes, two_nodes
 from traceml_records import validate_paths
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "train.py"
+SCRIPT = REPO / "examples" / "train.py"
 STEPS = 5
 NPROC = 2
 NNODES = 2
@@ -108,7 +108,7 @@ def test_two_nodes_two_ranks_each(nodes: tuple[Node, Node], tmp_path: Path) -> N
         ]
         with outputs[node_rank].open("wb") as out:
             procs.append(
-                subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+                subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
             )
 
     deadline = time.monotonic() + RUN_TIMEOUT_S

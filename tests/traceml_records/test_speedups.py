@@ -17,8 +17,8 @@ import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import KINDS, records
 
+from tests.strategies import KINDS, records
 from traceml_records import (
     ClosingLine,
     FinalizationWarning,

@@ -27,10 +27,10 @@ from referencing import Registry, Resource
 from codegen.__main__ import main as codegen_main
 from codegen._generate import generate
 from codegen._model import SchemaError, load_schemas
+from tests.e2e_helpers import REPO
 from traceml_records import RecordError
 
-REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).parent / "fixtures" / "codegen"
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _fixture_root(tmp_path: Path) -> Path:

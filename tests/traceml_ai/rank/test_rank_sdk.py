@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import traceml_ai as traceml
+from tests.e2e_helpers import REPO
 from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
 from traceml_ai.rank import _sdk, _timing
 from traceml_ai.rank.identity import RankIdentity
@@ -45,7 +46,7 @@ FWD, BWD, OPT, DL, STEP = (
     "_traceml_internal:dataloader_next",
     "_traceml_internal:step_time",
 )
-WIRE_DOC = Path(__file__).resolve().parents[1] / "docs" / "dev" / "wire-format.md"
+WIRE_DOC = REPO / "docs" / "dev" / "wire-format.md"
 
 
 def wire_keys(stream: str) -> tuple[set[str], list[str]]:

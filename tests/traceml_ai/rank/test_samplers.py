@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import traceml_ai as traceml
+from tests.e2e_helpers import REPO
 from traceml_ai.rank import _sdk
 from traceml_ai.rank.gpu import GpuReading, PynvmlBackend, TorchCudaBackend
 from traceml_ai.rank.samplers import (
@@ -29,7 +30,7 @@ from traceml_ai.rank.samplers import (
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda, FakeNvml
 
-WIRE_DOC = Path(__file__).resolve().parents[1] / "docs" / "dev" / "wire-format.md"
+WIRE_DOC = REPO / "docs" / "dev" / "wire-format.md"
 ENV_VARS = (
     "TRACEML_AGGREGATOR_ADDR",
     "TRACEML_RUN_TOKEN",

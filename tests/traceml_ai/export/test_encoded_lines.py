@@ -15,12 +15,13 @@ from typing import Any
 
 import orjson
 import pytest
-from custom_exporters import IDENTITY, batch, phase, step_time_item
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import consistent_json
-from test_export_builder import BIG, MALFORMED
 
+from tests.builder_items import BIG, MALFORMED
+from tests.custom_exporters import IDENTITY, batch, phase, step_time_item
+from tests.e2e_helpers import REPO
+from tests.strategies import consistent_json
 from traceml_ai.export import RecordBuilder
 from traceml_ai.export._builder import MAX_EVENT_ENTRIES
 from traceml_ai.export._encoded import EncodedLines
@@ -279,7 +280,7 @@ def test_without_the_extension_line_mode_builds_records() -> None:
     import sys
 
     code = (
-        "from custom_exporters import batch, step_time_item\n"
+        "from tests.custom_exporters import batch, step_time_item\n"
         "from traceml_ai.export import RecordBuilder\n"
         "builder = RecordBuilder(('step_time',), False, encode_lines=True)\n"
         "assert not builder.encodes_lines\n"
@@ -290,7 +291,7 @@ def test_without_the_extension_line_mode_builds_records() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
-        cwd=os.path.dirname(__file__),
+        cwd=REPO,
         capture_output=True,
         text=True,
         check=True,

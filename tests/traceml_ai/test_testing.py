@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import traceml_ai as traceml
+from tests.e2e_helpers import REPO
 from traceml_ai.export import RecordBuilder, start_export
 from traceml_ai.rank.gpu import CudaBackend, NvmlBackend, PynvmlBackend, TorchCudaBackend
 from traceml_ai.rank.identity import RankIdentity
@@ -334,7 +335,7 @@ def test_made_batches_build_the_same_encoded_or_decoded() -> None:
 
 # -- the user guide's examples run as written ---------------------------------------------
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "testing.md"
+DOC = REPO / "docs" / "testing.md"
 
 
 def _doc_blocks() -> list[str]:

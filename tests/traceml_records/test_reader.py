@@ -8,8 +8,8 @@ from pathlib import Path
 
 import attrs
 import pytest
-from test_records_roundtrip import EXAMPLE_CLOSING_LINE, EXAMPLE_DATA_LINE
 
+from tests.records_helpers import EXAMPLE_CLOSING_LINE, EXAMPLE_DATA_LINE
 from traceml_records import (
     ClosingLine,
     LineError,

@@ -2,34 +2,30 @@
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from custom_exporters import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.builder_items import ITEM_MAKERS, MALFORMED
+from tests.custom_exporters import (
     ALL_FILE_STREAMS,
     IDENTITY,
     IDENTITY_LOCAL0,
     OBSERVED_NS,
     batch,
-    gpu_entry,
-    phase,
     process_item,
     runtime_item,
     stdout_item,
-    step_memory_item,
     step_time_item,
     system_item,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from traceml_ai.export import ExportContext, ExportSummary, JsonlExporter, RecordBuilder
-from traceml_ai.export._builder import MAX_EVENT_ENTRIES, MAX_STRING_BYTES
+from traceml_ai.export._builder import MAX_STRING_BYTES
 from traceml_records import (
     STREAMS_BY_NAME,
     PhaseTiming,
@@ -45,15 +41,6 @@ from traceml_records._generated.records import DUMPERS, LOADERS
 
 # Every test runs with the C encoder and with the pure-Python one (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("encoder", "builder_mode")
-
-ITEM_MAKERS: dict[str, Callable[[int], dict[str, Any]]] = {
-    "step_time": lambda i: step_time_item(seq=i, step=i + 1),
-    "step_memory": lambda i: step_memory_item(seq=i, step=i + 1, device="cuda:1"),
-    "process": lambda i: process_item(seq=i, gpu=True),
-    "system": lambda i: system_item(seq=i),
-    "runtime_environment": lambda i: runtime_item(seq=i),
-    "stdout_stderr": lambda i: stdout_item(seq=i),
-}
 
 
 def round_trip(record: Any, include_hostname: bool) -> Any:
@@ -182,206 +169,6 @@ def test_unknown_stream_names_are_refused() -> None:
 
 
 # -- malformed items: skipped and counted, never raising ------------------------------------
-
-
-def _mutate(stream: str, fn: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
-    item = copy.deepcopy(ITEM_MAKERS[stream](1))
-    fn(item)
-    return item
-
-
-def _st(fn: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
-    return _mutate("step_time", fn)
-
-
-def _timing(item: dict[str, Any], **changes: Any) -> None:
-    item["events"]["my_phase"]["cpu"].update(changes)
-
-
-BIG = "x" * (MAX_STRING_BYTES + 1)
-
-MALFORMED: list[tuple[str, str, Any]] = [
-    # step_time
-    ("step_time", "missing step", _st(lambda i: i.pop("step"))),
-    ("step_time", "extra key", _st(lambda i: i.update(extra=1))),
-    ("step_time", "step is a string", _st(lambda i: i.update(step="5"))),
-    ("step_time", "step is a float", _st(lambda i: i.update(step=1.5))),
-    ("step_time", "step is a bool", _st(lambda i: i.update(step=True))),
-    ("step_time", "step 0", _st(lambda i: i.update(step=0))),
-    ("step_time", "negative seq", _st(lambda i: i.update(seq=-1))),
-    ("step_time", "seq beyond int64", _st(lambda i: i.update(seq=2**63))),
-    ("step_time", "empty events", _st(lambda i: i.update(events={}))),
-    ("step_time", "events not a map", _st(lambda i: i.update(events=[1]))),
-    ("step_time", "empty device map", _st(lambda i: i["events"].update(other={}))),
-    ("step_time", "bad device key", _st(lambda i: i["events"].update(other={"GPU0": phase()}))),
-    (
-        "step_time",
-        "huge device key",
-        _st(lambda i: i["events"].update(other={"a" * 70000: phase()})),
-    ),
-    ("step_time", "empty event name", _st(lambda i: i["events"].update({"": {"cpu": phase()}}))),
-    ("step_time", "huge event name", _st(lambda i: i["events"].update({BIG: {"cpu": phase()}}))),
-    (
-        "step_time",
-        "unknown reserved name",
-        _st(lambda i: i["events"].update({"_traceml_internal:nope": {"cpu": phase()}})),
-    ),
-    (
-        "step_time",
-        "no step_time event",
-        _st(lambda i: i["events"].pop("_traceml_internal:step_time")),
-    ),
-    (
-        "step_time",
-        "too many events",
-        _st(
-            lambda i: i["events"].update(
-                {f"p{n}": {"cpu": phase()} for n in range(MAX_EVENT_ENTRIES)}
-            )
-        ),
-    ),
-    (
-        "step_time",
-        "too many device entries",
-        _st(
-            lambda i: i["events"].update(
-                {f"p{n}": {f"x:{d}": phase() for d in range(100)} for n in range(11)}
-            )
-        ),
-    ),
-    ("step_time", "NaN cpu_ms", _st(lambda i: _timing(i, cpu_ms=math.nan, duration_ms=math.nan))),
-    ("step_time", "inf duration_ms", _st(lambda i: _timing(i, duration_ms=math.inf))),
-    ("step_time", "null cpu_ms", _st(lambda i: _timing(i, cpu_ms=None))),
-    ("step_time", "negative cpu_ms", _st(lambda i: _timing(i, cpu_ms=-1.0, duration_ms=-1.0))),
-    ("step_time", "string cpu_ms", _st(lambda i: _timing(i, cpu_ms="1.0"))),
-    ("step_time", "n_calls 0", _st(lambda i: _timing(i, n_calls=0))),
-    ("step_time", "n_calls float", _st(lambda i: _timing(i, n_calls=1.0))),
-    ("step_time", "is_gpu int", _st(lambda i: _timing(i, is_gpu=1))),
-    ("step_time", "is_gpu without gpu_ms", _st(lambda i: _timing(i, is_gpu=True, gpu_ms=None))),
-    (
-        "step_time",
-        "is_gpu with NaN gpu_ms",
-        _st(lambda i: _timing(i, is_gpu=True, gpu_ms=math.nan)),
-    ),
-    ("step_time", "is_gpu duration != gpu", _st(lambda i: _timing(i, is_gpu=True, gpu_ms=9.0))),
-    ("step_time", "host duration != cpu", _st(lambda i: _timing(i, duration_ms=99.0))),
-    ("step_time", "timing extra key", _st(lambda i: _timing(i, extra=1))),
-    ("step_time", "item not a dict", [1, 2]),
-    ("step_time", "item None", None),
-    # step_memory
-    (
-        "step_memory",
-        "cpu with peaks",
-        _mutate("step_memory", lambda i: i.update(device="cpu")),
-    ),
-    ("step_memory", "bad device", _mutate("step_memory", lambda i: i.update(device="cuda0"))),
-    ("step_memory", "huge device", _mutate("step_memory", lambda i: i.update(device="a" * 70000))),
-    (
-        "step_memory",
-        "negative peak",
-        _mutate("step_memory", lambda i: i.update(peak_allocated_bytes=-1)),
-    ),
-    (
-        "step_memory",
-        "float peak",
-        _mutate("step_memory", lambda i: i.update(peak_reserved_bytes=1.0)),
-    ),
-    ("step_memory", "missing peak", _mutate("step_memory", lambda i: i.pop("peak_reserved_bytes"))),
-    # process
-    ("process", "NaN cpu_percent", _mutate("process", lambda i: i.update(cpu_percent=math.nan))),
-    ("process", "string cpu_percent", _mutate("process", lambda i: i.update(cpu_percent="5"))),
-    ("process", "negative ram", _mutate("process", lambda i: i.update(ram_used_bytes=-1))),
-    ("process", "zero cores", _mutate("process", lambda i: i.update(cpu_logical_cores=0))),
-    (
-        "process",
-        "gpu fields without gpu",
-        _mutate("process", lambda i: i.update(gpu_available=False)),
-    ),
-    (
-        "process",
-        "gpu fields while unknown",
-        _mutate("process", lambda i: i.update(gpu_available=None)),
-    ),
-    ("process", "gpu_available int", _mutate("process", lambda i: i.update(gpu_available=1))),
-    # system
-    ("system", "cpu over 100", _mutate("system", lambda i: i.update(cpu_percent=100.5))),
-    ("system", "cpu negative", _mutate("system", lambda i: i.update(cpu_percent=-0.5))),
-    ("system", "cpu inf", _mutate("system", lambda i: i.update(cpu_percent=math.inf))),
-    (
-        "system",
-        "gpus without gpu_available",
-        _mutate("system", lambda i: i.update(gpu_available=False)),
-    ),
-    ("system", "gpus not a list", _mutate("system", lambda i: i.update(gpus={"0": gpu_entry(0)}))),
-    (
-        "system",
-        "too many gpus",
-        _mutate("system", lambda i: i.update(gpus=[gpu_entry(n) for n in range(1025)])),
-    ),
-    (
-        "system",
-        "gpu utilization 150",
-        _mutate("system", lambda i: i["gpus"][1].update(utilization_percent=150)),
-    ),
-    (
-        "system",
-        "gpu memory float",
-        _mutate("system", lambda i: i["gpus"][0].update(memory_used_bytes=1.0)),
-    ),
-    ("system", "gpu missing key", _mutate("system", lambda i: i["gpus"][1].pop("power_limit_w"))),
-    ("system", "gpu not a dict", _mutate("system", lambda i: i["gpus"].append(3))),
-    (
-        "system",
-        "duplicate gpu index",
-        _mutate("system", lambda i: i["gpus"][1].update(gpu_index=0)),
-    ),
-    ("system", "given gpu_count", _mutate("system", lambda i: i.update(gpu_count=2))),
-    # runtime_environment
-    (
-        "runtime_environment",
-        "topology mismatch",
-        _mutate("runtime_environment", lambda i: i.update(topology="single_process")),
-    ),
-    (
-        "runtime_environment",
-        "backend while not initialized",
-        _mutate("runtime_environment", lambda i: i.update(distributed_initialized=False)),
-    ),
-    (
-        "runtime_environment",
-        "no backend while initialized",
-        _mutate("runtime_environment", lambda i: i.update(distributed_backend=None)),
-    ),
-    (
-        "runtime_environment",
-        "bad strategy",
-        _mutate("runtime_environment", lambda i: i.update(training_strategy="zero")),
-    ),
-    (
-        "runtime_environment",
-        "torch_version int",
-        _mutate("runtime_environment", lambda i: i.update(torch_version=2)),
-    ),
-    (
-        "runtime_environment",
-        "huge python_version",
-        _mutate("runtime_environment", lambda i: i.update(python_version=BIG)),
-    ),
-    (
-        "runtime_environment",
-        "python_version not a version",
-        _mutate("runtime_environment", lambda i: i.update(python_version="CPython")),
-    ),
-    # stdout_stderr
-    (
-        "stdout_stderr",
-        "line with newline",
-        _mutate("stdout_stderr", lambda i: i.update(line="a\nb")),
-    ),
-    ("stdout_stderr", "bad source", _mutate("stdout_stderr", lambda i: i.update(source="both"))),
-    ("stdout_stderr", "line not a string", _mutate("stdout_stderr", lambda i: i.update(line=5))),
-    ("stdout_stderr", "huge line", _mutate("stdout_stderr", lambda i: i.update(line="é" * 40000))),
-]
 
 
 @pytest.mark.parametrize(

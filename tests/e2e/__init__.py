@@ -1,0 +1,1 @@
+"""Whole-CLI tests: real ``traceml`` processes, as a user runs them."""

@@ -1,0 +1,1 @@
+"""Tests of the GPU check (scripts/gpu_check/) on CPU."""

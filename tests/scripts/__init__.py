@@ -1,0 +1,1 @@
+"""Programs and exporter modules that tests run in other processes."""

@@ -1,0 +1,1 @@
+"""Tests of traceml_ai (src/traceml_ai/), by subpackage."""

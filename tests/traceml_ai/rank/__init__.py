@@ -1,0 +1,1 @@
+"""Tests of traceml_ai.rank: the SDK, samplers, GPU access."""
