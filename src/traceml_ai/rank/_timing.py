@@ -655,10 +655,8 @@ class StepTimer:
         }
         self._sink.put("step_time", item)
         if measured:
-            # Both events of every pair read completed and nothing holds them now
-            # (the step's phases are dropped with ``pending``): recorded again later.
-            for phase in pending.acc.values():
-                phase.pairs = []
+            # Both events of every pair read completed, and the step is dropped with
+            # ``pending``: nothing reads them again before they are recorded again.
             self._cuda.release_events(int(device[5:]), measured)
 
 

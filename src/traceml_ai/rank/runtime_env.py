@@ -98,11 +98,3 @@ def runtime_environment_item(
 def environment_of(item: RuntimeEnvironmentItem) -> dict[str, object]:
     """The item without the fields that change on every item."""
     return {k: v for k, v in item.items() if k not in _CHANGING}
-
-
-def runtime_environment_fields(
-    identity: RankIdentity, strategy_from_model: str | None
-) -> dict[str, object]:
-    """Every ``runtime_environment`` item field except ``timestamp_unix_ns`` and ``seq``."""
-    item = runtime_environment_item(identity, strategy_from_model, timestamp_unix_ns=0, seq=0)
-    return environment_of(item)

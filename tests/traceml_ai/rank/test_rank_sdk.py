@@ -28,7 +28,7 @@ from tests.e2e_helpers import REPO
 from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
 from traceml_ai.rank import _sdk, _timing
 from traceml_ai.rank.identity import RankIdentity
-from traceml_ai.rank.runtime_env import model_strategy, runtime_environment_fields, topology_of
+from traceml_ai.rank.runtime_env import model_strategy, runtime_environment_item, topology_of
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 
@@ -739,20 +739,20 @@ def test_topology_and_strategy_rules() -> None:
     assert model_strategy(make_model()) is None
 
     multi = RankIdentity(world_size=2, local_world_size=2, local_rank=1, global_rank=1)
-    fields = runtime_environment_fields(multi, None)
+    fields = runtime_environment_item(multi, None, timestamp_unix_ns=1, seq=0)
     assert fields["topology"] == "single_node_multi_process"
     assert fields["distributed_initialized"] is False and fields["distributed_backend"] is None
     assert (fields["training_strategy"], fields["strategy_confidence"]) == (
         "distributed_unknown",
         "low",
     )
-    single = runtime_environment_fields(RankIdentity(), None)
+    single = runtime_environment_item(RankIdentity(), None, timestamp_unix_ns=1, seq=0)
     assert (single["training_strategy"], single["strategy_source"]) == (
         "single_process",
         "topology",
     )
     assert single["torch_version"] == torch.__version__
-    fsdp = runtime_environment_fields(multi, "fsdp")
+    fsdp = runtime_environment_item(multi, "fsdp", timestamp_unix_ns=1, seq=0)
     assert (fsdp["training_strategy"], fsdp["strategy_source"]) == ("fsdp", "runtime_model")
 
 
