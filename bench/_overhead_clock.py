@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,3 +27,11 @@ class StartClock:
         self.cpu_ends.append(time.thread_time())
         self.traced.append(self._active() is not None)
         return self._call(*args, **kwargs)
+
+    def result(self) -> dict[str, list[float] | list[bool]]:
+        """Per update (between consecutive starts): wall seconds, CPU seconds, traced."""
+        return {
+            "durations": [b - a for a, b in itertools.pairwise(self.ends)],
+            "cpu": [b - a for a, b in itertools.pairwise(self.cpu_ends)],
+            "traced": self.traced[:-1],
+        }

@@ -1,10 +1,13 @@
-"""Training loop of bench/overhead.py's paired mode: traced and untraced steps alternate.
+"""Training loop of bench/overhead.py's paired mode: traced and untraced steps take turns.
 
-One process under ``traceml run``: step i is traced when i is even. Each step fetches
+One process under ``traceml run``: step i is traced when i % k == 0. Each step fetches
 its batch from a DataLoader (inside the timed window, as a training loop does) and
 runs forward, backward and the optimizer on an MLP sized for a step of roughly
 600 µs on one CPU thread. Writes one JSON object to argv[1]: per step, whether it was
 traced, its duration in seconds (wall) and the training thread's CPU seconds.
+argv[2]: seconds to run; argv[3]: k; argv[4] ``null`` (optional): TraceML is never
+started and no step is traced, the steps still flagged in turns (the A/A run of
+bench/_paired.py, and the no-TraceML baseline of the whole cost).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import traceml_ai as traceml
 
 out_path = sys.argv[1]
 seconds = float(sys.argv[2])
+one_in = int(sys.argv[3])
+null = len(sys.argv) > 4 and sys.argv[4] == "null"
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = nn.Sequential(
@@ -29,9 +34,12 @@ model = nn.Sequential(
 )
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 loss_fn = nn.MSELoss()
-data = TensorDataset(torch.randn(4096, 256), torch.randn(4096, 1))
+# 63 batches an epoch: the slow first batch of each epoch falls on every position of
+# the traced-one-in-4 cycle in turn, not always on the traced step (bench/_paired.py).
+data = TensorDataset(torch.randn(4032, 256), torch.randn(4032, 1))
 loader = DataLoader(data, batch_size=64, shuffle=True, drop_last=True)
-traceml.init()
+if not null:
+    traceml.init()
 
 
 def batches() -> object:
@@ -50,11 +58,11 @@ thread_time = time.thread_time
 end = time.monotonic() + seconds
 i = 0
 while time.monotonic() < end:
-    traced = i % 2 == 0
+    traced = i % one_in == 0
     t0 = time.perf_counter()
     c0 = thread_time()
     x, y = next(it)
-    with traceml.trace_step(model) if traced else untraced:
+    with traceml.trace_step(model) if traced and not null else untraced:
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         optimizer.step()
@@ -62,7 +70,8 @@ while time.monotonic() < end:
     cpu.append(thread_time() - c0)
     traced_flags.append(traced)
     i += 1
-traceml.shutdown()
+if not null:
+    traceml.shutdown()
 with open(out_path, "wb") as f:
     # traceml_file: which TraceML ran (bench/overhead.py prints it, so a baseline run
     # with PYTHONPATH=<old tree>/src can be seen to run the old code).

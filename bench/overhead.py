@@ -17,12 +17,19 @@ pass/fail.
     python bench/overhead.py --paired [--rounds 5] [--seconds 3]
 
 Paired mode, so that noise cannot hide the cost: one process under ``traceml run
---exporter jsonl --export-streams all`` (bench/_overhead_paired_train.py) alternates
-traced and untraced steps of a ~600 µs CPU step with a DataLoader fetch; the figure is
-the median of (traced step - the next untraced step), per round, and the median over
-rounds; also in the training thread's CPU time (``time.thread_time``), which the other
-processes of a busy machine do not inflate. Last line: ``paired_overhead_us=<x>
-step_us=<y> paired_overhead_cpu_us=<z>``.
+--exporter jsonl --export-streams all`` (bench/_overhead_paired_train.py) traces one
+step in 4 of a ~700 µs CPU step with a DataLoader fetch; the figure is what a traced
+step costs, its own extra time plus what spills into the untraced steps after it, over
+the last untraced step of each cycle (bench/_paired.py says why), per round, and the
+median over rounds; also in the training thread's CPU time (``time.thread_time``),
+which the other processes of a busy machine do not inflate. Each round also runs the
+same loop with TraceML never started (``null``): the estimator's A/A figure (about 0
+when it is unbiased), and the baseline of the whole cost: what a step costs when
+every step is traced, against a step without TraceML, CPU time, which also counts
+what every step pays while TraceML runs (hooks returning at once, the sender and
+sampler threads); it compares separate processes, so it is the noisier figure. Last
+line: ``paired_overhead_us=<x> step_us=<y> paired_overhead_cpu_us=<z>
+whole_overhead_cpu_us=<w> null_paired_us=<a> null_paired_cpu_us=<b>``.
 
     python bench/overhead.py --paired --baseline-src /tmp/base/src
 
@@ -47,6 +54,7 @@ from pathlib import Path
 
 import orjson
 import psutil
+from _paired import Cycle, cycle, positions
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "_overhead_train.py"
@@ -105,47 +113,43 @@ def overhead(rounds: int, seconds: float, tmp: Path) -> tuple[float, float]:
     return statistics.median(plain), statistics.median(traced)
 
 
-def _pair_diffs(values: list[float], traced_flags: list[bool], start: int) -> list[float]:
-    return [
-        values[j] - values[j + 1]
-        for j in range(start, len(values) - 1)
-        if traced_flags[j] and not traced_flags[j + 1]
-    ]
+# One traced step in ONE_IN (bench/_paired.py): 4 leaves the last untraced step of a
+# cycle clear of the traced step's after-effects (+10, +3, +0 µs after it, measured).
+ONE_IN = 4
 
 
 def _paired_round(
-    tmp: Path, name: str, seconds: float, env: dict[str, str]
-) -> tuple[float, float, float, str]:
-    """One paired run: (median traced - next untraced µs, the same in CPU time, median
-    untraced step µs, the traceml_ai that ran)."""
+    tmp: Path, name: str, seconds: float, env: dict[str, str], null: bool = False
+) -> tuple[Cycle, Cycle, str]:
+    """One run: its figures in wall time and in the training thread's CPU time (µs),
+    and the traceml_ai that ran. ``null``: the A/A run, TraceML never started."""
     out = tmp / f"{name}.json"
-    subprocess.run(
-        _traced_cmd(tmp, name, out, seconds, PAIRED_TRAIN),
-        env=env, check=True, timeout=180, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    cmd = [*_traced_cmd(tmp, name, out, seconds, PAIRED_TRAIN), str(ONE_IN)]
+    cmd += ["null"] if null else []
+    subprocess.run(cmd, env=env, check=True, timeout=180, stderr=subprocess.DEVNULL)
     data = orjson.loads(out.read_bytes())
-    traced_flags, durations = data["traced"], data["durations"]
+    flags = data["traced"]
+    where = positions(flags)
     # Skip the first steps: hooks are installed and caches warm on the first ones.
-    start = min(50, len(durations) // 10) // 2 * 2
-    diffs = _pair_diffs(durations, traced_flags, start)
-    cpu_diffs = _pair_diffs(data["cpu"], traced_flags, start)
-    untraced = [d for d, t in zip(durations[start:], traced_flags[start:], strict=True) if not t]
-    return (
-        statistics.median(diffs) * 1e6,
-        statistics.median(cpu_diffs) * 1e6,
-        _median_us(untraced),
-        str(data.get("traceml_file")),
-    )
+    skip = min(50, len(flags) // 10)
+    wall = cycle([d * 1e6 for d in data["durations"]], where, ONE_IN, skip)
+    cpu = cycle([c * 1e6 for c in data["cpu"]], where, ONE_IN, skip)
+    return wall, cpu, str(data.get("traceml_file"))
 
 
 def paired(
     rounds: int, seconds: float, tmp: Path, baseline: Path | None = None
 ) -> dict[str, tuple[float, float, float]]:
-    """Per tree ("current", and "baseline" when given): (median over rounds of the paired
-    µs, of the paired µs in CPU time, of the untraced step µs).
+    """Per tree ("current", "baseline" when given, and "null", the A/A run): medians
+    over rounds of (the cost of a traced step in wall µs, in CPU µs, the last untraced
+    step of a cycle in wall µs); and "whole": the median over rounds of what a step
+    costs when every step is traced, against a step without TraceML (CPU µs, the
+    current tree's cost plus its last untraced step over the null run's step, which
+    counts what every step pays while TraceML runs).
 
     With ``baseline`` (an old ``src/`` folder) each round runs it first with
-    ``PYTHONPATH=baseline``, then the current tree, so both see the same machine.
+    ``PYTHONPATH=baseline``, then the current tree, so both see the same machine. The
+    null run comes last in each round.
     """
     trees: dict[str, dict[str, str]] = {"current": _env()}
     if baseline is not None:
@@ -154,19 +158,34 @@ def paired(
             p for p in (str(baseline), old.get("PYTHONPATH", "")) if p
         )
         trees = {"baseline": old, **trees}
+    trees["null"] = _env()
     figures: dict[str, list[tuple[float, float, float]]] = {tree: [] for tree in trees}
+    whole: list[float] = []
     for i in range(rounds):
+        current: Cycle | None = None
         for tree, env in trees.items():
-            overhead, cpu_overhead, step, ran = _paired_round(tmp, f"{tree}{i}", seconds, env)
-            if i == 0:
+            wall, cpu, ran = _paired_round(tmp, f"{tree}{i}", seconds, env, null=tree == "null")
+            if i == 0 and tree != "null":
                 print(f"{tree}: traceml {ran}", flush=True)
-            figures[tree].append((overhead, cpu_overhead, step))
+            figures[tree].append((wall.cost, cpu.cost, wall.by_position[-1]))
             print(
-                f"round {i + 1} {tree}: traced - untraced {overhead:.1f} us "
-                f"(CPU time {cpu_overhead:.1f} us), untraced step {step:.1f} us",
+                f"round {i + 1} {tree}: a traced step costs {wall.cost:.1f} us (CPU time "
+                f"{cpu.cost:.1f} us: own {cpu.own:.1f}, after it {cpu.spill:.1f}), last "
+                f"untraced step {wall.by_position[-1]:.1f} us",
                 flush=True,
             )
-    return {
+            if tree == "current":
+                current = cpu
+            elif tree == "null" and current is not None:
+                null_step = statistics.median(cpu.by_position)
+                whole.append(current.cost + current.by_position[-1] - null_step)
+                print(
+                    f"round {i + 1} whole: every step traced - no TraceML {whole[-1]:.1f} us "
+                    f"(CPU time; untraced steps {current.by_position[-1] - null_step:+.1f} "
+                    "us over the null run's, separate runs)",
+                    flush=True,
+                )
+    result = {
         tree: (
             statistics.median(r[0] for r in rows),
             statistics.median(r[1] for r in rows),
@@ -174,6 +193,9 @@ def paired(
         )
         for tree, rows in figures.items()
     }
+    whole_us = statistics.median(whole)
+    result["whole"] = (whole_us, whole_us, whole_us)
+    return result
 
 
 def _aggregator_of(launcher: psutil.Process, deadline: float) -> psutil.Process:
@@ -250,6 +272,11 @@ def main() -> None:
                 f" baseline_paired_overhead_us={base_us:.1f}"
                 f" baseline_paired_overhead_cpu_us={base_cpu_us:.1f}"
             )
+        null_us, null_cpu_us, _ = result["null"]
+        last += (
+            f" whole_overhead_cpu_us={result['whole'][1]:.1f}"
+            f" null_paired_us={null_us:.1f} null_paired_cpu_us={null_cpu_us:.1f}"
+        )
         print(last)
         return
     with tempfile.TemporaryDirectory() as name:

@@ -18,12 +18,14 @@ from contextlib import AbstractContextManager
 import traceml_ai as traceml
 from traceml_ai.rank._timing import DATALOADER_NEXT, FORWARD, StepTimer, activate, active
 
-ALTERNATE = False
-"""Benchmarks only (``bench/overhead_frameworks.py``): every other optimizer update runs
-untraced, TraceML's hooks off from the end of a traced update to the end of the next
-one, so traced and untraced updates alternate inside one ``train()``/``fit()`` and
-their difference is TraceML's cost, free of the drift between separate runs. A
-module global, read once per update: nothing sets it outside the benchmark."""
+TRACE_ONE_IN = 0
+"""Benchmarks only (``bench/overhead_frameworks.py``): with ``k`` >= 2, one optimizer
+update in ``k`` is traced and the ``k - 1`` after it run untraced, TraceML's hooks off
+from the end of a traced update to the end of the last untraced one, so traced and
+untraced updates take turns inside one ``train()``/``fit()`` and their difference is
+TraceML's cost, free of the drift between separate runs. 0 (the default): every
+update is traced. A module global, read once per update: nothing sets it outside the
+benchmark."""
 
 
 def say(message: str) -> None:
@@ -79,10 +81,11 @@ class StepDriver:
         self._step: AbstractContextManager[None] | None = None
         self._paused: StepTimer | None = None
         self._atexit = False
-        # ALTERNATE (benchmarks): the current update runs untraced; the timer that
-        # the end of the last traced update took off, for the end of this one.
+        # TRACE_ONE_IN (benchmarks): the current update runs untraced, and how many
+        # more are to; the timer that the end of the last traced update took off, for
+        # the end of the last untraced one.
         self._untraced = False
-        self._skip_next = False
+        self._untraced_left = 0
         self._alternate_paused: StepTimer | None = None
 
     def start(self) -> None:
@@ -97,14 +100,14 @@ class StepDriver:
 
     @property
     def open(self) -> bool:
-        """Whether a step is open (or, with ``ALTERNATE``, an untraced update runs)."""
+        """Whether a step is open (or, with ``TRACE_ONE_IN``, an untraced update runs)."""
         return self._step is not None or self._untraced
 
     def begin(self, model: object | None) -> None:
         """Open a step (auto-initializes TraceML under ``traceml run``); nothing if one is open."""
         if self._step is not None or self._untraced:
             return
-        if self._skip_next and ALTERNATE:
+        if self._untraced_left and TRACE_ONE_IN:
             self._untraced = True
             return
         step = traceml.trace_step(model)
@@ -134,9 +137,9 @@ class StepDriver:
             step.__exit__(None, None, None)
         else:
             step.__exit__(type(exc), exc, exc.__traceback__)
-        if ALTERNATE:
-            # The next update (its DataLoader fetch included) runs with the hooks off.
-            self._skip_next = True
+        if TRACE_ONE_IN > 1:
+            # The next updates (their DataLoader fetches included) run with the hooks off.
+            self._untraced_left = TRACE_ONE_IN - 1
             timer = active()
             if timer is not None:
                 self._alternate_paused = timer
@@ -144,7 +147,10 @@ class StepDriver:
 
     def _end_untraced(self) -> None:
         self._untraced = False
-        self._skip_next = False
+        self._untraced_left -= 1
+        if self._untraced_left > 0 and TRACE_ONE_IN:
+            return
+        self._untraced_left = 0
         timer = self._alternate_paused
         self._alternate_paused = None
         if timer is not None and timer.enabled and active() is None:
@@ -205,4 +211,5 @@ class StepDriver:
         finally:
             self.end()
             if self._alternate_paused is not None:
+                self._untraced_left = 1  # the last untraced update: hooks back on
                 self._end_untraced()

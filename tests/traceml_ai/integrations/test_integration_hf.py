@@ -10,7 +10,7 @@ transformers is slow, so there are three runs, each checking several things:
 - zero code, 2 ranks (DDP, gloo): one step per update on each rank;
 - zero code, the user's code raises inside ``train()``: it propagates unchanged and
   the run is finalized;
-- the benchmark switch ``_common.ALTERNATE``: every other update traced;
+- the benchmark switch ``_common.TRACE_ONE_IN``: every other update traced;
 - explicit callback with the automatic attach off: a hook failure is reported
   once and training continues; evaluation's batches are dropped at ``on_evaluate``;
   the user's exception still propagates.
@@ -253,7 +253,7 @@ ALTERNATE = (
     + """
 from traceml_ai.integrations import _common
 
-_common.ALTERNATE = True
+_common.TRACE_ONE_IN = 2
 args = make_args("out", gradient_accumulation_steps=2, max_steps=4)
 Trainer(model=model, args=args, train_dataset=Tokens(64)).train()
 sys.stdout.write("ALTERNATED\\n")

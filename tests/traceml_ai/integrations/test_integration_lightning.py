@@ -14,7 +14,7 @@ A small LightningModule trains on random data. Each run checks several things:
 - zero code is no callback: Lightning's loop methods are wrapped once per process
   (two trainers, two fits), a fit that raised leaves the next fit traced, a fault in
   the integration's own code is reported once and training continues;
-- the benchmark switch ``_common.ALTERNATE``: every other update traced;
+- the benchmark switch ``_common.TRACE_ONE_IN``: every other update traced;
 - in this process (no ``traceml run``): importing the integration wraps nothing, and
   the wraps install once and come off again.
 """
@@ -247,8 +247,8 @@ REFIT = (
     + """
 from traceml_ai.integrations import _common
 
-if os.environ.get("ALTERNATE") == "1":
-    _common.ALTERNATE = True
+if os.environ.get("TRACE_ONE_IN"):
+    _common.TRACE_ONE_IN = int(os.environ["TRACE_ONE_IN"])
     make_trainer(1, 6, num_sanity_val_steps=0).fit(Model(), loader(64, 0))
     sys.stdout.write("ALTERNATED\\n")
     sys.exit(0)
@@ -314,13 +314,15 @@ def test_zero_code_refit_after_exception_and_own_fault(tmp_path: Path) -> None:
     assert_all_streams_closed(tmp_path)
 
 
-def test_alternate_switch_traces_every_other_update(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("one_in", "traced"), [(2, 3), (4, 2)])
+def test_bench_switch_traces_one_update_in_k(tmp_path: Path, one_in: int, traced: int) -> None:
     script = write_script(tmp_path, "alt_pl.py", REFIT)
-    res = traceml_run(tmp_path, script, env={"ALTERNATE": "1"})
+    res = traceml_run(tmp_path, script, env={"TRACE_ONE_IN": str(one_in)})
     assert res.returncode == 0, describe(res)
     assert "ALTERNATED" in res.stdout, describe(res)
     (lines,) = steps_by_rank(tmp_path).values()
-    assert [line["step"] for line in lines] == [1, 2, 3]
+    # 6 updates: 1, 3, 5 traced (one in 2), or 1 and 5 (one in 4); numbered on.
+    assert [line["step"] for line in lines] == list(range(1, traced + 1))
     for line in lines:
         # An untraced update's DataLoader fetch is not counted into the next step.
         assert calls(line, DATALOADER) == 1, line
