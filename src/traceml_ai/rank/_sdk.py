@@ -164,6 +164,13 @@ class _Runtime:
         self.timer.auto_dataloader = config.patch_dataloader
         self.timer.local_rank = identity.local_rank
         self.timer.reset_peak = reset_peak_memory
+        set_producer = getattr(owned, "set_producer", None)
+        wake = getattr(owned, "wake", None)
+        if callable(set_producer) and callable(wake):
+            # The sender's thread builds the items of steps off CUDA (StepTimer.defer).
+            set_producer(self.timer.build_ended)
+            self.timer.wake_builder = wake
+            self.timer.defer = True
         self._seq_system = carried.seq_system
         torch = torch_or_none()
         if torch is not None:
@@ -305,6 +312,10 @@ class _Runtime:
                 timer.drain(sync=True)
             except Exception as exc:
                 timer.fail(exc)
+        else:
+            # Steps that ended before the timer failed still have their items.
+            with contextlib.suppress(Exception):
+                timer.build_ended()
         timer.enabled = False
         if self._thread.stop(timeout=max(2.0, self.interval)):
             # One more sample so that even a short run has process/system lines;

@@ -49,6 +49,11 @@ MAX_OUTSIDE_PAIRS = 256
 # deadline, never Event.synchronize(): behind an unjoined NCCL collective the GPU
 # may never finish, and then gpu_ms is null for what did not complete.
 SHUTDOWN_GPU_WAIT_S = 3.0
+# Steps off CUDA ended but not yet built into items (``StepTimer.defer``): past
+# ENDED_WAKE_AT the builder's thread is woken; past MAX_ENDED_STEPS (a builder thread
+# that does not keep up, e.g. stuck in a send) the training thread builds them itself.
+ENDED_WAKE_AT = 512
+MAX_ENDED_STEPS = 4096
 
 _get_ident = threading.get_ident
 _perf_ns = time.perf_counter_ns
@@ -250,6 +255,13 @@ class StepTimer:
         self._spare: list[_Phase] = []
         self._seq_time = 0
         self._seq_mem = 0
+        # True when a background thread calls ``build_ended`` (the sender's, before
+        # each flush): a step off CUDA then leaves only its numbers here, and its items
+        # are built there. Building them took about a third of a traced CPU step's
+        # cost on the training thread (docs/benchmarks.md).
+        self.defer = False
+        self.wake_builder: Callable[[], None] | None = None
+        self._ended: deque[tuple[int, int, str, dict[str, _Phase]]] = deque()
 
     # -- counters -------------------------------------------------------------
 
@@ -497,7 +509,7 @@ class StepTimer:
         self._t0 = _perf_ns()
 
     def end(self) -> None:
-        """Finish the current step and send its items."""
+        """Finish the current step and send its items (or leave them to the builder)."""
         dt = _perf_ns() - self._t0
         self.in_step = False
         self._add_host(STEP_TIME, dt)
@@ -508,11 +520,48 @@ class StepTimer:
         step = self.step
         device = self.device
         index = self.cuda_index
+        if index is None and not self._pending:
+            # Not on CUDA: no GPU time to wait for and no peak to read. Event pairs a
+            # phase may still hold from an earlier CUDA step are not read off a CUDA
+            # device either way (gpu_ms is null).
+            ended = self._ended
+            if self.defer and len(ended) < MAX_ENDED_STEPS:
+                ended.append((step, ts, device, acc))
+                if len(ended) == ENDED_WAKE_AT and self.wake_builder is not None:
+                    self.wake_builder()
+                return
+            if ended or self.defer:
+                with self._pending_lock:
+                    self._build_ended()
+                    self._send_host(step, ts, device, acc)
+                return
+            # Nothing else sends steps now (the sampler thread only sends while the
+            # pending queue is not empty): the common inline path takes no lock.
+            self._send_host(step, ts, device, acc)
+            return
+        if self._ended:
+            # Earlier CPU steps first, so seq and step numbers stay in order.
+            self.build_ended()
         if index is not None and self.reset_peak:
             peak_alloc = self._cuda.max_memory_allocated(index)
             peak_reserved = self._cuda.max_memory_reserved(index)
         else:
             peak_alloc = peak_reserved = None
+        self._put_memory(step, ts, device, peak_alloc, peak_reserved)
+        pending = _PendingStep(step, ts, device, acc)
+        if not self._pending and not any(p.pairs for p in acc.values()):
+            # No event to wait for (CPU): sent at once. The sampler thread only
+            # sends while the queue is not empty (drain pops after sending), so
+            # this cannot interleave with it.
+            self._emit(pending)
+            return
+        with self._pending_lock:
+            self._pending.append(pending)
+            self._drain_ready()
+
+    def _put_memory(
+        self, step: int, ts: int, device: str, peak_alloc: int | None, peak_reserved: int | None
+    ) -> None:
         seq_mem = self._seq_mem
         self._seq_mem = seq_mem + 1
         memory_item: StepMemoryItem = {
@@ -524,27 +573,27 @@ class StepTimer:
             "peak_reserved_bytes": peak_reserved,
         }
         self._sink.put("step_memory", memory_item)
-        if index is None and not self._pending:
-            # Not on CUDA: no GPU time to wait for, so the line is built and sent
-            # now, without the pending-step bookkeeping (the common CPU hot path).
-            # Event pairs a phase may still hold from an earlier CUDA step are not
-            # read off a CUDA device either way (gpu_ms is null).
-            self._emit_host(step, ts, device, acc)
-            spare = self._spare
-            for phase in acc.values():
-                if phase.missing:  # host-only: no pairs (missing phases keep none)
-                    spare.append(phase)
-            return
-        pending = _PendingStep(step, ts, device, acc)
-        if not self._pending and not any(p.pairs for p in acc.values()):
-            # No event to wait for (CPU): sent at once. The sampler thread only
-            # sends while the queue is not empty (drain pops after sending), so
-            # this cannot interleave with it.
-            self._emit(pending)
-            return
-        with self._pending_lock:
-            self._pending.append(pending)
-            self._drain_ready()
+
+    def _send_host(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
+        """Both items of a step off CUDA, then its host-only phases back to the spares."""
+        self._put_memory(step, ts, device, None, None)
+        self._emit_host(step, ts, device, acc)
+        spare = self._spare
+        for phase in acc.values():
+            if phase.missing:  # host-only: no pairs (missing phases keep none)
+                spare.append(phase)
+
+    def _build_ended(self) -> None:
+        # Caller holds _pending_lock.
+        ended = self._ended
+        while ended:
+            self._send_host(*ended.popleft())
+
+    def build_ended(self) -> None:
+        """Build and send the items of steps that ``defer`` left (any thread)."""
+        if self._ended:
+            with self._pending_lock:
+                self._build_ended()
 
     def discard(self) -> None:
         """Drop the current step: its body raised (TraceML 0.5.0 does not count it).
@@ -571,6 +620,7 @@ class StepTimer:
     def poll(self) -> None:
         """Send steps whose CUDA events completed (sampler thread: the last step's
         line does not wait for a next step that may never come)."""
+        self.build_ended()
         if self._pending:
             with self._pending_lock:
                 self._drain_ready()
@@ -584,6 +634,7 @@ class StepTimer:
         if not sync:
             self.poll()
             return
+        self.build_ended()
         if deadline is None:
             deadline = time.monotonic() + SHUTDOWN_GPU_WAIT_S
         pause = 0.0005

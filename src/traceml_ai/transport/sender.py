@@ -15,6 +15,7 @@ import socket
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from time import monotonic
 from typing import Any
 
@@ -103,6 +104,8 @@ class RankSender:
         self._send_timeout_s = send_timeout_s
         self._max_frame_bytes = max_frame_bytes
         self._wake_at = min(max_items_per_batch, max_pending_items)
+        # Called on the sender thread before each flush (``set_producer``).
+        self._producer: Callable[[], None] | None = None
 
         self._streams: tuple[tuple[str, deque[dict[str, Any]]], ...] = tuple(
             (name, deque()) for name in BATCH_STREAMS
@@ -222,6 +225,23 @@ class RankSender:
         except Exception:
             pass
 
+    def set_producer(self, producer: Callable[[], None] | None) -> None:
+        """Have the sender thread call ``producer`` before each flush, to ``put`` items
+        that were left to build off the caller's thread. Not called by ``close`` (``put``
+        is off from its start): build what is left before closing. An exception from it
+        is swallowed: the sender thread never stops for it."""
+        self._producer = producer
+
+    def wake(self) -> None:
+        """Flush now rather than at the next interval (also runs the producer)."""
+        self._wake.set()
+
+    def _produce(self) -> None:
+        producer = self._producer
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer()
+
     def close(self, timeout: float = 2.0) -> None:
         """Flush within ``timeout``, send ``finished``, close and join. Idempotent, never raises."""
         try:
@@ -281,6 +301,7 @@ class RankSender:
                 self._wake.clear()
                 if self._stop.is_set():
                     break
+                self._produce()
                 self._charge_put_drops()
                 # Connect only with something to send: the aggregator closes a
                 # connection that has not proven itself with a first frame for a

@@ -806,3 +806,38 @@ def test_received_batches_are_tallied_per_rank(
         1: senders[1].sent_batches,
     }
     assert senders[1].sent_batches >= 7
+
+
+def test_producer_runs_on_the_sender_thread_and_its_exception_stops_nothing(
+    collector: Collector, server_factory: Callable[..., AggregatorServer]
+) -> None:
+    """``set_producer``: called before each flush (the rank's steps off CUDA are built
+    there); one that raises is swallowed, and what it put before raising is sent."""
+    server = server_factory(collector)
+    address = server.address
+    assert address is not None
+    sender = RankSender(address, TOKEN, identity(), flush_interval_s=0.02)
+    calls: list[int] = []
+    threads: set[int] = set()
+
+    def producer() -> None:
+        threads.add(threading.get_ident())
+        n = len(calls)
+        calls.append(n)
+        if n < 5:
+            sender.put("step_time", {"seq": n})
+        if n % 2:
+            raise RuntimeError("a producer bug")
+
+    sender.set_producer(producer)
+    sender.start()
+    try:
+        collector.wait(lambda c: c.item_count() == 5)
+        sender.wake()
+        wait_until(lambda: len(calls) >= 8)
+    finally:
+        sender.close()
+    collector.wait(lambda c: len(c.finished) == 1)
+    assert [item["seq"] for item in collector.items()] == list(range(5))
+    assert threads and threading.get_ident() not in threads
+    assert sender.dropped_items == 0
