@@ -1,8 +1,13 @@
 """Loop of bench/overhead_instructions.py: TraceML's hooks as a training step calls them.
 
 argv[1]: ``traced`` (each step inside ``trace_step``) or ``idle`` (the same hook
-calls outside a step, what an untraced step pays); argv[2]: steps. torch is kept out
-(``sys.modules["torch"] = None``), so only TraceML's own work is counted.
+calls outside a step, what an untraced step pays); argv[2]: steps; argv[3] ``inline``
+(optional): the step's items built on the training thread, as with a sink given to
+``init``, instead of left to the sender's thread as ``init``'s own sender does
+(``StepTimer.defer``). torch is kept out (``sys.modules["torch"] = None``), so only
+TraceML's own work is counted. What the training thread runs is counted, not what the
+sender's thread would: every 256 steps the loop empties the queues and hands the
+ended steps' phases back to the timer's spares without building their items.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def _autograd_backward() -> None:
 
 def main() -> None:
     kind, steps = sys.argv[1], int(sys.argv[2])
+    inline = len(sys.argv) > 3 and sys.argv[3] == "inline"
     model = Model()
     # Never connected and never started: put() queues as in a run; the queues are
     # emptied every 256 steps, as the sender thread would.
@@ -41,6 +47,8 @@ def main() -> None:
     traceml.init(sink=sender, sampler_interval=3600)
     timer = _timing.active()
     assert timer is not None
+    # A sink given to init builds inline; init's own sender would set this.
+    timer.defer = not inline
     autograd_backward = _timing._timed_backward(_autograd_backward)
     tensor_backward = _timing._timed_backward(lambda: autograd_backward())
     queues = [queue for _, queue in sender._streams]
@@ -62,6 +70,9 @@ def main() -> None:
         if i % 256 == 0:
             for queue in queues:
                 queue.clear()
+            ended = getattr(timer, "_ended", ())  # none in a tree from before defer
+            while ended:
+                timer._spare.extend(p for p in ended.popleft()[3].values() if p.missing)
     traceml.shutdown()
 
 

@@ -12,8 +12,10 @@ DataLoader wait the way a training step does, with the items going to a real
 ``RankSender``. A count moves only when the code does, so it shows a change of a
 fraction of a microsecond that the timed benches cannot see on a busy machine.
 
-Last line: ``instructions_per_traced_step=<x> instructions_per_idle_step=<y>``
-(idle: the same hooks called outside a step, as in an untraced step). Figures only.
+Last line: ``instructions_per_traced_step=<x> instructions_per_idle_step=<y>
+instructions_per_traced_step_inline=<z>`` (idle: the same hooks called outside a step,
+as in an untraced step; inline: the step's items built on the training thread, as with
+a sink given to ``init``). Figures only.
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from pathlib import Path
 LOOP = Path(__file__).resolve().parent / "_overhead_instructions_loop.py"
 
 
-def _count(kind: str, steps: int, tmp: Path) -> int:
+def _count(kind: str, steps: int, tmp: Path, *extra: str) -> int:
     out = subprocess.run(
         [
             "valgrind", "--tool=callgrind", "--cache-sim=no",
             f"--callgrind-out-file={tmp / 'callgrind.out'}",
-            sys.executable, str(LOOP), kind, str(steps),
+            sys.executable, str(LOOP), kind, str(steps), *extra,
         ],
         env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True,
         check=True, timeout=600,
@@ -46,8 +48,8 @@ def _count(kind: str, steps: int, tmp: Path) -> int:
     return int(match.group(1))
 
 
-def per_step(kind: str, low: int, high: int, tmp: Path) -> float:
-    return (_count(kind, high, tmp) - _count(kind, low, tmp)) / (high - low)
+def per_step(kind: str, low: int, high: int, tmp: Path, *extra: str) -> float:
+    return (_count(kind, high, tmp, *extra) - _count(kind, low, tmp, *extra)) / (high - low)
 
 
 def main() -> None:
@@ -61,7 +63,11 @@ def main() -> None:
         tmp = Path(name)
         traced = per_step("traced", low, high, tmp)
         idle = per_step("idle", low, high, tmp)
-    print(f"instructions_per_traced_step={traced:.0f} instructions_per_idle_step={idle:.0f}")
+        inline = per_step("traced", low, high, tmp, "inline")
+    print(
+        f"instructions_per_traced_step={traced:.0f} instructions_per_idle_step={idle:.0f} "
+        f"instructions_per_traced_step_inline={inline:.0f}"
+    )
 
 
 if __name__ == "__main__":

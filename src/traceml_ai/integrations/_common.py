@@ -16,7 +16,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import traceml_ai as traceml
-from traceml_ai.rank._timing import DATALOADER_NEXT, FORWARD, StepTimer, activate, active
+from traceml_ai.rank import _timing
+from traceml_ai.rank._timing import DATALOADER_NEXT, FORWARD, StepTimer, activate
 
 TRACE_ONE_IN = 0
 """Benchmarks only (``bench/overhead_frameworks.py``): with ``k`` >= 2, one optimizer
@@ -140,7 +141,7 @@ class StepDriver:
         if TRACE_ONE_IN > 1:
             # The next updates (their DataLoader fetches included) run with the hooks off.
             self._untraced_left = TRACE_ONE_IN - 1
-            timer = active()
+            timer = _timing._ACTIVE
             if timer is not None:
                 self._alternate_paused = timer
                 activate(None)
@@ -153,7 +154,7 @@ class StepDriver:
         self._untraced_left = 0
         timer = self._alternate_paused
         self._alternate_paused = None
-        if timer is not None and timer.enabled and active() is None:
+        if timer is not None and timer.enabled and _timing._ACTIVE is None:
             activate(timer)
 
     def _end_at_exit(self) -> None:
@@ -164,13 +165,13 @@ class StepDriver:
 
     def open_forward(self) -> None:
         """Start the forward phase of the open step (nested hook calls count once)."""
-        timer = active()
+        timer = _timing._ACTIVE
         if timer is not None and self._step is not None:
             timer.open(timer.fwd)
 
     def close_forward(self) -> None:
         """End the forward phase opened by :meth:`open_forward`, if it is still open."""
-        timer = active()
+        timer = _timing._ACTIVE
         if timer is not None and timer.fwd.depth > 0:
             # Inner forward hooks close their own levels; one that did not (a forward
             # that raised without always_call) must not keep the phase open.
@@ -179,13 +180,13 @@ class StepDriver:
 
     def restart_optimizer(self) -> None:
         """Start the open optimizer phase now (its closure has run forward and backward)."""
-        timer = active()
+        timer = _timing._ACTIVE
         if timer is not None:
             timer.restart(timer.opt)
 
     def pause(self) -> None:
         """Stop every hook from reporting (an evaluation loop runs); idempotent."""
-        timer = active()
+        timer = _timing._ACTIVE
         if timer is not None:
             self._paused = timer
             activate(None)
@@ -194,13 +195,13 @@ class StepDriver:
         """Undo :meth:`pause`; nothing if TraceML was shut down or failed meanwhile."""
         timer = self._paused
         self._paused = None
-        if timer is not None and timer.enabled and active() is None:
+        if timer is not None and timer.enabled and _timing._ACTIVE is None:
             activate(timer)
 
     @staticmethod
     def discard_dataloader_waits() -> None:
         """Forget DataLoader waits since the last step ended (they were an evaluation's)."""
-        timer = active()
+        timer = _timing._ACTIVE
         if timer is not None:
             timer.discard_outside(DATALOADER_NEXT)
 

@@ -65,9 +65,11 @@ def _never_compiling() -> bool:
     return False
 
 
-# torch.compiler.is_compiling once torch is patched: while dynamo traces a compiled
-# module (model.compile() puts the hooks inside the compiled region) it is a
-# constant True, so each hook returns at once and adds no graph break.
+# torch.compiler.is_dynamo_compiling once torch is patched (is_compiling on a torch
+# without it): while dynamo traces a compiled module (model.compile() puts the hooks
+# inside the compiled region) it is a constant True, so each hook returns at once and
+# adds no graph break. In eager mode it is a bare ``return False``; is_compiling also
+# calls torch.jit.is_scripting(), one more Python frame in every hook call.
 _is_compiling: Callable[[], bool] = _never_compiling
 
 
@@ -902,7 +904,9 @@ def install_patches(
     global _is_compiling
     with _patch_lock:
         compiler = getattr(torch, "compiler", None)
-        check = getattr(compiler, "is_compiling", None)
+        check = getattr(compiler, "is_dynamo_compiling", None)
+        if not callable(check):
+            check = getattr(compiler, "is_compiling", None)
         if callable(check):
             _is_compiling = check
         wanted = {
