@@ -8,6 +8,12 @@ On CUDA every timed call also records a pair of CUDA events. The events are read
 later, when they have completed (checked with ``query()`` at the end of later
 steps), so the training loop never synchronizes with the GPU; the step's
 ``step_time`` item is sent once its events are resolved, and at shutdown.
+
+Off CUDA, under ``init``'s own sender (``StepTimer.defer``), a step leaves only its
+numbers on the training thread (step, time, device, its phases); the sender's thread
+builds the step_time and step_memory items before each flush, in step order. The
+training thread builds them itself past ``MAX_ENDED_STEPS`` waiting, before a CUDA
+step's items, and with any other sink.
 """
 
 from __future__ import annotations
