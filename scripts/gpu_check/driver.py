@@ -551,13 +551,12 @@ def check_paired_overhead(ctx: Ctx, timeout: float) -> Verdict:
     if r is None:
         return judge.verdict(name, problems, "")
     traced, by_hand, durations = r["traced"], r["by_hand"], r["durations"]
-    plain = [not (t or h) for t, h in zip(traced, by_hand, strict=True)]
-    med, step_us, pairs = judge.paired_overhead_us(traced, durations, plain=plain)
-    hand, _, _ = judge.paired_overhead_us(by_hand, durations, plain=plain)
+    med, step_us, pairs = judge.paired_overhead_us(traced, durations)
+    hand, _, _ = judge.paired_overhead_us(by_hand, durations)
     problems += judge.step_count_problems(run.read("step_time"), sum(map(bool, traced)))
     beyond = None if med is None or hand is None else med - hand
     if beyond is None:
-        problems.append("no traced/untraced or by-hand/untraced pair measured")
+        problems.append("no traced or by-hand step measured with three untraced after it")
     elif beyond > judge.HOST_OVERHEAD_LIMIT_US:
         problems.append(
             f"a traced step costs {med:.1f} µs, {beyond:.1f} µs more than measuring it by "
@@ -565,7 +564,7 @@ def check_paired_overhead(ctx: Ctx, timeout: float) -> Verdict:
         )
     figures = (
         f"paired_overhead_us={judge.fmt(med)} by_hand_us={judge.fmt(hand)} "
-        f"beyond_by_hand_us={judge.fmt(beyond)} step_us={judge.fmt(step_us)} pairs={pairs}"
+        f"beyond_by_hand_us={judge.fmt(beyond)} step_us={judge.fmt(step_us)} traced={pairs}"
     )
     return judge.verdict(
         name, problems, figures, paired_overhead_us=med, by_hand_us=hand, step_us=step_us

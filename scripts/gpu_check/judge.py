@@ -40,12 +40,13 @@ TEMPERATURE_TOL_C = 10.0
 HOST_OVERHEAD_LIMIT_US = 100.0
 """Ceiling for what a traced GPU step adds beyond measuring the same step by hand.
 
-Both are paired figures from one process: (traced step - next untraced step) and
-(by-hand step - next untraced step), where the by-hand step makes the CUDA calls
-TraceML makes (event pairs around each phase, read a step later; the peak reset and
-read) and nothing else. What the driver charges for those calls differs several-fold
-between machines (and under gVisor); what TraceML adds on top should not. The CPU
-step's figure is ~17 µs (bench/overhead.py --paired); 100 µs leaves room for the
+Both are cycle figures from one process (bench/_paired.py): what a traced step, and a
+by-hand step, cost over the third untraced step after them, their own time and what
+spills into the next steps. The by-hand step makes the CUDA calls TraceML makes
+(event pairs around each phase, read a step later; the peak reset and read) and
+nothing else. What the driver charges for those calls differs several-fold between
+machines (and under gVisor); what TraceML adds on top should not. The CPU step's
+figure is ~15 to 20 µs (bench/overhead.py --paired); 100 µs leaves room for the
 pending-step bookkeeping and a slower host. The issue sets no GPU target."""
 MAX_LISTED = 3
 """Problems of one kind listed in a verdict line before '... and N more'."""
@@ -548,29 +549,29 @@ def exit_time_problems(
     ]
 
 
-def paired_overhead_us(
-    marked: Sequence[bool],
-    durations_s: Sequence[float],
-    warmup: int = 20,
-    plain: Sequence[bool] | None = None,
-) -> tuple[float | None, float | None, int]:
-    """Median of (marked step - the next plain step) in µs, the plain median, pairs.
+CYCLE = 4
+"""Steps from one traced (or by-hand) step to the next step of any marked kind."""
 
-    ``plain`` flags the untraced steps (default: every step not ``marked``). The
-    first ``warmup`` steps are left out.
+
+def paired_overhead_us(
+    marked: Sequence[bool], durations_s: Sequence[float], warmup: int = 20
+) -> tuple[float | None, float | None, int]:
+    """What a ``marked`` step costs in µs (bench/_paired.py's cycle estimator: its own
+    time and what spills into the next steps, over the third step after it), that
+    reference step's median in µs, and how many marked steps were measured.
+
+    The three steps after a marked one must be unmarked (the scenario's kinds go
+    traced, plain x3, by-hand, plain x3). The first ``warmup`` steps are left out.
     """
-    if plain is None:
-        plain = [not m for m in marked]
-    diffs: list[float] = []
-    plain_s: list[float] = []
-    for i in range(warmup, len(marked)):
-        if plain[i]:
-            plain_s.append(durations_s[i])
-        if marked[i] and i + 1 < len(marked) and plain[i + 1]:
-            diffs.append(durations_s[i] - durations_s[i + 1])
-    if not diffs:
+    from bench._paired import cycle, positions
+
+    where = positions(marked)
+    count = sum(1 for i in range(warmup, len(marked)) if marked[i])
+    try:
+        figures = cycle([d * 1e6 for d in durations_s], where, CYCLE, warmup)
+    except ValueError:
         return None, None, 0
-    return statistics.median(diffs) * 1e6, statistics.median(plain_s) * 1e6, len(diffs)
+    return figures.cost, figures.by_position[-1], count
 
 
 def shutdown_problems(shutdown_s: float, queued_s: float) -> list[str]:

@@ -377,27 +377,22 @@ def test_exit_times() -> None:
     assert judge.exit_time_problems([], "x") == ["x: nothing measured"]
 
 
-def test_paired_overhead_median_of_traced_minus_next_untraced() -> None:
-    traced = [i % 2 == 0 for i in range(10)]
-    durations = [0.001 + (0.00005 if t else 0.0) for t in traced]
-    durations[8] = 1.0  # one outlier does not move the median
-    med, step_us, pairs = judge.paired_overhead_us(traced, durations, warmup=2)
-    assert pairs == 4 and med == pytest.approx(50.0) and step_us == pytest.approx(1000.0)
-    assert judge.paired_overhead_us([True], [0.1], warmup=0) == (None, None, 0)
-
-
-def test_paired_overhead_pairs_each_kind_with_the_next_plain_step() -> None:
-    # traced, plain, by-hand, plain, ...: a traced step is never paired with a by-hand one.
-    kinds = ["traced", "plain", "by_hand", "plain"] * 4
-    cost = {"traced": 0.00003, "plain": 0.0, "by_hand": 0.00005}
-    durations = [0.001 + cost[k] for k in kinds]
-    plain = [k == "plain" for k in kinds]
+def test_paired_overhead_counts_own_time_and_what_spills_into_the_next_steps() -> None:
+    # traced, plain x3, by-hand, plain x3: each kind's cost over the third step after it.
+    kinds = ["traced", "plain", "plain", "plain", "by_hand", "plain", "plain", "plain"] * 6
+    own = {"traced": 30e-6, "by_hand": 50e-6}
+    durations = []
+    for i, kind in enumerate(kinds):
+        after = kinds[i - 1] if i else "plain"  # the step right after a marked one pays 10 µs
+        durations.append(0.001 + own.get(kind, 0.0) + (10e-6 if after in own else 0.0))
+    durations[16] = 1.0  # one outlier does not move the median
     traced = [k == "traced" for k in kinds]
     by_hand = [k == "by_hand" for k in kinds]
-    med, step_us, pairs = judge.paired_overhead_us(traced, durations, warmup=0, plain=plain)
-    assert pairs == 4 and med == pytest.approx(30.0) and step_us == pytest.approx(1000.0)
-    hand, _, _ = judge.paired_overhead_us(by_hand, durations, warmup=0, plain=plain)
-    assert hand == pytest.approx(50.0)
+    med, step_us, count = judge.paired_overhead_us(traced, durations, warmup=0)
+    assert count == 6 and med == pytest.approx(40.0) and step_us == pytest.approx(1000.0)
+    hand, _, _ = judge.paired_overhead_us(by_hand, durations, warmup=0)
+    assert hand == pytest.approx(60.0)
+    assert judge.paired_overhead_us([True], [0.1], warmup=0) == (None, None, 0)
 
 
 def test_shutdown_and_warnings() -> None:
