@@ -9,7 +9,6 @@ a timer failure or a builder that does not keep up is still sent, in order.
 
 from __future__ import annotations
 
-import subprocess
 import textwrap
 import threading
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_helpers import clean_env, data_lines, export_dir, traceml_cmd, warning_file
+from tests.e2e_helpers import data_lines, export_dir, run_cli, warning_file
 from traceml_ai.rank import _timing
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
@@ -167,15 +166,7 @@ def test_steps_waiting_for_the_builder_reach_the_files_after_a_timer_failure(
     script.write_text(_FAIL_SCRIPT)
     logs = tmp_path / "logs"
     options = ["--logs-dir", logs, "--run-name", "fail", "--exporter", "jsonl"]
-    res = subprocess.run(
-        traceml_cmd("run", *options, "--export-streams", "all", script),
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    res = run_cli(["run", *options, "--export-streams", "all", script], cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     waiting = int(res.stdout.split("WAITING ")[1].split()[0])
     assert waiting > 0, res.stdout  # the sender had not built them yet
