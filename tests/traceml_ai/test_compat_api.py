@@ -287,8 +287,20 @@ def test_wrap_h2d_times_the_copy_in_manual_mode(monkeypatch: pytest.MonkeyPatch)
     assert item["events"][H2D]["cpu"]["n_calls"] == 1
 
 
-def test_h2d_rules() -> None:
+@pytest.mark.parametrize("installed", [False, True])
+def test_h2d_rules(installed: bool) -> None:
+    """The same answers before the patch knows torch's classes and after (its fast
+    path for a ``torch.device`` or ``torch.dtype`` target)."""
+    if installed:
+        _wrappers.install_h2d_patch(torch)
+        assert _wrappers._device_class is torch.device
+    else:
+        assert _wrappers._device_class in (None, torch.device)
     x, p = torch.randn(2), torch.nn.Parameter(torch.randn(2))
+    assert _wrappers.copies_to_accelerator(x, (torch.device("cuda", 1),), {})
+    assert not _wrappers.copies_to_accelerator(x, (torch.device("cpu"),), {})
+    assert not _wrappers.copies_to_accelerator(p, (torch.device("cuda"),), {})
+    assert not _wrappers.copies_to_accelerator(x, (torch.device("cpu"), torch.float16), {})
     assert _wrappers.copies_to_accelerator(x, ("cuda:1",), {})
     assert _wrappers.copies_to_accelerator(x, (0,), {})
     assert _wrappers.copies_to_accelerator(x, (), {"device": torch.device("cuda")})

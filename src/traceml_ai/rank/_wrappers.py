@@ -62,7 +62,11 @@ def _is_host_tensor(tensor: Any) -> bool:
 
 _dtype_class: type | None = None
 """``torch.dtype``, once the patch is installed: ``.to(dtype)`` is answered by one type
-check (a Hugging Face update makes ~35 ``.to`` calls, most of them casts)."""
+check (a Hugging Face update makes ~35 ``.to`` calls)."""
+_device_class: type | None = None
+"""``torch.device``, once the patch is installed: ``.to(device)`` reads its ``type``
+without another call (most of a Hugging Face update's ``.to`` calls name the
+trainer's device)."""
 
 
 def copies_to_accelerator(tensor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -76,8 +80,11 @@ def copies_to_accelerator(tensor: Any, args: tuple[Any, ...], kwargs: dict[str, 
         if not args:
             return False
         target = args[0]
-        if type(target) is _dtype_class:
-            return False
+    kind = type(target)
+    if kind is _device_class:
+        return target.type in _ACCELERATORS and _is_host_tensor(tensor)
+    if kind is _dtype_class:
+        return False
     return _device_type(target) in _ACCELERATORS and _is_host_tensor(tensor)
 
 
@@ -92,11 +99,12 @@ def _timed(timer: _timing.StepTimer, call: Callable[[], Any]) -> Any:
 
 def install_h2d_patch(torch: Any) -> None:
     """Wrap ``torch.Tensor.to`` and ``torch.Tensor.cuda`` once per process."""
-    global _h2d_installed, _dtype_class
+    global _h2d_installed, _dtype_class, _device_class
     with _h2d_lock:
         if _h2d_installed:
             return
         _dtype_class = type(torch.float32)
+        _device_class = torch.device
         tensor_cls = torch.Tensor
         original_to = tensor_cls.to
         original_cuda = tensor_cls.cuda
