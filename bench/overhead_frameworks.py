@@ -30,9 +30,12 @@ callback and TraceML's begin and end of it, in the training thread's CPU time
   noisier figure, and the one the ≤ 2 % target is judged on: the cost relative to an
   untraced ``train()``/``fit()``.
 
-Each run is checked: one step_time line per traced update, and the traced updates one
-in 4. Last line: ``hf_overhead_pct=<whole> lightning_overhead_pct=<whole>
-hf_step_pct=<step> lightning_step_pct=<step>`` (medians over rounds, CPU time).
+A third run per round traces every update (``TRACE_ONE_IN = 1``, as in real use): its
+median update against the null run's, the same criterion measured directly (separate
+processes again). Each run is checked: one step_time line per traced update, and the
+traced updates one in 4 (or all). Last line: ``hf_overhead_pct=<whole>
+lightning_overhead_pct=<whole> hf_step_pct=<step> lightning_step_pct=<step>
+hf_all_traced_pct=<x> lightning_all_traced_pct=<y>`` (medians over rounds, CPU time).
 Figures only; no pass/fail.
 """
 
@@ -45,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import orjson
 from _paired import Cycle, cycle, positions
@@ -77,46 +81,70 @@ def _step_time_lines(export: Path) -> int:
     return sum(1 for line in path.read_bytes().splitlines() if b'"step":' in line)
 
 
-def _run(tmp: Path, framework: str, traced: bool, steps: int, name: str) -> tuple[Cycle, Cycle]:
-    """One run's figures: (CPU µs, wall µs)."""
+def _launch(
+    tmp: Path, framework: str, traced: bool, steps: int, name: str, one_in: int
+) -> tuple[dict[str, Any], int]:
+    """Run the script once: (its output, the step_time lines it exported)."""
     out = tmp / f"{name}.json"
     cmd = [
         sys.executable, "-m", "traceml_ai", "run",
         "--logs-dir", str(tmp / "logs"), "--run-name", name,
         "--exporter", "jsonl", "--export-streams", "all",
-        str(SCRIPTS[framework]), str(out), str(steps), str(ONE_IN),
+        str(SCRIPTS[framework]), str(out), str(steps), str(one_in),
     ]  # fmt: skip
     subprocess.run(
         cmd, env=_env(traced), cwd=tmp, check=True, timeout=600,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    data = orjson.loads(out.read_bytes())
+    data: dict[str, Any] = orjson.loads(out.read_bytes())
+    return data, _step_time_lines(tmp / "logs" / name / "aggregator" / "export")
+
+
+def _check_lines(name: str, lines: int, expected: int) -> None:
+    # The update in flight when the clock stopped is traced too, and has its line.
+    if not expected - 1 <= lines <= expected:
+        raise RuntimeError(f"{name}: {lines} step_time lines, expected {expected}")
+
+
+def _run(tmp: Path, framework: str, traced: bool, steps: int, name: str) -> tuple[Cycle, Cycle]:
+    """One run, one update in ONE_IN traced (``traced``) or none: (CPU µs, wall µs)."""
+    data, lines = _launch(tmp, framework, traced, steps, name, ONE_IN)
     flags: list[bool] = data["traced"]
-    lines = _step_time_lines(tmp / "logs" / name / "aggregator" / "export")
     if traced:
         if flags[: 2 * ONE_IN] != ([True] + [False] * (ONE_IN - 1)) * 2:
             raise RuntimeError(f"{name}: the traced updates were not one in {ONE_IN}")
-        expected = sum(flags) + (1 if len(flags) < steps else 0)
+        _check_lines(name, lines, sum(flags) + (1 if len(flags) < steps else 0))
         where = positions(flags)
     else:
         if any(flags):
             raise RuntimeError(f"{name}: an update was traced with the attach off")
-        expected = 0
+        _check_lines(name, lines, 0)
         where = [i % ONE_IN for i in range(len(flags))]
-    # The update in flight when the clock stopped is traced too, and has its line.
-    if not expected - 1 <= lines <= expected:
-        raise RuntimeError(f"{name}: {lines} step_time lines, expected {expected}")
     skip = len(flags) // 10  # warm-up
     cpu = cycle([c * 1e6 for c in data["cpu"]], where, ONE_IN, skip)
     wall = cycle([d * 1e6 for d in data["durations"]], where, ONE_IN, skip)
     return cpu, wall
 
 
-def measure(framework: str, rounds: int, steps: int, tmp: Path) -> tuple[float, float, float]:
-    """Medians over rounds, CPU time, in %: (whole, step, wall-clock step)."""
+def _run_all_traced(tmp: Path, framework: str, steps: int, name: str) -> float:
+    """One run with every update traced: the median update, CPU µs."""
+    data, lines = _launch(tmp, framework, True, steps, name, 1)
+    flags: list[bool] = data["traced"]
+    if not all(flags):
+        raise RuntimeError(f"{name}: an update was not traced")
+    _check_lines(name, lines, steps)
+    cpu: list[float] = data["cpu"]
+    return statistics.median(cpu[len(cpu) // 10 :]) * 1e6
+
+
+def measure(
+    framework: str, rounds: int, steps: int, tmp: Path
+) -> tuple[float, float, float, float]:
+    """Medians over rounds, CPU time, in %: (whole, step, wall-clock step, all traced)."""
     whole: list[float] = []
     step: list[float] = []
     wall_step: list[float] = []
+    direct: list[float] = []
     for i in range(rounds):
         # Alternate which goes first, so a drift in machine load favours neither.
         order = (True, False) if i % 2 == 0 else (False, True)
@@ -126,21 +154,29 @@ def measure(framework: str, rounds: int, steps: int, tmp: Path) -> tuple[float, 
             )
             for traced in order
         }
+        all_traced = _run_all_traced(tmp, framework, steps, f"{framework}{i}all")
         (cpu, wall), (null_cpu, _) = runs[True], runs[False]
         last = cpu.by_position[-1]
         null_update = statistics.median(null_cpu.by_position)
         step.append(cpu.cost / last * 100.0)
         wall_step.append(wall.cost / wall.by_position[-1] * 100.0)
         whole.append((cpu.cost + last - null_update) / null_update * 100.0)
+        direct.append((all_traced / null_update - 1.0) * 100.0)
         print(
             f"{framework} round {i + 1}: CPU update {last:.1f} us (null run {null_update:.1f} "
             f"us); a traced update costs {cpu.cost:+.1f} us ({step[-1]:+.2f} %: own "
             f"{cpu.own:+.1f}, after it {cpu.spill:+.1f}; A/A {null_cpu.cost:+.1f} us); wall "
             f"{wall.cost:+.1f} us ({wall_step[-1]:+.2f} %); every update traced against "
-            f"the null run: {cpu.cost + last - null_update:+.1f} us ({whole[-1]:+.2f} %)",
+            f"the null run: {cpu.cost + last - null_update:+.1f} us ({whole[-1]:+.2f} %); "
+            f"a run with every update traced: {all_traced:.1f} us ({direct[-1]:+.2f} %)",
             flush=True,
         )
-    return statistics.median(whole), statistics.median(step), statistics.median(wall_step)
+    return (
+        statistics.median(whole),
+        statistics.median(step),
+        statistics.median(wall_step),
+        statistics.median(direct),
+    )
 
 
 def main() -> None:
@@ -153,7 +189,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("hf", "lightning"), help="one framework only")
     args = parser.parse_args()
     nan = float("nan")
-    hf = lightning = (nan, nan, nan)
+    hf = lightning = (nan, nan, nan, nan)
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         if args.only != "lightning":
@@ -166,7 +202,8 @@ def main() -> None:
     )
     print(
         f"hf_overhead_pct={hf[0]:.2f} lightning_overhead_pct={lightning[0]:.2f} "
-        f"hf_step_pct={hf[1]:.2f} lightning_step_pct={lightning[1]:.2f}"
+        f"hf_step_pct={hf[1]:.2f} lightning_step_pct={lightning[1]:.2f} "
+        f"hf_all_traced_pct={hf[3]:.2f} lightning_all_traced_pct={lightning[3]:.2f}"
     )
 
 
