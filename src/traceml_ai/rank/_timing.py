@@ -463,7 +463,7 @@ class StepTimer:
         probe_ref = self._probe
         if probe_ref is None:
             return False
-        probe = probe_ref()
+        probe: Any = probe_ref()
         if probe is None:
             return True
         try:
