@@ -264,9 +264,9 @@ class StepTimer:
         self._seq_time = 0
         self._seq_mem = 0
         # True when a background thread calls ``build_ended`` (the sender's, before
-        # each flush): a step off CUDA then leaves only its numbers here, and its items
-        # are built there. Building them took about a third of a traced CPU step's
-        # cost on the training thread (docs/benchmarks.md).
+        # each flush): a step off CUDA then leaves only its numbers here, and its
+        # items are built there. Building and sending them was about half of what a
+        # traced CPU step cost the training thread (docs/benchmarks.md).
         self.defer = False
         self.wake_builder: Callable[[], None] | None = None
         self._ended: deque[tuple[int, int, str, dict[str, _Phase]]] = deque()
