@@ -17,7 +17,6 @@ wheels="${1:-.whl}"
 [ $# -gt 0 ] && shift
 wheels="$(cd "$wheels" 2>/dev/null && pwd || echo "$wheels")"
 cd "$root" || exit 2
-# The repository root too: the overhead check's estimator is bench/_paired.py.
-export PYTHONPATH="$root/src:$root/scripts:$root${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$root/src:$root/scripts${PYTHONPATH:+:$PYTHONPATH}"
 export TRACEML_PURE_PYTHON=1 PYTHONUNBUFFERED=1
 exec "${GPU_CHECK_PYTHON:-python3}" -m gpu_check --wheels "$wheels" "$@"

@@ -759,6 +759,10 @@ def write_report(out: Path, work: Path, verdicts: list[Verdict], meta: dict[str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The judge's overhead estimator is bench/_paired.py, the benches' own: the
+    # repository root goes on this process's path, whatever PYTHONPATH the caller set.
+    if str(REPO) not in sys.path:
+        sys.path.append(str(REPO))
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", type=Path, default=None, help="report folder ($OUT or ./gpu-check-out)"

@@ -149,8 +149,12 @@ class StepDriver:
     def _end_untraced(self) -> None:
         self._untraced = False
         self._untraced_left -= 1
-        if self._untraced_left > 0 and TRACE_ONE_IN:
-            return
+        if self._untraced_left <= 0 or not TRACE_ONE_IN:
+            self._resume_traced()
+
+    def _resume_traced(self) -> None:
+        """The last untraced update ended: the hooks report again."""
+        self._untraced = False
         self._untraced_left = 0
         timer = self._alternate_paused
         self._alternate_paused = None
@@ -212,5 +216,4 @@ class StepDriver:
         finally:
             self.end()
             if self._alternate_paused is not None:
-                self._untraced_left = 1  # the last untraced update: hooks back on
-                self._end_untraced()
+                self._resume_traced()

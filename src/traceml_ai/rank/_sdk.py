@@ -168,7 +168,7 @@ class _Runtime:
         wake = getattr(owned, "wake", None)
         if callable(set_producer) and callable(wake):
             # The sender's thread builds the items of steps off CUDA (StepTimer.defer).
-            set_producer(self.timer.build_ended)
+            set_producer(self._build_steps)
             self.timer.wake_builder = wake
             self.timer.defer = True
         self._seq_system = carried.seq_system
@@ -247,6 +247,15 @@ class _Runtime:
                 "the driver's libnvidia-ml.so.1 on the library path.",
             )
 
+    def _build_steps(self) -> None:
+        # On the sender's thread, even after a failure: steps that ended before it
+        # still have their items. A failure here is reported once, as the timer's.
+        timer = self.timer
+        try:
+            timer.build_ended()
+        except Exception as exc:
+            timer.fail(exc)
+
     def _poll_steps(self) -> None:
         timer = self.timer
         if timer.enabled:
@@ -313,9 +322,7 @@ class _Runtime:
             except Exception as exc:
                 timer.fail(exc)
         else:
-            # Steps that ended before the timer failed still have their items.
-            with contextlib.suppress(Exception):
-                timer.build_ended()
+            self._build_steps()
         timer.enabled = False
         if self._thread.stop(timeout=max(2.0, self.interval)):
             # One more sample so that even a short run has process/system lines;

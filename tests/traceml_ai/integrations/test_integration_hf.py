@@ -248,7 +248,7 @@ def test_explicit_callback_hook_fault_and_user_exception(tmp_path: Path) -> None
 
 
 # The benchmark switch (bench/overhead_frameworks.py): every other update untraced.
-ALTERNATE = (
+ONE_IN_TWO = (
     COMMON
     + """
 from traceml_ai.integrations import _common
@@ -262,7 +262,7 @@ sys.stdout.write("ALTERNATED\\n")
 
 
 def test_alternate_switch_traces_every_other_update(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "alt_hf.py", ALTERNATE)
+    script = write_script(tmp_path, "alt_hf.py", ONE_IN_TWO)
     res = traceml_run(tmp_path, script)
     assert res.returncode == 0, describe(res)
     assert "ALTERNATED" in res.stdout, describe(res)

@@ -176,3 +176,37 @@ def test_steps_waiting_for_the_builder_reach_the_files_after_a_timer_failure(
         lines = data_lines(folder / f"{stream}.jsonl")
         assert [d["step"] for d in lines] == list(range(1, 301)), stream
         assert [d["seq"] for d in lines] == list(range(300)), stream
+
+
+_BUILDER_BUG_SCRIPT = textwrap.dedent(
+    """
+    import time
+    import traceml_ai as traceml
+    from traceml_ai.rank import _timing
+
+    traceml.init()
+    timer = _timing.active()
+
+    def broken(*args):
+        raise RuntimeError("builder bug")
+
+    timer._send_host = broken  # the sender's thread builds with this
+    for _ in range(50):
+        with traceml.trace_step():
+            pass
+    time.sleep(1.0)  # a few flushes
+    print("TRAINED", flush=True)
+    """
+)
+
+
+def test_a_failure_while_building_on_the_sender_thread_is_reported_once(tmp_path: Path) -> None:
+    script = tmp_path / "bug.py"
+    script.write_text(_BUILDER_BUG_SCRIPT)
+    options = ["--logs-dir", tmp_path / "logs", "--run-name", "bug", "--exporter", "jsonl"]
+    res = run_cli(["run", *options, script], cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "TRAINED" in res.stdout
+    failures = [line for line in res.stderr.splitlines() if "step timing failed" in line]
+    assert len(failures) == 1 and "builder bug" in failures[0], res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
