@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from traceml_ai.rank import _timing
 from traceml_ai.rank.sink import RecordingSink
 
 ENV_VARS = (
@@ -38,3 +39,21 @@ def make_loader(steps: int, batch: int = 4) -> DataLoader[Any]:
 
 def step_items(sink: RecordingSink) -> list[dict[str, Any]]:
     return sink.items("step_time")
+
+
+class TensorlessModel:
+    """No tensors: a timer puts its steps on ``cpu`` (or the FakeCuda's model device)."""
+
+    def parameters(self) -> Any:
+        return iter(())
+
+    def buffers(self) -> Any:
+        return iter(())
+
+
+def timer_steps(timer: _timing.StepTimer, n: int, model: object) -> None:
+    """``n`` steps of a timer driven by hand, each with one DataLoader wait before it."""
+    for _ in range(n):
+        timer.add_host(_timing.DATALOADER_NEXT, 1000)
+        timer.begin(model)
+        timer.end()

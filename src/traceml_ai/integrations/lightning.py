@@ -32,7 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from traceml_ai.integrations._common import HookGuard, StepDriver
-from traceml_ai.rank._timing import forward_timed_elsewhere
+from traceml_ai.rank import _timing
+from traceml_ai.rank._timing import _get_ident, _perf_ns, forward_timed_elsewhere
 
 
 def _callback_base() -> Any:
@@ -235,14 +236,30 @@ class _ZeroCode:
                         forward_timed_elsewhere(model)
                 driver.begin(model)
                 self.global_step = trainer.global_step
-            driver.open_forward()
+            timer = _timing._ACTIVE
+            if timer is not None and driver.current is not None:
+                # driver.open_forward(), with timer.open() inlined off CUDA: every batch.
+                slot = timer.fwd
+                if (
+                    slot.depth == 0
+                    and timer.in_step
+                    and timer.cuda_index is None
+                    and _get_ident() == timer.thread
+                ):
+                    slot.ev0 = None
+                    slot.t0 = _perf_ns()
+                    slot.depth = 1
+                else:
+                    timer.open(slot)
         except Exception as exc:
             self.guard.fail("a training batch", exc)
 
     def batch_end(self, trainer: Any) -> None:
         try:
             driver = self.driver
-            driver.close_forward()  # a training_step without backward
+            timer = _timing._ACTIVE
+            if timer is not None and timer.fwd.depth > 0:
+                driver.close_forward()  # a training_step without backward
             # global_step counts optimizer updates: an accumulating batch leaves it as
             # it was, and its step stays open for the next batch.
             if trainer.global_step != self.global_step:
@@ -293,7 +310,9 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         zero = _ZERO
         if zero.trainer is not None:
             try:
-                zero.driver.close_forward()
+                timer = _timing._ACTIVE
+                if timer is not None and timer.fwd.depth > 0:
+                    zero.driver.close_forward()
             except Exception as exc:
                 zero.guard.fail("Strategy.backward", exc)
         return original(self, *args, **kwargs)
@@ -307,7 +326,9 @@ def _wrap_after_closure(original: Callable[..., Any]) -> Callable[..., Any]:
         zero = _ZERO
         if zero.trainer is not None:
             try:
-                zero.driver.restart_optimizer()
+                timer = _timing._ACTIVE
+                if timer is not None:
+                    timer.restart(timer.opt)  # driver.restart_optimizer(), inlined
             except Exception as exc:
                 zero.guard.fail("Precision._after_closure", exc)
         return original(self, *args, **kwargs)

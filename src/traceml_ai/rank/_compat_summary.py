@@ -53,7 +53,10 @@ class StepRecorder:
         self.sink: ItemSink | None = None
         self.max_steps = max_steps
         self._lock = threading.Lock()
-        self.recent: deque[tuple[int, Events]] = deque(maxlen=RECENT_STEPS)
+        # Each step's events kept encoded: thousands of nested dicts kept alive here
+        # would move into the garbage collector's oldest generation, and bring on full
+        # collections of the training process (docs/benchmarks.md); bytes hold nothing.
+        self._recent: deque[tuple[int, bytes]] = deque(maxlen=RECENT_STEPS)
         self.total_steps = 0
         self.last_step = 0
 
@@ -69,8 +72,12 @@ class StepRecorder:
             step = item.get("step")
             events = item.get("events")
             if isinstance(step, int) and isinstance(events, dict):
+                try:
+                    encoded = orjson.dumps(events)
+                except TypeError:
+                    encoded = b"{}"
                 with self._lock:
-                    self.recent.append((step, events))
+                    self._recent.append((step, encoded))
                     self.total_steps += 1
                     if step > self.last_step:
                         self.last_step = step
@@ -81,7 +88,8 @@ class StepRecorder:
     def snapshot(self) -> tuple[list[tuple[int, Events]], int]:
         """(recent steps, steps recorded in all) at this moment."""
         with self._lock:
-            return list(self.recent), self.total_steps
+            recent, total = list(self._recent), self.total_steps
+        return [(step, orjson.loads(events)) for step, events in recent], total
 
 
 # -- figures ------------------------------------------------------------------------

@@ -257,10 +257,6 @@ class StepTimer:
         self.auto_optimizer = True
         self.auto_dataloader = True
         self._pending: deque[_PendingStep] = deque()
-        # Host-only phases of CPU steps already sent, for the next steps to reuse
-        # (kept with missing=True and no pairs): making ~5 new ones a step was about a
-        # tenth of a traced step's instructions.
-        self._spare: list[_Phase] = []
         self._seq_time = 0
         self._seq_mem = 0
         # True when a background thread calls ``build_ended`` (the sender's, before
@@ -269,7 +265,21 @@ class StepTimer:
         # traced CPU step cost the training thread (docs/benchmarks.md).
         self.defer = False
         self.wake_builder: Callable[[], None] | None = None
-        self._ended: deque[tuple[int, int, str, dict[str, _Phase]]] = deque()
+        # A waiting step is its phases (``_ended``) and its (step, time, device)
+        # (``_ended_at``, appended first, so a builder that sees the one finds the other).
+        # Kept apart, and the phase dicts reused (``_spare_acc``), so that a step
+        # leaves no new container behind on the training thread: thousands of them
+        # waiting for the builder moved into the garbage collector's oldest generation
+        # and brought on full collections of the process (~0.2 s each under
+        # Lightning; docs/benchmarks.md). A tuple of numbers and a str is untracked at
+        # its first collection.
+        self._ended: deque[dict[str, _Phase]] = deque()
+        self._ended_at: deque[tuple[int, int, str]] = deque()
+        # Phase dicts of CPU steps already sent, with their phases zeroed (n_calls 0,
+        # host-only): a step's phases are then there from its first call, which
+        # takes the inlined path of close() and the hooks, and no _Phase is made.
+        # Phases with no call are left out of the items.
+        self._spare_acc: list[dict[str, _Phase]] = []
 
     # -- counters -------------------------------------------------------------
 
@@ -313,6 +323,9 @@ class StepTimer:
         phase = self._acc.get(name)
         if phase is None:
             phase = self._acc[name] = _Phase()
+        elif not phase.n_calls:
+            # Reused from an earlier step (host-only then): this step's starts afresh.
+            phase.missing = False
         phase.cpu_ns += dt_ns
         phase.n_calls += 1
         if ev0 is not None and ev1 is not None and not phase.missing:
@@ -331,13 +344,6 @@ class StepTimer:
         acc = self._acc
         phase = acc.get(name)
         if phase is None:
-            spare = self._spare
-            if spare:
-                phase = spare.pop()
-                phase.cpu_ns = dt_ns
-                phase.n_calls = 1
-                acc[name] = phase
-                return
             phase = acc[name] = _Phase()
             phase.missing = True
         elif not phase.missing:
@@ -372,7 +378,14 @@ class StepTimer:
                 ev0 = slot.ev0
                 if ev0 is None:
                     if self.in_step:
-                        self._add_host(name, dt)
+                        # _add_host inlined for a phase the step already has: one
+                        # Python call less on every hooked call.
+                        phase = self._acc.get(name)
+                        if phase is not None and phase.missing:
+                            phase.cpu_ns += dt
+                            phase.n_calls += 1
+                        else:
+                            self._add_host(name, dt)
                     return
                 ev1 = self._record()
                 slot.ev0 = None
@@ -527,10 +540,16 @@ class StepTimer:
         """Finish the current step and send its items (or leave them to the builder)."""
         dt = _perf_ns() - self._t0
         self.in_step = False
-        self._add_host(STEP_TIME, dt)
+        phase = self._acc.get(STEP_TIME)
+        if phase is not None and phase.missing:  # _add_host inlined (a reused phase)
+            phase.cpu_ns += dt
+            phase.n_calls += 1
+        else:
+            self._add_host(STEP_TIME, dt)
         self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
         acc = self._acc
-        self._acc = {}
+        spare_acc = self._spare_acc
+        self._acc = spare_acc.pop() if spare_acc else {}
         ts = time.time_ns()
         step = self.step
         device = self.device
@@ -541,7 +560,8 @@ class StepTimer:
             # device either way (gpu_ms is null).
             ended = self._ended
             if self.defer and len(ended) < MAX_ENDED_STEPS:
-                ended.append((step, ts, device, acc))
+                self._ended_at.append((step, ts, device))
+                ended.append(acc)
                 if len(ended) == ENDED_WAKE_AT and self.wake_builder is not None:
                     self.wake_builder()
                 return
@@ -590,19 +610,26 @@ class StepTimer:
         self._sink.put("step_memory", memory_item)
 
     def _send_host(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
-        """Both items of a step off CUDA, then its host-only phases back to the spares."""
+        """Both items of a step off CUDA, then its phases zeroed for a later step."""
         self._put_memory(step, ts, device, None, None)
         self._emit_host(step, ts, device, acc)
-        spare = self._spare
         for phase in acc.values():
-            if phase.missing:  # host-only: no pairs (missing phases keep none)
-                spare.append(phase)
+            phase.cpu_ns = 0
+            phase.n_calls = 0
+            if not phase.missing:
+                # Events of an earlier CUDA step: never read off CUDA (gpu_ms null).
+                phase.missing = True
+                phase.pairs = []
+        self._spare_acc.append(acc)
 
     def _build_ended(self) -> None:
         # Caller holds _pending_lock.
         ended = self._ended
+        ended_at = self._ended_at
         while ended:
-            self._send_host(*ended.popleft())
+            acc = ended.popleft()
+            step, ts, device = ended_at.popleft()
+            self._send_host(step, ts, device, acc)
 
     def build_ended(self) -> None:
         """Build and send the items of steps that ``defer`` left (any thread)."""
@@ -673,6 +700,8 @@ class StepTimer:
         events: dict[str, dict[str, PhaseTimingItem]] = {}
         for name in sorted(acc):
             phase = acc[name]
+            if not phase.n_calls:
+                continue
             ms = phase.cpu_ns / 1e6
             events[name] = {
                 device: {
@@ -696,6 +725,8 @@ class StepTimer:
         measured: list[CudaEvent] = []
         for name in sorted(pending.acc):
             phase = pending.acc[name]
+            if not phase.n_calls:
+                continue  # a reused phase this step did not call
             cpu_ms = phase.cpu_ns / 1e6
             gpu_ms = None if not cuda or name in _HOST_ONLY else _gpu_ms(phase, done)
             if gpu_ms is not None:
@@ -735,6 +766,11 @@ class StepContext:
         self._timer = timer
         self._model = model
         self._live = False
+
+    def reusable_for(self, timer: StepTimer | None, model: object | None) -> bool:
+        """Whether entering this context again is ``trace_step(model)`` on ``timer``
+        (the running timer): it is not in use, and is for that timer and model."""
+        return not self._live and self._timer is timer and self._model is model
 
     def __enter__(self) -> None:
         timer = self._timer
@@ -821,8 +857,21 @@ def _forward_pre_hook(module: Any, args: Any) -> None:
     if _is_compiling():
         return
     timer = _ACTIVE
-    if timer is not None and timer.auto_forward:
-        timer.open(timer.fwd)
+    if timer is None or not timer.auto_forward:
+        return
+    slot = timer.fwd
+    if (
+        slot.depth == 0
+        and timer.in_step
+        and timer.cuda_index is None
+        and _get_ident() == timer.thread
+    ):
+        # open() off CUDA, inlined (every step): no events to record.
+        slot.ev0 = None
+        slot.t0 = _perf_ns()
+        slot.depth = 1
+    else:
+        timer.open(slot)
 
 
 def _forward_hook(module: Any, args: Any, output: Any) -> None:
@@ -837,8 +886,21 @@ def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _is_compiling():
         return
     timer = _ACTIVE
-    if timer is not None and timer.auto_optimizer:
-        timer.open(timer.opt)
+    if timer is None or not timer.auto_optimizer:
+        return
+    slot = timer.opt
+    if (
+        slot.depth == 0
+        and timer.in_step
+        and timer.cuda_index is None
+        and _get_ident() == timer.thread
+    ):
+        # open() off CUDA, inlined (every step): no events to record.
+        slot.ev0 = None
+        slot.t0 = _perf_ns()
+        slot.depth = 1
+    else:
+        timer.open(slot)
 
 
 def _optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -892,10 +954,16 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         slot = timer.bwd
         if slot.depth:
-            # Already open: Tensor.backward calls the wrapped torch.autograd.backward.
-            # open/close of a nested call would only count depth up and down again.
+            # Already open (a backward inside a backward hook): open/close of a nested
+            # call would only count depth up and down again.
             return original(*args, **kwargs)
-        timer.open(slot)
+        if timer.cuda_index is None and _get_ident() == timer.thread:
+            # open() off CUDA, inlined (every step): no events to record.
+            slot.ev0 = None
+            slot.t0 = _perf_ns()
+            slot.depth = 1
+        else:
+            timer.open(slot)
         try:
             return original(*args, **kwargs)
         finally:
@@ -908,7 +976,7 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
 def install_patches(
     torch: Any, *, backward: bool = True, optimizer: bool = True, dataloader: bool = True
 ) -> None:
-    """Wrap ``Tensor.backward``, ``torch.autograd.backward`` and the DataLoader iterator,
+    """Wrap ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and the DataLoader iterator,
     and register global optimizer step hooks; each once per process.
 
     The keywords leave a patch out (``traceml.init(mode="manual"/"selective")``); one
@@ -941,10 +1009,11 @@ def install_patches(
         _patched.update(wanted)
 
         if "backward" in wanted:
-            for owner, attr in ((torch.Tensor, "backward"), (torch.autograd, "backward")):
-                original = getattr(owner, attr)
-                if not getattr(original, "__traceml_wrapped__", False):
-                    setattr(owner, attr, _timed_backward(original))
+            # Tensor.backward calls torch.autograd.backward (looked up at each call),
+            # so wrapping that one function times both, one Python call fewer a step.
+            original = torch.autograd.backward
+            if not getattr(original, "__traceml_wrapped__", False):
+                torch.autograd.backward = _timed_backward(original)
 
         if "optimizer" in wanted:
             optim.register_optimizer_step_pre_hook(_optimizer_pre_hook)
@@ -962,7 +1031,14 @@ def install_patches(
             # Only fetches that returned a batch count; the StopIteration that
             # ends an epoch is not a wait for a batch.
             batch = original_next(self)
-            timer.add_host(DATALOADER_NEXT, _perf_ns() - t0)
+            dt = _perf_ns() - t0
+            phase = timer._acc.get(DATALOADER_NEXT)
+            if phase is not None and phase.missing and _get_ident() == timer.thread:
+                # add_host inlined for a phase already there (reused): every step.
+                phase.cpu_ns += dt
+                phase.n_calls += 1
+            else:
+                timer.add_host(DATALOADER_NEXT, dt)
             return batch
 
         base.__next__ = __next__

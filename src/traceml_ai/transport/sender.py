@@ -1,9 +1,11 @@
 """Rank side of the transport: batch telemetry items and send them from a background thread.
 
-The training thread only appends to per-stream deques (``put``). One daemon thread wakes
-every ``flush_interval_s`` (or early when a stream has a full batch pending), cuts the
-pending items into ``batch`` frames and writes them with a blocking ``sendall`` under a
-timeout. Nothing the aggregator does (stall, crash, restart) can block ``put``; what
+The training thread only encodes an item and appends it to a per-stream deque (``put``).
+One daemon thread wakes every ``flush_interval_s`` (or early when a stream has a full batch
+pending), joins the pending items into ``batch`` frames and writes them with a blocking
+``sendall`` under a timeout. Items wait encoded: a queue of bytes holds nothing the
+garbage collector walks, where thousands of waiting dicts would survive into its oldest
+generation and bring on full collections of the whole process (docs/benchmarks.md). Nothing the aggregator does (stall, crash, restart) can block ``put``; what
 cannot be delivered is dropped and counted.
 """
 
@@ -24,9 +26,10 @@ import orjson
 from traceml_ai.wire import (
     BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
-    FRAME_HEADER,
+    batch_envelope,
+    encode_batch_frame,
     encode_frame,
-    make_batch_message,
+    encode_item,
     make_finished_message,
 )
 
@@ -107,11 +110,14 @@ class RankSender:
         # Called on the sender thread before each flush (``set_producer``).
         self._producer: Callable[[], None] | None = None
 
-        self._streams: tuple[tuple[str, deque[dict[str, Any]]], ...] = tuple(
+        self._streams: tuple[tuple[str, deque[bytes]], ...] = tuple(
             (name, deque()) for name in BATCH_STREAMS
         )
         # ``put`` looks streams up here; emptied on close/fork, which turns ``put`` off.
-        self._queues: dict[str, deque[dict[str, Any]]] = dict(self._streams)
+        self._queues: dict[str, deque[bytes]] = dict(self._streams)
+        self._envelopes = {
+            name: batch_envelope(token, self._identity, name) for name in BATCH_STREAMS
+        }
 
         self._drop_lock = threading.Lock()
         self._put_dropped: dict[str, int] = dict.fromkeys((*BATCH_STREAMS, _UNKNOWN_STREAM), 0)
@@ -205,10 +211,11 @@ class RankSender:
             thread.start()
 
     def put(self, stream: str, item: dict[str, Any]) -> None:
-        """Queue ``item`` for ``stream``. Never blocks, never raises.
+        """Encode ``item`` and queue it for ``stream``. Never blocks, never raises.
 
         Items put before ``start`` or while disconnected wait (within the bound) for a
-        connection. After ``close``, and in a forked child, ``put`` does nothing.
+        connection. An item that cannot be encoded is dropped and counted. After
+        ``close``, and in a forked child, ``put`` does nothing.
         """
         try:
             queue = self._queues.get(stream)
@@ -219,7 +226,12 @@ class RankSender:
             if len(queue) >= self._max_pending_items:
                 self._count_put_drop(stream)
                 return
-            queue.append(item)
+            try:
+                data = encode_item(item)
+            except Exception:
+                self._count_put_drop(stream)
+                return
+            queue.append(data)
             if len(queue) == self._wake_at:
                 self._wake.set()
         except Exception:
@@ -383,37 +395,39 @@ class RankSender:
                 items = [queue.popleft() for _ in range(take)]
                 self._send_items(stream, items)
 
-    def _send_items(self, stream: str, items: list[dict[str, Any]]) -> None:
-        frames: list[tuple[bytes | None, int]] = []
-        self._encode(stream, items, frames)
-        for frame, count in frames:
-            if frame is not None and self._send_frame(frame):
-                self._sent_batches += 1
-                self._sent_items += count
-            else:
-                self._count_dropped_batches(stream, 1)
-                self._thread_dropped_items += count
-                self._thread_dropped_by_stream[stream] += count
+    def _send_items(self, stream: str, items: list[bytes]) -> None:
+        # Frames of at most max_frame_bytes each; an item too big for any frame costs
+        # only itself.
+        envelope = self._envelopes[stream]
+        empty = len(envelope[0]) + len(envelope[1])
+        limit = self._max_frame_bytes
+        chunk: list[bytes] = []
+        size = empty
+        for data in items:
+            if empty + len(data) > limit:
+                self._drop_batch(stream, 1)
+                continue
+            grown = size + len(data) + (1 if chunk else 0)
+            if grown > limit:
+                self._send_chunk(stream, envelope, chunk)
+                chunk = []
+                grown = empty + len(data)
+            chunk.append(data)
+            size = grown
+        if chunk:
+            self._send_chunk(stream, envelope, chunk)
 
-    def _encode(
-        self, stream: str, items: list[dict[str, Any]], out: list[tuple[bytes | None, int]]
-    ) -> None:
-        # Halve a batch that is too big or holds an unencodable item, so one bad item
-        # costs only itself.
-        frame: bytes | None
-        try:
-            frame = encode_frame(make_batch_message(self._token, self._identity, stream, items))
-        except Exception:
-            frame = None
-        if frame is not None and len(frame) - FRAME_HEADER.size <= self._max_frame_bytes:
-            out.append((frame, len(items)))
-            return
-        if len(items) == 1:
-            out.append((None, 1))
-            return
-        middle = len(items) // 2
-        self._encode(stream, items[:middle], out)
-        self._encode(stream, items[middle:], out)
+    def _send_chunk(self, stream: str, envelope: tuple[bytes, bytes], chunk: list[bytes]) -> None:
+        if self._send_frame(encode_batch_frame(envelope, chunk)):
+            self._sent_batches += 1
+            self._sent_items += len(chunk)
+        else:
+            self._drop_batch(stream, len(chunk))
+
+    def _drop_batch(self, stream: str, items: int) -> None:
+        self._count_dropped_batches(stream, 1)
+        self._thread_dropped_items += items
+        self._thread_dropped_by_stream[stream] += items
 
     def _send_frame(self, frame: bytes) -> bool:
         sock = self._sock

@@ -17,19 +17,10 @@ from typing import Any
 import pytest
 
 from tests.e2e_helpers import data_lines, export_dir, run_cli, warning_file
+from tests.rank_helpers import TensorlessModel, timer_steps
 from traceml_ai.rank import _timing
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
-
-
-class _Model:
-    """No tensors: the step is on ``cpu`` (or on the FakeCuda's model device)."""
-
-    def parameters(self) -> Any:
-        return iter(())
-
-    def buffers(self) -> Any:
-        return iter(())
 
 
 def _timer(sink: RecordingSink, cuda: Any = None) -> _timing.StepTimer:
@@ -37,13 +28,6 @@ def _timer(sink: RecordingSink, cuda: Any = None) -> _timing.StepTimer:
     timer = _timing.StepTimer(sink, backend, lambda model: None, lambda exc: None)
     timer.defer = True
     return timer
-
-
-def _steps(timer: _timing.StepTimer, n: int, model: object) -> None:
-    for _ in range(n):
-        timer.add_host(_timing.DATALOADER_NEXT, 1000)
-        timer.begin(model)
-        timer.end()
 
 
 def _check_in_order(sink: RecordingSink, steps: list[int]) -> None:
@@ -56,27 +40,54 @@ def _check_in_order(sink: RecordingSink, steps: list[int]) -> None:
 def test_items_wait_for_the_builder_then_come_in_order() -> None:
     sink = RecordingSink()
     timer = _timer(sink)
-    model = _Model()
-    _steps(timer, 5, model)
+    model = TensorlessModel()
+    timer_steps(timer, 5, model)
     assert sink.items() == []  # nothing built on the training thread
     timer.build_ended()
     _check_in_order(sink, [1, 2, 3, 4, 5])
     line = sink.items("step_time")[0]
     assert line["events"][_timing.DATALOADER_NEXT]["cpu"]["n_calls"] == 1
     assert sink.items("step_memory")[0]["peak_allocated_bytes"] is None
-    # Phases go back to the spares once built, and are reused.
-    spares = len(timer._spare)
-    assert spares >= 2
-    _steps(timer, 1, model)
-    assert len(timer._spare) < spares
+    # The phase dicts go back, zeroed, once built, and are reused with their phases.
+    spares = list(timer._spare_acc)
+    assert len(spares) == 5
+    assert all(p.n_calls == 0 and p.cpu_ns == 0 for acc in spares for p in acc.values())
+    timer_steps(timer, 1, model)
+    assert len(timer._spare_acc) == 4  # the step's end took one for the next step
+    reused = timer._acc
+    assert any(reused is acc for acc in spares)
+    phase = reused[_timing.DATALOADER_NEXT]
+    timer_steps(timer, 1, model)  # this step's calls go into the reused phases
     timer.poll()  # the sampler thread's call builds too
-    _check_in_order(sink, [1, 2, 3, 4, 5, 6])
+    _check_in_order(sink, [1, 2, 3, 4, 5, 6, 7])
+    assert phase.n_calls == 0  # zeroed again once built
+    assert sink.items("step_time")[6]["events"][_timing.DATALOADER_NEXT]["cpu"]["n_calls"] == 1
+
+
+def test_a_reused_phase_the_step_did_not_call_is_left_out() -> None:
+    """Phase dicts are reused with their phases zeroed: a phase of an earlier step
+    that this step never called is not in its item (nor counted as a call)."""
+    sink = RecordingSink()
+    timer = _timer(sink)
+    model = TensorlessModel()
+    timer.begin(model)
+    timer.add_host("wait_for_weights", 5_000_000)
+    timer.end()
+    timer.build_ended()
+    for _ in range(3):
+        timer.begin(model)
+        timer.end()
+    timer.build_ended()
+    events = [item["events"] for item in sink.items("step_time")]
+    assert "wait_for_weights" in events[0]
+    assert all(set(e) == {_timing.STEP_TIME} for e in events[1:])
+    assert all(e[_timing.STEP_TIME]["cpu"]["n_calls"] == 1 for e in events)
 
 
 def test_drain_builds_what_ended() -> None:
     sink = RecordingSink()
     timer = _timer(sink)
-    _steps(timer, 3, _Model())
+    timer_steps(timer, 3, TensorlessModel())
     timer.drain(sync=True)
     _check_in_order(sink, [1, 2, 3])
 
@@ -86,7 +97,7 @@ def test_the_builder_is_woken_once_at_the_threshold() -> None:
     timer = _timer(sink)
     wakes: list[int] = []
     timer.wake_builder = lambda: wakes.append(len(timer._ended))
-    _steps(timer, _timing.ENDED_WAKE_AT + 3, _Model())
+    timer_steps(timer, _timing.ENDED_WAKE_AT + 3, TensorlessModel())
     assert wakes == [_timing.ENDED_WAKE_AT]
 
 
@@ -96,9 +107,11 @@ def test_a_builder_that_does_not_keep_up_leaves_the_building_to_the_training_thr
     monkeypatch.setattr(_timing, "MAX_ENDED_STEPS", 4)
     sink = RecordingSink()
     timer = _timer(sink)
-    _steps(timer, 4, _Model())
+    timer_steps(timer, 4, TensorlessModel())
     assert sink.items() == []
-    _steps(timer, 2, _Model())  # the 5th step builds the 4 waiting ones first, then itself
+    timer_steps(
+        timer, 2, TensorlessModel()
+    )  # the 5th step builds the 4 waiting ones first, then itself
     _check_in_order(sink, [1, 2, 3, 4, 5])
     timer.build_ended()  # the 6th waits for the builder again
     _check_in_order(sink, [1, 2, 3, 4, 5, 6])
@@ -108,16 +121,44 @@ def test_cpu_steps_are_sent_before_a_later_cuda_step() -> None:
     sink = RecordingSink()
     cuda = FakeCuda(auto_complete=True, total_memory=333, model_device=None)
     timer = _timer(sink, cuda)
-    model = _Model()
-    _steps(timer, 3, model)
+    model = TensorlessModel()
+    timer_steps(timer, 3, model)
     assert sink.items() == []
     cuda.model_device = 0  # the model moved to the GPU
     timer._model_ref = None  # seen again at the next step
-    _steps(timer, 2, model)
+    timer_steps(timer, 2, model)
     timer.drain(sync=True)
     _check_in_order(sink, [1, 2, 3, 4, 5])
     devices = [item["device"] for item in sink.items("step_memory")]
     assert devices == ["cpu", "cpu", "cpu", "cuda:0", "cuda:0"]
+
+
+def test_a_cuda_step_in_a_reused_phase_dict_has_its_gpu_time() -> None:
+    """A phase reused from a CPU step (host-only then) measures GPU time again."""
+    sink = RecordingSink()
+    cuda = FakeCuda(auto_complete=True, total_memory=333, model_device=None)
+    timer = _timer(sink, cuda)
+    model = TensorlessModel()
+
+    def step() -> None:
+        timer.begin(model)
+        timer.open(timer.opt)
+        timer.close(timer.opt, _timing.OPTIMIZER_STEP)
+        timer.end()
+
+    for _ in range(3):
+        step()
+    timer.build_ended()
+    step()  # its end takes a reused dict for the next step
+    assert timer._spare_acc and _timing.OPTIMIZER_STEP in timer._acc  # reused
+    cuda.model_device = 0
+    timer._model_ref = None
+    step()
+    timer.drain(sync=True)
+    cpu_line, cuda_line = sink.items("step_time")[3:]
+    assert cpu_line["events"][_timing.OPTIMIZER_STEP]["cpu"]["gpu_ms"] is None
+    optimizer = cuda_line["events"][_timing.OPTIMIZER_STEP]["cuda:0"]
+    assert optimizer["is_gpu"] and optimizer["gpu_ms"] is not None and optimizer["n_calls"] == 1
 
 
 def test_a_thread_building_while_steps_end_loses_and_reorders_nothing() -> None:
@@ -132,7 +173,7 @@ def test_a_thread_building_while_steps_end_loses_and_reorders_nothing() -> None:
     thread = threading.Thread(target=builder)
     thread.start()
     try:
-        _steps(timer, 20_000, _Model())
+        timer_steps(timer, 20_000, TensorlessModel())
     finally:
         stop.set()
         thread.join()

@@ -27,9 +27,13 @@ from traceml_ai.wire import (
     WIRE_VERSION,
     FrameError,
     ReceivedBatch,
+    batch_envelope,
+    batch_prefix,
     decode_batch_body,
     decode_message,
+    encode_batch_frame,
     encode_frame,
+    encode_item,
     make_batch_message,
     make_finished_message,
     new_run_token,
@@ -169,6 +173,37 @@ def test_encode_decode_round_trip() -> None:
     assert finished["type"] == "finished" and finished["v"] == WIRE_VERSION
     assert decode_message(encode_frame(finished)[4:], TOKEN) == finished
     assert DEFAULT_MAX_FRAME_BYTES == 8 * 1024 * 1024
+
+
+_JSON_SCALARS = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text()
+_JSON_ITEMS = st.dictionaries(
+    st.text(),
+    st.recursive(
+        _JSON_SCALARS | st.floats(allow_nan=False, allow_infinity=False),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+        max_leaves=8,
+    ),
+    max_size=4,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    token=st.text(min_size=1),
+    stream=st.sampled_from(BATCH_STREAMS),
+    rank=st.integers(0, 10_000),
+    items=st.lists(_JSON_ITEMS, max_size=6),
+)
+def test_a_frame_of_encoded_items_is_the_frame_of_the_message(
+    token: str, stream: str, rank: int, items: list[dict[str, Any]]
+) -> None:
+    """The sender joins items it encoded at ``put`` into frames: byte for byte what
+    encoding the whole message writes, so the server's prefix check still holds."""
+    frame = encode_batch_frame(
+        batch_envelope(token, identity(rank), stream), [encode_item(i) for i in items]
+    )
+    assert frame == encode_frame(make_batch_message(token, identity(rank), stream, items))
+    assert frame[4:].startswith(batch_prefix(token) + stream.encode() + b'"')
 
 
 def test_new_run_token_is_random_and_ascii() -> None:
