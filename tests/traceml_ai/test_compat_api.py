@@ -259,6 +259,8 @@ def test_h2d_copies_in_a_step_are_timed_with_gpu_time(monkeypatch: pytest.Monkey
     with traceml.trace_step(model):
         moved = x.to("meta", non_blocking=True)
         x.to(device=torch.device("meta"))
+        x.to(torch.device("meta"))
+        x.to(torch.device("cpu"))  # the step's own device: no copy to an accelerator
         x.to(torch.float64)  # a dtype cast is no copy to a device
         model(x)
     with traceml.trace_step(model):
@@ -267,7 +269,7 @@ def test_h2d_copies_in_a_step_are_timed_with_gpu_time(monkeypatch: pytest.Monkey
     assert moved.device.type == "meta"
     first, second = step_items(sink)
     h2d = first["events"][H2D]["cuda:0"]
-    assert h2d["n_calls"] == 2 and h2d["is_gpu"] and h2d["gpu_ms"] == h2d["duration_ms"]
+    assert h2d["n_calls"] == 3 and h2d["is_gpu"] and h2d["gpu_ms"] == h2d["duration_ms"]
     assert H2D not in second["events"]
 
 
@@ -490,6 +492,10 @@ def test_summary_waits_for_its_last_step_in_the_export_file(
     assert full["ranks"] == [0, 1]
     assert full["step_time"]["0"]["steps"] == 2 and full["step_time"]["1"]["steps"] == 1
     assert full["phases"]["0"]["forward"]["mean_ms"] == 1.0
+    # The figures come from the file: the rank kept no events of its own.
+    recorder = _sdk._recorder
+    assert recorder is not None and not recorder.keep_events
+    assert recorder.snapshot() == ([], 2) and recorder.last_step == 2
 
 
 def test_summary_times_out_with_one_notice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,9 +49,12 @@ class StepRecorder:
     It also applies ``--trace-max-steps``: step items past that step are not sent.
     """
 
-    def __init__(self, max_steps: int | None) -> None:
+    def __init__(self, max_steps: int | None, *, keep_events: bool = True) -> None:
+        """``keep_events``: keep the recent steps' events for :meth:`snapshot` (off when
+        the summary is read from the exported files; steps are still counted)."""
         self.sink: ItemSink | None = None
         self.max_steps = max_steps
+        self.keep_events = keep_events
         self._lock = threading.Lock()
         # Each step's events kept encoded: thousands of nested dicts kept alive here
         # would move into the garbage collector's oldest generation, and bring on full
@@ -72,12 +75,15 @@ class StepRecorder:
             step = item.get("step")
             events = item.get("events")
             if isinstance(step, int) and isinstance(events, dict):
-                try:
-                    encoded = orjson.dumps(events)
-                except TypeError:
-                    encoded = b"{}"
+                kept: bytes | None = None
+                if self.keep_events:
+                    try:
+                        kept = orjson.dumps(events)
+                    except TypeError:
+                        kept = b"{}"
                 with self._lock:
-                    self._recent.append((step, encoded))
+                    if kept is not None:
+                        self._recent.append((step, kept))
                     self.total_steps += 1
                     if step > self.last_step:
                         self.last_step = step

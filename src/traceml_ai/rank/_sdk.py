@@ -556,7 +556,12 @@ def init(
         identity = RankIdentity.from_env()
         interval_s = sampler_interval or sampler_interval_from_env()
         if _recorder is None:
-            _recorder = _compat_summary.StepRecorder(trace_max_steps_from_env())
+            # summary() reads the run's step_time.jsonl when the launcher named it: this
+            # rank's own events are then never read, and not kept.
+            _recorder = _compat_summary.StepRecorder(
+                trace_max_steps_from_env(),
+                keep_events=not os.environ.get(_ENV_SUMMARY_FILE, "").strip(),
+            )
         owned: _ClosableSink | None = None
         try:
             if sink is None:

@@ -112,12 +112,18 @@ def install_h2d_patch(torch: Any) -> None:
         @functools.wraps(original_to)
         def to(self: Any, *args: Any, **kwargs: Any) -> Any:
             timer = _timing._ACTIVE
-            if (
-                timer is None
-                or not timer.in_step
-                or not _auto_h2d
-                or not copies_to_accelerator(self, args, kwargs)
-            ):
+            if timer is None or not timer.in_step or not _auto_h2d:
+                return original_to(self, *args, **kwargs)
+            if args and not kwargs:
+                # copies_to_accelerator's first answers, inlined: a Hugging Face update
+                # makes ~35 .to calls in its step, nearly all to the trainer's device
+                # or a dtype.
+                kind = type(args[0])
+                if kind is _dtype_class or (
+                    kind is _device_class and args[0].type not in _ACCELERATORS
+                ):
+                    return original_to(self, *args, **kwargs)
+            if not copies_to_accelerator(self, args, kwargs):
                 return original_to(self, *args, **kwargs)
             return _timed(timer, lambda: original_to(self, *args, **kwargs))
 
