@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,10 +29,26 @@ class StartClock:
         self.traced.append(self._active() is not None)
         return self._call(*args, **kwargs)
 
-    def result(self) -> dict[str, list[float] | list[bool]]:
-        """Per update (between consecutive starts): wall seconds, CPU seconds, traced."""
+    def result(self) -> dict[str, list[float] | list[bool] | float]:
+        """Per update (between consecutive starts): wall seconds, CPU seconds, traced;
+        and ``background_cpu``: the CPU seconds TraceML's own threads used so far."""
         return {
             "durations": [b - a for a, b in itertools.pairwise(self.ends)],
             "cpu": [b - a for a, b in itertools.pairwise(self.cpu_ends)],
             "traced": self.traced[:-1],
+            "background_cpu": background_cpu_s(),
         }
+
+
+def background_cpu_s() -> float:
+    """CPU seconds of the threads TraceML started in this process (``traceml-*``: the
+    sender, which builds and encodes the step items, and the sampler), read from each
+    thread's CPU clock (Linux, macOS)."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("traceml-") and thread.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):
+                continue
+    return total

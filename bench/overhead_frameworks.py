@@ -24,6 +24,11 @@ callback and TraceML's begin and end of it, in the training thread's CPU time
   extra time and what spills into the updates after it), in % of that update: the
   same process, so the drift between runs cannot hide it; the null run's figure, the
   estimator's A/A, is printed beside it;
+- step with threads: the step figure plus the CPU time TraceML's own threads (the
+  sender, which builds and encodes the items, and the sampler) used per traced
+  update, read from their thread CPU clocks: one process too, and an upper bound of
+  what they take from training (they hold the interpreter's lock while they run,
+  but torch's kernels release it and may run beside them on another core);
 - whole: what an update costs when every update is traced, against an update of the
   null run: the step figure plus what every update pays while TraceML is attached
   (the last untraced update over the null run's), in %; separate processes, so the
@@ -39,8 +44,9 @@ while it builds and encodes a flush, and collections of the garbage collector. E
 traced updates one in 4 (or all). Last line: ``hf_overhead_pct=<whole>
 lightning_overhead_pct=<whole> hf_step_pct=<step> lightning_step_pct=<step>
 hf_all_traced_pct=<x> lightning_all_traced_pct=<y> hf_all_traced_mean_wall_pct=<m>
-lightning_all_traced_mean_wall_pct=<n>`` (medians over rounds; CPU time but for the
-mean wall figures).
+lightning_all_traced_mean_wall_pct=<n> hf_step_with_threads_pct=<s>
+lightning_step_with_threads_pct=<t>`` (medians over rounds; CPU time but for the mean
+wall figures).
 Figures only; no pass/fail.
 """
 
@@ -121,9 +127,9 @@ def _mean_wall_us(data: dict[str, Any]) -> float:
 
 def _run(
     tmp: Path, framework: str, traced: bool, steps: int, name: str
-) -> tuple[Cycle, Cycle, float]:
+) -> tuple[Cycle, Cycle, float, float]:
     """One run, one update in ONE_IN traced (``traced``) or none: (CPU µs, wall µs,
-    mean wall µs)."""
+    mean wall µs, CPU µs of TraceML's threads per traced update)."""
     data, lines = _launch(tmp, framework, traced, steps, name, ONE_IN)
     flags: list[bool] = data["traced"]
     if traced:
@@ -139,7 +145,8 @@ def _run(
     skip = len(flags) // 10  # warm-up
     cpu = cycle([c * 1e6 for c in data["cpu"]], where, ONE_IN, skip)
     wall = cycle([d * 1e6 for d in data["durations"]], where, ONE_IN, skip)
-    return cpu, wall, _mean_wall_us(data)
+    background = data["background_cpu"] * 1e6 / max(1, sum(flags))
+    return cpu, wall, _mean_wall_us(data), background
 
 
 def _run_all_traced(tmp: Path, framework: str, steps: int, name: str) -> tuple[float, float]:
@@ -155,14 +162,16 @@ def _run_all_traced(tmp: Path, framework: str, steps: int, name: str) -> tuple[f
 
 def measure(
     framework: str, rounds: int, steps: int, tmp: Path
-) -> tuple[float, float, float, float, float]:
+) -> tuple[float, float, float, float, float, float]:
     """Medians over rounds, in %: (whole, step, wall-clock step, all traced, all traced
-    on the mean wall time); CPU time but for the two wall figures."""
+    on the mean wall time, step with TraceML's threads); CPU time but for the two wall
+    figures."""
     whole: list[float] = []
     step: list[float] = []
     wall_step: list[float] = []
     direct: list[float] = []
     direct_mean: list[float] = []
+    with_threads: list[float] = []
     for i in range(rounds):
         # Alternate which goes first, so a drift in machine load favours neither.
         order = (True, False) if i % 2 == 0 else (False, True)
@@ -173,10 +182,11 @@ def measure(
             for traced in order
         }
         all_traced, all_traced_mean = _run_all_traced(tmp, framework, steps, f"{framework}{i}all")
-        (cpu, wall, _), (null_cpu, _, null_mean) = runs[True], runs[False]
+        (cpu, wall, _, threads), (null_cpu, _, null_mean, _) = runs[True], runs[False]
         last = cpu.by_position[-1]
         null_update = statistics.median(null_cpu.by_position)
         step.append(cpu.cost / last * 100.0)
+        with_threads.append((cpu.cost + threads) / last * 100.0)
         wall_step.append(wall.cost / wall.by_position[-1] * 100.0)
         whole.append((cpu.cost + last - null_update) / null_update * 100.0)
         direct.append((all_traced / null_update - 1.0) * 100.0)
@@ -184,7 +194,9 @@ def measure(
         print(
             f"{framework} round {i + 1}: CPU update {last:.1f} us (null run {null_update:.1f} "
             f"us); a traced update costs {cpu.cost:+.1f} us ({step[-1]:+.2f} %: own "
-            f"{cpu.own:+.1f}, after it {cpu.spill:+.1f}; A/A {null_cpu.cost:+.1f} us); wall "
+            f"{cpu.own:+.1f}, after it {cpu.spill:+.1f}; A/A {null_cpu.cost:+.1f} us), "
+            f"{cpu.cost + threads:+.1f} us ({with_threads[-1]:+.2f} %) with the "
+            f"{threads:.1f} us TraceML's threads used per traced update; wall "
             f"{wall.cost:+.1f} us ({wall_step[-1]:+.2f} %); every update traced against "
             f"the null run: {cpu.cost + last - null_update:+.1f} us ({whole[-1]:+.2f} %); "
             f"a run with every update traced: {all_traced:.1f} us ({direct[-1]:+.2f} %), "
@@ -198,6 +210,7 @@ def measure(
         statistics.median(wall_step),
         statistics.median(direct),
         statistics.median(direct_mean),
+        statistics.median(with_threads),
     )
 
 
@@ -211,7 +224,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("hf", "lightning"), help="one framework only")
     args = parser.parse_args()
     nan = float("nan")
-    hf = lightning = (nan, nan, nan, nan, nan)
+    hf = lightning = (nan, nan, nan, nan, nan, nan)
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         if args.only != "lightning":
@@ -227,7 +240,8 @@ def main() -> None:
         f"hf_step_pct={hf[1]:.2f} lightning_step_pct={lightning[1]:.2f} "
         f"hf_all_traced_pct={hf[3]:.2f} lightning_all_traced_pct={lightning[3]:.2f} "
         f"hf_all_traced_mean_wall_pct={hf[4]:.2f} "
-        f"lightning_all_traced_mean_wall_pct={lightning[4]:.2f}"
+        f"lightning_all_traced_mean_wall_pct={lightning[4]:.2f} "
+        f"hf_step_with_threads_pct={hf[5]:.2f} lightning_step_with_threads_pct={lightning[5]:.2f}"
     )
 
 

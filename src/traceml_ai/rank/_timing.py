@@ -471,21 +471,6 @@ class StepTimer:
             self._probe_at = _where(probe)
         self._device_known = True
 
-    def _moved(self) -> bool:
-        """Whether the traced model's probe tensor changed device (or is gone) since located."""
-        probe_ref = self._probe
-        if probe_ref is None:
-            return False
-        probe: Any = probe_ref()
-        if probe is None:
-            return True
-        try:
-            # _where() inlined: this runs at the start of every traced step.
-            where: object = probe.get_device()
-        except Exception:
-            where = _where(probe)
-        return where != self._probe_at
-
     def _current_device(self) -> None:
         """trace_step(None): time the training thread's current CUDA device.
 
@@ -525,8 +510,19 @@ class StepTimer:
             ref = self._model_ref
             if ref is None or ref() is not model:
                 self._adopt(model)
-            elif self._moved():
-                self._locate(model)
+            elif (probe_ref := self._probe) is not None:
+                # Whether the model's probe tensor changed device (or is gone) since
+                # _locate, inline: every traced step asks.
+                probe: Any = probe_ref()
+                if probe is None:
+                    self._locate(model)
+                else:
+                    try:
+                        where: object = probe.get_device()
+                    except Exception:
+                        where = _where(probe)
+                    if where != self._probe_at:
+                        self._locate(model)
         else:
             self._current_device()
         self.step += 1
