@@ -7,7 +7,7 @@ calls outside a step, what an untraced step pays); argv[2]: steps; argv[3] ``inl
 (``StepTimer.defer``). torch is kept out (``sys.modules["torch"] = None``), so only
 TraceML's own work is counted. What the training thread runs is counted, not what the
 sender's thread would: every 256 steps the loop empties the queues and hands the
-ended steps' phases back to the timer's spares without building their items.
+ended steps' phase dicts back to the timer, zeroed, without building their items.
 """
 
 from __future__ import annotations
@@ -50,7 +50,11 @@ def main() -> None:
     # A sink given to init builds inline; init's own sender would set this.
     timer.defer = not inline
     autograd_backward = _timing._timed_backward(_autograd_backward)
-    tensor_backward = _timing._timed_backward(lambda: autograd_backward())
+    if hasattr(timer, "_spare_acc"):
+        # Tensor.backward itself is not wrapped: it calls torch.autograd.backward.
+        tensor_backward: Any = lambda: autograd_backward()  # noqa: E731
+    else:  # a tree from before: both were wrapped
+        tensor_backward = _timing._timed_backward(lambda: autograd_backward())
     queues = [queue for _, queue in sender._streams]
 
     def hooks() -> None:
@@ -72,7 +76,14 @@ def main() -> None:
                 queue.clear()
             ended = getattr(timer, "_ended", ())  # none in a tree from before defer
             while ended:
-                timer._spare.extend(p for p in ended.popleft()[3].values() if p.missing)
+                if hasattr(timer, "_spare_acc"):  # the builder's reuse, without the items
+                    acc = ended.popleft()
+                    timer._ended_at.popleft()
+                    for phase in acc.values():
+                        phase.cpu_ns = phase.n_calls = 0
+                    timer._spare_acc.append(acc)
+                else:  # a tree from before: phases went back one by one
+                    timer._spare.extend(p for p in ended.popleft()[3].values() if p.missing)
     traceml.shutdown()
 
 
