@@ -33,7 +33,7 @@ from typing import Any
 
 from traceml_ai.integrations._common import HookGuard, StepDriver
 from traceml_ai.rank import _timing
-from traceml_ai.rank._timing import _get_ident, _perf_ns, forward_timed_elsewhere
+from traceml_ai.rank._timing import FORWARD, _get_ident, _perf_ns, forward_timed_elsewhere
 
 
 def _callback_base() -> Any:
@@ -312,7 +312,23 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 timer = _timing._ACTIVE
                 if timer is not None and timer.fwd.depth > 0:
-                    zero.driver.close_forward()
+                    # driver.close_forward(), with timer.close() inlined off CUDA for a
+                    # phase the step already has (reused): every batch.
+                    slot = timer.fwd
+                    slot.depth = 1
+                    phase = timer._acc.get(FORWARD)
+                    if (
+                        phase is not None
+                        and phase.missing
+                        and slot.ev0 is None
+                        and timer.in_step
+                        and _get_ident() == timer.thread
+                    ):
+                        phase.cpu_ns += _perf_ns() - slot.t0
+                        phase.n_calls += 1
+                        slot.depth = 0
+                    else:
+                        timer.close(slot, FORWARD)
             except Exception as exc:
                 zero.guard.fail("Strategy.backward", exc)
         return original(self, *args, **kwargs)

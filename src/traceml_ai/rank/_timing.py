@@ -874,8 +874,25 @@ def _forward_hook(module: Any, args: Any, output: Any) -> None:
     if _is_compiling():
         return
     timer = _ACTIVE
-    if timer is not None and timer.auto_forward:
-        timer.close(timer.fwd, FORWARD)
+    if timer is None or not timer.auto_forward:
+        return
+    slot = timer.fwd
+    phase = timer._acc.get(FORWARD)
+    if (
+        phase is not None
+        and phase.missing
+        and slot.depth == 1
+        and slot.ev0 is None
+        and timer.in_step
+        and _get_ident() == timer.thread
+    ):
+        # close() off CUDA, for a phase the step already has (reused), inlined:
+        # every step.
+        phase.cpu_ns += _perf_ns() - slot.t0
+        phase.n_calls += 1
+        slot.depth = 0
+    else:
+        timer.close(slot, FORWARD)
 
 
 def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -903,8 +920,25 @@ def _optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _is_compiling():
         return
     timer = _ACTIVE
-    if timer is not None and timer.auto_optimizer:
-        timer.close(timer.opt, OPTIMIZER_STEP)
+    if timer is None or not timer.auto_optimizer:
+        return
+    slot = timer.opt
+    phase = timer._acc.get(OPTIMIZER_STEP)
+    if (
+        phase is not None
+        and phase.missing
+        and slot.depth == 1
+        and slot.ev0 is None
+        and timer.in_step
+        and _get_ident() == timer.thread
+    ):
+        # close() off CUDA, for a phase the step already has (reused), inlined:
+        # every step.
+        phase.cpu_ns += _perf_ns() - slot.t0
+        phase.n_calls += 1
+        slot.depth = 0
+    else:
+        timer.close(slot, OPTIMIZER_STEP)
 
 
 def forward_timed_elsewhere(model: object) -> None:
@@ -963,7 +997,22 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return original(*args, **kwargs)
         finally:
-            timer.close(slot, BACKWARD)
+            phase = timer._acc.get(BACKWARD)
+            if (
+                phase is not None
+                and phase.missing
+                and slot.depth == 1
+                and slot.ev0 is None
+                and timer.in_step
+                and _get_ident() == timer.thread
+            ):
+                # close() off CUDA, for a phase the step already has (reused), inlined:
+                # every step.
+                phase.cpu_ns += _perf_ns() - slot.t0
+                phase.n_calls += 1
+                slot.depth = 0
+            else:
+                timer.close(slot, BACKWARD)
 
     backward.__traceml_wrapped__ = True  # type: ignore[attr-defined]
     return backward
