@@ -6,6 +6,7 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -222,6 +223,25 @@ def _warn_options_after_script(command: _RunCommand, script_args: tuple[str, ...
     )
 
 
+DEFAULT_MASTER_PORT = 29500
+"""torchrun's rendezvous port, the default when the ranks span several nodes."""
+
+
+def rendezvous_port(given: int | None, nnodes: int) -> int:
+    """``--master-port``: the port given; else torchrun's 29500 when the ranks span
+    nodes (each node's command must name the same); else, on one node, a port free
+    now. A fixed 29500 on one machine made the second of two concurrent runs (a
+    sweep, a test beside a job) fail to bind it as soon as its script set up
+    ``torch.distributed`` (the Hugging Face Trainer does, even for one process)."""
+    if given is not None:
+        return given
+    if nnodes > 1:
+        return DEFAULT_MASTER_PORT
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
 def _run_untouched(
     script: str,
     script_args: tuple[str, ...],
@@ -341,9 +361,11 @@ def _resolve(command: Command, cli: dict[str, Any]) -> LaunchSettings:
     "--master_port",
     "master_port",
     type=int,
-    default=29500,
-    show_default=True,
-    help="Port of the rendezvous on node 0.",
+    default=None,
+    help=(
+        "Port of the rendezvous on node 0. Default: 29500 with --nnodes above 1 (every "
+        "node names the same); on one node, a port free when the run starts."
+    ),
 )
 @_setting_options("run")
 @_compat_options
@@ -354,7 +376,7 @@ def run(
     nnodes: int,
     node_rank: int,
     master_addr: str,
-    master_port: int,
+    master_port: int | None,
     script: str,
     script_args: tuple[str, ...],
     mode: str | None,
@@ -399,10 +421,11 @@ def run(
             "--mode summary prints the run summary at the end",
             err=True,
         )
+    port = rendezvous_port(master_port, nnodes)
     if disable_traceml:
         sys.exit(
             _run_untouched(
-                script, script_args, nproc_per_node, nnodes, node_rank, master_addr, master_port
+                script, script_args, nproc_per_node, nnodes, node_rank, master_addr, port
             )
         )
     if session_id is not None:
@@ -433,7 +456,7 @@ def run(
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
-        master_port=master_port,
+        master_port=port,
         aggregator_host=settings.aggregator_host,
         aggregator_port=settings.aggregator_port,
         interval=settings.interval,

@@ -3,13 +3,24 @@ processes of tiny CPU scripts written for these tests (see docs/compat-0.5.md)."
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from tests.e2e_helpers import data_lines, export_dir, free_port, run_cli
+from tests.e2e_helpers import (
+    RUN_TIMEOUT_S,
+    clean_env,
+    data_lines,
+    export_dir,
+    free_port,
+    run_cli,
+    traceml_cmd,
+)
+from traceml_ai._cli_commands import rendezvous_port
 
 DDP_SCRIPT = textwrap.dedent(
     """
@@ -83,6 +94,63 @@ def test_one_process_run_gets_the_torchrun_environment_and_runs_a_ddp_script(
     steps = data_lines(export_dir(logs, "ddp1") / "step_time.jsonl")
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert orjson.dumps(steps)  # plain JSON all through
+
+
+HOLD_THE_RENDEZVOUS = textwrap.dedent(
+    """
+    # Sets up torch.distributed as the Hugging Face Trainer does for one process, and
+    # keeps its rendezvous port bound until the other run has bound its own.
+    import os, sys, time
+    from pathlib import Path
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    print("PORT", os.environ["MASTER_PORT"], flush=True)
+    Path(sys.argv[1]).touch()
+    deadline = time.monotonic() + 60
+    while not Path(sys.argv[2]).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_two_one_process_runs_on_one_machine_do_not_share_a_rendezvous_port(
+    tmp_path: Path,
+) -> None:
+    """Without --master-port a one-process run rendezvouses on a port free when it
+    starts: with torchrun's fixed 29500 the second of two runs failed to bind it."""
+    script = write(tmp_path, "hold.py", HOLD_THE_RENDEZVOUS)
+    a, b = tmp_path / "a.bound", tmp_path / "b.bound"
+    runs = [
+        subprocess.Popen(
+            traceml_cmd("run", "--logs-dir", tmp_path / "logs", script, mine, other),
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mine, other in ((a, b), (b, a))
+    ]
+    outputs = [run.communicate(timeout=RUN_TIMEOUT_S) for run in runs]
+    for run, (out, err) in zip(runs, outputs, strict=True):
+        assert run.returncode == 0, out + err
+    ports = {
+        line.split()[1]
+        for out, _ in outputs
+        for line in out.splitlines()
+        if line.startswith("PORT")
+    }
+    assert len(ports) == 2, outputs
+
+
+def test_the_rendezvous_port_rules() -> None:
+    assert rendezvous_port(29611, nnodes=1) == 29611  # given: kept
+    assert rendezvous_port(None, nnodes=2) == 29500  # every node must name the same
+    port = rendezvous_port(None, nnodes=1)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", port))  # free
 
 
 def test_values_the_user_set_are_kept(tmp_path: Path) -> None:
