@@ -8,6 +8,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+THREADS_FROM = 100
+"""The update from which TraceML's threads' CPU time is counted: their start-up work
+(connecting, the first samples, the runtime environment) is not a per-update cost."""
+
 
 class StartClock:
     """Wraps the call that starts each update (HF: the batch fetch; Lightning: the epoch
@@ -22,33 +26,40 @@ class StartClock:
         self.ends: list[float] = []
         self.cpu_ends: list[float] = []
         self.traced: list[bool] = []
+        self._threads_from: dict[str, float] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.ends.append(time.perf_counter())
         self.cpu_ends.append(time.thread_time())
         self.traced.append(self._active() is not None)
+        if len(self.ends) == THREADS_FROM + 1:
+            self._threads_from = threads_cpu_s()
         return self._call(*args, **kwargs)
 
-    def result(self) -> dict[str, list[float] | list[bool] | float]:
+    def result(self) -> dict[str, list[float] | list[bool] | dict[str, float]]:
         """Per update (between consecutive starts): wall seconds, CPU seconds, traced;
-        and ``background_cpu``: the CPU seconds TraceML's own threads used so far."""
+        and ``threads_cpu``: the CPU seconds each of TraceML's threads used from the
+        start of update ``THREADS_FROM`` on."""
+        now = threads_cpu_s()
         return {
             "durations": [b - a for a, b in itertools.pairwise(self.ends)],
             "cpu": [b - a for a, b in itertools.pairwise(self.cpu_ends)],
             "traced": self.traced[:-1],
-            "background_cpu": background_cpu_s(),
+            "threads_cpu": {k: v - self._threads_from.get(k, 0.0) for k, v in now.items()},
         }
 
 
-def background_cpu_s() -> float:
-    """CPU seconds of the threads TraceML started in this process (``traceml-*``: the
-    sender, which builds and encodes the step items, and the sampler), read from each
-    thread's CPU clock (Linux, macOS)."""
-    total = 0.0
+def threads_cpu_s() -> dict[str, float]:
+    """CPU seconds of each thread TraceML started in this process, by name
+    (``traceml-sender``: builds, encodes and sends the items; ``traceml-sampler``:
+    the process and system samples, once per interval), from each thread's CPU clock
+    (Linux, macOS)."""
+    out: dict[str, float] = {}
     for thread in threading.enumerate():
         if thread.name.startswith("traceml-") and thread.ident is not None:
             try:
-                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                clock = time.pthread_getcpuclockid(thread.ident)
+                out[thread.name] = out.get(thread.name, 0.0) + time.clock_gettime(clock)
             except (OSError, AttributeError):
                 continue
-    return total
+    return out

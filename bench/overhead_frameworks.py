@@ -24,11 +24,12 @@ callback and TraceML's begin and end of it, in the training thread's CPU time
   extra time and what spills into the updates after it), in % of that update: the
   same process, so the drift between runs cannot hide it; the null run's figure, the
   estimator's A/A, is printed beside it;
-- step with threads: the step figure plus the CPU time TraceML's own threads (the
-  sender, which builds and encodes the items, and the sampler) used per traced
-  update, read from their thread CPU clocks: one process too, and an upper bound of
-  what they take from training (they hold the interpreter's lock while they run,
-  but torch's kernels release it and may run beside them on another core);
+- step with threads: the step figure plus the CPU time TraceML's own threads used
+  per traced update, read from their thread CPU clocks: the sender's (it builds,
+  encodes and sends the items) over the traced updates, the sampler's (once per
+  interval) over all of them. One process too, and an upper bound of what they take
+  from training: they hold the interpreter's lock while they run, but torch's
+  kernels release it and may run beside them on another core;
 - whole: what an update costs when every update is traced, against an update of the
   null run: the step figure plus what every update pays while TraceML is attached
   (the last untraced update over the null run's), in %; separate processes, so the
@@ -62,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from _overhead_clock import THREADS_FROM
 from _paired import Cycle, cycle, positions
 
 HERE = Path(__file__).resolve().parent
@@ -145,8 +147,13 @@ def _run(
     skip = len(flags) // 10  # warm-up
     cpu = cycle([c * 1e6 for c in data["cpu"]], where, ONE_IN, skip)
     wall = cycle([d * 1e6 for d in data["durations"]], where, ONE_IN, skip)
-    background = data["background_cpu"] * 1e6 / max(1, sum(flags))
-    return cpu, wall, _mean_wall_us(data), background
+    # The sender's work is the traced updates' items; the sampler's is per interval,
+    # shared by every update.
+    threads: dict[str, float] = data["threads_cpu"]
+    counted = flags[THREADS_FROM:]
+    sender = threads.get("traceml-sender", 0.0) / max(1, sum(counted))
+    others = sum(v for k, v in threads.items() if k != "traceml-sender") / max(1, len(counted))
+    return cpu, wall, _mean_wall_us(data), (sender + others) * 1e6
 
 
 def _run_all_traced(tmp: Path, framework: str, steps: int, name: str) -> tuple[float, float]:
