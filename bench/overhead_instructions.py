@@ -6,8 +6,8 @@ Runs bench/_overhead_instructions_loop.py under ``valgrind --tool=callgrind`` tw
 (``--steps`` traced steps each) and reports (instructions of the longer run - the
 shorter) / (step difference): the instructions one traced step costs, start-up and
 shutdown cancelling out. The loop has no torch (a torch import costs ~5 G
-instructions under valgrind): it calls TraceML's forward, backward (nested, as
-``Tensor.backward`` calls ``torch.autograd.backward``) and optimizer hooks and the
+instructions under valgrind): it calls TraceML's forward, backward (the wrapped
+``torch.autograd.backward``, through an unwrapped ``Tensor.backward``) and optimizer hooks and the
 DataLoader wait the way a training step does, with the items going to a real
 ``RankSender``. A count moves only when the code does, so it shows a change of a
 fraction of a microsecond that the timed benches cannot see on a busy machine.
