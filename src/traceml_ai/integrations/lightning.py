@@ -219,7 +219,7 @@ class _ZeroCode:
     def batch_start(self, trainer: Any) -> None:
         try:
             driver = self.driver
-            if not driver.open:
+            if driver.current is None and not driver.untraced:  # not driver.open, inline
                 # The strategy's model is the DDP wrapper under DDP: its forward runs
                 # the training_step, and it names the strategy in runtime_environment.
                 model = getattr(trainer.strategy, "model", None)

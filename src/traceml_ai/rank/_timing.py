@@ -763,11 +763,6 @@ class StepContext:
         self._model = model
         self._live = False
 
-    def reusable_for(self, timer: StepTimer | None, model: object | None) -> bool:
-        """Whether entering this context again is ``trace_step(model)`` on ``timer``
-        (the running timer): it is not in use, and is for that timer and model."""
-        return not self._live and self._timer is timer and self._model is model
-
     def __enter__(self) -> None:
         timer = self._timer
         if not timer.enabled or timer.in_step:

@@ -1,0 +1,67 @@
+"""``StepDriver``, which turns framework hooks into traced steps, on a real runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import traceml_ai as traceml
+from tests.rank_helpers import ENV_VARS, make_model, step_items
+from traceml_ai.integrations._common import StepDriver
+from traceml_ai.rank import _sdk
+from traceml_ai.rank.sink import RecordingSink
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in (*ENV_VARS, "TRACEML_DISABLED", "TRACEML_SUMMARY_STEP_TIME_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    _sdk._reset_for_tests()
+    yield
+    _sdk._reset_for_tests()
+
+
+def _step(driver: StepDriver, model: object) -> object:
+    driver.begin(model)
+    context = driver.current
+    driver.end()
+    return context
+
+
+def test_the_driver_reuses_its_step_context_and_follows_a_new_runtime() -> None:
+    """One step context per model and running timer, entered again for each update
+    (no object per update); a new model, or init() after shutdown(), gets a new one,
+    and its steps go on from the earlier numbers into the new runtime's sink."""
+    first_sink = RecordingSink()
+    traceml.init(sink=first_sink, sampler_interval=60)
+    driver = StepDriver()
+    model, other = make_model(), make_model()
+    first = _step(driver, model)
+    assert first is not None and _step(driver, model) is first
+    assert _step(driver, other) is not first
+    traceml.shutdown()
+    second_sink = RecordingSink()
+    traceml.init(sink=second_sink, sampler_interval=60)
+    third = _step(driver, other)
+    assert third is not first and _step(driver, other) is third
+    traceml.shutdown()
+    assert [item["step"] for item in step_items(first_sink)] == [1, 2, 3]
+    assert [item["step"] for item in step_items(second_sink)] == [4, 5]
+
+
+def test_a_paused_driver_does_not_reuse_a_context_for_another_timer() -> None:
+    """While an evaluation loop has the hooks off (no running timer) the driver makes
+    its step with trace_step(), as before: a reused context could be a stale timer's."""
+    sink = RecordingSink()
+    traceml.init(sink=sink, sampler_interval=60)
+    driver = StepDriver()
+    model = make_model()
+    first = _step(driver, model)
+    driver.pause()
+    paused = _step(driver, model)
+    assert paused is not first and _step(driver, model) is not paused
+    driver.resume()
+    assert _step(driver, model) is not paused
+    traceml.shutdown()
+    assert [item["step"] for item in step_items(sink)] == [1, 2, 3, 4]
