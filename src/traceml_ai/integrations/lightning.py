@@ -33,7 +33,7 @@ from typing import Any
 
 from traceml_ai.integrations._common import HookGuard, StepDriver
 from traceml_ai.rank import _timing
-from traceml_ai.rank._timing import FORWARD, _get_ident, _perf_ns, forward_timed_elsewhere
+from traceml_ai.rank._timing import forward_timed_elsewhere
 
 
 def _callback_base() -> Any:
@@ -238,19 +238,7 @@ class _ZeroCode:
                 self.global_step = trainer.global_step
             timer = _timing._ACTIVE
             if timer is not None and driver.current is not None:
-                # driver.open_forward(), with timer.open() inlined off CUDA: every batch.
-                slot = timer.fwd
-                if (
-                    slot.depth == 0
-                    and timer.in_step
-                    and timer.cuda_index is None
-                    and _get_ident() == timer.thread
-                ):
-                    slot.ev0 = None
-                    slot.t0 = _perf_ns()
-                    slot.depth = 1
-                else:
-                    timer.open(slot)
+                timer.open(timer.fwd)  # driver.open_forward(), inline
         except Exception as exc:
             self.guard.fail("a training batch", exc)
 
@@ -312,23 +300,7 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 timer = _timing._ACTIVE
                 if timer is not None and timer.fwd.depth > 0:
-                    # driver.close_forward(), with timer.close() inlined off CUDA for a
-                    # phase the step already has (reused): every batch.
-                    slot = timer.fwd
-                    slot.depth = 1
-                    phase = timer._acc.get(FORWARD)
-                    if (
-                        phase is not None
-                        and phase.missing
-                        and slot.ev0 is None
-                        and timer.in_step
-                        and _get_ident() == timer.thread
-                    ):
-                        phase.cpu_ns += _perf_ns() - slot.t0
-                        phase.n_calls += 1
-                        slot.depth = 0
-                    else:
-                        timer.close(slot, FORWARD)
+                    zero.driver.close_forward()
             except Exception as exc:
                 zero.guard.fail("Strategy.backward", exc)
         return original(self, *args, **kwargs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import operator
 import threading
 import time
 import weakref
@@ -844,96 +845,56 @@ _patch_lock = threading.Lock()
 _patched: set[str] = set()
 
 
-def _forward_pre_hook(module: Any, args: Any) -> None:
-    if _is_compiling():
-        return
-    timer = _ACTIVE
-    if timer is None or not timer.auto_forward:
-        return
-    slot = timer.fwd
-    if (
-        slot.depth == 0
-        and timer.in_step
-        and timer.cuda_index is None
-        and _get_ident() == timer.thread
-    ):
-        # open() off CUDA, inlined (every step): no events to record.
-        slot.ev0 = None
-        slot.t0 = _perf_ns()
-        slot.depth = 1
-    else:
-        timer.open(slot)
+def _phase_hooks(
+    slot_of: Callable[[StepTimer], _Open], name: str, wanted: Callable[[StepTimer], bool]
+) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The pre and post hooks of one hook-timed phase (forward, optimizer step).
+
+    Each is ``timer.open(slot)`` / ``timer.close(slot, name)`` with the common case
+    inlined (a step off CUDA; for the close, a phase the step already has, as its
+    phase dicts are reused): torch calls them every step, and the call into the
+    timer they save was ~7 % of a traced step's instructions.
+    """
+
+    def pre_hook(*_: Any) -> None:
+        if _is_compiling():
+            return
+        timer = _ACTIVE
+        if timer is None or not wanted(timer) or not timer.in_step:
+            return
+        slot = slot_of(timer)
+        if slot.depth == 0 and timer.cuda_index is None and _get_ident() == timer.thread:
+            slot.ev0 = None
+            slot.t0 = _perf_ns()
+            slot.depth = 1
+        else:
+            timer.open(slot)
+
+    def post_hook(*_: Any) -> None:
+        if _is_compiling():
+            return
+        timer = _ACTIVE
+        if timer is None or not wanted(timer):
+            return
+        slot = slot_of(timer)
+        if slot.depth == 1 and slot.ev0 is None and timer.in_step:
+            phase = timer._acc.get(name)
+            if phase is not None and phase.missing and _get_ident() == timer.thread:
+                phase.cpu_ns += _perf_ns() - slot.t0
+                phase.n_calls += 1
+                slot.depth = 0
+                return
+        timer.close(slot, name)
+
+    return pre_hook, post_hook
 
 
-def _forward_hook(module: Any, args: Any, output: Any) -> None:
-    if _is_compiling():
-        return
-    timer = _ACTIVE
-    if timer is None or not timer.auto_forward:
-        return
-    slot = timer.fwd
-    phase = timer._acc.get(FORWARD)
-    if (
-        phase is not None
-        and phase.missing
-        and slot.depth == 1
-        and slot.ev0 is None
-        and timer.in_step
-        and _get_ident() == timer.thread
-    ):
-        # close() off CUDA, for a phase the step already has (reused), inlined:
-        # every step.
-        phase.cpu_ns += _perf_ns() - slot.t0
-        phase.n_calls += 1
-        slot.depth = 0
-    else:
-        timer.close(slot, FORWARD)
-
-
-def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if _is_compiling():
-        return
-    timer = _ACTIVE
-    if timer is None or not timer.auto_optimizer:
-        return
-    slot = timer.opt
-    if (
-        slot.depth == 0
-        and timer.in_step
-        and timer.cuda_index is None
-        and _get_ident() == timer.thread
-    ):
-        # open() off CUDA, inlined (every step): no events to record.
-        slot.ev0 = None
-        slot.t0 = _perf_ns()
-        slot.depth = 1
-    else:
-        timer.open(slot)
-
-
-def _optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if _is_compiling():
-        return
-    timer = _ACTIVE
-    if timer is None or not timer.auto_optimizer:
-        return
-    slot = timer.opt
-    phase = timer._acc.get(OPTIMIZER_STEP)
-    if (
-        phase is not None
-        and phase.missing
-        and slot.depth == 1
-        and slot.ev0 is None
-        and timer.in_step
-        and _get_ident() == timer.thread
-    ):
-        # close() off CUDA, for a phase the step already has (reused), inlined:
-        # every step.
-        phase.cpu_ns += _perf_ns() - slot.t0
-        phase.n_calls += 1
-        slot.depth = 0
-    else:
-        timer.close(slot, OPTIMIZER_STEP)
+_forward_pre_hook, _forward_hook = _phase_hooks(
+    operator.attrgetter("fwd"), FORWARD, operator.attrgetter("auto_forward")
+)
+_optimizer_pre_hook, _optimizer_post_hook = _phase_hooks(
+    operator.attrgetter("opt"), OPTIMIZER_STEP, operator.attrgetter("auto_optimizer")
+)
 
 
 def forward_timed_elsewhere(model: object) -> None:
@@ -982,32 +943,11 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
             # Already open (a backward inside a backward hook): open/close of a nested
             # call would only count depth up and down again.
             return original(*args, **kwargs)
-        if timer.cuda_index is None and _get_ident() == timer.thread:
-            # open() off CUDA, inlined (every step): no events to record.
-            slot.ev0 = None
-            slot.t0 = _perf_ns()
-            slot.depth = 1
-        else:
-            timer.open(slot)
+        timer.open(slot)
         try:
             return original(*args, **kwargs)
         finally:
-            phase = timer._acc.get(BACKWARD)
-            if (
-                phase is not None
-                and phase.missing
-                and slot.depth == 1
-                and slot.ev0 is None
-                and timer.in_step
-                and _get_ident() == timer.thread
-            ):
-                # close() off CUDA, for a phase the step already has (reused), inlined:
-                # every step.
-                phase.cpu_ns += _perf_ns() - slot.t0
-                phase.n_calls += 1
-                slot.depth = 0
-            else:
-                timer.close(slot, BACKWARD)
+            timer.close(slot, BACKWARD)
 
     backward.__traceml_wrapped__ = True  # type: ignore[attr-defined]
     return backward
