@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import operator
 import threading
 import time
 import weakref
@@ -100,12 +99,14 @@ class _Phase:
 class _Open:
     """An in-flight hook-timed phase; ``depth`` keeps nested calls from counting twice."""
 
-    __slots__ = ("depth", "ev0", "t0")
+    __slots__ = ("auto", "depth", "ev0", "t0")
 
     def __init__(self) -> None:
         self.depth = 0
         self.t0 = 0
         self.ev0: CudaEvent | None = None
+        # Whether its hooks time it (init's mode; see StepTimer.auto_forward).
+        self.auto = True
 
 
 class _PendingStep:
@@ -253,10 +254,11 @@ class StepTimer:
         # What init's mode times automatically; the rest only through traceml.wrap_*
         # (mode="manual"/"selective"). Hooks installed by an earlier init of the
         # process read these, so they time nothing a later config left out.
-        self.auto_forward = True
+        # (auto_forward and auto_optimizer are their slots' ``auto``.)
         self.auto_backward = True
-        self.auto_optimizer = True
         self.auto_dataloader = True
+        # The slots of the phases torch's hooks time, by the index _phase_hooks uses.
+        self.hooked = (self.fwd, self.opt)
         self._pending: deque[_PendingStep] = deque()
         self._seq_time = 0
         self._seq_mem = 0
@@ -281,6 +283,24 @@ class StepTimer:
         # takes the inlined path of close() and the hooks, and no _Phase is made.
         # Phases with no call are left out of the items.
         self._spare_acc: list[dict[str, _Phase]] = []
+
+    @property
+    def auto_forward(self) -> bool:
+        """Whether the forward hooks time the forward phase."""
+        return self.fwd.auto
+
+    @auto_forward.setter
+    def auto_forward(self, on: bool) -> None:
+        self.fwd.auto = on
+
+    @property
+    def auto_optimizer(self) -> bool:
+        """Whether the optimizer step hooks time the optimizer phase."""
+        return self.opt.auto
+
+    @auto_optimizer.setter
+    def auto_optimizer(self, on: bool) -> None:
+        self.opt.auto = on
 
     # -- counters -------------------------------------------------------------
 
@@ -845,24 +865,26 @@ _patch_lock = threading.Lock()
 _patched: set[str] = set()
 
 
-def _phase_hooks(
-    slot_of: Callable[[StepTimer], _Open], name: str, wanted: Callable[[StepTimer], bool]
-) -> tuple[Callable[..., None], Callable[..., None]]:
-    """The pre and post hooks of one hook-timed phase (forward, optimizer step).
+def _phase_hooks(index: int, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The pre and post hooks of the phase whose slot is ``timer.hooked[index]``.
 
     Each is ``timer.open(slot)`` / ``timer.close(slot, name)`` with the common case
     inlined (a step off CUDA; for the close, a phase the step already has, as its
     phase dicts are reused): torch calls them every step, and the call into the
-    timer they save was ~7 % of a traced step's instructions.
+    timer they save was ~7 % of a traced step's instructions. One template for the
+    forward and the optimizer hooks; the third argument is the optimizer hooks'
+    kwargs or the forward hook's output.
     """
 
-    def pre_hook(*_: Any) -> None:
+    def pre_hook(owner: Any, args: Any, extra: Any = None) -> None:
         if _is_compiling():
             return
         timer = _ACTIVE
-        if timer is None or not wanted(timer) or not timer.in_step:
+        if timer is None or not timer.in_step:
             return
-        slot = slot_of(timer)
+        slot = timer.hooked[index]
+        if not slot.auto:
+            return
         if slot.depth == 0 and timer.cuda_index is None and _get_ident() == timer.thread:
             slot.ev0 = None
             slot.t0 = _perf_ns()
@@ -870,13 +892,15 @@ def _phase_hooks(
         else:
             timer.open(slot)
 
-    def post_hook(*_: Any) -> None:
+    def post_hook(owner: Any, args: Any, extra: Any = None) -> None:
         if _is_compiling():
             return
         timer = _ACTIVE
-        if timer is None or not wanted(timer):
+        if timer is None:
             return
-        slot = slot_of(timer)
+        slot = timer.hooked[index]
+        if not slot.auto:
+            return
         if slot.depth == 1 and slot.ev0 is None and timer.in_step:
             phase = timer._acc.get(name)
             if phase is not None and phase.missing and _get_ident() == timer.thread:
@@ -889,12 +913,8 @@ def _phase_hooks(
     return pre_hook, post_hook
 
 
-_forward_pre_hook, _forward_hook = _phase_hooks(
-    operator.attrgetter("fwd"), FORWARD, operator.attrgetter("auto_forward")
-)
-_optimizer_pre_hook, _optimizer_post_hook = _phase_hooks(
-    operator.attrgetter("opt"), OPTIMIZER_STEP, operator.attrgetter("auto_optimizer")
-)
+_forward_pre_hook, _forward_hook = _phase_hooks(0, FORWARD)
+_optimizer_pre_hook, _optimizer_post_hook = _phase_hooks(1, OPTIMIZER_STEP)
 
 
 def forward_timed_elsewhere(model: object) -> None:
