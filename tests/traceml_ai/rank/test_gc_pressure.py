@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.rank_helpers import TensorlessModel, timer_steps
+from tests.rank_helpers import TensorlessModel
 from traceml_ai.rank import _timing
 from traceml_ai.rank._compat_summary import StepRecorder
 from traceml_ai.testing import FakeCuda
@@ -35,21 +35,30 @@ def collector_off() -> Iterator[None]:
             gc.enable()
 
 
-def _tracked_growth(sender: RankSender, defer: bool) -> tuple[int, int]:
+def _tracked_growth(sender: RankSender, defer: bool, cuda: bool) -> tuple[int, int]:
     """(objects the collector tracks gained over STEPS traced steps, items waiting)."""
     recorder = StepRecorder(None)
     recorder.sink = sender
-    timer = _timing.StepTimer(
-        recorder, FakeCuda(available=False), lambda model: None, lambda exc: None
-    )
+    # "cuda" is faked (no GPU here): every phase records events that complete at once.
+    backend = FakeCuda(model_device=0, auto_complete=True) if cuda else FakeCuda(available=False)
+    timer = _timing.StepTimer(recorder, backend, lambda model: None, lambda exc: None)
     timer.defer = defer
     model = TensorlessModel()
-    timer_steps(timer, 200, model)  # warm: pools filled
-    timer.build_ended()
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            timer.add_host(_timing.DATALOADER_NEXT, 1000)
+            timer.begin(model)
+            timer.open(timer.opt)  # a pair of CUDA events on "cuda"
+            timer.close(timer.opt, _timing.OPTIMIZER_STEP)
+            timer.end()
+        timer.build_ended()
+
+    steps(200)  # warm: pools filled
+    assert timer.device == ("cuda:0" if cuda else "cpu")
     before = len(gc.get_objects())
     for _ in range(STEPS // 100):
-        timer_steps(timer, 100, model)
-        timer.build_ended()
+        steps(100)
     # A young collection, as the interpreter runs many between two flushes: it stops
     # tracking tuples that hold only numbers, str and bytes, which are then never
     # promoted (the recorder keeps (step, encoded events)).
@@ -57,11 +66,17 @@ def _tracked_growth(sender: RankSender, defer: bool) -> tuple[int, int]:
     return len(gc.get_objects()) - before, sender.pending_items
 
 
-@pytest.mark.parametrize("defer", [True, False], ids=["built-by-the-sender", "inline"])
-def test_steps_waiting_to_be_sent_hold_no_tracked_object(collector_off: None, defer: bool) -> None:
+@pytest.mark.parametrize(
+    ("defer", "cuda"),
+    [(True, False), (False, False), (True, True)],
+    ids=["built-by-the-sender", "inline", "cuda-steps"],
+)
+def test_steps_waiting_to_be_sent_hold_no_tracked_object(
+    collector_off: None, defer: bool, cuda: bool
+) -> None:
     # Never started: every item waits in the queue, as between two flushes.
     sender = RankSender(("127.0.0.1", 9), "token", {"rank": 0}, max_pending_items=100_000)
-    grown, waiting = _tracked_growth(sender, defer)
+    grown, waiting = _tracked_growth(sender, defer, cuda)
     assert waiting == 2 * (STEPS + 200)  # step_time and step_memory, all kept
     # A handful of pooled objects at most, not a few per step.
     assert grown < 50, f"{grown} new tracked objects over {STEPS} steps"
