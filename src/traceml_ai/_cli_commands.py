@@ -237,9 +237,12 @@ def rendezvous_port(given: int | None, nnodes: int) -> int:
         return given
     if nnodes > 1:
         return DEFAULT_MASTER_PORT
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("", 0))
+            return int(probe.getsockname()[1])
+    except OSError:
+        return DEFAULT_MASTER_PORT  # no port to ask for: torchrun's default, as before
 
 
 def _run_untouched(

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from tests.e2e_helpers import (
     RUN_TIMEOUT_S,
@@ -151,6 +152,20 @@ def test_the_rendezvous_port_rules() -> None:
     port = rendezvous_port(None, nnodes=1)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", port))  # free
+
+
+def test_without_a_free_port_to_ask_for_the_rendezvous_port_is_torchruns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host where binding a probe socket fails (no IPv4, a sandbox) gets 29500, as
+    before, not a traceback."""
+
+    class NoSocket(socket.socket):
+        def bind(self, address: Any) -> None:
+            raise PermissionError(13, "bind refused")
+
+    monkeypatch.setattr(socket, "socket", NoSocket)
+    assert rendezvous_port(None, nnodes=1) == 29500
 
 
 def test_values_the_user_set_are_kept(tmp_path: Path) -> None:
