@@ -84,14 +84,12 @@ class StepDriver:
         # The last step context, entered again for the next step of the same model
         # and timer (one object and two calls less per step than trace_step()).
         self._context: StepContext | None = None
-        self._context_timer: StepTimer | None = None
-        self._context_model: object | None = None
         self._paused: StepTimer | None = None
         self._atexit = False
         # TRACE_ONE_IN (benchmarks): the current update runs untraced, and how many
         # more are to; the timer that the end of the last traced update took off, for
         # the end of the last untraced one.
-        self.untraced = False
+        self._untraced = False
         self._untraced_left = 0
         self._alternate_paused: StepTimer | None = None
 
@@ -108,32 +106,22 @@ class StepDriver:
     @property
     def open(self) -> bool:
         """Whether a step is open (or, with ``TRACE_ONE_IN``, an untraced update runs)."""
-        return self.current is not None or self.untraced
+        return self.current is not None or self._untraced
 
     def begin(self, model: object | None) -> None:
         """Open a step (auto-initializes TraceML under ``traceml run``); nothing if one is open."""
-        if self.current is not None or self.untraced:
+        if self.current is not None or self._untraced:
             return
         if self._untraced_left and TRACE_ONE_IN:
-            self.untraced = True
+            self._untraced = True
             return
         step: AbstractContextManager[None]
         context = self._context
-        timer = _timing._ACTIVE
-        # The driver's own context is never in use here (no step is open): it is
-        # trace_step(model) again if it was made for this model and the running timer.
-        if (
-            context is not None
-            and timer is not None
-            and self._context_timer is timer
-            and self._context_model is model
-        ):
+        if context is not None and context.reusable_for(_timing._ACTIVE, model):
             step = context
         else:
             step = traceml.trace_step(model)
             self._context = step if isinstance(step, StepContext) else None
-            self._context_timer = timer
-            self._context_model = model
         step.__enter__()
         self.current = step
         if not self._atexit:
@@ -149,7 +137,7 @@ class StepDriver:
         ``exc`` is the exception that ended training inside it: the step then ends as
         ``with trace_step(...)`` ends when its body raises.
         """
-        if self.untraced:
+        if self._untraced:
             self._end_untraced()
             return
         step = self.current
@@ -169,14 +157,14 @@ class StepDriver:
                 activate(None)
 
     def _end_untraced(self) -> None:
-        self.untraced = False
+        self._untraced = False
         self._untraced_left -= 1
         if self._untraced_left <= 0 or not TRACE_ONE_IN:
             self._resume_traced()
 
     def _resume_traced(self) -> None:
         """The last untraced update ended: the hooks report again."""
-        self.untraced = False
+        self._untraced = False
         self._untraced_left = 0
         timer = self._alternate_paused
         self._alternate_paused = None

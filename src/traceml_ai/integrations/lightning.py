@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 from traceml_ai.integrations._common import HookGuard, StepDriver
-from traceml_ai.rank import _timing
 from traceml_ai.rank._timing import forward_timed_elsewhere
 
 
@@ -219,7 +218,7 @@ class _ZeroCode:
     def batch_start(self, trainer: Any) -> None:
         try:
             driver = self.driver
-            if driver.current is None and not driver.untraced:  # not driver.open, inline
+            if not driver.open:
                 # The strategy's model is the DDP wrapper under DDP: its forward runs
                 # the training_step, and it names the strategy in runtime_environment.
                 model = getattr(trainer.strategy, "model", None)
@@ -236,18 +235,14 @@ class _ZeroCode:
                         forward_timed_elsewhere(model)
                 driver.begin(model)
                 self.global_step = trainer.global_step
-            timer = _timing._ACTIVE
-            if timer is not None and driver.current is not None:
-                timer.open(timer.fwd)  # driver.open_forward(), inline
+            driver.open_forward()
         except Exception as exc:
             self.guard.fail("a training batch", exc)
 
     def batch_end(self, trainer: Any) -> None:
         try:
             driver = self.driver
-            timer = _timing._ACTIVE
-            if timer is not None and timer.fwd.depth > 0:
-                driver.close_forward()  # a training_step without backward
+            driver.close_forward()  # a training_step without backward
             # global_step counts optimizer updates: an accumulating batch leaves it as
             # it was, and its step stays open for the next batch.
             if trainer.global_step != self.global_step:
@@ -298,9 +293,7 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         zero = _ZERO
         if zero.trainer is not None:
             try:
-                timer = _timing._ACTIVE
-                if timer is not None and timer.fwd.depth > 0:
-                    zero.driver.close_forward()
+                zero.driver.close_forward()
             except Exception as exc:
                 zero.guard.fail("Strategy.backward", exc)
         return original(self, *args, **kwargs)
@@ -314,9 +307,7 @@ def _wrap_after_closure(original: Callable[..., Any]) -> Callable[..., Any]:
         zero = _ZERO
         if zero.trainer is not None:
             try:
-                timer = _timing._ACTIVE
-                if timer is not None:
-                    timer.restart(timer.opt)  # driver.restart_optimizer(), inlined
+                zero.driver.restart_optimizer()
             except Exception as exc:
                 zero.guard.fail("Precision._after_closure", exc)
         return original(self, *args, **kwargs)

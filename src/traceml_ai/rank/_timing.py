@@ -784,6 +784,14 @@ class StepContext:
         self._model = model
         self._live = False
 
+    def reusable_for(self, timer: StepTimer | None, model: object | None) -> bool:
+        """Whether entering this context again is ``trace_step(model)`` now: it is not
+        in use, and was made for ``model`` and for ``timer``, the running timer (None
+        while hooks are off: never reused then, it could be a stale runtime's)."""
+        return (
+            timer is not None and not self._live and self._timer is timer and self._model is model
+        )
+
     def __enter__(self) -> None:
         timer = self._timer
         if not timer.enabled or timer.in_step:

@@ -1,12 +1,13 @@
 """Rank side of the transport: batch telemetry items and send them from a background thread.
 
 The training thread only encodes an item and appends it to a per-stream deque (``put``).
-One daemon thread wakes every ``flush_interval_s`` (or early when a stream has a full batch
-pending), joins the pending items into ``batch`` frames and writes them with a blocking
-``sendall`` under a timeout. Items wait encoded: a queue of bytes holds nothing the
-garbage collector walks, where thousands of waiting dicts would survive into its oldest
-generation and bring on full collections of the whole process (docs/benchmarks.md). Nothing the aggregator does (stall, crash, restart) can block ``put``; what
-cannot be delivered is dropped and counted.
+One daemon thread wakes every ``flush_interval_s`` (or early when a stream has a full
+batch pending), joins the pending items into ``batch`` frames and writes them with a
+blocking ``sendall`` under a timeout. Items wait encoded: a queue of bytes holds nothing
+the garbage collector walks, where thousands of waiting dicts would survive into its
+oldest generation and bring on full collections of the whole process
+(docs/benchmarks.md). Nothing the aggregator does (stall, crash, restart) can block
+``put``; what cannot be delivered is dropped and counted.
 """
 
 from __future__ import annotations
