@@ -39,11 +39,13 @@ def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
     The pure-Python run is what ``TRACEML_PURE_PYTHON=1`` gives at import: no C
     ``dumps_line``, no item encoder (so builders asked for encoded lines build records),
+    no step encoder (a rank builds its steps' items as dicts),
     patched wherever a module took the names at import. A suite opts in with
     ``pytestmark = pytest.mark.usefixtures("encoder")``; the parity files keep only the
     C encoder's own edge cases.
     """
     from traceml_ai.export import _builder, _jsonl
+    from traceml_ai.rank import _timing
     from traceml_ai.testing import _capture
     from traceml_records import _codec
 
@@ -56,6 +58,7 @@ def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(_codec, "encode_items", None)
     monkeypatch.setattr(_codec, "SPEEDUPS", False)
     monkeypatch.setattr(_builder, "encode_items", None)
+    monkeypatch.setattr(_timing, "_encode_host_step", None)
     for module in (_codec, traceml_records, _jsonl, _capture):
         if hasattr(module, "dumps_line"):
             monkeypatch.setattr(module, "dumps_line", pure)

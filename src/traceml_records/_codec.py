@@ -19,7 +19,6 @@ non-nullable float field it would make an invalid line, so :func:`dumps_line` ra
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import orjson
 
+from traceml_records import _native
 from traceml_records._errors import Path, RecordError, describe
 from traceml_records._generated.records import (
     DUMPERS,
@@ -165,11 +165,8 @@ def _load_speedups() -> ModuleType | None:
     every record it does not handle itself, so errors and odd values behave the same
     either way.
     """
-    if os.environ.get("TRACEML_PURE_PYTHON", "").strip() not in ("", "0"):
-        return None
-    try:
-        from traceml_records import _speedups
-    except ImportError:
+    _speedups = _native.load()
+    if _speedups is None:
         return None
     _speedups.configure(ENCODER_PLANS, _py_dumps_line, orjson.dumps)
     return _speedups

@@ -1158,6 +1158,208 @@ static PyObject *configure(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- a rank's host-timed step (traceml_ai.rank._timing) ------------------------
+ *
+ * encode_host_step writes the step_memory and step_time items of one step timed on
+ * the host (off CUDA) straight from its phases, the bytes wire.encode_item gives for
+ * the items StepTimer._host_items builds; the rank's sender thread then skips
+ * building two dicts per step (most of what it did per step). Anything but the
+ * plain case (an exact int, str or _Phase where one is expected, an int beyond 64
+ * bits) returns None, and the caller builds the items in Python.
+ */
+
+static PyTypeObject *phase_type = NULL;
+static Py_ssize_t phase_cpu_ns = -1, phase_n_calls = -1, phase_missing = -1,
+                  phase_pairs = -1;
+
+#define MAX_PHASES 32
+/* A string literal, its length counted by the compiler. */
+#define LIT(o, s) out_write((o), (s), (Py_ssize_t)sizeof(s) - 1)
+
+static PyObject *configure_host_step(PyObject *module, PyObject *args) {
+    PyObject *type, *dumps;
+    if (!PyArg_ParseTuple(args, "O!O", &PyType_Type, &type, &dumps)) return NULL;
+    static const char *names[] = {"cpu_ns", "n_calls", "missing", "pairs"};
+    Py_ssize_t *offsets[] = {&phase_cpu_ns, &phase_n_calls, &phase_missing, &phase_pairs};
+    for (int i = 0; i < 4; i++) {
+        PyObject *name = PyUnicode_InternFromString(names[i]);
+        if (name == NULL) return NULL;
+        Py_ssize_t offset = slot_offset((PyTypeObject *)type, name);
+        Py_DECREF(name);
+        if (offset < 0) {
+            PyErr_Format(PyExc_TypeError, "the phase class has no slot %s", names[i]);
+            return NULL;
+        }
+        *offsets[i] = offset;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(phase_type, (PyTypeObject *)type);
+    if (orjson_dumps == NULL) {
+        Py_INCREF(dumps);
+        orjson_dumps = dumps;
+    }
+    Py_RETURN_NONE;
+}
+
+#define SLOT(obj, offset) (*(PyObject **)((char *)(obj) + (offset)))
+
+static int write_key_int(Out *o, const char *key, PyObject *value) {
+    if (!PyLong_CheckExact(value)) return FALLBACK;
+    if (out_write(o, key, (Py_ssize_t)strlen(key)) < 0) return ERR;
+    return write_int(o, value);
+}
+
+/* '"timestamp_unix_ns":ts,"seq":seq,"step":step' after '{' */
+static int write_step_head(Out *o, PyObject *ts, PyObject *seq, PyObject *step) {
+    int r;
+    if ((r = write_key_int(o, "{\"timestamp_unix_ns\":", ts)) != OK) return r;
+    if ((r = write_key_int(o, ",\"seq\":", seq)) != OK) return r;
+    return write_key_int(o, ",\"step\":", step);
+}
+
+/* The phases of acc sorted by name (str order, as sorted() gives); FALLBACK for a
+ * name that is not an exact str, a value that is not an exact _Phase, too many. */
+static int sorted_phases(PyObject *acc, PyObject **names, PyObject **phases, Py_ssize_t *n) {
+    Py_ssize_t pos = 0, count = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(acc, &pos, &key, &value)) {
+        if (count == MAX_PHASES || !PyUnicode_CheckExact(key) || Py_TYPE(value) != phase_type) {
+            return FALLBACK;
+        }
+        Py_ssize_t i = count++;
+        while (i > 0) {
+            int c = PyUnicode_Compare(names[i - 1], key);
+            if (c == -1 && PyErr_Occurred()) return ERR;
+            if (c <= 0) break;
+            names[i] = names[i - 1];
+            phases[i] = phases[i - 1];
+            i--;
+        }
+        names[i] = key;
+        phases[i] = value;
+    }
+    *n = count;
+    return OK;
+}
+
+static int write_host_events(Out *o, PyObject *const *names, PyObject *const *phases,
+                             Py_ssize_t n, PyObject *device) {
+    int r, first = 1;
+    if (LIT(o, ",\"events\":{") < 0) return ERR;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *cpu_ns = SLOT(phases[i], phase_cpu_ns);
+        PyObject *n_calls = SLOT(phases[i], phase_n_calls);
+        if (cpu_ns == NULL || n_calls == NULL || !PyLong_CheckExact(n_calls) ||
+            !PyLong_CheckExact(cpu_ns)) {
+            return FALLBACK;
+        }
+        int zero = PyObject_Not(n_calls);
+        if (zero < 0) return ERR;
+        if (zero) continue; /* a reused phase this step did not call */
+        double ms = PyLong_AsDouble(cpu_ns);
+        if (ms == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return FALLBACK; /* beyond a double: Python raises the same error */
+        }
+        PyObject *value = PyFloat_FromDouble(ms / 1e6);
+        if (value == NULL) return ERR;
+        if (!first && out_char(o, ',') < 0) goto error;
+        first = 0;
+        if ((r = write_str(o, names[i])) != OK) goto done;
+        if (LIT(o, ":{") < 0) goto error;
+        if ((r = write_str(o, device)) != OK) goto done;
+        if (LIT(o, ":{\"cpu_ms\":") < 0 || out_float(o, value) < 0) goto error;
+        if (LIT(o, ",\"duration_ms\":") < 0 || out_float(o, value) < 0) goto error;
+        if (LIT(o, ",\"gpu_ms\":null,\"is_gpu\":false,\"n_calls\":") < 0) goto error;
+        if ((r = write_int(o, n_calls)) != OK) goto done;
+        if (LIT(o, "}}") < 0) goto error;
+        Py_DECREF(value);
+        continue;
+    error:
+        r = ERR;
+    done:
+        Py_DECREF(value);
+        return r;
+    }
+    return LIT(o, "}}");
+}
+
+/* Zero the phases for the next step (StepTimer._send_host's reset). */
+static int zero_phases(PyObject *const *phases, Py_ssize_t n) {
+    PyObject *zero = PyLong_FromLong(0);
+    if (zero == NULL) return ERR;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = phases[i];
+        Py_INCREF(zero);
+        Py_XSETREF(SLOT(p, phase_cpu_ns), zero);
+        Py_INCREF(zero);
+        Py_XSETREF(SLOT(p, phase_n_calls), zero);
+        PyObject *missing = SLOT(p, phase_missing);
+        if (missing != Py_True) {
+            /* Events of an earlier CUDA step: never read off CUDA (gpu_ms null). */
+            PyObject *pairs = PyList_New(0);
+            if (pairs == NULL) {
+                Py_DECREF(zero);
+                return ERR;
+            }
+            Py_XSETREF(SLOT(p, phase_pairs), pairs);
+            Py_INCREF(Py_True);
+            Py_XSETREF(SLOT(p, phase_missing), Py_True);
+        }
+    }
+    Py_DECREF(zero);
+    return OK;
+}
+
+/* encode_host_step(acc, step, ts, device, seq_time, seq_mem)
+ *   -> (step_memory bytes, step_time bytes) | None */
+static PyObject *encode_host_step(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "encode_host_step takes 6 arguments");
+        return NULL;
+    }
+    PyObject *acc = args[0], *step = args[1], *ts = args[2], *device = args[3];
+    if (phase_type == NULL || !PyDict_CheckExact(acc) || !PyUnicode_CheckExact(device)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *names[MAX_PHASES], *phases[MAX_PHASES];
+    Py_ssize_t n = 0;
+    int r = sorted_phases(acc, names, phases, &n);
+    if (r == ERR) return NULL;
+    if (r == FALLBACK) Py_RETURN_NONE;
+
+    PyObject *memory = NULL, *time = NULL;
+    Out o;
+    out_init(&o);
+    if ((r = write_step_head(&o, ts, args[5], step)) != OK) goto finish;
+    if (LIT(&o, ",\"device\":") < 0) goto error;
+    if ((r = write_str(&o, device)) != OK) goto finish;
+    if (LIT(&o, ",\"peak_allocated_bytes\":null,\"peak_reserved_bytes\":null}") < 0) {
+        goto error;
+    }
+    memory = PyBytes_FromStringAndSize(o.buf, o.len);
+    if (memory == NULL) goto error;
+    o.len = 0;
+    if ((r = write_step_head(&o, ts, args[4], step)) != OK) goto finish;
+    if ((r = write_host_events(&o, names, phases, n, device)) != OK) goto finish;
+    time = finish(&o, NULL);
+    if (time == NULL) goto error;
+    if (zero_phases(phases, n) < 0) goto error;
+    out_free(&o);
+    PyObject *result = PyTuple_Pack(2, memory, time);
+    Py_DECREF(memory);
+    Py_DECREF(time);
+    return result;
+error:
+    r = ERR;
+finish:
+    out_free(&o);
+    Py_XDECREF(memory);
+    Py_XDECREF(time);
+    if (r == ERR) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(plans, fallback, orjson_dumps): set the encoding plans, once."},
@@ -1167,6 +1369,12 @@ static PyMethodDef methods[] = {
      "encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules)"
      " -> (data, count, pending): the lines of the plainly valid wire items; pending holds"
      " (index, offset in data) of each item left to Python."},
+    {"configure_host_step", (PyCFunction)configure_host_step, METH_VARARGS,
+     "configure_host_step(phase_class, orjson_dumps): where encode_host_step reads a"
+     " phase's slots."},
+    {"encode_host_step", (PyCFunction)(void (*)(void))encode_host_step, METH_FASTCALL,
+     "encode_host_step(acc, step, ts, device, seq_time, seq_mem) -> (step_memory bytes,"
+     " step_time bytes) | None: a host-timed step's two items, its phases zeroed."},
     {NULL, NULL, 0, NULL},
 };
 

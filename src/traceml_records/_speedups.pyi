@@ -17,3 +17,9 @@ def encode_items(
     step_rules: tuple[frozenset[str], str, str, int, type[Any]] | None,
     /,
 ) -> tuple[bytes, int, list[tuple[int, int]]]: ...
+def configure_host_step(
+    phase_class: type[Any], orjson_dumps: Callable[[Any], bytes], /
+) -> None: ...
+def encode_host_step(
+    acc: dict[str, Any], step: int, ts: int, device: str, seq_time: int, seq_mem: int, /
+) -> tuple[bytes, bytes] | None: ...

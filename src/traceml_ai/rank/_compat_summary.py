@@ -81,15 +81,42 @@ class StepRecorder:
                         kept = orjson.dumps(events)
                     except TypeError:
                         kept = b"{}"
-                with self._lock:
-                    if kept is not None:
-                        self._recent.append((step, kept))
-                    self.total_steps += 1
-                    if step > self.last_step:
-                        self.last_step = step
+                self._record(step, kept)
         sink = self.sink
         if sink is not None:
             sink.put(stream, item)
+
+    def put_encoded_step(self, step: int, memory: bytes, time: bytes) -> None:
+        """``put`` of a step's step_memory and step_time items, encoded
+        (``wire.encode_item``); to the sink's ``put_encoded`` when it has one."""
+        max_steps = self.max_steps
+        if max_steps is not None and step > max_steps:
+            return
+        kept: bytes | None = None
+        if self.keep_events:
+            try:
+                kept = orjson.dumps(orjson.loads(time)["events"])
+            except (orjson.JSONDecodeError, TypeError, KeyError):
+                kept = b"{}"
+        self._record(step, kept)
+        sink = self.sink
+        if sink is None:
+            return
+        put_encoded = getattr(sink, "put_encoded", None)
+        if put_encoded is not None:
+            put_encoded("step_memory", memory)
+            put_encoded("step_time", time)
+        else:
+            sink.put("step_memory", orjson.loads(memory))
+            sink.put("step_time", orjson.loads(time))
+
+    def _record(self, step: int, events: bytes | None) -> None:
+        with self._lock:
+            if events is not None:
+                self._recent.append((step, events))
+            self.total_steps += 1
+            if step > self.last_step:
+                self.last_step = step
 
     def snapshot(self) -> tuple[list[tuple[int, Events]], int]:
         """(recent steps, steps recorded in all) at this moment."""

@@ -29,8 +29,11 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+import orjson
+
 from traceml_ai.rank.gpu import CudaBackend, CudaEvent
-from traceml_ai.rank.sink import ItemSink
+from traceml_ai.rank.sink import EncodedStepSink, ItemSink
+from traceml_records import _native
 from traceml_records._generated.wire import PhaseTimingItem, StepMemoryItem, StepTimeItem
 
 INTERNAL_PREFIX = "_traceml_internal:"
@@ -94,6 +97,22 @@ class _Phase:
         self.n_calls = 0
         self.pairs: list[tuple[CudaEvent, CudaEvent]] = []
         self.missing = False
+
+
+def _load_host_step_encoder() -> Callable[..., tuple[bytes, bytes] | None] | None:
+    """The C encoder of a host-timed step's two items, or None (pure Python)."""
+    native = _native.load()
+    if native is None:
+        return None
+    native.configure_host_step(_Phase, orjson.dumps)
+    encode: Callable[..., tuple[bytes, bytes] | None] = native.encode_host_step
+    return encode
+
+
+# encode_host_step(acc, step, ts, device, seq_time, seq_mem): the bytes
+# wire.encode_item gives for the two items StepTimer._send_host builds (None: a case
+# it leaves to Python), with the phases zeroed as _send_host zeroes them.
+_encode_host_step = _load_host_step_encoder()
 
 
 class _Open:
@@ -267,6 +286,9 @@ class StepTimer:
         # items are built there. Building and sending them was about half of what a
         # traced CPU step cost the training thread (docs/benchmarks.md).
         self.defer = False
+        # Where a step off CUDA goes as its two items already encoded (in C, skipping
+        # the dicts: most of what building a step cost), when the sink takes them.
+        self.encoded_sink: EncodedStepSink | None = None
         self.wake_builder: Callable[[], None] | None = None
         # A waiting step is its phases (``_ended``) and its (step, time, device)
         # (``_ended_at``, appended first, so a builder that sees the one finds the other).
@@ -628,6 +650,15 @@ class StepTimer:
 
     def _send_host(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
         """Both items of a step off CUDA, then its phases zeroed for a later step."""
+        encoded_sink = self.encoded_sink
+        if encoded_sink is not None and _encode_host_step is not None:
+            encoded = _encode_host_step(acc, step, ts, device, self._seq_time, self._seq_mem)
+            if encoded is not None:
+                self._seq_time += 1
+                self._seq_mem += 1
+                encoded_sink.put_encoded_step(step, encoded[0], encoded[1])
+                self._spare_acc.append(acc)
+                return
         self._put_memory(step, ts, device, None, None)
         self._emit_host(step, ts, device, acc)
         for phase in acc.values():

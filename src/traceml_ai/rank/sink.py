@@ -6,6 +6,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
+import orjson
+
 
 class ItemSink(Protocol):
     """Receives one wire item of one stream; must not block or raise.
@@ -24,6 +26,15 @@ class ItemSink(Protocol):
         ...
 
 
+class EncodedStepSink(Protocol):
+    """Receives a traced step's two items already encoded; must not block or raise."""
+
+    def put_encoded_step(self, step: int, memory: bytes, time: bytes) -> None:
+        """Queue step ``step``'s ``step_memory`` and ``step_time`` items, each the bytes
+        ``wire.encode_item`` gives for it."""
+        ...
+
+
 class RecordingSink:
     """An in-memory ``ItemSink`` that keeps every item, for tests."""
 
@@ -36,6 +47,13 @@ class RecordingSink:
         with self._lock:
             # Items are plain dicts (the generated TypedDicts of traceml_records are dicts).
             self._items.append((stream, cast("dict[str, object]", item)))
+
+    def put_encoded_step(self, step: int, memory: bytes, time: bytes) -> None:
+        """Record a step's two items given encoded (``EncodedStepSink``), decoded as the
+        aggregator decodes them."""
+        with self._lock:
+            self._items.append(("step_memory", orjson.loads(memory)))
+            self._items.append(("step_time", orjson.loads(time)))
 
     def items(self, stream: str | None = None) -> list[dict[str, object]]:
         """The recorded items of ``stream`` (all streams when ``None``), in arrival order."""

@@ -22,11 +22,26 @@ from traceml_ai.rank import _timing
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 
+# The timer's tests run three times: steps built as dicts for the sink's put; steps
+# encoded in C for its put_encoded_step (the runtime's path to its sender); and that
+# path without the C encoder (``TRACEML_PURE_PYTHON``), which builds dicts again.
+_ENCODED = False
+
+
+@pytest.fixture(params=["dicts", "encoded-c", "encoded-python"])
+def step_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.param != "dicts":
+        monkeypatch.setitem(globals(), "_ENCODED", True)
+    if request.param == "encoded-python":
+        monkeypatch.setattr(_timing, "_encode_host_step", None)
+
 
 def _timer(sink: RecordingSink, cuda: Any = None) -> _timing.StepTimer:
     backend = cuda if cuda is not None else FakeCuda(available=False)
     timer = _timing.StepTimer(sink, backend, lambda model: None, lambda exc: None)
     timer.defer = True
+    if _ENCODED:
+        timer.encoded_sink = sink
     return timer
 
 
@@ -37,6 +52,7 @@ def _check_in_order(sink: RecordingSink, steps: list[int]) -> None:
         assert [item["seq"] for item in items] == list(range(len(steps))), stream
 
 
+@pytest.mark.usefixtures("step_path")
 def test_items_wait_for_the_builder_then_come_in_order() -> None:
     sink = RecordingSink()
     timer = _timer(sink)
@@ -64,6 +80,7 @@ def test_items_wait_for_the_builder_then_come_in_order() -> None:
     assert sink.items("step_time")[6]["events"][_timing.DATALOADER_NEXT]["cpu"]["n_calls"] == 1
 
 
+@pytest.mark.usefixtures("step_path")
 def test_a_reused_phase_the_step_did_not_call_is_left_out() -> None:
     """Phase dicts are reused with their phases zeroed: a phase of an earlier step
     that this step never called is not in its item (nor counted as a call)."""
@@ -84,6 +101,7 @@ def test_a_reused_phase_the_step_did_not_call_is_left_out() -> None:
     assert all(e[_timing.STEP_TIME]["cpu"]["n_calls"] == 1 for e in events)
 
 
+@pytest.mark.usefixtures("step_path")
 def test_drain_builds_what_ended() -> None:
     sink = RecordingSink()
     timer = _timer(sink)
@@ -92,6 +110,7 @@ def test_drain_builds_what_ended() -> None:
     _check_in_order(sink, [1, 2, 3])
 
 
+@pytest.mark.usefixtures("step_path")
 def test_the_builder_is_woken_once_at_the_threshold() -> None:
     sink = RecordingSink()
     timer = _timer(sink)
@@ -101,6 +120,7 @@ def test_the_builder_is_woken_once_at_the_threshold() -> None:
     assert wakes == [_timing.ENDED_WAKE_AT]
 
 
+@pytest.mark.usefixtures("step_path")
 def test_a_builder_that_does_not_keep_up_leaves_the_building_to_the_training_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -117,6 +137,7 @@ def test_a_builder_that_does_not_keep_up_leaves_the_building_to_the_training_thr
     _check_in_order(sink, [1, 2, 3, 4, 5, 6])
 
 
+@pytest.mark.usefixtures("step_path")
 def test_cpu_steps_are_sent_before_a_later_cuda_step() -> None:
     sink = RecordingSink()
     cuda = FakeCuda(auto_complete=True, total_memory=333, model_device=None)
@@ -133,6 +154,7 @@ def test_cpu_steps_are_sent_before_a_later_cuda_step() -> None:
     assert devices == ["cpu", "cpu", "cpu", "cuda:0", "cuda:0"]
 
 
+@pytest.mark.usefixtures("step_path")
 def test_a_cuda_step_in_a_reused_phase_dict_has_its_gpu_time() -> None:
     """A phase reused from a CPU step (host-only then) measures GPU time again."""
     sink = RecordingSink()
@@ -161,6 +183,7 @@ def test_a_cuda_step_in_a_reused_phase_dict_has_its_gpu_time() -> None:
     assert optimizer["is_gpu"] and optimizer["gpu_ms"] is not None and optimizer["n_calls"] == 1
 
 
+@pytest.mark.usefixtures("step_path")
 def test_a_thread_building_while_steps_end_loses_and_reorders_nothing() -> None:
     sink = RecordingSink()
     timer = _timer(sink)

@@ -630,6 +630,29 @@ def test_put_overflow_drops_newest_and_counts() -> None:
     assert not sender.connected
 
 
+def test_encoded_items_are_sent_and_refused_as_put_items_are(
+    collector: Collector, server_factory: Callable[..., AggregatorServer]
+) -> None:
+    """``put_encoded`` (an item its producer encoded): same queue, same bound, same
+    drop counts, and the items arrive as if ``put``."""
+    server = server_factory(collector)
+    sender = RankSender(server.start(), TOKEN, identity(), max_pending_items=6)
+    for seq in range(4):
+        sender.put("step_time", {"seq": seq})
+        sender.put_encoded("step_time", encode_item({"seq": seq, "encoded": True}))
+    sender.put_encoded("no_such_stream", b"{}")
+    assert sender.pending_items == 6
+    assert sender.dropped_items_by_stream == {"step_time": 2, "": 1}
+    sender.start()
+    sender.close()
+    collector.wait(lambda c: len(c.finished) == 1)
+    assert [(item["seq"], "encoded" in item) for item in collector.items()] == [
+        (0, False), (0, True), (1, False), (1, True), (2, False), (2, True)
+    ]  # fmt: skip
+    sender.put_encoded("step_time", b"{}")  # a no-op after close
+    assert sender.pending_items == 0 and sender.dropped_items == 3
+
+
 def test_unencodable_and_oversized_items_cost_only_themselves(
     collector: Collector, server_factory: Callable[..., AggregatorServer]
 ) -> None:

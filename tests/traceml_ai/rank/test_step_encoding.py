@@ -1,0 +1,190 @@
+"""A host-timed step's two items encoded in C (``_speedups.encode_host_step``).
+
+The rank's sender thread takes a step off CUDA straight from its phases to the bytes
+of its step_memory and step_time items. Those must be the bytes ``wire.encode_item``
+gives for the items ``StepTimer`` builds in Python (the oracle here), and the phases
+must be left zeroed exactly as the Python path leaves them; whatever the C path does
+not handle is handed back (``None``) and built in Python.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from traceml_ai.rank import _timing
+from traceml_ai.rank._compat_summary import StepRecorder
+from traceml_ai.rank.sink import RecordingSink
+from traceml_ai.testing import FakeCuda
+from traceml_ai.wire import encode_item
+
+encode = _timing._encode_host_step
+
+
+def test_the_step_encoder_is_built_and_used() -> None:
+    # CI builds the extension: a silent fallback would leave the C path untested.
+    assert encode is not None, "traceml_records._speedups was not built or is disabled"
+
+
+class _Items:
+    """A sink keeping each item as wire.encode_item encodes it."""
+
+    def __init__(self) -> None:
+        self.data: list[tuple[str, bytes]] = []
+
+    def put(self, stream: str, item: Any) -> None:
+        self.data.append((stream, encode_item(item)))
+
+
+def _python_items(
+    acc: dict[str, Any], step: int, ts: int, device: str, seq: tuple[int, int]
+) -> list[tuple[str, bytes]]:
+    sink = _Items()
+    timer = _timing.StepTimer(sink, FakeCuda(available=False), lambda m: None, lambda e: None)
+    timer.continue_counts(0, seq[0], seq[1])
+    timer._send_host(step, ts, device, acc)
+    return sink.data
+
+
+def _state(acc: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+    return {name: (p.cpu_ns, p.n_calls, p.missing, list(p.pairs)) for name, p in acc.items()}
+
+
+def _phase(cpu_ns: int, n_calls: int, missing: bool) -> Any:
+    phase = _timing._Phase()
+    phase.cpu_ns, phase.n_calls, phase.missing = cpu_ns, n_calls, missing
+    if not missing:
+        phase.pairs = [(object(), object())]  # an earlier CUDA step's events
+    return phase
+
+
+phase_names = st.one_of(
+    st.sampled_from([_timing.FORWARD, _timing.BACKWARD, _timing.STEP_TIME, "a", "b\n"]),
+    st.text(max_size=12),
+)
+phases = st.builds(
+    _phase,
+    st.one_of(st.integers(0, 10**13), st.integers(0, 2**63), st.sampled_from([0, 1, 99, 100])),
+    st.one_of(st.integers(0, 3), st.integers(0, 2**40)),
+    st.booleans(),
+)
+ints = st.one_of(st.integers(0, 2**63 - 1), st.integers(-(2**63), 2**64 + 5))
+
+
+@given(
+    acc=st.dictionaries(phase_names, phases, max_size=8),
+    step=ints,
+    ts=ints,
+    device=st.one_of(st.sampled_from(["cpu", "mps", "cuda:1"]), st.text(max_size=6)),
+    seq=st.tuples(ints, ints),
+)
+def test_c_writes_the_bytes_python_writes_and_zeroes_the_phases_alike(
+    acc: dict[str, Any], step: int, ts: int, device: str, seq: tuple[int, int]
+) -> None:
+    assert encode is not None
+    python_acc = copy.deepcopy(acc)
+    try:
+        expected: Any = _python_items(python_acc, step, ts, device, seq)
+    except Exception as exc:  # what Python raises, C must leave to it
+        expected = type(exc)
+    before = _state(acc)
+    got = encode(acc, step, ts, device, seq[0], seq[1])
+    if got is None:
+        # Handed back untouched: the caller builds the items in Python.
+        assert _state(acc) == before
+        return
+    assert [("step_memory", got[0]), ("step_time", got[1])] == expected
+    after, python_after = _state(acc), _state(python_acc)
+    # Pairs are compared by length (the deep copy made new objects).
+    assert {k: (*v[:3], len(v[3])) for k, v in after.items()} == {
+        k: (*v[:3], len(v[3])) for k, v in python_after.items()
+    }
+
+
+def test_the_cases_it_hands_back_to_python() -> None:
+    assert encode is not None
+    good = {_timing.FORWARD: _phase(1_000, 1, True)}
+    assert encode(good, 1, 2, "cpu", 0, 0) is not None
+    for acc, step, device in [
+        ({_timing.FORWARD: object()}, 1, "cpu"),  # not a phase
+        ({1: _phase(1, 1, True)}, 1, "cpu"),  # a name that is not a str
+        ({_timing.FORWARD: _phase(10**400, 1, True)}, 1, "cpu"),  # beyond a double
+        (good, 2**70, "cpu"),  # an int beyond 64 bits
+        (good, 1, "\ud800"),  # a lone surrogate
+        ({str(i): _phase(1, 1, True) for i in range(40)}, 1, "cpu"),  # many phases
+    ]:
+        before = {k: (p.cpu_ns, p.n_calls) for k, p in acc.items() if hasattr(p, "cpu_ns")}
+        assert encode(acc, step, 0, device, 0, 0) is None
+        after = {k: (p.cpu_ns, p.n_calls) for k, p in acc.items() if hasattr(p, "cpu_ns")}
+        assert after == before
+
+
+def test_a_timer_sends_encoded_steps_through_the_recorder_to_the_sender() -> None:
+    """The runtime's path: StepTimer -> StepRecorder -> a sink's put_encoded, and the
+    recorder still counts the steps, keeps their events and applies --trace-max-steps."""
+    sent: list[tuple[str, bytes]] = []
+
+    class Sender:
+        def put(self, stream: str, item: Any) -> None:
+            raise AssertionError("a step off CUDA should arrive encoded")
+
+        def put_encoded(self, stream: str, data: bytes) -> None:
+            sent.append((stream, data))
+
+    recorder = StepRecorder(2, keep_events=True)
+    recorder.sink = Sender()
+    timer = _timing.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
+    timer.defer = True
+    timer.encoded_sink = recorder
+    for _ in range(3):
+        timer.begin(None)
+        timer.add_host(_timing.DATALOADER_NEXT, 2_000_000)
+        timer.end()
+    timer.build_ended()
+    assert [stream for stream, _ in sent] == ["step_memory", "step_time"] * 2  # step 3 cut
+    recent, total = recorder.snapshot()
+    assert total == 2
+    assert [step for step, _ in recent] == [1, 2]
+    assert recent[0][1][_timing.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 2.0
+    assert b'"seq":1,"step":2,' in sent[3][1]
+
+
+def test_a_sink_without_put_encoded_gets_the_items_decoded() -> None:
+    sink = RecordingSink()
+    recorder = StepRecorder(None, keep_events=False)
+    recorder.sink = sink
+    timer = _timing.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
+    timer.encoded_sink = recorder
+    timer.begin(None)
+    timer.end()
+    assert sink.streams() == ["step_memory", "step_time"]
+    assert sink.items("step_time")[0]["step"] == 1
+
+
+@pytest.mark.parametrize("put_encoded", [True, False])
+def test_the_runtime_uses_the_encoded_path_only_for_a_sender(put_encoded: bool) -> None:
+    import traceml_ai as traceml
+    from traceml_ai.rank import _sdk
+
+    class Sender(RecordingSink):
+        def put_encoded(self, stream: str, data: bytes) -> None:
+            import orjson
+
+            self.put(stream, orjson.loads(data))
+
+    sink = Sender() if put_encoded else RecordingSink()
+    traceml.init(sink=sink, sampler_interval=60.0)
+    try:
+        runtime = _sdk._runtime
+        assert runtime is not None
+        assert (runtime.timer.encoded_sink is not None) is put_encoded
+        with traceml.trace_step(None):
+            pass
+    finally:
+        traceml.shutdown()
+    # Step numbers go on from an earlier init of this process: one step, one item each.
+    assert len(sink.items("step_time")) == len(sink.items("step_memory")) == 1
