@@ -1,7 +1,9 @@
-"""Build hook for the optional C line encoder; all metadata lives in pyproject.toml.
+"""Build hook for the optional C extensions; all metadata lives in pyproject.toml.
 
-``optional=True``: without a C compiler the install still succeeds and
-``traceml_records`` uses its pure-Python encoder, which writes the same bytes.
+``optional=True``: without a C compiler the install still succeeds, and each has a
+pure-Python path that behaves the same: ``traceml_records._speedups`` (the line and
+item encoders, a rank's step encoder) and ``traceml_ai.rank._hotpath`` (the step
+timer's per-call methods).
 """
 
 from setuptools import Extension, setup
@@ -15,6 +17,11 @@ setup(
             # sdist carries it and a change to it rebuilds the extension.
             depends=["src/traceml_records/_plan_codes.h"],
             optional=True,
-        )
+        ),
+        Extension(
+            "traceml_ai.rank._hotpath",
+            sources=["src/traceml_ai/rank/_hotpath.c"],
+            optional=True,
+        ),
     ]
 )

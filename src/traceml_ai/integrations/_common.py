@@ -49,7 +49,7 @@ class HookGuard:
         self.failed = False
         self._on_failure = on_failure
 
-    def run(self, hook: str, fn: Callable[[], None]) -> None:
+    def run(self, hook: str, fn: Callable[[], object]) -> None:
         """Call ``fn``; an ``Exception`` from it is caught, counted and reported once."""
         if self.failed:
             return
@@ -108,13 +108,14 @@ class StepDriver:
         """Whether a step is open (or, with ``TRACE_ONE_IN``, an untraced update runs)."""
         return self.current is not None or self._untraced
 
-    def begin(self, model: object | None) -> None:
-        """Open a step (auto-initializes TraceML under ``traceml run``); nothing if one is open."""
+    def begin(self, model: object | None) -> bool:
+        """Open a step (auto-initializes TraceML under ``traceml run``); nothing if one is
+        open. Whether an update began now (traced, or untraced with ``TRACE_ONE_IN``)."""
         if self.current is not None or self._untraced:
-            return
+            return False
         if self._untraced_left and TRACE_ONE_IN:
             self._untraced = True
-            return
+            return True
         step: AbstractContextManager[None]
         context = self._context
         if context is not None and context.reusable_for(_timing._ACTIVE, model):
@@ -130,6 +131,7 @@ class StepDriver:
             # closed before the final flush.
             self._atexit = True
             atexit.register(self._end_at_exit)
+        return True
 
     def end(self, exc: BaseException | None = None) -> None:
         """Close the open step, if any.

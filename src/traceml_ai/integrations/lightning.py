@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import operator
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -182,8 +183,9 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
 #
 # - ``_AutomaticOptimization.run`` / ``_ManualOptimization.run`` (one training batch:
 #   training_step, backward, optimizer step): the step opens before the first batch of
-#   an update and ends after the batch that changed ``trainer.global_step``; forward
-#   opens with the batch;
+#   an update and ends after the batch that changed the update count
+#   (``trainer.global_step``, read from the loop: ``_UPDATES``); forward opens with
+#   the batch;
 # - ``Strategy.backward``: forward ends where backward begins (``on_before_backward``);
 # - ``Precision._after_closure``: the optimizer phase restarts once Lightning's closure
 #   has run forward and backward (``on_before_optimizer_step``);
@@ -206,8 +208,9 @@ class _ZeroCode:
         self.guard = HookGuard(FRAMEWORK, self._abandon)
         # The trainer whose training batches are traced; None: every wrapper passes through.
         self.trainer: Any = None
-        self.global_step = 0
-        # The model last seen by batch_start (its forward hooks were decided then).
+        # The optimizer updates counted when the open step began (see _UPDATES).
+        self.updates = 0
+        # The traced fit's model, taken at its first training batch (None: not yet).
         self.model: Any = None
 
     def _abandon(self) -> None:
@@ -215,37 +218,40 @@ class _ZeroCode:
         self.model = None
         self.driver.abandon()
 
-    def batch_start(self, trainer: Any) -> None:
+    def _fit_model(self, trainer: Any) -> Any:
+        # The strategy's model is the DDP wrapper under DDP: its forward runs the
+        # training_step, and it names the strategy in runtime_environment.
+        model = getattr(trainer.strategy, "model", None)
+        if model is None:
+            model = trainer.lightning_module
+        if getattr(trainer.lightning_module, "automatic_optimization", False):
+            # The forward phase is bracketed here, from the batch's start to backward;
+            # hooks on the model would time the training_step a second time, nested,
+            # and slow every call of it, traced or not. (Manual optimization keeps
+            # them: forwards after a manual_backward are outside the bracket.)
+            forward_timed_elsewhere(model)
+        self.model = model
+        return model
+
+    def batch_start(self, trainer: Any, loop: Any, updates: Callable[[Any], int]) -> None:
         try:
+            model = self.model
+            if model is None:
+                model = self._fit_model(trainer)
             driver = self.driver
-            if not driver.open:
-                # The strategy's model is the DDP wrapper under DDP: its forward runs
-                # the training_step, and it names the strategy in runtime_environment.
-                model = getattr(trainer.strategy, "model", None)
-                if model is None:
-                    model = trainer.lightning_module
-                if model is not self.model:
-                    self.model = model
-                    if getattr(trainer.lightning_module, "automatic_optimization", False):
-                        # The forward phase is bracketed here, from the batch's start to
-                        # backward; hooks on the model would time the training_step a
-                        # second time, nested, and slow every call of it, traced or not.
-                        # (Manual optimization keeps them: forwards after a
-                        # manual_backward are outside the bracket.)
-                        forward_timed_elsewhere(model)
-                driver.begin(model)
-                self.global_step = trainer.global_step
+            if driver.begin(model):
+                self.updates = updates(loop)
             driver.open_forward()
         except Exception as exc:
             self.guard.fail("a training batch", exc)
 
-    def batch_end(self, trainer: Any) -> None:
+    def batch_end(self, loop: Any, updates: Callable[[Any], int]) -> None:
         try:
             driver = self.driver
             driver.close_forward()  # a training_step without backward
-            # global_step counts optimizer updates: an accumulating batch leaves it as
-            # it was, and its step stays open for the next batch.
-            if trainer.global_step != self.global_step:
+            # An accumulating batch leaves the update count as it was, and its step
+            # stays open for the next batch.
+            if updates(loop) != self.updates:
                 driver.end()
         except Exception as exc:
             self.guard.fail("a training batch", exc)
@@ -267,21 +273,32 @@ _WRAPPED: list[tuple[Any, str, Any]] = []
 _INSTALLED: set[str] = set()
 
 
-def _wrap_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+# What ``trainer.global_step`` reads for each optimization loop (it counts optimizer
+# updates), read from the loop running the batch: one C call, where the property
+# makes five Python calls (trainer, epoch loop, module, progress) on every read.
+_UPDATES = {
+    "_AutomaticOptimization": "optim_progress.optimizer.step.total.completed",
+    "_ManualOptimization": "optim_step_progress.total.completed",
+}
+
+
+def _wrap_batch(original: Callable[..., Any], class_name: str) -> Callable[..., Any]:
+    updates = operator.attrgetter(_UPDATES[class_name])
+
     @functools.wraps(original)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         zero = _ZERO
         trainer = zero.trainer
         if trainer is None or self.trainer is not trainer:
             return original(self, *args, **kwargs)
-        zero.batch_start(trainer)
+        zero.batch_start(trainer, self, updates)
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
             # The user's exception propagates unchanged; the step is discarded.
             zero.close("a training batch", exc)
             raise
-        zero.batch_end(trainer)
+        zero.batch_end(self, updates)
         return result
 
     return run
@@ -366,6 +383,7 @@ def _wrap_fit(original: Callable[..., Any]) -> Callable[..., Any]:
                 traced = False
                 zero.guard.fail("Trainer.fit", exc)
         zero.trainer = self if traced else None
+        zero.model = None  # this fit's model is taken at its first training batch
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
@@ -389,8 +407,18 @@ def _targets(package: str) -> list[tuple[str, str, str, Callable[..., Any]]]:
     """(module, class, method, wrapper factory) of what the zero-code attach wraps."""
     return [
         (f"{package}.trainer.trainer", "Trainer", "fit", _wrap_fit),
-        (f"{package}.loops.optimization.automatic", "_AutomaticOptimization", "run", _wrap_batch),
-        (f"{package}.loops.optimization.manual", "_ManualOptimization", "run", _wrap_batch),
+        (
+            f"{package}.loops.optimization.automatic",
+            "_AutomaticOptimization",
+            "run",
+            functools.partial(_wrap_batch, class_name="_AutomaticOptimization"),
+        ),
+        (
+            f"{package}.loops.optimization.manual",
+            "_ManualOptimization",
+            "run",
+            functools.partial(_wrap_batch, class_name="_ManualOptimization"),
+        ),
         (f"{package}.strategies.strategy", "Strategy", "backward", _wrap_backward),
         (
             f"{package}.plugins.precision.precision",

@@ -27,7 +27,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -115,8 +115,9 @@ def _load_host_step_encoder() -> Callable[..., tuple[bytes, bytes] | None] | Non
 _encode_host_step = _load_host_step_encoder()
 
 
-class _Open:
-    """An in-flight hook-timed phase; ``depth`` keeps nested calls from counting twice."""
+class _PyOpen:
+    """An in-flight hook-timed phase; ``depth`` keeps nested calls from counting twice
+    (``_Open``: this, or ``_hotpath.Slot`` with the C extension)."""
 
     __slots__ = ("auto", "depth", "ev0", "t0")
 
@@ -221,7 +222,143 @@ def _device_key(device: Any) -> str:
     return f"{kind}:{index if isinstance(index, int) and index >= 0 else 0}"
 
 
-class StepTimer:
+class _PyTimerCore:
+    """The step timer's per-call methods in Python, and what they define.
+
+    ``open``, ``close``, ``restart`` and ``add_host`` run several times in every traced
+    step. With the C extension built, StepTimer's base is ``_hotpath.TimerCore``,
+    which does their common case in C (a step off CUDA, on the training thread, a
+    phase the step already has) and hands every other case to these methods, so
+    this class is the behaviour either way (TRACEML_PURE_PYTHON=1: these alone).
+    """
+
+    # Set by StepTimer.__init__ (in C fields with the extension).
+    in_step: bool
+    thread: int
+    cuda_index: int | None
+    _acc: dict[str, _Phase]
+    _cuda: CudaBackend
+
+    if TYPE_CHECKING:
+
+        def fail(self, exc: BaseException) -> None: ...
+
+    def _record(self) -> CudaEvent | None:
+        index = self.cuda_index
+        return None if index is None else self._cuda.record_event(index)
+
+    def _add(self, name: str, dt_ns: int, ev0: CudaEvent | None, ev1: CudaEvent | None) -> None:
+        phase = self._acc.get(name)
+        if phase is None:
+            phase = self._acc[name] = _Phase()
+        elif not phase.n_calls:
+            # Reused from an earlier step (host-only then): this step's starts afresh.
+            phase.missing = False
+        phase.cpu_ns += dt_ns
+        phase.n_calls += 1
+        if ev0 is not None and ev1 is not None and not phase.missing:
+            pairs = phase.pairs
+            if len(pairs) < MAX_OUTSIDE_PAIRS or self.in_step:
+                pairs.append((ev0, ev1))
+                return
+        # gpu_ms is null for the whole phase now; drop its events so they do
+        # not pile up (trace_phase called outside steps with no step following).
+        phase.missing = True
+        phase.pairs = []
+
+    def _add_host(self, name: str, dt_ns: int) -> None:
+        """``_add(name, dt_ns, None, None)`` in fewer steps: a call without CUDA events
+        (every call on CPU, the DataLoader wait, the step itself), on the hot path."""
+        acc = self._acc
+        phase = acc.get(name)
+        if phase is None:
+            phase = acc[name] = _Phase()
+            phase.missing = True
+        elif not phase.missing:
+            phase.missing = True
+            phase.pairs = []
+        phase.cpu_ns += dt_ns
+        phase.n_calls += 1
+
+    def open(self, slot: _Open) -> None:
+        """Start a hook-timed phase (forward, backward, optimizer) inside a step."""
+        if not self.in_step or _get_ident() != self.thread:
+            return
+        try:
+            if slot.depth == 0:
+                # _record() inlined: this runs for every hooked call of every step.
+                index = self.cuda_index
+                slot.ev0 = None if index is None else self._cuda.record_event(index)
+                slot.t0 = _perf_ns()
+            slot.depth += 1
+        except Exception as exc:
+            self.fail(exc)
+
+    def close(self, slot: _Open, name: str) -> None:
+        """End a hook-timed phase; only the outermost of nested calls is counted."""
+        if slot.depth == 0 or _get_ident() != self.thread:
+            return
+        try:
+            depth = slot.depth - 1
+            slot.depth = depth
+            if depth == 0:
+                dt = _perf_ns() - slot.t0
+                ev0 = slot.ev0
+                if ev0 is None:
+                    if self.in_step:
+                        self._add_host(name, dt)
+                    return
+                ev1 = self._record()
+                slot.ev0 = None
+                if self.in_step:
+                    self._add(name, dt, ev0, ev1)
+        except Exception as exc:
+            self.fail(exc)
+
+    def restart(self, slot: _Open) -> None:
+        """Move an open phase's start to now (nothing when it is not open).
+
+        Lightning runs forward and backward inside ``optimizer.step(closure)``, after
+        the optimizer's pre-hook opened the phase; restarting it when the closure has
+        returned keeps the optimizer phase to the update itself.
+        """
+        if slot.depth == 0 or _get_ident() != self.thread:
+            return
+        try:
+            slot.ev0 = self._record() if slot.ev0 is not None else None
+            slot.t0 = _perf_ns()
+        except Exception as exc:
+            self.fail(exc)
+
+    def add_host(self, name: str, dt_ns: int) -> None:
+        """Add one host-timed call (the DataLoader wait) to the current or next step."""
+        if _get_ident() != self.thread:
+            return
+        try:
+            self._add_host(name, dt_ns)
+        except Exception as exc:
+            self.fail(exc)
+
+
+def _core_classes() -> tuple[type[_PyTimerCore], type[_PyOpen]]:
+    """StepTimer's base and the in-flight phase class: in C when the extension is built."""
+    hotpath = _native.load("traceml_ai.rank._hotpath")
+    if hotpath is None:
+        return _PyTimerCore, _PyOpen
+    hotpath.configure(_PyTimerCore, _Phase)
+    # The C methods first; the Python ones are what they hand other cases to.
+    base = type("_TimerCore", (hotpath.TimerCore, _PyTimerCore), {})
+    return base, hotpath.Slot
+
+
+if TYPE_CHECKING:
+    _TimerCore = _PyTimerCore
+    _Open = _PyOpen
+else:
+    _TimerCore, _Open = _core_classes()
+
+
+class StepTimer(_TimerCore):
     """Measures traced steps and puts their ``step_time``/``step_memory`` items into a sink.
 
     Only the thread that runs the traced steps is measured; calls from other
@@ -313,7 +450,7 @@ class StepTimer:
 
     @auto_forward.setter
     def auto_forward(self, on: bool) -> None:
-        self.fwd.auto = on
+        self.fwd.auto = bool(on)
 
     @property
     def auto_optimizer(self) -> bool:
@@ -322,7 +459,7 @@ class StepTimer:
 
     @auto_optimizer.setter
     def auto_optimizer(self, on: bool) -> None:
-        self.opt.auto = on
+        self.opt.auto = bool(on)
 
     # -- counters -------------------------------------------------------------
 
@@ -358,100 +495,6 @@ class StepTimer:
 
     # -- phases ---------------------------------------------------------------
 
-    def _record(self) -> CudaEvent | None:
-        index = self.cuda_index
-        return None if index is None else self._cuda.record_event(index)
-
-    def _add(self, name: str, dt_ns: int, ev0: CudaEvent | None, ev1: CudaEvent | None) -> None:
-        phase = self._acc.get(name)
-        if phase is None:
-            phase = self._acc[name] = _Phase()
-        elif not phase.n_calls:
-            # Reused from an earlier step (host-only then): this step's starts afresh.
-            phase.missing = False
-        phase.cpu_ns += dt_ns
-        phase.n_calls += 1
-        if ev0 is not None and ev1 is not None and not phase.missing:
-            pairs = phase.pairs
-            if len(pairs) < MAX_OUTSIDE_PAIRS or self.in_step:
-                pairs.append((ev0, ev1))
-                return
-        # gpu_ms is null for the whole phase now; drop its events so they do
-        # not pile up (trace_phase called outside steps with no step following).
-        phase.missing = True
-        phase.pairs = []
-
-    def _add_host(self, name: str, dt_ns: int) -> None:
-        """``_add(name, dt_ns, None, None)`` in fewer steps: a call without CUDA events
-        (every call on CPU, the DataLoader wait, the step itself), on the hot path."""
-        acc = self._acc
-        phase = acc.get(name)
-        if phase is None:
-            phase = acc[name] = _Phase()
-            phase.missing = True
-        elif not phase.missing:
-            phase.missing = True
-            phase.pairs = []
-        phase.cpu_ns += dt_ns
-        phase.n_calls += 1
-
-    def open(self, slot: _Open) -> None:
-        """Start a hook-timed phase (forward, backward, optimizer) inside a step."""
-        if not self.in_step or _get_ident() != self.thread:
-            return
-        try:
-            if slot.depth == 0:
-                # _record() inlined: this runs for every hooked call of every step.
-                index = self.cuda_index
-                slot.ev0 = None if index is None else self._cuda.record_event(index)
-                slot.t0 = _perf_ns()
-            slot.depth += 1
-        except Exception as exc:
-            self.fail(exc)
-
-    def close(self, slot: _Open, name: str) -> None:
-        """End a hook-timed phase; only the outermost of nested calls is counted."""
-        if slot.depth == 0 or _get_ident() != self.thread:
-            return
-        try:
-            depth = slot.depth - 1
-            slot.depth = depth
-            if depth == 0:
-                dt = _perf_ns() - slot.t0
-                ev0 = slot.ev0
-                if ev0 is None:
-                    if self.in_step:
-                        # _add_host inlined for a phase the step already has: one
-                        # Python call less on every hooked call.
-                        phase = self._acc.get(name)
-                        if phase is not None and phase.missing:
-                            phase.cpu_ns += dt
-                            phase.n_calls += 1
-                        else:
-                            self._add_host(name, dt)
-                    return
-                ev1 = self._record()
-                slot.ev0 = None
-                if self.in_step:
-                    self._add(name, dt, ev0, ev1)
-        except Exception as exc:
-            self.fail(exc)
-
-    def restart(self, slot: _Open) -> None:
-        """Move an open phase's start to now (nothing when it is not open).
-
-        Lightning runs forward and backward inside ``optimizer.step(closure)``, after
-        the optimizer's pre-hook opened the phase; restarting it when the closure has
-        returned keeps the optimizer phase to the update itself.
-        """
-        if slot.depth == 0 or _get_ident() != self.thread:
-            return
-        try:
-            slot.ev0 = self._record() if slot.ev0 is not None else None
-            slot.t0 = _perf_ns()
-        except Exception as exc:
-            self.fail(exc)
-
     def discard_outside(self, name: str) -> None:
         """Forget what ``name`` collected since the last step ended (not yet in a step).
 
@@ -460,15 +503,6 @@ class StepTimer:
         """
         if not self.in_step:
             self._acc.pop(name, None)
-
-    def add_host(self, name: str, dt_ns: int) -> None:
-        """Add one host-timed call (the DataLoader wait) to the current or next step."""
-        if _get_ident() != self.thread:
-            return
-        try:
-            self._add_host(name, dt_ns)
-        except Exception as exc:
-            self.fail(exc)
 
     def user_phase_begin(self) -> tuple[int, CudaEvent | None]:
         """Start a user phase; returns what ``user_phase_end`` needs."""
@@ -579,12 +613,7 @@ class StepTimer:
         """Finish the current step and send its items (or leave them to the builder)."""
         dt = _perf_ns() - self._t0
         self.in_step = False
-        phase = self._acc.get(STEP_TIME)
-        if phase is not None and phase.missing:  # _add_host inlined (a reused phase)
-            phase.cpu_ns += dt
-            phase.n_calls += 1
-        else:
-            self._add_host(STEP_TIME, dt)
+        self._add_host(STEP_TIME, dt)
         self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
         acc = self._acc
         spare_acc = self._spare_acc
@@ -905,14 +934,10 @@ _patched: set[str] = set()
 
 
 def _phase_hooks(index: int, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
-    """The pre and post hooks of the phase whose slot is ``timer.hooked[index]``.
-
-    Each is ``timer.open(slot)`` / ``timer.close(slot, name)`` with the common case
-    inlined (a step off CUDA; for the close, a phase the step already has, as its
-    phase dicts are reused): torch calls them every step, and the call into the
-    timer they save was ~7 % of a traced step's instructions. One template for the
-    forward and the optimizer hooks; the third argument is the optimizer hooks'
-    kwargs or the forward hook's output.
+    """The pre and post hooks of the phase whose slot is ``timer.hooked[index]``:
+    ``timer.open(slot)`` / ``timer.close(slot, name)`` while it is timed. One template
+    for the forward and the optimizer hooks; the third argument is the optimizer
+    hooks' kwargs or the forward hook's output.
     """
 
     def pre_hook(owner: Any, args: Any, extra: Any = None) -> None:
@@ -922,13 +947,7 @@ def _phase_hooks(index: int, name: str) -> tuple[Callable[..., None], Callable[.
         if timer is None or not timer.in_step:
             return
         slot = timer.hooked[index]
-        if not slot.auto:
-            return
-        if slot.depth == 0 and timer.cuda_index is None and _get_ident() == timer.thread:
-            slot.ev0 = None
-            slot.t0 = _perf_ns()
-            slot.depth = 1
-        else:
+        if slot.auto:
             timer.open(slot)
 
     def post_hook(owner: Any, args: Any, extra: Any = None) -> None:
@@ -938,16 +957,8 @@ def _phase_hooks(index: int, name: str) -> tuple[Callable[..., None], Callable[.
         if timer is None:
             return
         slot = timer.hooked[index]
-        if not slot.auto:
-            return
-        if slot.depth == 1 and slot.ev0 is None and timer.in_step:
-            phase = timer._acc.get(name)
-            if phase is not None and phase.missing and _get_ident() == timer.thread:
-                phase.cpu_ns += _perf_ns() - slot.t0
-                phase.n_calls += 1
-                slot.depth = 0
-                return
-        timer.close(slot, name)
+        if slot.auto:
+            timer.close(slot, name)
 
     return pre_hook, post_hook
 
@@ -1070,14 +1081,7 @@ def install_patches(
             # Only fetches that returned a batch count; the StopIteration that
             # ends an epoch is not a wait for a batch.
             batch = original_next(self)
-            dt = _perf_ns() - t0
-            phase = timer._acc.get(DATALOADER_NEXT)
-            if phase is not None and phase.missing and _get_ident() == timer.thread:
-                # add_host inlined for a phase already there (reused): every step.
-                phase.cpu_ns += dt
-                phase.n_calls += 1
-            else:
-                timer.add_host(DATALOADER_NEXT, dt)
+            timer.add_host(DATALOADER_NEXT, _perf_ns() - t0)
             return batch
 
         base.__next__ = __next__

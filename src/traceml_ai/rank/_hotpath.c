@@ -1,0 +1,434 @@
+/*
+ * traceml_ai.rank._hotpath: the step timer's per-call work in C.
+ *
+ * TimerCore is the base of _timing.StepTimer and Slot its in-flight phase
+ * (_timing._Open). open, close, restart and add_host are called by torch's hooks and
+ * the framework brackets several times every traced step; each cost ~1.5 us as a
+ * Python method inside a Lightning update (docs/benchmarks.md). Here they do the
+ * common case without a Python frame: a step off CUDA, on the training thread, adding
+ * to a phase the step's (reused) phase dict already has. Every other case is handed,
+ * untouched, to the pure-Python methods of _timing._PyTimerCore (configure()), which
+ * define the behaviour; tests run the timer's suites over both.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <limits.h>
+#include <pythread.h>
+
+/* time.perf_counter_ns(), the clock the Python methods read. */
+static inline long long now_ns(void) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyTime_t t;
+    (void)PyTime_PerfCounterRaw(&t);
+    return (long long)t;
+#else
+    return (long long)_PyTime_GetPerfCounter();
+#endif
+}
+
+/* ---- Slot ----------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    int depth;     /* nested calls: only the outermost is counted */
+    long long t0;  /* perf_counter_ns at the outermost open */
+    PyObject *ev0; /* its start CUDA event, or None */
+    char autotime; /* "auto": whether its hooks time it */
+} SlotObject;
+
+static PyObject *slot_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "Slot() takes no arguments");
+        return NULL;
+    }
+    SlotObject *self = (SlotObject *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    Py_INCREF(Py_None);
+    self->ev0 = Py_None;
+    self->autotime = 1;
+    return (PyObject *)self;
+}
+
+static void slot_dealloc(SlotObject *self) {
+    Py_XDECREF(self->ev0);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef slot_members[] = {
+    {"depth", T_INT, offsetof(SlotObject, depth), 0, "nested calls open"},
+    {"t0", T_LONGLONG, offsetof(SlotObject, t0), 0, "perf_counter_ns at the open"},
+    {"ev0", T_OBJECT, offsetof(SlotObject, ev0), 0, "the start CUDA event, or None"},
+    {"auto", T_BOOL, offsetof(SlotObject, autotime), 0, "whether its hooks time it"},
+    {NULL},
+};
+
+static PyTypeObject SlotType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml_ai.rank._hotpath.Slot",
+    .tp_doc = "An in-flight hook-timed phase; depth keeps nested calls from counting twice.",
+    .tp_basicsize = sizeof(SlotObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = slot_new,
+    .tp_dealloc = (destructor)slot_dealloc,
+    .tp_members = slot_members,
+};
+
+/* ---- what configure() gives ---------------------------------------------- */
+
+static PyObject *py_open = NULL, *py_close = NULL, *py_restart = NULL, *py_add_host = NULL,
+                *py_add_host_inner = NULL, *str_fail = NULL;
+static PyTypeObject *phase_type = NULL;
+static Py_ssize_t phase_cpu_ns = -1, phase_n_calls = -1, phase_missing = -1;
+
+#define SLOT_AT(obj, offset) (*(PyObject **)((char *)(obj) + (offset)))
+
+static Py_ssize_t slot_offset(PyTypeObject *type, const char *name) {
+    PyObject *descr = PyObject_GetAttrString((PyObject *)type, name);
+    if (descr == NULL) return -1;
+    Py_ssize_t offset = -1;
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyMemberDef *def = ((PyMemberDescrObject *)descr)->d_member;
+        if (def->type == T_OBJECT_EX) offset = def->offset;
+    }
+    Py_DECREF(descr);
+    if (offset < 0) PyErr_Format(PyExc_TypeError, "%s is not a slot of the phase class", name);
+    return offset;
+}
+
+static PyObject *get_function(PyObject *cls, const char *name) {
+    PyObject *fn = PyObject_GetAttrString(cls, name);
+    if (fn != NULL && !PyCallable_Check(fn)) {
+        Py_DECREF(fn);
+        PyErr_Format(PyExc_TypeError, "%s is not callable", name);
+        return NULL;
+    }
+    return fn;
+}
+
+/* configure(py_core_class, phase_class): the Python methods every case but the
+ * common one is handed to, and where a phase keeps its counts. */
+static PyObject *configure(PyObject *module, PyObject *args) {
+    PyObject *core, *phase;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &core, &PyType_Type, &phase)) return NULL;
+    PyObject *fns[5] = {NULL};
+    static const char *names[5] = {"open", "close", "restart", "add_host", "_add_host"};
+    for (int i = 0; i < 5; i++) {
+        fns[i] = get_function(core, names[i]);
+        if (fns[i] == NULL) {
+            for (int j = 0; j < i; j++) Py_DECREF(fns[j]);
+            return NULL;
+        }
+    }
+    Py_ssize_t cpu = slot_offset((PyTypeObject *)phase, "cpu_ns");
+    Py_ssize_t n = cpu < 0 ? -1 : slot_offset((PyTypeObject *)phase, "n_calls");
+    Py_ssize_t missing = n < 0 ? -1 : slot_offset((PyTypeObject *)phase, "missing");
+    if (missing < 0) {
+        for (int j = 0; j < 5; j++) Py_DECREF(fns[j]);
+        return NULL;
+    }
+    Py_XSETREF(py_open, fns[0]);
+    Py_XSETREF(py_close, fns[1]);
+    Py_XSETREF(py_restart, fns[2]);
+    Py_XSETREF(py_add_host, fns[3]);
+    Py_XSETREF(py_add_host_inner, fns[4]);
+    Py_INCREF(phase);
+    Py_XSETREF(phase_type, (PyTypeObject *)phase);
+    phase_cpu_ns = cpu;
+    phase_n_calls = n;
+    phase_missing = missing;
+    Py_RETURN_NONE;
+}
+
+/* ---- TimerCore ------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    char in_step;         /* a traced step is open */
+    unsigned long thread; /* the training thread's ident: other threads are ignored */
+    PyObject *cuda_index; /* the step's CUDA device index, or None */
+    PyObject *acc;        /* "_acc": the phases of the current (or next) step */
+} CoreObject;
+
+static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    CoreObject *self = (CoreObject *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->acc = PyDict_New();
+    if (self->acc == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_INCREF(Py_None);
+    self->cuda_index = Py_None;
+    self->thread = PyThread_get_thread_ident();
+    return (PyObject *)self;
+}
+
+static int core_traverse(CoreObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->cuda_index);
+    Py_VISIT(self->acc);
+    return 0;
+}
+
+static int core_clear(CoreObject *self) {
+    Py_CLEAR(self->cuda_index);
+    Py_CLEAR(self->acc);
+    return 0;
+}
+
+/* A static type: a Python subclass's dealloc (subtype_dealloc) releases its own type
+ * and visits it in traverse, so neither is done here. */
+static void core_dealloc(CoreObject *self) {
+    PyObject_GC_UnTrack(self);
+    core_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *call2(PyObject *fn, PyObject *a, PyObject *b) {
+    PyObject *args[2] = {a, b};
+    return PyObject_Vectorcall(fn, args, 2, NULL);
+}
+
+static PyObject *call3(PyObject *fn, PyObject *a, PyObject *b, PyObject *c) {
+    PyObject *args[3] = {a, b, c};
+    return PyObject_Vectorcall(fn, args, 3, NULL);
+}
+
+/* What the Python methods do with an exception of their work: fail(exc) (stop
+ * measuring; training goes on). */
+static PyObject *fail_with_current(CoreObject *self) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (!PyErr_GivenExceptionMatches(type, PyExc_Exception)) {
+        PyErr_Restore(type, value, tb); /* not an Exception: it propagates, as in Python */
+        return NULL;
+    }
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyObject *result = PyObject_CallMethodOneArg((PyObject *)self, str_fail, value);
+    Py_DECREF(value);
+    return result;
+}
+
+/* Add dt to the existing phase `name` of self->acc: 1 done, 0 "not the common case"
+ * (nothing changed), -1 error. */
+static int add_existing(CoreObject *self, PyObject *name, long long dt) {
+    PyObject *acc = self->acc;
+    if (acc == NULL || !PyDict_CheckExact(acc)) return 0;
+    PyObject *phase = PyDict_GetItemWithError(acc, name);
+    if (phase == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (Py_TYPE(phase) != phase_type || SLOT_AT(phase, phase_missing) != Py_True) return 0;
+    PyObject *cpu = SLOT_AT(phase, phase_cpu_ns), *n = SLOT_AT(phase, phase_n_calls);
+    if (cpu == NULL || n == NULL || !PyLong_CheckExact(cpu) || !PyLong_CheckExact(n)) return 0;
+    int overflow = 0;
+    long long cpu_v = PyLong_AsLongLongAndOverflow(cpu, &overflow);
+    if (overflow) return 0;
+    long long n_v = PyLong_AsLongLongAndOverflow(n, &overflow);
+    if (overflow) return 0;
+    if ((cpu_v == -1 || n_v == -1) && PyErr_Occurred()) return -1;
+    if ((dt > 0 && cpu_v > LLONG_MAX - dt) || (dt < 0 && cpu_v < LLONG_MIN - dt) ||
+        n_v == LLONG_MAX) {
+        return 0; /* Python's ints go on past 64 bits */
+    }
+    PyObject *new_cpu = PyLong_FromLongLong(cpu_v + dt);
+    if (new_cpu == NULL) return -1;
+    PyObject *new_n = PyLong_FromLongLong(n_v + 1);
+    if (new_n == NULL) {
+        Py_DECREF(new_cpu);
+        return -1;
+    }
+    Py_SETREF(SLOT_AT(phase, phase_cpu_ns), new_cpu);
+    Py_SETREF(SLOT_AT(phase, phase_n_calls), new_n);
+    return 1;
+}
+
+/* _add_host(name, dt) for a call of this thread: the common case here, else Python's. */
+static PyObject *add_host_checked(CoreObject *self, PyObject *name, long long dt) {
+    int done = add_existing(self, name, dt);
+    if (done == 1) Py_RETURN_NONE;
+    if (done == 0) {
+        PyObject *dt_obj = PyLong_FromLongLong(dt);
+        if (dt_obj != NULL) {
+            PyObject *r = call3(py_add_host_inner, (PyObject *)self, name, dt_obj);
+            Py_DECREF(dt_obj);
+            if (r != NULL) return r;
+        }
+    }
+    return fail_with_current(self);
+}
+
+static inline int is_slot(PyObject *obj) { return Py_IS_TYPE(obj, &SlotType); }
+
+static int not_configured(void) {
+    if (py_open != NULL) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "traceml_ai.rank._hotpath is not configured");
+    return 1;
+}
+
+static inline int other_thread(CoreObject *self) {
+    return PyThread_get_thread_ident() != self->thread;
+}
+
+static PyObject *core_open(CoreObject *self, PyObject *slot_obj) {
+    if (not_configured()) return NULL;
+    if (!is_slot(slot_obj)) return call2(py_open, (PyObject *)self, slot_obj);
+    SlotObject *slot = (SlotObject *)slot_obj;
+    if (!self->in_step || other_thread(self)) Py_RETURN_NONE;
+    if (slot->depth == 0) {
+        if (self->cuda_index != Py_None) return call2(py_open, (PyObject *)self, slot_obj);
+        if (slot->ev0 != Py_None) {
+            Py_INCREF(Py_None);
+            Py_XSETREF(slot->ev0, Py_None);
+        }
+        slot->t0 = now_ns();
+    }
+    slot->depth++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_close(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "close(slot, name) takes 2 arguments");
+        return NULL;
+    }
+    if (not_configured()) return NULL;
+    PyObject *slot_obj = args[0], *name = args[1];
+    if (!is_slot(slot_obj) || !PyUnicode_CheckExact(name)) {
+        return call3(py_close, (PyObject *)self, slot_obj, name);
+    }
+    SlotObject *slot = (SlotObject *)slot_obj;
+    if (slot->depth == 0 || other_thread(self)) Py_RETURN_NONE;
+    if (slot->depth < 0 || slot->ev0 != Py_None) {
+        return call3(py_close, (PyObject *)self, slot_obj, name);
+    }
+    if (--slot->depth > 0) Py_RETURN_NONE;
+    long long dt = now_ns() - slot->t0;
+    if (!self->in_step) Py_RETURN_NONE;
+    return add_host_checked(self, name, dt);
+}
+
+static PyObject *core_restart(CoreObject *self, PyObject *slot_obj) {
+    if (not_configured()) return NULL;
+    if (!is_slot(slot_obj)) return call2(py_restart, (PyObject *)self, slot_obj);
+    SlotObject *slot = (SlotObject *)slot_obj;
+    if (slot->depth == 0 || other_thread(self)) Py_RETURN_NONE;
+    if (slot->ev0 != Py_None) return call2(py_restart, (PyObject *)self, slot_obj);
+    slot->t0 = now_ns();
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_add_host(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add_host(name, dt_ns) takes 2 arguments");
+        return NULL;
+    }
+    if (not_configured()) return NULL;
+    PyObject *name = args[0], *dt_obj = args[1];
+    if (!PyUnicode_CheckExact(name) || !PyLong_CheckExact(dt_obj)) {
+        return call3(py_add_host, (PyObject *)self, name, dt_obj);
+    }
+    int overflow = 0;
+    long long dt = PyLong_AsLongLongAndOverflow(dt_obj, &overflow);
+    if (overflow || (dt == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return call3(py_add_host, (PyObject *)self, name, dt_obj);
+    }
+    if (other_thread(self)) Py_RETURN_NONE;
+    return add_host_checked(self, name, dt);
+}
+
+/* _add_host(name, dt_ns): add_host without the thread check (the step's own end). */
+static PyObject *core_add_host_inner(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "_add_host(name, dt_ns) takes 2 arguments");
+        return NULL;
+    }
+    if (not_configured()) return NULL;
+    PyObject *name = args[0], *dt_obj = args[1];
+    int overflow = 0;
+    long long dt = 0;
+    if (PyUnicode_CheckExact(name) && PyLong_CheckExact(dt_obj)) {
+        dt = PyLong_AsLongLongAndOverflow(dt_obj, &overflow);
+        if (dt == -1 && PyErr_Occurred()) return NULL;
+        if (!overflow) {
+            int done = add_existing(self, name, dt);
+            if (done != 0) {
+                if (done < 0) return NULL;
+                Py_RETURN_NONE;
+            }
+        }
+    }
+    return call3(py_add_host_inner, (PyObject *)self, name, dt_obj);
+}
+
+static PyMethodDef core_methods[] = {
+    {"open", (PyCFunction)core_open, METH_O,
+     "Start a hook-timed phase (forward, backward, optimizer) inside a step."},
+    {"close", (PyCFunction)(void (*)(void))core_close, METH_FASTCALL,
+     "End a hook-timed phase; only the outermost of nested calls is counted."},
+    {"restart", (PyCFunction)core_restart, METH_O,
+     "Move an open phase's start to now (nothing when it is not open)."},
+    {"add_host", (PyCFunction)(void (*)(void))core_add_host, METH_FASTCALL,
+     "Add one host-timed call (the DataLoader wait) to the current or next step."},
+    {"_add_host", (PyCFunction)(void (*)(void))core_add_host_inner, METH_FASTCALL,
+     "Add a host-timed call to a phase of the current step, on any thread."},
+    {NULL},
+};
+
+static PyMemberDef core_members[] = {
+    {"in_step", T_BOOL, offsetof(CoreObject, in_step), 0, "whether a traced step is open"},
+    {"thread", T_ULONG, offsetof(CoreObject, thread), 0, "the training thread's ident"},
+    {"cuda_index", T_OBJECT, offsetof(CoreObject, cuda_index), 0,
+     "the step's CUDA device index, or None"},
+    {"_acc", T_OBJECT_EX, offsetof(CoreObject, acc), 0, "the current (or next) step's phases"},
+    {NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml_ai.rank._hotpath.TimerCore",
+    .tp_doc = "The step timer's per-call methods in C (the base of StepTimer).",
+    .tp_basicsize = sizeof(CoreObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = core_new,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
+    .tp_methods = core_methods,
+    .tp_members = core_members,
+};
+
+static PyMethodDef module_methods[] = {
+    {"configure", (PyCFunction)configure, METH_VARARGS,
+     "configure(py_core_class, phase_class): the pure-Python methods every case but the"
+     " common one is handed to, and the phase class whose counts are added to."},
+    {NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_hotpath", "The step timer's per-call work in C (see _timing).", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__hotpath(void) {
+    str_fail = PyUnicode_InternFromString("fail");
+    if (str_fail == NULL) return NULL;
+    if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) return NULL;
+    Py_INCREF(&SlotType);
+    if (PyModule_AddObject(module, "Slot", (PyObject *)&SlotType) < 0) {
+        Py_DECREF(&SlotType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(module, "TimerCore", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,209 @@
+"""The step timer's C core (``traceml_ai.rank._hotpath``) against its Python methods.
+
+``TimerCore`` does the common case of ``open``/``close``/``restart``/``add_host`` in C
+and hands every other case to ``_timing._PyTimerCore``, which defines the behaviour.
+Here both take the same calls and must end in the same state; the rest of the rank
+suites run over both (conftest.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from traceml_ai.rank import _timing
+from traceml_ai.rank.sink import RecordingSink
+from traceml_ai.testing import FakeCuda
+from tests.traceml_ai.rank.conftest import CORE_METHODS
+
+
+@pytest.fixture
+def timer_core() -> str:
+    """This module compares the two cores itself (no run per core)."""
+    return "c"
+
+
+class _PythonTimer(_timing.StepTimer):
+    """A StepTimer on the pure-Python methods and phases, as without the extension."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.fwd, self.bwd, self.opt, self.h2d = (_timing._PyOpen() for _ in range(4))
+        self.hooked = (self.fwd, self.opt)
+
+
+for _name in CORE_METHODS:
+    setattr(_PythonTimer, _name, getattr(_timing._PyTimerCore, _name))
+
+
+def _pair(cuda: Any = None) -> list[_timing.StepTimer]:
+    timers: list[_timing.StepTimer] = []
+    for cls in (_timing.StepTimer, _PythonTimer):
+        backend = cuda() if cuda is not None else FakeCuda(available=False)
+        timers.append(cls(RecordingSink(), backend, lambda m: None, lambda e: None))
+    return timers
+
+
+def test_the_core_is_built_and_used() -> None:
+    timer = _pair()[0]
+    assert type(timer.fwd).__name__ == "Slot"
+    assert _timing.StepTimer.open is not _timing._PyTimerCore.open
+    slot = _timing._Open()
+    assert (slot.depth, slot.t0, slot.ev0, slot.auto) == (0, 0, None, True)
+    with pytest.raises(TypeError):
+        slot.auto = 1  # type: ignore[assignment]  # a bool, as the timer's setters give
+    timer.auto_forward = 0  # type: ignore[assignment]
+    assert timer.fwd.auto is False
+
+
+def _state(timer: _timing.StepTimer) -> tuple[Any, ...]:
+    phases = {name: (p.n_calls, p.missing, len(p.pairs)) for name, p in timer._acc.items()}
+    depths = tuple(s.depth for s in (timer.fwd, timer.bwd, timer.opt, timer.h2d))
+    return timer.in_step, timer.enabled, timer.step, depths, phases
+
+
+def _items(timer: _timing.StepTimer) -> list[Any]:
+    sink = timer._sink
+    assert isinstance(sink, RecordingSink)
+    out = []
+    for stream, item in zip(sink.streams(), sink.items(), strict=True):
+        if stream == "step_time":
+            events: Any = item["events"]
+            item = {
+                **item,
+                "events": {
+                    k: {d: (t["n_calls"], t["is_gpu"]) for d, t in v.items()}
+                    for k, v in events.items()
+                },
+            }
+        out.append((stream, {k: v for k, v in item.items() if k != "timestamp_unix_ns"}))
+    return out
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("begin")),
+        st.tuples(st.just("end")),
+        st.tuples(st.sampled_from(["open", "restart"]), st.integers(0, 3)),
+        st.tuples(st.just("close"), st.integers(0, 3), st.sampled_from(["a", "b", "fwd"])),
+        st.tuples(
+            st.just("add_host"),
+            st.sampled_from(["a", "dl", _timing.STEP_TIME]),
+            st.one_of(st.integers(0, 10**6), st.just(2**64), st.just(-5)),
+        ),
+        st.tuples(st.just("other_thread"), st.integers(0, 3)),
+    ),
+    max_size=40,
+)
+
+
+def _apply(timer: _timing.StepTimer, op: tuple[Any, ...]) -> None:
+    slots = (timer.fwd, timer.bwd, timer.opt, timer.h2d)
+    kind = op[0]
+    if kind == "begin":
+        if not timer.in_step:
+            timer.begin(None)
+    elif kind == "end":
+        if timer.in_step:
+            timer.end()
+    elif kind == "open":
+        timer.open(slots[op[1]])
+    elif kind == "restart":
+        timer.restart(slots[op[1]])
+    elif kind == "close":
+        timer.close(slots[op[1]], op[2])
+    elif kind == "add_host":
+        timer.add_host(op[1], op[2])
+    else:  # calls from another thread are ignored
+        thread = threading.Thread(target=timer.open, args=(slots[op[1]],))
+        thread.start()
+        thread.join()
+        thread = threading.Thread(target=timer.add_host, args=("a", 1))
+        thread.start()
+        thread.join()
+
+
+@given(ops=OPS, cuda=st.booleans())
+def test_c_and_python_cores_end_in_the_same_state(ops: list[tuple[Any, ...]], cuda: bool) -> None:
+    """The same calls, off CUDA and on a (fake) CUDA device: the C core hands the
+    CUDA case to Python, so both record events alike."""
+    pair = _pair(lambda: FakeCuda(1, auto_complete=True)) if cuda else _pair()
+    for timer in pair:
+        timer._current_device()
+    for op in ops:
+        for timer in pair:
+            _apply(timer, op)
+        assert _state(pair[0]) == _state(pair[1]), op
+    for timer in pair:
+        timer.drain(sync=True)
+    assert _items(pair[0]) == _items(pair[1])
+
+
+def test_an_error_in_a_handed_over_case_stops_the_timer_once() -> None:
+    """A failure inside the work of close/add_host (here a phase dict that raises) is
+    what the Python method does with it: fail(exc), training goes on."""
+
+    class Broken(dict[str, Any]):
+        def get(self, *args: Any) -> Any:
+            raise RuntimeError("broken phases")
+
+    for timer in _pair():
+        errors: list[BaseException] = []
+        timer._on_error = errors.append
+        timer.begin(None)
+        timer._acc = Broken()
+        timer.open(timer.fwd)
+        timer.close(timer.fwd, "forward")  # returns; the timer is off
+        assert not timer.enabled and len(errors) == 1
+        assert isinstance(errors[0], RuntimeError)
+        timer.add_host("a", 1)  # on the thread still; off, raises nothing
+        assert len(errors) <= 2
+
+
+def test_counts_past_64_bits_go_on_in_python() -> None:
+    for timer in _pair():
+        timer.add_host("a", 2**63 - 1)
+        timer.add_host("a", 10)
+        timer.add_host("a", 2**70)
+        assert timer._acc["a"].cpu_ns == 2**63 - 1 + 10 + 2**70
+        assert timer._acc["a"].n_calls == 3
+
+
+def test_a_timer_in_a_reference_cycle_is_collected() -> None:
+    timer = _pair()[0]
+    timer.cycle = timer  # type: ignore[attr-defined]
+    timer._acc["a"] = _timing._Phase()
+    ref = weakref.ref(timer)
+    del timer
+    gc.collect()
+    assert ref() is None
+
+
+def test_without_the_extension_the_timer_is_pure_python() -> None:
+    code = (
+        "from traceml_ai.rank import _timing as t;"
+        "assert t.StepTimer.__mro__[1] is t._PyTimerCore and t._Open is t._PyOpen;"
+        "assert t._encode_host_step is None;"
+        "from traceml_ai.rank.sink import RecordingSink;"
+        "from traceml_ai.testing import FakeCuda;"
+        "s = RecordingSink(); tm = t.StepTimer(s, FakeCuda(available=False), print, print);"
+        "tm.begin(None); tm.open(tm.fwd); tm.close(tm.fwd, 'f'); tm.end();"
+        "print(sorted(s.items('step_time')[0]['events']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TRACEML_PURE_PYTHON": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == str(sorted(["f", _timing.STEP_TIME]))
