@@ -27,6 +27,17 @@ static inline long long now_ns(void) {
 #endif
 }
 
+/* time.time_ns(), the wall clock of a step's timestamp. */
+static inline long long wall_ns(void) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyTime_t t;
+    (void)PyTime_TimeRaw(&t);
+    return (long long)t;
+#else
+    return (long long)_PyTime_GetSystemClock();
+#endif
+}
+
 /* ---- Slot ----------------------------------------------------------------- */
 
 typedef struct {
@@ -77,7 +88,8 @@ static PyTypeObject SlotType = {
 /* ---- what configure() gives ---------------------------------------------- */
 
 static PyObject *py_open = NULL, *py_close = NULL, *py_restart = NULL, *py_add_host = NULL,
-                *py_add_host_inner = NULL, *str_fail = NULL;
+                *py_add_host_inner = NULL, *py_begin = NULL, *py_end = NULL, *str_fail = NULL,
+                *str_get_device = NULL, *str_append = NULL, *step_time_name = NULL;
 static PyTypeObject *phase_type = NULL;
 static Py_ssize_t phase_cpu_ns = -1, phase_n_calls = -1, phase_missing = -1;
 
@@ -106,14 +118,19 @@ static PyObject *get_function(PyObject *cls, const char *name) {
     return fn;
 }
 
-/* configure(py_core_class, phase_class): the Python methods every case but the
- * common one is handed to, and where a phase keeps its counts. */
+/* configure(py_core_class, phase_class, step_time_name): the Python methods every case
+ * but the common one is handed to, where a phase keeps its counts, and the name of the
+ * step's own phase. */
+#define N_DELEGATES 7
 static PyObject *configure(PyObject *module, PyObject *args) {
-    PyObject *core, *phase;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &core, &PyType_Type, &phase)) return NULL;
-    PyObject *fns[5] = {NULL};
-    static const char *names[5] = {"open", "close", "restart", "add_host", "_add_host"};
-    for (int i = 0; i < 5; i++) {
+    PyObject *core, *phase, *name;
+    if (!PyArg_ParseTuple(args, "O!O!U", &PyType_Type, &core, &PyType_Type, &phase, &name)) {
+        return NULL;
+    }
+    PyObject *fns[N_DELEGATES] = {NULL};
+    static const char *names[N_DELEGATES] = {"open", "close", "restart", "add_host",
+                                             "_add_host", "begin", "end"};
+    for (int i = 0; i < N_DELEGATES; i++) {
         fns[i] = get_function(core, names[i]);
         if (fns[i] == NULL) {
             for (int j = 0; j < i; j++) Py_DECREF(fns[j]);
@@ -124,7 +141,7 @@ static PyObject *configure(PyObject *module, PyObject *args) {
     Py_ssize_t n = cpu < 0 ? -1 : slot_offset((PyTypeObject *)phase, "n_calls");
     Py_ssize_t missing = n < 0 ? -1 : slot_offset((PyTypeObject *)phase, "missing");
     if (missing < 0) {
-        for (int j = 0; j < 5; j++) Py_DECREF(fns[j]);
+        for (int j = 0; j < N_DELEGATES; j++) Py_DECREF(fns[j]);
         return NULL;
     }
     Py_XSETREF(py_open, fns[0]);
@@ -132,8 +149,12 @@ static PyObject *configure(PyObject *module, PyObject *args) {
     Py_XSETREF(py_restart, fns[2]);
     Py_XSETREF(py_add_host, fns[3]);
     Py_XSETREF(py_add_host_inner, fns[4]);
+    Py_XSETREF(py_begin, fns[5]);
+    Py_XSETREF(py_end, fns[6]);
     Py_INCREF(phase);
     Py_XSETREF(phase_type, (PyTypeObject *)phase);
+    Py_INCREF(name);
+    Py_XSETREF(step_time_name, name);
     phase_cpu_ns = cpu;
     phase_n_calls = n;
     phase_missing = missing;
@@ -145,9 +166,19 @@ static PyObject *configure(PyObject *module, PyObject *args) {
 typedef struct {
     PyObject_HEAD
     char in_step;         /* a traced step is open */
+    char defer;           /* a step off CUDA leaves its numbers for the builder */
+    Py_ssize_t max_ended; /* "_max_ended": MAX_ENDED_STEPS */
+    Py_ssize_t wake_at;   /* "_wake_at": ENDED_WAKE_AT */
     unsigned long thread; /* the training thread's ident: other threads are ignored */
+    long long step;       /* the current (or last) step's number */
+    long long t0;         /* "_t0": perf_counter_ns at the step's begin */
     PyObject *cuda_index; /* the step's CUDA device index, or None */
     PyObject *acc;        /* "_acc": the phases of the current (or next) step */
+    PyObject *slots[4];   /* fwd, bwd, opt, h2d */
+    PyObject *device;     /* the step's device key */
+    PyObject *model_ref, *probe, *probe_at; /* "_model_ref", "_probe", "_probe_at" */
+    PyObject *pending, *ended, *ended_at, *spare_acc; /* "_pending", "_ended", ... */
+    PyObject *wake_builder;
 } CoreObject;
 
 static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -161,18 +192,25 @@ static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     Py_INCREF(Py_None);
     self->cuda_index = Py_None;
     self->thread = PyThread_get_thread_ident();
-    return (PyObject *)self;
+    return (PyObject *)self; /* StepTimer.__init__ sets the rest */
 }
 
+#define CORE_OBJECTS(X)                                                                   \
+    X(cuda_index) X(acc) X(slots[0]) X(slots[1]) X(slots[2]) X(slots[3]) X(device)          \
+    X(model_ref) X(probe) X(probe_at) X(pending) X(ended) X(ended_at) X(spare_acc)         \
+    X(wake_builder)
+
 static int core_traverse(CoreObject *self, visitproc visit, void *arg) {
-    Py_VISIT(self->cuda_index);
-    Py_VISIT(self->acc);
+#define VISIT(field) Py_VISIT(self->field);
+    CORE_OBJECTS(VISIT)
+#undef VISIT
     return 0;
 }
 
 static int core_clear(CoreObject *self) {
-    Py_CLEAR(self->cuda_index);
-    Py_CLEAR(self->acc);
+#define CLEAR(field) Py_CLEAR(self->field);
+    CORE_OBJECTS(CLEAR)
+#undef CLEAR
     return 0;
 }
 
@@ -363,6 +401,126 @@ static PyObject *core_add_host_inner(CoreObject *self, PyObject *const *args, Py
     return call3(py_add_host_inner, (PyObject *)self, name, dt_obj);
 }
 
+static inline int slots_ready(CoreObject *self) {
+    for (int i = 0; i < 4; i++) {
+        if (self->slots[i] == NULL || !is_slot(self->slots[i])) return 0;
+    }
+    return 1;
+}
+
+/* Whether the model's probe tensor is where _locate found it: 1 yes, 0 no (or a case
+ * Python handles: a gone tensor, an error). */
+static int probe_unmoved(CoreObject *self) {
+    if (self->probe == NULL || self->probe == Py_None) return 1;
+    PyObject *probe = PyObject_CallNoArgs(self->probe);
+    if (probe == NULL || probe == Py_None) {
+        PyErr_Clear();
+        Py_XDECREF(probe);
+        return 0;
+    }
+    PyObject *where = PyObject_CallMethodNoArgs(probe, str_get_device);
+    Py_DECREF(probe);
+    if (where == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int moved = PyObject_RichCompareBool(where, self->probe_at ? self->probe_at : Py_None, Py_NE);
+    Py_DECREF(where);
+    if (moved < 0) PyErr_Clear();
+    return moved == 0;
+}
+
+static PyObject *core_begin(CoreObject *self, PyObject *model) {
+    if (not_configured()) return NULL;
+    /* The common case: the model of the last step, still where it was, off CUDA. */
+    if (model == Py_None || self->cuda_index != Py_None || self->model_ref == NULL ||
+        self->model_ref == Py_None || !slots_ready(self)) {
+        return call2(py_begin, (PyObject *)self, model);
+    }
+    PyObject *current = PyObject_CallNoArgs(self->model_ref);
+    if (current == NULL) PyErr_Clear();
+    int same = current == model;
+    Py_XDECREF(current);
+    if (!same || !probe_unmoved(self)) return call2(py_begin, (PyObject *)self, model);
+    self->thread = PyThread_get_thread_ident();
+    self->step++;
+    for (int i = 0; i < 4; i++) ((SlotObject *)self->slots[i])->depth = 0;
+    self->in_step = 1;
+    self->t0 = now_ns();
+    Py_RETURN_NONE;
+}
+
+static PyObject *append(PyObject *queue, PyObject *item) {
+    return PyObject_CallMethodOneArg(queue, str_append, item);
+}
+
+static PyObject *core_end(CoreObject *self, PyObject *unused) {
+    if (not_configured()) return NULL;
+    /* The common case: a step off CUDA whose numbers wait for the builder's thread. */
+    if (!self->defer || self->cuda_index != Py_None || !slots_ready(self) ||
+        self->acc == NULL || self->pending == NULL || self->ended == NULL ||
+        self->ended_at == NULL || self->device == NULL || self->spare_acc == NULL ||
+        !PyList_CheckExact(self->spare_acc)) {
+        return PyObject_CallOneArg(py_end, (PyObject *)self);
+    }
+    Py_ssize_t pending = PyObject_Size(self->pending);
+    Py_ssize_t ended = pending == 0 ? PyObject_Size(self->ended) : -1;
+    if (pending != 0 || ended < 0 || ended >= self->max_ended) {
+        PyErr_Clear();
+        return PyObject_CallOneArg(py_end, (PyObject *)self);
+    }
+    long long dt = now_ns() - self->t0;
+    self->in_step = 0;
+    int done = add_existing(self, step_time_name, dt);
+    if (done < 0) return NULL;
+    if (done == 0) {
+        PyObject *dt_obj = PyLong_FromLongLong(dt);
+        if (dt_obj == NULL) return NULL;
+        PyObject *r = call3(py_add_host_inner, (PyObject *)self, step_time_name, dt_obj);
+        Py_DECREF(dt_obj);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    for (int i = 0; i < 4; i++) ((SlotObject *)self->slots[i])->depth = 0;
+    PyObject *acc = self->acc; /* the reference moves to the ended queue */
+    Py_ssize_t spares = PyList_GET_SIZE(self->spare_acc);
+    PyObject *next;
+    if (spares > 0) {
+        next = PyList_GET_ITEM(self->spare_acc, spares - 1);
+        Py_INCREF(next);
+        if (PyList_SetSlice(self->spare_acc, spares - 1, spares, NULL) < 0) {
+            Py_DECREF(next);
+            return NULL;
+        }
+    } else {
+        next = PyDict_New();
+        if (next == NULL) return NULL;
+    }
+    self->acc = next;
+    PyObject *at = Py_BuildValue("(LLO)", self->step, wall_ns(), self->device);
+    if (at == NULL) {
+        Py_DECREF(acc);
+        return NULL;
+    }
+    /* (step, ts, device) first: a builder that sees the phases finds their numbers. */
+    PyObject *r = append(self->ended_at, at);
+    Py_DECREF(at);
+    if (r == NULL) {
+        Py_DECREF(acc);
+        return NULL;
+    }
+    Py_DECREF(r);
+    r = append(self->ended, acc);
+    Py_DECREF(acc);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    if (ended + 1 == self->wake_at && self->wake_builder != NULL &&
+        self->wake_builder != Py_None) {
+        return PyObject_CallNoArgs(self->wake_builder);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef core_methods[] = {
     {"open", (PyCFunction)core_open, METH_O,
      "Start a hook-timed phase (forward, backward, optimizer) inside a step."},
@@ -372,19 +530,41 @@ static PyMethodDef core_methods[] = {
      "Move an open phase's start to now (nothing when it is not open)."},
     {"add_host", (PyCFunction)(void (*)(void))core_add_host, METH_FASTCALL,
      "Add one host-timed call (the DataLoader wait) to the current or next step."},
+    {"begin", (PyCFunction)core_begin, METH_O, "Start step ``self.step + 1``."},
+    {"end", (PyCFunction)core_end, METH_NOARGS,
+     "Finish the current step and send its items (or leave them to the builder)."},
     {"_add_host", (PyCFunction)(void (*)(void))core_add_host_inner, METH_FASTCALL,
      "Add a host-timed call to a phase of the current step, on any thread."},
     {NULL},
 };
 
+#define OBJ(name, field, doc) {name, T_OBJECT, offsetof(CoreObject, field), 0, doc},
 static PyMemberDef core_members[] = {
     {"in_step", T_BOOL, offsetof(CoreObject, in_step), 0, "whether a traced step is open"},
+    {"defer", T_BOOL, offsetof(CoreObject, defer), 0, "steps off CUDA left to the builder"},
     {"thread", T_ULONG, offsetof(CoreObject, thread), 0, "the training thread's ident"},
-    {"cuda_index", T_OBJECT, offsetof(CoreObject, cuda_index), 0,
-     "the step's CUDA device index, or None"},
+    {"step", T_LONGLONG, offsetof(CoreObject, step), 0, "the current (or last) step"},
+    {"_max_ended", T_PYSSIZET, offsetof(CoreObject, max_ended), 0, "MAX_ENDED_STEPS"},
+    {"_wake_at", T_PYSSIZET, offsetof(CoreObject, wake_at), 0, "ENDED_WAKE_AT"},
+    {"_t0", T_LONGLONG, offsetof(CoreObject, t0), 0, "perf_counter_ns at the step's begin"},
+    OBJ("cuda_index", cuda_index, "the step's CUDA device index, or None")
     {"_acc", T_OBJECT_EX, offsetof(CoreObject, acc), 0, "the current (or next) step's phases"},
+    OBJ("fwd", slots[0], "the forward phase in flight")
+    OBJ("bwd", slots[1], "the backward phase in flight")
+    OBJ("opt", slots[2], "the optimizer phase in flight")
+    OBJ("h2d", slots[3], "the host-to-device phase in flight")
+    OBJ("device", device, "the step's device key")
+    OBJ("_model_ref", model_ref, "the traced model, weakly")
+    OBJ("_probe", probe, "a tensor of the model, weakly")
+    OBJ("_probe_at", probe_at, "where that tensor was")
+    OBJ("_pending", pending, "CUDA steps waiting for their events")
+    OBJ("_ended", ended, "phases of ended steps left to the builder")
+    OBJ("_ended_at", ended_at, "(step, ts, device) of those steps")
+    OBJ("_spare_acc", spare_acc, "zeroed phase dicts for later steps")
+    OBJ("wake_builder", wake_builder, "wakes the builder's thread, or None")
     {NULL},
 };
+#undef OBJ
 
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -414,7 +594,9 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
     str_fail = PyUnicode_InternFromString("fail");
-    if (str_fail == NULL) return NULL;
+    str_get_device = PyUnicode_InternFromString("get_device");
+    str_append = PyUnicode_InternFromString("append");
+    if (str_fail == NULL || str_get_device == NULL || str_append == NULL) return NULL;
     if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) return NULL;

@@ -223,13 +223,15 @@ def _device_key(device: Any) -> str:
 
 
 class _PyTimerCore:
-    """The step timer's per-call methods in Python, and what they define.
+    """The step timer's per-step and per-call methods in Python, and what they define.
 
-    ``open``, ``close``, ``restart`` and ``add_host`` run several times in every traced
-    step. With the C extension built, StepTimer's base is ``_hotpath.TimerCore``,
-    which does their common case in C (a step off CUDA, on the training thread, a
-    phase the step already has) and hands every other case to these methods, so
-    this class is the behaviour either way (TRACEML_PURE_PYTHON=1: these alone).
+    ``begin``, ``end``, ``open``, ``close``, ``restart`` and ``add_host`` run in every
+    traced step. With the C extension built, StepTimer's base is
+    ``_hotpath.TimerCore``, which does their common case in C (a step off CUDA whose
+    model stayed where it was, on the training thread, a phase the step already has,
+    its numbers left to the sender's thread) and hands every other case to these
+    methods, so this class is the behaviour either way (TRACEML_PURE_PYTHON=1: these
+    alone).
     """
 
     # Set by StepTimer.__init__ (in C fields with the extension).
@@ -239,9 +241,41 @@ class _PyTimerCore:
     _acc: dict[str, _Phase]
     _cuda: CudaBackend
 
-    if TYPE_CHECKING:
+    step: int
+    device: str
+    reset_peak: bool
+    defer: bool
+    wake_builder: Callable[[], None] | None
+    fwd: _Open
+    bwd: _Open
+    opt: _Open
+    h2d: _Open
+    _t0: int
+    _model_ref: Callable[[], object] | None
+    _probe: Callable[[], object] | None
+    _probe_at: object
+    _pending: deque[_PendingStep]
+    _pending_lock: threading.Lock
+    _ended: deque[dict[str, _Phase]]
+    _ended_at: deque[tuple[int, int, str]]
+    _spare_acc: list[dict[str, _Phase]]
+    _max_ended: int
+    _wake_at: int
 
+    if TYPE_CHECKING:
+        # StepTimer's, used here.
         def fail(self, exc: BaseException) -> None: ...
+        def _adopt(self, model: object) -> None: ...
+        def _locate(self, model: object) -> None: ...
+        def _current_device(self) -> None: ...
+        def build_ended(self) -> None: ...
+        def _build_ended(self) -> None: ...
+        def _send_host(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None: ...
+        def _put_memory(
+            self, step: int, ts: int, device: str, peak_alloc: int | None, peak_reserved: int | None
+        ) -> None: ...
+        def _emit(self, pending: _PendingStep) -> None: ...
+        def _drain_ready(self) -> None: ...
 
     def _record(self) -> CudaEvent | None:
         index = self.cuda_index
@@ -339,13 +373,95 @@ class _PyTimerCore:
         except Exception as exc:
             self.fail(exc)
 
+    def begin(self, model: object | None) -> None:
+        """Start step ``self.step + 1``."""
+        self.thread = _get_ident()
+        if model is not None:
+            ref = self._model_ref
+            if ref is None or ref() is not model:
+                self._adopt(model)
+            elif (probe_ref := self._probe) is not None:
+                # Whether the model's probe tensor changed device (or is gone) since
+                # _locate, inline: every traced step asks.
+                probe: Any = probe_ref()
+                if probe is None:
+                    self._locate(model)
+                else:
+                    try:
+                        where: object = probe.get_device()
+                    except Exception:
+                        where = _where(probe)
+                    if where != self._probe_at:
+                        self._locate(model)
+        else:
+            self._current_device()
+        self.step += 1
+        self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
+        if self.cuda_index is not None and self.reset_peak:
+            self._cuda.reset_peak_memory_stats(self.cuda_index)
+        self.in_step = True
+        self._t0 = _perf_ns()
+
+    def end(self) -> None:
+        """Finish the current step and send its items (or leave them to the builder)."""
+        dt = _perf_ns() - self._t0
+        self.in_step = False
+        self._add_host(STEP_TIME, dt)
+        self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
+        acc = self._acc
+        spare_acc = self._spare_acc
+        self._acc = spare_acc.pop() if spare_acc else {}
+        ts = time.time_ns()
+        step = self.step
+        device = self.device
+        index = self.cuda_index
+        if index is None and not self._pending:
+            # Not on CUDA: no GPU time to wait for and no peak to read. Event pairs a
+            # phase may still hold from an earlier CUDA step are not read off a CUDA
+            # device either way (gpu_ms is null).
+            ended = self._ended
+            if self.defer and len(ended) < self._max_ended:
+                self._ended_at.append((step, ts, device))
+                ended.append(acc)
+                if len(ended) == self._wake_at and self.wake_builder is not None:
+                    self.wake_builder()
+                return
+            if ended or self.defer:
+                with self._pending_lock:
+                    self._build_ended()
+                    self._send_host(step, ts, device, acc)
+                return
+            # Nothing else sends steps now (the sampler thread only sends while the
+            # pending queue is not empty): the common inline path takes no lock.
+            self._send_host(step, ts, device, acc)
+            return
+        if self._ended:
+            # Earlier CPU steps first, so seq and step numbers stay in order.
+            self.build_ended()
+        if index is not None and self.reset_peak:
+            peak_alloc = self._cuda.max_memory_allocated(index)
+            peak_reserved = self._cuda.max_memory_reserved(index)
+        else:
+            peak_alloc = peak_reserved = None
+        self._put_memory(step, ts, device, peak_alloc, peak_reserved)
+        pending = _PendingStep(step, ts, device, acc)
+        if not self._pending and not any(p.pairs for p in acc.values()):
+            # No event to wait for (CPU): sent at once. The sampler thread only
+            # sends while the queue is not empty (drain pops after sending), so
+            # this cannot interleave with it.
+            self._emit(pending)
+            return
+        with self._pending_lock:
+            self._pending.append(pending)
+            self._drain_ready()
+
 
 def _core_classes() -> tuple[type[_PyTimerCore], type[_PyOpen]]:
     """StepTimer's base and the in-flight phase class: in C when the extension is built."""
     hotpath = _native.load("traceml_ai.rank._hotpath")
     if hotpath is None:
         return _PyTimerCore, _PyOpen
-    hotpath.configure(_PyTimerCore, _Phase)
+    hotpath.configure(_PyTimerCore, _Phase, STEP_TIME)
     # The C methods first; the Python ones are what they hand other cases to.
     base = type("_TimerCore", (hotpath.TimerCore, _PyTimerCore), {})
     return base, hotpath.Slot
@@ -442,6 +558,9 @@ class StepTimer(_TimerCore):
         # takes the inlined path of close() and the hooks, and no _Phase is made.
         # Phases with no call are left out of the items.
         self._spare_acc: list[dict[str, _Phase]] = []
+        # MAX_ENDED_STEPS and ENDED_WAKE_AT, read when the timer is made.
+        self._max_ended = MAX_ENDED_STEPS
+        self._wake_at = ENDED_WAKE_AT
 
     @property
     def auto_forward(self) -> bool:
@@ -579,88 +698,6 @@ class StepTimer(_TimerCore):
             ):
                 index = local
         self.device, self.cuda_index = f"cuda:{index}", index
-
-    def begin(self, model: object | None) -> None:
-        """Start step ``self.step + 1``."""
-        self.thread = _get_ident()
-        if model is not None:
-            ref = self._model_ref
-            if ref is None or ref() is not model:
-                self._adopt(model)
-            elif (probe_ref := self._probe) is not None:
-                # Whether the model's probe tensor changed device (or is gone) since
-                # _locate, inline: every traced step asks.
-                probe: Any = probe_ref()
-                if probe is None:
-                    self._locate(model)
-                else:
-                    try:
-                        where: object = probe.get_device()
-                    except Exception:
-                        where = _where(probe)
-                    if where != self._probe_at:
-                        self._locate(model)
-        else:
-            self._current_device()
-        self.step += 1
-        self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
-        if self.cuda_index is not None and self.reset_peak:
-            self._cuda.reset_peak_memory_stats(self.cuda_index)
-        self.in_step = True
-        self._t0 = _perf_ns()
-
-    def end(self) -> None:
-        """Finish the current step and send its items (or leave them to the builder)."""
-        dt = _perf_ns() - self._t0
-        self.in_step = False
-        self._add_host(STEP_TIME, dt)
-        self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
-        acc = self._acc
-        spare_acc = self._spare_acc
-        self._acc = spare_acc.pop() if spare_acc else {}
-        ts = time.time_ns()
-        step = self.step
-        device = self.device
-        index = self.cuda_index
-        if index is None and not self._pending:
-            # Not on CUDA: no GPU time to wait for and no peak to read. Event pairs a
-            # phase may still hold from an earlier CUDA step are not read off a CUDA
-            # device either way (gpu_ms is null).
-            ended = self._ended
-            if self.defer and len(ended) < MAX_ENDED_STEPS:
-                self._ended_at.append((step, ts, device))
-                ended.append(acc)
-                if len(ended) == ENDED_WAKE_AT and self.wake_builder is not None:
-                    self.wake_builder()
-                return
-            if ended or self.defer:
-                with self._pending_lock:
-                    self._build_ended()
-                    self._send_host(step, ts, device, acc)
-                return
-            # Nothing else sends steps now (the sampler thread only sends while the
-            # pending queue is not empty): the common inline path takes no lock.
-            self._send_host(step, ts, device, acc)
-            return
-        if self._ended:
-            # Earlier CPU steps first, so seq and step numbers stay in order.
-            self.build_ended()
-        if index is not None and self.reset_peak:
-            peak_alloc = self._cuda.max_memory_allocated(index)
-            peak_reserved = self._cuda.max_memory_reserved(index)
-        else:
-            peak_alloc = peak_reserved = None
-        self._put_memory(step, ts, device, peak_alloc, peak_reserved)
-        pending = _PendingStep(step, ts, device, acc)
-        if not self._pending and not any(p.pairs for p in acc.values()):
-            # No event to wait for (CPU): sent at once. The sampler thread only
-            # sends while the queue is not empty (drain pops after sending), so
-            # this cannot interleave with it.
-            self._emit(pending)
-            return
-        with self._pending_lock:
-            self._pending.append(pending)
-            self._drain_ready()
 
     def _put_memory(
         self, step: int, ts: int, device: str, peak_alloc: int | None, peak_reserved: int | None

@@ -6,7 +6,7 @@ import pytest
 
 from traceml_ai.rank import _timing
 
-CORE_METHODS = ("open", "close", "restart", "add_host", "_add_host")
+CORE_METHODS = ("begin", "end", "open", "close", "restart", "add_host", "_add_host")
 
 
 @pytest.fixture(params=["c", "python"], autouse=True)

@@ -14,16 +14,17 @@ import subprocess
 import sys
 import threading
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
+from tests.traceml_ai.rank.conftest import CORE_METHODS
 from traceml_ai.rank import _timing
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
-from tests.traceml_ai.rank.conftest import CORE_METHODS
 
 
 @pytest.fixture
@@ -45,12 +46,39 @@ for _name in CORE_METHODS:
     setattr(_PythonTimer, _name, getattr(_timing._PyTimerCore, _name))
 
 
-def _pair(cuda: Any = None) -> list[_timing.StepTimer]:
+def _pair(cuda: Any = None, defer: bool = False) -> list[_timing.StepTimer]:
     timers: list[_timing.StepTimer] = []
     for cls in (_timing.StepTimer, _PythonTimer):
         backend = cuda() if cuda is not None else FakeCuda(available=False)
-        timers.append(cls(RecordingSink(), backend, lambda m: None, lambda e: None))
+        timer = cls(RecordingSink(), backend, lambda m: None, lambda e: None)
+        timer.defer = defer
+        timers.append(timer)
     return timers
+
+
+class _Tensor:
+    """A model's tensor whose device the test moves (``get_device``: -1 on CPU)."""
+
+    def __init__(self) -> None:
+        self.device = SimpleNamespace(type="cpu", index=None)
+
+    def get_device(self) -> int:
+        return -1 if self.device.type == "cpu" else 0
+
+
+class _Model:
+    def __init__(self, tensors: int) -> None:
+        self.tensors = [_Tensor() for _ in range(tensors)]
+
+    def parameters(self) -> Any:
+        return iter(self.tensors)
+
+    def buffers(self) -> Any:
+        return iter(())
+
+
+def _models() -> list[Any]:
+    return [None, _Model(0), _Model(1), _Model(2)]
 
 
 def test_the_core_is_built_and_used() -> None:
@@ -68,7 +96,11 @@ def test_the_core_is_built_and_used() -> None:
 def _state(timer: _timing.StepTimer) -> tuple[Any, ...]:
     phases = {name: (p.n_calls, p.missing, len(p.pairs)) for name, p in timer._acc.items()}
     depths = tuple(s.depth for s in (timer.fwd, timer.bwd, timer.opt, timer.h2d))
-    return timer.in_step, timer.enabled, timer.step, depths, phases
+    ended = [(step, device) for step, _, device in timer._ended_at]
+    return (
+        timer.in_step, timer.enabled, timer.step, timer.device, timer.cuda_index, depths,
+        phases, ended, len(timer._spare_acc), len(timer._pending),
+    )  # fmt: skip
 
 
 def _items(timer: _timing.StepTimer) -> list[Any]:
@@ -91,7 +123,9 @@ def _items(timer: _timing.StepTimer) -> list[Any]:
 
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("begin")),
+        st.tuples(st.just("begin"), st.integers(0, 3)),
+        st.tuples(st.just("move"), st.integers(2, 3)),
+        st.tuples(st.just("build")),
         st.tuples(st.just("end")),
         st.tuples(st.sampled_from(["open", "restart"]), st.integers(0, 3)),
         st.tuples(st.just("close"), st.integers(0, 3), st.sampled_from(["a", "b", "fwd"])),
@@ -106,12 +140,17 @@ OPS = st.lists(
 )
 
 
-def _apply(timer: _timing.StepTimer, op: tuple[Any, ...]) -> None:
+def _apply(timer: _timing.StepTimer, op: tuple[Any, ...], models: list[Any]) -> None:
     slots = (timer.fwd, timer.bwd, timer.opt, timer.h2d)
     kind = op[0]
     if kind == "begin":
         if not timer.in_step:
-            timer.begin(None)
+            timer.begin(models[op[1]])
+    elif kind == "move":  # the model's first tensor goes to the other device
+        device = models[op[1]].tensors[0].device
+        device.type = "cuda" if device.type == "cpu" else "cpu"
+    elif kind == "build":
+        timer.build_ended()
     elif kind == "end":
         if timer.in_step:
             timer.end()
@@ -132,16 +171,28 @@ def _apply(timer: _timing.StepTimer, op: tuple[Any, ...]) -> None:
         thread.join()
 
 
-@given(ops=OPS, cuda=st.booleans())
-def test_c_and_python_cores_end_in_the_same_state(ops: list[tuple[Any, ...]], cuda: bool) -> None:
-    """The same calls, off CUDA and on a (fake) CUDA device: the C core hands the
-    CUDA case to Python, so both record events alike."""
-    pair = _pair(lambda: FakeCuda(1, auto_complete=True)) if cuda else _pair()
+# The C fast paths: a model's later steps, left to the builder; a model whose tensor
+# moved between two steps (its device is found again).
+_MOVED = [("begin", 2), ("end",), ("move", 2), ("begin", 2), ("end",), ("build",)]
+
+
+@given(ops=OPS, cuda=st.booleans(), defer=st.booleans())
+@example(ops=[("begin", 1), ("open", 0), ("close", 0, "a"), ("end",)] * 3, cuda=False, defer=True)
+@example(ops=_MOVED, cuda=False, defer=True)
+@example(ops=_MOVED, cuda=True, defer=False)
+def test_c_and_python_cores_end_in_the_same_state(
+    ops: list[tuple[Any, ...]], cuda: bool, defer: bool
+) -> None:
+    """The same calls, off CUDA and on a (fake) CUDA device, steps built inline or
+    left to a builder, models that stay or move: the C core hands every case but the
+    common one to Python, so both end alike."""
+    pair = _pair((lambda: FakeCuda(1, auto_complete=True)) if cuda else None, defer)
+    models = [_models() for _ in pair]
     for timer in pair:
         timer._current_device()
     for op in ops:
-        for timer in pair:
-            _apply(timer, op)
+        for timer, own in zip(pair, models, strict=True):
+            _apply(timer, op, own)
         assert _state(pair[0]) == _state(pair[1]), op
     for timer in pair:
         timer.drain(sync=True)
