@@ -87,6 +87,7 @@ static PyTypeObject SlotType = {
 
 /* ---- what configure() gives ---------------------------------------------- */
 
+static PyObject *str_begin = NULL, *str_end = NULL, *str_discard = NULL;
 static PyObject *py_open = NULL, *py_close = NULL, *py_restart = NULL, *py_add_host = NULL,
                 *py_add_host_inner = NULL, *py_begin = NULL, *py_end = NULL, *str_fail = NULL,
                 *str_get_device = NULL, *str_append = NULL, *step_time_name = NULL;
@@ -166,6 +167,7 @@ static PyObject *configure(PyObject *module, PyObject *args) {
 typedef struct {
     PyObject_HEAD
     char in_step;         /* a traced step is open */
+    char enabled;         /* measuring (False after an internal error) */
     char defer;           /* a step off CUDA leaves its numbers for the builder */
     Py_ssize_t max_ended; /* "_max_ended": MAX_ENDED_STEPS */
     Py_ssize_t wake_at;   /* "_wake_at": ENDED_WAKE_AT */
@@ -541,6 +543,7 @@ static PyMethodDef core_methods[] = {
 #define OBJ(name, field, doc) {name, T_OBJECT, offsetof(CoreObject, field), 0, doc},
 static PyMemberDef core_members[] = {
     {"in_step", T_BOOL, offsetof(CoreObject, in_step), 0, "whether a traced step is open"},
+    {"enabled", T_BOOL, offsetof(CoreObject, enabled), 0, "whether it measures"},
     {"defer", T_BOOL, offsetof(CoreObject, defer), 0, "steps off CUDA left to the builder"},
     {"thread", T_ULONG, offsetof(CoreObject, thread), 0, "the training thread's ident"},
     {"step", T_LONGLONG, offsetof(CoreObject, step), 0, "the current (or last) step"},
@@ -580,6 +583,160 @@ static PyTypeObject CoreType = {
     .tp_members = core_members,
 };
 
+/* ---- StepContext ------------------------------------------------------------
+ *
+ * ``with trace_step(model):`` (_timing._PyStepContext is the same in Python): its
+ * __enter__ and __exit__ run every traced step, and call the timer's begin and end
+ * (its methods, whichever class defines them). An Exception from them stops the
+ * timer (timer.fail) and never reaches training; a step whose body raised is
+ * discarded. Exceptions of the body propagate unchanged.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *timer;
+    PyObject *model;
+    char live; /* entered, and its step began */
+} ContextObject;
+
+static PyTypeObject ContextType;
+
+static PyObject *context_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *timer, *model;
+    static char *keywords[] = {"timer", "model", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", keywords, &timer, &model)) return NULL;
+    ContextObject *self = (ContextObject *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    Py_INCREF(timer);
+    self->timer = timer;
+    Py_INCREF(model);
+    self->model = model;
+    return (PyObject *)self;
+}
+
+static int context_traverse(ContextObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->timer);
+    Py_VISIT(self->model);
+    return 0;
+}
+
+static int context_clear(ContextObject *self) {
+    Py_CLEAR(self->timer);
+    Py_CLEAR(self->model);
+    return 0;
+}
+
+static void context_dealloc(ContextObject *self) {
+    PyObject_GC_UnTrack(self);
+    context_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* timer.enabled / timer.in_step: 1, 0, or -1 (error). */
+static int timer_flag(PyObject *timer, int in_step) {
+    if (PyObject_TypeCheck(timer, &CoreType)) {
+        CoreObject *core = (CoreObject *)timer;
+        return in_step ? core->in_step : core->enabled;
+    }
+    PyObject *value = PyObject_GetAttrString(timer, in_step ? "in_step" : "enabled");
+    if (value == NULL) return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* The result of a call to the timer (NULL: it raised): an Exception goes to
+ * timer.fail(exc), anything else propagates. */
+static PyObject *guarded(PyObject *timer, PyObject *result) {
+    if (result != NULL) {
+        Py_DECREF(result);
+        Py_RETURN_NONE;
+    }
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (!PyErr_GivenExceptionMatches(type, PyExc_Exception)) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    result = PyObject_CallMethodOneArg(timer, str_fail, value);
+    Py_DECREF(value);
+    if (result == NULL) return NULL;
+    Py_DECREF(result);
+    Py_RETURN_NONE;
+}
+
+static PyObject *context_enter(ContextObject *self, PyObject *unused) {
+    PyObject *timer = self->timer;
+    int enabled = timer_flag(timer, 0);
+    int nested = enabled > 0 ? timer_flag(timer, 1) : 0;
+    if (enabled < 0 || nested < 0) return NULL;
+    if (!enabled || nested) Py_RETURN_NONE; /* disabled, or a nested step: the outer one is measured */
+    PyObject *result = PyObject_CallMethodOneArg(timer, str_begin, self->model);
+    if (result != NULL) self->live = 1;
+    return guarded(timer, result);
+}
+
+static PyObject *context_exit(ContextObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__ takes 3 arguments");
+        return NULL;
+    }
+    if (!self->live) Py_RETURN_NONE;
+    self->live = 0;
+    PyObject *timer = self->timer;
+    int enabled = timer_flag(timer, 0);
+    if (enabled < 0) return NULL;
+    if (!enabled) Py_RETURN_NONE;
+    /* A step whose body raised is discarded, as TraceML 0.5.0 does. */
+    PyObject *name = args[0] != Py_None ? str_discard : str_end;
+    return guarded(timer, PyObject_CallMethodNoArgs(timer, name));
+}
+
+static PyObject *context_reusable_for(ContextObject *self, PyObject *const *args,
+                                      Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "reusable_for(timer, model) takes 2 arguments");
+        return NULL;
+    }
+    return PyBool_FromLong(args[0] != Py_None && !self->live && self->timer == args[0] &&
+                           self->model == args[1]);
+}
+
+static PyMethodDef context_methods[] = {
+    {"__enter__", (PyCFunction)context_enter, METH_NOARGS, "Begin the step."},
+    {"__exit__", (PyCFunction)(void (*)(void))context_exit, METH_FASTCALL,
+     "End the step (discard it when its body raised); exceptions propagate."},
+    {"reusable_for", (PyCFunction)(void (*)(void))context_reusable_for, METH_FASTCALL,
+     "Whether entering this context again is trace_step(model) now: not in use, made for"
+     " model and for timer, the running timer (None: never)."},
+    {NULL},
+};
+
+static PyMemberDef context_members[] = {
+    {"_timer", T_OBJECT_EX, offsetof(ContextObject, timer), READONLY, "the step timer"},
+    {"_model", T_OBJECT_EX, offsetof(ContextObject, model), READONLY, "the traced model"},
+    {"_live", T_BOOL, offsetof(ContextObject, live), 0, "whether its step began"},
+    {NULL},
+};
+
+static PyTypeObject ContextType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml_ai.rank._hotpath.StepContext",
+    .tp_doc = "with trace_step(model): one traced step; exceptions propagate unchanged.",
+    .tp_basicsize = sizeof(ContextObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = context_new,
+    .tp_dealloc = (destructor)context_dealloc,
+    .tp_traverse = (traverseproc)context_traverse,
+    .tp_clear = (inquiry)context_clear,
+    .tp_methods = context_methods,
+    .tp_members = context_members,
+};
+
 static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(py_core_class, phase_class): the pure-Python methods every case but the"
@@ -595,9 +752,16 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__hotpath(void) {
     str_fail = PyUnicode_InternFromString("fail");
     str_get_device = PyUnicode_InternFromString("get_device");
+    str_begin = PyUnicode_InternFromString("begin");
+    str_end = PyUnicode_InternFromString("end");
+    str_discard = PyUnicode_InternFromString("discard");
+    if (str_begin == NULL || str_end == NULL || str_discard == NULL) return NULL;
     str_append = PyUnicode_InternFromString("append");
     if (str_fail == NULL || str_get_device == NULL || str_append == NULL) return NULL;
-    if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
+    if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&CoreType) < 0 ||
+        PyType_Ready(&ContextType) < 0) {
+        return NULL;
+    }
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) return NULL;
     Py_INCREF(&SlotType);
@@ -609,6 +773,12 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     Py_INCREF(&CoreType);
     if (PyModule_AddObject(module, "TimerCore", (PyObject *)&CoreType) < 0) {
         Py_DECREF(&CoreType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&ContextType);
+    if (PyModule_AddObject(module, "StepContext", (PyObject *)&ContextType) < 0) {
+        Py_DECREF(&ContextType);
         Py_DECREF(module);
         return NULL;
     }

@@ -104,8 +104,11 @@ def _load_host_step_encoder() -> Callable[..., tuple[bytes, bytes] | None] | Non
     native = _native.load()
     if native is None:
         return None
-    native.configure_host_step(_Phase, orjson.dumps)
-    encode: Callable[..., tuple[bytes, bytes] | None] = native.encode_host_step
+    try:
+        native.configure_host_step(_Phase, orjson.dumps)
+        encode: Callable[..., tuple[bytes, bytes] | None] = native.encode_host_step
+    except Exception:  # an extension built from other sources: Python's path
+        return None
     return encode
 
 
@@ -456,15 +459,31 @@ class _PyTimerCore:
             self._drain_ready()
 
 
-def _core_classes() -> tuple[type[_PyTimerCore], type[_PyOpen]]:
-    """StepTimer's base and the in-flight phase class: in C when the extension is built."""
+def _load_hotpath() -> Any:
+    """``traceml_ai.rank._hotpath``, configured, or None: not built, disabled, or
+    built from other sources than this module's (then everything runs in Python)."""
     hotpath = _native.load("traceml_ai.rank._hotpath")
     if hotpath is None:
+        return None
+    try:
+        hotpath.configure(_PyTimerCore, _Phase, STEP_TIME)
+        for name in ("TimerCore", "Slot", "StepContext"):
+            getattr(hotpath, name)
+    except Exception:
+        return None
+    return hotpath
+
+
+_HOTPATH = _load_hotpath()
+
+
+def _core_classes() -> tuple[type[_PyTimerCore], type[_PyOpen]]:
+    """StepTimer's base and the in-flight phase class: in C when the extension is built."""
+    if _HOTPATH is None:
         return _PyTimerCore, _PyOpen
-    hotpath.configure(_PyTimerCore, _Phase, STEP_TIME)
     # The C methods first; the Python ones are what they hand other cases to.
-    base = type("_TimerCore", (hotpath.TimerCore, _PyTimerCore), {})
-    return base, hotpath.Slot
+    base = type("_TimerCore", (_HOTPATH.TimerCore, _PyTimerCore), {})
+    return base, _HOTPATH.Slot
 
 
 if TYPE_CHECKING:
@@ -871,8 +890,12 @@ class StepTimer(_TimerCore):
             self._cuda.release_events(int(device[5:]), measured)
 
 
-class StepContext:
-    """``with trace_step(model):`` — one traced step; exceptions propagate unchanged."""
+class _PyStepContext:
+    """``with trace_step(model):`` — one traced step; exceptions propagate unchanged.
+
+    (``StepContext``: this, or ``_hotpath.StepContext``, the same in C, with the
+    extension.)
+    """
 
     __slots__ = ("_live", "_model", "_timer")
 
@@ -920,6 +943,16 @@ class StepContext:
             timer.end()
         except Exception as error:
             timer.fail(error)
+
+
+def _step_context_class() -> type[_PyStepContext]:
+    return _PyStepContext if _HOTPATH is None else _HOTPATH.StepContext
+
+
+if TYPE_CHECKING:
+    StepContext = _PyStepContext
+else:
+    StepContext = _step_context_class()
 
 
 class PhaseContext:

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from traceml_ai.rank import _timing
+from traceml_ai.integrations import _common
+from traceml_ai.rank import _sdk, _timing
 
 CORE_METHODS = ("begin", "end", "open", "close", "restart", "add_host", "_add_host")
 
 
 @pytest.fixture(params=["c", "python"], autouse=True)
 def timer_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """``c``: StepTimer as built (``_hotpath.TimerCore`` under its Python methods);
-    ``python``: its per-call methods and in-flight phases the pure-Python ones
-    (``_PyTimerCore``, ``_PyOpen``), as without the extension."""
+    """``c``: StepTimer as built (``_hotpath.TimerCore`` under its Python methods) and
+    ``_hotpath.StepContext``; ``python``: its per-step and per-call methods, in-flight
+    phases and step context the pure-Python ones (``_PyTimerCore``, ``_PyOpen``,
+    ``_PyStepContext``), as without the extension."""
     if request.param == "c":
-        if _timing.StepTimer.open is _timing._PyTimerCore.open:
+        if _timing.StepContext is _timing._PyStepContext:
             pytest.fail("traceml_ai.rank._hotpath was not built or is disabled")
         return "c"
     for name in CORE_METHODS:
         monkeypatch.setattr(_timing.StepTimer, name, getattr(_timing._PyTimerCore, name))
     monkeypatch.setattr(_timing, "_Open", _timing._PyOpen)
+    for module in (_timing, _sdk, _common):
+        monkeypatch.setattr(module, "StepContext", _timing._PyStepContext)
     return "python"

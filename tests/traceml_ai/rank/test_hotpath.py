@@ -258,3 +258,82 @@ def test_without_the_extension_the_timer_is_pure_python() -> None:
         check=True,
     )
     assert out.stdout.strip() == str(sorted(["f", _timing.STEP_TIME]))
+
+
+CONTEXTS = [_timing.StepContext, _timing._PyStepContext]
+
+
+@pytest.mark.parametrize("context", CONTEXTS, ids=["c", "python"])
+def test_a_step_context_begins_ends_and_discards(context: Any) -> None:
+    timer = _pair()[0]
+    with context(timer, None):
+        assert timer.in_step
+        with context(timer, None):  # nested: the outer step is measured
+            pass
+        assert timer.in_step
+    assert not timer.in_step and timer.step == 1
+    with pytest.raises(ZeroDivisionError), context(timer, None):
+        1 / 0  # noqa: B018 - the body's exception propagates; the step is discarded
+    assert timer.step == 1 and not timer.in_step
+    assert [item["step"] for item in timer._sink.items("step_time")] == [1]  # type: ignore[attr-defined]
+    step = context(timer, None)
+    assert step.reusable_for(timer, None) and not step.reusable_for(None, None)
+    assert not step.reusable_for(timer, object())
+    with step:
+        assert not step.reusable_for(timer, None)  # in use
+
+
+@pytest.mark.parametrize("context", CONTEXTS, ids=["c", "python"])
+@pytest.mark.parametrize("where", ["begin", "end", "discard"])
+def test_a_step_context_whose_timer_raises_stops_the_timer(context: Any, where: str) -> None:
+    timer = _pair()[0]
+    errors: list[BaseException] = []
+    timer._on_error = errors.append
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError(where)
+
+    setattr(timer, where, broken)
+    body_ran = False
+    try:
+        with context(timer, None):
+            body_ran = True
+            if where == "discard":
+                raise KeyError("the body's own")
+    except KeyError:
+        assert where == "discard"  # still the body's exception, unchanged
+    assert body_ran and not timer.enabled
+    assert [str(e) for e in errors] == [where]
+    with context(timer, None):  # off now: a no-op
+        pass
+    assert len(errors) == 1
+
+
+@pytest.mark.parametrize("context", CONTEXTS, ids=["c", "python"])
+def test_a_keyboard_interrupt_in_the_timer_propagates(context: Any) -> None:
+    timer = _pair()[0]
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    timer.begin = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt), context(timer, None):
+        pass
+    assert timer.enabled
+
+
+def test_an_extension_built_from_other_sources_leaves_everything_in_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stale build whose configure() refuses this module's classes: the timer
+    runs in Python rather than failing at import."""
+
+    class Stale:
+        TimerCore = Slot = StepContext = object
+
+        @staticmethod
+        def configure(*args: Any) -> None:
+            raise TypeError("the phase class has no slot cpu_ns")
+
+    monkeypatch.setattr(_timing._native, "load", lambda name="": Stale)
+    assert _timing._load_hotpath() is None
