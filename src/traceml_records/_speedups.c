@@ -1172,7 +1172,6 @@ static PyTypeObject *phase_type = NULL;
 static Py_ssize_t phase_cpu_ns = -1, phase_n_calls = -1, phase_missing = -1,
                   phase_pairs = -1;
 
-#define MAX_PHASES 32
 /* A string literal, its length counted by the compiler. */
 #define LIT(o, s) out_write((o), (s), (Py_ssize_t)sizeof(s) - 1)
 
@@ -1215,31 +1214,6 @@ static int write_step_head(Out *o, PyObject *ts, PyObject *seq, PyObject *step) 
     if ((r = write_key_int(o, "{\"timestamp_unix_ns\":", ts)) != OK) return r;
     if ((r = write_key_int(o, ",\"seq\":", seq)) != OK) return r;
     return write_key_int(o, ",\"step\":", step);
-}
-
-/* The phases of acc sorted by name (str order, as sorted() gives); FALLBACK for a
- * name that is not an exact str, a value that is not an exact _Phase, too many. */
-static int sorted_phases(PyObject *acc, PyObject **names, PyObject **phases, Py_ssize_t *n) {
-    Py_ssize_t pos = 0, count = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(acc, &pos, &key, &value)) {
-        if (count == MAX_PHASES || !PyUnicode_CheckExact(key) || Py_TYPE(value) != phase_type) {
-            return FALLBACK;
-        }
-        Py_ssize_t i = count++;
-        while (i > 0) {
-            int c = PyUnicode_Compare(names[i - 1], key);
-            if (c == -1 && PyErr_Occurred()) return ERR;
-            if (c <= 0) break;
-            names[i] = names[i - 1];
-            phases[i] = phases[i - 1];
-            i--;
-        }
-        names[i] = key;
-        phases[i] = value;
-    }
-    *n = count;
-    return OK;
 }
 
 static int write_host_events(Out *o, PyObject *const *names, PyObject *const *phases,
@@ -1322,11 +1296,16 @@ static PyObject *encode_host_step(PyObject *module, PyObject *const *args, Py_ss
     if (phase_type == NULL || !PyDict_CheckExact(acc) || !PyUnicode_CheckExact(device)) {
         Py_RETURN_NONE;
     }
-    PyObject *names[MAX_PHASES], *phases[MAX_PHASES];
-    Py_ssize_t n = 0;
-    int r = sorted_phases(acc, names, phases, &n);
+    /* The phases by name (str order, as sorted() gives): exact str names, _Phase values. */
+    PyObject *names[SMALL_MAP], *phases[SMALL_MAP];
+    Py_ssize_t n = PyDict_GET_SIZE(acc);
+    if (n > SMALL_MAP) Py_RETURN_NONE;
+    int r = sorted_entries(acc, names, phases);
     if (r == ERR) return NULL;
     if (r == FALLBACK) Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (Py_TYPE(phases[i]) != phase_type) Py_RETURN_NONE;
+    }
 
     PyObject *memory = NULL, *time = NULL;
     Out o;

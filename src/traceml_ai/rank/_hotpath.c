@@ -299,6 +299,13 @@ static PyObject *add_host_checked(CoreObject *self, PyObject *name, long long dt
     return fail_with_current(self);
 }
 
+/* 0, or -1 with a TypeError: a METH_FASTCALL method given other than `want` arguments. */
+static int arity(Py_ssize_t nargs, Py_ssize_t want, const char *signature) {
+    if (nargs == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", signature, want);
+    return -1;
+}
+
 static inline int is_slot(PyObject *obj) { return Py_IS_TYPE(obj, &SlotType); }
 
 static int not_configured(void) {
@@ -329,11 +336,7 @@ static PyObject *core_open(CoreObject *self, PyObject *slot_obj) {
 }
 
 static PyObject *core_close(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "close(slot, name) takes 2 arguments");
-        return NULL;
-    }
-    if (not_configured()) return NULL;
+    if (arity(nargs, 2, "close(slot, name)") < 0 || not_configured()) return NULL;
     PyObject *slot_obj = args[0], *name = args[1];
     if (!is_slot(slot_obj) || !PyUnicode_CheckExact(name)) {
         return call3(py_close, (PyObject *)self, slot_obj, name);
@@ -360,11 +363,7 @@ static PyObject *core_restart(CoreObject *self, PyObject *slot_obj) {
 }
 
 static PyObject *core_add_host(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "add_host(name, dt_ns) takes 2 arguments");
-        return NULL;
-    }
-    if (not_configured()) return NULL;
+    if (arity(nargs, 2, "add_host(name, dt_ns)") < 0 || not_configured()) return NULL;
     PyObject *name = args[0], *dt_obj = args[1];
     if (!PyUnicode_CheckExact(name) || !PyLong_CheckExact(dt_obj)) {
         return call3(py_add_host, (PyObject *)self, name, dt_obj);
@@ -381,11 +380,7 @@ static PyObject *core_add_host(CoreObject *self, PyObject *const *args, Py_ssize
 
 /* _add_host(name, dt_ns): add_host without the thread check (the step's own end). */
 static PyObject *core_add_host_inner(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "_add_host(name, dt_ns) takes 2 arguments");
-        return NULL;
-    }
-    if (not_configured()) return NULL;
+    if (arity(nargs, 2, "_add_host(name, dt_ns)") < 0 || not_configured()) return NULL;
     PyObject *name = args[0], *dt_obj = args[1];
     int overflow = 0;
     long long dt = 0;
@@ -681,10 +676,7 @@ static PyObject *context_enter(ContextObject *self, PyObject *unused) {
 }
 
 static PyObject *context_exit(ContextObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "__exit__ takes 3 arguments");
-        return NULL;
-    }
+    if (arity(nargs, 3, "__exit__") < 0) return NULL;
     if (!self->live) Py_RETURN_NONE;
     self->live = 0;
     PyObject *timer = self->timer;
@@ -698,10 +690,7 @@ static PyObject *context_exit(ContextObject *self, PyObject *const *args, Py_ssi
 
 static PyObject *context_reusable_for(ContextObject *self, PyObject *const *args,
                                       Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "reusable_for(timer, model) takes 2 arguments");
-        return NULL;
-    }
+    if (arity(nargs, 2, "reusable_for(timer, model)") < 0) return NULL;
     return PyBool_FromLong(args[0] != Py_None && !self->live && self->timer == args[0] &&
                            self->model == args[1]);
 }

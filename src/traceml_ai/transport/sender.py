@@ -219,12 +219,27 @@ class RankSender:
         ``close``, and in a forked child, ``put`` does nothing.
         """
         try:
-            queue = self._queue_for(stream)
+            data: bytes | None = encode_item(item)
+        except Exception:
+            data = None
+        self._enqueue(stream, data)
+
+    def put_encoded(self, stream: str, data: bytes) -> None:
+        """``put`` of an item its producer encoded itself: ``data`` is
+        ``wire.encode_item(item)``. Never blocks, never raises."""
+        self._enqueue(stream, data)
+
+    def _enqueue(self, stream: str, data: bytes | None) -> None:
+        """Queue an encoded item (None: it could not be encoded), or refuse it and
+        count the refusal: full queue, unknown stream. Nothing after ``close`` and in a
+        forked child."""
+        try:
+            queue = self._queues.get(stream)
             if queue is None:
+                if self._queues:
+                    self._count_put_drop(_UNKNOWN_STREAM)
                 return
-            try:
-                data = encode_item(item)
-            except Exception:
+            if data is None or len(queue) >= self._max_pending_items:
                 self._count_put_drop(stream)
                 return
             queue.append(data)
@@ -232,32 +247,6 @@ class RankSender:
                 self._wake.set()
         except Exception:
             pass
-
-    def put_encoded(self, stream: str, data: bytes) -> None:
-        """``put`` of an item its producer encoded itself: ``data`` is
-        ``wire.encode_item(item)``. Never blocks, never raises."""
-        try:
-            queue = self._queue_for(stream)
-            if queue is None:
-                return
-            queue.append(data)
-            if len(queue) == self._wake_at:
-                self._wake.set()
-        except Exception:
-            pass
-
-    def _queue_for(self, stream: str) -> deque[bytes] | None:
-        """The queue a new item of ``stream`` joins, or None: the item is refused
-        (counted as a ``put`` drop), or ``put`` is off (closed, a forked child)."""
-        queue = self._queues.get(stream)
-        if queue is None:
-            if self._queues:
-                self._count_put_drop(_UNKNOWN_STREAM)
-            return None
-        if len(queue) >= self._max_pending_items:
-            self._count_put_drop(stream)
-            return None
-        return queue
 
     def set_producer(self, producer: Callable[[], None] | None) -> None:
         """Have the sender thread call ``producer`` before each flush, to ``put`` items
