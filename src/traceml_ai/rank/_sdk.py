@@ -164,8 +164,9 @@ class _Runtime:
         self.timer.auto_dataloader = config.patch_dataloader
         self.timer.local_rank = identity.local_rank
         self.timer.reset_peak = reset_peak_memory
-        if callable(getattr(sink, "put_encoded", None)):
-            # Steps off CUDA reach the sender encoded (StepTimer.encoded_sink).
+        if owned is not None and sink is owned and callable(getattr(owned, "put_encoded", None)):
+            # Steps off CUDA reach init's own sender encoded (StepTimer.encoded_sink); a
+            # sink given to init gets dicts, as its put() is documented to.
             self.timer.encoded_sink = recorder
         set_producer = getattr(owned, "set_producer", None)
         wake = getattr(owned, "wake", None)

@@ -165,25 +165,38 @@ def test_a_sink_without_put_encoded_gets_the_items_decoded() -> None:
     assert sink.items("step_time")[0]["step"] == 1
 
 
-@pytest.mark.parametrize("put_encoded", [True, False])
-def test_the_runtime_uses_the_encoded_path_only_for_a_sender(put_encoded: bool) -> None:
+@pytest.mark.parametrize("own_sender", [True, False])
+def test_the_runtime_encodes_steps_only_for_its_own_sender(
+    own_sender: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """init's own sender gets steps encoded; a sink given to init gets dicts, even one
+    with a put_encoded of its own."""
+    import orjson
+
     import traceml_ai as traceml
     from traceml_ai.rank import _sdk
 
     class Sender(RecordingSink):
         def put_encoded(self, stream: str, data: bytes) -> None:
-            import orjson
-
             self.put(stream, orjson.loads(data))
 
-    sink = Sender() if put_encoded else RecordingSink()
-    traceml.init(sink=sink, sampler_interval=60.0)
+        def close(self, timeout: float = 0.0) -> None:
+            pass
+
+    sink = Sender()
+    if own_sender:
+        monkeypatch.setattr(_sdk, "_build_sender", lambda *args: sink)
+        monkeypatch.setenv(_sdk.ENV_AGGREGATOR_ADDR, "127.0.0.1:9")
+        traceml.init(sampler_interval=60.0)
+    else:
+        traceml.init(sink=sink, sampler_interval=60.0)
     try:
         runtime = _sdk._runtime
         assert runtime is not None
-        assert (runtime.timer.encoded_sink is not None) is put_encoded
+        assert (runtime.timer.encoded_sink is not None) is own_sender
         with traceml.trace_step(None):
             pass
+        runtime.timer.build_ended()
     finally:
         traceml.shutdown()
     # Step numbers go on from an earlier init of this process: one step, one item each.
