@@ -1,5 +1,6 @@
 /*
- * traceml_records._speedups: the line encoder in C.
+ * traceml_records._speedups: the line encoder in C (and, at the end of this file, a
+ * rank's step encoder, encode_host_step).
  *
  * The generated ENCODER_PLANS (codegen, from the schemas) say, per record class,
  * which attributes to write, in which order and as which JSON kind. This module
@@ -1358,7 +1359,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_speedups", "The line encoder in C (see _codec).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_speedups", "The line encoder (see _codec) and a rank's step encoder in C.", -1,
+    methods,
 };
 
 PyMODINIT_FUNC PyInit__speedups(void) {
