@@ -184,7 +184,7 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
 # - ``_AutomaticOptimization.run`` / ``_ManualOptimization.run`` (one training batch:
 #   training_step, backward, optimizer step): the step opens before the first batch of
 #   an update and ends after the batch that changed the update count
-#   (``trainer.global_step``, read from the loop: ``_UPDATES``); forward opens with
+#   (``trainer.global_step``, read from the loop: ``UPDATES_*``); forward opens with
 #   the batch;
 # - ``Strategy.backward``: forward ends where backward begins (``on_before_backward``);
 # - ``Precision._after_closure``: the optimizer phase restarts once Lightning's closure
@@ -208,7 +208,7 @@ class _ZeroCode:
         self.guard = HookGuard(FRAMEWORK, self._abandon)
         # The trainer whose training batches are traced; None: every wrapper passes through.
         self.trainer: Any = None
-        # The optimizer updates counted when the open step began (see _UPDATES).
+        # The optimizer updates counted when the open step began (UPDATES_*).
         self.updates = 0
         # The traced fit's model, taken at its first training batch (None: not yet).
         self.model: Any = None
@@ -273,17 +273,15 @@ _WRAPPED: list[tuple[Any, str, Any]] = []
 _INSTALLED: set[str] = set()
 
 
-# What ``trainer.global_step`` reads for each optimization loop (it counts optimizer
-# updates), read from the loop running the batch: one C call, where the property
-# makes five Python calls (trainer, epoch loop, module, progress) on every read.
-_UPDATES = {
-    "_AutomaticOptimization": "optim_progress.optimizer.step.total.completed",
-    "_ManualOptimization": "optim_step_progress.total.completed",
-}
+# What ``trainer.global_step`` reads (it counts optimizer updates), read from the loop
+# that runs the batch: one C call, where the property makes five Python calls
+# (trainer, epoch loop, module, progress) on every read.
+UPDATES_AUTOMATIC = "optim_progress.optimizer.step.total.completed"
+UPDATES_MANUAL = "optim_step_progress.total.completed"
 
 
-def _wrap_batch(original: Callable[..., Any], class_name: str) -> Callable[..., Any]:
-    updates = operator.attrgetter(_UPDATES[class_name])
+def _wrap_batch(original: Callable[..., Any], updates_at: str) -> Callable[..., Any]:
+    updates = operator.attrgetter(updates_at)
 
     @functools.wraps(original)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -411,13 +409,13 @@ def _targets(package: str) -> list[tuple[str, str, str, Callable[..., Any]]]:
             f"{package}.loops.optimization.automatic",
             "_AutomaticOptimization",
             "run",
-            functools.partial(_wrap_batch, class_name="_AutomaticOptimization"),
+            functools.partial(_wrap_batch, updates_at=UPDATES_AUTOMATIC),
         ),
         (
             f"{package}.loops.optimization.manual",
             "_ManualOptimization",
             "run",
-            functools.partial(_wrap_batch, class_name="_ManualOptimization"),
+            functools.partial(_wrap_batch, updates_at=UPDATES_MANUAL),
         ),
         (f"{package}.strategies.strategy", "Strategy", "backward", _wrap_backward),
         (

@@ -516,7 +516,9 @@ static PyObject *core_end(CoreObject *self, PyObject *unused) {
     Py_DECREF(r);
     if (ended + 1 == self->wake_at && self->wake_builder != NULL &&
         self->wake_builder != Py_None) {
-        return PyObject_CallNoArgs(self->wake_builder);
+        r = PyObject_CallNoArgs(self->wake_builder);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
     }
     Py_RETURN_NONE;
 }

@@ -574,8 +574,8 @@ class StepTimer(_TimerCore):
         self._ended_at: deque[tuple[int, int, str]] = deque()
         # Phase dicts of CPU steps already sent, with their phases zeroed (n_calls 0,
         # host-only): a step's phases are then there from its first call, which
-        # takes the inlined path of close() and the hooks, and no _Phase is made.
-        # Phases with no call are left out of the items.
+        # takes the common case of close() and add_host() (the C core's), and no
+        # _Phase is made. Phases with no call are left out of the items.
         self._spare_acc: list[dict[str, _Phase]] = []
         # MAX_ENDED_STEPS and ENDED_WAKE_AT, read when the timer is made.
         self._max_ended = MAX_ENDED_STEPS

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -350,3 +351,61 @@ def test_import_wraps_nothing_and_install_is_once_and_undone() -> None:
         lightning._uninstall()
     assert automatic._AutomaticOptimization.__dict__["run"] is original_run
     assert trainer_module.Trainer.__dict__["fit"] is original_fit
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_the_update_count_read_from_the_loop_is_global_step(manual: bool) -> None:
+    """The zero-code bracket reads trainer.global_step's counter from the loop that
+    runs the batch (Lightning's private progress objects): it must be the same number,
+    with gradient accumulation and with manual optimization."""
+    import operator
+
+    import lightning.pytorch as lpl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from traceml_ai.integrations import lightning as integration
+
+    class Manual(lpl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = not manual
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = self.net(batch[0]).pow(2).mean()
+            if not manual:
+                return loss
+            optimizer = self.optimizers()
+            self.manual_backward(loss)
+            if batch_idx % 2 == 1:  # an update every second batch
+                optimizer.step()
+                optimizer.zero_grad()
+            return None
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    seen: list[tuple[int, int]] = []
+
+    class Check(lpl.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            loop = trainer.fit_loop.epoch_loop
+            if manual:
+                read = operator.attrgetter(integration.UPDATES_MANUAL)(loop.manual_optimization)
+            else:
+                read = operator.attrgetter(integration.UPDATES_AUTOMATIC)(
+                    loop.automatic_optimization
+                )
+            seen.append((read, trainer.global_step))
+
+    trainer = lpl.Trainer(
+        accelerator="cpu", max_steps=4, accumulate_grad_batches=1 if manual else 2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Check()],
+    )  # fmt: skip
+    data = TensorDataset(torch.randn(32, 4))
+    trainer.fit(Manual(), DataLoader(data, batch_size=4))
+    assert len(seen) >= 8 and seen[-1][1] == 4
+    assert all(read == global_step for read, global_step in seen)
