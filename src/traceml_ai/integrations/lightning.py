@@ -33,7 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 from traceml_ai.integrations._common import HookGuard, StepDriver
-from traceml_ai.rank._timing import forward_timed_elsewhere
+from traceml_ai.rank import _timing
+from traceml_ai.rank._timing import FORWARD, StepTimer, forward_timed_elsewhere
 
 
 def _callback_base() -> Any:
@@ -185,10 +186,11 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
 #   training_step, backward, optimizer step): the step opens before the first batch of
 #   an update and ends after the batch that changed the update count
 #   (``trainer.global_step``, read from the loop: ``UPDATES_*``); forward opens with
-#   the batch;
-# - ``Strategy.backward``: forward ends where backward begins (``on_before_backward``);
-# - ``Precision._after_closure``: the optimizer phase restarts once Lightning's closure
-#   has run forward and backward (``on_before_optimizer_step``);
+#   the batch, and the fit's timer is put in bracket mode (``StepTimer.bracket``): the
+#   backward patch ends that forward phase where backward begins, and restarts the
+#   optimizer phase (open since the optimizer's pre-hook, which runs before Lightning's
+#   closure) where backward ends, so it holds the update only. No wrapper of
+#   Lightning's own backward or closure is needed for it;
 # - ``_TrainingEpochLoop.run`` (one epoch): a step never spans two epochs;
 # - ``_EvaluationLoop.run`` / ``_PredictionLoop.run``: hooks off while they run (sanity
 #   check, validation, test, predict are not training steps);
@@ -212,10 +214,12 @@ class _ZeroCode:
         self.updates = 0
         # The traced fit's model, taken at its first training batch (None: not yet).
         self.model: Any = None
+        # The timer whose bracket this fit turned on (StepTimer.bracket).
+        self.bracketed: StepTimer | None = None
 
     def _abandon(self) -> None:
         self.trainer = None
-        self.model = None
+        self.fit_ended()
         self.driver.abandon()
 
     def _fit_model(self, trainer: Any) -> Any:
@@ -231,30 +235,19 @@ class _ZeroCode:
             # them: forwards after a manual_backward are outside the bracket.)
             forward_timed_elsewhere(model)
         self.model = model
+        timer = _timing._ACTIVE
+        if timer is not None:
+            timer.bracket = True
+            self.bracketed = timer
         return model
 
-    def batch_start(self, trainer: Any, loop: Any, updates: Callable[[Any], int]) -> None:
-        try:
-            model = self.model
-            if model is None:
-                model = self._fit_model(trainer)
-            driver = self.driver
-            if driver.begin(model):
-                self.updates = updates(loop)
-            driver.open_forward()
-        except Exception as exc:
-            self.guard.fail("a training batch", exc)
-
-    def batch_end(self, loop: Any, updates: Callable[[Any], int]) -> None:
-        try:
-            driver = self.driver
-            driver.close_forward()  # a training_step without backward
-            # An accumulating batch leaves the update count as it was, and its step
-            # stays open for the next batch.
-            if updates(loop) != self.updates:
-                driver.end()
-        except Exception as exc:
-            self.guard.fail("a training batch", exc)
+    def fit_ended(self) -> None:
+        """The traced fit is over: its model is forgotten, its timer's bracket is off."""
+        self.model = None
+        timer = self.bracketed
+        self.bracketed = None
+        if timer is not None:
+            timer.bracket = False
 
     def close(self, where: str, exc: BaseException | None) -> None:
         """End the open step (as ``with trace_step`` ends when ``exc`` is raised in it)."""
@@ -284,50 +277,50 @@ def _wrap_batch(original: Callable[..., Any], updates_at: str) -> Callable[..., 
     updates = operator.attrgetter(updates_at)
 
     @functools.wraps(original)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        # (loop, ...) taken as one tuple: the call passes it on as it came. The batch's
+        # start and end are inline, not methods of _ZeroCode: a frame less each.
         zero = _ZERO
         trainer = zero.trainer
-        if trainer is None or self.trainer is not trainer:
-            return original(self, *args, **kwargs)
-        zero.batch_start(trainer, self, updates)
+        loop = args[0]
+        if trainer is None or loop.trainer is not trainer:
+            return original(*args, **kwargs)
         try:
-            result = original(self, *args, **kwargs)
+            # The step opens unless one is (an accumulating update), and forward opens:
+            # the timer's bracket ends it where backward begins, the backward patch's
+            # boundary (without that patch, forward is not timed).
+            model = zero.model
+            if model is None:
+                model = zero._fit_model(trainer)
+            driver = zero.driver
+            if driver.begin(model):
+                zero.updates = updates(loop)
+            timer = _timing._ACTIVE
+            if timer is not None and driver.current is not None and timer.auto_backward:
+                timer.open(timer.fwd)
+        except Exception as exc:
+            zero.guard.fail("a training batch", exc)
+        try:
+            result = original(*args, **kwargs)
         except BaseException as exc:
             # The user's exception propagates unchanged; the step is discarded.
             zero.close("a training batch", exc)
             raise
-        zero.batch_end(self, updates)
+        try:
+            # Forward closes if still open (a training_step without backward); the step
+            # ends if the batch moved the update count (an accumulating batch leaves it
+            # as it was, and its step open for the next batch).
+            timer = _timing._ACTIVE
+            if timer is not None and timer.fwd.depth > 0:
+                timer.fwd.depth = 1
+                timer.close(timer.fwd, FORWARD)
+            if updates(loop) != zero.updates:
+                zero.driver.end()
+        except Exception as exc:
+            zero.guard.fail("a training batch", exc)
         return result
 
     return run
-
-
-def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        zero = _ZERO
-        if zero.trainer is not None:
-            try:
-                zero.driver.close_forward()
-            except Exception as exc:
-                zero.guard.fail("Strategy.backward", exc)
-        return original(self, *args, **kwargs)
-
-    return backward
-
-
-def _wrap_after_closure(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def _after_closure(self: Any, *args: Any, **kwargs: Any) -> Any:
-        zero = _ZERO
-        if zero.trainer is not None:
-            try:
-                zero.driver.restart_optimizer()
-            except Exception as exc:
-                zero.guard.fail("Precision._after_closure", exc)
-        return original(self, *args, **kwargs)
-
-    return _after_closure
 
 
 def _wrap_epoch(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -381,19 +374,19 @@ def _wrap_fit(original: Callable[..., Any]) -> Callable[..., Any]:
                 traced = False
                 zero.guard.fail("Trainer.fit", exc)
         zero.trainer = self if traced else None
-        zero.model = None  # this fit's model is taken at its first training batch
+        zero.fit_ended()  # this fit's model is taken at its first training batch
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
             if traced:
                 zero.close("Trainer.fit", exc)
-            zero.model = None
+            zero.fit_ended()
             if not zero.guard.failed:
                 zero.trainer = previous
             raise
         if traced:
             zero.close("Trainer.fit", None)
-        zero.model = None
+        zero.fit_ended()
         if not zero.guard.failed:
             zero.trainer = previous
         return result
@@ -416,13 +409,6 @@ def _targets(package: str) -> list[tuple[str, str, str, Callable[..., Any]]]:
             "_ManualOptimization",
             "run",
             functools.partial(_wrap_batch, updates_at=UPDATES_MANUAL),
-        ),
-        (f"{package}.strategies.strategy", "Strategy", "backward", _wrap_backward),
-        (
-            f"{package}.plugins.precision.precision",
-            "Precision",
-            "_after_closure",
-            _wrap_after_closure,
         ),
         (f"{package}.loops.training_epoch_loop", "_TrainingEpochLoop", "run", _wrap_epoch),
         (f"{package}.loops.evaluation_loop", "_EvaluationLoop", "run", _wrap_evaluation),

@@ -12,6 +12,10 @@
  * already has, its numbers left to the sender's thread. Every other case is handed,
  * untouched, to the pure-Python methods of _timing._PyTimerCore (configure()), which
  * define the behaviour; tests run the timer's suites over both.
+ *
+ * Gate is what the patches of torch put in place (the DataLoader wait, backward,
+ * Tensor.to/.cuda): their common case without a Python frame or a repacking of the
+ * call's arguments, every other case handed to their Python wrappers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -172,6 +176,9 @@ typedef struct {
     char in_step;         /* a traced step is open */
     char enabled;         /* measuring (False after an internal error) */
     char defer;           /* a step off CUDA leaves its numbers for the builder */
+    char auto_backward;   /* the backward patch times backward */
+    char auto_dataloader; /* the DataLoader patch times the waits */
+    char bracket;         /* backward ends forward and restarts the optimizer (Gate) */
     Py_ssize_t max_ended; /* "_max_ended": MAX_ENDED_STEPS */
     Py_ssize_t wake_at;   /* "_wake_at": ENDED_WAKE_AT */
     unsigned long thread; /* the training thread's ident: other threads are ignored */
@@ -545,6 +552,12 @@ static PyMemberDef core_members[] = {
     {"in_step", T_BOOL, offsetof(CoreObject, in_step), 0, "whether a traced step is open"},
     {"enabled", T_BOOL, offsetof(CoreObject, enabled), 0, "whether it measures"},
     {"defer", T_BOOL, offsetof(CoreObject, defer), 0, "steps off CUDA left to the builder"},
+    {"auto_backward", T_BOOL, offsetof(CoreObject, auto_backward), 0,
+     "whether the backward patch times backward"},
+    {"auto_dataloader", T_BOOL, offsetof(CoreObject, auto_dataloader), 0,
+     "whether the DataLoader patch times the waits"},
+    {"bracket", T_BOOL, offsetof(CoreObject, bracket), 0,
+     "whether backward ends forward and restarts the optimizer phase"},
     {"thread", T_ULONG, offsetof(CoreObject, thread), 0, "the training thread's ident"},
     {"step", T_LONGLONG, offsetof(CoreObject, step), 0, "the current (or last) step"},
     {"_max_ended", T_PYSSIZET, offsetof(CoreObject, max_ended), 0, "MAX_ENDED_STEPS"},
@@ -731,7 +744,275 @@ static PyTypeObject ContextType = {
     .tp_members = context_members,
 };
 
+
+/* ---- Gate ----------------------------------------------------------------------
+ *
+ * What install_patches and install_h2d_patch put in place of a torch function or
+ * method: Tensor.to and .cuda (OUTSIDE_STEP), the DataLoader iterator's __next__
+ * (DATALOADER) and torch.autograd.backward (BACKWARD). `slow` is the Python wrapper
+ * that defines what the patch does (_timing, _wrappers); the gate does its common
+ * case here, without a Python frame or a repacking of the call's arguments, and
+ * hands every other case to `slow` with the arguments as they came:
+ *
+ * - no timer active (_timing._ACTIVE is None): the original, untouched;
+ * - OUTSIDE_STEP: outside a traced step, the original; inside one, `slow`;
+ * - DATALOADER: auto_dataloader off, the original; else the fetch timed and added to
+ *   the DataLoader phase (timer.add_host) when it returned a batch;
+ * - BACKWARD: outside a step, auto_backward off, while compiling, or nested in a
+ *   backward, the original; else the backward phase opened and closed around it,
+ *   and with the timer's bracket on, an open forward closed before it and an open
+ *   optimizer phase restarted after it.
+ *
+ * A timer of another class than TimerCore's, or gates switched off (set_gates:
+ * tests of the pure-Python methods), hand every call to `slow`.
+ */
+
+enum { GATE_OUTSIDE_STEP = 0, GATE_DATALOADER = 1, GATE_BACKWARD = 2 };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *original;
+    PyObject *slow;
+    PyObject *dict; /* __wrapped__, __name__, __doc__, ... (functools.update_wrapper) */
+    int kind;
+    vectorcallfunc vectorcall;
+} GateObject;
+
+static PyObject *timing_globals = NULL; /* _timing's module dict: _ACTIVE, _is_compiling */
+static PyObject *str_active = NULL, *str_is_compiling = NULL;
+static PyObject *dataloader_name = NULL, *forward_name = NULL, *backward_name = NULL;
+static int gates_on = 1;
+
+static PyObject *gate_call(PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return PyObject_Vectorcall(fn, args, nargsf, kwnames);
+}
+
+/* A call to one of the timer's C methods (NULL: it raised what its Python twin lets
+ * through, a BaseException): 0, or -1. */
+static int done(PyObject *result) {
+    if (result == NULL) return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+static PyObject *gate_dataloader(GateObject *gate, CoreObject *core, PyObject *const *args,
+                                 size_t nargsf, PyObject *kwnames) {
+    if (!core->auto_dataloader) return gate_call(gate->original, args, nargsf, kwnames);
+    long long t0 = now_ns();
+    /* Only fetches that returned a batch count; the StopIteration that ends an epoch
+     * is not a wait for a batch. */
+    PyObject *batch = gate_call(gate->original, args, nargsf, kwnames);
+    if (batch == NULL) return NULL;
+    long long dt = now_ns() - t0;
+    if (!other_thread(core) && done(add_host_checked(core, dataloader_name, dt)) < 0) {
+        Py_DECREF(batch);
+        return NULL;
+    }
+    return batch;
+}
+
+static PyObject *gate_backward(GateObject *gate, CoreObject *core, PyObject *const *args,
+                               size_t nargsf, PyObject *kwnames) {
+    if (!core->in_step || !core->auto_backward) {
+        return gate_call(gate->original, args, nargsf, kwnames);
+    }
+    PyObject *is_compiling = PyDict_GetItemWithError(timing_globals, str_is_compiling);
+    if (is_compiling == NULL) {
+        return PyErr_Occurred() ? NULL : gate_call(gate->slow, args, nargsf, kwnames);
+    }
+    PyObject *compiling = PyObject_CallNoArgs(is_compiling);
+    if (compiling == NULL) return NULL;
+    int truth = PyObject_IsTrue(compiling);
+    Py_DECREF(compiling);
+    if (truth < 0) return NULL;
+    PyObject *fwd = core->slots[0], *bwd = core->slots[1], *opt = core->slots[2];
+    if (truth || bwd == NULL || fwd == NULL || opt == NULL || !Py_IS_TYPE(bwd, &SlotType) ||
+        !Py_IS_TYPE(fwd, &SlotType) || !Py_IS_TYPE(opt, &SlotType)) {
+        return gate_call(truth ? gate->original : gate->slow, args, nargsf, kwnames);
+    }
+    /* Already open (a backward inside a backward hook): counted by the outer call. */
+    if (((SlotObject *)bwd)->depth) return gate_call(gate->original, args, nargsf, kwnames);
+    Py_INCREF(fwd);
+    Py_INCREF(bwd);
+    Py_INCREF(opt);
+    int bracket = core->bracket;
+    PyObject *result = NULL;
+    if (bracket && ((SlotObject *)fwd)->depth) {
+        /* Inner forward hooks close their own levels; one that did not (a forward
+         * that raised without always_call) must not keep the phase open. */
+        ((SlotObject *)fwd)->depth = 1;
+        PyObject *close_args[2] = {fwd, forward_name};
+        if (done(core_close(core, close_args, 2)) < 0) goto out;
+    }
+    if (done(core_open(core, bwd)) < 0) goto out;
+    result = gate_call(gate->original, args, nargsf, kwnames);
+    /* As a `finally`: the phase ends whether backward returned or raised. */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *close_args[2] = {bwd, backward_name};
+    int failed = done(core_close(core, close_args, 2)) < 0 ||
+                 (bracket && done(core_restart(core, opt)) < 0);
+    if (failed) {
+        /* What escaped the timer replaces backward's own outcome, as in Python. */
+        Py_CLEAR(result);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    } else {
+        PyErr_Restore(type, value, tb);
+    }
+out:
+    Py_DECREF(fwd);
+    Py_DECREF(bwd);
+    Py_DECREF(opt);
+    return result;
+}
+
+static PyObject *gate_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                 PyObject *kwnames) {
+    GateObject *gate = (GateObject *)callable;
+    if (!gates_on || timing_globals == NULL || py_open == NULL) {
+        return gate_call(gate->slow, args, nargsf, kwnames);
+    }
+    PyObject *timer = PyDict_GetItemWithError(timing_globals, str_active);
+    if (timer == NULL) {
+        return PyErr_Occurred() ? NULL : gate_call(gate->slow, args, nargsf, kwnames);
+    }
+    if (timer == Py_None) return gate_call(gate->original, args, nargsf, kwnames);
+    if (!PyObject_TypeCheck(timer, &CoreType)) return gate_call(gate->slow, args, nargsf, kwnames);
+    CoreObject *core = (CoreObject *)timer;
+    PyObject *result;
+    Py_INCREF(core); /* the call may make another timer the active one */
+    switch (gate->kind) {
+    case GATE_DATALOADER:
+        result = gate_dataloader(gate, core, args, nargsf, kwnames);
+        break;
+    case GATE_BACKWARD:
+        result = gate_backward(gate, core, args, nargsf, kwnames);
+        break;
+    default:
+        result = gate_call(core->in_step ? gate->slow : gate->original, args, nargsf, kwnames);
+    }
+    Py_DECREF(core);
+    return result;
+}
+
+static PyObject *gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    int kind;
+    PyObject *original, *slow;
+    static char *keywords[] = {"kind", "original", "slow", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOO", keywords, &kind, &original, &slow)) {
+        return NULL;
+    }
+    if (kind < GATE_OUTSIDE_STEP || kind > GATE_BACKWARD || !PyCallable_Check(original) ||
+        !PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_ValueError, "Gate(kind, original, slow): a known kind, callables");
+        return NULL;
+    }
+    GateObject *self = (GateObject *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    Py_INCREF(original);
+    self->original = original;
+    Py_INCREF(slow);
+    self->slow = slow;
+    self->kind = kind;
+    self->vectorcall = gate_vectorcall;
+    return (PyObject *)self;
+}
+
+static int gate_traverse(GateObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->original);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int gate_clear(GateObject *self) {
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void gate_dealloc(GateObject *self) {
+    PyObject_GC_UnTrack(self);
+    gate_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A method of the class it is put in, as the function it replaces was. */
+static PyObject *gate_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyMemberDef gate_members[] = {
+    {"original", T_OBJECT_EX, offsetof(GateObject, original), READONLY, "what it replaces"},
+    {"slow", T_OBJECT_EX, offsetof(GateObject, slow), READONLY, "the Python wrapper"},
+    {"kind", T_INT, offsetof(GateObject, kind), READONLY, "OUTSIDE_STEP, DATALOADER, BACKWARD"},
+    {NULL},
+};
+
+static PyGetSetDef gate_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject GateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml_ai.rank._hotpath.Gate",
+    .tp_doc = "Gate(kind, original, slow): a patch's common case in C, the rest to slow.",
+    .tp_basicsize = sizeof(GateObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = gate_new,
+    .tp_dealloc = (destructor)gate_dealloc,
+    .tp_traverse = (traverseproc)gate_traverse,
+    .tp_clear = (inquiry)gate_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(GateObject, vectorcall),
+    .tp_descr_get = gate_get,
+    .tp_dictoffset = offsetof(GateObject, dict),
+    .tp_members = gate_members,
+    .tp_getset = gate_getset,
+};
+
+/* configure_gates(timing_globals, dataloader, forward, backward): where the gates read
+ * the active timer and the compile check, and the phases they add to. */
+static PyObject *configure_gates(PyObject *module, PyObject *args) {
+    PyObject *globals, *dataloader, *forward, *backward;
+    if (!PyArg_ParseTuple(args, "O!UUU", &PyDict_Type, &globals, &dataloader, &forward,
+                          &backward)) {
+        return NULL;
+    }
+    Py_INCREF(globals);
+    Py_XSETREF(timing_globals, globals);
+    Py_INCREF(dataloader);
+    Py_XSETREF(dataloader_name, dataloader);
+    Py_INCREF(forward);
+    Py_XSETREF(forward_name, forward);
+    Py_INCREF(backward);
+    Py_XSETREF(backward_name, backward);
+    Py_RETURN_NONE;
+}
+
+/* set_gates(on): False hands every gate's call to its Python wrapper. */
+static PyObject *set_gates(PyObject *module, PyObject *on) {
+    int truth = PyObject_IsTrue(on);
+    if (truth < 0) return NULL;
+    gates_on = truth;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"configure_gates", (PyCFunction)configure_gates, METH_VARARGS,
+     "configure_gates(timing_globals, dataloader, forward, backward): where the gates read"
+     " the active timer and the compile check, and the names of the phases they time."},
+    {"set_gates", (PyCFunction)set_gates, METH_O,
+     "set_gates(on): False hands every gate's call to its Python wrapper (tests)."},
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(py_core_class, phase_class): the pure-Python methods every case but the"
      " common one is handed to, and the phase class whose counts are added to."},
@@ -751,9 +1032,12 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     str_discard = PyUnicode_InternFromString("discard");
     if (str_begin == NULL || str_end == NULL || str_discard == NULL) return NULL;
     str_append = PyUnicode_InternFromString("append");
+    str_active = PyUnicode_InternFromString("_ACTIVE");
+    str_is_compiling = PyUnicode_InternFromString("_is_compiling");
+    if (str_active == NULL || str_is_compiling == NULL) return NULL;
     if (str_fail == NULL || str_get_device == NULL || str_append == NULL) return NULL;
     if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&CoreType) < 0 ||
-        PyType_Ready(&ContextType) < 0) {
+        PyType_Ready(&ContextType) < 0 || PyType_Ready(&GateType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);
@@ -773,6 +1057,12 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     Py_INCREF(&ContextType);
     if (PyModule_AddObject(module, "StepContext", (PyObject *)&ContextType) < 0) {
         Py_DECREF(&ContextType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&GateType);
+    if (PyModule_AddObject(module, "Gate", (PyObject *)&GateType) < 0) {
+        Py_DECREF(&GateType);
         Py_DECREF(module);
         return NULL;
     }

@@ -467,7 +467,8 @@ def _load_hotpath() -> Any:
         return None
     try:
         hotpath.configure(_PyTimerCore, _Phase, STEP_TIME)
-        for name in ("TimerCore", "Slot", "StepContext"):
+        hotpath.configure_gates(globals(), DATALOADER_NEXT, FORWARD, BACKWARD)
+        for name in ("TimerCore", "Slot", "StepContext", "Gate"):
             getattr(hotpath, name)
     except Exception:
         return None
@@ -475,6 +476,25 @@ def _load_hotpath() -> Any:
 
 
 _HOTPATH = _load_hotpath()
+
+# The kinds of _hotpath.Gate: what a patch does in C before it hands a call to its
+# Python wrapper (_gated).
+GATE_OUTSIDE_STEP = 0
+GATE_DATALOADER = 1
+GATE_BACKWARD = 2
+
+
+def _gated(kind: int, original: Callable[..., Any], slow: Callable[..., Any]) -> Any:
+    """What a patch puts in place of ``original``: ``slow``, its Python wrapper, which
+    defines what it does; with the extension, a ``_hotpath.Gate`` that does the common
+    case of ``kind`` in C (no frame, the call's arguments passed on as they came) and
+    hands every other call to ``slow``. A method of the class it is put in, as
+    ``original`` was."""
+    if _HOTPATH is None:
+        return slow
+    gate = _HOTPATH.Gate(kind, original, slow)
+    functools.update_wrapper(gate, original)
+    return gate
 
 
 def _core_classes() -> tuple[type[_PyTimerCore], type[_PyOpen]]:
@@ -548,6 +568,12 @@ class StepTimer(_TimerCore):
         # (auto_forward and auto_optimizer are their slots' ``auto``.)
         self.auto_backward = True
         self.auto_dataloader = True
+        # A framework that brackets forward from the batch's start (Lightning's
+        # zero-code attach): the backward patch ends that forward phase where backward
+        # begins, and restarts an open optimizer phase where backward ends (Lightning
+        # runs forward and backward inside ``optimizer.step(closure)``, after the
+        # optimizer's pre-hook opened the phase).
+        self.bracket = False
         # The slots of the phases torch's hooks time, by the index _phase_hooks uses.
         self.hooked = (self.fwd, self.opt)
         self._pending: deque[_PendingStep] = deque()
@@ -1083,14 +1109,23 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
             # Already open (a backward inside a backward hook): open/close of a nested
             # call would only count depth up and down again.
             return original(*args, **kwargs)
+        bracket = timer.bracket
+        if bracket and timer.fwd.depth:
+            # Inner forward hooks close their own levels; one that did not (a forward
+            # that raised without always_call) must not keep the phase open.
+            timer.fwd.depth = 1
+            timer.close(timer.fwd, FORWARD)
         timer.open(slot)
         try:
             return original(*args, **kwargs)
         finally:
             timer.close(slot, BACKWARD)
+            if bracket:
+                timer.restart(timer.opt)
 
-    backward.__traceml_wrapped__ = True  # type: ignore[attr-defined]
-    return backward
+    gate: Callable[..., Any] = _gated(GATE_BACKWARD, original, backward)
+    gate.__traceml_wrapped__ = True  # type: ignore[attr-defined]
+    return gate
 
 
 def install_patches(
@@ -1154,7 +1189,7 @@ def install_patches(
             timer.add_host(DATALOADER_NEXT, _perf_ns() - t0)
             return batch
 
-        base.__next__ = __next__
+        base.__next__ = _gated(GATE_DATALOADER, original_next, __next__)
 
 
 def activate(timer: StepTimer | None) -> None:

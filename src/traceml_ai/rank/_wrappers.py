@@ -110,22 +110,23 @@ def install_h2d_patch(torch: Any) -> None:
         original_cuda = tensor_cls.cuda
 
         @functools.wraps(original_to)
-        def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def to(*args: Any, **kwargs: Any) -> Any:
+            # (tensor, ...) taken as one tuple: the call passes it on as it came.
             timer = _timing._ACTIVE
             if timer is None or not timer.in_step or not _auto_h2d:
-                return original_to(self, *args, **kwargs)
-            if args and not kwargs:
+                return original_to(*args, **kwargs)
+            if len(args) > 1 and not kwargs:
                 # copies_to_accelerator's first answers, inlined: a Hugging Face update
                 # makes ~35 .to calls in its step, nearly all to the trainer's device
                 # or a dtype.
-                kind = type(args[0])
+                kind = type(args[1])
                 if kind is _dtype_class or (
-                    kind is _device_class and args[0].type not in _ACCELERATORS
+                    kind is _device_class and args[1].type not in _ACCELERATORS
                 ):
-                    return original_to(self, *args, **kwargs)
-            if not copies_to_accelerator(self, args, kwargs):
-                return original_to(self, *args, **kwargs)
-            return _timed(timer, lambda: original_to(self, *args, **kwargs))
+                    return original_to(*args, **kwargs)
+            if not args or not copies_to_accelerator(args[0], args[1:], kwargs):
+                return original_to(*args, **kwargs)
+            return _timed(timer, lambda: original_to(*args, **kwargs))
 
         @functools.wraps(original_cuda)
         def cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -134,8 +135,8 @@ def install_h2d_patch(torch: Any) -> None:
                 return original_cuda(self, *args, **kwargs)
             return _timed(timer, lambda: original_cuda(self, *args, **kwargs))
 
-        tensor_cls.to = to
-        tensor_cls.cuda = cuda
+        tensor_cls.to = _timing._gated(_timing.GATE_OUTSIDE_STEP, original_to, to)
+        tensor_cls.cuda = _timing._gated(_timing.GATE_OUTSIDE_STEP, original_cuda, cuda)
         _h2d_installed = True
 
 

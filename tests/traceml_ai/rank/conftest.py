@@ -15,7 +15,8 @@ def timer_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """``c``: StepTimer as built (``_hotpath.TimerCore`` under its Python methods) and
     ``_hotpath.StepContext``; ``python``: its per-step and per-call methods, in-flight
     phases and step context the pure-Python ones (``_PyTimerCore``, ``_PyOpen``,
-    ``_PyStepContext``), as without the extension."""
+    ``_PyStepContext``) and the patches' Python wrappers (no ``_hotpath.Gate``), as
+    without the extension."""
     if request.param == "c":
         if _timing.StepContext is _timing._PyStepContext:
             pytest.fail("traceml_ai.rank._hotpath was not built or is disabled")
@@ -25,4 +26,7 @@ def timer_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(_timing, "_Open", _timing._PyOpen)
     for module in (_timing, _sdk, _common):
         monkeypatch.setattr(module, "StepContext", _timing._PyStepContext)
+    # The patches' gates hand every call to their Python wrappers.
+    _timing._HOTPATH.set_gates(False)
+    request.addfinalizer(lambda: _timing._HOTPATH.set_gates(True))
     return "python"

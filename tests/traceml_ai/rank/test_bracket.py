@@ -1,0 +1,116 @@
+"""The backward patch's bracket rules (``StepTimer.bracket``, Lightning's zero-code attach):
+forward, opened at the batch's start, ends where backward begins; the optimizer phase,
+opened by the optimizer's pre-hook before the closure ran forward and backward, restarts
+where backward ends. Runs over both timer cores (conftest)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from traceml_ai.rank import _timing
+from traceml_ai.rank.sink import RecordingSink
+from traceml_ai.testing import FakeCuda
+
+WORK_S = 0.03
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.fixture
+def timer() -> Iterator[_timing.StepTimer]:
+    timer = _timing.StepTimer(RecordingSink(), FakeCuda(available=False), print, print)
+    _timing.activate(timer)
+    yield timer
+    _timing.activate(None)
+
+
+def _ms(timer: _timing.StepTimer) -> dict[str, float]:
+    (item,) = timer._sink.items("step_time")  # type: ignore[attr-defined]
+    return {name: by_device["cpu"]["cpu_ms"] for name, by_device in item["events"].items()}
+
+
+def _closure_step(timer: _timing.StepTimer, backward: Any) -> None:
+    """One Lightning update: forward opens with the batch, the optimizer's pre-hook
+    opens its phase, the closure runs forward then backward, then the update."""
+    timer.begin(None)
+    timer.open(timer.fwd)  # the batch starts (the zero-code attach)
+    timer.open(timer.opt)  # the optimizer's pre-hook, before the closure
+    _busy(WORK_S)  # the closure's training_step
+    backward()
+    _busy(WORK_S / 3)  # the update itself
+    timer.close(timer.opt, _timing.OPTIMIZER_STEP)  # the post-hook
+    timer.close(timer.fwd, _timing.FORWARD)  # the batch ends: no-op when already closed
+    timer.end()
+
+
+def test_in_bracket_mode_backward_ends_forward_and_restarts_the_optimizer(
+    timer: _timing.StepTimer,
+) -> None:
+    timer.bracket = True
+    backward = _timing._timed_backward(lambda: _busy(WORK_S))
+    _closure_step(timer, backward)
+    ms = _ms(timer)
+    assert timer.fwd.depth == timer.opt.depth == timer.bwd.depth == 0
+    assert ms[_timing.FORWARD] >= WORK_S * 1e3 * 0.9
+    assert ms[_timing.BACKWARD] >= WORK_S * 1e3 * 0.9
+    # The update only: neither the closure's forward nor its backward.
+    assert ms[_timing.OPTIMIZER_STEP] < WORK_S * 1e3 * 0.9
+    # The phases do not overlap.
+    phases = ms[_timing.FORWARD] + ms[_timing.BACKWARD] + ms[_timing.OPTIMIZER_STEP]
+    assert phases <= ms[_timing.STEP_TIME]
+
+
+def test_outside_bracket_mode_backward_leaves_other_phases_alone(
+    timer: _timing.StepTimer,
+) -> None:
+    backward = _timing._timed_backward(lambda: _busy(WORK_S))
+    _closure_step(timer, backward)
+    ms = _ms(timer)
+    # A hand-written loop's phases: forward and the optimizer span what ran in them.
+    assert ms[_timing.FORWARD] >= 2 * WORK_S * 1e3 * 0.9
+    assert ms[_timing.OPTIMIZER_STEP] >= 2 * WORK_S * 1e3 * 0.9
+
+
+def test_in_bracket_mode_a_backward_that_raises_still_ends_and_restarts(
+    timer: _timing.StepTimer,
+) -> None:
+    timer.bracket = True
+
+    def failing() -> None:
+        _busy(WORK_S)
+        raise RuntimeError("backward failed")
+
+    backward = _timing._timed_backward(failing)
+    timer.begin(None)
+    timer.open(timer.fwd)
+    timer.open(timer.opt)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        backward()
+    assert timer.fwd.depth == timer.bwd.depth == 0
+    assert timer.opt.depth == 1
+    timer.close(timer.opt, _timing.OPTIMIZER_STEP)
+    timer.end()
+    ms = _ms(timer)
+    assert ms[_timing.OPTIMIZER_STEP] < WORK_S * 1e3 * 0.9
+
+
+def test_bracket_mode_without_an_open_forward_or_optimizer_only_times_backward(
+    timer: _timing.StepTimer,
+) -> None:
+    """A micro-batch of gradient accumulation: the closure runs without the optimizer."""
+    timer.bracket = True
+    backward = _timing._timed_backward(lambda: _busy(WORK_S))
+    timer.begin(None)
+    backward()
+    timer.end()
+    ms = _ms(timer)
+    assert set(ms) == {_timing.BACKWARD, _timing.STEP_TIME}
+    assert timer.opt.depth == 0
