@@ -210,7 +210,8 @@ class _ZeroCode:
         self.guard = HookGuard(FRAMEWORK, self._abandon)
         # The trainer whose training batches are traced; None: every wrapper passes through.
         self.trainer: Any = None
-        # The optimizer updates counted when the open step began (UPDATES_*).
+        # The optimizer updates counted at the end of the fit's last batch (UPDATES_*):
+        # what the next batch moves, if it ends an update.
         self.updates = 0
         # The traced fit's model, taken at its first training batch (None: not yet).
         self.model: Any = None
@@ -292,9 +293,9 @@ def _wrap_batch(original: Callable[..., Any], updates_at: str) -> Callable[..., 
             model = zero.model
             if model is None:
                 model = zero._fit_model(trainer)
+                zero.updates = updates(loop)  # later, read at each batch's end only
             driver = zero.driver
-            if driver.begin(model):
-                zero.updates = updates(loop)
+            driver.begin(model)
             timer = _timing._ACTIVE
             if timer is not None and driver.current is not None and timer.auto_backward:
                 timer.open(timer.fwd)
@@ -314,7 +315,9 @@ def _wrap_batch(original: Callable[..., Any], updates_at: str) -> Callable[..., 
             if timer is not None and timer.fwd.depth > 0:
                 timer.fwd.depth = 1
                 timer.close(timer.fwd, FORWARD)
-            if updates(loop) != zero.updates:
+            count = updates(loop)
+            if count != zero.updates:
+                zero.updates = count
                 zero.driver.end()
         except Exception as exc:
             zero.guard.fail("a training batch", exc)

@@ -457,6 +457,24 @@ static PyObject *core_begin(CoreObject *self, PyObject *model) {
     Py_RETURN_NONE;
 }
 
+/* (step, ts, device): what Py_BuildValue("(LLO)") gives, without parsing a format. */
+static PyObject *step_at(long long step, long long ts, PyObject *device) {
+    PyObject *tuple = PyTuple_New(3);
+    if (tuple == NULL) return NULL;
+    PyObject *step_obj = PyLong_FromLongLong(step);
+    PyObject *ts_obj = step_obj == NULL ? NULL : PyLong_FromLongLong(ts);
+    if (ts_obj == NULL) {
+        Py_XDECREF(step_obj);
+        Py_DECREF(tuple);
+        return NULL;
+    }
+    Py_INCREF(device);
+    PyTuple_SET_ITEM(tuple, 0, step_obj);
+    PyTuple_SET_ITEM(tuple, 1, ts_obj);
+    PyTuple_SET_ITEM(tuple, 2, device);
+    return tuple;
+}
+
 static PyObject *append(PyObject *queue, PyObject *item) {
     return PyObject_CallMethodOneArg(queue, str_append, item);
 }
@@ -504,7 +522,7 @@ static PyObject *core_end(CoreObject *self, PyObject *unused) {
         if (next == NULL) return NULL;
     }
     self->acc = next;
-    PyObject *at = Py_BuildValue("(LLO)", self->step, wall_ns(), self->device);
+    PyObject *at = step_at(self->step, wall_ns(), self->device);
     if (at == NULL) {
         Py_DECREF(acc);
         return NULL;
@@ -758,10 +776,11 @@ static PyTypeObject ContextType = {
  * - OUTSIDE_STEP: outside a traced step, the original; inside one, `slow`;
  * - DATALOADER: auto_dataloader off, the original; else the fetch timed and added to
  *   the DataLoader phase (timer.add_host) when it returned a batch;
- * - BACKWARD: outside a step, auto_backward off, while compiling, or nested in a
- *   backward, the original; else the backward phase opened and closed around it,
- *   and with the timer's bracket on, an open forward closed before it and an open
- *   optimizer phase restarted after it.
+ * - BACKWARD: outside a step, auto_backward off, or nested in a backward, the
+ *   original; else the backward phase opened and closed around it, and with the
+ *   timer's bracket on, an open forward closed before it and an open optimizer phase
+ *   restarted after it. (The Python wrapper also steps aside while torch.compile
+ *   traces it; dynamo cannot trace into C, so this code only ever runs eagerly.)
  *
  * A timer of another class than TimerCore's, or gates switched off (set_gates:
  * tests of the pure-Python methods), hand every call to `slow`.
@@ -778,8 +797,8 @@ typedef struct {
     vectorcallfunc vectorcall;
 } GateObject;
 
-static PyObject *timing_globals = NULL; /* _timing's module dict: _ACTIVE, _is_compiling */
-static PyObject *str_active = NULL, *str_is_compiling = NULL;
+static PyObject *timing_globals = NULL; /* _timing's module dict: _ACTIVE */
+static PyObject *str_active = NULL;
 static PyObject *dataloader_name = NULL, *forward_name = NULL, *backward_name = NULL;
 static int gates_on = 1;
 
@@ -816,19 +835,10 @@ static PyObject *gate_backward(GateObject *gate, CoreObject *core, PyObject *con
     if (!core->in_step || !core->auto_backward) {
         return gate_call(gate->original, args, nargsf, kwnames);
     }
-    PyObject *is_compiling = PyDict_GetItemWithError(timing_globals, str_is_compiling);
-    if (is_compiling == NULL) {
-        return PyErr_Occurred() ? NULL : gate_call(gate->slow, args, nargsf, kwnames);
-    }
-    PyObject *compiling = PyObject_CallNoArgs(is_compiling);
-    if (compiling == NULL) return NULL;
-    int truth = PyObject_IsTrue(compiling);
-    Py_DECREF(compiling);
-    if (truth < 0) return NULL;
     PyObject *fwd = core->slots[0], *bwd = core->slots[1], *opt = core->slots[2];
-    if (truth || bwd == NULL || fwd == NULL || opt == NULL || !Py_IS_TYPE(bwd, &SlotType) ||
+    if (bwd == NULL || fwd == NULL || opt == NULL || !Py_IS_TYPE(bwd, &SlotType) ||
         !Py_IS_TYPE(fwd, &SlotType) || !Py_IS_TYPE(opt, &SlotType)) {
-        return gate_call(truth ? gate->original : gate->slow, args, nargsf, kwnames);
+        return gate_call(gate->slow, args, nargsf, kwnames);
     }
     /* Already open (a backward inside a backward hook): counted by the outer call. */
     if (((SlotObject *)bwd)->depth) return gate_call(gate->original, args, nargsf, kwnames);
@@ -981,7 +991,7 @@ static PyTypeObject GateType = {
 };
 
 /* configure_gates(timing_globals, dataloader, forward, backward): where the gates read
- * the active timer and the compile check, and the phases they add to. */
+ * the active timer, and the phases they add to. */
 static PyObject *configure_gates(PyObject *module, PyObject *args) {
     PyObject *globals, *dataloader, *forward, *backward;
     if (!PyArg_ParseTuple(args, "O!UUU", &PyDict_Type, &globals, &dataloader, &forward,
@@ -1010,7 +1020,7 @@ static PyObject *set_gates(PyObject *module, PyObject *on) {
 static PyMethodDef module_methods[] = {
     {"configure_gates", (PyCFunction)configure_gates, METH_VARARGS,
      "configure_gates(timing_globals, dataloader, forward, backward): where the gates read"
-     " the active timer and the compile check, and the names of the phases they time."},
+     " the active timer, and the names of the phases they time."},
     {"set_gates", (PyCFunction)set_gates, METH_O,
      "set_gates(on): False hands every gate's call to its Python wrapper (tests)."},
     {"configure", (PyCFunction)configure, METH_VARARGS,
@@ -1033,8 +1043,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     if (str_begin == NULL || str_end == NULL || str_discard == NULL) return NULL;
     str_append = PyUnicode_InternFromString("append");
     str_active = PyUnicode_InternFromString("_ACTIVE");
-    str_is_compiling = PyUnicode_InternFromString("_is_compiling");
-    if (str_active == NULL || str_is_compiling == NULL) return NULL;
+    if (str_active == NULL) return NULL;
     if (str_fail == NULL || str_get_device == NULL || str_append == NULL) return NULL;
     if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&CoreType) < 0 ||
         PyType_Ready(&ContextType) < 0 || PyType_Ready(&GateType) < 0) {
