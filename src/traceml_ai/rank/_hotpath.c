@@ -776,8 +776,8 @@ static PyTypeObject ContextType = {
  * - OUTSIDE_STEP: outside a traced step, the original; inside one, `slow`;
  * - DATALOADER: auto_dataloader off, the original; else the fetch timed and added to
  *   the DataLoader phase (timer.add_host) when it returned a batch;
- * - BACKWARD: outside a step, auto_backward off, or nested in a backward, the
- *   original; else the backward phase opened and closed around it, and with the
+ * - BACKWARD: outside a step, auto_backward off, on another thread than the
+ *   step's, or nested in a backward, the original; else the backward phase opened and closed around it, and with the
  *   timer's bracket on, an open forward closed before it and an open optimizer phase
  *   restarted after it. (The Python wrapper also steps aside while torch.compile
  *   traces it; dynamo cannot trace into C, so this code only ever runs eagerly.)
@@ -832,7 +832,7 @@ static PyObject *gate_dataloader(GateObject *gate, CoreObject *core, PyObject *c
 
 static PyObject *gate_backward(GateObject *gate, CoreObject *core, PyObject *const *args,
                                size_t nargsf, PyObject *kwnames) {
-    if (!core->in_step || !core->auto_backward) {
+    if (!core->in_step || !core->auto_backward || other_thread(core)) {
         return gate_call(gate->original, args, nargsf, kwnames);
     }
     PyObject *fwd = core->slots[0], *bwd = core->slots[1], *opt = core->slots[2];

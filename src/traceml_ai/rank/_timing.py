@@ -1104,6 +1104,10 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         timer = _ACTIVE
         if timer is None or not timer.in_step or not timer.auto_backward or _is_compiling():
             return original(*args, **kwargs)
+        if _get_ident() != timer.thread:
+            # Another thread's backward (the timer ignores it): no phase of the
+            # training thread's step is touched either.
+            return original(*args, **kwargs)
         slot = timer.bwd
         if slot.depth:
             # Already open (a backward inside a backward hook): open/close of a nested

@@ -5,6 +5,7 @@ where backward ends. Runs over both timer cores (conftest)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -114,3 +115,23 @@ def test_bracket_mode_without_an_open_forward_or_optimizer_only_times_backward(
     ms = _ms(timer)
     assert set(ms) == {_timing.BACKWARD, _timing.STEP_TIME}
     assert timer.opt.depth == 0
+
+
+def test_a_backward_on_another_thread_leaves_the_steps_phases_alone(
+    timer: _timing.StepTimer,
+) -> None:
+    timer.bracket = True
+    backward = _timing._timed_backward(lambda: None)
+    timer.begin(None)
+    timer.open(timer.fwd)
+    timer.open(timer.fwd)  # the bracket's level and an inner forward's
+    timer.open(timer.opt)
+    worker = threading.Thread(target=backward)
+    worker.start()
+    worker.join()
+    assert (timer.fwd.depth, timer.bwd.depth, timer.opt.depth) == (2, 0, 1)
+    timer.close(timer.opt, _timing.OPTIMIZER_STEP)
+    timer.close(timer.fwd, _timing.FORWARD)
+    timer.close(timer.fwd, _timing.FORWARD)
+    timer.end()
+    assert _timing.BACKWARD not in _ms(timer)
