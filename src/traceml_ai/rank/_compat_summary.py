@@ -81,42 +81,54 @@ class StepRecorder:
                         kept = orjson.dumps(events)
                     except TypeError:
                         kept = b"{}"
-                self._record(step, kept)
+                self._record((step,), None if kept is None else (kept,))
         sink = self.sink
         if sink is not None:
             sink.put(stream, item)
 
-    def put_encoded_step(self, step: int, memory: bytes, time: bytes) -> None:
-        """``put`` of a step's step_memory and step_time items, encoded
-        (``wire.encode_item``); to the sink's ``put_encoded`` when it has one."""
+    def put_encoded_steps(
+        self, steps: Sequence[int], memories: Sequence[bytes], times: Sequence[bytes]
+    ) -> None:
+        """``put`` of steps' step_memory and step_time items, encoded
+        (``wire.encode_item``; ``EncodedStepSink``): to the sink's ``put_encoded_many``
+        (one call per stream) or ``put_encoded`` when it has one."""
         max_steps = self.max_steps
-        if max_steps is not None and step > max_steps:
-            return
-        kept: bytes | None = None
-        if self.keep_events:
-            # The events object closes the item; only integers and fixed keys come
-            # before it, so the first "events": is its key.
-            at = time.find(b'"events":')
-            kept = time[at + 9 : -1] if at >= 0 else b"{}"
-        self._record(step, kept)
+        if max_steps is not None and any(step > max_steps for step in steps):
+            kept = [i for i, step in enumerate(steps) if step <= max_steps]
+            steps = [steps[i] for i in kept]
+            memories = [memories[i] for i in kept]
+            times = [times[i] for i in kept]
+            if not steps:
+                return
+        self._record(steps, [_events_of(t) for t in times] if self.keep_events else None)
         sink = self.sink
         if sink is None:
             return
+        put_encoded_many = getattr(sink, "put_encoded_many", None)
+        if put_encoded_many is not None:
+            put_encoded_many("step_memory", memories)
+            put_encoded_many("step_time", times)
+            return
         put_encoded = getattr(sink, "put_encoded", None)
-        if put_encoded is not None:
-            put_encoded("step_memory", memory)
-            put_encoded("step_time", time)
-        else:
-            sink.put("step_memory", orjson.loads(memory))
-            sink.put("step_time", orjson.loads(time))
+        for memory, step_time in zip(memories, times, strict=True):
+            if put_encoded is not None:
+                put_encoded("step_memory", memory)
+                put_encoded("step_time", step_time)
+            else:
+                sink.put("step_memory", orjson.loads(memory))
+                sink.put("step_time", orjson.loads(step_time))
 
-    def _record(self, step: int, events: bytes | None) -> None:
+    def _record(self, steps: Sequence[int], events: Sequence[bytes] | None) -> None:
+        """Count ``steps``; keep their ``events`` (encoded) when given."""
+        if not steps:
+            return
         with self._lock:
             if events is not None:
-                self._recent.append((step, events))
-            self.total_steps += 1
-            if step > self.last_step:
-                self.last_step = step
+                self._recent.extend(zip(steps, events, strict=True))
+            self.total_steps += len(steps)
+            last = max(steps)
+            if last > self.last_step:
+                self.last_step = last
 
     def snapshot(self) -> tuple[list[tuple[int, Events]], int]:
         """(recent steps, steps recorded in all) at this moment."""
@@ -126,6 +138,14 @@ class StepRecorder:
 
 
 # -- figures ------------------------------------------------------------------------
+
+
+def _events_of(step_time: bytes) -> bytes:
+    """The encoded events object of an encoded step_time item."""
+    # The events object closes the item; only integers and fixed keys come before it,
+    # so the first "events": is its key.
+    at = step_time.find(b'"events":')
+    return step_time[at + 9 : -1] if at >= 0 else b"{}"
 
 
 def _r(x: float, digits: int = 3) -> float:

@@ -767,9 +767,14 @@ class StepTimer(_TimerCore):
             if encoded is not None:
                 self._seq_time += 1
                 self._seq_mem += 1
-                encoded_sink.put_encoded_step(step, encoded[0], encoded[1])
+                encoded_sink.put_encoded_steps((step,), (encoded[0],), (encoded[1],))
                 self._spare_acc.append(acc)
                 return
+        self._send_host_items(step, ts, device, acc)
+
+    def _send_host_items(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
+        """``_send_host`` as dicts, to the sink's ``put`` (no encoder, or a case it leaves
+        to Python)."""
         self._put_memory(step, ts, device, None, None)
         self._emit_host(step, ts, device, acc)
         for phase in acc.values():
@@ -785,10 +790,44 @@ class StepTimer(_TimerCore):
         # Caller holds _pending_lock.
         ended = self._ended
         ended_at = self._ended_at
-        while ended:
-            acc = ended.popleft()
-            step, ts, device = ended_at.popleft()
-            self._send_host(step, ts, device, acc)
+        encoded_sink = self.encoded_sink
+        encode = _encode_host_step
+        if encoded_sink is None or encode is None:
+            while ended:
+                acc = ended.popleft()
+                step, ts, device = ended_at.popleft()
+                self._send_host_items(step, ts, device, acc)
+            return
+        # Encoded, and handed to the sink in one call (per-step calls through the
+        # recorder and the sender's queues were about half of this thread's work per
+        # step, docs/benchmarks.md).
+        steps: list[int] = []
+        memories: list[bytes] = []
+        times: list[bytes] = []
+        spare = self._spare_acc
+        try:
+            while ended:
+                acc = ended.popleft()
+                step, ts, device = ended_at.popleft()
+                encoded = encode(acc, step, ts, device, self._seq_time, self._seq_mem)
+                if encoded is None:
+                    # Python's path for this one, after those before it (seq order).
+                    if steps:
+                        built = steps, memories, times
+                        steps, memories, times = [], [], []
+                        encoded_sink.put_encoded_steps(*built)
+                    self._send_host_items(step, ts, device, acc)
+                    continue
+                self._seq_time += 1
+                self._seq_mem += 1
+                steps.append(step)
+                memories.append(encoded[0])
+                times.append(encoded[1])
+                spare.append(acc)
+        finally:
+            # What was built goes out even when a later step raised.
+            if steps:
+                encoded_sink.put_encoded_steps(steps, memories, times)
 
     def build_ended(self) -> None:
         """Build and send the items of steps that ``defer`` left (any thread)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import orjson
@@ -27,11 +27,15 @@ class ItemSink(Protocol):
 
 
 class EncodedStepSink(Protocol):
-    """Receives a traced step's two items already encoded; must not block or raise."""
+    """Receives traced steps' two items already encoded; must not block or raise."""
 
-    def put_encoded_step(self, step: int, memory: bytes, time: bytes) -> None:
-        """Queue step ``step``'s ``step_memory`` and ``step_time`` items, each the bytes
-        ``wire.encode_item`` gives for it."""
+    def put_encoded_steps(
+        self, steps: Sequence[int], memories: Sequence[bytes], times: Sequence[bytes]
+    ) -> None:
+        """Queue the ``step_memory`` and ``step_time`` items of ``steps``, in order:
+        ``memories[i]`` and ``times[i]`` are step ``steps[i]``'s, each the bytes
+        ``wire.encode_item`` gives for it. One call for all the steps a builder has
+        (the sender's thread builds a flush's worth at once)."""
         ...
 
 
@@ -48,12 +52,15 @@ class RecordingSink:
             # Items are plain dicts (the generated TypedDicts of traceml_records are dicts).
             self._items.append((stream, cast("dict[str, object]", item)))
 
-    def put_encoded_step(self, step: int, memory: bytes, time: bytes) -> None:
-        """Record a step's two items given encoded (``EncodedStepSink``), decoded as the
+    def put_encoded_steps(
+        self, steps: Sequence[int], memories: Sequence[bytes], times: Sequence[bytes]
+    ) -> None:
+        """Record steps' two items given encoded (``EncodedStepSink``), decoded as the
         aggregator decodes them."""
         with self._lock:
-            self._items.append(("step_memory", orjson.loads(memory)))
-            self._items.append(("step_time", orjson.loads(time)))
+            for memory, time in zip(memories, times, strict=True):
+                self._items.append(("step_memory", orjson.loads(memory)))
+                self._items.append(("step_time", orjson.loads(time)))
 
     def items(self, stream: str | None = None) -> list[dict[str, object]]:
         """The recorded items of ``stream`` (all streams when ``None``), in arrival order."""

@@ -18,7 +18,7 @@ import socket
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from time import monotonic
 from typing import Any
 
@@ -229,6 +229,27 @@ class RankSender:
         ``wire.encode_item(item)``. Never blocks, never raises."""
         self._enqueue(stream, data)
 
+    def put_encoded_many(self, stream: str, items: Sequence[bytes]) -> None:
+        """``put_encoded`` of several items of one stream, in order, in one call: what
+        the queue's bound leaves no room for is refused and counted, as ``put_encoded``
+        refuses the items one by one. Never blocks, never raises."""
+        try:
+            queue = self._queues.get(stream)
+            if queue is None:
+                if self._queues and items:
+                    self._count_put_drop(_UNKNOWN_STREAM, len(items))
+                return
+            before = len(queue)
+            room = self._max_pending_items - before
+            if room < len(items):
+                self._count_put_drop(stream, len(items) - max(room, 0))
+                items = items[: max(room, 0)]
+            queue.extend(items)
+            if before < self._wake_at <= before + len(items):
+                self._wake.set()
+        except Exception:
+            pass
+
     def _enqueue(self, stream: str, data: bytes | None) -> None:
         """Queue an encoded item (None: it could not be encoded), or refuse it and
         count the refusal: full queue, unknown stream. Nothing after ``close`` and in a
@@ -296,10 +317,10 @@ class RankSender:
         finally:
             _live_senders.discard(self)
 
-    def _count_put_drop(self, stream: str) -> None:
+    def _count_put_drop(self, stream: str, items: int = 1) -> None:
         # Only taken when a queue is full or the stream is unknown, never on the fast path.
         with self._drop_lock:
-            self._put_dropped[stream] += 1
+            self._put_dropped[stream] += items
 
     def _disable_after_fork(self) -> None:
         self._forked = True

@@ -23,7 +23,7 @@ from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 
 # The timer's tests run three times: steps built as dicts for the sink's put; steps
-# encoded in C for its put_encoded_step (the runtime's path to its sender); and that
+# encoded in C for its put_encoded_steps (the runtime's path to its sender); and that
 # path without the C encoder (``TRACEML_PURE_PYTHON``), which builds dicts again.
 _ENCODED = False
 
@@ -254,7 +254,7 @@ _BUILDER_BUG_SCRIPT = textwrap.dedent(
     def broken(*args):
         raise RuntimeError("builder bug")
 
-    timer._send_host = broken  # the sender's thread builds with this
+    timer._build_ended = broken  # the sender's thread builds with this
     for _ in range(50):
         with traceml.trace_step():
             pass

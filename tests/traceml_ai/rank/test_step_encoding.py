@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -151,6 +152,86 @@ def test_a_timer_sends_encoded_steps_through_the_recorder_to_the_sender() -> Non
     assert [step for step, _ in recent] == [1, 2]
     assert recent[0][1][_timing.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 2.0
     assert b'"seq":1,"step":2,' in sent[3][1]
+
+
+class _BatchSink(RecordingSink):
+    """A sender's two ways in: dicts (``put``) and encoded items of one stream at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def put_encoded_many(self, stream: str, items: list[bytes]) -> None:
+        self.calls.append((stream, len(items)))
+        for data in items:
+            self.put(stream, orjson.loads(data))
+
+
+def _deferred_timer(sink: Any, max_steps: int | None = None) -> _timing.StepTimer:
+    recorder = StepRecorder(max_steps, keep_events=True)
+    recorder.sink = sink
+    timer = _timing.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
+    timer.defer = True
+    timer.encoded_sink = recorder
+    return timer
+
+
+def test_the_builder_hands_a_flush_of_steps_over_in_one_call_per_stream() -> None:
+    """Steps built together reach the sink in one call per stream; a step the encoder
+    hands back (too many phases) goes as dicts between them, so seq and step stay in
+    order; --trace-max-steps cuts within a batch; the recorder counts what it kept."""
+    sink = _BatchSink()
+    timer = _deferred_timer(sink, max_steps=4)
+    for step in range(1, 6):
+        timer.begin(None)
+        if step == 2:
+            for i in range(70):
+                timer.add_host(f"user_phase_{i}", 1_000)
+        timer.end()
+    timer.build_ended()
+    # Step 1, then step 2 as dicts, then steps 3 and 4 (5 is past --trace-max-steps).
+    assert sink.calls == [
+        ("step_memory", 1),
+        ("step_time", 1),
+        ("step_memory", 2),
+        ("step_time", 2),
+    ]
+    for stream in ("step_memory", "step_time"):
+        items = sink.items(stream)
+        assert [item["step"] for item in items] == [1, 2, 3, 4], stream
+        assert [item["seq"] for item in items] == [0, 1, 2, 3], stream
+    assert len(sink.items("step_time")[1]["events"]) == 71  # its phases and the step's
+    recorder = timer.encoded_sink
+    assert isinstance(recorder, StepRecorder)
+    recent, total = recorder.snapshot()
+    assert total == 4 and recorder.last_step == 4
+    assert [step for step, _ in recent] == [1, 2, 3, 4]
+
+
+def test_steps_built_before_a_failing_one_are_still_handed_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink = _BatchSink()
+    timer = _deferred_timer(sink)
+    for _ in range(3):
+        timer.begin(None)
+        timer.end()
+    calls: list[int] = []
+    real = _timing._encode_host_step
+    assert real is not None
+
+    def failing_second(*args: Any) -> Any:
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise RuntimeError("encoder bug")
+        return real(*args)
+
+    monkeypatch.setattr(_timing, "_encode_host_step", failing_second)
+    with pytest.raises(RuntimeError, match="encoder bug"):
+        timer.build_ended()
+    assert [item["step"] for item in sink.items("step_time")] == [1]
+    timer.build_ended()  # what is left goes on
+    assert [item["step"] for item in sink.items("step_time")] == [1, 3]
 
 
 def test_a_sink_without_put_encoded_gets_the_items_decoded() -> None:

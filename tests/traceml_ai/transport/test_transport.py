@@ -653,6 +653,40 @@ def test_encoded_items_are_sent_and_refused_as_put_items_are(
     assert sender.pending_items == 0 and sender.dropped_items == 3
 
 
+def test_encoded_items_put_many_at_once_are_queued_and_refused_as_one_by_one(
+    collector: Collector, server_factory: Callable[..., AggregatorServer]
+) -> None:
+    """``put_encoded_many``: the items in order, as many as the bound leaves room for,
+    the rest refused and counted per item as ``put_encoded`` counts them; an unknown
+    stream refuses them all; nothing after close."""
+    server = server_factory(collector)
+    sender = RankSender(server.start(), TOKEN, identity(), max_pending_items=5)
+    sender.put_encoded("step_time", encode_item({"seq": 0}))
+    sender.put_encoded_many("step_time", [encode_item({"seq": s}) for s in range(1, 4)])
+    sender.put_encoded_many("step_time", [encode_item({"seq": s}) for s in range(4, 8)])
+    sender.put_encoded_many("step_time", [])
+    sender.put_encoded_many("no_such_stream", [b"{}", b"{}"])
+    assert sender.pending_items == 5
+    assert sender.dropped_items_by_stream == {"step_time": 3, "": 2}
+    sender.start()
+    sender.close()
+    collector.wait(lambda c: len(c.finished) == 1)
+    assert [item["seq"] for item in collector.items()] == [0, 1, 2, 3, 4]
+    assert collector.finished[0]["dropped_batches"] == sender.dropped_batches == 2
+    sender.put_encoded_many("step_time", [b"{}"])  # a no-op after close
+    assert sender.pending_items == 0 and sender.dropped_items == 5
+
+
+def test_encoded_items_put_many_at_once_wake_the_sender_at_a_batch() -> None:
+    """Crossing the wake mark (a batch's worth pending) in one call wakes the thread."""
+    sender = RankSender(("127.0.0.1", 9), TOKEN, identity(), max_items_per_batch=4)
+    sender.put_encoded_many("step_time", [b"{}"] * 3)
+    assert not sender._wake.is_set()
+    sender.put_encoded_many("step_time", [b"{}"] * 2)
+    assert sender._wake.is_set()
+    sender.close()
+
+
 def test_unencodable_and_oversized_items_cost_only_themselves(
     collector: Collector, server_factory: Callable[..., AggregatorServer]
 ) -> None:
