@@ -71,7 +71,9 @@ def main() -> None:
         eval_steps=args.eval_every,
         learning_rate=1e-3,
         use_cpu=True,
-        ddp_backend="gloo",
+        # gloo for DDP on the CPU, only under a launcher (traceml run, torchrun): given
+        # without one, transformers asks for a process group that does not exist.
+        ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
         report_to="none",
         save_strategy="no",
         logging_strategy="no",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -85,6 +86,8 @@ class StepDriver:
         # and timer (one object and two calls less per step than trace_step()).
         self._context: StepContext | None = None
         self._paused: StepTimer | None = None
+        # When pause() found a step open (perf_counter_ns), else None.
+        self._paused_at: int | None = None
         self._atexit = False
         # TRACE_ONE_IN (benchmarks): the current update runs untraced, and how many
         # more are to; the timer that the end of the last traced update took off, for
@@ -201,18 +204,26 @@ class StepDriver:
             timer.restart(timer.opt)
 
     def pause(self) -> None:
-        """Stop every hook from reporting (an evaluation loop runs); idempotent."""
+        """Stop every hook from reporting (an evaluation loop runs); idempotent.
+
+        A step open meanwhile (an evaluation between the batches of an accumulating
+        update: Lightning's ``val_check_interval`` is counted in batches) leaves the
+        paused time out of its duration (:meth:`resume`)."""
         timer = _timing._ACTIVE
         if timer is not None:
             self._paused = timer
+            self._paused_at = time.perf_counter_ns() if timer.in_step else None
             activate(None)
 
     def resume(self) -> None:
         """Undo :meth:`pause`; nothing if TraceML was shut down or failed meanwhile."""
         timer = self._paused
-        self._paused = None
+        paused_at = self._paused_at
+        self._paused = self._paused_at = None
         if timer is not None and timer.enabled and _timing._ACTIVE is None:
             activate(timer)
+            if paused_at is not None:
+                timer.leave_out(time.perf_counter_ns() - paused_at)
 
     @staticmethod
     def discard_dataloader_waits() -> None:

@@ -835,6 +835,13 @@ class StepTimer(_TimerCore):
             with self._pending_lock:
                 self._build_ended()
 
+    def leave_out(self, dt_ns: int) -> None:
+        """Leave ``dt_ns`` out of the open step's duration: an evaluation loop ran inside
+        it, between the batches of an accumulating update, its hooks paused. Nothing
+        outside a step."""
+        if self.in_step and dt_ns > 0:
+            self._t0 += dt_ns
+
     def discard(self) -> None:
         """Drop the current step: its body raised (TraceML 0.5.0 does not count it).
 

@@ -156,6 +156,53 @@ sys.stdout.flush()
 )
 
 
+# Validation every 4 batches with 3 batches per update: after batches 4 and 8 it runs
+# inside an open step (updates 2 and 3), each time 4 batches of 50 ms.
+MID_UPDATE_VALIDATION = (
+    COMMON
+    + """
+import time
+explicit = sys.argv[1] == "explicit"
+
+
+class SlowValidation(Model):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.05)
+        return super().validation_step(batch, batch_idx)
+
+
+callbacks = []
+if explicit:
+    import traceml_ai as traceml
+    from traceml_ai.integrations.lightning import TraceMLCallback
+    traceml.init()
+    callbacks = [TraceMLCallback()]
+trainer = make_trainer(3, 4, val_check_interval=4, limit_val_batches=4, num_sanity_val_steps=0,
+                       callbacks=callbacks)
+trainer.fit(SlowValidation(), loader(64, 0), loader(16, 1))
+sys.stdout.write("TRAINED\\n")
+"""
+)
+
+
+@pytest.mark.parametrize("form", ["zero_code", "explicit"])
+def test_validation_inside_an_accumulating_update_is_left_out_of_its_step(
+    tmp_path: Path, form: str
+) -> None:
+    script = write_script(tmp_path, "train_pl.py", MID_UPDATE_VALIDATION)
+    res = traceml_run(tmp_path, script, form)
+    assert res.returncode == 0, describe(res)
+    assert "TRAINED" in res.stdout, describe(res)
+    assert not integration_failures(res.stderr), describe(res)
+    (lines,) = steps_by_rank(tmp_path).values()
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    for line in lines:
+        assert calls(line, FORWARD) == 3 and calls(line, DATALOADER) == 3, line
+        (step,) = line["events"][STEP].values()
+        # Each validation took >= 200 ms; a step of three tiny batches takes a few.
+        assert step["cpu_ms"] < 150, line
+
+
 def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> None:
     script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
     res = traceml_run(tmp_path, script, "2", "4", "-1")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -10,6 +12,7 @@ import traceml_ai as traceml
 from tests.rank_helpers import ENV_VARS, make_model, step_items
 from traceml_ai.integrations._common import StepDriver
 from traceml_ai.rank import _sdk
+from traceml_ai.rank._timing import STEP_TIME
 from traceml_ai.rank.sink import RecordingSink
 
 
@@ -65,3 +68,38 @@ def test_a_paused_driver_does_not_reuse_a_context_for_another_timer() -> None:
     assert _step(driver, model) is not paused
     traceml.shutdown()
     assert [item["step"] for item in step_items(sink)] == [1, 2, 3, 4]
+
+
+def _step_ms(item: dict[str, Any]) -> float:
+    events = item["events"][STEP_TIME]
+    (by_device,) = events.values()
+    ms: float = by_device["cpu_ms"]
+    return ms
+
+
+@pytest.mark.parametrize("evaluation_inside_the_step", [True, False])
+def test_an_evaluation_inside_an_open_step_is_left_out_of_its_time(
+    evaluation_inside_the_step: bool,
+) -> None:
+    """Lightning runs validation every ``val_check_interval`` batches, which may fall
+    between the batches of an accumulating update: the paused time is not the step's.
+    Paused between steps, nothing is shifted."""
+    sink = RecordingSink()
+    traceml.init(sink=sink, sampler_interval=60)
+    driver = StepDriver()
+    evaluation = StepDriver()  # the evaluation loop's own driver (zero-code Lightning)
+    model = make_model()
+    driver.begin(model)
+    if not evaluation_inside_the_step:
+        driver.end()
+    evaluation.pause()
+    time.sleep(0.3)
+    evaluation.resume()
+    if not evaluation_inside_the_step:
+        driver.begin(model)
+    time.sleep(0.02)
+    driver.end()
+    traceml.shutdown()
+    items = step_items(sink)
+    assert [item["step"] for item in items] == [1] if evaluation_inside_the_step else [1, 2]
+    assert 20 <= _step_ms(items[-1]) < 250
