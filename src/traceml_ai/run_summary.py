@@ -804,7 +804,10 @@ def format_summary(summary: dict[str, Any], full: bool = True) -> str:
     env = summary.get("environment") or {}
     head = f"traceml: summary of {summary.get('run_folder') or summary['export_folder']}"
     if env.get("training_strategy"):
-        head += f" ({env['training_strategy']}, {len(ranks)} rank(s))"
+        # Ranks with a step line; none yet (a run that stopped before its first step)
+        # is said by the notes, not as "0 ranks" of a run whose ranks did connect.
+        counted = f", {len(ranks)} rank(s)" if ranks else ""
+        head += f" ({env['training_strategy']}{counted})"
     out.append(head)
     if steps:
         if full:

@@ -514,3 +514,23 @@ def test_phase_shares_count_a_wait_before_the_step_once() -> None:
     inside = {"step": 4.0, "dataloader_wait": 3.0, "forward": 0.4, "backward": 0.5}
     assert _iteration(inside) == 4.0
     assert abs(_rest(inside) - 0.1) < 1e-9
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_a_run_with_no_step_yet_counts_no_ranks_in_its_head(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
+    """Ranks connected (runtime_environment) but none wrote a step (stopped before its
+    first): the head names the strategy and says no "0 rank(s)"; the notes say why."""
+    from tests.strategies import consistent_json
+
+    export = tmp_path_factory.mktemp("nostep") / "aggregator" / "export"
+    environment = data.draw(st.lists(consistent_json("runtime_environment"), min_size=1))
+    write(export / "runtime_environment.jsonl", environment)
+    write(export / "step_time.jsonl", [closing("step_time", 0)])
+    summary = summarize_run(export.parent.parent)
+    text = format_summary(summary)
+    head = text.splitlines()[0]
+    assert "rank(s)" not in head, text
+    assert "no step recorded yet" in text, text
