@@ -33,13 +33,38 @@ _warned: set[str] = set()
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Packages whose frames lie between the user's line and TraceML's: torch (a hooked
+# call) and the frameworks that call TraceML's hooks (a callback run by
+# ``trainer.fit``). Lightning also prints a warning that names one of its own files
+# without its category.
+_CALLERS = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "transformers",
+            "accelerate")  # fmt: skip
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [_PACKAGE_DIR]
+    for name in _CALLERS:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
+
+
 def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside traceml_ai."""
+    """The ``stacklevel`` that points a warning at the first frame outside traceml_ai
+    and the libraries that call into it (the user's line)."""
+    skip = _library_dirs()
     frame: FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
         level += 1
+    if frame is None:  # no user frame (all library code): TraceML's caller, as before
+        frame, level = sys._getframe(1), 1
+        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            frame = frame.f_back
+            level += 1
     return level
 
 

@@ -22,16 +22,19 @@ A small LightningModule trains on random data. Each run checks several things:
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e_helpers import assert_valid, export_dir
+from tests.e2e_helpers import assert_valid, clean_env, export_dir
 from tests.integration_helpers import (
     BACKWARD,
     DATALOADER,
     FORWARD,
+    OFFLINE_ENV,
     OPTIMIZER,
     STEP,
     assert_all_streams_closed,
@@ -456,3 +459,35 @@ def test_the_update_count_read_from_the_loop_is_global_step(manual: bool) -> Non
     trainer.fit(Manual(), DataLoader(data, batch_size=4))
     assert len(seen) >= 8 and seen[-1][1] == 4
     assert all(read == global_step for read, global_step in seen)
+
+
+def test_the_explicit_callback_without_traceml_run_warns_once_at_the_users_line(
+    tmp_path: Path,
+) -> None:
+    """Under plain ``python`` the callback's TraceML warning names the user's
+    ``trainer.fit(...)`` line with its category, not the Lightning file that ran the
+    hook (which Lightning prints without a category)."""
+    script = write_script(
+        tmp_path,
+        "plain_pl.py",
+        """
+from traceml_ai.integrations.lightning import TraceMLCallback
+"""
+        + COMMON
+        + """
+trainer = make_trainer(1, 2, callbacks=[TraceMLCallback()], num_sanity_val_steps=0)
+trainer.fit(Model(), loader(16, 0))  # FIT LINE
+sys.stdout.write("TRAINED\\\\n")
+""",
+    )
+    fit_line = (
+        script.read_text().splitlines().index("trainer.fit(Model(), loader(16, 0))  # FIT LINE")
+    )
+    res = subprocess.run(
+        [sys.executable, script], cwd=tmp_path, env=clean_env(OFFLINE_ENV),
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert res.returncode == 0 and "TRAINED" in res.stdout, describe(res)
+    warned = [line for line in res.stderr.splitlines() if "TraceML export is off" in line]
+    assert len(warned) == 1, describe(res)
+    assert f"{script}:{fit_line + 1}: TraceMLWarning:" in warned[0], describe(res)
