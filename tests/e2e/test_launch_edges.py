@@ -38,8 +38,10 @@ try:
     for i in range(steps):
         with traceml.trace_step():
             time.sleep(sleep_s)
-        with open(out + ".steps", "w") as fh:
+        # Replaced whole: a rank stopped by a signal mid-write leaves no empty file.
+        with open(out + ".steps.tmp", "w") as fh:
             fh.write(str(i + 1))
+        os.replace(out + ".steps.tmp", out + ".steps")
 except KeyboardInterrupt:
     # The script's own traceback is not TraceML's output; keep stderr for ours.
     sys.exit(130)
