@@ -86,8 +86,8 @@ class StepDriver:
         # and timer (one object and two calls less per step than trace_step()).
         self._context: StepContext | None = None
         self._paused: StepTimer | None = None
-        # When pause() found a step open (perf_counter_ns), else None.
-        self._paused_at: int | None = None
+        # (step, perf_counter_ns) when pause() found a step open, else None.
+        self._paused_at: tuple[int, int] | None = None
         self._atexit = False
         # TRACE_ONE_IN (benchmarks): the current update runs untraced, and how many
         # more are to; the timer that the end of the last traced update took off, for
@@ -212,7 +212,7 @@ class StepDriver:
         timer = _timing._ACTIVE
         if timer is not None:
             self._paused = timer
-            self._paused_at = time.perf_counter_ns() if timer.in_step else None
+            self._paused_at = (timer.step, time.perf_counter_ns()) if timer.in_step else None
             activate(None)
 
     def resume(self) -> None:
@@ -222,8 +222,8 @@ class StepDriver:
         self._paused = self._paused_at = None
         if timer is not None and timer.enabled and _timing._ACTIVE is None:
             activate(timer)
-            if paused_at is not None:
-                timer.leave_out(time.perf_counter_ns() - paused_at)
+            if paused_at is not None and paused_at[0] == timer.step:
+                timer.leave_out(time.perf_counter_ns() - paused_at[1])
 
     @staticmethod
     def discard_dataloader_waits() -> None:

@@ -53,19 +53,21 @@ def _library_dirs() -> tuple[str, ...]:
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside traceml_ai
-    and the libraries that call into it (the user's line)."""
+    and the libraries that call into it (the user's line); with no such frame, at the
+    first outside traceml_ai."""
     skip = _library_dirs()
     frame: FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
+    outside_traceml: int | None = None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if outside_traceml is None and not filename.startswith(_PACKAGE_DIR):
+            outside_traceml = level
+        if not filename.startswith(skip):
+            return level
         frame = frame.f_back
         level += 1
-    if frame is None:  # no user frame (all library code): TraceML's caller, as before
-        frame, level = sys._getframe(1), 1
-        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-            frame = frame.f_back
-            level += 1
-    return level
+    return outside_traceml if outside_traceml is not None else level
 
 
 def warn_once(key: str, message: str) -> None:

@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -761,20 +761,45 @@ class StepTimer(_TimerCore):
 
     def _send_host(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
         """Both items of a step off CUDA, then its phases zeroed for a later step."""
+        self._send_hosts(((step, ts, device, acc),))
+
+    def _send_hosts(self, ended: Iterable[tuple[int, int, str, dict[str, _Phase]]]) -> None:
+        """:meth:`_send_host` of each of ``ended`` (step, ts, device, phases), in order:
+        encoded in C and handed to the encoded sink in one call (per-step calls through
+        the recorder and the sender's queues were a third of the sender thread's work
+        per step, docs/benchmarks.md); a step the encoder leaves to Python, or every
+        step without an encoded sink, as dicts to the sink's ``put``."""
         encoded_sink = self.encoded_sink
-        if encoded_sink is not None and _encode_host_step is not None:
-            encoded = _encode_host_step(acc, step, ts, device, self._seq_time, self._seq_mem)
-            if encoded is not None:
-                self._seq_time += 1
-                self._seq_mem += 1
-                encoded_sink.put_encoded_steps((step,), (encoded[0],), (encoded[1],))
-                self._spare_acc.append(acc)
-                return
-        self._send_host_items(step, ts, device, acc)
+        encode = _encode_host_step if encoded_sink is not None else None
+        steps: list[int] = []
+        memories: list[bytes] = []
+        times: list[bytes] = []
+        try:
+            for step, ts, device, acc in ended:
+                encoded = None
+                if encode is not None:
+                    encoded = encode(acc, step, ts, device, self._seq_time, self._seq_mem)
+                if encoded is not None:
+                    self._seq_time += 1
+                    self._seq_mem += 1
+                    steps.append(step)
+                    memories.append(encoded[0])
+                    times.append(encoded[1])
+                    self._spare_acc.append(acc)
+                    continue
+                if steps and encoded_sink is not None:
+                    # The ones before it first: seq and step stay in order.
+                    built = steps, memories, times
+                    steps, memories, times = [], [], []
+                    encoded_sink.put_encoded_steps(*built)
+                self._send_host_items(step, ts, device, acc)
+        finally:
+            # What was built goes out even when a later step raised.
+            if steps and encoded_sink is not None:
+                encoded_sink.put_encoded_steps(steps, memories, times)
 
     def _send_host_items(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
-        """``_send_host`` as dicts, to the sink's ``put`` (no encoder, or a case it leaves
-        to Python)."""
+        """A step's host items as dicts, to the sink's ``put``."""
         self._put_memory(step, ts, device, None, None)
         self._emit_host(step, ts, device, acc)
         for phase in acc.values():
@@ -788,46 +813,16 @@ class StepTimer(_TimerCore):
 
     def _build_ended(self) -> None:
         # Caller holds _pending_lock.
+        self._send_hosts(self._pop_ended())
+
+    def _pop_ended(self) -> Iterator[tuple[int, int, str, dict[str, _Phase]]]:
+        """The ended steps, each taken off the queues as it is built."""
         ended = self._ended
         ended_at = self._ended_at
-        encoded_sink = self.encoded_sink
-        encode = _encode_host_step
-        if encoded_sink is None or encode is None:
-            while ended:
-                acc = ended.popleft()
-                step, ts, device = ended_at.popleft()
-                self._send_host_items(step, ts, device, acc)
-            return
-        # Encoded, and handed to the sink in one call (per-step calls through the
-        # recorder and the sender's queues were about half of this thread's work per
-        # step, docs/benchmarks.md).
-        steps: list[int] = []
-        memories: list[bytes] = []
-        times: list[bytes] = []
-        spare = self._spare_acc
-        try:
-            while ended:
-                acc = ended.popleft()
-                step, ts, device = ended_at.popleft()
-                encoded = encode(acc, step, ts, device, self._seq_time, self._seq_mem)
-                if encoded is None:
-                    # Python's path for this one, after those before it (seq order).
-                    if steps:
-                        built = steps, memories, times
-                        steps, memories, times = [], [], []
-                        encoded_sink.put_encoded_steps(*built)
-                    self._send_host_items(step, ts, device, acc)
-                    continue
-                self._seq_time += 1
-                self._seq_mem += 1
-                steps.append(step)
-                memories.append(encoded[0])
-                times.append(encoded[1])
-                spare.append(acc)
-        finally:
-            # What was built goes out even when a later step raised.
-            if steps:
-                encoded_sink.put_encoded_steps(steps, memories, times)
+        while ended:
+            acc = ended.popleft()
+            step, ts, device = ended_at.popleft()
+            yield step, ts, device, acc
 
     def build_ended(self) -> None:
         """Build and send the items of steps that ``defer`` left (any thread)."""

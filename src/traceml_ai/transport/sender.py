@@ -219,52 +219,43 @@ class RankSender:
         ``close``, and in a forked child, ``put`` does nothing.
         """
         try:
-            data: bytes | None = encode_item(item)
+            data = encode_item(item)
         except Exception:
-            data = None
-        self._enqueue(stream, data)
+            self._enqueue(stream, (), unencodable=1)
+            return
+        self._enqueue(stream, (data,))
 
     def put_encoded(self, stream: str, data: bytes) -> None:
         """``put`` of an item its producer encoded itself: ``data`` is
         ``wire.encode_item(item)``. Never blocks, never raises."""
-        self._enqueue(stream, data)
+        self._enqueue(stream, (data,))
 
     def put_encoded_many(self, stream: str, items: Sequence[bytes]) -> None:
-        """``put_encoded`` of several items of one stream, in order, in one call: what
-        the queue's bound leaves no room for is refused and counted, as ``put_encoded``
-        refuses the items one by one. Never blocks, never raises."""
+        """``put_encoded`` of several items of one stream, in order, in one call: the
+        same bound, and the same refusals counted, as one by one. Never blocks, never
+        raises."""
+        self._enqueue(stream, items)
+
+    def _enqueue(self, stream: str, items: Sequence[bytes], unencodable: int = 0) -> None:
+        """Queue encoded items in order, as many as the bound leaves room for, and count
+        every refusal: a full queue, an unknown stream, and ``unencodable`` more items
+        that could not be encoded. Nothing after ``close`` and in a forked child."""
         try:
             queue = self._queues.get(stream)
             if queue is None:
-                if self._queues and items:
-                    self._count_put_drop(_UNKNOWN_STREAM, len(items))
+                if self._queues and (items or unencodable):
+                    self._count_put_drop(_UNKNOWN_STREAM, len(items) + unencodable)
                 return
             before = len(queue)
-            room = self._max_pending_items - before
-            if room < len(items):
-                self._count_put_drop(stream, len(items) - max(room, 0))
-                items = items[: max(room, 0)]
+            room = max(self._max_pending_items - before, 0)
+            refused = unencodable
+            if len(items) > room:
+                refused += len(items) - room
+                items = items[:room]
+            if refused:
+                self._count_put_drop(stream, refused)
             queue.extend(items)
             if before < self._wake_at <= before + len(items):
-                self._wake.set()
-        except Exception:
-            pass
-
-    def _enqueue(self, stream: str, data: bytes | None) -> None:
-        """Queue an encoded item (None: it could not be encoded), or refuse it and
-        count the refusal: full queue, unknown stream. Nothing after ``close`` and in a
-        forked child."""
-        try:
-            queue = self._queues.get(stream)
-            if queue is None:
-                if self._queues:
-                    self._count_put_drop(_UNKNOWN_STREAM)
-                return
-            if data is None or len(queue) >= self._max_pending_items:
-                self._count_put_drop(stream)
-                return
-            queue.append(data)
-            if len(queue) == self._wake_at:
                 self._wake.set()
         except Exception:
             pass

@@ -103,3 +103,30 @@ def test_an_evaluation_inside_an_open_step_is_left_out_of_its_time(
     items = step_items(sink)
     assert [item["step"] for item in items] == [1] if evaluation_inside_the_step else [1, 2]
     assert 20 <= _step_ms(items[-1]) < 250
+
+
+def test_a_step_begun_while_the_hooks_were_paused_keeps_its_whole_time() -> None:
+    """resume() leaves the pause out of the step pause() found open only: one that
+    ended meanwhile, and a step begun after it, are not shifted."""
+    from traceml_ai.rank import _timing
+
+    sink = RecordingSink()
+    traceml.init(sink=sink, sampler_interval=60)
+    model = make_model()
+    driver = StepDriver()
+    driver.begin(model)
+    timer = _timing.active()
+    assert timer is not None
+    evaluation = StepDriver()
+    evaluation.pause()
+    time.sleep(0.3)
+    driver.end()  # the step pause() found ends, and another begins, while paused
+    timer.begin(model)
+    evaluation.resume()
+    time.sleep(0.02)
+    timer.end()
+    traceml.shutdown()
+    items = step_items(sink)
+    assert [item["step"] for item in items] == [1, 2]
+    assert _step_ms(items[0]) >= 300
+    assert 20 <= _step_ms(items[1]) < 250
