@@ -1340,6 +1340,115 @@ finish:
     Py_RETURN_NONE;
 }
 
+/* encode_host_steps(encode, ended, ended_at, spare, seq_time, seq_mem)
+ *   -> (steps, memories, times, seq_time, seq_mem, stop)
+ *
+ * StepTimer._send_hosts's loop: takes the ended steps off their queues in order (the
+ * phases from `ended`, their (step, ts, device) from `ended_at`) and encodes each with
+ * `encode` (encode_host_step, or whatever _timing holds in its place), the phases
+ * of each step encoded going back to `spare`. It stops when the queues are empty
+ * (stop None), at a step `encode` leaves to Python (stop: that step's (step, ts,
+ * device, phases), taken off the queues), or at one it raised for (stop: the
+ * exception; that step is dropped). What was encoded before the stop is returned
+ * either way, with the seq counters after it. */
+static PyObject *str_popleft = NULL;
+
+static PyObject *encode_host_steps(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "encode_host_steps takes 6 arguments");
+        return NULL;
+    }
+    PyObject *encode = args[0], *ended = args[1], *ended_at = args[2], *spare = args[3];
+    if (!PyList_CheckExact(spare)) {
+        PyErr_SetString(PyExc_TypeError, "spare must be a list");
+        return NULL;
+    }
+    long long seq_time = PyLong_AsLongLong(args[4]);
+    if (seq_time == -1 && PyErr_Occurred()) return NULL;
+    long long seq_mem = PyLong_AsLongLong(args[5]);
+    if (seq_mem == -1 && PyErr_Occurred()) return NULL;
+    PyObject *steps = PyList_New(0), *memories = PyList_New(0), *times = PyList_New(0);
+    PyObject *stop = NULL, *acc = NULL, *at = NULL, *encoded = NULL;
+    if (steps == NULL || memories == NULL || times == NULL) goto error;
+    for (;;) {
+        int more = PyObject_IsTrue(ended);
+        if (more < 0) goto error;
+        if (!more) break;
+        acc = PyObject_CallMethodNoArgs(ended, str_popleft);
+        if (acc == NULL) goto error;
+        at = PyObject_CallMethodNoArgs(ended_at, str_popleft);
+        if (at == NULL) goto error;
+        if (!PyTuple_CheckExact(at) || PyTuple_GET_SIZE(at) != 3) {
+            PyErr_SetString(PyExc_TypeError, "ended_at holds (step, ts, device) tuples");
+            goto error;
+        }
+        PyObject *seq_objs[2] = {PyLong_FromLongLong(seq_time), PyLong_FromLongLong(seq_mem)};
+        if (seq_objs[0] == NULL || seq_objs[1] == NULL) {
+            Py_XDECREF(seq_objs[0]);
+            Py_XDECREF(seq_objs[1]);
+            goto error;
+        }
+        PyObject *call_args[6] = {acc, PyTuple_GET_ITEM(at, 0), PyTuple_GET_ITEM(at, 1),
+                                  PyTuple_GET_ITEM(at, 2), seq_objs[0], seq_objs[1]};
+        encoded = PyObject_Vectorcall(encode, call_args, 6, NULL);
+        Py_DECREF(seq_objs[0]);
+        Py_DECREF(seq_objs[1]);
+        if (encoded == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) goto error;
+            /* The caller hands over what was built, then raises it. */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            if (tb != NULL) PyException_SetTraceback(value, tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            stop = value;
+            Py_CLEAR(acc);
+            Py_CLEAR(at);
+            break;
+        }
+        if (encoded == Py_None) {
+            Py_CLEAR(encoded);
+            stop = PyTuple_Pack(4, PyTuple_GET_ITEM(at, 0), PyTuple_GET_ITEM(at, 1),
+                                PyTuple_GET_ITEM(at, 2), acc);
+            if (stop == NULL) goto error;
+            Py_CLEAR(acc);
+            Py_CLEAR(at);
+            break;
+        }
+        if (!PyTuple_CheckExact(encoded) || PyTuple_GET_SIZE(encoded) != 2) {
+            PyErr_SetString(PyExc_TypeError, "encode returned neither None nor 2 items");
+            goto error;
+        }
+        seq_time++;
+        seq_mem++;
+        if (PyList_Append(steps, PyTuple_GET_ITEM(at, 0)) < 0 ||
+            PyList_Append(memories, PyTuple_GET_ITEM(encoded, 0)) < 0 ||
+            PyList_Append(times, PyTuple_GET_ITEM(encoded, 1)) < 0 ||
+            PyList_Append(spare, acc) < 0) {
+            goto error;
+        }
+        Py_CLEAR(encoded);
+        Py_CLEAR(acc);
+        Py_CLEAR(at);
+    }
+    if (stop == NULL) {
+        Py_INCREF(Py_None);
+        stop = Py_None;
+    }
+    PyObject *result = Py_BuildValue("(NNNLLN)", steps, memories, times, seq_time, seq_mem, stop);
+    return result;
+error:
+    Py_XDECREF(steps);
+    Py_XDECREF(memories);
+    Py_XDECREF(times);
+    Py_XDECREF(stop);
+    Py_XDECREF(acc);
+    Py_XDECREF(at);
+    Py_XDECREF(encoded);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(plans, fallback, orjson_dumps): set the encoding plans, once."},
@@ -1355,6 +1464,10 @@ static PyMethodDef methods[] = {
     {"encode_host_step", (PyCFunction)(void (*)(void))encode_host_step, METH_FASTCALL,
      "encode_host_step(acc, step, ts, device, seq_time, seq_mem) -> (step_memory bytes,"
      " step_time bytes) | None: a host-timed step's two items, its phases zeroed."},
+    {"encode_host_steps", (PyCFunction)(void (*)(void))encode_host_steps, METH_FASTCALL,
+     "encode_host_steps(encode, ended, ended_at, spare, seq_time, seq_mem) -> (steps,"
+     " memories, times, seq_time, seq_mem, stop): the ended steps taken off their queues"
+     " and encoded, up to a step left to Python or an error (stop)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1366,5 +1479,7 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__speedups(void) {
     kw_include_hostname = PyUnicode_InternFromString("include_hostname");
     if (kw_include_hostname == NULL) return NULL;
+    str_popleft = PyUnicode_InternFromString("popleft");
+    if (str_popleft == NULL) return NULL;
     return PyModule_Create(&module_def);
 }

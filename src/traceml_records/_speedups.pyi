@@ -23,3 +23,14 @@ def configure_host_step(
 def encode_host_step(
     acc: dict[str, Any], step: int, ts: int, device: str, seq_time: int, seq_mem: int, /
 ) -> tuple[bytes, bytes] | None: ...
+def encode_host_steps(
+    encode: Callable[..., tuple[bytes, bytes] | None],
+    ended: Any,
+    ended_at: Any,
+    spare: list[Any],
+    seq_time: int,
+    seq_mem: int,
+    /,
+) -> tuple[
+    list[int], list[bytes], list[bytes], int, int, tuple[int, int, str, Any] | BaseException | None
+]: ...

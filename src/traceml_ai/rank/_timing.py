@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -99,23 +99,29 @@ class _Phase:
         self.missing = False
 
 
-def _load_host_step_encoder() -> Callable[..., tuple[bytes, bytes] | None] | None:
-    """The C encoder of a host-timed step's two items, or None (pure Python)."""
+def _load_host_step_encoders() -> tuple[Callable[..., Any] | None, Callable[..., Any] | None]:
+    """The C encoder of a host-timed step's two items and its loop over the ended
+    steps (their signatures: traceml_records/_speedups.pyi), or (None, None): pure
+    Python."""
     native = _native.load()
     if native is None:
-        return None
+        return None, None
     try:
         native.configure_host_step(_Phase, orjson.dumps)
-        encode: Callable[..., tuple[bytes, bytes] | None] = native.encode_host_step
+        encode: Callable[..., Any] = native.encode_host_step
+        encode_run: Callable[..., Any] = native.encode_host_steps
     except Exception:  # an extension built from other sources: Python's path
-        return None
-    return encode
+        return None, None
+    return encode, encode_run
 
 
 # encode_host_step(acc, step, ts, device, seq_time, seq_mem): the bytes
 # wire.encode_item gives for the two items StepTimer._send_host builds (None: a case
 # it leaves to Python), with the phases zeroed as _send_host zeroes them.
-_encode_host_step = _load_host_step_encoder()
+# encode_host_steps(encode, ended, ended_at, spare, seq_time, seq_mem): the builder's
+# loop over the ended steps, calling ``encode`` for each (in C: the Python loop was
+# half of the builder's work per step, docs/benchmarks.md).
+_encode_host_step, _encode_host_steps = _load_host_step_encoders()
 
 
 class _PyOpen:
@@ -761,42 +767,36 @@ class StepTimer(_TimerCore):
 
     def _send_host(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
         """Both items of a step off CUDA, then its phases zeroed for a later step."""
-        self._send_hosts(((step, ts, device, acc),))
+        self._send_hosts(deque((acc,)), deque(((step, ts, device),)))
 
-    def _send_hosts(self, ended: Iterable[tuple[int, int, str, dict[str, _Phase]]]) -> None:
-        """:meth:`_send_host` of each of ``ended`` (step, ts, device, phases), in order:
-        encoded in C and handed to the encoded sink in one call (per-step calls through
-        the recorder and the sender's queues were a third of the sender thread's work
-        per step, docs/benchmarks.md); a step the encoder leaves to Python, or every
-        step without an encoded sink, as dicts to the sink's ``put``."""
+    def _send_hosts(
+        self, ended: deque[dict[str, _Phase]], ended_at: deque[tuple[int, int, str]]
+    ) -> None:
+        """:meth:`_send_host` of each step of ``ended`` (its phases) and ``ended_at``
+        (its step, time and device), taken off both in order: encoded in C and handed
+        to the encoded sink in one call (per-step calls through the recorder and the
+        sender's queues were a third of the sender thread's work per step,
+        docs/benchmarks.md); a step the encoder leaves to Python, or every step
+        without an encoded sink, as dicts to the sink's ``put``."""
         encoded_sink = self.encoded_sink
         encode = _encode_host_step if encoded_sink is not None else None
-        steps: list[int] = []
-        memories: list[bytes] = []
-        times: list[bytes] = []
-        try:
-            for step, ts, device, acc in ended:
-                encoded = None
-                if encode is not None:
-                    encoded = encode(acc, step, ts, device, self._seq_time, self._seq_mem)
-                if encoded is not None:
-                    self._seq_time += 1
-                    self._seq_mem += 1
-                    steps.append(step)
-                    memories.append(encoded[0])
-                    times.append(encoded[1])
-                    self._spare_acc.append(acc)
-                    continue
-                if steps and encoded_sink is not None:
-                    # The ones before it first: seq and step stay in order.
-                    built = steps, memories, times
-                    steps, memories, times = [], [], []
-                    encoded_sink.put_encoded_steps(*built)
+        while ended:
+            if encode is None or _encode_host_steps is None or encoded_sink is None:
+                acc = ended.popleft()
+                step, ts, device = ended_at.popleft()
                 self._send_host_items(step, ts, device, acc)
-        finally:
+                continue
+            steps, memories, times, self._seq_time, self._seq_mem, stop = _encode_host_steps(
+                encode, ended, ended_at, self._spare_acc, self._seq_time, self._seq_mem
+            )
             # What was built goes out even when a later step raised.
-            if steps and encoded_sink is not None:
+            if steps:
                 encoded_sink.put_encoded_steps(steps, memories, times)
+            if isinstance(stop, BaseException):
+                raise stop
+            if stop is not None:
+                # The ones before it went first: seq and step stay in order.
+                self._send_host_items(*stop)
 
     def _send_host_items(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
         """A step's host items as dicts, to the sink's ``put``."""
@@ -813,16 +813,7 @@ class StepTimer(_TimerCore):
 
     def _build_ended(self) -> None:
         # Caller holds _pending_lock.
-        self._send_hosts(self._pop_ended())
-
-    def _pop_ended(self) -> Iterator[tuple[int, int, str, dict[str, _Phase]]]:
-        """The ended steps, each taken off the queues as it is built."""
-        ended = self._ended
-        ended_at = self._ended_at
-        while ended:
-            acc = ended.popleft()
-            step, ts, device = ended_at.popleft()
-            yield step, ts, device, acc
+        self._send_hosts(self._ended, self._ended_at)
 
     def build_ended(self) -> None:
         """Build and send the items of steps that ``defer`` left (any thread)."""

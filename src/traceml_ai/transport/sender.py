@@ -19,6 +19,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat, starmap
 from time import monotonic
 from typing import Any
 
@@ -410,12 +411,15 @@ class RankSender:
         # Only what is pending now: a producer faster than the network cannot pin us here.
         for stream, queue in self._streams:
             remaining = len(queue)
+            popleft = queue.popleft
             while remaining > 0:
                 if self._sock is None or (stop_at is not None and monotonic() >= stop_at):
                     return
                 take = min(remaining, self._max_items_per_batch)
                 remaining -= take
-                items = [queue.popleft() for _ in range(take)]
+                # One popleft per item (the training thread may append meanwhile);
+                # starmap calls it from C.
+                items = list(starmap(popleft, repeat((), take)))
                 self._send_items(stream, items)
 
     def _send_items(self, stream: str, items: list[bytes]) -> None:
@@ -424,6 +428,10 @@ class RankSender:
         envelope = self._envelopes[stream]
         empty = len(envelope[0]) + len(envelope[1])
         limit = self._max_frame_bytes
+        if items and empty + sum(map(len, items)) + len(items) - 1 <= limit:
+            # All in one frame (the usual case): what the loop below would send too.
+            self._send_chunk(stream, envelope, items)
+            return
         chunk: list[bytes] = []
         size = empty
         for data in items:

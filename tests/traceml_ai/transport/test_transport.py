@@ -933,3 +933,25 @@ def test_producer_runs_on_the_sender_thread_and_its_exception_stops_nothing(
     assert [item["seq"] for item in collector.items()] == list(range(5))
     assert threads and threading.get_ident() not in threads
     assert sender.dropped_items == 0
+
+
+@pytest.mark.parametrize("short_by", [0, 1])
+def test_a_flush_that_just_fits_one_frame_goes_as_one_and_one_byte_more_as_two(
+    collector: Collector, server_factory: Callable[..., AggregatorServer], short_by: int
+) -> None:
+    """The flush's one-frame shortcut sends what splitting item by item would."""
+    items = [orjson.dumps({"seq": seq}) for seq in range(10)]
+    head, tail = RankSender(("127.0.0.1", 9), TOKEN, identity())._envelopes["step_time"]
+    exact = len(head) + len(tail) + sum(map(len, items)) + len(items) - 1
+    server = server_factory(collector)
+    sender = RankSender(
+        server.start(), TOKEN, identity(), flush_interval_s=0.02, max_frame_bytes=exact - short_by
+    )
+    sender.put_encoded_many("step_time", items)
+    sender.start()
+    sender.close()
+    collector.wait(lambda c: len(c.finished) == 1)
+    assert [item["seq"] for item in collector.items()] == list(range(10))
+    assert len(collector.batches) == 1 + short_by
+    assert all(b.nbytes <= exact - short_by for b in collector.batches)
+    assert sender.dropped_items == 0
