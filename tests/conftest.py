@@ -59,6 +59,7 @@ def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(_codec, "SPEEDUPS", False)
     monkeypatch.setattr(_builder, "encode_items", None)
     monkeypatch.setattr(_timing, "_encode_host_step", None)
+    monkeypatch.setattr(_timing, "_encode_host_steps", None)
     for module in (_codec, traceml_records, _jsonl, _capture):
         if hasattr(module, "dumps_line"):
             monkeypatch.setattr(module, "dumps_line", pure)

@@ -282,3 +282,65 @@ def test_the_runtime_encodes_steps_only_for_its_own_sender(
         traceml.shutdown()
     # Step numbers go on from an earlier init of this process: one step, one item each.
     assert len(sink.items("step_time")) == len(sink.items("step_memory")) == 1
+
+
+# -- the builder's loop in C (_speedups.encode_host_steps) ------------------------------
+
+encode_run = _timing._encode_host_steps
+
+
+def _ended(steps: int) -> tuple[Any, Any]:
+    from collections import deque
+
+    accs = deque({_timing.DATALOADER_NEXT: _phase(1_000 * (i + 1), 1, True)} for i in range(steps))
+    ats = deque((i + 1, 1_700_000_000_000_000_000 + i, "cpu") for i in range(steps))
+    return accs, ats
+
+
+def test_the_loop_encodes_every_step_in_order_and_hands_the_phases_back() -> None:
+    assert encode is not None and encode_run is not None
+    accs, ats = _ended(3)
+    originals = list(accs)
+    spare: list[Any] = []
+    steps, memories, times, seq_time, seq_mem, stop = encode_run(encode, accs, ats, spare, 7, 3)
+    assert (steps, seq_time, seq_mem, stop) == ([1, 2, 3], 10, 6, None)
+    assert not accs and not ats and spare == originals
+    assert [orjson.loads(m)["seq"] for m in memories] == [3, 4, 5]
+    assert [orjson.loads(t)["seq"] for t in times] == [7, 8, 9]
+    assert orjson.loads(times[1])["events"][_timing.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 0.002
+
+
+def test_the_loop_stops_at_a_step_left_to_python_and_at_an_error() -> None:
+    assert encode is not None and encode_run is not None
+    accs, ats = _ended(4)
+    second = accs[1]
+    calls: list[int] = []
+
+    def picky(*args: Any) -> Any:
+        calls.append(args[1])
+        if args[1] == 2:
+            return None
+        if args[1] == 3:
+            raise RuntimeError("encoder bug")
+        return encode(*args)
+
+    spare: list[Any] = []
+    steps, _, _, seq_time, _, stop = encode_run(picky, accs, ats, spare, 0, 0)
+    # Step 2 is handed back whole, taken off the queues; seq moved for step 1 only.
+    assert steps == [1] and seq_time == 1
+    assert stop == (2, 1_700_000_000_000_000_001, "cpu", second)
+    steps, _, _, seq_time, _, stop = encode_run(picky, accs, ats, spare, seq_time, 1)
+    # Step 3 raised: dropped, and the exception handed back; step 4 waits.
+    assert steps == [] and seq_time == 1 and isinstance(stop, RuntimeError)
+    assert len(accs) == len(ats) == 1 and calls == [1, 2, 3]
+
+
+def test_the_loop_refuses_what_is_not_an_ended_step() -> None:
+    assert encode is not None and encode_run is not None
+    accs, _ = _ended(1)
+    from collections import deque
+
+    with pytest.raises(TypeError):
+        encode_run(encode, accs, deque([(1, 2)]), [], 0, 0)
+    with pytest.raises(TypeError):
+        encode_run(lambda *a: 42, *_ended(1), [], 0, 0)
