@@ -2,15 +2,57 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
+
+import orjson
 
 THREADS_FROM = 100
 """The update from which TraceML's threads' CPU time is counted: their start-up work
 (connecting, the first samples, the runtime environment) is not a per-update cost."""
+
+
+LINE_WINDOW = "BENCH_LINE_WINDOW"
+"""``FIRST,LAST,PATH`` (bench/overhead_lines_frameworks.py): count the Python the
+training thread runs from the start of update FIRST to the start of update LAST
+(``sys.settrace``: each call and each line executed count one), by function, into
+PATH as JSON ``[[file, function, first line, count], ...]``."""
+
+
+class _LineWindow:
+    def __init__(self, spec: str) -> None:
+        first, last, self.path = spec.split(",", 2)
+        self.first, self.last = int(first), int(last)
+        self.counts: collections.Counter[tuple[str, str, int]] = collections.Counter()
+
+    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        key = (code.co_filename, code.co_name, code.co_firstlineno)
+        counts = self.counts
+        counts[key] += 1
+
+        def line(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "line":
+                counts[key] += 1
+            return line
+
+        return line
+
+    def at(self, update: int) -> None:
+        if update == self.first:
+            sys.settrace(self._call)
+        elif update == self.last:
+            sys.settrace(None)
+            rows = [[*key, count] for key, count in self.counts.items()]
+            with open(self.path, "wb") as f:
+                f.write(orjson.dumps(rows))
 
 
 class StartClock:
@@ -27,8 +69,12 @@ class StartClock:
         self.cpu_ends: list[float] = []
         self.traced: list[bool] = []
         self._threads_from: dict[str, float] = {}
+        spec = os.environ.get(LINE_WINDOW)
+        self._lines = _LineWindow(spec) if spec else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._lines is not None:
+            self._lines.at(len(self.ends))
         self.ends.append(time.perf_counter())
         self.cpu_ends.append(time.thread_time())
         self.traced.append(self._active() is not None)

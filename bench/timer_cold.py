@@ -18,15 +18,24 @@ an unstarted ``RankSender`` (its queues only); then with a sink that takes the i
 and does nothing; then the C encoder of the two items alone. Baseline:
 ``orjson.dumps`` of the step_time item as a dict, per step.
 
+Third part: the sender's flush, per step: a flush's worth of steps (``--flush-steps``,
+~a flush interval of a small model's updates) encoded by the builder and waiting in
+a ``RankSender`` connected to a socket on loopback that a thread drains, taken off the
+queues, framed and sent (``RankSender._flush``), after a 1 MiB copy (the training
+loop has run between two flushes). Same baseline.
+
 Last line: ``cold_begin_ns=<x> cold_end_ns=<y> cold_op_ns=<z> cold_floor_ns=<f>
-sender_step_ns=<s> sender_step_ratio=<s / orjson baseline>`` (``cold_op_ns``: the
-median of the opens, closes, restart and add). Figures only; no pass/fail.
+sender_step_ns=<s> sender_step_ratio=<s / orjson baseline> flush_step_ns=<f>
+flush_step_ratio=<f / orjson baseline>`` (``cold_op_ns``: the median of the opens,
+closes, restart and add). Figures only; no pass/fail.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -157,11 +166,62 @@ def sender_per_step(steps: int, rounds: int = 5) -> dict[str, float]:
     return {k: statistics.median(v) if v else float("nan") for k, v in out.items()}
 
 
+def _draining_server() -> tuple[str, int]:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def drain() -> None:
+        conn, _ = server.accept()
+        while conn.recv(1 << 20):
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    host, port = server.getsockname()
+    return host, port
+
+
+def flush_per_step(steps: int, rounds: int = 60) -> dict[str, float]:
+    """ns per step of the sender's flush of ``steps`` built steps, and the baseline."""
+    recorder = StepRecorder(None, keep_events=False)
+    sender = RankSender(_draining_server(), "t" * 32, {"rank": 0})
+    sender._connect(1.0)
+    recorder.sink = sender
+    evict = bytearray(1 << 20)
+    flush: list[float] = []
+    base: list[float] = []
+    clock = time.thread_time_ns
+    for _ in range(rounds):
+        timer = _ended_steps(steps, recorder)
+        timer.build_ended()
+        evict[:] = bytes(len(evict))
+        t0 = clock()
+        sender._flush(None)
+        flush.append((clock() - t0) / steps)
+        if sender.pending_items or not sender.connected:
+            raise RuntimeError("the flush did not send every item")
+        acc = next(iter(timer._spare_acc), {})
+        item = {
+            "timestamp_unix_ns": 1_700_000_000_000_000_000, "seq": 1, "step": 1,
+            "events": {name: {"cpu": {"cpu_ms": 0.123456, "duration_ms": 0.123456,
+                                      "gpu_ms": None, "is_gpu": False, "n_calls": 1}}
+                       for name in sorted(acc)},
+        }  # fmt: skip
+        t0 = clock()
+        for _ in range(steps):
+            orjson.dumps(item)
+        base.append((clock() - t0) / steps)
+    sender.close(0.5)
+    skip = rounds // 10
+    return {"flush": statistics.median(flush[skip:]), "orjson": statistics.median(base[skip:])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--evict-kib", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--flush-steps", type=int, default=180)
     args = parser.parse_args()
     torch.set_num_threads(1)
     figures = {
@@ -184,11 +244,19 @@ def main() -> None:
         f"alone {sender['encoder']:.0f} ns; baseline orjson.dumps of the step_time item "
         f"{sender['orjson']:.0f} ns"
     )
+    flush = flush_per_step(args.flush_steps)
+    print(
+        f"sender's flush per step ({args.flush_steps} steps a flush, sent on loopback): "
+        f"{flush['flush']:.0f} ns; baseline orjson.dumps of the step_time item "
+        f"{flush['orjson']:.0f} ns"
+    )
     print(
         f"cold_begin_ns={cold['begin']:.0f} cold_end_ns={cold['end']:.0f} "
         f"cold_op_ns={ops:.0f} cold_floor_ns={floor:.0f} "
         f"sender_step_ns={sender['recorder']:.0f} "
-        f"sender_step_ratio={sender['recorder'] / sender['orjson']:.2f}"
+        f"sender_step_ratio={sender['recorder'] / sender['orjson']:.2f} "
+        f"flush_step_ns={flush['flush']:.0f} "
+        f"flush_step_ratio={flush['flush'] / flush['orjson']:.2f}"
     )
 
 
