@@ -130,6 +130,20 @@ def _ended_steps(steps: int, encoded_sink: object) -> _timing.StepTimer:
     return timer
 
 
+def _orjson_baseline(acc: dict[str, object], steps: int, clock: Callable[[], int]) -> float:
+    """ns per ``orjson.dumps`` of a step_time item with ``acc``'s phases, as a dict."""
+    item = {
+        "timestamp_unix_ns": 1_700_000_000_000_000_000, "seq": 1, "step": 1,
+        "events": {name: {"cpu": {"cpu_ms": 0.123456, "duration_ms": 0.123456,
+                                  "gpu_ms": None, "is_gpu": False, "n_calls": 1}}
+                   for name in sorted(acc)},
+    }  # fmt: skip
+    t0 = clock()
+    for _ in range(steps):
+        orjson.dumps(item)
+    return (clock() - t0) / steps
+
+
 def sender_per_step(steps: int, rounds: int = 5) -> dict[str, float]:
     """ns per step on the sender's thread: built through the recorder and a sender's
     queues, built into a no-op sink, the encoder alone, and the orjson baseline."""
@@ -153,16 +167,7 @@ def sender_per_step(steps: int, rounds: int = 5) -> dict[str, float]:
                     phase.n_calls = 1
                 encode(acc, i, 1_700_000_000_000_000_000, "cpu", i, i)
             out["encoder"].append((clock() - t0) / steps)
-        item = {
-            "timestamp_unix_ns": 1_700_000_000_000_000_000, "seq": 1, "step": 1,
-            "events": {name: {"cpu": {"cpu_ms": 0.123456, "duration_ms": 0.123456,
-                                      "gpu_ms": None, "is_gpu": False, "n_calls": 1}}
-                       for name in sorted(acc)},
-        }  # fmt: skip
-        t0 = clock()
-        for _ in range(steps):
-            orjson.dumps(item)
-        out["orjson"].append((clock() - t0) / steps)
+        out["orjson"].append(_orjson_baseline(acc, steps, clock))
     return {k: statistics.median(v) if v else float("nan") for k, v in out.items()}
 
 
@@ -200,17 +205,7 @@ def flush_per_step(steps: int, rounds: int = 60) -> dict[str, float]:
         flush.append((clock() - t0) / steps)
         if sender.pending_items or not sender.connected:
             raise RuntimeError("the flush did not send every item")
-        acc = next(iter(timer._spare_acc), {})
-        item = {
-            "timestamp_unix_ns": 1_700_000_000_000_000_000, "seq": 1, "step": 1,
-            "events": {name: {"cpu": {"cpu_ms": 0.123456, "duration_ms": 0.123456,
-                                      "gpu_ms": None, "is_gpu": False, "n_calls": 1}}
-                       for name in sorted(acc)},
-        }  # fmt: skip
-        t0 = clock()
-        for _ in range(steps):
-            orjson.dumps(item)
-        base.append((clock() - t0) / steps)
+        base.append(_orjson_baseline(next(iter(timer._spare_acc), {}), steps, clock))
     sender.close(0.5)
     skip = rounds // 10
     return {"flush": statistics.median(flush[skip:]), "orjson": statistics.median(base[skip:])}
