@@ -1,6 +1,7 @@
-"""The Python that TraceML adds to a Lightning or Hugging Face update on the training
-thread, counted: lines executed per update, traced and attached-idle, against the
-same updates without TraceML.
+"""Count the Python lines TraceML adds to a Lightning or Hugging Face update.
+
+Lines executed per update on the training thread, every update traced and attached
+but untraced, against the same updates without TraceML.
 
     python bench/overhead_lines_frameworks.py [--only lightning] [--top 12]
 
