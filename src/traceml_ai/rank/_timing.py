@@ -765,9 +765,18 @@ class StepTimer(_TimerCore):
         }
         self._sink.put("step_memory", memory_item)
 
+    def _encoding_sink(self) -> EncodedStepSink | None:
+        """Where steps go encoded in C, or None: as dicts, to the sink's ``put``."""
+        if _encode_host_step is None or _encode_host_steps is None:
+            return None
+        return self.encoded_sink
+
     def _send_host(self, step: int, ts: int, device: str, acc: dict[str, _Phase]) -> None:
         """Both items of a step off CUDA, then its phases zeroed for a later step."""
-        self._send_hosts(deque((acc,)), deque(((step, ts, device),)))
+        if self._encoding_sink() is None:
+            self._send_host_items(step, ts, device, acc)
+        else:
+            self._send_hosts(deque((acc,)), deque(((step, ts, device),)))
 
     def _send_hosts(
         self, ended: deque[dict[str, _Phase]], ended_at: deque[tuple[int, int, str]]
@@ -778,16 +787,16 @@ class StepTimer(_TimerCore):
         sender's queues were a third of the sender thread's work per step,
         docs/benchmarks.md); a step the encoder leaves to Python, or every step
         without an encoded sink, as dicts to the sink's ``put``."""
-        encoded_sink = self.encoded_sink
-        encode = _encode_host_step if encoded_sink is not None else None
-        while ended:
-            if encode is None or _encode_host_steps is None or encoded_sink is None:
+        encoded_sink = self._encoding_sink()
+        if encoded_sink is None or _encode_host_steps is None:
+            while ended:
                 acc = ended.popleft()
                 step, ts, device = ended_at.popleft()
                 self._send_host_items(step, ts, device, acc)
-                continue
+            return
+        while ended:
             steps, memories, times, self._seq_time, self._seq_mem, stop = _encode_host_steps(
-                encode, ended, ended_at, self._spare_acc, self._seq_time, self._seq_mem
+                _encode_host_step, ended, ended_at, self._spare_acc, self._seq_time, self._seq_mem
             )
             # What was built goes out even when a later step raised.
             if steps:
