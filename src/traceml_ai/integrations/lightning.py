@@ -34,7 +34,7 @@ from typing import Any
 
 from traceml_ai.integrations._common import HookGuard, StepDriver
 from traceml_ai.rank import _timing
-from traceml_ai.rank._timing import FORWARD, StepTimer, forward_timed_elsewhere
+from traceml_ai.rank._timing import FORWARD, OPTIMIZER_STEP, StepTimer, forward_timed_elsewhere
 
 
 def _callback_base() -> Any:
@@ -187,10 +187,14 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
 #   an update and ends after the batch that changed the update count
 #   (``trainer.global_step``, read from the loop: ``UPDATES_*``); forward opens with
 #   the batch, and the fit's timer is put in bracket mode (``StepTimer.bracket``): the
-#   backward patch ends that forward phase where backward begins, and restarts the
-#   optimizer phase (open since the optimizer's pre-hook, which runs before Lightning's
-#   closure) where backward ends, so it holds the update only. No wrapper of
-#   Lightning's own backward or closure is needed for it;
+#   backward patch ends that forward phase where backward begins. Under automatic
+#   optimization it also opens the optimizer phase where backward ends
+#   (``StepTimer.bracket_optimizer``), and the batch's end closes it when the batch
+#   updated (an accumulating batch's is dropped), so it holds the update only (with
+#   Lightning's gradient clipping and ``on_before_optimizer_step``), and torch's
+#   optimizer step hooks are taken out for the fit: two Python calls fewer per
+#   update. Under manual optimization those hooks time it, and backward restarts an
+#   open optimizer phase. No wrapper of Lightning's own backward or closure is needed;
 # - ``_TrainingEpochLoop.run`` (one epoch): a step never spans two epochs;
 # - ``_EvaluationLoop.run`` / ``_PredictionLoop.run``: hooks off while they run (sanity
 #   check, validation, test, predict are not training steps);
@@ -217,6 +221,8 @@ class _ZeroCode:
         self.model: Any = None
         # The timer whose bracket this fit turned on (StepTimer.bracket).
         self.bracketed: StepTimer | None = None
+        # Whether this fit took torch's optimizer step hooks out (bracket_optimizer).
+        self.optimizer_hooks_out = False
 
     def _abandon(self) -> None:
         self.trainer = None
@@ -229,7 +235,8 @@ class _ZeroCode:
         model = getattr(trainer.strategy, "model", None)
         if model is None:
             model = trainer.lightning_module
-        if getattr(trainer.lightning_module, "automatic_optimization", False):
+        automatic = bool(getattr(trainer.lightning_module, "automatic_optimization", False))
+        if automatic:
             # The forward phase is bracketed here, from the batch's start to backward;
             # hooks on the model would time the training_step a second time, nested,
             # and slow every call of it, traced or not. (Manual optimization keeps
@@ -240,15 +247,25 @@ class _ZeroCode:
         if timer is not None:
             timer.bracket = True
             self.bracketed = timer
+            # Backward's end opens the phase: without the backward patch the hooks
+            # time it (from the update's start).
+            timed = automatic and timer.auto_backward and timer.auto_optimizer
+            if timed and _timing.suspend_optimizer_hooks():
+                self.optimizer_hooks_out = True
+                timer.bracket_optimizer = True
         return model
 
     def fit_ended(self) -> None:
-        """The traced fit is over: its model is forgotten, its timer's bracket is off."""
+        """The traced fit is over: its model is forgotten, its timer's bracket is off and
+        torch's optimizer step hooks are back."""
         self.model = None
         timer = self.bracketed
         self.bracketed = None
         if timer is not None:
-            timer.bracket = False
+            timer.bracket = timer.bracket_optimizer = False
+        if self.optimizer_hooks_out:
+            self.optimizer_hooks_out = False
+            _timing.resume_optimizer_hooks()
 
     def close(self, where: str, exc: BaseException | None) -> None:
         """End the open step (as ``with trace_step`` ends when ``exc`` is raised in it)."""
@@ -310,12 +327,21 @@ def _wrap_batch(original: Callable[..., Any], updates_at: str) -> Callable[..., 
         try:
             # Forward closes if still open (a training_step without backward); the step
             # ends if the batch moved the update count (an accumulating batch leaves it
-            # as it was, and its step open for the next batch).
-            timer = _timing._ACTIVE
-            if timer is not None and timer.fwd.depth > 0:
-                timer.fwd.depth = 1
-                timer.close(timer.fwd, FORWARD)
+            # as it was, and its step open for the next batch). The optimizer phase
+            # that backward's end opened (bracket_optimizer) closes with an update.
             count = updates(loop)
+            timer = _timing._ACTIVE
+            if timer is not None:
+                if timer.fwd.depth > 0:
+                    timer.fwd.depth = 1
+                    timer.close(timer.fwd, FORWARD)
+                opt = timer.opt
+                if opt.depth > 0 and timer.bracket_optimizer:
+                    if count != zero.updates:
+                        opt.depth = 1
+                        timer.close(opt, OPTIMIZER_STEP)
+                    else:
+                        opt.depth = 0  # an accumulating batch: no update ran
             if count != zero.updates:
                 zero.updates = count
                 zero.driver.end()

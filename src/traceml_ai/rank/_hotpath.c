@@ -179,6 +179,7 @@ typedef struct {
     char auto_backward;   /* the backward patch times backward */
     char auto_dataloader; /* the DataLoader patch times the waits */
     char bracket;         /* backward ends forward and restarts the optimizer (Gate) */
+    char bracket_optimizer; /* with bracket: backward's end opens the optimizer phase */
     Py_ssize_t max_ended; /* "_max_ended": MAX_ENDED_STEPS */
     Py_ssize_t wake_at;   /* "_wake_at": ENDED_WAKE_AT */
     unsigned long thread; /* the training thread's ident: other threads are ignored */
@@ -576,6 +577,8 @@ static PyMemberDef core_members[] = {
      "whether the DataLoader patch times the waits"},
     {"bracket", T_BOOL, offsetof(CoreObject, bracket), 0,
      "whether backward ends forward and restarts the optimizer phase"},
+    {"bracket_optimizer", T_BOOL, offsetof(CoreObject, bracket_optimizer), 0,
+     "with bracket: whether backward's end opens the optimizer phase (not open yet)"},
     {"thread", T_ULONG, offsetof(CoreObject, thread), 0, "the training thread's ident"},
     {"step", T_LONGLONG, offsetof(CoreObject, step), 0, "the current (or last) step"},
     {"_max_ended", T_PYSSIZET, offsetof(CoreObject, max_ended), 0, "MAX_ENDED_STEPS"},
@@ -779,7 +782,7 @@ static PyTypeObject ContextType = {
  * - BACKWARD: outside a step, auto_backward off, on another thread than the
  *   step's, or nested in a backward, the original; else the backward phase opened and closed around it, and with the
  *   timer's bracket on, an open forward closed before it and an open optimizer phase
- *   restarted after it. (The Python wrapper also steps aside while torch.compile
+ *   restarted after it (with bracket_optimizer, one not open yet opened there). (The Python wrapper also steps aside while torch.compile
  *   traces it; dynamo cannot trace into C, so this code only ever runs eagerly.)
  *
  * A timer of another class than TimerCore's, or gates switched off (set_gates:
@@ -830,6 +833,18 @@ static PyObject *gate_dataloader(GateObject *gate, CoreObject *core, PyObject *c
     return batch;
 }
 
+/* The optimizer phase where a bracketed backward ends: restarted if open (the
+ * optimizer's pre-hook opened it before the closure ran), else opened when the
+ * framework closes it itself (bracket_optimizer: Lightning's automatic optimization,
+ * its hooks off). */
+static PyObject *after_backward(CoreObject *core, PyObject *opt) {
+    SlotObject *slot = (SlotObject *)opt;
+    if (core->bracket_optimizer && slot->depth == 0 && slot->autotime) {
+        return core_open(core, opt);
+    }
+    return core_restart(core, opt);
+}
+
 static PyObject *gate_backward(GateObject *gate, CoreObject *core, PyObject *const *args,
                                size_t nargsf, PyObject *kwnames) {
     if (!core->in_step || !core->auto_backward || other_thread(core)) {
@@ -861,7 +876,7 @@ static PyObject *gate_backward(GateObject *gate, CoreObject *core, PyObject *con
     PyErr_Fetch(&type, &value, &tb);
     PyObject *close_args[2] = {bwd, backward_name};
     int failed = done(core_close(core, close_args, 2)) < 0 ||
-                 (bracket && done(core_restart(core, opt)) < 0);
+                 (bracket && done(after_backward(core, opt)) < 0);
     if (failed) {
         /* What escaped the timer replaces backward's own outcome, as in Python. */
         Py_CLEAR(result);

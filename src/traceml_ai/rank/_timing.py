@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import sys
 import threading
 import time
 import weakref
@@ -580,6 +581,10 @@ class StepTimer(_TimerCore):
         # runs forward and backward inside ``optimizer.step(closure)``, after the
         # optimizer's pre-hook opened the phase).
         self.bracket = False
+        # With the bracket, no optimizer hooks either (Lightning's automatic
+        # optimization: they are taken out of torch while its fit runs): backward's
+        # end opens the optimizer phase, and the framework's batch end closes it.
+        self.bracket_optimizer = False
         # The slots of the phases torch's hooks time, by the index _phase_hooks uses.
         self.hooked = (self.fwd, self.opt)
         self._pending: deque[_PendingStep] = deque()
@@ -1068,6 +1073,9 @@ _HOOKED: weakref.WeakSet[Any] = weakref.WeakSet()
 _HOOKED_IDS: set[int] = set()
 _patch_lock = threading.Lock()
 _patched: set[str] = set()
+# The handles of the global optimizer step hooks while torch holds them (empty while
+# suspend_optimizer_hooks has them out, or before install_patches registers them).
+_optimizer_hook_handles: list[Any] = []
 
 
 def _phase_hooks(index: int, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
@@ -1166,7 +1174,11 @@ def _timed_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             timer.close(slot, BACKWARD)
             if bracket:
-                timer.restart(timer.opt)
+                opt = timer.opt
+                if timer.bracket_optimizer and not opt.depth and opt.auto:
+                    timer.open(opt)
+                else:
+                    timer.restart(opt)
 
     gate: Callable[..., Any] = _gated(GATE_BACKWARD, original, backward)
     gate.__traceml_wrapped__ = True  # type: ignore[attr-defined]
@@ -1216,8 +1228,7 @@ def install_patches(
                 torch.autograd.backward = _timed_backward(original)
 
         if "optimizer" in wanted:
-            optim.register_optimizer_step_pre_hook(_optimizer_pre_hook)
-            optim.register_optimizer_step_post_hook(_optimizer_post_hook)
+            _register_optimizer_hooks(optim)
 
         if "dataloader" not in wanted:
             return
@@ -1235,6 +1246,35 @@ def install_patches(
             return batch
 
         base.__next__ = _gated(GATE_DATALOADER, original_next, __next__)
+
+
+def _register_optimizer_hooks(optim: Any) -> None:
+    # Caller holds _patch_lock.
+    _optimizer_hook_handles.append(optim.register_optimizer_step_pre_hook(_optimizer_pre_hook))
+    _optimizer_hook_handles.append(optim.register_optimizer_step_post_hook(_optimizer_post_hook))
+
+
+def suspend_optimizer_hooks() -> bool:
+    """Take the global optimizer step hooks out of torch, for a framework that times the
+    optimizer phase itself (``StepTimer.bracket_optimizer``): torch then calls two
+    Python functions fewer per update. Whether they were in (and are now out: undo
+    with :func:`resume_optimizer_hooks`)."""
+    with _patch_lock:
+        if not _optimizer_hook_handles:
+            return False
+        for handle in _optimizer_hook_handles:
+            handle.remove()
+        _optimizer_hook_handles.clear()
+        return True
+
+
+def resume_optimizer_hooks() -> None:
+    """Put back the hooks :func:`suspend_optimizer_hooks` took out (nothing if they are in)."""
+    with _patch_lock:
+        optim = sys.modules.get("torch.optim.optimizer")
+        if _optimizer_hook_handles or "optimizer" not in _patched or optim is None:
+            return
+        _register_optimizer_hooks(optim)
 
 
 def activate(timer: StepTimer | None) -> None:

@@ -297,6 +297,22 @@ REFIT = (
     COMMON
     + """
 from traceml_ai.integrations import _common
+import torch.optim.optimizer as optim_module
+
+
+def hooks():
+    # torch's global optimizer step hooks (TraceML's pre- and post-hook, when in).
+    return (len(optim_module._global_optimizer_pre_hooks),
+            len(optim_module._global_optimizer_post_hooks))
+
+
+hooks_in_fit = set()
+
+
+class Hooks(pl.Callback):
+    def on_train_batch_end(self, *args):
+        hooks_in_fit.add(hooks())
+
 
 if os.environ.get("TRACE_ONE_IN"):
     _common.TRACE_ONE_IN = int(os.environ["TRACE_ONE_IN"])
@@ -305,11 +321,14 @@ if os.environ.get("TRACE_ONE_IN"):
     sys.exit(0)
 
 try:
-    make_trainer(1, 6, num_sanity_val_steps=0).fit(Model(fail_at=1), loader(64, 0))
+    make_trainer(1, 6, num_sanity_val_steps=0, callbacks=[Hooks()]).fit(
+        Model(fail_at=1), loader(64, 0))
 except KeyError as exc:
     sys.stdout.write(f"CAUGHT {exc}\\n")
-trainer = make_trainer(1, 3, num_sanity_val_steps=0)
+sys.stdout.write(f"HOOKS_AFTER_RAISE {hooks()}\\n")
+trainer = make_trainer(1, 3, num_sanity_val_steps=0, callbacks=[Hooks()])
 trainer.fit(Model(), loader(64, 0))
+sys.stdout.write(f"HOOKS_IN_FIT {sorted(hooks_in_fit)} HOOKS_AFTER {hooks()}\\n")
 Automatic = importlib.import_module(pl.__name__ + ".loops.optimization.automatic")._AutomaticOptimization
 run = Automatic.run
 once = run.__traceml_wrapped__ and not getattr(run.__wrapped__, "__traceml_wrapped__", False)
@@ -327,7 +346,7 @@ def failing_end(self, exc=None):
 _common.StepDriver.end = failing_end
 third = make_trainer(1, 4, num_sanity_val_steps=0)
 third.fit(Model(), loader(64, 0))
-sys.stdout.write(f"THIRD {third.global_step}\\n")
+sys.stdout.write(f"THIRD {third.global_step} HOOKS_AFTER_FAULT {hooks()}\\n")
 """
 )
 
@@ -349,6 +368,12 @@ def test_zero_code_refit_after_exception_and_own_fault(tmp_path: Path) -> None:
     assert "WRAPPED_ONCE True" in res.stdout, describe(res)
     # The third fit trains to its end although the integration failed in it.
     assert "THIRD 4" in res.stdout, describe(res)
+    # Automatic optimization: the bracket times the optimizer phase, and torch's
+    # optimizer step hooks are out while a traced fit runs, back after it, whether it
+    # returned, raised or lost its integration to a fault.
+    assert "HOOKS_AFTER_RAISE (1, 1)" in res.stdout, describe(res)
+    assert "HOOKS_IN_FIT [(0, 0)] HOOKS_AFTER (1, 1)" in res.stdout, describe(res)
+    assert "HOOKS_AFTER_FAULT (1, 1)" in res.stdout, describe(res)
     assert integration_failures(res.stderr) == [
         "traceml: the Lightning integration failed in a training batch "
         "(RuntimeError('injected fault')); TraceML stops tracing this run's steps "
@@ -362,6 +387,57 @@ def test_zero_code_refit_after_exception_and_own_fault(tmp_path: Path) -> None:
     for line in lines:
         assert set(line["events"]) == {STEP, FORWARD, BACKWARD, OPTIMIZER, DATALOADER}, line
         assert calls(line, FORWARD) == 1 and calls(line, BACKWARD) == 1, line
+        assert calls(line, OPTIMIZER) == 1, line
+    assert_all_streams_closed(tmp_path)
+
+
+# Manual optimization, zero code: the user's training_step steps the optimizer every
+# second batch; torch's optimizer hooks time that phase, and stay in during the fit.
+MANUAL = (
+    COMMON
+    + """
+import torch.optim.optimizer as optim_module
+
+hooks_in_fit = set()
+
+
+class ManualModel(Model):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        hooks_in_fit.add((len(optim_module._global_optimizer_pre_hooks),
+                          len(optim_module._global_optimizer_post_hooks)))
+        optimizer = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self(x), y))
+        if batch_idx % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+make_trainer(1, 3, num_sanity_val_steps=0).fit(ManualModel(), loader(64, 0))
+sys.stdout.write(f"HOOKS_IN_FIT {sorted(hooks_in_fit)}\\n")
+"""
+)
+
+
+def test_zero_code_manual_optimization_times_the_optimizer_with_its_hooks(
+    tmp_path: Path,
+) -> None:
+    script = write_script(tmp_path, "manual_pl.py", MANUAL)
+    res = traceml_run(tmp_path, script)
+    assert res.returncode == 0, describe(res)
+    assert not integration_failures(res.stderr), describe(res)
+    assert "HOOKS_IN_FIT [(1, 1)]" in res.stdout, describe(res)
+    (lines,) = steps_by_rank(tmp_path).values()
+    # Two batches per update (the second steps the optimizer): 3 updates.
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        assert calls(line, BACKWARD) == 2 and calls(line, OPTIMIZER) == 1, line
+        ms = {name: line["events"][name]["cpu"]["cpu_ms"] for name in line["events"]}
+        assert ms[BACKWARD] + ms[OPTIMIZER] <= ms[STEP], line
     assert_all_streams_closed(tmp_path)
 
 

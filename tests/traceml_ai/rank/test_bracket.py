@@ -1,7 +1,8 @@
 """The backward patch's bracket rules (``StepTimer.bracket``, Lightning's zero-code attach):
 forward, opened at the batch's start, ends where backward begins; the optimizer phase,
 opened by the optimizer's pre-hook before the closure ran forward and backward, restarts
-where backward ends. Runs over both timer cores (conftest)."""
+where backward ends; with ``bracket_optimizer`` (the hooks out) it opens there. Runs over
+both timer cores (conftest)."""
 
 from __future__ import annotations
 
@@ -135,3 +136,42 @@ def test_a_backward_on_another_thread_leaves_the_steps_phases_alone(
     timer.close(timer.fwd, _timing.FORWARD)
     timer.end()
     assert _timing.BACKWARD not in _ms(timer)
+
+
+def test_with_bracket_optimizer_backward_end_opens_the_optimizer_phase(
+    timer: _timing.StepTimer,
+) -> None:
+    """Lightning's automatic optimization, its optimizer hooks out: the phase opens where
+    backward ends, a second backward restarts it, and the batch's end closes it."""
+    timer.bracket = timer.bracket_optimizer = True
+    backward = _timing._timed_backward(lambda: _busy(WORK_S))
+    timer.begin(None)
+    timer.open(timer.fwd)
+    _busy(WORK_S)  # the training_step
+    backward()
+    assert timer.opt.depth == 1
+    _busy(WORK_S)  # more of the closure before a second backward
+    backward()
+    assert timer.opt.depth == 1
+    _busy(WORK_S / 3)  # the update itself
+    timer.close(timer.opt, _timing.OPTIMIZER_STEP)  # the batch ends with an update
+    timer.end()
+    ms = _ms(timer)
+    assert WORK_S / 3 * 1e3 * 0.9 <= ms[_timing.OPTIMIZER_STEP] < WORK_S * 1e3 * 0.9
+    assert ms[_timing.BACKWARD] >= 2 * WORK_S * 1e3 * 0.9
+    phases = ms[_timing.FORWARD] + ms[_timing.BACKWARD] + ms[_timing.OPTIMIZER_STEP]
+    assert phases <= ms[_timing.STEP_TIME]
+
+
+def test_with_bracket_optimizer_off_by_config_backward_opens_nothing(
+    timer: _timing.StepTimer,
+) -> None:
+    """``auto_optimizer`` off (``init(mode="manual")``): the optimizer phase stays untimed."""
+    timer.bracket = timer.bracket_optimizer = True
+    timer.auto_optimizer = False
+    backward = _timing._timed_backward(lambda: None)
+    timer.begin(None)
+    backward()
+    assert timer.opt.depth == 0
+    timer.end()
+    assert _timing.OPTIMIZER_STEP not in _ms(timer)
