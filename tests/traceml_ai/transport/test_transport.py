@@ -955,3 +955,36 @@ def test_a_flush_that_just_fits_one_frame_goes_as_one_and_one_byte_more_as_two(
     assert len(collector.batches) == 1 + short_by
     assert all(b.nbytes <= exact - short_by for b in collector.batches)
     assert sender.dropped_items == 0
+
+
+def test_frames_bigger_than_the_socket_buffers_go_whole_to_a_slow_reader(
+    server_factory: Callable[..., AggregatorServer],
+) -> None:
+    """A frame the kernel takes in parts (a few MB against a reader that sleeps between
+    batches) is sent to its end, and counted once."""
+    collector = Collector()
+    on_batch = collector.on_batch
+
+    def slow(batch: ReceivedBatch) -> None:
+        time.sleep(0.05)
+        on_batch(batch)
+
+    collector.on_batch = slow  # type: ignore[method-assign]
+    server = server_factory(collector)
+    sender = RankSender(
+        server.address, TOKEN, identity(), flush_interval_s=0.01, send_timeout_s=20,
+        max_items_per_batch=200,
+    )  # fmt: skip
+    sender.start()
+    pad = "y" * 20_000
+    n = 600  # 12 MB: frames of ~4 MB, 3 of them
+    try:
+        for seq in range(n):
+            sender.put("step_time", {"seq": seq, "pad": pad})
+        collector.wait(lambda c: c.item_count() == n, timeout=60)
+    finally:
+        sender.close(timeout=10)
+    collector.wait(lambda c: len(c.finished) == 1)
+    assert [item["seq"] for item in collector.items()] == list(range(n))
+    assert sender.sent_items == n and sender.dropped_items == 0
+    assert collector.finished[0]["sent_batches"] == sender.sent_batches == 3
