@@ -2,8 +2,9 @@
 
 ``optional=True``: without a C compiler the install still succeeds, and each has a
 pure-Python path that behaves the same: ``traceml_records._speedups`` (the line and
-item encoders, a rank's step encoder) and ``traceml_ai.rank._hotpath`` (the step
-timer's per-call methods).
+item encoders, a rank's step encoder), ``traceml_ai.rank._hotpath`` (the step
+timer's per-call methods) and ``traceml_ai.transport._nowait`` (a rank sender's
+non-blocking socket calls).
 """
 
 from setuptools import Extension, setup
@@ -21,6 +22,11 @@ setup(
         Extension(
             "traceml_ai.rank._hotpath",
             sources=["src/traceml_ai/rank/_hotpath.c"],
+            optional=True,
+        ),
+        Extension(
+            "traceml_ai.transport._nowait",
+            sources=["src/traceml_ai/transport/_nowait.c"],
             optional=True,
         ),
     ]

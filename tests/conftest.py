@@ -66,6 +66,21 @@ def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return "python"
 
 
+@pytest.fixture(params=["c", "python"])
+def socket_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the rank sender's socket calls in C (``_nowait``: they keep the
+    interpreter's lock) and again with Python's, what ``TRACEML_PURE_PYTHON=1`` gives.
+    Opt in with ``pytest.mark.usefixtures("socket_calls")``."""
+    from traceml_ai.transport import sender
+
+    if request.param == "c":
+        if sender._NOWAIT is None:
+            pytest.skip("traceml_ai.transport._nowait is not built")
+        return "c"
+    monkeypatch.setattr(sender, "_NOWAIT", None)
+    return "python"
+
+
 @pytest.fixture(params=["records", "lines"])
 def builder_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test with every ``RecordBuilder`` in record mode, and again in line mode.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import threading
 import weakref
@@ -34,8 +35,13 @@ from traceml_ai.wire import (
     encode_item,
     make_finished_message,
 )
+from traceml_records import _native
 
 __all__ = ["RankSender"]
+
+# The sender's socket calls in C, which keep the interpreter's lock (_nowait.c), or
+# None: Python's, which release it around each system call. Tests set it to None.
+_NOWAIT: Any = _native.load("traceml_ai.transport._nowait")
 
 _INITIAL_BACKOFF_S = 0.1
 _MAX_BACKOFF_S = 2.0
@@ -461,22 +467,53 @@ class RankSender:
         self._thread_dropped_by_stream[stream] += items
 
     def _send_frame(self, frame: bytes) -> bool:
+        # The socket is non-blocking (_connect): one send usually takes the whole frame,
+        # in C without releasing the interpreter's lock (_NOWAIT), where sendall() with
+        # a timeout released it two or three times per frame, each release a handoff
+        # of the lock that cost this thread ~40-120 us of CPU on a virtual machine and
+        # the training thread a forced switch (docs/benchmarks.md).
         sock = self._sock
         if sock is None:
             return False
-        timeout = self._send_timeout_s
-        if self._deadline is not None:
-            timeout = min(timeout, self._deadline - monotonic())
-            if timeout <= 0:
-                return False
+        if self._deadline is not None and self._deadline <= monotonic():
+            return False
         try:
-            sock.settimeout(timeout)
-            sock.sendall(frame)
+            nowait = _NOWAIT
+            if nowait is not None:
+                sent = nowait.send_nowait(sock.fileno(), frame)
+            else:
+                sent = sock.send(frame)
+        except BlockingIOError:
+            sent = 0
         except OSError:
-            # A timeout may have cut the frame short: the stream is unusable.
+            self._disconnect()
+            return False
+        if sent < len(frame) and not self._send_rest(sock, memoryview(frame)[sent:]):
+            # A timeout cut the frame short: the stream is unusable.
             self._disconnect()
             return False
         self._backoff_s = _INITIAL_BACKOFF_S
+        return True
+
+    def _send_rest(self, sock: socket.socket, rest: memoryview) -> bool:
+        """Send what the kernel's buffer had no room for, waiting for room at most the
+        send timeout (or until the deadline): whether all of it went."""
+        until = monotonic() + self._send_timeout_s
+        if self._deadline is not None:
+            until = min(until, self._deadline)
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+        while rest:
+            left = until - monotonic()
+            if left <= 0:
+                return False
+            try:
+                if poller.poll(max(1, int(left * 1000))):
+                    rest = rest[sock.send(rest) :]
+            except BlockingIOError:
+                continue
+            except OSError:
+                return False
         return True
 
     def _connect(self, timeout: float) -> None:
@@ -489,6 +526,13 @@ class RankSender:
             return
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            # Non-blocking from now on: _send_frame and _check_peer set no timeout.
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            self._schedule_retry()
+            return
         self._sock = sock
 
     def _check_peer(self) -> None:
@@ -498,8 +542,12 @@ class RankSender:
         if sock is None:
             return
         try:
-            sock.settimeout(0.0)
-            sock.recv(1)
+            nowait = _NOWAIT
+            if nowait is not None:
+                if not nowait.peer_gone(sock.fileno()):
+                    return
+            else:
+                sock.recv(1)  # non-blocking (_connect)
         except BlockingIOError:
             return
         except OSError:

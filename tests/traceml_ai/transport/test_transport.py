@@ -39,6 +39,9 @@ from traceml_ai.wire import (
     new_run_token,
 )
 
+# Every test runs with the sender's socket calls in C and in Python (conftest).
+pytestmark = pytest.mark.usefixtures("socket_calls")
+
 TOKEN = "test-token"
 WAIT_S = 15.0
 
