@@ -41,13 +41,20 @@ median update against the null run's, the same criterion measured directly (sepa
 processes again), and its mean wall update against the null run's mean. The mean is
 the figure a user sees as a longer ``fit()``: it also counts what lands on a few
 updates only, which every median skips: the sender's thread holding the interpreter
-while it builds and encodes a flush, and collections of the garbage collector. Each run is checked: one step_time line per traced update, and the
+while it builds and encodes a flush, and collections of the garbage collector.
+
+A fourth run per round is a second null run: its median update against the first null
+run's is the A/A of the figures between processes (direct, whole), the size of what
+the drift between two runs of the same script moves them by on this machine.
+
+Each run is checked: one step_time line per traced update, and the
 traced updates one in 4 (or all). Last line: ``hf_overhead_pct=<whole>
 lightning_overhead_pct=<whole> hf_step_pct=<step> lightning_step_pct=<step>
 hf_all_traced_pct=<x> lightning_all_traced_pct=<y> hf_all_traced_mean_wall_pct=<m>
 lightning_all_traced_mean_wall_pct=<n> hf_step_with_threads_pct=<s>
-lightning_step_with_threads_pct=<t>`` (medians over rounds; CPU time but for the mean
-wall figures).
+lightning_step_with_threads_pct=<t> hf_null_vs_null_pct=<a>
+lightning_null_vs_null_pct=<b>`` (medians over rounds; CPU time but for the mean wall
+figures; the A/A as the median of its absolute values).
 Figures only; no pass/fail.
 """
 
@@ -169,16 +176,17 @@ def _run_all_traced(tmp: Path, framework: str, steps: int, name: str) -> tuple[f
 
 def measure(
     framework: str, rounds: int, steps: int, tmp: Path
-) -> tuple[float, float, float, float, float, float]:
+) -> tuple[float, float, float, float, float, float, float]:
     """Medians over rounds, in %: (whole, step, wall-clock step, all traced, all traced
-    on the mean wall time, step with TraceML's threads); CPU time but for the two wall
-    figures."""
+    on the mean wall time, step with TraceML's threads, |null against null|); CPU time
+    but for the two wall figures."""
     whole: list[float] = []
     step: list[float] = []
     wall_step: list[float] = []
     direct: list[float] = []
     direct_mean: list[float] = []
     with_threads: list[float] = []
+    null_vs_null: list[float] = []
     for i in range(rounds):
         # Alternate which goes first, so a drift in machine load favours neither.
         order = (True, False) if i % 2 == 0 else (False, True)
@@ -189,9 +197,11 @@ def measure(
             for traced in order
         }
         all_traced, all_traced_mean = _run_all_traced(tmp, framework, steps, f"{framework}{i}all")
+        second_null = _run(tmp, framework, False, steps, f"{framework}{i}null2")[0]
         (cpu, wall, _, threads), (null_cpu, _, null_mean, _) = runs[True], runs[False]
         last = cpu.by_position[-1]
         null_update = statistics.median(null_cpu.by_position)
+        null_vs_null.append((statistics.median(second_null.by_position) / null_update - 1) * 100)
         step.append(cpu.cost / last * 100.0)
         with_threads.append((cpu.cost + threads) / last * 100.0)
         wall_step.append(wall.cost / wall.by_position[-1] * 100.0)
@@ -208,7 +218,8 @@ def measure(
             f"the null run: {cpu.cost + last - null_update:+.1f} us ({whole[-1]:+.2f} %); "
             f"a run with every update traced: {all_traced:.1f} us ({direct[-1]:+.2f} %), "
             f"mean wall {all_traced_mean:.1f} us against {null_mean:.1f} us "
-            f"({direct_mean[-1]:+.2f} %)",
+            f"({direct_mean[-1]:+.2f} %); a second null run against the first: "
+            f"{null_vs_null[-1]:+.2f} %",
             flush=True,
         )
     return (
@@ -218,6 +229,7 @@ def measure(
         statistics.median(direct),
         statistics.median(direct_mean),
         statistics.median(with_threads),
+        statistics.median(abs(x) for x in null_vs_null),
     )
 
 
@@ -231,7 +243,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("hf", "lightning"), help="one framework only")
     args = parser.parse_args()
     nan = float("nan")
-    hf = lightning = (nan, nan, nan, nan, nan, nan)
+    hf = lightning = (nan, nan, nan, nan, nan, nan, nan)
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         if args.only != "lightning":
@@ -248,7 +260,8 @@ def main() -> None:
         f"hf_all_traced_pct={hf[3]:.2f} lightning_all_traced_pct={lightning[3]:.2f} "
         f"hf_all_traced_mean_wall_pct={hf[4]:.2f} "
         f"lightning_all_traced_mean_wall_pct={lightning[4]:.2f} "
-        f"hf_step_with_threads_pct={hf[5]:.2f} lightning_step_with_threads_pct={lightning[5]:.2f}"
+        f"hf_step_with_threads_pct={hf[5]:.2f} lightning_step_with_threads_pct={lightning[5]:.2f} "
+        f"hf_null_vs_null_pct={hf[6]:.2f} lightning_null_vs_null_pct={lightning[6]:.2f}"
     )
 
 
