@@ -485,7 +485,7 @@ class RankSender:
                 sent = sock.send(frame)
         except BlockingIOError:
             sent = 0
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a socket closed under us (fileno -1)
             self._disconnect()
             return False
         if sent < len(frame) and not self._send_rest(sock, memoryview(frame)[sent:]):
@@ -550,7 +550,7 @@ class RankSender:
                 sock.recv(1)  # non-blocking (_connect)
         except BlockingIOError:
             return
-        except OSError:
+        except (OSError, ValueError):
             pass
         self._disconnect()
 

@@ -991,3 +991,27 @@ def test_frames_bigger_than_the_socket_buffers_go_whole_to_a_slow_reader(
     assert [item["seq"] for item in collector.items()] == list(range(n))
     assert sender.sent_items == n and sender.dropped_items == 0
     assert collector.finished[0]["sent_batches"] == sender.sent_batches == 3
+
+
+def test_a_sender_whose_socket_was_closed_under_it_disconnects_and_stays_up() -> None:
+    """A closed socket object (fileno -1) in the sender's hands: the send and the peer
+    check treat it as a broken connection (a retry follows), never as an error that
+    would stop the sender's thread."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    sender = RankSender(listener.getsockname(), TOKEN, identity(), flush_interval_s=60)
+    try:
+        sender._connect(2.0)
+        accepted, _ = listener.accept()
+        sock = sender._sock
+        assert sock is not None
+        sock.close()
+        sender._check_peer()
+        assert sender._sock is None
+        sender._sock = sock
+        assert sender._send_frame(b"frame") is False
+        assert sender._sock is None
+        accepted.close()
+    finally:
+        listener.close()
