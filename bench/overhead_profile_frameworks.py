@@ -12,9 +12,10 @@ and reads the samples of the rank's training thread taken inside the training lo
   own work, not a frame that only passes the call on to the framework or torch (the
   batch wrapper's ``original(...)``, a gate's forwarding call: told by their source
   line), in % of the loop's samples, with its split by function;
-- the threads' share: samples of TraceML's threads that are not waiting for work, in
-  % of the same, an upper bound of what they take from training (a thread in a
-  system call runs beside training on another core).
+- the threads' share: samples of TraceML's threads that are neither waiting for work
+  nor blocked (on the interpreter's lock, mostly), in % of the same, an upper bound of
+  what they take from training (a thread in a system call runs beside training on
+  another core).
 
 A ratio of samples within one run: the drift between runs that makes the timed
 figures between processes swing by several % here does not move it. What it does not
@@ -48,10 +49,14 @@ LOOP_FRAMES = {
     "lightning": "advance (lightning/pytorch/loops/training_epoch_loop.py",
     "hf": "_inner_training_loop (transformers/trainer.py",
 }
-# Source text of a frame that only passes the call on (its callees are not TraceML's).
-PASS_ON = ("original(", "gate_call(", "PyObject_Vectorcall(fn")
-# The deepest Python frame of a thread waiting for work.
+# Source text of a frame that only passes the call on (its callees are not TraceML's):
+# a wrapper calling what it wraps (``original(...)``, ``original_to(...)``), a gate's
+# forwarding call.
+PASS_ON = re.compile(r"\boriginal\w*\(|\bgate_call\(|PyObject_Vectorcall\(fn")
+# The deepest Python frame of a thread waiting for work, and the native frames of one
+# blocked (on the interpreter's lock, most often: those samples are not work either).
 WAITING = ("Condition.wait (threading.py", "Event.wait (threading.py")
+BLOCKED = ("pthread_cond_timedwait ", "pthread_cond_wait ", "pthread_cond_clockwait ", "sem_")
 _TRACEML_FRAME = re.compile(r"\((traceml_ai/[^:]+):(\d+)\)")
 
 
@@ -66,7 +71,7 @@ def passes_on(frame: str, src: Path = SRC) -> bool:
     path, line = match.group(1), int(match.group(2))
     lines = range(line - 3, line + 1) if path.endswith(".c") else [line]
     text = "".join(linecache.getline(str(src / path), i) for i in lines)
-    return any(marker in text for marker in PASS_ON)
+    return PASS_ON.search(text) is not None
 
 
 def _is_traceml(frame: str) -> bool:
@@ -94,7 +99,8 @@ def shares(
         below = frames[thread_at + 1 :]
         if thread.startswith("traceml-"):
             python = [f for f in below if ".py:" in f]
-            if not (python and python[-1].startswith(WAITING)):
+            waiting = python and python[-1].startswith(WAITING)
+            if not waiting and not any(f.startswith(BLOCKED) for f in below):
                 threads += count
             continue
         if thread != "MainThread":

@@ -16,7 +16,10 @@ LAUNCHER = 'process 6:"python -m traceml_ai run train.py"'
 def _src(tmp: Path) -> Path:
     wrapper = tmp / "traceml_ai" / "integrations" / "lightning.py"
     wrapper.parent.mkdir(parents=True)
-    wrapper.write_text("def run():\n    count = updates(loop)\n    result = original(*args)\n")
+    wrapper.write_text(
+        "def run():\n    count = updates(loop)\n    result = original(*args)\n"
+        "    return _timed(timer, lambda: original_to(*args))\n    originals = 1\n"
+    )
     gate = tmp / "traceml_ai" / "rank" / "_hotpath.c"
     gate.parent.mkdir(parents=True)
     gate.write_text("x;\nx;\nresult = gate_call(gate->original, args);\nx;\nx;\nx;\nx;\n")
@@ -31,6 +34,8 @@ def test_passing_the_call_on_is_told_by_the_source_line(tmp_path: Path) -> None:
     src = _src(tmp_path)
     assert passes_on("run (traceml_ai/integrations/lightning.py:3)", src)
     assert not passes_on("run (traceml_ai/integrations/lightning.py:2)", src)
+    assert passes_on("<lambda> (traceml_ai/integrations/lightning.py:4)", src)
+    assert not passes_on("run (traceml_ai/integrations/lightning.py:5)", src)
     # A C frame's line is the statement after its call: the lines before count.
     assert passes_on("gate_backward (traceml_ai/rank/_hotpath.c:4)", src)
     assert not passes_on("gate_backward (traceml_ai/rank/_hotpath.c:7)", src)
@@ -72,6 +77,15 @@ def test_only_the_training_loops_own_traceml_samples_count(tmp_path: Path) -> No
         ),
         _line(RANK, "traceml-sender", "_run (s.py:1)", "_flush (s.py:9)", count=4),
         _line(RANK, "traceml-sender", "_flush (s.py:9)", "sock_sendall (socketmodule.c:1)"),
+        # Blocked on the interpreter's lock: not work.
+        _line(
+            RANK,
+            "traceml-sender",
+            "_flush (s.py:9)",
+            "pthread_cond_timedwait (libc.so.6)",
+            "0x2 (libc.so.6)",
+            count=7,
+        ),
         "not a sample line\n",
     ]
     loop, own, threads, by_function = shares(raw, LOOP.split(":")[0], src)
