@@ -67,36 +67,19 @@ Figures only; no pass/fail.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import orjson
+from _frameworks import command, env
 from _overhead_clock import THREADS_FROM
 from _paired import Cycle, cycle, positions
 
-HERE = Path(__file__).resolve().parent
-SCRIPTS = {
-    "hf": HERE / "_overhead_hf_train.py",
-    "lightning": HERE / "_overhead_lightning_train.py",
-}
-
-
 # One update in ONE_IN traced (bench/_paired.py).
 ONE_IN = 4
-
-
-def _env(traced: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEML_")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    env["TRACEML_ZERO_CODE"] = "1" if traced else "0"
-    return env
 
 
 def _step_time_lines(export: Path) -> int:
@@ -112,14 +95,9 @@ def _launch(
 ) -> tuple[dict[str, Any], int]:
     """Run the script once: (its output, the step_time lines it exported)."""
     out = tmp / f"{name}.json"
-    cmd = [
-        sys.executable, "-m", "traceml_ai", "run",
-        "--logs-dir", str(tmp / "logs"), "--run-name", name,
-        "--exporter", "jsonl", "--export-streams", "all",
-        str(SCRIPTS[framework]), str(out), str(steps), str(one_in),
-    ]  # fmt: skip
+    cmd = command(framework, tmp / "logs", name, out, steps, one_in)
     subprocess.run(
-        cmd, env=_env(traced), cwd=tmp, check=True, timeout=600,
+        cmd, env=env(traced), cwd=tmp, check=True, timeout=600,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     data: dict[str, Any] = orjson.loads(out.read_bytes())

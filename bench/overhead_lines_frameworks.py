@@ -32,36 +32,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import orjson
+from _frameworks import SCRIPTS, command, env
 from _overhead_clock import LINE_WINDOW
 
-HERE = Path(__file__).resolve().parent
-SCRIPTS = {
-    "lightning": HERE / "_overhead_lightning_train.py",
-    "hf": HERE / "_overhead_hf_train.py",
-}
 WINDOW = {"lightning": (300, 400), "hf": (30, 40)}
 ONE_IN = {"null": 1, "traced": 1, "idle": 10**9}
 
 Key = tuple[str, str, int]
-
-
-def _env(mode: str, spec: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEML_")}
-    env.update(
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TRACEML_ZERO_CODE="0" if mode == "null" else "1",
-    )
-    env[LINE_WINDOW] = spec
-    return env
 
 
 def count_lines(framework: str, mode: str, tmp: Path) -> collections.Counter[Key]:
@@ -70,13 +52,11 @@ def count_lines(framework: str, mode: str, tmp: Path) -> collections.Counter[Key
     out = tmp / f"{framework}-{mode}"
     out.mkdir()
     counts_path = out / "lines.json"
-    cmd = [
-        sys.executable, "-m", "traceml_ai", "run", "--logs-dir", str(out / "logs"),
-        "--run-name", "r", "--exporter", "jsonl", "--export-streams", "all",
-        str(SCRIPTS[framework]), str(out / "out.json"), str(last + 10), str(ONE_IN[mode]),
-    ]  # fmt: skip
+    cmd = command(framework, out / "logs", "r", out / "out.json", last + 10, ONE_IN[mode])
+    run_env = env(traced=mode != "null")
+    run_env[LINE_WINDOW] = f"{first},{last},{counts_path}"
     subprocess.run(
-        cmd, env=_env(mode, f"{first},{last},{counts_path}"), cwd=out, check=True,
+        cmd, env=run_env, cwd=out, check=True,
         timeout=900, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     rows = orjson.loads(counts_path.read_bytes())

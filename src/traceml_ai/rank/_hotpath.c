@@ -780,10 +780,12 @@ static PyTypeObject ContextType = {
  * - DATALOADER: auto_dataloader off, the original; else the fetch timed and added to
  *   the DataLoader phase (timer.add_host) when it returned a batch;
  * - BACKWARD: outside a step, auto_backward off, on another thread than the
- *   step's, or nested in a backward, the original; else the backward phase opened and closed around it, and with the
- *   timer's bracket on, an open forward closed before it and an open optimizer phase
- *   restarted after it (with bracket_optimizer, one not open yet opened there). (The Python wrapper also steps aside while torch.compile
- *   traces it; dynamo cannot trace into C, so this code only ever runs eagerly.)
+ *   step's, or nested in a backward, the original; else the backward phase opened
+ *   and closed around it, and with the timer's bracket on, an open forward closed
+ *   before it and an open optimizer phase restarted after it (with
+ *   bracket_optimizer, one not open yet opened there). (The Python wrapper also steps
+ *   aside while torch.compile traces it; dynamo cannot trace into C, so this code
+ *   only ever runs eagerly.)
  *
  * A timer of another class than TimerCore's, or gates switched off (set_gates:
  * tests of the pure-Python methods), hand every call to `slow`.

@@ -478,11 +478,10 @@ class RankSender:
         if self._deadline is not None and self._deadline <= monotonic():
             return False
         try:
-            nowait = _NOWAIT
-            if nowait is not None:
-                sent = nowait.send_nowait(sock.fileno(), frame)
-            else:
+            if _NOWAIT is None:
                 sent = sock.send(frame)
+            else:
+                sent = _NOWAIT.send_nowait(sock.fileno(), frame)
         except BlockingIOError:
             sent = 0
         except (OSError, ValueError):  # ValueError: a socket closed under us (fileno -1)
@@ -542,12 +541,10 @@ class RankSender:
         if sock is None:
             return
         try:
-            nowait = _NOWAIT
-            if nowait is not None:
-                if not nowait.peer_gone(sock.fileno()):
-                    return
-            else:
-                sock.recv(1)  # non-blocking (_connect)
+            if _NOWAIT is None:
+                sock.recv(1)  # non-blocking (_connect): data or EOF, the peer is gone
+            elif not _NOWAIT.peer_gone(sock.fileno()):
+                return
         except BlockingIOError:
             return
         except (OSError, ValueError):
