@@ -1,0 +1,297 @@
+"""The straggler analysis (traceml_ai._straggler): real DDP runs with a rank slowed in
+each place a rank can be slow, and simulated synchronous runs for what a CPU cannot
+show (a slow node, 1,024 ranks, noise)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.e2e_helpers import REPO, free_port, run_cli
+from traceml_ai._straggler import analyze, verdict_line
+from traceml_ai.run_summary import format_summary, summarize_run
+
+P = "_traceml_internal:"
+EVENTS = {
+    "dataloader_wait": P + "dataloader_next",
+    "forward": P + "forward_time",
+    "backward": P + "backward_time",
+    "optimizer": P + "optimizer_step",
+}
+
+
+def _timing(ms: float) -> dict[str, Any]:
+    return {"cpu": {"cpu_ms": ms, "duration_ms": ms, "gpu_ms": None, "is_gpu": False, "n_calls": 1}}
+
+
+def simulate(
+    world: int,
+    steps: int,
+    slow: dict[int, tuple[str, float, int]] | None = None,
+    *,
+    nodes: int = 1,
+    jitter_ms: float = 0.2,
+    sync: str = "backward",
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """step_time lines of a synchronous data-parallel run.
+
+    ``slow``: rank -> (where, extra ms, every Nth step); where is a phase, "collate"
+    (the DataLoader before the step) or "between" (work after the step). Every rank
+    leaves the collective in ``sync`` at the same moment: the fast ones wait there.
+    """
+    rng = random.Random(seed)
+    slow = slow or {}
+    per_node = world // nodes
+    clock = [10**18] * world
+    lines = []
+    for step in range(1, steps + 1):
+        own: list[dict[str, float]] = []
+        for r in range(world):
+            parts = {
+                "collate": 0.1,
+                "forward": 2.0,
+                "backward": 3.0,
+                "optimizer": 0.5,
+                "between": 0.1,
+            }
+            for key in parts:
+                parts[key] += rng.uniform(0, jitter_ms)
+            where, ms, every = slow.get(r, ("", 0.0, 1))
+            if where and step % every == 0:
+                parts[where] += ms
+            own.append(parts)
+        # Each rank reaches the collective after its own work before it (from the end
+        # of its previous step); all leave together when the last one arrives.
+        order = ["between", "collate", "forward", "backward", "optimizer"]
+        cut = order.index(sync)
+        step_start = [
+            clock[r] + (own[r]["between"] + own[r]["collate"]) * 1e6 for r in range(world)
+        ]
+        arrive = [step_start[r] + sum(own[r][k] for k in order[2:cut]) * 1e6 for r in range(world)]
+        leave = max(arrive) + own[0][sync] * 1e6
+        for r in range(world):
+            o = own[r]
+            phases = {k: o[k] for k in ("forward", "backward", "optimizer")}
+            phases[sync] = (leave - arrive[r]) / 1e6
+            phases["dataloader_wait"] = o["collate"]
+            end = leave + sum(o[k] for k in order[cut + 1 :]) * 1e6
+            step_ms = (end - step_start[r]) / 1e6
+            events = {P + "step_time": _timing(step_ms)}
+            events.update({EVENTS[k]: _timing(v) for k, v in phases.items()})
+            lines.append(
+                {
+                    "stream": "step_time",
+                    "schema_version": 1,
+                    "observed_timestamp_unix_ns": int(end),
+                    "rank": r,
+                    "global_rank": r,
+                    "local_rank": r % per_node,
+                    "world_size": world,
+                    "local_world_size": per_node,
+                    "node_rank": r // per_node,
+                    "timestamp_unix_ns": int(end),
+                    "seq": step - 1,
+                    "step": step,
+                    "events": dict(sorted(events.items())),
+                }
+            )
+            clock[r] = int(end)
+    return lines
+
+
+def folder(tmp_path: Path, lines: list[dict[str, Any]]) -> Path:
+    export = tmp_path / "run" / "aggregator" / "export"
+    export.mkdir(parents=True)
+    closing = {
+        "stream": "step_time",
+        "closing": True,
+        "schema_version": 1,
+        "written_records": len(lines),
+        "dropped_batches": 0,
+    }
+    (export / "step_time.jsonl").write_bytes(
+        b"".join(orjson.dumps(o) + b"\n" for o in [*lines, closing])
+    )
+    return tmp_path / "run"
+
+
+def _view(tmp_path: Path, lines: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = summarize_run(folder(tmp_path, lines))
+    view: dict[str, Any] = summary["straggler"]
+    assert "-" not in verdict_line(view).replace("--", ""), verdict_line(view)
+    return view
+
+
+# ------------------------------------------------------------------ simulated runs
+
+
+@pytest.mark.parametrize(
+    ("where", "phase"),
+    [
+        ("forward", "forward"),
+        ("optimizer", "optimizer"),
+        ("collate", "dataloader_wait"),
+        ("between", "between_steps"),
+    ],
+)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_simulated_one_slow_rank(tmp_path: Path, world: int, where: str, phase: str) -> None:
+    slow = world - 1
+    view = _view(tmp_path, simulate(world, 40, {slow: (where, 20.0, 1)}))
+    assert view["verdict"] == "straggler", verdict_line(view)
+    assert [s["rank"] for s in view["stragglers"]] == [slow]
+    assert view["stragglers"][0]["phase"] == phase
+    assert 18.0 < view["stragglers"][0]["excess_ms"] < 22.0
+    assert view["waiting"]["phase"] == "backward"
+    assert view["waiting"]["rank_count"] == world - 1
+
+
+def test_simulated_two_slow_ranks_of_four_and_a_slow_node(tmp_path: Path) -> None:
+    two = _view(tmp_path / "a", simulate(4, 40, {1: ("forward", 15, 1), 2: ("forward", 15, 1)}))
+    assert [s["rank"] for s in two["stragglers"]] == [1, 2]
+    assert two["slow_node"] is None  # ranks 1 and 2 are on different nodes of one
+    node = _view(
+        tmp_path / "b",
+        simulate(4, 40, {2: ("collate", 15, 1), 3: ("collate", 15, 1)}, nodes=2),
+    )
+    assert [s["rank"] for s in node["stragglers"]] == [2, 3]
+    assert node["slow_node"] == {"nodes": [1], "ranks": [2, 3]}
+    assert verdict_line(node).startswith("straggler: node 1 (ranks 2, 3):")
+
+
+def test_simulated_every_fifth_step(tmp_path: Path) -> None:
+    view = _view(tmp_path, simulate(4, 50, {3: ("forward", 25.0, 5)}))
+    assert view["verdict"] == "intermittent", verdict_line(view)
+    (entry,) = view["stragglers"]
+    assert entry["rank"] == 3
+    assert entry["every_n_steps"] == 5
+    assert entry["slow_steps"] == 10  # steps 5, 10, ..., 50
+    assert entry["phase"] == "forward"
+    assert "every 5th step" in verdict_line(view)
+
+
+def test_simulated_no_straggler_under_noise(tmp_path: Path) -> None:
+    for seed in range(5):
+        view = _view(tmp_path / str(seed), simulate(4, 60, jitter_ms=1.5, seed=seed))
+        assert view["verdict"] == "none", verdict_line(view)
+        assert view["stragglers"] == []
+
+
+def test_simulated_fsdp_like_wait_in_forward(tmp_path: Path) -> None:
+    """Where the strategy's first collective is in forward, the others wait there."""
+    lines = simulate(2, 40, {1: ("collate", 20.0, 1)}, sync="forward")
+    view = _view(tmp_path, lines)
+    assert [s["rank"] for s in view["stragglers"]] == [1]
+    assert view["stragglers"][0]["phase"] == "dataloader_wait"
+    assert view["waiting"]["phase"] == "forward"
+
+
+def test_one_rank_and_too_few_steps() -> None:
+    assert analyze({0: {1: {"step": 1.0, "_ts": 1.0}}})["applicable"] is False
+    rows = {r: {s: {"step": 1.0, "_ts": float(s * 10**6)} for s in (1, 2)} for r in (0, 1)}
+    view = analyze(rows)
+    assert view["applicable"] is False
+    assert "step(s)" in view["reason"]
+
+
+def test_1024_ranks(tmp_path: Path) -> None:
+    lines = simulate(1024, 8, {700: ("forward", 30.0, 1)}, nodes=128)
+    view = _view(tmp_path, lines)
+    assert [s["rank"] for s in view["stragglers"]] == [700]
+    assert view["waiting"]["rank_count"] == 1023
+    assert view["waiting"]["ranks"] is None  # too many to list
+
+
+# ------------------------------------------------------------------ real runs
+
+SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
+
+CASES = [
+    # (ranks, where, slowed ranks, every Nth step, expected phase, verdict)
+    (2, "forward", "1", 1, "forward", "straggler"),
+    (2, "optimizer", "1", 1, "optimizer", "straggler"),
+    (2, "collate", "1", 1, "dataloader_wait", "straggler"),
+    (2, "dataloader_in_step", "0", 1, "dataloader_wait", "straggler"),
+    (2, "between", "1", 1, "between_steps", "straggler"),
+    (2, "forward", "1", 5, "forward", "intermittent"),
+    (2, "backward", "1", 1, None, "none"),
+    (2, "none", "", 1, None, "none"),
+    (4, "forward", "2", 1, "forward", "straggler"),
+    (4, "optimizer", "1", 1, "optimizer", "straggler"),
+    (4, "collate", "3", 1, "dataloader_wait", "straggler"),
+    (4, "dataloader_in_step", "2", 1, "dataloader_wait", "straggler"),
+    (4, "between", "0", 1, "between_steps", "straggler"),
+    (4, "collate", "3", 5, "dataloader_wait", "intermittent"),
+    (4, "forward", "1,2", 1, "forward", "straggler"),
+    (4, "none", "", 1, None, "none"),
+]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "where", "slowed", "every", "phase", "verdict"),
+    CASES,
+    ids=[f"{c[0]}ranks-{c[1]}-slow{c[2] or 'none'}-every{c[3]}" for c in CASES],
+)
+def test_real_ddp_run(
+    tmp_path: Path, ranks: int, where: str, slowed: str, every: int, phase: str | None, verdict: str
+) -> None:
+    res = run_cli(
+        [
+            "run",
+            "--logs-dir",
+            tmp_path / "logs",
+            "--run-name",
+            "r",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-port",
+            str(free_port()),
+            "--exporter",
+            "jsonl",
+            "--export-streams",
+            "all",
+            SCRIPT,
+            "--where",
+            where,
+            "--slow-ranks",
+            slowed,
+            "--every",
+            str(every),
+            "--steps",
+            "25",
+            "--sleep-ms",
+            "30",
+        ],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    summary = summarize_run(tmp_path / "logs" / "r")
+    view = summary["straggler"]
+    why = format_summary(summary) + "\n" + res.stderr
+    assert view["verdict"] == verdict, why
+    if verdict == "none":
+        assert view["stragglers"] == [], why
+        assert "traceml: straggler: none" in res.stderr, why
+        return
+    expected = [int(r) for r in slowed.split(",")]
+    assert [s["rank"] for s in view["stragglers"]] == expected, why
+    assert {s["phase"] for s in view["stragglers"]} == {phase}, why
+    for entry in view["stragglers"]:
+        # The sleep is 30 ms; the excess is that, give or take the machine's noise.
+        assert 20.0 < entry["excess_ms"] < 45.0, why
+        if where == "collate":
+            assert entry["phase_description"] == "in the DataLoader, before the step", why
+        if where == "dataloader_in_step":
+            assert entry["phase_description"] == "in the DataLoader, inside the step", why
+    assert view["waiting"]["phase"] == "backward", why
+    assert view["waiting"]["rank_count"] == ranks - len(expected), why
+    if verdict == "intermittent":
+        assert view["stragglers"][0]["every_n_steps"] == every, why
+    named = ", ".join(map(str, expected))
+    line = f"traceml: straggler: rank{'s' if len(expected) > 1 else ''} {named}"
+    assert line in res.stderr, why
