@@ -7,19 +7,8 @@ still being written and is ignored; a file without its closing line is reported 
 unfinished. Light to import: orjson only (never torch, never pyarrow), because
 ``traceml run`` calls it at the end of every run with export on.
 
-Straggler definition (one place, used by the text and by ``--json``):
-
-* A rank's *figure* is the median over its steps of a per-step time. A rank is a
-  straggler when its figure is above the median of the other ranks' figures by more
-  than ``STRAGGLER_REL`` (10 %) **and** more than ``STRAGGLER_ABS_MS`` (1 ms): both,
-  so that neither microsecond noise nor a small relative spread on long steps counts.
-* The per-step time is the step time, unless the ranks wait for each other. In
-  synchronous data parallel training (DDP) every rank's step lasts as long as the
-  slowest one's, because the fast ranks wait inside backward's all-reduce; step times
-  then look equal. So the summary looks for a *wait phase*: a phase whose median
-  differs between ranks by a clear margin and is shortest on the rank that has the
-  most time outside it. That rank causes the wait, the others wait inside that phase,
-  and the per-step time becomes "step time minus the wait phase".
+The straggler analysis is :mod:`traceml_ai._straggler` (the rule is in its docstring
+and in docs/reading-the-files.md).
 """
 
 from __future__ import annotations
@@ -39,20 +28,12 @@ from traceml_ai._step_phases import (
     phase_names,
     step_row,
 )
+from traceml_ai._straggler import analyze as analyze_stragglers
+from traceml_ai._straggler import verdict_line
 from traceml_records import STREAMS
 
-STRAGGLER_REL = 0.10
-"""A straggler's figure exceeds the others' median by more than this fraction..."""
-STRAGGLER_ABS_MS = 1.0
-"""...and by more than this many milliseconds."""
 _ARROW_MIN_BYTES = 8 << 20
 """step_time/step_memory files from this size are read with pyarrow when installed."""
-SAME_RANK_SHARE = 0.75
-"""The slowest rank counts as "the same rank" when it was slowest in this share of steps."""
-
-
-_WAIT_PRIORITY = ("backward", "forward", "optimizer")
-"""Phases where data parallel collectives wait, most likely first."""
 
 STREAM_FILES = tuple(spec.name for spec in STREAMS)
 """The export's file streams, in the registry's order."""
@@ -139,11 +120,6 @@ def _r(x: float, digits: int = 3) -> float:
     return round(float(x), digits)
 
 
-def _clearly_above(value: float, reference: float) -> bool:
-    excess = value - reference
-    return excess > STRAGGLER_ABS_MS and excess > STRAGGLER_REL * reference
-
-
 # --------------------------------------------------------------------------- streams
 
 
@@ -158,6 +134,9 @@ def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, 
         if row is None:
             continue
         row["_ts"] = float(obj.get("timestamp_unix_ns") or 0)
+        node = obj.get("node_rank")
+        if isinstance(node, int):
+            row["_node"] = float(node)
         out.setdefault(rank, {})[step] = row
     return out
 
@@ -266,118 +245,14 @@ def _step_section(
 def _straggler_view(
     rows: dict[int, dict[int, dict[str, float]]], phase_names: Sequence[str], strategy: str | None
 ) -> dict[str, Any]:
-    ranks = sorted(rows)
-    view: dict[str, Any] = {
-        "definition": (
-            f"a rank whose median per-step time is above the other ranks' median by more "
-            f"than {int(STRAGGLER_REL * 100)} % and more than {STRAGGLER_ABS_MS:g} ms"
-        ),
-        "ranks": len(ranks),
+    """The straggler analysis (:mod:`traceml_ai._straggler`) of the step rows."""
+    nodes = {
+        rank: int(row["_node"])
+        for rank, steps in rows.items()
+        for row in steps.values()
+        if "_node" in row
     }
-    if len(ranks) < 2:
-        view.update(applicable=False, reason="one rank: nothing to compare", stragglers=[])
-        return view
-    view["applicable"] = True
-
-    def stragglers_by(metric: dict[int, float]) -> list[dict[str, Any]]:
-        found = []
-        for r in ranks:
-            others = _median(metric[o] for o in ranks if o != r)
-            if _clearly_above(metric[r], others):
-                found.append(
-                    {
-                        "rank": r,
-                        "median_ms": _r(metric[r]),
-                        "others_median_ms": _r(others),
-                        "excess_ms": _r(metric[r] - others),
-                        "excess_pct": _r(100.0 * (metric[r] - others) / others, 1)
-                        if others > 0
-                        else None,
-                    }
-                )
-        return found
-
-    step_median = {r: _median(row["step"] for row in rows[r].values()) for r in ranks}
-    metric_name = "step_time"
-    per_step: dict[int, dict[int, float]] = {
-        r: {s: row["step"] for s, row in rows[r].items()} for r in ranks
-    }
-    found = stragglers_by(step_median)
-
-    # The wait pattern: a phase clearly longer on some ranks and shortest on the rank
-    # with the most time outside it (that rank keeps the others waiting in it).
-    wait: dict[str, Any] | None = None
-    candidates = [n for n in phase_names if n != "rest"]
-    best: tuple[int, int, float] | None = None
-    for name in candidates:
-        med = {r: _median(row.get(name, 0.0) for row in rows[r].values()) for r in ranks}
-        own = {
-            r: _median(row["step"] - row.get(name, 0.0) for row in rows[r].values()) for r in ranks
-        }
-        cause = max(ranks, key=lambda r: own[r])
-        if min(ranks, key=lambda r: med[r]) != cause:
-            continue
-        others_own = _median(own[o] for o in ranks if o != cause)
-        if not _clearly_above(own[cause], others_own):
-            continue
-        waiting = [r for r in ranks if r != cause and _clearly_above(med[r], med[cause])]
-        if not waiting:
-            continue
-        # One slow rank keeps every other rank waiting, so the reading with the most
-        # waiting ranks wins. With two ranks "1 is slow in forward, 0 waits in backward"
-        # and "0 is slow in backward, 1 waits in forward" fit the same numbers; the
-        # collectives of data parallel training run in backward (DDP's all-reduce),
-        # then forward (FSDP's all-gather), so those phases come first.
-        priority = _WAIT_PRIORITY.index(name) if name in _WAIT_PRIORITY else len(_WAIT_PRIORITY)
-        score = (len(waiting), -priority, max(med.values()) - med[cause])
-        if best is None or score > best:
-            best = score
-            wait = {
-                "phase": name,
-                "caused_by_rank": cause,
-                "waiting_ranks": waiting,
-                "wait_ms_per_step": {str(r): _r(med[r] - med[cause]) for r in waiting},
-                "time_outside_phase_ms": {str(r): _r(own[r]) for r in ranks},
-            }
-    if wait is not None:
-        if strategy == "ddp" and wait["phase"] == "backward":
-            wait["why"] = (
-                "DDP: the fast ranks wait for the slow one in backward's gradient all-reduce"
-            )
-        else:
-            wait["why"] = (
-                f"the other ranks wait for rank {wait['caused_by_rank']} in {wait['phase']}"
-            )
-    view["wait"] = wait
-    if wait is not None:
-        # Ranks that wait in a collective finish their steps together, so step times
-        # hide the cause (and their small differences are noise): judge on the time
-        # outside the wait phase instead.
-        phase = wait["phase"]
-        metric_name = f"step_time minus {phase}"
-        per_step = {
-            r: {s: row["step"] - row.get(phase, 0.0) for s, row in rows[r].items()} for r in ranks
-        }
-        found = stragglers_by({r: _median(per_step[r].values()) for r in ranks})
-    view["metric"] = metric_name
-    view["stragglers"] = found
-
-    # Step by step: which rank was slowest on the same metric, over steps all ranks have.
-    common = set.intersection(*(set(per_step[r]) for r in ranks))
-    counts = {r: 0 for r in ranks}
-    for s in common:
-        counts[max(ranks, key=lambda r: per_step[r][s])] += 1
-    view["steps_compared"] = len(common)
-    view["slowest_counts"] = {str(r): counts[r] for r in ranks}
-    if common:
-        top = max(ranks, key=lambda r: counts[r])
-        share = counts[top] / len(common)
-        view["most_often_slowest"] = {"rank": top, "share": _r(share, 3)}
-        view["same_rank"] = share >= SAME_RANK_SHARE
-    else:
-        view["most_often_slowest"] = None
-        view["same_rank"] = None
-    return view
+    return analyze_stragglers(rows, strategy, nodes)
 
 
 def _memory_section(objs: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
@@ -732,47 +607,7 @@ def _bytes(n: int | None) -> str:
 
 def straggler_line(summary: dict[str, Any]) -> str:
     """The straggler verdict as one sentence (shared by the text and the live view)."""
-    view = summary.get("straggler")
-    if not view:
-        return "straggler: no step times"
-    if not view.get("applicable"):
-        return f"straggler: n/a ({view.get('reason')})"
-    found = view.get("stragglers") or []
-    wait = view.get("wait")
-    if not found:
-        text = "straggler: none (no rank clearly slower than the others)"
-    else:
-        metric = view["metric"]
-        if metric == "step_time":
-            what = "median step"
-        else:
-            what = f"median time outside {metric.removeprefix('step_time minus ')}"
-        parts = []
-        for s in found:
-            pct = (
-                f", +{s['excess_pct']:.0f}%"
-                if s.get("excess_pct") is not None and metric == "step_time"
-                else ""
-            )
-            parts.append(
-                f"rank {s['rank']} ({what} {s['median_ms']:.2f} ms vs "
-                f"{s['others_median_ms']:.2f} ms on the others{pct})"
-            )
-        text = "straggler: " + ", ".join(parts)
-    most = view.get("most_often_slowest")
-    if most:
-        same = "same rank" if view.get("same_rank") else "varies"
-        text += (
-            f"; slowest in {most['share'] * 100:.0f}% of {view['steps_compared']} steps: "
-            f"rank {most['rank']} ({same})"
-        )
-    if wait:
-        waits = ", ".join(f"rank {r} {ms:.1f} ms" for r, ms in wait["wait_ms_per_step"].items())
-        text += (
-            f"; wait is in {wait['phase']} ({waits} per step), "
-            f"caused by rank {wait['caused_by_rank']}"
-        )
-    return text
+    return verdict_line(summary.get("straggler"))
 
 
 def _loss_line(summary: dict[str, Any], full: bool = True) -> str:
