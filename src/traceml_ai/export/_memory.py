@@ -10,12 +10,12 @@ creates.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from traceml_ai import _fork
 from traceml_ai.export._protocol import ExportContext, ExportSummary
 from traceml_records._registry import STREAM_BY_CLASS
 
@@ -89,13 +89,11 @@ _capture_lock = threading.Lock()
 _capture_stack: list[list[InMemoryExporter]] = []
 
 
+@_fork.on_fork_in_child
 def _reset_capture_lock_in_child() -> None:
     # A parent thread may hold the lock at fork time; the child would wait forever.
     global _capture_lock
     _capture_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_capture_lock_in_child)
 
 
 def make_in_memory_exporter(context: ExportContext) -> InMemoryExporter:

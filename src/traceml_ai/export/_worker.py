@@ -15,16 +15,15 @@ every worker is reset in the child to a fresh, stopped one that drops everything
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from traceml_ai import _fork
 from traceml_ai.export._builder import RecordBuilder
 from traceml_ai.export._protocol import (
     Exporter,
@@ -120,18 +119,6 @@ class ExportStats:
         )
 
 
-# Every live worker, so the fork hook can reset them in the child.
-_WORKERS: weakref.WeakSet[ExportWorker] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for worker in list(_WORKERS):
-        worker._reset_after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 class ExportWorker:
     """A bounded queue of wire batches and the thread that exports them.
 
@@ -202,7 +189,7 @@ class ExportWorker:
         self._forked_child = False
         self._final: ExportStats | None = None
         self._shutdown_lock = threading.Lock()
-        _WORKERS.add(self)
+        _fork.track(self)
 
     # -- public API -----------------------------------------------------------------
 
@@ -549,7 +536,7 @@ class ExportWorker:
             queue_high_water_bytes=self._hw_bytes,
         )
 
-    def _reset_after_fork(self) -> None:
+    def after_fork_in_child(self) -> None:
         """In a forked child: a fresh, stopped worker; the parent's lines stay the parent's.
 
         Only the forking thread exists in the child, so any lock another parent thread

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from traceml_ai import _fork
 from traceml_ai.rank import _compat_summary, _wrappers
 from traceml_ai.rank._compat import (
     TraceMLInitConfig,
@@ -420,8 +421,7 @@ def _install_process_hooks() -> None:
         return
     _process_hooks_installed = True
     atexit.register(shutdown)
-    if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_after_fork_in_child)
+    _fork.on_fork_in_child(_after_fork_in_child)
 
 
 def init(

@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import os
 import threading
 from typing import Any, Protocol
 
 import attrs
 
+from traceml_ai import _fork
 from traceml_ai.rank._lazy import torch_or_none
 
 
@@ -141,13 +141,10 @@ _MAX_CACHED_STREAMS = 64
 _fork_generation = 0
 
 
+@_fork.on_fork_in_child
 def _after_fork_in_child() -> None:
     global _fork_generation
     _fork_generation += 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class TorchCudaBackend:

@@ -13,11 +13,9 @@ oldest generation and bring on full collections of the whole process
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import socket
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import repeat, starmap
@@ -26,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from traceml_ai import _fork
 from traceml_ai.wire import (
     BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
@@ -51,19 +50,6 @@ _FINISH_RESERVE_S = 0.25
 _CLOSE_GRACE_S = 0.5
 # Key of put-time drops for names outside BATCH_STREAMS.
 _UNKNOWN_STREAM = ""
-
-_live_senders: weakref.WeakSet[RankSender] = weakref.WeakSet()
-
-
-def _disable_senders_in_child() -> None:
-    # The child of a fork has the parent's queues and socket but not its thread: make
-    # every inherited sender inert so nothing of the parent's is sent twice.
-    for sender in list(_live_senders):
-        sender._disable_after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_disable_senders_in_child)
 
 
 def _batches_for(items: int, per_batch: int) -> int:
@@ -154,7 +140,7 @@ class RankSender:
         self._closed = False
         self._forked = False
         self._deadline: float | None = None
-        _live_senders.add(self)
+        _fork.track(self)
 
     # ---- stats -------------------------------------------------------------------------
 
@@ -313,14 +299,16 @@ class RankSender:
         except Exception:
             pass
         finally:
-            _live_senders.discard(self)
+            _fork.untrack(self)
 
     def _count_put_drop(self, stream: str, items: int = 1) -> None:
         # Only taken when a queue is full or the stream is unknown, never on the fast path.
         with self._drop_lock:
             self._put_dropped[stream] += items
 
-    def _disable_after_fork(self) -> None:
+    def after_fork_in_child(self) -> None:
+        """The child of a fork has the parent's queues and socket but not its thread:
+        this sender goes inert there, so nothing of the parent's is sent twice."""
         self._forked = True
         self._closed = True
         self._queues = {}
