@@ -7,6 +7,7 @@ from pathlib import Path
 from codegen._model import load_schemas
 from codegen._render_arrow import render_arrow_tables, render_tables_reference
 from codegen._render_docs import render_reference, render_stream_keys
+from codegen._render_events import render_events
 from codegen._render_python import render_plan_header, render_records, render_registry
 from codegen._render_wire import render_wire, render_wire_table, splice_wire_table
 
@@ -23,6 +24,7 @@ def generate(root: Path) -> dict[Path, bytes]:
         / "__init__.py": b'"""Generated code: do not edit (see codegen/)."""\n',
         PACKAGE / "_generated" / "records.py": render_records(schema_set).encode(),
         PACKAGE / "_generated" / "registry.py": render_registry(schema_set).encode(),
+        PACKAGE / "_generated" / "events.py": render_events(schema_set).encode(),
         PACKAGE / "_generated" / "wire.py": render_wire(schema_set).encode(),
         PACKAGE / "_plan_codes.h": render_plan_header().encode(),
         Path("docs/reference/export-records.md"): render_reference(schema_set).encode(),

@@ -35,15 +35,17 @@ import orjson
 from traceml_ai.rank.gpu import CudaBackend, CudaEvent
 from traceml_ai.rank.sink import EncodedStepSink, ItemSink
 from traceml_records import _native
+from traceml_records import events as _events
 from traceml_records._generated.wire import PhaseTimingItem, StepMemoryItem, StepTimeItem
 
-INTERNAL_PREFIX = "_traceml_internal:"
-DATALOADER_NEXT = INTERNAL_PREFIX + "dataloader_next"
-FORWARD = INTERNAL_PREFIX + "forward_time"
-BACKWARD = INTERNAL_PREFIX + "backward_time"
-OPTIMIZER_STEP = INTERNAL_PREFIX + "optimizer_step"
-H2D = INTERNAL_PREFIX + "h2d_time"
-STEP_TIME = INTERNAL_PREFIX + "step_time"
+# The built-in event names, as the schema defines them (traceml_records.events).
+INTERNAL_PREFIX = _events.RESERVED_PREFIX
+DATALOADER_NEXT = _events.DATALOADER_NEXT
+FORWARD = _events.FORWARD_TIME
+BACKWARD = _events.BACKWARD_TIME
+OPTIMIZER_STEP = _events.OPTIMIZER_STEP
+H2D = _events.H2D_TIME
+STEP_TIME = _events.STEP_TIME
 
 # Phases that always report host time (spec: the step and the DataLoader wait).
 _HOST_ONLY = frozenset({DATALOADER_NEXT, STEP_TIME})

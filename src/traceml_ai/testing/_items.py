@@ -17,6 +17,7 @@ from traceml_ai.export._builder import RecordBuilder
 from traceml_ai.rank.runtime_env import topology_of
 from traceml_ai.wire import BATCH_STREAMS, ReceivedBatch, make_batch_message
 from traceml_records import STREAMS_BY_NAME
+from traceml_records import events as _events
 
 __all__ = [
     "BASE_TIMESTAMP_NS",
@@ -39,19 +40,21 @@ BASE_TIMESTAMP_NS = 1_793_808_199_881_904_896
 OBSERVED_TIMESTAMP_NS = 1_793_808_200_784_977_000
 """What the aggregator stamps on batches built here (``observed_timestamp_unix_ns``)."""
 
-_PREFIX = "_traceml_internal:"
-BUILTIN_PHASES = ("dataloader_next", "forward_time", "backward_time", "optimizer_step", "step_time")
+_PREFIX = _events.RESERVED_PREFIX
+_DEFAULT_MS = {
+    _events.DATALOADER_NEXT.removeprefix(_PREFIX): 3.7,
+    _events.FORWARD_TIME.removeprefix(_PREFIX): 8.2,
+    _events.BACKWARD_TIME.removeprefix(_PREFIX): 15.3,
+    _events.OPTIMIZER_STEP.removeprefix(_PREFIX): 0.5,
+    _events.STEP_TIME.removeprefix(_PREFIX): 27.0,
+}
+BUILTIN_PHASES = tuple(_DEFAULT_MS)
 """The phases the rank SDK times in every step (event names without their prefix)."""
 
 # CPU-side phases: the SDK never records CUDA events around them.
-_CPU_ONLY = frozenset({"dataloader_next", "step_time"})
-_DEFAULT_MS = {
-    "dataloader_next": 3.7,
-    "forward_time": 8.2,
-    "backward_time": 15.3,
-    "optimizer_step": 0.5,
-    "step_time": 27.0,
-}
+_CPU_ONLY = frozenset(
+    name.removeprefix(_PREFIX) for name in (_events.DATALOADER_NEXT, _events.STEP_TIME)
+)
 
 
 def make_identity(
@@ -116,7 +119,7 @@ def make_events(
     events: dict[str, Any] = {}
     for name, ms in durations.items():
         short = name.removeprefix(_PREFIX)
-        builtin = short in _DEFAULT_MS
+        builtin = _PREFIX + short in _events.BUILT_IN_EVENTS
         full = _PREFIX + short if builtin else name
         gpu = ms if on_gpu and not (builtin and short in _CPU_ONLY) else None
         events[full] = {device: make_phase(ms * 0.2 if gpu is not None else ms, gpu)}
