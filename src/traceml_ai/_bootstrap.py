@@ -1,7 +1,11 @@
 """How ``traceml run`` starts a rank: ``python -m traceml_ai._bootstrap SCRIPT ARGS...``.
 
-It runs SCRIPT as ``__main__`` exactly as ``python SCRIPT ARGS...`` would (same
-``sys.argv``, ``sys.path[0]`` the script's folder, ``__file__``), after installing an
+It runs SCRIPT as ``__main__`` exactly as ``python SCRIPT ARGS...`` would: the same
+``sys.argv``, ``__file__`` and ``__main__`` globals (``__builtins__`` the builtins
+module); ``sys.path[0]`` the folder of the script's real file (symlinks resolved); a
+folder or zip application run by its ``__main__.py``, a ``.pyc`` as compiled code; an
+uncaught error reported as ``python`` reports it, without this module's frames, exit
+code 1 (a KeyboardInterrupt ends the process by SIGINT). Before that it installs an
 import hook that attaches TraceML to the training frameworks the script imports:
 
 - ``transformers.Trainer``: ``train()`` gets ``TraceMLTrainerCallback``;
@@ -14,15 +18,27 @@ A framework is patched only if and when the script imports it, so a script that
 uses neither pays nothing. Only ranks started by ``traceml run`` run this module, so
 nothing is patched outside it; ``TRACEML_ZERO_CODE=0`` turns the attach off. A
 failure to patch is one ``traceml:`` line and the script runs unpatched.
+
+For the launcher's last words it leaves a note when the script starts and one when the
+interpreter exits normally (``ENV_RANK_STATE_DIR``), and it takes a Ctrl-C that came
+while the rank was starting (``ENV_SIGINT_HELD``) by ending quietly by SIGINT.
 """
 
 from __future__ import annotations
 
+import atexit
+import builtins
+import contextlib
 import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
+import marshal
 import os
+import pkgutil
+import runpy
+import signal
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -155,29 +171,183 @@ def install() -> None:
             _apply(name, module)
 
 
-def run_script(argv: Sequence[str]) -> None:
-    """Run ``argv[0]`` as ``__main__`` with ``argv`` as ``sys.argv``, like ``python``."""
-    script = argv[0]
-    path = os.path.abspath(script)
-    with open(path, "rb") as fh:
-        source = fh.read()
-    code = compile(source, path, "exec", dont_inherit=True)
-    sys.argv = list(argv)
-    # `python -m` put the working directory first; `python SCRIPT` puts its folder.
-    sys.path[0] = os.path.dirname(path)
-    main = types.ModuleType("__main__")
-    main.__dict__.update(
-        {
-            "__file__": path,
-            "__builtins__": __builtins__,
-            "__cached__": None,
-            "__loader__": importlib.machinery.SourceFileLoader("__main__", path),
-        }
+ENV_RANK_STATE_DIR = "TRACEML_RANK_STATE_DIR"
+"""Set by ``traceml run``: a private folder where the bootstrap leaves
+``<rank>.<pid>.started`` just before the script's first line and ``<rank>.<pid>.exited``
+when the interpreter exits normally (after TraceML's own ``atexit`` shutdown). A rank
+with the first file and not the second ended by ``os._exit()``, a signal or a crash:
+the launcher says so instead of guessing at a missing ``traceml.init()``."""
+
+ENV_SIGINT_HELD = "TRACEML_SIGINT_HELD"
+"""``1`` when ``traceml run`` started this rank with SIGINT blocked: a Ctrl-C during the
+interpreter's start and TraceML's imports waits until :func:`main` can take it."""
+
+
+def _die_by_sigint() -> None:
+    """End the process by SIGINT, as ``python`` does after an uncaught KeyboardInterrupt."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+class _Rank:
+    """This rank's notes for the launcher and how its interpreter is to end."""
+
+    def __init__(self, environ: dict[str, str] | os._Environ[str]) -> None:
+        self.pid = os.getpid()
+        self.folder = environ.pop(ENV_RANK_STATE_DIR, "")
+        self.name = f"{environ.get('RANK', 'x')}.{self.pid}"
+        self.sigint_held = environ.pop(ENV_SIGINT_HELD, "") == "1"
+        self.die_by_sigint = False
+        # Registered before the script runs, so it runs after every atexit handler the
+        # script and TraceML register (TraceML's shutdown included).
+        atexit.register(self._at_exit)
+
+    def note(self, what: str) -> None:
+        if not self.folder or os.getpid() != self.pid:  # a fork of the script: not us
+            return
+        with (
+            contextlib.suppress(OSError),
+            open(os.path.join(self.folder, f"{self.name}.{what}"), "xb"),
+        ):
+            pass
+
+    def _at_exit(self) -> None:
+        self.note("exited")
+        if self.die_by_sigint and os.getpid() == self.pid:
+            _die_by_sigint()
+
+
+def _abspath(path: str) -> str:
+    """``path`` made absolute the way ``python`` makes its script's path (not normalized)."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
+def _cannot_open(path: str, exc: OSError) -> SystemExit:
+    """``python``'s own message and exit status for a script it cannot open."""
+    print(
+        f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}",
+        file=sys.stderr,
+        flush=True,
     )
+    return SystemExit(2)
+
+
+def _script_code(path: str) -> tuple[types.CodeType, Any]:
+    """The code of the script file at ``path`` and its loader, as ``python FILE`` reads it:
+    source, or compiled code when the file is a ``.pyc`` (by name or magic number)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise _cannot_open(path, exc) from None
+    magic = importlib.util.MAGIC_NUMBER
+    if path.endswith(".pyc") or data[:2] == magic[:2]:
+        if data[:4] != magic:
+            raise RuntimeError("Bad magic number in .pyc file")
+        code = marshal.loads(data[16:])
+        if not isinstance(code, types.CodeType):
+            raise RuntimeError("Bad code object in .pyc file")
+        return code, importlib.machinery.SourcelessFileLoader("__main__", path)
+    nul = data.find(b"\0")
+    if nul >= 0:
+        # compile() would say "source code string ..." and name no line; python's reader
+        # names the file and line (a file named .zip that is no zip file lands here).
+        line = data[data.rfind(b"\n", 0, nul) + 1 : nul].decode("utf-8", "replace")
+        where = (path, data.count(b"\n", 0, nul) + 1, None, line)
+        raise SyntaxError("source code cannot contain null bytes", where)
+    code = compile(data, path, "exec", dont_inherit=True)
+    return code, importlib.machinery.SourceFileLoader("__main__", path)
+
+
+def _new_main(**values: Any) -> types.ModuleType:
+    """A fresh ``__main__`` module with what ``python`` gives its own, plus ``values``."""
+    main = types.ModuleType("__main__")
+    # The builtins module itself (an imported module's __builtins__ is its dict).
+    given: dict[str, Any] = {"__builtins__": builtins}
+    if sys.version_info < (3, 14):
+        given["__annotations__"] = {}  # the interpreter's __main__ starts with one
+    main.__dict__.update(given, **values)
+    return main
+
+
+def _set_path0(entry: str) -> None:
+    """Put ``entry`` first on ``sys.path`` in place of the folder ``python -m`` put there."""
+    if getattr(sys.flags, "safe_path", False):
+        sys.path.insert(0, entry)  # -P / PYTHONSAFEPATH: `-m` put nothing there
+    else:
+        sys.path[0] = entry
+
+
+class _Script:
+    """What runs: a script's code in the new ``__main__``, or (``code`` None) the
+    ``__main__`` module of a zip application or folder."""
+
+    def __init__(self, rank: _Rank, code: types.CodeType | None, main: types.ModuleType) -> None:
+        self.rank = rank
+        self.code = code
+        self.main = main
+
+
+def _run(script: _Script) -> None:
+    """Start the script. The frames of a traceback below this one are the script's (and
+    for a zip or folder, ``runpy``'s first, as under ``python``)."""
+    script.rank.note("started")
+    if script.code is not None:
+        exec(script.code, script.main.__dict__)
+    else:
+        # What the interpreter itself calls for `python FOLDER` and `python APP.zip`; it
+        # runs the __main__ module found on sys.path[0] in sys.modules["__main__"].
+        runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
+
+
+def _script_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The part of ``tb`` below :func:`_run`; None when the script had not started."""
+    while tb is not None:
+        if tb.tb_frame.f_code is _run.__code__:
+            return tb.tb_next
+        tb = tb.tb_next
+    return None
+
+
+def _print_uncaught(exc: BaseException, tb: types.TracebackType | None) -> None:
+    """What ``python`` does with an exception its ``__main__`` did not catch."""
+    exc = exc.with_traceback(tb)
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except Exception as hook_exc:
+        print("Error in sys.excepthook:", file=sys.stderr)
+        sys.__excepthook__(type(hook_exc), hook_exc, hook_exc.__traceback__)
+        print("\nOriginal exception was:", file=sys.stderr)
+        sys.__excepthook__(type(exc), exc, tb)
+
+
+def _prepare(argv: Sequence[str], rank: _Rank) -> _Script:
+    """Set ``sys.argv``, ``sys.path`` and ``sys.modules["__main__"]`` as ``python ARGV...``
+    would for a script file, a zip application or a folder."""
+    path = _abspath(argv[0])
+    sys.argv = list(argv)
+    # A folder or a zip file runs its __main__ module: `python` asks the same import
+    # hooks whether the path is importable (a non-zip file named .zip runs as a script).
+    if pkgutil.get_importer(path) is not None:
+        _set_path0(path)
+        main = _new_main()
+        sys.modules["__main__"] = main
+        return _Script(rank, None, main)
+    code, loader = _script_code(path)
+    if not getattr(sys.flags, "safe_path", False):
+        # `python SCRIPT` puts the folder of the script's real file (symlinks resolved).
+        sys.path[0] = os.path.dirname(os.path.realpath(path))
+    main = _new_main(__file__=path, __cached__=None, __loader__=loader)
     # Pickling by reference (multiprocessing, DataLoader workers) finds the script's
     # classes in sys.modules["__main__"], as with a plain `python SCRIPT`.
     sys.modules["__main__"] = main
-    exec(code, main.__dict__)
+    return _Script(rank, code, main)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -186,12 +356,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args:
         _say("usage: python -m traceml_ai._bootstrap SCRIPT [ARGS...]")
         raise SystemExit(2)
-    if zero_code_enabled(os.environ):
-        try:
-            install()
-        except Exception as exc:
-            _say(f"could not install the framework attach ({exc!r}); the script runs unpatched")
-    run_script(args)
+    rank = _Rank(os.environ)
+    try:
+        if rank.sigint_held:
+            # A Ctrl-C that came while the interpreter started is raised here, at once.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if zero_code_enabled(os.environ):
+            try:
+                install()
+            except Exception as exc:
+                _say(f"could not install the framework attach ({exc!r}); the script runs unpatched")
+        _run(_prepare(args, rank))
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        tb = _script_frames(exc.__traceback__)
+        if isinstance(exc, KeyboardInterrupt):
+            if tb is None:
+                # Ctrl-C before the script's first line: nothing of it ran; the launcher
+                # says so. The process ends as `python` ends on a Ctrl-C at its start.
+                _die_by_sigint()
+                raise SystemExit(128 + signal.SIGINT) from None
+            rank.die_by_sigint = True
+        # An error of the script (or of compiling it): python's report, none of our frames.
+        _print_uncaught(exc, tb)
+        raise SystemExit(128 + signal.SIGINT if rank.die_by_sigint else 1) from None
 
 
 if __name__ == "__main__":

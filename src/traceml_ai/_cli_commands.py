@@ -255,10 +255,12 @@ def _run_untouched(
     master_port: int,
 ) -> int:
     """``--disable-traceml``: the script alone, as torchrun would start it; its exit code."""
-    from traceml_ai._launch import TORCHRUN_SINGLE_PROCESS_ENV
+    from traceml_ai._launch import TORCHRUN_SINGLE_PROCESS_ENV, LaunchError, check_script
 
-    if not Path(script).is_file():
-        click.echo(f"traceml: error: training script not found: {script}", err=True)
+    try:
+        check_script(script)  # a folder or zip application runs as under `python`
+    except LaunchError as exc:
+        click.echo(f"traceml: error: {exc}", err=True)
         sys.exit(2)
     env = dict(os.environ)
     env["TRACEML_DISABLED"] = "1"  # a traceml.init() in the script does nothing

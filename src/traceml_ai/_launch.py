@@ -11,12 +11,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import pkgutil
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from traceml_ai._bootstrap import ENV_RANK_STATE_DIR, ENV_SIGINT_HELD
 from traceml_ai._converter import StructureError
 from traceml_ai._messages import (
     AggregatorEvent,
@@ -87,6 +92,32 @@ def multi_node_token(master_addr: str, master_port: int, aggregator_port: int) -
     return hashlib.sha256(seed).hexdigest()[:32]
 
 
+def check_script(script: str) -> None:
+    """Refuse a SCRIPT that ``python SCRIPT`` could not run; raises ``LaunchError``.
+
+    Like ``python``: a folder or a zip file runs its ``__main__`` module, any other file
+    runs as a script (a file named ``.zip`` that is no zip file too).
+    """
+    path = os.path.join(os.getcwd(), script)
+    if not os.path.exists(path):
+        raise LaunchError(f"training script not found: {script}")
+    importer = pkgutil.get_importer(path)
+    if importer is not None:
+        kind = "folder" if os.path.isdir(path) else "zip file"
+        find_spec = getattr(importer, "find_spec", None)
+        if find_spec is None or find_spec("__main__") is None:
+            raise LaunchError(
+                f"{script} is a {kind} without __main__.py, so python cannot run it "
+                "(a folder or zip file runs its __main__.py)"
+            )
+        return
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise LaunchError(f"cannot open the training script {script}: {exc.strerror}") from None
+
+
 @attrs.frozen(kw_only=True)
 class _Plan:
     run_dir: Path | None  # None on nodes that do not host the aggregator
@@ -112,8 +143,7 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> _Pl
         raise LaunchError(
             f"--finalize-timeout-sec must be positive, got {options.finalize_timeout_s}"
         )
-    if not Path(options.script).is_file():
-        raise LaunchError(f"training script not found: {options.script}")
+    check_script(options.script)
     port = options.aggregator_port
     if port is not None and not 0 <= port <= 65535:
         raise LaunchError(f"--aggregator-port must be in [0, 65535], got {port}")
@@ -523,8 +553,10 @@ def _run_planned(options: RunOptions, p: _Plan, signals: _Signals) -> int:
         _say(
             f"interrupted ({_signal_name(signals.received[0])}) before the training script started"
         )
+        ends = None
     else:
-        exit_code = _run_ranks(options, env, signals)
+        ends = _run_ranks(options, env, signals)
+        exit_code = ends.exit_code
 
     if not_started is not None and export_on:
         assert p.run_dir is not None
@@ -535,7 +567,7 @@ def _run_planned(options: RunOptions, p: _Plan, signals: _Signals) -> int:
         if event is None:
             _report_aggregator_lost(p, why, exit_code, export_on=export_on)
         else:
-            _report_finalized(options, p, event, ranks_started=not interrupted_early)
+            _report_finalized(options, p, event, ends)
     return exit_code
 
 
@@ -565,8 +597,9 @@ def _print_short_summary(run_dir: Path, export_dir: Path) -> None:
 
 
 def _report_finalized(
-    options: RunOptions, p: _Plan, event: FinalizedEvent, *, ranks_started: bool
+    options: RunOptions, p: _Plan, event: FinalizedEvent, ends: RankEnds | None
 ) -> None:
+    """The end of a run whose aggregator finalized; ``ends`` None: no rank was started."""
     assert p.run_dir is not None
     if options.export.settings.exporter:
         # A custom exporter writes where it likes: name the folder only if it exists.
@@ -578,14 +611,65 @@ def _report_finalized(
             _print_short_summary(p.run_dir, export_dir)
     warning = event.warning
     see = f"; see {warning}" if warning else ""
-    if ranks_started and not event.ranks_heard:
-        # The usual cause is a script without traceml.init(): say that, not "lost".
+    if ends is not None and not event.ranks_heard:
+        _say(f"no rank connected to the aggregator: {_why_no_rank(options, ends)}{see}")
+    elif ends is not None and ends.abrupt:
         _say(
-            f"no rank connected to the aggregator: {options.script} may not call "
-            f"traceml.init() (or it exited before calling it){see}"
+            f"{_ranks_text(ends.abrupt)} ended without shutting down TraceML "
+            f"({_abrupt_how(ends)}): the connection closed without a goodbye, so the last "
+            f"steps may be missing{see}"
         )
     elif warning:
         _say(f"something was lost; see {warning}")
+
+
+def _ranks_text(ranks: tuple[str, ...]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(ranks)
+
+
+def _abrupt_how(ends: RankEnds) -> str:
+    """How ranks ended that never reached the interpreter's exit (where TraceML's
+    ``atexit`` shutdown sends its last steps and a goodbye)."""
+    if ends.single and ends.raw_code < 0:
+        return f"it {_exit_description(ends.raw_code)}"
+    code = f"; exit code {ends.exit_code}" if ends.single else ""
+    return f"os._exit() or a crash skipped the interpreter's normal exit{code}"
+
+
+def _why_no_rank(options: RunOptions, ends: RankEnds) -> str:
+    """What happened in a run whose ranks sent nothing at all, as far as we know it."""
+    from traceml_ai.rank._compat import ENV_DISABLED, env_disabled
+
+    if env_disabled():
+        return (
+            f"{ENV_DISABLED}={os.environ.get(ENV_DISABLED, '').strip()} is set, so TraceML was "
+            "off in the ranks and traceml.init() did nothing (unset it to trace this run, or "
+            "use --disable-traceml to run without an aggregator)"
+        )
+    if ends.known and not ends.started:
+        if ends.interrupted is not None:
+            return (
+                f"interrupted ({_signal_name(ends.interrupted)}) before the training script started"
+            )
+        zip_note = ""
+        if options.script.endswith((".zip", ".pyz")) and not zipfile.is_zipfile(options.script):
+            zip_note = f"; {options.script} is not a zip file, so python read it as a script"
+        return (
+            f"{options.script} did not start (exit code {ends.exit_code}; python's error "
+            f"is above{zip_note})"
+        )
+    if ends.abrupt:
+        return (
+            f"{_ranks_text(ends.abrupt)} ended without shutting down TraceML "
+            f"({_abrupt_how(ends)}), so nothing it traced was sent"
+        )
+    if ends.interrupted is not None:
+        signal_name = _signal_name(ends.interrupted)
+        return f"the training script was stopped by {signal_name} before it sent anything"
+    if ends.exit_code != 0:
+        return f"the training script exited with code {ends.exit_code} before it sent anything"
+    # The usual cause is a script without traceml.init(): say that, not "lost".
+    return f"{options.script} may not call traceml.init() (or it exited before calling it)"
 
 
 def count_data_lines(export_dir: Path) -> int:
@@ -693,16 +777,99 @@ def _report_export_off(run_dir: Path, why: str) -> None:
         _say(f"something was lost; see {path}")
 
 
-def _run_ranks(options: RunOptions, env: dict[str, str], signals: _Signals) -> int:
+@attrs.frozen(kw_only=True)
+class RankEnds:
+    """How the ranks of this node ended, from their exit code and their bootstraps' notes
+    (``traceml_ai._bootstrap.ENV_RANK_STATE_DIR``)."""
+
+    exit_code: int
+    """The ranks' process's exit code the way shells give it (128 + N for signal N);
+    torch.distributed.run's when there are several ranks."""
+    raw_code: int
+    """That process's return code (negative: killed by that signal)."""
+    single: bool
+    """One rank, started directly: ``exit_code`` is the rank's own."""
+    interrupted: int | None
+    """The first signal forwarded to the ranks, if any."""
+    known: bool
+    """Whether the notes were kept (their folder could be made)."""
+    started: tuple[str, ...] = ()
+    """The ranks (``RANK``) whose script started."""
+    abrupt: tuple[str, ...] = ()
+    """The ranks whose script started and whose interpreter never exited normally
+    (``os._exit()``, a signal, a crash): TraceML's shutdown did not run there."""
+
+
+def read_rank_notes(folder: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(ranks whose script started, those of them without a normal exit) from the
+    ``<rank>.<pid>.started`` and ``<rank>.<pid>.exited`` files of ``folder``."""
+    started: dict[str, str] = {}
+    exited: set[str] = set()
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(folder):
+            name, _, what = entry.rpartition(".")
+            if what == "started":
+                started[name] = name.split(".", 1)[0]
+            elif what == "exited":
+                exited.add(name)
+
+    def order(rank: str) -> tuple[int, str]:
+        return (int(rank), "") if rank.isdigit() else (-1, rank)
+
+    abrupt = {rank for name, rank in started.items() if name not in exited}
+    return tuple(sorted(set(started.values()), key=order)), tuple(sorted(abrupt, key=order))
+
+
+def _run_ranks(options: RunOptions, env: dict[str, str], signals: _Signals) -> RankEnds:
     seen = signals.count
-    if options.nproc_per_node == 1 and options.nnodes == 1:
+    single = options.nproc_per_node == 1 and options.nnodes == 1
+    if single:
         env = single_process_environment(options, env)
-    # A session of their own: the terminal's Ctrl-C reaches the ranks once, through us.
-    proc = subprocess.Popen(rank_command(options), env=env, start_new_session=True)
+    env = dict(env)
+    env.pop(ENV_SIGINT_HELD, None)
+    try:
+        notes: str | None = tempfile.mkdtemp(prefix="traceml-ranks-")
+    except OSError:
+        notes = None
+    if notes is not None:
+        env[ENV_RANK_STATE_DIR] = notes
+    else:
+        env.pop(ENV_RANK_STATE_DIR, None)
+    # One rank started directly gets SIGINT blocked, and its bootstrap unblocks it once
+    # it can take it: a Ctrl-C while its interpreter starts and imports TraceML is then
+    # one quiet end by SIGINT, not a traceback out of an import. (Not through torchrun,
+    # which must take a Ctrl-C itself at any time.)
+    hold = single and hasattr(signal, "pthread_sigmask")
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hold else set()
+    if hold and signal.SIGINT not in before:
+        env[ENV_SIGINT_HELD] = "1"
+    try:
+        # A session of their own: the terminal's Ctrl-C reaches the ranks once, through us.
+        proc = subprocess.Popen(rank_command(options), env=env, start_new_session=True)
+    except BaseException:
+        if notes is not None:
+            shutil.rmtree(notes, ignore_errors=True)
+        raise
+    finally:
+        if hold:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
     signals.ranks_started(proc.pid, seen)
     try:
         code: int = proc.wait()
     finally:
         signals.ranks_done()
-    # A negative code means killed by a signal; report it the way shells do.
-    return code if code >= 0 else 128 + (-code)
+    started: tuple[str, ...] = ()
+    abrupt: tuple[str, ...] = ()
+    if notes is not None:
+        started, abrupt = read_rank_notes(notes)
+        shutil.rmtree(notes, ignore_errors=True)
+    return RankEnds(
+        # A negative code means killed by a signal; report it the way shells do.
+        exit_code=code if code >= 0 else 128 + (-code),
+        raw_code=code,
+        single=single,
+        interrupted=signals.received[seen] if signals.count > seen else None,
+        known=notes is not None,
+        started=started,
+        abrupt=abrupt,
+    )

@@ -1,0 +1,265 @@
+"""``traceml run X`` starts X exactly as ``python X`` does, and says what happened when a
+rank sent nothing.
+
+Each case runs ``python X`` and ``traceml run X`` as real processes on real files and
+compares what the script sees (``type(__builtins__)``, ``sys.path[0]``, ``__file__``,
+``__name__``, ``sys.argv``, its ``__main__`` globals), its output and the exit code.
+The scripts do not import torch, so each run takes a second or two.
+"""
+
+from __future__ import annotations
+
+import os
+import py_compile
+import signal
+import subprocess
+import time
+import zipapp
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e_helpers import PY, clean_env, run_cli, traceml_cmd
+
+PROBE = """\
+import sys
+print("BUILTINS", type(__builtins__).__name__)
+print("PATH0", sys.path[0])
+print("FILE", __file__)
+print("NAME", __name__)
+print("ARGV", sys.argv)
+print("PACKAGE", repr(__package__))
+print("SPEC", getattr(__spec__, "origin", None))
+print("LOADER", type(__loader__).__name__)
+print("GLOBALS", sorted(k for k in globals() if k.startswith("__")))
+print("MAIN", sys.modules["__main__"].__dict__ is globals())
+raise SystemExit(int(sys.argv[1]))
+"""
+
+RAISES = """\
+print("before", flush=True)
+
+def train():
+    raise ValueError("boom")
+
+train()
+"""
+
+TRACED = """\
+import os, sys, time
+import traceml_ai as traceml
+
+traceml.init()
+for _ in range(3):
+    with traceml.trace_step():
+        time.sleep(0.01)
+print("steps done", flush=True)
+if sys.argv[1:] == ["os._exit"]:
+    os._exit(0)
+"""
+
+
+def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, *args],
+        cwd=cwd,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _traceml(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return run_cli(
+        ["run", "--logs-dir", cwd / "logs", "--exporter", "off", *args], cwd=cwd, env=env
+    )
+
+
+def _ours(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("traceml: ")]
+
+
+def _not_ours(stderr: str) -> str:
+    return "".join(
+        line for line in stderr.splitlines(keepends=True) if not line.startswith("traceml: ")
+    )
+
+
+def _symlink(tmp: Path) -> list[str]:
+    (tmp / "real").mkdir()
+    (tmp / "real" / "train.py").write_text(PROBE)
+    (tmp / "other").mkdir()
+    (tmp / "other" / "link.py").symlink_to(Path("..") / "real" / "train.py")
+    return ["other/link.py", "0", "--flag"]
+
+
+def _zipapp(tmp: Path) -> list[str]:
+    (tmp / "src").mkdir()
+    (tmp / "src" / "__main__.py").write_text(PROBE)
+    zipapp.create_archive(tmp / "src", tmp / "app.pyz")
+    return ["app.pyz", "7"]
+
+
+def _folder(tmp: Path) -> list[str]:
+    (tmp / "app").mkdir()
+    (tmp / "app" / "__main__.py").write_text(PROBE)
+    return ["app", "5", "x"]
+
+
+def _pyc(tmp: Path) -> list[str]:
+    (tmp / "probe.py").write_text(PROBE)
+    py_compile.compile(str(tmp / "probe.py"), cfile=str(tmp / "probe.pyc"), doraise=True)
+    (tmp / "probe.py").unlink()
+    return ["probe.pyc", "3"]
+
+
+@pytest.mark.parametrize(
+    ("make", "code"),
+    [
+        pytest.param(_symlink, 0, id="symlinked-script"),
+        pytest.param(_zipapp, 7, id="zipapp"),
+        pytest.param(_folder, 5, id="folder-with-main"),
+        pytest.param(_pyc, 3, id="pyc"),
+    ],
+)
+def test_started_as_python_starts_it(
+    tmp_path: Path, make: Callable[[Path], list[str]], code: int
+) -> None:
+    args = make(tmp_path)
+    plain = _python(args, tmp_path)
+    traced = _traceml(args, tmp_path)
+    assert plain.returncode == code, plain.stderr
+    assert "BUILTINS module" in plain.stdout
+    assert traced.returncode == code, traced.stderr
+    assert traced.stdout == plain.stdout, traced.stderr
+    assert _not_ours(traced.stderr) == plain.stderr == ""
+    if code != 0:
+        # It ran and ended on its own: said so, not a guess at a missing traceml.init().
+        assert f"the training script exited with code {code}" in _ours(traced.stderr)[-1]
+
+
+def test_symlinked_script_gets_its_real_folder(tmp_path: Path) -> None:
+    res = _traceml(_symlink(tmp_path), tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert f"PATH0 {tmp_path.resolve() / 'real'}\n" in res.stdout
+    assert f"FILE {tmp_path / 'other' / 'link.py'}\n" in res.stdout
+
+
+def test_disable_traceml_runs_a_folder(tmp_path: Path) -> None:
+    args = _folder(tmp_path)
+    res = run_cli(["run", "--disable-traceml", *args], cwd=tmp_path)
+    assert res.returncode == 5, res.stderr
+    assert res.stdout == _python(args, tmp_path).stdout
+
+
+def test_uncaught_error_reads_as_under_python(tmp_path: Path) -> None:
+    (tmp_path / "raises.py").write_text(RAISES)
+    plain = _python(["raises.py"], tmp_path)
+    traced = _traceml(["raises.py"], tmp_path)
+    assert plain.returncode == traced.returncode == 1, traced.stderr
+    assert traced.stdout == plain.stdout == "before\n"
+    # The same traceback, none of TraceML's frames in it.
+    assert _not_ours(traced.stderr) == plain.stderr
+    assert "ValueError: boom" in plain.stderr
+    last = _ours(traced.stderr)[-1]
+    assert "the training script exited with code 1" in last
+    assert "traceml.init()" not in last
+
+
+def test_traceml_disabled_is_named(tmp_path: Path) -> None:
+    (tmp_path / "traced.py").write_text(TRACED)
+    res = _traceml(["traced.py"], tmp_path, env={"TRACEML_DISABLED": "1"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "steps done\n"
+    last = _ours(res.stderr)[-1]
+    assert "TRACEML_DISABLED=1 is set, so TraceML was off in the ranks" in last
+    assert "may not call traceml.init()" not in last
+
+
+def test_os_exit_after_first_steps_is_named(tmp_path: Path) -> None:
+    (tmp_path / "traced.py").write_text(TRACED)
+    res = _traceml(["traced.py", "os._exit"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "steps done\n"
+    last = _ours(res.stderr)[-1]
+    assert "rank 0 ended without shutting down TraceML" in last
+    assert "os._exit()" in last
+    assert "may not call traceml.init()" not in last
+
+
+# ------------------------------------------------------------------ adversarial starts
+
+
+def test_what_python_cannot_run_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for script, needle in (
+        ("empty", "empty is a folder without __main__.py"),
+        ("missing.py", "training script not found: missing.py"),
+    ):
+        res = _traceml([script], tmp_path)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("traceml: error: "), res.stderr
+        assert needle in lines[0]
+        assert not (tmp_path / "logs").exists()
+        assert _python([script], tmp_path).returncode != 0  # python cannot run it either
+
+
+def test_non_zip_file_named_zip_runs_as_python_runs_it(tmp_path: Path) -> None:
+    (tmp_path / "fake.zip").write_bytes(b"not a zip file\x00\x01\n")
+    plain = _python(["fake.zip"], tmp_path)
+    traced = _traceml(["fake.zip"], tmp_path)
+    assert plain.returncode == traced.returncode == 1, traced.stderr
+    assert "null bytes" in plain.stderr  # python read it as a script
+    assert _not_ours(traced.stderr) == plain.stderr
+    assert "Traceback" not in traced.stderr
+    last = _ours(traced.stderr)[-1]
+    assert "fake.zip did not start" in last and "fake.zip is not a zip file" in last
+
+
+def test_ctrl_c_while_the_rank_starts(tmp_path: Path) -> None:
+    # Should the Ctrl-C come late (a stalled test machine), the script ends quietly too.
+    (tmp_path / "wait.py").write_text(
+        "import time\n"
+        "try:\n"
+        "    print('started', flush=True)\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        "    raise SystemExit(130)\n"
+    )
+    proc = subprocess.Popen(
+        traceml_cmd("run", "--logs-dir", tmp_path / "logs", "--exporter", "off", "wait.py"),
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        launcher = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        # The moment the rank exists it is starting its interpreter and importing TraceML.
+        while not any(
+            "traceml_ai._bootstrap" in " ".join(child.cmdline()) for child in launcher.children()
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, "no rank started"
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal's Ctrl-C does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    if "started" not in out:  # the script's first line never ran (the usual case)
+        assert "interrupted (SIGINT) before the training script started" in err
+    assert "may not call traceml.init()" not in err
