@@ -16,32 +16,93 @@ The public names of TraceML 0.5.0 are here with the same signatures
 aggregator import it too.
 """
 
-from importlib import metadata as _metadata
+from __future__ import annotations
 
-from traceml_ai.rank._sdk import (
-    TraceMLInitConfig,
-    TraceMLWarning,
-    final_summary,
-    init,
-    shutdown,
-    start,
-    summary,
-    trace_phase,
-    trace_step,
-)
-from traceml_ai.rank._wrappers import (
-    wrap_backward,
-    wrap_dataloader_fetch,
-    wrap_forward,
-    wrap_h2d,
-    wrap_optimizer,
-)
-from traceml_ai.rank.sink import ItemSink
+# Nothing is imported at module level (typing neither): the console script imports
+# this package before the CLI's Ctrl-C handler is in place.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
-try:
-    __version__: str = _metadata.version("traceml-ai")
-except _metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
-    __version__ = "0.0.0+unknown"
+    from traceml_ai.rank._sdk import (
+        TraceMLInitConfig,
+        TraceMLWarning,
+        final_summary,
+        init,
+        shutdown,
+        start,
+        summary,
+        trace_phase,
+        trace_step,
+    )
+    from traceml_ai.rank._wrappers import (
+        wrap_backward,
+        wrap_dataloader_fetch,
+        wrap_forward,
+        wrap_h2d,
+        wrap_optimizer,
+    )
+    from traceml_ai.rank.sink import ItemSink
+
+    __version__: str
+
+# Each public name and the module that defines it. They load on first use, so that
+# `traceml` (the CLI, the aggregator) starts without the rank SDK: quick to start, and
+# a Ctrl-C during that start meets the CLI's handler, not an import in progress.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "TraceMLInitConfig",
+            "TraceMLWarning",
+            "final_summary",
+            "init",
+            "shutdown",
+            "start",
+            "summary",
+            "trace_phase",
+            "trace_step",
+        ),
+        "traceml_ai.rank._sdk",
+    ),
+    **dict.fromkeys(
+        (
+            "wrap_backward",
+            "wrap_dataloader_fetch",
+            "wrap_forward",
+            "wrap_h2d",
+            "wrap_optimizer",
+        ),
+        "traceml_ai.rank._wrappers",
+    ),
+    "ItemSink": "traceml_ai.rank.sink",
+}
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("traceml-ai")
+    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        return "0.0.0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name == "__version__":
+        value: Any = _version()
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'traceml_ai' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "ItemSink",

@@ -63,8 +63,9 @@ class _TraceMLGroup(click.Group):
             else:
                 click.echo(f"traceml: error: {_usage_message(exc)}", err=True)
             sys.exit(exc.exit_code)
-        except click.Abort:
-            # Ctrl-C before a command took over the signals: the shell's code, no "Aborted!".
+        except (click.Abort, KeyboardInterrupt):
+            # Ctrl-C before a command took over the signals: the shell's code, no
+            # "Aborted!" and no traceback.
             click.echo("traceml: interrupted", err=True)
             sys.exit(130)
         # Without standalone mode click returns the code of an explicit exit (--help).

@@ -263,3 +263,30 @@ def test_ctrl_c_while_the_rank_starts(tmp_path: Path) -> None:
     if "started" not in out:  # the script's first line never ran (the usual case)
         assert "interrupted (SIGINT) before the training script started" in err
     assert "may not call traceml.init()" not in err
+
+
+@pytest.mark.parametrize("delay_s", [0.03, 0.08, 0.15, 0.3, 0.6])
+def test_ctrl_c_while_traceml_starts_has_no_traceback(tmp_path: Path, delay_s: float) -> None:
+    """A Ctrl-C at any early moment of `traceml run` (the CLI still importing, the
+    launcher planning, a rank starting): one line, exit 130 or the signal, no traceback."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(30)\n")
+    # The console script, as users start it (`python -m` adds runpy's own window).
+    console = Path(PY).parent / "traceml"
+    proc = subprocess.Popen(
+        [str(console), "run", "--logs-dir", str(tmp_path / "logs"), str(script)],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    # Once the script runs, its own KeyboardInterrupt traceback is python's to print
+    # (as under `python train.py`); no frame of TraceML's or of an import in progress.
+    frames = [line for line in err.splitlines() if line.strip().startswith('File "')]
+    assert all(str(script) in line for line in frames), err
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
