@@ -16,3 +16,9 @@ fi
 # The framework extras (hf, lightning) require torch: the constraint keeps the CPU
 # build installed above instead of letting pip pick another.
 "$venv/bin/python" -m pip install -q -c <(echo "torch==2.13.0") -e "$root[test,ray,plot,frames,hf,lightning]"
+# TraceML 0.5.0's published source distribution: its examples/ are real user scripts
+# that tests/e2e/test_compat_examples_050.py runs unmodified (kept out of this repo).
+compat="$venv/compat050"
+if [ ! -f "$compat/traceml_ai-0.5.0.tar.gz" ]; then
+  "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: "traceml-ai==0.5.0" -d "$compat"
+fi

@@ -196,7 +196,9 @@ def test_ray_config_from_plain_data() -> None:
     assert str(info.value) == (
         "TraceMLRayConfig: unknown key 'exporter_hostnme' at $.exporter_hostnme; known keys: "
         "exporter, export_streams, exporter_hostname, logs_dir, session_id, "
-        "sampler_interval_sec, bind_host, port, stop_timeout_sec"
+        "sampler_interval_sec, bind_host, port, stop_timeout_sec, mode, profile, init_mode, "
+        "patch_dataloader, patch_forward, patch_backward, patch_h2d, summary_window_rows, "
+        "history_retention"
     )
     with pytest.raises(ValueError, match=r"expected an integer, got str '8' at \$\.port"):
         TraceMLRayConfig.from_mapping({"port": "8"})

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import traceml_ai as traceml
-from traceml_ai.rank import _timing
+from traceml_ai.rank import _sdk, _timing
 from traceml_ai.rank._timing import DATALOADER_NEXT, FORWARD, StepContext, StepTimer, activate
 
 TRACE_ONE_IN = 0
@@ -103,7 +103,10 @@ class StepDriver:
         Started here rather than at the first step, so the first step's DataLoader
         waits, fetched before it begins, are measured.
         """
-        traceml.init()
+        if _sdk._runtime is None:
+            # Not init() again when running: a script's own init(mode=...) would get a
+            # notice that this init() (auto) is ignored.
+            traceml.init()
         self.end()
 
     @property

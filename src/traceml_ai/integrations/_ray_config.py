@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ import attrs
 
 from traceml_ai._converter import structure, unstructure
 from traceml_ai._run_folder import run_name_problem
+from traceml_ai.rank import _compat
+from traceml_ai.rank._compat import build_config
 from traceml_ai.settings import ExportSettings, ResolvedExportSettings, settings_from_values
 
 __all__ = ["CONFIG_SOURCE", "TraceMLRayConfig"]
@@ -78,6 +82,71 @@ def _session_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
         )
 
 
+RAY_MODES = ("summary", "cli", "dashboard")
+"""TraceML 0.5.0's display modes (``mode``); only ``summary`` means something here."""
+
+PROFILES = ("run", "watch")
+"""TraceML 0.5.0's sampler profiles (``profile``); ``run`` is what a Ray job does here."""
+
+
+def _one_of(choices: tuple[str, ...]) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        del instance
+        if value is not None and value not in choices:
+            raise ValueError(
+                f"{CONFIG_SOURCE}.{attribute.name}: expected one of "
+                f"{', '.join(repr(c) for c in choices)}, got {value!r}"
+            )
+
+    return check
+
+
+def _optional_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    del instance
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(
+            f"{CONFIG_SOURCE}.{attribute.name}: expected True, False or None, got {value!r}"
+        )
+
+
+def _rows(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    del instance
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(
+            f"{CONFIG_SOURCE}.{attribute.name}: expected a positive integer, got {value!r}"
+        )
+
+
+def _retention(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    del instance
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
+        raise ValueError(
+            f"{CONFIG_SOURCE}.{attribute.name}: expected seconds or a duration such as "
+            f"'30m', got {value!r}"
+        )
+
+
+def _notice(field: str, value: Any, why: str) -> None:
+    """One ``TraceMLWarning`` per field and process, blamed on the line that made the
+    config (past this module and attrs' generated ``__init__``)."""
+    key = f"ray_config:{field}"
+    if key in _compat._warned:
+        return
+    _compat._warned.add(key)
+    level = 1
+    frame = sys._getframe(1)
+    while frame.f_back is not None and (
+        frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith("<attrs")
+    ):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(
+        f"traceml: {CONFIG_SOURCE}({field}={value!r}) has no effect here: {why}",
+        _compat.TraceMLWarning,
+        stacklevel=level + 1,
+    )
+
+
 @attrs.frozen(kw_only=True)
 class TraceMLRayConfig:
     """TraceML settings of a Ray Train job run by ``TraceMLTorchTrainer``.
@@ -101,6 +170,19 @@ class TraceMLRayConfig:
     - ``port``: the aggregator's TCP port; ``0`` picks a free one.
     - ``stop_timeout_sec``: after training, how long to wait for the workers' last
       telemetry, and then how long the export may take to drain.
+
+    TraceML 0.5.0's fields (docs/compat-0.5.md):
+
+    - ``mode``: ``"summary"`` switches export on (``jsonl``, when ``exporter`` is
+      ``""``) and prints the run's summary after training, as ``traceml run --mode
+      summary`` does; ``"cli"`` and ``"dashboard"`` (live views) say once that there
+      is none here. ``None`` (the default): neither.
+    - ``init_mode`` and ``patch_dataloader``/``patch_forward``/``patch_backward``/
+      ``patch_h2d``: what each worker's ``traceml.init()`` is given (``mode`` and
+      ``patch_*``), checked when the config is made, with init's rules.
+    - ``profile`` (``"run"``), ``summary_window_rows`` and ``history_retention``:
+      accepted; each says once that it has no effect here (``profile="run"`` says
+      nothing: it is what a Ray job does).
     """
 
     exporter: str = ""
@@ -112,11 +194,44 @@ class TraceMLRayConfig:
     bind_host: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
     port: int = attrs.field(default=0, validator=_port)
     stop_timeout_sec: float = attrs.field(default=10.0, validator=_positive_seconds)
+    # TraceML 0.5.0's fields.
+    mode: str | None = attrs.field(default=None, validator=_one_of(RAY_MODES))
+    profile: str | None = attrs.field(default=None, validator=_one_of(PROFILES))
+    init_mode: str = "auto"
+    patch_dataloader: bool | None = attrs.field(default=None, validator=_optional_bool)
+    patch_forward: bool | None = attrs.field(default=None, validator=_optional_bool)
+    patch_backward: bool | None = attrs.field(default=None, validator=_optional_bool)
+    patch_h2d: bool | None = attrs.field(default=None, validator=_optional_bool)
+    summary_window_rows: int | None = attrs.field(default=None, validator=_rows)
+    history_retention: float | str | None = attrs.field(default=None, validator=_retention)
 
     def __attrs_post_init__(self) -> None:
         # Same checks and messages as `traceml run`, with TraceMLRayConfig.<field>
         # in place of the flag; no environment variable or traceml.yaml is read.
         self.resolved_settings()
+        try:
+            build_config(self.init_mode, **self.init_patches())
+        except ValueError as exc:
+            raise ValueError(f"{CONFIG_SOURCE}.init_mode: {exc}") from None
+        notices = {
+            "mode": "there is no live view; mode='summary' prints the run's summary after training",
+            "profile": "every worker's steps are traced",
+            "summary_window_rows": "the summary covers every step written",
+            "history_retention": "there is no history database; the export files keep every line",
+        }
+        for field, why in notices.items():
+            value = getattr(self, field)
+            if value is not None and value not in ("summary", "run"):
+                _notice(field, value, why)
+
+    def init_patches(self) -> dict[str, bool | None]:
+        """The ``patch_*`` keywords each worker's ``traceml.init()`` gets."""
+        return {
+            "patch_dataloader": self.patch_dataloader,
+            "patch_forward": self.patch_forward,
+            "patch_backward": self.patch_backward,
+            "patch_h2d": self.patch_h2d,
+        }
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> TraceMLRayConfig:
@@ -137,7 +252,7 @@ class TraceMLRayConfig:
     def resolved_settings(self) -> ResolvedExportSettings:
         """The validated export settings, with the selected stream names."""
         return settings_from_values(
-            exporter=self.exporter,
+            exporter=self.exporter or ("jsonl" if self.mode == "summary" else ""),
             export_streams=self.export_streams,
             exporter_hostname=self.exporter_hostname,
             source=CONFIG_SOURCE,
@@ -150,7 +265,7 @@ class TraceMLRayConfig:
 
     @property
     def export_enabled(self) -> bool:
-        """Whether an exporter is set (``exporter`` is not ``""``)."""
+        """Whether an exporter is set (``exporter`` is not ``""``, or ``mode="summary"``)."""
         return self.export_settings.exporter_kind != "off"
 
     def run_dir(self, session_id: str) -> Path:

@@ -1,4 +1,5 @@
-"""TraceML for the Hugging Face ``Trainer``: ``TraceMLTrainerCallback``.
+"""TraceML for the Hugging Face ``Trainer``: ``TraceMLTrainerCallback``, ``init()`` and
+``TraceMLTrainer``.
 
 Under ``traceml run`` nothing needs to change in the script: the launcher attaches this
 callback to every ``transformers.Trainer`` when ``train()`` is called. Launched
@@ -16,6 +17,14 @@ Each optimizer update is one traced step: with ``gradient_accumulation_steps=k``
 ``k`` micro-batches' forward and backward fold into it (``n_calls`` says how many),
 and the DataLoader waits for them too. Evaluation and prediction are not training
 steps: their batches are not traced and their DataLoader waits are left out.
+
+TraceML 0.5.0's names work too (docs/compat-0.5.md): ``init()`` starts TraceML with
+``mode="auto"`` and pauses its hooks during ``Trainer.evaluate``/``predict``, and
+``TraceMLTrainer`` (0.3.x's wrapper, removed in 0.4.0) is a ``transformers.Trainer``
+that adds the callback itself (``traceml_enabled=False``: it does not, and ``traceml
+run`` does not attach one to it either). However many ways attach TraceML to one
+trainer (an explicit callback, ``TraceMLTrainer``, ``traceml run``), each optimizer
+update is one step.
 
 Importing this module needs transformers: ``pip install 'traceml-ai[hf]'``.
 """
@@ -36,9 +45,20 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         f"({_exc}). Install it with: pip install 'traceml-ai[hf]'"
     ) from _exc
 
+import traceml_ai as traceml
 from traceml_ai.integrations._common import HookGuard, StepDriver
+from traceml_ai.rank import _timing
+from traceml_ai.rank._compat import TraceMLInitConfig, env_disabled
 
-__all__ = ["TraceMLTrainerCallback"]
+__all__ = ["TraceMLTrainer", "TraceMLTrainerCallback", "init"]
+
+HAS_TRANSFORMERS = True
+"""TraceML 0.5.0's flag; always true here (without transformers this module does not
+import)."""
+
+TraceMLTrainer: Any
+"""A ``transformers.Trainer`` that adds ``TraceMLTrainerCallback`` (made at first use,
+by the module's ``__getattr__``)."""
 
 FRAMEWORK = "Hugging Face Trainer"
 
@@ -73,7 +93,17 @@ class TraceMLTrainerCallback(TrainerCallback):  # type: ignore[misc]
         self._guard.run("on_train_begin", self._driver.start)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._guard.run("on_step_begin", lambda: self._driver.begin(self._model(kwargs)))
+        self._guard.run("on_step_begin", lambda: self._begin(kwargs))
+
+    def _begin(self, kwargs: dict[str, Any]) -> None:
+        driver = self._driver
+        if not driver.open:
+            timer = _timing._ACTIVE
+            if timer is not None and timer.in_step:
+                # Another TraceML callback on this trainer (or the script's own
+                # trace_step) has the step open: it is counted once, by that one.
+                return
+        driver.begin(self._model(kwargs))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._guard.run("on_step_end", self._driver.end)
@@ -118,16 +148,29 @@ _ATTACH_GUARD = HookGuard(FRAMEWORK, lambda: None)
 _LOOP_GUARD = HookGuard(FRAMEWORK, lambda: None)
 
 
-def _guarded_attach(trainer: Any) -> TraceMLTrainerCallback | None:
+def _guarded_attach(trainer: Any, *, add: bool = True) -> TraceMLTrainerCallback | None:
+    """The trainer's TraceML callback, added when it has none (``add``); ``None`` for a
+    ``TraceMLTrainer(traceml_enabled=False)``."""
+    if getattr(trainer, "_traceml_opted_out", False):
+        return None
     attached: list[TraceMLTrainerCallback] = []
-    _ATTACH_GUARD.run("Trainer.train", lambda: attached.append(_attach(trainer)))
+
+    def find() -> None:
+        callback = _attach(trainer) if add else _callback_of(trainer)
+        if callback is not None:
+            attached.append(callback)
+
+    _ATTACH_GUARD.run("Trainer.train", find)
     return attached[0] if attached else None
 
 
-def _wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_train(original: Callable[..., Any], *, add: bool = True) -> Callable[..., Any]:
+    """``Trainer.train``: attach the callback (``add``; ``traceml run``), and close a
+    step left open when training returns or raises."""
+
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        callback = _guarded_attach(self)
+        callback = _guarded_attach(self, add=add)
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
@@ -158,3 +201,75 @@ def _wrap_loop(original: Callable[..., Any]) -> Callable[..., Any]:
 
     loop.__traceml_wrapped__ = True  # type: ignore[attr-defined]
     return loop
+
+
+# -- TraceML 0.5.0's init() and 0.3.x's TraceMLTrainer --------------------------------------
+
+
+def _install_trainer_wraps() -> None:
+    """Wrap ``Trainer.train`` (closes a step left open; attaches nothing) and
+    ``evaluate``/``predict`` (hooks paused) once per process, unless ``traceml run``
+    already did (its wraps attach the callback as well)."""
+    trainer_cls = importlib.import_module("transformers").Trainer
+    for name in ("train", "evaluate", "predict"):
+        original = getattr(trainer_cls, name, None)
+        if not callable(original) or getattr(original, "__traceml_wrapped__", False):
+            continue
+        wrapper = _wrap_train(original, add=False) if name == "train" else _wrap_loop(original)
+        setattr(trainer_cls, name, wrapper)
+
+
+def init() -> TraceMLInitConfig:
+    """Start TraceML for a Hugging Face ``Trainer`` run, as TraceML 0.5.0's
+    ``traceml_ai.integrations.huggingface.init()`` does: ``traceml.init(mode="auto")``
+    (forward, backward, optimizer step, DataLoader waits and host-to-device copies are
+    timed), returning its config. It also pauses TraceML's hooks while
+    ``Trainer.evaluate``/``predict`` run and closes a step that an exception left
+    open. Register ``TraceMLTrainerCallback()`` with the trainer (``traceml run`` does
+    that for you). A second call returns the running config.
+    """
+    config = traceml.init(mode="auto")
+    if not config.disabled:
+        _ATTACH_GUARD.run("init", _install_trainer_wraps)
+    return config
+
+
+_TRACEML_TRAINER: Any = None
+
+
+def _trainer_class() -> Any:
+    """``TraceMLTrainer``, made at its first use: ``transformers.Trainer`` is imported
+    then, not when this module is (``traceml run`` imports it from inside that import)."""
+    global _TRACEML_TRAINER
+    if _TRACEML_TRAINER is not None:
+        return _TRACEML_TRAINER
+    base: Any = importlib.import_module("transformers").Trainer
+
+    class TraceMLTrainer(base):  # type: ignore[misc]
+        """A ``transformers.Trainer`` that adds ``TraceMLTrainerCallback`` itself (TraceML
+        0.3.x's wrapper): ``TraceMLTrainer(model=..., args=..., traceml_enabled=True)``.
+
+        ``traceml_enabled=False`` (or ``TRACEML_DISABLED=1``) adds no callback, and
+        ``traceml run`` attaches none to this trainer. A ``TraceMLTrainerCallback``
+        already in ``callbacks`` is used instead of a second one.
+        """
+
+        def __init__(self, *args: Any, traceml_enabled: bool = True, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.traceml_enabled = traceml_enabled
+            opted_out = traceml_enabled is False or env_disabled()
+            self._traceml_opted_out = opted_out
+            if opted_out:
+                return
+            _ATTACH_GUARD.run("TraceMLTrainer", lambda: _attach(self))
+
+    TraceMLTrainer.__module__ = __name__
+    TraceMLTrainer.__qualname__ = "TraceMLTrainer"
+    _TRACEML_TRAINER = TraceMLTrainer
+    return TraceMLTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TraceMLTrainer":
+        return _trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,14 @@ update only, after Lightning's closure has run forward and backward) and the
 DataLoader waits. Sanity check, validation, test and predict loops are not training
 steps: no hook reports while they run.
 
+TraceML 0.5.0's ``init()`` works too (docs/compat-0.5.md): it starts TraceML with
+``mode="auto"``. An explicit ``TraceMLCallback`` under ``traceml run`` traces that
+trainer alone (the zero-code wraps pass through for it), so each update is one step.
+With backward or the optimizer step not timed automatically (``init(mode="manual")``
+or ``"selective"``), the callback times them itself, from ``on_before_backward`` to
+``on_after_backward`` and from ``on_before_optimizer_step`` to the batch's end, as
+0.5.0's callback does.
+
 Importing this module needs Lightning: ``pip install 'traceml-ai[lightning]'``.
 """
 
@@ -32,9 +40,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import traceml_ai as traceml
 from traceml_ai.integrations._common import HookGuard, StepDriver
 from traceml_ai.rank import _timing
-from traceml_ai.rank._timing import FORWARD, OPTIMIZER_STEP, StepTimer, forward_timed_elsewhere
+from traceml_ai.rank._compat import TraceMLInitConfig
+from traceml_ai.rank._timing import (
+    BACKWARD,
+    FORWARD,
+    OPTIMIZER_STEP,
+    StepTimer,
+    forward_timed_elsewhere,
+)
 
 
 def _callback_base() -> Any:
@@ -62,9 +78,26 @@ def _callback_base() -> Any:
 
 Callback: Any = _callback_base()
 
-__all__ = ["TraceMLCallback"]
+IS_LIGHTNING_AVAILABLE = True
+"""TraceML 0.5.0's flag; always true here (without Lightning this module does not
+import)."""
+
+__all__ = ["TraceMLCallback", "init"]
 
 FRAMEWORK = "Lightning"
+
+
+def init() -> TraceMLInitConfig:
+    """Start TraceML for a Lightning run, as TraceML 0.5.0's
+    ``traceml_ai.integrations.lightning.init()`` is called: returns the config.
+
+    Here it is ``traceml.init(mode="auto")``: forward, backward, the optimizer step,
+    DataLoader waits and host-to-device copies are timed (0.5.0 asks for
+    ``mode="selective"`` with DataLoader and host-to-device patches and lets its
+    callback time the rest; this project's hooks time them in ``auto`` mode, with or
+    without the callback). A second call returns the running config.
+    """
+    return traceml.init(mode="auto")
 
 
 class TraceMLCallback(Callback):  # type: ignore[misc]
@@ -80,6 +113,9 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
         self._driver = StepDriver()
         self._guard = HookGuard(FRAMEWORK, self._driver.abandon)
         self._global_step = 0
+        # The phases this callback opened itself (not timed automatically).
+        self._own_backward = False
+        self._own_optimizer = False
 
     @property
     def hook_errors(self) -> int:
@@ -97,6 +133,11 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
         def begin() -> None:
             driver = self._driver
             if not driver.open:
+                timer = _timing._ACTIVE
+                if timer is not None and timer.in_step:
+                    # Another TraceMLCallback on this trainer (or the script's own
+                    # trace_step) has the step open: it is counted once, by that one.
+                    return
                 # The strategy's model is the DDP wrapper under DDP: its forward runs
                 # the training_step, and it names the strategy in runtime_environment.
                 model = getattr(getattr(trainer, "strategy", None), "model", None)
@@ -106,11 +147,49 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
 
         self._guard.run("on_train_batch_start", begin)
 
+    def _own_timer(self) -> StepTimer | None:
+        """The active timer while this callback's step is open, else ``None``."""
+        timer = _timing._ACTIVE
+        return timer if timer is not None and self._driver.current is not None else None
+
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        self._guard.run("on_before_backward", self._driver.close_forward)
+        def before() -> None:
+            self._driver.close_forward()
+            timer = self._own_timer()
+            if timer is not None:
+                self._close_own_optimizer(timer)  # manual optimization: one step per call
+                if not timer.auto_backward and not self._own_backward:
+                    self._own_backward = True
+                    timer.open(timer.bwd)
+
+        self._guard.run("on_before_backward", before)
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        def after() -> None:
+            timer = _timing._ACTIVE
+            if self._own_backward:
+                self._own_backward = False
+                if timer is not None:
+                    timer.close(timer.bwd, BACKWARD)
+
+        self._guard.run("on_after_backward", after)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self._guard.run("on_before_optimizer_step", self._driver.restart_optimizer)
+        def before() -> None:
+            self._driver.restart_optimizer()
+            timer = self._own_timer()
+            if timer is not None and not timer.auto_optimizer:
+                self._close_own_optimizer(timer)
+                self._own_optimizer = True
+                timer.open(timer.opt)
+
+        self._guard.run("on_before_optimizer_step", before)
+
+    def _close_own_optimizer(self, timer: StepTimer | None) -> None:
+        if self._own_optimizer:
+            self._own_optimizer = False
+            if timer is not None:
+                timer.close(timer.opt, OPTIMIZER_STEP)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -118,6 +197,7 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
         def end() -> None:
             driver = self._driver
             driver.close_forward()  # a training_step without backward
+            self._close_own_optimizer(_timing._ACTIVE)
             # global_step counts optimizer updates: an accumulating batch leaves it as
             # it was, and its step stays open for the next batch.
             if trainer.global_step != self._global_step:
@@ -138,6 +218,7 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
         def close() -> None:
             self._driver.resume()
             self._driver.close_forward()
+            self._own_backward = self._own_optimizer = False
             self._driver.end(exception)
 
         self._guard.run("on_exception", close)

@@ -69,7 +69,10 @@ from traceml_ai.wire import (
 )
 from traceml_records import ExportLoss
 
-__all__ = ["TraceMLRayConfig", "TraceMLRayRun", "TraceMLTorchTrainer"]
+__all__ = ["AggregatorEndpoint", "TraceMLRayConfig", "TraceMLRayRun", "TraceMLTorchTrainer"]
+
+TrainLoop = Callable[[dict[str, Any]], Any]
+"""A ``train_loop_per_worker`` taking Ray Train's config (TraceML 0.5.0's alias)."""
 
 ACTOR_NAME_PREFIX = "traceml-aggregator-"
 """The aggregator actor of a run is named ``traceml-aggregator-<session_id>``."""
@@ -164,6 +167,16 @@ class TraceMLRayRun:
     ``finished_ranks``, ``missing_ranks``, ``warning_path``."""
 
 
+@attrs.frozen
+class AggregatorEndpoint:
+    """Where the last ``fit()``'s workers sent telemetry (``last_endpoint``, TraceML
+    0.5.0's name)."""
+
+    host: str
+    port: int
+    session_id: str
+
+
 # -- the worker side --------------------------------------------------------------------
 
 
@@ -178,6 +191,9 @@ class _WorkerPlan:
     address_ref: Any
     token: str
     sampler_interval: float
+    init_mode: str = "auto"
+    """``traceml.init``'s ``mode`` and ``patch_*`` (TraceMLRayConfig.init_mode & co.)."""
+    init_patches: Mapping[str, bool | None] = attrs.field(factory=dict)
 
 
 def _required_positional_params(fn: Callable[..., Any]) -> int:
@@ -260,7 +276,14 @@ def _run_traced(plan: _WorkerPlan | None, fn: Callable[..., Any], args: tuple[An
         finally:
             _shutdown_quietly()
     with _patched_environ(_worker_environ(plan, address)):
-        traceml.init()
+        patches = plan.init_patches
+        traceml.init(
+            plan.init_mode,
+            patch_dataloader=patches.get("patch_dataloader"),
+            patch_forward=patches.get("patch_forward"),
+            patch_backward=patches.get("patch_backward"),
+            patch_h2d=patches.get("patch_h2d"),
+        )
         try:
             return fn(*args)
         finally:
@@ -328,6 +351,15 @@ class TraceMLTorchTrainer:
         self.traceml_run: TraceMLRayRun | None = None
         """What the last ``fit()`` did with TraceML (set even when it raised)."""
 
+    @property
+    def last_endpoint(self) -> AggregatorEndpoint | None:
+        """The aggregator the last ``fit()`` used; ``None`` with export off or when it
+        did not start (TraceML 0.5.0's property; ``traceml_run`` says more)."""
+        run = self.traceml_run
+        if run is None or run.address is None or run.session_id is None:
+            return None
+        return AggregatorEndpoint(run.address[0], run.address[1], run.session_id)
+
     def _expected_world_size(self) -> int | None:
         scaling = self.torch_trainer_kwargs.get("scaling_config")
         workers = getattr(scaling, "num_workers", None)
@@ -359,7 +391,13 @@ class TraceMLTorchTrainer:
         plan = None
         if address_ref is not None:
             _say(f"run folder {run_dir}")
-            plan = _WorkerPlan(address_ref, token, config.sampler_interval_sec)
+            plan = _WorkerPlan(
+                address_ref,
+                token,
+                config.sampler_interval_sec,
+                config.init_mode,
+                config.init_patches(),
+            )
         try:
             return self._torch_trainer(plan).fit()
         finally:
@@ -437,9 +475,33 @@ class TraceMLTorchTrainer:
                 _say(f"export: {summary['written_records']} records in {export_dir}")
             if summary.get("warning_path"):
                 _say(f"something was lost; see {summary['warning_path']}")
+            if config.mode == "summary" and run is not None and run.run_dir is not None:
+                _print_run_summary(run.run_dir)
         finally:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
+
+
+SUMMARY_MAX_BYTES = 64 * 1024 * 1024
+"""``mode="summary"`` prints no summary of export files larger than this (it reads every
+line); ``traceml summary RUN_FOLDER`` gives it on demand."""
+
+
+def _print_run_summary(run_dir: Path) -> None:
+    """The run's summary on stderr (``mode="summary"``); never fails or stalls ``fit()``."""
+    try:
+        export_dir = run_dir / "aggregator" / "export"
+        if not export_dir.is_dir():
+            return
+        size = sum(f.stat().st_size for f in export_dir.glob("*.jsonl"))
+        if size > SUMMARY_MAX_BYTES:
+            _say(f"summary: {size / 2**20:.0f} MiB of export files; `traceml summary {run_dir}`")
+            return
+        from traceml_ai.run_summary import format_summary, summarize_run
+
+        print(format_summary(summarize_run(run_dir)), file=sys.stderr, flush=True)
+    except Exception as exc:
+        _say(f"summary unavailable: {type(exc).__name__}: {exc}")
 
 
 def _reason(exc: BaseException) -> str:

@@ -256,9 +256,26 @@ def _wrap_method(obj: Any, attr: str, name: str, slot_of: Callable[[Any], Any]) 
     return True
 
 
+def _is_class(name: str, obj: Any, expected: str) -> bool:
+    """Whether ``obj`` is a class (``wrap_forward(MyModel)``), said once: patching the
+    class would time every instance's calls, outside this model too."""
+    if not isinstance(obj, type):
+        return False
+    warn_once(
+        f"wrap:{name}:class",
+        f"traceml: {name}() expects {expected}, got the class {obj.__name__}; "
+        "it is returned unchanged and not timed",
+    )
+    return True
+
+
 def wrap_forward(model: Any) -> Any:
     """Time this model's ``forward`` (in place; returns the same model)."""
     if env_disabled():
+        return model
+    if _is_class(
+        "wrap_forward", model, "a module instance (model = MyModel(); wrap_forward(model))"
+    ):
         return model
     if not callable(getattr(model, "forward", None)):
         _bad("wrap_forward", "a module with a callable forward", model)
@@ -273,6 +290,8 @@ def wrap_forward(model: Any) -> Any:
 def wrap_optimizer(optimizer: Any) -> Any:
     """Time this optimizer's ``step`` (in place; returns the same optimizer)."""
     if env_disabled():
+        return optimizer
+    if _is_class("wrap_optimizer", optimizer, "an optimizer instance"):
         return optimizer
     if not callable(getattr(optimizer, "step", None)):
         _bad("wrap_optimizer", "an object with a callable step()", optimizer)
