@@ -11,6 +11,7 @@ second explicit callback) counts each optimizer update once.
 from __future__ import annotations
 
 import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_helpers import REPO, assert_valid, export_dir
+from tests.e2e_helpers import REPO, assert_valid, clean_env, export_dir
 from tests.integration_helpers import (
     BACKWARD,
     FORWARD,
@@ -221,3 +222,36 @@ def test_wrap_forward_of_a_class_returns_it_unpatched_with_one_warning() -> None
     net = Net()
     assert traceml.wrap_forward(net) is net
     assert getattr(net, "_traceml_wrapped_forward", False)
+
+
+def test_monai_and_rfdetr_names_import_and_say_once_what_they_do(tmp_path: Path) -> None:
+    """0.5.0 scripts that import these adapters run: init() starts TraceML, the
+    handler attaches nothing, each says so in one traceml: warning."""
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "from traceml_ai.integrations import monai, rfdetr\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    config = monai.init()\n"
+        "    handler = monai.TraceMLHandler()\n"
+        "    handler.attach(object())\n"
+        "    rfdetr.init()\n"
+        "print(type(config).__name__, isinstance(monai.IS_MONAI_AVAILABLE, bool))\n"
+        "for w in seen: print(w.message)\n"
+    )
+    env = {"TRACEML_ON_MISSING_AGGREGATOR": "warn"}
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=clean_env(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "TraceMLInitConfig True"
+    notices = [line for line in lines[1:] if "integration of TraceML 0.5.0" in line]
+    assert len(notices) == 2, res.stdout
+    assert all(line.startswith("traceml: ") for line in notices)
