@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import orjson
 
-from traceml_records._generated.wire import BATCH_STREAMS
+from traceml_records.internal import BATCH_STREAMS
 
 __all__ = [
     "BATCH_STREAMS",

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import orjson
 
-from traceml_records import _native
+from traceml_records import _extensions
 from traceml_records._errors import Path, RecordError, describe
 from traceml_records._generated.records import (
     DUMPERS,
@@ -165,7 +165,7 @@ def _load_speedups() -> ModuleType | None:
     every record it does not handle itself, so errors and odd values behave the same
     either way.
     """
-    _speedups = _native.load()
+    _speedups = _extensions.load()
     if _speedups is None:
         return None
     _speedups.configure(ENCODER_PLANS, _py_dumps_line, orjson.dumps)

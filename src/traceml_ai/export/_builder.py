@@ -34,25 +34,25 @@ from traceml_records import (
     PhaseTiming,
     StepTimeRecord,
 )
-from traceml_records._codec import (
-    BUILTIN_EVENTS,
-    RESERVED_EVENT_PREFIX,
-    STEP_TIME_EVENT,
-    dumps_line,
-    encode_items,
-)
-from traceml_records._errors import Path
-from traceml_records._generated.records import ENCODER_PLANS, ITEM_LOADERS, LOADERS
-from traceml_records._generated.wire import FILE_STREAMS_OF_BATCH, WIRE_STREAMS
-from traceml_records._rules import (
+from traceml_records.events import BUILT_IN_EVENTS, RESERVED_PREFIX, STEP_TIME
+from traceml_records.internal import (
+    ENCODER_PLANS,
+    FILE_STREAMS_OF_BATCH,
     IDENTITY_RULES,
+    ITEM_LOADERS,
+    LOADERS,
+    WIRE_STREAMS,
+    FanOut,
     LineCheck,
+    WireStream,
+    dumps_line,
     duration_ok,
+    encode_items,
     identity_ok,
     line_checks,
     line_findings,
 )
-from traceml_records._wire_spec import FanOut, WireStream
+from traceml_records.internal import FieldPath as Path
 
 __all__ = [
     "BUILTIN_EVENT_NAMES",
@@ -74,8 +74,8 @@ MAX_EVENT_ENTRIES = 1024
 MAX_GPUS_PER_SNAPSHOT = 1024
 """Most GPU entries one system item may carry."""
 
-INTERNAL_PREFIX = RESERVED_EVENT_PREFIX
-BUILTIN_EVENT_NAMES = BUILTIN_EVENTS
+INTERNAL_PREFIX = RESERVED_PREFIX
+BUILTIN_EVENT_NAMES = frozenset(BUILT_IN_EVENTS)
 """The reserved event names this release writes; other ``_traceml_internal:`` names are invalid."""
 
 _INT64_MAX = 2**63 - 1
@@ -175,13 +175,12 @@ _PLANS: dict[str, _Plan] = {name: _plan(wire) for name, wire in WIRE_STREAMS.ite
 _STEP_TIME_FIELDS = tuple(field[0] for field in ENCODER_PLANS[StepTimeRecord])
 _STEP_TIME_FIRST_ITEM_FIELD = _STEP_TIME_FIELDS.index("timestamp_unix_ns")
 assert set(_STEP_TIME_FIELDS[_STEP_TIME_FIRST_ITEM_FIELD:]) == WIRE_STREAMS["step_time"].item_keys
-# The C encoder's rule data: the schema's event name rules (generated MAP_KEY_RULES,
-# via traceml_records._codec), the size limit, and the class whose timings get the
-# duration rule.
+# The C encoder's rule data: the schema's event names (traceml_records.events), the
+# size limit, and the class whose timings get the duration rule.
 _STEP_TIME_RULES = (
-    BUILTIN_EVENTS,
-    RESERVED_EVENT_PREFIX,
-    STEP_TIME_EVENT,
+    BUILTIN_EVENT_NAMES,
+    RESERVED_PREFIX,
+    STEP_TIME,
     MAX_EVENT_ENTRIES,
     PhaseTiming,
 )

@@ -21,8 +21,7 @@ from traceml_records import (
     dumps_warning_file,
     loads_warning_file,
 )
-from traceml_records._generated.records import LOADERS
-from traceml_records._rules import export_shows_loss
+from traceml_records.internal import LOADERS, export_shows_loss
 
 __all__ = [
     "WARNING_FILE_NAME",

@@ -25,8 +25,7 @@ from typing import Any, Literal
 from traceml_ai.export._encoded import EncodedLines
 from traceml_ai.export._protocol import ExportContext, ExporterError, ExportResult, ExportSummary
 from traceml_records import STREAMS_BY_NAME, ClosingLine, dumps_line
-from traceml_records._codec import dumps_lines
-from traceml_records._registry import STREAM_BY_CLASS
+from traceml_records.internal import STREAM_BY_CLASS, dumps_lines
 
 __all__ = [
     "ExportCloseError",

@@ -17,7 +17,7 @@ from typing import Any
 
 from traceml_ai import _fork
 from traceml_ai.export._protocol import ExportContext, ExportSummary
-from traceml_records._registry import STREAM_BY_CLASS
+from traceml_records.internal import STREAM_BY_CLASS
 
 __all__ = ["InMemoryExporter", "capture_export", "make_in_memory_exporter"]
 

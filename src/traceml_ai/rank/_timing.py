@@ -34,9 +34,9 @@ import orjson
 
 from traceml_ai.rank.gpu import CudaBackend, CudaEvent
 from traceml_ai.rank.sink import EncodedStepSink, ItemSink
-from traceml_records import _native
 from traceml_records import events as _events
-from traceml_records._generated.wire import PhaseTimingItem, StepMemoryItem, StepTimeItem
+from traceml_records import internal as _records
+from traceml_records.internal import PhaseTimingItem, StepMemoryItem, StepTimeItem
 
 # The built-in event names, as the schema defines them (traceml_records.events).
 INTERNAL_PREFIX = _events.RESERVED_PREFIX
@@ -106,7 +106,7 @@ def _load_host_step_encoders() -> tuple[Callable[..., Any] | None, Callable[...,
     """The C encoder of a host-timed step's two items and its loop over the ended
     steps (their signatures: traceml_records/_speedups.pyi), or (None, None): pure
     Python."""
-    native = _native.load()
+    native = _records.load_extension()
     if native is None:
         return None, None
     try:
@@ -471,7 +471,7 @@ class _PyTimerCore:
 def _load_hotpath() -> Any:
     """``traceml_ai.rank._hotpath``, configured, or None: not built, disabled, or
     built from other sources than this module's (then everything runs in Python)."""
-    hotpath = _native.load("traceml_ai.rank._hotpath")
+    hotpath = _records.load_extension("traceml_ai.rank._hotpath")
     if hotpath is None:
         return None
     try:

@@ -7,8 +7,8 @@ from typing import Any
 
 from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank.identity import RankIdentity
-from traceml_records import _rules
-from traceml_records._generated.wire import RuntimeEnvironmentItem
+from traceml_records.internal import RuntimeEnvironmentItem
+from traceml_records.internal import topology_of as _topology_of
 
 # Class names are matched instead of importing the wrapper classes, so detection
 # never imports torch.distributed.fsdp or deepspeed just to ask.
@@ -19,7 +19,7 @@ _DEEPSPEED_NAMES = frozenset({"DeepSpeedEngine"})
 
 # The contract's rule (traceml_records._rules, "topology-from-world-sizes"), so the
 # rank sends the topology the builder and the validator expect.
-topology_of = _rules.topology_of
+topology_of = _topology_of
 
 
 def model_strategy(model: object) -> str | None:

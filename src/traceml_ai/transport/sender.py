@@ -34,13 +34,13 @@ from traceml_ai.wire import (
     encode_item,
     make_finished_message,
 )
-from traceml_records import _native
+from traceml_records.internal import load_extension
 
 __all__ = ["RankSender"]
 
 # The sender's socket calls in C, which keep the interpreter's lock (_nowait.c), or
 # None: Python's, which release it around each system call. Tests set it to None.
-_NOWAIT: Any = _native.load("traceml_ai.transport._nowait")
+_NOWAIT: Any = load_extension("traceml_ai.transport._nowait")
 
 _INITIAL_BACKOFF_S = 0.1
 _MAX_BACKOFF_S = 2.0

@@ -335,5 +335,5 @@ def test_an_extension_built_from_other_sources_leaves_everything_in_python(
         def configure(*args: Any) -> None:
             raise TypeError("the phase class has no slot cpu_ns")
 
-    monkeypatch.setattr(_timing._native, "load", lambda name="": Stale)
+    monkeypatch.setattr(_timing._records, "load_extension", lambda name="": Stale)
     assert _timing._load_hotpath() is None

@@ -990,7 +990,9 @@ def test_frames_bigger_than_the_socket_buffers_go_whole_to_a_slow_reader(
     collector.wait(lambda c: len(c.finished) == 1)
     assert [item["seq"] for item in collector.items()] == list(range(n))
     assert sender.sent_items == n and sender.dropped_items == 0
-    assert collector.finished[0]["sent_batches"] == sender.sent_batches == 3
+    # At least 600 / 200 batches (more when a flush came while the puts went on, on a
+    # busy machine); each one counted once, by the sender and by the aggregator.
+    assert collector.finished[0]["sent_batches"] == sender.sent_batches >= 3
 
 
 def test_a_sender_whose_socket_was_closed_under_it_disconnects_and_stays_up() -> None:

@@ -1,0 +1,83 @@
+"""What ``traceml_ai`` uses of ``traceml_records`` beyond its public names.
+
+The one declared surface between the two packages: the producer (rank, transport,
+aggregator, exporter) builds and checks records with these, and imports no private
+module of ``traceml_records`` directly. Everything here is generated from the
+schemas or written once against them; it is internal to TraceML (no stability
+promise to other users — they have ``traceml_records``'s public names).
+
+- wire items: the typed dicts a rank sends and their stream tables (generated);
+- record building: the loaders and encoder plans per record class (generated), the
+  line and batch encoders, the stream of a record class;
+- checks: the rules a line must satisfy beyond its types (``_rules``);
+- schemas as data, and :func:`load_extension`, the one place that chooses a C
+  extension or its pure-Python twin (``TRACEML_PURE_PYTHON``).
+"""
+
+from traceml_records._codec import dumps_line, dumps_lines, encode_items
+from traceml_records._errors import Path as FieldPath
+from traceml_records._extensions import PURE_PYTHON_ENV
+from traceml_records._extensions import load as load_extension
+from traceml_records._generated.records import ENCODER_PLANS, ITEM_LOADERS, LOADERS
+from traceml_records._generated.wire import (
+    BATCH_STREAMS,
+    FILE_STREAMS_OF_BATCH,
+    WIRE_STREAMS,
+    PhaseTimingItem,
+    ProcessItem,
+    RuntimeEnvironmentItem,
+    StdoutStderrItem,
+    StepMemoryItem,
+    StepTimeItem,
+    SystemGpuItem,
+    SystemItem,
+)
+from traceml_records._registry import STREAM_BY_CLASS
+from traceml_records._rules import (
+    IDENTITY_RULES,
+    LineCheck,
+    duration_ok,
+    export_shows_loss,
+    identity_ok,
+    line_checks,
+    line_findings,
+    topology_of,
+)
+from traceml_records._schemas import schema_documents, stream_schema_file
+from traceml_records._wire_spec import FanOut, WireStream
+
+__all__ = [
+    "BATCH_STREAMS",
+    "ENCODER_PLANS",
+    "FILE_STREAMS_OF_BATCH",
+    "IDENTITY_RULES",
+    "ITEM_LOADERS",
+    "LOADERS",
+    "PURE_PYTHON_ENV",
+    "STREAM_BY_CLASS",
+    "WIRE_STREAMS",
+    "FanOut",
+    "FieldPath",
+    "LineCheck",
+    "PhaseTimingItem",
+    "ProcessItem",
+    "RuntimeEnvironmentItem",
+    "StdoutStderrItem",
+    "StepMemoryItem",
+    "StepTimeItem",
+    "SystemGpuItem",
+    "SystemItem",
+    "WireStream",
+    "dumps_line",
+    "dumps_lines",
+    "duration_ok",
+    "encode_items",
+    "export_shows_loss",
+    "identity_ok",
+    "line_checks",
+    "line_findings",
+    "load_extension",
+    "schema_documents",
+    "stream_schema_file",
+    "topology_of",
+]
