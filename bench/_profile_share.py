@@ -43,7 +43,7 @@ def passes_on(frame: str, src: Path = SRC) -> bool:
 
 
 def _is_traceml(frame: str) -> bool:
-    return "traceml_ai/" in frame and "traceml_ai/_bootstrap.py" not in frame
+    return "traceml_ai/" in frame and "traceml_ai/launch/bootstrap.py" not in frame
 
 
 def shares(
@@ -61,7 +61,7 @@ def shares(
         count = int(count_text)
         frames = stack.split(";")
         thread_at = next((i for i, f in enumerate(frames) if f.startswith("thread (")), None)
-        if thread_at is None or not any("_bootstrap" in f for f in frames[:thread_at]):
+        if thread_at is None or not any("traceml_ai.launch.bootstrap" in f for f in frames[:thread_at]):
             continue  # not the rank's process
         thread = frames[thread_at].split(": ", 1)[-1]
         below = frames[thread_at + 1 :]

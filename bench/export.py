@@ -40,7 +40,7 @@ from traceml_ai.aggregator import tune_gc_for_aggregator
 from traceml_ai.export import ExportSummary, ExportWorker, RecordBuilder, start_export
 from traceml_ai.settings import ExportSettings
 from traceml_ai.testing import make_batch_body, make_identity, make_item, make_phase
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.transport.wire import ReceivedBatch
 
 IDENTITY = make_identity(0, world_size=2, local_world_size=2, pid=1234)
 PHASES = ("dataloader_next", "forward_time", "backward_time", "optimizer_step", "step_time")

@@ -16,7 +16,7 @@ from typing import Any
 
 from traceml_ai.testing import make_item, make_phase
 from traceml_ai.transport import AggregatorServer, RankSender
-from traceml_ai.wire import ReceivedBatch, new_run_token
+from traceml_ai.transport.wire import ReceivedBatch, new_run_token
 
 
 def step_time_item(seq: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from traceml_ai.testing import (
     make_item,
     make_phase,
 )
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import STREAMS_BY_NAME
 from traceml_records._generated.records import DUMPERS
 from traceml_records._registry import STREAM_BY_CLASS

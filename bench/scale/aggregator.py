@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import psutil
 
-from traceml_ai.wire import ENV_RUN_TOKEN
+from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
 from .items import LoadSpec
 
@@ -146,7 +146,7 @@ from pathlib import Path
 import orjson
 from traceml_ai.aggregator import Aggregator, AggregatorConfig, run_until_done
 from traceml_ai.settings import ExportSettings
-from traceml_ai.wire import ENV_RUN_TOKEN
+from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
 cfg = orjson.loads(sys.argv[1])
 aggregator = Aggregator(AggregatorConfig(

@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from traceml_ai.wire import encode_frame, make_batch_message, make_finished_message
+from traceml_ai.transport.wire import encode_frame, make_batch_message, make_finished_message
 
 from .items import LoadSpec, process_item, runtime_item, step_events, system_item
 

@@ -206,7 +206,7 @@ def summary(
 
 
 def _add_launch_commands() -> None:
-    from traceml_ai._cli_commands import run, serve
+    from traceml_ai.launch.commands import run, serve
 
     main.add_command(run)
     main.add_command(serve)

@@ -9,7 +9,7 @@ from pathlib import Path
 from bench._profile_share import passes_on, shares
 
 LOOP = "advance (lightning/pytorch/loops/training_epoch_loop.py:120)"
-RANK = 'process 7:"python -m traceml_ai._bootstrap train.py"'
+RANK = 'process 7:"python -m traceml_ai.launch.bootstrap train.py"'
 LAUNCHER = 'process 6:"python -m traceml_ai run train.py"'
 
 

@@ -21,7 +21,7 @@ from tests.e2e_helpers import (
     run_cli,
     traceml_cmd,
 )
-from traceml_ai._cli_commands import rendezvous_port
+from traceml_ai.launch.commands import rendezvous_port
 
 DDP_SCRIPT = textwrap.dedent(
     """

@@ -248,7 +248,8 @@ def test_ctrl_c_while_the_rank_starts(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         # The moment the rank exists it is starting its interpreter and importing TraceML.
         while not any(
-            "traceml_ai._bootstrap" in " ".join(child.cmdline()) for child in launcher.children()
+            "traceml_ai.launch.bootstrap" in " ".join(child.cmdline())
+            for child in launcher.children()
         ):
             assert proc.poll() is None and time.monotonic() < deadline, "no rank started"
             time.sleep(0.002)
@@ -284,7 +285,7 @@ def test_ctrl_c_while_traceml_starts_has_no_traceback(tmp_path: Path, delay_s: f
     )
     time.sleep(delay_s)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     # Once the script runs, its own KeyboardInterrupt traceback is python's to print
     # (as under `python train.py`); no frame of TraceML's or of an import in progress.
     frames = [line for line in err.splitlines() if line.strip().startswith('File "')]

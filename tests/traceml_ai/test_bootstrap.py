@@ -1,4 +1,4 @@
-"""``traceml run`` starts each rank through ``python -m traceml_ai._bootstrap SCRIPT``:
+"""``traceml run`` starts each rank through ``python -m traceml_ai.launch.bootstrap SCRIPT``:
 the script must see exactly what ``python SCRIPT`` shows it, and nothing is patched
 that the script does not import."""
 
@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 
 from tests.e2e_helpers import PY, clean_env, run_cli
-from traceml_ai._bootstrap import ENV_RANK_STATE_DIR, ENV_SIGINT_HELD, zero_code_enabled
-from traceml_ai._launch import BOOTSTRAP_MODULE, read_rank_notes
+from traceml_ai.launch.bootstrap import ENV_RANK_STATE_DIR, ENV_SIGINT_HELD, zero_code_enabled
+from traceml_ai.launch.launcher import BOOTSTRAP_MODULE, read_rank_notes
 
 SCRIPT = """
 import os, pickle, sys
@@ -88,7 +88,7 @@ def test_zero_code_switch_values() -> None:
     assert zero_code_enabled({"TRACEML_ZERO_CODE": "1"})
     for value in ("0", "false", "OFF", " no "):
         assert not zero_code_enabled({"TRACEML_ZERO_CODE": value})
-    assert sys.modules.get("traceml_ai._bootstrap") is not None
+    assert sys.modules.get("traceml_ai.launch.bootstrap") is not None
 
 
 def _both(

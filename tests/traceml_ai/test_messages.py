@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from traceml_ai._converter import StructureError, dumps, loads, structure, unstructure
-from traceml_ai._messages import (
+from traceml_ai.aggregator.protocol import (
     AggregatorLaunchConfig,
     FailedEvent,
     FinalizedEvent,
@@ -169,8 +169,8 @@ def test_the_aggregator_reports_a_config_it_cannot_read_as_a_failed_event() -> N
 
 
 def test_stats_json_reads_back_as_its_class(tmp_path: Any) -> None:
-    from traceml_ai._messages import AggregatorStatsFile
     from traceml_ai.aggregator import Aggregator, AggregatorConfig
+    from traceml_ai.aggregator.protocol import AggregatorStatsFile
     from traceml_ai.settings import ExportSettings
 
     run_dir = tmp_path / "run"
@@ -211,7 +211,7 @@ def test_ray_config_from_plain_data() -> None:
 
 def test_ray_export_summary_is_the_dict_users_read() -> None:
     from traceml_ai._converter import structure, unstructure
-    from traceml_ai._messages import RayExportSummary
+    from traceml_ai.aggregator.protocol import RayExportSummary
 
     summary = RayExportSummary(
         written_records=12,

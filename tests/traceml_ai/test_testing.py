@@ -40,7 +40,7 @@ from traceml_ai.testing import (
     make_records,
     reset,
 )
-from traceml_ai.wire import BATCH_STREAMS
+from traceml_ai.transport.wire import BATCH_STREAMS
 from traceml_records import STREAMS_BY_NAME, dumps_line, loads_line, validate_line
 
 ENV_VARS = ("TRACEML_AGGREGATOR_ADDR", "TRACEML_RUN_TOKEN", "RANK", "LOCAL_RANK", "WORLD_SIZE")

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from tests.strategies import consistent_json, warning_json
 from traceml_ai.export._builder import RecordBuilder
 from traceml_ai.export._finalize import _check_warning
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import (
     FinalizationWarning,
     RecordError,

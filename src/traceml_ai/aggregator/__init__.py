@@ -1,13 +1,44 @@
-"""The aggregator: one per run, whatever the number of ranks and nodes."""
+"""The aggregator: one per run, whatever the number of ranks and nodes.
 
-from traceml_ai.aggregator._process import tune_gc_for_aggregator
-from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
-from traceml_ai.aggregator._service import (
-    DEFAULT_FINALIZE_TIMEOUT_S,
-    Aggregator,
-    AggregatorConfig,
-    FinalizeResult,
-)
+``protocol`` is what the launcher and the aggregator process tell each other; the
+rest (the service, its runner) loads on first use, so that the launcher can speak the
+protocol without importing the transport server and the exporter.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from traceml_ai.aggregator._process import tune_gc_for_aggregator
+    from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
+    from traceml_ai.aggregator._service import (
+        DEFAULT_FINALIZE_TIMEOUT_S,
+        Aggregator,
+        AggregatorConfig,
+        FinalizeResult,
+    )
+
+_LAZY = {
+    "tune_gc_for_aggregator": "traceml_ai.aggregator._process",
+    "install_stop_handlers": "traceml_ai.aggregator._runner",
+    "run_until_done": "traceml_ai.aggregator._runner",
+    "DEFAULT_FINALIZE_TIMEOUT_S": "traceml_ai.aggregator._service",
+    "Aggregator": "traceml_ai.aggregator._service",
+    "AggregatorConfig": "traceml_ai.aggregator._service",
+    "FinalizeResult": "traceml_ai.aggregator._service",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'traceml_ai.aggregator' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEFAULT_FINALIZE_TIMEOUT_S",

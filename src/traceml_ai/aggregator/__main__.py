@@ -5,7 +5,7 @@ port, expected_world_size, finalize_timeout_s, parent_pid); the run token comes 
 ``TRACEML_RUN_TOKEN`` so it never shows in a process listing. It prints one event line
 when it listens (:class:`ReadyEvent`, or :class:`FailedEvent`) and one when it has
 finalized (:class:`FinalizedEvent`), and exits 0; SIGTERM or SIGINT make it finalize.
-Config and events are attrs classes of ``traceml_ai._messages``, shared with the
+Config and events are attrs classes of ``traceml_ai.aggregator.protocol``, shared with the
 launcher through one converter.
 
 Those event lines go to the stdout it was started with, and only they do: anything
@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import TextIO
 
 from traceml_ai._converter import StructureError
-from traceml_ai._messages import (
+from traceml_ai.aggregator._process import tune_gc_for_aggregator
+from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
+from traceml_ai.aggregator._service import Aggregator, AggregatorConfig
+from traceml_ai.aggregator.protocol import (
     AggregatorEvent,
     AggregatorLaunchConfig,
     FailedEvent,
@@ -33,11 +36,8 @@ from traceml_ai._messages import (
     ReadyEvent,
     dump_event,
 )
-from traceml_ai.aggregator._process import tune_gc_for_aggregator
-from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
-from traceml_ai.aggregator._service import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
-from traceml_ai.wire import ENV_RUN_TOKEN
+from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
 PARENT_POLL_S = 0.5
 

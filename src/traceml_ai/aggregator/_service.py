@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import attrs
 
-from traceml_ai._messages import AggregatorStatsFile
+from traceml_ai.aggregator.protocol import AggregatorStatsFile
 from traceml_ai.export import ExportPipeline, ExportStats, WarningWriteError, start_export
 from traceml_ai.export._builder import batch_streams_for
 from traceml_ai.export._finalize import (
@@ -29,7 +29,7 @@ from traceml_ai.export._finalize import (
 )
 from traceml_ai.settings import ExportSettings
 from traceml_ai.transport.server import AggregatorServer
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import ExportLoss, parse_export_streams
 
 DEFAULT_FINALIZE_TIMEOUT_S = 10.0

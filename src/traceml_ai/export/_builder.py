@@ -26,7 +26,12 @@ import attrs
 import orjson
 
 from traceml_ai.export._encoded import EncodedLines
-from traceml_ai.wire import FrameError, ReceivedBatch, decode_batch_body, peek_batch_stream
+from traceml_ai.transport.wire import (
+    FrameError,
+    ReceivedBatch,
+    decode_batch_body,
+    peek_batch_stream,
+)
 from traceml_records import (
     SCHEMA_VERSION,
     STREAMS,

@@ -30,7 +30,7 @@ from traceml_ai.export._worker import (
     ExportWorker,
 )
 from traceml_ai.settings import ExportSettings, exporter_kind
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import ExportLoss, parse_export_streams
 
 __all__ = ["EXPORT_DIR_PARTS", "ExportPipeline", "builder_for", "start_export"]

@@ -33,7 +33,7 @@ from traceml_ai.export._protocol import (
     ExportSummary,
     export_input_of,
 )
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import ExportLoss
 
 __all__ = [

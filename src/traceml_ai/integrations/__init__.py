@@ -11,5 +11,5 @@ submodule is imported, so ``import traceml_ai.integrations`` never needs an extr
 - :mod:`traceml_ai.integrations.accelerate`: Accelerate loops (``pip install 'traceml-ai[hf]'``).
 
 Under ``traceml run`` the Hugging Face and Lightning Trainers need no code change
-(``traceml_ai._bootstrap``); see docs/integrations.md.
+(``traceml_ai.launch.bootstrap``); see docs/integrations.md.
 """

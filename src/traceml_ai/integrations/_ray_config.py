@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from traceml_ai._converter import structure, unstructure
-from traceml_ai._run_folder import run_name_problem
+from traceml_ai.launch.run_folder import run_name_problem
 from traceml_ai.rank import _compat
 from traceml_ai.rank._compat import build_config
 from traceml_ai.settings import ExportSettings, ResolvedExportSettings, settings_from_values

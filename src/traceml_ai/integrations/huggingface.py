@@ -123,7 +123,7 @@ class TraceMLTrainerCallback(TrainerCallback):  # type: ignore[misc]
         self._guard.run("train", lambda: self._driver.end(exc))
 
 
-# -- zero-code attach under `traceml run` (traceml_ai._bootstrap) ------------------------
+# -- zero-code attach under `traceml run` (traceml_ai.launch.bootstrap) ------------------------
 
 
 def _callback_of(trainer: Any) -> TraceMLTrainerCallback | None:

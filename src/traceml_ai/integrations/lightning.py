@@ -256,7 +256,7 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
         self._resume("on_predict_end")
 
 
-# -- zero-code attach under `traceml run` (traceml_ai._bootstrap) ------------------------
+# -- zero-code attach under `traceml run` (traceml_ai.launch.bootstrap) ------------------------
 #
 # Not a callback: Lightning dispatches every hook of every callback through a profiler
 # context (~2 µs each, ~10 hooks a batch), so a callback costs ~10 µs a batch before it

@@ -55,19 +55,17 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
 
 import traceml_ai as traceml
 from traceml_ai._converter import unstructure
-from traceml_ai._launch import default_run_name
-from traceml_ai._messages import RayExportSummary
 from traceml_ai.aggregator import Aggregator, AggregatorConfig, tune_gc_for_aggregator
-from traceml_ai.export import write_finalization_warning
+from traceml_ai.aggregator.protocol import RayExportSummary
 from traceml_ai.integrations._ray_config import TraceMLRayConfig
+from traceml_ai.launch.launcher import default_run_name, report_export_off
 from traceml_ai.settings import ExportSettings
-from traceml_ai.wire import (
+from traceml_ai.transport.wire import (
     ENV_AGGREGATOR_ADDR,
     ENV_RUN_TOKEN,
     ENV_SAMPLER_INTERVAL,
     new_run_token,
 )
-from traceml_records import ExportLoss
 
 __all__ = ["AggregatorEndpoint", "TraceMLRayConfig", "TraceMLRayRun", "TraceMLTorchTrainer"]
 
@@ -162,7 +160,7 @@ class TraceMLRayRun:
     finalized: bool
     """The aggregator finalized (closing lines written) before its actor was killed."""
     summary: Mapping[str, Any] | None
-    """Counts from finalization, the fields of ``traceml_ai._messages.RayExportSummary``:
+    """Counts from finalization, the fields of ``traceml_ai.aggregator.protocol.RayExportSummary``:
     ``written_records``, ``written_by_stream``, ``dropped_batches``, ``exporter_failed``,
     ``finished_ranks``, ``missing_ranks``, ``warning_path``."""
 
@@ -453,7 +451,7 @@ class TraceMLTorchTrainer:
                     f"the aggregator did not start ({why}); training ran without TraceML telemetry"
                 )
                 if self.traceml_run is not None and self.traceml_run.run_dir is not None:
-                    _report_export_off(self.traceml_run.run_dir, why)
+                    report_export_off(self.traceml_run.run_dir, why)
                 return
             run = self.traceml_run
             if run is not None:
@@ -508,32 +506,6 @@ def _reason(exc: BaseException) -> str:
     """The short reason of a failed actor call (Ray wraps the actor's exception)."""
     cause = getattr(exc, "cause", None)
     return str(cause if isinstance(cause, BaseException) else exc)
-
-
-def _report_export_off(run_dir: Path, why: str) -> None:
-    """The aggregator never started, so nothing was exported: say so in the warning file.
-
-    The same report as ``traceml run`` makes: an export block with ``exporter_failed``.
-    """
-    loss = ExportLoss(
-        written_records=0,
-        dropped_batches=0,
-        failed_records=0,
-        skipped_items=0,
-        exporter_failed=True,
-    )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path = write_finalization_warning(
-            run_dir,
-            export_loss=loss,
-            message=f"Export was off for this run because the aggregator did not start ({why}).",
-        )
-    except (OSError, ValueError) as exc:
-        _say(f"cannot write {run_dir / 'finalization_warning.json'}: {exc}")
-        return
-    if path is not None:
-        _say(f"something was lost; see {path}")
 
 
 def _fresh_session_id(config: TraceMLRayConfig) -> str:

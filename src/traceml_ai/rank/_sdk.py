@@ -63,13 +63,13 @@ from traceml_ai.rank.samplers import (
     sampler_interval_from_env,
 )
 from traceml_ai.rank.sink import ItemSink
-from traceml_ai.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN
+from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN
 
 __all__ = ["TraceMLInitConfig", "TraceMLWarning"]
 
 # Private test knob: the sender's per-stream queue bound (tests make ranks drop with it).
 _ENV_TEST_MAX_PENDING = "_TRACEML_TEST_SENDER_MAX_PENDING_ITEMS"
-# Set by `traceml run` (traceml_ai._launch) for the ranks of the aggregator's node.
+# Set by `traceml run` (traceml_ai.launch.launcher) for the ranks of the aggregator's node.
 _ENV_SUMMARY_FILE = "TRACEML_SUMMARY_STEP_TIME_FILE"
 _DEFAULT_SERVE_PORT = 29600  # `traceml serve`'s default, for init(aggregator_host=...)
 
@@ -536,7 +536,7 @@ def init(
         if sink is None and not address:
             _state = "off"
             _config = disabled_config(source=config.source)
-            # Set by `traceml run` (traceml_ai._launch) when its aggregator did not start.
+            # Set by `traceml run` (traceml_ai.launch.launcher) when its aggregator did not start.
             unavailable = os.environ.get("TRACEML_AGGREGATOR_UNAVAILABLE", "").strip()
             if no_token:
                 message = (

@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 
 from traceml_ai.rank.gpu import CudaBackend, GpuReading, NvmlBackend
-from traceml_ai.wire import ENV_SAMPLER_INTERVAL
+from traceml_ai.transport.wire import ENV_SAMPLER_INTERVAL
 from traceml_records._generated.wire import ProcessItem, SystemGpuItem, SystemItem
 
 DEFAULT_SAMPLER_INTERVAL = 2.0

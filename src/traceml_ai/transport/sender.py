@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from traceml_ai import _fork
-from traceml_ai.wire import (
+from traceml_ai.transport.wire import (
     BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
     batch_envelope,

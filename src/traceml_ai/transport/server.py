@@ -50,7 +50,7 @@ from typing import Any, TypeVar, cast
 
 import orjson
 
-from traceml_ai.wire import (
+from traceml_ai.transport.wire import (
     BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,

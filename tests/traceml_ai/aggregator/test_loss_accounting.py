@@ -35,7 +35,7 @@ from tests.e2e_helpers import (
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
 from traceml_ai.transport.sender import RankSender
-from traceml_ai.wire import (
+from traceml_ai.transport.wire import (
     FrameError,
     decode_message,
     encode_frame,

@@ -29,7 +29,7 @@ from tests.strategies import consistent_json
 from traceml_ai.export import RecordBuilder
 from traceml_ai.export._builder import MAX_EVENT_ENTRIES
 from traceml_ai.export._encoded import EncodedLines
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import StepTimeRecord, dumps_line, loads_line
 from traceml_records._codec import dumps_lines
 from traceml_records._generated.records import IDENTITY_FIELDS

@@ -41,7 +41,7 @@ from traceml_ai.export import (
     start_export,
 )
 from traceml_ai.settings import ExportSettings
-from traceml_ai.wire import ReceivedBatch
+from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import STREAMS_BY_NAME, loads_line
 from traceml_records._codec import encode_items
 from traceml_records._registry import STREAM_BY_CLASS

@@ -28,7 +28,12 @@ from traceml_ai.aggregator import Aggregator, AggregatorConfig
 from traceml_ai.export import _finalize
 from traceml_ai.export._finalize import WarningWriteError
 from traceml_ai.settings import ExportSettings
-from traceml_ai.wire import ENV_RUN_TOKEN, encode_frame, make_batch_message, make_finished_message
+from traceml_ai.transport.wire import (
+    ENV_RUN_TOKEN,
+    encode_frame,
+    make_batch_message,
+    make_finished_message,
+)
 
 TOKEN = "io-errors-token"
 IDENTITY: dict[str, object] = {

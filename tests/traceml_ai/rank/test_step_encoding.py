@@ -21,7 +21,7 @@ from traceml_ai.rank import _timing
 from traceml_ai.rank._compat_summary import StepRecorder
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
-from traceml_ai.wire import encode_item
+from traceml_ai.transport.wire import encode_item
 
 encode = _timing._encode_host_step
 

@@ -35,7 +35,7 @@ from tests.e2e_helpers import (
 )
 from traceml_ai.transport import AggregatorServer
 from traceml_ai.transport import server as server_module
-from traceml_ai.wire import (
+from traceml_ai.transport.wire import (
     FRAME_HEADER,
     batch_prefix,
     encode_frame,

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from traceml_ai.transport import AggregatorServer, RankSender
-from traceml_ai.wire import (
+from traceml_ai.transport.wire import (
     BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,

@@ -29,9 +29,9 @@ from typing import Any
 
 import attrs
 
-from traceml_ai._bootstrap import ENV_RANK_STATE_DIR, ENV_SIGINT_HELD
+from traceml_ai import _environ
 from traceml_ai._converter import StructureError
-from traceml_ai._messages import (
+from traceml_ai.aggregator.protocol import (
     AggregatorEvent,
     AggregatorLaunchConfig,
     FailedEvent,
@@ -39,7 +39,8 @@ from traceml_ai._messages import (
     ReadyEvent,
     parse_event,
 )
-from traceml_ai._run_folder import (
+from traceml_ai.launch.bootstrap import ENV_RANK_STATE_DIR, ENV_SIGINT_HELD
+from traceml_ai.launch.run_folder import (
     RunFolderError,
     check_logs_dir,
     check_run_name,
@@ -47,7 +48,7 @@ from traceml_ai._run_folder import (
     existing_folder_message,
 )
 from traceml_ai.settings import ResolvedExportSettings
-from traceml_ai.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN, ENV_SAMPLER_INTERVAL
+from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN, ENV_SAMPLER_INTERVAL
 
 DEFAULT_MULTI_NODE_AGGREGATOR_PORT = 29600
 AGGREGATOR_READY_TIMEOUT_S = 60.0
@@ -204,8 +205,7 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> _Pl
     )
 
 
-ENV_AGGREGATOR_UNAVAILABLE = "TRACEML_AGGREGATOR_UNAVAILABLE"
-"""Set for the ranks when the aggregator did not start; ``traceml.init()`` shows the reason."""
+ENV_AGGREGATOR_UNAVAILABLE = _environ.AGGREGATOR_UNAVAILABLE
 
 _READ_SLICE_S = 0.1
 """How often a wait for an aggregator event looks at the signals that came meanwhile."""
@@ -439,11 +439,9 @@ TORCHRUN_SINGLE_PROCESS_ENV = (
 )
 """What ``torch.distributed.run`` gives its one worker (with MASTER_ADDR/MASTER_PORT)."""
 
-ENV_RUN_DIR = "TRACEML_RUN_DIR"
-"""The run folder, for the ranks of the node that hosts the aggregator."""
+ENV_RUN_DIR = _environ.RUN_DIR
 
-ENV_SUMMARY_FILE = "TRACEML_SUMMARY_STEP_TIME_FILE"
-"""The ``step_time.jsonl`` this run exports, when it exports one (``traceml.summary()``)."""
+ENV_SUMMARY_FILE = _environ.SUMMARY_FILE
 
 
 def single_process_environment(options: RunOptions, env: dict[str, str]) -> dict[str, str]:
@@ -470,8 +468,8 @@ def step_time_export_file(options: RunOptions, run_dir: Path) -> Path | None:
     return run_dir / "aggregator" / "export" / "step_time.jsonl"
 
 
-BOOTSTRAP_MODULE = "traceml_ai._bootstrap"
-"""Each rank runs ``python -m traceml_ai._bootstrap SCRIPT ARGS``: the script as
+BOOTSTRAP_MODULE = "traceml_ai.launch.bootstrap"
+"""Each rank runs ``python -m traceml_ai.launch.bootstrap SCRIPT ARGS``: the script as
 ``__main__``, after a hook that attaches TraceML to HF/Lightning Trainers it imports."""
 
 
@@ -560,7 +558,7 @@ def _run_planned(options: RunOptions, p: _Plan, signals: _Signals) -> int:
 
     if not_started is not None and export_on:
         assert p.run_dir is not None
-        _report_export_off(p.run_dir, not_started)
+        report_export_off(p.run_dir, not_started)
     if aggregator is not None:
         assert p.run_dir is not None
         event, why = aggregator.finalize(signals)
@@ -752,8 +750,9 @@ def _report_aggregator_lost(p: _Plan, why: str, exit_code: int, *, export_on: bo
     _say(f"the aggregator {why}; export files lack closing lines; see {path}")
 
 
-def _report_export_off(run_dir: Path, why: str) -> None:
-    """The aggregator never started, so nothing was exported: say so in the warning file."""
+def report_export_off(run_dir: Path, why: str) -> None:
+    """The aggregator never started, so nothing was exported: say so in the warning file
+    (``traceml run``, ``traceml serve`` and the Ray integration alike)."""
     from traceml_ai.export._finalize import write_finalization_warning
     from traceml_records import ExportLoss
 
@@ -765,6 +764,7 @@ def _report_export_off(run_dir: Path, why: str) -> None:
         exporter_failed=True,
     )
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
         path = write_finalization_warning(
             run_dir,
             export_loss=loss,
@@ -780,7 +780,7 @@ def _report_export_off(run_dir: Path, why: str) -> None:
 @attrs.frozen(kw_only=True)
 class RankEnds:
     """How the ranks of this node ended, from their exit code and their bootstraps' notes
-    (``traceml_ai._bootstrap.ENV_RANK_STATE_DIR``)."""
+    (``traceml_ai.launch.bootstrap.ENV_RANK_STATE_DIR``)."""
 
     exit_code: int
     """The ranks' process's exit code the way shells give it (128 + N for signal N);

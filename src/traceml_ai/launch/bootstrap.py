@@ -1,4 +1,4 @@
-"""How ``traceml run`` starts a rank: ``python -m traceml_ai._bootstrap SCRIPT ARGS...``.
+"""How ``traceml run`` starts a rank: ``python -m traceml_ai.launch.bootstrap SCRIPT ARGS...``.
 
 It runs SCRIPT as ``__main__`` exactly as ``python SCRIPT ARGS...`` would: the same
 ``sys.argv``, ``__file__`` and ``__main__`` globals (``__builtins__`` the builtins
@@ -44,8 +44,9 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-ENV_ZERO_CODE = "TRACEML_ZERO_CODE"
-"""``0``/``false``/``off``: do not attach to Trainer/Lightning automatically."""
+from traceml_ai import _environ
+
+ENV_ZERO_CODE = _environ.ZERO_CODE
 
 
 def _lazy_wrap(cls: Any, name: str, integration: str, factory: str) -> None:
@@ -171,16 +172,9 @@ def install() -> None:
             _apply(name, module)
 
 
-ENV_RANK_STATE_DIR = "TRACEML_RANK_STATE_DIR"
-"""Set by ``traceml run``: a private folder where the bootstrap leaves
-``<rank>.<pid>.started`` just before the script's first line and ``<rank>.<pid>.exited``
-when the interpreter exits normally (after TraceML's own ``atexit`` shutdown). A rank
-with the first file and not the second ended by ``os._exit()``, a signal or a crash:
-the launcher says so instead of guessing at a missing ``traceml.init()``."""
+ENV_RANK_STATE_DIR = _environ.RANK_STATE_DIR
 
-ENV_SIGINT_HELD = "TRACEML_SIGINT_HELD"
-"""``1`` when ``traceml run`` started this rank with SIGINT blocked: a Ctrl-C during the
-interpreter's start and TraceML's imports waits until :func:`main` can take it."""
+ENV_SIGINT_HELD = _environ.SIGINT_HELD
 
 
 def _die_by_sigint() -> None:
@@ -351,10 +345,10 @@ def _prepare(argv: Sequence[str], rank: _Rank) -> _Script:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``python -m traceml_ai._bootstrap SCRIPT ARGS...``."""
+    """Entry point of ``python -m traceml_ai.launch.bootstrap SCRIPT ARGS...``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        _say("usage: python -m traceml_ai._bootstrap SCRIPT [ARGS...]")
+        _say("usage: python -m traceml_ai.launch.bootstrap SCRIPT [ARGS...]")
         raise SystemExit(2)
     rank = _Rank(os.environ)
     try:
@@ -384,6 +378,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Run the importable copy, so the hook's classes belong to traceml_ai._bootstrap
+    # Run the importable copy, so the hook's classes belong to traceml_ai.launch.bootstrap
     # and not to the `__main__` that the script replaces.
-    importlib.import_module("traceml_ai._bootstrap").main()
+    importlib.import_module("traceml_ai.launch.bootstrap").main()

@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import orjson
 
+from traceml_ai import _environ
 from traceml_records.internal import BATCH_STREAMS
 
 __all__ = [
@@ -42,9 +43,9 @@ __all__ = [
 
 WIRE_VERSION = 1
 
-ENV_AGGREGATOR_ADDR = "TRACEML_AGGREGATOR_ADDR"
-ENV_RUN_TOKEN = "TRACEML_RUN_TOKEN"
-ENV_SAMPLER_INTERVAL = "TRACEML_SAMPLER_INTERVAL"
+ENV_AGGREGATOR_ADDR = _environ.AGGREGATOR_ADDR
+ENV_RUN_TOKEN = _environ.RUN_TOKEN
+ENV_SAMPLER_INTERVAL = _environ.SAMPLER_INTERVAL
 
 # BATCH_STREAMS (generated from the schemas' x-traceml-wire): streams a rank can send;
 # ``system_gpu`` records are split out of ``system`` items.

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import attrs
 import click
 
+from traceml_ai import _environ
 from traceml_ai.settings import (
     SETTINGS,
     SOURCE_DEFAULT,
@@ -255,7 +256,7 @@ def _run_untouched(
     master_port: int,
 ) -> int:
     """``--disable-traceml``: the script alone, as torchrun would start it; its exit code."""
-    from traceml_ai._launch import TORCHRUN_SINGLE_PROCESS_ENV, LaunchError, check_script
+    from traceml_ai.launch.launcher import TORCHRUN_SINGLE_PROCESS_ENV, LaunchError, check_script
 
     try:
         check_script(script)  # a folder or zip application runs as under `python`
@@ -263,7 +264,7 @@ def _run_untouched(
         click.echo(f"traceml: error: {exc}", err=True)
         sys.exit(2)
     env = dict(os.environ)
-    env["TRACEML_DISABLED"] = "1"  # a traceml.init() in the script does nothing
+    env[_environ.DISABLED] = "1"  # a traceml.init() in the script does nothing
     if nproc_per_node == 1 and nnodes == 1:
         for name, value in TORCHRUN_SINGLE_PROCESS_ENV:
             env.setdefault(name, value)
@@ -405,8 +406,8 @@ def run(
     Each TraceML setting is read from its flag, else its TRACEML_* variable, else
     traceml.yaml in the current folder, else its default.
     """
-    from traceml_ai._launch import LaunchError, RunOptions, default_run_name
-    from traceml_ai._launch import run as launch
+    from traceml_ai.launch.launcher import LaunchError, RunOptions, default_run_name
+    from traceml_ai.launch.launcher import run as launch
 
     ctx = click.get_current_context()
     if not ctx.meta.get("traceml_args_form") and isinstance(ctx.command, _RunCommand):
@@ -449,9 +450,9 @@ def run(
         if settings.run_name is None and settings.aggregator_host is None and node_rank == 0:
             settings = attrs.evolve(settings, run_name=default_run_name())
     if trace_max_steps is not None:
-        os.environ["TRACEML_TRACE_MAX_STEPS"] = str(trace_max_steps)
+        os.environ[_environ.TRACE_MAX_STEPS] = str(trace_max_steps)
     if on_missing_aggregator is not None:
-        os.environ["TRACEML_ON_MISSING_AGGREGATOR"] = on_missing_aggregator
+        os.environ[_environ.ON_MISSING_AGGREGATOR] = on_missing_aggregator
     options = RunOptions(
         script=script,
         script_args=script_args,
@@ -488,7 +489,6 @@ def serve(**cli: Any) -> None:
     It finalizes when every expected rank has finished, or on Ctrl-C / SIGTERM, and
     prints the environment the ranks need (TRACEML_AGGREGATOR_ADDR, TRACEML_RUN_TOKEN).
     """
-    from traceml_ai._launch import default_run_name
     from traceml_ai.aggregator import (
         Aggregator,
         AggregatorConfig,
@@ -496,7 +496,8 @@ def serve(**cli: Any) -> None:
         run_until_done,
         tune_gc_for_aggregator,
     )
-    from traceml_ai.wire import ENV_RUN_TOKEN
+    from traceml_ai.launch.launcher import default_run_name
+    from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
     settings = _resolve("serve", cli)
     resolved = settings.export
@@ -507,7 +508,7 @@ def serve(**cli: Any) -> None:
     aggregator_port = 29600 if settings.aggregator_port is None else settings.aggregator_port
     nnodes = settings.nnodes
     nproc_per_node = settings.nproc_per_node
-    from traceml_ai._run_folder import RunFolderError, check_logs_dir, create_run_folder
+    from traceml_ai.launch.run_folder import RunFolderError, check_logs_dir, create_run_folder
 
     try:
         check_logs_dir(logs_dir)
