@@ -6,22 +6,39 @@ documented in docs/reference/tables.md): one table per stream, and
 step, event and device.
 
 Every loader reads a file that is still being written (a last line without its
-newline is left out), never returns the closing line as a row (it is reported:
-:attr:`Loaded.closing`, the table's metadata, ``DataFrame.attrs``), and with
+newline is left out), never returns a closing line as a row (the last one is
+reported: :attr:`Loaded.closing`, the table's metadata, ``DataFrame.attrs``; one
+before the last line means two runs in one file, reported as well), and with
 ``validate=True`` checks every line against the schemas first.
+
+Without ``validate``, a data line whose values the strict validator rejects (NaN or
+Infinity, a value outside its schema's range such as a negative duration or
+``n_calls`` 0, a required key missing, a broken identity or duration rule, a key the
+schema does not know) is left out of the rows and counted (:attr:`Loaded.bad_lines`,
+with the first :attr:`Loaded.problems`); repeated keys are counted
+(:attr:`Loaded.duplicate_keys`) and kept. What cannot be read at all (not JSON, not
+UTF-8, a value of the wrong type) raises :class:`FramesError` naming the file.
+
+The file is read into memory once (never memory-mapped: a file truncated or
+rewritten while it is mapped kills the reader with SIGBUS), then cut after its last
+complete line.
 
 pyarrow is needed (the ``frames`` extra); pandas, polars and duckdb only for their
 own functions.
 
 Speed: pyarrow's multithreaded JSON reader parses the lines with an explicit schema
 for the scalar columns and infers only the ``events`` map, whose keys vary (user
-phase names); the map is then flattened column-wise. bench/frames.py compares it
-with ``pandas.read_json`` and the untyped ``pyarrow.json.read_json``.
+phase names); the map is then flattened column-wise, and the value checks are
+column-wise too. bench/frames.py compares it with ``pandas.read_json`` and the
+untyped ``pyarrow.json.read_json``.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +47,16 @@ import orjson
 
 try:
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.json as pajson
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "traceml_records.frames needs pyarrow: pip install 'traceml-ai[frames]'"
     ) from exc
 
+from traceml_records._generated.registry import STREAMS
 from traceml_records._generated.tables import LONG_TABLES, NESTED_FIELDS, TABLE_STREAM, TABLES
+from traceml_records._schemas import CLOSING_SCHEMA_FILE, schema_documents
 
 __all__ = [
     "TABLE_NAMES",
@@ -61,10 +81,19 @@ _TYPES: dict[str, Any] = {
     "string": pa.string(),
 }
 _BLOCK_SIZE = 16 << 20
-"""Bytes per parse block: big enough for the threads to stay busy, small for memory."""
+"""Bytes per parse block: big enough for the threads to stay busy, small for memory.
+A longer line gets a bigger block (up to :data:`_MAX_BLOCK_SIZE`)."""
+_MAX_BLOCK_SIZE = (1 << 31) - 1
+"""pyarrow's block size is an int32: no line can be longer."""
 _META_CLOSING = b"traceml.closing"
 _META_PARTIAL = b"traceml.partial_last_line"
 _META_FILE = b"traceml.file"
+_META_INFO = b"traceml.info"
+_MAX_PROBLEMS = 10
+"""Problems kept as text (:attr:`Loaded.problems`); every bad line is counted."""
+_CLOSING_FIELDS = ("closing", "written_records", "dropped_batches")
+"""Closing-line keys parsed with every file, to tell closing lines from data lines."""
+_INT64_MAX = (1 << 63) - 1
 
 
 class FramesError(ValueError):
@@ -100,6 +129,17 @@ class Loaded:
     partial_last_line: bool
     """A last line without its newline was left out (the exporter is writing it)."""
     data_lines: int = field(default=0)
+    """Complete data lines in the file (closing lines apart), bad ones included."""
+    bad_lines: int = field(default=0)
+    """Data lines left out of the rows: values the strict validator rejects."""
+    problems: tuple[str, ...] = field(default=())
+    """The first problems found (``file:line: /pointer: message``), at most ten."""
+    duplicate_keys: int = field(default=0)
+    """Rows whose stream key an earlier row has already (kept, not merged)."""
+    earlier_closings: tuple[dict[str, Any], ...] = field(default=())
+    """Closing lines before the last line (``{"line": n, "closing": {...}}``)."""
+    runs_concatenated: bool = field(default=False)
+    """A closing line is followed by data lines: the file holds more than one run."""
 
     def info(self) -> dict[str, Any]:
         """What was left out, as JSON-able data (also in each table's metadata)."""
@@ -108,6 +148,11 @@ class Loaded:
             "closing": self.closing,
             "partial_last_line": self.partial_last_line,
             "data_lines": self.data_lines,
+            "bad_lines": self.bad_lines,
+            "problems": list(self.problems),
+            "duplicate_keys": self.duplicate_keys,
+            "earlier_closings": list(self.earlier_closings),
+            "runs_concatenated": self.runs_concatenated,
         }
 
 
@@ -144,72 +189,775 @@ def _file_for(source: str | os.PathLike[str], stream: str) -> Path:
 # --------------------------------------------------------------------------- reading
 
 
-def _map(path: Path) -> tuple[Any, int, dict[str, Any] | None, bool]:
-    """(file buffer, end of the data lines, closing line, partial last line).
+def _read(path: Path) -> bytes:
+    """The file's bytes, read (not mapped) at once.
 
-    The file is memory-mapped (no copy); only its tail is read here to find the last
-    complete line, so a file being appended is cut at a line boundary.
+    A file that is appended, truncated or rewritten while it is read gives whatever
+    bytes ``read`` returned, never a signal (a mapped file cut under its reader kills
+    the process with SIGBUS): the caller cuts them after the last complete line, and a
+    mix of two versions fails to parse as any bad input does.
     """
-    if path.stat().st_size == 0:
-        return pa.py_buffer(b""), 0, None, False
-    buf = pa.memory_map(str(path)).read_buffer()
-    size = buf.size
-    window = 1 << 16
-    while True:
-        start = max(0, size - window)
-        tail = buf.slice(start).to_pybytes()
-        last_nl = tail.rfind(b"\n")
-        prev_nl = tail.rfind(b"\n", 0, last_nl) if last_nl > 0 else -1
-        if start > 0 and prev_nl < 0:
-            window *= 4  # a very long last line: look further back
-            continue
-        break
-    if last_nl < 0:
-        return buf, 0, None, True
-    end = start + last_nl + 1
-    partial = end < size
-    line_start = start + prev_nl + 1
-    last = tail[prev_nl + 1 : last_nl + 1]
-    closing = None
-    # A closing line is always the last line; its key order is fixed by the schema.
-    if b'"closing":true' in last:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise FramesError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+class _File:
+    """One file as read: its bytes, and its complete lines (up to ``end``) as an
+    Arrow buffer over the same memory, for the parser."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data = _read(path)
+        self.end = self.data.rfind(b"\n") + 1
+        self.partial = self.end < len(self.data)
+        self.body = pa.py_buffer(self.data).slice(0, self.end)
+
+
+def _line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def _lines(data: bytes, end: int) -> Any:
+    """(line number, start, stop) of each line of ``data[:end]`` (stop excludes the newline)."""
+    start = 0
+    number = 0
+    while start < end:
+        stop = data.find(b"\n", start, end)
+        if stop < 0:
+            stop = end
+        number += 1
+        yield number, start, stop
+        start = stop + 1
+
+
+def _utf8_error(path: Path, data: bytes, end: int) -> FramesError | None:
+    """The error naming the first line of ``data[:end]`` with bytes that are not UTF-8
+    (decoded some megabytes of whole lines at a time), or None."""
+    view = memoryview(data)
+    pos = 0
+    while pos < end:
+        stop = data.find(b"\n", min(pos + (8 << 20), end - 1), end)
+        stop = end if stop < 0 else stop + 1
         try:
-            obj = orjson.loads(last)
-        except orjson.JSONDecodeError:
-            obj = None
-        if isinstance(obj, dict) and obj.get("closing") is True:
-            closing = obj
-            end = line_start
-    return buf, end, closing, partial
+            str(view[pos:stop], "utf-8")
+        except UnicodeDecodeError as exc:
+            at = pos + exc.start
+            line_start = data.rfind(b"\n", 0, at) + 1
+            return FramesError(
+                f"{path}:{_line_of(data, at)}: not UTF-8 "
+                f"(byte 0x{data[at]:02x} at column {at - line_start + 1})"
+            )
+        pos = stop
+    return None
 
 
-def _validate(path: Path, body: bytes, closing: dict[str, Any] | None) -> int:
-    """Check every data line (and the closing line's count); returns the data lines."""
+def _not_utf8(path: Path, data: bytes, end: int) -> FramesError:
+    """The error for a file that pyarrow found not UTF-8 (a key or a string value)."""
+    found = _utf8_error(path, data, end)
+    if found is not None:
+        return found
+    return FramesError(f"{path}: not UTF-8 (a key or a string holds bytes that are not UTF-8)")
+
+
+def _malformed_line(path: Path, data: bytes, end: int) -> FramesError | None:
+    """The first line that is not one JSON object (what pyarrow's reader lets by: a
+    blank line, two objects on one line), as the strict validator words it."""
+    loads = orjson.loads
+    for number, start, stop in _lines(data, end):
+        try:
+            obj = loads(data[start:stop])
+        except orjson.JSONDecodeError as exc:
+            return FramesError(f"{path}:{number}: invalid JSON: {exc}")
+        if type(obj) is not dict:
+            return FramesError(f"{path}:{number}: expected a JSON object")
+    return None
+
+
+def _longest_line(data: bytes, end: int) -> tuple[int, int]:
+    """(length, line number) of the longest line of ``data[:end]``."""
+    best = (0, 0)
+    for number, start, stop in _lines(data, end):
+        if stop - start > best[0]:
+            best = (stop - start, number)
+    return best
+
+
+def _parse(file: _File, schema: Any) -> Any:
+    """The file's complete lines parsed by pyarrow's JSON reader: the scalar columns typed, every
+    other key inferred (so that nothing goes unchecked)."""
+    path = file.path
+    block = _BLOCK_SIZE
+    while True:
+        try:
+            return pajson.read_json(
+                pa.BufferReader(file.body),
+                read_options=pajson.ReadOptions(block_size=block),
+                parse_options=pajson.ParseOptions(
+                    explicit_schema=schema, unexpected_field_behavior="infer"
+                ),
+            )
+        except UnicodeDecodeError:
+            raise _not_utf8(path, file.data, file.end) from None
+        except pa.ArrowException as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "straddl" in text and block < _MAX_BLOCK_SIZE:
+                # A line longer than a block: parse again with blocks that hold it.
+                length, number = _longest_line(file.data, file.end)
+                if length + 1 > _MAX_BLOCK_SIZE:
+                    raise FramesError(
+                        f"{path}:{number}: a line of {length} bytes, longer than the "
+                        f"{_MAX_BLOCK_SIZE} bytes pyarrow's JSON reader can take"
+                    ) from None
+                block = min(_MAX_BLOCK_SIZE, max(2 * block, 1 << (length + 1).bit_length()))
+                continue
+            found = None if file.data.isascii() else _utf8_error(path, file.data, file.end)
+            found = found or _malformed_line(path, file.data, file.end)
+            if found is not None:
+                raise found from None
+            raise FramesError(
+                f"{path}: {text} (load with validate=True to find the line)"
+            ) from None
+
+
+# ------------------------------------------------------------------ value checks
+# What the strict validator (``traceml validate``) rejects in a line that pyarrow
+# parses, checked column-wise from the schemas: required keys, NaN and Infinity,
+# ranges, constants, enums, patterns, unknown keys, the phase timing's rules and the
+# identity rules of ``traceml_records._rules``. (Key order, integers written as
+# floats and the other cross-field rules are for validate=True.)
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """What a column's schema allows, beyond its Arrow type."""
+
+    name: str
+    kind: str
+    nullable: bool
+    minimum: float | None = None
+    maximum: float | None = None
+    const: Any = None
+    enum: tuple[Any, ...] | None = None
+    pattern: str | None = None
+
+
+def _resolve(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    """Follow ``$ref``s (URN of a shipped schema, or local) to the node."""
+    docs = _schema_docs()
+    while "$ref" in node:
+        uri, _, fragment = node["$ref"].partition("#")
+        if uri:
+            root = next(d for d in docs.values() if d.get("$id") == uri)
+        target: Any = root
+        for part in fragment.strip("/").split("/"):
+            if part:
+                target = target[part]
+        node = target
+    return node
+
+
+@functools.cache
+def _schema_docs() -> dict[str, dict[str, Any]]:
+    return dict(schema_documents())
+
+
+def _bounds(name: str, kind: str, nullable: bool, node: dict[str, Any]) -> _Bounds:
+    maximum = node.get("maximum")
+    return _Bounds(
+        name=name,
+        kind=kind,
+        nullable=nullable,
+        minimum=node.get("minimum"),
+        maximum=None if maximum is not None and maximum >= _INT64_MAX else maximum,
+        const=node.get("const"),
+        enum=tuple(node["enum"]) if "enum" in node else None,
+        pattern=node.get("pattern"),
+    )
+
+
+@dataclass(frozen=True)
+class _StreamChecks:
+    columns: tuple[_Bounds, ...]
+    rules: frozenset[str]
+    key_fields: tuple[str, ...]
+    unique_keys: bool
+    events: dict[str, Any] | None
+    """step_time's ``events`` schema node (resolved), None for other streams."""
+    timing: tuple[_Bounds, ...]
+    """The phase timing's leaves."""
+
+
+@functools.cache
+def _checks(stream: str) -> _StreamChecks:
+    spec = next(s for s in STREAMS if s.name == stream)
+    root = _schema_docs()[spec.schema_file]
+    props: dict[str, Any] = root["properties"]
+    columns = tuple(_bounds(n, t, null, _resolve(props[n], root)) for n, t, null in TABLES[stream])
+    events = None
+    timing: tuple[_Bounds, ...] = ()
+    if "events" in NESTED_FIELDS[stream]:
+        events = _resolve(props["events"], root)
+        leaf_node = _resolve(events["additionalProperties"]["additionalProperties"], root)
+        required = set(leaf_node.get("required", ()))
+        timing = tuple(
+            _bounds(
+                n,
+                _leaf_kind(_resolve(v, leaf_node)),
+                n not in required or "null" in _types_of(_resolve(v, leaf_node)),
+                _resolve(v, leaf_node),
+            )
+            for n, v in leaf_node["properties"].items()
+        )
+    return _StreamChecks(
+        columns=columns,
+        rules=frozenset(spec.rules),
+        key_fields=spec.key_fields,
+        unique_keys="unique-key" in spec.rules,
+        events=events,
+        timing=timing,
+    )
+
+
+def _types_of(node: dict[str, Any]) -> tuple[str, ...]:
+    kind = node.get("type", ())
+    return (kind,) if isinstance(kind, str) else tuple(kind)
+
+
+def _leaf_kind(node: dict[str, Any]) -> str:
+    kinds = _types_of(node)
+    if "integer" in kinds:
+        return "int64"
+    if "number" in kinds:
+        return "float64"
+    if "boolean" in kinds:
+        return "bool"
+    return "string"
+
+
+class _Findings:
+    """Bad data lines, found column by column: a row mask, and the first problems."""
+
+    def __init__(self, path: Path, is_data: Any) -> None:
+        self.path = path
+        self.is_data = is_data
+        """Rows that are data lines (closing lines are not checked as data)."""
+        self.bad: Any = None
+        self.found: list[tuple[int, str, str]] = []
+
+    def check(
+        self,
+        mask: Any,
+        pointer: str,
+        message: str,
+        *,
+        values: Any = None,
+    ) -> Any:
+        """Record the data lines where ``mask`` (over every row) is true; returns the
+        mask limited to data lines. ``message`` may hold ``{value}`` (from ``values``)."""
+        mask = pc.and_(pc.fill_null(mask, False), self.is_data)
+        if not pc.any(mask).as_py():
+            return mask
+        if len(self.found) < 4 * _MAX_PROBLEMS:
+            for i in pc.indices_nonzero(mask)[:3].to_pylist():
+                text = message
+                if values is not None and "{value}" in message:
+                    text = message.format(value=_show(values[i].as_py()))
+                self.found.append((i, pointer, text))
+        return mask
+
+    def add(self, mask: Any) -> None:
+        """Count the rows of a full-length mask (None: no row) as bad."""
+        if mask is not None:
+            self.bad = mask if self.bad is None else pc.or_(self.bad, mask)
+
+    def problems(self) -> tuple[str, ...]:
+        return tuple(
+            f"{self.path}:{row + 1}: {pointer or '/'}: {message}"
+            for row, pointer, message in sorted(self.found)[:_MAX_PROBLEMS]
+        )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return repr(value)
+
+
+def _pointer(*parts: str) -> str:
+    return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def _check_values(f: _Findings, col: Any, b: _Bounds, pointer: str, *, present: Any = None) -> Any:
+    """The bad rows of one column (an Array or ChunkedArray) against its bounds.
+
+    ``present``: rows where the column's parent object exists (a missing key there
+    is a problem); None for a top-level column.
+    """
+    bad: list[Any] = []
+    if col is None:
+        if b.nullable:
+            return None
+        col = pa.nulls(len(f.is_data) if present is None else len(present), _TYPES[b.kind])
+    if not b.nullable:
+        missing = pc.is_null(col) if present is None else pc.and_(present, pc.is_null(col))
+        bad.append(f.check(missing, pointer, "required key is missing or null"))
+    if col.null_count == len(col):
+        return _or_all(bad)
+    if b.kind == "float64" and pa.types.is_floating(col.type):
+        bad.append(
+            f.check(
+                pc.invert(pc.is_finite(col)),
+                pointer,
+                "{value} is not a finite number (NaN and Infinity are never written)",
+                values=col,
+            )
+        )
+    numeric = pa.types.is_integer(col.type) or pa.types.is_floating(col.type)
+    if numeric and b.minimum is not None:
+        bad.append(
+            f.check(
+                pc.less(col, b.minimum),
+                pointer,
+                f"{{value}} is less than the minimum of {b.minimum}",
+                values=col,
+            )
+        )
+    if numeric and b.maximum is not None:
+        bad.append(
+            f.check(
+                pc.greater(col, b.maximum),
+                pointer,
+                f"{{value}} is greater than the maximum of {b.maximum}",
+                values=col,
+            )
+        )
+    if b.const is not None and not isinstance(b.const, bool):
+        bad.append(
+            f.check(
+                pc.not_equal(col, pa.scalar(b.const, col.type)),
+                pointer,
+                f"{{value}} is not {b.const!r}",
+                values=col,
+            )
+        )
+    if b.enum is not None and pa.types.is_string(col.type):
+        bad.append(
+            f.check(
+                pc.invert(pc.is_in(col, value_set=pa.array(b.enum, pa.string()))),
+                pointer,
+                f"{{value}} is not one of {', '.join(map(repr, b.enum))}",
+                values=col,
+            )
+        )
+    if b.pattern is not None and pa.types.is_string(col.type):
+        bad.append(
+            f.check(
+                pc.invert(pc.match_substring_regex(col, b.pattern)),
+                pointer,
+                f"{{value}} does not match {b.pattern!r}",
+                values=col,
+            )
+        )
+    return _or_all(bad)
+
+
+def _or_all(masks: list[Any]) -> Any:
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m if out is None else pc.or_(out, m)
+    return out
+
+
+def _find_bad_lines(f: _Findings, raw: Any, stream: str, own: Any, nested: tuple[str, ...]) -> None:
+    """Every check of one stream's data lines; the bad rows end in ``f.bad``."""
+    checks = _checks(stream)
+    names = set(raw.column_names)
+    for b in checks.columns:
+        col = raw.column(b.name) if b.name in names else None
+        f.add(_check_values(f, col, b, _pointer(b.name)))
+    known = {*own.names, *nested}
+    for name in raw.column_names:
+        if name in known:
+            continue
+        col = raw.column(name)
+        if name == "closing":
+            # closing true is a closing line; any other value is a data line carrying it.
+            f.add(
+                f.check(
+                    pc.is_valid(col), "/closing", "data lines never carry closing (expected true)"
+                )
+            )
+        else:
+            f.add(f.check(pc.is_valid(col), _pointer(name), "unexpected key (not in the schema)"))
+    _identity_rules(f, raw, checks.rules, names)
+    if checks.events is not None:
+        if "events" in names:
+            _check_events(f, raw.column("events"), checks)
+        else:
+            f.add(f.check(pc.is_null(pa.nulls(raw.num_rows)), "/events", "required key is missing"))
+
+
+_IDENTITY_CHECKS = (
+    (
+        "rank-equals-global-rank",
+        "rank",
+        "not_equal",
+        "global_rank",
+        "rank differs from global_rank",
+    ),
+    (
+        "global-rank-below-world-size",
+        "global_rank",
+        "greater_equal",
+        "world_size",
+        "global_rank is not below world_size",
+    ),
+    (
+        "local-rank-below-local-world-size",
+        "local_rank",
+        "greater_equal",
+        "local_world_size",
+        "local_rank is not below local_world_size",
+    ),
+    (
+        "local-world-size-within-world-size",
+        "local_world_size",
+        "greater",
+        "world_size",
+        "local_world_size exceeds world_size",
+    ),
+)
+"""The identity rules of ``traceml_records._rules``, as column comparisons."""
+
+
+def _identity_rules(f: _Findings, raw: Any, rules: frozenset[str], names: set[str]) -> None:
+    for rule, left, op, right, message in _IDENTITY_CHECKS:
+        if rule in rules and left in names and right in names:
+            compare = getattr(pc, op)
+            f.add(f.check(compare(raw.column(left), raw.column(right)), _pointer(left), message))
+
+
+def _check_events(f: _Findings, events: Any, checks: _StreamChecks) -> None:
+    """The ``events`` map of step_time: names, device keys, and every phase timing.
+
+    Column-wise over the whole file: pyarrow gives the map one struct type for every
+    block (the union of the names), null where a line lacks the entry.
+    """
+    schema = checks.events or {}
+    names_rule = schema.get("propertyNames", {})
+    reserved = re.compile(names_rule.get("if", {}).get("pattern", "(?!)"))
+    allowed = set(names_rule.get("then", {}).get("enum", ()))
+    device_rule = schema.get("additionalProperties", {}).get("propertyNames", {})
+    device_pattern = re.compile(device_rule.get("pattern", ".*"))
+    timing = {b.name: b for b in checks.timing}
+    duration_rule = "duration-matches-timing" in checks.rules
+    n = len(events)
+    present = pc.is_valid(events)
+    bad: list[Any] = [f.check(pc.invert(present), "/events", "required key is missing")]
+    if not pa.types.is_struct(events.type):
+        if events.null_count < n:
+            raise FramesError(f"{f.path}: events is not an object (got {events.type})")
+        f.add(_or_all(bad))
+        return
+    names = [fld.name for fld in events.type]
+    children = events.flatten()  # merges each parent's nulls into its children
+    for name in schema.get("required", ()):
+        missing = present
+        if name in names:
+            missing = pc.and_(present, pc.is_null(children[names.index(name)]))
+        bad.append(f.check(missing, "/events", f"required event {name!r} is missing"))
+    any_event = None
+    for name, by_device in zip(names, children, strict=True):
+        here = pc.is_valid(by_device)
+        any_event = here if any_event is None else pc.or_(any_event, here)
+        at = _pointer("events", name)
+        if name == "" or (reserved.search(name) and name not in allowed):
+            why = "an empty event name" if name == "" else "a reserved name TraceML never writes"
+            bad.append(f.check(here, at, why))
+        if not pa.types.is_struct(by_device.type):
+            if by_device.null_count < n:
+                raise FramesError(f"{f.path}: events/{name} is not an object")
+            continue
+        any_device = None
+        for dev_field, t in zip(by_device.type, by_device.flatten(), strict=True):
+            t_here = pc.is_valid(t)
+            any_device = t_here if any_device is None else pc.or_(any_device, t_here)
+            dev_at = _pointer("events", name, dev_field.name)
+            if not device_pattern.search(dev_field.name):
+                bad.append(f.check(t_here, dev_at, "device key does not match its pattern"))
+            bad.append(_check_timing(f, t, t_here, timing, dev_at, duration_rule))
+        if any_device is None:
+            bad.append(f.check(here, at, "no device"))
+        else:
+            bad.append(f.check(pc.and_(here, pc.invert(any_device)), at, "no device"))
+    if any_event is None:
+        bad.append(f.check(present, "/events", "no event"))
+    else:
+        bad.append(f.check(pc.and_(present, pc.invert(any_event)), "/events", "no event"))
+    f.add(_or_all(bad))
+
+
+def _check_timing(
+    f: _Findings,
+    t: Any,
+    here: Any,
+    bounds: dict[str, _Bounds],
+    at: str,
+    duration_rule: bool,
+) -> Any:
+    """One phase timing (a struct column; null where that event/device is absent)."""
+    if not pa.types.is_struct(t.type):
+        if t.null_count < len(t):
+            raise FramesError(f"{f.path}: {at[1:]} is not an object")
+        return None
+    leaves = dict(zip([x.name for x in t.type], t.flatten(), strict=True))
+    bad: list[Any] = []
+    for name, col in leaves.items():
+        if name not in bounds:
+            bad.append(f.check(pc.is_valid(col), at + _pointer(name), "unexpected key"))
+    for name, b in bounds.items():
+        bad.append(_check_values(f, leaves.get(name), b, at + _pointer(name), present=here))
+    is_gpu, gpu_ms = leaves.get("is_gpu"), leaves.get("gpu_ms")
+    cpu_ms, duration = leaves.get("cpu_ms"), leaves.get("duration_ms")
+    if is_gpu is not None and pa.types.is_boolean(is_gpu.type):
+        gpu_null = pc.is_null(gpu_ms) if gpu_ms is not None else here
+        bad.append(
+            f.check(pc.and_(is_gpu, gpu_null), at + "/gpu_ms", "is_gpu is true but gpu_ms is null")
+        )
+        if duration_rule and cpu_ms is not None and duration is not None:
+            gpu = gpu_ms if gpu_ms is not None else pa.nulls(len(t), pa.float64())
+            used = pc.if_else(is_gpu, pc.cast(gpu, pa.float64()), pc.cast(cpu_ms, pa.float64()))
+            differs = pc.not_equal(pc.cast(duration, pa.float64()), used)
+            bad.append(
+                f.check(
+                    differs,
+                    at + "/duration_ms",
+                    "duration_ms is not gpu_ms when is_gpu, nor cpu_ms when not",
+                )
+            )
+    return _or_all(bad)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _validate(path: Path, data: bytes, end: int) -> None:
+    """Check every complete line as ``traceml validate`` checks it on its own, and that
+    a closing line is only the last line; raises FramesError naming ``file:line``."""
     from traceml_records._validate import validate_line
 
+    lines = data[:end].split(b"\n")[:-1]
     problems: list[str] = []
     count = 0
-    for number, raw in enumerate(body.split(b"\n")[:-1], start=1):
-        count += 1
+    closing: tuple[int, dict[str, Any]] | None = None
+    for number, raw in enumerate(lines, start=1):
         for problem in validate_line(raw):
-            if len(problems) < 5:
-                problems.append(f"{path}:{number}: {problem.pointer or '/'}: {problem.message}")
-            if b'"closing":true' in raw:
-                problems.append(f"{path}:{number}: a closing line before the last line")
-    if closing is not None:
-        for problem in validate_line(orjson.dumps(closing)):
-            problems.append(f"{path}: closing line: {problem.pointer or '/'}: {problem.message}")
-        if closing.get("written_records") != count:
-            problems.append(
-                f"{path}: closing line says {closing.get('written_records')} records, "
-                f"the file has {count}"
-            )
-    if problems:
-        more = f" (and more; run traceml validate {path})" if len(problems) >= 5 else ""
-        raise FramesError(
-            problems[0] + more if len(problems) == 1 else "; ".join(problems[:5]) + more
+            problems.append(f"{path}:{number}: {problem.pointer or '/'}: {problem.message}")
+        is_closing = b'"closing"' in raw and _closing_of(raw) is not None
+        if is_closing and number != len(lines):
+            problems.append(f"{path}:{number}: a closing line before the last line")
+        elif is_closing:
+            closing = (number, _closing_of(raw) or {})
+        else:
+            count += 1
+        if len(problems) > 5:
+            break
+    if closing is not None and not problems and closing[1].get("written_records") != count:
+        problems.append(
+            f"{path}:{closing[0]}: closing line says {closing[1].get('written_records')} "
+            f"records, the file has {count}"
         )
-    return count
+    if problems:
+        more = f" (and more; run traceml validate {path})" if len(problems) > 5 else ""
+        raise FramesError("; ".join(problems[:5]) + more)
+
+
+def _closing_of(raw: bytes) -> dict[str, Any] | None:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if type(obj) is dict and obj.get("closing") is True else None
+
+
+def _empty(stream: str) -> dict[str, Any]:
+    tables = {stream: arrow_schema(stream).empty_table()}
+    for name in LONG_TABLES:
+        if TABLE_STREAM[name] == stream:
+            tables[name] = arrow_schema(name).empty_table()
+    return tables
+
+
+def _closing_row(raw: Any, row: int) -> dict[str, Any]:
+    """A closing line as its keys (in the schema's order) from the parsed columns."""
+    order = tuple(_schema_docs()[CLOSING_SCHEMA_FILE]["properties"])
+    out: dict[str, Any] = {}
+    for key in order:
+        value = True if key == "closing" else raw.column(key)[row].as_py()
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def load(
+    source: str | os.PathLike[str], stream: str = "step_time", *, validate: bool = False
+) -> Loaded:
+    """Read one stream's file (or a run/export folder's file of that stream).
+
+    ``stream`` may also be a long table's name (``step_time_phases``); the result
+    holds every table of the stream either way. Raises :class:`FramesError` for what
+    cannot be read; with ``validate=True`` also for any line ``traceml validate``
+    rejects on its own and for a closing line before the last line. Repeated keys are
+    counted (:attr:`Loaded.duplicate_keys`), never merged.
+    """
+    stream = _stream_of(stream)
+    path = _file_for(source, stream)
+    file = _File(path)
+    if validate:
+        _validate(path, file.data, file.end)
+    if file.end == 0:
+        return _finish(Loaded(path, stream, _empty(stream), None, file.partial))
+    try:
+        return _load(file, stream, validate)
+    except UnicodeDecodeError:
+        # A key that is not UTF-8 (pyarrow decodes field names only when asked).
+        raise _not_utf8(path, file.data, file.end) from None
+
+
+def _load(file: _File, stream: str, validate: bool) -> Loaded:
+    path = file.path
+    nested = NESTED_FIELDS[stream]
+    own = arrow_schema(stream)
+    # The scalar columns typed (all nullable here: a missing key is a null, counted
+    # as a bad line), the closing line's keys too; everything else is inferred.
+    parse_schema = pa.schema(
+        [
+            *(pa.field(f.name, f.type, nullable=True) for f in own),
+            pa.field("closing", pa.bool_()),
+            *(pa.field(k, pa.int64()) for k in _CLOSING_FIELDS[1:] if k not in own.names),
+        ]
+    )
+    raw = _parse(file, parse_schema)
+    try:
+        raw.validate(full=True)  # string values are not UTF-8-checked by the reader
+    except pa.ArrowInvalid as exc:
+        found = _utf8_error(path, file.data, file.end)
+        raise found or FramesError(f"{path}: {str(exc).splitlines()[0]}") from None
+    rows = raw.num_rows
+    is_closing = pc.fill_null(raw.column("closing"), False)
+    closing_rows: list[int] = pc.indices_nonzero(is_closing).to_pylist()
+    is_data = pc.invert(is_closing)
+    closing = None
+    earlier = closing_rows
+    if closing_rows and closing_rows[-1] == rows - 1:
+        closing, earlier = _closing_row(raw, rows - 1), closing_rows[:-1]
+    data_lines = rows - len(closing_rows)
+
+    f = _Findings(path, is_data)
+    _find_bad_lines(f, raw, stream, own, nested)
+    bad_lines = int(pc.sum(f.bad).as_py() or 0) if f.bad is not None else 0
+    notes: list[str] = []
+    previous = -1
+    for row in closing_rows:
+        c = _closing_row(raw, row)
+        if row != rows - 1:
+            notes.append(f"{path}:{row + 1}: a closing line before the last line")
+        if c.get("stream") != stream:
+            notes.append(f"{path}:{row + 1}: /stream: a closing line of {c.get('stream')!r}")
+        run_lines = row - previous - 1
+        if c.get("written_records") != run_lines:
+            notes.append(
+                f"{path}:{row + 1}: /written_records: {c.get('written_records')} but "
+                f"{'its run has' if earlier else 'the file has'} {run_lines} data line(s)"
+            )
+        previous = row
+    if (bad_lines or notes) and file.data.count(b"\n", 0, file.end) != rows:
+        # Line numbers are row numbers only when every line is one object.
+        found = _malformed_line(path, file.data, file.end)
+        if found is not None:
+            raise found
+    closing_set = set(closing_rows)
+    last_data = rows - 1
+    while last_data in closing_set:
+        last_data -= 1
+    runs_concatenated = any(r < last_data for r in earlier)
+    earlier_closings = tuple({"line": r + 1, "closing": _closing_row(raw, r)} for r in earlier)
+    if validate and (earlier or bad_lines):
+        raise FramesError("; ".join([*notes, *f.problems()][:5]))
+
+    drop = is_closing if f.bad is None else pc.or_(is_closing, f.bad)
+    dropped = pc.indices_nonzero(drop).to_pylist() if bad_lines or earlier else closing_rows
+    if dropped and dropped == list(range(rows - len(dropped), rows)):
+        raw = raw.slice(0, rows - len(dropped))  # only the closing line, at the end
+    elif dropped:
+        raw = raw.filter(pc.invert(drop))
+
+    duplicates, dup_notes = _duplicates(raw, stream)
+    problems = tuple([*notes, *f.problems(), *dup_notes][:_MAX_PROBLEMS])
+
+    tables: dict[str, Any] = {}
+    n = raw.num_rows
+    arrays = [_column(raw, fld.name, fld.type, n) for fld in own]
+    tables[stream] = pa.Table.from_arrays(
+        [a if isinstance(a, pa.ChunkedArray) else pa.chunked_array([a]) for a in arrays],
+        schema=own,
+    )
+    for name, (source_field, key_names) in LONG_TABLES.items():
+        if TABLE_STREAM[name] != stream:
+            continue
+        if source_field in raw.column_names and n:
+            tables[name] = _flatten(raw, source_field, key_names, name)
+        else:
+            tables[name] = arrow_schema(name).empty_table()
+    loaded = Loaded(
+        path,
+        stream,
+        tables,
+        closing,
+        file.partial,
+        data_lines=data_lines,
+        bad_lines=bad_lines,
+        problems=problems,
+        duplicate_keys=duplicates,
+        earlier_closings=earlier_closings,
+        runs_concatenated=runs_concatenated,
+    )
+    return _finish(loaded)
+
+
+def _finish(loaded: Loaded) -> Loaded:
+    """The tables with what was left out in their schema metadata."""
+    meta = {
+        _META_CLOSING: orjson.dumps(loaded.closing),
+        _META_PARTIAL: b"true" if loaded.partial_last_line else b"false",
+        _META_FILE: os.fsencode(loaded.path),
+        _META_INFO: orjson.dumps(loaded.info()),
+    }
+    for name, table in loaded.tables.items():
+        loaded.tables[name] = table.replace_schema_metadata(meta)
+    return loaded
+
+
+def _duplicates(raw: Any, stream: str) -> tuple[int, list[str]]:
+    """Rows whose stream key an earlier row has, and a few of those keys (text)."""
+    checks = _checks(stream)
+    keys = list(checks.key_fields)
+    if not checks.unique_keys or raw.num_rows < 2 or not set(keys) <= set(raw.column_names):
+        return 0, []
+    counts = raw.select(keys).group_by(keys, use_threads=False).aggregate([([], "count_all")])
+    extra = int(pc.sum(counts.column("count_all")).as_py() or 0) - counts.num_rows
+    if extra == 0:
+        return 0, []
+    repeated = counts.filter(pc.greater(counts.column("count_all"), 1)).slice(0, 3)
+    notes = []
+    for row in repeated.to_pylist():
+        shown = ", ".join(f"{k}={row[k]!r}" for k in keys)
+        notes.append(f"duplicate key {shown} on {row['count_all']} lines (rows kept, not merged)")
+    return extra, notes
 
 
 def _column(table: Any, name: str, target: Any, rows: int) -> Any:
@@ -269,71 +1017,6 @@ def _flatten(raw: Any, source_field: str, key_names: tuple[str, ...], table: str
     if not parts:
         return schema.empty_table()
     return pa.concat_tables(parts)
-
-
-def load(
-    source: str | os.PathLike[str], stream: str = "step_time", *, validate: bool = False
-) -> Loaded:
-    """Read one stream's file (or a run/export folder's file of that stream).
-
-    ``stream`` may also be a long table's name (``step_time_phases``); the result
-    holds every table of the stream either way.
-    """
-    stream = _stream_of(stream)
-    path = _file_for(source, stream)
-    try:
-        buf, end, closing, partial = _map(path)
-    except OSError as exc:
-        raise FramesError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    body = buf.slice(0, end)
-    data_lines = _validate(path, body.to_pybytes(), closing) if validate else 0
-    nested = NESTED_FIELDS[stream]
-    own = arrow_schema(stream)
-    tables: dict[str, Any] = {}
-    if end == 0:
-        tables[stream] = own.empty_table()
-        for name in LONG_TABLES:
-            if TABLE_STREAM[name] == stream:
-                tables[name] = arrow_schema(name).empty_table()
-    else:
-        # Parse the scalar columns as typed (all nullable here: a missing key is a null,
-        # which validate=True reports) and infer only the nested map fields.
-        parse_schema = pa.schema([pa.field(f.name, f.type, nullable=True) for f in own])
-        try:
-            raw = pajson.read_json(
-                pa.BufferReader(body),
-                read_options=pajson.ReadOptions(block_size=_BLOCK_SIZE),
-                parse_options=pajson.ParseOptions(
-                    explicit_schema=parse_schema,
-                    unexpected_field_behavior="infer" if nested else "ignore",
-                ),
-            )
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise FramesError(
-                f"{path}: {first} (load with validate=True to find the line)"
-            ) from None
-        rows = raw.num_rows
-        data_lines = rows
-        arrays = [_column(raw, f.name, f.type, rows) for f in own]
-        tables[stream] = pa.Table.from_arrays(
-            [a if isinstance(a, pa.ChunkedArray) else pa.chunked_array([a]) for a in arrays],
-            schema=own,
-        )
-        for name, (source_field, key_names) in LONG_TABLES.items():
-            if TABLE_STREAM[name] != stream:
-                continue
-            if source_field in raw.column_names:
-                tables[name] = _flatten(raw, source_field, key_names, name)
-            else:
-                tables[name] = arrow_schema(name).empty_table()
-    meta = {
-        _META_CLOSING: orjson.dumps(closing),
-        _META_PARTIAL: b"true" if partial else b"false",
-        _META_FILE: os.fsencode(path),
-    }
-    tables = {k: t.replace_schema_metadata(meta) for k, t in tables.items()}
-    return Loaded(path, stream, tables, closing, partial, data_lines)
 
 
 def _stream_keys(table: str, key_names: tuple[str, ...]) -> list[str]:

@@ -243,3 +243,318 @@ def test_bench_runs_small(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("frames_vs_pandas=") and " frames_vs_pyarrow_json=" in last
+
+
+# ---------------------------------------------------------------- robustness (issue 26)
+
+EV = {P + "step_time": {"cpu": 5.0}, P + "forward_time": {"cpu": 2.0}}
+
+
+def _lines(objs: list[dict[str, Any] | bytes]) -> bytes:
+    return b"".join(o if isinstance(o, bytes) else orjson.dumps(o) + b"\n" for o in objs)
+
+
+def test_closing_line_in_the_middle_is_never_a_row(tmp_path: Path) -> None:
+    """Two runs in one file: both closing lines are left out, and reported."""
+    run = [_step(0, 1, EV), _step(1, 1, EV)]
+    later = [_step(0, 2, EV), _step(1, 2, EV), _step(0, 3, EV)]
+    path = tmp_path / "step_time.jsonl"
+    path.write_bytes(_lines([*run, _closing("step_time", 2), *later, _closing("step_time", 3)]))
+    loaded = frames.load(path)
+    table = loaded.tables["step_time"]
+    assert table.num_rows == 5
+    assert table.column("stream").to_pylist() == ["step_time"] * 5
+    assert table.column("step").to_pylist() == [1, 1, 2, 2, 3]
+    assert loaded.tables["step_time_phases"].num_rows == 10
+    assert loaded.closing == _closing("step_time", 3)
+    assert loaded.runs_concatenated is True
+    assert loaded.earlier_closings == ({"line": 3, "closing": _closing("step_time", 2)},)
+    assert loaded.data_lines == 5 and loaded.bad_lines == 0
+    assert any(":3: a closing line before the last line" in p for p in loaded.problems)
+    attrs = frames.to_pandas(path, "step_time").attrs["traceml"]
+    assert attrs["runs_concatenated"] is True and attrs["earlier_closings"][0]["line"] == 3
+    arrow = frames.load_arrow(path)
+    assert orjson.loads(arrow.schema.metadata[b"traceml.info"])["runs_concatenated"] is True
+    with pytest.raises(frames.FramesError, match=rf"{path}:3: a closing line before the last"):
+        frames.load(path, validate=True)
+    # A closing line followed by data lines while a run is still writing: the same.
+    path.write_bytes(_lines([*run, _closing("step_time", 2), _step(0, 2, EV)]))
+    live = frames.load(path)
+    assert live.tables["step_time"].num_rows == 3 and live.closing is None
+    assert live.runs_concatenated and live.earlier_closings[0]["line"] == 3
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b'"cpu":{"cpu_ms":2.0', b'"cp\xff":{"cpu_ms":2.0'),  # a device key
+        (b'"_traceml_internal:forward_time"', b'"forward\xe9"'),  # an event name
+        (b'"step":1', b'"step":1,"\xc3\x28":1'),  # an unknown top-level key
+        (b'"node_rank":0', b'"node_rank":0,"hostname":"h\xe9"'),  # a string value
+        (b'"node_rank":0', b'"node_rank":0,"hostname":"\xed\xa0\x80"'),  # a surrogate
+    ],
+)
+def test_bytes_that_are_not_utf8_raise_frames_error(tmp_path: Path, old: bytes, new: bytes) -> None:
+    path = tmp_path / "step_time.jsonl"
+    line = orjson.dumps(_step(0, 1, EV))
+    assert old in line
+    path.write_bytes(_lines([_step(0, 2, EV), line.replace(old, new) + b"\n"]))
+    with pytest.raises(frames.FramesError, match=rf"^{path}:2: not UTF-8 \(byte 0x"):
+        frames.load(path)
+    with pytest.raises(frames.FramesError, match=rf"^{path}:2: "):
+        frames.load(path, validate=True)
+    # The exporter may have written half of a character of the last line: no error.
+    path.write_bytes(_lines([_step(0, 2, EV)]) + line[:40] + b"\xc3")
+    loaded = frames.load(path)
+    assert loaded.tables["step_time"].num_rows == 1 and loaded.partial_last_line
+
+
+_REWRITER = """
+import sys, threading, time
+from traceml_records import frames
+
+src, path = sys.argv[1], sys.argv[2]
+data = open(src, "rb").read()
+open(path, "wb").write(data)
+stop = threading.Event()
+
+def rewrite() -> None:
+    n = 0
+    while not stop.is_set():
+        n += 1
+        with open(path, "r+b") as fh:  # in place: truncate, then write again
+            fh.truncate(0 if n % 2 else len(data) // 4)
+            fh.seek(0 if n % 2 else len(data) // 4)
+            fh.write(data if n % 2 else data[len(data) // 4 :])
+
+threading.Thread(target=rewrite, daemon=True).start()
+loads = errors = 0
+deadline = time.monotonic() + float(sys.argv[3])
+while loads < 40 and time.monotonic() < deadline:
+    loads += 1
+    try:
+        frames.load(path)
+    except frames.FramesError:
+        errors += 1
+stop.set()
+print(loads, errors)
+"""
+
+
+def test_file_rewritten_while_loading_never_kills_the_process(tmp_path: Path) -> None:
+    """A file truncated and rewritten in place during loads: at most a FramesError.
+
+    (Memory-mapped, such a file killed the reader with SIGBUS in most loads.) The
+    loads run in a subprocess so that a signal shows as its exit status.
+    """
+    src = tmp_path / "source.jsonl"
+    lines = [_step(r, s, EV) for s in range(1, 2501) for r in range(2)]
+    src.write_bytes(_lines([*lines, _closing("step_time", len(lines))]))
+    out = subprocess.run(
+        [sys.executable, "-c", _REWRITER, str(src), str(tmp_path / "step_time.jsonl"), "6"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    loads, _errors = map(int, out.stdout.split())
+    assert loads >= 5
+
+
+def test_line_longer_than_a_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A valid line of more than 16 MB loads; past the reader's limit, one FramesError."""
+    big = _step(0, 2, EV)
+    big["hostname"] = "h" * (17 << 20)
+    small = _step(0, 1, EV)
+    small["hostname"] = "a"
+    path = tmp_path / "step_time.jsonl"
+    path.write_bytes(_lines([small, big, _closing("step_time", 2)]))
+    loaded = frames.load(path)
+    table = loaded.tables["step_time"]
+    assert table.column("step").to_pylist() == [1, 2]
+    assert len(table.column("hostname")[1].as_py()) == 17 << 20
+    assert loaded.closing == _closing("step_time", 2) and loaded.bad_lines == 0
+    monkeypatch.setattr(frames, "_MAX_BLOCK_SIZE", 1 << 20)
+    monkeypatch.setattr(frames, "_BLOCK_SIZE", 1 << 16)
+    with pytest.raises(frames.FramesError, match=rf"^{path}:2: a line of \d+ bytes, longer"):
+        frames.load(path)
+
+
+def _bad_step_lines() -> list[dict[str, Any] | bytes]:
+    """step_time lines, one per step; the even steps from 2 on break one rule each."""
+    lines: list[dict[str, Any] | bytes] = [_step(0, 1, EV)]
+
+    def timing(step: int, event: str, **values: Any) -> dict[str, Any]:
+        line = _step(0, step, EV)
+        line["events"][P + event]["cpu"].update(values)
+        return line
+
+    lines.append(timing(2, "step_time", cpu_ms=-1.0, duration_ms=-1.0))  # negative
+    lines.append(_step(0, 3, EV))
+    lines.append(timing(4, "forward_time", n_calls=0))  # an impossible count
+    lines.append(_step(0, 5, EV))
+    nan = orjson.dumps(_step(0, 6, EV)).replace(
+        b'"cpu_ms":2.0,"duration_ms":2.0', b'"cpu_ms":NaN,"duration_ms":NaN'
+    )
+    lines.append(nan + b"\n")
+    lines.append(_step(0, 7, EV))
+    inf = orjson.dumps(_step(0, 8, EV)).replace(b'"duration_ms":5.0', b'"duration_ms":Infinity')
+    lines.append(inf + b"\n")
+    lines.append(_step(0, 9, EV))
+    lines.append(timing(10, "step_time", duration_ms=4.0))  # duration is not cpu_ms
+    lines.append(_step(0, 11, EV))
+    line = _step(0, 12, EV)
+    line["world_size"] = 0  # an impossible world
+    lines.append(line)
+    lines.append(_step(0, 13, EV))
+    line = _step(0, 14, EV)
+    del line["seq"]  # a required key missing
+    lines.append(line)
+    lines.append(_step(0, 15, EV))
+    lines.append(timing(16, "step_time", is_gpu=True))  # is_gpu with a null gpu_ms
+    lines.append(_step(0, 17, EV))
+    line = _step(0, 18, EV)
+    line["events"] = {P + "forward_time": line["events"][P + "forward_time"]}  # no step_time
+    lines.append(line)
+    lines.append(_step(0, 19, EV))
+    return lines
+
+
+def test_bad_values_are_the_lines_the_validator_rejects(tmp_path: Path) -> None:
+    """NaN, Infinity, negative durations, impossible counts: left out and counted, and
+    exactly the lines ``traceml validate`` reports; validate=True raises."""
+    from traceml_records._validate import validate_paths
+
+    lines = _bad_step_lines()
+    path = tmp_path / "step_time.jsonl"
+    path.write_bytes(_lines([*lines, _closing("step_time", len(lines))]))
+    report = validate_paths([path])
+    rejected = {p.line for p in report.problems}
+    assert rejected == set(range(2, 20, 2)), report.problems
+    loaded = frames.load(path)
+    assert loaded.data_lines == 19 and loaded.bad_lines == len(rejected)
+    assert loaded.tables["step_time"].column("step").to_pylist() == list(range(1, 20, 2))
+    assert set(loaded.tables["step_time_phases"].column("step").to_pylist()) == set(range(1, 20, 2))
+    assert loaded.closing == _closing("step_time", 19)
+    shown = "\n".join(loaded.problems)
+    assert f"{path}:2: /events/{P}step_time/cpu/cpu_ms: -1.0 is less than the minimum of 0" in shown
+    assert f"{path}:4: /events/{P}forward_time/cpu/n_calls: 0 is less than" in shown
+    assert f"{path}:6: /events/{P}forward_time/cpu/cpu_ms: NaN is not a finite number" in shown
+    assert f"{path}:8: /events/{P}step_time/cpu/duration_ms: Infinity is not a finite" in shown
+    df = frames.to_pandas(path, "step_time")
+    assert df.attrs["traceml"]["bad_lines"] == 9 and len(df) == 10
+    with pytest.raises(frames.FramesError, match=rf"^{path}:2: "):
+        frames.load(path, validate=True)
+
+
+def _identity(stream: str, seq: int) -> dict[str, Any]:
+    return {
+        "stream": stream,
+        "schema_version": 1,
+        "observed_timestamp_unix_ns": 1000 + seq,
+        "rank": 0,
+        "global_rank": 0,
+        "local_rank": 0,
+        "world_size": 1,
+        "local_world_size": 1,
+        "node_rank": 0,
+        "timestamp_unix_ns": 900 + seq,
+        "seq": seq,
+    }
+
+
+def _process(seq: int, **values: Any) -> dict[str, Any]:
+    line = _identity("process", seq)
+    line.update(
+        pid=7,
+        cpu_percent=50.0,
+        cpu_logical_cores=2,
+        ram_used_bytes=1 << 20,
+        ram_total_bytes=1 << 30,
+        gpu_available=False,
+        gpu_count=None,
+        gpu_device_index=None,
+        gpu_memory_used_bytes=None,
+        gpu_memory_reserved_bytes=None,
+        gpu_memory_total_bytes=None,
+    )
+    line.update(values)
+    return line
+
+
+def _gpu(seq: int, **values: Any) -> dict[str, Any]:
+    line = _identity("system_gpu", seq)
+    line.update(
+        gpu_index=0,
+        utilization_percent=10.0,
+        memory_used_bytes=1,
+        memory_total_bytes=2,
+        temperature_c=40.0,
+        power_usage_w=50.0,
+        power_limit_w=300.0,
+    )
+    line.update(values)
+    return line
+
+
+@pytest.mark.parametrize(
+    ("stream", "lines"),
+    [
+        (
+            "process",
+            [
+                _process(0),
+                _process(
+                    1,
+                    gpu_available=True,
+                    gpu_count=-1,
+                    gpu_device_index=0,
+                    gpu_memory_used_bytes=1,
+                    gpu_memory_reserved_bytes=1,
+                    gpu_memory_total_bytes=2,
+                ),
+                _process(2, ram_used_bytes=-5),
+                _process(3, cpu_percent=-1.0),
+                _process(4, pid=0),
+                _process(5, rank=3),
+                _process(6),
+            ],
+        ),
+        (
+            "system_gpu",
+            [
+                _gpu(0),
+                _gpu(1, utilization_percent=101.0),
+                _gpu(2, power_usage_w=-1.0),
+                _gpu(3, memory_total_bytes=-2),
+                _gpu(4, stream="process"),
+                _gpu(5),
+            ],
+        ),
+    ],
+)
+def test_bad_values_of_other_streams(
+    tmp_path: Path, stream: str, lines: list[dict[str, Any]]
+) -> None:
+    """Impossible counts and percentages: the lines ``traceml validate`` rejects."""
+    from traceml_records._validate import validate_paths
+
+    path = tmp_path / f"{stream}.jsonl"
+    path.write_bytes(_lines([*lines, _closing(stream, len(lines))]))
+    rejected = {p.line for p in validate_paths([path]).problems}
+    assert rejected == set(range(2, len(lines))), validate_paths([path]).problems
+    loaded = frames.load(path, stream)
+    assert loaded.bad_lines == len(rejected)
+    assert loaded.tables[stream].column("seq").to_pylist() == [0, len(lines) - 1]
+
+
+def test_duplicate_keys_are_reported_never_merged(tmp_path: Path) -> None:
+    lines = [_step(0, 1, EV), _step(1, 1, EV), _step(0, 2, EV), _step(0, 1, EV), _step(0, 1, EV)]
+    path = tmp_path / "step_time.jsonl"
+    path.write_bytes(_lines([*lines, _closing("step_time", 5)]))
+    loaded = frames.load(path)
+    assert loaded.tables["step_time"].num_rows == 5
+    assert loaded.duplicate_keys == 2 and loaded.bad_lines == 0
+    assert any("duplicate key global_rank=0, step=1 on 3 lines" in p for p in loaded.problems)
+    assert frames.to_pandas(path).attrs["traceml"]["duplicate_keys"] == 2

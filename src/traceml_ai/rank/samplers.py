@@ -19,7 +19,7 @@ import psutil
 
 from traceml_ai.rank.gpu import CudaBackend, GpuReading, NvmlBackend
 from traceml_ai.transport.wire import ENV_SAMPLER_INTERVAL
-from traceml_records._generated.wire import ProcessItem, SystemGpuItem, SystemItem
+from traceml_records.internal import ProcessItem, SystemGpuItem, SystemItem
 
 DEFAULT_SAMPLER_INTERVAL = 2.0
 
@@ -102,6 +102,8 @@ class ProcessSampler(_Sequenced):
         # psutil measures CPU between calls; the first call only starts the window.
         self._proc.cpu_percent(None)
         self._cores = psutil.cpu_count(logical=True)
+        self._cpu_ceiling = 100.0 * max(1, self._cores or os.cpu_count() or 1)
+        """``cpu_percent`` never exceeds 100 times the logical cores."""
         # ``first_seq`` > 0 continues an earlier sampler of this process (init again).
         self._seq = first_seq
 
@@ -110,6 +112,12 @@ class ProcessSampler(_Sequenced):
         with self._proc.oneshot():
             cpu = finite(self._proc.cpu_percent(None), low=0.0)
             rss = nonneg_int(self._proc.memory_info().rss)
+        if cpu is not None:
+            # psutil divides CPU time, counted in clock ticks, by the wall time since the
+            # previous call: over a short window (the first sample, just after __init__)
+            # one tick reads as thousands of percent. No process uses more than every
+            # logical core.
+            cpu = min(cpu, self._cpu_ceiling)
         if cpu is None or rss is None:
             return None
         ram_total = nonneg_int(psutil.virtual_memory().total)

@@ -721,7 +721,7 @@ class ProcessRecord(_Checked):
     """Process id of the training process."""
 
     cpu_percent: float
-    """Process CPU use in percent of one core (may exceed 100). [percent]"""
+    """Process CPU use in percent of one core: may exceed 100, at most 100 times cpu_logical_cores. [percent]"""
 
     cpu_logical_cores: int | None
     """Logical cores on the host."""
