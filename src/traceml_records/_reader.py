@@ -10,8 +10,7 @@ from typing import BinaryIO
 from traceml_records._codec import AnyRecord, loads_line
 from traceml_records._errors import Path, RecordError, json_pointer
 from traceml_records._generated.records import ClosingLine
-
-_CHUNK = 1 << 20
+from traceml_records._lines import BLOCK_BYTES, LineSplitter
 
 
 class LineError(RecordError):
@@ -68,24 +67,21 @@ def read_jsonl(
     name = os.fspath(path)
     deadline = None if timeout is None else time.monotonic() + timeout
     with _open_when_present(name, follow, poll_interval, deadline) as f:
-        pending = b""
-        number = 0
+        lines = LineSplitter()
         closed = False
         while True:
-            chunk = f.read(_CHUNK)
+            chunk = f.read(BLOCK_BYTES)
             if not chunk:
                 if not follow or closed:
                     return
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(
-                        f"{name}: no closing line after {timeout} s ({number} lines read)"
+                        f"{name}: no closing line after {timeout} s ({lines.number} lines read)"
                     )
                 time.sleep(poll_interval)
                 continue
-            lines = (pending + chunk).split(b"\n")
-            pending = lines.pop()  # b"" after a final newline, else a partial line
-            for raw in lines:
-                number += 1
+            complete = lines.feed(chunk)
+            for number, raw in enumerate(complete, lines.number - len(complete) + 1):
                 if closed:
                     raise LineError(name, number, (), "line after the closing line")
                 try:

@@ -10,6 +10,8 @@ promise to other users — they have ``traceml_records``'s public names).
 - record building: the loaders and encoder plans per record class (generated), the
   line and batch encoders, the stream of a record class;
 - checks: the rules a line must satisfy beyond its types (``_rules``);
+- the one line scanner of the export files (``scan_lines``, ``LineSplitter``,
+  ``classify_line``: complete lines, the partial last line, closing and bad lines);
 - schemas as data, and :func:`load_extension`, the one place that chooses a C
   extension or its pure-Python twin (``TRACEML_PURE_PYTHON``).
 """
@@ -32,6 +34,9 @@ from traceml_records._generated.wire import (
     SystemGpuItem,
     SystemItem,
 )
+from traceml_records._lines import LineKind, LineSplitter
+from traceml_records._lines import classify as classify_line
+from traceml_records._lines import scan as scan_lines
 from traceml_records._registry import STREAM_BY_CLASS
 from traceml_records._rules import (
     IDENTITY_RULES,
@@ -59,6 +64,8 @@ __all__ = [
     "FanOut",
     "FieldPath",
     "LineCheck",
+    "LineKind",
+    "LineSplitter",
     "PhaseTimingItem",
     "ProcessItem",
     "RuntimeEnvironmentItem",
@@ -68,6 +75,7 @@ __all__ = [
     "SystemGpuItem",
     "SystemItem",
     "WireStream",
+    "classify_line",
     "dumps_line",
     "dumps_lines",
     "duration_ok",
@@ -77,6 +85,7 @@ __all__ = [
     "line_checks",
     "line_findings",
     "load_extension",
+    "scan_lines",
     "schema_documents",
     "stream_schema_file",
     "topology_of",

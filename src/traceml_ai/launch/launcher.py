@@ -49,6 +49,7 @@ from traceml_ai.launch.run_folder import (
 )
 from traceml_ai.settings import ResolvedExportSettings
 from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN, ENV_SAMPLER_INTERVAL
+from traceml_records.internal import LineKind, classify_line, scan_lines
 
 DEFAULT_MULTI_NODE_AGGREGATOR_PORT = 29600
 AGGREGATOR_READY_TIMEOUT_S = 60.0
@@ -672,23 +673,17 @@ def _why_no_rank(options: RunOptions, ends: RankEnds) -> str:
 
 def count_data_lines(export_dir: Path) -> int:
     """Data lines in the ``*.jsonl`` files of ``export_dir``: complete lines that are
-    not a closing line (a closing line is always a file's last line)."""
+    not a closing line (the export files' one line scanner, ``traceml_records``)."""
     total = 0
     for path in sorted(export_dir.glob("*.jsonl")):
         try:
             with open(path, "rb") as fh:
-                lines = 0
-                last = b""
-                while chunk := fh.read(1 << 20):
-                    lines += chunk.count(b"\n")
-                    last = (last + chunk)[-4096:]
+                for _, raw in scan_lines(fh):
+                    # Only a closing line holds this key; its value is parsed only then.
+                    if b'"closing"' not in raw or classify_line(raw)[0] is not LineKind.CLOSING:
+                        total += 1
         except OSError:
             continue
-        complete = last[: last.rfind(b"\n") + 1] if b"\n" in last else b""
-        final = complete.rstrip(b"\n").rsplit(b"\n", 1)[-1]
-        if lines and b'"closing":true' in final:
-            lines -= 1
-        total += lines
     return total
 
 
