@@ -23,6 +23,7 @@ PHASES: tuple[tuple[str, str], ...] = (
 )
 """Summary name and event name of each built-in phase, in step order."""
 BUILT_IN_PHASES = tuple(name for name, _ in PHASES)
+_ZEROS = (0.0,) * len(BUILT_IN_PHASES)
 _PHASE_BY_EVENT = {event: name for name, event in PHASES}
 
 
@@ -92,7 +93,7 @@ def iteration(row: Mapping[str, float]) -> float:
     was outside it.
     """
     step = row["step"]
-    if sum(row.get(name, 0.0) for name in BUILT_IN_PHASES) <= step * 1.000001:
+    if sum(map(row.get, BUILT_IN_PHASES, _ZEROS)) <= step * 1.000001:
         return step
     return step + row.get("dataloader_wait", 0.0)
 
@@ -100,14 +101,29 @@ def iteration(row: Mapping[str, float]) -> float:
 def rest(row: Mapping[str, float]) -> float:
     """The iteration's time outside every measured phase (never below 0: phases may nest,
     a user phase inside forward)."""
-    used = sum(v for k, v in row.items() if _is_phase(k))
-    return max(0.0, iteration(row) - used)
+    return max(0.0, iteration(row) - _used(row))
+
+
+def _used(row: Mapping[str, float]) -> float:
+    """The sum of a row's phases (as :func:`_is_phase` picks them); a reader may have
+    summed them already, in the same order, under ``"_used"``."""
+    used = row.get("_used")
+    if used is not None:
+        return used
+    total = 0.0  # added one by one, as the reader does (sum() compensates from 3.12)
+    for k, v in row.items():
+        if k != "step" and k[:1] != "_":
+            total += v
+    return total
 
 
 def phase_names(rows: Iterable[Mapping[str, float]]) -> list[str]:
     """The breakdown's phases in step order: the core ones always, h2d and user phases
     when some row has them, then ``rest``."""
-    seen = {k for row in rows for k in row if _is_phase(k)}
+    keys: set[str] = set()
+    for row in rows:
+        keys.update(row)  # C speed; the filter runs once per distinct key
+    seen = {k for k in keys if _is_phase(k)}
     return [
         "dataloader_wait",
         *(["h2d"] if "h2d" in seen else []),
@@ -124,14 +140,20 @@ def phase_breakdown(
 ) -> dict[str, dict[str, float]]:
     """Per phase of ``names``: mean and median ms over ``rows`` (one rank's steps, not
     empty), and the mean's share of the mean iteration."""
-    mean_iteration = sum(iteration(r) for r in rows) / len(rows)
+    # One pass per phase over plain lists: a rank may have a million steps.
+    iterations = [iteration(r) for r in rows]
+    mean_iteration = sum(iterations) / len(rows)
     out: dict[str, dict[str, float]] = {}
     for name in names:
-        values = [rest(r) if name == "rest" else r.get(name, 0.0) for r in rows]
+        if name == "rest":
+            values = [max(0.0, it - _used(r)) for r, it in zip(rows, iterations, strict=True)]
+        else:
+            values = [r.get(name, 0.0) for r in rows]
         mean = sum(values) / len(values)
+        values.sort()
         out[name] = {
             "mean_ms": round(mean, 3),
-            "p50_ms": round(percentile(sorted(values), 50.0), 3),
+            "p50_ms": round(percentile(values, 50.0), 3),
             "share": round(mean / mean_iteration if mean_iteration > 0 else 0.0, 4),
         }
     return out

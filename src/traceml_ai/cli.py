@@ -147,7 +147,9 @@ def validate(paths: tuple[str, ...], max_problems: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--short", is_flag=True, help="Only the few lines traceml run prints at the end.")
 @click.option(
-    "--follow", is_flag=True, help="Refresh a terminal view while the run writes its files."
+    "--follow",
+    is_flag=True,
+    help="Refresh a terminal view while the run writes its files (on stderr with --json).",
 )
 @click.option(
     "--interval",
@@ -161,7 +163,10 @@ def validate(paths: tuple[str, ...], max_problems: int) -> None:
     "plot_path",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Also draw step time per rank and the phase breakdown into this PNG.",
+    help=(
+        "Also draw step time per rank and the phase breakdown into this image "
+        "(.png, .svg, .pdf...; .png is added to a name without a suffix)."
+    ),
 )
 def summary(
     path: str, as_json: bool, short: bool, follow: bool, interval: float, plot_path: str | None
@@ -170,17 +175,34 @@ def summary(
     process and system figures, the straggler, and what was lost.
 
     Works on a run still in progress (a partial last line is ignored).
+
+    \b
+    Exit status:
+      0  the summary was made from everything there
+      1  something could not be read (one "traceml: problem:" line each),
+         no export files, or the plot could not be drawn
     """
     import orjson
 
     from traceml_ai.run_summary import SummaryError, format_summary, summarize_run
 
+    target: str | None = None
+    if plot_path is not None:
+        from traceml_ai.run_summary_plot import PlotUnavailable, plot_target
+
+        try:  # an unusable --plot is said before a long run is read
+            target, _ = plot_target(plot_path)
+        except PlotUnavailable as exc:
+            click.echo(f"traceml: cannot plot: {exc}", err=True)
+            sys.exit(1)
     try:
         if follow:
             from traceml_ai.run_summary_live import follow as follow_view
 
-            result = follow_view(path, interval)
+            # With --json, stdout holds the JSON alone: the live view goes to stderr.
+            result = follow_view(path, interval, short=short, stderr=as_json)
             if result is None:
+                click.echo(f"traceml: error: {path}: no export files seen", err=True)
                 sys.exit(1)
         else:
             result = summarize_run(path)
@@ -195,14 +217,16 @@ def summary(
         from traceml_ai.run_summary_plot import PlotUnavailable, plot_summary
 
         try:
-            plot_summary(path, plot_path, result)
+            target = plot_summary(path, plot_path, result)
         except PlotUnavailable as exc:
             click.echo(f"traceml: cannot plot: {exc}", err=True)
             sys.exit(1)
         except OSError as exc:
-            click.echo(f"traceml: cannot write {plot_path}: {exc.strerror or exc}", err=True)
+            click.echo(f"traceml: cannot write {target}: {exc.strerror or exc}", err=True)
             sys.exit(1)
-        click.echo(f"traceml: plot written to {plot_path}", err=as_json)
+        click.echo(f"traceml: plot written to {target}", err=as_json)
+    if result.get("problems"):
+        sys.exit(1)
 
 
 def _add_launch_commands() -> None:

@@ -14,26 +14,34 @@ and in docs/reading-the-files.md).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
 from traceml_ai._step_phases import (
-    STEP_EVENT,
     percentile,
     phase_breakdown,
-    phase_name,
     phase_names,
     step_row,
 )
 from traceml_ai._straggler import analyze as analyze_stragglers
 from traceml_ai._straggler import verdict_line
+from traceml_ai._summary_read import (
+    FileRead,
+    data_lines,
+    exists,
+    open_regular,
+    read_bytes,
+    step_rows,
+)
 from traceml_records import STREAMS
 
-_ARROW_MIN_BYTES = 8 << 20
-"""step_time/step_memory files from this size are read with pyarrow when installed."""
+MAX_PLAUSIBLE_CORES = 8192
+"""Logical cores assumed when a process line does not say its host's: Linux's largest
+``NR_CPUS``, so only a ``cpu_percent`` no Linux host can reach is left out."""
+_T = TypeVar("_T")
 
 STREAM_FILES = tuple(spec.name for spec in STREAMS)
 """The export's file streams, in the registry's order."""
@@ -50,58 +58,22 @@ class SummaryError(Exception):
 def _folders(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
     """(export folder, run folder or None) for a run, aggregator or export folder."""
     p = Path(path)
+    run: Path | None
     if not p.exists():
         raise SummaryError(f"{p}: no such file or folder")
-    if p.is_file():
+    if not p.is_dir():
         raise SummaryError(f"{p}: give a run folder or an export folder, not a file")
     if (p / "aggregator" / "export").is_dir():
-        return p / "aggregator" / "export", p
-    if (p / "export").is_dir() and p.name == "aggregator":
-        return p / "export", p.parent
-    if any(p.glob("*.jsonl")):
-        run = p.parent.parent if p.parent.name == "aggregator" else None
-        return p, run
-    raise SummaryError(f"{p}: no export files here (expected a run folder or an export folder)")
-
-
-class _FileRead:
-    """What reading one export file found besides its data lines."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.data_lines = 0
-        self.closing: dict[str, Any] | None = None
-        self.partial_last_line = False
-        self.bad_lines = 0
-        self.lines_after_closing = 0
-
-
-def _iter_objects(path: Path, info: _FileRead) -> Iterator[dict[str, Any]]:
-    """The data lines of one file as dicts; the closing line goes to ``info``."""
-    with open(path, "rb") as fh:
-        blob = fh.read()
-    lines = blob.split(b"\n")
-    if lines and lines[-1]:
-        # No final newline: the exporter is still writing this line.
-        info.partial_last_line = True
-    for raw in lines[:-1]:
-        if not raw:
-            continue
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            info.bad_lines += 1
-            continue
-        if not isinstance(obj, dict):
-            info.bad_lines += 1
-            continue
-        if obj.get("closing") is True:
-            info.closing = obj
-            continue
-        if info.closing is not None:
-            info.lines_after_closing += 1
-        info.data_lines += 1
-        yield obj
+        export, run = p / "aggregator" / "export", p
+    elif (p / "export").is_dir() and p.name == "aggregator":
+        export, run = p / "export", p.parent
+    elif any(p.glob("*.jsonl")):
+        export, run = p, (p.parent.parent if p.parent.name == "aggregator" else None)
+    else:
+        raise SummaryError(f"{p}: no export files here (expected a run folder or an export folder)")
+    if not any(exists(export / f"{name}.jsonl") for name in STREAM_FILES):
+        raise SummaryError(f"{export}: no export files here (the export folder holds none)")
+    return export, run
 
 
 # --------------------------------------------------------------------------- statistics
@@ -124,14 +96,16 @@ def _r(x: float, digits: int = 3) -> float:
 
 
 def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, float]]]:
-    """rank -> step -> {"step": ms, phase name: ms, ...}; a repeated key keeps the last."""
+    """rank -> step -> {"step": ms, phase name: ms, ...} of already parsed lines (no
+    checks; a repeated key keeps the first). The summary reads files with
+    :func:`traceml_ai._summary_read.step_rows`, which checks every value."""
     out: dict[int, dict[int, dict[str, float]]] = {}
     for obj in objs:
         rank, step, events = obj.get("global_rank"), obj.get("step"), obj.get("events")
         if not isinstance(rank, int) or not isinstance(step, int) or not isinstance(events, dict):
             continue
         row = step_row(events)
-        if row is None:
+        if row is None or step in out.get(rank, ()):
             continue
         row["_ts"] = float(obj.get("timestamp_unix_ns") or 0)
         node = obj.get("node_rank")
@@ -139,72 +113,6 @@ def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, 
             row["_node"] = float(node)
         out.setdefault(rank, {})[step] = row
     return out
-
-
-def _arrow_frames() -> Any:
-    """traceml_records.frames when pyarrow is installed, else None."""
-    try:
-        from traceml_records import frames
-    except ImportError:
-        return None
-    return frames
-
-
-def _step_rows_arrow(loaded: Any) -> tuple[dict[int, dict[int, dict[str, float]]], set[int]]:
-    """The rows of :func:`_step_rows` from Arrow tables (a big file: vectorized)."""
-    st = loaded.tables["step_time"]
-    ph = loaded.tables["step_time_phases"]
-    # One figure per (rank, step, event): the longest device, as in _phase_ms.
-    agg = ph.group_by(["global_rank", "step", "event"]).aggregate([("duration_ms", "max")])
-    acc: dict[tuple[int, int], dict[str, float]] = {}
-    names: dict[str, str | None] = {}
-    for rank, step, event, ms in zip(
-        agg.column("global_rank").to_pylist(),
-        agg.column("step").to_pylist(),
-        agg.column("event").to_pylist(),
-        agg.column("duration_ms_max").to_pylist(),
-        strict=True,
-    ):
-        if ms is None:
-            continue
-        if event not in names:
-            names[event] = "step" if event == STEP_EVENT else phase_name(event)
-        key = names[event]
-        if key is not None:
-            acc.setdefault((rank, step), {})[key] = float(ms)
-    stamps = dict(
-        zip(
-            zip(st.column("global_rank").to_pylist(), st.column("step").to_pylist(), strict=True),
-            st.column("timestamp_unix_ns").to_pylist(),
-            strict=True,
-        )
-    )
-    out: dict[int, dict[int, dict[str, float]]] = {}
-    for (rank, step), row in acc.items():
-        if "step" in row:
-            row["_ts"] = float(stamps.get((rank, step)) or 0)
-            out.setdefault(rank, {})[step] = row
-    world = {w for w in st.column("world_size").unique().to_pylist() if isinstance(w, int)}
-    return out, world
-
-
-def _memory_arrow(loaded: Any) -> tuple[dict[str, Any], bool]:
-    """:func:`_memory_section` from an Arrow table."""
-    agg = (
-        loaded.tables["step_memory"]
-        .group_by(["global_rank", "device"])
-        .aggregate([("peak_allocated_bytes", "max"), ("peak_reserved_bytes", "max")])
-    )
-    peaks: dict[int, dict[str, dict[str, int | None]]] = {}
-    any_figure = False
-    for row in agg.to_pylist():
-        alloc, reserved = row["peak_allocated_bytes_max"], row["peak_reserved_bytes_max"]
-        any_figure = any_figure or alloc is not None or reserved is not None
-        peaks.setdefault(row["global_rank"], {})[row["device"]] = {
-            "peak_allocated_bytes": alloc,
-            "peak_reserved_bytes": reserved,
-        }
-    return {str(r): dict(sorted(peaks[r].items())) for r in sorted(peaks)}, any_figure
 
 
 def _step_section(
@@ -217,8 +125,8 @@ def _step_section(
     for rank in sorted(rows):
         steps = rows[rank]
         ordered = [steps[s] for s in sorted(steps)]
-        times = sorted(r["step"] for r in ordered)
-        stamps = sorted(r["_ts"] for r in ordered if r["_ts"] > 0)
+        times = sorted([r["step"] for r in ordered])
+        stamps = sorted([r["_ts"] for r in ordered if r["_ts"] > 0])
         span_s = (stamps[-1] - stamps[0]) / 1e9 if len(stamps) >= 2 else 0.0
         # Steps per second over the wall time between the first and last step ends
         # (includes time between steps); from the mean step time when that is unknown.
@@ -276,14 +184,38 @@ def _memory_section(objs: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], boo
 
 
 def _process_section(objs: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    acc: dict[int, dict[str, list[float]]] = {}
-    for obj in objs:
+    """Per rank: CPU, RSS and GPU memory figures. A ``cpu_percent`` above 100 % per
+    logical core of the host cannot be (older samplers wrote such values): it is left
+    out of the figures and counted in ``cpu_percent_impossible_samples``."""
+    lines = list(objs)
+    # The host's cores: the line's own figure, else what another line of the node said.
+    node_cores: dict[Any, int] = {}
+    for obj in lines:
+        cores = obj.get("cpu_logical_cores")
+        if isinstance(cores, int):
+            node = obj.get("node_rank")
+            node_cores[node] = max(node_cores.get(node, 0), cores)
+    acc: dict[int, dict[str, Any]] = {}
+    for obj in lines:
         rank = obj.get("global_rank")
         if not isinstance(rank, int):
             continue
-        a = acc.setdefault(rank, {"cpu": [], "ram": [], "gpu_used": [], "gpu_reserved": []})
+        a = acc.setdefault(
+            rank,
+            {"cpu": [], "ram": [], "gpu_used": [], "gpu_reserved": [], "bad": 0, "cores": None},
+        )
+        cores = obj.get("cpu_logical_cores")
+        if not isinstance(cores, int):
+            cores = node_cores.get(obj.get("node_rank"))
+        if cores is not None:
+            a["cores"] = max(a["cores"] or 0, cores)
+        cpu = obj.get("cpu_percent")
+        if isinstance(cpu, (int, float)):
+            if cpu > 100.0 * (cores or MAX_PLAUSIBLE_CORES):
+                a["bad"] += 1
+            else:
+                a["cpu"].append(float(cpu))
         for key, field in (
-            ("cpu", "cpu_percent"),
             ("ram", "ram_used_bytes"),
             ("gpu_used", "gpu_memory_used_bytes"),
             ("gpu_reserved", "gpu_memory_reserved_bytes"),
@@ -296,8 +228,10 @@ def _process_section(objs: Iterable[dict[str, Any]]) -> dict[str, Any]:
         a = acc[rank]
         out[str(rank)] = {
             "samples": len(a["ram"]),
-            "cpu_percent_mean": _r(_mean(a["cpu"]), 1),
-            "cpu_percent_max": _r(max(a["cpu"], default=0.0), 1),
+            "cpu_percent_mean": _r(_mean(a["cpu"]), 1) if a["cpu"] else None,
+            "cpu_percent_max": _r(max(a["cpu"]), 1) if a["cpu"] else None,
+            "cpu_percent_impossible_samples": a["bad"],
+            "cpu_logical_cores": a["cores"],
             "ram_used_bytes_max": int(max(a["ram"], default=0)),
             "gpu_memory_used_bytes_max": int(max(a["gpu_used"])) if a["gpu_used"] else None,
             "gpu_memory_reserved_bytes_max": int(max(a["gpu_reserved"]))
@@ -372,69 +306,105 @@ def _system_section(
 
 
 def step_series(path: str | os.PathLike[str]) -> dict[int, list[tuple[int, float]]]:
-    """rank -> [(step, step time in ms)] in step order, for plots; {} without step_time."""
+    """rank -> [(step, step time in ms)] in step order, for plots; {} without step_time.
+
+    The same lines as :func:`summarize_run` counts (checked, first of each key)."""
     export_dir, _ = _folders(path)
-    p = export_dir / "step_time.jsonl"
-    if not p.is_file():
-        return {}
-    rows = _step_rows(_iter_objects(p, _FileRead(p)))
+    info = FileRead("step_time", export_dir / "step_time.jsonl")
+    rows = _read(info, lambda fh: step_rows(fh, info)[0]) if exists(info.path) else None
+    rows = rows or {}
     return {r: [(s, rows[r][s]["step"]) for s in sorted(rows[r])] for r in sorted(rows)}
 
 
-def _load_fast(name: str, path: Path) -> Any:
-    """A big step_time/step_memory file through pyarrow (when installed), else None.
+def _read(info: FileRead, reader: Callable[[BinaryIO], _T]) -> _T | None:
+    """``reader(file)`` on the regular file ``info.path``; None (and ``info.problem``
+    says why) when it is not a regular file or cannot be read."""
+    fh, problem = open_regular(info.path)
+    if fh is None:
+        info.problem = problem
+        return None
+    try:
+        with fh:
+            return reader(fh)
+    except OSError as exc:
+        info.problem = f"cannot read it ({exc.strerror or exc}); not counted"
+        return None
 
-    Parsing a million lines one by one takes tens of seconds; pyarrow's reader takes a
-    few. Small files stay on the plain reader (importing pyarrow costs more than them).
-    """
-    if name not in ("step_time", "step_memory"):
-        return None
+
+def _lines_of(info: FileRead) -> list[dict[str, Any]]:
+    """The usable data lines of a small file (process, system...), as dicts."""
+    return _read(info, lambda fh: list(data_lines(fh, info))) or []
+
+
+def _read_warning(path: Path) -> tuple[Any, str | None]:
+    """finalization_warning.json's object, or why it cannot be read."""
+    data, problem = read_bytes(path)
+    if data is None:
+        return None, problem
     try:
-        if path.stat().st_size < _ARROW_MIN_BYTES:
-            return None
-    except OSError:
-        return None
-    frames = _arrow_frames()
-    if frames is None:
-        return None
-    try:
-        return frames.load(path, name)
-    except (frames.FramesError, OSError):
-        return None  # the plain reader counts what it cannot read
+        warning = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc}); what was lost is unknown"
+    if not isinstance(warning, dict):
+        kind = "an array" if isinstance(warning, list) else type(warning).__name__
+        return None, f"not a JSON object ({kind}); what was lost is unknown"
+    if not isinstance(warning.get("reason"), str) or not isinstance(warning.get("message"), str):
+        return warning, "no reason or message: not a finalization warning"
+    return warning, None
+
+
+def _steps_text(counts: Sequence[int]) -> str:
+    """How many steps the ranks have, said truthfully: ``30 steps on each of 2 ranks``."""
+    if len(counts) == 1:
+        return f"{counts[0]} steps on 1 rank"
+    low, high = min(counts), max(counts)
+    if low == high:
+        return f"{low} steps on each of {len(counts)} ranks"
+    return f"{low} to {high} steps per rank on {len(counts)} ranks"
+
+
+def _cpu_text(p: dict[str, Any]) -> str:
+    if p["cpu_percent_mean"] is None:
+        text = "CPU n/a"
+    else:
+        text = f"CPU {p['cpu_percent_mean']:.0f}% mean, {p['cpu_percent_max']:.0f}% max"
+    bad = p.get("cpu_percent_impossible_samples")
+    if bad:
+        text += f" ({bad} impossible sample(s) left out)"
+    return text
+
+
+def _skim(info: FileRead) -> None:
+    """Read a file only for what ``info`` counts (closing line, damage)."""
+    _read(info, lambda fh: sum(1 for _ in data_lines(fh, info)))
 
 
 def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarize a run folder (or its export folder) as a JSON-able dict.
 
     Raises :class:`SummaryError` (one line of text) when ``path`` is missing or holds
-    no export files. Everything else that is missing is said in ``notes``.
+    no export files. What could not be read (a file that is not a regular file, lines
+    with impossible values, repeated keys, two runs in one file, a damaged warning
+    file) is said in ``problems``, one line each, and the files are then never called
+    complete; everything else that is missing is said in ``notes``.
     """
     export_dir, run_dir = _folders(path)
-    files = {name: export_dir / f"{name}.jsonl" for name in STREAM_FILES}
-    present = {name: p for name, p in files.items() if p.is_file()}
-    reads: dict[str, _FileRead] = {}
-    objs: dict[str, list[dict[str, Any]]] = {}
-    fast: dict[str, Any] = {}
-    for name, p in present.items():
-        info = _FileRead(p)
-        reads[name] = info
-        loaded = _load_fast(name, p)
-        if loaded is not None:
-            info.data_lines = loaded.tables[name].num_rows
-            info.closing = loaded.closing
-            info.partial_last_line = loaded.partial_last_line
-            fast[name] = loaded
-            continue
-        try:
-            objs[name] = list(_iter_objects(p, info))
-        except OSError as exc:
-            raise SummaryError(f"{p}: cannot read ({exc.strerror or exc})") from None
+    reads = {
+        name: FileRead(name, export_dir / f"{name}.jsonl")
+        for name in STREAM_FILES
+        if exists(export_dir / f"{name}.jsonl")
+    }
+    objs = {
+        name: _lines_of(reads[name])
+        for name in ("runtime_environment", "process", "system", "system_gpu")
+        if name in reads
+    }
 
     notes: list[str] = []
     summary: dict[str, Any] = {
         "export_folder": str(export_dir),
         "run_folder": str(run_dir) if run_dir is not None else None,
-        "streams": sorted(present, key=STREAM_FILES.index),
+        "streams": list(reads),
     }
 
     strategy: str | None = None
@@ -442,8 +412,7 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     if env_rows:
         last: dict[int, dict[str, Any]] = {}
         for obj in env_rows:
-            if isinstance(obj.get("global_rank"), int):
-                last[obj["global_rank"]] = obj
+            last[obj["global_rank"]] = obj
         strategies = sorted({str(o.get("training_strategy")) for o in last.values()})
         strategy = strategies[0] if len(strategies) == 1 else None
         first = next(iter(last.values()), {})
@@ -457,21 +426,17 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     else:
         summary["environment"] = None
 
+    rows: dict[int, dict[int, dict[str, float]]] = {}
     world: set[int] = set()
-    if "step_time" in fast:
-        rows, world = _step_rows_arrow(fast["step_time"])
-    else:
-        rows = _step_rows(objs.get("step_time", []))
-        world = {
-            o["world_size"]
-            for o in objs.get("step_time", [])
-            if isinstance(o.get("world_size"), int)
-        }
-    if "step_time" not in present:
+    if "step_time" in reads:
+        info = reads["step_time"]
+        rows, world = _read(info, lambda fh: step_rows(fh, info)) or ({}, set())
+    if "step_time" not in reads:
         notes.append("step times: step_time was not exported")
         summary.update(ranks=[], step_time=None, phases=None, straggler=None)
     elif not rows:
-        notes.append("step times: no step recorded yet")
+        if reads["step_time"].problem is None:
+            notes.append("step times: no step recorded yet")
         summary.update(ranks=[], step_time=None, phases=None, straggler=None)
     else:
         if strategy is None and world and max(world) > 1:
@@ -497,11 +462,11 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
                     f"({', '.join(map(str, absent))}{more})"
                 )
 
-    if "step_memory" in present:
-        mem, any_figure = (
-            _memory_arrow(fast["step_memory"])
-            if "step_memory" in fast
-            else _memory_section(objs["step_memory"])
+    if "step_memory" in reads:
+        info = reads["step_memory"]
+        mem, any_figure = _read(info, lambda fh: _memory_section(data_lines(fh, info))) or (
+            {},
+            False,
         )
         summary["memory"] = mem
         if mem and not any_figure:
@@ -510,16 +475,28 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         summary["memory"] = None
         notes.append("peak memory: step_memory was not exported")
 
-    if "process" in present:
+    if "process" in reads:
         summary["process"] = _process_section(objs["process"])
         if summary["process"] and all(
             p["gpu_memory_used_bytes_max"] is None for p in summary["process"].values()
         ):
             notes.append("process GPU memory: none (no GPU used by the ranks)")
+        impossible = {
+            r: p["cpu_percent_impossible_samples"]
+            for r, p in summary["process"].items()
+            if p["cpu_percent_impossible_samples"]
+        }
+        if impossible:
+            notes.append(
+                "process CPU: "
+                + ", ".join(f"rank {r} {n}" for r, n in impossible.items())
+                + " sample(s) above 100 % per logical core of the host, left out of the "
+                "figures (older samplers wrote such values)"
+            )
     else:
         summary["process"] = None
         notes.append("process figures: process was not exported")
-    if "system" in present:
+    if "system" in reads:
         summary["system"] = _system_section(objs["system"], objs.get("system_gpu"))
         if summary["system"] and all(n["gpu_count"] == 0 for n in summary["system"].values()):
             notes.append("GPU figures: no GPU on the host(s)")
@@ -527,14 +504,22 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         summary["system"] = None
         notes.append("system figures: system was not exported")
 
-    summary["loss"] = _loss_report(reads, run_dir, notes)
+    figured = {"step_time", "step_memory", "process", "system", "system_gpu"}
+    for name in reads.keys() - figured - set(objs):
+        # No figure of its own (stdout_stderr): read for its closing line and damage.
+        _skim(reads[name])
+    problems = [line for info in reads.values() for line in info.problems()]
+    summary["loss"] = _loss_report(reads, run_dir, notes, problems)
+    summary["problems"] = problems
     summary["notes"] = notes
     return summary
 
 
 def _loss_report(
-    reads: dict[str, _FileRead], run_dir: Path | None, notes: list[str]
+    reads: dict[str, FileRead], run_dir: Path | None, notes: list[str], problems: list[str]
 ) -> dict[str, Any]:
+    """What the files say about their completeness; adds the warning file's problem to
+    ``problems``."""
     files: dict[str, Any] = {}
     unfinished: list[str] = []
     dropped: set[int] = set()
@@ -544,34 +529,45 @@ def _loss_report(
             "data_lines": info.data_lines,
             "closed": closing is not None,
             "partial_last_line": info.partial_last_line,
+            "bytes": info.size,
         }
-        if info.bad_lines:
-            entry["unreadable_lines"] = info.bad_lines
-        if info.lines_after_closing:
-            entry["lines_after_closing"] = info.lines_after_closing
+        if info.problem is not None:
+            entry["unreadable"] = info.problem
+        for key, value in (
+            ("unreadable_lines", info.unreadable_lines),
+            ("impossible_lines", info.impossible_lines),
+            ("duplicate_keys", info.duplicate_keys),
+            ("lines_after_closing", info.lines_after_closing),
+        ):
+            if value:
+                entry[key] = value
+        if info.closing_lines > 1:
+            entry["closing_lines"] = info.closing_lines
         if closing is not None:
             written = closing.get("written_records")
             entry["written_records"] = written
             entry["dropped_batches"] = closing.get("dropped_batches")
             if isinstance(closing.get("dropped_batches"), int):
                 dropped.add(closing["dropped_batches"])
-            if isinstance(written, int) and written != info.data_lines:
+            if written != info.data_lines:
                 entry["mismatch"] = True
-        else:
+        elif info.problem is None:
             unfinished.append(name)
         files[name] = entry
     warning: Any = None
-    if run_dir is not None and (run_dir / WARNING_FILE).is_file():
-        try:
-            warning = orjson.loads((run_dir / WARNING_FILE).read_bytes())
-        except (OSError, orjson.JSONDecodeError) as exc:
-            warning = {"unreadable": str(exc)}
-    if warning is not None:
+    warning_path = run_dir / WARNING_FILE if run_dir is not None else None
+    if warning_path is not None and exists(warning_path):
+        warning, problem = _read_warning(warning_path)
+        if problem is not None:
+            problems.append(f"{WARNING_FILE}: {problem}")
+            warning = {"unreadable": problem, **(warning or {})}
+    readable_warning = isinstance(warning, dict) and "unreadable" not in warning
+    if readable_warning:
         status = "lost"
+    elif problems:
+        status = "damaged"
     elif unfinished:
         status = "in_progress"
-    elif any(f.get("mismatch") or f.get("unreadable_lines") for f in files.values()):
-        status = "inconsistent"
     elif dropped and max(dropped) > 0:
         status = "lost"
     else:
@@ -587,7 +583,7 @@ def _loss_report(
         "files": files,
         "unfinished_files": sorted(unfinished),
         "warning": warning,
-        "warning_file": str(run_dir / WARNING_FILE) if warning is not None and run_dir else None,
+        "warning_file": str(warning_path) if warning is not None else None,
     }
 
 
@@ -617,8 +613,9 @@ def _loss_line(summary: dict[str, Any], full: bool = True) -> str:
         return "files: complete (every file closed, nothing lost)"
     if status == "in_progress":
         return f"files: in progress or unfinished (no closing line in {', '.join(loss['unfinished_files'])})"
-    if status == "inconsistent":
-        return "files: closing lines disagree with the data lines; run traceml validate"
+    if status in ("damaged", "inconsistent"):
+        count = len(summary.get("problems") or ())
+        return f"files: damaged, not complete ({count} problem(s), on the lines above)"
     warning = loss.get("warning")
     if isinstance(warning, dict) and warning.get("message"):
         if not full:
@@ -664,9 +661,13 @@ def format_summary(summary: dict[str, Any], full: bool = True) -> str:
                 out.append(f"  rank {r}: {cells}")
         else:
             p50 = [steps[str(r)]["p50_ms"] for r in ranks]
+            spread = (
+                f"{p50[0]:.2f} ms"
+                if min(p50) == max(p50)
+                else f"{min(p50):.2f} to {max(p50):.2f} ms"
+            )
             out.append(
-                f"step time: p50 {min(p50):.2f} to {max(p50):.2f} ms over {len(ranks)} rank(s), "
-                f"{sum(steps[str(r)]['steps'] for r in ranks)} steps"
+                f"step time: p50 {spread}; {_steps_text([steps[str(r)]['steps'] for r in ranks])}"
             )
             # The largest phase on average, the quickest pointer to where time goes.
             totals: dict[str, float] = {}
@@ -698,8 +699,7 @@ def format_summary(summary: dict[str, Any], full: bool = True) -> str:
                 else ""
             )
             out.append(
-                f"  rank {r}: CPU {p['cpu_percent_mean']:.0f}% mean, {p['cpu_percent_max']:.0f}% max; "
-                f"RSS max {_bytes(p['ram_used_bytes_max'])}{gpu}"
+                f"  rank {r}: {_cpu_text(p)}; RSS max {_bytes(p['ram_used_bytes_max'])}{gpu}"
             )
     system = summary.get("system")
     if full and system:
@@ -717,6 +717,7 @@ def format_summary(summary: dict[str, Any], full: bool = True) -> str:
                     f"memory max {_bytes(g['memory_used_bytes_max'])}, "
                     f"temp max {g['temperature_c_max']} C, power max {g['power_usage_w_max']} W"
                 )
+    out.extend(f"problem: {p}" for p in summary.get("problems") or ())
     out.append(_loss_line(summary, full))
     if full:
         out.extend(f"note: {n}" for n in summary.get("notes", []))

@@ -1,7 +1,14 @@
 """``traceml summary --follow``: a rich terminal view refreshed while the run writes.
 
 It re-reads the aggregator's export files on every refresh, so it shows every rank
-of every node, and stops by itself when every file has its closing line.
+of every node, and stops by itself when every file it can read has its closing line.
+The view fits an 80-column terminal (one column for the largest phase, not one per
+phase); ``short=True`` shows the few lines of ``--short`` instead of the table.
+
+Files change under it only by growing: a file that shrinks, is replaced or disappears
+while followed is said on a ``problem:`` line of every later refresh and of the
+returned summary (so ``traceml summary`` exits non-zero), never skipped silently; a
+refresh that fails is shown as an error line and the view goes on.
 """
 
 from __future__ import annotations
@@ -10,13 +17,31 @@ import os
 import time
 from typing import Any
 
-from traceml_ai.run_summary import SummaryError, format_summary, straggler_line, summarize_run
+from traceml_ai.run_summary import (
+    STREAM_FILES,
+    SummaryError,
+    format_summary,
+    straggler_line,
+    summarize_run,
+)
 
 _MAX_ROWS = 32
 """Rows of the live table; more ranks show the stragglers and the slowest."""
 
 
-def _render(summary: dict[str, Any] | None, waiting: str | None) -> Any:
+def _largest_phase(phases: dict[str, Any], names: list[str]) -> str:
+    name = max(names, key=lambda n: phases[n]["share"])
+    # The share first: a long user phase name is what gets cut at the column's end.
+    return f"{phases[name]['share'] * 100:.0f}% {name}"
+
+
+def _tail(summary: dict[str, Any], short: bool) -> list[str]:
+    """The last lines of the plain text: problems, export status, what cannot be shown."""
+    keep = ("traceml: problem:", "traceml: files:") + (() if short else ("traceml: note:",))
+    return [line for line in format_summary(summary).splitlines() if line.startswith(keep)]
+
+
+def _render(summary: dict[str, Any] | None, waiting: str | None, short: bool = False) -> Any:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -24,16 +49,28 @@ def _render(summary: dict[str, Any] | None, waiting: str | None) -> Any:
     if summary is None:
         return Text(f"traceml: {waiting} (waiting; Ctrl-C to stop)")
     parts: list[Any] = []
+    if waiting:
+        parts.append(Text(f"traceml: {waiting}"))
+    if short:
+        parts.extend(Text(line) for line in format_summary(summary, full=False).splitlines())
+        return Group(*parts)
     title = f"traceml: {summary.get('run_folder') or summary['export_folder']}"
     steps = summary.get("step_time")
     if steps:
-        table = Table(title=title, title_justify="left")
-        for col in ("rank", "steps", "p50 ms", "p90 ms", "p99 ms", "max ms", "steps/s"):
-            table.add_column(col, justify="right")
+        # No borders, two spaces between columns: seven columns of figures fit 80.
+        table = Table(
+            title=title,
+            title_justify="left",
+            box=None,
+            padding=(0, 1),
+            pad_edge=False,
+            header_style="bold",
+        )
+        for col in ("rank", "steps", "p50 ms", "p99 ms", "max ms", "steps/s"):
+            table.add_column(col, justify="right", no_wrap=True)
+        table.add_column("largest phase", overflow="ellipsis", no_wrap=True, max_width=22)
         names = summary["phase_names"]
-        for name in names:
-            table.add_column(f"{name} ms", justify="right")
-        stragglers = {s["rank"] for s in summary["straggler"].get("stragglers", [])}
+        stragglers = {s["rank"] for s in (summary.get("straggler") or {}).get("stragglers", [])}
         ranks = summary["ranks"]
         if len(ranks) > _MAX_ROWS:
             # Many ranks: the stragglers and the slowest by p50 fit on a screen.
@@ -47,52 +84,115 @@ def _render(summary: dict[str, Any] | None, waiting: str | None) -> Any:
             shown = ranks
         for r in shown:
             s = steps[str(r)]
-            ph = summary["phases"][str(r)]
             table.add_row(
                 f"{r}{' *' if r in stragglers else ''}",
                 str(s["steps"]),
                 f"{s['p50_ms']:.2f}",
-                f"{s['p90_ms']:.2f}",
                 f"{s['p99_ms']:.2f}",
                 f"{s['max_ms']:.2f}",
                 f"{s['steps_per_s']:.2f}",
-                *(f"{ph[n]['mean_ms']:.2f}" for n in names),
+                _largest_phase(summary["phases"][str(r)], names),
                 style="bold red" if r in stragglers else None,
             )
         parts.append(table)
         parts.append(Text(f"traceml: {straggler_line(summary)}"))
     else:
         parts.append(Text(title))
-    # The last lines of the plain text: export status and what cannot be shown.
-    tail = [
-        line
-        for line in format_summary(summary).splitlines()
-        if line.startswith(("traceml: files:", "traceml: note:"))
-    ]
-    parts.extend(Text(line) for line in tail)
+    parts.extend(Text(line) for line in _tail(summary, short))
     return Group(*parts)
 
 
-def follow(path: str | os.PathLike[str], interval: float = 1.0) -> dict[str, Any] | None:
-    """Refresh the view every ``interval`` seconds until every file is closed.
+class _Watch:
+    """What each export file was at the last refresh: a file only grows while written."""
 
-    Returns the last summary (None if the folder never appeared). Ctrl-C stops the
-    view and returns what was shown.
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path
+        self.seen: dict[str, tuple[int, int]] = {}
+        self.problems: list[str] = []
+
+    def check(self, summary: dict[str, Any]) -> None:
+        """Note files that shrank, were replaced or disappeared; add every such problem
+        seen so far to ``summary`` (which is then never complete)."""
+        folder = summary["export_folder"]
+        for name in STREAM_FILES:
+            file = f"{name}.jsonl"
+            try:
+                st = os.stat(os.path.join(folder, file))
+            except OSError:
+                if name in self.seen:
+                    self._add(f"{file}: disappeared while followed")
+                    del self.seen[name]
+                continue
+            now = (st.st_ino, st.st_size)
+            before = self.seen.get(name)
+            if before is not None and now[0] != before[0]:
+                self._add(f"{file}: replaced by another file while followed")
+            elif before is not None and now[1] < before[1]:
+                self._add(
+                    f"{file}: truncated or rewritten while followed "
+                    f"({before[1]} bytes, then {now[1]})"
+                )
+            self.seen[name] = now
+        self.apply(summary)
+
+    def gone(self) -> None:
+        """The export folder holds no file any more."""
+        for name in list(self.seen):
+            self._add(f"{name}.jsonl: disappeared while followed")
+            del self.seen[name]
+
+    def _add(self, problem: str) -> None:
+        if problem not in self.problems:
+            self.problems.append(problem)
+
+    def apply(self, summary: dict[str, Any]) -> None:
+        if not self.problems:
+            return
+        known = summary.get("problems", [])
+        summary["problems"] = [*known, *(p for p in self.problems if p not in known)]
+        if summary["loss"]["status"] in ("complete", "in_progress"):
+            summary["loss"]["status"] = "damaged"
+
+
+def follow(
+    path: str | os.PathLike[str],
+    interval: float = 1.0,
+    *,
+    short: bool = False,
+    stderr: bool = False,
+) -> dict[str, Any] | None:
+    """Refresh the view every ``interval`` seconds until every readable file is closed.
+
+    The view goes to stdout, or to stderr with ``stderr=True`` (``--json`` keeps stdout
+    for the JSON). Returns the last summary (None if the folder never held export
+    files); Ctrl-C stops the view and returns what was shown.
     """
     from rich.console import Console
     from rich.live import Live
 
-    console = Console()
+    console = Console(stderr=stderr)
     summary: dict[str, Any] | None = None
-    with Live(_render(None, f"{os.fspath(path)}: no export files yet"), console=console) as live:
+    watch = _Watch(path)
+    waiting = f"{os.fspath(path)}: no export files yet"
+    with Live(_render(None, waiting), console=console) as live:
         try:
             while True:
+                done = False
                 try:
-                    summary = summarize_run(path)
-                    live.update(_render(summary, None))
+                    fresh = summarize_run(path)
+                    watch.check(fresh)
+                    summary = fresh
+                    done = not summary["loss"]["unfinished_files"]
+                    live.update(_render(summary, None, short))
                 except SummaryError as exc:
-                    live.update(_render(None, str(exc)))
-                if summary is not None and summary["loss"]["status"] != "in_progress":
+                    if summary is not None:
+                        watch.gone()
+                        watch.apply(summary)
+                    live.update(_render(summary, str(exc), short))
+                except Exception as exc:  # a bug must show, not end the view silently
+                    error = f"error: refresh failed: {type(exc).__name__}: {exc}"
+                    live.update(_render(summary, error, short))
+                if done:
                     break
                 time.sleep(interval)
         except KeyboardInterrupt:

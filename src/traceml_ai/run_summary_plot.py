@@ -16,13 +16,11 @@ _MAX_LABELLED_RANKS = 16
 
 
 class PlotUnavailable(Exception):
-    """The plot cannot be drawn (no matplotlib, no step times); one line of text."""
+    """The plot cannot be drawn (no matplotlib, no step times, a format matplotlib
+    cannot write); one line of text."""
 
 
-def plot_summary(
-    path: str | os.PathLike[str], out: str | os.PathLike[str], summary: dict[str, Any] | None = None
-) -> str:
-    """Draw the run at ``path`` into the PNG ``out``; returns ``out`` as a string."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -30,6 +28,41 @@ def plot_summary(
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotUnavailable("--plot needs matplotlib: pip install 'traceml-ai[plot]'") from None
+    return plt
+
+
+def plot_target(out: str | os.PathLike[str]) -> tuple[str, str]:
+    """(the path the image will have, its format) for ``--plot OUT``.
+
+    The format is the name's suffix (``.png``, ``.svg``, ``.pdf``...). A name without
+    one gets ``.png`` added, as matplotlib itself would do, so that the path said is
+    the path written. A suffix matplotlib cannot write raises :class:`PlotUnavailable`
+    before anything is read or drawn.
+    """
+    _pyplot()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    name = os.fspath(out)
+    base, ext = os.path.splitext(name)
+    fmt = ext[1:].lower()
+    if not fmt:
+        return (base if ext == "." else name) + ".png", "png"
+    supported = sorted(FigureCanvasAgg.get_supported_filetypes())
+    if fmt not in supported:
+        raise PlotUnavailable(
+            f"{name}: matplotlib cannot write .{fmt} images (use one of: "
+            f"{', '.join('.' + s for s in supported)})"
+        )
+    return name, fmt
+
+
+def plot_summary(
+    path: str | os.PathLike[str], out: str | os.PathLike[str], summary: dict[str, Any] | None = None
+) -> str:
+    """Draw the run at ``path`` into the image ``out`` (its format from its suffix, see
+    :func:`plot_target`); returns the path written."""
+    plt = _pyplot()
+    target, fmt = plot_target(out)
     if summary is None:
         summary = summarize_run(path)
     series = step_series(path)
@@ -66,7 +99,7 @@ def plot_summary(
         bottom.set_title("Phase breakdown per rank")
         bottom.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
         bottom.grid(axis="y", alpha=0.3)
-        fig.savefig(out, dpi=100)
+        fig.savefig(target, format=fmt, dpi=100)
     finally:
         plt.close(fig)
-    return os.fspath(out)
+    return target

@@ -1,0 +1,470 @@
+"""The one reader behind ``traceml summary``: every export file, whatever its size.
+
+A file is opened only when it is a regular file: a FIFO, a folder, a socket or a
+symbolic link to nothing is reported as a problem and never read (a FIFO would block
+the reader). A regular file is read in blocks and split into lines; each line is
+parsed whole with orjson, and a data line is used only when every value is one a
+valid line can hold: the types and ranges of its stream's schema (no negative
+duration, no step 0, no rank outside the world...), which rules out NaN and Infinity
+too (orjson does not parse them). What is left out is counted per file, never
+averaged:
+
+* ``unreadable_lines``: not a JSON object (a blank line, broken JSON, NaN);
+* ``impossible_lines``: a JSON object with a value no valid line has;
+* ``duplicate_keys``: a line whose key (``(global_rank, step)`` for step_time) an
+  earlier line already had; the first line of a key counts;
+* ``lines_after_closing`` and ``closing_lines``: data lines after the closing line,
+  or a second closing line: two runs in one file; only the first is read.
+
+Light to import: orjson and the schemas' bounds (never pyarrow).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from traceml_ai._step_phases import STEP_EVENT, phase_name
+from traceml_records import STREAMS
+
+_CHUNK = 16 << 20
+"""Bytes read at a time: big enough that the per-block work is nothing, small enough
+that a big file never sits in memory twice."""
+
+_FLOAT_MAX = 1.7976931348623157e308
+_INT_MAX = (1 << 63) - 1
+
+_INT, _NUMBER, _STRING, _BOOL = 0, 1, 2, 3
+_Check = tuple[str, int, float, float, bool, bool]
+"""One scalar field: name, kind, minimum, maximum, nullable, required."""
+
+
+class FileRead:
+    """What reading one export file found besides its data lines."""
+
+    def __init__(self, stream: str, path: Path) -> None:
+        self.stream = stream
+        self.path = path
+        self.problem: str | None = None
+        """Why the file could not be read at all (not a regular file, an I/O error)."""
+        self.size = 0
+        self.data_lines = 0
+        """Data lines before the (first) closing line, used or not."""
+        self.closing: dict[str, Any] | None = None
+        self.closing_lines = 0
+        self.lines_after_closing = 0
+        self.first_line_after_closing: int | None = None
+        self.partial_last_line = False
+        self.unreadable_lines = 0
+        self.first_unreadable: int | None = None
+        self.impossible_lines = 0
+        self.first_impossible: tuple[int, str] | None = None
+        self.duplicate_keys = 0
+        self.first_duplicate: tuple[int, str] | None = None
+        self.line = 0
+        """The number of the line being read (1 for the first line of the file)."""
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def impossible(self, why: str) -> None:
+        self.impossible_lines += 1
+        if self.first_impossible is None:
+            self.first_impossible = (self.line, why)
+
+    def duplicate(self, key: str) -> None:
+        self.duplicate_keys += 1
+        if self.first_duplicate is None:
+            self.first_duplicate = (self.line, key)
+
+    def problems(self) -> list[str]:
+        """One line per kind of damage found in this file (empty when none)."""
+        out: list[str] = []
+        if self.problem is not None:
+            return [f"{self.name}: {self.problem}"]
+        if self.unreadable_lines:
+            out.append(
+                f"{self.name}: {self.unreadable_lines} unreadable line(s), not counted "
+                f"(not a JSON object; first on line {self.first_unreadable})"
+            )
+        if self.first_impossible is not None:
+            line, why = self.first_impossible
+            out.append(
+                f"{self.name}: {self.impossible_lines} line(s) with impossible values, "
+                f"not counted (line {line}: {why})"
+            )
+        if self.first_duplicate is not None:
+            line, key = self.first_duplicate
+            out.append(
+                f"{self.name}: {self.duplicate_keys} line(s) repeat the key of an earlier "
+                f"line, not counted (line {line}: {key})"
+            )
+        if self.closing_lines > 1 or self.lines_after_closing:
+            out.append(
+                f"{self.name}: two runs in one file? {self.closing_lines} closing line(s) and "
+                f"{self.lines_after_closing} data line(s) after the first closing line "
+                f"(line {self.first_line_after_closing}); only the lines before it are counted"
+            )
+        if self.closing is not None:
+            written = self.closing.get("written_records")
+            if written != self.data_lines:
+                out.append(
+                    f"{self.name}: the closing line says {written!r} data line(s), "
+                    f"the file has {self.data_lines}"
+                )
+        return out
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def exists(path: Path) -> bool:
+    """Whether anything is at ``path``, a symbolic link to nothing included."""
+    try:
+        os.lstat(path)
+    except OSError:
+        return False
+    return True
+
+
+def open_regular(path: Path) -> tuple[BinaryIO | None, str | None]:
+    """``(file, None)`` for a regular file; ``(None, why)`` for anything else there.
+
+    Never blocks: a FIFO is opened without waiting for a writer (then refused).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            return None, f"a symbolic link to {target}, which does not exist; not read"
+        return None, "disappeared while being read"
+    except OSError as exc:
+        return None, f"cannot open it ({exc.strerror or exc}); not read"
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        os.close(fd)
+        return None, f"cannot read it ({exc.strerror or exc}); not read"
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        return None, f"is {_kind(mode)}, not a file; not read"
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb"), None
+
+
+def read_bytes(path: Path) -> tuple[bytes | None, str | None]:
+    """A small regular file's bytes, or why not (see :func:`open_regular`)."""
+    fh, problem = open_regular(path)
+    if fh is None:
+        return None, problem
+    try:
+        with fh:
+            return fh.read(), None
+    except OSError as exc:
+        return None, f"cannot read it ({exc.strerror or exc})"
+
+
+# --------------------------------------------------------------------------- lines
+
+
+def _objects(fh: BinaryIO, info: FileRead) -> Iterator[dict[str, Any]]:
+    """The data lines (dicts) before the closing line; the rest is counted in ``info``."""
+    loads = orjson.loads
+    decode_error = orjson.JSONDecodeError
+    number = 0
+    pending = b""
+    while True:
+        block = fh.read(_CHUNK)
+        if not block:
+            break
+        info.size += len(block)
+        lines = (pending + block if pending else block).split(b"\n")
+        pending = lines.pop()  # b"" after a final newline, else a line being written
+        for raw in lines:
+            number += 1
+            try:
+                obj = loads(raw)
+            except decode_error:
+                obj = None
+            if type(obj) is not dict:
+                info.unreadable_lines += 1
+                if info.first_unreadable is None:
+                    info.first_unreadable = number
+                continue
+            if obj.get("closing") is True:
+                info.closing_lines += 1
+                if info.closing is None:
+                    info.closing = obj
+                elif info.first_line_after_closing is None:
+                    info.first_line_after_closing = number
+                continue
+            if info.closing is not None:
+                info.lines_after_closing += 1
+                if info.first_line_after_closing is None:
+                    info.first_line_after_closing = number
+                continue
+            info.data_lines += 1
+            info.line = number
+            yield obj
+    # No final newline: the exporter is still writing this line.
+    info.partial_last_line = bool(pending)
+
+
+@functools.cache
+def _checks(stream: str) -> tuple[_Check, ...]:
+    """The scalar fields of ``stream``'s schema with their types and bounds."""
+    from traceml_records.internal import schema_documents, stream_schema_file
+
+    docs = schema_documents()
+    common = docs["common.schema.json"]["$defs"]
+    schema = docs[stream_schema_file(stream)]
+    required = set(schema.get("required", ()))
+    out: list[_Check] = []
+    for name, node in schema["properties"].items():
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            node = common[ref.rsplit("/", 1)[-1]]
+        types = node.get("type")
+        names = types if isinstance(types, list) else [types]
+        nullable = "null" in names
+        if "integer" in names:
+            kind = _INT
+        elif "number" in names:
+            kind = _NUMBER
+        elif "string" in names:
+            kind = _STRING
+        elif "boolean" in names:
+            kind = _BOOL
+        else:
+            continue  # objects (events) are checked by their reader
+        # Integer bounds stay integers: 2**63 - 1 is not a float.
+        num = int if kind == _INT else float
+        low = num(node.get("minimum", -_INT_MAX - 1 if kind == _INT else -_FLOAT_MAX))
+        high = num(node.get("maximum", _INT_MAX if kind == _INT else _FLOAT_MAX))
+        out.append((name, kind, low, high, nullable, name in required))
+    return tuple(out)
+
+
+def check_fields(obj: dict[str, Any], checks: tuple[_Check, ...]) -> str | None:
+    """Why ``obj`` cannot be a valid line (the first wrong scalar field), or None."""
+    for name, kind, low, high, nullable, required in checks:
+        v = obj.get(name)
+        if v is None:
+            if nullable and name in obj:
+                continue
+            if name not in obj:
+                if required:
+                    return f"{name} missing"
+                continue
+            return f"{name} is null"
+        t = type(v)
+        if kind == _STRING:
+            if t is not str:
+                return f"{name} {v!r} is not a string"
+            continue
+        if kind == _BOOL:
+            if t is not bool:
+                return f"{name} {v!r} is not true or false"
+            continue
+        if t is not int and (t is not float or kind == _INT):
+            return f"{name} {v!r} is not {'an integer' if kind == _INT else 'a number'}"
+        if not low <= v <= high:
+            if v < low:
+                return f"{name} {v!r} is below {low:g}"
+            if v > high:
+                return f"{name} {v!r} is above {high:g}"
+            return f"{name} {v!r} is not finite"
+    if "world_size" in obj and not obj.get("global_rank", 0) < obj["world_size"]:
+        return (
+            f"global_rank {obj.get('global_rank')!r} is not below world_size {obj['world_size']!r}"
+        )
+    return None
+
+
+@functools.cache
+def _fast_check(stream: str) -> Callable[[dict[str, Any]], bool]:
+    """``obj -> ok`` doing :func:`check_fields`'s test of ``stream`` in one flat function.
+
+    A generic loop over the fields costs more than parsing the line; this function is
+    built from the same schema bounds as straight-line code (nothing but field names
+    and numbers goes into it), and :func:`check_fields` says what is wrong when it
+    says no.
+    """
+    kinds = {_INT: "int", _NUMBER: "float", _STRING: "str", _BOOL: "bool"}
+    body = ["def ok(obj):", "    get = obj.get"]
+    for name, kind, low, high, nullable, required in _checks(stream):
+        body.append(f"    v = get({name!r})")
+        absent = f"{name!r} not in obj" if not nullable or required else "False"
+        if kind == _INT:
+            test = f"type(v) is not int or not {low!r} <= v <= {high!r}"
+        elif kind == _NUMBER:
+            test = f"(type(v) is not float and type(v) is not int) or not {low!r} <= v <= {high!r}"
+        else:
+            test = f"type(v) is not {kinds[kind]}"
+        if nullable:
+            body.append(f"    if v is None:\n        if {absent}: return False")
+            body.append(f"    elif {test}: return False")
+        elif required:
+            body.append(f"    if {test}: return False")
+        else:
+            body.append(f"    if v is not None and ({test}): return False")
+            body.append(f"    if v is None and {name!r} in obj: return False")
+    body.append('    if "world_size" in obj and not get("global_rank", 0) < obj["world_size"]:')
+    body.append("        return False")
+    body.append("    return True")
+    scope: dict[str, Any] = {}
+    exec("\n".join(body), scope)  # built above from the schema's names and numbers only
+    fn: Callable[[dict[str, Any]], bool] = scope["ok"]
+    return fn
+
+
+def data_lines(fh: BinaryIO, info: FileRead) -> Iterator[dict[str, Any]]:
+    """The usable data lines of one (non step_time) file, checked, first of each key."""
+    spec = next(s for s in STREAMS if s.name == info.stream)
+    checks = _checks(info.stream)
+    ok = _fast_check(info.stream)
+    unique = "unique-key" in spec.rules
+    fields = spec.key_fields
+    seen: set[tuple[Any, ...]] = set()
+    for obj in _objects(fh, info):
+        if not ok(obj):
+            info.impossible(check_fields(obj, checks) or "a value out of range")
+            continue
+        if unique:
+            key = tuple(obj.get(f) for f in fields)
+            if key in seen:
+                info.duplicate(", ".join(f"{f}={v!r}" for f, v in zip(fields, key, strict=True)))
+                continue
+            seen.add(key)
+        yield obj
+
+
+# --------------------------------------------------------------------------- step_time
+
+
+def timing_problem(event: str, devices: Any) -> str | None:
+    """Why one event's device timings cannot be valid, or None."""
+    if type(devices) is not dict or not devices:
+        return f"{event}: no device timing"
+    for device, t in devices.items():
+        if type(t) is not dict:
+            return f"{event} {device}: not a timing object"
+        for key in ("duration_ms", "cpu_ms", "gpu_ms"):
+            v = t.get(key)
+            if v is None and key == "gpu_ms":
+                continue
+            if (type(v) is not float and type(v) is not int) or not 0.0 <= v <= _FLOAT_MAX:
+                return f"{event} {device}: {key} {v!r}"
+        n = t.get("n_calls")
+        if type(n) is not int or n < 1:
+            return f"{event} {device}: n_calls {n!r}"
+    return None
+
+
+StepRows = dict[int, dict[int, dict[str, float]]]
+"""rank -> step -> {"step": ms, phase name: ms, ..., "_ts": end of step (ns)}."""
+
+
+def step_rows(fh: BinaryIO, info: FileRead) -> tuple[StepRows, set[int]]:
+    """The step rows of one step_time file, and the world sizes its lines name.
+
+    One pass, minimal work per line: the scalar fields against the schema, every phase
+    timing (finite, not negative, at least one call), the key; a row per usable line.
+    """
+    checks = _checks("step_time")
+    names: dict[str, str | None] = {STEP_EVENT: "step"}
+    out: StepRows = {}
+    worlds: set[int] = set()
+    inf = _FLOAT_MAX
+    ok = _fast_check("step_time")
+    for obj in _objects(fh, info):
+        if not ok(obj):
+            info.impossible(check_fields(obj, checks) or "a value out of range")
+            continue
+        events = obj.get("events")
+        if type(events) is not dict or STEP_EVENT not in events:
+            info.impossible(f"events without {STEP_EVENT}")
+            continue
+        row: dict[str, float] = {}
+        used = 0.0
+        for event, devices in events.items():
+            best = -1.0
+            if type(devices) is dict and devices:
+                for t in devices.values():
+                    if type(t) is not dict:
+                        best = math.nan
+                        break
+                    d, c, g, n = (
+                        t.get("duration_ms"),
+                        t.get("cpu_ms"),
+                        t.get("gpu_ms"),
+                        t.get("n_calls"),
+                    )
+                    # Fast test of the usual line; timing_problem says what is wrong.
+                    if (
+                        (type(d) is float or type(d) is int)
+                        and (type(c) is float or type(c) is int)
+                        and (g is None or type(g) is float or type(g) is int)
+                        and type(n) is int
+                        and 0.0 <= d <= inf
+                        and 0.0 <= c <= inf
+                        and (g is None or 0.0 <= g <= inf)
+                        and n >= 1
+                    ):
+                        if d > best:
+                            best = d
+                    else:
+                        best = math.nan
+                        break
+            if not best >= 0.0:
+                info.impossible(timing_problem(event, devices) or f"{event}: bad timing")
+                row = {}
+                break
+            if event not in names:
+                names[event] = phase_name(event)
+            key = names[event]
+            if key is not None:
+                row[key] = float(best)
+                if key != "step":
+                    used += best
+        if not row:
+            continue
+        rank, step = obj["global_rank"], obj["step"]
+        steps = out.get(rank)
+        if steps is None:
+            steps = out[rank] = {}
+        elif step in steps:
+            info.duplicate(f"global_rank={rank}, step={step}")
+            continue
+        row["_ts"] = float(obj["timestamp_unix_ns"])
+        row["_node"] = float(obj["node_rank"])
+        row["_used"] = used  # the sum of the phases, in row order (see _step_phases.rest)
+        steps[step] = row
+        worlds.add(obj["world_size"])
+    return out, worlds
