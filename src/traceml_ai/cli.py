@@ -188,7 +188,7 @@ def summary(
 
     target: str | None = None
     if plot_path is not None:
-        from traceml_ai.run_summary_plot import PlotUnavailable, plot_target
+        from traceml_ai.run_summary.plot import PlotUnavailable, plot_target
 
         try:  # an unusable --plot is said before a long run is read
             target, _ = plot_target(plot_path)
@@ -197,7 +197,7 @@ def summary(
             sys.exit(1)
     try:
         if follow:
-            from traceml_ai.run_summary_live import follow as follow_view
+            from traceml_ai.run_summary.live import follow as follow_view
 
             # With --json, stdout holds the JSON alone: the live view goes to stderr.
             result = follow_view(path, interval, short=short, stderr=as_json)
@@ -214,7 +214,7 @@ def summary(
     elif not follow:
         click.echo(format_summary(result, full=not short))
     if plot_path is not None:
-        from traceml_ai.run_summary_plot import PlotUnavailable, plot_summary
+        from traceml_ai.run_summary.plot import PlotUnavailable, plot_summary
 
         try:
             target = plot_summary(path, plot_path, result)

@@ -449,9 +449,19 @@ def test_summary_is_none_on_other_ranks_unless_asked(monkeypatch: pytest.MonkeyP
 
 def step_line(rank: int, step: int, ms: float) -> bytes:
     timing = {"cpu_ms": ms, "duration_ms": ms, "gpu_ms": None, "is_gpu": False, "n_calls": 1}
+    # A whole line, as the exporter writes it (the summary leaves out incomplete ones).
     line = {
         "stream": "step_time",
+        "schema_version": 1,
+        "observed_timestamp_unix_ns": 10**18 + step,
+        "rank": rank,
         "global_rank": rank,
+        "local_rank": rank,
+        "world_size": 2,
+        "local_world_size": 2,
+        "node_rank": 0,
+        "timestamp_unix_ns": 10**18 + step,
+        "seq": step - 1,
         "step": step,
         "events": {
             STEP: {"cpu": timing},
@@ -539,8 +549,9 @@ def test_summary_stays_a_function_after_every_module_is_imported() -> None:
 
 
 def test_final_summary_phases_are_figured_as_traceml_summary_figures_them() -> None:
-    from traceml_ai import _step_phases, run_summary
     from traceml_ai.rank import _compat_summary
+    from traceml_ai.run_summary import _phases as _step_phases
+    from traceml_ai.run_summary import _report as run_summary
 
     def timing(ms: float) -> dict[str, dict[str, object]]:
         return {"cpu": {"duration_ms": ms, "cpu_ms": ms, "gpu_ms": None, "is_gpu": False}}

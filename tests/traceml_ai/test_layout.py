@@ -30,3 +30,18 @@ def test_traceml_ai_imports_no_private_module_of_traceml_records() -> None:
         if any(part.startswith("_") for part in name.split(".")[1:2])
     }
     assert sorted(private) == []
+
+
+def test_no_subpackage_shadows_a_public_name() -> None:
+    """Importing a submodule sets it as an attribute of its package: a folder named
+    like a public function (``traceml.summary``) would replace that function."""
+    import importlib
+    import pkgutil
+
+    import traceml_ai
+
+    public = set(traceml_ai.__all__)
+    for info in pkgutil.iter_modules(traceml_ai.__path__):
+        assert info.name not in public, info.name
+    importlib.import_module("traceml_ai.run_summary")
+    assert callable(traceml_ai.summary)

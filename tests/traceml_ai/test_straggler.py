@@ -1,4 +1,4 @@
-"""The straggler analysis (traceml_ai._straggler): real DDP runs with a rank slowed in
+"""The straggler analysis (traceml_ai.run_summary._straggler): real DDP runs with a rank slowed in
 each place a rank can be slow, and simulated synchronous runs for what a CPU cannot
 show (a slow node, 1,024 ranks, noise)."""
 
@@ -12,8 +12,8 @@ import orjson
 import pytest
 
 from tests.e2e_helpers import REPO, free_port, run_cli
-from traceml_ai._straggler import analyze, verdict_line
 from traceml_ai.run_summary import format_summary, summarize_run
+from traceml_ai.run_summary._straggler import analyze, verdict_line
 
 P = "_traceml_internal:"
 EVENTS = {

@@ -462,7 +462,7 @@ def test_one_reader_for_every_size(tmp_path: Path) -> None:
 def test_live_view_with_many_ranks_shows_the_straggler(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from traceml_ai.run_summary_live import _render
+    from traceml_ai.run_summary.live import _render
 
     lines = [
         step_line(r, s, 40, {"step": 30.0 if r == 7 else 10.0 + r * 0.01})
@@ -515,8 +515,8 @@ def test_end_of_run_summary_skips_big_exports(
 def test_phase_shares_count_a_wait_before_the_step_once() -> None:
     # The usual loop fetches the batch before `with trace_step(...)`: step_time leaves
     # the wait out, so shares of the step alone would add up past 100 %.
-    from traceml_ai._step_phases import iteration as _iteration
-    from traceml_ai._step_phases import rest as _rest
+    from traceml_ai.run_summary._phases import iteration as _iteration
+    from traceml_ai.run_summary._phases import rest as _rest
 
     outside = {"step": 1.0, "dataloader_wait": 3.0, "forward": 0.4, "backward": 0.5}
     assert _iteration(outside) == 4.0

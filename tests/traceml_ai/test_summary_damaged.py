@@ -390,7 +390,7 @@ def test_live_view_fits_80_columns() -> None:
 
     from rich.console import Console
 
-    from traceml_ai.run_summary_live import _render
+    from traceml_ai.run_summary.live import _render
 
     steps = {str(r): {"steps": 123456, "p50_ms": 12345.67, "p90_ms": 1.0, "p99_ms": 99999.99,
                       "max_ms": 123456.78, "steps_per_s": 1234.56} for r in range(4)}  # fmt: skip
@@ -475,7 +475,7 @@ def test_the_fast_line_check_agrees_with_the_explained_one(data: st.DataObject) 
     """The flat check built from the schema accepts exactly what ``check_fields``
     accepts, on valid lines and on lines with one field bent."""
     from tests.strategies import consistent_json
-    from traceml_ai._summary_read import _checks, _fast_check, check_fields
+    from traceml_ai.run_summary._read import _checks, _fast_check, check_fields
 
     stream = data.draw(
         st.sampled_from(

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from traceml_ai._step_phases import percentile, phase_breakdown, phase_names, step_row
+from traceml_ai.run_summary._phases import percentile, phase_breakdown, phase_names, step_row
 from traceml_ai.rank.sink import ItemSink
 
 RECENT_STEPS = 4096

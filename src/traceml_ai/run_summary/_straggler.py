@@ -31,7 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from traceml_ai._step_phases import BUILT_IN_PHASES, percentile
+from traceml_ai.run_summary._phases import BUILT_IN_PHASES, percentile
 
 REL = 0.10
 """A difference counts when above this fraction of the reference iteration..."""

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from traceml_ai._step_phases import STEP_EVENT, phase_name
+from traceml_ai.run_summary._phases import STEP_EVENT, phase_name
 from traceml_records import STREAMS
 
 _CHUNK = 16 << 20

@@ -7,7 +7,7 @@ still being written and is ignored; a file without its closing line is reported 
 unfinished. Light to import: orjson only (never torch, never pyarrow), because
 ``traceml run`` calls it at the end of every run with export on.
 
-The straggler analysis is :mod:`traceml_ai._straggler` (the rule is in its docstring
+The straggler analysis is :mod:`traceml_ai.run_summary._straggler` (the rule is in its docstring
 and in docs/reading-the-files.md).
 """
 
@@ -20,15 +20,13 @@ from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
-from traceml_ai._step_phases import (
+from traceml_ai.run_summary._phases import (
     percentile,
     phase_breakdown,
     phase_names,
     step_row,
 )
-from traceml_ai._straggler import analyze as analyze_stragglers
-from traceml_ai._straggler import verdict_line
-from traceml_ai._summary_read import (
+from traceml_ai.run_summary._read import (
     FileRead,
     data_lines,
     exists,
@@ -36,6 +34,8 @@ from traceml_ai._summary_read import (
     read_bytes,
     step_rows,
 )
+from traceml_ai.run_summary._straggler import analyze as analyze_stragglers
+from traceml_ai.run_summary._straggler import verdict_line
 from traceml_records import STREAMS
 
 MAX_PLAUSIBLE_CORES = 8192
@@ -98,7 +98,7 @@ def _r(x: float, digits: int = 3) -> float:
 def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, float]]]:
     """rank -> step -> {"step": ms, phase name: ms, ...} of already parsed lines (no
     checks; a repeated key keeps the first). The summary reads files with
-    :func:`traceml_ai._summary_read.step_rows`, which checks every value."""
+    :func:`traceml_ai.run_summary._read.step_rows`, which checks every value."""
     out: dict[int, dict[int, dict[str, float]]] = {}
     for obj in objs:
         rank, step, events = obj.get("global_rank"), obj.get("step"), obj.get("events")
@@ -153,7 +153,7 @@ def _step_section(
 def _straggler_view(
     rows: dict[int, dict[int, dict[str, float]]], phase_names: Sequence[str], strategy: str | None
 ) -> dict[str, Any]:
-    """The straggler analysis (:mod:`traceml_ai._straggler`) of the step rows."""
+    """The straggler analysis (:mod:`traceml_ai.run_summary._straggler`) of the step rows."""
     nodes = {
         rank: int(row["_node"])
         for rank, steps in rows.items()
