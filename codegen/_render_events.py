@@ -31,7 +31,9 @@ def _event_names(schema_set: SchemaSet) -> tuple[str, tuple[str, ...]]:
     if not isinstance(enum, list) or not all(
         isinstance(n, str) and n.startswith(prefix) for n in enum
     ):
-        raise SchemaError(_FILE, pointer + "/then/enum", f"names starting with {json.dumps(prefix)}")
+        raise SchemaError(
+            _FILE, pointer + "/then/enum", f"names starting with {json.dumps(prefix)}"
+        )
     return prefix, tuple(enum)
 
 

@@ -1159,7 +1159,7 @@ static PyObject *configure(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ---- a rank's host-timed step (traceml_ai.rank._timing) ------------------------
+/* ---- a rank's host-timed step (traceml_ai.rank._step_timer) ------------------------
  *
  * encode_host_step writes the step_memory and step_time items of one step timed on
  * the host (off CUDA) straight from its phases, the bytes wire.encode_item gives for
@@ -1345,7 +1345,7 @@ finish:
  *
  * StepTimer._send_hosts's loop: takes the ended steps off their queues in order (the
  * phases from `ended`, their (step, ts, device) from `ended_at`) and encodes each with
- * `encode` (encode_host_step, or whatever _timing holds in its place), the phases
+ * `encode` (encode_host_step, or whatever _timer_core holds in its place), the phases
  * of each step encoded going back to `spare`. It stops when the queues are empty
  * (stop None), at a step `encode` leaves to Python (stop: that step's (step, ts,
  * device, phases), taken off the queues), or at one it raised for (stop: the

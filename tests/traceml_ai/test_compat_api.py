@@ -20,7 +20,7 @@ import torch
 
 import traceml_ai as traceml
 from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
-from traceml_ai.rank import _sdk, _timing, _wrappers
+from traceml_ai.rank import _sdk, _torch_patches, _wrappers
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 
@@ -343,7 +343,7 @@ def test_traceml_disabled_turns_everything_off(monkeypatch: pytest.MonkeyPatch) 
             model(torch.randn(2, 8))
         assert traceml.final_summary() is None
     assert cfg.disabled and not cfg.patch_forward
-    assert _sdk._runtime is None and _timing.active() is None
+    assert _sdk._runtime is None and _torch_patches.active() is None
     assert len(model._forward_pre_hooks) == 0
     assert ours(caught) == [
         "traceml: summary(): TraceML is disabled (disabled=True or TRACEML_DISABLED=1); "
@@ -503,7 +503,7 @@ def test_summary_waits_for_its_last_step_in_the_export_file(
     assert full["step_time"]["0"]["steps"] == 2 and full["step_time"]["1"]["steps"] == 1
     assert full["phases"]["0"]["forward"]["mean_ms"] == 1.0
     # The figures come from the file: the rank kept no events of its own.
-    recorder = _sdk._recorder
+    recorder = _sdk._history
     assert recorder is not None and not recorder.keep_events
     assert recorder.snapshot() == ([], 2) and recorder.last_step == 2
 

@@ -127,7 +127,7 @@ class _FanOutPlan:
 
 
 @attrs.frozen(slots=True)
-class _Plan:
+class _StreamPlan:
     """How the items of one batch stream become records (from the generated WIRE_STREAMS)."""
 
     wire: WireStream
@@ -144,7 +144,7 @@ class _Plan:
     fan_out: _FanOutPlan | None
 
 
-def _plan(wire: WireStream) -> _Plan:
+def _plan(wire: WireStream) -> _StreamPlan:
     rules = line_checks(
         tuple(r for r in STREAMS_BY_NAME[wire.stream].rules if r not in _CHECKED_RULES)
     )
@@ -159,7 +159,7 @@ def _plan(wire: WireStream) -> _Plan:
                 k for k in key_fields if k not in fan.shared_fields and k not in fan.from_batch
             ),
         )
-    return _Plan(
+    return _StreamPlan(
         wire=wire,
         keys=wire.item_keys,
         required_keys=wire.required_item_keys,
@@ -173,7 +173,7 @@ def _plan(wire: WireStream) -> _Plan:
     )
 
 
-_PLANS: dict[str, _Plan] = {name: _plan(wire) for name, wire in WIRE_STREAMS.items()}
+_PLANS: dict[str, _StreamPlan] = {name: _plan(wire) for name, wire in WIRE_STREAMS.items()}
 
 # The C item encoder writes a step_time line as the batch's identity prefix followed
 # by the item's fields, which are the record's fields from timestamp_unix_ns on.
@@ -272,7 +272,7 @@ _NO_FAN_OUT: list[Any] = []
 
 
 def _record(
-    plan: _Plan, bases: tuple[dict[str, Any], dict[str, Any]], item: Any, trusted: bool
+    plan: _StreamPlan, bases: tuple[dict[str, Any], dict[str, Any]], item: Any, trusted: bool
 ) -> tuple[Any, list[Any]]:
     """The record of one item and its fan-out records, or an exception (item skipped).
 
@@ -307,7 +307,7 @@ def _record(
 
 
 def _load(
-    plan: _Plan, bases: tuple[dict[str, Any], dict[str, Any]], item: dict[str, Any]
+    plan: _StreamPlan, bases: tuple[dict[str, Any], dict[str, Any]], item: dict[str, Any]
 ) -> tuple[Any, list[Any]]:
     """The full load of one item: its whole line, the line rules, the fan-out."""
     d = bases[0].copy()
@@ -515,7 +515,7 @@ class RecordBuilder:
     # -- the C encoder's mode ----------------------------------------------------------
 
     def _step_time_lines(
-        self, plan: _Plan, items: list[Any], base: dict[str, Any]
+        self, plan: _StreamPlan, items: list[Any], base: dict[str, Any]
     ) -> tuple[EncodedLines, int] | None:
         """(the lines of a step_time batch, skipped items), or None to build records.
 

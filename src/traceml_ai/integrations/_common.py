@@ -17,17 +17,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import traceml_ai as traceml
-from traceml_ai.rank import _sdk, _timing
-from traceml_ai.rank._timing import DATALOADER_NEXT, FORWARD, StepContext, StepTimer, activate
-
-TRACE_ONE_IN = 0
-"""Benchmarks only (``bench/overhead_frameworks.py``): with ``k`` >= 2, one optimizer
-update in ``k`` is traced and the ``k - 1`` after it run untraced, TraceML's hooks off
-from the end of a traced update to the end of the last untraced one, so traced and
-untraced updates take turns inside one ``train()``/``fit()`` and their difference is
-TraceML's cost, free of the drift between separate runs. 0 (the default): every
-update is traced. A module global, read once per update: nothing sets it outside the
-benchmark."""
+from traceml_ai.rank import _sdk, _torch_patches
+from traceml_ai.rank._event_names import DATALOADER_NEXT, FORWARD
+from traceml_ai.rank._step_timer import StepContext, StepTimer
+from traceml_ai.rank._torch_patches import activate
 
 
 def say(message: str) -> None:
@@ -80,7 +73,7 @@ class StepDriver:
     """One open ``trace_step`` at a time, begun and ended by framework hooks."""
 
     def __init__(self) -> None:
-        # The open traced step (None: none, or an untraced update of TRACE_ONE_IN).
+        # The open traced step (None: none).
         self.current: AbstractContextManager[None] | None = None
         # The last step context, entered again for the next step of the same model
         # and timer (one object and two calls less per step than trace_step()).
@@ -89,12 +82,6 @@ class StepDriver:
         # (step, perf_counter_ns) when pause() found a step open, else None.
         self._paused_at: tuple[int, int] | None = None
         self._atexit = False
-        # TRACE_ONE_IN (benchmarks): the current update runs untraced, and how many
-        # more are to; the timer that the end of the last traced update took off, for
-        # the end of the last untraced one.
-        self._untraced = False
-        self._untraced_left = 0
-        self._alternate_paused: StepTimer | None = None
 
     def start(self) -> None:
         """Training begins: start TraceML (no-op when running, off or disabled) and close
@@ -111,20 +98,17 @@ class StepDriver:
 
     @property
     def open(self) -> bool:
-        """Whether a step is open (or, with ``TRACE_ONE_IN``, an untraced update runs)."""
-        return self.current is not None or self._untraced
+        """Whether a step is open."""
+        return self.current is not None
 
     def begin(self, model: object | None) -> bool:
         """Open a step (auto-initializes TraceML under ``traceml run``); nothing if one is
-        open. Whether an update began now (traced, or untraced with ``TRACE_ONE_IN``)."""
-        if self.current is not None or self._untraced:
+        open. Whether a step began now."""
+        if self.current is not None:
             return False
-        if self._untraced_left and TRACE_ONE_IN:
-            self._untraced = True
-            return True
         step: AbstractContextManager[None]
         context = self._context
-        if context is not None and context.reusable_for(_timing._ACTIVE, model):
+        if context is not None and context.reusable_for(_torch_patches._ACTIVE, model):
             step = context
         else:
             step = traceml.trace_step(model)
@@ -145,9 +129,6 @@ class StepDriver:
         ``exc`` is the exception that ended training inside it: the step then ends as
         ``with trace_step(...)`` ends when its body raises.
         """
-        if self._untraced:
-            self._end_untraced()
-            return
         step = self.current
         if step is None:
             return
@@ -156,28 +137,6 @@ class StepDriver:
             step.__exit__(None, None, None)
         else:
             step.__exit__(type(exc), exc, exc.__traceback__)
-        if TRACE_ONE_IN > 1:
-            # The next updates (their DataLoader fetches included) run with the hooks off.
-            self._untraced_left = TRACE_ONE_IN - 1
-            timer = _timing._ACTIVE
-            if timer is not None:
-                self._alternate_paused = timer
-                activate(None)
-
-    def _end_untraced(self) -> None:
-        self._untraced = False
-        self._untraced_left -= 1
-        if self._untraced_left <= 0 or not TRACE_ONE_IN:
-            self._resume_traced()
-
-    def _resume_traced(self) -> None:
-        """The last untraced update ended: the hooks report again."""
-        self._untraced = False
-        self._untraced_left = 0
-        timer = self._alternate_paused
-        self._alternate_paused = None
-        if timer is not None and timer.enabled and _timing._ACTIVE is None:
-            activate(timer)
 
     def _end_at_exit(self) -> None:
         # A step still open at exit was interrupted by an exception that escaped the
@@ -187,13 +146,13 @@ class StepDriver:
 
     def open_forward(self) -> None:
         """Start the forward phase of the open step (nested hook calls count once)."""
-        timer = _timing._ACTIVE
+        timer = _torch_patches._ACTIVE
         if timer is not None and self.current is not None:
             timer.open(timer.fwd)
 
     def close_forward(self) -> None:
         """End the forward phase opened by :meth:`open_forward`, if it is still open."""
-        timer = _timing._ACTIVE
+        timer = _torch_patches._ACTIVE
         if timer is not None and timer.fwd.depth > 0:
             # Inner forward hooks close their own levels; one that did not (a forward
             # that raised without always_call) must not keep the phase open.
@@ -202,7 +161,7 @@ class StepDriver:
 
     def restart_optimizer(self) -> None:
         """Start the open optimizer phase now (its closure has run forward and backward)."""
-        timer = _timing._ACTIVE
+        timer = _torch_patches._ACTIVE
         if timer is not None:
             timer.restart(timer.opt)
 
@@ -212,7 +171,7 @@ class StepDriver:
         A step open meanwhile (an evaluation between the batches of an accumulating
         update: Lightning's ``val_check_interval`` is counted in batches) leaves the
         paused time out of its duration (:meth:`resume`)."""
-        timer = _timing._ACTIVE
+        timer = _torch_patches._ACTIVE
         if timer is not None:
             self._paused = timer
             self._paused_at = (timer.step, time.perf_counter_ns()) if timer.in_step else None
@@ -223,7 +182,7 @@ class StepDriver:
         timer = self._paused
         paused_at = self._paused_at
         self._paused = self._paused_at = None
-        if timer is not None and timer.enabled and _timing._ACTIVE is None:
+        if timer is not None and timer.enabled and _torch_patches._ACTIVE is None:
             activate(timer)
             if paused_at is not None and paused_at[0] == timer.step:
                 timer.leave_out(time.perf_counter_ns() - paused_at[1])
@@ -231,7 +190,7 @@ class StepDriver:
     @staticmethod
     def discard_dataloader_waits() -> None:
         """Forget DataLoader waits since the last step ended (they were an evaluation's)."""
-        timer = _timing._ACTIVE
+        timer = _torch_patches._ACTIVE
         if timer is not None:
             timer.discard_outside(DATALOADER_NEXT)
 
@@ -241,5 +200,3 @@ class StepDriver:
             self.resume()
         finally:
             self.end()
-            if self._alternate_paused is not None:
-                self._resume_traced()

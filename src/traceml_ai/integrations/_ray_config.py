@@ -19,8 +19,8 @@ import attrs
 
 from traceml_ai._converter import structure, unstructure
 from traceml_ai.launch.run_folder import run_name_problem
-from traceml_ai.rank import _compat
-from traceml_ai.rank._compat import build_config
+from traceml_ai.rank import _init_config
+from traceml_ai.rank._init_config import build_config
 from traceml_ai.settings import ExportSettings, ResolvedExportSettings, settings_from_values
 
 __all__ = ["CONFIG_SOURCE", "TraceMLRayConfig"]
@@ -130,9 +130,9 @@ def _notice(field: str, value: Any, why: str) -> None:
     """One ``TraceMLWarning`` per field and process, blamed on the line that made the
     config (past this module and attrs' generated ``__init__``)."""
     key = f"ray_config:{field}"
-    if key in _compat._warned:
+    if key in _init_config._warned:
         return
-    _compat._warned.add(key)
+    _init_config._warned.add(key)
     level = 1
     frame = sys._getframe(1)
     while frame.f_back is not None and (
@@ -142,7 +142,7 @@ def _notice(field: str, value: Any, why: str) -> None:
         level += 1
     warnings.warn(
         f"traceml: {CONFIG_SOURCE}({field}={value!r}) has no effect here: {why}",
-        _compat.TraceMLWarning,
+        _init_config.TraceMLWarning,
         stacklevel=level + 1,
     )
 

@@ -121,7 +121,7 @@ def check_script(script: str) -> None:
 
 
 @attrs.frozen(kw_only=True)
-class _Plan:
+class _RunPlan:
     run_dir: Path | None  # None on nodes that do not host the aggregator
     start_aggregator: bool
     bind_host: str
@@ -131,7 +131,7 @@ class _Plan:
     world_size: int
 
 
-def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> _Plan:
+def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> _RunPlan:
     """Check every option and decide where things run; raises ``LaunchError``."""
     if options.nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node must be at least 1, got {options.nproc_per_node}")
@@ -195,7 +195,7 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> _Pl
             check_run_name(options.run_name)
         except RunFolderError as exc:
             raise LaunchError(str(exc)) from None
-    return _Plan(
+    return _RunPlan(
         run_dir=run_dir,
         start_aggregator=start_aggregator,
         bind_host=bind_host,
@@ -290,7 +290,7 @@ class _Signals:
 class _Aggregator:
     """The aggregator child process, seen from the launcher."""
 
-    def __init__(self, options: RunOptions, p: _Plan) -> None:
+    def __init__(self, options: RunOptions, p: _RunPlan) -> None:
         assert p.run_dir is not None
         config = AggregatorLaunchConfig(
             run_dir=str(p.run_dir),
@@ -511,7 +511,7 @@ def run(options: RunOptions) -> int:
         return _run_planned(options, p, signals)
 
 
-def _run_planned(options: RunOptions, p: _Plan, signals: _Signals) -> int:
+def _run_planned(options: RunOptions, p: _RunPlan, signals: _Signals) -> int:
     aggregator: _Aggregator | None = None
     not_started: str | None = None
     export_on = bool(options.export.settings.exporter)
@@ -596,7 +596,7 @@ def _print_short_summary(run_dir: Path, export_dir: Path) -> None:
 
 
 def _report_finalized(
-    options: RunOptions, p: _Plan, event: FinalizedEvent, ends: RankEnds | None
+    options: RunOptions, p: _RunPlan, event: FinalizedEvent, ends: RankEnds | None
 ) -> None:
     """The end of a run whose aggregator finalized; ``ends`` None: no rank was started."""
     assert p.run_dir is not None
@@ -637,7 +637,7 @@ def _abrupt_how(ends: RankEnds) -> str:
 
 def _why_no_rank(options: RunOptions, ends: RankEnds) -> str:
     """What happened in a run whose ranks sent nothing at all, as far as we know it."""
-    from traceml_ai.rank._compat import ENV_DISABLED, env_disabled
+    from traceml_ai.rank._init_config import ENV_DISABLED, env_disabled
 
     if env_disabled():
         return (
@@ -687,7 +687,7 @@ def count_data_lines(export_dir: Path) -> int:
     return total
 
 
-def _report_aggregator_lost(p: _Plan, why: str, exit_code: int, *, export_on: bool) -> None:
+def _report_aggregator_lost(p: _RunPlan, why: str, exit_code: int, *, export_on: bool) -> None:
     """The aggregator is gone without finalizing: we outlived it, so we write the warning.
 
     The export files stay exactly as they are; without a closing line they say that

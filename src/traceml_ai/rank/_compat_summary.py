@@ -8,16 +8,14 @@ Two sources, said in the result's ``source``:
   ``timeout_sec``): figures of other ranks cover what they had sent by then, and
   the final figures of a run come with the closing lines, after the run.
 * ``in_process``: with export off there are no files; the figures are this rank's
-  own recent steps (a bounded record kept in the process).
+  own recent steps (``_step_recorder.StepHistory``, kept in the process).
 
 Light: never imports torch.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,10 +23,6 @@ from typing import Any
 import orjson
 
 from traceml_ai.run_summary._phases import percentile, phase_breakdown, phase_names, step_row
-from traceml_ai.rank.sink import ItemSink
-
-RECENT_STEPS = 4096
-"""Steps a rank keeps for its in-process summary (the most recent ones)."""
 
 # 0.5.0's compact keys (traceml/step_time/<metric>) for the phases this project measures.
 _COMPACT_PHASES = (
@@ -43,109 +37,7 @@ _COMPACT_PHASES = (
 Events = Mapping[str, Any]
 
 
-class StepRecorder:
-    """An ``ItemSink`` in front of the real one: keeps this rank's recent steps.
-
-    It also applies ``--trace-max-steps``: step items past that step are not sent.
-    """
-
-    def __init__(self, max_steps: int | None, *, keep_events: bool = True) -> None:
-        """``keep_events``: keep the recent steps' events for :meth:`snapshot` (off when
-        the summary is read from the exported files; steps are still counted)."""
-        self.sink: ItemSink | None = None
-        self.max_steps = max_steps
-        self.keep_events = keep_events
-        self._lock = threading.Lock()
-        # Each step's events kept encoded: thousands of nested dicts kept alive here
-        # would move into the garbage collector's oldest generation, and bring on full
-        # collections of the training process (docs/benchmarks.md); bytes hold nothing.
-        self._recent: deque[tuple[int, bytes]] = deque(maxlen=RECENT_STEPS)
-        self.total_steps = 0
-        self.last_step = 0
-
-    def put(self, stream: str, item: dict[str, object]) -> None:
-        # Twice on every traced step's path: without --trace-max-steps a step_memory
-        # item costs two comparisons before the sink's put.
-        max_steps = self.max_steps
-        if max_steps is not None:
-            step = item.get("step")
-            if isinstance(step, int) and step > max_steps:
-                return
-        if stream == "step_time":
-            step = item.get("step")
-            events = item.get("events")
-            if isinstance(step, int) and isinstance(events, dict):
-                kept: bytes | None = None
-                if self.keep_events:
-                    try:
-                        kept = orjson.dumps(events)
-                    except TypeError:
-                        kept = b"{}"
-                self._record((step,), None if kept is None else (kept,))
-        sink = self.sink
-        if sink is not None:
-            sink.put(stream, item)
-
-    def put_encoded_steps(
-        self, steps: Sequence[int], memories: Sequence[bytes], times: Sequence[bytes]
-    ) -> None:
-        """``put`` of steps' step_memory and step_time items, encoded
-        (``wire.encode_item``; ``EncodedStepSink``): to the sink's ``put_encoded_many``
-        (one call per stream) or ``put_encoded`` when it has one."""
-        max_steps = self.max_steps
-        if max_steps is not None and any(step > max_steps for step in steps):
-            kept = [i for i, step in enumerate(steps) if step <= max_steps]
-            steps = [steps[i] for i in kept]
-            memories = [memories[i] for i in kept]
-            times = [times[i] for i in kept]
-            if not steps:
-                return
-        self._record(steps, [_events_of(t) for t in times] if self.keep_events else None)
-        sink = self.sink
-        if sink is None:
-            return
-        put_encoded_many = getattr(sink, "put_encoded_many", None)
-        if put_encoded_many is not None:
-            put_encoded_many("step_memory", memories)
-            put_encoded_many("step_time", times)
-            return
-        put_encoded = getattr(sink, "put_encoded", None)
-        for memory, step_time in zip(memories, times, strict=True):
-            if put_encoded is not None:
-                put_encoded("step_memory", memory)
-                put_encoded("step_time", step_time)
-            else:
-                sink.put("step_memory", orjson.loads(memory))
-                sink.put("step_time", orjson.loads(step_time))
-
-    def _record(self, steps: Sequence[int], events: Sequence[bytes] | None) -> None:
-        """Count ``steps``; keep their ``events`` (encoded) when given."""
-        if not steps:
-            return
-        with self._lock:
-            if events is not None:
-                self._recent.extend(zip(steps, events, strict=True))
-            self.total_steps += len(steps)
-            last = max(steps)
-            if last > self.last_step:
-                self.last_step = last
-
-    def snapshot(self) -> tuple[list[tuple[int, Events]], int]:
-        """(recent steps, steps recorded in all) at this moment."""
-        with self._lock:
-            recent, total = list(self._recent), self.total_steps
-        return [(step, orjson.loads(events)) for step, events in recent], total
-
-
 # -- figures ------------------------------------------------------------------------
-
-
-def _events_of(step_time: bytes) -> bytes:
-    """The encoded events object of an encoded step_time item."""
-    # The events object closes the item; only integers and fixed keys come before it,
-    # so the first "events": is its key.
-    at = step_time.find(b'"events":')
-    return step_time[at + 9 : -1] if at >= 0 else b"{}"
 
 
 def _r(x: float, digits: int = 3) -> float:

@@ -1,19 +1,21 @@
 /*
  * traceml_ai.rank._hotpath: the step timer's per-step and per-call work in C.
  *
- * TimerCore is the base of _timing.StepTimer, Slot its in-flight phase (_timing._Open)
- * and StepContext the `with trace_step(model)` context. begin, end, open, close,
- * restart and add_host run in every traced step, called by torch's hooks and the
- * framework brackets. Inside a Lightning fit() TraceML's own code took 12.5 us an
- * update in Python and 8.7-9.2 us with this (docs/benchmarks.md): there its objects
- * are cold, and each Python frame and object touched costs. Here the common case runs
- * without a frame, its state in C fields: a step off CUDA whose model stayed where it
- * was, on the training thread, adding to a phase the step's (reused) phase dict
- * already has, its numbers left to the sender's thread. Every other case is handed,
- * untouched, to the pure-Python methods of _timing._PyTimerCore (configure()), which
+ * Its interface is _hotpath.pyi; its pure-Python twin, _hotpath_py.py, defines the same
+ * names and the behaviour; _timer_core.py chooses between the two.
+ *
+ * TimerCore is the base of _step_timer.StepTimer, Slot its in-flight phase and
+ * StepContext the `with trace_step(model)` context. begin, end, open, close, restart
+ * and add_host run in every traced step, called by torch's hooks and the framework
+ * brackets. Inside a framework's loop TraceML's objects are cold, and each Python
+ * frame and object touched costs (docs/benchmarks.md has the figures), so the common
+ * case runs here without a frame, its state in C fields: a step off CUDA whose model
+ * stayed where it was, on the training thread, adding to a phase the step's (reused)
+ * phase dict already has, its numbers left to the sender's thread. Every other case is
+ * handed, untouched, to the methods of _hotpath_py.TimerCore (configure()), which
  * define the behaviour; tests run the timer's suites over both.
  *
- * Gate is what the patches of torch put in place (the DataLoader wait, backward,
+ * FastPatch is what the patches of torch put in place (the DataLoader wait, backward,
  * Tensor.to/.cuda): their common case without a Python frame or a repacking of the
  * call's arguments, every other case handed to their Python wrappers.
  */
@@ -178,7 +180,7 @@ typedef struct {
     char defer;           /* a step off CUDA leaves its numbers for the builder */
     char auto_backward;   /* the backward patch times backward */
     char auto_dataloader; /* the DataLoader patch times the waits */
-    char bracket;         /* backward ends forward and restarts the optimizer (Gate) */
+    char bracket;         /* backward ends forward and restarts the optimizer (FastPatch) */
     char bracket_optimizer; /* with bracket: backward's end opens the optimizer phase */
     Py_ssize_t max_ended; /* "_max_ended": MAX_ENDED_STEPS */
     Py_ssize_t wake_at;   /* "_wake_at": ENDED_WAKE_AT */
@@ -619,7 +621,7 @@ static PyTypeObject CoreType = {
 
 /* ---- StepContext ------------------------------------------------------------
  *
- * ``with trace_step(model):`` (_timing._PyStepContext is the same in Python): its
+ * ``with trace_step(model):`` (_hotpath_py.StepContext is the same in Python): its
  * __enter__ and __exit__ run every traced step, and call the timer's begin and end
  * (its methods, whichever class defines them). An Exception from them stops the
  * timer (timer.fail) and never reaches training; a step whose body raised is
@@ -766,16 +768,16 @@ static PyTypeObject ContextType = {
 };
 
 
-/* ---- Gate ----------------------------------------------------------------------
+/* ---- FastPatch -----------------------------------------------------------------
  *
  * What install_patches and install_h2d_patch put in place of a torch function or
  * method: Tensor.to and .cuda (OUTSIDE_STEP), the DataLoader iterator's __next__
  * (DATALOADER) and torch.autograd.backward (BACKWARD). `slow` is the Python wrapper
- * that defines what the patch does (_timing, _wrappers); the gate does its common
+ * that defines what the patch does (_torch_patches, _wrappers); the patch does its common
  * case here, without a Python frame or a repacking of the call's arguments, and
  * hands every other case to `slow` with the arguments as they came:
  *
- * - no timer active (_timing._ACTIVE is None): the original, untouched;
+ * - no timer active (_torch_patches._ACTIVE is None): the original, untouched;
  * - OUTSIDE_STEP: outside a traced step, the original; inside one, `slow`;
  * - DATALOADER: auto_dataloader off, the original; else the fetch timed and added to
  *   the DataLoader phase (timer.add_host) when it returned a batch;
@@ -787,11 +789,11 @@ static PyTypeObject ContextType = {
  *   aside while torch.compile traces it; dynamo cannot trace into C, so this code
  *   only ever runs eagerly.)
  *
- * A timer of another class than TimerCore's, or gates switched off (set_gates:
+ * A timer of another class than TimerCore's, or fast patches switched off (set_fast_patches:
  * tests of the pure-Python methods), hand every call to `slow`.
  */
 
-enum { GATE_OUTSIDE_STEP = 0, GATE_DATALOADER = 1, GATE_BACKWARD = 2 };
+enum { PATCH_OUTSIDE_STEP = 0, PATCH_DATALOADER = 1, PATCH_BACKWARD = 2 };
 
 typedef struct {
     PyObject_HEAD
@@ -800,14 +802,14 @@ typedef struct {
     PyObject *dict; /* __wrapped__, __name__, __doc__, ... (functools.update_wrapper) */
     int kind;
     vectorcallfunc vectorcall;
-} GateObject;
+} FastPatchObject;
 
-static PyObject *timing_globals = NULL; /* _timing's module dict: _ACTIVE */
+static PyObject *active_namespace = NULL; /* _torch_patches' module dict: _ACTIVE */
 static PyObject *str_active = NULL;
 static PyObject *dataloader_name = NULL, *forward_name = NULL, *backward_name = NULL;
-static int gates_on = 1;
+static int fast_patches_on = 1;
 
-static PyObject *gate_call(PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+static PyObject *patch_call(PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     return PyObject_Vectorcall(fn, args, nargsf, kwnames);
 }
 
@@ -819,13 +821,13 @@ static int done(PyObject *result) {
     return 0;
 }
 
-static PyObject *gate_dataloader(GateObject *gate, CoreObject *core, PyObject *const *args,
+static PyObject *patch_dataloader(FastPatchObject *patch, CoreObject *core, PyObject *const *args,
                                  size_t nargsf, PyObject *kwnames) {
-    if (!core->auto_dataloader) return gate_call(gate->original, args, nargsf, kwnames);
+    if (!core->auto_dataloader) return patch_call(patch->original, args, nargsf, kwnames);
     long long t0 = now_ns();
     /* Only fetches that returned a batch count; the StopIteration that ends an epoch
      * is not a wait for a batch. */
-    PyObject *batch = gate_call(gate->original, args, nargsf, kwnames);
+    PyObject *batch = patch_call(patch->original, args, nargsf, kwnames);
     if (batch == NULL) return NULL;
     long long dt = now_ns() - t0;
     if (!other_thread(core) && done(add_host_checked(core, dataloader_name, dt)) < 0) {
@@ -847,18 +849,18 @@ static PyObject *after_backward(CoreObject *core, PyObject *opt) {
     return core_restart(core, opt);
 }
 
-static PyObject *gate_backward(GateObject *gate, CoreObject *core, PyObject *const *args,
+static PyObject *patch_backward(FastPatchObject *patch, CoreObject *core, PyObject *const *args,
                                size_t nargsf, PyObject *kwnames) {
     if (!core->in_step || !core->auto_backward || other_thread(core)) {
-        return gate_call(gate->original, args, nargsf, kwnames);
+        return patch_call(patch->original, args, nargsf, kwnames);
     }
     PyObject *fwd = core->slots[0], *bwd = core->slots[1], *opt = core->slots[2];
     if (bwd == NULL || fwd == NULL || opt == NULL || !Py_IS_TYPE(bwd, &SlotType) ||
         !Py_IS_TYPE(fwd, &SlotType) || !Py_IS_TYPE(opt, &SlotType)) {
-        return gate_call(gate->slow, args, nargsf, kwnames);
+        return patch_call(patch->slow, args, nargsf, kwnames);
     }
     /* Already open (a backward inside a backward hook): counted by the outer call. */
-    if (((SlotObject *)bwd)->depth) return gate_call(gate->original, args, nargsf, kwnames);
+    if (((SlotObject *)bwd)->depth) return patch_call(patch->original, args, nargsf, kwnames);
     Py_INCREF(fwd);
     Py_INCREF(bwd);
     Py_INCREF(opt);
@@ -872,7 +874,7 @@ static PyObject *gate_backward(GateObject *gate, CoreObject *core, PyObject *con
         if (done(core_close(core, close_args, 2)) < 0) goto out;
     }
     if (done(core_open(core, bwd)) < 0) goto out;
-    result = gate_call(gate->original, args, nargsf, kwnames);
+    result = patch_call(patch->original, args, nargsf, kwnames);
     /* As a `finally`: the phase ends whether backward returned or raised. */
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
@@ -895,80 +897,80 @@ out:
     return result;
 }
 
-static PyObject *gate_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+static PyObject *patch_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                                  PyObject *kwnames) {
-    GateObject *gate = (GateObject *)callable;
-    if (!gates_on || timing_globals == NULL || py_open == NULL) {
-        return gate_call(gate->slow, args, nargsf, kwnames);
+    FastPatchObject *patch = (FastPatchObject *)callable;
+    if (!fast_patches_on || active_namespace == NULL || py_open == NULL) {
+        return patch_call(patch->slow, args, nargsf, kwnames);
     }
-    PyObject *timer = PyDict_GetItemWithError(timing_globals, str_active);
+    PyObject *timer = PyDict_GetItemWithError(active_namespace, str_active);
     if (timer == NULL) {
-        return PyErr_Occurred() ? NULL : gate_call(gate->slow, args, nargsf, kwnames);
+        return PyErr_Occurred() ? NULL : patch_call(patch->slow, args, nargsf, kwnames);
     }
-    if (timer == Py_None) return gate_call(gate->original, args, nargsf, kwnames);
-    if (!PyObject_TypeCheck(timer, &CoreType)) return gate_call(gate->slow, args, nargsf, kwnames);
+    if (timer == Py_None) return patch_call(patch->original, args, nargsf, kwnames);
+    if (!PyObject_TypeCheck(timer, &CoreType)) return patch_call(patch->slow, args, nargsf, kwnames);
     CoreObject *core = (CoreObject *)timer;
     PyObject *result;
     Py_INCREF(core); /* the call may make another timer the active one */
-    switch (gate->kind) {
-    case GATE_DATALOADER:
-        result = gate_dataloader(gate, core, args, nargsf, kwnames);
+    switch (patch->kind) {
+    case PATCH_DATALOADER:
+        result = patch_dataloader(patch, core, args, nargsf, kwnames);
         break;
-    case GATE_BACKWARD:
-        result = gate_backward(gate, core, args, nargsf, kwnames);
+    case PATCH_BACKWARD:
+        result = patch_backward(patch, core, args, nargsf, kwnames);
         break;
     default:
-        result = gate_call(core->in_step ? gate->slow : gate->original, args, nargsf, kwnames);
+        result = patch_call(core->in_step ? patch->slow : patch->original, args, nargsf, kwnames);
     }
     Py_DECREF(core);
     return result;
 }
 
-static PyObject *gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+static PyObject *patch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     int kind;
     PyObject *original, *slow;
     static char *keywords[] = {"kind", "original", "slow", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOO", keywords, &kind, &original, &slow)) {
         return NULL;
     }
-    if (kind < GATE_OUTSIDE_STEP || kind > GATE_BACKWARD || !PyCallable_Check(original) ||
+    if (kind < PATCH_OUTSIDE_STEP || kind > PATCH_BACKWARD || !PyCallable_Check(original) ||
         !PyCallable_Check(slow)) {
-        PyErr_SetString(PyExc_ValueError, "Gate(kind, original, slow): a known kind, callables");
+        PyErr_SetString(PyExc_ValueError, "FastPatch(kind, original, slow): a known kind, callables");
         return NULL;
     }
-    GateObject *self = (GateObject *)type->tp_alloc(type, 0);
+    FastPatchObject *self = (FastPatchObject *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     Py_INCREF(original);
     self->original = original;
     Py_INCREF(slow);
     self->slow = slow;
     self->kind = kind;
-    self->vectorcall = gate_vectorcall;
+    self->vectorcall = patch_vectorcall;
     return (PyObject *)self;
 }
 
-static int gate_traverse(GateObject *self, visitproc visit, void *arg) {
+static int patch_traverse(FastPatchObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->original);
     Py_VISIT(self->slow);
     Py_VISIT(self->dict);
     return 0;
 }
 
-static int gate_clear(GateObject *self) {
+static int patch_clear(FastPatchObject *self) {
     Py_CLEAR(self->original);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->dict);
     return 0;
 }
 
-static void gate_dealloc(GateObject *self) {
+static void patch_dealloc(FastPatchObject *self) {
     PyObject_GC_UnTrack(self);
-    gate_clear(self);
+    patch_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* A method of the class it is put in, as the function it replaces was. */
-static PyObject *gate_get(PyObject *self, PyObject *obj, PyObject *type) {
+static PyObject *patch_get(PyObject *self, PyObject *obj, PyObject *type) {
     if (obj == NULL || obj == Py_None) {
         Py_INCREF(self);
         return self;
@@ -976,47 +978,47 @@ static PyObject *gate_get(PyObject *self, PyObject *obj, PyObject *type) {
     return PyMethod_New(self, obj);
 }
 
-static PyMemberDef gate_members[] = {
-    {"original", T_OBJECT_EX, offsetof(GateObject, original), READONLY, "what it replaces"},
-    {"slow", T_OBJECT_EX, offsetof(GateObject, slow), READONLY, "the Python wrapper"},
-    {"kind", T_INT, offsetof(GateObject, kind), READONLY, "OUTSIDE_STEP, DATALOADER, BACKWARD"},
+static PyMemberDef patch_members[] = {
+    {"original", T_OBJECT_EX, offsetof(FastPatchObject, original), READONLY, "what it replaces"},
+    {"slow", T_OBJECT_EX, offsetof(FastPatchObject, slow), READONLY, "the Python wrapper"},
+    {"kind", T_INT, offsetof(FastPatchObject, kind), READONLY, "OUTSIDE_STEP, DATALOADER, BACKWARD"},
     {NULL},
 };
 
-static PyGetSetDef gate_getset[] = {
+static PyGetSetDef patch_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };
 
-static PyTypeObject GateType = {
+static PyTypeObject FastPatchType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "traceml_ai.rank._hotpath.Gate",
-    .tp_doc = "Gate(kind, original, slow): a patch's common case in C, the rest to slow.",
-    .tp_basicsize = sizeof(GateObject),
+    .tp_name = "traceml_ai.rank._hotpath.FastPatch",
+    .tp_doc = "FastPatch(kind, original, slow): a patch's common case in C, the rest to slow.",
+    .tp_basicsize = sizeof(FastPatchObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
                 Py_TPFLAGS_METHOD_DESCRIPTOR,
-    .tp_new = gate_new,
-    .tp_dealloc = (destructor)gate_dealloc,
-    .tp_traverse = (traverseproc)gate_traverse,
-    .tp_clear = (inquiry)gate_clear,
+    .tp_new = patch_new,
+    .tp_dealloc = (destructor)patch_dealloc,
+    .tp_traverse = (traverseproc)patch_traverse,
+    .tp_clear = (inquiry)patch_clear,
     .tp_call = PyVectorcall_Call,
-    .tp_vectorcall_offset = offsetof(GateObject, vectorcall),
-    .tp_descr_get = gate_get,
-    .tp_dictoffset = offsetof(GateObject, dict),
-    .tp_members = gate_members,
-    .tp_getset = gate_getset,
+    .tp_vectorcall_offset = offsetof(FastPatchObject, vectorcall),
+    .tp_descr_get = patch_get,
+    .tp_dictoffset = offsetof(FastPatchObject, dict),
+    .tp_members = patch_members,
+    .tp_getset = patch_getset,
 };
 
-/* configure_gates(timing_globals, dataloader, forward, backward): where the gates read
+/* configure_fast_patches(active_namespace, dataloader, forward, backward): where the patches read
  * the active timer, and the phases they add to. */
-static PyObject *configure_gates(PyObject *module, PyObject *args) {
+static PyObject *configure_fast_patches(PyObject *module, PyObject *args) {
     PyObject *globals, *dataloader, *forward, *backward;
     if (!PyArg_ParseTuple(args, "O!UUU", &PyDict_Type, &globals, &dataloader, &forward,
                           &backward)) {
         return NULL;
     }
     Py_INCREF(globals);
-    Py_XSETREF(timing_globals, globals);
+    Py_XSETREF(active_namespace, globals);
     Py_INCREF(dataloader);
     Py_XSETREF(dataloader_name, dataloader);
     Py_INCREF(forward);
@@ -1026,20 +1028,20 @@ static PyObject *configure_gates(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* set_gates(on): False hands every gate's call to its Python wrapper. */
-static PyObject *set_gates(PyObject *module, PyObject *on) {
+/* set_fast_patches(on): False hands every fast patch's call to its Python wrapper. */
+static PyObject *set_fast_patches(PyObject *module, PyObject *on) {
     int truth = PyObject_IsTrue(on);
     if (truth < 0) return NULL;
-    gates_on = truth;
+    fast_patches_on = truth;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
-    {"configure_gates", (PyCFunction)configure_gates, METH_VARARGS,
-     "configure_gates(timing_globals, dataloader, forward, backward): where the gates read"
+    {"configure_fast_patches", (PyCFunction)configure_fast_patches, METH_VARARGS,
+     "configure_fast_patches(active_namespace, dataloader, forward, backward): where the patches read"
      " the active timer, and the names of the phases they time."},
-    {"set_gates", (PyCFunction)set_gates, METH_O,
-     "set_gates(on): False hands every gate's call to its Python wrapper (tests)."},
+    {"set_fast_patches", (PyCFunction)set_fast_patches, METH_O,
+     "set_fast_patches(on): False hands every fast patch's call to its Python wrapper (tests)."},
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(py_core_class, phase_class): the pure-Python methods every case but the"
      " common one is handed to, and the phase class whose counts are added to."},
@@ -1047,7 +1049,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_hotpath", "The step timer's per-call work in C (see _timing).", -1,
+    PyModuleDef_HEAD_INIT, "_hotpath", "The step timer's per-call work in C (see _hotpath.pyi, _hotpath_py).", -1,
     module_methods,
 };
 
@@ -1063,7 +1065,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     if (str_active == NULL) return NULL;
     if (str_fail == NULL || str_get_device == NULL || str_append == NULL) return NULL;
     if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&CoreType) < 0 ||
-        PyType_Ready(&ContextType) < 0 || PyType_Ready(&GateType) < 0) {
+        PyType_Ready(&ContextType) < 0 || PyType_Ready(&FastPatchType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);
@@ -1086,9 +1088,9 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
         Py_DECREF(module);
         return NULL;
     }
-    Py_INCREF(&GateType);
-    if (PyModule_AddObject(module, "Gate", (PyObject *)&GateType) < 0) {
-        Py_DECREF(&GateType);
+    Py_INCREF(&FastPatchType);
+    if (PyModule_AddObject(module, "FastPatch", (PyObject *)&FastPatchType) < 0) {
+        Py_DECREF(&FastPatchType);
         Py_DECREF(module);
         return NULL;
     }

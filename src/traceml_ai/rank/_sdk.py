@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,7 +27,8 @@ import attrs
 
 from traceml_ai import _fork
 from traceml_ai.rank import _compat_summary, _wrappers
-from traceml_ai.rank._compat import (
+from traceml_ai.rank._event_names import INTERNAL_PREFIX
+from traceml_ai.rank._init_config import (
     TraceMLInitConfig,
     TraceMLWarning,
     build_config,
@@ -39,16 +41,14 @@ from traceml_ai.rank._compat import (
     warn_once,
 )
 from traceml_ai.rank._lazy import torch_or_none
-from traceml_ai.rank._timing import (
-    INTERNAL_PREFIX,
+from traceml_ai.rank._step_recorder import StepHistory, StepRecorder
+from traceml_ai.rank._step_timer import (
     SHUTDOWN_GPU_WAIT_S,
     PhaseContext,
     StepContext,
     StepTimer,
-    activate,
-    active,
-    install_patches,
 )
+from traceml_ai.rank._torch_patches import activate, active, install_patches
 from traceml_ai.rank.gpu import CudaBackend, NvmlBackend, PynvmlBackend, TorchCudaBackend
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.rank.runtime_env import (
@@ -62,7 +62,7 @@ from traceml_ai.rank.samplers import (
     SystemSampler,
     sampler_interval_from_env,
 )
-from traceml_ai.rank.sink import ItemSink
+from traceml_ai.rank.sink import EncodedItemSink, ItemSink
 from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN
 
 __all__ = ["TraceMLInitConfig", "TraceMLWarning"]
@@ -74,10 +74,19 @@ _ENV_SUMMARY_FILE = "TRACEML_SUMMARY_STEP_TIME_FILE"
 _DEFAULT_SERVE_PORT = 29600  # `traceml serve`'s default, for init(aggregator_host=...)
 
 
-class _ClosableSink(ItemSink, Protocol):
+class _Sender(ItemSink, EncodedItemSink, Protocol):
+    """What init's own sender (``transport.sender.RankSender``) offers the runtime."""
+
+    @property
+    def pending_items(self) -> int: ...
+
     def start(self) -> None: ...
 
     def close(self, timeout: float = 2.0) -> None: ...
+
+    def set_producer(self, producer: Callable[[], None] | None) -> None: ...
+
+    def wake(self) -> None: ...
 
 
 _NULL: AbstractContextManager[None] = contextlib.nullcontext()
@@ -86,8 +95,8 @@ _state = "new"  # new | off | disabled | on | closed ("disabled": init(mode="off
 _runtime: _Runtime | None = None
 _config: TraceMLInitConfig | None = None
 _process_hooks_installed = False
-# This rank's recent steps, kept across init/shutdown for summary() (in-process figures).
-_recorder: _compat_summary.StepRecorder | None = None
+# This rank's steps, kept across init/shutdown for summary() (in-process figures).
+_history: StepHistory | None = None
 
 
 @attrs.define
@@ -106,7 +115,7 @@ class _Carried:
     seq_process: int = 0
     seq_system: int = 0
     seq_runtime_environment: int = 0
-    sender: Any = None
+    sender: _Sender | None = None
 
 
 _carried = _Carried()
@@ -128,55 +137,123 @@ def parse_address(value: str) -> tuple[str, int]:
     return host, port
 
 
+def _on_timer_error(exc: BaseException) -> None:
+    _warn_once(
+        "timer",
+        f"TraceML step timing failed and is now off for this run ({exc!r}); training continues.",
+    )
+
+
+class _Guard:
+    """Runs a component's work: its first failure turns the component off for the run,
+    with one warning (training goes on)."""
+
+    def __init__(self) -> None:
+        self._broken: set[str] = set()
+
+    def run(self, component: str, fn: Callable[[], object]) -> None:
+        if component in self._broken:
+            return
+        try:
+            fn()
+        except Exception as exc:
+            self._broken.add(component)
+            _warn_once(
+                component,
+                f"TraceML {component} sampling failed and is now off for this run ({exc!r}).",
+            )
+
+
+class _EnvironmentReporter:
+    """Sends this rank's ``runtime_environment`` item when it changes."""
+
+    def __init__(self, identity: RankIdentity, sink: ItemSink, guard: _Guard, first_seq: int):
+        self._identity = identity
+        self._sink = sink
+        self._guard = guard
+        self._lock = threading.Lock()
+        self._last: dict[str, object] | None = None
+        self.next_seq = first_seq
+        self._strategy: str | None = None
+
+    @property
+    def sent(self) -> bool:
+        """Whether an item was sent."""
+        return self._last is not None
+
+    def report(self) -> None:
+        """Send a ``runtime_environment`` item if it differs from the last one sent.
+
+        Called when a traced step meets a model it has not seen (the strategy may
+        change), and at shutdown only when nothing was sent yet: tearing down the
+        process group at the end of a script is not a new environment.
+        """
+        with self._lock:
+            item = runtime_environment_item(
+                self._identity,
+                self._strategy,
+                timestamp_unix_ns=time.time_ns(),
+                seq=self.next_seq,
+            )
+            environment = environment_of(item)
+            if environment == self._last:
+                return
+            self._last = environment
+            self.next_seq += 1
+            self._sink.put("runtime_environment", item)
+
+    def on_new_model(self, model: object) -> None:
+        """The step timer met ``model`` for the first time."""
+        strategy = model_strategy(model)
+        if strategy is not None:
+            self._strategy = strategy
+        self._guard.run("runtime_environment", self.report)
+
+
 class _Runtime:
-    """Everything a running rank SDK owns: the step timer, samplers and the sink."""
+    """Everything a running rank SDK owns: the step timer, samplers and the sink.
+
+    Made by :func:`_make_runtime` with its collaborators; :meth:`start` installs the
+    patches, makes its timer the active one and starts the sampler thread.
+    """
 
     def __init__(
         self,
+        *,
         identity: RankIdentity,
+        config: TraceMLInitConfig,
         sink: ItemSink,
-        owned: _ClosableSink | None,
+        sender: _Sender | None,
+        timer: StepTimer,
+        environment: _EnvironmentReporter,
+        process: ProcessSampler,
+        system: SystemSampler | None,
+        guard: _Guard,
         cuda: CudaBackend,
         nvml: NvmlBackend,
         interval: float,
-        carried: _Carried,
-        config: TraceMLInitConfig,
-        recorder: _compat_summary.StepRecorder,
-        reset_peak_memory: bool = True,
+        carried_seq_system: int,
     ) -> None:
         self.identity = identity
+        self.config = config
         self.sink = sink
-        self._owned = owned
+        # init's own sender (None: a sink given to init), closed with the runtime.
+        self.sender = sender
+        self.timer = timer
+        self.environment = environment
+        self._process = process
+        # Only local rank 0 reports the host, so a node's snapshot is sent once.
+        self._system = system
+        self._guard = guard
         self._cuda = cuda
         self._nvml = nvml
         self.interval = interval
-        self._env_lock = threading.Lock()
-        self._env_last: dict[str, object] | None = None
-        self._env_seq = carried.seq_runtime_environment
-        self._strategy: str | None = None
-        self._broken: set[str] = set()
-        # Step items go through the recorder: summary() reads this rank's steps from it.
-        recorder.sink = sink
-        self.timer = StepTimer(recorder, cuda, self._on_new_model, self._on_timer_error)
-        self.timer.continue_counts(carried.step, carried.seq_step_time, carried.seq_step_memory)
-        self.timer.auto_forward = config.patch_forward
-        self.timer.auto_backward = config.patch_backward
-        self.timer.auto_optimizer = config.patch_optimizer
-        self.timer.auto_dataloader = config.patch_dataloader
-        self.timer.local_rank = identity.local_rank
-        self.timer.reset_peak = reset_peak_memory
-        if owned is not None and sink is owned and callable(getattr(owned, "put_encoded", None)):
-            # Steps off CUDA reach init's own sender encoded (StepTimer.encoded_sink); a
-            # sink given to init gets dicts, as its put() is documented to.
-            self.timer.encoded_sink = recorder
-        set_producer = getattr(owned, "set_producer", None)
-        wake = getattr(owned, "wake", None)
-        if callable(set_producer) and callable(wake):
-            # The sender's thread builds the items of steps off CUDA (StepTimer.defer).
-            set_producer(self._build_steps)
-            self.timer.wake_builder = wake
-            self.timer.defer = True
-        self._seq_system = carried.seq_system
+        self._carried_seq_system = carried_seq_system
+        self._thread = SamplerThread(interval, self._tick)
+
+    def start(self) -> None:
+        """Install what the config times, report to this runtime's timer, start sampling."""
+        config = self.config
         torch = torch_or_none()
         if torch is not None:
             install_patches(
@@ -188,42 +265,14 @@ class _Runtime:
             if config.patch_h2d:
                 _wrappers.install_h2d_patch(torch)
         _wrappers.set_auto_h2d(config.patch_h2d)
-        self._process = ProcessSampler(
-            cuda,
-            lambda: self.timer.cuda_index,
-            first_seq=carried.seq_process,
-            local_rank=identity.local_rank,
-        )
-        # Only local rank 0 reports the host, so a node's snapshot is sent once.
-        self._system = (
-            SystemSampler(nvml, first_seq=carried.seq_system) if identity.local_rank == 0 else None
-        )
+        if self.sender is not None:
+            # The sender's thread builds the items of steps off CUDA (StepTimer.defer).
+            self.sender.set_producer(self._build_steps)
         # runtime_environment is first sent when the first traced step begins: by
         # then the script has set up torch.distributed and wrapped its model, so a
-        # rank usually sends exactly one line (see report_runtime_environment).
+        # rank usually sends exactly one line (see _EnvironmentReporter.report).
         activate(self.timer)
-        self._thread = SamplerThread(interval, self._tick)
         self._thread.start()
-
-    # -- errors ---------------------------------------------------------------
-
-    def _on_timer_error(self, exc: BaseException) -> None:
-        _warn_once(
-            "timer",
-            f"TraceML step timing failed and is now off for this run ({exc!r}); training continues.",
-        )
-
-    def _guarded(self, component: str, fn: Any) -> None:
-        if component in self._broken:
-            return
-        try:
-            fn()
-        except Exception as exc:
-            self._broken.add(component)
-            _warn_once(
-                component,
-                f"TraceML {component} sampling failed and is now off for this run ({exc!r}).",
-            )
 
     # -- samplers -------------------------------------------------------------
 
@@ -242,7 +291,9 @@ class _Runtime:
 
     def _check_nvml(self) -> None:
         # A GPU host without nvidia-ml-py would silently report gpu_available false.
-        error = getattr(self._nvml, "load_error", None)
+        # (Only the built-in backend loads a library; a backend given to init does not.)
+        nvml = self._nvml
+        error = nvml.load_error if isinstance(nvml, PynvmlBackend) else None
         if error and self._cuda.is_available():
             _warn_once(
                 "nvml_missing",
@@ -273,32 +324,8 @@ class _Runtime:
         # The last step's line is sent once its CUDA events completed, within one
         # interval, not when (if ever) a next step ends.
         self._poll_steps()
-        self._guarded("process", self._sample_process)
-        self._guarded("system", self._sample_system)
-
-    def report_runtime_environment(self) -> None:
-        """Send a ``runtime_environment`` item if it differs from the last one sent.
-
-        Called when a traced step meets a model it has not seen (the strategy may
-        change), and at shutdown only when nothing was sent yet: tearing down the
-        process group at the end of a script is not a new environment.
-        """
-        with self._env_lock:
-            item = runtime_environment_item(
-                self.identity, self._strategy, timestamp_unix_ns=time.time_ns(), seq=self._env_seq
-            )
-            environment = environment_of(item)
-            if environment == self._env_last:
-                return
-            self._env_last = environment
-            self._env_seq += 1
-            self.sink.put("runtime_environment", item)
-
-    def _on_new_model(self, model: object) -> None:
-        strategy = model_strategy(model)
-        if strategy is not None:
-            self._strategy = strategy
-        self._guarded("runtime_environment", self.report_runtime_environment)
+        self._guard.run("process", self._sample_process)
+        self._guard.run("system", self._sample_system)
 
     # -- shutdown -------------------------------------------------------------
 
@@ -309,9 +336,11 @@ class _Runtime:
             seq_step_time=self.timer.next_seq_time,
             seq_step_memory=self.timer.next_seq_mem,
             seq_process=self._process.next_seq,
-            seq_system=self._system.next_seq if self._system is not None else self._seq_system,
-            seq_runtime_environment=self._env_seq,
-            sender=self._owned,
+            seq_system=(
+                self._system.next_seq if self._system is not None else self._carried_seq_system
+            ),
+            seq_runtime_environment=self.environment.next_seq,
+            sender=self.sender,
         )
 
     def close(self) -> None:
@@ -333,18 +362,85 @@ class _Runtime:
             # One more sample so that even a short run has process/system lines;
             # only when the thread has ended, so seq stays monotonic.
             self._tick()
-        if self._env_last is None:
-            self._guarded("runtime_environment", self.report_runtime_environment)
+        if not self.environment.sent:
+            self._guard.run("runtime_environment", self.environment.report)
         with contextlib.suppress(Exception):
             self._nvml.close()
-        if self._owned is not None:
+        if self.sender is not None:
             try:
-                self._owned.close(timeout=2.0)
+                self.sender.close(timeout=2.0)
             except Exception as exc:
                 _warn_once("sender", f"TraceML could not close its sender cleanly ({exc!r}).")
 
 
-def _build_sender(identity: RankIdentity, previous: Any, address: str) -> _ClosableSink:
+def _make_runtime(
+    *,
+    identity: RankIdentity,
+    config: TraceMLInitConfig,
+    sink: ItemSink,
+    sender: _Sender | None,
+    cuda: CudaBackend,
+    nvml: NvmlBackend,
+    interval: float,
+    carried: _Carried,
+    history: StepHistory,
+    max_steps: int | None,
+    reset_peak_memory: bool,
+) -> _Runtime:
+    """A runtime and its collaborators, each given what it works with.
+
+    Step items go through a recorder (summary() reads this rank's steps from
+    ``history``). Steps off CUDA reach init's own sender encoded, built on its thread
+    (the timer's ``encoded_sink`` and ``wake_builder``); a sink given to init gets
+    dicts, as its ``put`` is documented to.
+    """
+    guard = _Guard()
+    environment = _EnvironmentReporter(
+        identity, sink, guard, first_seq=carried.seq_runtime_environment
+    )
+    recorder = StepRecorder(sink, max_steps, history=history, encoded=sender)
+    timer = StepTimer(
+        recorder,
+        cuda,
+        environment.on_new_model,
+        _on_timer_error,
+        auto_forward=config.patch_forward,
+        auto_backward=config.patch_backward,
+        auto_optimizer=config.patch_optimizer,
+        auto_dataloader=config.patch_dataloader,
+        local_rank=identity.local_rank,
+        reset_peak=reset_peak_memory,
+        encoded_sink=recorder if sender is not None else None,
+        wake_builder=sender.wake if sender is not None else None,
+        step=carried.step,
+        seq_time=carried.seq_step_time,
+        seq_mem=carried.seq_step_memory,
+    )
+    process = ProcessSampler(
+        cuda,
+        lambda: timer.cuda_index,
+        first_seq=carried.seq_process,
+        local_rank=identity.local_rank,
+    )
+    system = SystemSampler(nvml, first_seq=carried.seq_system) if identity.local_rank == 0 else None
+    return _Runtime(
+        identity=identity,
+        config=config,
+        sink=sink,
+        sender=sender,
+        timer=timer,
+        environment=environment,
+        process=process,
+        system=system,
+        guard=guard,
+        cuda=cuda,
+        nvml=nvml,
+        interval=interval,
+        carried_seq_system=carried.seq_system,
+    )
+
+
+def _build_sender(identity: RankIdentity, previous: _Sender | None, address: str) -> _Sender:
     host, port = parse_address(address)
     token = os.environ.get(ENV_RUN_TOKEN, "")
     # Imported here: only ranks launched by traceml need the transport.
@@ -356,7 +452,7 @@ def _build_sender(identity: RankIdentity, previous: Any, address: str) -> _Closa
     if test_bound:
         with contextlib.suppress(ValueError):
             options["max_pending_items"] = max(1, int(test_bound))
-    sender: _ClosableSink = module.RankSender((host, port), token, identity.to_wire(), **options)
+    sender: _Sender = module.RankSender((host, port), token, identity.to_wire(), **options)
     sender.start()
     return sender
 
@@ -479,7 +575,7 @@ def init(
     running returns the running config (with a warning if this call asked for a
     different one).
     """
-    global _runtime, _state, _config, _recorder
+    global _runtime, _state, _config, _history
     off = disabled if disabled is not None else env_disabled()
     # Checked only when on, as 0.5.0 does: a disabled run never fails on its arguments.
     config = (
@@ -559,34 +655,33 @@ def init(
             return _config
         identity = RankIdentity.from_env()
         interval_s = sampler_interval or sampler_interval_from_env()
-        if _recorder is None:
+        if _history is None:
             # summary() reads the run's step_time.jsonl when the launcher named it: this
             # rank's own events are then never read, and not kept.
-            _recorder = _compat_summary.StepRecorder(
-                trace_max_steps_from_env(),
-                keep_events=not os.environ.get(_ENV_SUMMARY_FILE, "").strip(),
-            )
-        owned: _ClosableSink | None = None
+            _history = StepHistory(keep_events=not os.environ.get(_ENV_SUMMARY_FILE, "").strip())
+        sender: _Sender | None = None
         try:
             if sink is None:
-                owned = _build_sender(identity, _carried.sender, address)
-                sink = owned
-            runtime = _Runtime(
-                identity,
-                sink,
-                owned,
-                cuda_backend if cuda_backend is not None else TorchCudaBackend(),
-                nvml_backend if nvml_backend is not None else PynvmlBackend(),
-                interval_s,
-                _carried,
-                config,
-                _recorder,
+                sender = _build_sender(identity, _carried.sender, address)
+                sink = sender
+            runtime = _make_runtime(
+                identity=identity,
+                config=config,
+                sink=sink,
+                sender=sender,
+                cuda=cuda_backend if cuda_backend is not None else TorchCudaBackend(),
+                nvml=nvml_backend if nvml_backend is not None else PynvmlBackend(),
+                interval=interval_s,
+                carried=_carried,
+                history=_history,
+                max_steps=trace_max_steps_from_env(),
                 reset_peak_memory=_reset_peak_choice(reset_peak_memory),
             )
+            runtime.start()
         except Exception as exc:
-            if owned is not None:
+            if sender is not None:
                 with contextlib.suppress(Exception):
-                    owned.close(timeout=0.5)
+                    sender.close(timeout=0.5)
             _state = "off"
             _config = disabled_config(source=config.source)
             message = f"TraceML could not start ({exc!r}); export is off and training continues."
@@ -710,13 +805,13 @@ def shutdown() -> None:
 
 def _reset_for_tests() -> None:
     """Shut down and forget all process-wide state, including warn-once flags."""
-    global _state, _carried, _config, _recorder
+    global _state, _carried, _config, _history
     shutdown()
     with _lock:
         _state = "new"
         _carried = _Carried()
         _config = None
-        _recorder = None
+        _history = None
         forget_warnings()
         os.environ.pop(_ENV_RANK_PID, None)
 
@@ -735,12 +830,11 @@ def _flush_for_summary(runtime: _Runtime, deadline: float) -> None:
                 )
             except Exception as exc:
                 timer.fail(exc)
-    sender = runtime._owned
-    pending = getattr(sender, "pending_items", None)
-    if pending is None:
+    sender = runtime.sender
+    if sender is None:
         return
     # The sender sends what is queued within its flush interval (a fraction of a second).
-    while time.monotonic() < deadline and getattr(sender, "pending_items", 0) > 0:
+    while time.monotonic() < deadline and sender.pending_items > 0:
         time.sleep(0.02)
 
 
@@ -769,8 +863,8 @@ def final_summary(
     identity = runtime.identity if runtime is not None else RankIdentity.from_env()
     if rank0_only and identity.global_rank != 0:
         return None
-    recorder = _recorder
-    if recorder is None or (runtime is None and recorder.total_steps == 0):
+    history = _history
+    if history is None or (runtime is None and history.total_steps == 0):
         why = (
             "TraceML is disabled (disabled=True or TRACEML_DISABLED=1)"
             if _state == "disabled"
@@ -781,13 +875,13 @@ def final_summary(
     deadline = time.monotonic() + max(0.0, float(timeout_sec))
     if runtime is not None:
         _flush_for_summary(runtime, deadline)
-    recent, total = recorder.snapshot()
+    recent, total = history.snapshot()
     file_text = os.environ.get(_ENV_SUMMARY_FILE, "").strip()
     if file_text:
         reader, reached = _compat_summary.wait_for_file(
             Path(file_text),
             identity.global_rank,
-            recorder.last_step,
+            history.last_step,
             deadline - time.monotonic(),
             float(poll_interval_sec),
         )
@@ -795,7 +889,7 @@ def final_summary(
         if not reached:
             notes.append(
                 f"timed out after {timeout_sec:g} s waiting for rank {identity.global_rank}'s "
-                f"step {recorder.last_step} in {file_text}; figures cover the steps written"
+                f"step {history.last_step} in {file_text}; figures cover the steps written"
             )
             _warn_once("summary_timeout", f"traceml: summary(): {notes[-1]}")
         result = _compat_summary.full_run_summary(

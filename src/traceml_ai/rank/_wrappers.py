@@ -22,9 +22,11 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from traceml_ai.rank import _timing
-from traceml_ai.rank._compat import env_disabled, warn_once
-from traceml_ai.rank._timing import BACKWARD, DATALOADER_NEXT, FORWARD, H2D, OPTIMIZER_STEP
+from traceml_ai.rank import _torch_patches
+from traceml_ai.rank._event_names import BACKWARD, DATALOADER_NEXT, FORWARD, H2D, OPTIMIZER_STEP
+from traceml_ai.rank._init_config import env_disabled, warn_once
+from traceml_ai.rank._step_timer import StepTimer
+from traceml_ai.rank._timer_core import PATCH_OUTSIDE_STEP, fast_patch
 
 _perf_ns = time.perf_counter_ns
 
@@ -88,7 +90,7 @@ def copies_to_accelerator(tensor: Any, args: tuple[Any, ...], kwargs: dict[str, 
     return _device_type(target) in _ACCELERATORS and _is_host_tensor(tensor)
 
 
-def _timed(timer: _timing.StepTimer, call: Callable[[], Any]) -> Any:
+def _timed(timer: StepTimer, call: Callable[[], Any]) -> Any:
     slot = timer.h2d
     timer.open(slot)
     try:
@@ -112,7 +114,7 @@ def install_h2d_patch(torch: Any) -> None:
         @functools.wraps(original_to)
         def to(*args: Any, **kwargs: Any) -> Any:
             # (tensor, ...) taken as one tuple: the call passes it on as it came.
-            timer = _timing._ACTIVE
+            timer = _torch_patches._ACTIVE
             if timer is None or not timer.in_step or not _auto_h2d:
                 return original_to(*args, **kwargs)
             if len(args) > 1 and not kwargs:
@@ -130,13 +132,13 @@ def install_h2d_patch(torch: Any) -> None:
 
         @functools.wraps(original_cuda)
         def cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
-            timer = _timing._ACTIVE
+            timer = _torch_patches._ACTIVE
             if timer is None or not timer.in_step or not _auto_h2d or not _is_host_tensor(self):
                 return original_cuda(self, *args, **kwargs)
             return _timed(timer, lambda: original_cuda(self, *args, **kwargs))
 
-        tensor_cls.to = _timing._gated(_timing.GATE_OUTSIDE_STEP, original_to, to)
-        tensor_cls.cuda = _timing._gated(_timing.GATE_OUTSIDE_STEP, original_cuda, cuda)
+        tensor_cls.to = fast_patch(PATCH_OUTSIDE_STEP, original_to, to)
+        tensor_cls.cuda = fast_patch(PATCH_OUTSIDE_STEP, original_cuda, cuda)
         _h2d_installed = True
 
 
@@ -176,10 +178,10 @@ class _FetchIterator:
         return self
 
     def __next__(self) -> Any:
-        timer = _timing._ACTIVE
+        timer = _torch_patches._ACTIVE
         if timer is None or (
             # Already timed by the automatic DataLoader patch: not twice.
-            self._torch and timer.auto_dataloader and "dataloader" in _timing._patched
+            self._torch and timer.auto_dataloader and "dataloader" in _torch_patches._patched
         ):
             return next(self._iterator)
         t0 = _perf_ns()
@@ -237,7 +239,7 @@ def _wrap_method(obj: Any, attr: str, name: str, slot_of: Callable[[Any], Any]) 
     original = getattr(obj, attr)
 
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        timer = _timing._ACTIVE
+        timer = _torch_patches._ACTIVE
         if timer is None or not timer.in_step:
             return original(*args, **kwargs)
         slot = slot_of(timer)
@@ -310,7 +312,7 @@ class _BackwardProxy:
         self._loss = loss
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        timer = _timing._ACTIVE
+        timer = _torch_patches._ACTIVE
         if timer is None or not timer.in_step:
             return self._loss.backward(*args, **kwargs)
         slot = timer.bwd
@@ -348,7 +350,7 @@ class _H2DProxy:
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         obj = self._obj
-        timer = _timing._ACTIVE
+        timer = _torch_patches._ACTIVE
         if timer is None or not timer.in_step:
             return obj.to(*args, **kwargs)
         is_tensor = hasattr(obj, "device")

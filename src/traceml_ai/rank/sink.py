@@ -26,16 +26,16 @@ class ItemSink(Protocol):
         ...
 
 
-class EncodedStepSink(Protocol):
-    """Receives traced steps' two items already encoded; must not block or raise."""
+class EncodedItemSink(Protocol):
+    """Receives wire items already encoded; must not block or raise.
 
-    def put_encoded_steps(
-        self, steps: Sequence[int], memories: Sequence[bytes], times: Sequence[bytes]
-    ) -> None:
-        """Queue the ``step_memory`` and ``step_time`` items of ``steps``, in order:
-        ``memories[i]`` and ``times[i]`` are step ``steps[i]``'s, each the bytes
-        ``wire.encode_item`` gives for it. One call for all the steps a builder has
-        (the sender's thread builds a flush's worth at once)."""
+    ``traceml_ai.transport.sender.RankSender`` is the production one; the step timer
+    hands a builder's worth of steps off CUDA over this way (their items encoded in C).
+    """
+
+    def put_encoded_many(self, stream: str, items: Sequence[bytes]) -> None:
+        """Queue ``items`` of ``stream``, in order: each the bytes ``wire.encode_item``
+        gives for a wire item."""
         ...
 
 
@@ -52,15 +52,12 @@ class RecordingSink:
             # Items are plain dicts (the generated TypedDicts of traceml_records are dicts).
             self._items.append((stream, cast("dict[str, object]", item)))
 
-    def put_encoded_steps(
-        self, steps: Sequence[int], memories: Sequence[bytes], times: Sequence[bytes]
-    ) -> None:
-        """Record steps' two items given encoded (``EncodedStepSink``), decoded as the
-        aggregator decodes them."""
+    def put_encoded_many(self, stream: str, items: Sequence[bytes]) -> None:
+        """Record items given encoded (``EncodedItemSink``), decoded as the aggregator
+        decodes them."""
         with self._lock:
-            for memory, time in zip(memories, times, strict=True):
-                self._items.append(("step_memory", orjson.loads(memory)))
-                self._items.append(("step_time", orjson.loads(time)))
+            for data in items:
+                self._items.append((stream, orjson.loads(data)))
 
     def items(self, stream: str | None = None) -> list[dict[str, object]]:
         """The recorded items of ``stream`` (all streams when ``None``), in arrival order."""

@@ -129,7 +129,7 @@ job starting) must not fill the queue so that a real rank's connect times out.""
 _GLOBAL_RANK = re.compile(rb'"global_rank":(0|[1-9][0-9]{0,18})[,}]')
 
 
-class _Gate:
+class _PortGuard:
     """What guards the port: the first-frame check, the unproven connections, and the
     counts of connections refused.
 
@@ -450,7 +450,7 @@ class AggregatorServer:
         self._on_connection_lost = on_connection_lost
         self._max_frame_bytes = max_frame_bytes
         self._batch_prefix = batch_prefix(token)
-        self._gate = _Gate(token, max_frame_bytes)
+        self._gate = _PortGuard(token, max_frame_bytes)
 
         self._lifecycle_lock = threading.Lock()
         self._thread: threading.Thread | None = None

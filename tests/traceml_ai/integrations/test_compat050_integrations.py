@@ -30,7 +30,7 @@ from tests.integration_helpers import (
     steps_by_rank,
     traceml_run,
 )
-from traceml_ai.rank import _compat
+from traceml_ai.rank import _init_config
 
 SCRIPT = REPO / "tests" / "scripts" / "compat050_frameworks.py"
 
@@ -127,7 +127,7 @@ def _ray_config(**kwargs: Any) -> Any:
 
 
 def test_ray_config_accepts_every_050_field() -> None:
-    _compat.forget_warnings()
+    _init_config.forget_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = _ray_config(**FIELDS_050)
@@ -144,7 +144,9 @@ def test_ray_config_accepts_every_050_field() -> None:
         "patch_h2d": True,
     }
     assert type(config).from_mapping(config.to_mapping()) == config
-    notices = [str(w.message) for w in caught if issubclass(w.category, _compat.TraceMLWarning)]
+    notices = [
+        str(w.message) for w in caught if issubclass(w.category, _init_config.TraceMLWarning)
+    ]
     assert notices == [
         "traceml: TraceMLRayConfig(summary_window_rows=400) has no effect here: the summary "
         "covers every step written",
@@ -155,13 +157,13 @@ def test_ray_config_accepts_every_050_field() -> None:
 
 
 def test_ray_config_050_modes_and_defaults() -> None:
-    _compat.forget_warnings()
+    _init_config.forget_warnings()
     default = _ray_config()
     assert (default.mode, default.profile, default.init_mode) == (None, None, "auto")
     assert not default.export_enabled
-    with pytest.warns(_compat.TraceMLWarning, match=r"mode='dashboard'\) has no effect"):
+    with pytest.warns(_init_config.TraceMLWarning, match=r"mode='dashboard'\) has no effect"):
         assert not _ray_config(mode="dashboard").export_enabled
-    with pytest.warns(_compat.TraceMLWarning, match=r"profile='watch'\) has no effect"):
+    with pytest.warns(_init_config.TraceMLWarning, match=r"profile='watch'\) has no effect"):
         _ray_config(profile="watch")
     # An exporter given wins over mode="summary"'s jsonl.
     custom = _ray_config(mode="summary", exporter="jsonl", export_streams="all")
@@ -202,7 +204,7 @@ def test_wrap_forward_of_a_class_returns_it_unpatched_with_one_warning() -> None
             return x
 
     forward = Net.forward
-    _compat.forget_warnings()
+    _init_config.forget_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert traceml.wrap_forward(Net) is Net

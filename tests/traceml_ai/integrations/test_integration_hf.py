@@ -10,7 +10,7 @@ transformers is slow, so there are three runs, each checking several things:
 - zero code, 2 ranks (DDP, gloo): one step per update on each rank;
 - zero code, the user's code raises inside ``train()``: it propagates unchanged and
   the run is finalized;
-- the benchmark switch ``_common.TRACE_ONE_IN``: every other update traced;
+- the benches' switch (bench/overhead/workloads/one_in_k.py): every other update traced;
 - explicit callback with the automatic attach off: a hook failure is reported
   once and training continues; evaluation's batches are dropped at ``on_evaluate``;
   the user's exception still propagates.
@@ -247,13 +247,15 @@ def test_explicit_callback_hook_fault_and_user_exception(tmp_path: Path) -> None
     assert not (tmp_path / "logs" / "run" / "finalization_warning.json").exists(), describe(res)
 
 
-# The benchmark switch (bench/overhead_frameworks.py): every other update untraced.
+# The benches' switch (bench/overhead/workloads/one_in_k.py): every other update untraced.
+WORKLOADS = Path(__file__).resolve().parents[3] / "bench" / "overhead" / "workloads"
 ONE_IN_TWO = (
     COMMON
-    + """
-from traceml_ai.integrations import _common
+    + f"""
+sys.path.insert(0, {str(WORKLOADS)!r})
+from one_in_k import trace_one_in
 
-_common.TRACE_ONE_IN = 2
+trace_one_in(2)
 args = make_args("out", gradient_accumulation_steps=2, max_steps=4)
 Trainer(model=model, args=args, train_dataset=Tokens(64)).train()
 sys.stdout.write("ALTERNATED\\n")

@@ -14,7 +14,7 @@ A small LightningModule trains on random data. Each run checks several things:
 - zero code is no callback: Lightning's loop methods are wrapped once per process
   (two trainers, two fits), a fit that raised leaves the next fit traced, a fault in
   the integration's own code is reported once and training continues;
-- the benchmark switch ``_common.TRACE_ONE_IN``: every other update traced;
+- the benches' switch (bench/overhead/workloads/one_in_k.py): every other update traced;
 - in this process (no ``traceml run``): importing the integration wraps nothing, and
   the wraps install once and come off again.
 """
@@ -315,7 +315,10 @@ class Hooks(pl.Callback):
 
 
 if os.environ.get("TRACE_ONE_IN"):
-    _common.TRACE_ONE_IN = int(os.environ["TRACE_ONE_IN"])
+    sys.path.insert(0, os.environ["BENCH_WORKLOADS"])
+    from one_in_k import trace_one_in
+
+    trace_one_in(int(os.environ["TRACE_ONE_IN"]))
     make_trainer(1, 6, num_sanity_val_steps=0).fit(Model(), loader(64, 0))
     sys.stdout.write("ALTERNATED\\n")
     sys.exit(0)
@@ -444,7 +447,9 @@ def test_zero_code_manual_optimization_times_the_optimizer_with_its_hooks(
 @pytest.mark.parametrize(("one_in", "traced"), [(2, 3), (4, 2)])
 def test_bench_switch_traces_one_update_in_k(tmp_path: Path, one_in: int, traced: int) -> None:
     script = write_script(tmp_path, "alt_pl.py", REFIT)
-    res = traceml_run(tmp_path, script, env={"TRACE_ONE_IN": str(one_in)})
+    workloads = Path(__file__).resolve().parents[3] / "bench" / "overhead" / "workloads"
+    env = {"TRACE_ONE_IN": str(one_in), "BENCH_WORKLOADS": str(workloads)}
+    res = traceml_run(tmp_path, script, env=env)
     assert res.returncode == 0, describe(res)
     assert "ALTERNATED" in res.stdout, describe(res)
     (lines,) = steps_by_rank(tmp_path).values()

@@ -2,31 +2,43 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from traceml_ai.integrations import _common
-from traceml_ai.rank import _sdk, _timing
+from traceml_ai.rank import _hotpath_py, _sdk, _step_timer, _timer_core
+from traceml_records.internal import PURE_PYTHON_ENV
 
 CORE_METHODS = ("begin", "end", "open", "close", "restart", "add_host", "_add_host")
+
+PURE_PYTHON = os.environ.get(PURE_PYTHON_ENV, "").strip() not in ("", "0")
+needs_c = pytest.mark.skipif(PURE_PYTHON, reason=f"{PURE_PYTHON_ENV} is set: no C extension")
+"""For a test of a C extension itself (it fails, rather than skips, when one was not
+built: CI builds them, and a silent fallback would leave the C path untested)."""
 
 
 @pytest.fixture(params=["c", "python"], autouse=True)
 def timer_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """``c``: StepTimer as built (``_hotpath.TimerCore`` under its Python methods) and
     ``_hotpath.StepContext``; ``python``: its per-step and per-call methods, in-flight
-    phases and step context the pure-Python ones (``_PyTimerCore``, ``_PyOpen``,
-    ``_PyStepContext``) and the patches' Python wrappers (no ``_hotpath.Gate``), as
-    without the extension."""
+    phases and step context the pure-Python twins (``_hotpath_py``) and the patches'
+    Python wrappers (no ``_hotpath.FastPatch``), as without the extension.
+    Under ``TRACEML_PURE_PYTHON=1`` only the ``python`` run takes place."""
+    hotpath = _timer_core.HOTPATH
     if request.param == "c":
-        if _timing.StepContext is _timing._PyStepContext:
-            pytest.fail("traceml_ai.rank._hotpath was not built or is disabled")
+        if hotpath is None:
+            if PURE_PYTHON:
+                pytest.skip(f"{PURE_PYTHON_ENV} is set: the pure-Python run only")
+            pytest.fail("traceml_ai.rank._hotpath was not built")
         return "c"
     for name in CORE_METHODS:
-        monkeypatch.setattr(_timing.StepTimer, name, getattr(_timing._PyTimerCore, name))
-    monkeypatch.setattr(_timing, "_Open", _timing._PyOpen)
-    for module in (_timing, _sdk, _common):
-        monkeypatch.setattr(module, "StepContext", _timing._PyStepContext)
-    # The patches' gates hand every call to their Python wrappers.
-    _timing._HOTPATH.set_gates(False)
-    request.addfinalizer(lambda: _timing._HOTPATH.set_gates(True))
+        monkeypatch.setattr(_step_timer.StepTimer, name, getattr(_hotpath_py.TimerCore, name))
+    monkeypatch.setattr(_step_timer, "Slot", _hotpath_py.Slot)
+    for module in (_step_timer, _sdk, _common):
+        monkeypatch.setattr(module, "StepContext", _hotpath_py.StepContext)
+    if hotpath is not None:
+        # The fast patches hand every call to their Python wrappers.
+        hotpath.set_fast_patches(False)
+        request.addfinalizer(lambda: hotpath.set_fast_patches(True))
     return "python"

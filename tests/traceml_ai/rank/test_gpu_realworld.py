@@ -25,7 +25,7 @@ import torch
 
 import traceml_ai as traceml
 from tests import e2e_helpers as e2e
-from traceml_ai.rank import _sdk, _timing, gpu
+from traceml_ai.rank import _hotpath_py, _sdk, _step_timer, _torch_patches, gpu
 from traceml_ai.rank.gpu import GpuReading, TorchCudaBackend, normalize_uuid
 from traceml_ai.rank.samplers import ProcessSampler
 from traceml_ai.rank.sink import RecordingSink
@@ -96,7 +96,7 @@ def one_step(model: object | None, cuda: FakeCuda) -> None:
 def test_shutdown_polls_one_deadline_and_never_synchronizes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_timing, "SHUTDOWN_GPU_WAIT_S", 0.3)
+    monkeypatch.setattr(_step_timer, "SHUTDOWN_GPU_WAIT_S", 0.3)
     sink = RecordingSink()
     cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
@@ -158,19 +158,19 @@ def test_trace_phase_outside_steps_keeps_a_bounded_number_of_events() -> None:
     cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     one_step(FakeModel(_device("cuda", 0)), cuda)  # the device is known from here on
-    timer = _timing.active()
+    timer = _torch_patches.active()
     assert timer is not None
-    for _ in range(_timing.MAX_OUTSIDE_PAIRS * 3):
+    for _ in range(_hotpath_py.MAX_OUTSIDE_PAIRS * 3):
         with traceml.trace_phase("eval"):
             pass
     phase = timer._acc["eval"]
     assert len(phase.pairs) == 0 and phase.missing
-    assert phase.n_calls == _timing.MAX_OUTSIDE_PAIRS * 3
+    assert phase.n_calls == _hotpath_py.MAX_OUTSIDE_PAIRS * 3
     cuda.finish_all()
     one_step(FakeModel(_device("cuda", 0)), cuda)
     traceml.shutdown()
     evals = step_items(sink)[-1]["events"]["eval"]["cuda:0"]
-    assert evals["n_calls"] == _timing.MAX_OUTSIDE_PAIRS * 3 and evals["gpu_ms"] is None
+    assert evals["n_calls"] == _hotpath_py.MAX_OUTSIDE_PAIRS * 3 and evals["gpu_ms"] is None
 
 
 def test_no_events_inside_a_cuda_graph_capture() -> None:

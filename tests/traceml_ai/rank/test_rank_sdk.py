@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import traceml_ai as traceml
 from tests.e2e_helpers import REPO
 from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
-from traceml_ai.rank import _sdk, _timing
+from traceml_ai.rank import _sdk, _step_timer, _torch_patches
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.rank.runtime_env import model_strategy, runtime_environment_item, topology_of
 from traceml_ai.rank.sink import RecordingSink
@@ -203,13 +203,13 @@ def test_a_forked_child_turns_traceml_off_in_itself() -> None:
     traceml.init(sink=sink, sampler_interval=60)
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code only
-        ok = _sdk._runtime is None and _timing.active() is None
+        ok = _sdk._runtime is None and _torch_patches.active() is None
         with traceml.trace_step(None):
             pass
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert _timing.active() is not None  # the parent is unaffected
+    assert _torch_patches.active() is not None  # the parent is unaffected
 
 
 def test_user_phase_outside_a_step_counts_toward_the_next_step() -> None:
@@ -348,7 +348,7 @@ def test_internal_failure_warns_once_disables_timing_and_training_goes_on() -> N
     assert "step timing failed" in str(ours[0].message)
     # The failing put came after step 1's step_memory; nothing after that.
     assert [m["step"] for m in sink.items("step_memory")] == [1]
-    assert _timing.active() is None
+    assert _torch_patches.active() is None
 
 
 # -- DDP on a one-process gloo group ---------------------------------------------
@@ -541,7 +541,7 @@ def test_fake_cuda_backlog_is_bounded() -> None:
     cuda = fake_cuda(gpu_keeps_up=False)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = make_model()
-    total = _timing.MAX_PENDING_STEPS + 5
+    total = _step_timer.MAX_PENDING_STEPS + 5
     for _ in range(total):
         with traceml.trace_step(model):
             model(torch.randn(2, 8))
@@ -573,7 +573,7 @@ def test_without_launcher_init_warns_once_and_every_call_is_a_no_op() -> None:
     assert len(ours) == 1
     assert "not launched by `traceml run`" in str(ours[0].message)
     assert _sdk._runtime is None
-    assert _timing.active() is None
+    assert _torch_patches.active() is None
     assert len(model._forward_pre_hooks) == 0
 
 

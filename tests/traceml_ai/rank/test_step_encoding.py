@@ -10,6 +10,7 @@ not handle is handed back (``None``) and built in Python.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -17,15 +18,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from traceml_ai.rank import _timing
-from traceml_ai.rank._compat_summary import StepRecorder
+from tests.traceml_ai.rank.conftest import needs_c
+from traceml_ai.rank import _event_names, _hotpath_py, _step_timer
+from traceml_ai.rank._step_recorder import StepHistory, StepRecorder
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 from traceml_ai.transport.wire import encode_item
 
-encode = _timing._encode_host_step
+encode = _step_timer._encode_host_step
 
 
+@needs_c
 def test_the_step_encoder_is_built_and_used() -> None:
     # CI builds the extension: a silent fallback would leave the C path untested.
     assert encode is not None, "traceml_records._speedups was not built or is disabled"
@@ -45,7 +48,7 @@ def _python_items(
     acc: dict[str, Any], step: int, ts: int, device: str, seq: tuple[int, int]
 ) -> list[tuple[str, bytes]]:
     sink = _Items()
-    timer = _timing.StepTimer(sink, FakeCuda(available=False), lambda m: None, lambda e: None)
+    timer = _step_timer.StepTimer(sink, FakeCuda(available=False), lambda m: None, lambda e: None)
     timer.continue_counts(0, seq[0], seq[1])
     timer._send_host(step, ts, device, acc)
     return sink.data
@@ -56,7 +59,7 @@ def _state(acc: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
 
 
 def _phase(cpu_ns: int, n_calls: int, missing: bool) -> Any:
-    phase = _timing._Phase()
+    phase = _hotpath_py.Phase()
     phase.cpu_ns, phase.n_calls, phase.missing = cpu_ns, n_calls, missing
     if not missing:
         phase.pairs = [(object(), object())]  # an earlier CUDA step's events
@@ -64,7 +67,9 @@ def _phase(cpu_ns: int, n_calls: int, missing: bool) -> Any:
 
 
 phase_names = st.one_of(
-    st.sampled_from([_timing.FORWARD, _timing.BACKWARD, _timing.STEP_TIME, "a", "b\n"]),
+    st.sampled_from(
+        [_event_names.FORWARD, _event_names.BACKWARD, _event_names.STEP_TIME, "a", "b\n"]
+    ),
     st.text(max_size=12),
 )
 phases = st.builds(
@@ -83,6 +88,7 @@ ints = st.one_of(st.integers(0, 2**63 - 1), st.integers(-(2**63), 2**64 + 5))
     device=st.one_of(st.sampled_from(["cpu", "mps", "cuda:1"]), st.text(max_size=6)),
     seq=st.tuples(ints, ints),
 )
+@needs_c
 def test_c_writes_the_bytes_python_writes_and_zeroes_the_phases_alike(
     acc: dict[str, Any], step: int, ts: int, device: str, seq: tuple[int, int]
 ) -> None:
@@ -106,14 +112,15 @@ def test_c_writes_the_bytes_python_writes_and_zeroes_the_phases_alike(
     }
 
 
+@needs_c
 def test_the_cases_it_hands_back_to_python() -> None:
     assert encode is not None
-    good = {_timing.FORWARD: _phase(1_000, 1, True)}
+    good = {_event_names.FORWARD: _phase(1_000, 1, True)}
     assert encode(good, 1, 2, "cpu", 0, 0) is not None
     for acc, step, device in [
-        ({_timing.FORWARD: object()}, 1, "cpu"),  # not a phase
+        ({_event_names.FORWARD: object()}, 1, "cpu"),  # not a phase
         ({1: _phase(1, 1, True)}, 1, "cpu"),  # a name that is not a str
-        ({_timing.FORWARD: _phase(10**400, 1, True)}, 1, "cpu"),  # beyond a double
+        ({_event_names.FORWARD: _phase(10**400, 1, True)}, 1, "cpu"),  # beyond a double
         (good, 2**70, "cpu"),  # an int beyond 64 bits
         (good, 1, "\ud800"),  # a lone surrogate
         ({str(i): _phase(1, 1, True) for i in range(70)}, 1, "cpu"),  # many phases
@@ -124,33 +131,36 @@ def test_the_cases_it_hands_back_to_python() -> None:
         assert after == before
 
 
+@needs_c
 def test_a_timer_sends_encoded_steps_through_the_recorder_to_the_sender() -> None:
-    """The runtime's path: StepTimer -> StepRecorder -> a sink's put_encoded, and the
-    recorder still counts the steps, keeps their events and applies --trace-max-steps."""
+    """The runtime's path: StepTimer -> StepRecorder -> a sink's put_encoded_many, and
+    the recorder still counts the steps, keeps their events and applies
+    --trace-max-steps."""
     sent: list[tuple[str, bytes]] = []
 
     class Sender:
         def put(self, stream: str, item: Any) -> None:
             raise AssertionError("a step off CUDA should arrive encoded")
 
-        def put_encoded(self, stream: str, data: bytes) -> None:
-            sent.append((stream, data))
+        def put_encoded_many(self, stream: str, items: Sequence[bytes]) -> None:
+            sent.extend((stream, data) for data in items)
 
-    recorder = StepRecorder(2, keep_events=True)
-    recorder.sink = Sender()
-    timer = _timing.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
+    sender = Sender()
+    recorder = StepRecorder(sender, 2, history=StepHistory(keep_events=True), encoded=sender)
+    timer = _step_timer.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
     timer.defer = True
     timer.encoded_sink = recorder
     for _ in range(3):
         timer.begin(None)
-        timer.add_host(_timing.DATALOADER_NEXT, 2_000_000)
+        timer.add_host(_event_names.DATALOADER_NEXT, 2_000_000)
         timer.end()
     timer.build_ended()
-    assert [stream for stream, _ in sent] == ["step_memory", "step_time"] * 2  # step 3 cut
-    recent, total = recorder.snapshot()
+    # One call per stream for the steps built together; step 3 cut.
+    assert [stream for stream, _ in sent] == ["step_memory"] * 2 + ["step_time"] * 2
+    recent, total = recorder.history.snapshot()
     assert total == 2
     assert [step for step, _ in recent] == [1, 2]
-    assert recent[0][1][_timing.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 2.0
+    assert recent[0][1][_event_names.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 2.0
     assert b'"seq":1,"step":2,' in sent[3][1]
 
 
@@ -167,15 +177,15 @@ class _BatchSink(RecordingSink):
             self.put(stream, orjson.loads(data))
 
 
-def _deferred_timer(sink: Any, max_steps: int | None = None) -> _timing.StepTimer:
-    recorder = StepRecorder(max_steps, keep_events=True)
-    recorder.sink = sink
-    timer = _timing.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
+def _deferred_timer(sink: Any, max_steps: int | None = None) -> _step_timer.StepTimer:
+    recorder = StepRecorder(sink, max_steps, history=StepHistory(keep_events=True), encoded=sink)
+    timer = _step_timer.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
     timer.defer = True
     timer.encoded_sink = recorder
     return timer
 
 
+@needs_c
 def test_the_builder_hands_a_flush_of_steps_over_in_one_call_per_stream() -> None:
     """Steps built together reach the sink in one call per stream; a step the encoder
     hands back (too many phases) goes as dicts between them, so seq and step stay in
@@ -203,11 +213,12 @@ def test_the_builder_hands_a_flush_of_steps_over_in_one_call_per_stream() -> Non
     assert len(sink.items("step_time")[1]["events"]) == 71  # its phases and the step's
     recorder = timer.encoded_sink
     assert isinstance(recorder, StepRecorder)
-    recent, total = recorder.snapshot()
-    assert total == 4 and recorder.last_step == 4
+    recent, total = recorder.history.snapshot()
+    assert total == 4 and recorder.history.last_step == 4
     assert [step for step, _ in recent] == [1, 2, 3, 4]
 
 
+@needs_c
 def test_steps_built_before_a_failing_one_are_still_handed_over(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -217,7 +228,7 @@ def test_steps_built_before_a_failing_one_are_still_handed_over(
         timer.begin(None)
         timer.end()
     calls: list[int] = []
-    real = _timing._encode_host_step
+    real = _step_timer._encode_host_step
     assert real is not None
 
     def failing_second(*args: Any) -> Any:
@@ -226,7 +237,7 @@ def test_steps_built_before_a_failing_one_are_still_handed_over(
             raise RuntimeError("encoder bug")
         return real(*args)
 
-    monkeypatch.setattr(_timing, "_encode_host_step", failing_second)
+    monkeypatch.setattr(_step_timer, "_encode_host_step", failing_second)
     with pytest.raises(RuntimeError, match="encoder bug"):
         timer.build_ended()
     assert [item["step"] for item in sink.items("step_time")] == [1]
@@ -236,9 +247,8 @@ def test_steps_built_before_a_failing_one_are_still_handed_over(
 
 def test_a_sink_without_put_encoded_gets_the_items_decoded() -> None:
     sink = RecordingSink()
-    recorder = StepRecorder(None, keep_events=False)
-    recorder.sink = sink
-    timer = _timing.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
+    recorder = StepRecorder(sink, history=StepHistory(keep_events=False))
+    timer = _step_timer.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
     timer.encoded_sink = recorder
     timer.begin(None)
     timer.end()
@@ -251,17 +261,25 @@ def test_the_runtime_encodes_steps_only_for_its_own_sender(
     own_sender: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """init's own sender gets steps encoded; a sink given to init gets dicts, even one
-    with a put_encoded of its own."""
-    import orjson
-
+    that takes encoded items too."""
     import traceml_ai as traceml
     from traceml_ai.rank import _sdk
 
     class Sender(RecordingSink):
-        def put_encoded(self, stream: str, data: bytes) -> None:
-            self.put(stream, orjson.loads(data))
+        """What the runtime uses of ``RankSender``; encoded items decoded on arrival."""
+
+        pending_items = 0
+
+        def start(self) -> None:
+            pass
 
         def close(self, timeout: float = 0.0) -> None:
+            pass
+
+        def set_producer(self, producer: Any) -> None:
+            pass
+
+        def wake(self) -> None:
             pass
 
     sink = Sender()
@@ -286,17 +304,20 @@ def test_the_runtime_encodes_steps_only_for_its_own_sender(
 
 # -- the builder's loop in C (_speedups.encode_host_steps) ------------------------------
 
-encode_run = _timing._encode_host_steps
+encode_run = _step_timer._encode_host_steps
 
 
 def _ended(steps: int) -> tuple[Any, Any]:
     from collections import deque
 
-    accs = deque({_timing.DATALOADER_NEXT: _phase(1_000 * (i + 1), 1, True)} for i in range(steps))
+    accs = deque(
+        {_event_names.DATALOADER_NEXT: _phase(1_000 * (i + 1), 1, True)} for i in range(steps)
+    )
     ats = deque((i + 1, 1_700_000_000_000_000_000 + i, "cpu") for i in range(steps))
     return accs, ats
 
 
+@needs_c
 def test_the_loop_encodes_every_step_in_order_and_hands_the_phases_back() -> None:
     assert encode is not None and encode_run is not None
     accs, ats = _ended(3)
@@ -307,9 +328,10 @@ def test_the_loop_encodes_every_step_in_order_and_hands_the_phases_back() -> Non
     assert not accs and not ats and spare == originals
     assert [orjson.loads(m)["seq"] for m in memories] == [3, 4, 5]
     assert [orjson.loads(t)["seq"] for t in times] == [7, 8, 9]
-    assert orjson.loads(times[1])["events"][_timing.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 0.002
+    assert orjson.loads(times[1])["events"][_event_names.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 0.002
 
 
+@needs_c
 def test_the_loop_stops_at_a_step_left_to_python_and_at_an_error() -> None:
     assert encode is not None and encode_run is not None
     accs, ats = _ended(4)
@@ -335,6 +357,7 @@ def test_the_loop_stops_at_a_step_left_to_python_and_at_an_error() -> None:
     assert len(accs) == len(ats) == 1 and calls == [1, 2, 3]
 
 
+@needs_c
 def test_the_loop_refuses_what_is_not_an_ended_step() -> None:
     assert encode is not None and encode_run is not None
     accs, _ = _ended(1)

@@ -1,4 +1,4 @@
-"""TraceML 0.5.0's ``init`` arguments: the config object, modes, notices.
+"""TraceML 0.5.0's ``init`` arguments: the config object, modes, and the warn-once notices.
 
 Scripts written for the published TraceML (traceml-ai 0.5.0) call ``init`` with its
 keywords and read the config it returns; this module gives both the same meaning
