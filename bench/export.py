@@ -18,7 +18,7 @@ Prints figures only; never passes or fails. The last line is machine-readable:
   freshly decoded batches is submitted; the peak of traced Python memory above the
   start is compared with the byte bound (which counts wire bytes, not objects).
 
-    .venv/bin/python bench/export.py [--records 200000] [--batch 100]
+    python -m bench.export [--records 200000] [--batch 100]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ On the same file of ``--lines`` step_time lines (written by the real encoder,
 * ``pyarrow.json.read_json``, untyped (nested structs, nothing flattened);
 * ``pandas.read_json(lines=True)`` (``events`` stays a column of Python dicts).
 
-    .venv/bin/python bench/frames.py [--lines 1000000] [--keep FILE]
+    python -m bench.frames [--lines 1000000] [--keep FILE]
 
 Prints figures, never pass/fail. The last line is machine-readable:
 ``frames_vs_pandas=<x> frames_vs_pyarrow_json=<y> lines_per_s=<z>`` where a ratio

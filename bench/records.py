@@ -5,7 +5,7 @@ Per stream: ``dumps_line`` and ``loads_line`` records/s, next to plain
 and their ratio; also the pure-Python ``dumps_line`` (what runs without the C
 extension, or with TRACEML_PURE_PYTHON=1). Then ``validate_paths`` on a step_time file, in lines/s.
 
-    .venv/bin/python bench/records.py [--seconds 0.5] [--lines 200000]
+    python -m bench.records [--seconds 0.5] [--lines 200000]
 
 The last line is machine-readable:
 ``dumps_ratio_step_time=<x> validate_lines_per_s=<y>``.

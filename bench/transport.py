@@ -2,7 +2,7 @@
 
 Prints figures only (batches/s, items/s, MB/s, cost of ``put``); never passes or fails.
 
-    .venv/bin/python bench/transport.py --senders 4 --items 200000
+    python -m bench.transport --senders 4 --items 200000
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Aggregator at scale: N simulated ranks over the real transport and wire format.
 
-The command is ``python bench/scale.py`` (or ``python -m bench.scale`` from the
-repository root); ``cli`` documents its modes and accounting. Modules:
+The command is ``python -m bench.scale`` from the repository root; ``cli`` documents
+its modes and accounting. Modules:
 
 - ``items``: what a simulated rank sends, and ``LoadSpec``, the load of one run;
 - ``generator``: generator processes, one TCP connection per simulated rank;

@@ -1,4 +1,4 @@
-"""``python -m bench.scale``: the same command as ``python bench/scale.py``."""
+"""``python -m bench.scale`` (from the repository root): see ``cli``."""
 
 from .cli import main
 

@@ -12,11 +12,11 @@ at the end. Frames are encoded with the real ``make_batch_message``/``encode_fra
 
 Modes (one per run):
 
-    .venv/bin/python bench/scale.py --ranks 1024 --steps-per-s 10 --seconds 60
-    .venv/bin/python bench/scale.py --ranks 1024 --find-max            # highest rate, 0 drops
-    .venv/bin/python bench/scale.py --ranks 1024 --steps-per-s 250 --seconds 30 --overload
-    .venv/bin/python bench/scale.py --ranks 1024 --steps-per-s 10 --soak     # 10 minutes
-    .venv/bin/python bench/scale.py --pause --ranks 8 --steps-per-s 100 --seconds 20
+    python -m bench.scale --ranks 1024 --steps-per-s 10 --seconds 60
+    python -m bench.scale --ranks 1024 --find-max            # highest rate, 0 drops
+    python -m bench.scale --ranks 1024 --steps-per-s 250 --seconds 30 --overload
+    python -m bench.scale --ranks 1024 --steps-per-s 10 --soak     # 10 minutes
+    python -m bench.scale --pause --ranks 8 --steps-per-s 100 --seconds 20
 
 Accounting (exact, also with drops): every item of a (rank, wire stream) has its own
 ``seq`` (0, 1, 2, ...), and the generator logs each batch as (first seq, item count,

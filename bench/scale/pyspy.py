@@ -47,7 +47,7 @@ def summarize_profile(path: Path, top: int = 15) -> None:
 
 
 def print_profile(path: Path, top: int = 15) -> None:
-    """Print the summary of a py-spy ``raw`` profile (also ``scale.py --summarize FILE``)."""
+    """Print the summary of a py-spy ``raw`` profile (also ``python -m bench.scale --summarize FILE``)."""
     selfs: dict[str, int] = {}
     totals: dict[str, int] = {}
     threads: dict[str, int] = {}

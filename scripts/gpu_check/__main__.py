@@ -1,4 +1,4 @@
-"""``python -m gpu_check`` (with scripts/ on PYTHONPATH): see gpu_check.driver."""
+"""``python -m scripts.gpu_check`` from the repository root: see ``driver``."""
 
 from __future__ import annotations
 

@@ -1,14 +1,27 @@
-"""Runs every check of the GPU check in its own process and writes the report.
+"""Runs every check of the GPU check in its own process, in two lanes, and writes the report.
 
-    python -m gpu_check [--out DIR] [--only NAME,...] [--budget-s S] [--cpu]
+    python -m scripts.gpu_check [--lanes default,pure] [--only NAME,...] [--out DIR]
+                                [--budget-s S] [--cpu]
 
-(scripts/gpu-check.sh sets PYTHONPATH and calls this.) Each check runs its workload
-under ``traceml run --exporter jsonl --export-streams all`` in a child process group
-with a timeout, validates the files with ``traceml validate``, then judges the lines
-against what the workload measured itself (gpu_check.judge). A check that crashes or
-times out is a FAIL with its one-line reason; the others still run. Prints one line
-``PASS|FAIL|SKIP name: figures`` per check and ``gpu_check: <n> passed, <m> failed,
-<k> skipped``; exit status 0 only when none failed, 3 without a CUDA device.
+Run from the repository root (scripts/gpu-check.sh does): the root is then first on
+``sys.path``, so ``scripts.gpu_check`` and the benches' estimator, ``bench.overhead.paired``,
+import as packages. Two lanes, one after the other, each with every check:
+
+- ``default``: TraceML as a default install runs it, the C extensions compiled
+  (``setup.py build_ext`` on a copy of ``src/`` in the scratch folder, as ``pip
+  install`` builds them). When they do not build or do not load, the lane is not run
+  and one line says why;
+- ``pure``: ``TRACEML_PURE_PYTHON=1``, the pure-Python paths.
+
+Each check runs its workload under ``traceml run --exporter jsonl --export-streams
+all`` in a child process group with a timeout, validates the files with ``traceml
+validate``, then judges the lines against what the workload measured itself
+(``judge``). A check that crashes or times out is a FAIL with its one-line reason; the
+others still run. Prints one line ``[lane] PASS|FAIL|SKIP name: figures`` per check,
+``gpu_check [lane]: <n> passed, <m> failed, <k> skipped`` per lane, and last
+``gpu_check: default <...>; pure <...>``. Exit status: 0 when no check failed, 1 when
+one did, 3 without a CUDA device, 4 when the wheels did not install, 5 when the C
+extensions did not build (the pure lane still runs).
 
 ``--cpu`` is for developing the check on a machine without a GPU: every workload runs
 on the CPU, so the harness (launch, files, judging, report) is exercised; its verdicts
@@ -36,10 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Relative: the package runs as `gpu_check` (scripts/ on PYTHONPATH) and the tests
-# import it as `scripts.gpu_check` from the repository root.
 from . import judge
-from .judge import BACKWARD, FORWARD, H2D, OPTIMIZER, Verdict
+from .judge import BACKWARD, FORWARD, H2D, OPTIMIZER, LaneResult, Verdict
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -47,11 +58,25 @@ SCENARIO = HERE / "scenario.py"
 SPAWN = HERE / "spawn_train.py"
 TRAIN = REPO / "examples" / "train.py"
 
-BUDGET_S = 280.0
-"""The whole check's wall time; checks that would start past it are SKIPped."""
+BUDGET_S = 450.0
+"""Wall time of both lanes together, the build included; a check whose turn comes past
+its lane's share is SKIPped. With the probe and the wheels, the whole run takes at most
+about 8 minutes."""
+PURE_LANE_S = 180.0
+"""Of ``BUDGET_S``, what the default lane leaves for the pure lane that follows it."""
+BUILD_TIMEOUT_S = 120.0
 NO_CUDA_EXIT = 3
 NO_CUDA_MESSAGE = "gpu_check: no CUDA device: nothing to check"
 WHEELS_EXIT = 4
+LANES = ("default", "pure")
+"""``default``: the C extensions built, as a default install runs TraceML; ``pure``:
+``TRACEML_PURE_PYTHON=1``."""
+EXTENSIONS = (
+    "traceml_records._speedups",
+    "traceml_ai.rank._hotpath",
+    "traceml_ai.transport._nowait",
+)
+"""The C extensions of setup.py, each of which the default lane must load."""
 
 _print_lock = threading.Lock()
 
@@ -116,6 +141,9 @@ class Ctx:
     probe: dict[str, Any]
     deadline: float
     env: dict[str, str]
+    lane: str = "pure"
+    build_src: Path | None = None
+    """The default lane's built copy of src/ (its extensions must be the ones loaded)."""
     runs: dict[str, Run] = field(default_factory=dict)
 
     def device(self, index: int = 0) -> str:
@@ -130,13 +158,14 @@ class Ctx:
         return int(self.probe.get("count") or 0)
 
 
-def child_env(cpu: bool) -> dict[str, str]:
-    """The environment of every child: no inherited TRACEML_*, pure Python, our paths."""
+def child_env(cpu: bool, src: Path = REPO / "src", pure: bool = True) -> dict[str, str]:
+    """The environment of a lane's children: no inherited TRACEML_*, TraceML from
+    ``src``, and ``TRACEML_PURE_PYTHON=1`` when ``pure``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEML_")}
-    env["TRACEML_PURE_PYTHON"] = "1"
+    if pure:
+        env["TRACEML_PURE_PYTHON"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    paths = [str(REPO / "src"), str(REPO / "scripts")]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(src), *filter(None, [env.get("PYTHONPATH")])])
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -247,6 +276,9 @@ def base_problems(ctx: Ctx, run: Run, need_result: bool = True) -> list[str]:
         problems.append(why)
     problems += validate_problems(ctx, run)
     problems += judge.warning_problems(run.log)
+    if run.result is not None and "extensions" in run.result:
+        build = None if ctx.build_src is None else str(ctx.build_src)
+        problems += judge.extension_problems(run.result["extensions"], EXTENSIONS, build)
     return problems
 
 
@@ -662,10 +694,13 @@ def check_compile_fullgraph(ctx: Ctx, timeout: float) -> Verdict:
 
 @dataclass(frozen=True)
 class Check:
+    """A check; ``track`` ``compile`` runs beside the ``main`` track, once the host
+    timings are done."""
+
     name: str
     fn: Callable[[Ctx, float], Verdict]
     timeout: float
-    lane: str = "main"
+    track: str = "main"
 
 
 CHECKS: tuple[Check, ...] = (
@@ -682,9 +717,9 @@ CHECKS: tuple[Check, ...] = (
     Check("spawn_workers", check_spawn_workers, 60),
     Check("bounded_shutdown", check_bounded_shutdown, 70),
     Check("train_cuda_2proc_nccl", check_train_cuda_2proc_nccl, 90),
-    Check("compile_default", check_compile_default, 100, lane="compile"),
-    Check("compile_reduce_overhead", check_compile_reduce_overhead, 100, lane="compile"),
-    Check("compile_fullgraph", check_compile_fullgraph, 100, lane="compile"),
+    Check("compile_default", check_compile_default, 100, track="compile"),
+    Check("compile_reduce_overhead", check_compile_reduce_overhead, 100, track="compile"),
+    Check("compile_fullgraph", check_compile_fullgraph, 100, track="compile"),
 )
 
 
@@ -692,7 +727,7 @@ def run_check(ctx: Ctx, check: Check) -> Verdict:
     """One check within its timeout and the overall deadline; a crash is a FAIL."""
     left = ctx.deadline - time.monotonic() - 5.0
     if left < 15.0:
-        return judge.skipped(check.name, "not run: the time budget of the whole check is spent")
+        return judge.skipped(check.name, "not run: this lane's share of the time budget is spent")
     timeout = min(check.timeout, left)
     t0 = time.monotonic()
     try:
@@ -700,8 +735,105 @@ def run_check(ctx: Ctx, check: Check) -> Verdict:
     except Exception as exc:
         result = judge.crashed(check.name, f"{type(exc).__name__}: {exc}")
     result.data.setdefault("seconds", round(time.monotonic() - t0, 2))
-    say(result.line())
+    say(f"[{ctx.lane}] {result.line()}")
     return result
+
+
+def run_lane(ctx: Ctx, checks: Sequence[Check]) -> list[Verdict]:
+    """Every check of one lane: the main track in order, the compile track in a thread
+    beside it once the host timings are measured. Returns the verdicts in CHECKS order."""
+    results: dict[str, Verdict] = {}
+    main_track = [c for c in checks if c.track == "main"]
+    side_track = [c for c in checks if c.track != "main"]
+    host_timings_done = threading.Event()
+
+    def run_side() -> None:
+        host_timings_done.wait(timeout=120)
+        for check in side_track:
+            results[check.name] = run_check(ctx, check)
+
+    side = threading.Thread(target=run_side, name=f"gpu-check-{ctx.lane}-compile", daemon=True)
+    side.start()
+    for check in main_track:
+        results[check.name] = run_check(ctx, check)
+        if check.name == "paired_overhead":
+            host_timings_done.set()
+    host_timings_done.set()
+    # Each check's timeout ends by the deadline; its process group's kill takes <= 5 s.
+    side.join(max(1.0, ctx.deadline + 15 - time.monotonic()))
+    return [results.get(c.name) or judge.crashed(c.name, "did not finish in time") for c in checks]
+
+
+_IMPORT_CHECK = """
+import importlib, os, sys
+src = os.path.realpath(sys.argv[1])
+problems = []
+for name in sys.argv[2:]:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        problems.append(f"{name} does not load ({exc})")
+        continue
+    path = os.path.realpath(getattr(module, "__file__", None) or "")
+    if not path.startswith(src + os.sep) or path.endswith(".py"):
+        problems.append(f"{name} is not the compiled one ({path or 'no file'})")
+print("\\n".join(problems))
+"""
+
+
+def build_extensions(
+    python: str, env: dict[str, str], build: Path, timeout: float
+) -> tuple[Path | None, str]:
+    """Compile the C extensions as ``pip install`` does (``setup.py build_ext``), into a
+    copy of ``src/`` under ``build``, and check that each loads from there.
+
+    The copy keeps the checkout as it is; setup.py runs without pyproject.toml beside
+    it, so a setuptools too old for the project's metadata still builds them (only the
+    extensions are built). Returns (that src folder, a line on the build) or (None, why
+    they did not build, in one line).
+    """
+    shutil.rmtree(build, ignore_errors=True)
+    src = build / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "*.egg-info")
+    shutil.copytree(REPO / "src", src, ignore=ignore)
+    shutil.copy2(REPO / "setup.py", build / "setup.py")
+    log_path = build / "build.log"
+    cmd = [
+        python, "setup.py", "build_ext", "--build-lib", str(src),
+        "--build-temp", str(build / "temp"), "--parallel", "3",
+    ]  # fmt: skip
+    rc, timed_out, seconds = run_process(cmd, env, timeout, log_path, build)
+    log = log_path.read_text(encoding="utf-8", errors="replace")
+    if timed_out or rc != 0:
+        why = f"timed out after {timeout:.0f} s" if timed_out else f"exit code {rc}"
+        return None, f"setup.py build_ext: {why}: {build_failure(log)}"
+    check_env = {
+        **env,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")])),
+    }
+    check_env.pop("TRACEML_PURE_PYTHON", None)
+    proc = subprocess.run(
+        [python, "-c", _IMPORT_CHECK, str(src), *EXTENSIONS],
+        env=check_env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    problems = proc.stdout.split("\n") if proc.returncode == 0 else [proc.stderr[-300:]]
+    problems = [p.strip() for p in problems if p.strip()]
+    if problems:
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        why = f"{judge.one_line(problems[0], 160)}{more}; the build said: {build_failure(log)}"
+        return None, judge.one_line(why, 400)
+    return src, f"C extensions built in {seconds:.1f} s ({', '.join(EXTENSIONS)})"
+
+
+def build_failure(log: str) -> str:
+    """The line of a build's output that says what went wrong: the compiler's first
+    error, else setuptools' first failure, else the last line."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for pattern in (r"\berror\b", r"failed|Error"):
+        for line in lines:
+            if re.search(pattern, line):
+                return judge.one_line(line, 240)
+    return judge.one_line(lines[-1], 240) if lines else "(no output)"
 
 
 def probe(python: str, env: dict[str, str]) -> dict[str, Any]:
@@ -727,43 +859,85 @@ def probe(python: str, env: dict[str, str]) -> dict[str, Any]:
     return info
 
 
-def install_wheels(python: str, wheels: Path, site: Path, env: dict[str, str]) -> str | None:
-    """pip-install the wheels of ``wheels`` into ``site`` and put it on the children's path.
+def install_wheels(python: str, wheels: Path, site: Path) -> tuple[list[str], str | None]:
+    """pip-install the wheels of ``wheels`` into ``site``.
 
-    Nothing to do when the folder has no wheel. Returns why it failed, or None.
+    Returns (the folders to put on the children's path, why it failed or None); nothing
+    to do when the folder has no wheel.
     """
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not found:
-        return None
+        return [], None
     cmd = [
         python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
         "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, found),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
-        return f"installing {len(found)} wheel(s) from {wheels} failed: " + judge.one_line(
+        return [], f"installing {len(found)} wheel(s) from {wheels} failed: " + judge.one_line(
             proc.stderr[-300:] or proc.stdout[-300:]
         )
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(site)])
-    return None
+    return [str(site)], None
 
 
-def write_report(out: Path, work: Path, verdicts: list[Verdict], meta: dict[str, Any]) -> None:
-    """gpu-check.json, gpu-check.txt and gpu-check-logs.tar.gz (logs, results, exports) in ``out``."""
+def with_paths(env: dict[str, str], paths: Sequence[str]) -> dict[str, str]:
+    """``env`` with ``paths`` after the folders already on its PYTHONPATH."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), *paths]))}
+
+
+def run_one_lane(
+    lane: str,
+    python: str,
+    cpu: bool,
+    info: dict[str, Any],
+    deadline: float,
+    paths: Sequence[str],
+    work: Path,
+    checks: Sequence[Check],
+) -> LaneResult:
+    """One lane: for ``default``, build the C extensions first (the lane does not run
+    when they do not build or load); then every check, with TraceML from that build
+    (``default``) or from ``src/`` in pure Python (``pure``)."""
+    if lane == "default":
+        build_env = with_paths(child_env(cpu, pure=False), paths)
+        timeout = min(BUILD_TIMEOUT_S, max(10.0, deadline - time.monotonic() - 30.0))
+        src, note = build_extensions(python, build_env, work / "build", timeout)
+        if src is None:
+            return LaneResult(
+                lane, [], "C extensions: did not build", f"the C extensions did not build: {note}"
+            )
+    else:
+        src, note = REPO / "src", "pure Python (TRACEML_PURE_PYTHON=1)"
+    say(f"gpu_check [{lane}]: TraceML {note}; {max(0.0, deadline - time.monotonic()):.0f} s left")
+    env = with_paths(child_env(cpu, src, pure=lane == "pure"), paths)
+    lane_work = work / lane
+    lane_work.mkdir(parents=True, exist_ok=True)
+    build_src = src if lane == "default" else None
+    ctx = Ctx(lane_work, python, cpu, info, deadline, env, lane, build_src)
+    return LaneResult(lane, run_lane(ctx, checks), note)
+
+
+def write_report(out: Path, work: Path, lanes: Sequence[LaneResult], meta: dict[str, Any]) -> None:
+    """gpu-check.json, gpu-check.txt and gpu-check-logs.tar.gz (logs, results, exports,
+    the build's log; not the build's copy of src/) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     header = [f"# {k}: {v}" for k, v in meta.items()]
-    (out / "gpu-check.txt").write_text(judge.report_text(verdicts, header), encoding="utf-8")
-    (out / "gpu-check.json").write_text(judge.report_json(verdicts, meta), encoding="utf-8")
+    (out / "gpu-check.txt").write_text(judge.report_text(lanes, header), encoding="utf-8")
+    (out / "gpu-check.json").write_text(judge.report_json(lanes, meta), encoding="utf-8")
+    skip = {work / "build" / "src", work / "build" / "temp"}
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        path = work / Path(info.name).relative_to("gpu-check-work")
+        return None if path in skip else info
+
     with tarfile.open(out / "gpu-check-logs.tar.gz", "w:gz") as tar:
-        tar.add(work, arcname="gpu-check-work")
+        tar.add(work, arcname="gpu-check-work", filter=keep)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # The judge's overhead estimator is bench/_paired.py, the benches' own: the
-    # repository root goes on this process's path, whatever PYTHONPATH the caller set.
-    if str(REPO) not in sys.path:
-        sys.path.append(str(REPO))
-    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.gpu_check", description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="report folder ($OUT or ./gpu-check-out)"
     )
@@ -771,29 +945,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--work", type=Path, default=None, help="scratch folder (a new temp folder)"
     )
     parser.add_argument("--only", default="", help="comma-separated check names")
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S)
+    parser.add_argument(
+        "--lanes", default=",".join(LANES), help="comma-separated, in order: default, pure"
+    )
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="both lanes together")
     parser.add_argument("--cpu", action="store_true", help="development: run on the CPU")
     parser.add_argument(
         "--wheels", type=Path, default=None, help="install the *.whl in this folder first"
     )
     parser.add_argument("--site", type=Path, default=Path("/tmp/gpu-check-site"))
     args = parser.parse_args(argv)
-    started = time.monotonic()
-    python = sys.executable
-    env = child_env(args.cpu)
-    info = probe(python, env)
-    if not args.cpu and not info.get("available"):
-        print(NO_CUDA_MESSAGE, flush=True)
-        return NO_CUDA_EXIT
-    if args.wheels is not None:
-        why = install_wheels(python, args.wheels, args.site, env)
-        if why is not None:
-            print(f"gpu_check: {why}", flush=True)
-            return WHEELS_EXIT
-    out = args.out or Path(os.environ.get("OUT") or Path.cwd() / "gpu-check-out")
-    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    work.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(work, python, args.cpu, info, started + args.budget_s, env)
+    lanes = [name for name in args.lanes.split(",") if name]
+    if not lanes or set(lanes) - set(LANES) or len(set(lanes)) != len(lanes):
+        parser.error(f"--lanes: one or more of {', '.join(LANES)}, each once")
     wanted = {n for n in args.only.split(",") if n}
     unknown = wanted - {c.name for c in CHECKS}
     if unknown:
@@ -801,32 +965,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "system_gpu_vs_nvidia_smi" in wanted:
         wanted.add("train_cuda_1proc")  # its export is what nvidia-smi is compared with
     checks = [c for c in CHECKS if not wanted or c.name in wanted]
+    started = time.monotonic()
+    python = sys.executable
+    info = probe(python, child_env(args.cpu))
+    if not args.cpu and not info.get("available"):
+        print(NO_CUDA_MESSAGE, flush=True)
+        return NO_CUDA_EXIT
+    paths: list[str] = []
+    if args.wheels is not None:
+        paths, why = install_wheels(python, args.wheels, args.site)
+        if why is not None:
+            print(f"gpu_check: {why}", flush=True)
+            return WHEELS_EXIT
+    out = args.out or Path(os.environ.get("OUT") or Path.cwd() / "gpu-check-out")
+    work = (args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
     names = ", ".join(info.get("names") or ["cpu"])
     say(
-        f"gpu_check: {names}; torch {info.get('torch')}, CUDA {info.get('cuda')}; "
-        f"TraceML pure Python; budget {args.budget_s:.0f} s{'; CPU DRY RUN' if args.cpu else ''}"
+        f"gpu_check: {names}; torch {info.get('torch')}, CUDA {info.get('cuda')}; lanes "
+        f"{', '.join(lanes)}; budget {args.budget_s:.0f} s{'; CPU DRY RUN' if args.cpu else ''}"
     )
-    results: dict[str, Verdict] = {}
-    main_lane = [c for c in checks if c.lane == "main"]
-    side_lane = [c for c in checks if c.lane != "main"]
-    host_timings_done = threading.Event()
-
-    def run_side() -> None:
-        host_timings_done.wait(timeout=120)
-        for check in side_lane:
-            results[check.name] = run_check(ctx, check)
-
-    side = threading.Thread(target=run_side, name="gpu-check-compile", daemon=True)
-    side.start()
-    for check in main_lane:
-        results[check.name] = run_check(ctx, check)
-        if check.name == "paired_overhead":
-            host_timings_done.set()
-    host_timings_done.set()
-    side.join(max(1.0, ctx.deadline + 120 - time.monotonic()))
-    verdicts = [
-        results.get(c.name) or judge.crashed(c.name, "did not finish in time") for c in checks
-    ]
+    deadline = started + args.budget_s
+    # What a lane leaves for each lane after it.
+    reserve = min(PURE_LANE_S, args.budget_s / len(lanes))
+    results: list[LaneResult] = []
+    for i, lane in enumerate(lanes):
+        lane_deadline = deadline - reserve * (len(lanes) - 1 - i)
+        result = run_one_lane(lane, python, args.cpu, info, lane_deadline, paths, work, checks)
+        results.append(result)
+        say(result.summary())
     meta = {
         "device": names,
         "torch": info.get("torch"),
@@ -834,13 +1001,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": platform.python_version(),
         "host": platform.node(),
         "cpu_dry_run": args.cpu,
-        "traceml": "pure Python (TRACEML_PURE_PYTHON=1)",
+        "lanes": ", ".join(lanes),
         "seconds": round(time.monotonic() - started, 1),
         "work": str(work),
     }
     try:
-        write_report(out, work, verdicts, meta)
+        write_report(out, work, results, meta)
     except OSError as exc:
         say(f"gpu_check: could not write the report in {out}: {exc}")
-    say(judge.summary_line(verdicts))
-    return judge.exit_code(verdicts)
+    say(judge.final_line(results))
+    return judge.lanes_exit_code(results)

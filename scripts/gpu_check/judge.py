@@ -1,9 +1,9 @@
 """Pure judgements of the GPU check: export lines and own measurements in, verdicts out.
 
-Standard library only, no torch, no CUDA: tests/gpu_check/test_gpu_check.py runs all of
-it on
-CPU with made-up lines, so the logic that decides PASS or FAIL on a GPU is tested
-before any GPU runs it. Each ``*_problems`` function returns a list of one-line
+Standard library only (and the benches' estimator, ``bench.overhead.paired``, itself
+standard library only), no torch, no CUDA: tests/gpu_check/test_gpu_check.py runs all
+of it on CPU with made-up lines, so the logic that decides PASS or FAIL on a GPU is
+tested before any GPU runs it. Each ``*_problems`` function returns a list of one-line
 problems (empty when the figures are right); ``verdict`` turns them into one line.
 """
 
@@ -15,6 +15,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from bench.overhead.paired import cycle, positions
 
 PASS = "PASS"
 FAIL = "FAIL"
@@ -40,13 +42,13 @@ TEMPERATURE_TOL_C = 10.0
 HOST_OVERHEAD_LIMIT_US = 100.0
 """Ceiling for what a traced GPU step adds beyond measuring the same step by hand.
 
-Both are cycle figures from one process (bench/_paired.py): what a traced step, and a
+Both are cycle figures from one process (bench/overhead/paired.py): what a traced step, and a
 by-hand step, cost over the third untraced step after them, their own time and what
 spills into the next steps. The by-hand step makes the CUDA calls TraceML makes
 (event pairs around each phase, read a step later; the peak reset and read) and
 nothing else. What the driver charges for those calls differs several-fold between
 machines (and under gVisor); what TraceML adds on top should not. The CPU step's
-figure is ~15 to 20 µs (bench/overhead.py --paired); 100 µs leaves room for the
+figure is ~15 to 20 µs (python -m bench.overhead.step --paired); 100 µs leaves room for the
 pending-step bookkeeping and a slower host. The issue sets no GPU target."""
 MAX_LISTED = 3
 """Problems of one kind listed in a verdict line before '... and N more'."""
@@ -104,24 +106,82 @@ def exit_code(verdicts: Iterable[Verdict]) -> int:
     return 1 if any(v.status == FAIL for v in verdicts) else 0
 
 
-def report_text(verdicts: Sequence[Verdict], header: Sequence[str] = ()) -> str:
-    """The text report: header lines, one line per check, the summary line."""
-    lines = [*header, *(v.line() for v in verdicts), summary_line(verdicts)]
+NOT_RUN_EXIT = 5
+"""Exit status when a lane could not run (the default lane's C extensions did not build)."""
+
+
+@dataclass(frozen=True)
+class LaneResult:
+    """One lane's verdicts, how TraceML ran in it, or why the lane did not run."""
+
+    lane: str
+    verdicts: Sequence[Verdict]
+    traceml: str
+    not_run: str | None = None
+
+    def lines(self) -> list[str]:
+        """``[lane] STATUS name: figures`` per check."""
+        return [f"[{self.lane}] {v.line()}" for v in self.verdicts]
+
+    def counts(self) -> str:
+        if self.not_run is not None:
+            return f"not run: {one_line(self.not_run)}"
+        return summary_line(self.verdicts).removeprefix("gpu_check: ")
+
+    def summary(self) -> str:
+        """``gpu_check [lane]: <n> passed, <m> failed, <k> skipped`` (or ``not run: why``)."""
+        return f"gpu_check [{self.lane}]: {self.counts()}"
+
+
+def final_line(lanes: Sequence[LaneResult]) -> str:
+    """``gpu_check: default <n> passed, ...; pure <n> passed, ...`` (``not run`` for a
+    lane that did not run)."""
+    parts = [
+        f"{lane.lane} not run" if lane.not_run is not None else f"{lane.lane} {lane.counts()}"
+        for lane in lanes
+    ]
+    return "gpu_check: " + "; ".join(parts)
+
+
+def lanes_exit_code(lanes: Sequence[LaneResult]) -> int:
+    """5 when a lane did not run, else 1 when a check failed, else 0."""
+    if any(lane.not_run is not None for lane in lanes):
+        return NOT_RUN_EXIT
+    return exit_code(v for lane in lanes for v in lane.verdicts)
+
+
+def report_text(lanes: Sequence[LaneResult], header: Sequence[str] = ()) -> str:
+    """The text report: header lines; per lane, how TraceML ran, one line per check and
+    its summary; the final line."""
+    lines = list(header)
+    for lane in lanes:
+        lines += [f"# lane {lane.lane}: {lane.traceml}", *lane.lines(), lane.summary()]
+    lines.append(final_line(lanes))
     return "\n".join(lines) + "\n"
 
 
-def report_json(verdicts: Sequence[Verdict], meta: Mapping[str, Any]) -> str:
-    """The JSON report: ``meta``, every verdict with its data, the counts."""
+def report_json(lanes: Sequence[LaneResult], meta: Mapping[str, Any]) -> str:
+    """The JSON report: ``meta``; per lane, every verdict with its data and the counts."""
     doc = {
         "meta": dict(meta),
-        "checks": [
-            {"name": v.name, "status": v.status, "figures": v.figures, "data": v.data}
-            for v in verdicts
+        "lanes": [
+            {
+                "lane": lane.lane,
+                "traceml": lane.traceml,
+                "not_run": lane.not_run,
+                "checks": [
+                    {"name": v.name, "status": v.status, "figures": v.figures, "data": v.data}
+                    for v in lane.verdicts
+                ],
+                "summary": lane.summary(),
+                "passed": sum(1 for v in lane.verdicts if v.status == PASS),
+                "failed": sum(1 for v in lane.verdicts if v.status == FAIL),
+                "skipped": sum(1 for v in lane.verdicts if v.status == SKIP),
+            }
+            for lane in lanes
         ],
-        "summary": summary_line(verdicts),
-        "passed": sum(1 for v in verdicts if v.status == PASS),
-        "failed": sum(1 for v in verdicts if v.status == FAIL),
-        "skipped": sum(1 for v in verdicts if v.status == SKIP),
+        "summary": final_line(lanes),
+        "exit_code": lanes_exit_code(lanes),
     }
     return json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n"
 
@@ -556,15 +616,13 @@ CYCLE = 4
 def paired_overhead_us(
     marked: Sequence[bool], durations_s: Sequence[float], warmup: int = 20
 ) -> tuple[float | None, float | None, int]:
-    """What a ``marked`` step costs in µs (bench/_paired.py's cycle estimator: its own
+    """What a ``marked`` step costs in µs (bench/overhead/paired.py's cycle estimator: its own
     time and what spills into the next steps, over the third step after it), that
     reference step's median in µs, and how many marked steps were measured.
 
     The three steps after a marked one must be unmarked (the scenario's kinds go
     traced, plain x3, by-hand, plain x3). The first ``warmup`` steps are left out.
     """
-    from bench._paired import cycle, positions
-
     where = positions(marked)
     count = sum(1 for i in range(warmup, len(marked)) if marked[i])
     try:
@@ -582,6 +640,24 @@ def shutdown_problems(shutdown_s: float, queued_s: float) -> list[str]:
         f"shutdown took {shutdown_s:.1f} s with {queued_s:.0f} s of GPU work queued "
         f"(limit {queued_s / 2:.0f} s): it waits for the GPU"
     ]
+
+
+def extension_problems(
+    loaded: Mapping[str, str], expected: Sequence[str], build_src: str | None
+) -> list[str]:
+    """The C extensions a workload loaded (name -> file) are the lane's: each of
+    ``expected``, from the ``build_src`` folder (the default lane), or none at all
+    (``build_src`` None: the pure lane)."""
+    if build_src is None:
+        return [f"TRACEML_PURE_PYTHON=1, yet the rank loaded {name}" for name in sorted(loaded)]
+    problems = []
+    for name in expected:
+        path = loaded.get(name)
+        if path is None:
+            problems.append(f"the rank did not load the C extension {name}")
+        elif not path.startswith(build_src.rstrip("/") + "/"):
+            problems.append(f"the rank loaded {name} from {path}, not from the lane's build")
+    return problems
 
 
 WARNING_MARKS = ("step timing failed", "sampling failed", "could not start")

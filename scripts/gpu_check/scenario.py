@@ -371,7 +371,7 @@ def paired_overhead(dev: Dev) -> Result:
     """Traced, by-hand and untraced GPU steps in turn in one process, with a DataLoader fetch.
 
     Each traced or by-hand step is followed by three untraced ones, so the judge takes
-    the same cycle figure for both (bench/_paired.py): TraceML's cost, and the cost of
+    the same cycle figure for both (bench/overhead/paired.py): TraceML's cost, and the cost of
     the same CUDA calls made by hand, measured alike on the same machine at the same
     time.
     """
@@ -505,6 +505,17 @@ SCENARIOS: dict[str, Callable[[Dev], Result]] = {
 }
 
 
+def compiled_extensions() -> dict[str, str]:
+    """TraceML's C extensions this process loaded, and the file of each: the driver
+    checks the lane ran the code it meant to (the build's, or none in pure Python)."""
+    return {
+        name: str(getattr(module, "__file__", ""))
+        for name, module in list(sys.modules.items())
+        if name.startswith(("traceml_ai.", "traceml_records."))
+        and str(getattr(module, "__file__", "")).endswith((".so", ".pyd"))
+    }
+
+
 def main(argv: list[str]) -> int:
     name, result_path = argv[0], argv[1]
     cpu = "--cpu" in argv[2:]
@@ -515,6 +526,7 @@ def main(argv: list[str]) -> int:
     dev = Dev(cpu, index)
     result = SCENARIOS[name](dev)
     result["pid"] = os.getpid()
+    result["extensions"] = compiled_extensions()
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump(result, f)
     traceml.shutdown()

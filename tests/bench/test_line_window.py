@@ -1,5 +1,5 @@
-"""The update clock's line count (``bench/_overhead_clock.py``, ``LINE_WINDOW``): what
-bench/overhead_lines_frameworks.py reads. Only the updates inside the window count,
+"""The update clock's line count (``bench/overhead/workloads/update_clock.py``,
+``LINE_WINDOW``): what ``python -m bench.overhead.lines`` reads. Only the updates inside the window count,
 each call and each line executed once."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench._overhead_clock import LINE_WINDOW, StartClock
+from bench.overhead.workloads.update_clock import LINE_WINDOW, StartClock
 
 
 def _update(n: int) -> int:

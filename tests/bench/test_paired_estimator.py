@@ -1,4 +1,4 @@
-"""The overhead benches' estimator (``bench/_paired.py``) on made-up step times.
+"""The overhead benches' estimator (``bench/overhead/paired.py``) on made-up step times.
 
 A traced step that slows the steps after it, and steps that come down one after
 another after every slow one (what this machine's steps do): the estimator must
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from bench._paired import cycle, positions
+from bench.overhead.paired import cycle, positions
 
 K = 4
 

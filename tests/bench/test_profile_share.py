@@ -1,12 +1,12 @@
-"""The sampled share of TraceML in a training loop (bench/_profile_share.py, read by
-bench/overhead_profile_frameworks.py): which samples are TraceML's own, which only pass
+"""The sampled share of TraceML in a training loop (bench/overhead/profile_share.py, read
+by ``python -m bench.overhead.sampled``): which samples are TraceML's own, which only pass
 through its wrappers, and which of its threads' samples are work."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench._profile_share import passes_on, shares
+from bench.overhead.profile_share import passes_on, shares
 
 LOOP = "advance (lightning/pytorch/loops/training_epoch_loop.py:120)"
 RANK = 'process 7:"python -m traceml_ai.launch.bootstrap train.py"'

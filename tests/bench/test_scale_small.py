@@ -1,8 +1,8 @@
 """The scale load generator, small: simulated ranks over the real transport into a real
-aggregator process, and exact accounting of every record sent (``bench/scale.py``, the
-``bench/scale/`` package).
+aggregator process, and exact accounting of every record sent (the ``bench/scale/``
+package, ``python -m bench.scale``).
 
-Seconds, not minutes, and no assertion on timing: the figures are ``bench/scale.py``'s.
+Seconds, not minutes, and no assertion on timing: the figures are ``bench.scale``'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 
 # The bench/scale/ package, imported by name (the repository root is on sys.path for
-# the tests): python bench/scale.py runs the same code.
+# the tests): python -m bench.scale runs the same code.
 from bench import scale
 
 SPEC = scale.LoadSpec(ranks=16, steps_per_s=20.0, seconds=3.0)

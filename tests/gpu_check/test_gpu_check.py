@@ -2,7 +2,9 @@
 
 What can be checked here: the script's no-CUDA exit, the pure judgements that decide
 PASS or FAIL on a GPU (scripts/gpu_check/judge.py, fed made-up lines), and the
-harness end to end in its CPU dry run on one quick check.
+harness end to end in its CPU dry run on one quick check, in both lanes: the default
+lane's C extensions built (and, with a compiler that fails, one line saying so while
+the pure lane still runs) and the pure-Python lane.
 """
 
 from __future__ import annotations
@@ -44,12 +46,14 @@ def host(ms: float) -> dict[str, Any]:
     return {"cpu_ms": ms, "duration_ms": ms, "gpu_ms": None, "is_gpu": False, "n_calls": 1}
 
 
-def step_line(step: int, phases: dict[str, dict[str, Any]], device: str = "cuda:0") -> dict:
+def step_line(
+    step: int, phases: dict[str, dict[str, Any]], device: str = "cuda:0"
+) -> dict[str, Any]:
     events = {name: {device: t} for name, t in phases.items()}
     return {"step": step, "global_rank": 0, "seq": step - 1, "events": events}
 
 
-def good_step(step: int, fwd: float = 5.0) -> dict:
+def good_step(step: int, fwd: float = 5.0) -> dict[str, Any]:
     return step_line(step, {FWD: gpu(fwd), BWD: gpu(10.0), OPT: gpu(1.0), STEP: host(20.0)})
 
 
@@ -71,28 +75,79 @@ def test_no_cuda_exits_3_with_one_line(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-def test_cpu_dry_run_of_one_check_writes_the_report(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    env = _env(PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "scripts")]))
-    proc = subprocess.run(
+def _dry_run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m scripts.gpu_check --cpu`` from the repository root, as the script runs it."""
+    return subprocess.run(
         [
-            *(sys.executable, "-m", "gpu_check", "--cpu", "--only", "amp_skipped_steps"),
-            *("--out", str(out), "--work", str(tmp_path / "work")),
+            *(sys.executable, "-m", "scripts.gpu_check", "--cpu", "--only", "amp_skipped_steps"),
+            *("--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *args),
         ],
-        env=env,
+        env=_env(**env),
         capture_output=True,
         text=True,
-        timeout=240,
-        cwd=tmp_path,
+        timeout=300,
+        cwd=REPO,
     )
+
+
+def test_cpu_dry_run_of_one_check_in_both_lanes_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _dry_run(tmp_path)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert lines[-1] == "gpu_check: 1 passed, 0 failed, 0 skipped"
-    assert lines[-2].startswith("PASS amp_skipped_steps: 8 steps, skipped [3, 6]")
+    assert lines[0].startswith("gpu_check: cpu; torch ") and "lanes default, pure" in lines[0]
+    # The default lane first: the C extensions built into the scratch copy of src/.
+    assert lines[1].startswith("gpu_check [default]: TraceML C extensions built in ")
+    assert lines[2].startswith("[default] PASS amp_skipped_steps: 8 steps, skipped [3, 6]")
+    assert lines[3] == "gpu_check [default]: 1 passed, 0 failed, 0 skipped"
+    assert lines[4].startswith("gpu_check [pure]: TraceML pure Python (TRACEML_PURE_PYTHON=1)")
+    assert lines[5].startswith("[pure] PASS amp_skipped_steps: 8 steps, skipped [3, 6]")
+    assert lines[6] == "gpu_check [pure]: 1 passed, 0 failed, 0 skipped"
+    assert lines[7] == (
+        "gpu_check: default 1 passed, 0 failed, 0 skipped; pure 1 passed, 0 failed, 0 skipped"
+    )
+    assert len(lines) == 8
+    # Each lane's rank ran the code it meant to: the build's three extensions, or none.
+    build_src = (tmp_path / "work" / "build" / "src").resolve()
+    for lane, expected in (("default", set(driver.EXTENSIONS)), ("pure", set())):
+        result = json.loads(
+            (tmp_path / "work" / lane / "amp_skipped_steps.result.json").read_text()
+        )
+        assert set(result["extensions"]) == expected, lane
+        assert all(path.startswith(str(build_src)) for path in result["extensions"].values())
     report = json.loads((out / "gpu-check.json").read_text())
-    assert report["passed"] == 1 and report["checks"][0]["name"] == "amp_skipped_steps"
+    assert [lane["lane"] for lane in report["lanes"]] == ["default", "pure"]
+    assert all(lane["passed"] == 1 and lane["not_run"] is None for lane in report["lanes"])
+    assert report["lanes"][0]["checks"][0]["name"] == "amp_skipped_steps"
+    assert report["summary"] == lines[-1] and report["exit_code"] == 0
     assert (out / "gpu-check.txt").read_text().splitlines()[-1] == lines[-1]
     assert (out / "gpu-check-logs.tar.gz").stat().st_size > 0
+
+
+def test_extensions_that_do_not_build_fail_the_default_lane_in_one_line(tmp_path: Path) -> None:
+    """A compiler that fails (setup.py's extensions are optional, so the build itself
+    exits 0): one line says the default lane did not run and why, the pure lane runs,
+    and the exit status is 5."""
+    proc = _dry_run(tmp_path, CC="/bin/false")
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert lines[1].startswith(
+        "gpu_check [default]: not run: the C extensions did not build: "
+        "traceml_records._speedups does not load"
+    ), lines[1]
+    assert "failed" in lines[1] and "\n" not in lines[1]
+    assert lines[2].startswith("gpu_check [pure]: TraceML pure Python")
+    assert lines[3].startswith("[pure] PASS amp_skipped_steps:")
+    assert lines[-1] == "gpu_check: default not run; pure 1 passed, 0 failed, 0 skipped"
+    report = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert report["exit_code"] == 5 and report["lanes"][0]["checks"] == []
+
+
+def test_lanes_option() -> None:
+    with pytest.raises(SystemExit):
+        driver.main(["--cpu", "--lanes", "default,fast"])
+    with pytest.raises(SystemExit):
+        driver.main(["--cpu", "--lanes", "pure,pure"])
 
 
 # -- verdicts and report -------------------------------------------------------------------
@@ -112,16 +167,79 @@ def test_verdict_lines_summary_and_exit_code() -> None:
     assert judge.summary_line(everything) == "gpu_check: 1 passed, 2 failed, 1 skipped"
     assert judge.exit_code(everything) == 1
     assert judge.exit_code([ok, skip]) == 0
-    text = judge.report_text([ok, skip], ["# device: H200"])
+    assert judge.one_line("x" * 500, 10) == "xxxxxxx..."
+
+
+def test_lanes_report_separately() -> None:
+    ok = judge.verdict("a", [], "1.0 ms")
+    bad = judge.verdict("b", ["p1", "p2", "p3", "p4"], "figs")
+    skip = judge.skipped("c", "needs 2 GPUs")
+    default = judge.LaneResult("default", [ok, bad], "C extensions built")
+    pure = judge.LaneResult("pure", [ok, skip], "pure Python")
+    assert default.summary() == "gpu_check [default]: 1 passed, 1 failed, 0 skipped"
+    assert judge.final_line([default, pure]) == (
+        "gpu_check: default 1 passed, 1 failed, 0 skipped; pure 1 passed, 0 failed, 1 skipped"
+    )
+    assert judge.lanes_exit_code([default, pure]) == 1
+    assert judge.lanes_exit_code([pure]) == 0
+    text = judge.report_text([default, pure], ["# device: H200"])
     assert text.splitlines() == [
         "# device: H200",
-        "PASS a: 1.0 ms",
-        "SKIP c: needs 2 GPUs",
-        "gpu_check: 1 passed, 0 failed, 1 skipped",
+        "# lane default: C extensions built",
+        "[default] PASS a: 1.0 ms",
+        "[default] FAIL b: p1; p2; p3 (and 1 more) | figs",
+        "gpu_check [default]: 1 passed, 1 failed, 0 skipped",
+        "# lane pure: pure Python",
+        "[pure] PASS a: 1.0 ms",
+        "[pure] SKIP c: needs 2 GPUs",
+        "gpu_check [pure]: 1 passed, 0 failed, 1 skipped",
+        "gpu_check: default 1 passed, 1 failed, 0 skipped; pure 1 passed, 0 failed, 1 skipped",
     ]
-    doc = json.loads(judge.report_json(everything, {"device": "H200"}))
-    assert doc["failed"] == 2 and doc["checks"][1]["data"]["problems"][3] == "p4"
-    assert judge.one_line("x" * 500, 10) == "xxxxxxx..."
+    doc = json.loads(judge.report_json([default, pure], {"device": "H200"}))
+    assert doc["lanes"][0]["failed"] == 1 and doc["lanes"][1]["skipped"] == 1
+    assert doc["lanes"][0]["checks"][1]["data"]["problems"][3] == "p4"
+    assert doc["exit_code"] == 1
+    broken = judge.LaneResult("default", [], "C extensions: did not build", "no\ncompiler")
+    assert broken.summary() == "gpu_check [default]: not run: no compiler"
+    assert judge.final_line([broken, pure]).startswith("gpu_check: default not run; pure 1")
+    # A lane that did not run decides the exit status, whatever the other lane gave.
+    assert judge.lanes_exit_code([broken, pure]) == judge.NOT_RUN_EXIT == 5
+
+
+def test_each_lane_runs_its_own_extensions() -> None:
+    build = "/tmp/w/build/src"
+    mine = {n: f"{build}/{n.replace('.', '/')}.cpython-312-x86_64-linux-gnu.so" for n in
+            driver.EXTENSIONS}  # fmt: skip
+    assert judge.extension_problems(mine, driver.EXTENSIONS, build) == []
+    assert judge.extension_problems(mine, driver.EXTENSIONS, build + "/") == []
+    partial = {k: v for k, v in mine.items() if "_nowait" not in k}
+    assert judge.extension_problems(partial, driver.EXTENSIONS, build) == [
+        "the rank did not load the C extension traceml_ai.transport._nowait"
+    ]
+    elsewhere = {**mine, "traceml_ai.rank._hotpath": "/site/traceml_ai/rank/_hotpath.so"}
+    assert judge.extension_problems(elsewhere, driver.EXTENSIONS, "/tmp/w/build/src") == [
+        "the rank loaded traceml_ai.rank._hotpath from /site/traceml_ai/rank/_hotpath.so, "
+        "not from the lane's build"
+    ]
+    assert judge.extension_problems({}, driver.EXTENSIONS, None) == []
+    assert judge.extension_problems(partial, driver.EXTENSIONS, None) == [
+        f"TRACEML_PURE_PYTHON=1, yet the rank loaded {name}" for name in sorted(partial)
+    ]
+
+
+def test_build_failure_names_the_compiler_error() -> None:
+    log = (
+        "running build_ext\nbuilding 'traceml_records._speedups' extension\n"
+        "src/traceml_records/_speedups.c:1:10: fatal error: Python.h: No such file or directory\n"
+        'warning: build_ext: building extension "traceml_records._speedups" failed: ...\n'
+    )
+    assert driver.build_failure(log) == (
+        "src/traceml_records/_speedups.c:1:10: fatal error: Python.h: No such file or directory"
+    )
+    assert driver.build_failure("a\nwarning: building extension x failed: y\nb\n") == (
+        "warning: building extension x failed: y"
+    )
+    assert driver.build_failure("") == "(no output)"
 
 
 def test_tolerances() -> None:
@@ -226,7 +344,9 @@ def test_phase_presence() -> None:
 GIB = 1 << 30
 
 
-def mem_line(step: int, alloc: int | None, reserved: int | None = None, device: str = "cuda:0"):
+def mem_line(
+    step: int, alloc: int | None, reserved: int | None = None, device: str = "cuda:0"
+) -> dict[str, Any]:
     return {
         "step": step,
         "global_rank": 0,

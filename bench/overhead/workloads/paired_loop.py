@@ -1,4 +1,4 @@
-"""Training loop of bench/overhead.py's paired mode: traced and untraced steps take turns.
+"""Training loop of ``bench.overhead.step --paired``: traced and untraced steps take turns.
 
 One process under ``traceml run``: step i is traced when i % k == 0. Each step fetches
 its batch from a DataLoader (inside the timed window, as a training loop does) and
@@ -7,7 +7,7 @@ runs forward, backward and the optimizer on an MLP sized for a step of roughly
 traced, its duration in seconds (wall) and the training thread's CPU seconds.
 argv[2]: seconds to run; argv[3]: k; argv[4] ``null`` (optional): TraceML is never
 started and no step is traced, the steps still flagged in turns (the A/A run of
-bench/_paired.py, and the no-TraceML baseline of the whole cost).
+``bench.overhead.paired``, and the no-TraceML baseline of the whole cost).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ model = nn.Sequential(
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 loss_fn = nn.MSELoss()
 # 63 batches an epoch: the slow first batch of each epoch falls on every position of
-# the traced-one-in-4 cycle in turn, not always on the traced step (bench/_paired.py).
+# the traced-one-in-4 cycle in turn, not always on the traced step (bench.overhead.paired).
 data = TensorDataset(torch.randn(4032, 256), torch.randn(4032, 1))
 loader = DataLoader(data, batch_size=64, shuffle=True, drop_last=True)
 if not null:
@@ -73,7 +73,7 @@ while time.monotonic() < end:
 if not null:
     traceml.shutdown()
 with open(out_path, "wb") as f:
-    # traceml_file: which TraceML ran (bench/overhead.py prints it, so a baseline run
+    # traceml_file: which TraceML ran (bench.overhead.step prints it, so a baseline run
     # with PYTHONPATH=<old tree>/src can be seen to run the old code).
     f.write(
         orjson.dumps(

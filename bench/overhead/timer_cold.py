@@ -1,6 +1,6 @@
 """What each of the step timer's entry points costs when the caches do not hold it.
 
-    python bench/timer_cold.py [--evict-kib 1024] [--calls 3000] [--steps 4000]
+    python -m bench.overhead.timer_cold [--evict-kib 1024] [--calls 3000] [--steps 4000]
 
 Inside a framework's training loop, torch's and the framework's work between two of
 TraceML's calls evicts TraceML's objects from the caches, so a call pays for every
@@ -42,18 +42,18 @@ from collections.abc import Callable, Sequence
 import orjson
 import torch
 
-from traceml_ai.rank import _timing
-from traceml_ai.rank._compat_summary import StepRecorder
+from traceml_ai.rank import _event_names, _step_timer, _torch_patches
+from traceml_ai.rank._step_recorder import StepHistory, StepRecorder
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 from traceml_ai.transport.sender import RankSender
 
-FORWARD, BACKWARD = _timing.FORWARD, _timing.BACKWARD
-OPTIMIZER, DATALOADER = _timing.OPTIMIZER_STEP, _timing.DATALOADER_NEXT
+FORWARD, BACKWARD = _event_names.FORWARD, _event_names.BACKWARD
+OPTIMIZER, DATALOADER = _event_names.OPTIMIZER_STEP, _event_names.DATALOADER_NEXT
 
 
-def _timer() -> _timing.StepTimer:
-    timer = _timing.StepTimer(RecordingSink(), FakeCuda(available=False), _quiet, _quiet)
+def _timer() -> _step_timer.StepTimer:
+    timer = _step_timer.StepTimer(RecordingSink(), FakeCuda(available=False), _quiet, _quiet)
     timer.defer = True
     timer.bracket = True
     return timer
@@ -64,7 +64,7 @@ def _quiet(_: object) -> None:
 
 
 def _update(
-    timer: _timing.StepTimer, model: torch.nn.Module
+    timer: _step_timer.StepTimer, model: torch.nn.Module
 ) -> list[tuple[str, Callable[[], None]]]:
     """One Lightning update's calls, by name, in order."""
     return [
@@ -86,7 +86,7 @@ def entry_points(evict_kib: int, calls: int) -> dict[str, float]:
     """Median ns per call of each kind (opens, closes, ... pooled), ``evict_kib`` KiB
     copied before each call (0: nothing evicted)."""
     timer = _timer()
-    _timing.activate(timer)
+    _torch_patches.activate(timer)
     try:
         model = torch.nn.Linear(4, 4)
         source, target = bytearray(evict_kib << 10), bytearray(evict_kib << 10)
@@ -105,28 +105,26 @@ def entry_points(evict_kib: int, calls: int) -> dict[str, float]:
         skip = calls // 10
         return {name: statistics.median(v[skip * len(v) // calls :]) for name, v in times.items()}
     finally:
-        _timing.activate(None)
+        _torch_patches.activate(None)
 
 
 class _NoSink:
-    def put_encoded_steps(
-        self, steps: Sequence[int], memories: Sequence[bytes], times: Sequence[bytes]
-    ) -> None:
+    def put_encoded_many(self, stream: str, items: Sequence[bytes]) -> None:
         pass
 
 
-def _ended_steps(steps: int, encoded_sink: object) -> _timing.StepTimer:
+def _ended_steps(steps: int, encoded_sink: object) -> _step_timer.StepTimer:
     timer = _timer()
     timer.encoded_sink = encoded_sink  # type: ignore[assignment]
     timer._max_ended = timer._wake_at = steps + 1
     model = torch.nn.Linear(4, 4)
-    _timing.activate(timer)
+    _torch_patches.activate(timer)
     try:
         for _ in range(steps):
             for _, call in _update(timer, model)[:-1]:
                 call()
     finally:
-        _timing.activate(None)
+        _torch_patches.activate(None)
     return timer
 
 
@@ -150,16 +148,16 @@ def sender_per_step(steps: int, rounds: int = 5) -> dict[str, float]:
     out: dict[str, list[float]] = {"recorder": [], "no_sink": [], "encoder": [], "orjson": []}
     clock = time.perf_counter_ns
     for _ in range(rounds):
-        recorder = StepRecorder(None, keep_events=False)
-        recorder.sink = RankSender(("127.0.0.1", 9), "t" * 32, {"rank": 0},
-                                   max_pending_items=4 * steps)  # fmt: skip
+        queued = RankSender(("127.0.0.1", 9), "t" * 32, {"rank": 0},
+                            max_pending_items=4 * steps)  # fmt: skip
+        recorder = StepRecorder(queued, history=StepHistory(keep_events=False), encoded=queued)
         for kind, sink in (("recorder", recorder), ("no_sink", _NoSink())):
             timer = _ended_steps(steps, sink)
             t0 = clock()
             timer.build_ended()
             out[kind].append((clock() - t0) / steps)
         acc = timer._spare_acc[0]
-        encode = _timing._encode_host_step
+        encode = _step_timer._encode_host_step
         if encode is not None:
             t0 = clock()
             for i in range(steps):
@@ -188,10 +186,9 @@ def _draining_server() -> tuple[str, int]:
 
 def flush_per_step(steps: int, rounds: int = 60) -> dict[str, float]:
     """ns per step of the sender's flush of ``steps`` built steps, and the baseline."""
-    recorder = StepRecorder(None, keep_events=False)
     sender = RankSender(_draining_server(), "t" * 32, {"rank": 0})
     sender._connect(1.0)
-    recorder.sink = sender
+    recorder = StepRecorder(sender, history=StepHistory(keep_events=False), encoded=sender)
     evict = bytearray(1 << 20)
     flush: list[float] = []
     base: list[float] = []

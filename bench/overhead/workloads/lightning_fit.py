@@ -1,15 +1,14 @@
-"""Training script of bench/overhead_frameworks.py: a PyTorch Lightning ``fit``.
+"""Training script of ``bench.overhead.frameworks``: a PyTorch Lightning ``fit``.
 
 The model is examples/lightning_fit.py's small MLP on random data, one CPU thread, no
 validation, one batch per optimizer update. argv[1]: the output file; argv[2]:
-optimizer updates; argv[3]: k, set as TraceML's benchmark switch
-``traceml_ai.integrations._common.TRACE_ONE_IN`` (one update in k traced; under
-``TRACEML_ZERO_CODE=0`` nothing is). The clock is the start of each training batch
-(the epoch loop's ``advance``, wrapped on this trainer outside TraceML's own wraps),
-so each interval holds one whole update: its DataLoader fetch, every hook, and
-TraceML's begin and end of it. Writes ``{"durations", "cpu", "traced"}``: per
-interval, wall seconds, the training thread's CPU seconds, and whether TraceML's hooks
-were on at its start.
+optimizer updates; argv[3]: k, given to ``update_clock.trace_one_update_in`` (one
+update in k traced; under ``TRACEML_ZERO_CODE=0`` nothing is). The clock is the start
+of each training batch (the epoch loop's ``advance``, wrapped on this trainer outside
+TraceML's own wraps), so each interval holds one whole update: its DataLoader fetch,
+every hook, and TraceML's begin and end of it. Writes ``{"durations", "cpu",
+"traced"}``: per interval, wall seconds, the training thread's CPU seconds, and whether
+TraceML's hooks were on at its start.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from typing import Any
 import lightning.pytorch as pl
 import orjson
 import torch
-from _overhead_clock import StartClock
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from update_clock import StartClock, trace_one_update_in
 
 
 class Regressor(pl.LightningModule):
@@ -44,13 +43,11 @@ class Regressor(pl.LightningModule):
 
 def main() -> None:
     out_path, steps, one_in = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    from traceml_ai.integrations import _common
-
-    _common.TRACE_ONE_IN = one_in
+    trace_one_update_in(one_in)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     # 255 batches an epoch: the slow first batch of each epoch falls on every position
-    # of the bench's traced-one-in-k cycle in turn (bench/_paired.py).
+    # of the bench's traced-one-in-k cycle in turn (bench.overhead.paired).
     x = torch.randn(8160, 32, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=32)
     trainer = pl.Trainer(

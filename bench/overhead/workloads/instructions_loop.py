@@ -1,4 +1,4 @@
-"""Loop of bench/overhead_instructions.py: TraceML's hooks as a training step calls them.
+"""Loop of ``bench.overhead.instructions``: TraceML's hooks as a training step calls them.
 
 argv[1]: ``traced`` (each step inside ``trace_step``) or ``idle`` (the same hook
 calls outside a step, what an untraced step pays); argv[2]: steps; argv[3] ``inline``
@@ -19,7 +19,7 @@ from typing import Any
 sys.modules["torch"] = None  # type: ignore[assignment]
 
 import traceml_ai as traceml  # noqa: E402
-from traceml_ai.rank import _timing  # noqa: E402
+from traceml_ai.rank import _event_names, _torch_patches  # noqa: E402
 from traceml_ai.transport.sender import RankSender  # noqa: E402
 
 
@@ -45,27 +45,27 @@ def main() -> None:
     # emptied every 256 steps, as the sender thread would.
     sender = RankSender(("127.0.0.1", 1), "t", {"rank": 0}, max_pending_items=10**8)
     traceml.init(sink=sender, sampler_interval=3600)
-    timer = _timing.active()
+    timer = _torch_patches.active()
     assert timer is not None
     # A sink given to init builds inline; init's own sender would set this.
     timer.defer = not inline
-    autograd_backward = _timing._timed_backward(_autograd_backward)
+    autograd_backward = _torch_patches._timed_backward(_autograd_backward)
     if hasattr(timer, "_spare_acc"):
         # Tensor.backward itself is not wrapped: it calls torch.autograd.backward.
         tensor_backward: Any = lambda: autograd_backward()  # noqa: E731
     else:  # a tree from before: both were wrapped
-        tensor_backward = _timing._timed_backward(lambda: autograd_backward())
+        tensor_backward = _torch_patches._timed_backward(lambda: autograd_backward())
     queues = [queue for _, queue in sender._streams]
 
     def hooks() -> None:
-        _timing._forward_pre_hook(model, ())
-        _timing._forward_hook(model, (), None)
+        _torch_patches._forward_pre_hook(model, ())
+        _torch_patches._forward_hook(model, (), None)
         tensor_backward()
-        _timing._optimizer_pre_hook(None, (), {})
-        _timing._optimizer_post_hook(None, (), {})
+        _torch_patches._optimizer_pre_hook(None, (), {})
+        _torch_patches._optimizer_post_hook(None, (), {})
 
     for i in range(steps):
-        timer.add_host(_timing.DATALOADER_NEXT, 1000)  # the DataLoader patch's call
+        timer.add_host(_event_names.DATALOADER_NEXT, 1000)  # the DataLoader patch's call
         if kind == "traced":
             with traceml.trace_step(model):
                 hooks()

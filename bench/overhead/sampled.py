@@ -1,9 +1,9 @@
 """TraceML's share of a Lightning or Hugging Face update, sampled (needs py-spy).
 
-    python bench/overhead_profile_frameworks.py [--only lightning|hf] [--steps N] [--rate HZ]
+    python -m bench.overhead.sampled [--only lightning|hf] [--steps N] [--rate HZ]
 
-Runs the framework's tiny model (bench/_overhead_lightning_train.py,
-bench/_overhead_hf_train.py) under ``traceml run --exporter jsonl --export-streams
+Runs the framework's tiny model (workloads/lightning_fit.py,
+workloads/hf_trainer.py) under ``traceml run --exporter jsonl --export-streams
 all``, every update traced, inside ``py-spy record --native --threads --subprocesses``,
 and reads the samples of the rank's training thread taken inside the training loop
 (Lightning: the epoch loop's ``advance``; HF: ``Trainer._inner_training_loop``):
@@ -33,8 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _frameworks import SCRIPTS, command, env
-from _profile_share import LOOP_FRAMES, shares
+from bench.overhead.framework_runs import SCRIPTS, command, env
+from bench.overhead.profile_share import LOOP_FRAMES, shares
 
 
 def main() -> None:

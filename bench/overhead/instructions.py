@@ -1,8 +1,8 @@
 """TraceML's own work per traced step, in CPU instructions (noise-free, needs valgrind).
 
-    python bench/overhead_instructions.py [--steps 1000,3000]
+    python -m bench.overhead.instructions [--steps 1000,3000]
 
-Runs bench/_overhead_instructions_loop.py under ``valgrind --tool=callgrind`` twice
+Runs workloads/instructions_loop.py under ``valgrind --tool=callgrind`` twice
 (``--steps`` traced steps each) and reports (instructions of the longer run - the
 shorter) / (step difference): the instructions one traced step costs, start-up and
 shutdown cancelling out. The loop has no torch (a torch import costs ~5 G
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-LOOP = Path(__file__).resolve().parent / "_overhead_instructions_loop.py"
+LOOP = Path(__file__).resolve().parent / "workloads" / "instructions_loop.py"
 
 
 def _count(kind: str, steps: int, tmp: Path, *extra: str) -> int:

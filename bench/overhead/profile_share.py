@@ -1,4 +1,4 @@
-"""Which samples of a py-spy profile are TraceML's (bench/overhead_profile_frameworks.py):
+"""Which samples of a py-spy profile are TraceML's (``bench.overhead.sampled``):
 its own frames in a training loop, not those that only pass the call on, and its
 threads' samples that are work rather than waiting."""
 
@@ -10,8 +10,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 # A frame of the training loop: samples under it are the updates'.
 LOOP_FRAMES = {
     "lightning": "advance (lightning/pytorch/loops/training_epoch_loop.py",
@@ -61,7 +60,9 @@ def shares(
         count = int(count_text)
         frames = stack.split(";")
         thread_at = next((i for i, f in enumerate(frames) if f.startswith("thread (")), None)
-        if thread_at is None or not any("traceml_ai.launch.bootstrap" in f for f in frames[:thread_at]):
+        if thread_at is None or not any(
+            "traceml_ai.launch.bootstrap" in f for f in frames[:thread_at]
+        ):
             continue  # not the rank's process
         thread = frames[thread_at].split(": ", 1)[-1]
         below = frames[thread_at + 1 :]

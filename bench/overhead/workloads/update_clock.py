@@ -1,4 +1,5 @@
-"""The update clock of the framework overhead scripts (bench/overhead_frameworks.py)."""
+"""The update clock of the framework workloads (hf_trainer.py, lightning_fit.py), and
+the one-in-k switch they set (one_in_k.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ THREADS_FROM = 100
 
 
 LINE_WINDOW = "BENCH_LINE_WINDOW"
-"""``FIRST,LAST,PATH`` (bench/overhead_lines_frameworks.py): count the Python the
+"""``FIRST,LAST,PATH`` (``bench.overhead.lines``): count the Python the
 training thread runs from the start of update FIRST to the start of update LAST
 (``sys.settrace``: each call and each line executed count one), by function, into
 PATH as JSON ``[[file, function, first line, count], ...]``."""
@@ -61,9 +62,9 @@ class StartClock:
     time, and whether TraceML traces that update."""
 
     def __init__(self, starts_update: Callable[..., Any]) -> None:
-        from traceml_ai.rank import _timing
+        from traceml_ai.rank import _torch_patches
 
-        self._active = _timing.active
+        self._active = _torch_patches.active
         self._call = starts_update
         self.ends: list[float] = []
         self.cpu_ends: list[float] = []
@@ -109,3 +110,12 @@ def threads_cpu_s() -> dict[str, float]:
             except (OSError, AttributeError):
                 continue
     return out
+
+
+def trace_one_update_in(k: int) -> None:
+    """Trace one optimizer update in ``k`` under the zero-code attach, the ``k - 1``
+    after it untraced with TraceML's hooks off (1: every update, as in real use);
+    ``one_in_k.trace_one_in``, the bench's own switch."""
+    from one_in_k import trace_one_in
+
+    trace_one_in(k)

@@ -2,7 +2,7 @@
 
 Run under ``traceml run`` on a GPU machine::
 
-    python -m traceml_ai run bench/gpu_step_costs.py
+    python -m traceml_ai run bench/overhead/gpu_step_costs.py
 
 Prints, for each ``torch.cuda`` call the step timer makes, its median cost in µs
 and that cost as a share of one untraced step of the gpu-check's small MLP

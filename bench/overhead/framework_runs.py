@@ -1,6 +1,5 @@
-"""What the framework benches share (overhead_frameworks.py, overhead_lines_frameworks.py,
-overhead_profile_frameworks.py): the tiny models' scripts, and how one runs under
-``traceml run`` with every stream exported."""
+"""What the framework benches share (``frameworks``, ``lines``, ``sampled``): the tiny
+models' scripts, and how one runs under ``traceml run`` with every stream exported."""
 
 from __future__ import annotations
 
@@ -8,12 +7,12 @@ import os
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
 # examples/hf_trainer.py's 2-layer GPT-2 and examples/lightning_fit.py's MLP, each
-# timing its updates with the clock of bench/_overhead_clock.py.
+# timing its updates with the clock of workloads/update_clock.py.
 SCRIPTS = {
-    "hf": HERE / "_overhead_hf_train.py",
-    "lightning": HERE / "_overhead_lightning_train.py",
+    "hf": WORKLOADS / "hf_trainer.py",
+    "lightning": WORKLOADS / "lightning_fit.py",
 }
 
 

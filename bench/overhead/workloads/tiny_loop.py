@@ -1,4 +1,4 @@
-"""Training loop timed by bench/overhead.py: a tiny MLP, fixed work per step.
+"""Training loop timed by ``bench.overhead.step``: a tiny MLP, fixed work per step.
 
 Writes one JSON object to argv[1]: the wall-clock start time of every step and its
 duration. Traced (``traceml.trace_step``) when launched by ``traceml run``.

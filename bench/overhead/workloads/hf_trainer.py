@@ -1,10 +1,9 @@
-"""Training script of bench/overhead_frameworks.py: a Hugging Face ``Trainer`` run.
+"""Training script of ``bench.overhead.frameworks``: a Hugging Face ``Trainer`` run.
 
 The model is examples/hf_trainer.py's: a 2-layer GPT-2 built from a config, trained on
 random tokens on one CPU thread, no evaluation. argv[1]: the output file; argv[2]:
-optimizer updates; argv[3]: k, set as TraceML's benchmark switch
-``traceml_ai.integrations._common.TRACE_ONE_IN`` (one update in k traced; under
-``TRACEML_ZERO_CODE=0`` nothing is). The clock is the start of each update
+optimizer updates; argv[3]: k, given to ``update_clock.trace_one_update_in`` (one
+update in k traced; under ``TRACEML_ZERO_CODE=0`` nothing is). The clock is the start of each update
 (``Trainer.get_batch_samples``, which fetches its batches, wrapped on this trainer),
 so each interval holds one whole update: its DataLoader fetch, every callback, and
 TraceML's begin and end of it. Writes ``{"durations", "cpu", "traced"}``: per interval,
@@ -17,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from _overhead_clock import StartClock
+from update_clock import StartClock, trace_one_update_in
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -46,9 +45,7 @@ class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 def main() -> None:
     out_path, steps, one_in = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    from traceml_ai.integrations import _common
-
-    _common.TRACE_ONE_IN = one_in
+    trace_one_update_in(one_in)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = GPT2Config(

@@ -1,8 +1,8 @@
 """Per-step overhead of TraceML on a small CPU training loop, and a stalled aggregator.
 
-    python bench/overhead.py [--rounds 5] [--seconds 3]
+    python -m bench.overhead.step [--rounds 5] [--seconds 3]
 
-1. The same loop (bench/_overhead_train.py) runs alternately plain (``python``) and
+1. The same loop (workloads/tiny_loop.py) runs alternately plain (``python``) and
    traced under ``traceml run --exporter jsonl --export-streams all``, ``--rounds``
    times each, interleaved so that machine noise hits both alike. Reported: the
    median step time of each (median over rounds of each round's median) and the
@@ -14,13 +14,13 @@
 Last line: ``overhead_us_per_step=<x> stalled_aggregator_ratio=<y>``. Figures only; no
 pass/fail.
 
-    python bench/overhead.py --paired [--rounds 5] [--seconds 3]
+    python -m bench.overhead.step --paired [--rounds 5] [--seconds 3]
 
 Paired mode, so that noise cannot hide the cost: one process under ``traceml run
---exporter jsonl --export-streams all`` (bench/_overhead_paired_train.py) traces one
+--exporter jsonl --export-streams all`` (workloads/paired_loop.py) traces one
 step in 4 of a ~700 µs CPU step with a DataLoader fetch; the figure is what a traced
 step costs, its own extra time plus what spills into the untraced steps after it, over
-the last untraced step of each cycle (bench/_paired.py says why), per round, and the
+the last untraced step of each cycle (``paired`` says why), per round, and the
 median over rounds; also in the training thread's CPU time (``time.thread_time``),
 which the other processes of a busy machine do not inflate. Each round also runs the
 same loop with TraceML never started (``null``): the estimator's A/A figure (about 0
@@ -31,7 +31,7 @@ sampler threads); it compares separate processes, so it is the noisier figure. L
 line: ``paired_overhead_us=<x> step_us=<y> paired_overhead_cpu_us=<z>
 whole_overhead_cpu_us=<w> null_paired_us=<a> null_paired_cpu_us=<b>``.
 
-    python bench/overhead.py --paired --baseline-src /tmp/base/src
+    python -m bench.overhead.step --paired --baseline-src /tmp/base/src
 
 Before/after in one session: ``git archive <commit> src | tar -x -C /tmp/base`` (copy
 the built ``traceml_records/_speedups*.so`` in too), then each round runs that tree
@@ -54,11 +54,12 @@ from pathlib import Path
 
 import orjson
 import psutil
-from _paired import Cycle, cycle, positions
 
-HERE = Path(__file__).resolve().parent
-TRAIN = HERE / "_overhead_train.py"
-PAIRED_TRAIN = HERE / "_overhead_paired_train.py"
+from bench.overhead.paired import Cycle, cycle, positions
+
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+TRAIN = WORKLOADS / "tiny_loop.py"
+PAIRED_TRAIN = WORKLOADS / "paired_loop.py"
 
 
 def _env() -> dict[str, str]:
@@ -113,7 +114,7 @@ def overhead(rounds: int, seconds: float, tmp: Path) -> tuple[float, float]:
     return statistics.median(plain), statistics.median(traced)
 
 
-# One traced step in ONE_IN (bench/_paired.py): 4 leaves the last untraced step of a
+# One traced step in ONE_IN (bench.overhead.paired): 4 leaves the last untraced step of a
 # cycle clear of the traced step's after-effects (+10, +3, +0 µs after it, measured).
 ONE_IN = 4
 

@@ -3,26 +3,26 @@
 Lines executed per update on the training thread, every update traced and attached
 but untraced, against the same updates without TraceML.
 
-    python bench/overhead_lines_frameworks.py [--only lightning] [--top 12]
+    python -m bench.overhead.lines [--only lightning] [--top 12]
 
-On the tiny models of bench/overhead_frameworks.py a Lightning update is ~4,600 lines
+On the tiny models of ``frameworks`` a Lightning update is ~4,600 lines
 of Lightning's and torch's Python, and what TraceML adds on the training thread is
 mostly Python too (its C calls are ~11 an update): the count is what to cut, and it
 does not move with the machine's load, which the timed figures do (±30 % between
 processes on a shared 2-core VM). Each mode runs the framework's bench script
-(bench/_overhead_lightning_train.py, bench/_overhead_hf_train.py) under ``traceml run
---exporter jsonl --export-streams all``; its update clock (bench/_overhead_clock.py,
+(workloads/lightning_fit.py, workloads/hf_trainer.py) under ``traceml run
+--exporter jsonl --export-streams all``; its update clock (workloads/update_clock.py,
 ``LINE_WINDOW``) counts with ``sys.settrace`` the lines and calls the training thread
 runs in a window of updates after the warm-up:
 
 - null: ``TRACEML_ZERO_CODE=0``, nothing of TraceML in the process;
 - traced: the zero-code attach on, every update traced (as in real use);
 - idle: attached, one update traced and every later one not (the benchmark switch
-  ``TRACE_ONE_IN``): what an update pays while TraceML is attached without tracing.
+  ``workloads/one_in_k.py``): what an update pays while TraceML is attached without tracing.
 
 A line is not a unit of time (an attribute lookup and a tensor op are one line each),
 so this shows where TraceML's Python is and whether a change cut it; the timed
-figures stay bench/overhead_frameworks.py's.
+figures stay ``frameworks``'.
 
 Last line: ``<framework>_traced_lines=<extra lines per update>
 <framework>_idle_lines=<...>`` per framework. Figures only.
@@ -37,8 +37,9 @@ import tempfile
 from pathlib import Path
 
 import orjson
-from _frameworks import SCRIPTS, command, env
-from _overhead_clock import LINE_WINDOW
+
+from bench.overhead.framework_runs import SCRIPTS, command, env
+from bench.overhead.workloads.update_clock import LINE_WINDOW
 
 WINDOW = {"lightning": (300, 400), "hf": (30, 40)}
 ONE_IN = {"null": 1, "traced": 1, "idle": 10**9}

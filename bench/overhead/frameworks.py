@@ -1,15 +1,15 @@
 """TraceML's cost on the Hugging Face Trainer and Lightning paths, relative to untraced updates.
 
-    python bench/overhead_frameworks.py [--rounds 5] [--hf-steps 300] [--lightning-steps 3000]
+    python -m bench.overhead.frameworks [--rounds 5] [--hf-steps 300] [--lightning-steps 3000]
 
 Each round runs two processes per framework, under ``traceml run --exporter jsonl
---export-streams all``, on the frameworks' tiny models (bench/_overhead_hf_train.py:
-examples/hf_trainer.py's 2-layer GPT-2; bench/_overhead_lightning_train.py:
+--export-streams all``, on the frameworks' tiny models (workloads/hf_trainer.py:
+examples/hf_trainer.py's 2-layer GPT-2; workloads/lightning_fit.py:
 examples/lightning_fit.py's MLP):
 
 - traced: the zero-code attach on, one optimizer update in 4 traced and the 3 after it
-  untraced inside the one ``train()``/``fit()`` (TraceML's benchmark switch
-  ``traceml_ai.integrations._common.TRACE_ONE_IN``: hooks off from the end of a traced
+  untraced inside the one ``train()``/``fit()`` (the bench's switch
+  ``workloads/one_in_k.py``: hooks off from the end of a traced
   update to the end of the last untraced one);
 - null: ``TRACEML_ZERO_CODE=0``, nothing of TraceML in the process, the updates placed
   in the same cycle by their index (the A/A run).
@@ -18,7 +18,7 @@ The scripts clock the start of every update from outside TraceML's wraps (HF:
 ``Trainer.get_batch_samples``, which fetches the update's batches; Lightning: the epoch
 loop's ``advance``), so each interval is one whole update with its fetch, every
 callback and TraceML's begin and end of it, in the training thread's CPU time
-(``time.thread_time``) and wall time. Figures per round (bench/_paired.py):
+(``time.thread_time``) and wall time. Figures per round (``paired``):
 
 - step: what a traced update costs over the last untraced one of its cycle (its own
   extra time and what spills into the updates after it), in % of that update: the
@@ -41,7 +41,7 @@ callback and TraceML's begin and end of it, in the training thread's CPU time
   figures cannot resolve the ≤ 2 % target, and the figures of one process decide
   (docs/benchmarks.md).
 
-A third run per round traces every update (``TRACE_ONE_IN = 1``, as in real use): its
+A third run per round traces every update (one in 1, as in real use): its
 median update against the null run's, the same criterion measured directly (separate
 processes again), and its mean wall update against the null run's mean. The mean is
 the figure a user sees as a longer ``fit()``: it also counts what lands on a few
@@ -74,11 +74,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from _frameworks import command, env
-from _overhead_clock import THREADS_FROM
-from _paired import Cycle, cycle, positions
 
-# One update in ONE_IN traced (bench/_paired.py).
+from bench.overhead.framework_runs import command, env
+from bench.overhead.paired import Cycle, cycle, positions
+from bench.overhead.workloads.update_clock import THREADS_FROM
+
+# One update in ONE_IN traced (bench.overhead.paired).
 ONE_IN = 4
 
 
