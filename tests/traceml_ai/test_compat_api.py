@@ -549,9 +549,9 @@ def test_summary_stays_a_function_after_every_module_is_imported() -> None:
 
 
 def test_final_summary_phases_are_figured_as_traceml_summary_figures_them() -> None:
-    from traceml_ai.rank import _compat_summary
     from traceml_ai.run_summary import _phases as _step_phases
     from traceml_ai.run_summary import _report as run_summary
+    from traceml_ai.run_summary import in_process
 
     def timing(ms: float) -> dict[str, dict[str, object]]:
         return {"cpu": {"duration_ms": ms, "cpu_ms": ms, "gpu_ms": None, "is_gpu": False}}
@@ -564,7 +564,7 @@ def test_final_summary_phases_are_figured_as_traceml_summary_figures_them() -> N
         "_traceml_internal:backward_time": timing(0.5),
         "loss": timing(0.05),
     }
-    summary = _compat_summary.build_summary({0: {1: events, 2: events}}, source="x", complete=True)
+    summary = in_process.build_summary({0: {1: events, 2: events}}, source="x", complete=True)
     phases = summary["phases"]["0"]
     assert summary["phase_names"] == [
         "dataloader_wait", "forward", "backward", "optimizer", "user:loss", "rest",

@@ -296,20 +296,20 @@ def _run_untouched(
 
 def _print_run_summary(run_dir: Path) -> None:
     """``--mode summary``: the run's step figures from its step_time.jsonl."""
-    from traceml_ai.rank import _compat_summary
+    from traceml_ai.run_summary import in_process
 
     path = run_dir / "aggregator" / "export" / "step_time.jsonl"
     if not path.is_file():
         click.echo(f"traceml: --mode summary: no {path} to summarize", err=True)
         return
-    reader = _compat_summary.StepTimeFile(path)
+    reader = in_process.StepTimeFile(path)
     reader.read_new()
-    summary = _compat_summary.full_run_summary(path, complete=reader.closed, notes=())
+    summary = in_process.full_run_summary(path, complete=reader.closed, notes=())
     if summary is None:
-        summary = _compat_summary.build_summary(
+        summary = in_process.build_summary(
             reader.steps, source="export", complete=reader.closed, file=str(path)
         )
-    click.echo(_compat_summary.text(summary), err=True)
+    click.echo(in_process.text(summary), err=True)
 
 
 def _resolve(command: Command, cli: dict[str, Any]) -> LaunchSettings:

@@ -15,9 +15,11 @@ from types import FrameType
 
 import attrs
 
-ENV_DISABLED = "TRACEML_DISABLED"
-ENV_ON_MISSING_AGGREGATOR = "TRACEML_ON_MISSING_AGGREGATOR"
-ENV_TRACE_MAX_STEPS = "TRACEML_TRACE_MAX_STEPS"
+from traceml_ai import _environ
+
+ENV_DISABLED = _environ.DISABLED
+ENV_ON_MISSING_AGGREGATOR = _environ.ON_MISSING_AGGREGATOR
+ENV_TRACE_MAX_STEPS = _environ.TRACE_MAX_STEPS
 
 MODES = ("auto", "manual", "selective", "off")
 """``custom`` is accepted too: 0.5.0's alias of ``selective``."""

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import attrs
 
-from traceml_ai import _fork
-from traceml_ai.rank import _compat_summary, _wrappers
+from traceml_ai import _environ, _fork
+from traceml_ai.rank import _wrappers
 from traceml_ai.rank._event_names import INTERNAL_PREFIX
 from traceml_ai.rank._init_config import (
     TraceMLInitConfig,
@@ -63,6 +63,7 @@ from traceml_ai.rank.samplers import (
     sampler_interval_from_env,
 )
 from traceml_ai.rank.sink import EncodedItemSink, ItemSink
+from traceml_ai.run_summary import in_process
 from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN
 
 __all__ = ["TraceMLInitConfig", "TraceMLWarning"]
@@ -70,7 +71,7 @@ __all__ = ["TraceMLInitConfig", "TraceMLWarning"]
 # Private test knob: the sender's per-stream queue bound (tests make ranks drop with it).
 _ENV_TEST_MAX_PENDING = "_TRACEML_TEST_SENDER_MAX_PENDING_ITEMS"
 # Set by `traceml run` (traceml_ai.launch.launcher) for the ranks of the aggregator's node.
-_ENV_SUMMARY_FILE = "TRACEML_SUMMARY_STEP_TIME_FILE"
+_ENV_SUMMARY_FILE = _environ.SUMMARY_FILE
 _DEFAULT_SERVE_PORT = 29600  # `traceml serve`'s default, for init(aggregator_host=...)
 
 
@@ -457,7 +458,7 @@ def _build_sender(identity: RankIdentity, previous: _Sender | None, address: str
     return sender
 
 
-_ENV_RESET_PEAK = "TRACEML_RESET_PEAK_MEMORY"
+_ENV_RESET_PEAK = _environ.RESET_PEAK_MEMORY
 # Set by a rank when its TraceML starts: processes it starts through
 # multiprocessing inherit it (spawn and forkserver copy the environment).
 _ENV_RANK_PID = "_TRACEML_RANK_PID"
@@ -633,7 +634,7 @@ def init(
             _state = "off"
             _config = disabled_config(source=config.source)
             # Set by `traceml run` (traceml_ai.launch.launcher) when its aggregator did not start.
-            unavailable = os.environ.get("TRACEML_AGGREGATOR_UNAVAILABLE", "").strip()
+            unavailable = os.environ.get(_environ.AGGREGATOR_UNAVAILABLE, "").strip()
             if no_token:
                 message = (
                     f"traceml: init(aggregator_host/aggregator_port) names {no_token}, but "
@@ -878,7 +879,7 @@ def final_summary(
     recent, total = history.snapshot()
     file_text = os.environ.get(_ENV_SUMMARY_FILE, "").strip()
     if file_text:
-        reader, reached = _compat_summary.wait_for_file(
+        reader, reached = in_process.wait_for_file(
             Path(file_text),
             identity.global_rank,
             history.last_step,
@@ -892,11 +893,9 @@ def final_summary(
                 f"step {history.last_step} in {file_text}; figures cover the steps written"
             )
             _warn_once("summary_timeout", f"traceml: summary(): {notes[-1]}")
-        result = _compat_summary.full_run_summary(
-            Path(file_text), complete=reader.closed, notes=notes
-        )
+        result = in_process.full_run_summary(Path(file_text), complete=reader.closed, notes=notes)
         if result is None:
-            result = _compat_summary.build_summary(
+            result = in_process.build_summary(
                 reader.steps,
                 source="export",
                 complete=reader.closed,
@@ -909,11 +908,11 @@ def final_summary(
             f"export of step_time is off: figures are rank {identity.global_rank}'s own "
             f"last {len(recent)} of {total} steps, measured in this process"
         ]
-        result = _compat_summary.build_summary(
+        result = in_process.build_summary(
             steps, source="in_process", complete=runtime is None, notes=notes
         )
     if print_text:
-        print(_compat_summary.text(result), flush=True)
+        print(in_process.text(result), flush=True)
     return result
 
 
@@ -931,7 +930,7 @@ def summary(
     ...): each is the mean over ranks of each rank's mean per step. ``None`` where
     :func:`final_summary` is ``None``.
     """
-    return _compat_summary.compact(
+    return in_process.compact(
         final_summary(
             timeout_sec=timeout_sec,
             poll_interval_sec=poll_interval_sec,

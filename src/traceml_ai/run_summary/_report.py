@@ -115,7 +115,7 @@ def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, 
     return out
 
 
-def _step_section(
+def step_figures(
     rows: dict[int, dict[int, dict[str, float]]],
 ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """(per-rank step figures, per-rank phase breakdown, phase names in order)."""
@@ -126,7 +126,7 @@ def _step_section(
         steps = rows[rank]
         ordered = [steps[s] for s in sorted(steps)]
         times = sorted([r["step"] for r in ordered])
-        stamps = sorted([r["_ts"] for r in ordered if r["_ts"] > 0])
+        stamps = sorted([r["_ts"] for r in ordered if r.get("_ts", 0.0) > 0])
         span_s = (stamps[-1] - stamps[0]) / 1e9 if len(stamps) >= 2 else 0.0
         # Steps per second over the wall time between the first and last step ends
         # (includes time between steps); from the mean step time when that is unknown.
@@ -444,7 +444,7 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
                 "training strategy unknown (runtime_environment not exported); "
                 "the wait analysis does not assume DDP"
             )
-        per_rank, phases, names = _step_section(rows)
+        per_rank, phases, names = step_figures(rows)
         summary["ranks"] = sorted(rows)
         summary["step_time"] = per_rank
         summary["phases"] = phases

@@ -1,4 +1,5 @@
-"""``traceml.summary()`` / ``final_summary()``: the run's step figures on rank 0.
+"""``traceml.summary()`` / ``final_summary()``: the run's summary on rank 0, from the
+same engine as ``traceml summary``.
 
 Two sources, said in the result's ``source``:
 
@@ -20,9 +21,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from traceml_ai.run_summary._phases import percentile, phase_breakdown, phase_names, step_row
+from traceml_ai.run_summary._phases import step_row
+from traceml_ai.run_summary._report import step_figures
+from traceml_records.internal import LineKind, LineSplitter, classify_line
 
 # 0.5.0's compact keys (traceml/step_time/<metric>) for the phases this project measures.
 _COMPACT_PHASES = (
@@ -47,32 +48,14 @@ def _r(x: float, digits: int = 3) -> float:
 def figures(
     steps_by_rank: Mapping[int, Mapping[int, Events]],
 ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """(per-rank step time figures, per-rank phase breakdown, phase names)."""
-    rows: dict[int, list[dict[str, float]]] = {}
+    """(per-rank step time figures, per-rank phase breakdown, phase names): the same
+    figures as ``traceml summary``'s (:func:`~traceml_ai.run_summary._report.step_figures`)."""
+    rows: dict[int, dict[int, dict[str, float]]] = {}
     for rank, steps in steps_by_rank.items():
-        ordered = [r for s in sorted(steps) if (r := step_row(steps[s])) is not None]
-        if ordered:
-            rows[rank] = ordered
-    names = phase_names(row for ordered in rows.values() for row in ordered)
-    per_rank: dict[str, Any] = {}
-    phases: dict[str, Any] = {}
-    for rank in sorted(rows):
-        ordered = rows[rank]
-        step_numbers = sorted(steps_by_rank[rank])
-        times = sorted(r["step"] for r in ordered)
-        mean = sum(times) / len(times)
-        per_rank[str(rank)] = {
-            "steps": len(times),
-            "first_step": step_numbers[0],
-            "last_step": step_numbers[-1],
-            "p50_ms": _r(percentile(times, 50)),
-            "p90_ms": _r(percentile(times, 90)),
-            "p99_ms": _r(percentile(times, 99)),
-            "max_ms": _r(times[-1]),
-            "mean_ms": _r(mean),
-        }
-        phases[str(rank)] = phase_breakdown(ordered, names)
-    return per_rank, phases, names
+        kept = {s: r for s in sorted(steps) if (r := step_row(steps[s])) is not None}
+        if kept:
+            rows[rank] = kept
+    return step_figures(rows)
 
 
 def build_summary(
@@ -201,7 +184,7 @@ class StepTimeFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._offset = 0
-        self._partial = b""
+        self._lines = LineSplitter()
         self.steps: dict[int, dict[int, Events]] = {}
         self.closed = False
 
@@ -214,22 +197,14 @@ class StepTimeFile:
         except OSError:
             return
         self._offset += len(data)
-        data = self._partial + data
-        cut = data.rfind(b"\n") + 1
-        self._partial = data[cut:]
-        for line in data[:cut].splitlines():
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict):
-                continue
-            if obj.get("closing") is True:
+        for raw in self._lines.feed(data):
+            kind, obj = classify_line(raw)
+            if kind is LineKind.CLOSING:
                 self.closed = True
-                continue
-            rank, step, events = obj.get("global_rank"), obj.get("step"), obj.get("events")
-            if isinstance(rank, int) and isinstance(step, int) and isinstance(events, dict):
-                self.steps.setdefault(rank, {})[step] = events
+            elif obj is not None:
+                rank, step, events = obj.get("global_rank"), obj.get("step"), obj.get("events")
+                if isinstance(rank, int) and isinstance(step, int) and isinstance(events, dict):
+                    self.steps.setdefault(rank, {})[step] = events
 
     def has(self, rank: int, step: int) -> bool:
         """Whether ``rank``'s step ``step`` (or a later one) is in the file."""
