@@ -20,10 +20,10 @@ from __future__ import annotations
 
 # Nothing is imported at module level (typing neither): the console script imports
 # this package before the CLI's Ctrl-C handler is in place.
+from traceml_ai._lazy_names import lazy_getattr
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
-
     from traceml_ai.rank._sdk import (
         TraceMLInitConfig,
         TraceMLWarning,
@@ -87,17 +87,7 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name == "__version__":
-        value: Any = _version()
-    elif name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    else:
-        raise AttributeError(f"module 'traceml_ai' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals(), {"__version__": _version})
 
 
 def __dir__() -> list[str]:

@@ -7,8 +7,9 @@ protocol without importing the transport server and the exporter.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from traceml_ai._lazy_names import lazy_getattr
 
 if TYPE_CHECKING:
     from traceml_ai.aggregator._process import tune_gc_for_aggregator
@@ -31,13 +32,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'traceml_ai.aggregator' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 __all__ = [

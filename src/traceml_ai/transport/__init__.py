@@ -7,8 +7,9 @@ on first use: a rank never imports the server, nor the aggregator the sender.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from traceml_ai._lazy_names import lazy_getattr
 
 if TYPE_CHECKING:
     from traceml_ai.transport.sender import RankSender
@@ -20,13 +21,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'traceml_ai.transport' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 __all__ = ["AggregatorServer", "RankSender"]
