@@ -255,8 +255,8 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
 # -- zero-code attach under `traceml run` (traceml_ai.launch.bootstrap) ------------------------
 #
 # Not a callback: Lightning dispatches every hook of every callback through a profiler
-# context (~2 µs each, ~10 hooks a batch), so a callback costs ~10 µs a batch before it
-# does anything, 2 % of a small model's update. Instead, the first Trainer of the
+# context, about ten hooks a batch, so a callback costs a measurable share of a small
+# model's update before it does anything (docs/benchmarks.md). Instead, the first Trainer of the
 # process wraps, once per class, the few Lightning methods that bracket the phases:
 #
 # - ``_AutomaticOptimization.run`` / ``_ManualOptimization.run`` (one training batch:

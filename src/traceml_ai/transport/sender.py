@@ -458,8 +458,8 @@ class RankSender:
         # The socket is non-blocking (_connect): one send usually takes the whole frame,
         # in C without releasing the interpreter's lock (_NOWAIT), where sendall() with
         # a timeout released it two or three times per frame, each release a handoff
-        # of the lock that cost this thread ~40-120 us of CPU on a virtual machine and
-        # the training thread a forced switch (docs/benchmarks.md).
+        # of the lock that costs this thread CPU and the training thread a forced
+        # switch (docs/benchmarks.md).
         sock = self._sock
         if sock is None:
             return False
