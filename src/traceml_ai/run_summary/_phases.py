@@ -12,14 +12,16 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-PREFIX = "_traceml_internal:"
-STEP_EVENT = PREFIX + "step_time"
+from traceml_records import events
+
+PREFIX = events.RESERVED_PREFIX
+STEP_EVENT = events.STEP_TIME
 PHASES: tuple[tuple[str, str], ...] = (
-    ("dataloader_wait", PREFIX + "dataloader_next"),
-    ("h2d", PREFIX + "h2d_time"),
-    ("forward", PREFIX + "forward_time"),
-    ("backward", PREFIX + "backward_time"),
-    ("optimizer", PREFIX + "optimizer_step"),
+    ("dataloader_wait", events.DATALOADER_NEXT),
+    ("h2d", events.H2D_TIME),
+    ("forward", events.FORWARD_TIME),
+    ("backward", events.BACKWARD_TIME),
+    ("optimizer", events.OPTIMIZER_STEP),
 )
 """Summary name and event name of each built-in phase, in step order."""
 BUILT_IN_PHASES = tuple(name for name, _ in PHASES)

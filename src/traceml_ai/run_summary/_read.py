@@ -29,14 +29,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import orjson
-
 from traceml_ai.run_summary._phases import STEP_EVENT, phase_name
 from traceml_records import STREAMS
-
-_CHUNK = 16 << 20
-"""Bytes read at a time: big enough that the per-block work is nothing, small enough
-that a big file never sits in memory twice."""
+from traceml_records.internal import BLOCK_BYTES, LineKind, LineSplitter, classify_line
 
 _FLOAT_MAX = 1.7976931348623157e308
 _INT_MAX = (1 << 63) - 1
@@ -194,30 +189,24 @@ def read_bytes(path: Path) -> tuple[bytes | None, str | None]:
 
 
 def _objects(fh: BinaryIO, info: FileRead) -> Iterator[dict[str, Any]]:
-    """The data lines (dicts) before the closing line; the rest is counted in ``info``."""
-    loads = orjson.loads
-    decode_error = orjson.JSONDecodeError
-    number = 0
-    pending = b""
+    """The data lines (dicts) before the closing line; the rest is counted in ``info``
+    (lines, the partial last line and closing lines as the one line scanner,
+    ``traceml_records``, defines them)."""
+    lines = LineSplitter()
     while True:
-        block = fh.read(_CHUNK)
+        block = fh.read(BLOCK_BYTES)
         if not block:
             break
         info.size += len(block)
-        lines = (pending + block if pending else block).split(b"\n")
-        pending = lines.pop()  # b"" after a final newline, else a line being written
-        for raw in lines:
-            number += 1
-            try:
-                obj = loads(raw)
-            except decode_error:
-                obj = None
-            if type(obj) is not dict:
+        complete = lines.feed(block)
+        for number, raw in enumerate(complete, lines.number - len(complete) + 1):
+            kind, obj = classify_line(raw)
+            if obj is None:
                 info.unreadable_lines += 1
                 if info.first_unreadable is None:
                     info.first_unreadable = number
                 continue
-            if obj.get("closing") is True:
+            if kind is LineKind.CLOSING:
                 info.closing_lines += 1
                 if info.closing is None:
                     info.closing = obj
@@ -233,7 +222,7 @@ def _objects(fh: BinaryIO, info: FileRead) -> Iterator[dict[str, Any]]:
             info.line = number
             yield obj
     # No final newline: the exporter is still writing this line.
-    info.partial_last_line = bool(pending)
+    info.partial_last_line = lines.partial_last_line
 
 
 @functools.cache
