@@ -24,7 +24,6 @@ def generate(root: Path) -> dict[Path, bytes]:
         / "__init__.py": b'"""Generated code: do not edit (see codegen/)."""\n',
         PACKAGE / "_generated" / "records.py": render_records(schema_set).encode(),
         PACKAGE / "_generated" / "registry.py": render_registry(schema_set).encode(),
-        PACKAGE / "_generated" / "events.py": render_events(schema_set).encode(),
         PACKAGE / "_generated" / "wire.py": render_wire(schema_set).encode(),
         PACKAGE / "_plan_codes.h": render_plan_header().encode(),
         Path("docs/reference/export-records.md"): render_reference(schema_set).encode(),
@@ -32,6 +31,9 @@ def generate(root: Path) -> dict[Path, bytes]:
         PACKAGE / "_generated" / "tables.py": render_arrow_tables(schema_set).encode(),
         Path("docs/reference/tables.md"): render_tables_reference(schema_set).encode(),
     }
+    events = render_events(schema_set)
+    if events is not None:
+        files[PACKAGE / "_generated" / "events.py"] = events.encode()
     wire_doc = root / WIRE_DOC
     if wire_doc.exists():
         # A hand-written page with one generated section (the item table).
