@@ -453,7 +453,7 @@ def step_rows(fh: BinaryIO, info: FileRead) -> tuple[StepRows, set[int]]:
             continue
         row["_ts"] = float(obj["timestamp_unix_ns"])
         row["_node"] = float(obj["node_rank"])
-        row["_used"] = used  # the sum of the phases, in row order (see _step_phases.rest)
+        row["_used"] = used  # the sum of the phases, in row order (see _phases.rest)
         steps[step] = row
         worlds.add(obj["world_size"])
     return out, worlds
