@@ -47,6 +47,10 @@ INTERMITTENT_MIN_SHARE = 0.05
 """A rank is intermittently slow when slow alone in at least this share of steps..."""
 INTERMITTENT_MIN_STEPS = 3
 """...and in at least this many steps..."""
+STEP_ABS_MS = 2.0
+"""A single step counts as slow only above this many milliseconds..."""
+STEP_REL = 0.25
+"""...and this fraction of the median iteration (besides the straggler threshold)."""
 DOMINANCE = 3.0
 """...and at least this many times as often as the other ranks (plus one)."""
 
@@ -225,7 +229,9 @@ def analyze(
             entry["slow_steps"] = len(slow_steps)
             entry["slow_share"] = _r(len(slow_steps) / n, 3)
     else:
-        slow = _intermittent(ranks, own, steps, threshold)
+        # One step is noisier than a median over many: a stricter bar for a step.
+        step_threshold = max(threshold, STEP_ABS_MS, STEP_REL * iteration)
+        slow = _intermittent(ranks, own, steps, step_threshold)
         if slow:
             view["verdict"] = "intermittent"
             entries = []
