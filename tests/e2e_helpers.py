@@ -89,6 +89,26 @@ def run_cli(
     )
 
 
+def start_cli(
+    args: Sequence[str | Path],
+    *,
+    cwd: Path,
+    command: Sequence[str] | None = None,
+    new_session: bool = False,
+) -> subprocess.Popen[str]:
+    """Start ``traceml ARGS`` (or ``COMMAND ARGS``) in the background, output piped."""
+    return subprocess.Popen(
+        [*(command or traceml_cmd()), *(str(a) for a in args)],
+        cwd=cwd,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
 def train_run_args(
     logs: Path,
     run_name: str,

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e_helpers import PY, clean_env, run_cli, traceml_cmd
+from tests.e2e_helpers import PY, clean_env, run_cli, start_cli
 
 PROBE = """\
 import sys
@@ -233,15 +233,10 @@ def test_ctrl_c_while_the_rank_starts(tmp_path: Path) -> None:
         "except KeyboardInterrupt:\n"
         "    raise SystemExit(130)\n"
     )
-    proc = subprocess.Popen(
-        traceml_cmd("run", "--logs-dir", tmp_path / "logs", "--exporter", "off", "wait.py"),
+    proc = start_cli(
+        ["run", "--logs-dir", tmp_path / "logs", "--exporter", "off", "wait.py"],
         cwd=tmp_path,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
+        new_session=True,
     )
     try:
         launcher = psutil.Process(proc.pid)
@@ -274,14 +269,8 @@ def test_ctrl_c_while_traceml_starts_has_no_traceback(tmp_path: Path, delay_s: f
     script.write_text("import time\ntime.sleep(30)\n")
     # The console script, as users start it (`python -m` adds runpy's own window).
     console = Path(PY).parent / "traceml"
-    proc = subprocess.Popen(
-        [str(console), "run", "--logs-dir", str(tmp_path / "logs"), str(script)],
-        cwd=tmp_path,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
+    proc = start_cli(
+        ["run", "--logs-dir", tmp_path / "logs", script], cwd=tmp_path, command=[str(console)]
     )
     time.sleep(delay_s)
     proc.send_signal(signal.SIGINT)

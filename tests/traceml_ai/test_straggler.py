@@ -273,6 +273,12 @@ def test_real_ddp_run(
     summary = summarize_run(tmp_path / "logs" / "r")
     view = summary["straggler"]
     why = format_summary(summary) + "\n" + res.stderr
+    assert summary["loss"]["status"] == "complete", why
+    assert summary["environment"]["training_strategy"] == "ddp", why
+    # A CPU run: said so instead of empty GPU figures; traceml run ends with the
+    # short form.
+    assert any("no allocator figures" in n for n in summary["notes"]), why
+    assert "traceml: files: complete" in res.stderr, why
     assert view["verdict"] == verdict, why
     if verdict == "none":
         assert view["stragglers"] == [], why

@@ -49,7 +49,7 @@ from traceml_ai.launch.run_folder import (
 )
 from traceml_ai.settings import ResolvedExportSettings
 from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN, ENV_SAMPLER_INTERVAL
-from traceml_records.internal import LineKind, classify_line, scan_lines
+from traceml_records.internal import BLOCK_BYTES, LineKind, LineSplitter, classify_line
 
 DEFAULT_MULTI_NODE_AGGREGATOR_PORT = 29600
 AGGREGATOR_READY_TIMEOUT_S = 60.0
@@ -676,12 +676,21 @@ def count_data_lines(export_dir: Path) -> int:
     not a closing line (the export files' one line scanner, ``traceml_records``)."""
     total = 0
     for path in sorted(export_dir.glob("*.jsonl")):
+        lines = LineSplitter()
         try:
             with open(path, "rb") as fh:
-                for _, raw in scan_lines(fh):
-                    # Only a closing line holds this key; its value is parsed only then.
-                    if b'"closing"' not in raw or classify_line(raw)[0] is not LineKind.CLOSING:
-                        total += 1
+                while block := fh.read(BLOCK_BYTES):
+                    # Only a closing line holds this key: lines completed by a block
+                    # without it (nor in the line it continues) count whole, unparsed.
+                    has_key = b'"closing"' in block or b'"closing"' in lines.pending + block[:9]
+                    complete = lines.feed(block)
+                    total += len(complete)
+                    if has_key:
+                        total -= sum(
+                            1
+                            for raw in complete
+                            if b'"closing"' in raw and classify_line(raw)[0] is LineKind.CLOSING
+                        )
         except OSError:
             continue
     return total

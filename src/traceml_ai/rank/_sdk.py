@@ -63,7 +63,6 @@ from traceml_ai.rank.samplers import (
     sampler_interval_from_env,
 )
 from traceml_ai.rank.sink import EncodedItemSink, ItemSink
-from traceml_ai.run_summary import in_process
 from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN
 
 __all__ = ["TraceMLInitConfig", "TraceMLWarning"]
@@ -876,6 +875,9 @@ def final_summary(
     deadline = time.monotonic() + max(0.0, float(timeout_sec))
     if runtime is not None:
         _flush_for_summary(runtime, deadline)
+    # The summary engine loads here, not with the rank SDK: most runs never ask.
+    from traceml_ai.run_summary import in_process
+
     recent, total = history.snapshot()
     file_text = os.environ.get(_ENV_SUMMARY_FILE, "").strip()
     if file_text:
@@ -930,6 +932,8 @@ def summary(
     ...): each is the mean over ranks of each rank's mean per step. ``None`` where
     :func:`final_summary` is ``None``.
     """
+    from traceml_ai.run_summary import in_process
+
     return in_process.compact(
         final_summary(
             timeout_sec=timeout_sec,
