@@ -79,6 +79,22 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
 
 
+def median(values: Iterable[float]) -> float:
+    """The median (0.0 of nothing)."""
+    ordered = sorted(values)
+    return percentile(ordered, 50.0) if ordered else 0.0
+
+
+def mean(values: Sequence[float]) -> float:
+    """The mean (0.0 of nothing)."""
+    return sum(values) / len(values) if values else 0.0
+
+
+def rounded(x: float, digits: int = 3) -> float:
+    """A figure as the summary prints it."""
+    return round(float(x), digits)
+
+
 def _is_phase(key: str) -> bool:
     # Rows may carry bookkeeping of their reader under "_"-keys (a timestamp).
     return key != "step" and not key.startswith("_")

@@ -21,9 +21,11 @@ from typing import Any, BinaryIO, TypeVar
 import orjson
 
 from traceml_ai.run_summary._phases import (
+    mean,
     percentile,
     phase_breakdown,
     phase_names,
+    rounded,
     step_row,
 )
 from traceml_ai.run_summary._read import (
@@ -79,19 +81,6 @@ def _folders(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
 # --------------------------------------------------------------------------- statistics
 
 
-def _median(values: Iterable[float]) -> float:
-    ordered = sorted(values)
-    return percentile(ordered, 50.0) if ordered else 0.0
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-def _r(x: float, digits: int = 3) -> float:
-    return round(float(x), digits)
-
-
 # --------------------------------------------------------------------------- streams
 
 
@@ -133,18 +122,18 @@ def step_figures(
         if span_s > 0:
             rate = (len(stamps) - 1) / span_s
         else:
-            mean = _mean(times)
-            rate = 1000.0 / mean if mean > 0 else 0.0
+            average = mean(times)
+            rate = 1000.0 / average if average > 0 else 0.0
         per_rank[str(rank)] = {
             "steps": len(times),
             "first_step": min(steps),
             "last_step": max(steps),
-            "p50_ms": _r(percentile(times, 50)),
-            "p90_ms": _r(percentile(times, 90)),
-            "p99_ms": _r(percentile(times, 99)),
-            "max_ms": _r(times[-1]),
-            "mean_ms": _r(_mean(times)),
-            "steps_per_s": _r(rate),
+            "p50_ms": rounded(percentile(times, 50)),
+            "p90_ms": rounded(percentile(times, 90)),
+            "p99_ms": rounded(percentile(times, 99)),
+            "max_ms": rounded(times[-1]),
+            "mean_ms": rounded(mean(times)),
+            "steps_per_s": rounded(rate),
         }
         phases[str(rank)] = phase_breakdown(ordered, names)
     return per_rank, phases, names
@@ -228,8 +217,8 @@ def _process_section(objs: Iterable[dict[str, Any]]) -> dict[str, Any]:
         a = acc[rank]
         out[str(rank)] = {
             "samples": len(a["ram"]),
-            "cpu_percent_mean": _r(_mean(a["cpu"]), 1) if a["cpu"] else None,
-            "cpu_percent_max": _r(max(a["cpu"]), 1) if a["cpu"] else None,
+            "cpu_percent_mean": rounded(mean(a["cpu"]), 1) if a["cpu"] else None,
+            "cpu_percent_max": rounded(max(a["cpu"]), 1) if a["cpu"] else None,
             "cpu_percent_impossible_samples": a["bad"],
             "cpu_logical_cores": a["cores"],
             "ram_used_bytes_max": int(max(a["ram"], default=0)),
@@ -283,8 +272,8 @@ def _system_section(
         n = nodes.get(node, {"cpu": [], "ram": [], "ram_total": 0, "gpu_count": 0})
         entry: dict[str, Any] = {
             "samples": len(n["cpu"]),
-            "cpu_percent_mean": _r(_mean(n["cpu"]), 1),
-            "cpu_percent_max": _r(max(n["cpu"], default=0.0), 1),
+            "cpu_percent_mean": rounded(mean(n["cpu"]), 1),
+            "cpu_percent_max": rounded(max(n["cpu"], default=0.0), 1),
             "ram_used_bytes_max": int(max(n["ram"], default=0)),
             "ram_total_bytes": int(n["ram_total"]),
             "gpu_count": int(n["gpu_count"]),
@@ -292,11 +281,11 @@ def _system_section(
         }
         for index, g in sorted(gpus.get(node, {}).items()):
             entry["gpus"][str(index)] = {
-                "utilization_percent_mean": _r(_mean(g["util"]), 1) if g["util"] else None,
+                "utilization_percent_mean": rounded(mean(g["util"]), 1) if g["util"] else None,
                 "memory_used_bytes_max": int(max(g["mem"])) if g["mem"] else None,
                 "memory_total_bytes": int(max(g["mem_total"])) if g["mem_total"] else None,
-                "temperature_c_max": _r(max(g["temp"]), 1) if g["temp"] else None,
-                "power_usage_w_max": _r(max(g["power"]), 1) if g["power"] else None,
+                "temperature_c_max": rounded(max(g["temp"]), 1) if g["temp"] else None,
+                "power_usage_w_max": rounded(max(g["power"]), 1) if g["power"] else None,
             }
         out[str(node)] = entry
     return out

@@ -31,7 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from traceml_ai.run_summary._phases import BUILT_IN_PHASES, percentile
+from traceml_ai.run_summary._phases import BUILT_IN_PHASES, mean, median, rounded
 
 REL = 0.10
 """A difference counts when above this fraction of the reference iteration..."""
@@ -79,18 +79,6 @@ DEFINITION = (
 Rows = Mapping[int, Mapping[int, Mapping[str, float]]]
 
 
-def _median(values: Sequence[float]) -> float:
-    return percentile(sorted(values), 50.0) if values else 0.0
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-def _r(x: float, digits: int = 3) -> float:
-    return round(float(x), digits)
-
-
 def _components(row: Mapping[str, float], previous: Mapping[str, float]) -> dict[str, float]:
     """One iteration of one rank split into components (ms, never negative); "_iter" is
     the whole iteration and "_dl_outside" 1.0 when the DataLoader wait was before the
@@ -128,8 +116,8 @@ def _table(rows: Rows, ranks: Sequence[int]) -> tuple[list[int], dict[int, list[
 def _mad(values: Sequence[float]) -> float:
     if not values:
         return 0.0
-    mid = _median(values)
-    return 1.4826 * _median([abs(v - mid) for v in values])
+    mid = median(values)
+    return 1.4826 * median([abs(v - mid) for v in values])
 
 
 def _threshold(reference_ms: float, noise_ms: float) -> float:
@@ -171,8 +159,8 @@ def analyze(
         return view
     view["applicable"] = True
     n = len(steps)
-    iteration = _median([c["_iter"] for r in ranks for c in table[r]])
-    view["iteration_ms"] = _r(iteration)
+    iteration = median([c["_iter"] for r in ranks for c in table[r]])
+    view["iteration_ms"] = rounded(iteration)
 
     # Per step and component, the shortest time of any rank: what a rank spends
     # beyond it is its excess there.
@@ -191,7 +179,7 @@ def analyze(
     for name in candidates:
         if name not in floor:
             continue
-        mean_wait = max(_mean([excess(r, name, i) for i in range(n)]) for r in ranks)
+        mean_wait = max(mean([excess(r, name, i) for i in range(n)]) for r in ranks)
         if mean_wait > max(ABS_MS, REL * iteration):
             wait_phase = name
             break
@@ -206,12 +194,12 @@ def analyze(
     }
     # Step-to-step noise: how much a rank's own work varies around its own median
     # (robust: a rank slow now and then, or slow throughout, does not inflate it).
-    noise = _median([_mad(own[r]) for r in ranks])
-    view["noise_ms"] = _r(noise)
-    own_median = {r: _median(own[r]) for r in ranks}
-    view["own_work_ms"] = {str(r): _r(own_median[r]) for r in ranks}
+    noise = median([_mad(own[r]) for r in ranks])
+    view["noise_ms"] = rounded(noise)
+    own_median = {r: median(own[r]) for r in ranks}
+    view["own_work_ms"] = {str(r): rounded(own_median[r]) for r in ranks}
     threshold = _threshold(iteration, noise)
-    view["threshold_ms"] = _r(threshold)
+    view["threshold_ms"] = rounded(threshold)
 
     # Persistent: the ranks above the largest gap in the sorted medians of own work.
     group = _slow_group(ranks, own_median, own, threshold, n)
@@ -222,12 +210,11 @@ def analyze(
         slow_steps = [
             i
             for i in range(n)
-            if _median([own[r][i] for r in group]) - _median([own[r][i] for r in others])
-            > threshold
+            if median([own[r][i] for r in group]) - median([own[r][i] for r in others]) > threshold
         ]
         for entry in view["stragglers"]:
             entry["slow_steps"] = len(slow_steps)
-            entry["slow_share"] = _r(len(slow_steps) / n, 3)
+            entry["slow_share"] = rounded(len(slow_steps) / n, 3)
     else:
         # One step is noisier than a median over many: a stricter bar for a step.
         step_threshold = max(threshold, STEP_ABS_MS, STEP_REL * iteration)
@@ -238,7 +225,7 @@ def analyze(
             for r, indices in slow.items():
                 entry = _explain([r], ranks, table, own, indices, wait_phase, floor)[0]
                 entry["slow_steps"] = len(indices)
-                entry["slow_share"] = _r(len(indices) / n, 3)
+                entry["slow_share"] = rounded(len(indices) / n, 3)
                 entry["every_n_steps"] = _period([steps[i] for i in indices], steps)
                 entry["first_slow_steps"] = [steps[i] for i in indices[:5]]
                 entries.append(entry)
@@ -246,7 +233,7 @@ def analyze(
         else:
             view["verdict"] = "none"
             spread = max(own_median.values()) - min(own_median.values())
-            view["spread_ms"] = _r(spread)
+            view["spread_ms"] = rounded(spread)
             view["caveat"] = _inside_sync_caveat(ranks, table, candidates, iteration)
 
     view["slow_node"] = _slow_node([s["rank"] for s in view["stragglers"]], ranks, nodes)
@@ -257,8 +244,8 @@ def analyze(
             "phase": wait_phase,
             "ranks": waiting if len(waiting) <= 16 else None,
             "rank_count": len(waiting),
-            "wait_ms_per_step": _r(
-                _mean([_mean([excess(r, wait_phase, i) for i in range(n)]) for r in waiting])
+            "wait_ms_per_step": rounded(
+                mean([mean([excess(r, wait_phase, i) for i in range(n)]) for r in waiting])
             )
             if waiting
             else 0.0,
@@ -289,7 +276,7 @@ def _slow_group(
     slower = sum(
         1
         for i in range(n)
-        if _median([own[r][i] for r in group]) > _median([own[r][i] for r in others])
+        if median([own[r][i] for r in group]) > median([own[r][i] for r in others])
     )
     return group if slower >= CONSISTENT_SHARE * n else []
 
@@ -307,7 +294,7 @@ def _intermittent(
         values = sorted(((own[r][i], r) for r in ranks), reverse=True)
         top, rank = values[0]
         others = [v for v, _ in values[1:]]
-        if top - _median(others) > threshold:
+        if top - median(others) > threshold:
             alone.setdefault(rank, []).append(i)
     need = max(INTERMITTENT_MIN_STEPS, math.ceil(INTERMITTENT_MIN_SHARE * n))
     counts = {r: len(alone.get(r, ())) for r in ranks}
@@ -315,7 +302,7 @@ def _intermittent(
     for r, idx in sorted(alone.items()):
         # Noise makes every rank slowest alone now and then; a slow rank is so far
         # more often than the others.
-        usual = _median([counts[o] for o in ranks if o != r])
+        usual = median([counts[o] for o in ranks if o != r])
         if len(idx) >= need and len(idx) >= DOMINANCE * (usual + 1):
             out[r] = idx
     return out
@@ -337,29 +324,31 @@ def _explain(
     idx = list(indices)
     for r in group:
         mine = [own[r][i] for i in idx]
-        theirs = [_median([own[o][i] for o in others]) for i in idx]
-        extra = _median([a - b for a, b in zip(mine, theirs, strict=True)])
-        reference = _median(theirs)
+        theirs = [median([own[o][i] for o in others]) for i in idx]
+        extra = median([a - b for a, b in zip(mine, theirs, strict=True)])
+        reference = median(theirs)
         by_component: dict[str, float] = {}
         for name in floor:
             if name == wait_phase:
                 continue
             diffs = [
-                table[r][i].get(name, 0.0) - _median([table[o][i].get(name, 0.0) for o in others])
+                table[r][i].get(name, 0.0) - median([table[o][i].get(name, 0.0) for o in others])
                 for i in idx
             ]
-            by_component[name] = _median(diffs)
+            by_component[name] = median(diffs)
         where = max(by_component, key=lambda k: by_component[k])
-        dl_outside = _median([table[r][i]["_dl_outside"] for i in idx]) >= 0.5
+        dl_outside = median([table[r][i]["_dl_outside"] for i in idx]) >= 0.5
         out.append(
             {
                 "rank": r,
-                "own_work_ms": _r(_median(mine)),
-                "others_own_work_ms": _r(reference),
-                "excess_ms": _r(max(0.0, extra)),
-                "excess_pct": _r(100.0 * max(0.0, extra) / reference, 1) if reference > 0 else None,
+                "own_work_ms": rounded(median(mine)),
+                "others_own_work_ms": rounded(reference),
+                "excess_ms": rounded(max(0.0, extra)),
+                "excess_pct": rounded(100.0 * max(0.0, extra) / reference, 1)
+                if reference > 0
+                else None,
                 "phase": where,
-                "phase_excess_ms": _r(max(0.0, by_component[where])),
+                "phase_excess_ms": rounded(max(0.0, by_component[where])),
                 "phase_description": _describe(where, dl_outside),
             }
         )
@@ -375,7 +364,7 @@ def _inside_sync_caveat(
     """When a synchronizing phase takes most of every rank's iteration, a rank slow
     inside it would look like the others: say so instead of implying there is none."""
     for name in candidates:
-        share = _median([c.get(name, 0.0) for r in ranks for c in table[r]]) / iteration
+        share = median([c.get(name, 0.0) for r in ranks for c in table[r]]) / iteration
         if iteration > 0 and share >= 0.5:
             return (
                 f"{name} is {share * 100:.0f}% of each iteration: a rank slow inside "

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from traceml_ai.run_summary._phases import step_row
+from traceml_ai.run_summary._phases import rounded, step_row
 from traceml_ai.run_summary._report import step_figures
 from traceml_records.internal import LineKind, LineSplitter, classify_line
 
@@ -39,10 +39,6 @@ Events = Mapping[str, Any]
 
 
 # -- figures ------------------------------------------------------------------------
-
-
-def _r(x: float, digits: int = 3) -> float:
-    return round(x, digits)
 
 
 def figures(
@@ -104,11 +100,11 @@ def compact(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
     out["traceml/steps"] = max(int(r.get("steps", 0)) for r in ranks)
 
     def mean_of(values: list[float]) -> float:
-        return _r(sum(values) / len(values))
+        return rounded(sum(values) / len(values))
 
     out["traceml/step_time/step_time_ms"] = mean_of([float(r["mean_ms"]) for r in ranks])
     out["traceml/step_time/step_time_p50_ms"] = mean_of([float(r["p50_ms"]) for r in ranks])
-    out["traceml/step_time/step_time_max_ms"] = _r(max(float(r["max_ms"]) for r in ranks))
+    out["traceml/step_time/step_time_max_ms"] = rounded(max(float(r["max_ms"]) for r in ranks))
     if isinstance(phases, Mapping):
         for name, key in _COMPACT_PHASES:
             values = [
