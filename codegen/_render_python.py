@@ -968,7 +968,9 @@ def _load_map(
     depth: int,
     classes: dict[str, ClassModel],
 ) -> None:
-    k, v, out = f"k{depth}", f"v{depth}", f"m{depth}"
+    # A top-level map is named after its field: two map fields of one class, with
+    # different value types, must not share (and re-annotate) one variable.
+    k, v, out = f"k{depth}", f"v{depth}", (f"m_{var}" if depth == 0 else f"m{depth}")
     with w.block(f"if type({var}) is not dict or len({var}) < {m.min_properties}:"):
         w.line(
             f'raise RecordError({path}, f"expected object with at least {m.min_properties} key(s), got {{describe({var})}}")'

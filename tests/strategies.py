@@ -234,7 +234,7 @@ def warning_json(draw: st.DrawFn) -> dict[str, Any]:
         "reason": reason,
         "message": draw(st.text(st.characters(exclude_categories=("Cs",)), min_size=1)),
     }
-    if reason != "export_incomplete":
+    if reason not in ("export_incomplete", "monitoring_incomplete"):
         world = draw(st.integers(1, 64))
         missing = draw(st.sets(st.integers(0, world - 1), min_size=1))
         rest = sorted(set(range(world)) - missing)
@@ -242,7 +242,17 @@ def warning_json(draw: st.DrawFn) -> dict[str, Any]:
         d["expected_world_size"] = world
         d["finished_ranks"] = sorted(finished)
         d["missing_ranks"] = sorted(missing)
-    if reason == "export_incomplete" or draw(st.booleans()):
+    monitoring: dict[str, Any] | None = None
+    if reason == "monitoring_incomplete" or draw(st.booleans()):
+        names = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12)
+        monitoring = {
+            "dropped_batches": draw(st.integers(0, INT64_MAX)),
+            "by_sink": draw(
+                st.dictionaries(names, st.dictionaries(names, st.integers(0, INT64_MAX)), max_size=3)
+            ),
+            "not_started": draw(st.dictionaries(names, names, max_size=2)),
+        }
+    if reason == "export_incomplete" or (reason != "monitoring_incomplete" and draw(st.booleans())):
         count = st.integers(0, INT64_MAX)
         export = {
             "written_records": draw(count),
@@ -259,6 +269,8 @@ def warning_json(draw: st.DrawFn) -> dict[str, Any]:
         ):
             export["failed_records"] = 1
         d["export"] = export
+    if monitoring is not None:
+        d["monitoring"] = monitoring  # after export: the schema's key order
     return d
 
 

@@ -72,6 +72,7 @@ __all__ = [
     "ExportSettings",
     "ExporterKind",
     "LaunchSettings",
+    "MonitorSettings",
     "ResolvedExportSettings",
     "Setting",
     "SettingSources",
@@ -374,6 +375,70 @@ NPROC_PER_NODE: Setting[int] = Setting(
     commands=("serve",),
 )
 
+PROMETHEUS_PORT: Setting[int] = Setting(
+    name="prometheus_port",
+    parse=_parse_port,
+    default=None,
+    default_doc="off",
+    expected=PORT_FORMS,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics from the aggregator "
+    "(needs the 'prometheus' extra; 0 picks a free port).",
+    metavar="PORT",
+    commands=_BOTH,
+)
+PROMETHEUS_BIND_HOST: Setting[str] = Setting(
+    name="prometheus_bind_host",
+    parse=_parse_host,
+    default="127.0.0.1",
+    default_doc="127.0.0.1",
+    expected="a host name or an IP address",
+    help="Address the /metrics endpoint listens on (0.0.0.0 to be scraped from other hosts).",
+    metavar="HOST",
+    commands=_BOTH,
+)
+OTLP: Setting[bool] = Setting(
+    name="otlp",
+    parse=parse_bool_value,
+    default=False,
+    default_doc="off",
+    expected=BOOL_FORMS,
+    help="Export metrics and step traces with OpenTelemetry (OTLP) from the aggregator, "
+    "to where the OTEL_EXPORTER_OTLP_* variables say (needs the 'otel' extra).",
+    metavar="",
+    commands=_BOTH,
+)
+OTLP_TRACE_SAMPLE: Setting[int] = Setting(
+    name="otlp_trace_sample",
+    parse=_parse_count,
+    default=100,
+    default_doc="100",
+    expected="a whole number of at least 1",
+    help="Trace one step in N per rank (plus every step far above its rank's recent "
+    "median); 1 traces every step.",
+    metavar="N",
+    commands=_BOTH,
+)
+DASHBOARD_PORT: Setting[int] = Setting(
+    name="dashboard_port",
+    parse=_parse_port,
+    default=8765,
+    default_doc="8765",
+    expected=PORT_FORMS,
+    help="Port of the live dashboard (--mode dashboard; 0 picks a free port).",
+    metavar="PORT",
+    commands=_BOTH,
+)
+DASHBOARD_BIND_HOST: Setting[str] = Setting(
+    name="dashboard_bind_host",
+    parse=_parse_host,
+    default="127.0.0.1",
+    default_doc="127.0.0.1",
+    expected="a host name or an IP address",
+    help="Address the dashboard listens on.",
+    metavar="HOST",
+    commands=_BOTH,
+)
+
 SETTINGS: tuple[Setting[object], ...] = (
     EXPORTER,
     EXPORT_STREAMS,
@@ -387,6 +452,12 @@ SETTINGS: tuple[Setting[object], ...] = (
     AGGREGATOR_BIND_HOST,
     NNODES,
     NPROC_PER_NODE,
+    PROMETHEUS_PORT,
+    PROMETHEUS_BIND_HOST,
+    OTLP,
+    OTLP_TRACE_SAMPLE,
+    DASHBOARD_PORT,
+    DASHBOARD_BIND_HOST,
 )
 """Every setting of ``traceml run`` and ``traceml serve``, in the order of the docs."""
 
@@ -438,6 +509,28 @@ class ExportSettings:
         }
 
 
+@attrs.frozen(kw_only=True)
+class MonitorSettings:
+    """Where the aggregator shows the run live, besides (or instead of) the files.
+
+    Everything is off by default: ``prometheus_port`` None serves no ``/metrics``,
+    ``otlp`` False exports nothing over OTLP, ``dashboard`` False serves no page.
+    """
+
+    prometheus_port: int | None = None
+    prometheus_bind_host: str = "127.0.0.1"
+    otlp: bool = False
+    otlp_trace_sample: int = 100
+    dashboard: bool = False
+    dashboard_port: int = 8765
+    dashboard_bind_host: str = "127.0.0.1"
+
+    @property
+    def any_on(self) -> bool:
+        """Whether any live view is on."""
+        return self.prometheus_port is not None or self.otlp or self.dashboard
+
+
 @attrs.frozen(slots=True)
 class SettingSources:
     """Where each export setting's value came from.
@@ -483,6 +576,8 @@ class LaunchSettings:
     nproc_per_node: int | None
     export: ResolvedExportSettings
     sources: Mapping[str, str]
+    monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
+    """The live views; ``dashboard`` is set by the command (``--mode dashboard``)."""
     warnings: tuple[str, ...] = ()
 
     def label(self, name: str) -> str:
@@ -756,8 +851,23 @@ def resolve_launch_settings(
         nproc_per_node=get(NPROC_PER_NODE),
         export=export,
         sources=sources,
+        monitor=MonitorSettings(
+            prometheus_port=get(PROMETHEUS_PORT),
+            prometheus_bind_host=_given(get(PROMETHEUS_BIND_HOST), PROMETHEUS_BIND_HOST),
+            otlp=_given(get(OTLP), OTLP),
+            otlp_trace_sample=_given(get(OTLP_TRACE_SAMPLE), OTLP_TRACE_SAMPLE),
+            dashboard_port=_given(get(DASHBOARD_PORT), DASHBOARD_PORT),
+            dashboard_bind_host=_given(get(DASHBOARD_BIND_HOST), DASHBOARD_BIND_HOST),
+        ),
         warnings=tuple(_ignored_torchrun_settings(command, layers)),
     )
+
+
+def _given(value: T | None, setting: Setting[T]) -> T:
+    """A setting with a default always resolves to a value."""
+    result = setting.default if value is None else value
+    assert result is not None
+    return result
 
 
 def _ignored_torchrun_settings(command: Command, layers: _Layers) -> Iterable[str]:

@@ -103,6 +103,7 @@ def main(argv: list[str]) -> int:
         port=raw.port,
         expected_world_size=raw.expected_world_size,
         finalize_timeout_s=raw.finalize_timeout_s,
+        monitor=raw.monitor,
     )
     aggregator = Aggregator(config)
     # Before starting (a custom exporter's factory may take a while): a SIGTERM from

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -25,14 +26,20 @@ from traceml_ai.export._builder import batch_streams_for
 from traceml_ai.export._finalize import (
     WARNING_FILE_NAME,
     RankOutcome,
+    monitoring_clause,
+    monitoring_lost,
     write_finalization_warning,
 )
-from traceml_ai.settings import ExportSettings
+from traceml_ai.monitor._service import Monitoring
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.settings import ExportSettings, MonitorSettings
 from traceml_ai.transport.server import AggregatorServer
 from traceml_ai.transport.wire import ReceivedBatch
-from traceml_records import ExportLoss, parse_export_streams
+from traceml_records import ExportLoss, MonitoringLoss, parse_export_streams
 
 DEFAULT_FINALIZE_TIMEOUT_S = 10.0
+MONITOR_CLOSE_BUDGET_S = 5.0
+"""Longest wait at finalization for the live views to send their last figures."""
 
 STATS_FILE_PARTS = ("aggregator", "stats.json")
 """Where, under the run folder, finalization writes the aggregator's counters (export on)."""
@@ -52,6 +59,8 @@ class AggregatorConfig:
     finalize_timeout_s: float = DEFAULT_FINALIZE_TIMEOUT_S
     max_queue_batches: int | None = None
     max_queue_bytes: int | None = None
+    monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
+    """The live views (Prometheus, OTLP, the dashboard); all off by default."""
 
 
 @attrs.frozen(kw_only=True)
@@ -85,6 +94,8 @@ class Aggregator:
         self._export_started = False
         self._early_batches: list[ReceivedBatch] = []
         self._server: AggregatorServer | None = None
+        self._monitoring: Monitoring | None = None
+        self._monitoring_loss: MonitoringLoss | None = None
         # (device, inode) of a finalization_warning.json an earlier run left in the run
         # folder (``traceml serve --run-name`` into an existing folder), if any.
         self._earlier_warning: tuple[int, int] | None = None
@@ -128,6 +139,7 @@ class Aggregator:
             queue_limits["max_queue_bytes"] = self.config.max_queue_bytes
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         self._earlier_warning = _file_identity(self.config.run_dir / WARNING_FILE_NAME)
+        self._monitoring = self._start_monitoring()
         self._server = AggregatorServer(
             self.config.bind_host,
             self.config.port,
@@ -135,7 +147,12 @@ class Aggregator:
             on_batch=self._on_batch,
             on_finished=self._on_finished,
         )
-        address = self._server.start()
+        try:
+            address = self._server.start()
+        except BaseException:
+            if self._monitoring is not None:
+                self._monitoring.close(1.0)
+            raise
         try:
             pipeline = start_export(
                 self.config.settings,
@@ -145,6 +162,8 @@ class Aggregator:
             )
         except BaseException:
             self._server.stop()
+            if self._monitoring is not None:
+                self._monitoring.close(1.0)
             raise
         with self._lock:
             self._pipeline = pipeline
@@ -155,10 +174,57 @@ class Aggregator:
             self._export_started = True
         return address
 
+    def _start_monitoring(self) -> Monitoring | None:
+        """The live views the settings ask for; None when all are off. Never raises:
+        the run goes on without a live view that cannot start."""
+        if not self.config.monitor.any_on:
+            return None
+        try:
+            from traceml_ai.monitor._service import RunInfo, start_monitoring
+
+            run = RunInfo(
+                run_dir=self.config.run_dir,
+                run_name=self.config.run_dir.name,
+                host=socket.gethostname(),
+            )
+            return start_monitoring(self.config.monitor, run, self._health)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                print(
+                    f"traceml: live views could not start ({type(exc).__name__}: {exc}); "
+                    "training and the files go on without them",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return None
+
+    def _health(self) -> Health:
+        """The aggregator's own figures now, for the live views."""
+        pipeline, server, monitoring = self._pipeline, self._server, self._monitoring
+        stats = pipeline.stats() if pipeline is not None else None
+        reporting = len(monitoring.state.rank_nodes()) if monitoring is not None else 0
+        with self._lock:
+            finished = len(self._finished_ranks)
+            reporting = max(reporting, len(self._seen_ranks))
+        expected = self.expected_world_size
+        return Health(
+            written_records=dict(stats.written_records) if stats else {},
+            failed_records=dict(stats.failed_records) if stats else {},
+            dropped_batches=stats.dropped_batches if stats else 0,
+            rejected_connections=server.rejected_connections if server else 0,
+            expected_ranks=expected,
+            reporting_ranks=reporting,
+            finished_ranks=finished,
+            missing_ranks=max(0, expected - reporting) if expected is not None else 0,
+        )
+
     # Runs on the server's event-loop thread: must stay quick and never block. The
     # batch is usually still encoded (the export worker parses it), so ranks are
     # tracked from their ``finished`` messages and open connections, not from here.
     def _on_batch(self, batch: ReceivedBatch) -> None:
+        monitoring = self._monitoring
+        if monitoring is not None:
+            monitoring.submit(batch)
         if not self._export_started:
             with self._lock:
                 if not self._export_started:
@@ -293,10 +359,15 @@ class Aggregator:
         ranks = RankOutcome(
             expected_world_size=max(expected, 1), finished_ranks=finished, missing_ranks=missing
         )
+        if self._monitoring is not None:
+            self._monitoring_loss = self._close_monitoring(self._monitoring, stats, ranks)
         reason: Literal["ranks_disconnected", "timeout"] = (
             "timeout" if still_connected else "ranks_disconnected"
         )
-        if loss is not None or missing:
+        live_loss = self._monitoring_loss
+        if live_loss is not None and not monitoring_lost(live_loss):
+            live_loss = None
+        if loss is not None or missing or live_loss is not None:
             _set_aside_earlier_warning(self.config.run_dir, self._earlier_warning)
         warning_path: Path | None = None
         try:
@@ -305,6 +376,7 @@ class Aggregator:
                 export_loss=loss,
                 ranks=ranks if missing else None,
                 reason_if_ranks=reason if missing else None,
+                monitoring_loss=live_loss,
             )
         except WarningWriteError as exc:
             # Disk full or read-only: the loss must still be told, so what the file
@@ -314,9 +386,33 @@ class Aggregator:
         self._finalized = FinalizeResult(
             stats=stats, loss=loss, ranks=ranks, warning_path=warning_path, rejected_frames=rejected
         )
-        if stats is not None:
-            self._write_stats(stats, ranks)
+        if stats is not None or self._monitoring_loss is not None:
+            self._write_stats(stats or _NO_EXPORT, ranks)
         return self._finalized
+
+    def _close_monitoring(
+        self, monitoring: Monitoring, stats: ExportStats | None, ranks: RankOutcome
+    ) -> MonitoringLoss:
+        """Show the final figures, then stop the live views within their budget."""
+        health = self._health()
+        monitoring.finish(
+            attrs.evolve(
+                health,
+                written_records=dict(stats.written_records) if stats else {},
+                failed_records=dict(stats.failed_records) if stats else {},
+                dropped_batches=stats.dropped_batches if stats else 0,
+                finished_ranks=len(ranks.finished_ranks),
+                missing_ranks=len(ranks.missing_ranks),
+            )
+        )
+        loss = monitoring.close(
+            max(1.0, min(MONITOR_CLOSE_BUDGET_S, self.config.finalize_timeout_s))
+        )
+        # A view that did not start was said when it failed; drops are told here.
+        if monitoring_lost(attrs.evolve(loss, not_started={})):
+            with contextlib.suppress(Exception):
+                print(f"traceml: {monitoring_clause(loss)}", file=sys.stderr, flush=True)
+        return loss
 
     def _write_stats(self, stats: ExportStats, ranks: RankOutcome) -> None:
         """Write ``aggregator/stats.json``: the export counters, queue high-water marks and
@@ -345,9 +441,22 @@ class Aggregator:
             expected_world_size=ranks.expected_world_size,
             finished_ranks=len(ranks.finished_ranks),
             missing_ranks=tuple(ranks.missing_ranks),
+            monitoring=self._monitoring_loss,
         )
         path = self.config.run_dir.joinpath(*STATS_FILE_PARTS)
         _write_new_file(path, content.to_json())
+
+
+_NO_EXPORT = ExportStats(
+    written_records={},
+    failed_records={},
+    skipped_items=0,
+    dropped_batches=0,
+    exporter_failed=False,
+    queue_high_water_batches=0,
+    queue_high_water_bytes=0,
+)
+"""The export counters of a run with export off (stats.json still tells the live views')."""
 
 
 @attrs.define

@@ -17,6 +17,8 @@ import attrs
 import orjson
 
 from traceml_ai._converter import StructureError, dumps, loads, structure
+from traceml_ai.settings import MonitorSettings
+from traceml_records import MonitoringLoss
 
 __all__ = [
     "AggregatorEvent",
@@ -46,6 +48,8 @@ class AggregatorLaunchConfig:
     port: int = 0
     expected_world_size: int | None = None
     finalize_timeout_s: float = 10.0
+    monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
+    """The live views the aggregator serves (Prometheus, OTLP, the dashboard)."""
     parent_pid: int | None = None
     """The launcher's pid: the aggregator finalizes on its own if the launcher dies."""
 
@@ -161,6 +165,9 @@ class AggregatorStatsFile:
     finished_ranks: int
     """How many ranks finished (their ranks are in ``finalization_warning.json``)."""
     missing_ranks: tuple[int, ...]
+    monitoring: MonitoringLoss | None = None
+    """What the live views lost (``dropped_batches``, ``by_sink``, ``not_started``); None
+    when none was on."""
 
     def to_json(self) -> bytes:
         """The file's bytes: indented JSON and a newline."""

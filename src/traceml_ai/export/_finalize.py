@@ -17,6 +17,7 @@ from traceml_ai.export._jsonl import EXPORT_FILE_MODE
 from traceml_records import (
     ExportLoss,
     FinalizationWarning,
+    MonitoringLoss,
     RecordError,
     dumps_warning_file,
     loads_warning_file,
@@ -127,14 +128,42 @@ def _rank_clause(ranks: RankOutcome, reason: RankReason) -> str:
     )
 
 
+def monitoring_lost(loss: MonitoringLoss) -> bool:
+    """Whether the live views lost anything (a drop, a failure, a view that did not start)."""
+    return bool(
+        loss.dropped_batches
+        or any(n for counts in loss.by_sink.values() for n in counts.values())
+        or loss.not_started
+    )
+
+
+def monitoring_clause(loss: MonitoringLoss) -> str:
+    """What the live views lost, as a clause (the export files are not concerned)."""
+    parts: list[str] = []
+    if loss.dropped_batches:
+        parts.append(f"{loss.dropped_batches} batches skipped by the live views")
+    for sink, counts in sorted(loss.by_sink.items()):
+        lost = ", ".join(f"{n} {what.replace('_', ' ')}" for what, n in sorted(counts.items()) if n)
+        if lost:
+            parts.append(f"{sink}: {lost}")
+    for sink, why in sorted(loss.not_started.items()):
+        parts.append(f"{sink} did not start ({why})")
+    return "the live views lost data (" + "; ".join(parts) + "; the export files are unaffected)"
+
+
 def _default_message(
-    loss: ExportLoss | None, ranks: RankOutcome | None, reason: RankReason | None
+    loss: ExportLoss | None,
+    ranks: RankOutcome | None,
+    reason: RankReason | None,
+    live_loss: MonitoringLoss | None = None,
 ) -> str:
     clauses = []
     if ranks is not None and reason is not None:
         clauses.append(_rank_clause(ranks, reason))
     if loss is not None:
         clauses.append(_export_clause(loss))
+    if live_loss is not None:
+        clauses.append(monitoring_clause(live_loss))
     text = "; ".join(clauses)
     return text[0].upper() + text[1:] + "."
 
@@ -240,6 +269,7 @@ def write_finalization_warning(
     ranks: RankOutcome | None = None,
     reason_if_ranks: RankReason | None = None,
     message: str | None = None,
+    monitoring_loss: MonitoringLoss | None = None,
     now: datetime | None = None,
 ) -> Path | None:
     """Write ``<run_dir>/finalization_warning.json`` if something was lost; return its path.
@@ -271,9 +301,16 @@ def write_finalization_warning(
     """
     loss = export_loss if export_loss is not None and _shows_loss(export_loss) else None
     rank_loss = ranks if ranks is not None and ranks.lost else None
-    if loss is None and rank_loss is None:
+    live_loss = (
+        monitoring_loss
+        if monitoring_loss is not None and monitoring_lost(monitoring_loss)
+        else None
+    )
+    if loss is None and rank_loss is None and live_loss is None:
         return None
-    reason: Literal["export_incomplete", "ranks_disconnected", "timeout"] = "export_incomplete"
+    reason: Literal[
+        "export_incomplete", "monitoring_incomplete", "ranks_disconnected", "timeout"
+    ] = "export_incomplete" if loss is not None else "monitoring_incomplete"
     if rank_loss is not None:
         if reason_if_ranks is None:
             raise ValueError("reason_if_ranks is required when ranks are missing")
@@ -293,11 +330,12 @@ def write_finalization_warning(
         reason=reason,
         message=message
         if message is not None
-        else _default_message(loss, rank_loss, reason_if_ranks),
+        else _default_message(loss, rank_loss, reason_if_ranks, live_loss),
         expected_world_size=rank_loss.expected_world_size if rank_loss else None,
         finished_ranks=rank_loss.finished_ranks if rank_loss else None,
         missing_ranks=rank_loss.missing_ranks if rank_loss else None,
         export=loss,
+        monitoring=live_loss,
     )
     if old is None:
         new = fresh
@@ -315,6 +353,8 @@ def write_finalization_warning(
                 new, message=_default_message(old.export, rank_loss, reason_if_ranks)
             )
 
+    if live_loss is not None and new.monitoring is None:
+        new = attrs.evolve(new, monitoring=live_loss)
     data = _encode(new)
     try:
         if exists and old is None:

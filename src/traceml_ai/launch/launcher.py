@@ -47,7 +47,7 @@ from traceml_ai.launch.run_folder import (
     create_run_folder,
     existing_folder_message,
 )
-from traceml_ai.settings import ResolvedExportSettings
+from traceml_ai.settings import MonitorSettings, ResolvedExportSettings
 from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN, ENV_SAMPLER_INTERVAL
 from traceml_records.internal import BLOCK_BYTES, LineKind, LineSplitter, classify_line
 
@@ -77,6 +77,7 @@ class RunOptions:
     interval: float
     finalize_timeout_s: float
     export: ResolvedExportSettings
+    monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
 
 
 def default_run_name() -> str:
@@ -301,6 +302,7 @@ class _Aggregator:
             port=p.port,
             expected_world_size=p.world_size,
             finalize_timeout_s=options.finalize_timeout_s,
+            monitor=options.monitor,
             # Lets it finalize on its own if we die without asking it to.
             parent_pid=os.getpid(),
         )

@@ -17,6 +17,7 @@ __all__ = [
     "ClosingLine",
     "ExportLoss",
     "FinalizationWarning",
+    "MonitoringLoss",
     "PhaseTiming",
     "ProcessRecord",
     "RuntimeEnvironmentRecord",
@@ -45,7 +46,9 @@ _ENUM_41 = frozenset(
         "stdout_stderr",
     }
 )
-_ENUM_46 = frozenset({"export_incomplete", "ranks_disconnected", "timeout"})
+_ENUM_46 = frozenset(
+    {"export_incomplete", "monitoring_incomplete", "ranks_disconnected", "timeout"}
+)
 _INF = float("inf")
 _KEYS_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
@@ -63,8 +66,10 @@ _KEYS_FINALIZATION_WARNING = frozenset(
         "finished_ranks",
         "missing_ranks",
         "export",
+        "monitoring",
     }
 )
+_KEYS_MONITORING_LOSS = frozenset({"dropped_batches", "by_sink", "not_started"})
 _KEYS_PHASE_TIMING = frozenset({"cpu_ms", "duration_ms", "gpu_ms", "is_gpu", "n_calls"})
 _KEYS_PROCESS_RECORD = frozenset(
     {
@@ -284,6 +289,7 @@ _REQUIRED_EXPORT_LOSS = frozenset(
     {"written_records", "dropped_batches", "failed_records", "skipped_items", "exporter_failed"}
 )
 _REQUIRED_FINALIZATION_WARNING = frozenset({"status", "completed_at", "reason", "message"})
+_REQUIRED_MONITORING_LOSS = frozenset({"dropped_batches", "by_sink", "not_started"})
 _REQUIRED_PHASE_TIMING = frozenset({"cpu_ms", "duration_ms", "gpu_ms", "is_gpu", "n_calls"})
 _REQUIRED_PROCESS_RECORD = frozenset(
     {
@@ -1053,8 +1059,8 @@ class FinalizationWarning(_Checked):
     completed_at: str
     """When finalization ended, ISO-8601 UTC."""
 
-    reason: Literal["export_incomplete", "ranks_disconnected", "timeout"]
-    """The first problem; export_incomplete only when export is the only problem."""
+    reason: Literal["export_incomplete", "monitoring_incomplete", "ranks_disconnected", "timeout"]
+    """The first problem: ranks_disconnected or timeout when ranks are missing; else export_incomplete when the export lost records; monitoring_incomplete when only the live views (Prometheus, OTLP, the dashboard) lost something."""
 
     message: str
     """One human sentence."""
@@ -1070,6 +1076,26 @@ class FinalizationWarning(_Checked):
 
     export: ExportLoss | None = None
     """Present when export did not write every selected record."""
+
+    monitoring: MonitoringLoss | None = None
+    """Present when the live views lost something; the export files are not concerned."""
+
+
+@attrs.frozen(kw_only=True)
+class MonitoringLoss(_Checked):
+    """What the live views (Prometheus, OTLP, the dashboard) lost.
+
+    Schema ``urn:traceml:schema:finalization_warning:v1`` (finalization_warning.schema.json#/$defs/monitoring_loss).
+    """
+
+    dropped_batches: int
+    """Batches the live views skipped because their queue was full."""
+
+    by_sink: dict[str, dict[str, int]]
+    """Per live view (prometheus, otlp, dashboard): what it lost, by name (spans_dropped, spans_failed, metric_exports_failed, ...)."""
+
+    not_started: dict[str, str]
+    """Per live view that could not start: why, in one line."""
 
 
 @attrs.frozen(kw_only=True)
@@ -1283,6 +1309,10 @@ _set_finalization_warning_expected_world_size = FinalizationWarning.__dict__[
 _set_finalization_warning_finished_ranks = FinalizationWarning.__dict__["finished_ranks"].__set__
 _set_finalization_warning_missing_ranks = FinalizationWarning.__dict__["missing_ranks"].__set__
 _set_finalization_warning_export = FinalizationWarning.__dict__["export"].__set__
+_set_finalization_warning_monitoring = FinalizationWarning.__dict__["monitoring"].__set__
+_set_monitoring_loss_dropped_batches = MonitoringLoss.__dict__["dropped_batches"].__set__
+_set_monitoring_loss_by_sink = MonitoringLoss.__dict__["by_sink"].__set__
+_set_monitoring_loss_not_started = MonitoringLoss.__dict__["not_started"].__set__
 _set_phase_timing_cpu_ms = PhaseTiming.__dict__["cpu_ms"].__set__
 _set_phase_timing_duration_ms = PhaseTiming.__dict__["duration_ms"].__set__
 _set_phase_timing_gpu_ms = PhaseTiming.__dict__["gpu_ms"].__set__
@@ -1323,6 +1353,39 @@ def _dump_map_0_df1b3c6a(m: dict[str, Any], include_hostname: bool) -> dict[str,
     for k in sorted(m):
         v = m[k]
         out[k] = _dump_map_1_536251bd(v, include_hostname)
+    return out
+
+
+def _dump_map_1_a21e3ceb(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+    if len(m) == 1:
+        for k, v in m.items():
+            return {k: v}
+    out: dict[str, Any] = {}
+    for k in sorted(m):
+        v = m[k]
+        out[k] = v
+    return out
+
+
+def _dump_map_0_9ff862fb(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+    if len(m) == 1:
+        for k, v in m.items():
+            return {k: _dump_map_1_a21e3ceb(v, include_hostname)}
+    out: dict[str, Any] = {}
+    for k in sorted(m):
+        v = m[k]
+        out[k] = _dump_map_1_a21e3ceb(v, include_hostname)
+    return out
+
+
+def _dump_map_0_97d89bc9(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+    if len(m) == 1:
+        for k, v in m.items():
+            return {k: v}
+    out: dict[str, Any] = {}
+    for k in sorted(m):
+        v = m[k]
+        out[k] = v
     return out
 
 
@@ -1381,7 +1444,7 @@ def _build_step_time_record(identity: dict[str, Any], d: Any, path: Path) -> Ste
         raise RecordError(
             (*(*path, "events"), "_traceml_internal:step_time"), "required key is missing"
         )
-    m0: dict[str, dict[str, PhaseTiming]] = {}
+    m_f_events: dict[str, dict[str, PhaseTiming]] = {}
     for k0, v0 in f_events.items():
         if k0 not in _RESERVED_KEYS_df1b3c6a and k0.startswith("_traceml_internal:"):
             raise RecordError(
@@ -1485,8 +1548,8 @@ def _build_step_time_record(identity: dict[str, Any], d: Any, path: Path) -> Ste
             _set_phase_timing_n_calls(v1, v1_n_calls)
             m1[k1] = v1
         v0 = m1
-        m0[k0] = v0
-    f_events = m0
+        m_f_events[k0] = v0
+    f_events = m_f_events
     record: StepTimeRecord = _new(StepTimeRecord)
     _set_step_time_record_stream(record, "step_time")
     _set_step_time_record_schema_version(record, 1)
@@ -2938,6 +3001,8 @@ def _dump_finalization_warning(r: FinalizationWarning, include_hostname: bool) -
         d["missing_ranks"] = list(r.missing_ranks)
     if r.export is not None:
         d["export"] = _dump_export_loss(r.export, include_hostname)
+    if r.monitoring is not None:
+        d["monitoring"] = _dump_monitoring_loss(r.monitoring, include_hostname)
     return d
 
 
@@ -2959,7 +3024,7 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
     if type(f_reason) is not str or f_reason not in _ENUM_46:
         raise RecordError(
             (*path, "reason"),
-            f"expected one of export_incomplete, ranks_disconnected, timeout, got {describe(f_reason)}",
+            f"expected one of export_incomplete, monitoring_incomplete, ranks_disconnected, timeout, got {describe(f_reason)}",
         )
     f_message = d["message"]
     if type(f_message) is not str or len(f_message) < 1:
@@ -3013,6 +3078,9 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
     f_export = d.get("export")
     if f_export is not None:
         f_export = _load_export_loss(f_export, (*path, "export"))
+    f_monitoring = d.get("monitoring")
+    if f_monitoring is not None:
+        f_monitoring = _load_monitoring_loss(f_monitoring, (*path, "monitoring"))
     record: FinalizationWarning = _new(FinalizationWarning)
     _set_finalization_warning_status(record, "warning")
     _set_finalization_warning_completed_at(record, f_completed_at)
@@ -3022,6 +3090,75 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
     _set_finalization_warning_finished_ranks(record, f_finished_ranks)
     _set_finalization_warning_missing_ranks(record, f_missing_ranks)
     _set_finalization_warning_export(record, f_export)
+    _set_finalization_warning_monitoring(record, f_monitoring)
+    _mark_checked(record, True)
+    return record
+
+
+def _dump_monitoring_loss(r: MonitoringLoss, include_hostname: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "dropped_batches": r.dropped_batches,
+        "by_sink": _dump_map_0_9ff862fb(r.by_sink, include_hostname),
+        "not_started": _dump_map_0_97d89bc9(r.not_started, include_hostname),
+    }
+    return d
+
+
+def _load_monitoring_loss(d: Any, path: Path) -> MonitoringLoss:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_MONITORING_LOSS:
+        _key_error(keys, _REQUIRED_MONITORING_LOSS, _KEYS_MONITORING_LOSS, path)
+    f_dropped_batches = d["dropped_batches"]
+    if (
+        type(f_dropped_batches) is not int
+        or f_dropped_batches < 0
+        or f_dropped_batches > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "dropped_batches"), f"expected integer >= 0, got {describe(f_dropped_batches)}"
+        )
+    f_by_sink = d["by_sink"]
+    if type(f_by_sink) is not dict or len(f_by_sink) < 0:
+        raise RecordError(
+            (*path, "by_sink"), f"expected object with at least 0 key(s), got {describe(f_by_sink)}"
+        )
+    m_f_by_sink: dict[str, dict[str, int]] = {}
+    for k0, v0 in f_by_sink.items():
+        if type(v0) is not dict or len(v0) < 0:
+            raise RecordError(
+                (*(*path, "by_sink"), k0),
+                f"expected object with at least 0 key(s), got {describe(v0)}",
+            )
+        m1: dict[str, int] = {}
+        for k1, v1 in v0.items():
+            if type(v1) is not int or v1 < 0 or v1 > 9223372036854775807:
+                raise RecordError(
+                    (*(*(*path, "by_sink"), k0), k1), f"expected integer >= 0, got {describe(v1)}"
+                )
+            m1[k1] = v1
+        v0 = m1
+        m_f_by_sink[k0] = v0
+    f_by_sink = m_f_by_sink
+    f_not_started = d["not_started"]
+    if type(f_not_started) is not dict or len(f_not_started) < 0:
+        raise RecordError(
+            (*path, "not_started"),
+            f"expected object with at least 0 key(s), got {describe(f_not_started)}",
+        )
+    m_f_not_started: dict[str, str] = {}
+    for k0, v0 in f_not_started.items():
+        if type(v0) is not str or len(v0) < 1:
+            raise RecordError(
+                (*(*path, "not_started"), k0), f"expected string of length >= 1, got {describe(v0)}"
+            )
+        m_f_not_started[k0] = v0
+    f_not_started = m_f_not_started
+    record: MonitoringLoss = _new(MonitoringLoss)
+    _set_monitoring_loss_dropped_batches(record, f_dropped_batches)
+    _set_monitoring_loss_by_sink(record, f_by_sink)
+    _set_monitoring_loss_not_started(record, f_not_started)
     _mark_checked(record, True)
     return record
 
@@ -3111,6 +3248,7 @@ DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {
     ClosingLine: _dump_closing_line,
     ExportLoss: _dump_export_loss,
     FinalizationWarning: _dump_finalization_warning,
+    MonitoringLoss: _dump_monitoring_loss,
     PhaseTiming: _dump_phase_timing,
 }
 """Record class → function giving its JSON object (keys in schema order)."""
@@ -3126,6 +3264,7 @@ LOADERS: dict[type[Any], Callable[[Any, Path], Any]] = {
     ClosingLine: _load_closing_line,
     ExportLoss: _load_export_loss,
     FinalizationWarning: _load_finalization_warning,
+    MonitoringLoss: _load_monitoring_loss,
     PhaseTiming: _load_phase_timing,
 }
 """Record class → strict function building it from a parsed JSON object."""
@@ -3845,7 +3984,9 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
                 None,
                 None,
                 0,
-                frozenset({"export_incomplete", "ranks_disconnected", "timeout"}),
+                frozenset(
+                    {"export_incomplete", "monitoring_incomplete", "ranks_disconnected", "timeout"}
+                ),
             ),
             Flag.ALWAYS,
         ),
@@ -3883,6 +4024,52 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
         ),
         FieldPlan(
             "export", ValueSpec(Kind.OBJECT, False, ExportLoss, None, None, 0, None), Flag.OMIT_NONE
+        ),
+        FieldPlan(
+            "monitoring",
+            ValueSpec(Kind.OBJECT, False, MonitoringLoss, None, None, 0, None),
+            Flag.OMIT_NONE,
+        ),
+    ),
+    MonitoringLoss: (
+        FieldPlan(
+            "dropped_batches",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "by_sink",
+            ValueSpec(
+                Kind.MAP,
+                False,
+                ValueSpec(
+                    Kind.MAP,
+                    False,
+                    ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+                    0,
+                    None,
+                    0,
+                    None,
+                ),
+                0,
+                None,
+                0,
+                None,
+            ),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "not_started",
+            ValueSpec(
+                Kind.MAP,
+                False,
+                ValueSpec(Kind.STRING, False, None, None, None, 1, None),
+                0,
+                None,
+                0,
+                None,
+            ),
+            Flag.ALWAYS,
         ),
     ),
     PhaseTiming: (
@@ -3933,6 +4120,7 @@ NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {
     ClosingLine: (),
     ExportLoss: (),
     FinalizationWarning: (),
+    MonitoringLoss: (),
     PhaseTiming: (
         b'"cpu_ms":null',
         b'"duration_ms":null',

@@ -1,0 +1,183 @@
+"""The live views' own copy of the batches: a bounded queue and one thread.
+
+The aggregator's receive loop hands every batch to :meth:`LiveFeed.submit` as it
+hands it to the export; ``submit`` never blocks (a full queue drops the batch and
+counts it). The feed thread parses the batch itself (the export parses its own copy,
+so neither waits for the other, and the live views work with export off), updates the
+:class:`LiveState` and gives the new steps to the sinks that want them (the OTLP
+traces). Every few seconds it runs the summary's straggler analysis on each rank's
+recent steps, so the live views name the straggler in the summary's words.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from traceml_ai.monitor._state import LiveState, StepSeen
+from traceml_ai.run_summary._straggler import analyze
+from traceml_ai.transport.wire import FrameError, ReceivedBatch, decode_batch_body
+
+__all__ = ["DEFAULT_MAX_BATCHES", "DEFAULT_MAX_BYTES", "LiveFeed", "StepListener"]
+
+_log = logging.getLogger("traceml_ai.monitor")
+
+DEFAULT_MAX_BATCHES = 4096
+DEFAULT_MAX_BYTES = 32 * 1024 * 1024
+STRAGGLER_PERIOD_S = 5.0
+"""How often the straggler view is recomputed (longer when it takes long: at most
+about 5 % of a core)."""
+STRAGGLER_STEPS = 60
+"""Recent steps of each rank the live straggler analysis looks at."""
+_LINGER_S = 0.05
+
+StepListener = Callable[[Sequence[StepSeen]], None]
+
+
+class LiveFeed:
+    """Feeds a :class:`LiveState` from received batches, off the receive loop."""
+
+    def __init__(
+        self,
+        state: LiveState,
+        *,
+        max_batches: int = DEFAULT_MAX_BATCHES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        straggler_period_s: float = STRAGGLER_PERIOD_S,
+    ) -> None:
+        self.state = state
+        self._max_batches = max_batches
+        self._max_bytes = max_bytes
+        self._queue: deque[ReceivedBatch] = deque()
+        self._bytes = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._listeners: list[StepListener] = []
+        self.dropped_batches = 0
+        """Batches not taken because the queue was full."""
+        self.bad_batches = 0
+        """Batches that could not be parsed (the export counts its own copy's loss)."""
+        self._straggler_period_s = straggler_period_s
+        self._next_straggler = time.monotonic() + straggler_period_s
+        self._straggler_dirty = False
+
+    def add_listener(self, listener: StepListener) -> None:
+        """Call ``listener`` with each batch's new steps, on the feed thread (before start)."""
+        self._listeners.append(listener)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="traceml-live-feed", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch: ReceivedBatch) -> None:
+        """Queue a batch; never blocks, never raises (a full queue drops and counts it)."""
+        with self._cond:
+            if self._stopping:
+                return
+            if (
+                len(self._queue) >= self._max_batches
+                or self._bytes + batch.nbytes > self._max_bytes
+            ):
+                self.dropped_batches += 1
+                return
+            self._queue.append(batch)
+            self._bytes += batch.nbytes
+            if len(self._queue) == 1:
+                self._cond.notify()
+
+    def stop(self, timeout_s: float) -> None:
+        """Take what is queued (for at most ``timeout_s``), then stop; what is left is
+        counted as dropped."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._cond:
+            self.dropped_batches += len(self._queue)
+            self._queue.clear()
+            self._bytes = 0
+        self._update_straggler()
+
+    # -- the feed thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait(self._straggler_period_s)
+                    if not self._queue:
+                        break
+                if not self._queue and self._stopping:
+                    return
+                batches = list(self._queue)
+                self._queue.clear()
+                self._bytes = 0
+            for batch in batches:
+                try:
+                    self._take(batch)
+                except Exception:
+                    # The state checks every value; this is a bug, not bad input.
+                    _log.exception("traceml: live views: a batch could not be read")
+                    self.bad_batches += 1
+            if self._straggler_dirty and time.monotonic() >= self._next_straggler:
+                self._update_straggler()
+            if not self._stopping:
+                time.sleep(_LINGER_S)
+
+    def _take(self, batch: ReceivedBatch) -> None:
+        payload = batch.payload
+        if type(payload) is bytes:
+            try:
+                message = decode_batch_body(payload)
+            except FrameError:
+                self.bad_batches += 1
+                return
+        elif type(payload) is dict:
+            message = payload
+        else:
+            return
+        identity = message.get("identity")
+        items = message.get("items")
+        if type(identity) is not dict or type(items) is not list:
+            self.bad_batches += 1
+            return
+        stream = message.get("stream")
+        state = self.state
+        if stream == "step_time":
+            seen = state.add_steps(identity, items)
+            if seen:
+                self._straggler_dirty = True
+                for listener in self._listeners:
+                    try:
+                        listener(seen)
+                    except Exception:
+                        _log.exception("traceml: live views: a step listener failed")
+        elif stream == "step_memory":
+            state.add_memory(identity, items)
+        elif stream == "process":
+            state.add_process(identity, items)
+        elif stream == "system":
+            state.add_system(identity, items)
+        elif stream == "runtime_environment":
+            state.add_environment(identity, items)
+
+    def _update_straggler(self) -> None:
+        """Recompute the straggler view; the next run waits at least 20 times as long as
+        this one took, so a large world costs at most about 5 % of a core."""
+        started = time.monotonic()
+        try:
+            rows = self.state.recent_rows(STRAGGLER_STEPS)
+            nodes = self.state.rank_nodes()
+            view = analyze(rows, self.state.strategy(), nodes) if rows else None
+        except Exception:
+            _log.exception("traceml: live views: the straggler analysis failed")
+            view = None
+        self.state.set_straggler(view)
+        took = time.monotonic() - started
+        self._straggler_dirty = False
+        self._next_straggler = time.monotonic() + max(self._straggler_period_s, 20 * took)

@@ -1,0 +1,224 @@
+"""The live views of one aggregator: the feed, the state and the sinks that serve it.
+
+:func:`start_monitoring` starts what :class:`~traceml_ai.settings.MonitorSettings`
+asks for: the Prometheus endpoint, the OTLP exporter, the dashboard. Each is a
+:class:`LiveSink`; one that cannot start (its extra is not installed, its port is
+taken, a bad OTEL_* variable) is reported in one ``traceml:`` line and the others,
+the files and training go on. :meth:`Monitoring.close` stops them within a budget
+and returns what they lost, for ``stats.json`` and ``finalization_warning.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+
+from traceml_ai.monitor._feed import LiveFeed
+from traceml_ai.monitor._state import LiveState, StepSeen
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.settings import MonitorSettings
+from traceml_ai.transport.wire import ReceivedBatch
+from traceml_records import MonitoringLoss
+
+__all__ = [
+    "LiveSink",
+    "Monitoring",
+    "RunInfo",
+    "SinkStartError",
+    "start_monitoring",
+]
+
+_log = logging.getLogger("traceml_ai.monitor")
+
+
+class SinkStartError(Exception):
+    """A sink could not start; the message is the one line the user sees."""
+
+
+@attrs.frozen(kw_only=True)
+class RunInfo:
+    """What the live views know of the run itself."""
+
+    run_dir: Path
+    run_name: str
+    host: str
+
+
+class LiveSink(Protocol):
+    """One place the live figures go (Prometheus, OTLP, the dashboard)."""
+
+    name: str
+    """Short name for messages and loss counts (``prometheus``, ``otlp``, ``dashboard``)."""
+
+    def on_steps(self, steps: Sequence[StepSeen]) -> None:
+        """New steps (feed thread): must return quickly and never block."""
+
+    def close(self, timeout_s: float) -> Mapping[str, int]:
+        """Flush and stop within ``timeout_s``; returns what was lost, by name (empty
+        when nothing was)."""
+        ...
+
+
+SinkFactory = Callable[["Monitoring"], LiveSink]
+
+
+def report_to_stderr(line: str) -> None:
+    with contextlib.suppress(Exception):
+        print(line, file=sys.stderr, flush=True)
+
+
+# name -> "module:function" of each sink's factory; loaded only when asked for, so the
+# default install never imports prometheus_client, opentelemetry or the web server.
+SINK_FACTORIES: Mapping[str, str] = {
+    "prometheus": "traceml_ai.monitor.prometheus:start_prometheus",
+    "otlp": "traceml_ai.monitor.otlp:start_otlp",
+    "dashboard": "traceml_ai.dashboard:start_live_dashboard",
+}
+
+
+class Monitoring:
+    """The running live views of one aggregator."""
+
+    def __init__(
+        self,
+        settings: MonitorSettings,
+        run: RunInfo,
+        health: Callable[[], Health],
+        *,
+        report: Callable[[str], None] = report_to_stderr,
+        feed: LiveFeed | None = None,
+    ) -> None:
+        self.settings = settings
+        self.run = run
+        self.state = LiveState()
+        self.feed = feed or LiveFeed(self.state)
+        self.feed.state = self.state
+        self._health = health
+        self.report = report
+        self.sinks: list[LiveSink] = []
+        self.not_started: dict[str, str] = {}
+        self.finished = threading.Event()
+        """Set once the aggregator has finalized (the dashboard shows it)."""
+        self.final_health: Health | None = None
+        self._loss: MonitoringLoss | None = None
+
+    def health(self) -> Health:
+        """The aggregator's own figures now, with the live views' drops."""
+        if self.final_health is not None:
+            base = self.final_health
+        else:
+            try:
+                base = self._health()
+            except Exception:
+                base = Health()
+        return attrs.evolve(base, live_dropped_batches=self.feed.dropped_batches)
+
+    def submit(self, batch: ReceivedBatch) -> None:
+        """Hand a received batch to the live views; never blocks, never raises."""
+        self.feed.submit(batch)
+
+    def start_sinks(self, wanted: Sequence[str]) -> None:
+        for name in wanted:
+            try:
+                module_name, _, func = SINK_FACTORIES[name].partition(":")
+                try:
+                    module = importlib.import_module(module_name)
+                except ImportError as exc:
+                    raise SinkStartError(_missing_extra(name, exc)) from None
+                factory: SinkFactory = getattr(module, func)
+                sink = factory(self)
+            except SinkStartError as exc:
+                self.not_started[name] = str(exc)
+                self.report(f"traceml: {name}: {exc}; training and the files go on without it")
+                continue
+            except Exception as exc:
+                self.not_started[name] = f"{type(exc).__name__}: {exc}"
+                _log.debug("sink %s failed to start", name, exc_info=True)
+                self.report(
+                    f"traceml: {name} could not start ({type(exc).__name__}: {exc}); "
+                    "training and the files go on without it"
+                )
+                continue
+            self.sinks.append(sink)
+            self.feed.add_listener(_guarded(sink))
+
+    def finish(self, health: Health) -> None:
+        """The aggregator finalized: the live views show the final figures from now on."""
+        self.final_health = health
+        self.finished.set()
+
+    def close(self, timeout_s: float) -> MonitoringLoss:
+        """Stop the feed and every sink within about ``timeout_s``; idempotent."""
+        if self._loss is not None:
+            return self._loss
+        deadline = time.monotonic() + timeout_s
+        self.feed.stop(max(0.1, min(2.0, timeout_s / 3)))
+        by_sink: dict[str, Mapping[str, int]] = {}
+        for sink in self.sinks:
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                lost = sink.close(left)
+            except Exception as exc:
+                _log.debug("sink %s failed to close", sink.name, exc_info=True)
+                lost = {"close_failed": 1}
+                self.report(f"traceml: {sink.name}: stopping failed ({type(exc).__name__}: {exc})")
+            if lost:
+                by_sink[sink.name] = dict(lost)
+        self._loss = MonitoringLoss(
+            dropped_batches=self.feed.dropped_batches,
+            by_sink={k: dict(v) for k, v in by_sink.items()},
+            not_started=dict(self.not_started),
+        )
+        return self._loss
+
+
+def _guarded(sink: LiveSink) -> Callable[[Sequence[StepSeen]], None]:
+    def deliver(steps: Sequence[StepSeen]) -> None:
+        sink.on_steps(steps)
+
+    return deliver
+
+
+_EXTRAS = {"prometheus": "prometheus", "otlp": "otel", "dashboard": "dashboard"}
+
+
+def _missing_extra(name: str, exc: ImportError) -> str:
+    missing = exc.name or str(exc)
+    extra = _EXTRAS.get(name, name)
+    return (
+        f"needs the '{extra}' extra ({missing} is not installed): pip install 'traceml-ai[{extra}]'"
+    )
+
+
+def start_monitoring(
+    settings: MonitorSettings,
+    run: RunInfo,
+    health: Callable[[], Health],
+    *,
+    report: Callable[[str], None] = report_to_stderr,
+) -> Monitoring | None:
+    """Start the live views ``settings`` asks for; None when every one is off."""
+    wanted = [
+        name
+        for name, on in (
+            ("prometheus", settings.prometheus_port is not None),
+            ("otlp", settings.otlp),
+            ("dashboard", settings.dashboard),
+        )
+        if on
+    ]
+    if not wanted:
+        return None
+    monitoring = Monitoring(settings, run, health, report=report)
+    monitoring.start_sinks(wanted)
+    monitoring.feed.start()
+    return monitoring

@@ -1,0 +1,422 @@
+"""What the aggregator knows of the run right now, for the live views.
+
+One :class:`LiveState` per aggregator, fed by :class:`~traceml_ai.monitor._feed.LiveFeed`
+(its one writer thread) and read by the Prometheus endpoint, the OTLP exporter and
+the dashboard. Everything is bounded: a window of recent steps per rank, histogram
+bucket counts per rank and phase, the latest sample of each gauge, a fixed number of
+user phase names (the rest fold into ``other``).
+
+Values come from rank batches the aggregator has not validated yet (the export
+validates its own copy), so every value is checked here: a field of the wrong type,
+a negative or non-finite number leaves that figure out; nothing raises.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from traceml_ai.run_summary._phases import PHASES, STEP_EVENT
+
+__all__ = [
+    "MAX_RANKS",
+    "MAX_USER_PHASES",
+    "OTHER_PHASE",
+    "PHASE_BUCKETS_S",
+    "STEP_BUCKETS_S",
+    "WINDOW_STEPS",
+    "Histogram",
+    "LiveState",
+    "RankLive",
+    "StepSeen",
+]
+
+STEP_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the step time histogram: 1 ms to 60 s, then +Inf."""
+
+PHASE_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the phase histograms: fewer buckets than the step's,
+because there are several phases per rank (series = ranks x phases x buckets)."""
+
+MAX_USER_PHASES = 8
+"""User phase names kept as their own label value; later names count as ``other``."""
+
+OTHER_PHASE = "other"
+
+MAX_RANKS = 65536
+"""Ranks the live views track; a batch claiming a higher rank is ignored (and counted)."""
+
+WINDOW_STEPS = 120
+"""Recent steps kept per rank (for the straggler analysis, the dashboard, outliers)."""
+
+_PHASE_OF_EVENT = {event: name for name, event in PHASES}
+_RESERVED = "_traceml_internal:"
+
+
+def _number(value: object) -> float | None:
+    """A finite, non-negative number, else None (bool is not a number here)."""
+    if type(value) is float:
+        return value if math.isfinite(value) and value >= 0 else None
+    if type(value) is int:
+        return float(value) if value >= 0 else None
+    return None
+
+
+def _count(value: object) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def _phase_ms(devices: object) -> float | None:
+    """A phase's time in a step: its longest device (as the summary reads it)."""
+    if type(devices) is not dict:
+        return None
+    best: float | None = None
+    for timing in devices.values():
+        if type(timing) is dict:
+            ms = _number(timing.get("duration_ms"))
+            if ms is not None and (best is None or ms > best):
+                best = ms
+    return best
+
+
+@attrs.define(slots=True)
+class Histogram:
+    """Bucket counts (not cumulative; the last bucket is +Inf), sum and count."""
+
+    bounds: tuple[float, ...]
+    counts: list[int]
+    total: float = 0.0
+    n: int = 0
+
+    @classmethod
+    def empty(cls, bounds: tuple[float, ...]) -> Histogram:
+        return cls(bounds, [0] * (len(bounds) + 1))
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total, self.n)
+
+
+@attrs.frozen(slots=True)
+class StepSeen:
+    """One step of one rank as the live views use it (times in ms, ``end_ns`` its end)."""
+
+    rank: int
+    node: int
+    step: int
+    end_ns: int
+    step_ms: float
+    phases: Mapping[str, float]
+    """Phase name (``forward``, ``dataloader_wait``, ``user:NAME`` ...) -> ms."""
+
+
+@attrs.define(slots=True)
+class RankLive:
+    """One rank's live figures."""
+
+    rank: int
+    node: int = 0
+    steps: int = 0
+    last_step: int = 0
+    last_end_ns: int = 0
+    step_hist: Histogram = attrs.field(factory=lambda: Histogram.empty(STEP_BUCKETS_S))
+    phase_hist: dict[str, Histogram] = attrs.field(factory=dict)
+    recent: deque[StepSeen] = attrs.field(factory=lambda: deque(maxlen=WINDOW_STEPS))
+    peak_memory: dict[str, tuple[float | None, float | None]] = attrs.field(factory=dict)
+    """device -> (peak allocated, peak reserved) bytes of the last step that reported it."""
+    process: dict[str, float] = attrs.field(factory=dict)
+    strategy: str | None = None
+
+
+@attrs.define(slots=True)
+class NodeLive:
+    """One node's latest system sample."""
+
+    node: int
+    system: dict[str, float] = attrs.field(factory=dict)
+    gpus: dict[int, dict[str, float]] = attrs.field(factory=dict)
+
+
+_PROCESS_FIELDS = (
+    "cpu_percent",
+    "ram_used_bytes",
+    "gpu_memory_used_bytes",
+    "gpu_memory_reserved_bytes",
+    "gpu_memory_total_bytes",
+)
+_SYSTEM_FIELDS = ("cpu_percent", "ram_used_bytes", "ram_total_bytes")
+_GPU_FIELDS = (
+    "utilization_percent",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "power_usage_w",
+    "power_limit_w",
+)
+
+
+class LiveState:
+    """The run as the aggregator sees it now; thread-safe (one lock, short holds).
+
+    The feed thread calls the ``add_*`` methods; readers take copies with
+    :meth:`ranks`, :meth:`nodes` and :meth:`recent_rows`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranks: dict[int, RankLive] = {}
+        self._nodes: dict[int, NodeLive] = {}
+        self._user_phases: set[str] = set()
+        self.world_size: int | None = None
+        self.started_unix_s = time.time()
+        self.ignored_items = 0
+        """Items left out because they were malformed or claimed an impossible rank."""
+        self.folded_phase_names: set[str] = set()
+        """User phase names counted as ``other`` (bounded: only the first few are kept)."""
+        self.straggler: Mapping[str, Any] | None = None
+        """The latest straggler view (``run_summary._straggler.analyze``), when computed."""
+
+    # -- writing (the feed thread) --------------------------------------------------
+
+    def _rank(self, identity: Mapping[str, Any]) -> RankLive | None:
+        rank = identity.get("global_rank")
+        node = identity.get("node_rank")
+        world = identity.get("world_size")
+        if type(rank) is not int or not 0 <= rank < MAX_RANKS:
+            return None
+        if (
+            type(world) is int
+            and rank < world <= MAX_RANKS
+            and (self.world_size is None or world > self.world_size)
+        ):
+            self.world_size = world
+        live = self._ranks.get(rank)
+        if live is None:
+            live = self._ranks[rank] = RankLive(rank)
+        if type(node) is int and 0 <= node < MAX_RANKS:
+            live.node = node
+        return live
+
+    def _phase_label(self, event: str) -> str | None:
+        name = _PHASE_OF_EVENT.get(event)
+        if name is not None:
+            return name
+        if event.startswith(_RESERVED):
+            return None
+        if event in self._user_phases:
+            return f"user:{event}"
+        if len(self._user_phases) < MAX_USER_PHASES:
+            self._user_phases.add(event)
+            return f"user:{event}"
+        if len(self.folded_phase_names) < 64:
+            self.folded_phase_names.add(event)
+        return OTHER_PHASE
+
+    def add_steps(self, identity: Mapping[str, Any], items: Sequence[Any]) -> list[StepSeen]:
+        """Take a step_time batch's items; returns the steps taken (for the traces)."""
+        seen: list[StepSeen] = []
+        with self._lock:
+            live = self._rank(identity)
+            if live is None:
+                self.ignored_items += len(items)
+                return seen
+            for item in items:
+                step_seen = self._step(live, item)
+                if step_seen is None:
+                    self.ignored_items += 1
+                else:
+                    seen.append(step_seen)
+        return seen
+
+    def _step(self, live: RankLive, item: Any) -> StepSeen | None:
+        if type(item) is not dict:
+            return None
+        step = item.get("step")
+        end_ns = item.get("timestamp_unix_ns")
+        events = item.get("events")
+        if type(step) is not int or step < 1 or type(end_ns) is not int or end_ns < 0:
+            return None
+        if type(events) is not dict:
+            return None
+        step_ms = _phase_ms(events.get(STEP_EVENT))
+        if step_ms is None:
+            return None
+        phases: dict[str, float] = {}
+        for event, devices in events.items():
+            if event == STEP_EVENT or type(event) is not str or not event:
+                continue
+            ms = _phase_ms(devices)
+            label = self._phase_label(event) if ms is not None else None
+            if label is None or ms is None:
+                continue
+            phases[label] = phases.get(label, 0.0) + ms
+        live.steps += 1
+        if step >= live.last_step:
+            live.last_step = step
+            live.last_end_ns = end_ns
+        live.step_hist.observe(step_ms / 1000.0)
+        hists = live.phase_hist
+        for label, ms in phases.items():
+            hist = hists.get(label)
+            if hist is None:
+                hist = hists[label] = Histogram.empty(PHASE_BUCKETS_S)
+            hist.observe(ms / 1000.0)
+        seen = StepSeen(live.rank, live.node, step, end_ns, step_ms, phases)
+        live.recent.append(seen)
+        return seen
+
+    def add_memory(self, identity: Mapping[str, Any], items: Iterable[Any]) -> None:
+        with self._lock:
+            live = self._rank(identity)
+            if live is None:
+                return
+            for item in items:
+                if type(item) is not dict or type(item.get("device")) is not str:
+                    self.ignored_items += 1
+                    continue
+                device = item["device"][:32]
+                if device not in live.peak_memory and len(live.peak_memory) >= 16:
+                    continue
+                live.peak_memory[device] = (
+                    _number(item.get("peak_allocated_bytes")),
+                    _number(item.get("peak_reserved_bytes")),
+                )
+
+    def add_process(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
+        with self._lock:
+            live = self._rank(identity)
+            if live is None or not items:
+                return
+            item = items[-1]
+            if type(item) is not dict:
+                self.ignored_items += 1
+                return
+            figures = {k: v for k in _PROCESS_FIELDS if (v := _number(item.get(k))) is not None}
+            cores = _count(item.get("cpu_logical_cores"))
+            if "cpu_percent" in figures and cores:
+                # As the sampler clamps: a process cannot use more than every core.
+                figures["cpu_percent"] = min(figures["cpu_percent"], 100.0 * cores)
+            live.process = figures
+
+    def add_system(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
+        node = identity.get("node_rank")
+        if type(node) is not int or not 0 <= node < MAX_RANKS or not items:
+            return
+        item = items[-1]
+        if type(item) is not dict:
+            return
+        with self._lock:
+            live = self._nodes.get(node)
+            if live is None:
+                live = self._nodes[node] = NodeLive(node)
+            live.system = {k: v for k in _SYSTEM_FIELDS if (v := _number(item.get(k))) is not None}
+            gpus: dict[int, dict[str, float]] = {}
+            entries = item.get("gpus")
+            if type(entries) is list:
+                for gpu in entries[:64]:
+                    if type(gpu) is not dict:
+                        continue
+                    index = _count(gpu.get("gpu_index"))
+                    if index is None:
+                        continue
+                    figures = {k: v for k in _GPU_FIELDS if (v := _number(gpu.get(k))) is not None}
+                    temperature = gpu.get("temperature_c")
+                    if (
+                        isinstance(temperature, (int, float))
+                        and type(temperature) is not bool
+                        and math.isfinite(temperature)
+                    ):
+                        figures["temperature_c"] = float(temperature)
+                    gpus[index] = figures
+            live.gpus = gpus
+
+    def add_environment(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
+        with self._lock:
+            live = self._rank(identity)
+            if live is None or not items or type(items[-1]) is not dict:
+                return
+            strategy = items[-1].get("training_strategy")
+            if type(strategy) is str and len(strategy) <= 64:
+                live.strategy = strategy
+
+    def set_straggler(self, view: Mapping[str, Any] | None) -> None:
+        with self._lock:
+            self.straggler = view
+
+    # -- reading --------------------------------------------------------------------
+
+    def ranks(self) -> list[RankLive]:
+        """A copy of every rank's figures (histograms copied; ``recent`` left empty)."""
+        with self._lock:
+            return [
+                RankLive(
+                    rank=r.rank,
+                    node=r.node,
+                    steps=r.steps,
+                    last_step=r.last_step,
+                    last_end_ns=r.last_end_ns,
+                    step_hist=r.step_hist.copy(),
+                    phase_hist={k: h.copy() for k, h in r.phase_hist.items()},
+                    peak_memory=dict(r.peak_memory),
+                    process=dict(r.process),
+                    strategy=r.strategy,
+                )
+                for _, r in sorted(self._ranks.items())
+            ]
+
+    def nodes(self) -> list[NodeLive]:
+        """A copy of every node's latest system sample."""
+        with self._lock:
+            return [
+                NodeLive(n.node, dict(n.system), {i: dict(g) for i, g in n.gpus.items()})
+                for _, n in sorted(self._nodes.items())
+            ]
+
+    def recent_steps(self, last: int | None = None) -> dict[int, list[StepSeen]]:
+        """rank -> its most recent steps, oldest first (at most ``last`` of each)."""
+        with self._lock:
+            out: dict[int, list[StepSeen]] = {}
+            for rank, live in self._ranks.items():
+                steps = list(live.recent)
+                out[rank] = steps[-last:] if last else steps
+            return out
+
+    def rank_nodes(self) -> dict[int, int]:
+        """rank -> node of every rank heard from."""
+        with self._lock:
+            return {rank: live.node for rank, live in self._ranks.items()}
+
+    def strategy(self) -> str | None:
+        """The strategy the ranks reported (the first rank's), when any did."""
+        with self._lock:
+            for _, live in sorted(self._ranks.items()):
+                if live.strategy is not None:
+                    return live.strategy
+        return None
+
+    def recent_rows(self, last: int | None = None) -> dict[int, dict[int, dict[str, float]]]:
+        """The recent steps as the straggler analysis takes them: rank -> step -> row."""
+        rows: dict[int, dict[int, dict[str, float]]] = {}
+        for rank, steps in self.recent_steps(last).items():
+            mine: dict[int, dict[str, float]] = {}
+            for s in steps:
+                row = {"step": s.step_ms, "_ts": float(s.end_ns)}
+                row.update(s.phases)
+                mine[s.step] = row
+            rows[rank] = mine
+        return rows
