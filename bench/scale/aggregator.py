@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -211,6 +212,8 @@ def start_aggregator(
         "--export-streams",
         export_streams,
     ]
+    # Extra `traceml serve` flags, e.g. the live views (python -m bench.monitoring).
+    cmd += shlex.split(os.environ.get("SCALE_AGGREGATOR_ARGS", ""))
     if bounds is not None and bounds.custom:
         cfg = {
             "run_dir": str(logs_dir / run_name),

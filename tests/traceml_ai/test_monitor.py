@@ -1,0 +1,396 @@
+"""The live views' core: the state, its feed, the metric definitions and the
+Prometheus endpoint (in process, real HTTP on the loopback)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.custom_exporters import process_item, step_memory_item, step_time_item, system_item
+from tests.e2e_helpers import PY, REPO, clean_env
+from traceml_ai.monitor._feed import LiveFeed
+from traceml_ai.monitor._service import Monitoring, RunInfo, start_monitoring
+from traceml_ai.monitor._state import (
+    MAX_USER_PHASES,
+    OTHER_PHASE,
+    STEP_BUCKETS_S,
+    LiveState,
+)
+from traceml_ai.monitor.metrics import (
+    METRICS,
+    Health,
+    collect,
+    metrics_table_markdown,
+    series_estimate,
+)
+from traceml_ai.settings import MonitorSettings, resolve_launch_settings
+from traceml_ai.transport.wire import ReceivedBatch
+
+DOCS = REPO / "docs" / "monitoring.md"
+
+
+def identity(rank: int, world: int = 2, node: int = 0) -> dict[str, Any]:
+    return {
+        "global_rank": rank,
+        "local_rank": rank,
+        "world_size": world,
+        "local_world_size": world,
+        "node_rank": node,
+        "pid": 1000 + rank,
+        "hostname": "h",
+    }
+
+
+def step(step_no: int, step_ms: float, end_ns: int, **phases: float) -> dict[str, Any]:
+    events: dict[str, Any] = {
+        "_traceml_internal:step_time": {"cpu": {"duration_ms": step_ms, "cpu_ms": step_ms}}
+    }
+    for name, ms in phases.items():
+        events[name] = {"cpu": {"duration_ms": ms, "cpu_ms": ms}}
+    return {"seq": step_no, "step": step_no, "timestamp_unix_ns": end_ns, "events": events}
+
+
+def encoded(stream: str, ident: dict[str, Any], items: list[Any]) -> ReceivedBatch:
+    body = orjson.dumps(
+        {"v": 1, "token": "t", "type": "batch", "stream": stream, "identity": ident, "items": items}
+    )
+    return ReceivedBatch(observed_timestamp_unix_ns=time.time_ns(), payload=body, nbytes=len(body))
+
+
+# -- the state ------------------------------------------------------------------------
+
+
+def test_state_takes_steps_into_histograms_and_keeps_a_window() -> None:
+    state = LiveState()
+    items = [step(i, 20.0, i * 10**9, **{"_traceml_internal:forward_time": 5.0}) for i in range(1, 6)]
+    seen = state.add_steps(identity(1, world=4, node=1), items)
+    assert [s.step for s in seen] == [1, 2, 3, 4, 5]
+    (rank,) = state.ranks()
+    assert (rank.rank, rank.node, rank.steps, rank.last_step) == (1, 1, 5, 5)
+    assert rank.step_hist.n == 5 and math.isclose(rank.step_hist.total, 0.1)
+    # 20 ms falls in the (10 ms, 25 ms] bucket.
+    assert rank.step_hist.counts[STEP_BUCKETS_S.index(0.025)] == 5
+    assert rank.phase_hist["forward"].n == 5
+    assert state.world_size == 4
+    assert list(state.recent_rows()[1][5]) == ["step", "_ts", "forward"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not a dict",
+        {"step": "1", "timestamp_unix_ns": 1, "events": {}},
+        {"step": 0, "timestamp_unix_ns": 1, "events": {}},
+        {"step": 1, "timestamp_unix_ns": -5, "events": {}},
+        {"step": 1, "timestamp_unix_ns": 1, "events": []},
+        {"step": 1, "timestamp_unix_ns": 1, "events": {"x": {"cpu": {"duration_ms": 1.0}}}},
+        step(1, math.nan, 1),
+        step(1, -3.0, 1),
+        step(1, True, 1),  # type: ignore[arg-type]
+    ],
+)
+def test_state_leaves_out_malformed_steps_and_counts_them(bad: Any) -> None:
+    state = LiveState()
+    assert state.add_steps(identity(0), [bad]) == []
+    assert state.ignored_items == 1
+    assert all(r.steps == 0 for r in state.ranks())
+
+
+@pytest.mark.parametrize("rank", [-1, 2**40, "0", None, 1.0])
+def test_state_ignores_impossible_ranks(rank: Any) -> None:
+    state = LiveState()
+    ident = identity(0)
+    ident["global_rank"] = rank
+    state.add_steps(ident, [step(1, 5.0, 1)])
+    state.add_process(ident, [process_item()])
+    assert state.ranks() == [] and state.ignored_items == 1
+
+
+def test_user_phase_names_are_bounded_the_rest_is_other() -> None:
+    state = LiveState()
+    names = {f"phase_{i}": 1.0 for i in range(MAX_USER_PHASES + 5)}
+    state.add_steps(identity(0), [step(1, 50.0, 1, **names)])
+    (rank,) = state.ranks()
+    labels = set(rank.phase_hist)
+    assert len(labels) == MAX_USER_PHASES + 1 and OTHER_PHASE in labels
+    # Five names folded into one "other" observation of their sum.
+    assert rank.phase_hist[OTHER_PHASE].total == pytest.approx(0.005)
+    assert len(state.folded_phase_names) == 5
+
+
+def test_gauges_from_memory_process_and_system() -> None:
+    state = LiveState()
+    state.add_memory(identity(0), [step_memory_item(device="cuda:0")])
+    state.add_process(identity(0), [process_item(gpu=True)])
+    state.add_system(identity(0), [system_item(gpus=2)])
+    families = {f.metric.name: f for f in collect(state, Health())}
+    assert families["traceml_step_peak_allocated_bytes"].samples[0].labels == ("0", "cuda:0")
+    assert families["traceml_process_resident_memory_bytes"].samples
+    gpu_temps = families["traceml_gpu_temperature_celsius"].samples
+    assert [s.labels for s in gpu_temps] == [("0", "0"), ("0", "1")]
+    assert all(s.value == 61.0 for s in gpu_temps)
+
+
+# -- the feed ---------------------------------------------------------------------------
+
+
+def test_feed_never_blocks_a_full_queue_drops_and_counts() -> None:
+    state = LiveState()
+    feed = LiveFeed(state, max_batches=3)  # not started: nothing drains
+    batch = encoded("step_time", identity(0), [step(1, 5.0, 1)])
+    started = time.monotonic()
+    for _ in range(10):
+        feed.submit(batch)
+    assert time.monotonic() - started < 1.0
+    assert feed.dropped_batches == 7
+    feed.stop(0.1)
+    assert feed.dropped_batches == 10  # what was still queued at stop counts too
+
+
+def test_feed_reads_batches_and_names_the_straggler() -> None:
+    state = LiveState()
+    feed = LiveFeed(state, straggler_period_s=0.05)
+    feed.start()
+    base = 10**18
+    for rank in (0, 1):
+        items = []
+        for i in range(1, 21):
+            # Rank 1 spends 30 ms more in forward; rank 0 waits that long in backward.
+            fwd, bwd = (35.0, 5.0) if rank == 1 else (5.0, 35.0)
+            items.append(
+                step(
+                    i,
+                    45.0,
+                    base + i * 50_000_000,
+                    **{
+                        "_traceml_internal:forward_time": fwd,
+                        "_traceml_internal:backward_time": bwd,
+                    },
+                )
+            )
+        feed.submit(encoded("step_time", identity(rank), items))
+    feed.submit(encoded("step_time", identity(0), ["garbage"]))
+    feed.submit(ReceivedBatch(observed_timestamp_unix_ns=1, payload=b"{broken", nbytes=7))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not (state.straggler or {}).get("stragglers"):
+        time.sleep(0.05)
+    feed.stop(1.0)
+    view = state.straggler
+    assert view is not None and view["verdict"] == "straggler"
+    assert [s["rank"] for s in view["stragglers"]] == [1]
+    assert feed.bad_batches == 1 and state.ignored_items == 1
+    families = {f.metric.name: f for f in collect(state, Health())}
+    assert [(s.labels, s.value) for s in families["traceml_stragglers"].samples] == [
+        (("straggler",), 1.0)
+    ]
+    (excess,) = families["traceml_straggler_excess_seconds"].samples
+    assert excess.labels == ("1", "forward") and excess.value == pytest.approx(0.030, abs=0.002)
+
+
+# -- the metric definitions -------------------------------------------------------------
+
+
+def test_metric_names_follow_the_conventions() -> None:
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names))
+    for m in METRICS:
+        assert m.name.startswith("traceml_")
+        assert m.name.endswith("_total") == (m.kind == "counter"), m.name
+        if m.unit == "s":
+            assert m.name.endswith("_seconds"), m.name
+        if m.unit == "By":
+            assert m.name.endswith("_bytes"), m.name
+        assert "step" not in m.labels  # never one series per step
+
+
+def test_the_docs_table_is_generated_from_the_definitions() -> None:
+    assert metrics_table_markdown() in DOCS.read_text(encoding="utf-8"), (
+        "docs/monitoring.md's metric table is out of date: paste "
+        "traceml_ai.monitor.metrics.metrics_table_markdown()"
+    )
+
+
+def test_series_stay_linear_in_ranks_at_1024() -> None:
+    state = LiveState()
+    for rank in range(1024):
+        ident = identity(rank, world=1024, node=rank // 8)
+        state.add_steps(
+            ident,
+            [step(1, 30.0, 1, **{f"_traceml_internal:{p}": 1.0 for p in ("forward_time", "backward_time", "optimizer_step", "dataloader_next", "h2d_time")})],
+        )
+        state.add_memory(ident, [step_memory_item(device="cuda:0")])
+        state.add_process(ident, [process_item(gpu=True)])
+    series = 0
+    for family in collect(state, Health()):
+        for sample in family.samples:
+            series += len(sample.histogram.counts) + 2 if sample.histogram else 1
+    assert series <= series_estimate(1024, 128)
+    assert series > 0.8 * series_estimate(1024, 128)
+
+
+# -- the Prometheus endpoint ------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_prometheus_endpoint_serves_the_state(tmp_path: Path) -> None:
+    lines: list[str] = []
+    monitoring = start_monitoring(
+        MonitorSettings(prometheus_port=0),
+        RunInfo(run_dir=tmp_path, run_name="r", host="h"),
+        lambda: Health(written_records={"step_time": 7}, expected_ranks=2, reporting_ranks=2),
+        report=lines.append,
+    )
+    assert monitoring is not None
+    (sink,) = monitoring.sinks
+    url = f"http://127.0.0.1:{sink.port}/metrics"  # type: ignore[attr-defined]
+    assert lines == [f"traceml: prometheus: metrics at {url}"]
+    items = [step(i, 12.0, i, **{"_traceml_internal:backward_time": 4.0}) for i in range(1, 8)]
+    monitoring.submit(encoded("step_time", identity(1), items))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(r.steps for r in monitoring.state.ranks()):
+        time.sleep(0.02)
+    families = scrape(url)
+    assert monitoring.close(2.0).not_started == {}
+    step_time = families["traceml_step_time_seconds"]
+    by_name = {(s.name, s.labels.get("le")): s.value for s in step_time.samples}
+    assert by_name[("traceml_step_time_seconds_count", None)] == 7
+    assert by_name[("traceml_step_time_seconds_bucket", "0.01")] == 0
+    assert by_name[("traceml_step_time_seconds_bucket", "0.025")] == 7
+    assert by_name[("traceml_step_time_seconds_bucket", "+Inf")] == 7
+    phase = families["traceml_phase_time_seconds"]
+    assert {s.labels["phase"] for s in phase.samples} == {"backward"}
+    records = families["traceml_export_records"]  # the parser drops _total from the family
+    assert records.type == "counter" and records.samples[0].value == 7
+    assert families["traceml_ranks_expected"].samples[0].value == 2
+    served = set(families)
+    declared = {m.name.removesuffix("_total") for m in METRICS}
+    assert served <= declared
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=2)  # closed with the monitoring
+
+
+def test_a_taken_port_is_one_line_and_the_rest_goes_on(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        lines: list[str] = []
+        monitoring = Monitoring(
+            MonitorSettings(prometheus_port=port),
+            RunInfo(run_dir=tmp_path, run_name="r", host="h"),
+            Health,
+            report=lines.append,
+        )
+        monitoring.start_sinks(["prometheus"])
+    assert len(lines) == 1 and "Address already in use" in lines[0], lines
+    assert lines[0].startswith("traceml: prometheus: cannot serve /metrics")
+    loss = monitoring.close(1.0)
+    assert "prometheus" in loss.not_started
+
+
+def test_a_missing_extra_is_one_line_naming_it(tmp_path: Path) -> None:
+    code = f"""
+import sys
+sys.modules["prometheus_client"] = None  # as if the extra were not installed
+from pathlib import Path
+from traceml_ai.monitor._service import Monitoring, RunInfo
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.settings import MonitorSettings
+m = Monitoring(MonitorSettings(prometheus_port=0), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="r", host="h"), Health)
+m.start_sinks(["prometheus"])
+"""
+    result = subprocess.run(
+        [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "needs the 'prometheus' extra" in lines[0]
+    assert "pip install 'traceml-ai[prometheus]'" in lines[0]
+
+
+def test_the_default_install_never_imports_the_extras() -> None:
+    code = """
+import sys
+import traceml_ai.aggregator._service, traceml_ai.launch.commands, traceml_ai.monitor.metrics
+import traceml_ai.monitor._service
+loaded = [m for m in ("prometheus_client", "opentelemetry", "starlette", "uvicorn", "plotly") if m in sys.modules]
+print(",".join(loaded))
+"""
+    result = subprocess.run(
+        [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
+
+
+# -- settings ---------------------------------------------------------------------------
+
+
+def test_monitor_settings_resolve_from_flag_env_and_yaml(tmp_path: Path) -> None:
+    yaml_path = tmp_path / "traceml.yaml"
+    yaml_path.write_text("prometheus_port: 9100\notlp: on\notlp_trace_sample: 7\n")
+    s = resolve_launch_settings("run", {}, environ={}, yaml_path=yaml_path)
+    assert s.monitor == MonitorSettings(prometheus_port=9100, otlp=True, otlp_trace_sample=7)
+    s = resolve_launch_settings(
+        "serve",
+        {"prometheus_port": "9200", "otlp": False},
+        environ={"TRACEML_PROMETHEUS_BIND_HOST": "0.0.0.0", "TRACEML_OTLP_TRACE_SAMPLE": "3"},
+        yaml_path=yaml_path,
+    )
+    assert s.monitor.prometheus_port == 9200 and s.monitor.otlp is False
+    assert s.monitor.prometheus_bind_host == "0.0.0.0" and s.monitor.otlp_trace_sample == 3
+    assert s.sources["prometheus_port"] == "--prometheus-port"
+    assert resolve_launch_settings("run", {}, environ={}, yaml_path=tmp_path / "none").monitor == (
+        MonitorSettings()
+    )
+
+
+@pytest.mark.parametrize(
+    ("cli", "message"),
+    [
+        ({"prometheus_port": "99999"}, "--prometheus-port: expected an integer in [0, 65535]"),
+        ({"otlp_trace_sample": "0"}, "--otlp-trace-sample: expected a whole number of at least 1"),
+        ({"otlp": "maybe"}, "--otlp: expected one of 1/0"),
+    ],
+)
+def test_bad_monitor_settings_are_one_clear_error(cli: dict[str, str], message: str) -> None:
+    from traceml_ai.settings import SettingsError
+
+    with pytest.raises(SettingsError) as caught:
+        resolve_launch_settings("run", cli, environ={}, yaml_path=Path("/nonexistent/x.yaml"))
+    assert str(caught.value).startswith(message)
+
+
+def test_cli_flag_errors_are_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [PY, "-m", "traceml_ai", "run", "--prometheus-port", "http", "x.py"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("traceml: error: --prometheus-port")
+    assert "Traceback" not in result.stderr
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__]))
