@@ -21,7 +21,12 @@ from traceml_ai._converter import structure, unstructure
 from traceml_ai.launch.run_folder import run_name_problem
 from traceml_ai.rank import _init_config
 from traceml_ai.rank._init_config import build_config
-from traceml_ai.settings import ExportSettings, ResolvedExportSettings, settings_from_values
+from traceml_ai.settings import (
+    ExportSettings,
+    MonitorSettings,
+    ResolvedExportSettings,
+    settings_from_values,
+)
 
 __all__ = ["CONFIG_SOURCE", "TraceMLRayConfig"]
 
@@ -54,6 +59,21 @@ def _port(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise ValueError(
             f"{CONFIG_SOURCE}.{attribute.name}: expected an integer in [0, 65535] "
             f"(0 picks a free port), got {value!r}"
+        )
+
+
+def _strict_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    del instance
+    if not isinstance(value, bool):
+        raise ValueError(f"{CONFIG_SOURCE}.{attribute.name}: expected a boolean, got {value!r}")
+
+
+def _at_least_one(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    del instance
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{CONFIG_SOURCE}.{attribute.name}: expected a whole number of at least 1, "
+            f"got {value!r}"
         )
 
 
@@ -170,6 +190,9 @@ class TraceMLRayConfig:
     - ``port``: the aggregator's TCP port; ``0`` picks a free one.
     - ``stop_timeout_sec``: after training, how long to wait for the workers' last
       telemetry, and then how long the export may take to drain.
+    - ``prometheus_port``, ``prometheus_bind_host``, ``otlp``, ``otlp_trace_sample``:
+      the live views, as ``traceml run``'s flags of the same names (docs/monitoring.md);
+      the aggregator actor serves ``/metrics`` on the driver's node.
 
     TraceML 0.5.0's fields (docs/compat-0.5.md):
 
@@ -194,6 +217,13 @@ class TraceMLRayConfig:
     bind_host: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
     port: int = attrs.field(default=0, validator=_port)
     stop_timeout_sec: float = attrs.field(default=10.0, validator=_positive_seconds)
+    # The live views (docs/monitoring.md), served by the aggregator actor.
+    prometheus_port: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_port)
+    )
+    prometheus_bind_host: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
+    otlp: bool = attrs.field(default=False, validator=_strict_bool)
+    otlp_trace_sample: int = attrs.field(default=100, validator=_at_least_one)
     # TraceML 0.5.0's fields.
     mode: str | None = attrs.field(default=None, validator=_one_of(RAY_MODES))
     profile: str | None = attrs.field(default=None, validator=_one_of(PROFILES))
@@ -256,6 +286,17 @@ class TraceMLRayConfig:
             export_streams=self.export_streams,
             exporter_hostname=self.exporter_hostname,
             source=CONFIG_SOURCE,
+        )
+
+    @property
+    def monitor_settings(self) -> MonitorSettings:
+        """The live views the aggregator actor serves."""
+        return MonitorSettings(
+            prometheus_port=self.prometheus_port,
+            prometheus_bind_host=self.prometheus_bind_host,
+            otlp=self.otlp,
+            otlp_trace_sample=self.otlp_trace_sample,
+            dashboard=self.mode == "dashboard",
         )
 
     @property

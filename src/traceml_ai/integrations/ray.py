@@ -59,7 +59,7 @@ from traceml_ai.aggregator import Aggregator, AggregatorConfig, tune_gc_for_aggr
 from traceml_ai.aggregator.protocol import RayExportSummary
 from traceml_ai.integrations._ray_config import TraceMLRayConfig
 from traceml_ai.launch.launcher import default_run_name, report_export_off
-from traceml_ai.settings import ExportSettings
+from traceml_ai.settings import ExportSettings, MonitorSettings
 from traceml_ai.transport.wire import (
     ENV_AGGREGATOR_ADDR,
     ENV_RUN_TOKEN,
@@ -102,6 +102,7 @@ class _AggregatorActor:
         port: int,
         expected_world_size: int | None,
         finalize_timeout_s: float,
+        monitor: MonitorSettings | None = None,
     ) -> None:
         tune_gc_for_aggregator()  # the actor's process hosts the aggregator alone
         self._aggregator = Aggregator(
@@ -113,6 +114,7 @@ class _AggregatorActor:
                 port=port,
                 expected_world_size=expected_world_size,
                 finalize_timeout_s=finalize_timeout_s,
+                monitor=monitor or MonitorSettings(),
             )
         )
 
@@ -429,6 +431,7 @@ class TraceMLTorchTrainer:
                     config.port,
                     self._expected_world_size(),
                     config.stop_timeout_sec,
+                    config.monitor_settings,
                 )
             )
             return actor, actor.start.remote()

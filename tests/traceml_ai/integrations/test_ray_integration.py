@@ -8,11 +8,15 @@ configs used here, so every test also checks that Ray reads neither.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ import ray.train
 from ray.train import RunConfig, ScalingConfig
 
 import traceml_ai as traceml
-from tests.e2e_helpers import REPO
+from tests.e2e_helpers import REPO, free_port
 from traceml_ai.integrations.ray import ACTOR_NAME_PREFIX, TraceMLRayConfig, TraceMLTorchTrainer
 from traceml_records import read_jsonl, validate_paths
 
@@ -234,14 +238,35 @@ def test_import_without_ray_names_the_extra() -> None:
 
 
 def test_jsonl_export_from_two_workers(ray_cluster: None, driver_env: Path, tmp_path: Path) -> None:
+    port = free_port()
     config = TraceMLRayConfig(
         exporter="jsonl",
         export_streams="step_time,step_memory",
         logs_dir="runs",
         sampler_interval_sec=0.5,
+        prometheus_port=port,
     )
     trainer = make_trainer(tmp_path, config)
-    result = trainer.fit()
+    # The aggregator actor serves /metrics on the driver's node while training runs.
+    scraped: list[str] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            url = f"http://127.0.0.1:{port}/metrics"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+                scraped.append(r.read().decode())
+            done.wait(0.2)
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    try:
+        result = trainer.fit()
+    finally:
+        done.set()
+        scraper.join(5)
+    assert scraped, "the aggregator actor never served /metrics"
+    assert any(f'traceml_steps_total{{rank="{NUM_WORKERS - 1}"}}' in text for text in scraped)
     assert result.error is None
     assert result.return_value is not None and "loss" in result.return_value
 
@@ -252,6 +277,8 @@ def test_jsonl_export_from_two_workers(ray_cluster: None, driver_env: Path, tmp_
     assert sorted(p.name for p in export_dir.iterdir()) == ["step_memory.jsonl", "step_time.jsonl"]
     assert not (run.run_dir / "finalization_warning.json").exists()
     assert_valid(run.run_dir)
+    stats = json.loads((run.run_dir / "aggregator" / "stats.json").read_text())
+    assert stats["monitoring"] == {"dropped_batches": 0, "by_sink": {}, "not_started": {}}
 
     step_time = lines(export_dir / "step_time.jsonl")
     data, closing = step_time[:-1], step_time[-1]
