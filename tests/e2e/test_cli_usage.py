@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from tests.e2e_helpers import REPO, clean_env, free_port, run_cli
+from traceml_ai.settings import KNOWN_YAML_KEYS
 
 PROBE = r"""
 import json, os, sys
@@ -43,11 +44,7 @@ os.write(1, line.encode())
 print("SCRIPT-STDERR", file=sys.stderr, flush=True)
 """
 
-UNKNOWN_KEY_HINT = (
-    "known keys: aggregator_bind_host, aggregator_host, aggregator_port, export_streams, "
-    "exporter, exporter_hostname, finalize_timeout_sec, interval, logs_dir, nnodes, "
-    "nproc_per_node, run_name"
-)
+UNKNOWN_KEY_HINT = "known keys: " + ", ".join(sorted(KNOWN_YAML_KEYS))
 
 
 def probe(tmp_path: Path) -> Path:
