@@ -375,7 +375,9 @@ class TraceMLTorchTrainer:
     def fit(self) -> Any:
         """Run training with TraceML; returns (and raises) what ``TorchTrainer.fit()`` does."""
         config = self.traceml_config
-        if not config.export_enabled:
+        # The aggregator actor runs when export or a live view (Prometheus, OTLP, the
+        # dashboard) is on.
+        if not config.export_enabled and not config.monitor_settings.any_on:
             self.traceml_run = TraceMLRayRun(
                 session_id=None, run_dir=None, address=None, finalized=False, summary=None
             )

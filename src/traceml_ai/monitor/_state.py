@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -62,6 +62,8 @@ WINDOW_STEPS = 120
 """Recent steps kept per rank (for the straggler analysis, the dashboard, outliers)."""
 
 _PHASE_OF_EVENT = {event: name for name, event in PHASES}
+_UNSEEN = "\x00unseen"
+_MAX_LABEL_CACHE = 4096
 _RESERVED = "_traceml_internal:"
 
 
@@ -81,6 +83,15 @@ def _count(value: object) -> int | None:
 def _phase_ms(devices: object) -> float | None:
     """A phase's time in a step: its longest device (as the summary reads it)."""
     if type(devices) is not dict:
+        return None
+    if len(devices) == 1:
+        # The usual case, one device: no loop.
+        for timing in devices.values():
+            if type(timing) is dict:
+                d = timing.get("duration_ms")
+                if type(d) is float:
+                    return d if d >= 0 and d != math.inf else None
+                return _number(d)
         return None
     best: float | None = None
     for timing in devices.values():
@@ -113,9 +124,10 @@ class Histogram:
         return Histogram(self.bounds, list(self.counts), self.total, self.n)
 
 
-@attrs.frozen(slots=True)
-class StepSeen:
-    """One step of one rank as the live views use it (times in ms, ``end_ns`` its end)."""
+class StepSeen(NamedTuple):
+    """One step of one rank as the live views use it (times in ms, ``end_ns`` its end).
+
+    A named tuple: one is made per step on the feed's hot path."""
 
     rank: int
     node: int
@@ -182,6 +194,8 @@ class LiveState:
         self._ranks: dict[int, RankLive] = {}
         self._nodes: dict[int, NodeLive] = {}
         self._user_phases: set[str] = set()
+        self._labels: dict[str, str | None] = {}
+        """event name -> its label (None: a reserved name this release does not write)."""
         self.world_size: int | None = None
         self.started_unix_s = time.time()
         self.ignored_items = 0
@@ -257,12 +271,19 @@ class LiveState:
         if step_ms is None:
             return None
         phases: dict[str, float] = {}
+        labels = self._labels
         for event, devices in events.items():
-            if event == STEP_EVENT or type(event) is not str or not event:
+            if event == STEP_EVENT:
                 continue
             ms = _phase_ms(devices)
-            label = self._phase_label(event) if ms is not None else None
-            if label is None or ms is None:
+            if ms is None:
+                continue
+            label = labels.get(event, _UNSEEN)
+            if label is _UNSEEN:
+                label = self._phase_label(event) if event else None
+                if len(labels) < _MAX_LABEL_CACHE:
+                    labels[event] = label
+            if label is None:
                 continue
             phases[label] = phases.get(label, 0.0) + ms
         live.steps += 1

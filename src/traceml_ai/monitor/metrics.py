@@ -9,8 +9,9 @@ the OTLP exporter as OTLP data points; ``docs/monitoring.md``'s metric table is
 
 Names follow Prometheus' conventions: base units (seconds, bytes, ratios), counters
 end in ``_total``. OTLP takes the same name without ``_total`` (:func:`otlp_name`),
-with the unit in the data, so that a backend that converts OTLP to Prometheus names
-arrives at the same series.
+with the unit in the data (UCUM: ``s``, ``By``, ``1`` for ratios, ``{step}``-style
+annotations for counts, which OTLP-to-Prometheus translation leaves out of the name),
+so that a backend that converts OTLP to Prometheus names arrives at the same series.
 
 Label cardinality is linear in ranks and nodes and otherwise bounded: phases are the
 five built-in ones plus at most ``MAX_USER_PHASES`` user names (the rest are
@@ -78,8 +79,8 @@ PHASE_TIME = _m(
     f"user:NAME (at most {MAX_USER_PHASES} names per run; later ones count as other).",
     "step_time",
 )  # fmt: skip
-STEPS = _m("traceml_steps_total", "counter", "1", ("rank",), "Steps received.", "step_time")
-LAST_STEP = _m("traceml_last_step", "gauge", "1", ("rank",), "The rank's latest step number.", "step_time")  # fmt: skip
+STEPS = _m("traceml_steps_total", "counter", "{step}", ("rank",), "Steps received.", "step_time")
+LAST_STEP = _m("traceml_last_step", "gauge", "{step}", ("rank",), "The rank's latest step number.", "step_time")  # fmt: skip
 LAST_STEP_TIME = _m(
     "traceml_last_step_timestamp_seconds", "gauge", "s", ("rank",),
     "When the rank's latest step ended (Unix time).", "step_time",
@@ -93,7 +94,7 @@ PEAK_RESERVED = _m(
     "Peak memory reserved by the caching allocator during the latest step.", "step_memory",
 )  # fmt: skip
 PROCESS_CPU = _m(
-    "traceml_process_cpu_cores", "gauge", "1", ("rank",),
+    "traceml_process_cpu_cores", "gauge", "{core}", ("rank",),
     "CPU the training process uses, in cores (1.5 = one and a half cores).", "process",
 )  # fmt: skip
 PROCESS_RSS = _m(
@@ -121,7 +122,7 @@ GPU_TEMP = _m("traceml_gpu_temperature_celsius", "gauge", "Cel", ("node", "gpu")
 GPU_POWER = _m("traceml_gpu_power_watts", "gauge", "W", ("node", "gpu"), "GPU power draw.", "system")  # fmt: skip
 GPU_POWER_LIMIT = _m("traceml_gpu_power_limit_watts", "gauge", "W", ("node", "gpu"), "GPU power limit.", "system")  # fmt: skip
 STRAGGLERS = _m(
-    "traceml_stragglers", "gauge", "1", ("verdict",),
+    "traceml_stragglers", "gauge", "{rank}", ("verdict",),
     "Ranks the straggler analysis names now (over each rank's recent steps), with its "
     "verdict as a label: straggler, intermittent, none or n/a (one series).",
     "step_time",
@@ -133,31 +134,31 @@ STRAGGLER_EXCESS = _m(
     "step_time",
 )  # fmt: skip
 EXPORT_RECORDS = _m(
-    "traceml_export_records_total", "counter", "1", ("stream",),
+    "traceml_export_records_total", "counter", "{record}", ("stream",),
     "Records the exporter wrote, per stream (export on).", "aggregator",
 )  # fmt: skip
 EXPORT_FAILED = _m(
-    "traceml_export_failed_records_total", "counter", "1", ("stream",),
+    "traceml_export_failed_records_total", "counter", "{record}", ("stream",),
     "Records built but not written (the exporter failed), per stream.", "aggregator",
 )  # fmt: skip
 EXPORT_DROPPED = _m(
-    "traceml_export_dropped_batches_total", "counter", "1", (),
+    "traceml_export_dropped_batches_total", "counter", "{batch}", (),
     "Batches lost before export: the aggregator's full queue, and what the ranks "
     "reported dropping.", "aggregator",
 )  # fmt: skip
 REJECTED_CONNECTIONS = _m(
-    "traceml_rejected_connections_total", "counter", "1", (),
+    "traceml_rejected_connections_total", "counter", "{connection}", (),
     "Connections the aggregator refused (wrong token, limits).", "aggregator",
 )  # fmt: skip
-RANKS_EXPECTED = _m("traceml_ranks_expected", "gauge", "1", (), "Ranks the run should have.", "aggregator")  # fmt: skip
-RANKS_REPORTING = _m("traceml_ranks_reporting", "gauge", "1", (), "Ranks heard from so far.", "aggregator")  # fmt: skip
-RANKS_FINISHED = _m("traceml_ranks_finished", "gauge", "1", (), "Ranks that finished cleanly.", "aggregator")  # fmt: skip
+RANKS_EXPECTED = _m("traceml_ranks_expected", "gauge", "{rank}", (), "Ranks the run should have.", "aggregator")  # fmt: skip
+RANKS_REPORTING = _m("traceml_ranks_reporting", "gauge", "{rank}", (), "Ranks heard from so far.", "aggregator")  # fmt: skip
+RANKS_FINISHED = _m("traceml_ranks_finished", "gauge", "{rank}", (), "Ranks that finished cleanly.", "aggregator")  # fmt: skip
 RANKS_MISSING = _m(
-    "traceml_ranks_missing", "gauge", "1", (),
+    "traceml_ranks_missing", "gauge", "{rank}", (),
     "Expected ranks not heard from yet, or gone without finishing.", "aggregator",
 )  # fmt: skip
 LIVE_DROPPED = _m(
-    "traceml_live_dropped_batches_total", "counter", "1", (),
+    "traceml_live_dropped_batches_total", "counter", "{batch}", (),
     "Batches the live views skipped because their queue was full (the files are unaffected).",
     "aggregator",
 )  # fmt: skip
