@@ -3,8 +3,8 @@
 Runs the scale benchmark's real ``traceml serve`` under the same simulated load
 twice per round — JSONL alone, then JSONL with ``--prometheus-port`` and ``--otlp`` —
 alternating, so the machine's noise hits both alike. With the views on, a thread
-scrapes ``/metrics`` every ``--scrape-s`` seconds and a loopback OTLP/HTTP receiver
-takes the exports (metrics every 5 s, traces at the default sampling).
+scrapes ``/metrics`` every ``--scrape-s`` seconds (15, Prometheus' default) and a loopback OTLP/HTTP receiver
+takes the exports (metrics every ``--otlp-interval-s``, traces at the default sampling).
 
     python -m bench.monitoring                       # 256 ranks, 10 steps/s, 20 s, 2 rounds
     python -m bench.monitoring --ranks 1024 --seconds 30 --rounds 1   # the nominal scale run
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import json
 import os
 import shutil
 import statistics
@@ -71,14 +72,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one_run(spec: LoadSpec, logs: Path, name: str, *, views: bool, scrape_s: float) -> RunResult:
+def one_run(
+    spec: LoadSpec, logs: Path, name: str, *, views: bool, scrape_s: float, which: str = "both"
+) -> RunResult:
     if not views:
         os.environ.pop("SCALE_AGGREGATOR_ARGS", None)
         return run_once(
             spec, "all", logs_dir=logs, run_name=name, procs=2, do_validate=False, quiet=True
         )
     port = _free_port()
-    os.environ["SCALE_AGGREGATOR_ARGS"] = f"--prometheus-port {port} --otlp"
+    flags = {"both": f"--prometheus-port {port} --otlp", "prometheus": f"--prometheus-port {port}"}
+    os.environ["SCALE_AGGREGATOR_ARGS"] = flags.get(which, "--otlp")
     scrapes = [0]
 
     def scrape_during(agg: AggregatorProc, t0: float) -> None:
@@ -107,7 +111,12 @@ def one_run(spec: LoadSpec, logs: Path, name: str, *, views: bool, scrape_s: flo
         )  # fmt: skip
     finally:
         os.environ.pop("SCALE_AGGREGATOR_ARGS", None)
-    print(f"  scrapes: {scrapes[0]}, OTLP exports received: {_Sink.received}")
+    stats_path = logs / name / "aggregator" / "stats.json"
+    live = json.loads(stats_path.read_text()).get("monitoring") if stats_path.exists() else None
+    print(
+        f"  scrapes: {scrapes[0]}, OTLP exports received: {_Sink.received}, "
+        f"live views lost: {live}"
+    )
     return result
 
 
@@ -117,7 +126,9 @@ def main() -> None:
     parser.add_argument("--steps-per-s", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--scrape-s", type=float, default=5.0)
+    parser.add_argument("--scrape-s", type=float, default=15.0, help="Prometheus' default")
+    parser.add_argument("--otlp-interval-s", type=float, default=15.0)
+    parser.add_argument("--views", choices=("both", "prometheus", "otlp"), default="both")
     args = parser.parse_args()
     spec = LoadSpec(ranks=args.ranks, steps_per_s=args.steps_per_s, seconds=args.seconds)
     logs = Path(tempfile.mkdtemp(prefix="bench-monitoring-"))
@@ -126,17 +137,21 @@ def main() -> None:
     try:
         with otlp_sink() as otlp_port:
             os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{otlp_port}"
-            os.environ["OTEL_METRIC_EXPORT_INTERVAL"] = "5000"
+            os.environ["OTEL_METRIC_EXPORT_INTERVAL"] = str(int(args.otlp_interval_s * 1000))
             for i in range(args.rounds):
                 off = one_run(spec, logs, f"off{i}", views=False, scrape_s=args.scrape_s)
-                on = one_run(spec, logs, f"on{i}", views=True, scrape_s=args.scrape_s)
+                on = one_run(
+                    spec, logs, f"on{i}", views=True, scrape_s=args.scrape_s, which=args.views
+                )
                 dropped_on += on.dropped
                 ratio = on.cpu_s_per_1k / off.cpu_s_per_1k if off.cpu_s_per_1k > 0 else float("nan")
                 ratios.append(ratio)
                 print(
                     f"round {i + 1}: JSONL alone {off.cpu_s_per_1k:.4f} CPU s per 1,000 records "
                     f"(dropped {off.dropped}); with Prometheus + OTLP {on.cpu_s_per_1k:.4f} "
-                    f"(dropped {on.dropped}, exact {on.check.exact}); ratio {ratio:.2f}"
+                    f"(dropped {on.agg_dropped_batches} by the aggregator, "
+                    f"{on.sender_dropped_batches} by the senders, exact {on.check.exact}); "
+                    f"ratio {ratio:.2f}"
                 )
     finally:
         shutil.rmtree(logs, ignore_errors=True)

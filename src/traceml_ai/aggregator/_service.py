@@ -165,6 +165,9 @@ class Aggregator:
             if self._monitoring is not None:
                 self._monitoring.close(1.0)
             raise
+        if pipeline is not None and self._monitoring is not None:
+            worker = pipeline.worker
+            self._monitoring.feed.export_backlog = lambda: worker.backlog
         with self._lock:
             self._pipeline = pipeline
             if pipeline is not None:

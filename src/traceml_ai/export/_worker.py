@@ -285,6 +285,14 @@ class ExportWorker:
         """Batches waiting in the queue now (live)."""
         return len(self._queue)
 
+    @property
+    def backlog(self) -> float:
+        """How full the queue is now, 0 to 1 (the larger of its two bounds' shares; read
+        without the lock: a hint for the live views, which yield to the export)."""
+        by_count = len(self._queue) / self._max_batches
+        by_bytes: float = self._queued_bytes / self._max_bytes
+        return max(by_count, by_bytes)
+
     def stats(self) -> ExportStats:
         """A consistent snapshot of the counters (the final figures after shutdown)."""
         if self._final is not None:

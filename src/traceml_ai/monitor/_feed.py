@@ -19,13 +19,18 @@ from collections.abc import Callable, Sequence
 
 from traceml_ai.monitor._state import LiveState, StepSeen
 from traceml_ai.run_summary._straggler import analyze
-from traceml_ai.transport.wire import FrameError, ReceivedBatch, decode_batch_body
+from traceml_ai.transport.wire import (
+    FrameError,
+    ReceivedBatch,
+    decode_batch_body,
+    peek_batch_stream,
+)
 
 __all__ = ["DEFAULT_MAX_BATCHES", "DEFAULT_MAX_BYTES", "LiveFeed", "StepListener"]
 
 _log = logging.getLogger("traceml_ai.monitor")
 
-DEFAULT_MAX_BATCHES = 4096
+DEFAULT_MAX_BATCHES = 16384
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
 STRAGGLER_PERIOD_S = 5.0
 """How often the straggler view is recomputed (longer when it takes long: at most
@@ -33,8 +38,40 @@ about 5 % of a core)."""
 STRAGGLER_STEPS = 60
 """Recent steps of each rank the live straggler analysis looks at."""
 _LINGER_S = 0.05
+BACKLOG_YIELD = 0.25
+"""When the export's queue is fuller than this share, the feed pauses between batches:
+the files come first, and the live views' own queue drops (and counts) instead."""
+_YIELD_S = 0.02
 
 StepListener = Callable[[Sequence[StepSeen]], None]
+
+
+_GAUGE_STREAMS = frozenset({"step_memory", "process", "system", "runtime_environment"})
+_IDENTITY = b'"identity":'
+_ITEMS = b',"items":'
+
+
+def _gauge_key(batch: ReceivedBatch) -> bytes | None:
+    """(stream, identity) of an encoded batch of a stream whose latest sample is all the
+    live views keep; None for step_time and anything not read cheaply."""
+    body = batch.payload
+    if type(body) is not bytes:
+        return None
+    stream = peek_batch_stream(body)
+    if stream not in _GAUGE_STREAMS:
+        return None
+    start = body.find(_IDENTITY, 0, 1024)
+    end = body.find(_ITEMS, start, start + 4096) if start >= 0 else -1
+    if end < 0:
+        return None
+    return stream.encode() + body[start:end]
+
+
+def _backlog(read: Callable[[], float]) -> float:
+    try:
+        return read()
+    except Exception:
+        return 0.0
 
 
 class LiveFeed:
@@ -47,6 +84,7 @@ class LiveFeed:
         max_batches: int = DEFAULT_MAX_BATCHES,
         max_bytes: int = DEFAULT_MAX_BYTES,
         straggler_period_s: float = STRAGGLER_PERIOD_S,
+        export_backlog: Callable[[], float] | None = None,
     ) -> None:
         self.state = state
         self._max_batches = max_batches
@@ -64,6 +102,8 @@ class LiveFeed:
         self._straggler_period_s = straggler_period_s
         self._next_straggler = time.monotonic() + straggler_period_s
         self._straggler_dirty = False
+        self.export_backlog = export_backlog
+        """How full the export's queue is (0 to 1); None when export is off."""
 
     def add_listener(self, listener: StepListener) -> None:
         """Call ``listener`` with each batch's new steps, on the feed thread (before start)."""
@@ -117,7 +157,20 @@ class LiveFeed:
                 batches = list(self._queue)
                 self._queue.clear()
                 self._bytes = 0
-            for batch in batches:
+            backlog = self.export_backlog
+            keys = [_gauge_key(b) for b in batches] if len(batches) > 1 else [None]
+            latest = {key: i for i, key in enumerate(keys) if key is not None}
+            for index, batch in enumerate(batches):
+                key = keys[index] if len(keys) > 1 else None
+                if key is not None and latest[key] != index:
+                    # A later sample of the same rank's gauges is in this pop: the live
+                    # views keep the latest only, so under load the feed skips unread.
+                    continue
+                if backlog is not None and not self._stopping:
+                    # The aggregator process has one GIL: when the export falls behind,
+                    # the live views wait (their own queue bounds what they hold).
+                    while _backlog(backlog) > BACKLOG_YIELD and not self._stopping:
+                        time.sleep(_YIELD_S)
                 try:
                     self._take(batch)
                 except Exception:
