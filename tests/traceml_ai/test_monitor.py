@@ -15,7 +15,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.custom_exporters import process_item, step_memory_item, step_time_item, system_item
+from tests.custom_exporters import process_item, step_memory_item, system_item
 from tests.e2e_helpers import PY, REPO, clean_env
 from traceml_ai.monitor._feed import LiveFeed
 from traceml_ai.monitor._service import Monitoring, RunInfo, start_monitoring
@@ -71,7 +71,9 @@ def encoded(stream: str, ident: dict[str, Any], items: list[Any]) -> ReceivedBat
 
 def test_state_takes_steps_into_histograms_and_keeps_a_window() -> None:
     state = LiveState()
-    items = [step(i, 20.0, i * 10**9, **{"_traceml_internal:forward_time": 5.0}) for i in range(1, 6)]
+    items = [
+        step(i, 20.0, i * 10**9, **{"_traceml_internal:forward_time": 5.0}) for i in range(1, 6)
+    ]
     seen = state.add_steps(identity(1, world=4, node=1), items)
     assert [s.step for s in seen] == [1, 2, 3, 4, 5]
     (rank,) = state.ranks()
@@ -225,7 +227,23 @@ def test_series_stay_linear_in_ranks_at_1024() -> None:
         ident = identity(rank, world=1024, node=rank // 8)
         state.add_steps(
             ident,
-            [step(1, 30.0, 1, **{f"_traceml_internal:{p}": 1.0 for p in ("forward_time", "backward_time", "optimizer_step", "dataloader_next", "h2d_time")})],
+            [
+                step(
+                    1,
+                    30.0,
+                    1,
+                    **{
+                        f"_traceml_internal:{p}": 1.0
+                        for p in (
+                            "forward_time",
+                            "backward_time",
+                            "optimizer_step",
+                            "dataloader_next",
+                            "h2d_time",
+                        )
+                    },
+                )
+            ],
         )
         state.add_memory(ident, [step_memory_item(device="cuda:0")])
         state.add_process(ident, [process_item(gpu=True)])
@@ -394,3 +412,41 @@ def test_cli_flag_errors_are_one_line(tmp_path: Path) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))
+
+
+def test_feed_keeps_the_latest_gauge_batch_of_a_rank_and_every_step() -> None:
+    state = LiveState()
+    feed = LiveFeed(state)
+    for n in range(1, 6):
+        item = step_memory_item(step=n, device="cuda:0")
+        item["peak_allocated_bytes"] = n * 1000
+        feed.submit(encoded("step_memory", identity(0), [item]))
+        feed.submit(encoded("step_time", identity(0), [step(n, 5.0, n)]))
+    feed.start()  # one pop holds all ten batches
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(r.steps == 5 for r in state.ranks()):
+        time.sleep(0.02)
+    feed.stop(1.0)
+    (rank,) = state.ranks()
+    assert rank.steps == 5  # every step counts
+    assert rank.peak_memory["cuda:0"][0] == 5000  # the latest sample is what shows
+    assert feed.dropped_batches == 0
+
+
+def test_feed_waits_while_the_export_is_behind() -> None:
+    state = LiveState()
+    behind = [True]
+    feed = LiveFeed(state, max_batches=4, export_backlog=lambda: 0.9 if behind[0] else 0.0)
+    feed.start()
+    feed.submit(encoded("step_time", identity(0), [step(1, 5.0, 1)]))
+    time.sleep(0.3)
+    assert all(r.steps == 0 for r in state.ranks())  # yielding to the export
+    for n in range(2, 12):
+        feed.submit(encoded("step_time", identity(0), [step(n, 5.0, n)]))
+    assert feed.dropped_batches == 6  # its own bound, counted; never the export's
+    behind[0] = False
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(r.steps == 5 for r in state.ranks()):
+        time.sleep(0.02)
+    feed.stop(1.0)
+    assert [r.steps for r in state.ranks()] == [5]
