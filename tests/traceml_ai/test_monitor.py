@@ -450,3 +450,44 @@ def test_feed_waits_while_the_export_is_behind() -> None:
         time.sleep(0.02)
     feed.stop(1.0)
     assert [r.steps for r in state.ranks()] == [5]
+
+
+def test_folding_user_phases_is_said_once(tmp_path: Path) -> None:
+    lines: list[str] = []
+    monitoring = Monitoring(
+        MonitorSettings(), RunInfo(run_dir=tmp_path, run_name="r", host="h"), Health,
+        report=lines.append,
+    )  # fmt: skip
+    monitoring.feed.start()
+    names = {f"phase_{i:02d}": 1.0 for i in range(MAX_USER_PHASES + 3)}
+    for n in (1, 2):
+        monitoring.submit(encoded("step_time", identity(0), [step(n, 50.0, n, **names)]))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(r.steps == 2 for r in monitoring.state.ranks()):
+        time.sleep(0.02)
+    monitoring.close(1.0)
+    assert len(lines) == 1, lines
+    assert f"more than {MAX_USER_PHASES} user phase names" in lines[0]
+    assert "'phase_08'" in lines[0] and "count as 'other'" in lines[0]
+
+
+def test_a_scraper_that_never_reads_does_not_hold_the_run(tmp_path: Path) -> None:
+    import socket
+
+    monitoring = start_monitoring(
+        MonitorSettings(prometheus_port=0),
+        RunInfo(run_dir=tmp_path, run_name="r", host="h"),
+        Health,
+        report=lambda line: None,
+    )
+    assert monitoring is not None
+    port = monitoring.sinks[0].port  # type: ignore[attr-defined]
+    stuck = socket.create_connection(("127.0.0.1", port))
+    stuck.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finishes its request
+    try:
+        started = time.monotonic()
+        loss = monitoring.close(2.0)
+        assert time.monotonic() - started < 3.0
+        assert loss.not_started == {} and loss.by_sink == {}
+    finally:
+        stuck.close()

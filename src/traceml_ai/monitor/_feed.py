@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from traceml_ai.monitor._state import LiveState, StepSeen
+from traceml_ai.monitor._state import MAX_USER_PHASES, OTHER_PHASE, LiveState, StepSeen
 from traceml_ai.run_summary._straggler import analyze
 from traceml_ai.transport.wire import (
     FrameError,
@@ -104,6 +104,9 @@ class LiveFeed:
         self._straggler_dirty = False
         self.export_backlog = export_backlog
         """How full the export's queue is (0 to 1); None when export is off."""
+        self.report: Callable[[str], None] | None = None
+        """Where the feed's one-time notices go (the monitoring's ``report``)."""
+        self._folding_said = False
 
     def add_listener(self, listener: StepListener) -> None:
         """Call ``listener`` with each batch's new steps, on the feed thread (before start)."""
@@ -203,6 +206,8 @@ class LiveFeed:
         state = self.state
         if stream == "step_time":
             seen = state.add_steps(identity, items)
+            if state.folded_phase_names and not self._folding_said:
+                self._say_folding()
             if seen:
                 self._straggler_dirty = True
                 for listener in self._listeners:
@@ -218,6 +223,17 @@ class LiveFeed:
             state.add_system(identity, items)
         elif stream == "runtime_environment":
             state.add_environment(identity, items)
+
+    def _say_folding(self) -> None:
+        """Once per run: user phase names beyond the bound count as ``other``."""
+        self._folding_said = True
+        names = ", ".join(repr(n) for n in sorted(self.state.folded_phase_names)[:3])
+        line = (
+            f"traceml: live views: more than {MAX_USER_PHASES} user phase names; {names} and any "
+            f"later ones count as '{OTHER_PHASE}' in the metrics (the files keep every name)"
+        )
+        if self.report is not None:
+            self.report(line)
 
     def _update_straggler(self) -> None:
         """Recompute the straggler view; the next run waits at least 20 times as long as

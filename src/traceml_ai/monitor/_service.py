@@ -102,6 +102,7 @@ class Monitoring:
         self.state = LiveState()
         self.feed = feed or LiveFeed(self.state)
         self.feed.state = self.state
+        self.feed.report = report
         self._health = health
         self.report = report
         self.sinks: list[LiveSink] = []
