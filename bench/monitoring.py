@@ -114,8 +114,7 @@ def one_run(
     stats_path = logs / name / "aggregator" / "stats.json"
     live = json.loads(stats_path.read_text()).get("monitoring") if stats_path.exists() else None
     print(
-        f"  scrapes: {scrapes[0]}, OTLP exports received: {_Sink.received}, "
-        f"live views lost: {live}"
+        f"  scrapes: {scrapes[0]}, OTLP exports received: {_Sink.received}, live views lost: {live}"
     )
     return result
 

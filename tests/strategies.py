@@ -248,7 +248,9 @@ def warning_json(draw: st.DrawFn) -> dict[str, Any]:
         monitoring = {
             "dropped_batches": draw(st.integers(0, INT64_MAX)),
             "by_sink": draw(
-                st.dictionaries(names, st.dictionaries(names, st.integers(0, INT64_MAX)), max_size=3)
+                st.dictionaries(
+                    names, st.dictionaries(names, st.integers(0, INT64_MAX)), max_size=3
+                )
             ),
             "not_started": draw(st.dictionaries(names, names, max_size=2)),
         }

@@ -229,6 +229,35 @@ def summary(
         sys.exit(1)
 
 
+@main.command()
+@click.argument("path", metavar="RUN_FOLDER_OR_EXPORT_FOLDER", type=click.Path())
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8765,
+    show_default=True,
+    help="Port of the page (0 picks a free one).",
+)
+@click.option(
+    "--bind-host",
+    default="127.0.0.1",
+    show_default=True,
+    metavar="HOST",
+    help="Address to listen on. Another than a loopback address makes the run visible "
+    "to anyone who can reach the port (a warning says so); prefer an SSH tunnel.",
+)
+def dashboard(path: str, port: int, bind_host: str) -> None:
+    """Serve the live dashboard of a run from its export files, running or finished.
+
+    The page (step time per rank, phases, the straggler, memory, process and system
+    figures, the loss report) follows the files while the run writes them, as
+    `traceml summary --follow` does. Needs the 'dashboard' extra. Ctrl-C stops it.
+    """
+    from traceml_ai.dashboard import serve_folder
+
+    sys.exit(serve_folder(path, bind_host, port))
+
+
 def _add_launch_commands() -> None:
     from traceml_ai.launch.commands import run, serve
 

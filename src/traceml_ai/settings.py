@@ -418,6 +418,17 @@ OTLP_TRACE_SAMPLE: Setting[int] = Setting(
     metavar="N",
     commands=_BOTH,
 )
+DASHBOARD: Setting[bool] = Setting(
+    name="dashboard",
+    parse=parse_bool_value,
+    default=False,
+    default_doc="off",
+    expected=BOOL_FORMS,
+    help="Serve the live dashboard from the aggregator (needs the 'dashboard' extra); "
+    "traceml run --mode dashboard sets it.",
+    metavar="",
+    commands=_BOTH,
+)
 DASHBOARD_PORT: Setting[int] = Setting(
     name="dashboard_port",
     parse=_parse_port,
@@ -456,6 +467,7 @@ SETTINGS: tuple[Setting[object], ...] = (
     PROMETHEUS_BIND_HOST,
     OTLP,
     OTLP_TRACE_SAMPLE,
+    DASHBOARD,
     DASHBOARD_PORT,
     DASHBOARD_BIND_HOST,
 )
@@ -856,6 +868,7 @@ def resolve_launch_settings(
             prometheus_bind_host=_given(get(PROMETHEUS_BIND_HOST), PROMETHEUS_BIND_HOST),
             otlp=_given(get(OTLP), OTLP),
             otlp_trace_sample=_given(get(OTLP_TRACE_SAMPLE), OTLP_TRACE_SAMPLE),
+            dashboard=_given(get(DASHBOARD), DASHBOARD),
             dashboard_port=_given(get(DASHBOARD_PORT), DASHBOARD_PORT),
             dashboard_bind_host=_given(get(DASHBOARD_BIND_HOST), DASHBOARD_BIND_HOST),
         ),

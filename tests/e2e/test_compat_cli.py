@@ -424,12 +424,13 @@ def test_options_without_a_feature_here_are_one_notice_each(tmp_path: Path) -> N
         "traceml: --no-history has no effect here: TraceML keeps no history database; "
         "--exporter decides what is written",
         "traceml: --history-retention has no effect here: TraceML keeps no history database",
-        "traceml: --dashboard-port has no effect here: there is no dashboard",
-        "traceml: --no-dashboard-auto-open has no effect here: there is no dashboard",
+        "traceml: --no-dashboard-auto-open has no effect here: the dashboard never opens a "
+        "browser; open the URL it prints",
         "traceml: --save-training-output has no effect here: the script's output goes to the "
         "terminal",
-        "traceml: --mode cli has no effect here: there is no live view; --mode summary prints "
-        "the run summary at the end",
+        "traceml: --mode cli has no effect here: there is no terminal view during the run "
+        "(traceml summary --follow RUN_FOLDER gives one); --mode dashboard serves a live web "
+        "page",
     ]
 
 

@@ -366,8 +366,8 @@ def test_keywords_without_a_feature_here_are_one_notice_each() -> None:
                 connect_retry_interval_sec=0.1,
             )
     assert ours(caught) == [
-        "traceml: init(ui_mode='dashboard') is ignored: this TraceML has no live view; "
-        "traceml.summary() gives the run's figures",
+        "traceml: init(ui_mode='dashboard') is ignored: the live dashboard is served by the "
+        "aggregator; start the run with `traceml run --mode dashboard`",
         "traceml: init(logs_dir='somewhere') is ignored: the run folder is set by "
         "`traceml run --logs-dir`",
         "traceml: init(enable_logging=True) is ignored: TraceML writes no log files; "

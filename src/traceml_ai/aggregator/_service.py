@@ -106,6 +106,11 @@ class Aggregator:
         return self._server.address if self._server else None
 
     @property
+    def monitoring(self) -> Monitoring | None:
+        """The live views, when any is on (the Ray driver asks it for the dashboard's URL)."""
+        return self._monitoring
+
+    @property
     def expected_world_size(self) -> int | None:
         """The configured world size, else the one the first rank reported."""
         return self.config.expected_world_size or self._reported_world_size

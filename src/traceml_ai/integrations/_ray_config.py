@@ -193,13 +193,19 @@ class TraceMLRayConfig:
     - ``prometheus_port``, ``prometheus_bind_host``, ``otlp``, ``otlp_trace_sample``:
       the live views, as ``traceml run``'s flags of the same names (docs/monitoring.md);
       the aggregator actor serves ``/metrics`` on the driver's node.
+    - ``dashboard_port`` (8765; 0 picks a free one), ``dashboard_bind_host``
+      (``127.0.0.1``): where the aggregator actor serves the live dashboard with
+      ``mode="dashboard"``, on the driver's node (docs/dashboard.md); the driver prints
+      its URL. Another than a loopback address is said in a warning.
 
     TraceML 0.5.0's fields (docs/compat-0.5.md):
 
     - ``mode``: ``"summary"`` switches export on (``jsonl``, when ``exporter`` is
       ``""``) and prints the run's summary after training, as ``traceml run --mode
-      summary`` does; ``"cli"`` and ``"dashboard"`` (live views) say once that there
-      is none here. ``None`` (the default): neither.
+      summary`` does; ``"dashboard"`` switches export on the same way and serves the
+      live dashboard while the job trains, as ``traceml run --mode dashboard``;
+      ``"cli"`` says once that there is no terminal view here. ``None`` (the
+      default): none of these.
     - ``init_mode`` and ``patch_dataloader``/``patch_forward``/``patch_backward``/
       ``patch_h2d``: what each worker's ``traceml.init()`` is given (``mode`` and
       ``patch_*``), checked when the config is made, with init's rules.
@@ -224,6 +230,8 @@ class TraceMLRayConfig:
     prometheus_bind_host: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
     otlp: bool = attrs.field(default=False, validator=_strict_bool)
     otlp_trace_sample: int = attrs.field(default=100, validator=_at_least_one)
+    dashboard_port: int = attrs.field(default=8765, validator=_port)
+    dashboard_bind_host: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
     # TraceML 0.5.0's fields.
     mode: str | None = attrs.field(default=None, validator=_one_of(RAY_MODES))
     profile: str | None = attrs.field(default=None, validator=_one_of(PROFILES))
@@ -244,14 +252,15 @@ class TraceMLRayConfig:
         except ValueError as exc:
             raise ValueError(f"{CONFIG_SOURCE}.init_mode: {exc}") from None
         notices = {
-            "mode": "there is no live view; mode='summary' prints the run's summary after training",
+            "mode": "there is no terminal view; mode='dashboard' serves a live web page, "
+            "mode='summary' prints the run's summary after training",
             "profile": "every worker's steps are traced",
             "summary_window_rows": "the summary covers every step written",
             "history_retention": "there is no history database; the export files keep every line",
         }
         for field, why in notices.items():
             value = getattr(self, field)
-            if value is not None and value not in ("summary", "run"):
+            if value is not None and value not in ("summary", "dashboard", "run"):
                 _notice(field, value, why)
 
     def init_patches(self) -> dict[str, bool | None]:
@@ -282,7 +291,7 @@ class TraceMLRayConfig:
     def resolved_settings(self) -> ResolvedExportSettings:
         """The validated export settings, with the selected stream names."""
         return settings_from_values(
-            exporter=self.exporter or ("jsonl" if self.mode == "summary" else ""),
+            exporter=self.exporter or ("jsonl" if self.mode in ("summary", "dashboard") else ""),
             export_streams=self.export_streams,
             exporter_hostname=self.exporter_hostname,
             source=CONFIG_SOURCE,
@@ -297,6 +306,8 @@ class TraceMLRayConfig:
             otlp=self.otlp,
             otlp_trace_sample=self.otlp_trace_sample,
             dashboard=self.mode == "dashboard",
+            dashboard_port=self.dashboard_port,
+            dashboard_bind_host=self.dashboard_bind_host,
         )
 
     @property
@@ -306,7 +317,8 @@ class TraceMLRayConfig:
 
     @property
     def export_enabled(self) -> bool:
-        """Whether an exporter is set (``exporter`` is not ``""``, or ``mode="summary"``)."""
+        """Whether an exporter is set (``exporter`` is not ``""``, or ``mode`` is
+        ``"summary"`` or ``"dashboard"``)."""
         return self.export_settings.exporter_kind != "off"
 
     def run_dir(self, session_id: str) -> Path:

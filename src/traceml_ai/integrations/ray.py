@@ -30,6 +30,7 @@ import importlib
 import inspect
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -129,6 +130,18 @@ class _AggregatorActor:
             # Listening everywhere: hand out this node's address as Ray knows it.
             host = ray.util.get_node_ip_address()
         return host, port
+
+    def dashboard_url(self) -> tuple[str | None, str | None]:
+        """(the live dashboard's URL, why it did not start); (None, None) when it is off.
+
+        Called after :meth:`start` (an actor runs its calls in order)."""
+        monitoring = self._aggregator.monitoring
+        if monitoring is None:
+            return None, None
+        for sink in monitoring.sinks:
+            if sink.name == "dashboard":
+                return str(getattr(sink, "url", "")) or None, None
+        return None, monitoring.not_started.get("dashboard")
 
     def stop(self, wait_s: float) -> dict[str, Any]:
         """Wait (bounded) for the workers' connections to close, then finalize."""
@@ -393,6 +406,8 @@ class TraceMLTorchTrainer:
         plan = None
         if address_ref is not None:
             _say(f"run folder {run_dir}")
+            if config.mode == "dashboard":
+                _say_dashboard_url(actor)
             plan = _WorkerPlan(
                 address_ref,
                 token,
@@ -505,6 +520,24 @@ def _print_run_summary(run_dir: Path) -> None:
         print(format_summary(summarize_run(run_dir)), file=sys.stderr, flush=True)
     except Exception as exc:
         _say(f"summary unavailable: {type(exc).__name__}: {exc}")
+
+
+def _say_dashboard_url(actor: Any) -> None:
+    """Print the dashboard's URL on the driver once the actor has started (on a thread
+    of its own: ``fit()`` never waits for it)."""
+
+    def wait_and_say() -> None:
+        try:
+            url, why = ray.get(actor.dashboard_url.remote(), timeout=AGGREGATOR_START_TIMEOUT_S)
+        except Exception as exc:
+            _say(f"dashboard: its URL is unknown ({_reason(exc)})")
+            return
+        if url:
+            _say(f"dashboard: live at {url} (until the run has finalized)")
+        elif why:
+            _say(f"dashboard: did not start ({why}); training and the files go on without it")
+
+    threading.Thread(target=wait_and_say, name="traceml-dashboard-url", daemon=True).start()
 
 
 def _reason(exc: BaseException) -> str:

@@ -76,8 +76,8 @@ _NO_EFFECT = {
     "--exporter decides what is written",
     "history_retention": "--history-retention has no effect here: TraceML keeps no history "
     "database",
-    "dashboard_port": "--dashboard-port has no effect here: there is no dashboard",
-    "no_dashboard_auto_open": "--no-dashboard-auto-open has no effect here: there is no dashboard",
+    "no_dashboard_auto_open": "--no-dashboard-auto-open has no effect here: the dashboard never "
+    "opens a browser; open the URL it prints",
 }
 
 
@@ -89,9 +89,10 @@ def _compat_options(func: _F) -> _F:
             "mode",
             type=click.Choice(["cli", "dashboard", "summary"]),
             default=None,
-            help="TraceML 0.5.0: summary prints the run summary at the end (and switches the "
-            "jsonl exporter on unless an exporter is set); cli and dashboard have no live "
-            "view here.",
+            help="dashboard serves a live web page from the aggregator while the run goes "
+            "(needs the 'dashboard' extra; see --dashboard-port); summary prints the run "
+            "summary at the end. Both switch the jsonl exporter on unless an exporter is set. "
+            "TraceML 0.5.0's cli has no effect here.",
         ),
         click.option(
             "--session-id",
@@ -150,13 +151,6 @@ def _compat_options(func: _F) -> _F:
             "history_retention",
             default=None,
             metavar="DURATION",
-            help="TraceML 0.5.0; no effect here.",
-        ),
-        click.option(
-            "--dashboard-port",
-            "dashboard_port",
-            default=None,
-            metavar="PORT",
             help="TraceML 0.5.0; no effect here.",
         ),
         click.option(
@@ -421,10 +415,11 @@ def run(
             "to the terminal",
             err=True,
         )
-    if mode in ("cli", "dashboard"):
+    if mode == "cli":
         click.echo(
-            f"traceml: --mode {mode} has no effect here: there is no live view; "
-            "--mode summary prints the run summary at the end",
+            "traceml: --mode cli has no effect here: there is no terminal view during the run "
+            "(traceml summary --follow RUN_FOLDER gives one); --mode dashboard serves a live "
+            "web page",
             err=True,
         )
     port = rendezvous_port(master_port, nnodes)
@@ -443,12 +438,25 @@ def run(
             sys.exit(2)
         cli["run_name"] = session_id
     settings = _resolve("run", cli)
-    if mode == "summary":
-        if settings.sources.get("exporter", SOURCE_DEFAULT) == SOURCE_DEFAULT:
-            # 0.5.0's summary mode always has its figures: export step_time for it.
-            settings = _resolve("run", {**cli, "exporter": "jsonl"})
-        if settings.run_name is None and settings.aggregator_host is None and node_rank == 0:
-            settings = attrs.evolve(settings, run_name=default_run_name())
+    exporter_unset = settings.sources.get("exporter", SOURCE_DEFAULT) == SOURCE_DEFAULT
+    if mode in ("summary", "dashboard") and exporter_unset:
+        # 0.5.0's summary mode always has its figures: export step_time for it. The
+        # dashboard's page is shown from the files after the run (traceml dashboard).
+        settings = _resolve("run", {**cli, "exporter": "jsonl"})
+    dashboard = settings.monitor.dashboard or mode == "dashboard"
+    if dashboard and (settings.aggregator_host is not None or node_rank != 0):
+        click.echo(
+            "traceml: --mode dashboard: this node hosts no aggregator; the page is served "
+            "where the aggregator runs (node 0's traceml run, or traceml serve)",
+            err=True,
+        )
+    if (
+        mode == "summary"
+        and settings.run_name is None
+        and settings.aggregator_host is None
+        and node_rank == 0
+    ):
+        settings = attrs.evolve(settings, run_name=default_run_name())
     if trace_max_steps is not None:
         os.environ[_environ.TRACE_MAX_STEPS] = str(trace_max_steps)
     if on_missing_aggregator is not None:
@@ -468,6 +476,7 @@ def run(
         interval=settings.interval,
         finalize_timeout_s=settings.finalize_timeout_sec,
         export=settings.export,
+        monitor=attrs.evolve(settings.monitor, dashboard=dashboard),
     )
     try:
         code = launch(options)
@@ -536,6 +545,7 @@ def serve(**cli: Any) -> None:
             port=aggregator_port,
             expected_world_size=expected,
             finalize_timeout_s=finalize_timeout_sec,
+            monitor=settings.monitor,
         )
     )
     # From here on a Ctrl-C or SIGTERM finalizes the run (closing lines), never aborts.

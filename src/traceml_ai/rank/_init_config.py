@@ -219,11 +219,18 @@ def notice_unsupported(
     session_id: str | None,
 ) -> None:
     """One warning per 0.5.0 keyword that has no effect here (docs/compat-0.5.md)."""
-    if ui_mode is not None and str(ui_mode).strip().lower() != "summary":
+    mode = str(ui_mode).strip().lower() if ui_mode is not None else None
+    if mode == "dashboard":
         warn_once(
             "ui_mode",
-            f"traceml: init(ui_mode={ui_mode!r}) is ignored: this TraceML has no live "
-            "view; traceml.summary() gives the run's figures",
+            f"traceml: init(ui_mode={ui_mode!r}) is ignored: the live dashboard is served by "
+            "the aggregator; start the run with `traceml run --mode dashboard`",
+        )
+    elif mode is not None and mode != "summary":
+        warn_once(
+            "ui_mode",
+            f"traceml: init(ui_mode={ui_mode!r}) is ignored: there is no terminal view during "
+            "the run; traceml.summary() gives the run's figures",
         )
     if logs_dir is not None:
         warn_once(

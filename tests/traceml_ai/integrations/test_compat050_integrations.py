@@ -161,8 +161,19 @@ def test_ray_config_050_modes_and_defaults() -> None:
     default = _ray_config()
     assert (default.mode, default.profile, default.init_mode) == (None, None, "auto")
     assert not default.export_enabled
-    with pytest.warns(_init_config.TraceMLWarning, match=r"mode='dashboard'\) has no effect"):
-        assert not _ray_config(mode="dashboard").export_enabled
+    with pytest.warns(_init_config.TraceMLWarning, match=r"mode='cli'\) has no effect"):
+        assert not _ray_config(mode="cli").export_enabled
+    # mode="dashboard" serves the live page and, like "summary", switches jsonl on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dashboard = _ray_config(mode="dashboard", dashboard_port=0)
+    assert dashboard.export_enabled and dashboard.export_settings.exporter == "jsonl"
+    monitor = dashboard.monitor_settings
+    assert (monitor.dashboard, monitor.dashboard_port, monitor.dashboard_bind_host) == (
+        True,
+        0,
+        "127.0.0.1",
+    )
     with pytest.warns(_init_config.TraceMLWarning, match=r"profile='watch'\) has no effect"):
         _ray_config(profile="watch")
     # An exporter given wins over mode="summary"'s jsonl.

@@ -1,0 +1,205 @@
+"""The live source: the aggregator's :class:`~traceml_ai.monitor._state.LiveState` as
+a :class:`~traceml_ai.dashboard._view.RunData`.
+
+Reads only what the aggregator already holds (each rank's recent steps, the latest
+samples, the straggler view the feed computes, the aggregator's health); nothing is
+asked of the ranks. How often it is built is :class:`~._server.Views`' choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData
+from traceml_ai.monitor._state import WINDOW_STEPS
+from traceml_ai.run_summary._phases import median
+from traceml_ai.run_summary._report import step_figures
+
+if TYPE_CHECKING:
+    from traceml_ai.monitor._service import Monitoring
+    from traceml_ai.monitor._state import StepSeen
+
+__all__ = ["LiveSource"]
+
+
+def _shown_rows(
+    recent: dict[int, list[StepSeen]], straggler: Mapping[str, Any] | None
+) -> dict[int, dict[int, dict[str, float]]]:
+    """The step rows (as the summary reads them) of the ranks the page's tables show:
+    every rank up to MAX_TABLE_ROWS, else the stragglers, then the slowest by median."""
+    shown = sorted(recent)
+    if len(shown) > MAX_TABLE_ROWS:
+        named = [
+            s["rank"] for s in (straggler or {}).get("stragglers") or () if s.get("rank") in recent
+        ]
+        by_median = sorted(recent, key=lambda r: -median(s.step_ms for s in recent[r]))
+        shown = sorted([*named, *(r for r in by_median if r not in named)][:MAX_TABLE_ROWS])
+    rows: dict[int, dict[int, dict[str, float]]] = {}
+    for r in shown:
+        mine: dict[int, dict[str, float]] = {}
+        for s in recent[r]:
+            row = {"step": s.step_ms, "_ts": float(s.end_ns)}
+            row.update(s.phases)
+            mine[s.step] = row
+        rows[r] = mine
+    return rows
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+class LiveSource:
+    """RunData of the running aggregator, as it is now."""
+
+    def __init__(self, monitoring: Monitoring) -> None:
+        self._monitoring = monitoring
+
+    def __call__(self) -> RunData:
+        return self._build()
+
+    def _build(self) -> RunData:
+        m = self._monitoring
+        state = m.state
+        finished = m.finished.is_set()
+        health = m.health()
+        live_ranks = state.ranks()
+        recent = {r: steps for r, steps in state.recent_steps().items() if steps}
+        notes: list[str] = []
+        step_time: dict[str, Any] | None = None
+        phases: dict[str, Any] | None = None
+        names: list[str] = []
+        straggler = state.straggler
+        if recent:
+            # The summary's figures of the ranks the page shows (all, up to the table's
+            # rows; else the stragglers and the slowest), which bounds the cost.
+            step_time, phases, names = step_figures(_shown_rows(recent, straggler))
+        else:
+            notes.append("step times: no step received yet")
+        nodes = state.rank_nodes()
+
+        memory: list[dict[str, Any]] = []
+        for r in live_ranks:
+            for device, (allocated, reserved) in sorted(r.peak_memory.items()):
+                memory.append(
+                    {
+                        "rank": r.rank,
+                        "device": device,
+                        "peak_allocated_bytes": allocated,
+                        "peak_reserved_bytes": reserved,
+                    }
+                )
+        if memory and all(
+            m["peak_allocated_bytes"] is None and m["peak_reserved_bytes"] is None for m in memory
+        ):
+            notes.append("peak memory: no allocator figures (a CPU run: peaks are null on cpu)")
+
+        process = [{"rank": r.rank, **r.process} for r in live_ranks if r.process]
+        if not process:
+            notes.append("process figures: no process sample received yet")
+        elif all("gpu_memory_used_bytes" not in p for p in process):
+            notes.append("process GPU memory: none (no GPU used by the ranks)")
+
+        system: list[dict[str, Any]] = []
+        for n in state.nodes():
+            system.append(
+                {
+                    "node": n.node,
+                    **n.system,
+                    "gpus": [{"index": i, **g} for i, g in sorted(n.gpus.items())],
+                }
+            )
+        if not system:
+            notes.append("system figures: no system sample received yet")
+        elif all(not n["gpus"] for n in system):
+            notes.append("GPU figures: no GPU on the host(s)")
+
+        world = state.world_size or health.expected_ranks
+        run = m.run
+        export_dir = run.run_dir / "aggregator" / "export"
+        written = sum(health.written_records.values())
+        lines: list[str] = []
+        if health.written_records or export_dir.is_dir():
+            per_stream = ", ".join(
+                f"{s} {n:,}" for s, n in sorted(health.written_records.items()) if n
+            )
+            lines.append(
+                f"export: {_plural(written, 'record')} written"
+                + (f" ({per_stream})" if per_stream else "")
+                + ("" if finished else " so far")
+            )
+        else:
+            lines.append("export: off (the live views only; no file is written)")
+        expected = health.expected_ranks
+        lines.append(
+            f"ranks: {health.reporting_ranks} reporting"
+            + (f" of {expected} expected" if expected is not None else "")
+            + f", {health.finished_ranks} finished"
+            + (f", {health.missing_ranks} missing" if health.missing_ranks else "")
+        )
+        lost = False
+        if health.dropped_batches:
+            lost = True
+            lines.append(f"dropped before export: {_plural(health.dropped_batches, 'batch')}")
+        if sum(health.failed_records.values()):
+            lost = True
+            lines.append(
+                f"failed to write: {_plural(sum(health.failed_records.values()), 'record')}"
+            )
+        if health.rejected_connections:
+            lines.append(f"rejected connections: {health.rejected_connections}")
+        if health.live_dropped_batches:
+            lines.append(
+                f"live views skipped {_plural(health.live_dropped_batches, 'batch')} "
+                "(the files are unaffected)"
+            )
+        if finished:
+            if health.missing_ranks:
+                lost = True
+            lines.append(
+                "the run has finalized (closing lines written); the full loss report, with "
+                f"finalization_warning.json: traceml dashboard {run.run_dir}"
+            )
+        status = "finalized" if finished else ("training" if recent else "waiting for ranks")
+        return RunData(
+            source="live",
+            finished=finished,
+            status=status,
+            run_name=run.run_name,
+            run_folder=str(run.run_dir),
+            export_folder=str(export_dir) if export_dir.is_dir() else None,
+            host=run.host,
+            world_size=world,
+            strategy=state.strategy(),
+            window=(
+                f"step figures: the last {WINDOW_STEPS} steps of each rank (as received); "
+                "the straggler verdict: each rank's last 60 steps, every 5 s"
+            ),
+            ranks=sorted(recent),
+            rank_nodes=nodes,
+            total_steps={r.rank: r.steps for r in live_ranks},
+            step_time=step_time,
+            phases=phases,
+            phase_names=names,
+            straggler=straggler,
+            series={
+                r: [(s.step, s.step_ms, float(s.end_ns)) for s in steps]
+                for r, steps in recent.items()
+            },
+            memory=memory,
+            memory_basis="the peak of each rank's latest step",
+            process=process,
+            process_basis="the latest sample",
+            system=system,
+            system_basis="the latest sample",
+            loss={
+                "status": ("lost" if lost else "complete")
+                if finished
+                else ("lost" if lost else "in_progress"),
+                "lines": lines,
+                "warning": None,
+            },
+            notes=notes,
+            waiting=None if recent else "no step received yet",
+        )

@@ -1,0 +1,357 @@
+"""The one view builder: what the dashboard page shows, as one JSON-able dict.
+
+Both sources — the aggregator's live state (``traceml run --mode dashboard``) and a
+run's export files (``traceml dashboard FOLDER``) — are first turned into a
+:class:`RunData` in the run summary's own shapes (per-rank step figures and phase
+breakdown from :func:`traceml_ai.run_summary._report.step_figures`, the straggler view
+of :func:`traceml_ai.run_summary._straggler.analyze`, said with its ``verdict_line``),
+and :func:`build_view` makes the page's JSON from it. So both commands show the same
+page, in the words of ``traceml summary``.
+
+Readable for many ranks: step time over steps is the median over ranks with the
+10th-90th percentile band, plus the stragglers' and slowest ranks' own lines (every
+rank's line up to :data:`ALL_LINES_UP_TO` ranks); any rank's own line on demand
+(``extra_ranks``). Long runs are binned to at most :data:`MAX_POINTS` points.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from traceml_ai.run_summary._phases import percentile
+from traceml_ai.run_summary._straggler import verdict_line
+
+__all__ = [
+    "ALL_LINES_UP_TO",
+    "HIGHLIGHT",
+    "MAX_POINTS",
+    "MAX_TABLE_ROWS",
+    "VIEW_VERSION",
+    "RunData",
+    "build_view",
+]
+
+VIEW_VERSION = 1
+MAX_POINTS = 600
+"""Points per line at most: longer runs are binned (each point the mean of its bin)."""
+ALL_LINES_UP_TO = 8
+"""Up to this many ranks, every rank has its own line; above, median and band."""
+HIGHLIGHT = 5
+"""Ranks drawn as their own line above ALL_LINES_UP_TO: the stragglers, then the slowest."""
+MAX_TABLE_ROWS = 64
+"""Rows of the per-rank tables; more ranks show the stragglers and the slowest p50."""
+
+Series = Mapping[int, Sequence[tuple[int, float, float]]]
+"""rank -> its steps in step order: (step, step time in ms, end of the step in ns)."""
+
+
+@attrs.frozen(kw_only=True)
+class RunData:
+    """One source's run, in the run summary's shapes."""
+
+    source: Literal["live", "files"]
+    finished: bool
+    """Live: the aggregator finalized. Files: every file has its closing line."""
+    status: str
+    """One short phrase: ``training``, ``finalized``, ``files complete`` ..."""
+    run_name: str | None = None
+    run_folder: str | None = None
+    export_folder: str | None = None
+    host: str | None = None
+    world_size: int | None = None
+    strategy: str | None = None
+    window: str = ""
+    """What the step figures cover (``the last 120 steps of each rank`` ...)."""
+    ranks: Sequence[int] = ()
+    rank_nodes: Mapping[int, int] = attrs.field(factory=dict)
+    total_steps: Mapping[int, int] = attrs.field(factory=dict)
+    """Steps received or written per rank (the window may hold fewer)."""
+    step_time: Mapping[str, Any] | None = None
+    """rank (str) -> p50_ms, p90_ms, p99_ms, max_ms, mean_ms, steps_per_s ..."""
+    phases: Mapping[str, Any] | None = None
+    """rank (str) -> phase -> mean_ms, p50_ms, share."""
+    phase_names: Sequence[str] = ()
+    straggler: Mapping[str, Any] | None = None
+    series: Series = attrs.field(factory=dict)
+    memory: Sequence[Mapping[str, Any]] | None = None
+    """rank, device, peak_allocated_bytes, peak_reserved_bytes; None: not available."""
+    memory_basis: str = ""
+    process: Sequence[Mapping[str, Any]] | None = None
+    """rank, cpu_percent, ram_used_bytes, gpu_memory_used_bytes, gpu_memory_reserved_bytes."""
+    process_basis: str = ""
+    system: Sequence[Mapping[str, Any]] | None = None
+    """node, cpu_percent, ram_used_bytes, ram_total_bytes, gpus: [index, figures ...]."""
+    system_basis: str = ""
+    loss: Mapping[str, Any] = attrs.field(factory=dict)
+    """status, lines (one sentence each), warning (finalization_warning.json or None)."""
+    notes: Sequence[str] = ()
+    problems: Sequence[str] = ()
+    waiting: str | None = None
+    """Why there is nothing to show yet (no export files, no step yet)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _finite(x: float | None) -> float | None:
+    if x is None or not math.isfinite(x):
+        return None
+    return round(x, 3)
+
+
+def _bins(steps: Sequence[int]) -> int:
+    return max(1, math.ceil(len(steps) / MAX_POINTS))
+
+
+def _x(steps: Sequence[int], size: int) -> list[int]:
+    """The x of each bin: its last step."""
+    return [steps[min(i + size, len(steps)) - 1] for i in range(0, len(steps), size)]
+
+
+def _straggler_ranks(view: Mapping[str, Any] | None) -> list[int]:
+    if not view:
+        return []
+    return [s["rank"] for s in view.get("stragglers") or () if isinstance(s.get("rank"), int)]
+
+
+def _slowest(ranks: Iterable[int], step_time: Mapping[str, Any] | None) -> list[int]:
+    """Ranks, slowest p50 first."""
+    if not step_time:
+        return sorted(ranks)
+    return sorted(ranks, key=lambda r: (-float(step_time.get(str(r), {}).get("p50_ms", 0.0)), r))
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _rank_bins(
+    steps: Sequence[tuple[int, float, float]], index: Mapping[int, int], n: int
+) -> tuple[list[float | None], list[float | None]]:
+    """One rank's (step ms, ms since the previous step's end) per bin: bin means."""
+    sums, counts = [0.0] * n, [0] * n
+    gap_sums, gap_counts = [0.0] * n, [0] * n
+    before_step, before_ts = -1, 0.0
+    for s, ms, ts in steps:
+        i = index[s]
+        sums[i] += ms
+        counts[i] += 1
+        if before_step == s - 1:
+            gap = (ts - before_ts) / 1e6
+            if gap > 0:
+                gap_sums[i] += gap
+                gap_counts[i] += 1
+        before_step, before_ts = s, ts
+    return (
+        [sums[i] / counts[i] if counts[i] else None for i in range(n)],
+        [gap_sums[i] / gap_counts[i] if gap_counts[i] else None for i in range(n)],
+    )
+
+
+def _series(
+    data: RunData, highlight: Sequence[int], extra: Sequence[int]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(step time over steps, throughput over steps).
+
+    One pass over every rank's rows; per bin of steps, the median and 10th/90th
+    percentiles over ranks of each rank's mean step time in the bin, and the job's
+    steps per second: 1000 over the median (over ranks) time between step ends."""
+    rows = data.series
+    all_steps = sorted({t[0] for steps in rows.values() for t in steps})
+    if not all_steps:
+        return {"steps": [], "lines": []}, {"steps": [], "steps_per_s": []}
+    size = _bins(all_steps)
+    n = math.ceil(len(all_steps) / size)
+    index = {s: i // size for i, s in enumerate(all_steps)}
+    by_bin: list[list[float]] = [[] for _ in range(n)]
+    gaps_by_bin: list[list[float]] = [[] for _ in range(n)]
+    wanted = set(highlight) | set(extra)
+    lines_of: dict[int, list[float | None]] = {}
+    for r, steps in rows.items():
+        values, gaps = _rank_bins(steps, index, n)
+        for i in range(n):
+            v, g = values[i], gaps[i]
+            if v is not None:
+                by_bin[i].append(v)
+            if g is not None:
+                gaps_by_bin[i].append(g)
+        if r in wanted:
+            lines_of[r] = [_finite(v) for v in values]
+    median: list[float | None] = []
+    low: list[float | None] = []
+    high: list[float | None] = []
+    rate: list[float | None] = []
+    for i in range(n):
+        ms = sorted(by_bin[i])
+        if ms:
+            median.append(_finite(percentile(ms, 50.0)))
+            low.append(_finite(percentile(ms, 10.0)))
+            high.append(_finite(percentile(ms, 90.0)))
+        else:
+            median.append(None)
+            low.append(None)
+            high.append(None)
+        between = sorted(gaps_by_bin[i])
+        mid = percentile(between, 50.0) if between else 0.0
+        rate.append(_finite(1000.0 / mid) if mid > 0 else None)
+    stragglers = set(_straggler_ranks(data.straggler))
+    lines = [
+        {
+            "rank": r,
+            "values": lines_of[r],
+            "straggler": r in stragglers,
+            "on_demand": r not in highlight,
+        }
+        for r in [*highlight, *(r for r in extra if r not in highlight)]
+        if r in lines_of
+    ]
+    x = _x(all_steps, size)
+    step_chart = {
+        "steps": x,
+        "bin": size,
+        "median": median,
+        "p10": low,
+        "p90": high,
+        "lines": lines,
+        "band": len(rows) > ALL_LINES_UP_TO,
+    }
+    return step_chart, {"steps": x, "bin": size, "steps_per_s": rate}
+
+
+def _verdict(data: RunData, ranks: Sequence[int]) -> str:
+    if not ranks:
+        return "straggler: no step times yet"
+    if data.straggler is None:
+        return "straggler: not analysed yet (the analysis runs every few seconds)"
+    return verdict_line(data.straggler)
+
+
+def _rank_table(data: RunData, shown: Sequence[int]) -> list[dict[str, Any]]:
+    stragglers = set(_straggler_ranks(data.straggler))
+    out = []
+    step_time = data.step_time or {}
+    phases = data.phases or {}
+    for r in shown:
+        s = step_time.get(str(r))
+        if s is None:
+            continue
+        ph = phases.get(str(r)) or {}
+        largest = max(ph, key=lambda n: ph[n]["share"]) if ph else None
+        out.append(
+            {
+                "rank": r,
+                "node": data.rank_nodes.get(r),
+                "steps": data.total_steps.get(r, s.get("steps")),
+                "last_step": s.get("last_step"),
+                "p50_ms": s.get("p50_ms"),
+                "p90_ms": s.get("p90_ms"),
+                "p99_ms": s.get("p99_ms"),
+                "max_ms": s.get("max_ms"),
+                "steps_per_s": s.get("steps_per_s"),
+                "largest_phase": largest,
+                "largest_phase_share": ph[largest]["share"] if largest else None,
+                "straggler": r in stragglers,
+            }
+        )
+    return out
+
+
+def _phase_chart(data: RunData, ranks: Sequence[int]) -> dict[str, Any]:
+    phases = data.phases or {}
+    names = [n for n in data.phase_names]
+    present = [r for r in ranks if str(r) in phases]
+    return {
+        "names": names,
+        "ranks": present,
+        "mean_ms": {
+            n: [phases[str(r)].get(n, {}).get("mean_ms", 0.0) for r in present] for n in names
+        },
+        "share": {n: [phases[str(r)].get(n, {}).get("share", 0.0) for r in present] for n in names},
+    }
+
+
+def _limited(items: Sequence[Mapping[str, Any]] | None, keep: set[int] | None) -> Any:
+    if items is None:
+        return None
+    if keep is None:
+        return [dict(i) for i in items]
+    return [dict(i) for i in items if i.get("rank") in keep]
+
+
+def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]:
+    """The page's JSON for ``data``; ``extra_ranks`` get their own step-time line."""
+    ranks = list(data.ranks)
+    stragglers = _straggler_ranks(data.straggler)
+    slowest = _slowest(ranks, data.step_time)
+    if len(ranks) <= ALL_LINES_UP_TO:
+        highlight = ranks
+    else:
+        highlight = [*stragglers, *(r for r in slowest if r not in stragglers)][:HIGHLIGHT]
+        highlight = sorted(set(highlight) | set(stragglers))
+    if len(ranks) <= MAX_TABLE_ROWS:
+        shown = ranks
+        keep: set[int] | None = None
+    else:
+        order = [*stragglers, *(r for r in slowest if r not in stragglers)]
+        shown = sorted(order[:MAX_TABLE_ROWS])
+        keep = set(shown)
+    extra = [r for r in extra_ranks if r in data.series]
+    step_chart, throughput = _series(data, highlight, extra)
+    nodes = sorted(set(data.rank_nodes.values()))
+    job_rates = [
+        float(s.get("steps_per_s", 0.0)) for s in (data.step_time or {}).values() if s.get("steps")
+    ]
+    notes = list(data.notes)
+    if data.source == "live" and not data.finished and data.memory == []:
+        notes.append("peak memory: no step_memory line received yet")
+    return {
+        "version": VIEW_VERSION,
+        "generated_unix_s": round(time.time(), 3),
+        "source": data.source,
+        "finished": data.finished,
+        "status": data.status,
+        "waiting": data.waiting,
+        "identity": {
+            "run_name": data.run_name,
+            "run_folder": data.run_folder,
+            "export_folder": data.export_folder,
+            "host": data.host,
+            "world_size": data.world_size,
+            "ranks_reporting": len(ranks),
+            "nodes": nodes,
+            "strategy": data.strategy,
+        },
+        "window": data.window,
+        "straggler": {
+            "line": _verdict(data, ranks),
+            "verdict": (data.straggler or {}).get("verdict"),
+            "ranks": stragglers,
+            "definition": (data.straggler or {}).get("definition"),
+        },
+        "ranks": _rank_table(data, shown),
+        "ranks_total": len(ranks),
+        "ranks_shown_note": (
+            f"{len(shown)} of {len(ranks)} ranks: the stragglers, then the slowest p50"
+            if len(shown) < len(ranks)
+            else None
+        ),
+        "step_time": step_chart,
+        "throughput": {
+            **throughput,
+            "job_steps_per_s": _finite(min(job_rates)) if job_rates else None,
+        },
+        "phases": _phase_chart(data, shown),
+        "memory": _limited(data.memory, keep),
+        "memory_basis": data.memory_basis,
+        "process": _limited(data.process, keep),
+        "process_basis": data.process_basis,
+        "system": [dict(n) for n in data.system] if data.system is not None else None,
+        "system_basis": data.system_basis,
+        "loss": dict(data.loss),
+        "notes": notes,
+        "problems": list(data.problems),
+    }

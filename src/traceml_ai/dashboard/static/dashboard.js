@@ -1,0 +1,217 @@
+// TraceML dashboard: polls /api/view every second and redraws; no reload, no CDN.
+"use strict";
+(function () {
+  const REFRESH_MS = 1000;
+  const extraRanks = new Set();
+  let lastView = null;
+  let failures = 0;
+  const PLOT_CONFIG = { displayModeBar: false, responsive: true };
+  const $ = (id) => document.getElementById(id);
+
+  function text(id, value) { $(id).textContent = value == null ? "" : String(value); }
+  function fmt(x, digits) {
+    if (x == null || Number.isNaN(x)) return "n/a";
+    return Number(x).toFixed(digits == null ? 2 : digits);
+  }
+  function bytes(n) {
+    if (n == null) return "n/a";
+    let v = Number(n);
+    for (const unit of ["B", "KiB", "MiB", "GiB", "TiB"]) {
+      if (v < 1024 || unit === "TiB") return unit === "B" ? `${v.toFixed(0)} B` : `${v.toFixed(1)} ${unit}`;
+      v /= 1024;
+    }
+    return `${n} B`;
+  }
+  function pct(x) { return x == null ? "n/a" : `${Number(x).toFixed(0)}%`; }
+  function el(tag, cls, content) {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (content != null) e.textContent = String(content);
+    return e;
+  }
+  function table(headers, rows, rowClass) {
+    const t = el("table");
+    const head = el("tr");
+    headers.forEach((h) => head.appendChild(el("th", null, h)));
+    const thead = el("thead"); thead.appendChild(head); t.appendChild(thead);
+    const body = el("tbody");
+    rows.forEach((cells, i) => {
+      const tr = el("tr", rowClass ? rowClass(i) : null);
+      cells.forEach((c) => tr.appendChild(el("td", null, c)));
+      body.appendChild(tr);
+    });
+    t.appendChild(body);
+    return t;
+  }
+  function replace(id, node) { const box = $(id); box.replaceChildren(node); }
+
+  function layout(extra) {
+    return Object.assign({
+      margin: { l: 56, r: 12, t: 8, b: 40 }, showlegend: true,
+      legend: { orientation: "h", y: -0.2 }, hovermode: "x unified",
+      paper_bgcolor: "#fff", plot_bgcolor: "#fff",
+      xaxis: { gridcolor: "#eee" }, yaxis: { gridcolor: "#eee", rangemode: "tozero" },
+    }, extra || {});
+  }
+
+  function drawSteps(view) {
+    const s = view.step_time;
+    const x = s.steps;
+    const traces = [];
+    if (s.band) {
+      traces.push({ x, y: s.p10, mode: "lines", line: { width: 0 }, name: "p10", showlegend: false, hoverinfo: "skip" });
+      traces.push({ x, y: s.p90, mode: "lines", line: { width: 0 }, fill: "tonexty", fillcolor: "rgba(120,130,150,0.25)", name: "p10–p90 of ranks" });
+      traces.push({ x, y: s.median, mode: "lines", line: { color: "#1d232b", width: 2 }, name: "median of ranks" });
+    }
+    for (const line of s.lines) {
+      traces.push({
+        x, y: line.values, mode: "lines", name: `rank ${line.rank}${line.straggler ? " (straggler)" : ""}`,
+        line: { width: line.straggler ? 3 : 1.5, dash: line.on_demand ? "dot" : "solid" },
+      });
+    }
+    const caption = s.bin > 1 ? `(ms; each point the mean of ${s.bin} steps)` : "(ms)";
+    text("step-caption", `${caption} · ${s.band ? "median and spread of all ranks, the slowest drawn alone" : "every rank"}`);
+    Plotly.react("chart-steps", traces, layout({ xaxis: { title: { text: "step" }, gridcolor: "#eee" }, yaxis: { title: { text: "ms" }, gridcolor: "#eee", rangemode: "tozero" } }), PLOT_CONFIG);
+  }
+
+  function drawPhases(view) {
+    const p = view.phases;
+    const x = p.ranks.map((r) => `rank ${r}`);
+    const traces = p.names.map((name) => ({ type: "bar", name, x, y: p.mean_ms[name] }));
+    Plotly.react("chart-phases", traces, layout({ barmode: "stack", hovermode: "closest", yaxis: { title: { text: "ms" }, gridcolor: "#eee" } }), PLOT_CONFIG);
+  }
+
+  function drawThroughput(view) {
+    const t = view.throughput;
+    text("throughput-caption", t.job_steps_per_s == null ? "" : `(job: ${fmt(t.job_steps_per_s)} steps/s, the slowest rank's rate)`);
+    Plotly.react("chart-throughput", [{ x: t.steps, y: t.steps_per_s, mode: "lines", name: "steps/s (median over ranks)", line: { color: "#027a48" } }],
+      layout({ xaxis: { title: { text: "step" }, gridcolor: "#eee" }, yaxis: { title: { text: "steps/s" }, gridcolor: "#eee", rangemode: "tozero" } }), PLOT_CONFIG);
+  }
+
+  function drawRanks(view) {
+    const body = document.querySelector("#ranks-table tbody");
+    const rows = view.ranks.map((r) => {
+      const tr = el("tr", r.straggler ? "straggler" : null);
+      tr.dataset.rank = r.rank;
+      const phase = r.largest_phase ? `${(r.largest_phase_share * 100).toFixed(0)}% ${r.largest_phase}` : "";
+      [`${r.rank}${r.straggler ? " *" : ""}`, r.node == null ? "" : r.node, r.steps, fmt(r.p50_ms), fmt(r.p90_ms), fmt(r.p99_ms), fmt(r.max_ms), fmt(r.steps_per_s), phase]
+        .forEach((c) => tr.appendChild(el("td", null, c)));
+      return tr;
+    });
+    body.replaceChildren(...rows);
+    text("ranks-caption", [view.window, view.ranks_shown_note].filter(Boolean).join(" · "));
+  }
+
+  function drawMemory(view) {
+    text("memory-caption", view.memory_basis ? `(${view.memory_basis})` : "");
+    if (view.memory == null) { replace("memory", el("p", "muted", "not available (step_memory not exported)")); return; }
+    if (!view.memory.length) { replace("memory", el("p", "muted", "no figures yet")); return; }
+    replace("memory", table(["rank", "device", "peak allocated", "peak reserved"],
+      view.memory.map((m) => [m.rank, m.device, bytes(m.peak_allocated_bytes), bytes(m.peak_reserved_bytes)])));
+  }
+
+  function drawProcess(view) {
+    text("process-caption", view.process_basis ? `(${view.process_basis})` : "");
+    if (view.process == null) { replace("process", el("p", "muted", "not available (process not exported)")); return; }
+    if (!view.process.length) { replace("process", el("p", "muted", "no sample yet")); return; }
+    replace("process", table(["rank", "CPU", "RSS", "GPU memory used", "GPU memory reserved"],
+      view.process.map((p) => [p.rank, pct(p.cpu_percent), bytes(p.ram_used_bytes), bytes(p.gpu_memory_used_bytes), bytes(p.gpu_memory_reserved_bytes)])));
+  }
+
+  function drawSystem(view) {
+    text("system-caption", view.system_basis ? `(${view.system_basis})` : "");
+    if (view.system == null) { replace("system", el("p", "muted", "not available (system not exported)")); return; }
+    if (!view.system.length) { replace("system", el("p", "muted", "no sample yet")); return; }
+    const box = el("div");
+    box.appendChild(table(["node", "CPU", "RAM used", "RAM total", "GPUs"],
+      view.system.map((n) => [n.node, pct(n.cpu_percent), bytes(n.ram_used_bytes), bytes(n.ram_total_bytes), n.gpus.length])));
+    const gpus = [];
+    view.system.forEach((n) => n.gpus.forEach((g) => gpus.push([n.node, g.index, pct(g.utilization_percent), bytes(g.memory_used_bytes), bytes(g.memory_total_bytes), g.temperature_c == null ? "n/a" : `${fmt(g.temperature_c, 0)} °C`, g.power_usage_w == null ? "n/a" : `${fmt(g.power_usage_w, 0)} W`])));
+    if (gpus.length) box.appendChild(table(["node", "GPU", "utilization", "memory used", "memory total", "temperature", "power"], gpus));
+    else box.appendChild(el("p", "muted", "no GPU on the host(s)"));
+    replace("system", box);
+  }
+
+  function drawLoss(view) {
+    const loss = view.loss || {};
+    const status = $("loss-status");
+    status.textContent = loss.status || "";
+    status.className = `badge ${loss.status || ""}`;
+    const items = [...(loss.lines || []), ...view.problems.map((p) => `problem: ${p}`)];
+    $("loss").replaceChildren(...items.map((l) => el("li", null, l)));
+    const warning = $("warning");
+    if (loss.warning) {
+      warning.hidden = false;
+      warning.textContent = `${loss.warning_file || "finalization_warning.json"}:\n${JSON.stringify(loss.warning, null, 2)}`;
+    } else {
+      warning.hidden = true;
+    }
+  }
+
+  function render(view) {
+    const id = view.identity;
+    text("run-name", id.run_name || id.run_folder || "");
+    const status = $("status");
+    status.textContent = `${view.source === "live" ? "live" : "from files"}: ${view.status}`;
+    status.className = `badge ${view.finished ? "finished" : ""}`;
+    status.dataset.finished = String(view.finished);
+    const parts = [];
+    if (id.world_size != null) parts.push(`world size ${id.world_size}`);
+    parts.push(`${id.ranks_reporting} rank(s) with steps`);
+    if (id.nodes.length) parts.push(`${id.nodes.length} node(s)`);
+    if (id.strategy) parts.push(`strategy ${id.strategy}`);
+    if (id.host) parts.push(`aggregator on ${id.host}`);
+    if (id.run_folder) parts.push(id.run_folder);
+    text("identity", parts.join(" · "));
+    text("updated", `updated ${new Date(view.generated_unix_s * 1000).toLocaleTimeString()}`);
+    const verdict = $("verdict");
+    verdict.textContent = view.straggler.line;
+    verdict.className = view.straggler.verdict || "";
+    verdict.title = view.straggler.definition || "";
+    text("window", view.waiting ? `waiting: ${view.waiting}` : view.window);
+    const notes = view.notes || [];
+    $("notes-box").hidden = !notes.length;
+    $("notes").replaceChildren(...notes.map((n) => el("li", null, n)));
+    drawSteps(view); drawPhases(view); drawThroughput(view);
+    drawRanks(view); drawMemory(view); drawProcess(view); drawSystem(view); drawLoss(view);
+    text("rank-picked", extraRanks.size ? `also shown: ${[...extraRanks].sort((a, b) => a - b).join(", ")}` : "");
+  }
+
+  function showError(message) {
+    const box = $("error");
+    box.hidden = !message;
+    box.textContent = message || "";
+  }
+
+  async function poll() {
+    const query = extraRanks.size ? `?ranks=${[...extraRanks].join(",")}` : "";
+    try {
+      const response = await fetch(`/api/view${query}`, { cache: "no-store" });
+      const body = await response.json();
+      if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
+      lastView = body;
+      failures = 0;
+      showError(null);
+      render(body);
+    } catch (err) {
+      failures += 1;
+      if (lastView && lastView.source === "live" && lastView.finished) {
+        const folder = lastView.identity.run_folder;
+        showError(`The run has finalized and its live page has stopped. ${folder ? `traceml dashboard ${folder} shows it from its files.` : ""}`);
+        return; // the aggregator is gone: nothing more to fetch
+      }
+      showError(`cannot refresh (${err.message || err}); retrying`);
+    }
+    setTimeout(poll, failures > 5 ? 5 * REFRESH_MS : REFRESH_MS);
+  }
+
+  $("rank-add").addEventListener("click", () => {
+    for (const part of $("rank-input").value.split(/[ ,]+/)) {
+      if (/^\d+$/.test(part) && extraRanks.size < 16) extraRanks.add(Number(part));
+    }
+    $("rank-input").value = "";
+    if (lastView) render(lastView);
+  });
+  $("rank-clear").addEventListener("click", () => { extraRanks.clear(); if (lastView) render(lastView); });
+  poll();
+})();
