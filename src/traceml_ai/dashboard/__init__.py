@@ -149,19 +149,7 @@ def serve_folder(
     if problem is not None:
         say(f"traceml: error: {problem}")
         return 1
-    source = FilesSource(path)
-    views = Views(source, final=lambda: False)
-    try:
-        server = start_server(views, host, port)
-    except DashboardError as exc:
-        say(f"traceml: error: dashboard: {exc}")
-        return 1
-    if not is_loopback(host):
-        say(_remote_warning(host, server.port))
-    data = source()
-    if data.waiting and data.source == "files" and data.export_folder is None:
-        say(f"traceml: dashboard: {data.waiting}; the page waits for them")
-    say(f"traceml: dashboard of {path} at {server.url} (Ctrl-C to stop)")
+    # SIGTERM stops the page from here on, also while the server starts.
     done = stop or threading.Event()
     previous: Any = None
     if stop is None and threading.current_thread() is threading.main_thread():
@@ -170,6 +158,21 @@ def serve_folder(
             done.set()
 
         previous = signal.signal(signal.SIGTERM, on_signal)
+    source = FilesSource(path)
+    views = Views(source, final=lambda: False)
+    try:
+        server = start_server(views, host, port)
+    except DashboardError as exc:
+        say(f"traceml: error: dashboard: {exc}")
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        return 1
+    if not is_loopback(host):
+        say(_remote_warning(host, server.port))
+    data = source()
+    if data.waiting and data.source == "files" and data.export_folder is None:
+        say(f"traceml: dashboard: {data.waiting}; the page waits for them")
+    say(f"traceml: dashboard of {path} at {server.url} (Ctrl-C to stop)")
     try:
         while not done.wait(0.5):
             if not server.running:

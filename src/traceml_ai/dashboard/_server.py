@@ -9,7 +9,8 @@ The socket is bound before the server starts, so a taken port is said at once (a
 :class:`DashboardError`). On a loopback address only requests naming a loopback host
 are answered (a web page elsewhere cannot read the run through DNS rebinding). The
 server runs until :meth:`DashboardServer.stop`; it never touches the process's signal
-handlers or logging.
+handlers, and uvicorn's own log lines are silenced (a malformed request would print
+one each, into the training terminal).
 """
 
 from __future__ import annotations
@@ -311,13 +312,20 @@ def start_server(views: Views, host: str, port: int) -> DashboardServer:
     """Bind ``host:port`` and serve the page from ``views``; raises DashboardError."""
     import uvicorn
 
+    # uvicorn logs each malformed request ("Invalid HTTP request received.") as a
+    # warning; anyone who can reach the port could fill the training terminal with
+    # them. The page's own problems are reported by the dashboard, in one line.
+    quiet = logging.getLogger("uvicorn")
+    if not any(isinstance(h, logging.NullHandler) for h in quiet.handlers):
+        quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
     loopback_only = is_loopback(host)
     app = _app(views, loopback_only)
     sock = _bind(host, port)
     config = uvicorn.Config(
         app,
         log_config=None,
-        log_level="warning",
+        log_level="critical",
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=1,

@@ -439,7 +439,7 @@ def run(
         cli["run_name"] = session_id
     settings = _resolve("run", cli)
     exporter_unset = settings.sources.get("exporter", SOURCE_DEFAULT) == SOURCE_DEFAULT
-    if mode in ("summary", "dashboard") and exporter_unset:
+    if (mode in ("summary", "dashboard") or settings.monitor.dashboard) and exporter_unset:
         # 0.5.0's summary mode always has its figures: export step_time for it. The
         # dashboard's page is shown from the files after the run (traceml dashboard).
         settings = _resolve("run", {**cli, "exporter": "jsonl"})
@@ -576,5 +576,9 @@ def serve(**cli: Any) -> None:
         failed = "; the exporter failed" if result.stats and result.stats.exporter_failed else ""
         click.echo(f"traceml: export: {written} records {where}{failed}", err=True)
     if result.warning_path is not None:
-        click.echo(f"traceml: something was lost; see {result.warning_path}", err=True)
+        from traceml_ai.launch.launcher import lost_what
+
+        click.echo(
+            f"traceml: {lost_what(result.warning_path)}; see {result.warning_path}", err=True
+        )
     click.echo(f"traceml: run folder {run_dir}", err=True)

@@ -28,6 +28,7 @@ from types import FrameType
 from typing import Any
 
 import attrs
+import orjson
 
 from traceml_ai import _environ
 from traceml_ai._converter import StructureError
@@ -621,7 +622,19 @@ def _report_finalized(
             f"steps may be missing{see}"
         )
     elif warning:
-        _say(f"something was lost; see {warning}")
+        _say(f"{lost_what(Path(warning))}; see {warning}")
+
+
+def lost_what(warning: Path) -> str:
+    """What a warning file says was lost, in a few words: only the live views' data (the
+    files are complete then), or something of the run."""
+    try:
+        reason = orjson.loads(warning.read_bytes()).get("reason")
+    except (OSError, ValueError, AttributeError):
+        reason = None
+    if reason == "monitoring_incomplete":
+        return "the live views lost data (the files are complete)"
+    return "something was lost"
 
 
 def _ranks_text(ranks: tuple[str, ...]) -> str:

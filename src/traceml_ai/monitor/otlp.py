@@ -820,4 +820,35 @@ def start_otlp(monitoring: Monitoring) -> OtlpSink:
     monitoring.report(
         "traceml: otlp: " + ("; ".join(parts) if parts else "OTEL_*_EXPORTER=none: nothing to send")
     )
+    for line in _header_problems(os.environ):
+        monitoring.report(line)
     return sink
+
+
+_HEADER_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+    "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
+)
+
+
+def _header_problems(environ: Mapping[str, str]) -> list[str]:
+    """One line per ``OTEL_*_HEADERS`` variable the SDK would ignore in part (it skips a
+    malformed entry silently: a mistyped API key header would only show as refusals)."""
+    lines: list[str] = []
+    for name in _HEADER_VARIABLES:
+        value = environ.get(name)
+        if not value or not value.strip():
+            continue
+        bad = [
+            part.strip()
+            for part in value.split(",")
+            if part.strip() and ("=" not in part or not part.split("=", 1)[0].strip())
+        ]
+        if bad:
+            shown = ", ".join(repr(b[:40]) for b in bad[:3])
+            lines.append(
+                f"traceml: otlp: {name} is not a comma-separated list of name=value "
+                f"(the exporter ignores {shown})"
+            )
+    return lines

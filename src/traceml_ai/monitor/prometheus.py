@@ -10,6 +10,7 @@ the endpoint shows the run, not the aggregator process's Python internals.
 from __future__ import annotations
 
 import math
+import socket
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -89,7 +90,11 @@ class PrometheusSink:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            # Listening everywhere: name this host, as a scraper elsewhere would.
+            host = socket.gethostname()
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}/metrics"
 
     def on_steps(self, steps: Sequence[StepSeen]) -> None:
