@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -30,12 +30,15 @@ from traceml_ai.export._finalize import (
     monitoring_lost,
     write_finalization_warning,
 )
-from traceml_ai.monitor._service import Monitoring
-from traceml_ai.monitor.metrics import Health
 from traceml_ai.settings import ExportSettings, MonitorSettings
 from traceml_ai.transport.server import AggregatorServer
 from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import ExportLoss, MonitoringLoss, parse_export_streams
+
+if TYPE_CHECKING:
+    # Loaded only when a live view is on: an aggregator without them starts as before.
+    from traceml_ai.monitor._service import Monitoring
+    from traceml_ai.monitor.metrics import Health
 
 DEFAULT_FINALIZE_TIMEOUT_S = 10.0
 MONITOR_CLOSE_BUDGET_S = 5.0
@@ -208,6 +211,8 @@ class Aggregator:
 
     def _health(self) -> Health:
         """The aggregator's own figures now, for the live views."""
+        from traceml_ai.monitor.metrics import Health
+
         pipeline, server, monitoring = self._pipeline, self._server, self._monitoring
         stats = pipeline.stats() if pipeline is not None else None
         reporting = len(monitoring.state.rank_nodes()) if monitoring is not None else 0
