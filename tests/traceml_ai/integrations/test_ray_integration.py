@@ -413,3 +413,40 @@ def test_aggregator_that_cannot_start_never_fails_training(
     assert warning["reason"] == "export_incomplete"
     assert warning["export"]["exporter_failed"] is True
     assert f"cannot listen on 127.0.0.1:{port}" in warning["message"]
+
+
+def test_dashboard_mode_serves_the_page_while_workers_train(
+    ray_cluster: None, driver_env: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    port = free_port()
+    config = TraceMLRayConfig(mode="dashboard", dashboard_port=port, logs_dir="runs")
+    trainer = make_trainer(tmp_path, config)
+    views: list[dict[str, Any]] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        url = f"http://127.0.0.1:{port}/api/view"
+        while not done.is_set():
+            with (
+                contextlib.suppress(OSError, ValueError),
+                urllib.request.urlopen(url, timeout=2) as r,
+            ):
+                views.append(json.loads(r.read()))
+            done.wait(0.2)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        result = trainer.fit()
+    finally:
+        done.set()
+        poller.join(5)
+    assert result.error is None
+    assert views, "the aggregator actor never served the dashboard"
+    assert max(v["identity"]["ranks_reporting"] for v in views) == NUM_WORKERS
+    err = capfd.readouterr().err
+    assert f"traceml: dashboard: live at http://127.0.0.1:{port}/" in err
+    # mode="dashboard" switches export on, so the page can be served from the files after.
+    run = trainer.traceml_run
+    assert run is not None and run.run_dir is not None
+    assert (run.run_dir / "aggregator" / "export" / "step_time.jsonl").exists()
