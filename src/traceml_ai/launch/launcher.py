@@ -689,9 +689,19 @@ def _why_no_rank(options: RunOptions, ends: RankEnds) -> str:
 def count_data_lines(export_dir: Path) -> int:
     """Data lines in the ``*.jsonl`` files of ``export_dir``: complete lines that are
     not a closing line (the export files' one line scanner, ``traceml_records``)."""
+    return export_tally(export_dir)[0]
+
+
+def export_tally(export_dir: Path) -> tuple[int, bool]:
+    """(data lines in the ``*.jsonl`` files of ``export_dir``, whether there is at least
+    one file and every file ends with its closing line)."""
     total = 0
+    closed = True
+    files = 0
     for path in sorted(export_dir.glob("*.jsonl")):
+        files += 1
         lines = LineSplitter()
+        last_closing = False
         try:
             with open(path, "rb") as fh:
                 while block := fh.read(BLOCK_BYTES):
@@ -700,15 +710,22 @@ def count_data_lines(export_dir: Path) -> int:
                     has_key = b'"closing"' in block or b'"closing"' in lines.pending + block[:9]
                     complete = lines.feed(block)
                     total += len(complete)
+                    if complete:
+                        last_closing = False
                     if has_key:
-                        total -= sum(
-                            1
-                            for raw in complete
-                            if b'"closing"' in raw and classify_line(raw)[0] is LineKind.CLOSING
+                        for raw in complete:
+                            if b'"closing"' in raw and classify_line(raw)[0] is LineKind.CLOSING:
+                                total -= 1
+                        last_closing = bool(complete) and (
+                            b'"closing"' in complete[-1]
+                            and classify_line(complete[-1])[0] is LineKind.CLOSING
                         )
         except OSError:
+            closed = False
             continue
-    return total
+        if not last_closing or lines.pending:
+            closed = False
+    return total, closed and files > 0
 
 
 def _report_aggregator_lost(p: _RunPlan, why: str, exit_code: int, *, export_on: bool) -> None:
@@ -726,7 +743,16 @@ def _report_aggregator_lost(p: _RunPlan, why: str, exit_code: int, *, export_on:
 
     export_dir = p.run_dir / "aggregator" / "export"
     counted = export_dir.is_dir()
-    written = count_data_lines(export_dir) if counted else 0
+    written, all_closed = export_tally(export_dir) if counted else (0, False)
+    if all_closed:
+        # It went after closing every file (while stopping its live views or writing
+        # stats.json): the files are complete, and only what it did after is unknown.
+        _say(
+            f"the aggregator {why} after the export files were closed: the files are "
+            f"complete ({written} records); aggregator/stats.json may be missing"
+        )
+        if exit_code == 0:
+            return
     written_text = (
         f"{written} records were written (counted from the export files' data lines)"
         if counted
@@ -737,13 +763,23 @@ def _report_aggregator_lost(p: _RunPlan, why: str, exit_code: int, *, export_on:
         f"end without closing lines and {written_text}; the training script exited with "
         f"code {exit_code}."
     )
-    loss = ExportLoss(
-        written_records=written,
-        dropped_batches=0,
-        failed_records=0,
-        skipped_items=0,
-        exporter_failed=True,
+    loss = (
+        None
+        if all_closed
+        else ExportLoss(
+            written_records=written,
+            dropped_batches=0,
+            failed_records=0,
+            skipped_items=0,
+            exporter_failed=True,
+        )
     )
+    if all_closed:
+        message = (
+            f"The aggregator process {why} after the export files were closed; the "
+            f"training script exited with code {exit_code}, and which ranks finished is "
+            "not known."
+        )
     ranks = None
     if exit_code != 0:
         # The aggregator kept the record of which ranks finished; with it gone, none is known.
@@ -766,7 +802,10 @@ def _report_aggregator_lost(p: _RunPlan, why: str, exit_code: int, *, export_on:
             f"{p.run_dir / 'finalization_warning.json'} could not be written ({exc})"
         )
         return
-    _say(f"the aggregator {why}; export files lack closing lines; see {path}")
+    if not all_closed:
+        _say(f"the aggregator {why}; export files lack closing lines; see {path}")
+    elif path is not None:
+        _say(f"see {path}")
 
 
 def report_export_off(run_dir: Path, why: str) -> None:
