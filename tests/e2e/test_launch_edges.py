@@ -551,6 +551,19 @@ def test_signal_during_training_stops_the_ranks(
     _no_process_left(tmp_path)
 
 
+def _rank_alive(launcher_pid: int) -> bool:
+    """Whether a rank process (the bootstrap) of this launcher still runs."""
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.Error:
+        return False
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if "traceml_ai.launch.bootstrap" in " ".join(child.cmdline()):
+                return True
+    return False
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_during_finalization(tmp_path: Path, script: Path, presses: int) -> None:
     logs = tmp_path / "logs"
@@ -575,7 +588,10 @@ def test_ctrl_c_during_finalization(tmp_path: Path, script: Path, presses: int) 
         REPO,
     )
     wait_for(lambda: (tmp_path / "marker.done").exists(), timeout=90, what="training to end")
-    time.sleep(1.0)  # the launcher now waits for the slow drain
+    # The launcher waits for the slow drain once the rank has exited (a busy machine
+    # may take a while between the script's last line and the rank's exit).
+    wait_for(lambda: not _rank_alive(proc.pid), timeout=60, what="the rank to exit")
+    time.sleep(0.5)
     for _ in range(presses):
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.3)
