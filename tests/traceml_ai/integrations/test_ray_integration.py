@@ -237,18 +237,24 @@ def test_import_without_ray_names_the_extra() -> None:
 # -- end to end on a local cluster --------------------------------------------------------
 
 
-def test_jsonl_export_from_two_workers(ray_cluster: None, driver_env: Path, tmp_path: Path) -> None:
-    port = free_port()
+def test_jsonl_export_from_two_workers(
+    ray_cluster: None, driver_env: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    port, dashboard_port = free_port(), free_port()
     config = TraceMLRayConfig(
         exporter="jsonl",
         export_streams="step_time,step_memory",
         logs_dir="runs",
         sampler_interval_sec=0.5,
         prometheus_port=port,
+        mode="dashboard",
+        dashboard_port=dashboard_port,
     )
     trainer = make_trainer(tmp_path, config)
-    # The aggregator actor serves /metrics on the driver's node while training runs.
+    # The aggregator actor serves /metrics and the dashboard on the driver's node while
+    # training runs.
     scraped: list[str] = []
+    views: list[dict[str, Any]] = []
     done = threading.Event()
 
     def scrape() -> None:
@@ -256,6 +262,12 @@ def test_jsonl_export_from_two_workers(ray_cluster: None, driver_env: Path, tmp_
             url = f"http://127.0.0.1:{port}/metrics"
             with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
                 scraped.append(r.read().decode())
+            url = f"http://127.0.0.1:{dashboard_port}/api/view"
+            with (
+                contextlib.suppress(OSError, ValueError),
+                urllib.request.urlopen(url, timeout=2) as r,
+            ):
+                views.append(json.loads(r.read()))
             done.wait(0.2)
 
     scraper = threading.Thread(target=scrape, daemon=True)
@@ -267,6 +279,11 @@ def test_jsonl_export_from_two_workers(ray_cluster: None, driver_env: Path, tmp_
         scraper.join(5)
     assert scraped, "the aggregator actor never served /metrics"
     assert any(f'traceml_steps_total{{rank="{NUM_WORKERS - 1}"}}' in text for text in scraped)
+    assert views, "the aggregator actor never served the dashboard"
+    assert max(v["identity"]["ranks_reporting"] for v in views) == NUM_WORKERS
+    assert (
+        f"traceml: dashboard: live at http://127.0.0.1:{dashboard_port}/" in capfd.readouterr().err
+    )
     assert result.error is None
     assert result.return_value is not None and "loss" in result.return_value
 
@@ -413,40 +430,3 @@ def test_aggregator_that_cannot_start_never_fails_training(
     assert warning["reason"] == "export_incomplete"
     assert warning["export"]["exporter_failed"] is True
     assert f"cannot listen on 127.0.0.1:{port}" in warning["message"]
-
-
-def test_dashboard_mode_serves_the_page_while_workers_train(
-    ray_cluster: None, driver_env: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    port = free_port()
-    config = TraceMLRayConfig(mode="dashboard", dashboard_port=port, logs_dir="runs")
-    trainer = make_trainer(tmp_path, config)
-    views: list[dict[str, Any]] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        url = f"http://127.0.0.1:{port}/api/view"
-        while not done.is_set():
-            with (
-                contextlib.suppress(OSError, ValueError),
-                urllib.request.urlopen(url, timeout=2) as r,
-            ):
-                views.append(json.loads(r.read()))
-            done.wait(0.2)
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    try:
-        result = trainer.fit()
-    finally:
-        done.set()
-        poller.join(5)
-    assert result.error is None
-    assert views, "the aggregator actor never served the dashboard"
-    assert max(v["identity"]["ranks_reporting"] for v in views) == NUM_WORKERS
-    err = capfd.readouterr().err
-    assert f"traceml: dashboard: live at http://127.0.0.1:{port}/" in err
-    # mode="dashboard" switches export on, so the page can be served from the files after.
-    run = trainer.traceml_run
-    assert run is not None and run.run_dir is not None
-    assert (run.run_dir / "aggregator" / "export" / "step_time.jsonl").exists()
