@@ -20,7 +20,7 @@ import orjson
 import psutil
 import pytest
 
-from tests.e2e_helpers import REPO, clean_env, run_cli, traceml_cmd, wait_for
+from tests.e2e_helpers import REPO, clean_env, run_cli, start_cli, traceml_cmd, wait_for
 from traceml_ai.integrations._ray_config import TraceMLRayConfig
 
 QUICK_TIMEOUT_S = 60.0
@@ -234,16 +234,7 @@ def test_run_refuses_any_existing_run_folder(tmp_path: Path, script: Path, case:
 
 
 def _serve_until_env_line(args: Sequence[str | Path], cwd: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        traceml_cmd(*args),
-        cwd=cwd,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_cli(args, cwd=cwd, new_session=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("export TRACEML_AGGREGATOR_ADDR="), line

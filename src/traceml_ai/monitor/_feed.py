@@ -161,10 +161,11 @@ class LiveFeed:
                 self._queue.clear()
                 self._bytes = 0
             backlog = self.export_backlog
+            # Only a pass of several batches can hold two samples of one rank's gauges.
             keys = [_gauge_key(b) for b in batches] if len(batches) > 1 else [None]
             latest = {key: i for i, key in enumerate(keys) if key is not None}
             for index, batch in enumerate(batches):
-                key = keys[index] if len(keys) > 1 else None
+                key = keys[index]
                 if key is not None and latest[key] != index:
                     # A later sample of the same rank's gauges is in this pop: the live
                     # views keep the latest only, so under load the feed skips unread.

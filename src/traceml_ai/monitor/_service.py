@@ -95,13 +95,11 @@ class Monitoring:
         health: Callable[[], Health],
         *,
         report: Callable[[str], None] = report_to_stderr,
-        feed: LiveFeed | None = None,
     ) -> None:
         self.settings = settings
         self.run = run
         self.state = LiveState()
-        self.feed = feed or LiveFeed(self.state)
-        self.feed.state = self.state
+        self.feed = LiveFeed(self.state)
         self.feed.report = report
         self._health = health
         self.report = report
@@ -150,7 +148,7 @@ class Monitoring:
                 )
                 continue
             self.sinks.append(sink)
-            self.feed.add_listener(_guarded(sink))
+            self.feed.add_listener(sink.on_steps)
 
     def finish(self, health: Health) -> None:
         """The aggregator finalized: the live views show the final figures from now on."""
@@ -180,13 +178,6 @@ class Monitoring:
             not_started=dict(self.not_started),
         )
         return self._loss
-
-
-def _guarded(sink: LiveSink) -> Callable[[Sequence[StepSeen]], None]:
-    def deliver(steps: Sequence[StepSeen]) -> None:
-        sink.on_steps(steps)
-
-    return deliver
 
 
 _EXTRAS = {"prometheus": "prometheus", "otlp": "otel", "dashboard": "dashboard"}
