@@ -4,12 +4,18 @@ The straggler tests (tests/traceml_ai/test_straggler.py) run it under ``traceml 
 and check that the summary names the slowed ranks, the place and where the others wait.
 
 Usage: straggler_train.py --where WHERE [--slow-ranks 1,3] [--every N] [--sleep-ms MS]
-       [--steps N]
+       [--steps N] [--strategy ddp|fsdp2|allreduce]
 
 WHERE is one of: none, forward, backward, optimizer, collate (the DataLoader's
 collate_fn, the batch fetched before the step opens), dataloader_in_step (the batch
 fetched inside the step), between (work after the step, before the next batch).
 ``--every N`` slows only every Nth iteration (1: every one).
+
+``--strategy``: ``ddp`` (DistributedDataParallel, the default), ``fsdp2`` (every layer
+and the root under ``fully_shard``: all-gathers in forward and backward, reduce-scatters
+in backward), ``allreduce`` (no wrapper: the script averages the gradients itself with
+``dist.all_reduce`` after backward). Under fsdp2 and allreduce, ``forward`` and
+``backward`` slow one middle layer's forward or backward computation.
 """
 
 from __future__ import annotations
@@ -71,6 +77,41 @@ class _Model(nn.Module):
         return self.second(h)
 
 
+class _Layer(nn.Module):
+    """One block; the slowed one sleeps in its forward, or in its backward."""
+
+    def __init__(self, clock: _Clock | None, where: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self.clock, self.where = clock, where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.clock is not None and self.where == "forward":
+            self.clock.pause()
+        h = torch.relu(self.linear(x))
+        if self.clock is not None and self.where == "backward":
+            h = _SleepInBackward.apply(h)
+        return h
+
+
+class _Deep(nn.Module):
+    """Four blocks between an input and an output layer; the third is the slow one."""
+
+    def __init__(self, clock: _Clock, where: str) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(
+            [_Layer(clock if i == 2 else None, where) for i in range(4)]
+        )
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
 class _SlowSGD(torch.optim.SGD):
     """SGD whose step sleeps (inside the step torch's optimizer hooks time)."""
 
@@ -89,6 +130,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--sleep-ms", type=float, default=30.0)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2", "allreduce"), default="ddp")
     args = parser.parse_args()
     traceml.init()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -110,9 +152,21 @@ def main() -> None:
 
     data = TensorDataset(torch.randn(args.steps * 8, 16), torch.randn(args.steps * 8, 1))
     loader = DataLoader(data, batch_size=8, collate_fn=collate)
-    model: nn.Module = _Model(clock, args.where)
-    if world > 1:
-        model = nn.parallel.DistributedDataParallel(model)
+    model: nn.Module
+    if args.strategy == "ddp":
+        model = _Model(clock, args.where)
+        if world > 1:
+            model = nn.parallel.DistributedDataParallel(model)
+    else:
+        model = _Deep(clock, args.where)
+        if args.strategy == "fsdp2" and world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for block in model.blocks:  # type: ignore[union-attr]
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
     opt = _SlowSGD(model.parameters(), lr=0.01)
     opt.clock = clock if args.where == "optimizer" else None
 
@@ -120,6 +174,11 @@ def main() -> None:
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
+        if args.strategy == "allreduce" and world > 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
         opt.step()
 
     it = iter(loader)

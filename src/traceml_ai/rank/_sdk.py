@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import attrs
 
 from traceml_ai import _environ, _fork
-from traceml_ai.rank import _wrappers
+from traceml_ai.rank import _collectives, _wrappers
 from traceml_ai.rank._event_names import INTERNAL_PREFIX
 from traceml_ai.rank._init_config import (
     TraceMLInitConfig,
@@ -115,6 +115,7 @@ class _Carried:
     seq_process: int = 0
     seq_system: int = 0
     seq_runtime_environment: int = 0
+    seq_collectives: int = 0
     sender: _Sender | None = None
 
 
@@ -264,6 +265,7 @@ class _Runtime:
             )
             if config.patch_h2d:
                 _wrappers.install_h2d_patch(torch)
+            self._guard.run("collectives", self._install_collectives)
         _wrappers.set_auto_h2d(config.patch_h2d)
         if self.sender is not None:
             # The sender's thread builds the items of steps off CUDA (StepTimer.defer).
@@ -272,7 +274,14 @@ class _Runtime:
         # then the script has set up torch.distributed and wrapped its model, so a
         # rank usually sends exactly one line (see _EnvironmentReporter.report).
         activate(self.timer)
+        _collectives.activate(self.timer.collectives)
         self._thread.start()
+
+    def _install_collectives(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available():
+            _collectives.install(dist)
 
     # -- samplers -------------------------------------------------------------
 
@@ -340,6 +349,9 @@ class _Runtime:
                 self._system.next_seq if self._system is not None else self._carried_seq_system
             ),
             seq_runtime_environment=self.environment.next_seq,
+            seq_collectives=(
+                self.timer.collectives.next_seq if self.timer.collectives is not None else 0
+            ),
             sender=self.sender,
         )
 
@@ -347,6 +359,8 @@ class _Runtime:
         """Flush pending steps, take final samples and close the sender."""
         if active() is self.timer:
             activate(None)
+        if _collectives.active() is self.timer.collectives:
+            _collectives.activate(None)
         timer = self.timer
         if timer.enabled:
             try:
@@ -357,6 +371,9 @@ class _Runtime:
                 timer.fail(exc)
         else:
             self._build_steps()
+        if timer.collectives is not None:
+            with contextlib.suppress(Exception):
+                timer.collectives.flush()
         timer.enabled = False
         if self._thread.stop(timeout=max(2.0, self.interval)):
             # One more sample so that even a short run has process/system lines;
@@ -415,6 +432,9 @@ def _make_runtime(
         step=carried.step,
         seq_time=carried.seq_step_time,
         seq_mem=carried.seq_step_memory,
+    )
+    timer.collectives = _collectives.CollectiveRecorder(
+        timer, recorder, first_seq=carried.seq_collectives
     )
     process = ProcessSampler(
         cuda,
@@ -509,6 +529,7 @@ def _after_fork_in_child() -> None:
     _runtime = None
     _state = "closed"
     activate(None)
+    _collectives.activate(None)
 
 
 def _install_process_hooks() -> None:

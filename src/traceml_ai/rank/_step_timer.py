@@ -28,8 +28,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from traceml_ai.rank import _torch_patches
-from traceml_ai.rank._event_names import HOST_ONLY
+from traceml_ai.rank import _collectives, _torch_patches
+from traceml_ai.rank._event_names import HOST_ONLY, STEP_TIME
 from traceml_ai.rank._hotpath_py import PendingStep, Phase, where
 from traceml_ai.rank._timer_core import (
     Slot,
@@ -254,6 +254,12 @@ class StepTimer(TimerCore):
         # MAX_ENDED_STEPS and ENDED_WAKE_AT, read when the timer is made.
         self._max_ended = MAX_ENDED_STEPS
         self._wake_at = ENDED_WAKE_AT
+        # The collectives of each step, told when a step's items are built (None:
+        # not measured, e.g. a sink given to init in a test).
+        self.collectives: _collectives.CollectiveRecorder | None = None
+        # The user phases open now (trace_phase), innermost last: where a collective
+        # issued outside the built-in phases is attributed.
+        self.user_phases: list[str] = []
 
     @property
     def auto_forward(self) -> bool:
@@ -429,6 +435,11 @@ class StepTimer(TimerCore):
         through the recorder and the sender's queues would cost the sender's thread
         more than the encoding); a step the encoder leaves to Python, or every step
         without an encoded sink, as dicts to the sink's ``put``."""
+        collectives = self.collectives
+        if collectives is not None:
+            for acc, (step, ts, _device) in zip(ended, ended_at, strict=False):
+                phase = acc.get(STEP_TIME)
+                collectives.step_ended(step, ts, phase.cpu_ns if phase is not None else 0)
         encoded_sink = self._encoding_sink()
         if encoded_sink is None or _encode_host_steps is None:
             while ended:
@@ -452,6 +463,10 @@ class StepTimer(TimerCore):
 
     def _send_host_items(self, step: int, ts: int, device: str, acc: dict[str, Phase]) -> None:
         """A step's host items as dicts, to the sink's ``put``."""
+        collectives = self.collectives
+        if collectives is not None:
+            phase = acc.get(STEP_TIME)
+            collectives.step_ended(step, ts, phase.cpu_ns if phase is not None else 0)
         self._put_memory(step, ts, device, None, None)
         self._emit_host(step, ts, device, acc)
         for phase in acc.values():
@@ -490,6 +505,8 @@ class StepTimer(TimerCore):
         self.in_step = False
         self.fwd.depth = self.bwd.depth = self.opt.depth = self.h2d.depth = 0
         self._acc = {}
+        if self.collectives is not None:
+            self.collectives.discard(self.step)
         self.step -= 1
 
     def _drain_ready(self) -> None:
@@ -533,6 +550,8 @@ class StepTimer(TimerCore):
             while queue:
                 self._emit(queue[0])
                 queue.popleft()
+        if self.collectives is not None:
+            self.collectives.flush()
 
     def _emit_host(self, step: int, ts: int, device: str, acc: dict[str, Phase]) -> None:
         """``_emit`` for a step off CUDA (host time only), each event built in one go.
@@ -561,6 +580,12 @@ class StepTimer(TimerCore):
         self._sink.put("step_time", item)
 
     def _emit(self, pending: PendingStep) -> None:
+        collectives = self.collectives
+        if collectives is not None:
+            phase = pending.acc.get(STEP_TIME)
+            collectives.step_ended(
+                pending.step, pending.ts, phase.cpu_ns if phase is not None else 0
+            )
         device = pending.device
         cuda = device.startswith("cuda:")
         done = pending.done
@@ -619,6 +644,7 @@ class PhaseContext:
         try:
             self._t0, self._ev0 = timer.user_phase_begin()
             self._live = True
+            timer.user_phases.append(self._name)
         except Exception as exc:
             timer.fail(exc)
 
@@ -632,6 +658,9 @@ class PhaseContext:
             return
         self._live = False
         timer = self._timer
+        phases = timer.user_phases
+        if phases and phases[-1] == self._name:
+            phases.pop()
         if not timer.enabled:
             return
         try:

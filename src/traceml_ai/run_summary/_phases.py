@@ -25,6 +25,16 @@ PHASES: tuple[tuple[str, str], ...] = (
 )
 """Summary name and event name of each built-in phase, in step order."""
 BUILT_IN_PHASES = tuple(name for name, _ in PHASES)
+BETWEEN = "between_steps"
+"""The component of an iteration outside the step (after the previous one ended)."""
+REST = "rest_of_step"
+"""The component of a step outside its timed phases."""
+BETWEEN_EVENT = PREFIX + "between_steps"
+"""The collectives stream's phase for a collective issued outside any step."""
+WAIT_PREFIX = "_cw:"
+"""A row's key for the time it waited in collectives in one component (ms)."""
+OP_WAIT_PREFIX = "_cwop:"
+"""...and per component and operation: ``_cwop:<component>:<op>``."""
 _ZEROS = (0.0,) * len(BUILT_IN_PHASES)
 _PHASE_BY_EVENT = {event: name for name, event in PHASES}
 
@@ -48,6 +58,27 @@ def phase_name(event: str) -> str | None:
     if name is None and not event.startswith(PREFIX):
         name = f"user:{event}"
     return name
+
+
+def wait_component(phase: str) -> str | None:
+    """The iteration component a collectives line's ``phase`` falls in (None: a reserved
+    name this reader does not know)."""
+    if phase == STEP_EVENT:
+        return REST
+    if phase == BETWEEN_EVENT:
+        return BETWEEN
+    return phase_name(phase)
+
+
+def add_wait(waits: dict[str, float], phase: str, op: str, wait_ms: float) -> None:
+    """Add one collectives line's wait to ``waits`` (a row's wait keys)."""
+    component = wait_component(phase)
+    if component is None:
+        return
+    key = WAIT_PREFIX + component
+    waits[key] = waits.get(key, 0.0) + wait_ms
+    key = f"{OP_WAIT_PREFIX}{component}:{op}"
+    waits[key] = waits.get(key, 0.0) + wait_ms
 
 
 def step_row(events: Mapping[str, Any]) -> dict[str, float] | None:

@@ -14,13 +14,14 @@ and in docs/reading-the-files.md).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
 from traceml_ai.run_summary._phases import (
+    add_wait,
     mean,
     percentile,
     phase_breakdown,
@@ -140,7 +141,10 @@ def step_figures(
 
 
 def _straggler_view(
-    rows: dict[int, dict[int, dict[str, float]]], phase_names: Sequence[str], strategy: str | None
+    rows: dict[int, dict[int, dict[str, float]]],
+    phase_names: Sequence[str],
+    strategy: str | None,
+    collectives: bool = False,
 ) -> dict[str, Any]:
     """The straggler analysis (:mod:`traceml_ai.run_summary._straggler`) of the step rows."""
     nodes = {
@@ -149,7 +153,69 @@ def _straggler_view(
         for row in steps.values()
         if "_node" in row
     }
-    return analyze_stragglers(rows, strategy, nodes)
+    return analyze_stragglers(rows, strategy, nodes, collectives)
+
+
+def collective_waits(
+    objs: Iterable[Mapping[str, Any]],
+) -> tuple[dict[int, dict[int, dict[str, float]]], set[int]]:
+    """(rank -> step -> wait keys of the step rows, ranks with a wait not measured) of
+    the collectives lines."""
+    waits: dict[int, dict[int, dict[str, float]]] = {}
+    unmeasured: set[int] = set()
+    for obj in objs:
+        rank, step = obj["global_rank"], obj["step"]
+        steps = waits.get(rank)
+        if steps is None:
+            steps = waits[rank] = {}
+        row = steps.get(step)
+        if row is None:
+            row = steps[step] = {}
+        wait = obj.get("wait_ms")
+        if wait is None:
+            unmeasured.add(rank)
+            continue
+        add_wait(row, obj["phase"], obj["op"], float(wait))
+    return waits, unmeasured
+
+
+def _merge_waits(
+    rows: dict[int, dict[int, dict[str, float]]],
+    info: FileRead,
+    world: set[int],
+    strategy: str | None,
+    notes: list[str],
+) -> bool:
+    """Add the collectives file's waits to the step rows; whether every rank's were
+    measured (the straggler analysis then uses them)."""
+    waits, unmeasured = _read(info, lambda fh: collective_waits(data_lines(fh, info))) or (
+        {},
+        set(),
+    )
+    for rank, steps in waits.items():
+        mine = rows.get(rank)
+        if mine is None:
+            continue
+        for step, row_waits in steps.items():
+            row = mine.get(step)
+            if row is not None:
+                row.update(row_waits)
+    distributed = bool(world) and max(world) > 1
+    unseen = sorted(r for r in rows if r not in waits)
+    if distributed and unseen:
+        shown = ", ".join(map(str, unseen[:10])) + (", ..." if len(unseen) > 10 else "")
+        notes.append(
+            f"collectives: none seen on rank(s) {shown} (an engine that bypasses "
+            "torch.distributed's Python functions, or DDP's built-in C++ hooks); "
+            "the wait is inferred from phase times"
+        )
+    if unmeasured:
+        shown = ", ".join(map(str, sorted(unmeasured)[:10]))
+        notes.append(
+            f"collectives: wait not measured on rank(s) {shown} (NCCL without "
+            "TORCH_NCCL_ENABLE_TIMING=1); the wait is inferred from phase times"
+        )
+    return distributed and not unseen and not unmeasured
 
 
 def _memory_section(objs: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
@@ -438,7 +504,11 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         summary["step_time"] = per_rank
         summary["phases"] = phases
         summary["phase_names"] = names
-        summary["straggler"] = _straggler_view(rows, names, strategy)
+        measured = (
+            "collectives" in reads
+            and _merge_waits(rows, reads["collectives"], world, strategy, notes)
+        )
+        summary["straggler"] = _straggler_view(rows, names, strategy, measured)
         if world:
             summary["world_size"] = max(world)
             # Count rather than list every rank: a world may be very large.
@@ -494,6 +564,8 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         notes.append("system figures: system was not exported")
 
     figured = {"step_time", "step_memory", "process", "system", "system_gpu"}
+    if summary.get("ranks"):
+        figured.add("collectives")  # read with the step rows
     for name in reads.keys() - figured - set(objs):
         # No figure of its own (stdout_stderr): read for its closing line and damage.
         _skim(reads[name])

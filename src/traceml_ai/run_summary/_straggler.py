@@ -31,7 +31,16 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from traceml_ai.run_summary._phases import BUILT_IN_PHASES, mean, median, rounded
+from traceml_ai.run_summary._phases import (
+    BETWEEN,
+    BUILT_IN_PHASES,
+    OP_WAIT_PREFIX,
+    REST,
+    WAIT_PREFIX,
+    mean,
+    median,
+    rounded,
+)
 
 REL = 0.10
 """A difference counts when above this fraction of the reference iteration..."""
@@ -64,13 +73,19 @@ gradient all-reduce runs in backward (its buffer broadcast, when the model has
 buffers, at the start of forward); FSDP and ZeRO gather and reduce in all three."""
 _DEFAULT_SYNC = ("backward", "forward", "optimizer")
 
-BETWEEN = "between_steps"
-REST = "rest_of_step"
 DATALOADER = "dataloader_wait"
 
 DEFINITION = (
     "per step, a rank's own work is its iteration (step plus time outside it) minus its "
     "wait in the synchronizing phase (that phase's time beyond the shortest rank's); "
+    f"stragglers: ranks whose median own work exceeds the others' by more than "
+    f"{int(REL * 100)} % of the iteration, {ABS_MS:g} ms and {NOISE_FACTOR:g}x the "
+    f"step-to-step noise, in at least {int(CONSISTENT_SHARE * 100)} % of steps"
+)
+
+DEFINITION_COLLECTIVES = (
+    "per step, a rank's own work is its iteration (step plus time outside it) minus its "
+    "measured wait in collectives; "
     f"stragglers: ranks whose median own work exceeds the others' by more than "
     f"{int(REL * 100)} % of the iteration, {ABS_MS:g} ms and {NOISE_FACTOR:g}x the "
     f"step-to-step noise, in at least {int(CONSISTENT_SHARE * 100)} % of steps"
@@ -97,6 +112,18 @@ def _components(row: Mapping[str, float], previous: Mapping[str, float]) -> dict
     out[REST] = max(0.0, step - in_step)
     out["_iter"] = step + gap
     out["_dl_outside"] = 1.0 if outside else 0.0
+    # Measured collectives: each component keeps its own work, and the wait is said
+    # per component ("_cw:<component>") and per operation ("_cwop:<component>:<op>").
+    wait = 0.0
+    for key, value in row.items():
+        if key.startswith(WAIT_PREFIX):
+            name = key[len(WAIT_PREFIX) :]
+            out[name] = max(0.0, out.get(name, 0.0) - value)
+            out[key] = value
+            wait += value
+        elif key.startswith(OP_WAIT_PREFIX):
+            out[key] = value
+    out["_wait"] = wait
     return out
 
 
@@ -140,11 +167,20 @@ def analyze(
     rows: Rows,
     strategy: str | None = None,
     nodes: Mapping[int, int] | None = None,
+    collectives: bool = False,
 ) -> dict[str, Any]:
     """The straggler view of a run: ``rows`` is rank -> step -> row (``step_row``'s
-    figures plus ``_ts``, the step's end in ns); ``nodes`` is rank -> node when known."""
+    figures plus ``_ts``, the step's end in ns, and with ``collectives`` the waits of
+    :data:`WAIT_PREFIX` and :data:`OP_WAIT_PREFIX`); ``nodes`` is rank -> node when
+    known. ``collectives``: every rank's collectives were measured (the collectives
+    stream), so waits are measured, not inferred from phase times."""
     ranks = sorted(rows)
-    view: dict[str, Any] = {"definition": DEFINITION, "ranks": len(ranks), "stragglers": []}
+    view: dict[str, Any] = {
+        "definition": DEFINITION_COLLECTIVES if collectives else DEFINITION,
+        "basis": "collectives" if collectives else "phase_times",
+        "ranks": len(ranks),
+        "stragglers": [],
+    }
     if len(ranks) < 2:
         view.update(applicable=False, verdict="n/a", reason="one rank: nothing to compare")
         return view
@@ -176,22 +212,26 @@ def analyze(
     # waits (on average over the steps, so that waits now and then count too).
     candidates = SYNC_PHASES.get(strategy or "", _DEFAULT_SYNC)
     wait_phase: str | None = None
-    for name in candidates:
-        if name not in floor:
-            continue
-        mean_wait = max(mean([excess(r, name, i) for i in range(n)]) for r in ranks)
-        if mean_wait > max(ABS_MS, REL * iteration):
-            wait_phase = name
-            break
+    if collectives:
+        # Measured: a rank's own work is its iteration less its time in collectives
+        # (the last to arrive at a synchronizing collective waits least).
+        own = {r: [table[r][i]["_iter"] - table[r][i]["_wait"] for i in range(n)] for r in ranks}
+    else:
+        for name in candidates:
+            if name not in floor:
+                continue
+            mean_wait = max(mean([excess(r, name, i) for i in range(n)]) for r in ranks)
+            if mean_wait > max(ABS_MS, REL * iteration):
+                wait_phase = name
+                break
+        own = {
+            r: [
+                table[r][i]["_iter"] - (excess(r, wait_phase, i) if wait_phase else 0.0)
+                for i in range(n)
+            ]
+            for r in ranks
+        }
     view["wait_phase"] = wait_phase
-
-    own = {
-        r: [
-            table[r][i]["_iter"] - (excess(r, wait_phase, i) if wait_phase else 0.0)
-            for i in range(n)
-        ]
-        for r in ranks
-    }
     # Step-to-step noise: how much a rank's own work varies around its own median
     # (robust: a rank slow now and then, or slow throughout, does not inflate it).
     noise = median([_mad(own[r]) for r in ranks])
@@ -234,10 +274,15 @@ def analyze(
             view["verdict"] = "none"
             spread = max(own_median.values()) - min(own_median.values())
             view["spread_ms"] = rounded(spread)
-            view["caveat"] = _inside_sync_caveat(ranks, table, candidates, iteration)
+            view["caveat"] = (
+                None if collectives else _inside_sync_caveat(ranks, table, candidates, iteration)
+            )
 
     view["slow_node"] = _slow_node([s["rank"] for s in view["stragglers"]], ranks, nodes)
-    if view["stragglers"] and wait_phase is not None:
+    if view["stragglers"] and collectives:
+        view["waiting"] = _measured_wait(view, ranks, table, n, strategy)
+        view["wait_phase"] = view["waiting"]["phase"] if view["waiting"] else None
+    elif view["stragglers"] and wait_phase is not None:
         named = {s["rank"] for s in view["stragglers"]}
         waiting = [r for r in ranks if r not in named]
         view["waiting"] = {
@@ -254,6 +299,78 @@ def analyze(
     else:
         view["waiting"] = None
     return view
+
+
+def _measured_wait(
+    view: Mapping[str, Any],
+    ranks: Sequence[int],
+    table: Mapping[int, Sequence[Mapping[str, float]]],
+    n: int,
+    strategy: str | None,
+) -> dict[str, Any] | None:
+    """Where the other ranks wait for the named ones, from the measured collectives: the
+    component (and in it the operation) where they wait most beyond the named ranks."""
+    named = {s["rank"] for s in view["stragglers"]}
+    waiting = [r for r in ranks if r not in named]
+    if not waiting:
+        return None
+    keys = {k for r in ranks for c in table[r] for k in c if k.startswith(WAIT_PREFIX)}
+    if not keys:
+        return None
+
+    def surplus(key: str) -> float:
+        theirs = mean([mean([table[r][i].get(key, 0.0) for i in range(n)]) for r in waiting])
+        mine = mean([mean([table[r][i].get(key, 0.0) for i in range(n)]) for r in named])
+        return theirs - mine
+
+    key = max(sorted(keys), key=surplus)
+    if surplus(key) <= 0.0:
+        return None
+    component = key[len(WAIT_PREFIX) :]
+    op_prefix = f"{OP_WAIT_PREFIX}{component}:"
+    op_keys = {k for r in ranks for c in table[r] for k in c if k.startswith(op_prefix)}
+    op = max(sorted(op_keys), key=surplus)[len(op_prefix) :] if op_keys else None
+
+    def beyond_shortest(r: int, i: int) -> float:
+        return table[r][i].get(key, 0.0) - min(table[o][i].get(key, 0.0) for o in ranks)
+
+    return {
+        "phase": component,
+        "collective": op,
+        "ranks": waiting if len(waiting) <= 16 else None,
+        "rank_count": len(waiting),
+        "wait_ms_per_step": rounded(
+            mean([mean([beyond_shortest(r, i) for i in range(n)]) for r in waiting])
+        ),
+        "why": _why_measured(strategy, component, op),
+    }
+
+
+def _why_measured(strategy: str | None, phase: str, op: str | None) -> str:
+    what = _COLLECTIVE_WORDS.get(op or "", op or "collectives")
+    if strategy == "ddp" and phase == "backward" and op == "all_reduce":
+        what = "gradient all-reduce (DDP's buckets)"
+    where = {BETWEEN: "between steps", REST: "in the step, outside its timed phases"}.get(
+        phase, f"in {phase}"
+    )
+    label = {"ddp": "DDP", "fsdp": "FSDP", "deepspeed": "DeepSpeed"}.get(strategy or "")
+    prefix = f"{label}: " if label else ""
+    return f"{prefix}the other ranks wait in the {what}, {where} (measured)"
+
+
+_COLLECTIVE_WORDS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "broadcast": "broadcast",
+    "barrier": "barrier",
+    "all_to_all": "all-to-all",
+    "send": "send",
+    "recv": "receive",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+}
 
 
 def _slow_group(
@@ -472,5 +589,7 @@ def verdict_line(view: Mapping[str, Any] | None) -> str:
         )
     waiting = view.get("waiting")
     if waiting and waiting.get("rank_count"):
-        text += f"; the others wait in {waiting['phase']} ({waiting['wait_ms_per_step']:.2f} ms per step)"
+        op = waiting.get("collective")
+        where = f"{waiting['phase']}'s {op}" if op else waiting["phase"]
+        text += f"; the others wait in {where} ({waiting['wait_ms_per_step']:.2f} ms per step)"
     return text

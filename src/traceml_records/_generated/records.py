@@ -15,6 +15,7 @@ from traceml_records._errors import Path, RecordError, _key_error, describe
 
 __all__ = [
     "ClosingLine",
+    "CollectivesRecord",
     "ExportLoss",
     "FinalizationWarning",
     "MonitoringLoss",
@@ -35,7 +36,24 @@ _ENUM_27 = frozenset(
 _ENUM_28 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
 _ENUM_29 = frozenset({"high", "low"})
 _ENUM_34 = frozenset({"stdout", "stderr"})
-_ENUM_41 = frozenset(
+_ENUM_39 = frozenset(
+    {
+        "all_gather",
+        "all_reduce",
+        "all_to_all",
+        "barrier",
+        "broadcast",
+        "gather",
+        "recv",
+        "reduce",
+        "reduce_scatter",
+        "scatter",
+        "send",
+    }
+)
+_ENUM_40 = frozenset({"ddp_comm_hook", "torch.distributed"})
+_ENUM_41 = frozenset({"device", "host", "none"})
+_ENUM_48 = frozenset(
     {
         "step_time",
         "step_memory",
@@ -44,14 +62,57 @@ _ENUM_41 = frozenset(
         "system_gpu",
         "runtime_environment",
         "stdout_stderr",
+        "collectives",
     }
 )
-_ENUM_46 = frozenset(
+_ENUM_53 = frozenset(
     {"export_incomplete", "monitoring_incomplete", "ranks_disconnected", "timeout"}
 )
 _INF = float("inf")
 _KEYS_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
+)
+_KEYS_COLLECTIVES_RECORD = frozenset(
+    {
+        "stream",
+        "schema_version",
+        "observed_timestamp_unix_ns",
+        "rank",
+        "global_rank",
+        "local_rank",
+        "world_size",
+        "local_world_size",
+        "node_rank",
+        "hostname",
+        "timestamp_unix_ns",
+        "seq",
+        "step",
+        "phase",
+        "op",
+        "source",
+        "backend",
+        "n_calls",
+        "wait_ms",
+        "wait_measure",
+        "first_arrival_ms",
+        "last_arrival_ms",
+    }
+)
+_KEYS_COLLECTIVES_RECORD_ITEM = frozenset(
+    {
+        "timestamp_unix_ns",
+        "seq",
+        "step",
+        "phase",
+        "op",
+        "source",
+        "backend",
+        "n_calls",
+        "wait_ms",
+        "wait_measure",
+        "first_arrival_ms",
+        "last_arrival_ms",
+    }
 )
 _KEYS_EXPORT_LOSS = frozenset(
     {"written_records", "dropped_batches", "failed_records", "skipped_items", "exporter_failed"}
@@ -284,6 +345,47 @@ _MATCHED_0: set[str] = set()
 _PATTERN_0 = re.compile("^[a-z]+(:[0-9]+)?\\Z")
 _REQUIRED_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
+)
+_REQUIRED_COLLECTIVES_RECORD = frozenset(
+    {
+        "stream",
+        "schema_version",
+        "observed_timestamp_unix_ns",
+        "rank",
+        "global_rank",
+        "local_rank",
+        "world_size",
+        "local_world_size",
+        "node_rank",
+        "timestamp_unix_ns",
+        "seq",
+        "step",
+        "phase",
+        "op",
+        "source",
+        "backend",
+        "n_calls",
+        "wait_ms",
+        "wait_measure",
+        "first_arrival_ms",
+        "last_arrival_ms",
+    }
+)
+_REQUIRED_COLLECTIVES_RECORD_ITEM = frozenset(
+    {
+        "timestamp_unix_ns",
+        "seq",
+        "step",
+        "phase",
+        "op",
+        "source",
+        "backend",
+        "n_calls",
+        "wait_ms",
+        "wait_measure",
+        "first_arrival_ms",
+        "last_arrival_ms",
+    }
 )
 _REQUIRED_EXPORT_LOSS = frozenset(
     {"written_records", "dropped_batches", "failed_records", "skipped_items", "exporter_failed"}
@@ -993,6 +1095,92 @@ class StdoutStderrRecord(_Checked):
 
 
 @attrs.frozen(kw_only=True)
+class CollectivesRecord(_Checked):
+    """One line per step of each rank and per phase and operation of the collectives the rank issued in it (torch.distributed calls, DDP's gradient buckets, FSDP's all-gathers and reduce-scatters): how many, how long the rank waited in them, and when it arrived at the first and last. Ranks of a world of one, and steps without a collective, write none.
+
+    Schema ``urn:traceml:schema:collectives:v1`` (collectives.schema.json).
+    """
+
+    stream: Literal["collectives"] = "collectives"
+    """Stream name; constant per file."""
+
+    schema_version: Literal[1] = 1
+    """Version of the line format; 1 for this release."""
+
+    observed_timestamp_unix_ns: int
+    """When the aggregator received the payload that carried this record. [ns]"""
+
+    rank: int
+    """The sending rank; same value as global_rank (kept for readers of older tools)."""
+
+    global_rank: int
+    """Rank in the whole job (RANK)."""
+
+    local_rank: int
+    """Rank on its node (LOCAL_RANK)."""
+
+    world_size: int
+    """Ranks in the job (WORLD_SIZE)."""
+
+    local_world_size: int
+    """Ranks on this node (LOCAL_WORLD_SIZE)."""
+
+    node_rank: int
+    """Node index (GROUP_RANK / NODE_RANK)."""
+
+    hostname: str | None = None
+    """Host name of the rank; present only with the exporter hostname setting on, null when the rank sent none."""
+
+    timestamp_unix_ns: int
+    """When the rank took the sample (end of the step for step streams). [ns]"""
+
+    seq: int
+    """The rank's sampler sequence number for this stream; monotonic per rank and stream."""
+
+    step: int
+    """Training step number on the rank, starting at 1 for the first traced step."""
+
+    phase: str
+    """Where the rank was when it issued them: a step_time event name (_traceml_internal:forward_time, _traceml_internal:backward_time, _traceml_internal:optimizer_step, _traceml_internal:dataloader_next, _traceml_internal:h2d_time, or a user phase name); _traceml_internal:step_time inside the step but outside its timed phases; _traceml_internal:between_steps outside any step, before this one began."""
+
+    op: Literal[
+        "all_gather",
+        "all_reduce",
+        "all_to_all",
+        "barrier",
+        "broadcast",
+        "gather",
+        "recv",
+        "reduce",
+        "reduce_scatter",
+        "scatter",
+        "send",
+    ]
+    """The operation: all_gather (also all_gather_into_tensor and FSDP's all-gathers), all_reduce (also DDP's gradient buckets), reduce_scatter (also reduce_scatter_tensor and FSDP's gradient reduction), broadcast (also DDP's buffer broadcast), barrier, send, recv (also isend, irecv), all_to_all, reduce, gather, scatter."""
+
+    source: Literal["ddp_comm_hook", "torch.distributed"]
+    """How TraceML saw them: ddp_comm_hook for DDP's gradient buckets (a communication hook that wraps the user's own, or DDP's default all-reduce), torch.distributed for calls of torch.distributed's functions (user code, FSDP, DDP's buffer broadcast)."""
+
+    backend: str | None
+    """The process group backend of the default group (gloo, nccl, ...); null when it could not be read."""
+
+    n_calls: int
+    """How many collectives of this operation the rank issued in this phase of this step."""
+
+    wait_ms: float | None
+    """Time spent waiting in them, summed: on the host where the rank blocks (a synchronous call, Work.wait(), the end of DDP's backward after its last bucket) when wait_measure is host; the collective kernels' duration when it is device (NCCL with TORCH_NCCL_ENABLE_TIMING); null (wait_measure none) when it could not be measured. [ms]"""
+
+    wait_measure: Literal["device", "host", "none"]
+    """What wait_ms measures: host (blocked host time: gloo and other CPU backends), device (the collective kernels' duration from the NCCL Work's timing events), none (wait_ms is null)."""
+
+    first_arrival_ms: float
+    """When the rank issued the first of them, after the step began (between steps: after the previous step ended). [ms]"""
+
+    last_arrival_ms: float
+    """When the rank issued the last of them, on the same clock as first_arrival_ms. [ms]"""
+
+
+@attrs.frozen(kw_only=True)
 class ClosingLine(_Checked):
     """Last line of every export file that finished cleanly.
 
@@ -1007,6 +1195,7 @@ class ClosingLine(_Checked):
         "system_gpu",
         "runtime_environment",
         "stdout_stderr",
+        "collectives",
     ]
     """Stream of the file this line closes."""
 
@@ -1289,6 +1478,30 @@ _set_stdout_stderr_record_timestamp_unix_ns = StdoutStderrRecord.__dict__[
 _set_stdout_stderr_record_seq = StdoutStderrRecord.__dict__["seq"].__set__
 _set_stdout_stderr_record_source = StdoutStderrRecord.__dict__["source"].__set__
 _set_stdout_stderr_record_line = StdoutStderrRecord.__dict__["line"].__set__
+_set_collectives_record_stream = CollectivesRecord.__dict__["stream"].__set__
+_set_collectives_record_schema_version = CollectivesRecord.__dict__["schema_version"].__set__
+_set_collectives_record_observed_timestamp_unix_ns = CollectivesRecord.__dict__[
+    "observed_timestamp_unix_ns"
+].__set__
+_set_collectives_record_rank = CollectivesRecord.__dict__["rank"].__set__
+_set_collectives_record_global_rank = CollectivesRecord.__dict__["global_rank"].__set__
+_set_collectives_record_local_rank = CollectivesRecord.__dict__["local_rank"].__set__
+_set_collectives_record_world_size = CollectivesRecord.__dict__["world_size"].__set__
+_set_collectives_record_local_world_size = CollectivesRecord.__dict__["local_world_size"].__set__
+_set_collectives_record_node_rank = CollectivesRecord.__dict__["node_rank"].__set__
+_set_collectives_record_hostname = CollectivesRecord.__dict__["hostname"].__set__
+_set_collectives_record_timestamp_unix_ns = CollectivesRecord.__dict__["timestamp_unix_ns"].__set__
+_set_collectives_record_seq = CollectivesRecord.__dict__["seq"].__set__
+_set_collectives_record_step = CollectivesRecord.__dict__["step"].__set__
+_set_collectives_record_phase = CollectivesRecord.__dict__["phase"].__set__
+_set_collectives_record_op = CollectivesRecord.__dict__["op"].__set__
+_set_collectives_record_source = CollectivesRecord.__dict__["source"].__set__
+_set_collectives_record_backend = CollectivesRecord.__dict__["backend"].__set__
+_set_collectives_record_n_calls = CollectivesRecord.__dict__["n_calls"].__set__
+_set_collectives_record_wait_ms = CollectivesRecord.__dict__["wait_ms"].__set__
+_set_collectives_record_wait_measure = CollectivesRecord.__dict__["wait_measure"].__set__
+_set_collectives_record_first_arrival_ms = CollectivesRecord.__dict__["first_arrival_ms"].__set__
+_set_collectives_record_last_arrival_ms = CollectivesRecord.__dict__["last_arrival_ms"].__set__
 _set_closing_line_stream = ClosingLine.__dict__["stream"].__set__
 _set_closing_line_closing = ClosingLine.__dict__["closing"].__set__
 _set_closing_line_schema_version = ClosingLine.__dict__["schema_version"].__set__
@@ -2859,6 +3072,245 @@ def _load_stdout_stderr_record(d: Any, path: Path) -> StdoutStderrRecord:
     return _build_stdout_stderr_record(d, d, path)
 
 
+def _dump_collectives_record(r: CollectivesRecord, include_hostname: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "stream": r.stream,
+        "schema_version": r.schema_version,
+        "observed_timestamp_unix_ns": r.observed_timestamp_unix_ns,
+        "rank": r.rank,
+        "global_rank": r.global_rank,
+        "local_rank": r.local_rank,
+        "world_size": r.world_size,
+        "local_world_size": r.local_world_size,
+        "node_rank": r.node_rank,
+    }
+    if include_hostname:
+        d["hostname"] = r.hostname
+    d["timestamp_unix_ns"] = r.timestamp_unix_ns
+    d["seq"] = r.seq
+    d["step"] = r.step
+    d["phase"] = r.phase
+    d["op"] = r.op
+    d["source"] = r.source
+    d["backend"] = r.backend
+    d["n_calls"] = r.n_calls
+    d["wait_ms"] = r.wait_ms
+    d["wait_measure"] = r.wait_measure
+    d["first_arrival_ms"] = r.first_arrival_ms
+    d["last_arrival_ms"] = r.last_arrival_ms
+    return d
+
+
+def _build_collectives_record(identity: dict[str, Any], d: Any, path: Path) -> CollectivesRecord:
+    f_observed_timestamp_unix_ns = identity["observed_timestamp_unix_ns"]
+    f_rank = identity["rank"]
+    f_global_rank = identity["global_rank"]
+    f_local_rank = identity["local_rank"]
+    f_world_size = identity["world_size"]
+    f_local_world_size = identity["local_world_size"]
+    f_node_rank = identity["node_rank"]
+    f_hostname = identity.get("hostname")
+    f_timestamp_unix_ns = d["timestamp_unix_ns"]
+    if (
+        type(f_timestamp_unix_ns) is not int
+        or f_timestamp_unix_ns < 0
+        or f_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_timestamp_unix_ns)}",
+        )
+    f_seq = d["seq"]
+    if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
+        raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
+    f_step = d["step"]
+    if type(f_step) is not int or f_step < 1 or f_step > 9223372036854775807:
+        raise RecordError((*path, "step"), f"expected integer >= 1, got {describe(f_step)}")
+    f_phase = d["phase"]
+    if type(f_phase) is not str or len(f_phase) < 1:
+        raise RecordError(
+            (*path, "phase"), f"expected string of length >= 1, got {describe(f_phase)}"
+        )
+    f_op = d["op"]
+    if type(f_op) is not str or f_op not in _ENUM_39:
+        raise RecordError(
+            (*path, "op"),
+            f"expected one of all_gather, all_reduce, all_to_all, barrier, broadcast, gather, recv, reduce, reduce_scatter, scatter, send, got {describe(f_op)}",
+        )
+    f_source = d["source"]
+    if type(f_source) is not str or f_source not in _ENUM_40:
+        raise RecordError(
+            (*path, "source"),
+            f"expected one of ddp_comm_hook, torch.distributed, got {describe(f_source)}",
+        )
+    f_backend = d["backend"]
+    if f_backend is not None and (type(f_backend) is not str or len(f_backend) < 1):
+        raise RecordError(
+            (*path, "backend"), f"expected string of length >= 1 or null, got {describe(f_backend)}"
+        )
+    f_n_calls = d["n_calls"]
+    if type(f_n_calls) is not int or f_n_calls < 1 or f_n_calls > 9223372036854775807:
+        raise RecordError((*path, "n_calls"), f"expected integer >= 1, got {describe(f_n_calls)}")
+    f_wait_ms = d["wait_ms"]
+    if f_wait_ms is not None and type(f_wait_ms) is not float:
+        if type(f_wait_ms) is int and -(2**63) <= f_wait_ms < 2**63:
+            f_wait_ms = float(f_wait_ms)
+        else:
+            raise RecordError(
+                (*path, "wait_ms"),
+                f"expected finite number >= 0 or null, got {describe(f_wait_ms)}",
+            )
+    if f_wait_ms is not None and not (0 <= f_wait_ms < _INF):
+        raise RecordError(
+            (*path, "wait_ms"), f"expected finite number >= 0 or null, got {describe(f_wait_ms)}"
+        )
+    f_wait_measure = d["wait_measure"]
+    if type(f_wait_measure) is not str or f_wait_measure not in _ENUM_41:
+        raise RecordError(
+            (*path, "wait_measure"),
+            f"expected one of device, host, none, got {describe(f_wait_measure)}",
+        )
+    f_first_arrival_ms = d["first_arrival_ms"]
+    if type(f_first_arrival_ms) is not float:
+        if type(f_first_arrival_ms) is int and -(2**63) <= f_first_arrival_ms < 2**63:
+            f_first_arrival_ms = float(f_first_arrival_ms)
+        else:
+            raise RecordError(
+                (*path, "first_arrival_ms"),
+                f"expected finite number >= 0, got {describe(f_first_arrival_ms)}",
+            )
+    if not (0 <= f_first_arrival_ms < _INF):
+        raise RecordError(
+            (*path, "first_arrival_ms"),
+            f"expected finite number >= 0, got {describe(f_first_arrival_ms)}",
+        )
+    f_last_arrival_ms = d["last_arrival_ms"]
+    if type(f_last_arrival_ms) is not float:
+        if type(f_last_arrival_ms) is int and -(2**63) <= f_last_arrival_ms < 2**63:
+            f_last_arrival_ms = float(f_last_arrival_ms)
+        else:
+            raise RecordError(
+                (*path, "last_arrival_ms"),
+                f"expected finite number >= 0, got {describe(f_last_arrival_ms)}",
+            )
+    if not (0 <= f_last_arrival_ms < _INF):
+        raise RecordError(
+            (*path, "last_arrival_ms"),
+            f"expected finite number >= 0, got {describe(f_last_arrival_ms)}",
+        )
+    if f_wait_measure == "none" and f_wait_ms is not None:
+        raise RecordError(
+            (*path, "wait_ms"),
+            'expected null when wait_measure is "none", got ' + describe(f_wait_ms),
+        )
+    if f_wait_measure != "none" and f_wait_ms is None:
+        raise RecordError(
+            (*path, "wait_ms"),
+            'expected a number unless wait_measure is "none", got ' + describe(f_wait_ms),
+        )
+    record: CollectivesRecord = _new(CollectivesRecord)
+    _set_collectives_record_stream(record, "collectives")
+    _set_collectives_record_schema_version(record, 1)
+    _set_collectives_record_observed_timestamp_unix_ns(record, f_observed_timestamp_unix_ns)
+    _set_collectives_record_rank(record, f_rank)
+    _set_collectives_record_global_rank(record, f_global_rank)
+    _set_collectives_record_local_rank(record, f_local_rank)
+    _set_collectives_record_world_size(record, f_world_size)
+    _set_collectives_record_local_world_size(record, f_local_world_size)
+    _set_collectives_record_node_rank(record, f_node_rank)
+    _set_collectives_record_hostname(record, f_hostname)
+    _set_collectives_record_timestamp_unix_ns(record, f_timestamp_unix_ns)
+    _set_collectives_record_seq(record, f_seq)
+    _set_collectives_record_step(record, f_step)
+    _set_collectives_record_phase(record, f_phase)
+    _set_collectives_record_op(record, f_op)
+    _set_collectives_record_source(record, f_source)
+    _set_collectives_record_backend(record, f_backend)
+    _set_collectives_record_n_calls(record, f_n_calls)
+    _set_collectives_record_wait_ms(record, f_wait_ms)
+    _set_collectives_record_wait_measure(record, f_wait_measure)
+    _set_collectives_record_first_arrival_ms(record, f_first_arrival_ms)
+    _set_collectives_record_last_arrival_ms(record, f_last_arrival_ms)
+    _mark_checked(record, True)
+    return record
+
+
+def _load_collectives_record_item(
+    identity: dict[str, Any], d: Any, path: Path
+) -> CollectivesRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_COLLECTIVES_RECORD_ITEM:
+        _key_error(keys, _REQUIRED_COLLECTIVES_RECORD_ITEM, _KEYS_COLLECTIVES_RECORD_ITEM, path)
+    return _build_collectives_record(identity, d, path)
+
+
+def _load_collectives_record(d: Any, path: Path) -> CollectivesRecord:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if not (_REQUIRED_COLLECTIVES_RECORD <= keys <= _KEYS_COLLECTIVES_RECORD):
+        _key_error(keys, _REQUIRED_COLLECTIVES_RECORD, _KEYS_COLLECTIVES_RECORD, path)
+    f_stream = d["stream"]
+    if type(f_stream) is not str or f_stream != "collectives":
+        raise RecordError((*path, "stream"), f'expected "collectives", got {describe(f_stream)}')
+    f_schema_version = d["schema_version"]
+    if type(f_schema_version) is not int or f_schema_version != 1:
+        raise RecordError(
+            (*path, "schema_version"), f"expected 1, got {describe(f_schema_version)}"
+        )
+    f_observed_timestamp_unix_ns = d["observed_timestamp_unix_ns"]
+    if (
+        type(f_observed_timestamp_unix_ns) is not int
+        or f_observed_timestamp_unix_ns < 0
+        or f_observed_timestamp_unix_ns > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "observed_timestamp_unix_ns"),
+            f"expected integer >= 0, got {describe(f_observed_timestamp_unix_ns)}",
+        )
+    f_rank = d["rank"]
+    if type(f_rank) is not int or f_rank < 0 or f_rank > 9223372036854775807:
+        raise RecordError((*path, "rank"), f"expected integer >= 0, got {describe(f_rank)}")
+    f_global_rank = d["global_rank"]
+    if type(f_global_rank) is not int or f_global_rank < 0 or f_global_rank > 9223372036854775807:
+        raise RecordError(
+            (*path, "global_rank"), f"expected integer >= 0, got {describe(f_global_rank)}"
+        )
+    f_local_rank = d["local_rank"]
+    if type(f_local_rank) is not int or f_local_rank < 0 or f_local_rank > 9223372036854775807:
+        raise RecordError(
+            (*path, "local_rank"), f"expected integer >= 0, got {describe(f_local_rank)}"
+        )
+    f_world_size = d["world_size"]
+    if type(f_world_size) is not int or f_world_size < 1 or f_world_size > 9223372036854775807:
+        raise RecordError(
+            (*path, "world_size"), f"expected integer >= 1, got {describe(f_world_size)}"
+        )
+    f_local_world_size = d["local_world_size"]
+    if (
+        type(f_local_world_size) is not int
+        or f_local_world_size < 1
+        or f_local_world_size > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "local_world_size"),
+            f"expected integer >= 1, got {describe(f_local_world_size)}",
+        )
+    f_node_rank = d["node_rank"]
+    if type(f_node_rank) is not int or f_node_rank < 0 or f_node_rank > 9223372036854775807:
+        raise RecordError(
+            (*path, "node_rank"), f"expected integer >= 0, got {describe(f_node_rank)}"
+        )
+    f_hostname = d.get("hostname")
+    if f_hostname is not None and (type(f_hostname) is not str):
+        raise RecordError(
+            (*path, "hostname"), f"expected string or null, got {describe(f_hostname)}"
+        )
+    return _build_collectives_record(d, d, path)
+
+
 def _dump_closing_line(r: ClosingLine, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "stream": r.stream,
@@ -2877,10 +3329,10 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
     if keys != _KEYS_CLOSING_LINE:
         _key_error(keys, _REQUIRED_CLOSING_LINE, _KEYS_CLOSING_LINE, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream not in _ENUM_41:
+    if type(f_stream) is not str or f_stream not in _ENUM_48:
         raise RecordError(
             (*path, "stream"),
-            f"expected one of step_time, step_memory, process, system, system_gpu, runtime_environment, stdout_stderr, got {describe(f_stream)}",
+            f"expected one of step_time, step_memory, process, system, system_gpu, runtime_environment, stdout_stderr, collectives, got {describe(f_stream)}",
         )
     f_closing = d["closing"]
     if f_closing is not True:
@@ -3021,7 +3473,7 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
             (*path, "completed_at"), f"expected string, got {describe(f_completed_at)}"
         )
     f_reason = d["reason"]
-    if type(f_reason) is not str or f_reason not in _ENUM_46:
+    if type(f_reason) is not str or f_reason not in _ENUM_53:
         raise RecordError(
             (*path, "reason"),
             f"expected one of export_incomplete, monitoring_incomplete, ranks_disconnected, timeout, got {describe(f_reason)}",
@@ -3245,6 +3697,7 @@ DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {
     SystemGpuRecord: _dump_system_gpu_record,
     RuntimeEnvironmentRecord: _dump_runtime_environment_record,
     StdoutStderrRecord: _dump_stdout_stderr_record,
+    CollectivesRecord: _dump_collectives_record,
     ClosingLine: _dump_closing_line,
     ExportLoss: _dump_export_loss,
     FinalizationWarning: _dump_finalization_warning,
@@ -3261,6 +3714,7 @@ LOADERS: dict[type[Any], Callable[[Any, Path], Any]] = {
     SystemGpuRecord: _load_system_gpu_record,
     RuntimeEnvironmentRecord: _load_runtime_environment_record,
     StdoutStderrRecord: _load_stdout_stderr_record,
+    CollectivesRecord: _load_collectives_record,
     ClosingLine: _load_closing_line,
     ExportLoss: _load_export_loss,
     FinalizationWarning: _load_finalization_warning,
@@ -3277,6 +3731,7 @@ ITEM_LOADERS: dict[type[Any], Callable[[dict[str, Any], Any, Path], Any]] = {
     SystemGpuRecord: _load_system_gpu_record_item,
     RuntimeEnvironmentRecord: _load_runtime_environment_record_item,
     StdoutStderrRecord: _load_stdout_stderr_record_item,
+    CollectivesRecord: _load_collectives_record_item,
 }
 """Stream record class → ``load(identity, item, path)``: the record of ``item`` (every field but the identity block, checked as strictly as LOADERS do) with the identity block (IDENTITY_FIELDS present in the class) taken from ``identity`` UNCHECKED. The caller vouches for ``identity``: e.g. it built one record with LOADERS from the same identity values first."""
 
@@ -3896,6 +4351,130 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
         ),
         FieldPlan("line", ValueSpec(Kind.STRING, False, None, None, None, 0, None), Flag.ALWAYS),
     ),
+    CollectivesRecord: (
+        FieldPlan(
+            "stream",
+            ValueSpec(Kind.STRING, False, None, None, None, 0, frozenset({"collectives"})),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "schema_version", ValueSpec(Kind.INTEGER, False, None, 1, 1, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "observed_timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "global_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "local_world_size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "node_rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "hostname", ValueSpec(Kind.STRING, True, None, None, None, 0, None), Flag.HOSTNAME
+        ),
+        FieldPlan(
+            "timestamp_unix_ns",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "seq",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "step",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan("phase", ValueSpec(Kind.STRING, False, None, None, None, 1, None), Flag.ALWAYS),
+        FieldPlan(
+            "op",
+            ValueSpec(
+                Kind.STRING,
+                False,
+                None,
+                None,
+                None,
+                0,
+                frozenset(
+                    {
+                        "all_gather",
+                        "all_reduce",
+                        "all_to_all",
+                        "barrier",
+                        "broadcast",
+                        "gather",
+                        "recv",
+                        "reduce",
+                        "reduce_scatter",
+                        "scatter",
+                        "send",
+                    }
+                ),
+            ),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "source",
+            ValueSpec(
+                Kind.STRING,
+                False,
+                None,
+                None,
+                None,
+                0,
+                frozenset({"ddp_comm_hook", "torch.distributed"}),
+            ),
+            Flag.ALWAYS,
+        ),
+        FieldPlan("backend", ValueSpec(Kind.STRING, True, None, None, None, 1, None), Flag.ALWAYS),
+        FieldPlan(
+            "n_calls",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan("wait_ms", ValueSpec(Kind.NUMBER, True, None, 0, None, 0, None), Flag.ALWAYS),
+        FieldPlan(
+            "wait_measure",
+            ValueSpec(
+                Kind.STRING, False, None, None, None, 0, frozenset({"device", "host", "none"})
+            ),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "first_arrival_ms", ValueSpec(Kind.NUMBER, False, None, 0, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "last_arrival_ms", ValueSpec(Kind.NUMBER, False, None, 0, None, 0, None), Flag.ALWAYS
+        ),
+    ),
     ClosingLine: (
         FieldPlan(
             "stream",
@@ -3915,6 +4494,7 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
                         "system_gpu",
                         "runtime_environment",
                         "stdout_stderr",
+                        "collectives",
                     }
                 ),
             ),
@@ -4117,6 +4697,10 @@ NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {
     SystemGpuRecord: (),
     RuntimeEnvironmentRecord: (),
     StdoutStderrRecord: (),
+    CollectivesRecord: (
+        b'"first_arrival_ms":null',
+        b'"last_arrival_ms":null',
+    ),
     ClosingLine: (),
     ExportLoss: (),
     FinalizationWarning: (),

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from traceml_records._generated.records import (
+    CollectivesRecord,
     ProcessRecord,
     RuntimeEnvironmentRecord,
     StdoutStderrRecord,
@@ -152,6 +153,26 @@ STREAMS: tuple[StreamSpec, ...] = (
         schema_file="stdout_stderr.schema.json",
         rules=("line-without-newline", "closing-line-last", "unique-key", "seq-never-decreases"),
     ),
+    StreamSpec(
+        name="collectives",
+        file_name="collectives.jsonl",
+        record_class=CollectivesRecord,
+        key_fields=("global_rank", "step", "phase", "op"),
+        carries_hostname=True,
+        selected_by=("collectives", "all"),
+        schema_id="urn:traceml:schema:collectives:v1",
+        schema_file="collectives.schema.json",
+        rules=(
+            "rank-equals-global-rank",
+            "global-rank-below-world-size",
+            "local-rank-below-local-world-size",
+            "local-world-size-within-world-size",
+            "closing-line-last",
+            "unique-key",
+            "seq-never-decreases",
+            "hostname-all-or-none",
+        ),
+    ),
 )
 """Every export stream, in file order."""
 
@@ -160,12 +181,14 @@ SELECTION_NAMES: tuple[str, ...] = (
     "step_memory",
     "process",
     "system",
+    "collectives",
     "all",
 )
 """Names accepted by the export_streams setting, in documentation order."""
 
 SCHEMA_FILES: tuple[str, ...] = (
     "closing.schema.json",
+    "collectives.schema.json",
     "common.schema.json",
     "finalization_warning.schema.json",
     "process.schema.json",

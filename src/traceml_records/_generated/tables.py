@@ -153,6 +153,30 @@ TABLES: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("source", "string", False),
         ("line", "string", False),
     ),
+    "collectives": (
+        ("stream", "string", False),
+        ("schema_version", "int64", False),
+        ("observed_timestamp_unix_ns", "int64", False),
+        ("rank", "int64", False),
+        ("global_rank", "int64", False),
+        ("local_rank", "int64", False),
+        ("world_size", "int64", False),
+        ("local_world_size", "int64", False),
+        ("node_rank", "int64", False),
+        ("hostname", "string", True),
+        ("timestamp_unix_ns", "int64", False),
+        ("seq", "int64", False),
+        ("step", "int64", False),
+        ("phase", "string", False),
+        ("op", "string", False),
+        ("source", "string", False),
+        ("backend", "string", True),
+        ("n_calls", "int64", False),
+        ("wait_ms", "float64", True),
+        ("wait_measure", "string", False),
+        ("first_arrival_ms", "float64", False),
+        ("last_arrival_ms", "float64", False),
+    ),
 }
 """Table name -> columns (name, Arrow type name, nullable), in schema order."""
 
@@ -165,6 +189,7 @@ TABLE_STREAM: dict[str, str] = {
     "system_gpu": "system_gpu",
     "runtime_environment": "runtime_environment",
     "stdout_stderr": "stdout_stderr",
+    "collectives": "collectives",
 }
 """Table name -> the stream (file) it is read from."""
 
@@ -181,5 +206,6 @@ NESTED_FIELDS: dict[str, tuple[str, ...]] = {
     "system_gpu": (),
     "runtime_environment": (),
     "stdout_stderr": (),
+    "collectives": (),
 }
 """Stream -> its map fields (not columns of the stream's own table)."""

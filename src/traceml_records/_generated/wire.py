@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TypedDict
 
 from traceml_records._generated.records import (
+    CollectivesRecord,
     ProcessRecord,
     RuntimeEnvironmentRecord,
     StdoutStderrRecord,
@@ -21,6 +22,7 @@ __all__ = [
     "BATCH_STREAMS",
     "FILE_STREAMS_OF_BATCH",
     "WIRE_STREAMS",
+    "CollectivesItem",
     "PhaseTimingItem",
     "ProcessItem",
     "RuntimeEnvironmentItem",
@@ -129,6 +131,23 @@ class StdoutStderrItem(TypedDict):
     line: str
 
 
+class CollectivesItem(TypedDict):
+    """One item of the ``collectives`` batch stream."""
+
+    timestamp_unix_ns: int
+    seq: int
+    step: int
+    phase: str
+    op: str
+    source: str
+    backend: str | None
+    n_calls: int
+    wait_ms: float | None
+    wait_measure: str
+    first_arrival_ms: float
+    last_arrival_ms: float
+
+
 BATCH_STREAMS: tuple[str, ...] = (
     "step_time",
     "step_memory",
@@ -136,6 +155,7 @@ BATCH_STREAMS: tuple[str, ...] = (
     "system",
     "runtime_environment",
     "stdout_stderr",
+    "collectives",
 )
 """Streams a rank can send, in registry order."""
 
@@ -384,6 +404,54 @@ WIRE_STREAMS: dict[str, WireStream] = {
         item_keys=frozenset({"timestamp_unix_ns", "seq", "source", "line"}),
         required_item_keys=frozenset({"timestamp_unix_ns", "seq", "source", "line"}),
         string_fields=("source", "line"),
+    ),
+    "collectives": WireStream(
+        name="collectives",
+        stream="collectives",
+        record_class=CollectivesRecord,
+        from_batch=(
+            "observed_timestamp_unix_ns",
+            "rank",
+            "global_rank",
+            "local_rank",
+            "world_size",
+            "local_world_size",
+            "node_rank",
+            "hostname",
+        ),
+        item_keys=frozenset(
+            {
+                "timestamp_unix_ns",
+                "seq",
+                "step",
+                "phase",
+                "op",
+                "source",
+                "backend",
+                "n_calls",
+                "wait_ms",
+                "wait_measure",
+                "first_arrival_ms",
+                "last_arrival_ms",
+            }
+        ),
+        required_item_keys=frozenset(
+            {
+                "timestamp_unix_ns",
+                "seq",
+                "step",
+                "phase",
+                "op",
+                "source",
+                "backend",
+                "n_calls",
+                "wait_ms",
+                "wait_measure",
+                "first_arrival_ms",
+                "last_arrival_ms",
+            }
+        ),
+        string_fields=("phase", "op", "source", "backend", "wait_measure"),
     ),
 }
 """Batch stream → how its items become records (x-traceml-wire of the schemas)."""

@@ -1,0 +1,603 @@
+"""Collectives on this rank: per step, phase and operation, how many, how long the
+rank waited in them, and when it arrived at the first and the last.
+
+What the straggler analysis needs to see through a synchronizing collective: the rank
+that arrives last waits least, so a rank's *own work* is its iteration less its wait.
+
+Seen here:
+
+- ``torch.distributed``'s collective functions (``all_reduce``, ``all_gather*``,
+  ``reduce_scatter*``, ``broadcast``, ``barrier``, ``send``/``recv``, ...), patched on
+  ``torch.distributed`` and ``torch.distributed.distributed_c10d`` so that user code,
+  FSDP1 and FSDP2 (``fully_shard``) calls are timed; a call made inside another (an
+  object collective's inner broadcast) counts once, as the outer one.
+- DDP's gradient buckets, through a communication hook: the user's own hook is wrapped
+  when registered (``DistributedDataParallel.register_comm_hook``), and a DDP model
+  that reaches ``trace_step`` without one gets DDP's default all-reduce as a Python
+  hook, the same arithmetic (divide by the world size, then sum).
+
+What ``wait_ms`` is, by backend:
+
+- gloo and other host backends (``wait_measure`` ``host``): the host time the rank is
+  blocked where that happens: a synchronous call's duration, a ``Work.wait()`` called
+  from Python, and for DDP's buckets (waited inside DDP's C++ reducer) the time from the
+  rank's last bucket to the completion of its last all-reduce;
+- NCCL (``device``): each collective's kernel time from its ``Work``, read once it has
+  completed (``Work.get_duration()``, which needs ``TORCH_NCCL_ENABLE_TIMING=1`` before
+  the process group is made; ``traceml run`` sets it), never by synchronizing the
+  device; without it, ``none`` and ``wait_ms`` null. Arrival is the host issue time.
+
+A call on another thread than the training thread, and collectives an engine issues
+without these functions (a C++ ``ProcessGroup`` call, DDP's built-in C++ hooks,
+compiled functional collectives), are not seen; the summary says when a distributed
+run's rank showed none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from traceml_records import events as _events
+
+if TYPE_CHECKING:
+    from traceml_ai.rank._step_timer import StepTimer
+    from traceml_ai.rank.sink import ItemSink
+
+FORWARD = _events.FORWARD_TIME
+BACKWARD = _events.BACKWARD_TIME
+OPTIMIZER = _events.OPTIMIZER_STEP
+H2D = _events.H2D_TIME
+IN_STEP = _events.STEP_TIME
+BETWEEN_STEPS = "_traceml_internal:between_steps"
+
+OP_OF_FUNCTION: dict[str, str] = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "_all_gather_base": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "all_gather_object": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast",
+    "_broadcast_coalesced": "broadcast",
+    "barrier": "barrier",
+    "monitored_barrier": "barrier",
+    "send": "send",
+    "isend": "send",
+    "send_object_list": "send",
+    "recv": "recv",
+    "irecv": "recv",
+    "recv_object_list": "recv",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "reduce": "reduce",
+    "gather": "gather",
+    "gather_object": "gather",
+    "scatter": "scatter",
+    "scatter_object_list": "scatter",
+}
+"""The torch.distributed functions timed, and the operation each one is."""
+
+SOURCE_DIST = "torch.distributed"
+SOURCE_DDP = "ddp_comm_hook"
+
+MAX_WAITING_STEPS = 64
+"""NCCL steps whose Work timings are still running; past this many, the oldest is sent
+with ``wait_ms`` null for what has not completed rather than waiting longer."""
+MAX_OPEN_CALLS = 4096
+"""Collectives of steps not yet ended that one rank may hold; past it (a loop that
+never ends a step), the oldest are dropped and counted."""
+MAX_ASYNC_WORKS = 1024
+"""Async works whose Python ``wait()`` is still awaited; past it, the oldest are
+forgotten (their wait counts 0)."""
+
+_perf_ns = time.perf_counter_ns
+_wall_ns = time.time_ns
+_get_ident = threading.get_ident
+
+
+class Call:
+    """One collective as issued: where, when, and what it waited."""
+
+    __slots__ = ("arrival_ns", "done_ns", "op", "phase", "source", "step", "wait_ns", "work")
+
+    def __init__(self, step: int, phase: str, op: str, source: str, arrival_ns: int) -> None:
+        self.step = step
+        self.phase = phase
+        self.op = op
+        self.source = source
+        self.arrival_ns = arrival_ns  # wall clock (time.time_ns), as the step ends are
+        self.wait_ns = 0
+        self.done_ns = 0  # DDP buckets on a host backend: when the all-reduce completed
+        self.work: Any = None  # NCCL: the Work whose duration is read once completed
+
+
+class _Group:
+    __slots__ = ("first", "last", "measure", "n", "wait_ms")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.wait_ms: float | None = 0.0
+        self.measure = "host"
+        self.first = 0.0
+        self.last = 0.0
+
+
+class CollectiveRecorder:
+    """Collects this rank's collectives and sends one ``collectives`` item per step,
+    phase and operation once the step ended (``step_ended``, from the step timer's
+    builder)."""
+
+    def __init__(self, timer: StepTimer, sink: ItemSink, *, first_seq: int = 0) -> None:
+        self._timer = timer
+        self._sink = sink
+        self.next_seq = first_seq
+        self._busy = False
+        self._ddp_source = False
+        self._backend: str | None = None
+        self._backend_known = False
+        self._device_timing = False
+        self._calls: deque[Call] = deque()
+        self._async: dict[int, Call] = {}
+        self._waiting: deque[tuple[int, int, list[Call], int]] = deque()
+        self._last_end_ns: int | None = None
+        self._last_step = -1
+        self._previous_of: dict[int, int | None] = {}
+        self._lock = threading.Lock()
+        self.dropped = 0
+        self.enabled = True
+
+    # -- the training thread ------------------------------------------------------
+
+    def _where(self) -> tuple[int, str]:
+        timer = self._timer
+        if not timer.in_step:
+            return timer.step + 1, BETWEEN_STEPS
+        if timer.opt.depth:
+            return timer.step, OPTIMIZER
+        if timer.bwd.depth:
+            return timer.step, BACKWARD
+        if timer.fwd.depth:
+            return timer.step, FORWARD
+        if timer.h2d.depth:
+            return timer.step, H2D
+        phases = timer.user_phases
+        return timer.step, phases[-1] if phases else IN_STEP
+
+    def _learn_backend(self) -> None:
+        self._backend_known = True
+        try:
+            import torch.distributed as dist
+
+            self._backend = str(dist.get_backend())
+        except Exception:
+            self._backend = None
+        self._device_timing = self._backend == "nccl"
+
+    def begin(self, op: str, source: str) -> Call | None:
+        """A collective begins on this thread; None when it is not measured (another
+        thread, inside another collective, TraceML off)."""
+        if self._busy or not self.enabled:
+            return None
+        timer = self._timer
+        if not timer.enabled or _get_ident() != timer.thread:
+            return None
+        try:
+            if not self._backend_known:
+                self._learn_backend()
+            step, phase = self._where()
+        except Exception as exc:
+            self.fail(exc)
+            return None
+        if self._ddp_source:
+            source = SOURCE_DDP
+        call = Call(step, phase, op, source, _wall_ns())
+        calls = self._calls
+        if len(calls) >= MAX_OPEN_CALLS:
+            calls.popleft()
+            self.dropped += 1
+        calls.append(call)
+        self._busy = True
+        return call
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop measuring collectives after an internal error; training goes on."""
+        self.enabled = False
+        self._busy = False
+        self._timer.fail(exc)
+
+    def call(
+        self,
+        original: Callable[..., Any],
+        op: str,
+        async_index: int | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run a torch.distributed function, timing it as ``op`` (``async_index``: the
+        position of its ``async_op`` parameter, None without one)."""
+        call = self.begin(op, SOURCE_DIST)
+        if call is None:
+            return original(*args, **kwargs)
+        device = self._device_timing
+        forced = False
+        try:
+            if (
+                device
+                and async_index is not None
+                and "async_op" not in kwargs
+                and len(args) <= async_index
+            ):
+                # NCCL: the synchronous form is the asynchronous one and a wait(); the
+                # Work then gives the kernel's duration once it has completed.
+                kwargs = dict(kwargs, async_op=True)
+                forced = True
+            t0 = _perf_ns()
+            result = original(*args, **kwargs)
+            t1 = _perf_ns()
+        finally:
+            self._busy = False
+        work = result if _is_work(result) else None
+        if device:
+            call.work = work
+            if forced and work is not None:
+                self._busy = True
+                try:
+                    work.wait()
+                finally:
+                    self._busy = False
+                return None
+            return result
+        if work is None:
+            call.wait_ns = t1 - t0
+        else:
+            # Asynchronous on the host: the wait is where Python waits for it.
+            asynchronous = self._async
+            if len(asynchronous) >= MAX_ASYNC_WORKS:
+                asynchronous.pop(next(iter(asynchronous)))
+            asynchronous[id(work)] = call
+        return result
+
+    def waited(self, work: Any, dt_ns: int) -> None:
+        """``Work.wait()`` returned after ``dt_ns`` on this thread."""
+        call = self._async.pop(id(work), None)
+        if call is not None:
+            call.wait_ns += dt_ns
+
+    def bucket_done(self, call: Call) -> None:
+        """A DDP bucket's all-reduce completed (any thread)."""
+        call.done_ns = _wall_ns()
+
+    def discard(self, step: int) -> None:
+        """A step whose body raised is dropped: so are its collectives."""
+        with self._lock:
+            self._calls = deque(c for c in self._calls if c.step != step)
+
+    # -- the builder's thread -----------------------------------------------------
+
+    def step_ended(self, step: int, end_ns: int, step_ns: int) -> None:
+        """Step ``step`` ended at ``end_ns`` (wall) after ``step_ns``: send its items
+        (NCCL: once its Works completed)."""
+        with self._lock:
+            if step <= self._last_step:
+                return
+            self._last_step = step
+            calls = self._calls
+            mine: list[Call] = []
+            while calls and calls[0].step <= step:
+                mine.append(calls.popleft())
+            previous = self._last_end_ns
+            self._last_end_ns = end_ns
+            if mine:
+                self._waiting.append((step, end_ns, mine, end_ns - step_ns))
+                self._previous_of[step] = previous
+            self._send_ready(final=False)
+
+    def flush(self) -> None:
+        """Send every step still waiting for NCCL timings (shutdown, summary)."""
+        with self._lock:
+            self._send_ready(final=True)
+
+    def _send_ready(self, final: bool) -> None:
+        waiting = self._waiting
+        while waiting:
+            step, end_ns, calls, start_ns = waiting[0]
+            if not final and len(waiting) <= MAX_WAITING_STEPS and not _completed(calls):
+                return
+            waiting.popleft()
+            previous = self._previous_of.pop(step, None)
+            self._send(step, end_ns, start_ns, previous, calls)
+
+    def _send(
+        self, step: int, end_ns: int, start_ns: int, previous: int | None, calls: list[Call]
+    ) -> None:
+        groups: dict[tuple[str, str, str], _Group] = {}
+        ddp_done: dict[tuple[str, str, str], tuple[int, int]] = {}
+        for call in calls:
+            key = (call.phase, call.op, call.source)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = _Group()
+            if call.phase == BETWEEN_STEPS:
+                origin = (
+                    previous
+                    if previous is not None
+                    else min(c.arrival_ns for c in calls if c.phase == BETWEEN_STEPS)
+                )
+            else:
+                origin = start_ns
+            at = max(0.0, (call.arrival_ns - origin) / 1e6)
+            if group.n == 0:
+                group.first = at
+            group.last = max(group.last, at)
+            group.n += 1
+            if call.work is not None or (self._device_timing and call.source == SOURCE_DIST):
+                group.measure = "device"
+                ms = _device_ms(call.work)
+                if ms is None or group.wait_ms is None:
+                    group.wait_ms = None
+                else:
+                    group.wait_ms += ms
+            elif call.source == SOURCE_DDP:
+                if call.done_ns <= 0:
+                    group.wait_ms = None
+                    continue
+                last_arrival, last_done = ddp_done.get(key, (0, 0))
+                ddp_done[key] = (max(last_arrival, call.arrival_ns), max(last_done, call.done_ns))
+            else:
+                group.wait_ms = (group.wait_ms or 0.0) + call.wait_ns / 1e6
+        for key, (last_arrival, last_done) in ddp_done.items():
+            group = groups[key]
+            if group.wait_ms is not None:
+                # DDP waits for its buckets in C++ at the end of backward: the rank is
+                # blocked from its last bucket until its last all-reduce completed.
+                group.wait_ms = max(0.0, (last_done - last_arrival) / 1e6)
+        backend = self._backend
+        sink = self._sink
+        for (phase, op, source), group in sorted(groups.items(), key=lambda kv: kv[1].first):
+            seq = self.next_seq
+            self.next_seq = seq + 1
+            wait = group.wait_ms
+            sink.put(
+                "collectives",
+                {
+                    "timestamp_unix_ns": end_ns,
+                    "seq": seq,
+                    "step": step,
+                    "phase": phase,
+                    "op": op,
+                    "source": source,
+                    "backend": backend,
+                    "n_calls": group.n,
+                    "wait_ms": wait,
+                    "wait_measure": "none" if wait is None else group.measure,
+                    "first_arrival_ms": group.first,
+                    "last_arrival_ms": group.last,
+                },
+            )
+
+
+def _completed(calls: list[Call]) -> bool:
+    for call in calls:
+        work = call.work
+        if work is not None:
+            try:
+                if not work.is_completed():
+                    return False
+            except Exception:
+                continue
+    return True
+
+
+def _device_ms(work: Any) -> float | None:
+    if work is None:
+        return None
+    try:
+        if not work.is_completed():
+            return None
+        ms = float(work.get_duration())
+    except Exception:
+        return None
+    return ms if ms >= 0.0 and ms == ms else None
+
+
+def _is_work(value: object) -> bool:
+    return value is not None and hasattr(value, "wait") and hasattr(value, "is_completed")
+
+
+# --------------------------------------------------------------------------- patches
+
+_active: CollectiveRecorder | None = None
+_installed = False
+
+
+def activate(recorder: CollectiveRecorder | None) -> None:
+    """Make ``recorder`` the one the patches report to (None: they only pass through)."""
+    global _active
+    _active = recorder
+
+
+def active() -> CollectiveRecorder | None:
+    """The recorder the patches report to."""
+    return _active
+
+
+def _async_index(function: Callable[..., Any]) -> int | None:
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("async_op") if "async_op" in names else None
+
+
+def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    op = OP_OF_FUNCTION[name]
+    async_index = _async_index(original)
+
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        recorder = _active
+        if recorder is None:
+            return original(*args, **kwargs)
+        return recorder.call(original, op, async_index, args, kwargs)
+
+    collective.__wrapped__ = original  # type: ignore[attr-defined]
+    collective.__name__ = getattr(original, "__name__", name)
+    collective.__qualname__ = getattr(original, "__qualname__", name)
+    collective.__doc__ = getattr(original, "__doc__", None)
+    collective.__traceml_collective__ = True  # type: ignore[attr-defined]
+    return collective
+
+
+def _timed_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder = _active
+        if recorder is None or recorder._busy or not recorder._async:
+            return original(self, *args, **kwargs)
+        t0 = _perf_ns()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if _get_ident() == recorder._timer.thread:
+                recorder.waited(self, _perf_ns() - t0)
+
+    wait.__wrapped__ = original  # type: ignore[attr-defined]
+    wait.__traceml_collective__ = True  # type: ignore[attr-defined]
+    return wait
+
+
+def install(dist: Any) -> None:
+    """Patch ``torch.distributed``'s collectives, ``Work.wait`` and DDP's hook
+    registration (once per process; the patches pass through without a recorder)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    for module in (dist, c10d):
+        if module is None:
+            continue
+        for name in OP_OF_FUNCTION:
+            original = getattr(module, name, None)
+            if original is None or getattr(original, "__traceml_collective__", False):
+                continue
+            with contextlib.suppress(Exception):
+                setattr(module, name, _timed(name, original))
+    work_class = getattr(dist, "Work", None)
+    if work_class is not None and not getattr(work_class.wait, "__traceml_collective__", False):
+        with contextlib.suppress(Exception):
+            work_class.wait = _timed_wait(work_class.wait)
+    with contextlib.suppress(Exception):
+        from torch.nn.parallel import DistributedDataParallel
+
+        _patch_ddp(DistributedDataParallel)
+
+
+# --------------------------------------------------------------------------- DDP
+
+
+def _wrap_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A DDP communication hook that reports each bucket, around ``hook``."""
+
+    def traced_hook(state: Any, bucket: Any) -> Any:
+        recorder = _active
+        if recorder is None:
+            return hook(state, bucket)
+        if recorder._device_timing:
+            # NCCL: the hook's own torch.distributed call is timed from its Work.
+            recorder._ddp_source = True
+            try:
+                return hook(state, bucket)
+            finally:
+                recorder._ddp_source = False
+        call = recorder.begin("all_reduce", SOURCE_DDP)
+        try:
+            future = hook(state, bucket)
+        finally:
+            if call is not None:
+                recorder._busy = False
+        if call is not None:
+            with contextlib.suppress(Exception):
+                future.add_done_callback(lambda _f: recorder.bucket_done(call))
+        return future
+
+    traced_hook.__wrapped__ = hook  # type: ignore[attr-defined]
+    traced_hook.__traceml_collective__ = True  # type: ignore[attr-defined]
+    return traced_hook
+
+
+def _default_hook(process_group: Any, bucket: Any) -> Any:
+    """DDP's default reduction as a Python hook: divide by the world size, then sum."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.div_(group.size())
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _patch_ddp(ddp_class: Any) -> None:
+    original = ddp_class.register_comm_hook
+    if getattr(original, "__traceml_collective__", False):
+        return
+
+    def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
+        if getattr(hook, "__traceml_collective__", False):
+            return original(self, state, hook)
+        return original(self, state, _wrap_hook(hook))
+
+    register_comm_hook.__wrapped__ = original  # type: ignore[attr-defined]
+    register_comm_hook.__traceml_collective__ = True  # type: ignore[attr-defined]
+    register_comm_hook.__doc__ = original.__doc__
+    ddp_class.register_comm_hook = register_comm_hook
+
+    forward = ddp_class.forward
+
+    def traced_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Before DDP's first backward: the buckets of a model without a hook of its
+        # own are then timed (DDP takes a hook until its first iteration).
+        if _active is not None and "_traceml_seen" not in self.__dict__:
+            self.__dict__["_traceml_seen"] = True
+            adopt_model(self)
+        return forward(self, *args, **kwargs)
+
+    traced_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+    traced_forward.__traceml_collective__ = True  # type: ignore[attr-defined]
+    traced_forward.__doc__ = forward.__doc__
+    ddp_class.forward = traced_forward
+
+
+def adopt_model(model: object) -> None:
+    """A traced step met ``model``: a DDP model with no communication hook gets DDP's
+    default all-reduce as a timed Python hook (a built-in C++ hook is left alone, and
+    its buckets are not seen)."""
+    if _active is None:
+        return
+    ddp_class = _ddp_class()
+    if ddp_class is None or not isinstance(model, ddp_class):
+        return
+    if getattr(model, "_comm_hooks", None):
+        return  # the user's hook, wrapped when it was registered
+    if getattr(model, "reducer", None) is None or getattr(model, "_traceml_hooked", False):
+        return
+    with contextlib.suppress(Exception):
+        model.register_comm_hook(getattr(model, "process_group", None), _default_hook)
+        model._traceml_hooked = True  # type: ignore[attr-defined]
+
+
+def _ddp_class() -> Any:
+    module = sys.modules.get("torch.nn.parallel.distributed")
+    return getattr(module, "DistributedDataParallel", None) if module is not None else None
