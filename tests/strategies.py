@@ -199,7 +199,21 @@ def consistent(stream: str, d: dict[str, Any]) -> dict[str, Any]:
         d["python_version"] = "3.11.7"
     elif stream == "stdout_stderr":
         d["line"] = d["line"].replace("\n", "")
+    elif stream == "collectives":
+        # wait_ms is null exactly when wait_measure says none.
+        if d["wait_ms"] is None:
+            d["wait_measure"] = "none"
+        elif d["wait_measure"] == "none":
+            d["wait_ms"] = None
+        # A user phase name never starts with the reserved prefix.
+        if d["phase"].startswith("_traceml_internal:") and d["phase"] not in _COLLECTIVE_PHASES:
+            d["phase"] = "user_phase"
     return d
+
+
+_COLLECTIVE_PHASES = frozenset(
+    schema_documents()["collectives.schema.json"]["properties"]["phase"]["then"]["enum"]
+)
 
 
 def _phase(t: dict[str, Any]) -> dict[str, Any]:

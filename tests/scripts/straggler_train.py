@@ -100,9 +100,7 @@ class _Deep(nn.Module):
     def __init__(self, clock: _Clock, where: str) -> None:
         super().__init__()
         self.inp = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(
-            [_Layer(clock if i == 2 else None, where) for i in range(4)]
-        )
+        self.blocks = nn.ModuleList([_Layer(clock if i == 2 else None, where) for i in range(4)])
         self.out = nn.Linear(32, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,13 +25,21 @@ ALL = (
     "system_gpu",
     "runtime_environment",
     "stdout_stderr",
+    "collectives",
 )
-SUPPORTED = "step_time, step_memory, process, system, all"
+SUPPORTED = "step_time, step_memory, process, system, collectives, all"
 
 
 def test_registry_lists_every_stream_in_file_order() -> None:
     assert tuple(spec.name for spec in STREAMS) == ALL
-    assert SELECTION_NAMES == ("step_time", "step_memory", "process", "system", "all")
+    assert SELECTION_NAMES == (
+        "step_time",
+        "step_memory",
+        "process",
+        "system",
+        "collectives",
+        "all",
+    )
     for spec in STREAMS:
         assert spec.file_name == f"{spec.name}.jsonl"
         assert STREAMS_BY_NAME[spec.name] is spec is stream_spec(spec.name)
@@ -53,6 +61,7 @@ def test_keys_match_the_spec() -> None:
         "system_gpu": ("node_rank", "seq", "gpu_index"),
         "runtime_environment": ("global_rank",),
         "stdout_stderr": ("rank", "seq"),
+        "collectives": ("global_rank", "step", "phase", "op"),
     }
 
 

@@ -514,12 +514,19 @@ def run(options: RunOptions) -> int:
         return _run_planned(options, p, signals)
 
 
+NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+
+
 def _run_planned(options: RunOptions, p: _RunPlan, signals: _Signals) -> int:
     aggregator: _Aggregator | None = None
     not_started: str | None = None
     export_on = bool(options.export.settings.exporter)
     env = dict(os.environ)
     env[ENV_SAMPLER_INTERVAL] = repr(options.interval)
+    # NCCL records each collective's duration only with this on (before the process
+    # group is made); the collectives stream reads it from the Work, never by
+    # synchronizing the device. A value the user set is kept.
+    env.setdefault(NCCL_TIMING_ENV, "1")
     env.pop(ENV_AGGREGATOR_ADDR, None)
     env.pop(ENV_AGGREGATOR_UNAVAILABLE, None)
     env.pop(ENV_RUN_DIR, None)

@@ -224,6 +224,8 @@ class LiveFeed:
             state.add_system(identity, items)
         elif stream == "runtime_environment":
             state.add_environment(identity, items)
+        elif stream == "collectives":
+            state.add_collectives(identity, items)
 
     def _say_folding(self) -> None:
         """Once per run: user phase names beyond the bound count as ``other``."""
@@ -243,7 +245,8 @@ class LiveFeed:
         try:
             rows = self.state.recent_rows(STRAGGLER_STEPS)
             nodes = self.state.rank_nodes()
-            view = analyze(rows, self.state.strategy(), nodes) if rows else None
+            measured = self.state.collectives_measured()
+            view = analyze(rows, self.state.strategy(), nodes, measured) if rows else None
         except Exception:
             _log.exception("traceml: live views: the straggler analysis failed")
             view = None

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from traceml_ai.run_summary._phases import PHASES, STEP_EVENT
+from traceml_ai.run_summary._phases import PHASES, STEP_EVENT, add_wait
 
 __all__ = [
     "MAX_RANKS",
@@ -154,6 +154,10 @@ class RankLive:
     """device -> (peak allocated, peak reserved) bytes of the last step that reported it."""
     process: dict[str, float] = attrs.field(factory=dict)
     strategy: str | None = None
+    waits: dict[int, dict[str, float]] = attrs.field(factory=dict)
+    """step -> its wait keys (``run_summary._phases.add_wait``), the recent steps only."""
+    waits_unmeasured: bool = False
+    """A collectives line of this rank had no measured wait (NCCL without timing)."""
 
 
 @attrs.define(slots=True)
@@ -375,6 +379,46 @@ class LiveState:
             if type(strategy) is str and len(strategy) <= 64:
                 live.strategy = strategy
 
+    def add_collectives(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
+        """A batch of ``collectives`` items: each step's wait per component and op."""
+        with self._lock:
+            live = self._rank(identity)
+            if live is None:
+                self.ignored_items += len(items)
+                return
+            waits = live.waits
+            for item in items:
+                if type(item) is not dict:
+                    self.ignored_items += 1
+                    continue
+                step, phase, op = item.get("step"), item.get("phase"), item.get("op")
+                wait = item.get("wait_ms")
+                if (
+                    type(step) is not int
+                    or step < 1
+                    or type(phase) is not str
+                    or type(op) is not str
+                ):
+                    self.ignored_items += 1
+                    continue
+                if wait is None:
+                    live.waits_unmeasured = True
+                    waits.setdefault(step, {})
+                    continue
+                ms = _number(wait)
+                if ms is None or ms < 0.0:
+                    self.ignored_items += 1
+                    continue
+                add_wait(waits.setdefault(step, {}), phase, op, ms)
+            while len(waits) > 2 * WINDOW_STEPS:
+                del waits[next(iter(waits))]
+
+    def collectives_measured(self) -> bool:
+        """Whether every rank's collectives were measured (more than one rank)."""
+        with self._lock:
+            ranks = list(self._ranks.values())
+        return len(ranks) > 1 and all(r.waits and not r.waits_unmeasured for r in ranks)
+
     def set_straggler(self, view: Mapping[str, Any] | None) -> None:
         with self._lock:
             self.straggler = view
@@ -433,11 +477,17 @@ class LiveState:
     def recent_rows(self, last: int | None = None) -> dict[int, dict[int, dict[str, float]]]:
         """The recent steps as the straggler analysis takes them: rank -> step -> row."""
         rows: dict[int, dict[int, dict[str, float]]] = {}
+        with self._lock:
+            waits = {rank: dict(live.waits) for rank, live in self._ranks.items()}
         for rank, steps in self.recent_steps(last).items():
             mine: dict[int, dict[str, float]] = {}
+            theirs = waits.get(rank, {})
             for s in steps:
                 row = {"step": s.step_ms, "_ts": float(s.end_ns)}
                 row.update(s.phases)
+                step_waits = theirs.get(s.step)
+                if step_waits:
+                    row.update(step_waits)
                 mine[s.step] = row
             rows[rank] = mine
         return rows

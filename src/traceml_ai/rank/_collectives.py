@@ -528,12 +528,20 @@ def _wrap_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if call is not None:
                 recorder._busy = False
-        if call is not None:
-            with contextlib.suppress(Exception):
-                future.add_done_callback(lambda _f: recorder.bucket_done(call))
-        return future
+        if call is None:
+            return future
 
-    traced_hook.__wrapped__ = hook  # type: ignore[attr-defined]
+        def done(fut: Any) -> Any:
+            # Chained, not a done-callback: DDP waits for this future, so the
+            # completion is noted before backward returns.
+            recorder.bucket_done(call)
+            return fut.value()
+
+        return future.then(done)
+
+    # DDP checks a hook's annotations against dist.GradBucket and Future; none is
+    # what it accepts from any hook.
+    traced_hook.__annotations__ = {}
     traced_hook.__traceml_collective__ = True  # type: ignore[attr-defined]
     return traced_hook
 
@@ -542,11 +550,14 @@ def _default_hook(process_group: Any, bucket: Any) -> Any:
     """DDP's default reduction as a Python hook: divide by the world size, then sum."""
     import torch.distributed as dist
 
-    group = process_group if process_group is not None else dist.group.WORLD
+    group: Any = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer()
     tensor.div_(group.size())
     work = dist.all_reduce(tensor, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+_default_hook.__annotations__ = {}
 
 
 def _patch_ddp(ddp_class: Any) -> None:
@@ -555,9 +566,9 @@ def _patch_ddp(ddp_class: Any) -> None:
         return
 
     def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
-        if getattr(hook, "__traceml_collective__", False):
-            return original(self, state, hook)
-        return original(self, state, _wrap_hook(hook))
+        if not getattr(hook, "__traceml_collective__", False):
+            hook = _wrap_hook(hook)
+        original(self, state, hook)
 
     register_comm_hook.__wrapped__ = original  # type: ignore[attr-defined]
     register_comm_hook.__traceml_collective__ = True  # type: ignore[attr-defined]
@@ -595,7 +606,7 @@ def adopt_model(model: object) -> None:
         return
     with contextlib.suppress(Exception):
         model.register_comm_hook(getattr(model, "process_group", None), _default_hook)
-        model._traceml_hooked = True  # type: ignore[attr-defined]
+        model._traceml_hooked = True
 
 
 def _ddp_class() -> Any:

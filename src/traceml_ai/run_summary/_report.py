@@ -504,9 +504,8 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         summary["step_time"] = per_rank
         summary["phases"] = phases
         summary["phase_names"] = names
-        measured = (
-            "collectives" in reads
-            and _merge_waits(rows, reads["collectives"], world, strategy, notes)
+        measured = "collectives" in reads and _merge_waits(
+            rows, reads["collectives"], world, strategy, notes
         )
         summary["straggler"] = _straggler_view(rows, names, strategy, measured)
         if world:

@@ -407,19 +407,23 @@ def _intermittent(
     """rank -> indices of the steps where that rank alone was clearly slowest."""
     n = len(steps)
     alone: dict[int, list[int]] = {}
+    by: dict[int, list[float]] = {}
     for i in range(n):
         values = sorted(((own[r][i], r) for r in ranks), reverse=True)
         top, rank = values[0]
         others = [v for v, _ in values[1:]]
         if top - median(others) > threshold:
             alone.setdefault(rank, []).append(i)
+            by.setdefault(rank, []).append(top - median(others))
     need = max(INTERMITTENT_MIN_STEPS, math.ceil(INTERMITTENT_MIN_SHARE * n))
-    counts = {r: len(alone.get(r, ())) for r in ranks}
     out = {}
     for r, idx in sorted(alone.items()):
         # Noise makes every rank slowest alone now and then; a slow rank is so far
-        # more often than the others.
-        usual = median([counts[o] for o in ranks if o != r])
+        # more often than the others, counting their steps slow by at least half as
+        # much (a busy machine's blip of a few ms does not hide a 30 ms rhythm).
+        bar = median(by[r]) / 2
+        counts = [sum(1 for x in by.get(o, ()) if x >= bar) for o in ranks if o != r]
+        usual = median(counts)
         if len(idx) >= need and len(idx) >= DOMINANCE * (usual + 1):
             out[r] = idx
     return out
