@@ -113,6 +113,15 @@ def runtime(rank: int, seq: int, **kw: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def collectives(rank: int, step: int, seq: int, phase: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "stream": "collectives", "schema_version": 1, **ident(rank, seq, **kw), "step": step,
+        "phase": phase, "op": "all_reduce", "source": "ddp_comm_hook", "backend": "gloo",
+        "n_calls": 2, "wait_ms": 1.25, "wait_measure": "host", "first_arrival_ms": 0.5,
+        "last_arrival_ms": 3.0,
+    }  # fmt: skip
+
+
 def good_lines(hostname: str | None = None) -> dict[str, list[dict[str, Any]]]:
     kw: dict[str, Any] = {} if hostname is None else {"hostname": hostname}
     return {
@@ -123,6 +132,11 @@ def good_lines(hostname: str | None = None) -> dict[str, list[dict[str, Any]]]:
         "system_gpu": [system_gpu(0, 0, **kw), system_gpu(0, 1, **kw), system_gpu(2, 0, **kw)],
         "runtime_environment": [runtime(0, 0, **kw), runtime(1, 0, **kw), runtime(0, 1, **kw)],
         "stdout_stderr": [],
+        "collectives": [
+            collectives(r, s, s - 1, "_traceml_internal:backward_time", **kw)
+            for s in (1, 2)
+            for r in (0, 1)
+        ],
     }
 
 
@@ -186,7 +200,7 @@ def test_a_good_export_folder_is_valid(tmp_path: Path, hostname: str | None) -> 
 def test_a_good_run_folder_with_its_warning_is_valid(tmp_path: Path) -> None:
     write_folder(tmp_path / "run" / "aggregator" / "export", good_lines(), dropped=3)
     export = {
-        "written_records": 23,
+        "written_records": 27,
         "dropped_batches": 3,
         "failed_records": 0,
         "skipped_items": 0,
@@ -440,7 +454,7 @@ def test_warning_export_block_must_match_the_closing_lines(tmp_path: Path) -> No
     assert line > 1
     where = f"{tmp_path / 'finalization_warning.json'}:{line}: "
     assert f"{where}/export/dropped_batches: 1 but closing lines show 3" in found
-    assert f"{where}/export/written_records: 99 but the export files hold 23 data line(s)" in found
+    assert f"{where}/export/written_records: 99 but the export files hold 27 data line(s)" in found
 
 
 # ------------------------------------------------------------------ differential

@@ -15,7 +15,7 @@ from torch import nn
 
 import traceml_ai as traceml
 from tests.e2e_helpers import free_port, run_cli
-from traceml_ai.rank import _collectives
+from traceml_ai.rank import _collectives, _sdk
 from traceml_ai.rank.sink import RecordingSink
 from traceml_records.internal import WIRE_STREAMS
 
@@ -36,6 +36,7 @@ def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _start() -> RecordingSink:
+    _sdk._reset_for_tests()  # step numbers from 1
     sink = RecordingSink()
     traceml.init(sink=sink, sampler_interval=60)
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -195,6 +196,7 @@ def test_nccl_path_reads_work_durations_once_completed() -> None:
     """On NCCL a synchronous call is issued asynchronously and waited (as torch does),
     nothing synchronizes the device, and the step's items wait until its Works
     completed; a Work without timing gives wait_ms null."""
+    _sdk._reset_for_tests()
     sink = RecordingSink()
     traceml.init(sink=sink, sampler_interval=60)
     try:
@@ -230,6 +232,7 @@ def test_nccl_path_reads_work_durations_once_completed() -> None:
 
 
 def test_nccl_items_wait_for_their_works() -> None:
+    _sdk._reset_for_tests()
     sink = RecordingSink()
     traceml.init(sink=sink, sampler_interval=60)
     try:
