@@ -656,6 +656,30 @@ def check_bounded_shutdown(ctx: Ctx, timeout: float) -> Verdict:
     return judge.verdict(name, problems, figures)
 
 
+def check_collectives_nccl(ctx: Ctx, timeout: float) -> Verdict:
+    name = "collectives_nccl"
+    run = run_scenario(ctx, name, timeout)
+    problems = base_problems(ctx, run)
+    r = run.result
+    if r is None:
+        return judge.verdict(name, problems, "")
+    lines = run.read("collectives")
+    problems += judge.collectives_problems(lines, r["steps"], device=not ctx.cpu)
+    if r["syncs_during_steps"]:
+        problems.append(f"{r['syncs_during_steps']} device synchronize call(s) during the steps")
+    if not ctx.cpu and r["nccl_timing_env"] != "1":
+        problems.append(f"TORCH_NCCL_ENABLE_TIMING is {r['nccl_timing_env']!r} under traceml run")
+    waits = [x["wait_ms"] for x in lines if x.get("wait_ms") is not None]
+    figures = (
+        f"{r['backend']}: {len(lines)} collectives lines over {r['steps']} steps, "
+        f"{sum(int(x['n_calls']) for x in lines)} calls, wait_ms "
+        f"{judge.fmt(min(waits, default=None))}..{judge.fmt(max(waits, default=None))}, "
+        f"measure {sorted({x['wait_measure'] for x in lines})}, "
+        f"{r['syncs_during_steps']} synchronize calls"
+    )
+    return judge.verdict(name, problems, figures)
+
+
 def _check_compile(ctx: Ctx, name: str, timeout: float) -> Verdict:
     run = run_scenario(ctx, name, timeout)
     problems = base_problems(ctx, run)
@@ -716,6 +740,7 @@ CHECKS: tuple[Check, ...] = (
     Check("amp_skipped_steps", check_amp_skipped_steps, 45),
     Check("spawn_workers", check_spawn_workers, 60),
     Check("bounded_shutdown", check_bounded_shutdown, 70),
+    Check("collectives_nccl", check_collectives_nccl, 60),
     Check("train_cuda_2proc_nccl", check_train_cuda_2proc_nccl, 90),
     Check("compile_default", check_compile_default, 100, track="compile"),
     Check("compile_reduce_overhead", check_compile_reduce_overhead, 100, track="compile"),

@@ -719,3 +719,34 @@ def median_gpu_ms(
     """Median gpu_ms (or ``key``) of ``phase`` over the steps that have one."""
     values = [v for v in traced_gpu_ms(lines, phase, device, key).values() if v is not None]
     return statistics.median(values) if values else None
+
+
+def collectives_problems(lines: Sequence[Record], steps: int, device: bool) -> list[str]:
+    """Each step has its three kinds of collective (DDP's bucket all-reduce through the
+    hook, the script's all_reduce and all_gather), counted once each, with a
+    non-negative wait of the backend's measure and arrivals in order."""
+    problems: list[str] = []
+    want = {
+        ("ddp_comm_hook", "all_reduce"),
+        ("torch.distributed", "all_reduce"),
+        ("torch.distributed", "all_gather"),
+    }
+    by_step: dict[int, set[tuple[str, str]]] = {}
+    for x in lines:
+        by_step.setdefault(int(x["step"]), set()).add((str(x["source"]), str(x["op"])))
+        measure = x.get("wait_measure")
+        if measure != ("device" if device else "host"):
+            problems.append(f"step {x['step']} {x['op']}: wait_measure {measure!r}")
+        wait = x.get("wait_ms")
+        if wait is None or not wait >= 0.0:
+            problems.append(f"step {x['step']} {x['op']}: wait_ms {wait!r}")
+        if not 0.0 <= x["first_arrival_ms"] <= x["last_arrival_ms"]:
+            problems.append(f"step {x['step']} {x['op']}: arrivals out of order")
+    for step in range(1, steps + 1):
+        seen = by_step.get(step, set())
+        if step == 1:
+            # DDP broadcasts the parameters when it is made, before the first step.
+            seen = seen - {("torch.distributed", "broadcast")}
+        if seen != want:
+            problems.append(f"step {step}: collectives {sorted(by_step.get(step, set()))}")
+    return problems[:8]

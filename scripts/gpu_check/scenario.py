@@ -487,6 +487,72 @@ def compile_fullgraph(dev: Dev) -> Result:
     return _compile(dev, fullgraph=True)
 
 
+def collectives_nccl(dev: Dev) -> Result:
+    """A world of one rank on NCCL (gloo with ``--cpu``): DDP's buckets, a synchronous
+    all_reduce and an asynchronous all_gather_into_tensor each step. The collective
+    timing must read each Work's duration without synchronizing the device: every
+    synchronize TraceML could call is counted while the steps run."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if dev.cuda else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1)
+    model = nn.parallel.DistributedDataParallel(
+        mlp(256, 3).to(dev.device), device_ids=[dev.index] if dev.cuda else None
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 256, device=dev.device)
+    syncs = {"n": 0}
+    patched: list[tuple[Any, str, Any]] = []
+    if dev.cuda:
+        for owner, attr in (
+            (torch.cuda, "synchronize"),
+            (torch.cuda.Event, "synchronize"),
+            (torch.cuda.Stream, "synchronize"),
+        ):
+            original = getattr(owner, attr)
+
+            def counted(*a: Any, _o: Any = original, **k: Any) -> Any:
+                syncs["n"] += 1
+                return _o(*a, **k)
+
+            patched.append((owner, attr, original))
+            setattr(owner, attr, counted)
+    steps = 6
+    t = torch.ones(1 << 16, device=dev.device)
+    out = torch.empty(1 << 16, device=dev.device)
+    try:
+        for _ in range(steps):
+            with traceml.trace_step(model):
+                _train_step(model, opt, x)
+                dist.all_reduce(t)
+                work = dist.all_gather_into_tensor(out, t, async_op=True)
+                assert work is not None
+                work.wait()
+    finally:
+        for owner, attr, original in patched:
+            setattr(owner, attr, original)
+    dev.sync()
+    traceml.shutdown()  # sends the steps whose Works completed
+    dist.destroy_process_group()
+    return {
+        "device": dev.key,
+        "backend": backend,
+        "steps": steps,
+        "syncs_during_steps": syncs["n"],
+        "nccl_timing_env": os.environ.get("TORCH_NCCL_ENABLE_TIMING"),
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 SCENARIOS: dict[str, Callable[[Dev], Result]] = {
     f.__name__: f
     for f in (
@@ -498,6 +564,7 @@ SCENARIOS: dict[str, Callable[[Dev], Result]] = {
         amp_skipped_steps,
         paired_overhead,
         bounded_shutdown,
+        collectives_nccl,
         compile_default,
         compile_reduce_overhead,
         compile_fullgraph,

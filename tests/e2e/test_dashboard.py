@@ -19,6 +19,7 @@ import re
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +33,9 @@ STRAGGLER = REPO / "tests" / "scripts" / "straggler_train.py"
 SCREENSHOTS = os.environ.get("TRACEML_DASHBOARD_SCREENSHOTS")
 URL_LINE = re.compile(r"traceml: dashboard(?: of .*)?:? (?:live )?at (http://\S+)")
 WAIT_MS = 60_000
-SLOW_RANK_1 = ["--where", "forward", "--slow-ranks", "1", "--sleep-ms", "30"]
+SLOW_RANK_1 = ["--where", "backward", "--slow-ranks", "1", "--sleep-ms", "30"]
+"""Rank 1 slow inside backward's computation, before DDP's all-reduce: every rank's
+backward lasts as long, and only the measured collectives tell who waits."""
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +137,20 @@ def _dashboard_run(
     ]
 
 
+def _scrape_until(url: str, needle: str, timeout: float = 60.0) -> str:
+    """GET ``url`` until its body holds ``needle``; the last body."""
+    deadline = time.monotonic() + timeout
+    body = ""
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=5) as response:
+                body = response.read().decode()
+            if needle in body:
+                return body
+        time.sleep(0.5)
+    raise AssertionError(f"{needle} not in {url} within {timeout} s:\n{body[-3000:]}")
+
+
 def _rank_steps(page: Page, rank: int) -> str:
     return page.locator(f"#ranks-table tr[data-rank='{rank}'] td").nth(2).inner_text()
 
@@ -159,6 +176,7 @@ def test_live_page_names_the_straggler_then_the_folder_page_shows_the_run(
     page: Page, tmp_path: Path
 ) -> None:
     logs = tmp_path / "logs"
+    metrics_port = free_port()
     args = _dashboard_run(
         logs,
         "ddp-straggler",
@@ -166,6 +184,8 @@ def test_live_page_names_the_straggler_then_the_folder_page_shows_the_run(
         "2",
         "--master-port",
         str(free_port()),
+        "--prometheus-port",
+        str(metrics_port),
         script=STRAGGLER,
         script_args=[*SLOW_RANK_1, "--steps", "450"],
     )
@@ -178,10 +198,19 @@ def test_live_page_names_the_straggler_then_the_folder_page_shows_the_run(
         expect(page.locator("#status")).to_contain_text("live", timeout=WAIT_MS)
         # The verdict in traceml summary's words, naming rank 1 and the slowed place.
         expect(page.get_by_test_id("verdict")).to_contain_text(
-            re.compile(r"straggler: rank 1: \+[\d.]+ ms of own work per iteration.*in forward"),
+            re.compile(
+                r"straggler: rank 1: \+[\d.]+ ms of own work per iteration.*in backward; "
+                r"the others wait in backward's all_reduce"
+            ),
             timeout=WAIT_MS,
         )
         expect(page.locator("#ranks-table tr.straggler[data-rank='1']")).to_be_visible()
+        # /metrics names the same rank and phase, from the same analysis.
+        metrics = _scrape_until(
+            f"http://127.0.0.1:{metrics_port}/metrics",
+            'traceml_straggler_excess_seconds{rank="1",phase="backward"}',
+        )
+        assert 'traceml_stragglers{verdict="straggler"} 1.0' in metrics
         expect(page.locator("#identity")).to_contain_text("world size 2")
         expect(page.locator("#identity")).to_contain_text("strategy ddp")
         # The page changes while training runs, without a reload.

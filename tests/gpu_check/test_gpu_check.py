@@ -543,3 +543,50 @@ def test_run_tail_names_the_exception() -> None:
     assert run.read("step_time") == []
     timed_out = driver.Run("x", None, True, 10.0, "", Path("/x"), {}, 10.0)
     assert timed_out.failure() == "timed out after 10 s: (no output)"
+
+
+def test_cpu_dry_run_of_the_collectives_check(tmp_path: Path) -> None:
+    """The NCCL collectives check, dry on gloo: DDP's bucket, the script's all_reduce and
+    all_gather each step, waits measured, no synchronize."""
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "scripts.gpu_check", "--cpu", "--only", "collectives_nccl"),
+            *("--lanes", "pure", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w")),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[pure] PASS collectives_nccl: gloo: " in proc.stdout
+    assert "0 synchronize calls" in proc.stdout
+
+
+def test_collectives_judge_names_what_is_wrong() -> None:
+    def line(step: int, op: str, source: str, **kw: Any) -> dict[str, Any]:
+        base = {
+            "step": step,
+            "op": op,
+            "source": source,
+            "wait_ms": 1.0,
+            "wait_measure": "device",
+            "first_arrival_ms": 1.0,
+            "last_arrival_ms": 2.0,
+        }
+        return {**base, **kw}
+
+    good = [
+        line(1, "all_reduce", "ddp_comm_hook"),
+        line(1, "all_reduce", "torch.distributed"),
+        line(1, "all_gather", "torch.distributed"),
+    ]
+    assert judge.collectives_problems(good, 1, device=True) == []
+    unmeasured = [{**good[0], "wait_ms": None, "wait_measure": "none"}, *good[1:]]
+    found = judge.collectives_problems(unmeasured, 1, device=True)
+    assert any("wait_measure 'none'" in p for p in found)
+    assert any("wait_ms None" in p for p in found)
+    assert judge.collectives_problems(good[:2], 1, device=True) == [
+        "step 1: collectives [('ddp_comm_hook', 'all_reduce'), ('torch.distributed', 'all_reduce')]"
+    ]

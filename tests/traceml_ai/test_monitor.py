@@ -158,6 +158,61 @@ def test_feed_never_blocks_a_full_queue_drops_and_counts() -> None:
     assert feed.dropped_batches == 10  # what was still queued at stop counts too
 
 
+def test_feed_sees_a_straggler_inside_backward_through_collectives() -> None:
+    """Both ranks' backward lasts as long (rank 1 computes 30 ms longer, rank 0 waits
+    that long in DDP's all-reduce): phase times say none, the measured waits name rank 1
+    in backward, and /metrics says the same."""
+    state = LiveState()
+    feed = LiveFeed(state, straggler_period_s=0.05)
+    feed.start()
+    base = 10**18
+    for rank in (0, 1):
+        steps, waits = [], []
+        for i in range(1, 21):
+            steps.append(
+                step(
+                    i,
+                    40.0,
+                    base + i * 45_000_000,
+                    **{
+                        "_traceml_internal:forward_time": 4.0,
+                        "_traceml_internal:backward_time": 35.0,
+                    },
+                )
+            )
+            waits.append(
+                {
+                    "timestamp_unix_ns": base + i * 45_000_000,
+                    "seq": i - 1,
+                    "step": i,
+                    "phase": "_traceml_internal:backward_time",
+                    "op": "all_reduce",
+                    "source": "ddp_comm_hook",
+                    "backend": "gloo",
+                    "n_calls": 1,
+                    "wait_ms": 31.0 if rank == 0 else 1.0,
+                    "wait_measure": "host",
+                    "first_arrival_ms": 4.0 if rank == 0 else 34.0,
+                    "last_arrival_ms": 4.0 if rank == 0 else 34.0,
+                }
+            )
+        feed.submit(encoded("step_time", identity(rank), steps))
+        feed.submit(encoded("collectives", identity(rank), [*waits, {"step": "bad"}]))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not (state.straggler and state.straggler.stragglers):
+        time.sleep(0.05)
+    feed.stop(1.0)
+    view = state.straggler
+    assert view is not None and view.basis == "collectives"
+    assert view.named_ranks == [1] and view.stragglers[0].phase == "backward"
+    assert view.waiting is not None
+    assert (view.waiting.phase, view.waiting.collective) == ("backward", "all_reduce")
+    assert state.ignored_items == 2  # the malformed item of each rank
+    families = {f.metric.name: f for f in collect(state, Health())}
+    (excess,) = families["traceml_straggler_excess_seconds"].samples
+    assert excess.labels == ("1", "backward") and excess.value == pytest.approx(0.030, abs=0.002)
+
+
 def test_feed_reads_batches_and_names_the_straggler() -> None:
     state = LiveState()
     feed = LiveFeed(state, straggler_period_s=0.05)
@@ -183,12 +238,12 @@ def test_feed_reads_batches_and_names_the_straggler() -> None:
     feed.submit(encoded("step_time", identity(0), ["garbage"]))
     feed.submit(ReceivedBatch(observed_timestamp_unix_ns=1, payload=b"{broken", nbytes=7))
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not (state.straggler or {}).get("stragglers"):
+    while time.monotonic() < deadline and not (state.straggler and state.straggler.stragglers):
         time.sleep(0.05)
     feed.stop(1.0)
     view = state.straggler
-    assert view is not None and view["verdict"] == "straggler"
-    assert [s["rank"] for s in view["stragglers"]] == [1]
+    assert view is not None and view.verdict == "straggler"
+    assert view.named_ranks == [1]
     assert feed.bad_batches == 1 and state.ignored_items == 1
     families = {f.metric.name: f for f in collect(state, Health())}
     assert [(s.labels, s.value) for s in families["traceml_stragglers"].samples] == [

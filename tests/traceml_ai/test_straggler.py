@@ -12,8 +12,8 @@ import orjson
 import pytest
 
 from tests.e2e_helpers import REPO, free_port, run_cli
-from traceml_ai.run_summary import format_summary, summarize_run
-from traceml_ai.run_summary._straggler import analyze, verdict_line
+from traceml_ai.run_summary import StragglerView, format_summary, summarize_run
+from traceml_ai.run_summary._straggler import analyze
 
 P = "_traceml_internal:"
 EVENTS = {
@@ -123,8 +123,15 @@ def folder(tmp_path: Path, lines: list[dict[str, Any]]) -> Path:
 def _view(tmp_path: Path, lines: list[dict[str, Any]]) -> dict[str, Any]:
     summary = summarize_run(folder(tmp_path, lines))
     view: dict[str, Any] = summary["straggler"]
-    assert "-" not in verdict_line(view).replace("--", ""), verdict_line(view)
+    # The JSON form and the typed view are one value.
+    typed = StragglerView.from_json(view)
+    assert typed.to_json() == view
+    assert "-" not in typed.line().replace("--", ""), typed.line()
     return view
+
+
+def verdict_line(view: dict[str, Any]) -> str:
+    return StragglerView.from_json(view).line()
 
 
 # ------------------------------------------------------------------ simulated runs
@@ -192,11 +199,12 @@ def test_simulated_fsdp_like_wait_in_forward(tmp_path: Path) -> None:
 
 
 def test_one_rank_and_too_few_steps() -> None:
-    assert analyze({0: {1: {"step": 1.0, "_ts": 1.0}}})["applicable"] is False
+    assert analyze({0: {1: {"step": 1.0, "_ts": 1.0}}}).applicable is False
     rows = {r: {s: {"step": 1.0, "_ts": float(s * 10**6)} for s in (1, 2)} for r in (0, 1)}
     view = analyze(rows)
-    assert view["applicable"] is False
-    assert "step(s)" in view["reason"]
+    assert view.applicable is False and view.verdict == "n/a"
+    assert view.reason is not None and "step(s)" in view.reason
+    assert view.line().startswith("straggler: n/a (")
 
 
 def test_1024_ranks(tmp_path: Path) -> None:

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from traceml_ai.dashboard._view import RunData
-from traceml_ai.run_summary import STREAM_FILES, WARNING_FILE, SummaryError, format_summary
+from traceml_ai.run_summary import (
+    STREAM_FILES,
+    WARNING_FILE,
+    SummaryError,
+    format_summary,
+    straggler_view,
+)
 from traceml_ai.run_summary._read import FileRead, exists, step_rows
 from traceml_ai.run_summary._report import _folders, _read, summarize_run
 
@@ -201,7 +207,7 @@ def from_summary(summary: dict[str, Any], rows: dict[int, dict[int, dict[str, fl
         step_time=summary.get("step_time"),
         phases=summary.get("phases"),
         phase_names=summary.get("phase_names") or [],
-        straggler=summary.get("straggler"),
+        straggler=straggler_view(summary),
         series={
             r: [(st, row["step"], row.get("_ts", 0.0)) for st, row in sorted(steps.items())]
             for r, steps in rows.items()

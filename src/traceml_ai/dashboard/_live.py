@@ -8,13 +8,13 @@ asked of the ranks. How often it is built is :class:`~._server.Views`' choice.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData
 from traceml_ai.monitor._state import WINDOW_STEPS
 from traceml_ai.run_summary._phases import median
 from traceml_ai.run_summary._report import step_figures
+from traceml_ai.run_summary._straggler import StragglerView
 
 if TYPE_CHECKING:
     from traceml_ai.monitor._service import Monitoring
@@ -24,15 +24,13 @@ __all__ = ["LiveSource"]
 
 
 def _shown_rows(
-    recent: dict[int, list[StepSeen]], straggler: Mapping[str, Any] | None
+    recent: dict[int, list[StepSeen]], straggler: StragglerView | None
 ) -> dict[int, dict[int, dict[str, float]]]:
     """The step rows (as the summary reads them) of the ranks the page's tables show:
     every rank up to MAX_TABLE_ROWS, else the stragglers, then the slowest by median."""
     shown = sorted(recent)
     if len(shown) > MAX_TABLE_ROWS:
-        named = [
-            s["rank"] for s in (straggler or {}).get("stragglers") or () if s.get("rank") in recent
-        ]
+        named = [r for r in (straggler.named_ranks if straggler else ()) if r in recent]
         by_median = sorted(recent, key=lambda r: -median(s.step_ms for s in recent[r]))
         shown = sorted([*named, *(r for r in by_median if r not in named)][:MAX_TABLE_ROWS])
     rows: dict[int, dict[int, dict[str, float]]] = {}

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import attrs
 
 from traceml_ai.run_summary._phases import percentile
-from traceml_ai.run_summary._straggler import verdict_line
+from traceml_ai.run_summary._straggler import StragglerView, verdict_line
 
 __all__ = [
     "ALL_LINES_UP_TO",
@@ -76,7 +76,7 @@ class RunData:
     phases: Mapping[str, Any] | None = None
     """rank (str) -> phase -> mean_ms, p50_ms, share."""
     phase_names: Sequence[str] = ()
-    straggler: Mapping[str, Any] | None = None
+    straggler: StragglerView | None = None
     series: Series = attrs.field(factory=dict)
     memory: Sequence[Mapping[str, Any]] | None = None
     """rank, device, peak_allocated_bytes, peak_reserved_bytes; None: not available."""
@@ -113,10 +113,8 @@ def _x(steps: Sequence[int], size: int) -> list[int]:
     return [steps[min(i + size, len(steps)) - 1] for i in range(0, len(steps), size)]
 
 
-def _straggler_ranks(view: Mapping[str, Any] | None) -> list[int]:
-    if not view:
-        return []
-    return [s["rank"] for s in view.get("stragglers") or () if isinstance(s.get("rank"), int)]
+def _straggler_ranks(view: StragglerView | None) -> list[int]:
+    return view.named_ranks if view is not None else []
 
 
 def _slowest(ranks: Iterable[int], step_time: Mapping[str, Any] | None) -> list[int]:
@@ -328,9 +326,9 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
         "window": data.window,
         "straggler": {
             "line": _verdict(data, ranks),
-            "verdict": (data.straggler or {}).get("verdict"),
+            "verdict": data.straggler.verdict if data.straggler else None,
             "ranks": stragglers,
-            "definition": (data.straggler or {}).get("definition"),
+            "definition": data.straggler.definition if data.straggler else None,
         },
         "ranks": _rank_table(data, shown),
         "ranks_total": len(ranks),

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from traceml_ai.run_summary._phases import PHASES, STEP_EVENT, add_wait
+from traceml_ai.run_summary._straggler import StragglerView
 
 __all__ = [
     "MAX_RANKS",
@@ -206,7 +207,7 @@ class LiveState:
         """Items left out because they were malformed or claimed an impossible rank."""
         self.folded_phase_names: set[str] = set()
         """User phase names counted as ``other`` (bounded: only the first few are kept)."""
-        self.straggler: Mapping[str, Any] | None = None
+        self.straggler: StragglerView | None = None
         """The latest straggler view (``run_summary._straggler.analyze``), when computed."""
 
     # -- writing (the feed thread) --------------------------------------------------
@@ -419,7 +420,7 @@ class LiveState:
             ranks = list(self._ranks.values())
         return len(ranks) > 1 and all(r.waits and not r.waits_unmeasured for r in ranks)
 
-    def set_straggler(self, view: Mapping[str, Any] | None) -> None:
+    def set_straggler(self, view: StragglerView | None) -> None:
         with self._lock:
             self.straggler = view
 

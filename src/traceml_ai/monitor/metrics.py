@@ -22,7 +22,7 @@ endpoint serves about :func:`series_estimate` series.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 
@@ -34,6 +34,7 @@ from traceml_ai.monitor._state import (
     LiveState,
 )
 from traceml_ai.run_summary._phases import BUILT_IN_PHASES
+from traceml_ai.run_summary._straggler import StragglerView
 
 __all__ = [
     "METRICS",
@@ -289,23 +290,11 @@ def collect(state: LiveState, health: Health) -> list[Family]:
     return [Family(m, out[m.name]) for m in METRICS]
 
 
-def _straggler_figures(view: Mapping[str, Any] | None) -> tuple[str, list[tuple[int, str, float]]]:
+def _straggler_figures(view: StragglerView | None) -> tuple[str, list[tuple[int, str, float]]]:
     """(verdict, [(rank, phase, excess ms)]) of a straggler view; ``n/a`` without one."""
-    if not view:
+    if view is None:
         return "n/a", []
-    verdict = view.get("verdict")
-    named: list[tuple[int, str, float]] = []
-    for entry in view.get("stragglers") or ():
-        if isinstance(entry, dict) and type(entry.get("rank")) is int:
-            excess = entry.get("excess_ms")
-            named.append(
-                (
-                    entry["rank"],
-                    str(entry.get("phase") or "unknown"),
-                    float(excess) if isinstance(excess, (int, float)) else 0.0,
-                )
-            )
-    return (verdict if isinstance(verdict, str) else "n/a"), named
+    return view.verdict, [(s.rank, s.phase, s.excess_ms) for s in view.stragglers]
 
 
 def series_estimate(ranks: int, nodes: int, user_phases: int = 0, gpus_per_node: int = 0) -> int:

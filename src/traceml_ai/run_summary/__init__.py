@@ -21,15 +21,22 @@ from traceml_ai.run_summary._report import (
     format_summary,
     step_series,
     straggler_line,
+    straggler_view,
     summarize_run,
 )
+from traceml_ai.run_summary._straggler import SlowNode, Straggler, StragglerView, Waiting
 
 __all__ = [
     "STREAM_FILES",
     "WARNING_FILE",
+    "SlowNode",
+    "Straggler",
+    "StragglerView",
     "SummaryError",
+    "Waiting",
     "format_summary",
     "step_series",
     "straggler_line",
+    "straggler_view",
     "summarize_run",
 ]

@@ -37,8 +37,8 @@ from traceml_ai.run_summary._read import (
     read_bytes,
     step_rows,
 )
+from traceml_ai.run_summary._straggler import StragglerView, verdict_line
 from traceml_ai.run_summary._straggler import analyze as analyze_stragglers
-from traceml_ai.run_summary._straggler import verdict_line
 from traceml_records import STREAMS
 
 MAX_PLAUSIBLE_CORES = 8192
@@ -145,7 +145,7 @@ def _straggler_view(
     phase_names: Sequence[str],
     strategy: str | None,
     collectives: bool = False,
-) -> dict[str, Any]:
+) -> StragglerView:
     """The straggler analysis (:mod:`traceml_ai.run_summary._straggler`) of the step rows."""
     nodes = {
         rank: int(row["_node"])
@@ -507,7 +507,7 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         measured = "collectives" in reads and _merge_waits(
             rows, reads["collectives"], world, strategy, notes
         )
-        summary["straggler"] = _straggler_view(rows, names, strategy, measured)
+        summary["straggler"] = _straggler_view(rows, names, strategy, measured).to_json()
         if world:
             summary["world_size"] = max(world)
             # Count rather than list every rank: a world may be very large.
@@ -666,9 +666,15 @@ def _bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def straggler_line(summary: dict[str, Any]) -> str:
+def straggler_view(summary: Mapping[str, Any]) -> StragglerView | None:
+    """The typed straggler view of a summary (its ``straggler`` block)."""
+    block = summary.get("straggler")
+    return StragglerView.from_json(block) if block else None
+
+
+def straggler_line(summary: Mapping[str, Any]) -> str:
     """The straggler verdict as one sentence (shared by the text and the live view)."""
-    return verdict_line(summary.get("straggler"))
+    return verdict_line(straggler_view(summary))
 
 
 def _loss_line(summary: dict[str, Any], full: bool = True) -> str:

@@ -31,6 +31,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from traceml_ai.run_summary._phases import (
     BETWEEN,
     BUILT_IN_PHASES,
@@ -92,6 +94,187 @@ DEFINITION_COLLECTIVES = (
 )
 
 Rows = Mapping[int, Mapping[int, Mapping[str, float]]]
+
+
+@attrs.frozen(kw_only=True)
+class Straggler:
+    """One rank the verdict names: its own work against the others', and where the
+    extra sits."""
+
+    rank: int
+    own_work_ms: float
+    others_own_work_ms: float
+    excess_ms: float
+    excess_pct: float | None
+    phase: str
+    phase_excess_ms: float
+    phase_description: str
+    slow_steps: int
+    slow_share: float
+    every_n_steps: int | None = None
+    """``intermittent`` only: N when the slow steps come every Nth step."""
+    first_slow_steps: tuple[int, ...] | None = None
+    """``intermittent`` only: the first (up to 5) slow steps."""
+
+
+@attrs.frozen(kw_only=True)
+class Waiting:
+    """Where the other ranks wait for the named ones."""
+
+    phase: str
+    collective: str | None
+    """The collective operation they wait in most (measured collectives), else None."""
+    ranks: tuple[int, ...] | None
+    """The waiting ranks, up to 16 (None: more)."""
+    rank_count: int
+    wait_ms_per_step: float
+    why: str
+
+
+@attrs.frozen(kw_only=True)
+class SlowNode:
+    """The node(s) whose ranks are exactly the named ones."""
+
+    nodes: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+
+_OPTIONAL = (
+    "steps_compared",
+    "iteration_ms",
+    "wait_phase",
+    "noise_ms",
+    "own_work_ms",
+    "threshold_ms",
+    "spread_ms",
+    "caveat",
+    "reason",
+)
+
+
+@attrs.frozen(kw_only=True)
+class StragglerView:
+    """The straggler analysis of a run: the one value every view reads (``traceml
+    summary`` and its ``--json``, ``traceml.summary()``, the end of ``traceml run``, the
+    dashboard, Prometheus and OTLP). :meth:`to_json` is its ``--json`` form,
+    :meth:`line` its sentence."""
+
+    definition: str
+    basis: str
+    """``collectives`` (measured waits) or ``phase_times`` (inferred from phases)."""
+    ranks: int
+    applicable: bool
+    verdict: str
+    """``straggler``, ``intermittent``, ``none`` or ``n/a``."""
+    stragglers: tuple[Straggler, ...] = ()
+    reason: str | None = None
+    steps_compared: int | None = None
+    iteration_ms: float | None = None
+    wait_phase: str | None = None
+    noise_ms: float | None = None
+    own_work_ms: Mapping[str, float] | None = None
+    threshold_ms: float | None = None
+    spread_ms: float | None = None
+    caveat: str | None = None
+    slow_node: SlowNode | None = None
+    waiting: Waiting | None = None
+    has_caveat_field: bool = False
+    """Whether ``caveat`` is part of the JSON form (a ``none`` verdict), even when null."""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> StragglerView:
+        """The view of its JSON form (as :meth:`to_json` writes it)."""
+        stragglers = tuple(
+            Straggler(
+                **{
+                    **e,
+                    "first_slow_steps": tuple(e["first_slow_steps"])
+                    if e.get("first_slow_steps") is not None
+                    else None,
+                }
+            )
+            for e in d.get("stragglers") or ()
+        )
+        node = d.get("slow_node")
+        waiting = d.get("waiting")
+        return cls(
+            definition=d["definition"],
+            basis=d.get("basis", "phase_times"),
+            ranks=d["ranks"],
+            applicable=bool(d.get("applicable")),
+            verdict=d["verdict"],
+            stragglers=stragglers,
+            reason=d.get("reason"),
+            steps_compared=d.get("steps_compared"),
+            iteration_ms=d.get("iteration_ms"),
+            wait_phase=d.get("wait_phase"),
+            noise_ms=d.get("noise_ms"),
+            own_work_ms=d.get("own_work_ms"),
+            threshold_ms=d.get("threshold_ms"),
+            spread_ms=d.get("spread_ms"),
+            caveat=d.get("caveat"),
+            slow_node=SlowNode(nodes=tuple(node["nodes"]), ranks=tuple(node["ranks"]))
+            if node
+            else None,
+            waiting=Waiting(
+                **{
+                    **waiting,
+                    "collective": waiting.get("collective"),
+                    "ranks": tuple(waiting["ranks"]) if waiting.get("ranks") is not None else None,
+                }
+            )
+            if waiting
+            else None,
+            has_caveat_field="caveat" in d,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``straggler`` block of ``traceml summary --json``."""
+        out: dict[str, Any] = {
+            "definition": self.definition,
+            "basis": self.basis,
+            "ranks": self.ranks,
+            "applicable": self.applicable,
+            "verdict": self.verdict,
+        }
+        for name in _OPTIONAL:
+            value = getattr(self, name)
+            if value is not None or (name == "caveat" and self.has_caveat_field):
+                out[name] = dict(value) if name == "own_work_ms" and value else value
+        out["stragglers"] = [_straggler_json(s) for s in self.stragglers]
+        if self.applicable:
+            out["slow_node"] = (
+                {"nodes": list(self.slow_node.nodes), "ranks": list(self.slow_node.ranks)}
+                if self.slow_node
+                else None
+            )
+            out["waiting"] = (
+                {
+                    **attrs.asdict(self.waiting),
+                    "ranks": list(self.waiting.ranks) if self.waiting.ranks is not None else None,
+                }
+                if self.waiting
+                else None
+            )
+        return out
+
+    def line(self) -> str:
+        """The verdict as one sentence."""
+        return verdict_line(self)
+
+    @property
+    def named_ranks(self) -> list[int]:
+        """The ranks the verdict names."""
+        return [s.rank for s in self.stragglers]
+
+
+def _straggler_json(s: Straggler) -> dict[str, Any]:
+    out = attrs.asdict(s)
+    if s.every_n_steps is None and s.first_slow_steps is None:
+        del out["every_n_steps"], out["first_slow_steps"]
+    else:
+        out["first_slow_steps"] = list(s.first_slow_steps or ())
+    return out
 
 
 def _components(row: Mapping[str, float], previous: Mapping[str, float]) -> dict[str, float]:
@@ -168,8 +351,18 @@ def analyze(
     strategy: str | None = None,
     nodes: Mapping[int, int] | None = None,
     collectives: bool = False,
+) -> StragglerView:
+    """The straggler view of a run (see :func:`_analyze`)."""
+    return StragglerView.from_json(_analyze(rows, strategy, nodes, collectives))
+
+
+def _analyze(
+    rows: Rows,
+    strategy: str | None,
+    nodes: Mapping[int, int] | None,
+    collectives: bool,
 ) -> dict[str, Any]:
-    """The straggler view of a run: ``rows`` is rank -> step -> row (``step_row``'s
+    """The straggler view of a run, as its JSON form: ``rows`` is rank -> step -> row (``step_row``'s
     figures plus ``_ts``, the step's end in ns, and with ``collectives`` the waits of
     :data:`WAIT_PREFIX` and :data:`OP_WAIT_PREFIX`); ``nodes`` is rank -> node when
     known. ``collectives``: every rank's collectives were measured (the collectives
@@ -287,6 +480,7 @@ def analyze(
         waiting = [r for r in ranks if r not in named]
         view["waiting"] = {
             "phase": wait_phase,
+            "collective": None,
             "ranks": waiting if len(waiting) <= 16 else None,
             "rank_count": len(waiting),
             "wait_ms_per_step": rounded(
@@ -549,40 +743,37 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return f"ranks {shown}"
 
 
-def verdict_line(view: Mapping[str, Any] | None) -> str:
+def verdict_line(view: StragglerView | None) -> str:
     """The verdict as one sentence, every figure non-negative."""
-    if not view:
+    if view is None:
         return "straggler: no step times"
-    if not view.get("applicable"):
-        return f"straggler: n/a ({view.get('reason')})"
-    verdict = view.get("verdict")
-    found: list[Mapping[str, Any]] = view.get("stragglers") or []
-    if verdict == "none":
+    if not view.applicable:
+        return f"straggler: n/a ({view.reason})"
+    found = view.stragglers
+    if view.verdict == "none" or not found:
         text = (
-            f"straggler: none (own work per iteration within {view.get('spread_ms', 0.0):.2f} ms "
-            f"across ranks; a difference needs {view['threshold_ms']:.2f} ms)"
+            f"straggler: none (own work per iteration within {view.spread_ms or 0.0:.2f} ms "
+            f"across ranks; a difference needs {view.threshold_ms or 0.0:.2f} ms)"
         )
-        if view.get("caveat"):
-            text += f"; {view['caveat']}"
+        if view.caveat:
+            text += f"; {view.caveat}"
         return text
-    node = view.get("slow_node")
-    who = _ranks_text([s["rank"] for s in found])
+    node = view.slow_node
+    who = _ranks_text([s.rank for s in found])
     if node:
-        names = ", ".join(map(str, node["nodes"]))
-        who = f"node {names} ({who})" if len(node["nodes"]) == 1 else f"nodes {names} ({who})"
+        names = ", ".join(map(str, node.nodes))
+        who = f"node {names} ({who})" if len(node.nodes) == 1 else f"nodes {names} ({who})"
     first = found[0]
-    same_place = all(s["phase"] == first["phase"] for s in found)
-    where = first["phase_description"] if same_place else "in several places"
-    excess = max(s["excess_ms"] for s in found)
-    pct = first.get("excess_pct")
-    if verdict == "intermittent":
-        every = first.get("every_n_steps")
-        how_often = (
-            f"every {every}th step" if every else f"{first['slow_share'] * 100:.0f}% of steps"
-        )
+    same_place = all(s.phase == first.phase for s in found)
+    where = first.phase_description if same_place else "in several places"
+    excess = max(s.excess_ms for s in found)
+    pct = first.excess_pct
+    if view.verdict == "intermittent":
+        every = first.every_n_steps
+        how_often = f"every {every}th step" if every else f"{first.slow_share * 100:.0f}% of steps"
         text = (
-            f"straggler: {who}, now and then: slow in {first['slow_steps']} of "
-            f"{view['steps_compared']} steps ({how_often}), +{excess:.2f} ms in those steps, "
+            f"straggler: {who}, now and then: slow in {first.slow_steps} of "
+            f"{view.steps_compared} steps ({how_often}), +{excess:.2f} ms in those steps, "
             f"{where}"
         )
     else:
@@ -591,9 +782,9 @@ def verdict_line(view: Mapping[str, Any] | None) -> str:
             + (f" (+{pct:.0f}%)" if pct is not None and len(found) == 1 else "")
             + f", {where}"
         )
-    waiting = view.get("waiting")
-    if waiting and waiting.get("rank_count"):
-        op = waiting.get("collective")
-        where = f"{waiting['phase']}'s {op}" if op else waiting["phase"]
-        text += f"; the others wait in {where} ({waiting['wait_ms_per_step']:.2f} ms per step)"
+    waiting = view.waiting
+    if waiting and waiting.rank_count:
+        op = waiting.collective
+        at = f"{waiting.phase}'s {op}" if op else waiting.phase
+        text += f"; the others wait in {at} ({waiting.wait_ms_per_step:.2f} ms per step)"
     return text

@@ -1096,7 +1096,7 @@ class StdoutStderrRecord(_Checked):
 
 @attrs.frozen(kw_only=True)
 class CollectivesRecord(_Checked):
-    """One line per step of each rank and per phase and operation of the collectives the rank issued in it (torch.distributed calls, DDP's gradient buckets, FSDP's all-gathers and reduce-scatters): how many, how long the rank waited in them, and when it arrived at the first and last. Ranks of a world of one, and steps without a collective, write none.
+    """One line per step of each rank and per phase and operation of the collectives the rank issued in it (torch.distributed calls, DDP's gradient buckets, FSDP's all-gathers and reduce-scatters): how many, how long the rank waited in them, and when it arrived at the first and last. A step in which the rank issued no collective has no line.
 
     Schema ``urn:traceml:schema:collectives:v1`` (collectives.schema.json).
     """
