@@ -18,6 +18,8 @@ from typing import Any
 
 import orjson
 
+from traceml_records import STREAMS
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
 PY = sys.executable
@@ -25,15 +27,8 @@ PY = sys.executable
 RUN_TIMEOUT_S = 240.0
 """Upper bound for one ``traceml`` process; generous because the machine is shared."""
 
-ALL_FILES = (
-    "step_time",
-    "step_memory",
-    "process",
-    "system",
-    "system_gpu",
-    "runtime_environment",
-    "stdout_stderr",
-)
+ALL_FILES = tuple(spec.name for spec in STREAMS)
+"""Every export stream (``--export-streams all``), from the registry."""
 INTERNAL_PHASES = (
     "_traceml_internal:backward_time",
     "_traceml_internal:dataloader_next",

@@ -102,6 +102,7 @@ def check_files(
         "system_gpu": ("system", ("node_rank", "seq", "gpu_index")),
         "runtime_environment": ("runtime_environment", ("global_rank", "seq")),
         "stdout_stderr": ("stdout_stderr", ("rank", "seq")),
+        "collectives": ("collectives", ("global_rank", "seq", "step")),
     }
     for stream in files:
         wire, fields = plan[stream]

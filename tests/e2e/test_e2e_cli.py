@@ -131,6 +131,15 @@ def test_two_ranks_ddp_all_streams(tmp_path: Path) -> None:
         assert d["topology"] == "single_node_multi_process"
         assert d["world_size"] == 2
     assert data["stdout_stderr"] == []
+    # DDP's gradient buckets, every step of each rank, through TraceML's hook.
+    buckets = {
+        (d["global_rank"], d["step"])
+        for d in data["collectives"]
+        if (d["phase"], d["op"], d["source"])
+        == ("_traceml_internal:backward_time", "all_reduce", "ddp_comm_hook")
+    }
+    assert buckets == {(r, s) for r in range(2) for s in range(1, steps + 1)}
+    assert all(d["wait_measure"] == "host" and d["wait_ms"] >= 0 for d in data["collectives"])
     for d in (line for lines in data.values() for line in lines):
         assert "hostname" not in d
         if d["stream"] != "stdout_stderr":
@@ -796,4 +805,4 @@ def test_cli_aggregator_and_validate_never_import_torch(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert "NO-TORCH-OK" in res.stdout
     assert "Usage: traceml" in res.stdout
-    assert len(list((tmp_path / "run" / "aggregator" / "export").glob("*.jsonl"))) == 7
+    assert len(list((tmp_path / "run" / "aggregator" / "export").glob("*.jsonl"))) == len(ALL_FILES)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_helpers import REPO
+from tests.e2e_helpers import ALL_FILES, REPO
 from tests.netns import NetnsUnavailable, Node, kill_processes, two_nodes
 from traceml_records import validate_paths
 
@@ -32,15 +32,7 @@ NPROC = 2
 NNODES = 2
 WORLD = NPROC * NNODES
 RUN_TIMEOUT_S = 120.0
-EXPECTED_FILES = {
-    "step_time.jsonl",
-    "step_memory.jsonl",
-    "process.jsonl",
-    "system.jsonl",
-    "system_gpu.jsonl",
-    "runtime_environment.jsonl",
-    "stdout_stderr.jsonl",
-}
+EXPECTED_FILES = {f"{name}.jsonl" for name in ALL_FILES}
 
 
 @pytest.fixture

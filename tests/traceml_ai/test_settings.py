@@ -22,8 +22,9 @@ from traceml_ai.settings import (
     resolve_export_settings,
     settings_from_values,
 )
+from traceml_records import STREAMS
 
-SUPPORTED = "supported: step_time, step_memory, process, system, all"
+SUPPORTED = "supported: step_time, step_memory, process, system, collectives, all"
 
 
 def write_yaml(tmp_path: Path, text: str) -> Path:
@@ -230,9 +231,9 @@ def test_bad_value_in_shadowed_layer_is_ignored(tmp_path: Path) -> None:
     assert resolved.settings == ExportSettings("jsonl", "process", False)
 
 
-def test_all_selects_seven_streams(tmp_path: Path) -> None:
+def test_all_selects_every_stream(tmp_path: Path) -> None:
     resolved = resolve(tmp_path, cli_export_streams="all")
-    assert len(resolved.selected_streams) == 7
+    assert resolved.selected_streams == tuple(s.name for s in STREAMS)
     assert set(resolved.selected_streams) >= {"runtime_environment", "stdout_stderr"}
 
 
@@ -436,7 +437,9 @@ def test_known_yaml_keys_are_the_table() -> None:
     assert {s.yaml_key for s in settings.SETTINGS} == settings.KNOWN_YAML_KEYS
 
 
-STREAM_FORMS = "comma-separated stream names from step_time, step_memory, process, system, all"
+STREAM_FORMS = (
+    "comma-separated stream names from step_time, step_memory, process, system, collectives, all"
+)
 
 
 @pytest.mark.parametrize(

@@ -441,3 +441,95 @@ def test_real_run_through_collectives(
     line = f"traceml: straggler: rank{'s' if len(expected) > 1 else ''} {named}"
     assert line in res.stderr, why
     assert f"the others wait in {view['waiting']['phase']}'s" in res.stderr, why
+
+
+def _collectives_line(rank: int, step: int, wait: float | None) -> dict[str, Any]:
+    return {
+        "stream": "collectives",
+        "schema_version": 1,
+        "observed_timestamp_unix_ns": 1,
+        "rank": rank,
+        "global_rank": rank,
+        "local_rank": rank,
+        "world_size": 2,
+        "local_world_size": 2,
+        "node_rank": 0,
+        "timestamp_unix_ns": 1,
+        "seq": step,
+        "step": step,
+        "phase": P + "backward_time",
+        "op": "all_reduce",
+        "source": "ddp_comm_hook",
+        "backend": "gloo",
+        "n_calls": 1,
+        "wait_ms": wait,
+        "wait_measure": "host" if wait is not None else "none",
+        "first_arrival_ms": 1.0,
+        "last_arrival_ms": 1.0,
+    }
+
+
+def _with_collectives(run: Path, lines: list[dict[str, Any]]) -> None:
+    closing = {
+        "stream": "collectives",
+        "closing": True,
+        "schema_version": 1,
+        "written_records": len(lines),
+        "dropped_batches": 0,
+    }
+    (run / "aggregator" / "export" / "collectives.jsonl").write_bytes(
+        b"".join(orjson.dumps(o) + b"\n" for o in [*lines, closing])
+    )
+
+
+def test_measured_waits_see_a_rank_slow_inside_the_synchronizing_phase(tmp_path: Path) -> None:
+    """Phase times alike on both ranks (rank 1 computes 20 ms longer in backward, rank 0
+    waits as long there): inferred, none with a caveat; measured, rank 1 in backward."""
+    lines = simulate(2, 30, sync="backward")
+    for line in lines:
+        backward = line["events"][EVENTS["backward"]]["cpu"]
+        for key in ("cpu_ms", "duration_ms"):
+            backward[key] += 20.0
+        line["events"][P + "step_time"]["cpu"]["cpu_ms"] += 20.0
+        line["events"][P + "step_time"]["cpu"]["duration_ms"] += 20.0
+    run = folder(tmp_path, lines)
+    inferred = summarize_run(run)["straggler"]
+    assert inferred["basis"] == "phase_times" and inferred["verdict"] == "none"
+    _with_collectives(
+        run,
+        [_collectives_line(r, s, 20.5 if r == 0 else 0.5) for s in range(1, 31) for r in (0, 1)],
+    )
+    summary = summarize_run(run)
+    view = summary["straggler"]
+    assert view["basis"] == "collectives"
+    assert view["verdict"] == "straggler", verdict_line(view)
+    assert [s["rank"] for s in view["stragglers"]] == [1]
+    assert view["stragglers"][0]["phase"] == "backward"
+    assert (view["waiting"]["phase"], view["waiting"]["collective"]) == ("backward", "all_reduce")
+    assert 19.0 < view["waiting"]["wait_ms_per_step"] < 21.0
+    assert summary["loss"]["status"] == "complete"
+
+
+@pytest.mark.parametrize(
+    ("lines", "note"),
+    [
+        # Rank 1 sent no collectives line: an engine TraceML does not see.
+        ([_collectives_line(0, s, 1.0) for s in range(1, 31)], "none seen on rank(s) 1"),
+        # NCCL without timing: waits not measured.
+        (
+            [_collectives_line(r, s, None) for s in range(1, 31) for r in (0, 1)],
+            "wait not measured on rank(s) 0, 1",
+        ),
+    ],
+)
+def test_unseen_collectives_fall_back_to_phase_times_and_say_so(
+    tmp_path: Path, lines: list[dict[str, Any]], note: str
+) -> None:
+    run = folder(tmp_path, simulate(2, 30, {1: ("forward", 20.0, 1)}))
+    _with_collectives(run, lines)
+    summary = summarize_run(run)
+    assert summary["straggler"]["basis"] == "phase_times"
+    assert summary["straggler"]["verdict"] == "straggler"  # still found, from phase times
+    assert any(n.startswith("collectives: ") and note in n for n in summary["notes"]), summary[
+        "notes"
+    ]

@@ -42,7 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from traceml_records import events as _events
 
@@ -109,20 +109,13 @@ _wall_ns = time.time_ns
 _get_ident = threading.get_ident
 
 
-class Call:
-    """One collective as issued: where, when, and what it waited."""
-
-    __slots__ = ("arrival_ns", "done_ns", "op", "phase", "source", "step", "wait_ns", "work")
-
-    def __init__(self, step: int, phase: str, op: str, source: str, arrival_ns: int) -> None:
-        self.step = step
-        self.phase = phase
-        self.op = op
-        self.source = source
-        self.arrival_ns = arrival_ns  # wall clock (time.time_ns), as the step ends are
-        self.wait_ns = 0
-        self.done_ns = 0  # DDP buckets on a host backend: when the all-reduce completed
-        self.work: Any = None  # NCCL: the Work whose duration is read once completed
+Call: TypeAlias = list[Any]
+"""One collective as issued, a list (made on every collective: cheaper than an
+object): ``[step, phase, op, source, arrival_ns, wait_ns, done_ns, work]`` — arrival on
+the wall clock (``time.time_ns``, as the step ends are), the host wait, for DDP's
+buckets on a host backend when the all-reduce completed, on NCCL the Work whose
+duration is read once it has completed."""
+STEP, PHASE, OP, SOURCE, ARRIVAL, WAIT, DONE, WORK = range(8)
 
 
 class _Group:
@@ -204,7 +197,7 @@ class CollectiveRecorder:
             return None
         if self._ddp_source:
             source = SOURCE_DDP
-        call = Call(step, phase, op, source, _wall_ns())
+        call: Call = [step, phase, op, source, _wall_ns(), 0, 0, None]
         calls = self._calls
         if len(calls) >= MAX_OPEN_CALLS:
             calls.popleft()
@@ -229,6 +222,67 @@ class CollectiveRecorder:
     ) -> Any:
         """Run a torch.distributed function, timing it as ``op`` (``async_index``: the
         position of its ``async_op`` parameter, None without one)."""
+        timer = self._timer
+        if (
+            self._busy
+            or self._device_timing
+            or not self._backend_known
+            or not self.enabled
+            or not timer.enabled
+            or _get_ident() != timer.thread
+        ):
+            return self._call(original, op, async_index, args, kwargs)
+        # The common case (a host backend, the training thread) without a call:
+        # _where() and begin() inlined.
+        if not timer.in_step:
+            step, phase = timer.step + 1, BETWEEN_STEPS
+        else:
+            step = timer.step
+            if timer.opt.depth:
+                phase = OPTIMIZER
+            elif timer.bwd.depth:
+                phase = BACKWARD
+            elif timer.fwd.depth:
+                phase = FORWARD
+            elif timer.h2d.depth:
+                phase = H2D
+            else:
+                phases = timer.user_phases
+                phase = phases[-1] if phases else IN_STEP
+        calls = self._calls
+        if len(calls) >= MAX_OPEN_CALLS:
+            calls.popleft()
+            self.dropped += 1
+        self._busy = True
+        t0 = _wall_ns()
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            self._busy = False
+        if result is None:
+            calls.append([step, phase, op, SOURCE_DIST, t0, _wall_ns() - t0, 0, None])
+            return result
+        call: Call = [step, phase, op, SOURCE_DIST, t0, 0, 0, None]
+        calls.append(call)
+        if _is_work(result):
+            # Asynchronous on the host: the wait is where Python waits for it.
+            asynchronous = self._async
+            if len(asynchronous) >= MAX_ASYNC_WORKS:
+                asynchronous.pop(next(iter(asynchronous)))
+            asynchronous[id(result)] = call
+        else:
+            call[WAIT] = _wall_ns() - t0
+        return result
+
+    def _call(
+        self,
+        original: Callable[..., Any],
+        op: str,
+        async_index: int | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """:meth:`call` in every other case: not measured, or on NCCL."""
         call = self.begin(op, SOURCE_DIST)
         if call is None:
             return original(*args, **kwargs)
@@ -245,14 +299,13 @@ class CollectiveRecorder:
                 # Work then gives the kernel's duration once it has completed.
                 kwargs = dict(kwargs, async_op=True)
                 forced = True
-            t0 = _perf_ns()
             result = original(*args, **kwargs)
-            t1 = _perf_ns()
+            t1 = _wall_ns()
         finally:
             self._busy = False
         work = result if _is_work(result) else None
         if device:
-            call.work = work
+            call[WORK] = work
             if forced and work is not None:
                 self._busy = True
                 try:
@@ -262,9 +315,8 @@ class CollectiveRecorder:
                 return None
             return result
         if work is None:
-            call.wait_ns = t1 - t0
+            call[WAIT] = t1 - call[ARRIVAL]
         else:
-            # Asynchronous on the host: the wait is where Python waits for it.
             asynchronous = self._async
             if len(asynchronous) >= MAX_ASYNC_WORKS:
                 asynchronous.pop(next(iter(asynchronous)))
@@ -275,16 +327,16 @@ class CollectiveRecorder:
         """``Work.wait()`` returned after ``dt_ns`` on this thread."""
         call = self._async.pop(id(work), None)
         if call is not None:
-            call.wait_ns += dt_ns
+            call[WAIT] += dt_ns
 
     def bucket_done(self, call: Call) -> None:
         """A DDP bucket's all-reduce completed (any thread)."""
-        call.done_ns = _wall_ns()
+        call[DONE] = _wall_ns()
 
     def discard(self, step: int) -> None:
         """A step whose body raised is dropped: so are its collectives."""
         with self._lock:
-            self._calls = deque(c for c in self._calls if c.step != step)
+            self._calls = deque(c for c in self._calls if c[STEP] != step)
 
     # -- the builder's thread -----------------------------------------------------
 
@@ -297,7 +349,7 @@ class CollectiveRecorder:
             self._last_step = step
             calls = self._calls
             mine: list[Call] = []
-            while calls and calls[0].step <= step:
+            while calls and calls[0][STEP] <= step:
                 mine.append(calls.popleft())
             previous = self._last_end_ns
             self._last_end_ns = end_ns
@@ -326,39 +378,39 @@ class CollectiveRecorder:
     ) -> None:
         groups: dict[tuple[str, str, str], _Group] = {}
         ddp_done: dict[tuple[str, str, str], tuple[int, int]] = {}
-        for call in calls:
-            key = (call.phase, call.op, call.source)
+        for _step, phase, op, source, arrival, wait_ns, done_ns, work in calls:
+            key = (phase, op, source)
             group = groups.get(key)
             if group is None:
                 group = groups[key] = _Group()
-            if call.phase == BETWEEN_STEPS:
+            if phase == BETWEEN_STEPS:
                 origin = (
                     previous
                     if previous is not None
-                    else min(c.arrival_ns for c in calls if c.phase == BETWEEN_STEPS)
+                    else min(c[ARRIVAL] for c in calls if c[PHASE] == BETWEEN_STEPS)
                 )
             else:
                 origin = start_ns
-            at = max(0.0, (call.arrival_ns - origin) / 1e6)
+            at = max(0.0, (arrival - origin) / 1e6)
             if group.n == 0:
                 group.first = at
             group.last = max(group.last, at)
             group.n += 1
-            if call.work is not None or (self._device_timing and call.source == SOURCE_DIST):
+            if work is not None or (self._device_timing and source == SOURCE_DIST):
                 group.measure = "device"
-                ms = _device_ms(call.work)
+                ms = _device_ms(work)
                 if ms is None or group.wait_ms is None:
                     group.wait_ms = None
                 else:
                     group.wait_ms += ms
-            elif call.source == SOURCE_DDP:
-                if call.done_ns <= 0:
+            elif source == SOURCE_DDP:
+                if done_ns <= 0:
                     group.wait_ms = None
                     continue
                 last_arrival, last_done = ddp_done.get(key, (0, 0))
-                ddp_done[key] = (max(last_arrival, call.arrival_ns), max(last_done, call.done_ns))
+                ddp_done[key] = (max(last_arrival, arrival), max(last_done, done_ns))
             else:
-                group.wait_ms = (group.wait_ms or 0.0) + call.wait_ns / 1e6
+                group.wait_ms = (group.wait_ms or 0.0) + wait_ns / 1e6
         for key, (last_arrival, last_done) in ddp_done.items():
             group = groups[key]
             if group.wait_ms is not None:
@@ -392,7 +444,7 @@ class CollectiveRecorder:
 
 def _completed(calls: list[Call]) -> bool:
     for call in calls:
-        work = call.work
+        work = call[WORK]
         if work is not None:
             try:
                 if not work.is_completed():

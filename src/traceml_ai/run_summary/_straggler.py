@@ -139,17 +139,15 @@ class SlowNode:
     ranks: tuple[int, ...]
 
 
-_OPTIONAL = (
+_FIGURES = (
     "steps_compared",
     "iteration_ms",
     "wait_phase",
     "noise_ms",
     "own_work_ms",
     "threshold_ms",
-    "spread_ms",
-    "caveat",
-    "reason",
 )
+"""The keys of an applicable view's JSON form, null or not."""
 
 
 @attrs.frozen(kw_only=True)
@@ -178,8 +176,6 @@ class StragglerView:
     caveat: str | None = None
     slow_node: SlowNode | None = None
     waiting: Waiting | None = None
-    has_caveat_field: bool = False
-    """Whether ``caveat`` is part of the JSON form (a ``none`` verdict), even when null."""
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> StragglerView:
@@ -225,7 +221,6 @@ class StragglerView:
             )
             if waiting
             else None,
-            has_caveat_field="caveat" in d,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -237,10 +232,17 @@ class StragglerView:
             "applicable": self.applicable,
             "verdict": self.verdict,
         }
-        for name in _OPTIONAL:
-            value = getattr(self, name)
-            if value is not None or (name == "caveat" and self.has_caveat_field):
+        if self.applicable:
+            for name in _FIGURES:
+                value = getattr(self, name)
                 out[name] = dict(value) if name == "own_work_ms" and value else value
+            if self.verdict == "none":
+                out["spread_ms"] = self.spread_ms
+                out["caveat"] = self.caveat
+        else:
+            out["reason"] = self.reason
+            if self.steps_compared is not None:
+                out["steps_compared"] = self.steps_compared
         out["stragglers"] = [_straggler_json(s) for s in self.stragglers]
         if self.applicable:
             out["slow_node"] = (

@@ -187,6 +187,22 @@ def _system(gpus: int, fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _collectives(seq: int, device: str) -> dict[str, Any]:
+    """DDP's gradient buckets of step ``seq + 1`` (NCCL timing on a CUDA device)."""
+    return {
+        "step": seq + 1,
+        "phase": "_traceml_internal:backward_time",
+        "op": "all_reduce",
+        "source": "ddp_comm_hook",
+        "backend": "nccl" if device.startswith("cuda") else "gloo",
+        "n_calls": 2,
+        "wait_ms": 1.5,
+        "wait_measure": "device" if device.startswith("cuda") else "host",
+        "first_arrival_ms": 4.25,
+        "last_arrival_ms": 9.5,
+    }
+
+
 def _runtime_environment(identity: Mapping[str, Any]) -> dict[str, Any]:
     world = int(identity["world_size"])
     distributed = world > 1
@@ -233,6 +249,8 @@ def make_item(
         body = _runtime_environment(make_identity() if identity is None else identity)
     elif stream == "stdout_stderr":
         body = {"source": "stdout", "line": f"step {seq + 1}: loss 0.25"}
+    elif stream == "collectives":
+        body = _collectives(seq, device)
     else:
         raise ValueError(f"unknown batch stream {stream!r}; expected one of {BATCH_STREAMS}")
     head.update(body)

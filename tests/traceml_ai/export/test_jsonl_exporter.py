@@ -156,7 +156,7 @@ def test_create_makes_every_selected_file_empty(tmp_path: Path) -> None:
     assert export_input_of(exporter) == "encoded_lines"
     names = sorted(p.name for p in ctx.export_dir.iterdir())
     assert names == sorted(STREAMS_BY_NAME[s].file_name for s in ALL_STREAMS)
-    assert len(names) == 7
+    assert len(names) == len(ALL_STREAMS) == 8
     for path in ctx.export_dir.iterdir():
         assert path.is_file() and not path.is_symlink()
         assert path.stat().st_size == 0
