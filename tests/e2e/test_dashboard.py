@@ -208,7 +208,7 @@ def test_live_page_names_the_straggler_then_the_folder_page_shows_the_run(
         # /metrics names the same rank and phase, from the same analysis.
         metrics = _scrape_until(
             f"http://127.0.0.1:{metrics_port}/metrics",
-            'traceml_straggler_excess_seconds{rank="1",phase="backward"}',
+            'traceml_straggler_excess_seconds{phase="backward",rank="1"}',
         )
         assert 'traceml_stragglers{verdict="straggler"} 1.0' in metrics
         expect(page.locator("#identity")).to_contain_text("world size 2")
