@@ -1,20 +1,23 @@
 """Traced steps with and without the collective timing, paired in one process.
 
 Run under ``traceml run --nproc-per-node 2`` by ``bench.overhead.collectives``. Every
-step is traced; in turns, the collectives are timed or not:
+step is traced; the variants take turns, every order of them in rotation (so that no
+variant is always the step after another):
 
-- ``ddp``: two identical DDP models, one whose buckets go through TraceML's
-  communication hook (made while the collective timing is on) and one with DDP's own
-  C++ all-reduce (made while it is off); the steps alternate between them;
-- ``fsdp2``: one ``fully_shard`` model (five sharded modules); the collective timing is
-  switched on and off between steps (off, its patches only pass through).
+- ``ddp``: ``builtin``, a DDP model with DDP's own C++ all-reduce (made while the
+  collective timing is off: what a run without it has); ``hook_off``, a second DDP
+  model whose buckets go through TraceML's communication hook, the timing off;
+  ``hook_on``, that model with the timing on;
+- ``fsdp2``: one ``fully_shard`` model (five sharded modules), the collective timing
+  off (``off``: its patches only pass through) or on (``on``).
 
-Rank 0 writes ``{"on_us": [...], "off_us": [...], "collectives": n}`` to ``OUT``:
-per-pair step times in microseconds and the collectives of one timed step.
+Rank 0 writes, per variant, each step's wall and training-thread CPU time in
+microseconds, and the collectives of one timed step, as JSON to ``OUT``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -36,7 +39,78 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def direct(out: str) -> None:
+    """TraceML's own work per collective, in one process (``python collectives_loop.py
+    direct OUT``, a gloo world of one): a call through the patched function with the
+    timing on, against the same call passed through (timing off) and the function
+    itself; and the step's aggregation of its calls into items, per call."""
+    import os
+    import timeit
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29581")
+
+    class Null:
+        def put(self, stream: str, item: object) -> None:
+            pass
+
+    traceml.init(sink=Null(), sampler_interval=60)  # type: ignore[arg-type]
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    recorder = _collectives.active()
+    assert recorder is not None
+
+    def bare(*args: object, **kwargs: object) -> None:
+        return None
+
+    patched = _collectives._timed("all_reduce", bare)
+    tensor = torch.ones(1)
+    model = nn.Linear(1, 1)
+    patched(tensor)  # the backend, learned once
+    n, best = 100_000, 5
+    with traceml.trace_step(model):
+        _collectives.activate(None)
+        passed = min(timeit.repeat(lambda: patched(tensor), number=n, repeat=best)) / n
+        _collectives.activate(recorder)
+        clear = recorder._calls.clear
+        timed = min(timeit.repeat(lambda: (patched(tensor), clear()), number=n, repeat=best)) / n
+        plain = min(timeit.repeat(lambda: (bare(tensor), clear()), number=n, repeat=best)) / n
+    calls = [
+        [
+            7,
+            _collectives.FORWARD,
+            "all_gather",
+            _collectives.SOURCE_DIST,
+            time.time_ns(),
+            1000,
+            0,
+            None,
+        ]
+        for _ in range(64)
+    ]
+
+    def aggregate() -> None:
+        recorder._last_step = 0
+        recorder._calls.extend(calls)
+        recorder.step_ended(7, time.time_ns(), 10**6)
+
+    per_call = min(timeit.repeat(aggregate, number=500, repeat=best)) / 500 / len(calls)
+    traceml.shutdown()
+    dist.destroy_process_group()
+    with open(out, "w") as fh:
+        json.dump(
+            {
+                "record_us": (timed - plain) * 1e6,
+                "pass_through_us": (passed - plain) * 1e6,
+                "aggregate_us": per_call * 1e6,
+            },
+            fh,
+        )
+
+
 def main() -> None:
+    if sys.argv[1] == "direct":
+        direct(sys.argv[2])
+        return
     strategy, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     traceml.init()
     dist.init_process_group("gloo")
@@ -44,14 +118,20 @@ def main() -> None:
     recorder = _collectives.active()
     assert recorder is not None, "TraceML's collective timing is not active"
     x, y = torch.randn(32, 64), torch.randn(32, 1)
+    # variant -> (model, timing on)
+    variants: dict[str, tuple[nn.Module, bool]]
     if strategy == "ddp":
-        on_model = nn.parallel.DistributedDataParallel(_model())
-        on_model(x)  # the first forward gives it TraceML's hook
         _collectives.activate(None)
-        off_model = nn.parallel.DistributedDataParallel(_model())
-        off_model(x)  # no hook: DDP's own all-reduce
+        builtin = nn.parallel.DistributedDataParallel(_model())
+        builtin(x)  # no hook: DDP's own all-reduce
         _collectives.activate(recorder)
-        models = {True: on_model, False: off_model}
+        hooked = nn.parallel.DistributedDataParallel(_model())
+        hooked(x)  # the first forward gives it TraceML's hook
+        variants = {
+            "builtin": (builtin, False),
+            "hook_off": (hooked, False),
+            "hook_on": (hooked, True),
+        }
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -62,25 +142,32 @@ def main() -> None:
             if isinstance(layer, nn.Linear) and layer.in_features == 256:
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        models = {True: model, False: model}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+        variants = {"off": (model, False), "on": (model, True)}
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-3) for m, _ in variants.values()}
 
-    def step(on: bool) -> float:
+    def step(name: str) -> tuple[float, float]:
+        model, on = variants[name]
         _collectives.activate(recorder if on else None)
-        model, opt = models[on], opts[on]
+        opt = opts[id(model)]
         t0 = time.perf_counter_ns()
+        c0 = time.thread_time_ns()
         with traceml.trace_step(model):
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
-        return (time.perf_counter_ns() - t0) / 1e3
+        return (time.perf_counter_ns() - t0) / 1e3, (time.thread_time_ns() - c0) / 1e3
 
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(steps):
-        on = i % 2 == 0
-        times[on].append(step(on))
+    orders = list(itertools.permutations(variants))
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(steps // len(variants)):
+        for name in orders[i % len(orders)]:
+            w, c = step(name)
+            wall[name].append(w)
+            cpu[name].append(c)
     # One more timed step, its collectives counted from its items (not in the figures).
+    timed = "hook_on" if strategy == "ddp" else "on"
     counted = [0]
     sink = recorder._sink
     last = recorder._timer.step + 1
@@ -92,14 +179,14 @@ def main() -> None:
             sink.put(stream, item)
 
     recorder._sink = Counting()  # type: ignore[assignment]
-    step(True)
-    step(True)  # its items are built once a later step ended
+    step(timed)
+    step(timed)  # its items are built once a later step ended
     recorder._timer.build_ended()
     recorder._sink = sink
     traceml.shutdown()
     if dist.get_rank() == 0:
         with open(out, "w") as fh:
-            json.dump({"on_us": times[True], "off_us": times[False], "collectives": counted[0]}, fh)
+            json.dump({"wall_us": wall, "cpu_us": cpu, "collectives": counted[0]}, fh)
     dist.barrier()
     dist.destroy_process_group()
 
