@@ -54,7 +54,7 @@ FORWARD = _events.FORWARD_TIME
 BACKWARD = _events.BACKWARD_TIME
 OPTIMIZER = _events.OPTIMIZER_STEP
 H2D = _events.H2D_TIME
-IN_STEP = _events.STEP_TIME
+IN_STEP = STEP_TIME_EVENT = _events.STEP_TIME
 BETWEEN_STEPS = "_traceml_internal:between_steps"
 
 OP_OF_FUNCTION: dict[str, str] = {
@@ -339,6 +339,21 @@ class CollectiveRecorder:
             self._calls = deque(c for c in self._calls if c[STEP] != step)
 
     # -- the builder's thread -----------------------------------------------------
+
+    def steps_ended(self, ended: Any, ended_at: Any) -> None:
+        """:meth:`step_ended` of each step the timer builds now (``ended``: their phases,
+        ``ended_at``: their (step, end, device)); one test when no collective waits,
+        as in every step of a single-process run."""
+        if not self._calls and not self._waiting:
+            if ended_at:
+                step, end_ns, _ = ended_at[-1]
+                if step > self._last_step:
+                    self._last_step = step
+                    self._last_end_ns = end_ns
+            return
+        for acc, (step, end_ns, _) in zip(ended, ended_at, strict=False):
+            phase = acc.get(STEP_TIME_EVENT)
+            self.step_ended(step, end_ns, phase.cpu_ns if phase is not None else 0)
 
     def step_ended(self, step: int, end_ns: int, step_ns: int) -> None:
         """Step ``step`` ended at ``end_ns`` (wall) after ``step_ns``: send its items

@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from traceml_ai.rank import _collectives, _torch_patches
-from traceml_ai.rank._event_names import HOST_ONLY, STEP_TIME
+from traceml_ai.rank._event_names import HOST_ONLY
 from traceml_ai.rank._hotpath_py import PendingStep, Phase, where
 from traceml_ai.rank._timer_core import (
     Slot,
@@ -437,9 +437,7 @@ class StepTimer(TimerCore):
         without an encoded sink, as dicts to the sink's ``put``."""
         collectives = self.collectives
         if collectives is not None:
-            for acc, (step, ts, _device) in zip(ended, ended_at, strict=False):
-                phase = acc.get(STEP_TIME)
-                collectives.step_ended(step, ts, phase.cpu_ns if phase is not None else 0)
+            collectives.steps_ended(ended, ended_at)
         encoded_sink = self._encoding_sink()
         if encoded_sink is None or _encode_host_steps is None:
             while ended:
@@ -465,8 +463,7 @@ class StepTimer(TimerCore):
         """A step's host items as dicts, to the sink's ``put``."""
         collectives = self.collectives
         if collectives is not None:
-            phase = acc.get(STEP_TIME)
-            collectives.step_ended(step, ts, phase.cpu_ns if phase is not None else 0)
+            collectives.steps_ended((acc,), ((step, ts, device),))
         self._put_memory(step, ts, device, None, None)
         self._emit_host(step, ts, device, acc)
         for phase in acc.values():
@@ -582,10 +579,7 @@ class StepTimer(TimerCore):
     def _emit(self, pending: PendingStep) -> None:
         collectives = self.collectives
         if collectives is not None:
-            phase = pending.acc.get(STEP_TIME)
-            collectives.step_ended(
-                pending.step, pending.ts, phase.cpu_ns if phase is not None else 0
-            )
+            collectives.steps_ended((pending.acc,), ((pending.step, pending.ts, pending.device),))
         device = pending.device
         cuda = device.startswith("cuda:")
         done = pending.done
