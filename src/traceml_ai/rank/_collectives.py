@@ -40,6 +40,7 @@ import inspect
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -134,9 +135,17 @@ class CollectiveRecorder:
     phase and operation once the step ended (``step_ended``, from the step timer's
     builder)."""
 
-    def __init__(self, timer: StepTimer, sink: ItemSink, *, first_seq: int = 0) -> None:
+    def __init__(
+        self,
+        timer: StepTimer,
+        sink: ItemSink,
+        *,
+        first_seq: int = 0,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self._timer = timer
         self._sink = sink
+        self._on_error = on_error
         self.next_seq = first_seq
         self._busy = False
         self._ddp_source = False
@@ -207,10 +216,12 @@ class CollectiveRecorder:
         return call
 
     def fail(self, exc: BaseException) -> None:
-        """Stop measuring collectives after an internal error; training goes on."""
+        """Stop measuring collectives after an internal error (said once through
+        ``on_error``); step timing and training go on."""
         self.enabled = False
         self._busy = False
-        self._timer.fail(exc)
+        if self._on_error is not None:
+            self._on_error(exc)
 
     def call(
         self,
@@ -633,6 +644,11 @@ def _patch_ddp(ddp_class: Any) -> None:
         return
 
     def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
+        if self.__dict__.get("_traceml_hooked"):
+            # TraceML's hook went in at the first forward: it runs this one from now on
+            # (DDP takes one hook per model, and it was taken).
+            self.__dict__["_traceml_user_hook"] = (state, hook)
+            return
         if not getattr(hook, "__traceml_collective__", False):
             hook = _wrap_hook(hook)
         original(self, state, hook)
@@ -641,6 +657,21 @@ def _patch_ddp(ddp_class: Any) -> None:
     register_comm_hook.__traceml_collective__ = True  # type: ignore[attr-defined]
     register_comm_hook.__doc__ = original.__doc__
     ddp_class.register_comm_hook = register_comm_hook
+
+    builtin = getattr(ddp_class, "_register_builtin_comm_hook", None)
+    if builtin is not None:
+
+        def register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+            if self.__dict__.get("_traceml_hooked"):
+                replacement = _python_twin(self, comm_hook_type)
+                if replacement is not None:
+                    self.__dict__["_traceml_user_hook"] = replacement
+                    return
+            builtin(self, comm_hook_type)
+
+        register_builtin_comm_hook.__wrapped__ = builtin  # type: ignore[attr-defined]
+        register_builtin_comm_hook.__doc__ = builtin.__doc__
+        ddp_class._register_builtin_comm_hook = register_builtin_comm_hook
 
     forward = ddp_class.forward
 
@@ -672,8 +703,41 @@ def adopt_model(model: object) -> None:
     if getattr(model, "reducer", None) is None or getattr(model, "_traceml_hooked", False):
         return
     with contextlib.suppress(Exception):
-        model.register_comm_hook(getattr(model, "process_group", None), _default_hook)
+        model.register_comm_hook(getattr(model, "process_group", None), _ModelHook(model))
         model._traceml_hooked = True
+
+
+class _ModelHook:
+    """The hook TraceML gives a DDP model without one: DDP's default all-reduce, or the
+    hook the user registers later (``register_comm_hook`` after the first forward,
+    which DDP alone would refuse)."""
+
+    def __init__(self, model: object) -> None:
+        self._model = weakref.ref(model)
+
+    def __call__(self, state: Any, bucket: Any) -> Any:
+        model = self._model()
+        user = model.__dict__.get("_traceml_user_hook") if model is not None else None
+        if user is not None:
+            return user[1](user[0], bucket)
+        return _default_hook(state, bucket)
+
+
+def _python_twin(model: Any, comm_hook_type: Any) -> tuple[Any, Callable[..., Any]] | None:
+    """A built-in C++ hook as its Python twin from torch (None: none known)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        kinds: Any = getattr(dist, "BuiltinCommHookType")  # noqa: B009 (not in its stubs)
+        group = getattr(model, "process_group", None)
+        if comm_hook_type == kinds.ALLREDUCE:
+            return (group, _default_hook)
+        if comm_hook_type == kinds.FP16_COMPRESS:
+            return (group, default_hooks.fp16_compress_hook)
+    except Exception:
+        return None
+    return None
 
 
 def _ddp_class() -> Any:

@@ -145,6 +145,14 @@ def _on_timer_error(exc: BaseException) -> None:
     )
 
 
+def _on_collectives_error(exc: BaseException) -> None:
+    _warn_once(
+        "collectives",
+        f"TraceML collective timing failed and is now off for this run ({exc!r}); step "
+        "timing and training continue.",
+    )
+
+
 class _Guard:
     """Runs a component's work: its first failure turns the component off for the run,
     with one warning (training goes on)."""
@@ -434,7 +442,7 @@ def _make_runtime(
         seq_mem=carried.seq_step_memory,
     )
     timer.collectives = _collectives.CollectiveRecorder(
-        timer, recorder, first_seq=carried.seq_collectives
+        timer, recorder, first_seq=carried.seq_collectives, on_error=_on_collectives_error
     )
     process = ProcessSampler(
         cuda,

@@ -274,3 +274,59 @@ def test_traceml_run_turns_nccl_timing_on_unless_set(tmp_path: Any) -> None:
         res = run_cli(["run", "--logs-dir", tmp_path / "logs", script, out], cwd=tmp_path, env=env)
         assert res.returncode == 0, res.stderr
         assert out.read_text() == expected
+
+
+def test_a_hook_registered_after_the_first_forward_still_runs(world_of_one: None) -> None:
+    """DDP takes one hook per model, and TraceML's went in at the first forward: a hook
+    the script registers later (DDP alone would raise) runs from then on, timed; a
+    built-in one runs as its Python twin."""
+    sink = _start()
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+    with traceml.trace_step(model):
+        model(torch.randn(2, 4)).sum().backward()
+    calls: list[int] = []
+
+    def late_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        calls.append(state)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(7, late_hook)
+    with traceml.trace_step(model):
+        model(torch.randn(2, 4)).sum().backward()
+    assert calls == [7]
+    other = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+    other(torch.randn(2, 4))  # TraceML's hook goes in
+    other._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    with traceml.trace_step(other):
+        other(torch.randn(2, 4)).sum().backward()
+    assert other.module.weight.grad is not None
+    traceml.shutdown()
+    ddp = [(i["step"], i["source"]) for i in _items(sink) if i["op"] == "all_reduce"]
+    assert ddp == [(1, "ddp_comm_hook"), (2, "ddp_comm_hook"), (3, "ddp_comm_hook")]
+
+
+def test_an_internal_error_stops_the_timing_and_never_the_collective(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = _start()
+
+    def broken(self: Any) -> tuple[int, str]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(_collectives.CollectiveRecorder, "_where", broken)
+    model = nn.Linear(2, 2)
+    t = torch.ones(3)
+    failed = r"collective timing failed .*boom.*training continue"
+    with pytest.warns(Warning, match=failed), traceml.trace_step(model):
+        dist.all_reduce(t)  # the first call learns the backend: the slow path
+    assert t.tolist() == [1.0, 1.0, 1.0]
+    recorder = _collectives.active()
+    assert recorder is not None and recorder.enabled is False
+    with traceml.trace_step(model):
+        dist.all_reduce(t)
+    traceml.shutdown()
+    assert _items(sink) == []
+    # The steps were still timed.
+    assert [i["step"] for i in sink.items("step_time")] == [1, 2]
