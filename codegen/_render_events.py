@@ -1,4 +1,5 @@
-"""``traceml_records/_generated/events.py``: the built-in event names of step_time.
+"""``traceml_records/_generated/events.py``: the built-in event names of step_time,
+and the reserved phases of the collectives stream.
 
 The schema says them once (step_time's ``events``: the reserved prefix in the
 ``propertyNames`` pattern, the names in its ``enum``); every producer and reader
@@ -13,6 +14,23 @@ from typing import Any
 from codegen._model import SchemaError, SchemaSet
 
 _FILE = "step_time.schema.json"
+_COLLECTIVES_FILE = "collectives.schema.json"
+
+
+def _collective_phases(schema_set: SchemaSet, prefix: str) -> tuple[str, ...]:
+    """The reserved phase names of the collectives stream (its ``phase`` enum); none
+    for a schema set without it."""
+    data = dict(schema_set.schema_files).get(_COLLECTIVES_FILE)
+    if data is None:
+        return ()
+    doc: dict[str, Any] = json.loads(data)
+    pointer = "/properties/phase/then/enum"
+    enum = doc.get("properties", {}).get("phase", {}).get("then", {}).get("enum")
+    if not isinstance(enum, list) or not all(
+        isinstance(n, str) and n.startswith(prefix) for n in enum
+    ):
+        raise SchemaError(_COLLECTIVES_FILE, pointer, f"names starting with {json.dumps(prefix)}")
+    return tuple(enum)
 
 
 def _event_names(schema_set: SchemaSet) -> tuple[str, tuple[str, ...]] | None:
@@ -62,4 +80,17 @@ def render_events(schema_set: SchemaSet) -> str | None:
     lines.extend(f"    {name.removeprefix(prefix).upper()}," for name in names)
     lines.append(")")
     lines.append('"""Every built-in event name, sorted."""')
+    phases = _collective_phases(schema_set, prefix)
+    extra = [name for name in phases if name not in names]
+    for name in extra:
+        constant = name.removeprefix(prefix).upper()
+        lines.append(f"{constant}: Final = {json.dumps(name)}")
+        lines.append(
+            '"""A collectives line\'s phase outside every step (schemas/collectives.schema.json)."""'
+        )
+    if phases:
+        lines.append("COLLECTIVE_PHASES: Final = (")
+        lines.extend(f"    {name.removeprefix(prefix).upper()}," for name in phases)
+        lines.append(")")
+        lines.append('"""Every reserved phase of a collectives line, sorted."""')
     return "\n".join(lines) + "\n"

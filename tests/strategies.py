@@ -32,6 +32,7 @@ from traceml_records._schemas import (
     WARNING_SCHEMA_FILE,
     schema_documents,
 )
+from traceml_records.events import COLLECTIVE_PHASES
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -211,9 +212,7 @@ def consistent(stream: str, d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-_COLLECTIVE_PHASES = frozenset(
-    schema_documents()["collectives.schema.json"]["properties"]["phase"]["then"]["enum"]
-)
+_COLLECTIVE_PHASES = frozenset(COLLECTIVE_PHASES)
 
 
 def _phase(t: dict[str, Any]) -> dict[str, Any]:

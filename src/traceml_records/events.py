@@ -3,11 +3,15 @@
 ``STEP_TIME`` (the whole traced step), ``DATALOADER_NEXT``, ``H2D_TIME``,
 ``FORWARD_TIME``, ``BACKWARD_TIME``, ``OPTIMIZER_STEP``; ``RESERVED_PREFIX`` starts each
 of them, and no user phase name; ``BUILT_IN_EVENTS`` lists them sorted.
+``BETWEEN_STEPS`` is the collectives stream's phase outside every step;
+``COLLECTIVE_PHASES`` lists that stream's reserved phases.
 """
 
 from traceml_records._generated.events import (
     BACKWARD_TIME,
+    BETWEEN_STEPS,
     BUILT_IN_EVENTS,
+    COLLECTIVE_PHASES,
     DATALOADER_NEXT,
     FORWARD_TIME,
     H2D_TIME,
@@ -18,7 +22,9 @@ from traceml_records._generated.events import (
 
 __all__ = [
     "BACKWARD_TIME",
+    "BETWEEN_STEPS",
     "BUILT_IN_EVENTS",
+    "COLLECTIVE_PHASES",
     "DATALOADER_NEXT",
     "FORWARD_TIME",
     "H2D_TIME",

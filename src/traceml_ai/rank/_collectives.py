@@ -13,23 +13,25 @@ Seen here:
   object collective's inner broadcast) counts once, as the outer one.
 - DDP's gradient buckets, through a communication hook: the user's own hook is wrapped
   when registered (``DistributedDataParallel.register_comm_hook``), and a DDP model
-  that reaches ``trace_step`` without one gets DDP's default all-reduce as a Python
-  hook, the same arithmetic (divide by the world size, then sum).
+  that reaches its first forward without one gets DDP's default all-reduce as a Python
+  hook, the same arithmetic (divide by the world size, then sum); a hook registered
+  after that (DDP takes one per model), or a built-in one, runs through it.
 
 What ``wait_ms`` is, by backend:
 
 - gloo and other host backends (``wait_measure`` ``host``): the host time the rank is
   blocked where that happens: a synchronous call's duration, a ``Work.wait()`` called
   from Python, and for DDP's buckets (waited inside DDP's C++ reducer) the time from the
-  rank's last bucket to the completion of its last all-reduce;
+  rank's last bucket to the completion of its last all-reduce (a future chained to the
+  one DDP waits for, so it is noted before backward returns);
 - NCCL (``device``): each collective's kernel time from its ``Work``, read once it has
   completed (``Work.get_duration()``, which needs ``TORCH_NCCL_ENABLE_TIMING=1`` before
   the process group is made; ``traceml run`` sets it), never by synchronizing the
   device; without it, ``none`` and ``wait_ms`` null. Arrival is the host issue time.
 
 A call on another thread than the training thread, and collectives an engine issues
-without these functions (a C++ ``ProcessGroup`` call, DDP's built-in C++ hooks,
-compiled functional collectives), are not seen; the summary says when a distributed
+without these functions (a C++ ``ProcessGroup`` call, a built-in C++ hook registered
+before the first forward, compiled functional collectives), are not seen; the summary says when a distributed
 run's rank showed none.
 """
 
@@ -56,7 +58,7 @@ BACKWARD = _events.BACKWARD_TIME
 OPTIMIZER = _events.OPTIMIZER_STEP
 H2D = _events.H2D_TIME
 IN_STEP = STEP_TIME_EVENT = _events.STEP_TIME
-BETWEEN_STEPS = "_traceml_internal:between_steps"
+BETWEEN_STEPS = _events.BETWEEN_STEPS
 
 OP_OF_FUNCTION: dict[str, str] = {
     "all_reduce": "all_reduce",

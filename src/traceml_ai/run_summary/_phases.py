@@ -29,7 +29,7 @@ BETWEEN = "between_steps"
 """The component of an iteration outside the step (after the previous one ended)."""
 REST = "rest_of_step"
 """The component of a step outside its timed phases."""
-BETWEEN_EVENT = PREFIX + "between_steps"
+BETWEEN_EVENT = events.BETWEEN_STEPS
 """The collectives stream's phase for a collective issued outside any step."""
 WAIT_PREFIX = "_cw:"
 """A row's key for the time it waited in collectives in one component (ms)."""

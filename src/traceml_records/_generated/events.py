@@ -22,3 +22,15 @@ BUILT_IN_EVENTS: Final = (
     STEP_TIME,
 )
 """Every built-in event name, sorted."""
+BETWEEN_STEPS: Final = "_traceml_internal:between_steps"
+"""A collectives line's phase outside every step (schemas/collectives.schema.json)."""
+COLLECTIVE_PHASES: Final = (
+    BACKWARD_TIME,
+    BETWEEN_STEPS,
+    DATALOADER_NEXT,
+    FORWARD_TIME,
+    H2D_TIME,
+    OPTIMIZER_STEP,
+    STEP_TIME,
+)
+"""Every reserved phase of a collectives line, sorted."""
