@@ -533,3 +533,21 @@ def test_unseen_collectives_fall_back_to_phase_times_and_say_so(
     assert any(n.startswith("collectives: ") and note in n for n in summary["notes"]), summary[
         "notes"
     ]
+
+
+def test_a_blip_neither_hides_nor_joins_a_rhythm() -> None:
+    """A rank slow by 30 ms every 5th step, with two 3 ms blips of its own and one of
+    another rank (a busy machine): its slow steps are the five of the rhythm."""
+    from traceml_ai.run_summary import _straggler
+
+    steps = list(range(2, 26))
+    own = {r: [1.0] * len(steps) for r in range(4)}
+    for i, step in enumerate(steps):
+        if step % 5 == 0:
+            own[3][i] = 31.0
+    own[3][steps.index(9)] = own[3][steps.index(18)] = 4.2
+    own[0][steps.index(7)] = 3.5
+    slow = _straggler._intermittent(list(range(4)), own, steps, 2.0)
+    assert list(slow) == [3]
+    assert [steps[i] for i in slow[3]] == [5, 10, 15, 20, 25]
+    assert _straggler._period([steps[i] for i in slow[3]], steps) == 5

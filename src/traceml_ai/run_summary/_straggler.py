@@ -620,6 +620,8 @@ def _intermittent(
         bar = median(by[r]) / 2
         counts = [sum(1 for x in by.get(o, ()) if x >= bar) for o in ranks if o != r]
         usual = median(counts)
+        # Its own slow steps by the same bar: a blip is not one of them.
+        idx = [i for i, x in zip(idx, by[r], strict=True) if x >= bar]
         if len(idx) >= need and len(idx) >= DOMINANCE * (usual + 1):
             out[r] = idx
     return out
