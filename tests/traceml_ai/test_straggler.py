@@ -219,6 +219,23 @@ def test_1024_ranks(tmp_path: Path) -> None:
 
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
 
+
+def _straggler_run(
+    tmp_path: Path, ranks: int, strategy: str, where: str, slowed: str, every: int
+) -> Any:
+    """``traceml run`` of the straggler script (25 steps, a 30 ms sleep), every stream."""
+    return run_cli(
+        [
+            *("run", "--logs-dir", tmp_path / "logs", "--run-name", "r"),
+            *("--nproc-per-node", str(ranks), "--master-port", str(free_port())),
+            *("--exporter", "jsonl", "--export-streams", "all", SCRIPT),
+            *("--strategy", strategy, "--where", where, "--slow-ranks", slowed),
+            *("--every", str(every), "--steps", "25", "--sleep-ms", "30"),
+        ],
+        cwd=tmp_path,
+    )
+
+
 CASES = [
     # (ranks, where, slowed ranks, every Nth step, expected phase, verdict)
     (2, "forward", "1", 1, "forward", "straggler"),
@@ -248,35 +265,7 @@ CASES = [
 def test_real_ddp_run(
     tmp_path: Path, ranks: int, where: str, slowed: str, every: int, phase: str | None, verdict: str
 ) -> None:
-    res = run_cli(
-        [
-            "run",
-            "--logs-dir",
-            tmp_path / "logs",
-            "--run-name",
-            "r",
-            "--nproc-per-node",
-            str(ranks),
-            "--master-port",
-            str(free_port()),
-            "--exporter",
-            "jsonl",
-            "--export-streams",
-            "all",
-            SCRIPT,
-            "--where",
-            where,
-            "--slow-ranks",
-            slowed,
-            "--every",
-            str(every),
-            "--steps",
-            "25",
-            "--sleep-ms",
-            "30",
-        ],
-        cwd=tmp_path,
-    )
+    res = _straggler_run(tmp_path, ranks, "ddp", where, slowed, every)
     assert res.returncode == 0, res.stderr
     summary = summarize_run(tmp_path / "logs" / "r")
     view = summary["straggler"]
@@ -378,37 +367,7 @@ def test_real_run_through_collectives(
     waits: set[str],
     ops: set[str],
 ) -> None:
-    res = run_cli(
-        [
-            "run",
-            "--logs-dir",
-            tmp_path / "logs",
-            "--run-name",
-            "r",
-            "--nproc-per-node",
-            str(ranks),
-            "--master-port",
-            str(free_port()),
-            "--exporter",
-            "jsonl",
-            "--export-streams",
-            "all",
-            SCRIPT,
-            "--strategy",
-            strategy,
-            "--where",
-            where,
-            "--slow-ranks",
-            slowed,
-            "--every",
-            str(every),
-            "--steps",
-            "25",
-            "--sleep-ms",
-            "30",
-        ],
-        cwd=tmp_path,
-    )
+    res = _straggler_run(tmp_path, ranks, strategy, where, slowed, every)
     assert res.returncode == 0, res.stderr
     folder = tmp_path / "logs" / "r"
     summary = summarize_run(folder)

@@ -171,6 +171,19 @@ def test_without_traceml_the_patches_pass_through(world_of_one: None) -> None:
     assert t.tolist() == [1.0, 1.0]
 
 
+def _nccl_recorder() -> tuple[RecordingSink, _collectives.CollectiveRecorder]:
+    """TraceML started, its collective timing told the backend is NCCL."""
+    _sdk._reset_for_tests()
+    sink = RecordingSink()
+    traceml.init(sink=sink, sampler_interval=60)
+    recorder = _collectives.active()
+    assert recorder is not None
+    recorder._backend_known = True
+    recorder._backend = "nccl"
+    recorder._device_timing = True
+    return sink, recorder
+
+
 class _FakeNcclWork:
     """A Work as NCCL's with TORCH_NCCL_ENABLE_TIMING: done later, a kernel duration."""
 
@@ -196,15 +209,8 @@ def test_nccl_path_reads_work_durations_once_completed() -> None:
     """On NCCL a synchronous call is issued asynchronously and waited (as torch does),
     nothing synchronizes the device, and the step's items wait until its Works
     completed; a Work without timing gives wait_ms null."""
-    _sdk._reset_for_tests()
-    sink = RecordingSink()
-    traceml.init(sink=sink, sampler_interval=60)
+    sink, _ = _nccl_recorder()
     try:
-        recorder = _collectives.active()
-        assert recorder is not None
-        recorder._backend_known = True
-        recorder._backend = "nccl"
-        recorder._device_timing = True
         works = [_FakeNcclWork(4.5), _FakeNcclWork(None)]
         seen: list[dict[str, Any]] = []
 
@@ -232,15 +238,8 @@ def test_nccl_path_reads_work_durations_once_completed() -> None:
 
 
 def test_nccl_items_wait_for_their_works() -> None:
-    _sdk._reset_for_tests()
-    sink = RecordingSink()
-    traceml.init(sink=sink, sampler_interval=60)
+    sink, recorder = _nccl_recorder()
     try:
-        recorder = _collectives.active()
-        assert recorder is not None
-        recorder._backend_known = True
-        recorder._backend = "nccl"
-        recorder._device_timing = True
         work = _FakeNcclWork(2.25)
         timed = _collectives._timed(
             "all_reduce", lambda tensor, op=None, group=None, async_op=False: work
