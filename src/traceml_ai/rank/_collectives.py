@@ -144,10 +144,12 @@ class CollectiveRecorder:
         *,
         first_seq: int = 0,
         on_error: Callable[[BaseException], None] | None = None,
+        on_drop: Callable[[str], None] | None = None,
     ) -> None:
         self._timer = timer
         self._sink = sink
         self._on_error = on_error
+        self._on_drop = on_drop
         self.next_seq = first_seq
         self._busy = False
         self._ddp_source = False
@@ -156,10 +158,11 @@ class CollectiveRecorder:
         self._device_timing = False
         self._calls: deque[Call] = deque()
         self._async: dict[int, Call] = {}
-        self._waiting: deque[tuple[int, int, list[Call], int]] = deque()
+        # Ended steps whose items wait (NCCL: for their Works): (step, its start and
+        # end, the previous step's end or None, its calls).
+        self._waiting: deque[tuple[int, int, int, int | None, list[Call]]] = deque()
         self._last_end_ns: int | None = None
         self._last_step = -1
-        self._previous_of: dict[int, int | None] = {}
         self._lock = threading.Lock()
         self.dropped = 0
         self.enabled = True
@@ -211,11 +214,21 @@ class CollectiveRecorder:
         call: Call = [step, phase, op, source, _wall_ns(), 0, 0, None]
         calls = self._calls
         if len(calls) >= MAX_OPEN_CALLS:
-            calls.popleft()
-            self.dropped += 1
+            self._drop_oldest()
         calls.append(call)
         self._busy = True
         return call
+
+    def _drop_oldest(self) -> None:
+        """More than MAX_OPEN_CALLS collectives and no step ended (a loop of collectives
+        outside any traced step): the oldest goes, said once, and counted."""
+        self._calls.popleft()
+        self.dropped += 1
+        if self.dropped == 1 and self._on_drop is not None:
+            self._on_drop(
+                f"traceml: more than {MAX_OPEN_CALLS} collectives issued while no traced "
+                "step ended; the oldest are left out of the collectives stream"
+            )
 
     def fail(self, exc: BaseException) -> None:
         """Stop measuring collectives after an internal error (said once through
@@ -265,8 +278,7 @@ class CollectiveRecorder:
                 phase = phases[-1] if phases else IN_STEP
         calls = self._calls
         if len(calls) >= MAX_OPEN_CALLS:
-            calls.popleft()
-            self.dropped += 1
+            self._drop_oldest()
         self._busy = True
         t0 = _wall_ns()
         try:
@@ -383,8 +395,7 @@ class CollectiveRecorder:
             previous = self._last_end_ns
             self._last_end_ns = end_ns
             if mine:
-                self._waiting.append((step, end_ns, mine, end_ns - step_ns))
-                self._previous_of[step] = previous
+                self._waiting.append((step, end_ns - step_ns, end_ns, previous, mine))
             self._send_ready(final=False)
 
     def flush(self) -> None:
@@ -395,31 +406,27 @@ class CollectiveRecorder:
     def _send_ready(self, final: bool) -> None:
         waiting = self._waiting
         while waiting:
-            step, end_ns, calls, start_ns = waiting[0]
+            calls = waiting[0][-1]
             if not final and len(waiting) <= MAX_WAITING_STEPS and not _completed(calls):
                 return
-            waiting.popleft()
-            previous = self._previous_of.pop(step, None)
-            self._send(step, end_ns, start_ns, previous, calls)
+            self._send(*waiting.popleft())
 
     def _send(
-        self, step: int, end_ns: int, start_ns: int, previous: int | None, calls: list[Call]
+        self, step: int, start_ns: int, end_ns: int, previous: int | None, calls: list[Call]
     ) -> None:
         groups: dict[tuple[str, str, str], _Group] = {}
         ddp_done: dict[tuple[str, str, str], tuple[int, int]] = {}
+        # Between steps, arrivals count from the previous step's end (the first step:
+        # from its first collective).
+        between = previous
+        if between is None:
+            between = min((c[ARRIVAL] for c in calls if c[PHASE] == BETWEEN_STEPS), default=0)
         for _step, phase, op, source, arrival, wait_ns, done_ns, work in calls:
             key = (phase, op, source)
             group = groups.get(key)
             if group is None:
                 group = groups[key] = _Group()
-            if phase == BETWEEN_STEPS:
-                origin = (
-                    previous
-                    if previous is not None
-                    else min(c[ARRIVAL] for c in calls if c[PHASE] == BETWEEN_STEPS)
-                )
-            else:
-                origin = start_ns
+            origin = between if phase == BETWEEN_STEPS else start_ns
             at = max(0.0, (arrival - origin) / 1e6)
             if group.n == 0:
                 group.first = at
@@ -438,8 +445,8 @@ class CollectiveRecorder:
                     continue
                 last_arrival, last_done = ddp_done.get(key, (0, 0))
                 ddp_done[key] = (max(last_arrival, arrival), max(last_done, done_ns))
-            else:
-                group.wait_ms = (group.wait_ms or 0.0) + wait_ns / 1e6
+            elif group.wait_ms is not None:
+                group.wait_ms += wait_ns / 1e6
         for key, (last_arrival, last_done) in ddp_done.items():
             group = groups[key]
             if group.wait_ms is not None:

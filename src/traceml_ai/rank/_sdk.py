@@ -442,7 +442,11 @@ def _make_runtime(
         seq_mem=carried.seq_step_memory,
     )
     timer.collectives = _collectives.CollectiveRecorder(
-        timer, recorder, first_seq=carried.seq_collectives, on_error=_on_collectives_error
+        timer,
+        recorder,
+        first_seq=carried.seq_collectives,
+        on_error=_on_collectives_error,
+        on_drop=lambda line: _warn_once("collectives_dropped", line),
     )
     process = ProcessSampler(
         cuda,

@@ -139,23 +139,13 @@ class SlowNode:
     ranks: tuple[int, ...]
 
 
-_FIGURES = (
-    "steps_compared",
-    "iteration_ms",
-    "wait_phase",
-    "noise_ms",
-    "own_work_ms",
-    "threshold_ms",
-)
-"""The keys of an applicable view's JSON form, null or not."""
-
-
 @attrs.frozen(kw_only=True)
 class StragglerView:
     """The straggler analysis of a run: the one value every view reads (``traceml
     summary`` and its ``--json``, ``traceml.summary()``, the end of ``traceml run``, the
-    dashboard, Prometheus and OTLP). :meth:`to_json` is its ``--json`` form,
-    :meth:`line` its sentence."""
+    dashboard, Prometheus and OTLP). :meth:`to_json` is its ``--json`` form (every key,
+    null where it does not apply), :meth:`from_json` reads it back, :meth:`line` is its
+    sentence."""
 
     definition: str
     basis: str
@@ -166,6 +156,7 @@ class StragglerView:
     """``straggler``, ``intermittent``, ``none`` or ``n/a``."""
     stragglers: tuple[Straggler, ...] = ()
     reason: str | None = None
+    """``n/a`` only: why."""
     steps_compared: int | None = None
     iteration_ms: float | None = None
     wait_phase: str | None = None
@@ -173,91 +164,24 @@ class StragglerView:
     own_work_ms: Mapping[str, float] | None = None
     threshold_ms: float | None = None
     spread_ms: float | None = None
+    """``none`` only: how far apart the ranks' own work is."""
     caveat: str | None = None
+    """``none`` with inferred waits: what phase times cannot show."""
     slow_node: SlowNode | None = None
     waiting: Waiting | None = None
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> StragglerView:
-        """The view of its JSON form (as :meth:`to_json` writes it)."""
-        stragglers = tuple(
-            Straggler(
-                **{
-                    **e,
-                    "first_slow_steps": tuple(e["first_slow_steps"])
-                    if e.get("first_slow_steps") is not None
-                    else None,
-                }
-            )
-            for e in d.get("stragglers") or ()
-        )
-        node = d.get("slow_node")
-        waiting = d.get("waiting")
-        return cls(
-            definition=d["definition"],
-            basis=d.get("basis", "phase_times"),
-            ranks=d["ranks"],
-            applicable=bool(d.get("applicable")),
-            verdict=d["verdict"],
-            stragglers=stragglers,
-            reason=d.get("reason"),
-            steps_compared=d.get("steps_compared"),
-            iteration_ms=d.get("iteration_ms"),
-            wait_phase=d.get("wait_phase"),
-            noise_ms=d.get("noise_ms"),
-            own_work_ms=d.get("own_work_ms"),
-            threshold_ms=d.get("threshold_ms"),
-            spread_ms=d.get("spread_ms"),
-            caveat=d.get("caveat"),
-            slow_node=SlowNode(nodes=tuple(node["nodes"]), ranks=tuple(node["ranks"]))
-            if node
-            else None,
-            waiting=Waiting(
-                **{
-                    **waiting,
-                    "collective": waiting.get("collective"),
-                    "ranks": tuple(waiting["ranks"]) if waiting.get("ranks") is not None else None,
-                }
-            )
-            if waiting
-            else None,
-        )
+    def from_json(cls, data: Mapping[str, Any]) -> StragglerView:
+        """The view of its JSON form (the project's one converter, strict)."""
+        from traceml_ai._converter import structure  # cattrs: not for every importer
+
+        return structure(data, cls, what="straggler view")
 
     def to_json(self) -> dict[str, Any]:
         """The ``straggler`` block of ``traceml summary --json``."""
-        out: dict[str, Any] = {
-            "definition": self.definition,
-            "basis": self.basis,
-            "ranks": self.ranks,
-            "applicable": self.applicable,
-            "verdict": self.verdict,
-        }
-        if self.applicable:
-            for name in _FIGURES:
-                value = getattr(self, name)
-                out[name] = dict(value) if name == "own_work_ms" and value else value
-            if self.verdict == "none":
-                out["spread_ms"] = self.spread_ms
-                out["caveat"] = self.caveat
-        else:
-            out["reason"] = self.reason
-            if self.steps_compared is not None:
-                out["steps_compared"] = self.steps_compared
-        out["stragglers"] = [_straggler_json(s) for s in self.stragglers]
-        if self.applicable:
-            out["slow_node"] = (
-                {"nodes": list(self.slow_node.nodes), "ranks": list(self.slow_node.ranks)}
-                if self.slow_node
-                else None
-            )
-            out["waiting"] = (
-                {
-                    **attrs.asdict(self.waiting),
-                    "ranks": list(self.waiting.ranks) if self.waiting.ranks is not None else None,
-                }
-                if self.waiting
-                else None
-            )
+        from traceml_ai._converter import unstructure
+
+        out: dict[str, Any] = unstructure(self)
         return out
 
     def line(self) -> str:
@@ -268,15 +192,6 @@ class StragglerView:
     def named_ranks(self) -> list[int]:
         """The ranks the verdict names."""
         return [s.rank for s in self.stragglers]
-
-
-def _straggler_json(s: Straggler) -> dict[str, Any]:
-    out = attrs.asdict(s)
-    if s.every_n_steps is None and s.first_slow_steps is None:
-        del out["every_n_steps"], out["first_slow_steps"]
-    else:
-        out["first_slow_steps"] = list(s.first_slow_steps or ())
-    return out
 
 
 def _components(row: Mapping[str, float], previous: Mapping[str, float]) -> dict[str, float]:

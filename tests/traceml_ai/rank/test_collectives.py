@@ -329,3 +329,23 @@ def test_an_internal_error_stops_the_timing_and_never_the_collective(
     assert _items(sink) == []
     # The steps were still timed.
     assert [i["step"] for i in sink.items("step_time")] == [1, 2]
+
+
+def test_collectives_with_no_step_ending_are_bounded_and_said_once(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop of collectives outside any traced step keeps the newest few, and says so
+    once, instead of holding every one until a step ends."""
+    monkeypatch.setattr(_collectives, "MAX_OPEN_CALLS", 4)
+    sink = _start()
+    t = torch.ones(1)
+    with pytest.warns(Warning, match="more than 4 collectives issued while no traced step"):
+        for _ in range(10):
+            dist.all_reduce(t)
+    recorder = _collectives.active()
+    assert recorder is not None and recorder.dropped == 6
+    with traceml.trace_step(nn.Linear(1, 1)):
+        pass
+    traceml.shutdown()
+    (item,) = _items(sink)
+    assert (item["step"], item["phase"], item["n_calls"]) == (1, P + "between_steps", 4)
