@@ -213,6 +213,21 @@ def test_feed_sees_a_straggler_inside_backward_through_collectives() -> None:
     assert excess.labels == ("1", "backward") and excess.value == pytest.approx(0.030, abs=0.002)
 
 
+def test_collectives_items_are_checked_and_bounded() -> None:
+    """Malformed collectives items are counted; a rank sending endless distinct
+    operations cannot grow one step's waits past the bound."""
+    from traceml_ai.monitor._state import MAX_WAIT_KEYS
+
+    state = LiveState()
+    item = {"step": 1, "phase": "_traceml_internal:backward_time", "wait_ms": 1.0}
+    hostile = [{**item, "op": f"op{i}"} for i in range(500)]
+    bad = [{**item, "op": "all_reduce", "wait_ms": -1.0}, {**item, "op": 3}, "x"]
+    state.add_collectives(identity(0), [*hostile, *bad])
+    (row,) = state._ranks[0].waits.values()
+    assert len(row) <= MAX_WAIT_KEYS
+    assert state.ignored_items == 500 - (MAX_WAIT_KEYS - 1) + 3
+
+
 def test_feed_reads_batches_and_names_the_straggler() -> None:
     state = LiveState()
     feed = LiveFeed(state, straggler_period_s=0.05)

@@ -23,7 +23,13 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from traceml_ai.run_summary._phases import PHASES, STEP_EVENT, add_wait
+from traceml_ai.run_summary._phases import (
+    PHASES,
+    STEP_EVENT,
+    add_wait,
+    wait_component,
+    waits_measured,
+)
 from traceml_ai.run_summary._straggler import StragglerView
 
 __all__ = [
@@ -55,6 +61,9 @@ MAX_USER_PHASES = 8
 """User phase names kept as their own label value; later names count as ``other``."""
 
 OTHER_PHASE = "other"
+MAX_WAIT_KEYS = 64
+"""Wait keys one step of one rank may hold in the live state (phases x operations);
+items past it are ignored and counted, whatever a rank sends."""
 
 MAX_RANKS = 65536
 """Ranks the live views track; a batch claiming a higher rank is ignored (and counted)."""
@@ -410,15 +419,30 @@ class LiveState:
                 if ms is None or ms < 0.0:
                     self.ignored_items += 1
                     continue
-                add_wait(waits.setdefault(step, {}), phase, op, ms)
+                # A user phase folds as its step_time label does (``other`` past the
+                # bound), so a wait lands on the component the rows have.
+                component = (
+                    wait_component(phase)
+                    if phase.startswith(_RESERVED)
+                    else self._phase_label(phase)
+                )
+                row = waits.setdefault(step, {})
+                if component is None or len(row) >= MAX_WAIT_KEYS:
+                    self.ignored_items += 1
+                    continue
+                add_wait(row, component, op, ms)
             while len(waits) > 2 * WINDOW_STEPS:
                 del waits[next(iter(waits))]
 
     def collectives_measured(self) -> bool:
-        """Whether every rank's collectives were measured (more than one rank)."""
+        """Whether every rank's collectives were measured (``waits_measured``)."""
         with self._lock:
             ranks = list(self._ranks.values())
-        return len(ranks) > 1 and all(r.waits and not r.waits_unmeasured for r in ranks)
+        return waits_measured(
+            [r.rank for r in ranks],
+            {r.rank for r in ranks if r.waits},
+            {r.rank for r in ranks if r.waits_unmeasured},
+        )
 
     def set_straggler(self, view: StragglerView | None) -> None:
         with self._lock:

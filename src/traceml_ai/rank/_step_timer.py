@@ -254,8 +254,8 @@ class StepTimer(TimerCore):
         # MAX_ENDED_STEPS and ENDED_WAKE_AT, read when the timer is made.
         self._max_ended = MAX_ENDED_STEPS
         self._wake_at = ENDED_WAKE_AT
-        # The collectives of each step, told when a step's items are built (None:
-        # not measured, e.g. a sink given to init in a test).
+        # The collectives of each step, told when a step's items are built (init's
+        # runtime gives one; a timer made on its own has none).
         self.collectives: _collectives.CollectiveRecorder | None = None
         # The user phases open now (trace_phase), innermost last: where a collective
         # issued outside the built-in phases is attributed.
@@ -422,6 +422,8 @@ class StepTimer(TimerCore):
     def _send_host(self, step: int, ts: int, device: str, acc: dict[str, Phase]) -> None:
         """Both items of a step off CUDA, then its phases zeroed for a later step."""
         if self._encoding_sink() is None:
+            if self.collectives is not None:
+                self.collectives.steps_ended((acc,), ((step, ts, device),))
             self._send_host_items(step, ts, device, acc)
         else:
             self._send_hosts(deque((acc,)), deque(((step, ts, device),)))
@@ -461,9 +463,6 @@ class StepTimer(TimerCore):
 
     def _send_host_items(self, step: int, ts: int, device: str, acc: dict[str, Phase]) -> None:
         """A step's host items as dicts, to the sink's ``put``."""
-        collectives = self.collectives
-        if collectives is not None:
-            collectives.steps_ended((acc,), ((step, ts, device),))
         self._put_memory(step, ts, device, None, None)
         self._emit_host(step, ts, device, acc)
         for phase in acc.values():

@@ -9,7 +9,7 @@ under their short names (``forward``, ``dataloader_wait``, ...), user phases as
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from traceml_records import events
@@ -70,15 +70,20 @@ def wait_component(phase: str) -> str | None:
     return phase_name(phase)
 
 
-def add_wait(waits: dict[str, float], phase: str, op: str, wait_ms: float) -> None:
-    """Add one collectives line's wait to ``waits`` (a row's wait keys)."""
-    component = wait_component(phase)
-    if component is None:
-        return
+def add_wait(waits: dict[str, float], component: str, op: str, wait_ms: float) -> None:
+    """Add one collectives line's wait to ``waits`` (a row's wait keys); ``component``
+    is its phase's (:func:`wait_component`, or the live views' folded label)."""
     key = WAIT_PREFIX + component
     waits[key] = waits.get(key, 0.0) + wait_ms
     key = f"{OP_WAIT_PREFIX}{component}:{op}"
     waits[key] = waits.get(key, 0.0) + wait_ms
+
+
+def waits_measured(ranks: Iterable[int], seen: Container[int], unmeasured: Container[int]) -> bool:
+    """Whether the straggler analysis rests on measured waits: more than one rank, each
+    with collectives lines (``seen``), none with a wait not measured (``unmeasured``)."""
+    ranks = list(ranks)
+    return len(ranks) > 1 and all(r in seen and r not in unmeasured for r in ranks)
 
 
 def step_row(events: Mapping[str, Any]) -> dict[str, float] | None:

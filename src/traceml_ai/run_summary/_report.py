@@ -28,6 +28,8 @@ from traceml_ai.run_summary._phases import (
     phase_names,
     rounded,
     step_row,
+    wait_component,
+    waits_measured,
 )
 from traceml_ai.run_summary._read import (
     FileRead,
@@ -175,16 +177,14 @@ def collective_waits(
         if wait is None:
             unmeasured.add(rank)
             continue
-        add_wait(row, obj["phase"], obj["op"], float(wait))
+        component = wait_component(obj["phase"])
+        if component is not None:
+            add_wait(row, component, obj["op"], float(wait))
     return waits, unmeasured
 
 
 def _merge_waits(
-    rows: dict[int, dict[int, dict[str, float]]],
-    info: FileRead,
-    world: set[int],
-    strategy: str | None,
-    notes: list[str],
+    rows: dict[int, dict[int, dict[str, float]]], info: FileRead, notes: list[str]
 ) -> bool:
     """Add the collectives file's waits to the step rows; whether every rank's were
     measured (the straggler analysis then uses them)."""
@@ -200,14 +200,13 @@ def _merge_waits(
             row = mine.get(step)
             if row is not None:
                 row.update(row_waits)
-    distributed = bool(world) and max(world) > 1
     unseen = sorted(r for r in rows if r not in waits)
-    if distributed and unseen:
+    if len(rows) > 1 and unseen:
         shown = ", ".join(map(str, unseen[:10])) + (", ..." if len(unseen) > 10 else "")
         notes.append(
             f"collectives: none seen on rank(s) {shown} (an engine that bypasses "
-            "torch.distributed's Python functions, or DDP's built-in C++ hooks); "
-            "the wait is inferred from phase times"
+            "torch.distributed's Python functions, or a built-in DDP hook registered "
+            "before the first forward); the wait is inferred from phase times"
         )
     if unmeasured:
         shown = ", ".join(map(str, sorted(unmeasured)[:10]))
@@ -215,7 +214,7 @@ def _merge_waits(
             f"collectives: wait not measured on rank(s) {shown} (NCCL without "
             "TORCH_NCCL_ENABLE_TIMING=1); the wait is inferred from phase times"
         )
-    return distributed and not unseen and not unmeasured
+    return waits_measured(rows, waits, unmeasured)
 
 
 def _memory_section(objs: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
@@ -504,9 +503,7 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         summary["step_time"] = per_rank
         summary["phases"] = phases
         summary["phase_names"] = names
-        measured = "collectives" in reads and _merge_waits(
-            rows, reads["collectives"], world, strategy, notes
-        )
+        measured = "collectives" in reads and _merge_waits(rows, reads["collectives"], notes)
         summary["straggler"] = _straggler_view(rows, names, strategy, measured).to_json()
         if world:
             summary["world_size"] = max(world)
