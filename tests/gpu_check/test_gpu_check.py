@@ -590,3 +590,30 @@ def test_collectives_judge_names_what_is_wrong() -> None:
     assert judge.collectives_problems(good[:2], 1, device=True) == [
         "step 1: collectives [('ddp_comm_hook', 'all_reduce'), ('torch.distributed', 'all_reduce')]"
     ]
+
+
+def test_collectives_judge_takes_ddps_construction_broadcast_as_host_time() -> None:
+    """On NCCL, DDP's parameter broadcast when the model is wrapped returns no Work:
+    its host time is what the rank can say (a real H200 run wrote it so)."""
+    lines = [
+        {
+            "step": step,
+            "op": op,
+            "source": source,
+            "wait_ms": 0.5,
+            "wait_measure": measure,
+            "first_arrival_ms": 0.0,
+            "last_arrival_ms": 0.0,
+        }
+        for step, op, source, measure in (
+            (1, "broadcast", "torch.distributed", "host"),
+            (1, "all_reduce", "ddp_comm_hook", "device"),
+            (1, "all_reduce", "torch.distributed", "device"),
+            (1, "all_gather", "torch.distributed", "device"),
+        )
+    ]
+    assert judge.collectives_problems(lines, 1, device=True) == []
+    device_broadcast = [{**lines[0], "wait_measure": "device"}, *lines[1:]]
+    assert judge.collectives_problems(device_broadcast, 1, device=True) == [
+        "step 1 broadcast: wait_measure 'device'"
+    ]

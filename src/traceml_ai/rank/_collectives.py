@@ -25,9 +25,12 @@ What ``wait_ms`` is, by backend:
   rank's last bucket to the completion of its last all-reduce (a future chained to the
   one DDP waits for, so it is noted before backward returns);
 - NCCL (``device``): each collective's kernel time from its ``Work``, read once it has
-  completed (``Work.get_duration()``, which needs ``TORCH_NCCL_ENABLE_TIMING=1`` before
-  the process group is made; ``traceml run`` sets it), never by synchronizing the
-  device; without it, ``none`` and ``wait_ms`` null. Arrival is the host issue time.
+  completed (``Work._get_duration()``: timing is on when ``TORCH_NCCL_ENABLE_TIMING=1``
+  was set before the process group was made, which ``traceml run`` does, and the
+  recorder also turns it on at the group's first collective), never by synchronizing
+  the device; a Work without timing gives ``none`` and ``wait_ms`` null. A call that
+  returns no Work (one that waits in C++, as DDP's parameter broadcast when the model
+  is wrapped) counts its host time, ``host``. Arrival is the host issue time.
 
 A call on another thread than the training thread, and collectives an engine issues
 without these functions (a C++ ``ProcessGroup`` call, a built-in C++ hook registered
@@ -193,14 +196,21 @@ class CollectiveRecorder:
         except Exception:
             self._backend = None
         self._device_timing = self._backend == "nccl"
+        if self._device_timing:
+            _enable_nccl_timing()
 
     def begin(self, op: str, source: str) -> Call | None:
         """A collective begins on this thread; None when it is not measured (another
-        thread, inside another collective, TraceML off)."""
+        thread than the training thread, except DDP's hook on autograd's thread;
+        inside another collective; TraceML off)."""
         if self._busy or not self.enabled:
             return None
         timer = self._timer
-        if not timer.enabled or _get_ident() != timer.thread:
+        if not timer.enabled:
+            return None
+        if _get_ident() != timer.thread and source != SOURCE_DDP and not self._ddp_source:
+            # DDP's hook runs where autograd runs backward: on CUDA, the engine's
+            # device thread while the training thread waits in backward().
             return None
         try:
             if not self._backend_known:
@@ -321,7 +331,7 @@ class CollectiveRecorder:
             if (
                 device
                 and async_index is not None
-                and "async_op" not in kwargs
+                and kwargs.get("async_op") is not True
                 and len(args) <= async_index
             ):
                 # NCCL: the synchronous form is the asynchronous one and a wait(); the
@@ -333,9 +343,9 @@ class CollectiveRecorder:
         finally:
             self._busy = False
         work = result if _is_work(result) else None
-        if device:
+        if device and work is not None:
             call[WORK] = work
-            if forced and work is not None:
+            if forced:
                 self._busy = True
                 try:
                     work.wait()
@@ -432,7 +442,7 @@ class CollectiveRecorder:
                 group.first = at
             group.last = max(group.last, at)
             group.n += 1
-            if work is not None or (self._device_timing and source == SOURCE_DIST):
+            if work is not None:
                 group.measure = "device"
                 ms = _device_ms(work)
                 if ms is None or group.wait_ms is None:
@@ -478,6 +488,16 @@ class CollectiveRecorder:
             )
 
 
+def _enable_nccl_timing() -> None:
+    """Ask the default NCCL group to time its collectives from now on, as
+    ``TORCH_NCCL_ENABLE_TIMING=1`` does from its start (``traceml run`` sets that; a
+    run started otherwise gets its Works timed from its first collective on)."""
+    with contextlib.suppress(Exception):
+        from torch.distributed import distributed_c10d
+
+        getattr(distributed_c10d._get_default_group(), "_enable_collectives_timing")()
+
+
 def _completed(calls: list[Call]) -> bool:
     for call in calls:
         work = call[WORK]
@@ -496,7 +516,10 @@ def _device_ms(work: Any) -> float | None:
     try:
         if not work.is_completed():
             return None
-        ms = float(work.get_duration())
+        # torch names it ``_get_duration`` (2.4 to 2.13 at least); a later public name
+        # is taken when it appears.
+        duration = getattr(work, "get_duration", None) or work._get_duration
+        ms = float(duration())
     except Exception:
         return None
     return ms if ms >= 0.0 and ms == ms else None

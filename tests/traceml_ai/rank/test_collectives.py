@@ -199,7 +199,7 @@ class _FakeNcclWork:
     def is_completed(self) -> bool:
         return self.done
 
-    def get_duration(self) -> float:
+    def _get_duration(self) -> float:
         if self.ms is None:
             raise RuntimeError("timing is not enabled")
         return self.ms
@@ -349,3 +349,105 @@ def test_collectives_with_no_step_ending_are_bounded_and_said_once(
     traceml.shutdown()
     (item,) = _items(sink)
     assert (item["step"], item["phase"], item["n_calls"]) == (1, P + "between_steps", 4)
+
+
+def test_fake_nccl_work_names_what_torch_work_has() -> None:
+    """The NCCL fake above reads the duration by the name torch's Work has: a fake
+    with a name torch lacks would pass here and read nothing on a GPU."""
+    import torch.distributed as dist
+
+    fake = {name for name in vars(_FakeNcclWork) if not name.startswith("__")} - {"ms"}
+    assert fake <= set(dir(dist.Work)), fake - set(dir(dist.Work))
+    assert _collectives._device_ms(_completed_fake(2.5)) == 2.5
+
+
+def _completed_fake(ms: float) -> _FakeNcclWork:
+    work = _FakeNcclWork(ms)
+    work.done = True
+    return work
+
+
+def _bucket_hook_on_another_thread(model: nn.Module) -> list[Any]:
+    """One step whose backward runs DDP's traced hook on a second thread, as CUDA's
+    autograd engine does on its device thread while the training thread waits."""
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        result = dist.all_reduce(torch.ones(1), async_op=True)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(torch.ones(1))
+        return fut if result is None else result.get_future()
+
+    traced = _collectives._wrap_hook(hook)
+    done: list[Any] = []
+
+    def on_grad(grad: torch.Tensor) -> torch.Tensor:
+        thread = threading.Thread(target=lambda: done.append(traced(None, None).wait()))
+        thread.start()
+        thread.join()
+        return grad
+
+    with traceml.trace_step(model):
+        out = model(torch.randn(2, 4))
+        out.register_hook(on_grad)
+        out.sum().backward()
+    return done
+
+
+def test_ddp_bucket_on_autograds_thread_counts(world_of_one: None) -> None:
+    sink = _start()
+    model = nn.Linear(4, 4)
+    assert len(_bucket_hook_on_another_thread(model)) == 1
+    traceml.shutdown()
+    (item,) = _items(sink)
+    assert (item["phase"], item["op"], item["source"]) == (
+        P + "backward_time",
+        "all_reduce",
+        "ddp_comm_hook",
+    )
+    assert item["wait_measure"] == "host" and item["wait_ms"] is not None
+
+
+def test_nccl_ddp_bucket_on_autograds_thread_counts(world_of_one: None) -> None:
+    sink, _ = _nccl_recorder()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        assert len(_bucket_hook_on_another_thread(nn.Linear(4, 4))) == 1
+    finally:
+        traceml.shutdown()
+    (item,) = sink.items("collectives")
+    assert (item["phase"], item["op"], item["source"]) == (
+        P + "backward_time",
+        "all_reduce",
+        "ddp_comm_hook",
+    )
+
+
+def test_nccl_call_without_a_work_counts_host_time() -> None:
+    """A collective that waits in C++ and returns no Work (DDP's parameter broadcast
+    when a model is wrapped), and one called with async_op=False, on NCCL."""
+    sink, _ = _nccl_recorder()
+    try:
+        work = _FakeNcclWork(1.5)
+        work.done = True
+        asked: list[bool] = []
+
+        def fake_all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False):
+            asked.append(async_op)
+            return work if async_op else None
+
+        def fake_broadcast_coalesced(group: Any, tensors: Any, size: int, src: int = 0) -> None:
+            time.sleep(0.005)
+
+        reduce = _collectives._timed("all_reduce", fake_all_reduce)
+        coalesced = _collectives._timed("_broadcast_coalesced", fake_broadcast_coalesced)
+        model = nn.Linear(2, 2)
+        with traceml.trace_step(model):
+            coalesced(None, [], 1)
+            assert reduce(torch.ones(1), async_op=False) is None
+    finally:
+        traceml.shutdown()
+    assert asked == [True]  # issued asynchronously, then waited
+    got = {i["op"]: (i["wait_measure"], i["wait_ms"]) for i in sink.items("collectives")}
+    assert got["all_reduce"] == ("device", 1.5)
+    measure, ms = got["broadcast"]
+    assert measure == "host" and ms >= 4.0
