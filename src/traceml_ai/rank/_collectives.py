@@ -495,7 +495,8 @@ def _enable_nccl_timing() -> None:
     with contextlib.suppress(Exception):
         from torch.distributed import distributed_c10d
 
-        getattr(distributed_c10d._get_default_group(), "_enable_collectives_timing")()
+        group: Any = distributed_c10d._get_default_group()
+        group._enable_collectives_timing()  # not in torch's stubs; there since 2.4
 
 
 def _completed(calls: list[Call]) -> bool:
