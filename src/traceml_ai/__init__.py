@@ -24,7 +24,8 @@ from traceml_ai._lazy_names import lazy_getattr
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from traceml_ai.rank._sdk import (
+    from traceml_ai.rank import (
+        ItemSink,
         TraceMLInitConfig,
         TraceMLWarning,
         final_summary,
@@ -34,48 +35,39 @@ if TYPE_CHECKING:
         summary,
         trace_phase,
         trace_step,
-    )
-    from traceml_ai.rank._wrappers import (
         wrap_backward,
         wrap_dataloader_fetch,
         wrap_forward,
         wrap_h2d,
         wrap_optimizer,
     )
-    from traceml_ai.rank.sink import ItemSink
 
     __version__: str
 
-# Each public name and the module that defines it. They load on first use, so that
-# `traceml` (the CLI, the aggregator) starts without the rank SDK: quick to start, and
-# a Ctrl-C during that start meets the CLI's handler, not an import in progress.
-_LAZY = {
-    **dict.fromkeys(
-        (
-            "TraceMLInitConfig",
-            "TraceMLWarning",
-            "final_summary",
-            "init",
-            "shutdown",
-            "start",
-            "summary",
-            "trace_phase",
-            "trace_step",
-        ),
-        "traceml_ai.rank._sdk",
+# Each public name loads on first use from the rank's surface (``traceml_ai.rank``,
+# itself lazy), so that `traceml` (the CLI, the aggregator) starts without the rank
+# SDK: quick to start, and a Ctrl-C during that start meets the CLI's handler, not an
+# import in progress.
+_LAZY = dict.fromkeys(
+    (
+        "ItemSink",
+        "TraceMLInitConfig",
+        "TraceMLWarning",
+        "final_summary",
+        "init",
+        "shutdown",
+        "start",
+        "summary",
+        "trace_phase",
+        "trace_step",
+        "wrap_backward",
+        "wrap_dataloader_fetch",
+        "wrap_forward",
+        "wrap_h2d",
+        "wrap_optimizer",
     ),
-    **dict.fromkeys(
-        (
-            "wrap_backward",
-            "wrap_dataloader_fetch",
-            "wrap_forward",
-            "wrap_h2d",
-            "wrap_optimizer",
-        ),
-        "traceml_ai.rank._wrappers",
-    ),
-    "ItemSink": "traceml_ai.rank.sink",
-}
+    "traceml_ai.rank",
+)
 
 
 def _version() -> str:

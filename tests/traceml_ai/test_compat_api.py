@@ -84,9 +84,9 @@ def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         "TRACEML_AGGREGATOR_UNAVAILABLE",
     ):
         monkeypatch.delenv(name, raising=False)
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     yield
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
 
 
 def ours(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -382,11 +382,11 @@ def test_keywords_without_a_feature_here_are_one_notice_each() -> None:
 def test_on_missing_aggregator(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="not launched by `traceml run`"):
         traceml.init(on_missing_aggregator="raise")
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     monkeypatch.setenv("TRACEML_ON_MISSING_AGGREGATOR", "raise")
     with pytest.raises(RuntimeError):
         traceml.start()
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     with pytest.warns(traceml.TraceMLWarning, match="not launched"):
         cfg = traceml.init(on_missing_aggregator="warn")
     assert cfg.disabled
@@ -397,7 +397,7 @@ def test_aggregator_host_and_port_name_a_traceml_serve(monkeypatch: pytest.Monke
     with pytest.warns(traceml.TraceMLWarning, match="TRACEML_RUN_TOKEN is not set"):
         cfg = traceml.init(aggregator_host="127.0.0.1", aggregator_port=1)
     assert cfg.disabled
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     monkeypatch.setenv("TRACEML_RUN_TOKEN", "t")
     cfg = traceml.init(aggregator_host="127.0.0.1", aggregator_port=1, sampler_interval=60)
     assert not cfg.disabled and _sdk._runtime is not None

@@ -12,7 +12,7 @@ import pytest
 
 from traceml_ai.dashboard._server import Views, start_server
 from traceml_ai.launch.launcher import lost_what
-from traceml_ai.monitor.otlp import _header_problems
+from traceml_ai.monitor._otlp_config import header_problems
 
 
 def test_malformed_requests_print_nothing_into_the_terminal(
@@ -44,13 +44,13 @@ def test_malformed_requests_print_nothing_into_the_terminal(
     [("garbage", "'garbage'"), ("api-key=1,oops", "'oops'"), ("=x", "'=x'")],
 )
 def test_malformed_otel_headers_are_one_line(value: str, bad: str) -> None:
-    (line,) = _header_problems({"OTEL_EXPORTER_OTLP_TRACES_HEADERS": value})
+    (line,) = header_problems({"OTEL_EXPORTER_OTLP_TRACES_HEADERS": value})
     assert line.startswith("traceml: otlp: OTEL_EXPORTER_OTLP_TRACES_HEADERS is not")
     assert bad in line
 
 
 def test_good_otel_headers_say_nothing() -> None:
-    assert _header_problems({"OTEL_EXPORTER_OTLP_HEADERS": "a=1, b=x%20y", "X": "garbage"}) == []
+    assert header_problems({"OTEL_EXPORTER_OTLP_HEADERS": "a=1, b=x%20y", "X": "garbage"}) == []
 
 
 def test_a_loss_of_the_live_views_only_says_the_files_are_complete(tmp_path: Path) -> None:

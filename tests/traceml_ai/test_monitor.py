@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.custom_exporters import process_item, step_memory_item, system_item
 from tests.e2e_helpers import PY, REPO, clean_env
 from traceml_ai.monitor._feed import LiveFeed
-from traceml_ai.monitor._service import Monitoring, RunInfo, start_monitoring
+from traceml_ai.monitor._service import Monitoring, RunInfo, prometheus_sink, start_monitoring
 from traceml_ai.monitor._state import (
     MAX_USER_PHASES,
     OTHER_PHASE,
@@ -340,6 +340,7 @@ def test_prometheus_endpoint_serves_the_state(tmp_path: Path) -> None:
         MonitorSettings(prometheus_port=0),
         RunInfo(run_dir=tmp_path, run_name="r", host="h"),
         lambda: Health(written_records={"step_time": 7}, expected_ranks=2, reporting_ranks=2),
+        sinks={"prometheus": prometheus_sink},
         report=lines.append,
     )
     assert monitoring is not None
@@ -385,7 +386,7 @@ def test_a_taken_port_is_one_line_and_the_rest_goes_on(tmp_path: Path) -> None:
             Health,
             report=lines.append,
         )
-        monitoring.start_sinks(["prometheus"])
+        monitoring.start_sinks({"prometheus": prometheus_sink})
     assert len(lines) == 1 and "Address already in use" in lines[0], lines
     assert lines[0].startswith("traceml: prometheus: cannot serve /metrics")
     loss = monitoring.close(1.0)
@@ -397,11 +398,11 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path: Path) -> None:
 import sys
 sys.modules["prometheus_client"] = None  # as if the extra were not installed
 from pathlib import Path
-from traceml_ai.monitor._service import Monitoring, RunInfo
+from traceml_ai.monitor import Monitoring, RunInfo, prometheus_sink
 from traceml_ai.monitor.metrics import Health
 from traceml_ai.settings import MonitorSettings
 m = Monitoring(MonitorSettings(prometheus_port=0), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="r", host="h"), Health)
-m.start_sinks(["prometheus"])
+m.start_sinks({{"prometheus": prometheus_sink}})
 """
     result = subprocess.run(
         [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
@@ -418,6 +419,13 @@ def test_the_default_install_never_imports_the_extras() -> None:
 import sys
 import traceml_ai.aggregator._service, traceml_ai.launch.commands, traceml_ai.monitor.metrics
 import traceml_ai.monitor._service
+from traceml_ai.settings import MonitorSettings
+# Every live view switched on: the caller names its sinks, none is imported until started.
+sinks = traceml_ai.aggregator._service.live_sinks(
+    MonitorSettings(prometheus_port=0, otlp=True, dashboard=True)
+)
+assert list(sinks) == ["prometheus", "otlp", "dashboard"], sinks
+assert traceml_ai.aggregator._service.live_sinks(MonitorSettings()) == {}
 loaded = [m for m in ("prometheus_client", "opentelemetry", "starlette", "uvicorn", "plotly") if m in sys.modules]
 print(",".join(loaded))
 """
@@ -548,6 +556,7 @@ def test_a_scraper_that_never_reads_does_not_hold_the_run(tmp_path: Path) -> Non
         MonitorSettings(prometheus_port=0),
         RunInfo(run_dir=tmp_path, run_name="r", host="h"),
         Health,
+        sinks={"prometheus": prometheus_sink},
         report=lambda line: None,
     )
     assert monitoring is not None

@@ -37,7 +37,7 @@ from tests.e2e_helpers import (
 from tests.receivers.mlflow_server import MlflowServer, server_env, start_mlflow_server
 from tests.receivers.otlp_sink import OtlpReceiver, ReceivedSpan
 from traceml_ai.monitor import otlp
-from traceml_ai.monitor._service import Monitoring, RunInfo, SinkStartError
+from traceml_ai.monitor._service import Monitoring, RunInfo, SinkStartError, otlp_sink
 from traceml_ai.monitor._state import StepSeen
 from traceml_ai.monitor.metrics import Health
 from traceml_ai.monitor.otlp import StepSampler, layout_phases, start_otlp
@@ -273,7 +273,7 @@ def test_in_process_spans_metrics_and_resource(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "200")
         monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
         monitoring = _monitoring(sample=1, reports=reports)
-        monitoring.start_sinks(["otlp"])
+        monitoring.start_sinks({"otlp": otlp_sink})
         assert not monitoring.not_started, monitoring.not_started
         monitoring.feed.start()
         for rank in (0, 1):
@@ -355,7 +355,7 @@ def test_bad_configuration_is_one_line(
     monkeypatch.setenv(var, value)
     reports: list[str] = []
     monitoring = _monitoring(reports=reports)
-    monitoring.start_sinks(["otlp"])
+    monitoring.start_sinks({"otlp": otlp_sink})
     assert monitoring.sinks == []
     assert says in monitoring.not_started["otlp"]
     assert len(reports) == 1 and reports[0].startswith("traceml: otlp: ")

@@ -21,13 +21,16 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from traceml_ai.aggregator.protocol import AggregatorStatsFile
-from traceml_ai.export import ExportPipeline, ExportStats, WarningWriteError, start_export
-from traceml_ai.export._builder import batch_streams_for
-from traceml_ai.export._finalize import (
+from traceml_ai.export import (
     WARNING_FILE_NAME,
+    ExportPipeline,
+    ExportStats,
     RankOutcome,
+    WarningWriteError,
+    batch_streams_for,
     monitoring_clause,
     monitoring_lost,
+    start_export,
     write_finalization_warning,
 )
 from traceml_ai.settings import ExportSettings, MonitorSettings
@@ -37,7 +40,7 @@ from traceml_records import ExportLoss, MonitoringLoss, parse_export_streams
 
 if TYPE_CHECKING:
     # Loaded only when a live view is on: an aggregator without them starts as before.
-    from traceml_ai.monitor._service import Monitoring
+    from traceml_ai.monitor import Monitoring, SinkFactory
     from traceml_ai.monitor.metrics import Health
 
 DEFAULT_FINALIZE_TIMEOUT_S = 10.0
@@ -46,6 +49,24 @@ MONITOR_CLOSE_BUDGET_S = 5.0
 
 STATS_FILE_PARTS = ("aggregator", "stats.json")
 """Where, under the run folder, finalization writes the aggregator's counters (export on)."""
+
+
+def live_sinks(settings: MonitorSettings) -> dict[str, SinkFactory]:
+    """The live views ``settings`` switches on, by name, each a factory that imports its
+    libraries only when called (the dashboard's web server too): monitoring is handed
+    its sinks, it names none of them."""
+    from traceml_ai import monitor
+
+    sinks: dict[str, SinkFactory] = {}
+    if settings.prometheus_port is not None:
+        sinks["prometheus"] = monitor.prometheus_sink
+    if settings.otlp:
+        sinks["otlp"] = monitor.otlp_sink
+    if settings.dashboard:
+        from traceml_ai.dashboard import start_live_dashboard
+
+        sinks["dashboard"] = start_live_dashboard
+    return sinks
 
 
 @attrs.frozen(kw_only=True)
@@ -191,14 +212,16 @@ class Aggregator:
         if not self.config.monitor.any_on:
             return None
         try:
-            from traceml_ai.monitor._service import RunInfo, start_monitoring
+            from traceml_ai.monitor import RunInfo, start_monitoring
 
             run = RunInfo(
                 run_dir=self.config.run_dir,
                 run_name=self.config.run_dir.name,
                 host=socket.gethostname(),
             )
-            return start_monitoring(self.config.monitor, run, self._health)
+            return start_monitoring(
+                self.config.monitor, run, self._health, sinks=live_sinks(self.config.monitor)
+            )
         except Exception as exc:
             with contextlib.suppress(Exception):
                 print(

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from traceml_ai.dashboard._server import DashboardServer, Views
-    from traceml_ai.monitor._service import Monitoring
-    from traceml_ai.monitor._state import StepSeen
+    from traceml_ai.monitor import Monitoring, StepSeen
 
 __all__ = ["LiveDashboard", "missing_extra", "serve_folder", "start_live_dashboard"]
 
@@ -99,12 +98,13 @@ class LiveDashboard:
 
 
 def start_live_dashboard(monitoring: Monitoring) -> LiveDashboard:
-    """The dashboard sink of an aggregator (``SINK_FACTORIES["dashboard"]``).
+    """The dashboard sink of an aggregator, a :data:`~traceml_ai.monitor.SinkFactory`
+    (the aggregator hands it to monitoring; the web server is imported when it is called).
 
-    Raises :class:`~traceml_ai.monitor._service.SinkStartError` (one line) when it
-    cannot start: the extra is missing, the port is taken. Training goes on.
+    Raises :class:`~traceml_ai.monitor.SinkStartError` (one line) when it cannot
+    start: the extra is missing, the port is taken. Training goes on.
     """
-    from traceml_ai.monitor._service import SinkStartError
+    from traceml_ai.monitor import SinkStartError
 
     why = missing_extra()
     if why is not None:

@@ -12,12 +12,23 @@ Public API:
   an exporter for tests, TraceML's and yours.
 - :class:`JsonlExporter`: the built-in exporter.
 - :class:`ExportStats`: the worker's counts.
+- finalization (the aggregator's and the launcher's): :class:`RankOutcome`,
+  :func:`write_finalization_warning` (``WARNING_FILE_NAME``), :func:`monitoring_lost`
+  and :func:`monitoring_clause` (what the live views lost, in a sentence);
+  :func:`batch_streams_for` (the wire streams a run's file streams need).
 """
 
-from traceml_ai.export._builder import BuildResult, RecordBuilder
+from traceml_ai.export._builder import BuildResult, RecordBuilder, batch_streams_for
 from traceml_ai.export._custom import ExporterStartFailure, create_exporter, load_exporter_factory
 from traceml_ai.export._encoded import EncodedLines
-from traceml_ai.export._finalize import WarningWriteError, write_finalization_warning
+from traceml_ai.export._finalize import (
+    WARNING_FILE_NAME,
+    RankOutcome,
+    WarningWriteError,
+    monitoring_clause,
+    monitoring_lost,
+    write_finalization_warning,
+)
 from traceml_ai.export._jsonl import JsonlExporter
 from traceml_ai.export._memory import InMemoryExporter, capture_export, make_in_memory_exporter
 from traceml_ai.export._pipeline import ExportPipeline, builder_for, start_export
@@ -35,6 +46,7 @@ from traceml_ai.export._protocol import (
 from traceml_ai.export._worker import ExportStats, ExportWorker
 
 __all__ = [
+    "WARNING_FILE_NAME",
     "BuildResult",
     "EncodedLines",
     "ExportContext",
@@ -51,14 +63,18 @@ __all__ = [
     "InMemoryExporter",
     "JsonlExporter",
     "LineExporter",
+    "RankOutcome",
     "RecordBuilder",
     "WarningWriteError",
+    "batch_streams_for",
     "builder_for",
     "capture_export",
     "create_exporter",
     "export_input_of",
     "load_exporter_factory",
     "make_in_memory_exporter",
+    "monitoring_clause",
+    "monitoring_lost",
     "start_export",
     "write_finalization_warning",
 ]

@@ -17,10 +17,15 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import traceml_ai as traceml
-from traceml_ai.rank import _sdk, _torch_patches
-from traceml_ai.rank._event_names import DATALOADER_NEXT, FORWARD
-from traceml_ai.rank._step_timer import StepContext, StepTimer
-from traceml_ai.rank._torch_patches import activate
+from traceml_ai.rank import (
+    DATALOADER_NEXT,
+    FORWARD,
+    StepContext,
+    StepTimer,
+    activate,
+    active,
+    is_running,
+)
 
 
 def say(message: str) -> None:
@@ -90,7 +95,7 @@ class StepDriver:
         Started here rather than at the first step, so the first step's DataLoader
         waits, fetched before it begins, are measured.
         """
-        if _sdk._runtime is None:
+        if not is_running():
             # Not init() again when running: a script's own init(mode=...) would get a
             # notice that this init() (auto) is ignored.
             traceml.init()
@@ -108,7 +113,7 @@ class StepDriver:
             return False
         step: AbstractContextManager[None]
         context = self._context
-        if context is not None and context.reusable_for(_torch_patches._ACTIVE, model):
+        if context is not None and context.reusable_for(active(), model):
             step = context
         else:
             step = traceml.trace_step(model)
@@ -146,13 +151,13 @@ class StepDriver:
 
     def open_forward(self) -> None:
         """Start the forward phase of the open step (nested hook calls count once)."""
-        timer = _torch_patches._ACTIVE
+        timer = active()
         if timer is not None and self.current is not None:
             timer.open(timer.fwd)
 
     def close_forward(self) -> None:
         """End the forward phase opened by :meth:`open_forward`, if it is still open."""
-        timer = _torch_patches._ACTIVE
+        timer = active()
         if timer is not None and timer.fwd.depth > 0:
             # Inner forward hooks close their own levels; one that did not (a forward
             # that raised without always_call) must not keep the phase open.
@@ -161,7 +166,7 @@ class StepDriver:
 
     def restart_optimizer(self) -> None:
         """Start the open optimizer phase now (its closure has run forward and backward)."""
-        timer = _torch_patches._ACTIVE
+        timer = active()
         if timer is not None:
             timer.restart(timer.opt)
 
@@ -171,7 +176,7 @@ class StepDriver:
         A step open meanwhile (an evaluation between the batches of an accumulating
         update: Lightning's ``val_check_interval`` is counted in batches) leaves the
         paused time out of its duration (:meth:`resume`)."""
-        timer = _torch_patches._ACTIVE
+        timer = active()
         if timer is not None:
             self._paused = timer
             self._paused_at = (timer.step, time.perf_counter_ns()) if timer.in_step else None
@@ -182,7 +187,7 @@ class StepDriver:
         timer = self._paused
         paused_at = self._paused_at
         self._paused = self._paused_at = None
-        if timer is not None and timer.enabled and _torch_patches._ACTIVE is None:
+        if timer is not None and timer.enabled and active() is None:
             activate(timer)
             if paused_at is not None and paused_at[0] == timer.step:
                 timer.leave_out(time.perf_counter_ns() - paused_at[1])
@@ -190,7 +195,7 @@ class StepDriver:
     @staticmethod
     def discard_dataloader_waits() -> None:
         """Forget DataLoader waits since the last step ended (they were an evaluation's)."""
-        timer = _torch_patches._ACTIVE
+        timer = active()
         if timer is not None:
             timer.discard_outside(DATALOADER_NEXT)
 

@@ -47,8 +47,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 import traceml_ai as traceml
 from traceml_ai.integrations._common import HookGuard, StepDriver
-from traceml_ai.rank import _torch_patches
-from traceml_ai.rank._init_config import TraceMLInitConfig, env_disabled
+from traceml_ai.rank import TraceMLInitConfig, active, env_disabled
 
 __all__ = ["TraceMLTrainer", "TraceMLTrainerCallback", "init"]
 
@@ -98,7 +97,7 @@ class TraceMLTrainerCallback(TrainerCallback):  # type: ignore[misc]
     def _begin(self, kwargs: dict[str, Any]) -> None:
         driver = self._driver
         if not driver.open:
-            timer = _torch_patches._ACTIVE
+            timer = active()
             if timer is not None and timer.in_step:
                 # Another TraceML callback on this trainer (or the script's own
                 # trace_step) has the step open: it is counted once, by that one.

@@ -42,11 +42,17 @@ from typing import Any
 
 import traceml_ai as traceml
 from traceml_ai.integrations._common import HookGuard, StepDriver
-from traceml_ai.rank import _torch_patches
-from traceml_ai.rank._event_names import BACKWARD, FORWARD, OPTIMIZER_STEP
-from traceml_ai.rank._init_config import TraceMLInitConfig
-from traceml_ai.rank._step_timer import StepTimer
-from traceml_ai.rank._torch_patches import forward_timed_elsewhere
+from traceml_ai.rank import (
+    BACKWARD,
+    FORWARD,
+    OPTIMIZER_STEP,
+    StepTimer,
+    TraceMLInitConfig,
+    active,
+    forward_timed_elsewhere,
+    resume_optimizer_hooks,
+    suspend_optimizer_hooks,
+)
 
 
 def _callback_base() -> Any:
@@ -129,7 +135,7 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
         def begin() -> None:
             driver = self._driver
             if not driver.open:
-                timer = _torch_patches._ACTIVE
+                timer = active()
                 if timer is not None and timer.in_step:
                     # Another TraceMLCallback on this trainer (or the script's own
                     # trace_step) has the step open: it is counted once, by that one.
@@ -145,7 +151,7 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
 
     def _own_timer(self) -> StepTimer | None:
         """The active timer while this callback's step is open, else ``None``."""
-        timer = _torch_patches._ACTIVE
+        timer = active()
         return timer if timer is not None and self._driver.current is not None else None
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
@@ -162,7 +168,7 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         def after() -> None:
-            timer = _torch_patches._ACTIVE
+            timer = active()
             if self._own_backward:
                 self._own_backward = False
                 if timer is not None:
@@ -193,7 +199,7 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
         def end() -> None:
             driver = self._driver
             driver.close_forward()  # a training_step without backward
-            self._close_own_optimizer(_torch_patches._ACTIVE)
+            self._close_own_optimizer(active())
             # global_step counts optimizer updates: an accumulating batch leaves it as
             # it was, and its step stays open for the next batch.
             if trainer.global_step != self._global_step:
@@ -320,14 +326,14 @@ class _ZeroCode:
             # them: forwards after a manual_backward are outside the bracket.)
             forward_timed_elsewhere(model)
         self.model = model
-        timer = _torch_patches._ACTIVE
+        timer = active()
         if timer is not None:
             timer.bracket = True
             self.bracketed = timer
             # Backward's end opens the phase: without the backward patch the hooks
             # time it (from the update's start).
             timed = automatic and timer.auto_backward and timer.auto_optimizer
-            if timed and _torch_patches.suspend_optimizer_hooks():
+            if timed and suspend_optimizer_hooks():
                 self.optimizer_hooks_out = True
                 timer.bracket_optimizer = True
         return model
@@ -342,7 +348,7 @@ class _ZeroCode:
             timer.bracket = timer.bracket_optimizer = False
         if self.optimizer_hooks_out:
             self.optimizer_hooks_out = False
-            _torch_patches.resume_optimizer_hooks()
+            resume_optimizer_hooks()
 
     def close(self, where: str, exc: BaseException | None) -> None:
         """End the open step (as ``with trace_step`` ends when ``exc`` is raised in it)."""
@@ -390,7 +396,7 @@ def _wrap_batch(original: Callable[..., Any], updates_at: str) -> Callable[..., 
                 zero.updates = updates(loop)  # later, read at each batch's end only
             driver = zero.driver
             driver.begin(model)
-            timer = _torch_patches._ACTIVE
+            timer = active()
             if timer is not None and driver.current is not None and timer.auto_backward:
                 timer.open(timer.fwd)
         except Exception as exc:
@@ -407,7 +413,7 @@ def _wrap_batch(original: Callable[..., Any], updates_at: str) -> Callable[..., 
             # as it was, and its step open for the next batch). The optimizer phase
             # that backward's end opened (bracket_optimizer) closes with an update.
             count = updates(loop)
-            timer = _torch_patches._ACTIVE
+            timer = active()
             if timer is not None:
                 if timer.fwd.depth > 0:
                     timer.fwd.depth = 1

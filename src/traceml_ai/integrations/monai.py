@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from traceml_ai.rank._init_config import TraceMLInitConfig, warn_once
+from traceml_ai.rank import TraceMLInitConfig, warn_once
 
 IS_MONAI_AVAILABLE = importlib.util.find_spec("monai") is not None
 """Whether MONAI is installed (0.5.0's name)."""

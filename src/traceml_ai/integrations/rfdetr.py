@@ -7,7 +7,7 @@ by it; training goes on (docs/compat-0.5.md).
 
 from __future__ import annotations
 
-from traceml_ai.rank._init_config import TraceMLInitConfig, warn_once
+from traceml_ai.rank import TraceMLInitConfig, warn_once
 
 
 def init() -> TraceMLInitConfig:

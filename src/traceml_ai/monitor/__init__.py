@@ -1,10 +1,66 @@
 """The aggregator's live views: what the run looks like now, for Prometheus, OTLP and
 the dashboard (docs/monitoring.md).
 
-``metrics`` defines every metric once. The rest — the state, its feed, the service
-that starts the sinks — loads with the aggregator; the sinks (``prometheus``,
-``otlp``, ``traceml_ai.dashboard``) load only when switched on, so a default install
-never imports prometheus_client, opentelemetry or the web server.
+``metrics`` defines every metric once. This package's names are its surface for the
+rest of ``traceml_ai`` (the aggregator that starts monitoring, the dashboard that
+serves it); they load on first use (PEP 562), with the state, its feed and the
+service. A sink is handed to :func:`start_monitoring` by its caller as a factory
+(:data:`SinkFactory`) that imports its libraries only when called: this package's
+own, :func:`prometheus_sink` and :func:`otlp_sink`, and the dashboard's
+(``traceml_ai.dashboard.start_live_dashboard``). A default install never imports
+prometheus_client, opentelemetry or the web server.
 """
 
 from __future__ import annotations
+
+from traceml_ai._lazy_names import lazy_getattr
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from traceml_ai.monitor._service import (
+        LiveSink,
+        Monitoring,
+        RunInfo,
+        SinkFactory,
+        SinkStartError,
+        extra_required,
+        otlp_sink,
+        prometheus_sink,
+        start_monitoring,
+    )
+    from traceml_ai.monitor._state import WINDOW_STEPS, LiveState, StepSeen
+
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "LiveSink",
+            "Monitoring",
+            "RunInfo",
+            "SinkFactory",
+            "SinkStartError",
+            "extra_required",
+            "otlp_sink",
+            "prometheus_sink",
+            "start_monitoring",
+        ),
+        "traceml_ai.monitor._service",
+    ),
+    **dict.fromkeys(("WINDOW_STEPS", "LiveState", "StepSeen"), "traceml_ai.monitor._state"),
+}
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+__all__ = [
+    "WINDOW_STEPS",
+    "LiveSink",
+    "LiveState",
+    "Monitoring",
+    "RunInfo",
+    "SinkFactory",
+    "SinkStartError",
+    "StepSeen",
+    "extra_required",
+    "otlp_sink",
+    "prometheus_sink",
+    "start_monitoring",
+]

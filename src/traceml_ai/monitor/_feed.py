@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from traceml_ai.monitor._state import MAX_USER_PHASES, OTHER_PHASE, LiveState, StepSeen
-from traceml_ai.run_summary._straggler import analyze
+from traceml_ai.run_summary import analyze
 from traceml_ai.transport.wire import (
     FrameError,
     ReceivedBatch,

@@ -1,22 +1,24 @@
 """The live views of one aggregator: the feed, the state and the sinks that serve it.
 
-:func:`start_monitoring` starts what :class:`~traceml_ai.settings.MonitorSettings`
-asks for: the Prometheus endpoint, the OTLP exporter, the dashboard. Each is a
-:class:`LiveSink`; one that cannot start (its extra is not installed, its port is
-taken, a bad OTEL_* variable) is reported in one ``traceml:`` line and the others,
-the files and training go on. :meth:`Monitoring.close` stops them within a budget
+:func:`start_monitoring` starts the sinks its caller hands it, by name: each a
+:data:`SinkFactory` that imports its libraries only when called, so that a default
+install never imports prometheus_client, opentelemetry or the web server. This
+package offers its own two (:func:`prometheus_sink`, :func:`otlp_sink`); the
+aggregator adds the dashboard's and chooses from what
+:class:`~traceml_ai.settings.MonitorSettings` asks for. A sink that cannot start (its
+extra is not installed, its port is taken, a bad OTEL_* variable) is reported in one
+``traceml:`` line and the others, the files and training go on. :meth:`Monitoring.close` stops them within a budget
 and returns what they lost, for ``stats.json`` and ``finalization_warning.json``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -33,7 +35,11 @@ __all__ = [
     "LiveSink",
     "Monitoring",
     "RunInfo",
+    "SinkFactory",
     "SinkStartError",
+    "extra_required",
+    "otlp_sink",
+    "prometheus_sink",
     "start_monitoring",
 ]
 
@@ -69,6 +75,8 @@ class LiveSink(Protocol):
 
 
 SinkFactory = Callable[["Monitoring"], LiveSink]
+"""Starts one sink for a :class:`Monitoring` (raises :class:`SinkStartError`, one line,
+when it cannot); imports its libraries when called, never before."""
 
 
 def report_to_stderr(line: str) -> None:
@@ -76,13 +84,32 @@ def report_to_stderr(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-# name -> "module:function" of each sink's factory; loaded only when asked for, so the
-# default install never imports prometheus_client, opentelemetry or the web server.
-SINK_FACTORIES: Mapping[str, str] = {
-    "prometheus": "traceml_ai.monitor.prometheus:start_prometheus",
-    "otlp": "traceml_ai.monitor.otlp:start_otlp",
-    "dashboard": "traceml_ai.dashboard:start_live_dashboard",
-}
+@contextlib.contextmanager
+def extra_required(extra: str) -> Iterator[None]:
+    """Around a sink's imports: a library that is not installed becomes the one line
+    that names the extra to install (a :class:`SinkStartError`)."""
+    try:
+        yield
+    except ImportError as exc:
+        missing = exc.name or str(exc)
+        raise SinkStartError(
+            f"needs the '{extra}' extra ({missing} is not installed): "
+            f"pip install 'traceml-ai[{extra}]'"
+        ) from None
+
+
+def prometheus_sink(monitoring: Monitoring) -> LiveSink:
+    """The ``/metrics`` endpoint (the ``prometheus`` extra, imported only here)."""
+    with extra_required("prometheus"):
+        from traceml_ai.monitor.prometheus import start_prometheus
+    return start_prometheus(monitoring)
+
+
+def otlp_sink(monitoring: Monitoring) -> LiveSink:
+    """The OTLP export (the ``otel`` extra, imported only here)."""
+    with extra_required("otel"):
+        from traceml_ai.monitor.otlp import start_otlp
+    return start_otlp(monitoring)
 
 
 class Monitoring:
@@ -125,15 +152,10 @@ class Monitoring:
         """Hand a received batch to the live views; never blocks, never raises."""
         self.feed.submit(batch)
 
-    def start_sinks(self, wanted: Sequence[str]) -> None:
-        for name in wanted:
+    def start_sinks(self, factories: Mapping[str, SinkFactory]) -> None:
+        """Start each sink (by its name); one that cannot is said in one line."""
+        for name, factory in factories.items():
             try:
-                module_name, _, func = SINK_FACTORIES[name].partition(":")
-                try:
-                    module = importlib.import_module(module_name)
-                except ImportError as exc:
-                    raise SinkStartError(_missing_extra(name, exc)) from None
-                factory: SinkFactory = getattr(module, func)
                 sink = factory(self)
             except SinkStartError as exc:
                 self.not_started[name] = str(exc)
@@ -180,37 +202,19 @@ class Monitoring:
         return self._loss
 
 
-_EXTRAS = {"prometheus": "prometheus", "otlp": "otel", "dashboard": "dashboard"}
-
-
-def _missing_extra(name: str, exc: ImportError) -> str:
-    missing = exc.name or str(exc)
-    extra = _EXTRAS.get(name, name)
-    return (
-        f"needs the '{extra}' extra ({missing} is not installed): pip install 'traceml-ai[{extra}]'"
-    )
-
-
 def start_monitoring(
     settings: MonitorSettings,
     run: RunInfo,
     health: Callable[[], Health],
     *,
+    sinks: Mapping[str, SinkFactory],
     report: Callable[[str], None] = report_to_stderr,
 ) -> Monitoring | None:
-    """Start the live views ``settings`` asks for; None when every one is off."""
-    wanted = [
-        name
-        for name, on in (
-            ("prometheus", settings.prometheus_port is not None),
-            ("otlp", settings.otlp),
-            ("dashboard", settings.dashboard),
-        )
-        if on
-    ]
-    if not wanted:
+    """Start the live views with ``sinks`` (name: factory, in order; ``settings`` says
+    their ports and options); None when there is none."""
+    if not sinks:
         return None
     monitoring = Monitoring(settings, run, health, report=report)
-    monitoring.start_sinks(wanted)
+    monitoring.start_sinks(sinks)
     monitoring.feed.start()
     return monitoring

@@ -250,3 +250,12 @@ def notice_unsupported(
             f"traceml: init(session_id={session_id!r}) is ignored: the run name is set by "
             "`traceml run --run-name` (or --session-id)",
         )
+
+
+def reset_peak_choice(keyword: bool | None) -> bool:
+    """``init(reset_peak_memory=...)``, else ``TRACEML_RESET_PEAK_MEMORY`` (0/false/no/off:
+    keep CUDA's peak-memory counters)."""
+    if keyword is not None:
+        return bool(keyword)
+    raw = os.environ.get(_environ.RESET_PEAK_MEMORY, "").strip().lower()
+    return raw not in ("0", "false", "no", "off")

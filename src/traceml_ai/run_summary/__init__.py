@@ -14,6 +14,7 @@ One engine behind ``traceml summary`` (text, ``--json``, ``--short``, ``--follow
 Light to import: orjson only (never torch, never pyarrow).
 """
 
+from traceml_ai.run_summary._phases import BUILT_IN_PHASES
 from traceml_ai.run_summary._report import (
     STREAM_FILES,
     WARNING_FILE,
@@ -24,9 +25,16 @@ from traceml_ai.run_summary._report import (
     straggler_view,
     summarize_run,
 )
-from traceml_ai.run_summary._straggler import SlowNode, Straggler, StragglerView, Waiting
+from traceml_ai.run_summary._straggler import (
+    SlowNode,
+    Straggler,
+    StragglerView,
+    Waiting,
+    analyze,
+)
 
 __all__ = [
+    "BUILT_IN_PHASES",
     "STREAM_FILES",
     "WARNING_FILE",
     "SlowNode",
@@ -34,6 +42,7 @@ __all__ = [
     "StragglerView",
     "SummaryError",
     "Waiting",
+    "analyze",
     "format_summary",
     "step_series",
     "straggler_line",

@@ -20,7 +20,7 @@ See docs/testing.md.
 
 from __future__ import annotations
 
-from traceml_ai.export._memory import InMemoryExporter, capture_export, make_in_memory_exporter
+from traceml_ai.export import InMemoryExporter, capture_export, make_in_memory_exporter
 from traceml_ai.rank.gpu import GpuReading
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing._capture import ExportCapture
@@ -76,6 +76,6 @@ def reset() -> None:
     also when nothing was started."""
     # Imported here: traceml_ai.testing must stay importable without torch, and the
     # SDK module is only needed once a test resets.
-    from traceml_ai.rank import _sdk
+    from traceml_ai.rank import reset_for_tests
 
-    _sdk._reset_for_tests()
+    reset_for_tests()

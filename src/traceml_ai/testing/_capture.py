@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from traceml_ai.export._builder import RecordBuilder
+from traceml_ai.export import RecordBuilder
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.transport.wire import ReceivedBatch, make_batch_message
 from traceml_records import STREAMS_BY_NAME, dumps_line

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from traceml_ai.export._builder import RecordBuilder
+from traceml_ai.export import RecordBuilder
 from traceml_ai.rank.runtime_env import topology_of
 from traceml_ai.transport.wire import BATCH_STREAMS, ReceivedBatch, make_batch_message
 from traceml_records import STREAMS_BY_NAME

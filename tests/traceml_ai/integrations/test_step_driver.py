@@ -20,9 +20,9 @@ from traceml_ai.rank.sink import RecordingSink
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in (*ENV_VARS, "TRACEML_DISABLED", "TRACEML_SUMMARY_STEP_TIME_FILE"):
         monkeypatch.delenv(name, raising=False)
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     yield
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
 
 
 def _step(driver: StepDriver, model: object) -> object:

@@ -36,7 +36,7 @@ def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _start() -> RecordingSink:
-    _sdk._reset_for_tests()  # step numbers from 1
+    _sdk.reset_for_tests()  # step numbers from 1
     sink = RecordingSink()
     traceml.init(sink=sink, sampler_interval=60)
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -173,7 +173,7 @@ def test_without_traceml_the_patches_pass_through(world_of_one: None) -> None:
 
 def _nccl_recorder() -> tuple[RecordingSink, _collectives.CollectiveRecorder]:
     """TraceML started, its collective timing told the backend is NCCL."""
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     sink = RecordingSink()
     traceml.init(sink=sink, sampler_interval=60)
     recorder = _collectives.active()

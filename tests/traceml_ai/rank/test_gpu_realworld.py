@@ -47,9 +47,9 @@ ENV_VARS = (
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     yield
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
 
 
 def _device(kind: str, index: int | None = None) -> SimpleNamespace:

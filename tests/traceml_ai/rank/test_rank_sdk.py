@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import traceml_ai as traceml
 from tests.e2e_helpers import REPO
 from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
-from traceml_ai.rank import _sdk, _step_timer, _torch_patches
+from traceml_ai.rank import _connect, _sdk, _step_timer, _torch_patches
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.rank.runtime_env import model_strategy, runtime_environment_item, topology_of
 from traceml_ai.rank.sink import RecordingSink
@@ -70,9 +70,9 @@ RUNTIME_ENV_KEYS, _ = wire_keys("runtime_environment")
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     yield
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
 
 
 def train(model: torch.nn.Module, steps: int, *, phase: bool = True) -> None:
@@ -680,11 +680,11 @@ def test_bad_aggregator_address_turns_export_off_with_a_warning(
 
 
 def test_parse_address() -> None:
-    assert _sdk.parse_address("127.0.0.1:5000") == ("127.0.0.1", 5000)
-    assert _sdk.parse_address("[::1]:7") == ("::1", 7)
+    assert _connect.parse_address("127.0.0.1:5000") == ("127.0.0.1", 5000)
+    assert _connect.parse_address("[::1]:7") == ("::1", 7)
     for bad in ("host", ":80", "h:0", "h:70000", "h:x"):
         with pytest.raises(ValueError):
-            _sdk.parse_address(bad)
+            _connect.parse_address(bad)
 
 
 # -- identity and runtime environment ---------------------------------------------

@@ -98,7 +98,7 @@ class _ListSink:
 
 
 def test_counters_continue_in_process() -> None:
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     try:
         first, second = _ListSink(), _ListSink()
         traceml.init(sink=first, sampler_interval=60)
@@ -118,4 +118,4 @@ def test_counters_continue_in_process() -> None:
         assert [i["step"] for s, i in second.items if s == "step_time"] == [3]
         assert orjson.dumps([i for _, i in second.items])
     finally:
-        _sdk._reset_for_tests()
+        _sdk.reset_for_tests()

@@ -65,9 +65,9 @@ def wire_keys(stream: str) -> tuple[set[str], set[str]]:
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
     yield
-    _sdk._reset_for_tests()
+    _sdk.reset_for_tests()
 
 
 def cpu_only_cuda(available: bool | None = False) -> FakeCuda:

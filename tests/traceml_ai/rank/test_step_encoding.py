@@ -264,6 +264,7 @@ def test_the_runtime_encodes_steps_only_for_its_own_sender(
     that takes encoded items too."""
     import traceml_ai as traceml
     from traceml_ai.rank import _sdk
+    from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR
 
     class Sender(RecordingSink):
         """What the runtime uses of ``RankSender``; encoded items decoded on arrival."""
@@ -284,8 +285,8 @@ def test_the_runtime_encodes_steps_only_for_its_own_sender(
 
     sink = Sender()
     if own_sender:
-        monkeypatch.setattr(_sdk, "_build_sender", lambda *args: sink)
-        monkeypatch.setenv(_sdk.ENV_AGGREGATOR_ADDR, "127.0.0.1:9")
+        monkeypatch.setattr(_sdk, "build_sender", lambda *args: sink)
+        monkeypatch.setenv(ENV_AGGREGATOR_ADDR, "127.0.0.1:9")
         traceml.init(sampler_interval=60.0)
     else:
         traceml.init(sink=sink, sampler_interval=60.0)
