@@ -210,7 +210,7 @@ def summary(
         click.echo(f"traceml: error: {exc}", err=True)
         sys.exit(1)
     if as_json:
-        click.echo(orjson.dumps(result).decode())
+        click.echo(orjson.dumps(result.to_json()).decode())
     elif not follow:
         click.echo(format_summary(result, full=not short))
     if plot_path is not None:
@@ -225,7 +225,7 @@ def summary(
             click.echo(f"traceml: cannot write {target}: {exc.strerror or exc}", err=True)
             sys.exit(1)
         click.echo(f"traceml: plot written to {target}", err=as_json)
-    if result.get("problems"):
+    if result.problems:
         sys.exit(1)
 
 

@@ -550,11 +550,12 @@ def test_summary_stays_a_function_after_every_module_is_imported() -> None:
 
 def test_final_summary_phases_are_figured_as_traceml_summary_figures_them() -> None:
     from traceml_ai.run_summary import _phases as _step_phases
-    from traceml_ai.run_summary import _report as run_summary
     from traceml_ai.run_summary import in_process
 
     def timing(ms: float) -> dict[str, dict[str, object]]:
-        return {"cpu": {"duration_ms": ms, "cpu_ms": ms, "gpu_ms": None, "is_gpu": False}}
+        return {
+            "cpu": {"duration_ms": ms, "cpu_ms": ms, "gpu_ms": None, "is_gpu": False, "n_calls": 1}
+        }
 
     # The batch fetched before the step opened (3 ms), then a 1 ms step.
     events = {
@@ -578,6 +579,6 @@ def test_final_summary_phases_are_figured_as_traceml_summary_figures_them() -> N
         abs(sum(phases[n]["share"] for n in built_in) + 0.0125 + phases["rest"]["share"] - 1) < 1e-3
     )
     # The same steps read from an export file give the same breakdown.
-    line = {"global_rank": 0, "timestamp_unix_ns": 0, "events": events}
-    rows = run_summary._step_rows([{**line, "step": 1}, {**line, "step": 2}])
-    assert phases == _step_phases.phase_breakdown(list(rows[0].values()), summary["phase_names"])
+    row = _step_phases.step_row(events)
+    assert row is not None
+    assert phases == _step_phases.phase_breakdown([row, row], summary["phase_names"])

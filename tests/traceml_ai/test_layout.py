@@ -58,22 +58,9 @@ def test_no_subpackage_shadows_a_public_name() -> None:
 # Empty, this check holds for every module.
 _PENDING = frozenset(
     {
-        "dashboard/_files.py: traceml_ai.run_summary._read",
-        "dashboard/_files.py: traceml_ai.run_summary._report",
-        "dashboard/_live.py: traceml_ai.monitor._service",
-        "dashboard/_live.py: traceml_ai.monitor._state",
-        "dashboard/_live.py: traceml_ai.run_summary._phases",
-        "dashboard/_live.py: traceml_ai.run_summary._report",
-        "dashboard/_live.py: traceml_ai.run_summary._straggler",
-        "dashboard/_view.py: traceml_ai.run_summary._phases",
-        "dashboard/_view.py: traceml_ai.run_summary._straggler",
         "integrations/_ray_config.py: traceml_ai.rank._init_config",
         "launch/launcher.py: traceml_ai.export._finalize",
         "launch/launcher.py: traceml_ai.rank._init_config",
-        "monitor/_state.py: traceml_ai.run_summary._phases",
-        "monitor/_state.py: traceml_ai.run_summary._straggler",
-        "monitor/metrics.py: traceml_ai.run_summary._phases",
-        "monitor/metrics.py: traceml_ai.run_summary._straggler",
     }
 )
 

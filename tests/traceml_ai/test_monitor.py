@@ -50,12 +50,15 @@ def identity(rank: int, world: int = 2, node: int = 0) -> dict[str, Any]:
     }
 
 
+def timing(ms: float) -> dict[str, Any]:
+    """A host phase's timing as a rank's wire item carries it."""
+    return {"cpu": {"duration_ms": ms, "cpu_ms": ms, "gpu_ms": None, "is_gpu": False, "n_calls": 1}}
+
+
 def step(step_no: int, step_ms: float, end_ns: int, **phases: float) -> dict[str, Any]:
-    events: dict[str, Any] = {
-        "_traceml_internal:step_time": {"cpu": {"duration_ms": step_ms, "cpu_ms": step_ms}}
-    }
+    events: dict[str, Any] = {"_traceml_internal:step_time": timing(step_ms)}
     for name, ms in phases.items():
-        events[name] = {"cpu": {"duration_ms": ms, "cpu_ms": ms}}
+        events[name] = timing(ms)
     return {"seq": step_no, "step": step_no, "timestamp_unix_ns": end_ns, "events": events}
 
 

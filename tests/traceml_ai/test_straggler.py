@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from tests.e2e_helpers import REPO, free_port, run_cli
-from traceml_ai.run_summary import StragglerView, format_summary, summarize_run
+from tests.summary_helpers import format_json, summarize_json
+from traceml_ai.run_summary import StragglerView
 from traceml_ai.run_summary._straggler import analyze
 
 P = "_traceml_internal:"
@@ -121,7 +122,7 @@ def folder(tmp_path: Path, lines: list[dict[str, Any]]) -> Path:
 
 
 def _view(tmp_path: Path, lines: list[dict[str, Any]]) -> dict[str, Any]:
-    summary = summarize_run(folder(tmp_path, lines))
+    summary = summarize_json(folder(tmp_path, lines))
     view: dict[str, Any] = summary["straggler"]
     # The JSON form and the typed view are one value.
     typed = StragglerView.from_json(view)
@@ -267,9 +268,9 @@ def test_real_ddp_run(
 ) -> None:
     res = _straggler_run(tmp_path, ranks, "ddp", where, slowed, every)
     assert res.returncode == 0, res.stderr
-    summary = summarize_run(tmp_path / "logs" / "r")
+    summary = summarize_json(tmp_path / "logs" / "r")
     view = summary["straggler"]
-    why = format_summary(summary) + "\n" + res.stderr
+    why = format_json(summary) + "\n" + res.stderr
     assert summary["loss"]["status"] == "complete", why
     assert summary["environment"]["training_strategy"] == "ddp", why
     # A CPU run: said so instead of empty GPU figures; traceml run ends with the
@@ -370,9 +371,9 @@ def test_real_run_through_collectives(
     res = _straggler_run(tmp_path, ranks, strategy, where, slowed, every)
     assert res.returncode == 0, res.stderr
     folder = tmp_path / "logs" / "r"
-    summary = summarize_run(folder)
+    summary = summarize_json(folder)
     view = summary["straggler"]
-    why = format_summary(summary) + "\n" + res.stderr
+    why = format_json(summary) + "\n" + res.stderr
     assert summary["loss"]["status"] == "complete", why
     assert view["basis"] == "collectives", why
     assert view["verdict"] == verdict, why
@@ -452,13 +453,13 @@ def test_measured_waits_see_a_rank_slow_inside_the_synchronizing_phase(tmp_path:
         line["events"][P + "step_time"]["cpu"]["cpu_ms"] += 20.0
         line["events"][P + "step_time"]["cpu"]["duration_ms"] += 20.0
     run = folder(tmp_path, lines)
-    inferred = summarize_run(run)["straggler"]
+    inferred = summarize_json(run)["straggler"]
     assert inferred["basis"] == "phase_times" and inferred["verdict"] == "none"
     _with_collectives(
         run,
         [_collectives_line(r, s, 20.5 if r == 0 else 0.5) for s in range(1, 31) for r in (0, 1)],
     )
-    summary = summarize_run(run)
+    summary = summarize_json(run)
     view = summary["straggler"]
     assert view["basis"] == "collectives"
     assert view["verdict"] == "straggler", verdict_line(view)
@@ -486,7 +487,7 @@ def test_unseen_collectives_fall_back_to_phase_times_and_say_so(
 ) -> None:
     run = folder(tmp_path, simulate(2, 30, {1: ("forward", 20.0, 1)}))
     _with_collectives(run, lines)
-    summary = summarize_run(run)
+    summary = summarize_json(run)
     assert summary["straggler"]["basis"] == "phase_times"
     assert summary["straggler"]["verdict"] == "straggler"  # still found, from phase times
     assert any(n.startswith("collectives: ") and note in n for n in summary["notes"]), summary[

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from traceml_ai.run_summary import SummaryError, format_summary, summarize_run
+from tests.summary_helpers import format_json, summarize_json
+from traceml_ai.run_summary import SummaryError
 
 P = "_traceml_internal:"
 
@@ -71,7 +72,7 @@ def test_straggler_by_step_time(tmp_path: Path) -> None:
         for s in range(1, 21)
         for r in range(3)
     ]
-    summary = summarize_run(run_folder(tmp_path, lines))
+    summary = summarize_json(run_folder(tmp_path, lines))
     view = summary["straggler"]
     # Ranks that do not wait for each other: the slow rank's own work is its step.
     assert [s["rank"] for s in view["stragglers"]] == [2]
@@ -81,7 +82,7 @@ def test_straggler_by_step_time(tmp_path: Path) -> None:
     assert view["stragglers"][0]["phase"] == "rest_of_step"
     assert summary["step_time"]["2"]["p50_ms"] == 30.0
     assert summary["phases"]["0"]["rest"]["mean_ms"] == 6.0
-    assert "straggler: rank 2" in format_summary(summary, full=False)
+    assert "straggler: rank 2" in format_json(summary, full=False)
 
 
 def test_no_straggler_within_margin(tmp_path: Path) -> None:
@@ -91,7 +92,7 @@ def test_no_straggler_within_margin(tmp_path: Path) -> None:
         for s in range(1, 11)
         for r in range(2)
     ]
-    view = summarize_run(run_folder(tmp_path, lines))["straggler"]
+    view = summarize_json(run_folder(tmp_path, lines))["straggler"]
     assert view["stragglers"] == []
     assert view["verdict"] == "none"
     assert view["waiting"] is None
@@ -103,13 +104,13 @@ def test_ddp_wait_in_backward_names_the_cause(tmp_path: Path) -> None:
     for s in range(1, 16):
         lines.append(step_line(0, s, 2, {"step": 22.0, "forward_time": 0.5, "backward_time": 21.0}))
         lines.append(step_line(1, s, 2, {"step": 22.2, "forward_time": 20.0, "backward_time": 1.5}))
-    summary = summarize_run(run_folder(tmp_path, lines))
+    summary = summarize_json(run_folder(tmp_path, lines))
     view = summary["straggler"]
     assert view["waiting"]["phase"] == "backward"
     assert view["waiting"]["ranks"] == [0]
     assert [s["rank"] for s in view["stragglers"]] == [1]
     assert view["stragglers"][0]["phase"] == "forward"
-    text = format_summary(summary)
+    text = format_json(summary)
     assert "straggler: rank 1: +" in text and "the others wait in backward" in text
     assert all(line.startswith("traceml:") for line in text.splitlines())
 
@@ -118,14 +119,14 @@ def test_live_file_partial_line_and_no_closing(tmp_path: Path) -> None:
     run = tmp_path / "run"
     lines = [step_line(0, s, 1, {"step": 5.0}) for s in range(1, 4)]
     write(run / "aggregator" / "export" / "step_time.jsonl", lines, tail=b'{"stream":"step_ti')
-    summary = summarize_run(run)
+    summary = summarize_json(run)
     assert summary["step_time"]["0"]["steps"] == 3
     loss = summary["loss"]
     assert loss["status"] == "in_progress"
     assert loss["files"]["step_time"]["partial_last_line"] is True
     assert loss["unfinished_files"] == ["step_time"]
     assert summary["straggler"]["applicable"] is False
-    assert "files: in progress or unfinished" in format_summary(summary)
+    assert "files: in progress or unfinished" in format_json(summary)
 
 
 def test_warning_file_and_missing_streams(tmp_path: Path) -> None:
@@ -145,11 +146,11 @@ def test_warning_file_and_missing_streams(tmp_path: Path) -> None:
         },
     }
     (run / "finalization_warning.json").write_text(json.dumps(warning, indent=2))
-    summary = summarize_run(run / "aggregator" / "export")  # the export folder works too
+    summary = summarize_json(run / "aggregator" / "export")  # the export folder works too
     assert summary["run_folder"] == str(run)
     assert summary["loss"]["status"] == "lost"
     assert summary["loss"]["warning"]["reason"] == "export_incomplete"
-    text = format_summary(summary)
+    text = format_json(summary)
     assert "files: incomplete (export_incomplete): 2 batches were dropped." in text
     assert "note: peak memory: step_memory was not exported" in text
     assert "note: system figures: system was not exported" in text
@@ -158,9 +159,9 @@ def test_warning_file_and_missing_streams(tmp_path: Path) -> None:
 
 def test_bad_paths(tmp_path: Path) -> None:
     with pytest.raises(SummaryError, match="no such file or folder"):
-        summarize_run(tmp_path / "nope")
+        summarize_json(tmp_path / "nope")
     with pytest.raises(SummaryError, match="no export files here"):
-        summarize_run(tmp_path)
+        summarize_json(tmp_path)
 
 
 # --- the command: text, --json, --plot, --follow, and traceml run's last lines --------
@@ -185,7 +186,7 @@ def test_cli_text_json_and_messages(tmp_path: Path) -> None:
     as_json = run_cli(["summary", "--json", run], cwd=tmp_path, timeout=60)
     assert as_json.returncode == 0, as_json.stderr
     obj = orjson.loads(as_json.stdout)
-    assert obj == orjson.loads(orjson.dumps(summarize_run(run)))
+    assert obj == orjson.loads(orjson.dumps(summarize_json(run)))
     assert [s["rank"] for s in obj["straggler"]["stragglers"]] == [1]
     missing = run_cli(["summary", tmp_path / "nope"], cwd=tmp_path, timeout=60)
     assert missing.returncode == 1
@@ -291,7 +292,7 @@ def test_ddp_three_ranks_one_slow(tmp_path: Path) -> None:
                     },
                 )
             )
-    view = summarize_run(run_folder(tmp_path, lines))["straggler"]
+    view = summarize_json(run_folder(tmp_path, lines))["straggler"]
     assert view["waiting"]["phase"] == "backward"
     assert view["waiting"]["ranks"] == [0, 1]
     assert [s["rank"] for s in view["stragglers"]] == [2]
@@ -331,7 +332,7 @@ def test_hypothesis_folders(
     if data.draw(st.booleans(), label="warning"):
         warning = data.draw(warning_json(), label="warning file")
         (export.parent.parent / "finalization_warning.json").write_bytes(orjson.dumps(warning))
-    summary = summarize_run(export.parent.parent)
+    summary = summarize_json(export.parent.parent)
     # Schema-valid lines are all used; the only damage such a folder can have is a
     # key drawn twice (reported, the first line counted).
     from traceml_records import STREAMS
@@ -346,7 +347,7 @@ def test_hypothesis_folders(
     if repeated:
         assert summary["loss"]["status"] in ("damaged", "lost")
     orjson.dumps(summary)  # JSON-able
-    assert format_summary(summary) and format_summary(summary, full=False)
+    assert format_json(summary) and format_json(summary, full=False)
     expected = {
         (o["global_rank"], o["step"])
         for o in drawn.get("step_time", [])
@@ -373,7 +374,7 @@ def test_memory_peaks_per_rank_and_device(tmp_path: Path) -> None:
         for r in range(2)
     ]
     write(run / "aggregator" / "export" / "step_memory.jsonl", [*mem, closing("step_memory", 8)])
-    summary = summarize_run(run)
+    summary = summarize_json(run)
     assert summary["memory"]["1"]["cuda:0"] == {
         "peak_allocated_bytes": 401,
         "peak_reserved_bytes": 1000,
@@ -399,10 +400,10 @@ def test_one_reader_for_every_size(tmp_path: Path) -> None:
 
     big = run_folder(tmp_path / "big", lines(7500))
     assert (big / "aggregator" / "export" / "step_time.jsonl").stat().st_size > 8 << 20
-    small = summarize_run(run_folder(tmp_path / "small", lines(3)))
+    small = summarize_json(run_folder(tmp_path / "small", lines(3)))
     code = (
         "import sys, orjson; from traceml_ai.run_summary import summarize_run;"
-        f"s = summarize_run({str(big)!r});"
+        f"s = summarize_run({str(big)!r}).to_json();"
         "print(orjson.dumps([s['phases'], 'pyarrow' in sys.modules]).decode())"
     )
     out = subprocess.run(
@@ -416,6 +417,7 @@ def test_one_reader_for_every_size(tmp_path: Path) -> None:
 def test_live_view_with_many_ranks_shows_the_straggler(tmp_path: Path) -> None:
     from rich.console import Console
 
+    from traceml_ai.run_summary import summarize_run
     from traceml_ai.run_summary.live import _render
 
     lines = [
@@ -443,7 +445,7 @@ def test_short_form_names_the_warning_file(tmp_path: Path) -> None:
         "missing_ranks": [1],
     }
     (run / "finalization_warning.json").write_text(json.dumps(warning))
-    short = format_summary(summarize_run(run), full=False)
+    short = format_json(summarize_json(run), full=False)
     assert short.splitlines()[-1] == (
         f"traceml: files: incomplete (ranks_disconnected; see {run / 'finalization_warning.json'})"
     )
@@ -493,8 +495,8 @@ def test_a_run_with_no_step_yet_counts_no_ranks_in_its_head(
     environment = data.draw(st.lists(consistent_json("runtime_environment"), min_size=1))
     write(export / "runtime_environment.jsonl", environment)
     write(export / "step_time.jsonl", [closing("step_time", 0)])
-    summary = summarize_run(export.parent.parent)
-    text = format_summary(summary)
+    summary = summarize_json(export.parent.parent)
+    text = format_json(summary)
     head = text.splitlines()[0]
     assert "rank(s)" not in head, text
     assert "no step recorded yet" in text, text

@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e_helpers import clean_env, run_cli, traceml_cmd
+from tests.summary_helpers import format_json, summarize_json
 from tests.traceml_ai.test_summary import closing, run_folder, step_line, write
-from traceml_ai.run_summary import SummaryError, format_summary, summarize_run
+from traceml_ai.run_summary import RunSummary, SummaryError
 
 P = "_traceml_internal:"
 
@@ -60,10 +61,10 @@ def _process_line(seq: int, cpu: float, cores: int | None, ram: int = 1 << 20) -
 
 
 def _not_complete(summary: dict[str, Any]) -> str:
-    text = format_summary(summary)
+    text = format_json(summary)
     assert summary["loss"]["status"] != "complete", text
     assert "files: complete" not in text
-    assert "files: complete" not in format_summary(summary, full=False)
+    assert "files: complete" not in format_json(summary, full=False)
     return text
 
 
@@ -73,7 +74,7 @@ def _not_complete(summary: dict[str, Any]) -> str:
 def test_a_negative_phase_duration_is_a_bad_line_never_averaged(tmp_path: Path) -> None:
     lines = [step_line(0, s, 1, {"step": 10.0, "forward_time": 1.0}) for s in range(1, 4)]
     lines[1]["events"][P + "forward_time"]["cpu"]["duration_ms"] = -0.1
-    summary = summarize_run(run_folder(tmp_path, lines))
+    summary = summarize_json(run_folder(tmp_path, lines))
     entry = summary["loss"]["files"]["step_time"]
     assert entry["impossible_lines"] == 1
     assert summary["step_time"]["0"]["steps"] == 2
@@ -104,7 +105,7 @@ def test_impossible_counts_in_step_time(tmp_path: Path, where: str, value: Any, 
         lines[2]["events"][P + "forward_time"]["cpu"][where] = value
     else:
         lines[2][where] = value
-    summary = summarize_run(run_folder(tmp_path, lines))
+    summary = summarize_json(run_folder(tmp_path, lines))
     assert summary["loss"]["files"]["step_time"]["impossible_lines"] == 1
     assert summary["step_time"]["0"]["steps"] == 2
     assert why in _not_complete(summary)
@@ -117,7 +118,7 @@ def test_impossible_values_in_other_streams(tmp_path: Path) -> None:
         _export(run) / "process.jsonl",
         [_process_line(0, 10.0, 4), bad_ram, closing("process", 2)],
     )
-    summary = summarize_run(run)
+    summary = summarize_json(run)
     assert summary["loss"]["files"]["process"]["impossible_lines"] == 1
     assert summary["process"]["0"]["samples"] == 1
     assert "ram_used_bytes -5 is below 0" in _not_complete(summary)
@@ -137,7 +138,7 @@ def test_nan_infinity_and_repeated_keys_in_a_big_file(tmp_path: Path) -> None:
     closing_line = orjson.dumps(closing("step_time", len(lines) + 2)) + b"\n"
     path.write_bytes(body + nan + b"\n" + inf + b"\n" + closing_line)
     assert path.stat().st_size > 8 << 20
-    summary = summarize_run(tmp_path / "run")
+    summary = summarize_json(tmp_path / "run")
     entry = summary["loss"]["files"]["step_time"]
     assert entry["unreadable_lines"] == 2
     assert entry["duplicate_keys"] == 1
@@ -156,7 +157,7 @@ def test_nan_infinity_and_repeated_keys_in_a_big_file(tmp_path: Path) -> None:
 def test_duplicate_keys_are_reported_not_merged(tmp_path: Path) -> None:
     lines = _two_ranks(3)
     lines.append(step_line(0, 2, 2, {"step": 500.0}))
-    summary = summarize_run(run_folder(tmp_path, lines))
+    summary = summarize_json(run_folder(tmp_path, lines))
     assert summary["loss"]["files"]["step_time"]["duplicate_keys"] == 1
     assert summary["step_time"]["0"]["max_ms"] == 10.0
     assert "line 7: global_rank=0, step=2" in _not_complete(summary)
@@ -168,7 +169,7 @@ def test_two_runs_in_one_file(tmp_path: Path) -> None:
     second = [step_line(0, s, 1, {"step": 50.0}) for s in range(1, 3)]
     path = _export(tmp_path / "run") / "step_time.jsonl"
     write(path, [*first, closing("step_time", 3), *second, closing("step_time", 2)])
-    summary = summarize_run(tmp_path / "run")
+    summary = summarize_json(tmp_path / "run")
     entry = summary["loss"]["files"]["step_time"]
     assert entry["closing_lines"] == 2
     assert entry["lines_after_closing"] == 2
@@ -185,20 +186,20 @@ def test_a_second_closing_line_alone_is_reported(tmp_path: Path) -> None:
     lines = [step_line(0, 1, 1, {"step": 5.0})]
     path = _export(tmp_path / "run") / "step_time.jsonl"
     write(path, [*lines, closing("step_time", 1), closing("step_time", 1)])
-    summary = summarize_run(tmp_path / "run")
+    summary = summarize_json(tmp_path / "run")
     assert summary["loss"]["files"]["step_time"]["closing_lines"] == 2
     assert "two runs in one file?" in _not_complete(summary)
 
 
 def test_short_form_counts_steps_per_rank(tmp_path: Path) -> None:
-    short = format_summary(summarize_run(run_folder(tmp_path / "a", _two_ranks(30))), full=False)
+    short = format_json(summarize_json(run_folder(tmp_path / "a", _two_ranks(30))), full=False)
     assert "; 30 steps on each of 2 ranks" in short
     assert "60 steps" not in short
     uneven = [line for line in _two_ranks(30) if not (line["rank"] == 1 and line["step"] > 28)]
-    short = format_summary(summarize_run(run_folder(tmp_path / "b", uneven)), full=False)
+    short = format_json(summarize_json(run_folder(tmp_path / "b", uneven)), full=False)
     assert "; 28 to 30 steps per rank on 2 ranks" in short
     one = [step_line(0, s, 1, {"step": 5.0}) for s in range(1, 8)]
-    short = format_summary(summarize_run(run_folder(tmp_path / "c", one)), full=False)
+    short = format_json(summarize_json(run_folder(tmp_path / "c", one)), full=False)
     assert "step time: p50 5.00 ms; 7 steps on 1 rank" in short
 
 
@@ -208,13 +209,13 @@ def test_process_cpu_above_the_host_cores_is_left_out(tmp_path: Path) -> None:
     # other lines give it.
     objs = [_process_line(0, 50.0, 2), _process_line(1, 190.0, 2), _process_line(2, 5000.0, None)]
     write(_export(run) / "process.jsonl", [*objs, closing("process", 3)])
-    summary = summarize_run(run)
+    summary = summarize_json(run)
     proc = summary["process"]["0"]
     assert proc["cpu_percent_max"] == 190.0
     assert proc["cpu_percent_mean"] == 120.0
     assert proc["cpu_percent_impossible_samples"] == 1
     assert proc["cpu_logical_cores"] == 2
-    text = format_summary(summary)
+    text = format_json(summary)
     assert "rank 0: CPU 120% mean, 190% max (1 impossible sample(s) left out)" in text
     assert "5000" not in text
     assert "note: process CPU: rank 0 1 sample(s) above 100 % per logical core" in text
@@ -225,7 +226,7 @@ def test_process_cpu_without_a_core_count(tmp_path: Path) -> None:
     run = run_folder(tmp_path, [step_line(0, 1, 1, {"step": 5.0})])
     objs = [_process_line(0, 350.0, None), _process_line(1, 1e9, None)]
     write(_export(run) / "process.jsonl", [*objs, closing("process", 2)])
-    proc = summarize_run(run)["process"]["0"]
+    proc = summarize_json(run)["process"]["0"]
     assert proc["cpu_percent_max"] == 350.0
     assert proc["cpu_percent_impossible_samples"] == 1
     assert proc["cpu_logical_cores"] is None
@@ -238,7 +239,7 @@ def test_an_empty_export_folder_is_an_error(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _export(run).mkdir(parents=True)
     with pytest.raises(SummaryError, match="no export files here"):
-        summarize_run(run)
+        summarize_json(run)
     res = run_cli(["summary", run], cwd=tmp_path, timeout=60)
     assert res.returncode == 1
     assert res.stdout == ""
@@ -272,7 +273,7 @@ def test_a_step_time_that_is_not_a_file(tmp_path: Path, kind: str) -> None:
     assert "files: complete" not in res.stdout
     assert "files: damaged, not complete (1 problem(s), on the lines above)" in res.stdout
     assert "step_time was not exported" not in res.stdout
-    summary = summarize_run(run)
+    summary = summarize_json(run)
     assert summary["loss"]["files"]["step_time"]["unreadable"] == why
 
 
@@ -296,7 +297,7 @@ def test_a_damaged_warning_file(tmp_path: Path, content: str | bytes, why: str) 
         warning.mkdir()
     else:
         os.mkfifo(warning)
-    summary = summarize_run(run)
+    summary = summarize_json(run)
     assert summary["loss"]["status"] == "damaged"
     assert len(summary["problems"]) == 1
     assert summary["problems"][0].startswith(f"finalization_warning.json: {why}")
@@ -392,8 +393,9 @@ def test_live_view_fits_80_columns() -> None:
 
     from traceml_ai.run_summary.live import _render
 
-    steps = {str(r): {"steps": 123456, "p50_ms": 12345.67, "p90_ms": 1.0, "p99_ms": 99999.99,
-                      "max_ms": 123456.78, "steps_per_s": 1234.56} for r in range(4)}  # fmt: skip
+    steps = {str(r): {"steps": 123456, "first_step": 1, "last_step": 123456, "p50_ms": 12345.67,
+                      "p90_ms": 1.0, "p99_ms": 99999.99, "max_ms": 123456.78, "mean_ms": 1.0,
+                      "steps_per_s": 1234.56} for r in range(4)}  # fmt: skip
     names = [
         "dataloader_wait",
         "forward",
@@ -403,21 +405,42 @@ def test_live_view_fits_80_columns() -> None:
         "rest",
     ]
     phases = {
-        r: {n: {"mean_ms": 1.0, "share": 0.9 if n.startswith("user") else 0.02} for n in names}
+        r: {
+            n: {"mean_ms": 1.0, "p50_ms": 1.0, "share": 0.9 if n.startswith("user") else 0.02}
+            for n in names
+        }
         for r in steps
     }
-    summary = {
-        "export_folder": "/logs/run/aggregator/export",
-        "run_folder": "/logs/run",
-        "ranks": [0, 1, 2, 3],
-        "step_time": steps,
-        "phases": phases,
-        "phase_names": names,
-        "straggler": None,
-        "problems": [],
-        "notes": [],
-        "loss": {"status": "complete"},
-    }
+    ok = "files: complete (every file closed, nothing lost)"
+    summary = RunSummary.from_json(
+        {
+            "export_folder": "/logs/run/aggregator/export",
+            "run_folder": "/logs/run",
+            "streams": ["step_time"],
+            "environment": None,
+            "ranks": [0, 1, 2, 3],
+            "world_size": 4,
+            "step_time": steps,
+            "phases": phases,
+            "phase_names": names,
+            "straggler": None,
+            "memory": None,
+            "process": None,
+            "system": None,
+            "problems": [],
+            "notes": [],
+            "loss": {
+                "status": "complete",
+                "dropped_batches": 0,
+                "files": {},
+                "unfinished_files": [],
+                "warning": None,
+                "warning_file": None,
+                "line": ok,
+                "short_line": ok,
+            },
+        }
+    )
     buf = io.StringIO()
     console = Console(width=80, file=buf, record=True)
     console.print(_render(summary, None))
@@ -462,7 +485,7 @@ def test_json_reports_every_problem_field(tmp_path: Path) -> None:
     lines = _two_ranks(2)
     lines[0]["events"][P + "step_time"]["cpu"]["duration_ms"] = -1.0
     lines.append(lines[1])
-    summary = summarize_run(run_folder(tmp_path, lines))
+    summary = summarize_json(run_folder(tmp_path, lines))
     loaded = json.loads(orjson.dumps(summary))
     assert loaded["loss"]["files"]["step_time"]["impossible_lines"] == 1
     assert loaded["loss"]["files"]["step_time"]["duplicate_keys"] == 1

@@ -1,9 +1,9 @@
 """The files source: a run's export files as a :class:`~traceml_ai.dashboard._view.RunData`.
 
 It reads with the run summary's one reader, as ``traceml summary --follow`` does:
-:func:`~traceml_ai.run_summary.summarize_run` for every figure, the straggler view and
-the loss report (closing lines, ``finalization_warning.json``), and the same reader's
-step rows (:func:`traceml_ai.run_summary._read.step_rows`) for the lines over steps.
+:func:`~traceml_ai.run_summary.summarize_run` gives the typed summary, with every
+figure, the straggler view, the loss report (closing lines,
+``finalization_warning.json``) and the step rows behind the lines over steps.
 The files are read again only when one of them changed (size, inode or time), at most
 every :data:`MIN_AGE_S`; a run still being written is followed until it is complete.
 """
@@ -20,12 +20,11 @@ from traceml_ai.dashboard._view import RunData
 from traceml_ai.run_summary import (
     STREAM_FILES,
     WARNING_FILE,
+    RunSummary,
     SummaryError,
-    format_summary,
-    straggler_view,
+    export_folder_of,
+    summarize_run,
 )
-from traceml_ai.run_summary._read import FileRead, exists, step_rows
-from traceml_ai.run_summary._report import _folders, _read, summarize_run
 
 __all__ = ["MIN_AGE_S", "FilesSource", "check_folder"]
 
@@ -46,7 +45,7 @@ def check_folder(path: str | os.PathLike[str]) -> str | None:
 def _signature(path: Path) -> tuple[Any, ...]:
     """What changes when any file the view reads changes."""
     try:
-        export, run = _folders(path)
+        export, run = export_folder_of(path)
     except SummaryError as exc:
         return ("error", str(exc))
     out: list[Any] = [str(export)]
@@ -102,20 +101,15 @@ class FilesSource:
                 waiting=str(exc),
                 loss={"status": "in_progress", "lines": [], "warning": None},
             )
-        export_dir = Path(summary["export_folder"])
-        info = FileRead("step_time", export_dir / "step_time.jsonl")
-        rows: dict[int, dict[int, dict[str, float]]] = {}
-        if exists(info.path):
-            rows = (_read(info, lambda fh: step_rows(fh, info)) or ({}, set()))[0]
-        return from_summary(summary, rows)
+        return from_summary(summary)
 
 
-def from_summary(summary: dict[str, Any], rows: dict[int, dict[int, dict[str, float]]]) -> RunData:
-    """RunData of a run summary (:func:`summarize_run`'s dict) and its step rows."""
-    env = summary.get("environment") or {}
-    strategy = env.get("training_strategy")
-    ranks: list[int] = list(summary.get("ranks") or [])
-    rows = {r: steps for r, steps in rows.items() if r in set(ranks)}
+def from_summary(summary: RunSummary) -> RunData:
+    """RunData of a run summary (:func:`summarize_run`), its step rows included."""
+    env = summary.environment
+    strategy = env.training_strategy if env is not None else None
+    ranks = list(summary.ranks)
+    rows = summary.rows
     nodes = {
         r: int(row["_node"])
         for r, steps in rows.items()
@@ -123,91 +117,82 @@ def from_summary(summary: dict[str, Any], rows: dict[int, dict[int, dict[str, fl
         if "_node" in row
     }
     memory = None
-    if summary.get("memory") is not None:
+    if summary.memory is not None:
         memory = [
-            {"rank": int(r), "device": d, **figures}
-            for r, devs in summary["memory"].items()
-            for d, figures in devs.items()
+            {
+                "rank": int(r),
+                "device": d,
+                "peak_allocated_bytes": peak.peak_allocated_bytes,
+                "peak_reserved_bytes": peak.peak_reserved_bytes,
+            }
+            for r, devs in summary.memory.items()
+            for d, peak in devs.items()
         ]
     process = None
-    if summary.get("process") is not None:
+    if summary.process is not None:
         process = [
             {
                 "rank": int(r),
-                "cpu_percent": p.get("cpu_percent_mean"),
-                "ram_used_bytes": p.get("ram_used_bytes_max"),
-                "gpu_memory_used_bytes": p.get("gpu_memory_used_bytes_max"),
-                "gpu_memory_reserved_bytes": p.get("gpu_memory_reserved_bytes_max"),
+                "cpu_percent": p.cpu_percent_mean,
+                "ram_used_bytes": p.ram_used_bytes_max,
+                "gpu_memory_used_bytes": p.gpu_memory_used_bytes_max,
+                "gpu_memory_reserved_bytes": p.gpu_memory_reserved_bytes_max,
             }
-            for r, p in summary["process"].items()
+            for r, p in summary.process.items()
         ]
     system = None
-    if summary.get("system") is not None:
+    if summary.system is not None:
         system = [
             {
                 "node": int(node),
-                "cpu_percent": n.get("cpu_percent_mean"),
-                "ram_used_bytes": n.get("ram_used_bytes_max"),
-                "ram_total_bytes": n.get("ram_total_bytes"),
+                "cpu_percent": n.cpu_percent_mean,
+                "ram_used_bytes": n.ram_used_bytes_max,
+                "ram_total_bytes": n.ram_total_bytes,
                 "gpus": [
                     {
                         "index": int(i),
-                        "utilization_percent": g.get("utilization_percent_mean"),
-                        "memory_used_bytes": g.get("memory_used_bytes_max"),
-                        "memory_total_bytes": g.get("memory_total_bytes"),
-                        "temperature_c": g.get("temperature_c_max"),
-                        "power_usage_w": g.get("power_usage_w_max"),
+                        "utilization_percent": g.utilization_percent_mean,
+                        "memory_used_bytes": g.memory_used_bytes_max,
+                        "memory_total_bytes": g.memory_total_bytes,
+                        "temperature_c": g.temperature_c_max,
+                        "power_usage_w": g.power_usage_w_max,
                     }
-                    for i, g in n.get("gpus", {}).items()
+                    for i, g in n.gpus.items()
                 ],
             }
-            for node, n in summary["system"].items()
+            for node, n in summary.system.items()
         ]
-    loss = summary["loss"]
-    text = format_summary(summary)
+    loss = summary.loss
     lines = [
-        line.removeprefix("traceml: ")
-        for line in text.splitlines()
-        if line.startswith(("traceml: files:", "traceml: problem:"))
+        *(f"problem: {p}" for p in summary.problems),
+        loss.line,
+        *(loss.files[name].line(name) for name in sorted(loss.files)),
     ]
-    for name, entry in sorted(loss["files"].items()):
-        closed = "closed" if entry.get("closed") else "no closing line yet"
-        written = entry.get("written_records")
-        lines.append(
-            f"{name}.jsonl: {entry['data_lines']:,} lines, {closed}"
-            + (f" (closing line: {written:,} written)" if isinstance(written, int) else "")
-            + (
-                f", {entry['dropped_batches']:,} dropped batches"
-                if entry.get("dropped_batches")
-                else ""
-            )
-        )
-    finished = not loss["unfinished_files"]
     status = {
         "complete": "files complete",
         "in_progress": "run in progress (files being written)",
         "lost": "files closed, something was lost",
         "damaged": "files damaged",
-    }.get(loss["status"], str(loss["status"]))
-    world = summary.get("world_size") or env.get("world_size")
-    run_folder = summary.get("run_folder")
+    }[loss.status]
+    world = summary.world_size or (env.world_size if env is not None else None)
+    run_folder = summary.run_folder
     return RunData(
         source="files",
-        finished=finished,
+        finished=loss.finished,
         status=status,
         run_name=Path(run_folder).name if run_folder else None,
         run_folder=run_folder,
-        export_folder=summary["export_folder"],
-        world_size=world if isinstance(world, int) else None,
+        export_folder=summary.export_folder,
+        world_size=world,
         strategy=strategy if isinstance(strategy, str) else None,
         window="every step written",
         ranks=ranks,
         rank_nodes=nodes,
         total_steps={r: len(rows.get(r, {})) for r in ranks},
-        step_time=summary.get("step_time"),
-        phases=summary.get("phases"),
-        phase_names=summary.get("phase_names") or [],
-        straggler=straggler_view(summary),
+        step_time=summary.step_time,
+        phases=summary.phases,
+        phase_names=summary.phase_names,
+        straggler=summary.straggler,
         series={
             r: [(st, row["step"], row.get("_ts", 0.0)) for st, row in sorted(steps.items())]
             for r, steps in rows.items()
@@ -219,12 +204,12 @@ def from_summary(summary: dict[str, Any], rows: dict[int, dict[int, dict[str, fl
         system=system,
         system_basis="CPU and GPU use: mean over the run; memory, temperature, power: the largest",
         loss={
-            "status": loss["status"],
+            "status": loss.status,
             "lines": lines,
-            "warning": loss.get("warning"),
-            "warning_file": loss.get("warning_file"),
+            "warning": loss.warning,
+            "warning_file": loss.warning_file,
         },
-        notes=list(summary.get("notes") or []),
-        problems=list(summary.get("problems") or []),
+        notes=list(summary.notes),
+        problems=list(summary.problems),
         waiting=None if ranks else "no step written yet",
     )

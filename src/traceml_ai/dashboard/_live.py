@@ -1,4 +1,4 @@
-"""The live source: the aggregator's :class:`~traceml_ai.monitor._state.LiveState` as
+"""The live source: the aggregator's :class:`~traceml_ai.monitor.LiveState` as
 a :class:`~traceml_ai.dashboard._view.RunData`.
 
 Reads only what the aggregator already holds (each rank's recent steps, the latest
@@ -11,21 +11,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData
-from traceml_ai.monitor._state import WINDOW_STEPS
-from traceml_ai.run_summary._phases import median
-from traceml_ai.run_summary._report import step_figures
-from traceml_ai.run_summary._straggler import StragglerView
+from traceml_ai.monitor import WINDOW_STEPS
+from traceml_ai.run_summary import (
+    PhaseFigures,
+    RankSteps,
+    StepRows,
+    StragglerView,
+    median,
+    step_figures,
+)
 
 if TYPE_CHECKING:
-    from traceml_ai.monitor._service import Monitoring
-    from traceml_ai.monitor._state import StepSeen
+    from traceml_ai.monitor import Monitoring, StepSeen
 
 __all__ = ["LiveSource"]
 
 
-def _shown_rows(
-    recent: dict[int, list[StepSeen]], straggler: StragglerView | None
-) -> dict[int, dict[int, dict[str, float]]]:
+def _shown_rows(recent: dict[int, list[StepSeen]], straggler: StragglerView | None) -> StepRows:
     """The step rows (as the summary reads them) of the ranks the page's tables show:
     every rank up to MAX_TABLE_ROWS, else the stragglers, then the slowest by median."""
     shown = sorted(recent)
@@ -33,7 +35,7 @@ def _shown_rows(
         named = [r for r in (straggler.named_ranks if straggler else ()) if r in recent]
         by_median = sorted(recent, key=lambda r: -median(s.step_ms for s in recent[r]))
         shown = sorted([*named, *(r for r in by_median if r not in named)][:MAX_TABLE_ROWS])
-    rows: dict[int, dict[int, dict[str, float]]] = {}
+    rows: StepRows = {}
     for r in shown:
         mine: dict[int, dict[str, float]] = {}
         for s in recent[r]:
@@ -65,14 +67,15 @@ class LiveSource:
         live_ranks = state.ranks()
         recent = {r: steps for r, steps in state.recent_steps().items() if steps}
         notes: list[str] = []
-        step_time: dict[str, Any] | None = None
-        phases: dict[str, Any] | None = None
+        step_time: dict[str, RankSteps] | None = None
+        phases: dict[str, dict[str, PhaseFigures]] | None = None
         names: list[str] = []
         straggler = state.straggler
         if recent:
             # The summary's figures of the ranks the page shows (all, up to the table's
             # rows; else the stragglers and the slowest), which bounds the cost.
-            step_time, phases, names = step_figures(_shown_rows(recent, straggler))
+            figures = step_figures(_shown_rows(recent, straggler))
+            step_time, phases, names = figures.step_time, figures.phases, figures.phase_names
         else:
             notes.append("step times: no step received yet")
         nodes = state.rank_nodes()

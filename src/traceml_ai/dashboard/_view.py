@@ -2,9 +2,9 @@
 
 Both sources — the aggregator's live state (``traceml run --mode dashboard``) and a
 run's export files (``traceml dashboard FOLDER``) — are first turned into a
-:class:`RunData` in the run summary's own shapes (per-rank step figures and phase
-breakdown from :func:`traceml_ai.run_summary._report.step_figures`, the straggler view
-of :func:`traceml_ai.run_summary._straggler.analyze`, said with its ``verdict_line``),
+:class:`RunData` in the run summary's own typed values (per-rank step figures and phase
+breakdown from :func:`traceml_ai.run_summary.step_figures`, the straggler view of
+:func:`traceml_ai.run_summary.analyze`, said with its ``verdict_line``),
 and :func:`build_view` makes the page's JSON from it. So both commands show the same
 page, in the words of ``traceml summary``.
 
@@ -23,8 +23,13 @@ from typing import Any, Literal
 
 import attrs
 
-from traceml_ai.run_summary._phases import percentile
-from traceml_ai.run_summary._straggler import StragglerView, verdict_line
+from traceml_ai.run_summary import (
+    PhaseFigures,
+    RankSteps,
+    StragglerView,
+    percentile,
+    verdict_line,
+)
 
 __all__ = [
     "ALL_LINES_UP_TO",
@@ -71,10 +76,10 @@ class RunData:
     rank_nodes: Mapping[int, int] = attrs.field(factory=dict)
     total_steps: Mapping[int, int] = attrs.field(factory=dict)
     """Steps received or written per rank (the window may hold fewer)."""
-    step_time: Mapping[str, Any] | None = None
-    """rank (str) -> p50_ms, p90_ms, p99_ms, max_ms, mean_ms, steps_per_s ..."""
-    phases: Mapping[str, Any] | None = None
-    """rank (str) -> phase -> mean_ms, p50_ms, share."""
+    step_time: Mapping[str, RankSteps] | None = None
+    """rank (str) -> its step figures."""
+    phases: Mapping[str, Mapping[str, PhaseFigures]] | None = None
+    """rank (str) -> phase -> its figures."""
     phase_names: Sequence[str] = ()
     straggler: StragglerView | None = None
     series: Series = attrs.field(factory=dict)
@@ -117,11 +122,16 @@ def _straggler_ranks(view: StragglerView | None) -> list[int]:
     return view.named_ranks if view is not None else []
 
 
-def _slowest(ranks: Iterable[int], step_time: Mapping[str, Any] | None) -> list[int]:
+def _slowest(ranks: Iterable[int], step_time: Mapping[str, RankSteps] | None) -> list[int]:
     """Ranks, slowest p50 first."""
     if not step_time:
         return sorted(ranks)
-    return sorted(ranks, key=lambda r: (-float(step_time.get(str(r), {}).get("p50_ms", 0.0)), r))
+
+    def p50(r: int) -> float:
+        s = step_time.get(str(r))
+        return s.p50_ms if s is not None else 0.0
+
+    return sorted(ranks, key=lambda r: (-p50(r), r))
 
 
 # --------------------------------------------------------------------------- sections
@@ -238,20 +248,20 @@ def _rank_table(data: RunData, shown: Sequence[int]) -> list[dict[str, Any]]:
         if s is None:
             continue
         ph = phases.get(str(r)) or {}
-        largest = max(ph, key=lambda n: ph[n]["share"]) if ph else None
+        largest = max(ph, key=lambda n: ph[n].share) if ph else None
         out.append(
             {
                 "rank": r,
                 "node": data.rank_nodes.get(r),
-                "steps": data.total_steps.get(r, s.get("steps")),
-                "last_step": s.get("last_step"),
-                "p50_ms": s.get("p50_ms"),
-                "p90_ms": s.get("p90_ms"),
-                "p99_ms": s.get("p99_ms"),
-                "max_ms": s.get("max_ms"),
-                "steps_per_s": s.get("steps_per_s"),
+                "steps": data.total_steps.get(r, s.steps),
+                "last_step": s.last_step,
+                "p50_ms": s.p50_ms,
+                "p90_ms": s.p90_ms,
+                "p99_ms": s.p99_ms,
+                "max_ms": s.max_ms,
+                "steps_per_s": s.steps_per_s,
                 "largest_phase": largest,
-                "largest_phase_share": ph[largest]["share"] if largest else None,
+                "largest_phase_share": ph[largest].share if largest else None,
                 "straggler": r in stragglers,
             }
         )
@@ -260,15 +270,20 @@ def _rank_table(data: RunData, shown: Sequence[int]) -> list[dict[str, Any]]:
 
 def _phase_chart(data: RunData, ranks: Sequence[int]) -> dict[str, Any]:
     phases = data.phases or {}
-    names = [n for n in data.phase_names]
+    names = list(data.phase_names)
     present = [r for r in ranks if str(r) in phases]
+
+    def figure(r: int, name: str, share: bool) -> float:
+        f = phases[str(r)].get(name)
+        if f is None:
+            return 0.0
+        return f.share if share else f.mean_ms
+
     return {
         "names": names,
         "ranks": present,
-        "mean_ms": {
-            n: [phases[str(r)].get(n, {}).get("mean_ms", 0.0) for r in present] for n in names
-        },
-        "share": {n: [phases[str(r)].get(n, {}).get("share", 0.0) for r in present] for n in names},
+        "mean_ms": {n: [figure(r, n, False) for r in present] for n in names},
+        "share": {n: [figure(r, n, True) for r in present] for n in names},
     }
 
 
@@ -300,9 +315,7 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
     extra = [r for r in extra_ranks if r in data.series]
     step_chart, throughput = _series(data, highlight, extra)
     nodes = sorted(set(data.rank_nodes.values()))
-    job_rates = [
-        float(s.get("steps_per_s", 0.0)) for s in (data.step_time or {}).values() if s.get("steps")
-    ]
+    job_rates = [s.steps_per_s for s in (data.step_time or {}).values() if s.steps]
     notes = list(data.notes)
     if data.source == "live" and not data.finished and data.memory == []:
         notes.append("peak memory: no step_memory line received yet")

@@ -23,14 +23,14 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from traceml_ai.run_summary._phases import (
+from traceml_ai.run_summary import (
     PHASES,
-    STEP_EVENT,
+    StragglerView,
     add_wait,
+    step_row,
     wait_component,
     waits_measured,
 )
-from traceml_ai.run_summary._straggler import StragglerView
 
 __all__ = [
     "MAX_RANKS",
@@ -72,8 +72,6 @@ WINDOW_STEPS = 120
 """Recent steps kept per rank (for the straggler analysis, the dashboard, outliers)."""
 
 _PHASE_OF_EVENT = {event: name for name, event in PHASES}
-_UNSEEN = "\x00unseen"
-_MAX_LABEL_CACHE = 4096
 _RESERVED = "_traceml_internal:"
 
 
@@ -88,28 +86,6 @@ def _number(value: object) -> float | None:
 
 def _count(value: object) -> int | None:
     return value if type(value) is int and value >= 0 else None
-
-
-def _phase_ms(devices: object) -> float | None:
-    """A phase's time in a step: its longest device (as the summary reads it)."""
-    if type(devices) is not dict:
-        return None
-    if len(devices) == 1:
-        # The usual case, one device: no loop.
-        for timing in devices.values():
-            if type(timing) is dict:
-                d = timing.get("duration_ms")
-                if type(d) is float:
-                    return d if d >= 0 and d != math.inf else None
-                return _number(d)
-        return None
-    best: float | None = None
-    for timing in devices.values():
-        if type(timing) is dict:
-            ms = _number(timing.get("duration_ms"))
-            if ms is not None and (best is None or ms > best):
-                best = ms
-    return best
 
 
 @attrs.define(slots=True)
@@ -241,6 +217,8 @@ class LiveState:
         return live
 
     def _phase_label(self, event: str) -> str | None:
+        if not event:
+            return None
         name = _PHASE_OF_EVENT.get(event)
         if name is not None:
             return name
@@ -281,25 +259,12 @@ class LiveState:
             return None
         if type(events) is not dict:
             return None
-        step_ms = _phase_ms(events.get(STEP_EVENT))
-        if step_ms is None:
+        row = step_row(events, self._phase_label, self._labels)
+        if row is None:
             return None
-        phases: dict[str, float] = {}
-        labels = self._labels
-        for event, devices in events.items():
-            if event == STEP_EVENT:
-                continue
-            ms = _phase_ms(devices)
-            if ms is None:
-                continue
-            label = labels.get(event, _UNSEEN)
-            if label is _UNSEEN:
-                label = self._phase_label(event) if event else None
-                if len(labels) < _MAX_LABEL_CACHE:
-                    labels[event] = label
-            if label is None:
-                continue
-            phases[label] = phases.get(label, 0.0) + ms
+        step_ms = row.pop("step")
+        del row["_used"]
+        phases = row  # the phases' names, folded: user phases past the limit are "other"
         live.steps += 1
         if step >= live.last_step:
             live.last_step = step

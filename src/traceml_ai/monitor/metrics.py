@@ -33,8 +33,7 @@ from traceml_ai.monitor._state import (
     Histogram,
     LiveState,
 )
-from traceml_ai.run_summary._phases import BUILT_IN_PHASES
-from traceml_ai.run_summary._straggler import StragglerView
+from traceml_ai.run_summary import BUILT_IN_PHASES, StragglerView
 
 __all__ = [
     "METRICS",

@@ -7,22 +7,48 @@ One engine behind ``traceml summary`` (text, ``--json``, ``--short``, ``--follow
 - ``_read``: the one reader of the export files (every size; damaged input reported);
 - ``_phases``: a step line's events as a row of phase times, and the phase breakdown;
 - ``_straggler``: the straggler analysis (docs/reading-the-files.md gives the rule);
-- ``_report``: the summary dict (:func:`summarize_run`) and its text
-  (:func:`format_summary`);
+- ``_model``: the summary as one typed value (:class:`RunSummary`, attrs; ``to_json``
+  is ``--json``), which every view reads;
+- ``_report``: :func:`summarize_run` (the files to a :class:`RunSummary`), the step
+  figures of any step rows (:func:`step_figures`), and the text (:func:`format_summary`);
 - ``live``: the ``--follow`` terminal view; ``plot``: the ``--plot`` figure.
 
 Light to import: orjson only (never torch, never pyarrow).
 """
 
-from traceml_ai.run_summary._phases import BUILT_IN_PHASES
+from traceml_ai.run_summary._model import (
+    DevicePeak,
+    Environment,
+    FileState,
+    GpuFigures,
+    LossReport,
+    NodeFigures,
+    PhaseFigures,
+    ProcessFigures,
+    RankSteps,
+    RunSummary,
+    StepFigures,
+    StepRows,
+)
+from traceml_ai.run_summary._phases import (
+    BUILT_IN_PHASES,
+    PHASES,
+    STEP_EVENT,
+    add_wait,
+    median,
+    percentile,
+    step_row,
+    wait_component,
+    waits_measured,
+)
 from traceml_ai.run_summary._report import (
     STREAM_FILES,
     WARNING_FILE,
     SummaryError,
+    export_folder_of,
     format_summary,
+    step_figures,
     step_series,
-    straggler_line,
-    straggler_view,
     summarize_run,
 )
 from traceml_ai.run_summary._straggler import (
@@ -31,21 +57,43 @@ from traceml_ai.run_summary._straggler import (
     StragglerView,
     Waiting,
     analyze,
+    verdict_line,
 )
 
 __all__ = [
     "BUILT_IN_PHASES",
+    "PHASES",
+    "STEP_EVENT",
     "STREAM_FILES",
     "WARNING_FILE",
+    "DevicePeak",
+    "Environment",
+    "FileState",
+    "GpuFigures",
+    "LossReport",
+    "NodeFigures",
+    "PhaseFigures",
+    "ProcessFigures",
+    "RankSteps",
+    "RunSummary",
     "SlowNode",
+    "StepFigures",
+    "StepRows",
     "Straggler",
     "StragglerView",
     "SummaryError",
     "Waiting",
+    "add_wait",
     "analyze",
+    "export_folder_of",
     "format_summary",
+    "median",
+    "percentile",
+    "step_figures",
+    "step_row",
     "step_series",
-    "straggler_line",
-    "straggler_view",
     "summarize_run",
+    "verdict_line",
+    "wait_component",
+    "waits_measured",
 ]

@@ -9,7 +9,7 @@ under their short names (``forward``, ``dataloader_wait``, ...), user phases as
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from traceml_records import events
@@ -37,19 +37,6 @@ OP_WAIT_PREFIX = "_cwop:"
 """...and per component and operation: ``_cwop:<component>:<op>``."""
 _ZEROS = (0.0,) * len(BUILT_IN_PHASES)
 _PHASE_BY_EVENT = {event: name for name, event in PHASES}
-
-
-def phase_ms(devices: Any) -> float | None:
-    """One phase's time in a step: its longest device (devices run side by side)."""
-    if not isinstance(devices, dict):
-        return None
-    best: float | None = None
-    for timing in devices.values():
-        if isinstance(timing, dict):
-            d = timing.get("duration_ms")
-            if isinstance(d, (int, float)) and math.isfinite(d) and (best is None or d > best):
-                best = float(d)
-    return best
 
 
 def phase_name(event: str) -> str | None:
@@ -86,22 +73,91 @@ def waits_measured(ranks: Iterable[int], seen: Container[int], unmeasured: Conta
     return len(ranks) > 1 and all(r in seen and r not in unmeasured for r in ranks)
 
 
-def step_row(events: Mapping[str, Any]) -> dict[str, float] | None:
-    """The row of one step's events; None without a usable step time."""
-    total = phase_ms(events.get(STEP_EVENT))
-    if total is None:
+_FLOAT_MAX = 1.7976931348623157e308
+"""The largest finite float: a timing above it is infinite."""
+_MAX_CACHED_NAMES = 4096
+"""Event names a caller's cache keeps at most (a hostile rank may send any number)."""
+
+
+def step_row(
+    events: object,
+    name_of: Callable[[str], str | None] = phase_name,
+    cache: dict[str, str | None] | None = None,
+) -> dict[str, float] | None:
+    """The one rule from a step's events to its row: ``{"step": ms, name: ms, ...,
+    "_used": the phases' sum}``, each event's time its longest device (devices run side
+    by side), named by ``name_of`` (the summary's names; the live views fold late user
+    phases into ``other``, and names that fold together add up). An event ``name_of``
+    names None is left out.
+
+    None when the step cannot be read: no events object, no step time, or any timing
+    that is not one (every device's ``duration_ms``, ``cpu_ms``, ``gpu_ms`` finite and
+    not negative, ``n_calls`` at least 1); :func:`timing_problem` says why. Every reader
+    (the files, the live views, a rank's own steps) takes the step whole or not at all.
+    ``cache`` (event -> name) spares ``name_of`` on the hot path.
+    """
+    if type(events) is not dict or STEP_EVENT not in events:
         return None
-    row = {"step": total}
+    names = cache if cache is not None else {}
+    inf = _FLOAT_MAX
+    row: dict[str, float] = {}
+    used = 0.0
     for event, devices in events.items():
+        best = -1.0
+        if type(devices) is dict:
+            for t in devices.values():
+                if type(t) is not dict:
+                    return None
+                d, c, g, n = t.get("duration_ms"), t.get("cpu_ms"), t.get("gpu_ms"), t.get("n_calls")
+                # One test for the usual timing; timing_problem says what is wrong.
+                if not (
+                    (type(d) is float or type(d) is int)
+                    and (type(c) is float or type(c) is int)
+                    and (g is None or type(g) is float or type(g) is int)
+                    and type(n) is int
+                    and 0.0 <= d <= inf
+                    and 0.0 <= c <= inf
+                    and (g is None or 0.0 <= g <= inf)
+                    and n >= 1
+                ):
+                    return None
+                if d > best:
+                    best = d
+        if best < 0.0:
+            return None  # no device timing
         if event == STEP_EVENT:
+            row["step"] = float(best)
             continue
-        ms = phase_ms(devices)
-        if ms is None:
-            continue
-        name = phase_name(event)
-        if name is not None:
-            row[name] = ms
+        if event in names:
+            key = names[event]
+        else:
+            key = name_of(event)
+            if len(names) < _MAX_CACHED_NAMES:
+                names[event] = key
+        if key is not None:
+            row[key] = row.get(key, 0.0) + best
+            used += best
+    row["_used"] = used  # the sum of the phases, in row order (see rest)
     return row
+
+
+def timing_problem(event: str, devices: Any) -> str | None:
+    """Why one event's device timings cannot be valid (:func:`step_row`), or None."""
+    if type(devices) is not dict or not devices:
+        return f"{event}: no device timing"
+    for device, t in devices.items():
+        if type(t) is not dict:
+            return f"{event} {device}: not a timing object"
+        for key in ("duration_ms", "cpu_ms", "gpu_ms"):
+            v = t.get(key)
+            if v is None and key == "gpu_ms":
+                continue
+            if (type(v) is not float and type(v) is not int) or not 0.0 <= v <= _FLOAT_MAX:
+                return f"{event} {device}: {key} {v!r}"
+        n = t.get("n_calls")
+        if type(n) is not int or n < 1:
+            return f"{event} {device}: n_calls {n!r}"
+    return None
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

@@ -22,14 +22,14 @@ Light to import: orjson and the schemas' bounds (never pyarrow).
 from __future__ import annotations
 
 import functools
-import math
 import os
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from traceml_ai.run_summary._phases import STEP_EVENT, phase_name
+from traceml_ai.run_summary._model import StepRows
+from traceml_ai.run_summary._phases import STEP_EVENT, phase_name, step_row, timing_problem
 from traceml_records import STREAMS
 from traceml_records.internal import BLOCK_BYTES, LineKind, LineSplitter, classify_line
 
@@ -357,27 +357,15 @@ def data_lines(fh: BinaryIO, info: FileRead) -> Iterator[dict[str, Any]]:
 # --------------------------------------------------------------------------- step_time
 
 
-def timing_problem(event: str, devices: Any) -> str | None:
-    """Why one event's device timings cannot be valid, or None."""
-    if type(devices) is not dict or not devices:
-        return f"{event}: no device timing"
-    for device, t in devices.items():
-        if type(t) is not dict:
-            return f"{event} {device}: not a timing object"
-        for key in ("duration_ms", "cpu_ms", "gpu_ms"):
-            v = t.get(key)
-            if v is None and key == "gpu_ms":
-                continue
-            if (type(v) is not float and type(v) is not int) or not 0.0 <= v <= _FLOAT_MAX:
-                return f"{event} {device}: {key} {v!r}"
-        n = t.get("n_calls")
-        if type(n) is not int or n < 1:
-            return f"{event} {device}: n_calls {n!r}"
-    return None
-
-
-StepRows = dict[int, dict[int, dict[str, float]]]
-"""rank -> step -> {"step": ms, phase name: ms, ..., "_ts": end of step (ns)}."""
+def _step_problem(events: Any) -> str:
+    """Why :func:`step_row` took no row of a line's events."""
+    if type(events) is not dict or STEP_EVENT not in events:
+        return f"events without {STEP_EVENT}"
+    for event, devices in events.items():
+        problem = timing_problem(event, devices)
+        if problem is not None:
+            return problem
+    return "events: bad timing"
 
 
 def step_rows(fh: BinaryIO, info: FileRead) -> tuple[StepRows, set[int]]:
@@ -387,62 +375,17 @@ def step_rows(fh: BinaryIO, info: FileRead) -> tuple[StepRows, set[int]]:
     timing (finite, not negative, at least one call), the key; a row per usable line.
     """
     checks = _checks("step_time")
-    names: dict[str, str | None] = {STEP_EVENT: "step"}
+    names: dict[str, str | None] = {}
     out: StepRows = {}
     worlds: set[int] = set()
-    inf = _FLOAT_MAX
     ok = _fast_check("step_time")
     for obj in _objects(fh, info):
         if not ok(obj):
             info.impossible(check_fields(obj, checks) or "a value out of range")
             continue
-        events = obj.get("events")
-        if type(events) is not dict or STEP_EVENT not in events:
-            info.impossible(f"events without {STEP_EVENT}")
-            continue
-        row: dict[str, float] = {}
-        used = 0.0
-        for event, devices in events.items():
-            best = -1.0
-            if type(devices) is dict and devices:
-                for t in devices.values():
-                    if type(t) is not dict:
-                        best = math.nan
-                        break
-                    d, c, g, n = (
-                        t.get("duration_ms"),
-                        t.get("cpu_ms"),
-                        t.get("gpu_ms"),
-                        t.get("n_calls"),
-                    )
-                    # Fast test of the usual line; timing_problem says what is wrong.
-                    if (
-                        (type(d) is float or type(d) is int)
-                        and (type(c) is float or type(c) is int)
-                        and (g is None or type(g) is float or type(g) is int)
-                        and type(n) is int
-                        and 0.0 <= d <= inf
-                        and 0.0 <= c <= inf
-                        and (g is None or 0.0 <= g <= inf)
-                        and n >= 1
-                    ):
-                        if d > best:
-                            best = d
-                    else:
-                        best = math.nan
-                        break
-            if not best >= 0.0:
-                info.impossible(timing_problem(event, devices) or f"{event}: bad timing")
-                row = {}
-                break
-            if event not in names:
-                names[event] = phase_name(event)
-            key = names[event]
-            if key is not None:
-                row[key] = float(best)
-                if key != "step":
-                    used += best
-        if not row:
+        row = step_row(obj.get("events"), phase_name, names)
+        if row is None:
+            info.impossible(_step_problem(obj.get("events")))
             continue
         rank, step = obj["global_rank"], obj["step"]
         steps = out.get(rank)
@@ -453,7 +396,6 @@ def step_rows(fh: BinaryIO, info: FileRead) -> tuple[StepRows, set[int]]:
             continue
         row["_ts"] = float(obj["timestamp_unix_ns"])
         row["_node"] = float(obj["node_rank"])
-        row["_used"] = used  # the sum of the phases, in row order (see _phases.rest)
         steps[step] = row
         worlds.add(obj["world_size"])
     return out, worlds

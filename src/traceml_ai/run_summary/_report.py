@@ -18,8 +18,24 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+import attrs
 import orjson
 
+from traceml_ai.run_summary._model import (
+    DevicePeak,
+    Environment,
+    FileState,
+    GpuFigures,
+    LossReport,
+    LossStatus,
+    NodeFigures,
+    PhaseFigures,
+    ProcessFigures,
+    RankSteps,
+    RunSummary,
+    StepFigures,
+    StepRows,
+)
 from traceml_ai.run_summary._phases import (
     add_wait,
     mean,
@@ -27,7 +43,6 @@ from traceml_ai.run_summary._phases import (
     phase_breakdown,
     phase_names,
     rounded,
-    step_row,
     wait_component,
     waits_measured,
 )
@@ -60,8 +75,9 @@ class SummaryError(Exception):
 # --------------------------------------------------------------------------- reading
 
 
-def _folders(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
-    """(export folder, run folder or None) for a run, aggregator or export folder."""
+def export_folder_of(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
+    """(export folder, run folder or None) for a run, aggregator or export folder;
+    :class:`SummaryError` when ``path`` is none of them."""
     p = Path(path)
     run: Path | None
     if not p.exists():
@@ -87,33 +103,11 @@ def _folders(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
 # --------------------------------------------------------------------------- streams
 
 
-def _step_rows(objs: Iterable[dict[str, Any]]) -> dict[int, dict[int, dict[str, float]]]:
-    """rank -> step -> {"step": ms, phase name: ms, ...} of already parsed lines (no
-    checks; a repeated key keeps the first). The summary reads files with
-    :func:`traceml_ai.run_summary._read.step_rows`, which checks every value."""
-    out: dict[int, dict[int, dict[str, float]]] = {}
-    for obj in objs:
-        rank, step, events = obj.get("global_rank"), obj.get("step"), obj.get("events")
-        if not isinstance(rank, int) or not isinstance(step, int) or not isinstance(events, dict):
-            continue
-        row = step_row(events)
-        if row is None or step in out.get(rank, ()):
-            continue
-        row["_ts"] = float(obj.get("timestamp_unix_ns") or 0)
-        node = obj.get("node_rank")
-        if isinstance(node, int):
-            row["_node"] = float(node)
-        out.setdefault(rank, {})[step] = row
-    return out
-
-
-def step_figures(
-    rows: dict[int, dict[int, dict[str, float]]],
-) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """(per-rank step figures, per-rank phase breakdown, phase names in order)."""
+def step_figures(rows: StepRows) -> StepFigures:
+    """Per-rank step figures, per-rank phase breakdown and the phase names, in order."""
     names = phase_names(row for steps in rows.values() for row in steps.values())
-    per_rank: dict[str, Any] = {}
-    phases: dict[str, Any] = {}
+    per_rank: dict[str, RankSteps] = {}
+    phases: dict[str, dict[str, PhaseFigures]] = {}
     for rank in sorted(rows):
         steps = rows[rank]
         ordered = [steps[s] for s in sorted(steps)]
@@ -127,27 +121,25 @@ def step_figures(
         else:
             average = mean(times)
             rate = 1000.0 / average if average > 0 else 0.0
-        per_rank[str(rank)] = {
-            "steps": len(times),
-            "first_step": min(steps),
-            "last_step": max(steps),
-            "p50_ms": rounded(percentile(times, 50)),
-            "p90_ms": rounded(percentile(times, 90)),
-            "p99_ms": rounded(percentile(times, 99)),
-            "max_ms": rounded(times[-1]),
-            "mean_ms": rounded(mean(times)),
-            "steps_per_s": rounded(rate),
+        per_rank[str(rank)] = RankSteps(
+            steps=len(times),
+            first_step=min(steps),
+            last_step=max(steps),
+            p50_ms=rounded(percentile(times, 50)),
+            p90_ms=rounded(percentile(times, 90)),
+            p99_ms=rounded(percentile(times, 99)),
+            max_ms=rounded(times[-1]),
+            mean_ms=rounded(mean(times)),
+            steps_per_s=rounded(rate),
+        )
+        phases[str(rank)] = {
+            name: PhaseFigures(**figures)
+            for name, figures in phase_breakdown(ordered, names).items()
         }
-        phases[str(rank)] = phase_breakdown(ordered, names)
-    return per_rank, phases, names
+    return StepFigures(step_time=per_rank, phases=phases, phase_names=names)
 
 
-def _straggler_view(
-    rows: dict[int, dict[int, dict[str, float]]],
-    phase_names: Sequence[str],
-    strategy: str | None,
-    collectives: bool = False,
-) -> StragglerView:
+def _straggler_view(rows: StepRows, strategy: str | None, collectives: bool) -> StragglerView:
     """The straggler analysis (:mod:`traceml_ai.run_summary._straggler`) of the step rows."""
     nodes = {
         rank: int(row["_node"])
@@ -217,7 +209,9 @@ def _merge_waits(
     return waits_measured(rows, waits, unmeasured)
 
 
-def _memory_section(objs: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+def _memory_section(
+    objs: Iterable[dict[str, Any]],
+) -> tuple[dict[str, dict[str, DevicePeak]], bool]:
     """rank -> device -> peaks; and whether any device had allocator figures."""
     peaks: dict[int, dict[str, dict[str, int | None]]] = {}
     any_figure = False
@@ -234,10 +228,14 @@ def _memory_section(objs: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], boo
                 any_figure = True
                 old = slot[key]
                 slot[key] = v if old is None else max(old, v)
-    return {str(r): peaks[r] for r in sorted(peaks)}, any_figure
+    out = {
+        str(r): {device: DevicePeak(**figures) for device, figures in peaks[r].items()}
+        for r in sorted(peaks)
+    }
+    return out, any_figure
 
 
-def _process_section(objs: Iterable[dict[str, Any]]) -> dict[str, Any]:
+def _process_section(objs: Iterable[dict[str, Any]]) -> dict[str, ProcessFigures]:
     """Per rank: CPU, RSS and GPU memory figures. A ``cpu_percent`` above 100 % per
     logical core of the host cannot be (older samplers wrote such values): it is left
     out of the figures and counted in ``cpu_percent_impossible_samples``."""
@@ -277,27 +275,27 @@ def _process_section(objs: Iterable[dict[str, Any]]) -> dict[str, Any]:
             v = obj.get(field)
             if isinstance(v, (int, float)):
                 a[key].append(float(v))
-    out: dict[str, Any] = {}
+    out: dict[str, ProcessFigures] = {}
     for rank in sorted(acc):
         a = acc[rank]
-        out[str(rank)] = {
-            "samples": len(a["ram"]),
-            "cpu_percent_mean": rounded(mean(a["cpu"]), 1) if a["cpu"] else None,
-            "cpu_percent_max": rounded(max(a["cpu"]), 1) if a["cpu"] else None,
-            "cpu_percent_impossible_samples": a["bad"],
-            "cpu_logical_cores": a["cores"],
-            "ram_used_bytes_max": int(max(a["ram"], default=0)),
-            "gpu_memory_used_bytes_max": int(max(a["gpu_used"])) if a["gpu_used"] else None,
-            "gpu_memory_reserved_bytes_max": int(max(a["gpu_reserved"]))
-            if a["gpu_reserved"]
-            else None,
-        }
+        out[str(rank)] = ProcessFigures(
+            samples=len(a["ram"]),
+            cpu_percent_mean=rounded(mean(a["cpu"]), 1) if a["cpu"] else None,
+            cpu_percent_max=rounded(max(a["cpu"]), 1) if a["cpu"] else None,
+            cpu_percent_impossible_samples=a["bad"],
+            cpu_logical_cores=a["cores"],
+            ram_used_bytes_max=int(max(a["ram"], default=0)),
+            gpu_memory_used_bytes_max=int(max(a["gpu_used"])) if a["gpu_used"] else None,
+            gpu_memory_reserved_bytes_max=(
+                int(max(a["gpu_reserved"])) if a["gpu_reserved"] else None
+            ),
+        )
     return out
 
 
 def _system_section(
     sys_objs: Iterable[dict[str, Any]], gpu_objs: Iterable[dict[str, Any]] | None
-) -> dict[str, Any]:
+) -> dict[str, NodeFigures]:
     nodes: dict[int, dict[str, Any]] = {}
     for obj in sys_objs:
         node = obj.get("node_rank")
@@ -332,41 +330,36 @@ def _system_section(
             v = obj.get(field)
             if isinstance(v, (int, float)):
                 g[key].append(float(v))
-    out: dict[str, Any] = {}
+    out: dict[str, NodeFigures] = {}
     for node in sorted(set(nodes) | set(gpus)):
         n = nodes.get(node, {"cpu": [], "ram": [], "ram_total": 0, "gpu_count": 0})
-        entry: dict[str, Any] = {
-            "samples": len(n["cpu"]),
-            "cpu_percent_mean": rounded(mean(n["cpu"]), 1),
-            "cpu_percent_max": rounded(max(n["cpu"], default=0.0), 1),
-            "ram_used_bytes_max": int(max(n["ram"], default=0)),
-            "ram_total_bytes": int(n["ram_total"]),
-            "gpu_count": int(n["gpu_count"]),
-            "gpus": {},
-        }
-        for index, g in sorted(gpus.get(node, {}).items()):
-            entry["gpus"][str(index)] = {
-                "utilization_percent_mean": rounded(mean(g["util"]), 1) if g["util"] else None,
-                "memory_used_bytes_max": int(max(g["mem"])) if g["mem"] else None,
-                "memory_total_bytes": int(max(g["mem_total"])) if g["mem_total"] else None,
-                "temperature_c_max": rounded(max(g["temp"]), 1) if g["temp"] else None,
-                "power_usage_w_max": rounded(max(g["power"]), 1) if g["power"] else None,
-            }
-        out[str(node)] = entry
+        out[str(node)] = NodeFigures(
+            samples=len(n["cpu"]),
+            cpu_percent_mean=rounded(mean(n["cpu"]), 1),
+            cpu_percent_max=rounded(max(n["cpu"], default=0.0), 1),
+            ram_used_bytes_max=int(max(n["ram"], default=0)),
+            ram_total_bytes=int(n["ram_total"]),
+            gpu_count=int(n["gpu_count"]),
+            gpus={
+                str(index): GpuFigures(
+                    utilization_percent_mean=rounded(mean(g["util"]), 1) if g["util"] else None,
+                    memory_used_bytes_max=int(max(g["mem"])) if g["mem"] else None,
+                    memory_total_bytes=int(max(g["mem_total"])) if g["mem_total"] else None,
+                    temperature_c_max=rounded(max(g["temp"]), 1) if g["temp"] else None,
+                    power_usage_w_max=rounded(max(g["power"]), 1) if g["power"] else None,
+                )
+                for index, g in sorted(gpus.get(node, {}).items())
+            },
+        )
     return out
 
 
 # --------------------------------------------------------------------------- summary
 
 
-def step_series(path: str | os.PathLike[str]) -> dict[int, list[tuple[int, float]]]:
-    """rank -> [(step, step time in ms)] in step order, for plots; {} without step_time.
-
-    The same lines as :func:`summarize_run` counts (checked, first of each key)."""
-    export_dir, _ = _folders(path)
-    info = FileRead("step_time", export_dir / "step_time.jsonl")
-    rows = _read(info, lambda fh: step_rows(fh, info)[0]) if exists(info.path) else None
-    rows = rows or {}
+def step_series(summary: RunSummary) -> dict[int, list[tuple[int, float]]]:
+    """rank -> [(step, step time in ms)] in step order, for plots; {} without steps."""
+    rows = summary.rows
     return {r: [(s, rows[r][s]["step"]) for s in sorted(rows[r])] for r in sorted(rows)}
 
 
@@ -417,12 +410,12 @@ def _steps_text(counts: Sequence[int]) -> str:
     return f"{low} to {high} steps per rank on {len(counts)} ranks"
 
 
-def _cpu_text(p: dict[str, Any]) -> str:
-    if p["cpu_percent_mean"] is None:
+def _cpu_text(p: ProcessFigures) -> str:
+    if p.cpu_percent_mean is None or p.cpu_percent_max is None:
         text = "CPU n/a"
     else:
-        text = f"CPU {p['cpu_percent_mean']:.0f}% mean, {p['cpu_percent_max']:.0f}% max"
-    bad = p.get("cpu_percent_impossible_samples")
+        text = f"CPU {p.cpu_percent_mean:.0f}% mean, {p.cpu_percent_max:.0f}% max"
+    bad = p.cpu_percent_impossible_samples
     if bad:
         text += f" ({bad} impossible sample(s) left out)"
     return text
@@ -433,8 +426,8 @@ def _skim(info: FileRead) -> None:
     _read(info, lambda fh: sum(1 for _ in data_lines(fh, info)))
 
 
-def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Summarize a run folder (or its export folder) as a JSON-able dict.
+def summarize_run(path: str | os.PathLike[str]) -> RunSummary:
+    """Summarize a run folder (or its export folder).
 
     Raises :class:`SummaryError` (one line of text) when ``path`` is missing or holds
     no export files. What could not be read (a file that is not a regular file, lines
@@ -442,7 +435,7 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     file) is said in ``problems``, one line each, and the files are then never called
     complete; everything else that is missing is said in ``notes``.
     """
-    export_dir, run_dir = _folders(path)
+    export_dir, run_dir = export_folder_of(path)
     reads = {
         name: FileRead(name, export_dir / f"{name}.jsonl")
         for name in STREAM_FILES
@@ -453,15 +446,10 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         for name in ("runtime_environment", "process", "system", "system_gpu")
         if name in reads
     }
-
     notes: list[str] = []
-    summary: dict[str, Any] = {
-        "export_folder": str(export_dir),
-        "run_folder": str(run_dir) if run_dir is not None else None,
-        "streams": list(reads),
-    }
 
     strategy: str | None = None
+    environment: Environment | None = None
     env_rows = objs.get("runtime_environment", [])
     if env_rows:
         last: dict[int, dict[str, Any]] = {}
@@ -470,43 +458,36 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         strategies = sorted({str(o.get("training_strategy")) for o in last.values()})
         strategy = strategies[0] if len(strategies) == 1 else None
         first = next(iter(last.values()), {})
-        summary["environment"] = {
-            "training_strategy": strategies[0] if len(strategies) == 1 else strategies,
-            "distributed_backend": first.get("distributed_backend"),
-            "topology": first.get("topology"),
-            "world_size": first.get("world_size"),
-            "torch_version": first.get("torch_version"),
-        }
-    else:
-        summary["environment"] = None
+        environment = Environment(
+            training_strategy=strategies[0] if len(strategies) == 1 else strategies,
+            distributed_backend=first.get("distributed_backend"),
+            topology=first.get("topology"),
+            world_size=first.get("world_size"),
+            torch_version=first.get("torch_version"),
+        )
 
-    rows: dict[int, dict[int, dict[str, float]]] = {}
+    rows: StepRows = {}
     world: set[int] = set()
+    figures: StepFigures | None = None
+    straggler: StragglerView | None = None
     if "step_time" in reads:
         info = reads["step_time"]
         rows, world = _read(info, lambda fh: step_rows(fh, info)) or ({}, set())
     if "step_time" not in reads:
         notes.append("step times: step_time was not exported")
-        summary.update(ranks=[], step_time=None, phases=None, straggler=None)
     elif not rows:
         if reads["step_time"].problem is None:
             notes.append("step times: no step recorded yet")
-        summary.update(ranks=[], step_time=None, phases=None, straggler=None)
     else:
         if strategy is None and world and max(world) > 1:
             notes.append(
                 "training strategy unknown (runtime_environment not exported); "
                 "the wait analysis does not assume DDP"
             )
-        per_rank, phases, names = step_figures(rows)
-        summary["ranks"] = sorted(rows)
-        summary["step_time"] = per_rank
-        summary["phases"] = phases
-        summary["phase_names"] = names
+        figures = step_figures(rows)
         measured = "collectives" in reads and _merge_waits(rows, reads["collectives"], notes)
-        summary["straggler"] = _straggler_view(rows, names, strategy, measured).to_json()
+        straggler = _straggler_view(rows, strategy, measured)
         if world:
-            summary["world_size"] = max(world)
             # Count rather than list every rank: a world may be very large.
             missing = max(world) - len([r for r in rows if r < max(world)])
             if missing:
@@ -517,29 +498,27 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
                     f"({', '.join(map(str, absent))}{more})"
                 )
 
+    memory: dict[str, dict[str, DevicePeak]] | None = None
     if "step_memory" in reads:
         info = reads["step_memory"]
-        mem, any_figure = _read(info, lambda fh: _memory_section(data_lines(fh, info))) or (
+        memory, any_figure = _read(info, lambda fh: _memory_section(data_lines(fh, info))) or (
             {},
             False,
         )
-        summary["memory"] = mem
-        if mem and not any_figure:
+        if memory and not any_figure:
             notes.append("peak memory: no allocator figures (a CPU run: peaks are null on cpu)")
     else:
-        summary["memory"] = None
         notes.append("peak memory: step_memory was not exported")
 
+    process: dict[str, ProcessFigures] | None = None
     if "process" in reads:
-        summary["process"] = _process_section(objs["process"])
-        if summary["process"] and all(
-            p["gpu_memory_used_bytes_max"] is None for p in summary["process"].values()
-        ):
+        process = _process_section(objs["process"])
+        if process and all(p.gpu_memory_used_bytes_max is None for p in process.values()):
             notes.append("process GPU memory: none (no GPU used by the ranks)")
         impossible = {
-            r: p["cpu_percent_impossible_samples"]
-            for r, p in summary["process"].items()
-            if p["cpu_percent_impossible_samples"]
+            r: p.cpu_percent_impossible_samples
+            for r, p in process.items()
+            if p.cpu_percent_impossible_samples
         }
         if impossible:
             notes.append(
@@ -549,81 +528,94 @@ def summarize_run(path: str | os.PathLike[str]) -> dict[str, Any]:
                 "figures (older samplers wrote such values)"
             )
     else:
-        summary["process"] = None
         notes.append("process figures: process was not exported")
+    system: dict[str, NodeFigures] | None = None
     if "system" in reads:
-        summary["system"] = _system_section(objs["system"], objs.get("system_gpu"))
-        if summary["system"] and all(n["gpu_count"] == 0 for n in summary["system"].values()):
+        system = _system_section(objs["system"], objs.get("system_gpu"))
+        if system and all(n.gpu_count == 0 for n in system.values()):
             notes.append("GPU figures: no GPU on the host(s)")
     else:
-        summary["system"] = None
         notes.append("system figures: system was not exported")
 
     figured = {"step_time", "step_memory", "process", "system", "system_gpu"}
-    if summary.get("ranks"):
+    if rows:
         figured.add("collectives")  # read with the step rows
     for name in reads.keys() - figured - set(objs):
         # No figure of its own (stdout_stderr): read for its closing line and damage.
         _skim(reads[name])
     problems = [line for info in reads.values() for line in info.problems()]
-    summary["loss"] = _loss_report(reads, run_dir, notes, problems)
-    summary["problems"] = problems
-    summary["notes"] = notes
-    return summary
+    loss = _loss_report(reads, run_dir, notes, problems)
+    return RunSummary(
+        export_folder=str(export_dir),
+        run_folder=str(run_dir) if run_dir is not None else None,
+        streams=list(reads),
+        environment=environment,
+        ranks=sorted(rows),
+        world_size=max(world) if world and rows else None,
+        step_time=figures.step_time if figures else None,
+        phases=figures.phases if figures else None,
+        phase_names=figures.phase_names if figures else [],
+        straggler=straggler,
+        memory=memory,
+        process=process,
+        system=system,
+        loss=loss,
+        problems=problems,
+        notes=notes,
+        rows=rows,
+    )
+
+
+def _file_state(info: FileRead) -> FileState:
+    closing = info.closing
+    written = closing.get("written_records") if closing is not None else None
+    dropped = closing.get("dropped_batches") if closing is not None else None
+    return FileState(
+        data_lines=info.data_lines,
+        closed=closing is not None,
+        partial_last_line=info.partial_last_line,
+        bytes=info.size,
+        written_records=written if type(written) is int else None,
+        dropped_batches=dropped if type(dropped) is int else None,
+        mismatch=closing is not None and written != info.data_lines,
+        unreadable=info.problem,
+        unreadable_lines=info.unreadable_lines,
+        impossible_lines=info.impossible_lines,
+        duplicate_keys=info.duplicate_keys,
+        lines_after_closing=info.lines_after_closing,
+        closing_lines=info.closing_lines,
+    )
 
 
 def _loss_report(
     reads: dict[str, FileRead], run_dir: Path | None, notes: list[str], problems: list[str]
-) -> dict[str, Any]:
+) -> LossReport:
     """What the files say about their completeness; adds the warning file's problem to
     ``problems``."""
-    files: dict[str, Any] = {}
-    unfinished: list[str] = []
-    dropped: set[int] = set()
-    for name, info in reads.items():
-        closing = info.closing
-        entry: dict[str, Any] = {
-            "data_lines": info.data_lines,
-            "closed": closing is not None,
-            "partial_last_line": info.partial_last_line,
-            "bytes": info.size,
-        }
-        if info.problem is not None:
-            entry["unreadable"] = info.problem
-        for key, value in (
-            ("unreadable_lines", info.unreadable_lines),
-            ("impossible_lines", info.impossible_lines),
-            ("duplicate_keys", info.duplicate_keys),
-            ("lines_after_closing", info.lines_after_closing),
-        ):
-            if value:
-                entry[key] = value
-        if info.closing_lines > 1:
-            entry["closing_lines"] = info.closing_lines
-        if closing is not None:
-            written = closing.get("written_records")
-            entry["written_records"] = written
-            entry["dropped_batches"] = closing.get("dropped_batches")
-            if isinstance(closing.get("dropped_batches"), int):
-                dropped.add(closing["dropped_batches"])
-            if written != info.data_lines:
-                entry["mismatch"] = True
-        elif info.problem is None:
-            unfinished.append(name)
-        files[name] = entry
-    warning: Any = None
+    files = {name: _file_state(info) for name, info in reads.items()}
+    unfinished = sorted(
+        name for name, info in reads.items() if info.closing is None and info.problem is None
+    )
+    dropped = {f.dropped_batches for f in files.values() if f.dropped_batches is not None}
+    warning: dict[str, Any] | None = None
     warning_path = run_dir / WARNING_FILE if run_dir is not None else None
     if warning_path is not None and exists(warning_path):
-        warning, problem = _read_warning(warning_path)
+        found, problem = _read_warning(warning_path)
+        warning = found
         if problem is not None:
             problems.append(f"{WARNING_FILE}: {problem}")
-            warning = {"unreadable": problem, **(warning or {})}
-    readable_warning = isinstance(warning, dict) and "unreadable" not in warning
-    if readable_warning and warning.get("reason") == "monitoring_incomplete":
+            warning = {"unreadable": problem, **(found or {})}
+    readable_warning = warning is not None and "unreadable" not in warning
+    if (
+        warning is not None
+        and readable_warning
+        and warning.get("reason") == "monitoring_incomplete"
+    ):
         # Only the live views (Prometheus, OTLP, the dashboard) lost something: the
         # files are judged on their own.
         notes.append(f"{WARNING_FILE}: {warning.get('message')}")
         readable_warning = False
+    status: LossStatus
     if readable_warning:
         status = "lost"
     elif problems:
@@ -636,17 +628,75 @@ def _loss_report(
         status = "complete"
     if unfinished:
         notes.append(
-            f"no closing line yet in {', '.join(sorted(unfinished))}: "
+            f"no closing line yet in {', '.join(unfinished)}: "
             "the run is in progress or did not finish cleanly"
         )
-    return {
-        "status": status,
-        "dropped_batches": max(dropped) if dropped else None,
-        "files": files,
-        "unfinished_files": sorted(unfinished),
-        "warning": warning,
-        "warning_file": str(warning_path) if warning is not None else None,
-    }
+    warning_file = str(warning_path) if warning is not None else None
+    dropped_batches = max(dropped) if dropped else None
+    return LossReport(
+        status=status,
+        dropped_batches=dropped_batches,
+        files=files,
+        unfinished_files=unfinished,
+        warning=warning,
+        warning_file=warning_file,
+        line=_loss_line(status, unfinished, len(problems), warning, warning_file, dropped_batches),
+        short_line=_loss_line(
+            status, unfinished, len(problems), warning, warning_file, dropped_batches, full=False
+        ),
+    )
+
+
+def with_problems(summary: RunSummary, extra: Sequence[str]) -> RunSummary:
+    """``summary`` with more problems (a file that changed under a reader, say): the
+    files are then never complete, and the loss report says so."""
+    new = [p for p in extra if p not in summary.problems]
+    if not new:
+        return summary
+    problems = [*summary.problems, *new]
+    loss = summary.loss
+    status: LossStatus = "damaged" if loss.status in ("complete", "in_progress") else loss.status
+
+    def line(full: bool) -> str:
+        return _loss_line(
+            status,
+            loss.unfinished_files,
+            len(problems),
+            loss.warning,
+            loss.warning_file,
+            loss.dropped_batches,
+            full,
+        )
+
+    loss = attrs.evolve(loss, status=status, line=line(True), short_line=line(False))
+    return attrs.evolve(summary, problems=problems, loss=loss)
+
+
+def _loss_line(
+    status: LossStatus,
+    unfinished: Sequence[str],
+    problems: int,
+    warning: Mapping[str, Any] | None,
+    warning_file: str | None,
+    dropped_batches: int | None,
+    full: bool = True,
+) -> str:
+    """The files' verdict as one sentence."""
+    if status == "complete":
+        return "files: complete (every file closed, nothing lost)"
+    if status == "in_progress":
+        return f"files: in progress or unfinished (no closing line in {', '.join(unfinished)})"
+    if status == "damaged":
+        return f"files: damaged, not complete ({problems} problem(s), on the lines above)"
+    if warning is not None and warning.get("message"):
+        if not full:
+            # traceml run has just printed the warning's path; the reason is enough here.
+            return f"files: incomplete ({warning.get('reason')}; see {warning_file})"
+        return (
+            f"files: incomplete ({warning.get('reason')}): {warning['message']} "
+            f"(see {warning_file})"
+        )
+    return f"files: incomplete ({dropped_batches} dropped batches)"
 
 
 # --------------------------------------------------------------------------- text
@@ -663,52 +713,20 @@ def _bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def straggler_view(summary: Mapping[str, Any]) -> StragglerView | None:
-    """The typed straggler view of a summary (its ``straggler`` block)."""
-    block = summary.get("straggler")
-    return StragglerView.from_json(block) if block else None
-
-
-def straggler_line(summary: Mapping[str, Any]) -> str:
-    """The straggler verdict as one sentence (shared by the text and the live view)."""
-    return verdict_line(straggler_view(summary))
-
-
-def _loss_line(summary: dict[str, Any], full: bool = True) -> str:
-    loss = summary["loss"]
-    status = loss["status"]
-    if status == "complete":
-        return "files: complete (every file closed, nothing lost)"
-    if status == "in_progress":
-        return f"files: in progress or unfinished (no closing line in {', '.join(loss['unfinished_files'])})"
-    if status in ("damaged", "inconsistent"):
-        count = len(summary.get("problems") or ())
-        return f"files: damaged, not complete ({count} problem(s), on the lines above)"
-    warning = loss.get("warning")
-    if isinstance(warning, dict) and warning.get("message"):
-        if not full:
-            # traceml run has just printed the warning's path; the reason is enough here.
-            return f"files: incomplete ({warning.get('reason')}; see {loss['warning_file']})"
-        return (
-            f"files: incomplete ({warning.get('reason')}): {warning['message']} "
-            f"(see {loss['warning_file']})"
-        )
-    return f"files: incomplete ({loss.get('dropped_batches')} dropped batches)"
-
-
-def format_summary(summary: dict[str, Any], full: bool = True) -> str:
+def format_summary(summary: RunSummary, full: bool = True) -> str:
     """The summary as plain text: a few lines (``full=False``) or every section."""
     out: list[str] = []
-    ranks = summary.get("ranks") or []
-    steps = summary.get("step_time")
-    env = summary.get("environment") or {}
-    head = f"traceml: summary of {summary.get('run_folder') or summary['export_folder']}"
-    if env.get("training_strategy"):
+    ranks = summary.ranks
+    steps = summary.step_time
+    env = summary.environment
+    head = f"traceml: summary of {summary.title}"
+    if env is not None and env.training_strategy:
         # Ranks with a step line; none yet (a run that stopped before its first step)
         # is said by the notes, not as "0 ranks" of a run whose ranks did connect.
         counted = f", {len(ranks)} rank(s)" if ranks else ""
-        head += f" ({env['training_strategy']}{counted})"
+        head += f" ({env.training_strategy}{counted})"
     out.append(head)
+    phases = summary.phases or {}
     if steps:
         if full:
             out.append("step time per rank (ms):")
@@ -716,77 +734,74 @@ def format_summary(summary: dict[str, Any], full: bool = True) -> str:
             for r in ranks:
                 s = steps[str(r)]
                 out.append(
-                    f"  {r:>4} {s['steps']:>6} {s['p50_ms']:>8.2f} {s['p90_ms']:>8.2f} "
-                    f"{s['p99_ms']:>8.2f} {s['max_ms']:>8.2f} {s['steps_per_s']:>9.2f}"
+                    f"  {r:>4} {s.steps:>6} {s.p50_ms:>8.2f} {s.p90_ms:>8.2f} "
+                    f"{s.p99_ms:>8.2f} {s.max_ms:>8.2f} {s.steps_per_s:>9.2f}"
                 )
-            names = summary["phase_names"]
             out.append("phases per rank (mean ms, share of the iteration):")
             for r in ranks:
-                ph = summary["phases"][str(r)]
+                ph = phases[str(r)]
                 cells = ", ".join(
-                    f"{n} {ph[n]['mean_ms']:.2f} ({ph[n]['share'] * 100:.0f}%)" for n in names
+                    f"{n} {ph[n].mean_ms:.2f} ({ph[n].share * 100:.0f}%)"
+                    for n in summary.phase_names
                 )
                 out.append(f"  rank {r}: {cells}")
         else:
-            p50 = [steps[str(r)]["p50_ms"] for r in ranks]
+            p50 = [steps[str(r)].p50_ms for r in ranks]
             spread = (
                 f"{p50[0]:.2f} ms"
                 if min(p50) == max(p50)
                 else f"{min(p50):.2f} to {max(p50):.2f} ms"
             )
             out.append(
-                f"step time: p50 {spread}; {_steps_text([steps[str(r)]['steps'] for r in ranks])}"
+                f"step time: p50 {spread}; {_steps_text([steps[str(r)].steps for r in ranks])}"
             )
             # The largest phase on average, the quickest pointer to where time goes.
             totals: dict[str, float] = {}
             for r in ranks:
-                for n, v in summary["phases"][str(r)].items():
-                    totals[n] = totals.get(n, 0.0) + v["share"] / len(ranks)
+                for n, v in phases[str(r)].items():
+                    totals[n] = totals.get(n, 0.0) + v.share / len(ranks)
             top = sorted(totals.items(), key=lambda kv: -kv[1])[:3]
             out.append("phases: " + ", ".join(f"{n} {v * 100:.0f}%" for n, v in top))
-        out.append(straggler_line(summary))
-    mem = summary.get("memory")
-    if full and mem:
+        out.append(verdict_line(summary.straggler))
+    if full and summary.memory:
         rows = [
-            f"rank {r} {d}: allocated {_bytes(v['peak_allocated_bytes'])}, "
-            f"reserved {_bytes(v['peak_reserved_bytes'])}"
-            for r, devs in mem.items()
+            f"rank {r} {d}: allocated {_bytes(v.peak_allocated_bytes)}, "
+            f"reserved {_bytes(v.peak_reserved_bytes)}"
+            for r, devs in summary.memory.items()
             for d, v in devs.items()
-            if v["peak_allocated_bytes"] is not None or v["peak_reserved_bytes"] is not None
+            if v.peak_allocated_bytes is not None or v.peak_reserved_bytes is not None
         ]
         if rows:
             out.append("peak memory per device:")
             out.extend(f"  {row}" for row in rows)
-    proc = summary.get("process")
-    if full and proc:
+    if full and summary.process:
         out.append("process per rank:")
-        for r, p in proc.items():
+        for rank_name, p in summary.process.items():
             gpu = (
-                f", GPU memory max {_bytes(p['gpu_memory_used_bytes_max'])}"
-                if p["gpu_memory_used_bytes_max"] is not None
+                f", GPU memory max {_bytes(p.gpu_memory_used_bytes_max)}"
+                if p.gpu_memory_used_bytes_max is not None
                 else ""
             )
             out.append(
-                f"  rank {r}: {_cpu_text(p)}; RSS max {_bytes(p['ram_used_bytes_max'])}{gpu}"
+                f"  rank {rank_name}: {_cpu_text(p)}; RSS max {_bytes(p.ram_used_bytes_max)}{gpu}"
             )
-    system = summary.get("system")
-    if full and system:
+    if full and summary.system:
         out.append("system per node:")
-        for node, n in system.items():
+        for node_name, node in summary.system.items():
             out.append(
-                f"  node {node}: CPU {n['cpu_percent_mean']:.0f}% mean, {n['cpu_percent_max']:.0f}% max; "
-                f"RAM max {_bytes(n['ram_used_bytes_max'])} of {_bytes(n['ram_total_bytes'])}; "
-                f"{n['gpu_count']} GPU(s)"
+                f"  node {node_name}: CPU {node.cpu_percent_mean:.0f}% mean, {node.cpu_percent_max:.0f}% max; "
+                f"RAM max {_bytes(node.ram_used_bytes_max)} of {_bytes(node.ram_total_bytes)}; "
+                f"{node.gpu_count} GPU(s)"
             )
-            for index, g in n["gpus"].items():
-                util = g["utilization_percent_mean"]
+            for index, g in node.gpus.items():
+                util = g.utilization_percent_mean
                 out.append(
                     f"    gpu {index}: util {'n/a' if util is None else f'{util:.0f}%'} mean, "
-                    f"memory max {_bytes(g['memory_used_bytes_max'])}, "
-                    f"temp max {g['temperature_c_max']} C, power max {g['power_usage_w_max']} W"
+                    f"memory max {_bytes(g.memory_used_bytes_max)}, "
+                    f"temp max {g.temperature_c_max} C, power max {g.power_usage_w_max} W"
                 )
-    out.extend(f"problem: {p}" for p in summary.get("problems") or ())
-    out.append(_loss_line(summary, full))
+    out.extend(f"problem: {p}" for p in summary.problems)
+    out.append(summary.loss.line if full else summary.loss.short_line)
     if full:
-        out.extend(f"note: {n}" for n in summary.get("notes", []))
+        out.extend(f"note: {n}" for n in summary.notes)
     return "\n".join(line if line.startswith("traceml:") else f"traceml: {line}" for line in out)

@@ -21,8 +21,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from traceml_ai.run_summary._model import RunSummary, StepFigures, StepRows
 from traceml_ai.run_summary._phases import rounded, step_row
-from traceml_ai.run_summary._report import step_figures
+from traceml_ai.run_summary._report import format_summary, step_figures, summarize_run
 from traceml_records.internal import LineKind, LineSplitter, classify_line
 
 # 0.5.0's compact keys (traceml/step_time/<metric>) for the phases this project measures.
@@ -36,17 +37,17 @@ _COMPACT_PHASES = (
 )
 
 Events = Mapping[str, Any]
+_API_KEYS = ("source", "complete", "file")
+"""What ``final_summary()`` adds to the run summary's JSON."""
 
 
 # -- figures ------------------------------------------------------------------------
 
 
-def figures(
-    steps_by_rank: Mapping[int, Mapping[int, Events]],
-) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """(per-rank step time figures, per-rank phase breakdown, phase names): the same
-    figures as ``traceml summary``'s (:func:`~traceml_ai.run_summary._report.step_figures`)."""
-    rows: dict[int, dict[int, dict[str, float]]] = {}
+def figures(steps_by_rank: Mapping[int, Mapping[int, Events]]) -> StepFigures:
+    """The same figures as ``traceml summary``'s
+    (:func:`~traceml_ai.run_summary.step_figures`) of each rank's step events."""
+    rows: StepRows = {}
     for rank, steps in steps_by_rank.items():
         kept = {s: r for s in sorted(steps) if (r := step_row(steps[s])) is not None}
         if kept:
@@ -63,18 +64,20 @@ def build_summary(
     **extra: Any,
 ) -> dict[str, Any]:
     """The structured summary ``final_summary()`` returns."""
-    per_rank, phases, names = figures(steps_by_rank)
+    from traceml_ai._converter import unstructure
+
+    got = figures(steps_by_rank)
     out: dict[str, Any] = {
         "source": source,
         "complete": complete,
         **extra,
-        "ranks": sorted(int(r) for r in per_rank),
-        "step_time": per_rank or None,
-        "phases": phases or None,
-        "phase_names": names,
+        "ranks": sorted(int(r) for r in got.step_time),
+        "step_time": unstructure(got.step_time) or None,
+        "phases": unstructure(got.phases) or None,
+        "phase_names": got.phase_names,
         "notes": list(notes),
     }
-    if not per_rank:
+    if not got.step_time:
         out["notes"].append("step times: no step recorded")
     return out
 
@@ -127,9 +130,7 @@ def full_run_summary(
     caller falls back to :func:`build_summary` over the lines it read itself.
     """
     try:
-        from traceml_ai.run_summary import summarize_run
-
-        full = summarize_run(step_time_file.parent)
+        full = summarize_run(step_time_file.parent).to_json()
     except Exception:
         return None
     return {
@@ -137,7 +138,7 @@ def full_run_summary(
         "complete": complete,
         "file": str(step_time_file),
         **full,
-        "notes": [*notes, *full.get("notes", [])],
+        "notes": [*notes, *full["notes"]],
     }
 
 
@@ -145,9 +146,8 @@ def text(summary: Mapping[str, Any]) -> str:
     """A few ``traceml:`` lines: one per rank, then the notes."""
     if "export_folder" in summary:
         try:
-            from traceml_ai.run_summary import format_summary
-
-            return format_summary(dict(summary), full=True)
+            own = {k: v for k, v in summary.items() if k not in _API_KEYS}
+            return format_summary(RunSummary.from_json(own), full=True)
         except Exception:
             pass  # the few lines below need only the step figures
     where = "export files" if summary.get("source") == "export" else "this rank's own steps"

@@ -15,33 +15,38 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from traceml_ai.run_summary import (
+from traceml_ai.run_summary._model import PhaseFigures, RunSummary
+from traceml_ai.run_summary._report import (
     STREAM_FILES,
     SummaryError,
     format_summary,
-    straggler_line,
     summarize_run,
+    with_problems,
 )
+from traceml_ai.run_summary._straggler import verdict_line
 
 _MAX_ROWS = 32
 """Rows of the live table; more ranks show the stragglers and the slowest."""
 
 
-def _largest_phase(phases: dict[str, Any], names: list[str]) -> str:
-    name = max(names, key=lambda n: phases[n]["share"])
+def _largest_phase(phases: Mapping[str, PhaseFigures], names: list[str]) -> str:
+    name = max(names, key=lambda n: phases[n].share)
     # The share first: a long user phase name is what gets cut at the column's end.
-    return f"{phases[name]['share'] * 100:.0f}% {name}"
+    return f"{phases[name].share * 100:.0f}% {name}"
 
 
-def _tail(summary: dict[str, Any], short: bool) -> list[str]:
-    """The last lines of the plain text: problems, export status, what cannot be shown."""
-    keep = ("traceml: problem:", "traceml: files:") + (() if short else ("traceml: note:",))
-    return [line for line in format_summary(summary).splitlines() if line.startswith(keep)]
+def _tail(summary: RunSummary, short: bool) -> list[str]:
+    """The last lines: problems, the files' verdict, and (not short) the notes."""
+    lines = [*(f"problem: {p}" for p in summary.problems), summary.loss.line]
+    if not short:
+        lines.extend(f"note: {n}" for n in summary.notes)
+    return [f"traceml: {line}" for line in lines]
 
 
-def _render(summary: dict[str, Any] | None, waiting: str | None, short: bool = False) -> Any:
+def _render(summary: RunSummary | None, waiting: str | None, short: bool = False) -> Any:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -54,9 +59,9 @@ def _render(summary: dict[str, Any] | None, waiting: str | None, short: bool = F
     if short:
         parts.extend(Text(line) for line in format_summary(summary, full=False).splitlines())
         return Group(*parts)
-    title = f"traceml: {summary.get('run_folder') or summary['export_folder']}"
-    steps = summary.get("step_time")
-    if steps:
+    title = f"traceml: {summary.title}"
+    steps = summary.step_time
+    if steps and summary.phases:
         # No borders, two spaces between columns: seven columns of figures fit 80.
         table = Table(
             title=title,
@@ -69,12 +74,12 @@ def _render(summary: dict[str, Any] | None, waiting: str | None, short: bool = F
         for col in ("rank", "steps", "p50 ms", "p99 ms", "max ms", "steps/s"):
             table.add_column(col, justify="right", no_wrap=True)
         table.add_column("largest phase", overflow="ellipsis", no_wrap=True, max_width=22)
-        names = summary["phase_names"]
-        stragglers = {s["rank"] for s in (summary.get("straggler") or {}).get("stragglers", [])}
-        ranks = summary["ranks"]
+        names = summary.phase_names
+        stragglers = set(summary.straggler.named_ranks if summary.straggler else ())
+        ranks = summary.ranks
         if len(ranks) > _MAX_ROWS:
             # Many ranks: the stragglers and the slowest by p50 fit on a screen.
-            by_p50 = sorted(ranks, key=lambda r: -steps[str(r)]["p50_ms"])
+            by_p50 = sorted(ranks, key=lambda r: -steps[str(r)].p50_ms)
             order = [*sorted(stragglers), *(r for r in by_p50 if r not in stragglers)]
             shown = sorted(order[:_MAX_ROWS])
             table.caption = (
@@ -86,16 +91,16 @@ def _render(summary: dict[str, Any] | None, waiting: str | None, short: bool = F
             s = steps[str(r)]
             table.add_row(
                 f"{r}{' *' if r in stragglers else ''}",
-                str(s["steps"]),
-                f"{s['p50_ms']:.2f}",
-                f"{s['p99_ms']:.2f}",
-                f"{s['max_ms']:.2f}",
-                f"{s['steps_per_s']:.2f}",
-                _largest_phase(summary["phases"][str(r)], names),
+                str(s.steps),
+                f"{s.p50_ms:.2f}",
+                f"{s.p99_ms:.2f}",
+                f"{s.max_ms:.2f}",
+                f"{s.steps_per_s:.2f}",
+                _largest_phase(summary.phases[str(r)], names),
                 style="bold red" if r in stragglers else None,
             )
         parts.append(table)
-        parts.append(Text(f"traceml: {straggler_line(summary)}"))
+        parts.append(Text(f"traceml: {verdict_line(summary.straggler)}"))
     else:
         parts.append(Text(title))
     parts.extend(Text(line) for line in _tail(summary, short))
@@ -110,10 +115,10 @@ class _Watch:
         self.seen: dict[str, tuple[int, int]] = {}
         self.problems: list[str] = []
 
-    def check(self, summary: dict[str, Any]) -> None:
-        """Note files that shrank, were replaced or disappeared; add every such problem
-        seen so far to ``summary`` (which is then never complete)."""
-        folder = summary["export_folder"]
+    def check(self, summary: RunSummary) -> RunSummary:
+        """Note files that shrank, were replaced or disappeared; ``summary`` with every
+        such problem seen so far (it is then never complete)."""
+        folder = summary.export_folder
         for name in STREAM_FILES:
             file = f"{name}.jsonl"
             try:
@@ -133,7 +138,7 @@ class _Watch:
                     f"({before[1]} bytes, then {now[1]})"
                 )
             self.seen[name] = now
-        self.apply(summary)
+        return self.apply(summary)
 
     def gone(self) -> None:
         """The export folder holds no file any more."""
@@ -145,13 +150,8 @@ class _Watch:
         if problem not in self.problems:
             self.problems.append(problem)
 
-    def apply(self, summary: dict[str, Any]) -> None:
-        if not self.problems:
-            return
-        known = summary.get("problems", [])
-        summary["problems"] = [*known, *(p for p in self.problems if p not in known)]
-        if summary["loss"]["status"] in ("complete", "in_progress"):
-            summary["loss"]["status"] = "damaged"
+    def apply(self, summary: RunSummary) -> RunSummary:
+        return with_problems(summary, self.problems)
 
 
 def follow(
@@ -160,7 +160,7 @@ def follow(
     *,
     short: bool = False,
     stderr: bool = False,
-) -> dict[str, Any] | None:
+) -> RunSummary | None:
     """Refresh the view every ``interval`` seconds until every readable file is closed.
 
     The view goes to stdout, or to stderr with ``stderr=True`` (``--json`` keeps stdout
@@ -171,7 +171,7 @@ def follow(
     from rich.live import Live
 
     console = Console(stderr=stderr)
-    summary: dict[str, Any] | None = None
+    summary: RunSummary | None = None
     watch = _Watch(path)
     waiting = f"{os.fspath(path)}: no export files yet"
     with Live(_render(None, waiting), console=console) as live:
@@ -179,15 +179,13 @@ def follow(
             while True:
                 done = False
                 try:
-                    fresh = summarize_run(path)
-                    watch.check(fresh)
-                    summary = fresh
-                    done = not summary["loss"]["unfinished_files"]
+                    summary = watch.check(summarize_run(path))
+                    done = summary.loss.finished
                     live.update(_render(summary, None, short))
                 except SummaryError as exc:
                     if summary is not None:
                         watch.gone()
-                        watch.apply(summary)
+                        summary = watch.apply(summary)
                     live.update(_render(summary, str(exc), short))
                 except Exception as exc:  # a bug must show, not end the view silently
                     error = f"error: refresh failed: {type(exc).__name__}: {exc}"

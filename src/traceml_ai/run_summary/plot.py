@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from traceml_ai.run_summary import step_series, summarize_run
+from traceml_ai.run_summary._model import RunSummary
+from traceml_ai.run_summary._report import step_series, summarize_run
 
 _MAX_LABELLED_RANKS = 16
 """Above this many ranks the legend would hide the plot; the title says the count."""
@@ -57,7 +58,7 @@ def plot_target(out: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 def plot_summary(
-    path: str | os.PathLike[str], out: str | os.PathLike[str], summary: dict[str, Any] | None = None
+    path: str | os.PathLike[str], out: str | os.PathLike[str], summary: RunSummary | None = None
 ) -> str:
     """Draw the run at ``path`` into the image ``out`` (its format from its suffix, see
     :func:`plot_target`); returns the path written."""
@@ -65,14 +66,14 @@ def plot_summary(
     target, fmt = plot_target(out)
     if summary is None:
         summary = summarize_run(path)
-    series = step_series(path)
+    series = step_series(summary)
     if not series:
         raise PlotUnavailable(
             "nothing to plot: no step times (step_time not exported, or no step yet)"
         )
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8), constrained_layout=True)
     try:
-        stragglers = {s["rank"] for s in (summary.get("straggler") or {}).get("stragglers", [])}
+        stragglers = set(summary.straggler.named_ranks if summary.straggler else ())
         for rank, points in series.items():
             steps = [p[0] for p in points]
             ms = [p[1] for p in points]
@@ -85,13 +86,13 @@ def plot_summary(
             top.legend(loc="upper right", fontsize="small")
         top.grid(alpha=0.3)
 
-        phases = summary.get("phases") or {}
-        names = [n for n in summary.get("phase_names", []) if n]
+        phases = summary.phases or {}
+        names = [n for n in summary.phase_names if n]
         ranks = sorted(phases, key=int)
         x = list(range(len(ranks)))
         base = [0.0] * len(ranks)
         for name in names:
-            heights = [phases[r][name]["mean_ms"] for r in ranks]
+            heights = [phases[r][name].mean_ms for r in ranks]
             bottom.bar(x, heights, bottom=base, label=name)
             base = [b + h for b, h in zip(base, heights, strict=True)]
         bottom.set_xticks(x, [f"rank {r}" for r in ranks] if len(ranks) <= 32 else ranks)
