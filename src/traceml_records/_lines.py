@@ -54,6 +54,25 @@ class LineSplitter:
         return bool(self.pending)
 
 
+def is_closing(obj: object) -> bool:
+    """The one closing-line rule: a JSON object whose ``closing`` is ``true``."""
+    return type(obj) is dict and obj.get("closing") is True
+
+
+CLOSING_KEY = b'"closing"'
+"""Bytes every closing line holds: a line without them is no closing line, unparsed. (A
+string value holding the word has it escaped, so only a key or a bare ``"closing"``
+value matches, and :func:`closing_of` then parses the line.)"""
+
+
+def closing_of(raw: bytes) -> dict[str, Any] | None:
+    """The closing line's object when the complete line ``raw`` is one, else None."""
+    if CLOSING_KEY not in raw:
+        return None
+    kind, obj = classify(raw)
+    return obj if kind is LineKind.CLOSING else None
+
+
 def classify(raw: bytes) -> tuple[LineKind, dict[str, Any] | None]:
     """What one complete line is, and its object when it is one."""
     try:
@@ -62,7 +81,7 @@ def classify(raw: bytes) -> tuple[LineKind, dict[str, Any] | None]:
         return LineKind.BAD, None
     if type(obj) is not dict:
         return LineKind.BAD, None
-    if obj.get("closing") is True:
+    if is_closing(obj):
         return LineKind.CLOSING, obj
     return LineKind.DATA, obj
 

@@ -33,6 +33,7 @@ from traceml_records._codec import line_problems
 from traceml_records._errors import Path, describe, json_pointer
 from traceml_records._generated.registry import STREAMS
 from traceml_records._generated.wire import WIRE_STREAMS
+from traceml_records._lines import is_closing
 from traceml_records._schemas import (
     CLOSING_SCHEMA_FILE,
     WARNING_SCHEMA_FILE,
@@ -379,7 +380,7 @@ def _scan_file(
                 state.data_lines += 1
                 add(number, "", f"invalid JSON: {exc}")
                 continue
-            if type(d) is dict and d.get("closing") is True:
+            if is_closing(d):
                 _closing_line(state, number, d)
                 continue
             state.data_lines += 1

@@ -56,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from traceml_records._generated.registry import STREAMS
 from traceml_records._generated.tables import LONG_TABLES, NESTED_FIELDS, TABLE_STREAM, TABLES
+from traceml_records._lines import closing_of
 from traceml_records._schemas import CLOSING_SCHEMA_FILE, schema_documents
 
 __all__ = [
@@ -757,11 +758,11 @@ def _validate(path: Path, data: bytes, end: int) -> None:
     for number, raw in enumerate(lines, start=1):
         for problem in validate_line(raw):
             problems.append(f"{path}:{number}: {problem.pointer or '/'}: {problem.message}")
-        is_closing = b'"closing"' in raw and _closing_of(raw) is not None
-        if is_closing and number != len(lines):
+        closing_obj = closing_of(raw)
+        if closing_obj is not None and number != len(lines):
             problems.append(f"{path}:{number}: a closing line before the last line")
-        elif is_closing:
-            closing = (number, _closing_of(raw) or {})
+        elif closing_obj is not None:
+            closing = (number, closing_obj)
         else:
             count += 1
         if len(problems) > 5:
@@ -774,14 +775,6 @@ def _validate(path: Path, data: bytes, end: int) -> None:
     if problems:
         more = f" (and more; run traceml validate {path})" if len(problems) > 5 else ""
         raise FramesError("; ".join(problems[:5]) + more)
-
-
-def _closing_of(raw: bytes) -> dict[str, Any] | None:
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return obj if type(obj) is dict and obj.get("closing") is True else None
 
 
 def _empty(stream: str) -> dict[str, Any]:

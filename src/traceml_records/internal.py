@@ -11,7 +11,8 @@ promise to other users — they have ``traceml_records``'s public names).
   line and batch encoders, the stream of a record class;
 - checks: the rules a line must satisfy beyond its types (``_rules``);
 - the one line scanner of the export files (``scan_lines``, ``LineSplitter``,
-  ``classify_line``: complete lines, the partial last line, closing and bad lines);
+  ``classify_line``, ``closing_of``, ``is_closing``: complete lines, the partial last
+  line, closing and bad lines);
 - schemas as data, and :func:`load_extension`, the one place that chooses a C
   extension or its pure-Python twin (``TRACEML_PURE_PYTHON``).
 """
@@ -34,7 +35,7 @@ from traceml_records._generated.wire import (
     SystemGpuItem,
     SystemItem,
 )
-from traceml_records._lines import BLOCK_BYTES, LineKind, LineSplitter
+from traceml_records._lines import BLOCK_BYTES, LineKind, LineSplitter, closing_of, is_closing
 from traceml_records._lines import classify as classify_line
 from traceml_records._lines import scan as scan_lines
 from traceml_records._registry import STREAM_BY_CLASS
@@ -77,12 +78,14 @@ __all__ = [
     "SystemItem",
     "WireStream",
     "classify_line",
+    "closing_of",
     "dumps_line",
     "dumps_lines",
     "duration_ok",
     "encode_items",
     "export_shows_loss",
     "identity_ok",
+    "is_closing",
     "line_checks",
     "line_findings",
     "load_extension",

@@ -500,3 +500,65 @@ def test_a_run_with_no_step_yet_counts_no_ranks_in_its_head(
     head = text.splitlines()[0]
     assert "rank(s)" not in head, text
     assert "no step recorded yet" in text, text
+
+
+def test_the_summary_is_one_typed_value_whose_json_has_every_key(tmp_path: Path) -> None:
+    from traceml_ai._converter import StructureError
+    from traceml_ai.run_summary import RunSummary, summarize_run
+
+    lines = [
+        step_line(r, s, 2, {"step": 10.0, "forward_time": 4.0}) for s in (1, 2) for r in (0, 1)
+    ]
+    summary = summarize_run(run_folder(tmp_path, lines))
+    assert isinstance(summary, RunSummary)
+    assert summary.step_time is not None and summary.step_time["1"].steps == 2
+    assert summary.loss.status == "complete" and summary.loss.line.startswith("files: complete")
+    data = summary.to_json()
+    assert set(data) == {
+        "export_folder", "run_folder", "streams", "environment", "ranks", "world_size",
+        "step_time", "phases", "phase_names", "straggler", "memory", "process", "system",
+        "loss", "problems", "notes",
+    }  # fmt: skip
+    assert "rows" not in data  # the step rows travel with the value, never into the JSON
+    assert set(data["loss"]["files"]["step_time"]) == {
+        "data_lines", "closed", "partial_last_line", "bytes", "written_records",
+        "dropped_batches", "mismatch", "unreadable", "unreadable_lines", "impossible_lines",
+        "duplicate_keys", "lines_after_closing", "closing_lines",
+    }  # fmt: skip
+    back = RunSummary.from_json(orjson.loads(orjson.dumps(data)))
+    assert back == summary and back.to_json() == data
+    with pytest.raises(StructureError, match=r"unknown key 'extra' at \$\.extra"):
+        RunSummary.from_json({**data, "extra": 1})
+    with pytest.raises(StructureError, match=r"\$\.loss\.status"):
+        RunSummary.from_json({**data, "loss": {**data["loss"], "status": "fine"}})
+
+
+def test_one_rule_for_a_steps_phases_in_the_files_the_live_views_and_a_ranks_own_steps(
+    tmp_path: Path,
+) -> None:
+    """A step whose one phase timing is impossible (no call) is left out whole by every
+    reader: the summary counts it, the live state ignores it, a rank's own figures skip
+    it; the good steps give the same figures everywhere."""
+    from traceml_ai.monitor import LiveState
+    from traceml_ai.run_summary import in_process, summarize_run
+
+    good = [step_line(0, s, 1, {"step": 10.0, "forward_time": 4.0, "user_a": 1.0}) for s in (1, 2)]
+    bad = step_line(0, 3, 1, {"step": 10.0, "forward_time": 4.0, "user_a": 1.0})
+    bad["events"]["user_a"]["cpu"]["n_calls"] = 0
+    summary = summarize_run(run_folder(tmp_path, [*good, bad]))
+    assert summary.step_time is not None and summary.step_time["0"].steps == 2
+    assert summary.loss.files["step_time"].impossible_lines == 1
+    assert any("user_a cpu: n_calls 0" in p for p in summary.problems)
+
+    state = LiveState()
+    identity = {k: bad[k] for k in ("rank", "global_rank", "local_rank", "world_size",
+                                    "local_world_size", "node_rank")}  # fmt: skip
+    items = [{k: v for k, v in line.items() if k in ("seq", "step", "timestamp_unix_ns", "events")}
+             for line in [*good, bad]]  # fmt: skip
+    seen = state.add_steps({**identity, "pid": 1, "hostname": "h"}, items)
+    assert [s.step for s in seen] == [1, 2] and state.ignored_items == 1
+    assert seen[0].phases == {"forward": 4.0, "user:user_a": 1.0}
+
+    own = in_process.figures({0: {line["step"]: line["events"] for line in [*good, bad]}})
+    assert own.step_time["0"].steps == 2
+    assert own.phases == summary.phases

@@ -108,7 +108,12 @@ def step_row(
             for t in devices.values():
                 if type(t) is not dict:
                     return None
-                d, c, g, n = t.get("duration_ms"), t.get("cpu_ms"), t.get("gpu_ms"), t.get("n_calls")
+                d, c, g, n = (
+                    t.get("duration_ms"),
+                    t.get("cpu_ms"),
+                    t.get("gpu_ms"),
+                    t.get("n_calls"),
+                )
                 # One test for the usual timing; timing_problem says what is wrong.
                 if not (
                     (type(d) is float or type(d) is int)
