@@ -457,10 +457,6 @@ def run(
         and node_rank == 0
     ):
         settings = attrs.evolve(settings, run_name=default_run_name())
-    if trace_max_steps is not None:
-        os.environ[_environ.TRACE_MAX_STEPS] = str(trace_max_steps)
-    if on_missing_aggregator is not None:
-        os.environ[_environ.ON_MISSING_AGGREGATOR] = on_missing_aggregator
     options = RunOptions(
         script=script,
         script_args=script_args,
@@ -477,6 +473,8 @@ def run(
         finalize_timeout_s=settings.finalize_timeout_sec,
         export=settings.export,
         monitor=attrs.evolve(settings.monitor, dashboard=dashboard),
+        trace_max_steps=trace_max_steps,
+        on_missing_aggregator=on_missing_aggregator,
     )
     try:
         code = launch(options)

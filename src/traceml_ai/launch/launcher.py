@@ -79,6 +79,10 @@ class RunOptions:
     finalize_timeout_s: float
     export: ResolvedExportSettings
     monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
+    trace_max_steps: int | None = None
+    """``--trace-max-steps``: each rank sends the step figures of its first N steps."""
+    on_missing_aggregator: str | None = None
+    """``--on-missing-aggregator``: ``warn`` or ``raise`` in the ranks' ``traceml.init()``."""
 
 
 def default_run_name() -> str:
@@ -527,6 +531,11 @@ def _run_planned(options: RunOptions, p: _RunPlan, signals: _Signals) -> int:
     # group is made); the collectives stream reads it from the Work, never by
     # synchronizing the device. A value the user set is kept.
     env.setdefault(NCCL_TIMING_ENV, "1")
+    # The ranks are other processes: what their init() is told goes in their environment.
+    if options.trace_max_steps is not None:
+        env[_environ.TRACE_MAX_STEPS] = str(options.trace_max_steps)
+    if options.on_missing_aggregator is not None:
+        env[_environ.ON_MISSING_AGGREGATOR] = options.on_missing_aggregator
     env.pop(ENV_AGGREGATOR_ADDR, None)
     env.pop(ENV_AGGREGATOR_UNAVAILABLE, None)
     env.pop(ENV_RUN_DIR, None)
