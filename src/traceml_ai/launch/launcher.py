@@ -48,11 +48,11 @@ from traceml_ai.launch.run_folder import (
     create_run_folder,
     existing_folder_message,
 )
-from traceml_ai.settings import MonitorSettings, ResolvedExportSettings
+from traceml_ai.settings import DEFAULT_SERVE_PORT, MonitorSettings, ResolvedExportSettings
 from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN, ENV_SAMPLER_INTERVAL
 from traceml_records.internal import BLOCK_BYTES, LineKind, LineSplitter, classify_line
 
-DEFAULT_MULTI_NODE_AGGREGATOR_PORT = 29600
+DEFAULT_MULTI_NODE_AGGREGATOR_PORT = DEFAULT_SERVE_PORT
 AGGREGATOR_READY_TIMEOUT_S = 60.0
 
 
@@ -300,9 +300,7 @@ class _Aggregator:
         assert p.run_dir is not None
         config = AggregatorLaunchConfig(
             run_dir=str(p.run_dir),
-            exporter=options.export.settings.exporter,
-            export_streams=options.export.settings.export_streams,
-            exporter_hostname=options.export.settings.exporter_hostname,
+            export=options.export.settings,
             bind_host=p.bind_host,
             port=p.port,
             expected_world_size=p.world_size,
