@@ -408,8 +408,8 @@ def test_serve_reads_its_settings_from_env_and_yaml(tmp_path: Path) -> None:
 
 
 def test_docs_settings_table_is_generated_from_the_table() -> None:
-    """Regenerate with ``python -c 'from traceml_ai.settings import settings_table_markdown
-    as t; print(t(), end="")'`` and paste between the markers in docs/live-export.md."""
+    """Regenerate with ``python -m traceml_ai.settings`` (it rewrites the table between
+    the markers in docs/live-export.md)."""
     from traceml_ai.settings import settings_table_markdown
 
     text = (REPO / "docs" / "live-export.md").read_text(encoding="utf-8")
