@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from traceml_ai.settings import DEFAULT_DASHBOARD_PORT
+
 _PROGRESS_MIN_BYTES = 64 * 1024 * 1024
 """Inputs smaller than this validate too fast to need a progress bar."""
 
@@ -234,7 +236,7 @@ def summary(
 @click.option(
     "--port",
     type=click.IntRange(0, 65535),
-    default=8765,
+    default=DEFAULT_DASHBOARD_PORT,
     show_default=True,
     help="Port of the page (0 picks a free one).",
 )

@@ -109,7 +109,7 @@ def test_everything_after_the_script_reaches_it_verbatim(tmp_path: Path) -> None
     res = run_cli(["run", "--exporter", "jsonl", script, *args], cwd=tmp_path, timeout=60)
     found = one_probe(res)
     assert found["argv"] == args
-    assert found["config"]["exporter"] == "jsonl"
+    assert found["config"]["export"]["exporter"] == "jsonl"
     # Without the script, the same unknown option is refused.
     res = run_cli(["run", "--exportr", "x", "--lr", "0.1", script], cwd=tmp_path, timeout=60)
     assert "no such option --exportr" in one_error(res)
@@ -144,9 +144,9 @@ def test_no_exporter_hostname_beats_env_and_yaml(tmp_path: Path) -> None:
     write_yaml(tmp_path, "exporter_hostname: true\n")
     env = {"TRACEML_EXPORTER": "jsonl", "TRACEML_EXPORTER_HOSTNAME": "1"}
     res = run_cli(["run", "--no-exporter-hostname", script], cwd=tmp_path, env=env, timeout=60)
-    assert one_probe(res)["config"]["exporter_hostname"] is False
+    assert one_probe(res)["config"]["export"]["exporter_hostname"] is False
     res = run_cli(["run", script], cwd=tmp_path, env=env, timeout=60)
-    assert one_probe(res)["config"]["exporter_hostname"] is True
+    assert one_probe(res)["config"]["export"]["exporter_hostname"] is True
 
 
 @pytest.mark.parametrize("word", ["off", "false", "no", "Off"])
@@ -154,7 +154,7 @@ def test_yaml_exporter_off_means_off(tmp_path: Path, word: str) -> None:
     script = probe(tmp_path)
     write_yaml(tmp_path, f"exporter: {word}\n")
     res = run_cli(["run", "--run-name", "r", script], cwd=tmp_path, timeout=60)
-    assert one_probe(res)["config"]["exporter"] == ""
+    assert one_probe(res)["config"]["export"]["exporter"] == ""
     assert not (tmp_path / "logs" / "r" / "aggregator" / "export").exists()
 
 
@@ -162,7 +162,7 @@ def test_env_exporter_off_means_off(tmp_path: Path) -> None:
     script = probe(tmp_path)
     write_yaml(tmp_path, "exporter: jsonl\n")
     res = run_cli(["run", script], cwd=tmp_path, env={"TRACEML_EXPORTER": "off"}, timeout=60)
-    assert one_probe(res)["config"]["exporter"] == ""
+    assert one_probe(res)["config"]["export"]["exporter"] == ""
 
 
 @pytest.mark.parametrize(("text", "expected"), [("1", True), ("0", False)])
@@ -170,7 +170,7 @@ def test_yaml_exporter_hostname_digits(tmp_path: Path, text: str, expected: bool
     script = probe(tmp_path)
     write_yaml(tmp_path, f"exporter: jsonl\nexporter_hostname: {text}\n")
     res = run_cli(["run", script], cwd=tmp_path, timeout=60)
-    assert one_probe(res)["config"]["exporter_hostname"] is expected
+    assert one_probe(res)["config"]["export"]["exporter_hostname"] is expected
 
 
 def test_version(tmp_path: Path) -> None:
@@ -408,8 +408,8 @@ def test_serve_reads_its_settings_from_env_and_yaml(tmp_path: Path) -> None:
 
 
 def test_docs_settings_table_is_generated_from_the_table() -> None:
-    """Regenerate with ``python -c 'from traceml_ai.settings import settings_table_markdown
-    as t; print(t(), end="")'`` and paste between the markers in docs/live-export.md."""
+    """Regenerate with ``python -m traceml_ai.settings`` (it rewrites the table between
+    the markers in docs/live-export.md)."""
     from traceml_ai.settings import settings_table_markdown
 
     text = (REPO / "docs" / "live-export.md").read_text(encoding="utf-8")

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from traceml_ai.launch import launcher
+from traceml_ai.launch import _report, launcher
 
 
 @pytest.mark.parametrize("block", [5, 9, 13, 64, 1 << 20])
 def test_closing_lines_are_not_counted_wherever_blocks_cut_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
-    monkeypatch.setattr(launcher, "BLOCK_BYTES", block)
+    monkeypatch.setattr(_report, "BLOCK_BYTES", block)
     lines = b"".join(b'{"a":%d}\n' % i for i in range(100))
     (tmp_path / "a.jsonl").write_bytes(lines + b'{"stream":"x","closing":true}\n')
     # A string "closing" is data; the unfinished last line is not a line yet.
@@ -44,7 +44,7 @@ def test_tally_says_whether_every_file_is_closed(
     closed: bool,
     block: int,
 ) -> None:
-    monkeypatch.setattr(launcher, "BLOCK_BYTES", block)
+    monkeypatch.setattr(_report, "BLOCK_BYTES", block)
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     assert launcher.export_tally(tmp_path)[1] is closed
@@ -56,14 +56,14 @@ def test_an_aggregator_lost_after_closing_the_files_claims_no_export_loss(
     export = tmp_path / "aggregator" / "export"
     export.mkdir(parents=True)
     (export / "step_time.jsonl").write_bytes(b'{"a":1}\n{"a":2}\n' + CLOSING)
-    plan = launcher._RunPlan(
+    plan = launcher.RunPlan(
         run_dir=tmp_path, start_aggregator=True, bind_host="127.0.0.1",
         connect_host="127.0.0.1", port=1, token="t", world_size=2,
     )  # fmt: skip
-    launcher._report_aggregator_lost(plan, "was killed by SIGTERM", 0, export_on=True)
+    launcher.report_aggregator_lost(plan, "was killed by SIGTERM", 0, export_on=True)
     err = capsys.readouterr().err
     assert "after the export files were closed: the files are complete (2 records)" in err
     assert not (tmp_path / "finalization_warning.json").exists()
-    launcher._report_aggregator_lost(plan, "was killed by SIGTERM", 130, export_on=True)
+    launcher.report_aggregator_lost(plan, "was killed by SIGTERM", 130, export_on=True)
     warning = (tmp_path / "finalization_warning.json").read_text()
     assert '"export"' not in warning and '"missing_ranks"' in warning

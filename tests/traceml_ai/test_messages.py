@@ -25,14 +25,13 @@ from traceml_ai.aggregator.protocol import (
     dump_event,
     parse_event,
 )
+from traceml_ai.settings import ExportSettings
 
 
 def _config(**changes: Any) -> dict[str, Any]:
     base = AggregatorLaunchConfig(
         run_dir="/tmp/run",
-        exporter="jsonl",
-        export_streams="step_time",
-        exporter_hostname=False,
+        export=ExportSettings(exporter="jsonl", export_streams="step_time"),
         expected_world_size=2,
         parent_pid=123,
     )
@@ -46,7 +45,10 @@ def test_config_round_trips() -> None:
 
 
 def test_config_defaults_fill_what_the_launcher_leaves_out() -> None:
-    minimal = {"run_dir": "/r", "exporter": "", "export_streams": "all", "exporter_hostname": True}
+    minimal = {
+        "run_dir": "/r",
+        "export": {"exporter": "", "export_streams": "all", "exporter_hostname": True},
+    }
     config = AggregatorLaunchConfig.from_json(orjson.dumps(minimal).decode())
     assert (config.bind_host, config.port, config.parent_pid) == ("127.0.0.1", 0, None)
 
@@ -54,12 +56,12 @@ def test_config_defaults_fill_what_the_launcher_leaves_out() -> None:
 @pytest.mark.parametrize(
     ("changes", "problem"),
     [
-        ({"prot": 1}, "unknown key 'prot' at $.prot; known keys: run_dir, exporter,"),
+        ({"prot": 1}, "unknown key 'prot' at $.prot; known keys: run_dir, export,"),
         ({"port": "29500"}, "expected an integer, got str '29500' at $.port"),
         ({"port": True}, "expected an integer, got bool True at $.port"),
         (
-            {"exporter_hostname": "false"},
-            "expected a boolean, got str 'false' at $.exporter_hostname",
+            {"export": {"exporter": "", "export_streams": "all", "exporter_hostname": "false"}},
+            "expected a boolean, got str 'false' at $.export.exporter_hostname",
         ),
         (
             {"finalize_timeout_s": None},

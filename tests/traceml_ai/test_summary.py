@@ -456,7 +456,7 @@ def test_end_of_run_summary_skips_big_exports(
 ) -> None:
     # A long run's files would hold the prompt back for minutes: the launcher points
     # to `traceml summary` instead of reading them.
-    from traceml_ai.launch import launcher as _launch
+    from traceml_ai.launch import _report as _launch
 
     export_dir = tmp_path / "run" / "aggregator" / "export"
     export_dir.mkdir(parents=True)

@@ -36,7 +36,6 @@ from traceml_ai.aggregator.protocol import (
     ReadyEvent,
     dump_event,
 )
-from traceml_ai.settings import ExportSettings
 from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
 PARENT_POLL_S = 0.5
@@ -93,11 +92,7 @@ def main(argv: list[str]) -> int:
         return 2
     config = AggregatorConfig(
         run_dir=Path(raw.run_dir),
-        settings=ExportSettings(
-            exporter=raw.exporter,
-            export_streams=raw.export_streams,
-            exporter_hostname=raw.exporter_hostname,
-        ),
+        settings=raw.export,
         token=os.environ[ENV_RUN_TOKEN],
         bind_host=raw.bind_host,
         port=raw.port,

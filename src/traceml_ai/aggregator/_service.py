@@ -36,7 +36,7 @@ from traceml_ai.export import (
 from traceml_ai.settings import ExportSettings, MonitorSettings
 from traceml_ai.transport.server import AggregatorServer
 from traceml_ai.transport.wire import ReceivedBatch
-from traceml_records import ExportLoss, MonitoringLoss, parse_export_streams
+from traceml_records import ExportLoss, MonitoringLoss
 
 if TYPE_CHECKING:
     # Loaded only when a live view is on: an aggregator without them starts as before.
@@ -103,7 +103,7 @@ class Aggregator:
 
     def __init__(self, config: AggregatorConfig) -> None:
         self.config = config
-        self._selected = parse_export_streams(config.settings.export_streams)
+        self._selected = config.settings.export_streams.selected
         self._lock = threading.Lock()
         self._seen_ranks: set[int] = set()
         self._finished_ranks: set[int] = set()

@@ -17,7 +17,7 @@ import attrs
 import orjson
 
 from traceml_ai._converter import StructureError, dumps, loads, structure
-from traceml_ai.settings import MonitorSettings
+from traceml_ai.settings import ExportSettings, MonitorSettings
 from traceml_records import MonitoringLoss
 
 __all__ = [
@@ -41,9 +41,9 @@ class AggregatorLaunchConfig:
     """
 
     run_dir: str
-    exporter: str
-    export_streams: str
-    exporter_hostname: bool
+    export: ExportSettings
+    """The export settings, whole: ``export_streams`` travels as its text and is parsed
+    (checked) once on arrival, by ``ExportStreams.parse``."""
     bind_host: str = "127.0.0.1"
     port: int = 0
     expected_world_size: int | None = None

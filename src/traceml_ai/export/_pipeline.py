@@ -31,7 +31,7 @@ from traceml_ai.export._worker import (
 )
 from traceml_ai.settings import ExportSettings, exporter_kind
 from traceml_ai.transport.wire import ReceivedBatch
-from traceml_records import ExportLoss, parse_export_streams
+from traceml_records import ExportLoss
 
 __all__ = ["EXPORT_DIR_PARTS", "ExportPipeline", "builder_for", "start_export"]
 
@@ -153,8 +153,8 @@ def start_export(
 ) -> ExportPipeline | None:
     """Start the export of one run; None when the exporter setting is off.
 
-    ``selected_streams`` (file stream names) defaults to parsing
-    ``settings.export_streams``. The exporter is ``JsonlExporter`` for ``jsonl``, else
+    ``selected_streams`` (file stream names) defaults to what
+    ``settings.export_streams`` selects. The exporter is ``JsonlExporter`` for ``jsonl``, else
     the custom ``module:factory``; the builder's mode follows what the exporter declares
     (``export_input``: typed records unless it takes encoded lines). If it cannot start, ``report`` gets one message
     (default: printed to stderr) and the returned pipeline counts every selected
@@ -163,9 +163,7 @@ def start_export(
     if exporter_kind(settings.exporter) == "off":
         return None
     streams = (
-        parse_export_streams(settings.export_streams)
-        if selected_streams is None
-        else tuple(selected_streams)
+        settings.export_streams.selected if selected_streams is None else tuple(selected_streams)
     )
     builder = RecordBuilder(streams, settings.exporter_hostname)
     run_dir = Path(run_dir)

@@ -7,7 +7,6 @@ environment variable and no ``traceml.yaml``: a config is the whole story, so
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import warnings
@@ -22,67 +21,38 @@ from traceml_ai.launch.run_folder import run_name_problem
 from traceml_ai.rank import _init_config
 from traceml_ai.rank._init_config import build_config
 from traceml_ai.settings import (
+    AGGREGATOR_BIND_HOST,
+    AGGREGATOR_PORT,
+    DASHBOARD_BIND_HOST,
+    DASHBOARD_PORT,
+    EXPORT_STREAMS,
+    EXPORTER,
+    EXPORTER_HOSTNAME,
+    FINALIZE_TIMEOUT_SEC,
+    INTERVAL,
+    LOGS_DIR,
+    OTLP,
+    OTLP_TRACE_SAMPLE,
+    PROMETHEUS_BIND_HOST,
+    PROMETHEUS_PORT,
+    RAY_CONFIG_SOURCE,
+    RUN_NAME,
     ExportSettings,
     MonitorSettings,
     ResolvedExportSettings,
+    ray_field,
     settings_from_values,
 )
 
 __all__ = ["CONFIG_SOURCE", "TraceMLRayConfig"]
 
-CONFIG_SOURCE = "TraceMLRayConfig"
+CONFIG_SOURCE = RAY_CONFIG_SOURCE
 """Error messages name a field as ``TraceMLRayConfig.<field>``."""
 
 
 def _fspath(value: Any) -> Any:
     # Accept a pathlib.Path for logs_dir; anything else is left for the validator.
     return os.fspath(value) if isinstance(value, os.PathLike) else value
-
-
-def _positive_seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    del instance
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(
-            f"{CONFIG_SOURCE}.{attribute.name}: expected a positive number of seconds, "
-            f"got {value!r}"
-        )
-
-
-def _port(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    del instance
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ValueError(
-            f"{CONFIG_SOURCE}.{attribute.name}: expected an integer in [0, 65535] "
-            f"(0 picks a free port), got {value!r}"
-        )
-
-
-def _strict_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    del instance
-    if not isinstance(value, bool):
-        raise ValueError(f"{CONFIG_SOURCE}.{attribute.name}: expected a boolean, got {value!r}")
-
-
-def _at_least_one(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    del instance
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"{CONFIG_SOURCE}.{attribute.name}: expected a whole number of at least 1, "
-            f"got {value!r}"
-        )
-
-
-def _non_empty_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    del instance
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(
-            f"{CONFIG_SOURCE}.{attribute.name}: expected a non-empty string, got {value!r}"
-        )
 
 
 def _session_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -193,8 +163,8 @@ class TraceMLRayConfig:
     - ``prometheus_port``, ``prometheus_bind_host``, ``otlp``, ``otlp_trace_sample``:
       the live views, as ``traceml run``'s flags of the same names (docs/monitoring.md);
       the aggregator actor serves ``/metrics`` on the driver's node.
-    - ``dashboard_port`` (8765; 0 picks a free one), ``dashboard_bind_host``
-      (``127.0.0.1``): where the aggregator actor serves the live dashboard with
+    - ``dashboard_port`` (``--dashboard-port``'s default; 0 picks a free one),
+      ``dashboard_bind_host`` (``127.0.0.1``): where the aggregator actor serves the live dashboard with
       ``mode="dashboard"``, on the driver's node (docs/dashboard.md); the driver prints
       its URL. Another than a loopback address is said in a warning.
 
@@ -214,24 +184,25 @@ class TraceMLRayConfig:
       nothing: it is what a Ray job does).
     """
 
-    exporter: str = ""
-    export_streams: str = "step_time"
-    exporter_hostname: bool = False
-    logs_dir: str = attrs.field(default="./logs", converter=_fspath, validator=_non_empty_str)
-    session_id: str = attrs.field(default="", validator=_session_id)
-    sampler_interval_sec: float = attrs.field(default=2.0, validator=_positive_seconds)
-    bind_host: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
-    port: int = attrs.field(default=0, validator=_port)
-    stop_timeout_sec: float = attrs.field(default=10.0, validator=_positive_seconds)
+    # The launcher's settings (traceml_ai.settings.SETTINGS): each field's default and
+    # checks are its setting's; the three export settings are checked together, with
+    # traceml run's messages, in __attrs_post_init__.
+    exporter: str = ray_field(EXPORTER, validator=())
+    export_streams: str = ray_field(EXPORT_STREAMS, validator=())
+    exporter_hostname: bool = ray_field(EXPORTER_HOSTNAME, validator=())
+    logs_dir: str = ray_field(LOGS_DIR, converter=_fspath)
+    session_id: str = ray_field(RUN_NAME, validator=_session_id)
+    sampler_interval_sec: float = ray_field(INTERVAL)
+    bind_host: str = ray_field(AGGREGATOR_BIND_HOST)
+    port: int = ray_field(AGGREGATOR_PORT)
+    stop_timeout_sec: float = ray_field(FINALIZE_TIMEOUT_SEC)
     # The live views (docs/monitoring.md), served by the aggregator actor.
-    prometheus_port: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_port)
-    )
-    prometheus_bind_host: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
-    otlp: bool = attrs.field(default=False, validator=_strict_bool)
-    otlp_trace_sample: int = attrs.field(default=100, validator=_at_least_one)
-    dashboard_port: int = attrs.field(default=8765, validator=_port)
-    dashboard_bind_host: str = attrs.field(default="127.0.0.1", validator=_non_empty_str)
+    prometheus_port: int | None = ray_field(PROMETHEUS_PORT)
+    prometheus_bind_host: str = ray_field(PROMETHEUS_BIND_HOST)
+    otlp: bool = ray_field(OTLP)
+    otlp_trace_sample: int = ray_field(OTLP_TRACE_SAMPLE)
+    dashboard_port: int = ray_field(DASHBOARD_PORT)
+    dashboard_bind_host: str = ray_field(DASHBOARD_BIND_HOST)
     # TraceML 0.5.0's fields.
     mode: str | None = attrs.field(default=None, validator=_one_of(RAY_MODES))
     profile: str | None = attrs.field(default=None, validator=_one_of(PROFILES))

@@ -19,47 +19,16 @@ import click
 
 from traceml_ai import _environ
 from traceml_ai.settings import (
-    SETTINGS,
+    DEFAULT_SERVE_PORT,
     SOURCE_DEFAULT,
     Command,
     LaunchSettings,
     SettingsError,
+    click_options,
     resolve_launch_settings,
 )
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _setting_options(command: Command) -> Callable[[_F], _F]:
-    """One click option per setting of ``command`` in the settings table.
-
-    Every option defaults to ``None`` (not given) and takes text: the table's parser
-    checks it, so a flag, a variable and a YAML key get the same checks and messages.
-    """
-
-    def decorate(func: _F) -> _F:
-        for setting in reversed(SETTINGS):
-            if command not in setting.commands:
-                continue
-            where = f"env {setting.env}; traceml.yaml {setting.yaml_key}"
-            help_text = f"{setting.help} [default: {setting.default_doc}; {where}]"
-            if setting.is_switch:
-                # A real on/off pair, so the command line can switch off what the
-                # environment or traceml.yaml switched on.
-                decl = f"{setting.flag}/--no-{setting.flag[2:]}"
-                func = click.option(decl, setting.name, default=None, help=help_text)(func)
-            else:
-                func = click.option(
-                    setting.flag,
-                    setting.name,
-                    type=str,
-                    default=None,
-                    metavar=setting.metavar,
-                    help=help_text,
-                )(func)
-        return func
-
-    return decorate
 
 
 # -- TraceML 0.5.0's command line (docs/compat-0.5.md) ----------------------------------
@@ -367,7 +336,7 @@ def _resolve(command: Command, cli: dict[str, Any]) -> LaunchSettings:
         "node names the same); on one node, a port free when the run starts."
     ),
 )
-@_setting_options("run")
+@click_options("run")
 @_compat_options
 @click.argument("script", type=str)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -457,10 +426,6 @@ def run(
         and node_rank == 0
     ):
         settings = attrs.evolve(settings, run_name=default_run_name())
-    if trace_max_steps is not None:
-        os.environ[_environ.TRACE_MAX_STEPS] = str(trace_max_steps)
-    if on_missing_aggregator is not None:
-        os.environ[_environ.ON_MISSING_AGGREGATOR] = on_missing_aggregator
     options = RunOptions(
         script=script,
         script_args=script_args,
@@ -477,6 +442,8 @@ def run(
         finalize_timeout_s=settings.finalize_timeout_sec,
         export=settings.export,
         monitor=attrs.evolve(settings.monitor, dashboard=dashboard),
+        trace_max_steps=trace_max_steps,
+        on_missing_aggregator=on_missing_aggregator,
     )
     try:
         code = launch(options)
@@ -491,7 +458,7 @@ def run(
 
 
 @click.command()
-@_setting_options("serve")
+@click_options("serve")
 def serve(**cli: Any) -> None:
     """Run the aggregator alone, for ranks launched elsewhere (torchrun, SLURM, another node).
 
@@ -514,7 +481,9 @@ def serve(**cli: Any) -> None:
     run_name = settings.run_name
     finalize_timeout_sec = settings.finalize_timeout_sec
     aggregator_bind_host = settings.aggregator_bind_host
-    aggregator_port = 29600 if settings.aggregator_port is None else settings.aggregator_port
+    aggregator_port = (
+        DEFAULT_SERVE_PORT if settings.aggregator_port is None else settings.aggregator_port
+    )
     nnodes = settings.nnodes
     nproc_per_node = settings.nproc_per_node
     from traceml_ai.launch.run_folder import RunFolderError, check_logs_dir, create_run_folder

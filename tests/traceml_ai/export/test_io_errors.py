@@ -101,9 +101,7 @@ def test_aggregator_on_a_failing_disk_reports_without_traceback(
     run_dir = small_fs / "run"
     config = {
         "run_dir": str(run_dir),
-        "exporter": "jsonl",
-        "export_streams": "step_time",
-        "exporter_hostname": False,
+        "export": {"exporter": "jsonl", "export_streams": "step_time", "exporter_hostname": False},
         "bind_host": "127.0.0.1",
         "port": 0,
         "expected_world_size": 1,

@@ -1,0 +1,174 @@
+"""The aggregator child process of ``traceml run``, seen from the launcher: started
+with its config, waited for (ready, finalized) over its event lines, stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from traceml_ai._converter import StructureError
+from traceml_ai.aggregator.protocol import (
+    AggregatorEvent,
+    AggregatorLaunchConfig,
+    FailedEvent,
+    FinalizedEvent,
+    ReadyEvent,
+    parse_event,
+)
+from traceml_ai.launch._plan import RunOptions, RunPlan
+from traceml_ai.launch._signals import Signals, exit_description, say
+from traceml_ai.transport.wire import ENV_RUN_TOKEN
+
+AGGREGATOR_READY_TIMEOUT_S = 60.0
+
+_READ_SLICE_S = 0.1
+"""How often a wait for an aggregator event looks at the signals that came meanwhile."""
+
+
+class AggregatorProcess:
+    """The aggregator child process, seen from the launcher."""
+
+    def __init__(self, options: RunOptions, p: RunPlan) -> None:
+        assert p.run_dir is not None
+        config = AggregatorLaunchConfig(
+            run_dir=str(p.run_dir),
+            export=options.export.settings,
+            bind_host=p.bind_host,
+            port=p.port,
+            expected_world_size=p.world_size,
+            finalize_timeout_s=options.finalize_timeout_s,
+            monitor=options.monitor,
+            # Lets it finalize on its own if we die without asking it to.
+            parent_pid=os.getpid(),
+        )
+        env = dict(os.environ)
+        env[ENV_RUN_TOKEN] = p.token
+        self.finalize_timeout_s = options.finalize_timeout_s
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "traceml_ai.aggregator", config.to_json()],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        self._buffer = b""
+        self._stop_sent = False
+
+    def _read_event(
+        self, timeout: float, give_up: Callable[[], bool] | None = None
+    ) -> AggregatorEvent | None:
+        """The next event; None on timeout, end of stream, a bad line or ``give_up()``."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            if give_up is not None and give_up():
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], min(left, _READ_SLICE_S))
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        try:
+            return parse_event(line)
+        except StructureError:
+            return None
+
+    def ask_to_finalize(self) -> None:
+        """SIGTERM it once: it finalizes as soon as it can (even while still starting)."""
+        if not self._stop_sent and self.proc.poll() is None:
+            self._stop_sent = True
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
+    def _kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait()
+
+    def wait_ready(self, signals: Signals) -> tuple[str, int] | str:
+        """The address it listens on, or why it did not start.
+
+        A signal while it starts asks it to finalize right after it started; a second
+        one stops waiting for it.
+        """
+        seen = signals.count
+
+        def give_up() -> bool:
+            if signals.count > seen:
+                self.ask_to_finalize()
+            return signals.count > seen + 1
+
+        event = self._read_event(AGGREGATOR_READY_TIMEOUT_S, give_up)
+        if event is None:
+            self._kill()
+            code = self.proc.returncode
+            if signals.count > seen + 1:
+                return "interrupted while it started"
+            if code is not None and code != 0 and code != -signal.SIGKILL:
+                return f"the aggregator {exit_description(code)} while starting"
+            return "the aggregator did not start"
+        if not isinstance(event, ReadyEvent):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5.0)
+            return (
+                event.error if isinstance(event, FailedEvent) else "the aggregator failed to start"
+            )
+        return event.host, event.port
+
+    def finalize(self, signals: Signals) -> tuple[FinalizedEvent | None, str]:
+        """Ask it to finalize and wait (bounded): (the ``finalized`` event, "") or
+        (None, what happened to it instead).
+
+        A first signal meanwhile only says how long this may take; a second stops it.
+        """
+        code = self.proc.poll()
+        if code is not None:
+            self._kill()
+            return None, f"{exit_description(code)} during the run"
+        self.ask_to_finalize()
+        seen = signals.count
+        told = False
+
+        def give_up() -> bool:
+            nonlocal told
+            if signals.count > seen and not told:
+                told = True
+                say(
+                    "finishing the export (at most "
+                    f"{self.finalize_timeout_s + 15.0:.0f} s); press Ctrl-C again to stop it now"
+                )
+            return signals.count > seen + 1
+
+        event = self._read_event(self.finalize_timeout_s + 15.0, give_up)
+        if isinstance(event, FinalizedEvent):
+            try:
+                self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._kill()
+            return event, ""
+        interrupted = signals.count > seen + 1
+        if not interrupted:
+            # It may be writing its last lines; give it a moment before the kill.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=2.0)
+        still_running = self.proc.poll() is None
+        self._kill()
+        if interrupted:
+            return None, "was stopped by a second Ctrl-C while it finalized"
+        if still_running:
+            return None, f"did not finalize within {self.finalize_timeout_s + 15.0:.0f} s"
+        return None, f"{exit_description(self.proc.returncode)} while it finalized"

@@ -1,0 +1,150 @@
+"""The parsers of the settings: the text of a flag, a variable or a YAML scalar -> a
+checked value, and the one typed value of ``export_streams``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+from traceml_records import parse_export_streams
+
+EXPORTER_FORMS = "'' (off), 'jsonl', or 'module.path:factory'"
+BOOL_FORMS = "one of 1/0, true/false, yes/no, on/off"
+PORT_FORMS = "an integer in [0, 65535] (0 picks a free port)"
+
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+ExporterKind = Literal["off", "jsonl", "custom"]
+Command = Literal["run", "serve"]
+
+
+class SettingsError(ValueError):
+    """A setting has an invalid value; the message names where the value came from."""
+
+
+def parse_exporter_value(text: str) -> str:
+    """Validate and normalize an exporter value.
+
+    Accepts ``""`` (off), ``jsonl``, or ``module.path:factory`` where the module path is
+    one or more dot-separated Python identifiers and the factory one identifier, with
+    exactly one colon. ``off``, ``false``, ``no`` and ``0`` (any case) also mean off
+    and normalize to ``""``: YAML reads ``exporter: off`` as the boolean false, and
+    a user who writes it means off. Surrounding whitespace is trimmed. Raises
+    ``ValueError`` otherwise.
+    """
+    value = text.strip()
+    if value in ("", "jsonl"):
+        return value
+    if value.lower() in _FALSE_WORDS:
+        return ""
+    module, sep, factory = value.partition(":")
+    if sep and factory.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+        return value
+    raise ValueError(f"expected {EXPORTER_FORMS}, got {text!r}")
+
+
+def exporter_kind(value: str) -> ExporterKind:
+    """Classify an exporter value; raises ``ValueError`` if it is malformed."""
+    normalized = parse_exporter_value(value)
+    if normalized == "":
+        return "off"
+    if normalized == "jsonl":
+        return "jsonl"
+    return "custom"
+
+
+def parse_bool_value(text: str) -> bool:
+    """Parse 1/0, true/false, yes/no, on/off (any case, trimmed); else ``ValueError``."""
+    word = text.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ValueError(f"expected {BOOL_FORMS}, got {text!r}")
+
+
+@attrs.frozen(slots=True)
+class ExportStreams:
+    """The ``export_streams`` setting, parsed once: the text as written (trimmed) and
+    the file streams it selects, in registry order.
+
+    Made only by :meth:`parse` (or :meth:`of`), so a value always holds a valid
+    selection; two values that select the same streams are equal. It crosses the
+    aggregator protocol as its text and is parsed again, by :meth:`parse`, on the
+    other side.
+    """
+
+    text: str = attrs.field(eq=False)
+    selected: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> ExportStreams:
+        """The value of ``text``; ``ValueError`` naming the problem and the supported
+        names (``traceml_records.parse_export_streams``'s rules)."""
+        selected = parse_export_streams(text)  # refuses a value that is no string too
+        return cls(text.strip(), selected)
+
+    @classmethod
+    def of(cls, value: str | ExportStreams) -> ExportStreams:
+        """``value`` itself, or the text parsed (code may hand either)."""
+        return value if isinstance(value, ExportStreams) else cls.parse(value)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def parse_seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _parse_int(text: str, low: int, high: int | None, forms: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected {forms}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"expected {forms}, got {text!r}")
+    return value
+
+
+def parse_port(text: str) -> int:
+    """A TCP port; 0 picks a free one."""
+    return _parse_int(text, 0, 65535, PORT_FORMS)
+
+
+def parse_count(text: str) -> int:
+    """A whole number of at least 1."""
+    return _parse_int(text, 1, None, "a whole number of at least 1")
+
+
+def parse_host(text: str) -> str:
+    """A host name or an IP address (trimmed; no space inside)."""
+    value = text.strip()
+    if not value or any(c.isspace() for c in value):
+        raise ValueError(f"expected a host name or an IP address, got {text!r}")
+    return value
+
+
+def parse_folder(text: str) -> Path:
+    """A folder path; whether it can be created is checked where it is created."""
+    if not text or "\x00" in text:
+        raise ValueError(f"expected a folder path, got {text!r}")
+    return Path(text)
+
+
+def parse_run_name(text: str) -> str:
+    """A run folder's name; what a folder name may hold is checked with the folder."""
+    if not text:
+        raise ValueError(f"expected a folder name, got {text!r}")
+    return text

@@ -1,0 +1,390 @@
+"""The settings table: one entry per setting, from which everything else is derived.
+
+Each :class:`Setting` names the setting once (its ``traceml.yaml`` key); the flag
+(``--<name-with-dashes>``), the environment variable (``TRACEML_<NAME>``), the click
+option of each command that takes it, the ``TraceMLRayConfig`` field, the defaults
+of the typed settings objects and the docs' table all come from the entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import attrs
+
+from traceml_ai.settings._parse import (
+    BOOL_FORMS,
+    EXPORTER_FORMS,
+    PORT_FORMS,
+    Command,
+    ExportStreams,
+    parse_bool_value,
+    parse_count,
+    parse_exporter_value,
+    parse_folder,
+    parse_host,
+    parse_port,
+    parse_run_name,
+    parse_seconds,
+)
+from traceml_records import DEFAULT_EXPORT_STREAMS as _CONTRACT_DEFAULT_STREAMS
+from traceml_records import SELECTION_NAMES
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+DEFAULT_DASHBOARD_PORT = 8765
+"""The live dashboard's port (``--dashboard-port``, ``traceml dashboard --port``, Ray)."""
+
+DEFAULT_SERVE_PORT = 29600
+"""The aggregator's port of ``traceml serve``, and of ``traceml run`` across nodes."""
+
+LOOPBACK = "127.0.0.1"
+"""Where the aggregator and the live views listen unless told otherwise."""
+
+
+class _Same:
+    """``Setting.ray_default``'s marker: the Ray field's default is the setting's."""
+
+    def __repr__(self) -> str:
+        return "SAME"
+
+
+SAME = _Same()
+
+
+@attrs.frozen(kw_only=True)
+class Setting(Generic[T_co]):
+    """One launcher setting: where it is read from, how it is parsed, its default.
+
+    ``name`` is the ``traceml.yaml`` key; the flag is ``--`` plus the name with dashes
+    and the environment variable ``TRACEML_`` plus the name in capitals. ``parse``
+    takes the text of any layer and raises ``ValueError`` for a malformed value.
+    ``default`` ``None`` means the command decides (``default_doc`` says how; without
+    one the docs show the default itself). ``kind`` is the type a value given in code
+    has (a ``TraceMLRayConfig`` field). ``ray`` names the ``TraceMLRayConfig`` field
+    of the setting (None: Ray has none); its default is ``default`` unless
+    ``ray_default`` says otherwise (a Ray job decides differently).
+    """
+
+    name: str
+    parse: Callable[[str], T_co]
+    default: T_co | None
+    expected: str
+    help: str
+    metavar: str
+    commands: tuple[Command, ...]
+    kind: type
+    default_doc: str = ""
+    ray: str | None = None
+    ray_default: object = SAME
+
+    @property
+    def flag(self) -> str:
+        """The CLI flag, e.g. ``--logs-dir``."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        """The environment variable, e.g. ``TRACEML_LOGS_DIR``."""
+        return "TRACEML_" + self.name.upper()
+
+    @property
+    def yaml_key(self) -> str:
+        """The ``traceml.yaml`` key (the setting's name)."""
+        return self.name
+
+    @property
+    def is_switch(self) -> bool:
+        """An on/off setting: a ``--flag/--no-flag`` pair on the command line."""
+        return self.parse is parse_bool_value
+
+    @property
+    def doc_default(self) -> str:
+        """The default as the docs and ``--help`` say it."""
+        if self.default_doc:
+            return self.default_doc
+        if isinstance(self.default, bool):
+            return "on" if self.default else "off"
+        return str(self.default)
+
+    @property
+    def ray_field_default(self) -> object:
+        """The default of the ``TraceMLRayConfig`` field."""
+        return self.default if self.ray_default is SAME else self.ray_default
+
+
+def default_of(setting: Setting[T]) -> T:
+    """The default of a setting that has one (typed, for the settings objects)."""
+    assert setting.default is not None, setting.name
+    return setting.default
+
+
+_BOTH: tuple[Command, ...] = ("run", "serve")
+
+EXPORTER: Setting[str] = Setting(
+    name="exporter",
+    parse=parse_exporter_value,
+    default="",
+    default_doc="off",
+    expected=EXPORTER_FORMS,
+    help="Exporter: '' or off, 'jsonl', or 'module.path:factory'.",
+    metavar="EXPORTER",
+    commands=_BOTH,
+    kind=str,
+    ray="exporter",
+)
+EXPORT_STREAMS: Setting[ExportStreams] = Setting(
+    name="export_streams",
+    parse=ExportStreams.parse,
+    default=ExportStreams.parse(_CONTRACT_DEFAULT_STREAMS),
+    expected="comma-separated stream names from " + ", ".join(SELECTION_NAMES),
+    help="Streams to export, comma-separated: " + ", ".join(SELECTION_NAMES) + ".",
+    metavar="NAMES",
+    commands=_BOTH,
+    kind=str,
+    ray="export_streams",
+    ray_default=_CONTRACT_DEFAULT_STREAMS,  # the field holds the text; the config parses it
+)
+EXPORTER_HOSTNAME: Setting[bool] = Setting(
+    name="exporter_hostname",
+    parse=parse_bool_value,
+    default=False,
+    expected=BOOL_FORMS,
+    help="Include hostname on the lines that carry it.",
+    metavar="",
+    commands=_BOTH,
+    kind=bool,
+    ray="exporter_hostname",
+)
+LOGS_DIR: Setting[Path] = Setting(
+    name="logs_dir",
+    parse=parse_folder,
+    default=Path("logs"),
+    expected="a folder path",
+    help="Where run folders are created.",
+    metavar="DIR",
+    commands=_BOTH,
+    kind=str,
+    ray="logs_dir",
+    ray_default="./logs",
+)
+RUN_NAME: Setting[str] = Setting(
+    name="run_name",
+    parse=parse_run_name,
+    default=None,
+    default_doc="UTC timestamp plus a random suffix",
+    expected="a folder name",
+    help="Run folder name.",
+    metavar="NAME",
+    commands=_BOTH,
+    kind=str,
+    ray="session_id",
+    ray_default="",  # a fresh id for every fit()
+)
+INTERVAL: Setting[float] = Setting(
+    name="interval",
+    parse=parse_seconds,
+    default=2.0,
+    expected="a positive number of seconds",
+    help="Seconds between process/system samples.",
+    metavar="SECONDS",
+    commands=("run",),
+    kind=float,
+    ray="sampler_interval_sec",
+)
+FINALIZE_TIMEOUT_SEC: Setting[float] = Setting(
+    name="finalize_timeout_sec",
+    parse=parse_seconds,
+    default=10.0,
+    expected="a positive number of seconds",
+    help="Longest wait for pending records at shutdown.",
+    metavar="SECONDS",
+    commands=_BOTH,
+    kind=float,
+    ray="stop_timeout_sec",
+)
+AGGREGATOR_HOST: Setting[str] = Setting(
+    name="aggregator_host",
+    parse=parse_host,
+    default=None,
+    default_doc="start one on node 0",
+    expected="a host name or an IP address",
+    help="Send to an aggregator already running there (e.g. `traceml serve`) "
+    "instead of starting one on node 0.",
+    metavar="HOST",
+    commands=("run",),
+    kind=str,
+)
+AGGREGATOR_PORT: Setting[int] = Setting(
+    name="aggregator_port",
+    parse=parse_port,
+    default=None,
+    default_doc=f"run: a free port on one node, {DEFAULT_SERVE_PORT} across nodes; "
+    f"serve: {DEFAULT_SERVE_PORT}",
+    expected=PORT_FORMS,
+    help="Aggregator port (0 picks a free one).",
+    metavar="PORT",
+    commands=_BOTH,
+    kind=int,
+    ray="port",
+    ray_default=0,  # a free port on the driver's node
+)
+AGGREGATOR_BIND_HOST: Setting[str] = Setting(
+    name="aggregator_bind_host",
+    parse=parse_host,
+    default=LOOPBACK,
+    expected="a host name or an IP address",
+    help="Address to listen on (0.0.0.0 for ranks on other hosts).",
+    metavar="HOST",
+    commands=("serve",),
+    kind=str,
+    ray="bind_host",
+)
+NNODES: Setting[int] = Setting(
+    name="nnodes",
+    parse=parse_count,
+    default=None,
+    default_doc="1 with --nproc-per-node",
+    expected="a whole number of at least 1",
+    help="Nodes in the job (with --nproc-per-node gives the world size).",
+    metavar="N",
+    commands=("serve",),
+    kind=int,
+)
+NPROC_PER_NODE: Setting[int] = Setting(
+    name="nproc_per_node",
+    parse=parse_count,
+    default=None,
+    default_doc="the world size the first rank reports",
+    expected="a whole number of at least 1",
+    help="Ranks per node; without it, the world size the first rank reports is expected.",
+    metavar="N",
+    commands=("serve",),
+    kind=int,
+)
+PROMETHEUS_PORT: Setting[int] = Setting(
+    name="prometheus_port",
+    parse=parse_port,
+    default=None,
+    default_doc="off",
+    expected=PORT_FORMS,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics from the aggregator "
+    "(needs the 'prometheus' extra; 0 picks a free port).",
+    metavar="PORT",
+    commands=_BOTH,
+    kind=int,
+    ray="prometheus_port",
+)
+PROMETHEUS_BIND_HOST: Setting[str] = Setting(
+    name="prometheus_bind_host",
+    parse=parse_host,
+    default=LOOPBACK,
+    expected="a host name or an IP address",
+    help="Address the /metrics endpoint listens on (0.0.0.0 to be scraped from other hosts).",
+    metavar="HOST",
+    commands=_BOTH,
+    kind=str,
+    ray="prometheus_bind_host",
+)
+OTLP: Setting[bool] = Setting(
+    name="otlp",
+    parse=parse_bool_value,
+    default=False,
+    expected=BOOL_FORMS,
+    help="Export metrics and step traces with OpenTelemetry (OTLP) from the aggregator, "
+    "to where the OTEL_EXPORTER_OTLP_* variables say (needs the 'otel' extra).",
+    metavar="",
+    commands=_BOTH,
+    kind=bool,
+    ray="otlp",
+)
+OTLP_TRACE_SAMPLE: Setting[int] = Setting(
+    name="otlp_trace_sample",
+    parse=parse_count,
+    default=100,
+    expected="a whole number of at least 1",
+    help="Trace one step in N per rank (plus every step far above its rank's recent "
+    "median); 1 traces every step.",
+    metavar="N",
+    commands=_BOTH,
+    kind=int,
+    ray="otlp_trace_sample",
+)
+DASHBOARD: Setting[bool] = Setting(
+    name="dashboard",
+    parse=parse_bool_value,
+    default=False,
+    expected=BOOL_FORMS,
+    help="Serve the live dashboard from the aggregator (needs the 'dashboard' extra); "
+    "traceml run --mode dashboard sets it.",
+    metavar="",
+    commands=_BOTH,
+    kind=bool,
+)
+DASHBOARD_PORT: Setting[int] = Setting(
+    name="dashboard_port",
+    parse=parse_port,
+    default=DEFAULT_DASHBOARD_PORT,
+    expected=PORT_FORMS,
+    help="Port of the live dashboard (--mode dashboard; 0 picks a free port).",
+    metavar="PORT",
+    commands=_BOTH,
+    kind=int,
+    ray="dashboard_port",
+)
+DASHBOARD_BIND_HOST: Setting[str] = Setting(
+    name="dashboard_bind_host",
+    parse=parse_host,
+    default=LOOPBACK,
+    expected="a host name or an IP address",
+    help="Address the dashboard listens on.",
+    metavar="HOST",
+    commands=_BOTH,
+    kind=str,
+    ray="dashboard_bind_host",
+)
+
+SETTINGS: tuple[Setting[object], ...] = (
+    EXPORTER,
+    EXPORT_STREAMS,
+    EXPORTER_HOSTNAME,
+    LOGS_DIR,
+    RUN_NAME,
+    INTERVAL,
+    FINALIZE_TIMEOUT_SEC,
+    AGGREGATOR_HOST,
+    AGGREGATOR_PORT,
+    AGGREGATOR_BIND_HOST,
+    NNODES,
+    NPROC_PER_NODE,
+    PROMETHEUS_PORT,
+    PROMETHEUS_BIND_HOST,
+    OTLP,
+    OTLP_TRACE_SAMPLE,
+    DASHBOARD,
+    DASHBOARD_PORT,
+    DASHBOARD_BIND_HOST,
+)
+"""Every setting of ``traceml run`` and ``traceml serve``, in the order of the docs."""
+
+SETTINGS_BY_NAME: dict[str, Setting[object]] = {s.name: s for s in SETTINGS}
+
+RUN_TORCHRUN_OPTIONS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+"""``traceml run``'s torchrun options: command line only, never from env or YAML."""
+
+# Other TraceML features may add their own keys here (``KNOWN_YAML_KEYS.add(...)``) so
+# that they stop being reported as unknown; the file is shared by every setting.
+KNOWN_YAML_KEYS: set[str] = {s.yaml_key for s in SETTINGS}
+
+ENV_EXPORTER = EXPORTER.env
+ENV_EXPORT_STREAMS = EXPORT_STREAMS.env
+ENV_EXPORTER_HOSTNAME = EXPORTER_HOSTNAME.env
+CLI_EXPORTER = EXPORTER.flag
+CLI_EXPORT_STREAMS = EXPORT_STREAMS.flag
+CLI_EXPORTER_HOSTNAME = EXPORTER_HOSTNAME.flag
+DEFAULT_EXPORTER = default_of(EXPORTER)
+DEFAULT_EXPORT_STREAMS = default_of(EXPORT_STREAMS)
+DEFAULT_EXPORTER_HOSTNAME = default_of(EXPORTER_HOSTNAME)
