@@ -35,7 +35,14 @@ from traceml_records._generated.wire import (
     SystemGpuItem,
     SystemItem,
 )
-from traceml_records._lines import BLOCK_BYTES, LineKind, LineSplitter, closing_of, is_closing
+from traceml_records._lines import (
+    BLOCK_BYTES,
+    CLOSING_KEY,
+    LineKind,
+    LineSplitter,
+    closing_of,
+    is_closing,
+)
 from traceml_records._lines import classify as classify_line
 from traceml_records._lines import scan as scan_lines
 from traceml_records._registry import STREAM_BY_CLASS
@@ -55,6 +62,7 @@ from traceml_records._wire_spec import FanOut, WireStream
 __all__ = [
     "BATCH_STREAMS",
     "BLOCK_BYTES",
+    "CLOSING_KEY",
     "ENCODER_PLANS",
     "FILE_STREAMS_OF_BATCH",
     "IDENTITY_RULES",

@@ -50,20 +50,6 @@ def test_no_subpackage_shadows_a_public_name() -> None:
 
 # -- the declared surfaces between traceml_ai's own subpackages ---------------------------
 
-# Offenders left to the engineer rewriting these files (the run summary's engine, the
-# dashboard's views, the live state and metrics, the launcher, the Ray config): each
-# "file: private module" imports a private module of another subpackage. Every entry
-# has a public name to switch to (``traceml_ai.rank``, ``traceml_ai.export``,
-# ``traceml_ai.monitor``, ``traceml_ai.run_summary``); remove the entry with the import.
-# Empty, this check holds for every module.
-_PENDING = frozenset(
-    {
-        "integrations/_ray_config.py: traceml_ai.rank._init_config",
-        "launch/launcher.py: traceml_ai.export._finalize",
-        "launch/launcher.py: traceml_ai.rank._init_config",
-    }
-)
-
 
 def _package_of(path: Path) -> str:
     """The package a source file belongs to (``traceml_ai`` for the top-level files)."""
@@ -124,8 +110,7 @@ def test_no_module_imports_a_private_module_of_another_subpackage() -> None:
     """Each subpackage's ``__init__`` (or public module) is its surface: ``from
     traceml_ai.rank import StepTimer``, never ``from traceml_ai.rank._step_timer ...``."""
     found = _cross_private_imports()
-    assert sorted(found - _PENDING) == [], "import these through their package's surface"
-    assert sorted(_PENDING - found) == [], "fixed: remove these from _PENDING"
+    assert sorted(found) == [], "import these through their package's surface"
 
 
 def test_the_check_sees_a_cross_import() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -47,3 +48,45 @@ def test_scan_numbers_lines_from_one_and_keeps_the_partial_line() -> None:
     fh = io.BytesIO(b'{"a":1}\n{"closing":true}\n{"b":')
     assert list(scan_lines(fh, splitter)) == [(1, b'{"a":1}'), (2, b'{"closing":true}')]
     assert splitter.partial_last_line
+
+
+def test_every_reader_sees_the_same_closing_lines(tmp_path: Any) -> None:
+    """One rule (an object whose "closing" is true) for the scanner, validate, the
+    run summary and the launcher's line count: a data line that holds the word as a
+    value, or "closing": 1, is no closing line to any of them."""
+    import orjson
+
+    from traceml_ai.launch._report import export_tally
+    from traceml_ai.run_summary import summarize_run
+    from traceml_records import validate_paths
+    from traceml_records.internal import closing_of, is_closing
+
+    data = {
+        "stream": "stdout_stderr", "schema_version": 1, "observed_timestamp_unix_ns": 1,
+        "rank": 0, "global_rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1,
+        "node_rank": 0, "timestamp_unix_ns": 1, "seq": 0, "stream_name": "stdout",
+        "text": "closing", "pid": 1,
+    }  # fmt: skip
+    lines = [
+        orjson.dumps(data),  # the word as a value: the key bytes are there, no closing
+        orjson.dumps({**data, "seq": 1, "closing": 1}),  # not true: a (bad) data line
+        orjson.dumps(
+            {
+                "stream": "stdout_stderr",
+                "closing": True,
+                "schema_version": 1,
+                "written_records": 2,
+                "dropped_batches": 0,
+            }
+        ),
+    ]
+    assert [closing_of(raw) is not None for raw in lines] == [False, False, True]
+    assert [is_closing(orjson.loads(raw)) for raw in lines] == [False, False, True]
+    export = tmp_path / "run" / "aggregator" / "export"
+    export.mkdir(parents=True)
+    (export / "stdout_stderr.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    assert export_tally(export) == (2, True)
+    state = summarize_run(tmp_path / "run").loss.files["stdout_stderr"]
+    assert (state.closing_lines, state.data_lines, state.written_records) == (1, 2, 2)
+    (summary,) = validate_paths([export / "stdout_stderr.jsonl"]).files
+    assert summary.closed and summary.data_lines == 2

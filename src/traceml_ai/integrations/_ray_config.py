@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,7 @@ import attrs
 
 from traceml_ai._converter import structure, unstructure
 from traceml_ai.launch.run_folder import run_name_problem
-from traceml_ai.rank import _init_config
-from traceml_ai.rank._init_config import build_config
+from traceml_ai.rank import build_config, warn_once
 from traceml_ai.settings import (
     AGGREGATOR_BIND_HOST,
     AGGREGATOR_PORT,
@@ -119,10 +117,6 @@ def _retention(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> No
 def _notice(field: str, value: Any, why: str) -> None:
     """One ``TraceMLWarning`` per field and process, blamed on the line that made the
     config (past this module and attrs' generated ``__init__``)."""
-    key = f"ray_config:{field}"
-    if key in _init_config._warned:
-        return
-    _init_config._warned.add(key)
     level = 1
     frame = sys._getframe(1)
     while frame.f_back is not None and (
@@ -130,9 +124,9 @@ def _notice(field: str, value: Any, why: str) -> None:
     ):
         frame = frame.f_back
         level += 1
-    warnings.warn(
+    warn_once(
+        f"ray_config:{field}",
         f"traceml: {CONFIG_SOURCE}({field}={value!r}) has no effect here: {why}",
-        _init_config.TraceMLWarning,
         stacklevel=level + 1,
     )
 

@@ -17,7 +17,7 @@ from traceml_ai.aggregator.protocol import (
 from traceml_ai.launch._plan import RunOptions, RunPlan
 from traceml_ai.launch._ranks import RankEnds
 from traceml_ai.launch._signals import exit_description, say, signal_name
-from traceml_records.internal import BLOCK_BYTES, LineKind, LineSplitter, classify_line
+from traceml_records.internal import BLOCK_BYTES, CLOSING_KEY, LineSplitter, closing_of
 
 END_OF_RUN_SUMMARY_MAX_BYTES = 64 * 1024 * 1024
 """Export files larger than this get no summary at the end of ``traceml run``.
@@ -98,7 +98,7 @@ def _abrupt_how(ends: RankEnds) -> str:
 
 def _why_no_rank(options: RunOptions, ends: RankEnds) -> str:
     """What happened in a run whose ranks sent nothing at all, as far as we know it."""
-    from traceml_ai.rank._init_config import ENV_DISABLED, env_disabled
+    from traceml_ai.rank import ENV_DISABLED, env_disabled
 
     if env_disabled():
         return (
@@ -151,21 +151,17 @@ def export_tally(export_dir: Path) -> tuple[int, bool]:
         try:
             with open(path, "rb") as fh:
                 while block := fh.read(BLOCK_BYTES):
-                    # Only a closing line holds this key: lines completed by a block
+                    # Only a closing line holds CLOSING_KEY: lines completed by a block
                     # without it (nor in the line it continues) count whole, unparsed.
-                    has_key = b'"closing"' in block or b'"closing"' in lines.pending + block[:9]
+                    edge = lines.pending + block[: len(CLOSING_KEY) - 1]
+                    has_key = CLOSING_KEY in block or CLOSING_KEY in edge
                     complete = lines.feed(block)
                     total += len(complete)
                     if complete:
                         last_closing = False
                     if has_key:
-                        for raw in complete:
-                            if b'"closing"' in raw and classify_line(raw)[0] is LineKind.CLOSING:
-                                total -= 1
-                        last_closing = bool(complete) and (
-                            b'"closing"' in complete[-1]
-                            and classify_line(complete[-1])[0] is LineKind.CLOSING
-                        )
+                        total -= sum(1 for raw in complete if closing_of(raw) is not None)
+                        last_closing = bool(complete) and closing_of(complete[-1]) is not None
         except OSError:
             closed = False
             continue
@@ -184,7 +180,7 @@ def report_aggregator_lost(p: RunPlan, why: str, exit_code: int, *, export_on: b
     if not export_on:
         say(f"the aggregator {why}; export was off, so no file is affected")
         return
-    from traceml_ai.export._finalize import RankOutcome, write_finalization_warning
+    from traceml_ai.export import RankOutcome, write_finalization_warning
     from traceml_records import ExportLoss
 
     export_dir = p.run_dir / "aggregator" / "export"
@@ -257,7 +253,7 @@ def report_aggregator_lost(p: RunPlan, why: str, exit_code: int, *, export_on: b
 def report_export_off(run_dir: Path, why: str) -> None:
     """The aggregator never started, so nothing was exported: say so in the warning file
     (``traceml run``, ``traceml serve`` and the Ray integration alike)."""
-    from traceml_ai.export._finalize import write_finalization_warning
+    from traceml_ai.export import write_finalization_warning
     from traceml_records import ExportLoss
 
     loss = ExportLoss(

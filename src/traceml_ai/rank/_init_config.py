@@ -72,13 +72,16 @@ def _user_stacklevel() -> int:
     return outside_traceml if outside_traceml is not None else level
 
 
-def warn_once(key: str, message: str) -> None:
-    """Warn with ``message`` (a :class:`TraceMLWarning`) the first time ``key`` is seen."""
+def warn_once(key: str, message: str, stacklevel: int | None = None) -> None:
+    """Warn with ``message`` (a :class:`TraceMLWarning`) the first time ``key`` is seen,
+    blaming the frame ``stacklevel`` levels above the caller (default: the user's line
+    that called into TraceML)."""
     if key in _warned:
         return
     _warned.add(key)
     # Blame the user's line (init/trace_step call or the hooked torch call), not ours.
-    warnings.warn(message, TraceMLWarning, stacklevel=_user_stacklevel())
+    level = _user_stacklevel() if stacklevel is None else stacklevel + 1
+    warnings.warn(message, TraceMLWarning, stacklevel=level)
 
 
 def forget_warnings() -> None:
