@@ -23,6 +23,7 @@ from traceml_ai.launch.commands import run as run_command
 from traceml_ai.launch.commands import serve as serve_command
 from traceml_ai.settings import (
     DEFAULT_DASHBOARD_PORT,
+    DEFAULT_SERVE_PORT,
     SETTINGS,
     ExportSettings,
     ExportStreams,
@@ -215,13 +216,14 @@ def test_ray_fields_keep_their_messages() -> None:
 # --- one default dashboard port -------------------------------------------------------------
 
 
-def test_the_dashboard_port_is_spelled_once() -> None:
+@pytest.mark.parametrize("port", [DEFAULT_DASHBOARD_PORT, DEFAULT_SERVE_PORT])
+def test_the_default_ports_are_spelled_once(port: int) -> None:
     spelled = [
         path.relative_to(REPO).as_posix()
         for path in (REPO / "src" / "traceml_ai").rglob("*.py")
-        if re.search(rf"\b{DEFAULT_DASHBOARD_PORT}\b", path.read_text(encoding="utf-8"))
+        if re.search(rf"\b{port}\b", path.read_text(encoding="utf-8"))
     ]
-    assert spelled == ["src/traceml_ai/settings/_table.py"]
+    assert spelled == ["src/traceml_ai/_ports.py"]
     dashboard = cli_main.commands["dashboard"]
     assert _options(dashboard)["port"].default == DEFAULT_DASHBOARD_PORT
     assert MonitorSettings().dashboard_port == DEFAULT_DASHBOARD_PORT

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from traceml_ai import _environ
+from traceml_ai._ports import DEFAULT_SERVE_PORT
 from traceml_ai.rank._runtime import Sender
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN
@@ -26,7 +27,6 @@ __all__ = [
 
 # Private test knob: the sender's per-stream queue bound (tests make ranks drop with it).
 _ENV_TEST_MAX_PENDING = "_TRACEML_TEST_SENDER_MAX_PENDING_ITEMS"
-_DEFAULT_SERVE_PORT = 29600  # `traceml serve`'s default, for init(aggregator_host=...)
 # Set by a rank when its TraceML starts: processes it starts through
 # multiprocessing inherit it (spawn and forkserver copy the environment).
 ENV_RANK_PID = "_TRACEML_RANK_PID"
@@ -54,7 +54,7 @@ def aggregator_address(host: str | None, port: int | None) -> tuple[str, str]:
     if address or (host is None and port is None):
         return address, ""
     host = host or "127.0.0.1"
-    port = port if port is not None else _DEFAULT_SERVE_PORT
+    port = port if port is not None else DEFAULT_SERVE_PORT
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if not os.environ.get(ENV_RUN_TOKEN, "").strip():
         return "", address

@@ -34,6 +34,7 @@ torchrun's own options of ``traceml run`` (``--nproc-per-node``, ``--nnodes``,
 read from the command line only, as torchrun reads them.
 """
 
+from traceml_ai._ports import DEFAULT_DASHBOARD_PORT, DEFAULT_SERVE_PORT, LOOPBACK
 from traceml_ai.settings._derived import (
     RAY_CONFIG_SOURCE,
     click_options,
@@ -70,11 +71,9 @@ from traceml_ai.settings._table import (
     DASHBOARD,
     DASHBOARD_BIND_HOST,
     DASHBOARD_PORT,
-    DEFAULT_DASHBOARD_PORT,
     DEFAULT_EXPORT_STREAMS,
     DEFAULT_EXPORTER,
     DEFAULT_EXPORTER_HOSTNAME,
-    DEFAULT_SERVE_PORT,
     ENV_EXPORT_STREAMS,
     ENV_EXPORTER,
     ENV_EXPORTER_HOSTNAME,
@@ -85,7 +84,6 @@ from traceml_ai.settings._table import (
     INTERVAL,
     KNOWN_YAML_KEYS,
     LOGS_DIR,
-    LOOPBACK,
     NNODES,
     NPROC_PER_NODE,
     OTLP,

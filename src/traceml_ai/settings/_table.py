@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 
 import attrs
 
+from traceml_ai._ports import DEFAULT_DASHBOARD_PORT, DEFAULT_SERVE_PORT, LOOPBACK
 from traceml_ai.settings._parse import (
     BOOL_FORMS,
     EXPORTER_FORMS,
@@ -34,15 +35,6 @@ from traceml_records import SELECTION_NAMES
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
-
-DEFAULT_DASHBOARD_PORT = 8765
-"""The live dashboard's port (``--dashboard-port``, ``traceml dashboard --port``, Ray)."""
-
-DEFAULT_SERVE_PORT = 29600
-"""The aggregator's port of ``traceml serve``, and of ``traceml run`` across nodes."""
-
-LOOPBACK = "127.0.0.1"
-"""Where the aggregator and the live views listen unless told otherwise."""
 
 
 class _Same:
