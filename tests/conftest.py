@@ -1,7 +1,12 @@
-"""Shared test setup: hypothesis profiles.
+"""Shared test setup: the lanes, hypothesis profiles, the encoder fixtures.
 
-``ci`` (few examples) is loaded when the ``CI`` or ``FAST`` environment variable is
-set; otherwise ``thorough``. ``HYPOTHESIS_PROFILE`` picks one explicitly.
+Lanes (docs/testing.md): every test is in exactly one of ``e2e`` (tests/e2e: the
+product through its commands), ``slow`` (marked in its module: real training runs,
+subprocesses, real receivers) and ``unit`` (everything else, given here), so that
+``bash scripts/test.sh --fast`` (``-m unit``) runs every unit test.
+
+Hypothesis: ``ci`` (few examples) is loaded when the ``CI`` or ``FAST`` environment
+variable is set; otherwise ``thorough``. ``HYPOTHESIS_PROFILE`` picks one explicitly.
 """
 
 from __future__ import annotations
@@ -28,6 +33,21 @@ settings.register_profile(
 )
 _default = "ci" if os.environ.get("CI") or os.environ.get("FAST") else "thorough"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
+
+
+# -- lanes ---------------------------------------------------------------------------
+
+LANES = ("unit", "e2e", "slow")
+_E2E = os.path.join("tests", "e2e", "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = os.path.relpath(str(item.path), str(config.rootpath))
+        if path.startswith(_E2E):
+            item.add_marker(pytest.mark.e2e)
+        elif item.get_closest_marker("slow") is None and item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.unit)
 
 
 # -- both encoders -------------------------------------------------------------------

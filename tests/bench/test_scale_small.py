@@ -10,10 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
 # The bench/scale/ package, imported by name (the repository root is on sys.path for
 # the tests): python -m bench.scale runs the same code.
 from bench import scale
+
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
 
 SPEC = scale.LoadSpec(ranks=16, steps_per_s=20.0, seconds=3.0)
 

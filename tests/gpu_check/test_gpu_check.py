@@ -21,6 +21,8 @@ import pytest
 from scripts.gpu_check import driver, judge
 from tests.e2e_helpers import REPO
 
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
+
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
 
 FWD = judge.FORWARD

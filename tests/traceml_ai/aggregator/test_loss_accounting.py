@@ -43,6 +43,8 @@ from traceml_ai.transport.wire import (
     make_finished_message,
 )
 
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
+
 TOKEN = "loss-accounting-token"
 
 

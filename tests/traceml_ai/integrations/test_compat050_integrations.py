@@ -32,6 +32,8 @@ from tests.integration_helpers import (
 )
 from traceml_ai.rank import _init_config
 
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
+
 SCRIPT = REPO / "tests" / "scripts" / "compat050_frameworks.py"
 
 RUNS = {

@@ -31,7 +31,7 @@ from tests.integration_helpers import (
 
 pytest.importorskip("accelerate")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SCRIPT = """
 import sys

@@ -43,7 +43,7 @@ from tests.integration_helpers import (
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 COMMON = """
 import os, sys

@@ -50,7 +50,7 @@ from tests.integration_helpers import (
 
 pytest.importorskip("lightning")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 COMMON = """
 import os, sys

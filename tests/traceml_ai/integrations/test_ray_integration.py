@@ -32,6 +32,8 @@ from tests.e2e_helpers import REPO, free_port
 from traceml_ai.integrations.ray import ACTOR_NAME_PREFIX, TraceMLRayConfig, TraceMLTorchTrainer
 from traceml_records import read_jsonl, validate_paths
 
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
+
 STEPS = 4
 NUM_WORKERS = 2
 

@@ -31,6 +31,8 @@ from traceml_ai.rank.samplers import ProcessSampler
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
+
 FWD = "_traceml_internal:forward_time"
 ENV_VARS = (
     "TRACEML_AGGREGATOR_ADDR",

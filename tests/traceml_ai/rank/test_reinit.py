@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import orjson
+import pytest
 
 import traceml_ai as traceml
 from tests.e2e_helpers import (
@@ -20,6 +21,8 @@ from tests.e2e_helpers import (
     warning_file,
 )
 from traceml_ai.rank import _sdk
+
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
 
 _REINIT_SCRIPT = textwrap.dedent(
     """

@@ -43,6 +43,8 @@ from traceml_ai.transport.wire import (
     make_finished_message,
 )
 
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
+
 TOKEN = "hostile-test-token-0123456789abcdefghijklmnopq"
 WAIT_S = 15.0
 LOOPBACK = "127.0.0.1"

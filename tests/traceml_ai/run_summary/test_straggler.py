@@ -16,6 +16,8 @@ from tests.summary_helpers import format_json, summarize_json
 from traceml_ai.run_summary import StragglerView
 from traceml_ai.run_summary._straggler import analyze
 
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
+
 P = "_traceml_internal:"
 EVENTS = {
     "dataloader_wait": P + "dataloader_next",

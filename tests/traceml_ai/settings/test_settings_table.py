@@ -33,7 +33,7 @@ from traceml_ai.settings import (
 )
 from traceml_ai.settings.__main__ import main as docs_main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # A good value (as text) and a bad one of every setting, by kind of parser.
 GOOD_TEXT: dict[str, str] = {

@@ -45,6 +45,8 @@ from traceml_ai.run_summary._phases import step_row
 from traceml_ai.settings import MonitorSettings
 from traceml_ai.transport.wire import ReceivedBatch
 
+pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
+
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
 P = "_traceml_internal:"
 BUILT_IN = ("dataloader_wait", "h2d", "forward", "backward", "optimizer")

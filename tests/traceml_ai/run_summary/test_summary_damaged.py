@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.e2e_helpers import clean_env, run_cli, traceml_cmd
 from tests.summary_helpers import format_json, summarize_json
-from tests.traceml_ai.test_summary import closing, run_folder, step_line, write
+from tests.traceml_ai.run_summary.test_summary import closing, run_folder, step_line, write
 from traceml_ai.run_summary import RunSummary, SummaryError
 
 P = "_traceml_internal:"

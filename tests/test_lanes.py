@@ -1,0 +1,58 @@
+"""Every collected test is in exactly one lane, and the e2e tests never in the fast one
+(tests/conftest.py gives the lanes; docs/testing.md says what each holds)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import LANES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_test_has_exactly_one_lane(request: pytest.FixtureRequest) -> None:
+    items = request.session.items
+    assert request.node in items
+    wrong = []
+    for item in items:
+        lanes = [lane for lane in LANES if item.get_closest_marker(lane) is not None]
+        e2e_path = os.path.relpath(str(item.path), str(request.config.rootpath)).startswith(
+            os.path.join("tests", "e2e", "")
+        )
+        if len(lanes) != 1 or (e2e_path and lanes != ["e2e"]):
+            wrong.append(f"{item.nodeid}: {lanes}")
+    assert wrong == []
+
+
+def test_the_fast_lane_leaves_out_what_is_marked_slow(tmp_path: Path) -> None:
+    """The lane rule itself, on a throwaway suite laid out as this one: an unmarked
+    test is in ``-m unit``; one marked slow in its module and one under tests/e2e are
+    not."""
+    suite = tmp_path / "tests"
+    (suite / "e2e").mkdir(parents=True)
+    (suite / "conftest.py").write_text(
+        "from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n"
+    )
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    unit: u\n    e2e: e\n    slow: s\naddopts = --strict-markers\n"
+    )
+    (suite / "test_quick.py").write_text("def test_quick():\n    pass\n")
+    (suite / "test_heavy.py").write_text(
+        "import pytest\npytestmark = pytest.mark.slow\ndef test_heavy():\n    pass\n"
+    )
+    (suite / "e2e" / "test_cli.py").write_text("def test_cli():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "src")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "unit", "-p", "no:cacheprovider", "tests"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "1 passed, 2 deselected" in run.stdout, run.stdout + run.stderr
