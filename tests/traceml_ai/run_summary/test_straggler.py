@@ -16,8 +16,6 @@ from tests.summary_helpers import format_json, summarize_json
 from traceml_ai.run_summary import StragglerView
 from traceml_ai.run_summary._straggler import analyze
 
-pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
-
 P = "_traceml_internal:"
 EVENTS = {
     "dataloader_wait": P + "dataloader_next",
@@ -260,6 +258,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("ranks", "where", "slowed", "every", "phase", "verdict"),
     CASES,
@@ -353,6 +352,7 @@ COLLECTIVE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("ranks", "strategy", "where", "slowed", "every", "phase", "verdict", "waits", "ops"),
     COLLECTIVE_CASES,
@@ -513,3 +513,21 @@ def test_a_blip_neither_hides_nor_joins_a_rhythm() -> None:
     assert list(slow) == [3]
     assert [steps[i] for i in slow[3]] == [5, 10, 15, 20, 25]
     assert _straggler._period([steps[i] for i in slow[3]], steps) == 5
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_real_runs_on_a_busy_machine() -> None:
+    """Two real 4-rank DDP runs (gloo) on 2 busy cores, kept as files: with no rank
+    slowed, the scheduler delayed rank 0 by 3-4 ms (less than half an iteration) in 4
+    of 24 steps, which is no straggler; with rank 3's collate_fn sleeping 30 ms every
+    5th step, rank 3 is intermittent, every 5th step, in the DataLoader."""
+    from traceml_ai.run_summary import summarize_run
+
+    quiet = summarize_run(FIXTURES / "busy_four_ranks_no_straggler").straggler
+    assert quiet is not None and quiet.verdict == "none", quiet and quiet.line()
+    slow = summarize_run(FIXTURES / "busy_four_ranks_rank3_every_5th").straggler
+    assert slow is not None and slow.verdict == "intermittent", slow and slow.line()
+    (entry,) = slow.stragglers
+    assert (entry.rank, entry.every_n_steps, entry.phase) == (3, 5, "dataloader_wait")
