@@ -41,9 +41,9 @@ def main() -> None:
             t0 = time.perf_counter()
             summary = summarize_run(run)
             best = min(best, time.perf_counter() - t0)
-        steps = sum(s["steps"] for s in summary["step_time"].values())
-        print(f"file: {size / 2**20:.0f} MiB, {steps} steps over {len(summary['ranks'])} ranks")
-        print(f"files: {summary['loss']['status']}")
+        steps = sum(s.steps for s in (summary.step_time or {}).values())
+        print(f"file: {size / 2**20:.0f} MiB, {steps} steps over {len(summary.ranks)} ranks")
+        print(f"files: {summary.loss.status}")
         print(f"summarize_run_s={best:.2f} lines_per_s={steps / best:.0f}")
 
 
