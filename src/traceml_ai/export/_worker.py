@@ -1,11 +1,12 @@
 """The export worker: a bounded queue of wire batches and one thread feeding an exporter.
 
 ``submit`` is called from the aggregator's receive loop and must never slow it down:
-it appends to a deque under a briefly held lock, or counts a dropped batch. The
-worker thread builds records (only of the selected streams) and hands each
-per-stream group to the exporter. Every exporter call happens on the worker thread,
-so a hung exporter holds only that thread; ``shutdown`` waits for it with a deadline
-and gives up on it when the deadline passes.
+it puts the batch on a :class:`~traceml_ai._queue.BoundedBatchQueue` (appended under
+a briefly held lock, or counted as dropped). The worker thread builds records (only
+of the selected streams) and hands each per-stream group to the exporter. Every
+exporter call happens on the worker thread, so a hung exporter holds only that
+thread; ``shutdown`` waits for it with a deadline and gives up on it when the
+deadline passes.
 
 Fork safety: the aggregator may fork (e.g. a launcher started in-process). A child
 must not inherit a lock held by a parent thread, nor write the parent's lines, so
@@ -17,13 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from traceml_ai import _fork
+from traceml_ai._queue import BoundedBatchQueue
 from traceml_ai.export._builder import RecordBuilder
 from traceml_ai.export._protocol import (
     Exporter,
@@ -156,12 +157,12 @@ class ExportWorker:
             )
         self._exporter = exporter
         self._builder = builder
-        self._max_batches = max_queue_batches
-        self._max_bytes = max_queue_bytes
         streams = builder.streams
         self._written: dict[str, int] = dict.fromkeys(streams, 0)
         self._failed: dict[str, int] = dict.fromkeys(streams, 0)
         self._skipped = 0
+        # Batches lost past the queue (a builder that raised, a batch in hand when shutdown
+        # gave up); the queue counts its own (full, closed, left at the deadline).
         self._dropped = 0
         # Batches the ranks' senders lost before they reached us (set by the aggregator).
         self._rank_dropped = 0
@@ -171,14 +172,13 @@ class ExportWorker:
         self._exporter_failed = exporter_failed
         # An exporter that never started has been reported already; don't log per batch.
         self._logged_export_error = exporter_failed
-        self._hw_batches = 0
-        self._hw_bytes = 0
-        self._queue: deque[ReceivedBatch] = deque()
-        self._queued_bytes = 0
-        self._cond = threading.Condition(threading.Lock())
+        # Its condition guards the worker's own state too (phase, in-hand groups, counts),
+        # so a batch leaves the queue and becomes "in hand" in one critical section. A
+        # closed queue means stopping: shutdown began (or this is a forked child).
+        self._queue: BoundedBatchQueue[ReceivedBatch] = BoundedBatchQueue(
+            max_items=max_queue_batches, max_bytes=max_queue_bytes
+        )
         self._thread: threading.Thread | None = None
-        self._accepting = True
-        self._stopping = False
         self._drain_deadline = float("inf")
         # Set by shutdown when it gives up on a stuck worker: the worker counts nothing more.
         self._abandoned = False
@@ -210,8 +210,8 @@ class ExportWorker:
 
     def start(self) -> None:
         """Start the worker thread (idempotent; a no-op in a forked child or after shutdown)."""
-        with self._cond:
-            if self._thread is not None or self._forked_child or not self._accepting:
+        with self._queue.cond:
+            if self._thread is not None or self._forked_child or self._queue.closed:
                 return
             self._thread = threading.Thread(
                 target=self._run, name="traceml-export-worker", daemon=True
@@ -221,50 +221,25 @@ class ExportWorker:
     def submit(self, batch: ReceivedBatch) -> None:
         """Queue ``batch`` for export; never blocks and never raises.
 
-        A full queue, a batch larger than the byte bound, or a submit after shutdown
-        began counts one dropped batch.
+        A full queue, a batch larger than the byte bound, a batch without a usable
+        ``nbytes``, or a submit after shutdown began counts one dropped batch.
         """
-        try:
-            nbytes = batch.nbytes
-            if type(nbytes) is not int or nbytes < 0:
-                raise TypeError("ReceivedBatch.nbytes must be an int >= 0")
-            with self._cond:
-                queue = self._queue
-                queued = self._queued_bytes + nbytes
-                if (
-                    not self._accepting
-                    or len(queue) >= self._max_batches
-                    or queued > self._max_bytes
-                ):
-                    self._dropped += 1
-                    return
-                queue.append(batch)
-                self._queued_bytes = queued
-                if len(queue) > self._hw_batches:
-                    self._hw_batches = len(queue)
-                if queued > self._hw_bytes:
-                    self._hw_bytes = queued
-                if len(queue) == 1:
-                    self._cond.notify()
-        except Exception:
-            # Only a broken batch object (e.g. no usable ``nbytes``) gets here.
-            with self._cond:
-                self._dropped += 1
+        self._queue.put(batch)
 
     @property
     def max_queue_batches(self) -> int:
         """The queue's bound in batches."""
-        return self._max_batches
+        return self._queue.max_items
 
     @property
     def max_queue_bytes(self) -> int:
         """The queue's bound in bytes (sum of ``ReceivedBatch.nbytes``)."""
-        return self._max_bytes
+        return self._queue.max_bytes
 
     @property
     def dropped_batches(self) -> int:
         """Batches dropped so far, the ranks' reported drops included (live)."""
-        return self._dropped + self._rank_dropped
+        return self._queue.dropped + self._dropped + self._rank_dropped
 
     def set_rank_dropped_batches(self, batches: int) -> None:
         """Set how many batches the ranks' senders reported dropping (a total, not a delta).
@@ -276,7 +251,7 @@ class ExportWorker:
         """
         if type(batches) is not int or batches < 0:
             raise ValueError(f"dropped batches must be an int >= 0; got {batches!r}")
-        with self._cond:
+        with self._queue.cond:
             if not self._counts_frozen and self._final is None:
                 self._rank_dropped = batches
 
@@ -289,15 +264,13 @@ class ExportWorker:
     def backlog(self) -> float:
         """How full the queue is now, 0 to 1 (the larger of its two bounds' shares; read
         without the lock: a hint for the live views, which yield to the export)."""
-        by_count = len(self._queue) / self._max_batches
-        by_bytes: float = self._queued_bytes / self._max_bytes
-        return max(by_count, by_bytes)
+        return self._queue.backlog
 
     def stats(self) -> ExportStats:
         """A consistent snapshot of the counters (the final figures after shutdown)."""
         if self._final is not None:
             return self._final
-        with self._cond:
+        with self._queue.cond:
             return self._snapshot()
 
     def shutdown(self, timeout: float) -> ExportStats:
@@ -321,15 +294,12 @@ class ExportWorker:
 
     def _shutdown(self, timeout: float) -> ExportStats:
         deadline = time.monotonic() + timeout
-        with self._cond:
-            self._accepting = False
+        with self._queue.cond:
             if self._forked_child:
-                self._dropped += len(self._queue)
-                self._clear_queue()
+                self._queue.clear()
                 return self._snapshot()
-            self._stopping = True
             self._drain_deadline = deadline
-            self._cond.notify_all()
+            self._queue.close()
             thread = self._thread
             if thread is None:
                 # Never started: the thread still drains and closes, within the deadline.
@@ -339,9 +309,9 @@ class ExportWorker:
                 thread.start()
         thread.join(max(0.0, deadline + CLOSE_GRACE_S - time.monotonic()))
         if not thread.is_alive():
-            with self._cond:
+            with self._queue.cond:
                 return self._snapshot()
-        with self._cond:
+        with self._queue.cond:
             if not thread.is_alive():
                 return self._snapshot()
             self._abandoned = True
@@ -357,8 +327,7 @@ class ExportWorker:
             for stream, count in self._in_hand:
                 self._failed[stream] = self._failed.get(stream, 0) + count
             self._in_hand = []
-            self._dropped += len(self._queue)
-            self._clear_queue()
+            self._queue.clear()
             summary = self._summary()
             final = self._snapshot()
         _log.error(
@@ -395,15 +364,15 @@ class ExportWorker:
     # -- worker thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        cond = self._cond
         queue = self._queue
+        cond = queue.cond
         while True:
             linger = False
             with cond:
-                if not queue and not self._stopping:
-                    while not queue and not self._stopping:
+                if not queue and not queue.closed:
+                    while not queue and not queue.closed:
                         cond.wait()
-                    linger = not self._stopping
+                    linger = not queue.closed
             if linger:
                 # Woken by the first batch of a quiet spell: give the next ones a moment
                 # to arrive, so a steady trickle costs one wake-up per few batches rather
@@ -413,18 +382,18 @@ class ExportWorker:
             with cond:
                 if self._abandoned:
                     return
-                if not queue or (self._stopping and time.monotonic() >= self._drain_deadline):
+                if queue.closed and time.monotonic() >= self._drain_deadline:
                     break
-                batch = queue.popleft()
-                self._queued_bytes -= batch.nbytes
+                batch = queue.take()
+                if batch is None:
+                    break
                 self._phase = "build"
             if not self._process(batch):
                 return
         with cond:
             if self._abandoned:
                 return
-            self._dropped += len(queue)
-            self._clear_queue()
+            queue.clear()
             summary = self._summary()
             self._phase = "close"
         ok = self._call_close(summary)
@@ -440,14 +409,14 @@ class ExportWorker:
         except Exception:
             # The builder is written never to raise; if it does, lose the batch, not the thread.
             _log.exception("traceml: export: building records from a batch failed")
-            with self._cond:
+            with self._queue.cond:
                 if self._abandoned:
                     return False
                 self._dropped += 1
                 self._phase = "idle"
             return True
         groups = [(stream, records) for stream, records in result.records.items() if records]
-        with self._cond:
+        with self._queue.cond:
             if self._abandoned:
                 return False
             self._skipped += result.skipped_items
@@ -455,13 +424,13 @@ class ExportWorker:
             self._phase = "export"
         for stream, records in groups:
             written, failed = self._export(records)
-            with self._cond:
+            with self._queue.cond:
                 if self._abandoned:
                     return False
                 self._written[stream] = self._written.get(stream, 0) + written
                 self._failed[stream] = self._failed.get(stream, 0) + failed
                 self._in_hand.pop(0)
-        with self._cond:
+        with self._queue.cond:
             self._phase = "idle"
         return True
 
@@ -523,14 +492,10 @@ class ExportWorker:
 
     # -- helpers (call with the lock held) ------------------------------------------
 
-    def _clear_queue(self) -> None:
-        self._queue.clear()
-        self._queued_bytes = 0
-
     def _summary(self) -> ExportSummary:
         self._counts_frozen = True
         return ExportSummary(
-            written_records=dict(self._written), dropped_batches=self._dropped + self._rank_dropped
+            written_records=dict(self._written), dropped_batches=self.dropped_batches
         )
 
     def _snapshot(self) -> ExportStats:
@@ -538,10 +503,10 @@ class ExportWorker:
             written_records=dict(self._written),
             failed_records=dict(self._failed),
             skipped_items=self._skipped,
-            dropped_batches=self._dropped + self._rank_dropped,
+            dropped_batches=self.dropped_batches,
             exporter_failed=self._exporter_failed,
-            queue_high_water_batches=self._hw_batches,
-            queue_high_water_bytes=self._hw_bytes,
+            queue_high_water_batches=self._queue.high_water_items,
+            queue_high_water_bytes=self._queue.high_water_bytes,
         )
 
     def after_fork_in_child(self) -> None:
@@ -550,13 +515,9 @@ class ExportWorker:
         Only the forking thread exists in the child, so any lock another parent thread
         held is held forever here: every lock is replaced, never acquired.
         """
-        self._cond = threading.Condition(threading.Lock())
+        self._queue.after_fork_in_child()  # a fresh lock; empty, closed, counters zeroed
         self._shutdown_lock = threading.Lock()
-        self._queue = deque()
-        self._queued_bytes = 0
         self._thread = None
-        self._accepting = False
-        self._stopping = True
         self._forked_child = True
         self._abandoned = False
         self._phase = "idle"
@@ -568,5 +529,3 @@ class ExportWorker:
         self._dropped = 0
         self._rank_dropped = 0
         self._counts_frozen = False
-        self._hw_batches = 0
-        self._hw_bytes = 0

@@ -2,7 +2,7 @@
 
 The aggregator's receive loop hands every batch to :meth:`LiveFeed.submit` as it
 hands it to the export; ``submit`` never blocks (a full queue drops the batch and
-counts it). The feed thread parses the batch itself (the export parses its own copy,
+counts it: the export worker's :class:`~traceml_ai._queue.BoundedBatchQueue`). The feed thread parses the batch itself (the export parses its own copy,
 so neither waits for the other, and the live views work with export off), updates the
 :class:`LiveState` and gives the new steps to the sinks that want them (the OTLP
 traces). Every few seconds it runs the summary's straggler analysis on each rank's
@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
+from traceml_ai._queue import BoundedBatchQueue
 from traceml_ai.monitor._state import MAX_USER_PHASES, OTHER_PHASE, LiveState, StepSeen
 from traceml_ai.run_summary import analyze
 from traceml_ai.transport.wire import (
@@ -87,16 +87,12 @@ class LiveFeed:
         export_backlog: Callable[[], float] | None = None,
     ) -> None:
         self.state = state
-        self._max_batches = max_batches
-        self._max_bytes = max_bytes
-        self._queue: deque[ReceivedBatch] = deque()
-        self._bytes = 0
-        self._cond = threading.Condition(threading.Lock())
-        self._stopping = False
+        # Closed once stop() began: the feed thread takes what is left, then ends.
+        self._queue: BoundedBatchQueue[ReceivedBatch] = BoundedBatchQueue(
+            max_items=max_batches, max_bytes=max_bytes
+        )
         self._thread: threading.Thread | None = None
         self._listeners: list[StepListener] = []
-        self.dropped_batches = 0
-        """Batches not taken because the queue was full."""
         self.bad_batches = 0
         """Batches that could not be parsed (the export counts its own copy's loss)."""
         self._straggler_period_s = straggler_period_s
@@ -108,6 +104,11 @@ class LiveFeed:
         """Where the feed's one-time notices go (the monitoring's ``report``)."""
         self._folding_said = False
 
+    @property
+    def dropped_batches(self) -> int:
+        """Batches not taken: the queue was full (or stopping), or still queued at stop."""
+        return self._queue.dropped
+
     def add_listener(self, listener: StepListener) -> None:
         """Call ``listener`` with each batch's new steps, on the feed thread (before start)."""
         self._listeners.append(listener)
@@ -117,49 +118,36 @@ class LiveFeed:
         self._thread.start()
 
     def submit(self, batch: ReceivedBatch) -> None:
-        """Queue a batch; never blocks, never raises (a full queue drops and counts it)."""
-        with self._cond:
-            if self._stopping:
-                return
-            if (
-                len(self._queue) >= self._max_batches
-                or self._bytes + batch.nbytes > self._max_bytes
-            ):
-                self.dropped_batches += 1
-                return
-            self._queue.append(batch)
-            self._bytes += batch.nbytes
-            if len(self._queue) == 1:
-                self._cond.notify()
+        """Queue a batch; never blocks, never raises (a full queue, a batch without a
+        usable ``nbytes`` or a submit after stop drops and counts it)."""
+        self._queue.put(batch)
 
     def stop(self, timeout_s: float) -> None:
         """Take what is queued (for at most ``timeout_s``), then stop; what is left is
         counted as dropped."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
+        queue = self._queue
+        with queue.cond:
+            queue.close()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        with self._cond:
-            self.dropped_batches += len(self._queue)
-            self._queue.clear()
-            self._bytes = 0
+        with queue.cond:
+            queue.clear()
         self._update_straggler()
 
     # -- the feed thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        queue = self._queue
+        cond = queue.cond
         while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait(self._straggler_period_s)
-                    if not self._queue:
+            with cond:
+                while not queue and not queue.closed:
+                    cond.wait(self._straggler_period_s)
+                    if not queue:
                         break
-                if not self._queue and self._stopping:
+                if not queue and queue.closed:
                     return
-                batches = list(self._queue)
-                self._queue.clear()
-                self._bytes = 0
+                batches = queue.take_all()
             backlog = self.export_backlog
             # Only a pass of several batches can hold two samples of one rank's gauges.
             keys = [_gauge_key(b) for b in batches] if len(batches) > 1 else [None]
@@ -170,10 +158,10 @@ class LiveFeed:
                     # A later sample of the same rank's gauges is in this pop: the live
                     # views keep the latest only, so under load the feed skips unread.
                     continue
-                if backlog is not None and not self._stopping:
+                if backlog is not None and not queue.closed:
                     # The aggregator process has one GIL: when the export falls behind,
                     # the live views wait (their own queue bounds what they hold).
-                    while _backlog(backlog) > BACKLOG_YIELD and not self._stopping:
+                    while _backlog(backlog) > BACKLOG_YIELD and not queue.closed:
                         time.sleep(_YIELD_S)
                 try:
                     self._take(batch)
@@ -183,7 +171,7 @@ class LiveFeed:
                     self.bad_batches += 1
             if self._straggler_dirty and time.monotonic() >= self._next_straggler:
                 self._update_straggler()
-            if not self._stopping:
+            if not queue.closed:
                 time.sleep(_LINGER_S)
 
     def _take(self, batch: ReceivedBatch) -> None:

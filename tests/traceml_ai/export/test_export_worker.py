@@ -336,7 +336,7 @@ def test_fork_while_worker_runs_gives_child_a_stopped_dropping_worker() -> None:
     release = threading.Event()
 
     def hold_lock() -> None:
-        with worker._cond:
+        with worker._queue.cond:
             holding.set()
             release.wait()
 

@@ -1,0 +1,192 @@
+"""One bounded queue of whole batches, for the aggregator's consumers.
+
+The aggregator's receive loop hands every batch to the export worker and, when a live
+view is on, to the live feed; each keeps its own :class:`BoundedBatchQueue` and one
+thread that takes from it. ``put`` must never slow the receive loop down: it never
+blocks (beyond a briefly held lock) and never raises; whatever it cannot take counts
+one dropped item.
+
+The rank's sender keeps its own queues apart on purpose (the training thread's hot
+path; see "Three bounded queues, two classes" in docs/dev/architecture.md).
+
+Locking: ``put`` takes the queue's lock itself. Every other method that changes the
+queue (``take``, ``take_all``, ``clear``, ``close``) is called with :attr:`cond` held,
+so that a consumer changes its own state in the same critical section (the export
+worker pops a batch and records that it is building it, atomically). The read-only
+figures are read without the lock: single values, possibly a moment stale.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Generic, Protocol, TypeVar
+
+__all__ = ["BoundedBatchQueue", "HasNbytes"]
+
+
+class HasNbytes(Protocol):
+    """What the queue needs of an item: its size, an ``int >= 0`` that does not change
+    while the item is queued (``ReceivedBatch.nbytes``: the wire bytes it holds)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+T = TypeVar("T", bound=HasNbytes)
+
+
+class BoundedBatchQueue(Generic[T]):
+    """A FIFO bounded in items and in bytes (the sum of the items' ``nbytes``).
+
+    ``put`` drops the newest: an item that would pass either bound, an item whose
+    ``nbytes`` is not an ``int >= 0`` (or cannot be read), and any item after
+    :meth:`close` count one drop each and are not queued. The counters (``dropped``,
+    the high-water marks) only grow, until :meth:`after_fork_in_child`.
+    """
+
+    def __init__(self, *, max_items: int, max_bytes: int) -> None:
+        if max_items < 1 or max_bytes < 1:
+            raise ValueError("queue limits must be at least 1")
+        self._max_items = max_items
+        self._max_bytes = max_bytes
+        self.cond = threading.Condition(threading.Lock())
+        """The queue's lock; consumers wait on it (``put`` wakes one waiter when the
+        queue stops being empty; ``close`` wakes them all) and hold it to take."""
+        self._items: deque[T] = deque()
+        self._nbytes = 0
+        self._closed = False
+        self._dropped = 0
+        self._hw_items = 0
+        self._hw_bytes = 0
+
+    # -- producer ---------------------------------------------------------------------
+
+    def put(self, item: T) -> bool:
+        """Queue ``item``; True if queued, False if dropped (and counted). Never blocks
+        on the consumer and never raises."""
+        try:
+            nbytes: object = item.nbytes
+        except Exception:
+            nbytes = None
+        with self.cond:
+            items = self._items
+            if type(nbytes) is not int or nbytes < 0 or self._closed:
+                self._dropped += 1
+                return False
+            queued = self._nbytes + nbytes
+            if len(items) >= self._max_items or queued > self._max_bytes:
+                self._dropped += 1
+                return False
+            items.append(item)
+            self._nbytes = queued
+            n = len(items)
+            if n > self._hw_items:
+                self._hw_items = n
+            if queued > self._hw_bytes:
+                self._hw_bytes = queued
+            if n == 1:
+                # Consumers wait only while the queue is empty.
+                self.cond.notify()
+            return True
+
+    # -- consumer (call with ``cond`` held) -----------------------------------------------
+
+    def take(self) -> T | None:
+        """The oldest item, removed; None when the queue is empty."""
+        items = self._items
+        if not items:
+            return None
+        item = items.popleft()
+        self._nbytes -= item.nbytes
+        return item
+
+    def take_all(self) -> list[T]:
+        """Every queued item, oldest first; the queue is left empty."""
+        taken = list(self._items)
+        self._items.clear()
+        self._nbytes = 0
+        return taken
+
+    def clear(self) -> int:
+        """Drop everything queued; return how many items that was (they count in
+        ``dropped``)."""
+        n = len(self._items)
+        self._items.clear()
+        self._nbytes = 0
+        self._dropped += n
+        return n
+
+    def close(self) -> None:
+        """Take no more items (each later ``put`` counts a drop) and wake every waiter;
+        what is queued stays to be taken. Idempotent."""
+        self._closed = True
+        self.cond.notify_all()
+
+    # -- figures (read without the lock) -------------------------------------------------
+
+    def __len__(self) -> int:
+        """Items queued now."""
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes queued now (the sum of the queued items' ``nbytes``)."""
+        return self._nbytes
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (or this is a forked child's queue)."""
+        return self._closed
+
+    @property
+    def max_items(self) -> int:
+        """The bound in items."""
+        return self._max_items
+
+    @property
+    def max_bytes(self) -> int:
+        """The bound in bytes."""
+        return self._max_bytes
+
+    @property
+    def dropped(self) -> int:
+        """Items not queued by ``put`` plus items dropped by ``clear``."""
+        return self._dropped
+
+    @property
+    def high_water_items(self) -> int:
+        """Most items queued at once."""
+        return self._hw_items
+
+    @property
+    def high_water_bytes(self) -> int:
+        """Most bytes queued at once."""
+        return self._hw_bytes
+
+    @property
+    def backlog(self) -> float:
+        """How full the queue is now, 0 to 1: the larger of its two bounds' shares (read
+        without the lock: a hint, e.g. for the live views, which yield to the export)."""
+        by_items = len(self._items) / self._max_items
+        by_bytes: float = self._nbytes / self._max_bytes
+        return max(by_items, by_bytes)
+
+    # -- fork ------------------------------------------------------------------------------
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: an empty, closed queue with zeroed counters and a fresh lock.
+
+        Only the forking thread exists in the child, so a lock another parent thread
+        held is held forever here: it is replaced, never acquired. Nothing in the child
+        will take from this queue, so it takes nothing more (each ``put`` counts a drop).
+        The owner calls this from its own reset (the queue does not register itself
+        with :mod:`traceml_ai._fork`).
+        """
+        self.cond = threading.Condition(threading.Lock())
+        self._items = deque()
+        self._nbytes = 0
+        self._closed = True
+        self._dropped = 0
+        self._hw_items = 0
+        self._hw_bytes = 0
