@@ -58,9 +58,9 @@ INTERMITTENT_MIN_SHARE = 0.05
 """A rank is intermittently slow when slow alone in at least this share of steps..."""
 INTERMITTENT_MIN_STEPS = 3
 """...and in at least this many steps..."""
-STEP_ABS_MS = 2.0
+STEP_ABS_MS = 4.0
 """A single step counts as slow only above this many milliseconds..."""
-STEP_REL = 0.5
+STEP_REL = 0.3
 """...and this fraction of the median iteration (besides the straggler threshold)."""
 DOMINANCE = 3.0
 """...and at least this many times as often as the other ranks (plus one)."""

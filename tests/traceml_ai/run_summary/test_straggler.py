@@ -520,8 +520,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 def test_real_runs_on_a_busy_machine() -> None:
     """Two real 4-rank DDP runs (gloo) on 2 busy cores, kept as files: with no rank
-    slowed, the scheduler delayed rank 0 by 3-4 ms (less than half an iteration) in 4
-    of 24 steps, which is no straggler; with rank 3's collate_fn sleeping 30 ms every
+    slowed, the scheduler delayed rank 0 by 3-4 ms in 4 of 24 steps, which is no
+    straggler; with rank 3's collate_fn sleeping 30 ms every
     5th step, rank 3 is intermittent, every 5th step, in the DataLoader."""
     from traceml_ai.run_summary import summarize_run
 
