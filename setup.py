@@ -4,7 +4,8 @@
 pure-Python path that behaves the same: ``traceml_records._speedups`` (the line and
 item encoders, a rank's step encoder), ``traceml_ai.rank._hotpath`` (the step
 timer's per-call methods) and ``traceml_ai.transport._nowait`` (a rank sender's
-non-blocking socket calls).
+non-blocking socket calls) and ``traceml_ai.run_summary._rowscan`` (the files
+reader's per-line checks and step row).
 """
 
 from setuptools import Extension, setup
@@ -22,6 +23,11 @@ setup(
         Extension(
             "traceml_ai.rank._hotpath",
             sources=["src/traceml_ai/rank/_hotpath.c"],
+            optional=True,
+        ),
+        Extension(
+            "traceml_ai.run_summary._rowscan",
+            sources=["src/traceml_ai/run_summary/_rowscan.c"],
             optional=True,
         ),
         Extension(

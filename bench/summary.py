@@ -1,50 +1,232 @@
-"""``summarize_run`` on one big step_time file (what ``traceml summary`` reads).
+"""``traceml summary`` and the dashboard on a big step_time export, against parsing it.
 
-Writes ``--lines`` step_time lines (8 ranks, 5 phases each, the real encoder; see
-``bench/frames.py``) plus the closing line into a run folder, then times
-``summarize_run`` on it, best of ``--repeat``.
+Writes a realistic export of ``--lines`` step_time lines (``bench.bigfile``: 64 ranks,
+6 built-in and 2 user phases, ~1.4 kB a line) and measures, each in a process of its
+own (CPU seconds and peak RSS from the process itself, so a busy machine moves the
+ratios little):
 
-    .venv/bin/python bench/summary.py [--lines 1000000] [--keep FOLDER] [--repeat 1]
+* ``parse``: reading the file in blocks and ``orjson.loads`` on every line, nothing
+  else: the floor any reader of JSON lines pays;
+* ``summary``: ``summarize_run`` on the run folder (what ``traceml summary`` prints:
+  every value checked, the figures, the straggler analysis);
+* ``follow``: a run still being written (the same lines, no closing line): the first
+  summary of a ``RunReader`` and the dashboard's first view (``FilesSource``), then
+  ``--append`` more lines written and one refresh of each (wall seconds).
+
+    python -m bench.summary [--lines 1000000] [--append 640] [--keep FOLDER]
 
 Prints figures, never pass/fail; the last line is machine-readable:
-``summarize_run_s=<t> lines_per_s=<z>``.
+``summary_vs_parse=<x> summary_rss_mb_per_million=<m> follow_refresh_s=<t>
+first_view_vs_summary=<v>``: parse CPU time over the summary's (above 1: faster than
+parsing), the summary's peak RSS beyond an idle interpreter's per million lines, the
+dashboard's refresh after the append, and its first view's wall time over the
+summary's.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import os
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from bench.frames import write_file
-from traceml_ai.run_summary import summarize_run
+from bench.bigfile import write_step_time
+
+_EXPORT = Path("aggregator") / "export" / "step_time.jsonl"
+
+
+def _usage() -> dict[str, float]:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return {"cpu_s": me.ru_utime + me.ru_stime, "rss_mb": me.ru_maxrss / 1024}
+
+
+def _child_parse(path: Path) -> dict[str, Any]:
+    import orjson
+
+    loads = orjson.loads
+    start = _usage()["cpu_s"]
+    pending = b""
+    lines = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(16 << 20):
+            complete = (pending + block).split(b"\n")
+            pending = complete.pop()
+            for raw in complete:
+                loads(raw)
+            lines += len(complete)
+    return {"cpu_s": _usage()["cpu_s"] - start, "lines": lines}
+
+
+def _child_summary(run: Path) -> dict[str, Any]:
+    from traceml_ai.run_summary import summarize_run
+
+    start = _usage()["cpu_s"]
+    t0 = time.perf_counter()
+    summary = summarize_run(run)
+    wall = time.perf_counter() - t0
+    steps = sum(s.steps for s in (summary.step_time or {}).values())
+    return {
+        "cpu_s": _usage()["cpu_s"] - start,
+        "wall_s": wall,
+        "steps": steps,
+        "status": summary.loss.status,
+        "verdict": summary.straggler.line() if summary.straggler else None,
+    }
+
+
+def _child_idle() -> dict[str, Any]:
+    import numpy  # noqa: F401  (what the summary imports)
+
+    import traceml_ai.run_summary  # noqa: F401
+
+    return {}
+
+
+def _child_follow(run: Path, more: Path) -> dict[str, Any]:
+    from traceml_ai.dashboard._files import FilesSource
+    from traceml_ai.run_summary import RunReader
+
+    reader = RunReader(run)
+    t0 = time.perf_counter()
+    first = reader.summary()
+    first_s = time.perf_counter() - t0
+    source = FilesSource(run)
+    t0 = time.perf_counter()
+    source()
+    view_s = time.perf_counter() - t0
+    before = sum(s.steps for s in (first.step_time or {}).values())
+    with open(run / _EXPORT, "ab") as fh:
+        fh.write(more.read_bytes())
+    t0 = time.perf_counter()
+    after = reader.summary()
+    refresh_s = time.perf_counter() - t0
+    source._at = 0.0  # the next look is due now
+    t0 = time.perf_counter()
+    data = source()
+    view_refresh_s = time.perf_counter() - t0
+    return {
+        "summary_first_s": first_s,
+        "summary_refresh_s": refresh_s,
+        "view_first_s": view_s,
+        "view_refresh_s": view_refresh_s,
+        "steps_before": before,
+        "steps_after": sum(s.steps for s in (after.step_time or {}).values()),
+        "view_steps_after": sum(data.total_steps.values()),
+    }
+
+
+def _child(kind: str, args: list[str]) -> None:
+    paths = [Path(a) for a in args]
+    if kind == "parse":
+        out = _child_parse(paths[0])
+    elif kind == "summary":
+        out = _child_summary(paths[0])
+    elif kind == "follow":
+        out = _child_follow(paths[0], paths[1])
+    else:
+        out = _child_idle()
+    out.update({f"self_{k}": v for k, v in _usage().items()})
+    print(json.dumps(out))
+
+
+def _run(kind: str, *paths: Path) -> dict[str, Any]:
+    env = dict(os.environ)
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.summary", "--child", kind, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if res.returncode != 0:
+        raise SystemExit(f"bench.summary: the {kind} child failed:\n{res.stderr}")
+    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _prepare(folder: Path, lines: int, append: int) -> tuple[Path, Path, Path]:
+    """(whole run, growing run, the lines to append), written unless already there."""
+    whole, growing = folder / "whole", folder / "growing"
+    more = folder / "more.jsonl"
+    if not (whole / _EXPORT).exists():
+        (whole / _EXPORT).parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        write_step_time(whole / _EXPORT, lines)
+        print(f"wrote {lines:,} lines in {time.perf_counter() - t0:.1f} s", flush=True)
+    if not (growing / _EXPORT).exists():
+        (growing / _EXPORT).parent.mkdir(parents=True, exist_ok=True)
+        longer = folder / "longer.jsonl"
+        write_step_time(longer, lines + append)
+        with open(longer, "rb") as src, open(growing / _EXPORT, "wb") as dst:
+            left = lines
+            rest = b""
+            while block := src.read(16 << 20):
+                count = block.count(b"\n")
+                if count < left:
+                    dst.write(block)
+                    left -= count
+                    continue
+                cut = 0
+                for _ in range(left):
+                    cut = block.index(b"\n", cut) + 1
+                dst.write(block[:cut])
+                rest = block[cut:] + src.read()
+                break
+        # The appended lines: the rest, without its closing line.
+        more.write_bytes(rest.rstrip(b"\n").rsplit(b"\n", 1)[0] + b"\n")
+        longer.unlink()
+    return whole, growing, more
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3:])
+        return
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--lines", type=int, default=1_000_000)
-    ap.add_argument("--keep", type=Path, default=None, help="run folder to write (or reuse)")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument(
+        "--append", type=int, default=640, help="lines appended for the follow figures"
+    )
+    ap.add_argument("--keep", type=Path, default=None, help="folder to write (or reuse)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        run = args.keep or Path(tmp) / "run"
-        path = run / "aggregator" / "export" / "step_time.jsonl"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_file(path, args.lines)
-        size = path.stat().st_size
-        best = float("inf")
-        for _ in range(args.repeat):
-            gc.collect()
-            t0 = time.perf_counter()
-            summary = summarize_run(run)
-            best = min(best, time.perf_counter() - t0)
-        steps = sum(s.steps for s in (summary.step_time or {}).values())
-        print(f"file: {size / 2**20:.0f} MiB, {steps} steps over {len(summary.ranks)} ranks")
-        print(f"files: {summary.loss.status}")
-        print(f"summarize_run_s={best:.2f} lines_per_s={steps / best:.0f}")
+        folder = args.keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        whole, growing, more = _prepare(folder, args.lines, args.append)
+        size = (whole / _EXPORT).stat().st_size
+        print(f"file: {size / 1e6:,.0f} MB, {args.lines:,} step_time lines (64 ranks)")
+        idle = _run("idle")
+        parse = _run("parse", whole / _EXPORT)
+        summary = _run("summary", whole)
+        follow = _run("follow", growing, more)
+    ratio = parse["cpu_s"] / summary["cpu_s"]
+    rss = summary["self_rss_mb"] - idle["self_rss_mb"]
+    per_million = rss / (args.lines / 1e6)
+    print(f"parse (orjson.loads, every line)  {parse['cpu_s']:8.2f} CPU s")
+    print(
+        f"summarize_run                     {summary['cpu_s']:8.2f} CPU s "
+        f"({summary['wall_s']:.2f} s wall), peak RSS {summary['self_rss_mb']:.0f} MB "
+        f"({idle['self_rss_mb']:.0f} MB idle)"
+    )
+    print(f"  {summary['steps']:,} steps; files: {summary['status']}; {summary['verdict']}")
+    print(
+        f"follow: first summary {follow['summary_first_s']:.2f} s, dashboard first view "
+        f"{follow['view_first_s']:.2f} s; after {args.append} more lines: summary "
+        f"{follow['summary_refresh_s']:.3f} s, dashboard {follow['view_refresh_s']:.3f} s "
+        f"({follow['steps_before']:,} -> {follow['steps_after']:,} steps; page "
+        f"{follow['view_steps_after']:,})"
+    )
+    print(
+        f"summary_vs_parse={ratio:.2f} summary_rss_mb_per_million={per_million:.0f} "
+        f"follow_refresh_s={follow['view_refresh_s']:.3f} "
+        f"first_view_vs_summary={follow['view_first_s'] / summary['wall_s']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """The files source: a run's export files as a :class:`~traceml_ai.dashboard._view.RunData`.
 
 It reads with the run summary's one reader, as ``traceml summary --follow`` does:
-:func:`~traceml_ai.run_summary.summarize_run` gives the typed summary, with every
+a :class:`~traceml_ai.run_summary.RunReader` gives the typed summary, with every
 figure, the straggler view, the loss report (closing lines,
-``finalization_warning.json``) and the step rows behind the lines over steps.
-The files are read again only when one of them changed (size, inode or time), at most
-every :data:`MIN_AGE_S`; a run still being written is followed until it is complete.
+``finalization_warning.json``) and the step columns behind the lines over steps.
+Each refresh (at most every :data:`MIN_AGE_S`) reads only what was appended since the
+last one; a run still being written is followed until it is complete.
 """
 
 from __future__ import annotations
@@ -14,17 +14,9 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from traceml_ai.dashboard._view import RunData
-from traceml_ai.run_summary import (
-    STREAM_FILES,
-    WARNING_FILE,
-    RunSummary,
-    SummaryError,
-    export_folder_of,
-    summarize_run,
-)
+from traceml_ai.run_summary import RunReader, RunSummary, SummaryError
 
 __all__ = ["MIN_AGE_S", "FilesSource", "check_folder"]
 
@@ -42,34 +34,16 @@ def check_folder(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def _signature(path: Path) -> tuple[Any, ...]:
-    """What changes when any file the view reads changes."""
-    try:
-        export, run = export_folder_of(path)
-    except SummaryError as exc:
-        return ("error", str(exc))
-    out: list[Any] = [str(export)]
-    names = [export / f"{n}.jsonl" for n in STREAM_FILES]
-    if run is not None:
-        names.append(run / WARNING_FILE)
-    for f in names:
-        try:
-            st = os.stat(f)
-        except OSError:
-            out.append(None)
-            continue
-        out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(out)
-
-
 class FilesSource:
-    """RunData of a run folder's export files, read again when they change."""
+    """RunData of a run folder's export files as they grow: one :class:`RunReader`
+    reads only what was appended since the last refresh."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._data: RunData | None = None
-        self._signature: tuple[Any, ...] | None = None
+        self._reader: RunReader | None = None
+        self._summary: RunSummary | None = None
         self._at = 0.0
 
     @property
@@ -83,15 +57,13 @@ class FilesSource:
             if self._data is not None and now - self._at < MIN_AGE_S:
                 return self._data
             self._at = now
-            signature = _signature(self.path)
-            if self._data is None or signature != self._signature:
-                self._data = self._build()
-                self._signature = signature
+            self._data = self._build()
             return self._data
 
     def _build(self) -> RunData:
         try:
-            summary = summarize_run(self.path)
+            self._reader = self._reader or RunReader(self.path)
+            summary = self._reader.summary()
         except SummaryError as exc:
             return RunData(
                 source="files",
@@ -101,7 +73,10 @@ class FilesSource:
                 waiting=str(exc),
                 loss={"status": "in_progress", "lines": [], "warning": None},
             )
-        return from_summary(summary)
+        if summary is not self._summary or self._data is None:
+            self._summary = summary
+            return from_summary(summary)
+        return self._data
 
 
 def from_summary(summary: RunSummary) -> RunData:
@@ -110,12 +85,7 @@ def from_summary(summary: RunSummary) -> RunData:
     strategy = env.training_strategy if env is not None else None
     ranks = list(summary.ranks)
     rows = summary.rows
-    nodes = {
-        r: int(row["_node"])
-        for r, steps in rows.items()
-        for row in list(steps.values())[:1]
-        if "_node" in row
-    }
+    nodes = {r: c.node for r, c in rows.items() if c.node is not None}
     memory = None
     if summary.memory is not None:
         memory = [
@@ -188,15 +158,12 @@ def from_summary(summary: RunSummary) -> RunData:
         window="every step written",
         ranks=ranks,
         rank_nodes=nodes,
-        total_steps={r: len(rows.get(r, {})) for r in ranks},
+        total_steps={r: len(rows[r]) if r in rows else 0 for r in ranks},
         step_time=summary.step_time,
         phases=summary.phases,
         phase_names=summary.phase_names,
         straggler=summary.straggler,
-        series={
-            r: [(st, row["step"], row.get("_ts", 0.0)) for st, row in sorted(steps.items())]
-            for r, steps in rows.items()
-        },
+        series=dict(rows),
         memory=memory,
         memory_basis="the largest peak over the run",
         process=process,

@@ -22,9 +22,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
+import numpy as np
 
 from traceml_ai.run_summary import (
     PhaseFigures,
+    RankColumns,
     RankSteps,
     StragglerView,
     percentile,
@@ -51,7 +53,9 @@ HIGHLIGHT = 5
 MAX_TABLE_ROWS = 64
 """Rows of the per-rank tables; more ranks show the stragglers and the slowest p50."""
 
-Series = Mapping[int, Sequence[tuple[int, float, float]]]
+Series = Mapping[int, "Sequence[tuple[int, float, float]] | RankColumns"]
+"""rank -> its steps: (step, step ms, end ns) tuples (the live window), or the files'
+step columns as they are (a big run's million steps are binned by numpy)."""
 """rank -> its steps in step order: (step, step time in ms, end of the step in ns)."""
 
 
@@ -160,6 +164,28 @@ def _rank_bins(
     )
 
 
+def _column_bins(
+    c: RankColumns, all_steps: Sequence[int], size: int, n: int
+) -> tuple[list[float | None], list[float | None]]:
+    """:func:`_rank_bins` of one rank's step columns, by numpy (the same sums, in the
+    same order)."""
+    bins = np.searchsorted(np.asarray(all_steps), c.steps) // size
+    sums = np.bincount(bins, weights=c.values["step"], minlength=n)
+    counts = np.bincount(bins, minlength=n)
+    ts = c.column("_ts")
+    follows = np.zeros(len(c), dtype=np.bool_)
+    follows[1:] = c.steps[1:] == c.steps[:-1] + 1
+    gap = np.zeros(len(c), dtype=np.float64)
+    gap[1:] = (ts[1:] - ts[:-1]) / 1e6
+    counted = follows & (gap > 0)
+    gap_sums = np.bincount(bins[counted], weights=gap[counted], minlength=n)
+    gap_counts = np.bincount(bins[counted], minlength=n)
+    return (
+        [float(a) / int(b) if b else None for a, b in zip(sums, counts, strict=True)],
+        [float(a) / int(b) if b else None for a, b in zip(gap_sums, gap_counts, strict=True)],
+    )
+
+
 def _series(
     data: RunData, highlight: Sequence[int], extra: Sequence[int]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -169,18 +195,25 @@ def _series(
     percentiles over ranks of each rank's mean step time in the bin, and the job's
     steps per second: 1000 over the median (over ranks) time between step ends."""
     rows = data.series
-    all_steps = sorted({t[0] for steps in rows.values() for t in steps})
+    columns = {r: c for r, c in rows.items() if isinstance(c, RankColumns)}
+    if columns:
+        all_steps = np.unique(np.concatenate([c.steps for c in columns.values()])).tolist()
+    else:
+        all_steps = sorted({t[0] for steps in rows.values() for t in steps})  # type: ignore[union-attr]
     if not all_steps:
         return {"steps": [], "lines": []}, {"steps": [], "steps_per_s": []}
     size = _bins(all_steps)
     n = math.ceil(len(all_steps) / size)
-    index = {s: i // size for i, s in enumerate(all_steps)}
+    index = {} if columns else {s: i // size for i, s in enumerate(all_steps)}
     by_bin: list[list[float]] = [[] for _ in range(n)]
     gaps_by_bin: list[list[float]] = [[] for _ in range(n)]
     wanted = set(highlight) | set(extra)
     lines_of: dict[int, list[float | None]] = {}
     for r, steps in rows.items():
-        values, gaps = _rank_bins(steps, index, n)
+        if isinstance(steps, RankColumns):
+            values, gaps = _column_bins(steps, all_steps, size, n)
+        else:
+            values, gaps = _rank_bins(steps, index, n)
         for i in range(n):
             v, g = values[i], gaps[i]
             if v is not None:

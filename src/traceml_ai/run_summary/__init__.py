@@ -16,6 +16,7 @@ One engine behind ``traceml summary`` (text, ``--json``, ``--short``, ``--follow
 Light to import: orjson only (never torch, never pyarrow).
 """
 
+from traceml_ai.run_summary._columns import RankColumns, StepColumns
 from traceml_ai.run_summary._model import (
     DevicePeak,
     Environment,
@@ -44,6 +45,7 @@ from traceml_ai.run_summary._phases import (
 from traceml_ai.run_summary._report import (
     STREAM_FILES,
     WARNING_FILE,
+    RunReader,
     SummaryError,
     export_folder_of,
     format_summary,
@@ -74,9 +76,12 @@ __all__ = [
     "NodeFigures",
     "PhaseFigures",
     "ProcessFigures",
+    "RankColumns",
     "RankSteps",
+    "RunReader",
     "RunSummary",
     "SlowNode",
+    "StepColumns",
     "StepFigures",
     "StepRows",
     "Straggler",

@@ -6,8 +6,8 @@ attrs classes, turned into the ``--json`` object and back by the project's one c
 converter (:mod:`traceml_ai._converter`): ``to_json()`` is the JSON form, every key
 present; ``from_json()`` takes it back, strictly. Per-rank and per-node mappings are
 keyed by the rank or node as a string, as in the JSON. The step rows the figures were
-made from travel with the value (:attr:`RunSummary.rows`) for the views that draw
-steps, never into the JSON.
+made from travel with the value as columns (:attr:`RunSummary.rows`) for the views
+that draw steps, never into the JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import attrs
 
+from traceml_ai.run_summary._columns import StepColumns
 from traceml_ai.run_summary._straggler import StragglerView
 
 StepRows = dict[int, dict[int, dict[str, float]]]
@@ -198,8 +199,8 @@ class RunSummary:
     problems: list[str]
     """What could not be read, one line each (the files are then never complete)."""
     notes: list[str]
-    rows: StepRows = attrs.field(factory=dict, eq=False, repr=False)
-    """The step rows behind the figures (not in the JSON)."""
+    rows: StepColumns = attrs.field(factory=dict, eq=False, repr=False)
+    """The step rows behind the figures, as columns (not in the JSON)."""
 
     @property
     def title(self) -> str:

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from traceml_records import events
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+    from traceml_ai.run_summary._columns import RankColumns
 
 PREFIX = events.RESERVED_PREFIX
 STEP_EVENT = events.STEP_TIME
@@ -165,7 +171,7 @@ def timing_problem(event: str, devices: Any) -> str | None:
     return None
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
+def percentile(sorted_values: Sequence[float] | NDArray[np.float64], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
     n = len(sorted_values)
     if n == 1:
@@ -232,9 +238,9 @@ def _used(row: Mapping[str, float]) -> float:
     return total
 
 
-def phase_names(rows: Iterable[Mapping[str, float]]) -> list[str]:
+def phase_names(rows: Iterable[Iterable[str]]) -> list[str]:
     """The breakdown's phases in step order: the core ones always, h2d and user phases
-    when some row has them, then ``rest``."""
+    when some row (or some rank's columns: their keys) has them, then ``rest``."""
     keys: set[str] = set()
     for row in rows:
         keys.update(row)  # C speed; the filter runs once per distinct key
@@ -251,24 +257,56 @@ def phase_names(rows: Iterable[Mapping[str, float]]) -> list[str]:
 
 
 def phase_breakdown(
-    rows: Sequence[Mapping[str, float]], names: Sequence[str]
+    rows: RankColumns | Sequence[Mapping[str, float]], names: Sequence[str]
 ) -> dict[str, dict[str, float]]:
-    """Per phase of ``names``: mean and median ms over ``rows`` (one rank's steps, not
-    empty), and the mean's share of the mean iteration."""
-    # One pass per phase over plain lists: a rank may have a million steps.
-    iterations = [iteration(r) for r in rows]
-    mean_iteration = sum(iterations) / len(rows)
+    """Per phase of ``names``: mean and median ms over ``rows`` (one rank's steps, as
+    columns or dict rows, not empty), and the mean's share of the mean iteration."""
+    import numpy as np
+
+    from traceml_ai.run_summary._columns import RankColumns, columns_of_rows
+
+    if not isinstance(rows, RankColumns):
+        rows = columns_of_rows({0: dict(enumerate(rows))})[0]
+    # Overflow to infinity is a figure like any other (as in Python's arithmetic).
+    with np.errstate(all="ignore"):
+        return _breakdown(rows, names)
+
+
+def _breakdown(c: RankColumns, names: Sequence[str]) -> dict[str, dict[str, float]]:
+    import numpy as np
+
+    step = c.column("step")
+    # iteration(): the step, plus the DataLoader wait when the built-in phases (which
+    # never nest) do not fit in it; added one by one, as sum() does.
+    built_in: Any = 0.0
+    for name in BUILT_IN_PHASES:
+        built_in = built_in + c.column(name)
+    outside = built_in > step * 1.000001
+    iterations = np.where(outside, step + c.column("dataloader_wait"), step)
+    count = len(step)
+    mean_iteration = float(iterations.sum()) / count
     out: dict[str, dict[str, float]] = {}
     for name in names:
-        if name == "rest":
-            values = [max(0.0, it - _used(r)) for r, it in zip(rows, iterations, strict=True)]
-        else:
-            values = [r.get(name, 0.0) for r in rows]
-        mean = sum(values) / len(values)
-        values.sort()
+        rest = name == "rest"
+        values = np.fmax(0.0, iterations - _used_column(c)) if rest else c.column(name)
+        average = float(values.sum()) / count
         out[name] = {
-            "mean_ms": round(mean, 3),
-            "p50_ms": round(percentile(values, 50.0), 3),
-            "share": round(mean / mean_iteration if mean_iteration > 0 else 0.0, 4),
+            "mean_ms": round(average, 3),
+            "p50_ms": round(percentile(np.sort(values), 50.0), 3),
+            "share": round(average / mean_iteration if mean_iteration > 0 else 0.0, 4),
         }
     return out
+
+
+def _used_column(c: RankColumns) -> Any:
+    """Each row's sum of phases: ``_used`` where the reader kept it, else the phases
+    added one by one in key order (:func:`_used`)."""
+    import numpy as np
+
+    total: Any = np.zeros(len(c), dtype=np.float64)
+    for key in c.values:
+        if key != "step" and key[:1] != "_":
+            total = total + c.column(key)
+    if "_used" not in c.values:
+        return total
+    return np.where(c.has("_used"), c.column("_used"), total)

@@ -24,14 +24,16 @@ from __future__ import annotations
 import functools
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from traceml_ai.run_summary._model import StepRows
+import orjson
+
+from traceml_ai.run_summary._columns import ColumnsBuilder
 from traceml_ai.run_summary._phases import STEP_EVENT, phase_name, step_row, timing_problem
 from traceml_records import STREAMS
-from traceml_records.internal import BLOCK_BYTES, LineKind, LineSplitter, classify_line
+from traceml_records.internal import BLOCK_BYTES, LineSplitter, is_closing
 
 _FLOAT_MAX = 1.7976931348623157e308
 _INT_MAX = (1 << 63) - 1
@@ -185,14 +187,99 @@ def read_bytes(path: Path) -> tuple[bytes | None, str | None]:
         return None, f"cannot read it ({exc.strerror or exc})"
 
 
+# --------------------------------------------------------------------------- growing files
+
+
+_HEAD_BYTES = 256
+"""Bytes at the start of a file remembered to tell a file rewritten in place."""
+
+
+class Tail:
+    """One export file read as it grows: each :meth:`read` reads only the bytes appended
+    since the last one. A file replaced (another inode), truncated (shorter than what
+    was read) or rewritten (its first bytes changed) is read again from the start,
+    with a fresh ``info`` and a fresh ``sink`` (from ``make_sink``)."""
+
+    def __init__(self, stream: str, path: Path, make_sink: Callable[[], _Sink]) -> None:
+        self.stream = stream
+        self.path = path
+        self._make_sink = make_sink
+        self.restarts = 0
+        """How many times the file was found replaced or truncated and read again."""
+        self._start()
+
+    def _start(self) -> None:
+        self.info = FileRead(self.stream, self.path)
+        self.sink = self._make_sink()
+        self._lines = LineSplitter()
+        self._offset = 0
+        self._identity: tuple[int, int] | None = None
+        self._head = b""
+        self.identity: tuple[int, int, int] | None = None
+        """(device, inode, size) of the file at the last read (None: not read yet)."""
+
+    def read(self) -> bool:
+        """Read what was appended; whether anything new was read (or the file restarted,
+        or could not be read)."""
+        fh, problem = open_regular(self.path)
+        if fh is None:
+            changed = self.info.problem != problem
+            self._start()
+            self.info.problem = problem
+            return changed
+        previous = self.identity
+        with fh:
+            try:
+                st = os.fstat(fh.fileno())
+                identity = (st.st_dev, st.st_ino)
+                seen = (st.st_dev, st.st_ino, st.st_size)
+                restarted = False
+                if self._identity is not None and (
+                    identity != self._identity
+                    or st.st_size < self._offset
+                    or (self._head and fh.read(len(self._head)) != self._head)
+                ):
+                    self.restarts += 1
+                    self._start()
+                    restarted = True
+                self.identity = seen
+                if not restarted and previous == seen and self.info.problem is None:
+                    return False  # unchanged since the last read
+                if self.info.problem is not None:
+                    self._start()
+                self._identity = identity
+                fh.seek(self._offset)
+                self.info.size = self._offset
+                reader = getattr(self.sink, "read", None)
+                if reader is not None:
+                    reader(fh, self.info, self._lines)
+                else:
+                    self.sink(_objects(fh, self.info, self._lines), self.info)
+                self._offset = self.info.size - len(self._lines.pending)
+                # The partial last line is read again next time (it may have grown).
+                self._lines.pending = b""
+                if len(self._head) < _HEAD_BYTES and self._offset:
+                    fh.seek(0)
+                    self._head = fh.read(min(_HEAD_BYTES, self._offset))
+            except OSError as exc:
+                self._start()
+                self.info.problem = f"cannot read it ({exc.strerror or exc}); not counted"
+        return True
+
+
+_Sink = Callable[[Iterator[dict[str, Any]], FileRead], object]
+"""What takes a file's new data lines (and counts into its ``FileRead``)."""
+
+
 # --------------------------------------------------------------------------- lines
 
 
-def _objects(fh: BinaryIO, info: FileRead) -> Iterator[dict[str, Any]]:
-    """The data lines (dicts) before the closing line; the rest is counted in ``info``
-    (lines, the partial last line and closing lines as the one line scanner,
-    ``traceml_records``, defines them)."""
-    lines = LineSplitter()
+def _objects(fh: BinaryIO, info: FileRead, lines: LineSplitter) -> Iterator[dict[str, Any]]:
+    """The data lines (dicts) before the closing line, from where ``fh`` stands; the rest
+    is counted in ``info`` (lines, the partial last line and closing lines as the one
+    line scanner, ``traceml_records``, defines them). ``lines`` carries the line
+    numbers and a partial last line over from an earlier read of the same file."""
+    loads = orjson.loads
     while True:
         block = fh.read(BLOCK_BYTES)
         if not block:
@@ -200,29 +287,39 @@ def _objects(fh: BinaryIO, info: FileRead) -> Iterator[dict[str, Any]]:
         info.size += len(block)
         complete = lines.feed(block)
         for number, raw in enumerate(complete, lines.number - len(complete) + 1):
-            kind, obj = classify_line(raw)
-            if obj is None:
-                info.unreadable_lines += 1
-                if info.first_unreadable is None:
-                    info.first_unreadable = number
-                continue
-            if kind is LineKind.CLOSING:
-                info.closing_lines += 1
-                if info.closing is None:
-                    info.closing = obj
-                elif info.first_line_after_closing is None:
-                    info.first_line_after_closing = number
-                continue
-            if info.closing is not None:
-                info.lines_after_closing += 1
-                if info.first_line_after_closing is None:
-                    info.first_line_after_closing = number
-                continue
-            info.data_lines += 1
-            info.line = number
-            yield obj
+            try:
+                obj = loads(raw)
+            except orjson.JSONDecodeError:
+                obj = None
+            if _data_line(obj, number, info):
+                yield obj
     # No final newline: the exporter is still writing this line.
     info.partial_last_line = lines.partial_last_line
+
+
+def _data_line(obj: Any, number: int, info: FileRead) -> bool:
+    """Whether line ``number``'s parsed ``obj`` (None: no JSON) is a data line to use;
+    counts it in ``info`` either way."""
+    if type(obj) is not dict:
+        info.unreadable_lines += 1
+        if info.first_unreadable is None:
+            info.first_unreadable = number
+        return False
+    if obj.get("closing") is not None and is_closing(obj):
+        info.closing_lines += 1
+        if info.closing is None:
+            info.closing = obj
+        elif info.first_line_after_closing is None:
+            info.first_line_after_closing = number
+        return False
+    if info.closing is not None:
+        info.lines_after_closing += 1
+        if info.first_line_after_closing is None:
+            info.first_line_after_closing = number
+        return False
+    info.data_lines += 1
+    info.line = number
+    return True
 
 
 @functools.cache
@@ -333,25 +430,41 @@ def _fast_check(stream: str) -> Callable[[dict[str, Any]], bool]:
     return fn
 
 
-def data_lines(fh: BinaryIO, info: FileRead) -> Iterator[dict[str, Any]]:
-    """The usable data lines of one (non step_time) file, checked, first of each key."""
-    spec = next(s for s in STREAMS if s.name == info.stream)
-    checks = _checks(info.stream)
-    ok = _fast_check(info.stream)
-    unique = "unique-key" in spec.rules
-    fields = spec.key_fields
-    seen: set[tuple[Any, ...]] = set()
-    for obj in _objects(fh, info):
-        if not ok(obj):
-            info.impossible(check_fields(obj, checks) or "a value out of range")
-            continue
-        if unique:
-            key = tuple(obj.get(f) for f in fields)
-            if key in seen:
-                info.duplicate(", ".join(f"{f}={v!r}" for f, v in zip(fields, key, strict=True)))
+class DataLines:
+    """The usable data lines of one (non step_time) file as it grows: checked, first of
+    each key (the keys seen stay between reads), each handed to ``keep``."""
+
+    def __init__(self, stream: str, keep: Callable[[dict[str, Any]], object]) -> None:
+        self._keep = keep
+        spec = next(s for s in STREAMS if s.name == stream)
+        self._checks = _checks(stream)
+        self._ok = _fast_check(stream)
+        self._unique = "unique-key" in spec.rules
+        self._fields = spec.key_fields
+        self._seen: set[tuple[Any, ...]] = set()
+
+    def __call__(self, objs: Iterable[dict[str, Any]], info: FileRead) -> None:
+        keep = self._keep
+        ok, checks, unique, fields, seen = (
+            self._ok,
+            self._checks,
+            self._unique,
+            self._fields,
+            self._seen,
+        )
+        for obj in objs:
+            if not ok(obj):
+                info.impossible(check_fields(obj, checks) or "a value out of range")
                 continue
-            seen.add(key)
-        yield obj
+            if unique:
+                key = tuple(obj.get(f) for f in fields)
+                if key in seen:
+                    info.duplicate(
+                        ", ".join(f"{f}={v!r}" for f, v in zip(fields, key, strict=True))
+                    )
+                    continue
+                seen.add(key)
+            keep(obj)
 
 
 # --------------------------------------------------------------------------- step_time
@@ -368,34 +481,137 @@ def _step_problem(events: Any) -> str:
     return "events: bad timing"
 
 
-def step_rows(fh: BinaryIO, info: FileRead) -> tuple[StepRows, set[int]]:
-    """The step rows of one step_time file, and the world sizes its lines name.
+_BAD_FIELDS, _BAD_EVENTS = 1, 2
 
-    One pass, minimal work per line: the scalar fields against the schema, every phase
-    timing (finite, not negative, at least one call), the key; a row per usable line.
+
+def step_line(
+    obj: dict[str, Any],
+    checks: tuple[_Check, ...],
+    step_event: str,
+    name_of: Callable[[str], str | None],
+    cache: dict[str, str | None],
+    ranks: object = None,
+    worlds: object = None,
+) -> tuple[int, int, int, int, dict[str, float]] | int | None:
+    """One step_time line's ``(global_rank, step, world_size, node_rank, row)`` (the row
+    with ``_ts``, the step's end), or 1 when a scalar field cannot be a valid line's, 2
+    when its events cannot (:func:`check_fields` and :func:`_step_problem` say why).
+    The pure-Python twin of ``_rowscan.step_line``, which also appends the common row to
+    its rank's builder in ``ranks`` itself (and then returns None); this one leaves
+    every row to the caller."""
+    if not _fast_check("step_time")(obj):
+        return _BAD_FIELDS
+    row = step_row(obj.get("events"), name_of, cache)
+    if row is None:
+        return _BAD_EVENTS
+    row["_ts"] = float(obj["timestamp_unix_ns"])
+    return obj["global_rank"], obj["step"], obj["world_size"], obj["node_rank"], row
+
+
+def _step_line() -> Callable[..., tuple[int, int, int, int, dict[str, float]] | int | None]:
+    """The C ``step_line`` when built (and not turned off), else the Python twin."""
+    module = _rowscan()
+    found: Callable[..., tuple[int, int, int, int, dict[str, float]] | int | None] = (
+        module.step_line if module is not None else step_line
+    )
+    return found
+
+
+class StepLines:
+    """The step rows of one step_time file as it grows, kept as columns, and the world
+    sizes its lines name.
+
+    Minimal work per line: the scalar fields against the schema, every phase timing
+    (finite, not negative, at least one call), the key; a row per usable line.
     """
-    checks = _checks("step_time")
-    names: dict[str, str | None] = {}
-    out: StepRows = {}
-    worlds: set[int] = set()
-    ok = _fast_check("step_time")
-    for obj in _objects(fh, info):
-        if not ok(obj):
-            info.impossible(check_fields(obj, checks) or "a value out of range")
-            continue
-        row = step_row(obj.get("events"), phase_name, names)
-        if row is None:
-            info.impossible(_step_problem(obj.get("events")))
-            continue
-        rank, step = obj["global_rank"], obj["step"]
-        steps = out.get(rank)
-        if steps is None:
-            steps = out[rank] = {}
-        elif step in steps:
+
+    def __init__(self) -> None:
+        self.columns = ColumnsBuilder()
+        self.worlds: set[int] = set()
+        self._names: dict[str, str | None] = {}
+        self.lines = 0
+        """Rows taken so far (a caller sees whether anything changed)."""
+
+    def __call__(self, objs: Iterable[dict[str, Any]], info: FileRead) -> None:
+        checks = _checks("step_time")
+        scan = _step_line()
+        names = self._names
+        ranks = self.columns.ranks
+        worlds = self.worlds
+        for obj in objs:
+            found = scan(obj, checks, STEP_EVENT, phase_name, names, ranks, worlds)
+            self._take(found, obj, info, checks)
+
+    def _take(self, found: Any, obj: dict[str, Any], info: FileRead, checks: Any) -> None:
+        """Count or add what ``step_line`` found of ``obj``."""
+        if found is None:  # appended by the C reader
+            self.lines += 1
+            return
+        if type(found) is int:
+            if found == _BAD_FIELDS:
+                info.impossible(check_fields(obj, checks) or "a value out of range")
+            else:
+                info.impossible(_step_problem(obj.get("events")))
+            return
+        rank, step, world, node, row = found
+        columns = self.columns
+        mine = columns.ranks.get(rank)
+        if mine is None:
+            columns.add(rank, step, row)
+            mine = columns.ranks[rank]
+        elif not mine.add(step, row):
             info.duplicate(f"global_rank={rank}, step={step}")
-            continue
-        row["_ts"] = float(obj["timestamp_unix_ns"])
-        row["_node"] = float(obj["node_rank"])
-        steps[step] = row
-        worlds.add(obj["world_size"])
-    return out, worlds
+            return
+        mine.node = node
+        self.worlds.add(world)
+        self.lines += 1
+
+    def read(self, fh: BinaryIO, info: FileRead, lines: LineSplitter) -> None:
+        """Read ``fh`` from where it stands (as ``self(_objects(fh, info, lines), info)``):
+        with the C reader, a block's usual lines are parsed and appended in one call,
+        and only the others come back here one by one."""
+        module = _rowscan()
+        if module is None:
+            self(_objects(fh, info, lines), info)
+            return
+        scan_lines, step_line = module.scan_lines, module.step_line
+        loads = orjson.loads
+        checks = _checks("step_time")
+        names, ranks, worlds = self._names, self.columns.ranks, self.worlds
+        while block := fh.read(BLOCK_BYTES):
+            info.size += len(block)
+            complete = lines.feed(block)
+            first = lines.number - len(complete) + 1
+            i, end = 0, len(complete)
+            while i < end:
+                if info.closing is not None:
+                    j, obj = i, _parsed(complete[i])  # after the closing line: counted
+                else:
+                    j, obj = scan_lines(
+                        complete, i, loads, checks, STEP_EVENT, phase_name, names, ranks, worlds
+                    )
+                    if j > i:
+                        info.data_lines += j - i
+                        info.line = first + j - 1
+                        self.lines += j - i
+                    if j == end:
+                        break
+                if _data_line(obj, first + j, info):
+                    found = step_line(obj, checks, STEP_EVENT, phase_name, names, ranks, worlds)
+                    self._take(found, obj, info, checks)
+                i = j + 1
+        info.partial_last_line = lines.partial_last_line
+
+
+def _parsed(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _rowscan() -> Any:
+    """The C reader module when built (and not turned off), else None."""
+    from traceml_records.internal import load_extension
+
+    return load_extension("traceml_ai.run_summary._rowscan")

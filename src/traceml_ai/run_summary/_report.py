@@ -14,13 +14,22 @@ and in docs/reading-the-files.md).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 
 import attrs
+import numpy as np
 import orjson
 
+from traceml_ai.run_summary._columns import (
+    STEP_KEY,
+    TS_KEY,
+    StepColumns,
+    columns_of_rows,
+    is_columns,
+)
 from traceml_ai.run_summary._model import (
     DevicePeak,
     Environment,
@@ -37,7 +46,8 @@ from traceml_ai.run_summary._model import (
     StepRows,
 )
 from traceml_ai.run_summary._phases import (
-    add_wait,
+    OP_WAIT_PREFIX,
+    WAIT_PREFIX,
     mean,
     percentile,
     phase_breakdown,
@@ -47,12 +57,12 @@ from traceml_ai.run_summary._phases import (
     waits_measured,
 )
 from traceml_ai.run_summary._read import (
+    DataLines,
     FileRead,
-    data_lines,
+    StepLines,
+    Tail,
     exists,
-    open_regular,
     read_bytes,
-    step_rows,
 )
 from traceml_ai.run_summary._straggler import StragglerView, verdict_line
 from traceml_ai.run_summary._straggler import analyze as analyze_stragglers
@@ -103,136 +113,166 @@ def export_folder_of(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
 # --------------------------------------------------------------------------- streams
 
 
-def step_figures(rows: StepRows) -> StepFigures:
-    """Per-rank step figures, per-rank phase breakdown and the phase names, in order."""
-    names = phase_names(row for steps in rows.values() for row in steps.values())
+def step_figures(rows: StepRows | StepColumns) -> StepFigures:
+    """Per-rank step figures, per-rank phase breakdown and the phase names, in order, of
+    step columns or dict rows (rank -> step -> row)."""
+    columns: StepColumns = rows if is_columns(rows) else columns_of_rows(rows)  # type: ignore[assignment,arg-type]
+    with np.errstate(all="ignore"):
+        return _step_figures(columns)
+
+
+def _step_figures(columns: StepColumns) -> StepFigures:
+    names = phase_names([c.values for c in columns.values()])
     per_rank: dict[str, RankSteps] = {}
     phases: dict[str, dict[str, PhaseFigures]] = {}
-    for rank in sorted(rows):
-        steps = rows[rank]
-        ordered = [steps[s] for s in sorted(steps)]
-        times = sorted([r["step"] for r in ordered])
-        stamps = sorted([r["_ts"] for r in ordered if r.get("_ts", 0.0) > 0])
-        span_s = (stamps[-1] - stamps[0]) / 1e9 if len(stamps) >= 2 else 0.0
+    for rank in sorted(columns):
+        c = columns[rank]
+        if not len(c):
+            continue
+        times = np.sort(c.values[STEP_KEY])
+        ts = c.column(TS_KEY)
+        stamps = ts[ts > 0]
+        span_s = float(stamps.max() - stamps.min()) / 1e9 if len(stamps) >= 2 else 0.0
+        average = float(times.sum() / len(times))
         # Steps per second over the wall time between the first and last step ends
         # (includes time between steps); from the mean step time when that is unknown.
         if span_s > 0:
             rate = (len(stamps) - 1) / span_s
         else:
-            average = mean(times)
             rate = 1000.0 / average if average > 0 else 0.0
         per_rank[str(rank)] = RankSteps(
             steps=len(times),
-            first_step=min(steps),
-            last_step=max(steps),
+            first_step=int(c.steps[0]),
+            last_step=int(c.steps[-1]),
             p50_ms=rounded(percentile(times, 50)),
             p90_ms=rounded(percentile(times, 90)),
             p99_ms=rounded(percentile(times, 99)),
-            max_ms=rounded(times[-1]),
-            mean_ms=rounded(mean(times)),
+            max_ms=rounded(float(times[-1])),
+            mean_ms=rounded(average),
             steps_per_s=rounded(rate),
         )
         phases[str(rank)] = {
-            name: PhaseFigures(**figures)
-            for name, figures in phase_breakdown(ordered, names).items()
+            name: PhaseFigures(**figures) for name, figures in phase_breakdown(c, names).items()
         }
     return StepFigures(step_time=per_rank, phases=phases, phase_names=names)
 
 
-def _straggler_view(rows: StepRows, strategy: str | None, collectives: bool) -> StragglerView:
+def _straggler_view(columns: StepColumns, strategy: str | None, collectives: bool) -> StragglerView:
     """The straggler analysis (:mod:`traceml_ai.run_summary._straggler`) of the step rows."""
-    nodes = {
-        rank: int(row["_node"])
-        for rank, steps in rows.items()
-        for row in steps.values()
-        if "_node" in row
-    }
-    return analyze_stragglers(rows, strategy, nodes, collectives)
+    nodes = {rank: c.node for rank, c in columns.items() if c.node is not None}
+    return analyze_stragglers(columns, strategy, nodes, collectives)
 
 
-def collective_waits(
-    objs: Iterable[Mapping[str, Any]],
-) -> tuple[dict[int, dict[int, dict[str, float]]], set[int]]:
-    """(rank -> step -> wait keys of the step rows, ranks with a wait not measured) of
-    the collectives lines."""
-    waits: dict[int, dict[int, dict[str, float]]] = {}
-    unmeasured: set[int] = set()
-    for obj in objs:
-        rank, step = obj["global_rank"], obj["step"]
-        steps = waits.get(rank)
+class _Waits:
+    """The collectives lines' waits as they are read: per rank, one entry per line and
+    wait key (``_cw:<component>`` and ``_cwop:<component>:<op>``), kept as columns."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, array[int]] = {}
+        self.keys: dict[int, array[int]] = {}
+        self.waits: dict[int, array[float]] = {}
+        self.names: dict[str, int] = {}
+        self.unmeasured: set[int] = set()
+        self._ids: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def add(self, obj: Mapping[str, Any]) -> None:
+        rank = obj["global_rank"]
+        steps = self.steps.get(rank)
         if steps is None:
-            steps = waits[rank] = {}
-        row = steps.get(step)
-        if row is None:
-            row = steps[step] = {}
+            steps = self.steps[rank] = array("q")
+            self.keys[rank] = array("q")
+            self.waits[rank] = array("d")
         wait = obj.get("wait_ms")
         if wait is None:
-            unmeasured.add(rank)
-            continue
+            self.unmeasured.add(rank)
+            return
         component = wait_component(obj["phase"])
-        if component is not None:
-            add_wait(row, component, obj["op"], float(wait))
-    return waits, unmeasured
+        if component is None:
+            return
+        ids = self._ids.get((component, obj["op"]))
+        if ids is None:
+            ids = self._ids[(component, obj["op"])] = (
+                self._id(WAIT_PREFIX + component),
+                self._id(f"{OP_WAIT_PREFIX}{component}:{obj['op']}"),
+            )
+        step = obj["step"]
+        steps.extend((step, step))
+        self.keys[rank].extend(ids)
+        self.waits[rank].extend((float(wait), float(wait)))
+
+    def _id(self, key: str) -> int:
+        found = self.names.get(key)
+        if found is None:
+            found = self.names[key] = len(self.names)
+        return found
 
 
-def _merge_waits(
-    rows: dict[int, dict[int, dict[str, float]]], info: FileRead, notes: list[str]
-) -> bool:
-    """Add the collectives file's waits to the step rows; whether every rank's were
+def _merge_waits(columns: StepColumns, waits: _Waits, notes: list[str]) -> bool:
+    """Add the collectives file's waits to the step columns; whether every rank's were
     measured (the straggler analysis then uses them)."""
-    waits, unmeasured = _read(info, lambda fh: collective_waits(data_lines(fh, info))) or (
-        {},
-        set(),
-    )
-    for rank, steps in waits.items():
-        mine = rows.get(rank)
-        if mine is None:
+    names = {i: key for key, i in waits.names.items()}
+    for rank, steps in waits.steps.items():
+        mine = columns.get(rank)
+        if mine is None or not steps:
             continue
-        for step, row_waits in steps.items():
-            row = mine.get(step)
-            if row is not None:
-                row.update(row_waits)
-    unseen = sorted(r for r in rows if r not in waits)
-    if len(rows) > 1 and unseen:
+        at = np.frombuffer(steps, dtype=np.int64)
+        keys = np.frombuffer(waits.keys[rank], dtype=np.int64)
+        values = np.frombuffer(waits.waits[rank], dtype=np.float64)
+        pos = np.searchsorted(mine.steps, at)
+        found = pos < len(mine.steps)
+        found[found] = mine.steps[pos[found]] == at[found]
+        for i in np.unique(keys[found]):
+            pick = found & (keys == i)
+            total = np.zeros(len(mine.steps), dtype=np.float64)
+            np.add.at(total, pos[pick], values[pick])
+            had = np.zeros(len(mine.steps), dtype=np.bool_)
+            had[pos[pick]] = True
+            key = names[int(i)]
+            mine.values[key] = total
+            mine.present[key] = had
+    unseen = sorted(r for r in columns if r not in waits.steps)
+    if len(columns) > 1 and unseen:
         shown = ", ".join(map(str, unseen[:10])) + (", ..." if len(unseen) > 10 else "")
         notes.append(
             f"collectives: none seen on rank(s) {shown} (an engine that bypasses "
             "torch.distributed's Python functions, or a built-in DDP hook registered "
             "before the first forward); the wait is inferred from phase times"
         )
-    if unmeasured:
-        shown = ", ".join(map(str, sorted(unmeasured)[:10]))
+    if waits.unmeasured:
+        shown = ", ".join(map(str, sorted(waits.unmeasured)[:10]))
         notes.append(
             f"collectives: wait not measured on rank(s) {shown} (NCCL without "
             "TORCH_NCCL_ENABLE_TIMING=1); the wait is inferred from phase times"
         )
-    return waits_measured(rows, waits, unmeasured)
+    return waits_measured(columns, waits.steps, waits.unmeasured)
 
 
-def _memory_section(
-    objs: Iterable[dict[str, Any]],
-) -> tuple[dict[str, dict[str, DevicePeak]], bool]:
-    """rank -> device -> peaks; and whether any device had allocator figures."""
-    peaks: dict[int, dict[str, dict[str, int | None]]] = {}
-    any_figure = False
-    for obj in objs:
+class _MemoryPeaks:
+    """rank -> device -> peaks of the step_memory lines, as they are read."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[int, dict[str, dict[str, int | None]]] = {}
+        self.any_figure = False
+
+    def add(self, obj: Mapping[str, Any]) -> None:
         rank, device = obj.get("global_rank"), obj.get("device")
         if not isinstance(rank, int) or not isinstance(device, str):
-            continue
-        slot = peaks.setdefault(rank, {}).setdefault(
+            return
+        slot = self.peaks.setdefault(rank, {}).setdefault(
             device, {"peak_allocated_bytes": None, "peak_reserved_bytes": None}
         )
         for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
             v = obj.get(key)
             if isinstance(v, int):
-                any_figure = True
+                self.any_figure = True
                 old = slot[key]
                 slot[key] = v if old is None else max(old, v)
-    out = {
-        str(r): {device: DevicePeak(**figures) for device, figures in peaks[r].items()}
-        for r in sorted(peaks)
-    }
-    return out, any_figure
+
+    def section(self) -> dict[str, dict[str, DevicePeak]]:
+        return {
+            str(r): {device: DevicePeak(**figures) for device, figures in self.peaks[r].items()}
+            for r in sorted(self.peaks)
+        }
 
 
 def _process_section(objs: Iterable[dict[str, Any]]) -> dict[str, ProcessFigures]:
@@ -360,27 +400,10 @@ def _system_section(
 def step_series(summary: RunSummary) -> dict[int, list[tuple[int, float]]]:
     """rank -> [(step, step time in ms)] in step order, for plots; {} without steps."""
     rows = summary.rows
-    return {r: [(s, rows[r][s]["step"]) for s in sorted(rows[r])] for r in sorted(rows)}
-
-
-def _read(info: FileRead, reader: Callable[[BinaryIO], _T]) -> _T | None:
-    """``reader(file)`` on the regular file ``info.path``; None (and ``info.problem``
-    says why) when it is not a regular file or cannot be read."""
-    fh, problem = open_regular(info.path)
-    if fh is None:
-        info.problem = problem
-        return None
-    try:
-        with fh:
-            return reader(fh)
-    except OSError as exc:
-        info.problem = f"cannot read it ({exc.strerror or exc}); not counted"
-        return None
-
-
-def _lines_of(info: FileRead) -> list[dict[str, Any]]:
-    """The usable data lines of a small file (process, system...), as dicts."""
-    return _read(info, lambda fh: list(data_lines(fh, info))) or []
+    return {
+        r: list(zip(c.steps.tolist(), c.values[STEP_KEY].tolist(), strict=True))
+        for r, c in sorted(rows.items())
+    }
 
 
 def _read_warning(path: Path) -> tuple[Any, str | None]:
@@ -421,9 +444,120 @@ def _cpu_text(p: ProcessFigures) -> str:
     return text
 
 
-def _skim(info: FileRead) -> None:
-    """Read a file only for what ``info`` counts (closing line, damage)."""
-    _read(info, lambda fh: sum(1 for _ in data_lines(fh, info)))
+_KEPT_LINES = ("runtime_environment", "process", "system", "system_gpu")
+"""The streams whose lines are kept whole (a few per rank a minute); the others are
+kept as figures (step_time, collectives, step_memory) or only counted."""
+
+
+def _sink_for(name: str) -> tuple[Callable[[Iterator[dict[str, Any]], FileRead], object], Any]:
+    """(the sink that reads ``name``'s new lines, what it keeps)."""
+    if name == "step_time":
+        steps = StepLines()
+        return steps, steps
+    if name == "collectives":
+        waits = _Waits()
+        return DataLines(name, waits.add), waits
+    if name == "step_memory":
+        peaks = _MemoryPeaks()
+        return DataLines(name, peaks.add), peaks
+    if name in _KEPT_LINES:
+        kept: list[dict[str, Any]] = []
+        return DataLines(name, kept.append), kept
+    return DataLines(name, _ignore), None
+
+
+def _ignore(obj: object) -> None:
+    """Lines read only for what their file's ``FileRead`` counts (closing line, damage)."""
+
+
+class RunReader:
+    """A run's export files, read as they grow: each :meth:`summary` reads only what was
+    appended since the last one and returns the run summary of everything read so far.
+    A file replaced, truncated or rewritten is read again from its start, and that it
+    changed, or disappeared, stays a problem of every later summary (the files are then
+    never called complete).
+
+    ``traceml summary --follow`` and the dashboard from files keep one; a one-off
+    :func:`summarize_run` uses one once. Raises :class:`SummaryError` (one line of
+    text) when ``path`` is missing or holds no export files.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.export_dir, self.run_dir = export_folder_of(path)
+        self._tails: dict[str, Tail] = {}
+        self._kept: dict[str, Any] = {}
+        self._gone: set[str] = set()
+        self._problems: list[str] = []
+        """Files that changed under the reader (replaced, truncated, gone), said once."""
+        self._last: RunSummary | None = None
+        self._warning: tuple[int, int, int] | None = None
+
+    def _make(self, name: str) -> Callable[[], Callable[..., object]]:
+        def make() -> Callable[..., object]:
+            sink, kept = _sink_for(name)
+            self._kept[name] = kept
+            return sink
+
+        return make
+
+    def summary(self) -> RunSummary:
+        """The run summary of the files as they are now."""
+        changed = self._last is None
+        for name in STREAM_FILES:
+            file = f"{name}.jsonl"
+            path = self.export_dir / file
+            tail = self._tails.get(name)
+            if not exists(path):
+                if tail is not None:
+                    # A file read before is gone: said, never taken for "not exported".
+                    del self._tails[name]
+                    self._problem(f"{file}: disappeared while followed")
+                    self._gone.add(name)
+                    changed = True
+                continue
+            if tail is None:
+                tail = self._tails[name] = Tail(name, path, self._make(name))
+                changed = True
+            restarts, before = tail.restarts, tail.identity
+            changed = tail.read() or changed
+            if tail.restarts != restarts and before is not None:
+                now = tail.identity
+                if now is not None and now[:2] != before[:2]:
+                    self._problem(f"{file}: replaced by another file while followed")
+                elif now is not None and now[2] < before[2]:
+                    self._problem(
+                        f"{file}: truncated or rewritten while followed "
+                        f"({before[2]} bytes, then {now[2]})"
+                    )
+                else:
+                    self._problem(f"{file}: rewritten while followed")
+        warning = _signature(self.run_dir / WARNING_FILE) if self.run_dir is not None else None
+        if warning != self._warning:
+            self._warning = warning
+            changed = True
+        if not changed and self._last is not None:
+            return self._last
+        self._last = self._summarize()
+        return self._last
+
+    def _problem(self, line: str) -> None:
+        if line not in self._problems:
+            self._problems.append(line)
+
+    def _summarize(self) -> RunSummary:
+        reads = {name: self._tails[name].info for name in STREAM_FILES if name in self._tails}
+        kept = self._kept
+        objs = {name: kept[name] for name in _KEPT_LINES if name in reads}
+        notes: list[str] = []
+        return _summary_of(self, reads, objs, notes, list(self._problems))
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def summarize_run(path: str | os.PathLike[str]) -> RunSummary:
@@ -435,19 +569,18 @@ def summarize_run(path: str | os.PathLike[str]) -> RunSummary:
     file) is said in ``problems``, one line each, and the files are then never called
     complete; everything else that is missing is said in ``notes``.
     """
-    export_dir, run_dir = export_folder_of(path)
-    reads = {
-        name: FileRead(name, export_dir / f"{name}.jsonl")
-        for name in STREAM_FILES
-        if exists(export_dir / f"{name}.jsonl")
-    }
-    objs = {
-        name: _lines_of(reads[name])
-        for name in ("runtime_environment", "process", "system", "system_gpu")
-        if name in reads
-    }
-    notes: list[str] = []
+    return RunReader(path).summary()
 
+
+def _summary_of(
+    reader: RunReader,
+    reads: dict[str, FileRead],
+    objs: dict[str, list[dict[str, Any]]],
+    notes: list[str],
+    gone_problems: list[str],
+) -> RunSummary:
+    export_dir, run_dir = reader.export_dir, reader.run_dir
+    kept = reader._kept
     strategy: str | None = None
     environment: Environment | None = None
     env_rows = objs.get("runtime_environment", [])
@@ -466,15 +599,17 @@ def summarize_run(path: str | os.PathLike[str]) -> RunSummary:
             torch_version=first.get("torch_version"),
         )
 
-    rows: StepRows = {}
+    rows: StepColumns = {}
     world: set[int] = set()
     figures: StepFigures | None = None
     straggler: StragglerView | None = None
     if "step_time" in reads:
-        info = reads["step_time"]
-        rows, world = _read(info, lambda fh: step_rows(fh, info)) or ({}, set())
+        steps: StepLines = kept["step_time"]
+        rows = steps.columns.build() if steps.columns else {}
+        world = set(steps.worlds)
     if "step_time" not in reads:
-        notes.append("step times: step_time was not exported")
+        if "step_time" not in reader._gone:
+            notes.append("step times: step_time was not exported")
     elif not rows:
         if reads["step_time"].problem is None:
             notes.append("step times: no step recorded yet")
@@ -485,7 +620,7 @@ def summarize_run(path: str | os.PathLike[str]) -> RunSummary:
                 "the wait analysis does not assume DDP"
             )
         figures = step_figures(rows)
-        measured = "collectives" in reads and _merge_waits(rows, reads["collectives"], notes)
+        measured = "collectives" in reads and _merge_waits(rows, kept["collectives"], notes)
         straggler = _straggler_view(rows, strategy, measured)
         if world:
             # Count rather than list every rank: a world may be very large.
@@ -500,12 +635,9 @@ def summarize_run(path: str | os.PathLike[str]) -> RunSummary:
 
     memory: dict[str, dict[str, DevicePeak]] | None = None
     if "step_memory" in reads:
-        info = reads["step_memory"]
-        memory, any_figure = _read(info, lambda fh: _memory_section(data_lines(fh, info))) or (
-            {},
-            False,
-        )
-        if memory and not any_figure:
+        peaks: _MemoryPeaks = kept["step_memory"]
+        memory = peaks.section()
+        if memory and not peaks.any_figure:
             notes.append("peak memory: no allocator figures (a CPU run: peaks are null on cpu)")
     else:
         notes.append("peak memory: step_memory was not exported")
@@ -537,13 +669,8 @@ def summarize_run(path: str | os.PathLike[str]) -> RunSummary:
     else:
         notes.append("system figures: system was not exported")
 
-    figured = {"step_time", "step_memory", "process", "system", "system_gpu"}
-    if rows:
-        figured.add("collectives")  # read with the step rows
-    for name in reads.keys() - figured - set(objs):
-        # No figure of its own (stdout_stderr): read for its closing line and damage.
-        _skim(reads[name])
     problems = [line for info in reads.values() for line in info.problems()]
+    problems.extend(gone_problems)
     loss = _loss_report(reads, run_dir, notes, problems)
     return RunSummary(
         export_folder=str(export_dir),

@@ -29,17 +29,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+from traceml_ai.run_summary._columns import (
+    STEP_KEY,
+    TS_KEY,
+    RankColumns,
+    StepColumns,
+    columns_of_rows,
+    is_columns,
+)
 from traceml_ai.run_summary._phases import (
     BETWEEN,
     BUILT_IN_PHASES,
     OP_WAIT_PREFIX,
     REST,
     WAIT_PREFIX,
-    mean,
     median,
     rounded,
 )
@@ -194,57 +205,144 @@ class StragglerView:
         return [s.rank for s in self.stragglers]
 
 
-def _components(row: Mapping[str, float], previous: Mapping[str, float]) -> dict[str, float]:
-    """One iteration of one rank split into components (ms, never negative); "_iter" is
-    the whole iteration and "_dl_outside" 1.0 when the DataLoader wait was before the
-    step."""
-    step = row["step"]
-    gap = max(0.0, (row.get("_ts", 0.0) - previous.get("_ts", 0.0)) / 1e6 - step)
-    phases = {k: v for k, v in row.items() if k != "step" and not k.startswith("_")}
-    built_in = sum(phases.get(name, 0.0) for name in BUILT_IN_PHASES)
-    dataloader = phases.get(DATALOADER, 0.0)
+class _Table:
+    """The compared iterations of every rank as matrices (ranks x steps) per component:
+    the phases, ``between_steps``, ``rest_of_step``, ``_iter`` (the whole iteration),
+    ``_dl_outside`` (1.0 when the DataLoader wait was before the step), ``_wait`` and
+    the measured waits' keys. A component a rank's row did not have reads 0.0."""
+
+    def __init__(self, columns: StepColumns, ranks: Sequence[int]) -> None:
+        import numpy as np
+
+        self.ranks = list(ranks)
+        usable: NDArray[np.int64] | None = None
+        for r in ranks:
+            c = columns[r]
+            timed = c.steps[c.column(TS_KEY) > 0]
+            mine = timed[np.isin(timed - 1, timed)]
+            usable = mine if usable is None else np.intersect1d(usable, mine)
+        self.steps = usable if usable is not None else np.zeros(0, dtype=np.int64)
+        n = len(self.steps)
+        self.n = n
+        parts = [_components(columns[r], self.steps) for r in ranks]
+        keys = sorted({k for values, _ in parts for k in values})
+        zeros = np.zeros(n, dtype=np.float64)
+        self.m: dict[str, NDArray[np.float64]] = {
+            k: np.vstack([values.get(k, zeros) for values, _ in parts]) for k in keys
+        }
+        present = set().union(*(seen for _, seen in parts)) if parts else set()
+        self.names = sorted(k for k in present if not k.startswith("_"))
+        """The components some compared row had (phases, between, rest, waited ones)."""
+        self.wait_keys = sorted(k for k in present if k.startswith(WAIT_PREFIX))
+        self.op_keys = sorted(k for k in present if k.startswith(OP_WAIT_PREFIX))
+
+    def get(self, key: str) -> NDArray[np.float64]:
+        import numpy as np
+
+        found = self.m.get(key)
+        return found if found is not None else np.zeros((len(self.ranks), self.n))
+
+
+def _components(
+    c: RankColumns, compared: NDArray[np.int64]
+) -> tuple[dict[str, NDArray[np.float64]], set[str]]:
+    """One rank's compared iterations split into components (ms, never negative), and
+    the keys some of those rows had."""
+    import numpy as np
+
+    p = np.searchsorted(c.steps, compared)
+    q = np.searchsorted(c.steps, compared - 1)
+    n = len(compared)
+    zeros = np.zeros(n, dtype=np.float64)
+
+    def at(key: str) -> NDArray[np.float64]:
+        col = c.values.get(key)
+        return col[p] if col is not None else zeros
+
+    def had(key: str) -> bool:
+        if key not in c.values or not n:
+            return False
+        mask = c.present.get(key)
+        return mask is None or bool(mask[p].any())
+
+    step = at(STEP_KEY)
+    ts = c.column(TS_KEY)
+    gap = np.fmax(0.0, (ts[p] - ts[q]) / 1e6 - step)
+    out = {k: at(k) for k in c.values if k != STEP_KEY and not k.startswith("_")}
+    seen = {k for k in out if had(k)}
+    built_in: NDArray[np.float64] | float = 0.0
+    for name in BUILT_IN_PHASES:
+        built_in = built_in + at(name)
+    dataloader = at(DATALOADER)
     # Built-in phases never nest; when they do not fit in the step, the batch was
     # fetched before the step opened and its wait is part of the gap.
     outside = built_in > step * 1.000001
-    out = dict(phases)
-    out[BETWEEN] = max(0.0, gap - dataloader) if outside else gap
-    in_step = built_in - dataloader if outside else built_in
-    out[REST] = max(0.0, step - in_step)
+    out[BETWEEN] = np.where(outside, np.fmax(0.0, gap - dataloader), gap)
+    in_step = np.where(outside, built_in - dataloader, built_in)
+    out[REST] = np.fmax(0.0, step - in_step)
+    seen.update((BETWEEN, REST))
     out["_iter"] = step + gap
-    out["_dl_outside"] = 1.0 if outside else 0.0
+    out["_dl_outside"] = outside.astype(np.float64)
     # Measured collectives: each component keeps its own work, and the wait is said
     # per component ("_cw:<component>") and per operation ("_cwop:<component>:<op>").
-    wait = 0.0
-    for key, value in row.items():
+    wait = zeros
+    for key in c.values:
         if key.startswith(WAIT_PREFIX):
+            value = at(key)
             name = key[len(WAIT_PREFIX) :]
-            out[name] = max(0.0, out.get(name, 0.0) - value)
+            out[name] = np.fmax(0.0, out.get(name, zeros) - value)
             out[key] = value
-            wait += value
+            wait = wait + value
+            if had(key):
+                seen.update((name, key))
         elif key.startswith(OP_WAIT_PREFIX):
-            out[key] = value
+            out[key] = at(key)
+            if had(key):
+                seen.add(key)
     out["_wait"] = wait
+    return out, seen
+
+
+def _sorted_median(ordered: NDArray[np.float64], axis: int) -> NDArray[np.float64]:
+    """:func:`median`'s figure along ``axis`` of values sorted along it."""
+    import numpy as np
+
+    n = ordered.shape[axis]
+    pos = (n - 1) * 50.0 / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    a = np.take(ordered, lo, axis=axis)
+    b = np.take(ordered, hi, axis=axis)
+    out: NDArray[np.float64] = a + (b - a) * (pos - lo)
     return out
 
 
-def _table(rows: Rows, ranks: Sequence[int]) -> tuple[list[int], dict[int, list[dict[str, float]]]]:
-    """(steps compared, rank -> components per compared step): the steps every rank has
-    together with the step before (the iteration needs the previous step's end)."""
-    usable: set[int] | None = None
-    for r in ranks:
-        steps = rows[r]
-        mine = {s for s in steps if s - 1 in steps and steps[s].get("_ts", 0) > 0}
-        mine = {s for s in mine if steps[s - 1].get("_ts", 0) > 0}
-        usable = mine if usable is None else usable & mine
-    compared = sorted(usable or ())
-    return compared, {r: [_components(rows[r][s], rows[r][s - 1]) for s in compared] for r in ranks}
+def _medians(values: NDArray[np.float64], axis: int) -> NDArray[np.float64]:
+    """:func:`median` along ``axis`` (exactly its figure, not numpy's)."""
+    import numpy as np
+
+    return _sorted_median(np.sort(values, axis=axis), axis)
 
 
-def _mad(values: Sequence[float]) -> float:
-    if not values:
+def _median1(values: NDArray[np.float64]) -> float:
+    """:func:`median` of all of ``values`` (0.0 of nothing)."""
+    import numpy as np
+
+    flat = np.sort(values, axis=None)
+    return float(_sorted_median(flat, 0)) if flat.size else 0.0
+
+
+def _mad(values: NDArray[np.float64]) -> float:
+    if not values.size:
         return 0.0
-    mid = median(values)
-    return 1.4826 * median([abs(v - mid) for v in values])
+    import numpy as np
+
+    mid = _median1(values)
+    return 1.4826 * _median1(np.abs(values - mid))
+
+
+def _mean1(values: NDArray[np.float64]) -> float:
+    return float(values.sum() / values.size) if values.size else 0.0
 
 
 def _threshold(reference_ms: float, noise_ms: float) -> float:
@@ -264,27 +362,37 @@ def _describe(component: str, dl_outside: bool) -> str:
 
 
 def analyze(
-    rows: Rows,
+    rows: Rows | StepColumns,
     strategy: str | None = None,
     nodes: Mapping[int, int] | None = None,
     collectives: bool = False,
 ) -> StragglerView:
-    """The straggler view of a run (see :func:`_analyze`)."""
-    return StragglerView.from_json(_analyze(rows, strategy, nodes, collectives))
+    """The straggler view of a run (see :func:`_analyze`): ``rows`` are the step
+    columns, or dict rows (rank -> step -> row) as the live views keep them."""
+    import numpy as np
+
+    columns = rows if is_columns(rows) else columns_of_rows(rows)  # type: ignore[arg-type]
+    # Overflow to infinity is a figure like any other (as in Python's arithmetic).
+    with np.errstate(all="ignore"):
+        view = _analyze(columns, strategy, nodes, collectives)  # type: ignore[arg-type]
+    return StragglerView.from_json(view)
 
 
 def _analyze(
-    rows: Rows,
+    columns: StepColumns,
     strategy: str | None,
     nodes: Mapping[int, int] | None,
     collectives: bool,
 ) -> dict[str, Any]:
-    """The straggler view of a run, as its JSON form: ``rows`` is rank -> step -> row (``step_row``'s
-    figures plus ``_ts``, the step's end in ns, and with ``collectives`` the waits of
-    :data:`WAIT_PREFIX` and :data:`OP_WAIT_PREFIX`); ``nodes`` is rank -> node when
-    known. ``collectives``: every rank's collectives were measured (the collectives
-    stream), so waits are measured, not inferred from phase times."""
-    ranks = sorted(rows)
+    """The straggler view of a run, as its JSON form: ``columns`` hold each rank's step
+    rows (``step_row``'s figures plus ``_ts``, the step's end in ns, and with
+    ``collectives`` the waits of :data:`WAIT_PREFIX` and :data:`OP_WAIT_PREFIX`);
+    ``nodes`` is rank -> node when known. ``collectives``: every rank's collectives
+    were measured (the collectives stream), so waits are measured, not inferred from
+    phase times."""
+    import numpy as np
+
+    ranks = sorted(columns)
     view: dict[str, Any] = {
         "definition": DEFINITION_COLLECTIVES if collectives else DEFINITION,
         "basis": "collectives" if collectives else "phase_times",
@@ -294,7 +402,8 @@ def _analyze(
     if len(ranks) < 2:
         view.update(applicable=False, verdict="n/a", reason="one rank: nothing to compare")
         return view
-    steps, table = _table(rows, ranks)
+    table = _Table(columns, ranks)
+    steps = [int(s) for s in table.steps]
     view["steps_compared"] = len(steps)
     if len(steps) < MIN_STEPS:
         view.update(
@@ -305,18 +414,16 @@ def _analyze(
         return view
     view["applicable"] = True
     n = len(steps)
-    iteration = median([c["_iter"] for r in ranks for c in table[r]])
+    iteration = _median1(table.get("_iter"))
     view["iteration_ms"] = rounded(iteration)
 
     # Per step and component, the shortest time of any rank: what a rank spends
     # beyond it is its excess there.
-    names = sorted({k for r in ranks for c in table[r] for k in c if not k.startswith("_")})
-    floor = {
-        name: [min(table[r][i].get(name, 0.0) for r in ranks) for i in range(n)] for name in names
-    }
+    floor = {name: table.get(name).min(axis=0) for name in table.names}
 
-    def excess(r: int, name: str, i: int) -> float:
-        return table[r][i].get(name, 0.0) - floor[name][i]
+    def excess(name: str) -> NDArray[np.float64]:
+        out: NDArray[np.float64] = table.get(name) - floor[name]
+        return out
 
     # The synchronizing phase: the first of the strategy's in which some rank clearly
     # waits (on average over the steps, so that waits now and then count too).
@@ -325,84 +432,73 @@ def _analyze(
     if collectives:
         # Measured: a rank's own work is its iteration less its time in collectives
         # (the last to arrive at a synchronizing collective waits least).
-        own = {r: [table[r][i]["_iter"] - table[r][i]["_wait"] for i in range(n)] for r in ranks}
+        own = table.get("_iter") - table.get("_wait")
     else:
         for name in candidates:
             if name not in floor:
                 continue
-            mean_wait = max(mean([excess(r, name, i) for i in range(n)]) for r in ranks)
+            mean_wait = float((excess(name).sum(axis=1) / n).max())
             if mean_wait > max(ABS_MS, REL * iteration):
                 wait_phase = name
                 break
-        own = {
-            r: [
-                table[r][i]["_iter"] - (excess(r, wait_phase, i) if wait_phase else 0.0)
-                for i in range(n)
-            ]
-            for r in ranks
-        }
+        own = table.get("_iter") - (excess(wait_phase) if wait_phase else 0.0)
     view["wait_phase"] = wait_phase
     # Step-to-step noise: how much a rank's own work varies around its own median
     # (robust: a rank slow now and then, or slow throughout, does not inflate it).
-    noise = median([_mad(own[r]) for r in ranks])
+    noise = _median1(np.array([_mad(own[i]) for i in range(len(ranks))]))
     view["noise_ms"] = rounded(noise)
-    own_median = {r: median(own[r]) for r in ranks}
-    view["own_work_ms"] = {str(r): rounded(own_median[r]) for r in ranks}
+    own_median = _medians(own, axis=1)
+    view["own_work_ms"] = {str(r): rounded(float(own_median[i])) for i, r in enumerate(ranks)}
     threshold = _threshold(iteration, noise)
     view["threshold_ms"] = rounded(threshold)
 
     # Persistent: the ranks above the largest gap in the sorted medians of own work.
-    group = _slow_group(ranks, own_median, own, threshold, n)
+    group = _slow_group(own_median, own, threshold, n)
     if group:
         view["verdict"] = "straggler"
-        view["stragglers"] = _explain(group, ranks, table, own, range(n), wait_phase, floor)
-        others = [r for r in ranks if r not in group]
-        slow_steps = [
-            i
-            for i in range(n)
-            if median([own[r][i] for r in group]) - median([own[r][i] for r in others]) > threshold
-        ]
+        view["stragglers"] = _explain(group, table, own, np.arange(n), wait_phase, floor)
+        others = [i for i in range(len(ranks)) if i not in group]
+        diff = _medians(own[group], axis=0) - _medians(own[others], axis=0)
+        slow_steps = int(np.count_nonzero(diff > threshold))
         for entry in view["stragglers"]:
-            entry["slow_steps"] = len(slow_steps)
-            entry["slow_share"] = rounded(len(slow_steps) / n, 3)
+            entry["slow_steps"] = slow_steps
+            entry["slow_share"] = rounded(slow_steps / n, 3)
     else:
         # One step is noisier than a median over many: a stricter bar for a step.
         step_threshold = max(threshold, STEP_ABS_MS, STEP_REL * iteration)
-        slow = _intermittent(ranks, own, steps, step_threshold)
+        slow = _intermittent(own, step_threshold)
         if slow:
             view["verdict"] = "intermittent"
             entries = []
-            for r, indices in slow.items():
-                entry = _explain([r], ranks, table, own, indices, wait_phase, floor)[0]
+            for i, indices in slow.items():
+                entry = _explain([i], table, own, np.array(indices), wait_phase, floor)[0]
                 entry["slow_steps"] = len(indices)
                 entry["slow_share"] = rounded(len(indices) / n, 3)
-                entry["every_n_steps"] = _period([steps[i] for i in indices], steps)
-                entry["first_slow_steps"] = [steps[i] for i in indices[:5]]
+                entry["every_n_steps"] = _period([steps[k] for k in indices], steps)
+                entry["first_slow_steps"] = [steps[k] for k in indices[:5]]
                 entries.append(entry)
             view["stragglers"] = entries
         else:
             view["verdict"] = "none"
-            spread = max(own_median.values()) - min(own_median.values())
+            spread = float(own_median.max() - own_median.min())
             view["spread_ms"] = rounded(spread)
             view["caveat"] = (
-                None if collectives else _inside_sync_caveat(ranks, table, candidates, iteration)
+                None if collectives else _inside_sync_caveat(table, candidates, iteration)
             )
 
     view["slow_node"] = _slow_node([s["rank"] for s in view["stragglers"]], ranks, nodes)
     if view["stragglers"] and collectives:
-        view["waiting"] = _measured_wait(view, ranks, table, n, strategy)
+        view["waiting"] = _measured_wait(view, table, strategy)
         view["wait_phase"] = view["waiting"]["phase"] if view["waiting"] else None
     elif view["stragglers"] and wait_phase is not None:
         named = {s["rank"] for s in view["stragglers"]}
-        waiting = [r for r in ranks if r not in named]
+        waiting = [i for i, r in enumerate(ranks) if r not in named]
         view["waiting"] = {
             "phase": wait_phase,
             "collective": None,
-            "ranks": waiting if len(waiting) <= 16 else None,
+            "ranks": [ranks[i] for i in waiting] if len(waiting) <= 16 else None,
             "rank_count": len(waiting),
-            "wait_ms_per_step": rounded(
-                mean([mean([excess(r, wait_phase, i) for i in range(n)]) for r in waiting])
-            )
+            "wait_ms_per_step": rounded(_mean1(excess(wait_phase)[waiting].sum(axis=1) / n))
             if waiting
             else 0.0,
             "why": _why(strategy, wait_phase),
@@ -413,46 +509,41 @@ def _analyze(
 
 
 def _measured_wait(
-    view: Mapping[str, Any],
-    ranks: Sequence[int],
-    table: Mapping[int, Sequence[Mapping[str, float]]],
-    n: int,
-    strategy: str | None,
+    view: Mapping[str, Any], table: _Table, strategy: str | None
 ) -> dict[str, Any] | None:
     """Where the other ranks wait for the named ones, from the measured collectives: the
     component (and in it the operation) where they wait most beyond the named ranks."""
-    named = {s["rank"] for s in view["stragglers"]}
-    waiting = [r for r in ranks if r not in named]
+    ranks = table.ranks
+    named_ranks = {s["rank"] for s in view["stragglers"]}
+    waiting = [i for i, r in enumerate(ranks) if r not in named_ranks]
+    named = [i for i, r in enumerate(ranks) if r in named_ranks]
     if not waiting:
         return None
-    keys = {k for r in ranks for c in table[r] for k in c if k.startswith(WAIT_PREFIX)}
-    if not keys:
+    if not table.wait_keys:
         return None
+    n = table.n
 
     def surplus(key: str) -> float:
-        theirs = mean([mean([table[r][i].get(key, 0.0) for i in range(n)]) for r in waiting])
-        mine = mean([mean([table[r][i].get(key, 0.0) for i in range(n)]) for r in named])
+        m = table.get(key)
+        theirs = _mean1(m[waiting].sum(axis=1) / n)
+        mine = _mean1(m[named].sum(axis=1) / n)
         return theirs - mine
 
-    key = max(sorted(keys), key=surplus)
+    key = max(table.wait_keys, key=surplus)
     if surplus(key) <= 0.0:
         return None
     component = key[len(WAIT_PREFIX) :]
     op_prefix = f"{OP_WAIT_PREFIX}{component}:"
-    op_keys = {k for r in ranks for c in table[r] for k in c if k.startswith(op_prefix)}
-    op = max(sorted(op_keys), key=surplus)[len(op_prefix) :] if op_keys else None
-
-    def beyond_shortest(r: int, i: int) -> float:
-        return table[r][i].get(key, 0.0) - min(table[o][i].get(key, 0.0) for o in ranks)
-
+    op_keys = [k for k in table.op_keys if k.startswith(op_prefix)]
+    op = max(op_keys, key=surplus)[len(op_prefix) :] if op_keys else None
+    m = table.get(key)
+    beyond = m - m.min(axis=0)
     return {
         "phase": component,
         "collective": op,
-        "ranks": waiting if len(waiting) <= 16 else None,
+        "ranks": [ranks[i] for i in waiting] if len(waiting) <= 16 else None,
         "rank_count": len(waiting),
-        "wait_ms_per_step": rounded(
-            mean([mean([beyond_shortest(r, i) for i in range(n)]) for r in waiting])
-        ),
+        "wait_ms_per_step": rounded(_mean1(beyond[waiting].sum(axis=1) / n)),
         "why": _why_measured(strategy, component, op),
     }
 
@@ -485,47 +576,44 @@ _COLLECTIVE_WORDS = {
 
 
 def _slow_group(
-    ranks: Sequence[int],
-    own_median: Mapping[int, float],
-    own: Mapping[int, Sequence[float]],
-    threshold: float,
-    n: int,
+    own_median: NDArray[np.float64], own: NDArray[np.float64], threshold: float, n: int
 ) -> list[int]:
-    ordered = sorted(ranks, key=lambda r: own_median[r])
+    """The rank indices above the largest gap in the sorted medians of own work, when
+    that gap is clear and they are slower in most steps."""
+    import numpy as np
+
+    ordered = [int(i) for i in np.argsort(own_median, kind="stable")]
     gaps = [
-        (own_median[ordered[k + 1]] - own_median[ordered[k]], k) for k in range(len(ordered) - 1)
+        (float(own_median[ordered[k + 1]] - own_median[ordered[k]]), k)
+        for k in range(len(ordered) - 1)
     ]
     gap, at = max(gaps)
     if gap <= threshold:
         return []
     group = sorted(ordered[at + 1 :])
-    others = ordered[: at + 1]
+    others = sorted(ordered[: at + 1])
     # Slower in most steps, not in a few long ones that moved the median.
-    slower = sum(
-        1
-        for i in range(n)
-        if median([own[r][i] for r in group]) > median([own[r][i] for r in others])
-    )
+    slower = int(np.count_nonzero(_medians(own[group], axis=0) > _medians(own[others], axis=0)))
     return group if slower >= CONSISTENT_SHARE * n else []
 
 
-def _intermittent(
-    ranks: Sequence[int],
-    own: Mapping[int, Sequence[float]],
-    steps: Sequence[int],
-    threshold: float,
-) -> dict[int, list[int]]:
-    """rank -> indices of the steps where that rank alone was clearly slowest."""
-    n = len(steps)
+def _intermittent(own: NDArray[np.float64], threshold: float) -> dict[int, list[int]]:
+    """rank index -> indices of the steps where that rank alone was clearly slowest."""
+    import numpy as np
+
+    count, n = own.shape
+    # Per step the slowest rank (the highest rank of equals) against the median of the
+    # others (every value but one copy of the largest).
+    top = count - 1 - np.argmax(own[::-1], axis=0)
+    ordered = np.sort(own, axis=0)
+    beyond = ordered[-1] - _sorted_median(ordered[:-1], 0)
+    slow = beyond > threshold
     alone: dict[int, list[int]] = {}
     by: dict[int, list[float]] = {}
-    for i in range(n):
-        values = sorted(((own[r][i], r) for r in ranks), reverse=True)
-        top, rank = values[0]
-        others = [v for v, _ in values[1:]]
-        if top - median(others) > threshold:
-            alone.setdefault(rank, []).append(i)
-            by.setdefault(rank, []).append(top - median(others))
+    for i in np.flatnonzero(slow):
+        rank = int(top[i])
+        alone.setdefault(rank, []).append(int(i))
+        by.setdefault(rank, []).append(float(beyond[i]))
     need = max(INTERMITTENT_MIN_STEPS, math.ceil(INTERMITTENT_MIN_SHARE * n))
     out = {}
     for r, idx in sorted(alone.items()):
@@ -533,7 +621,7 @@ def _intermittent(
         # more often than the others, counting their steps slow by at least half as
         # much (a busy machine's blip of a few ms does not hide a 30 ms rhythm).
         bar = median(by[r]) / 2
-        counts = [sum(1 for x in by.get(o, ()) if x >= bar) for o in ranks if o != r]
+        counts = [sum(1 for x in by.get(o, ()) if x >= bar) for o in range(count) if o != r]
         usual = median(counts)
         # Its own slow steps by the same bar: a blip is not one of them.
         idx = [i for i, x in zip(idx, by[r], strict=True) if x >= bar]
@@ -544,38 +632,33 @@ def _intermittent(
 
 def _explain(
     group: Sequence[int],
-    ranks: Sequence[int],
-    table: Mapping[int, Sequence[Mapping[str, float]]],
-    own: Mapping[int, Sequence[float]],
-    indices: Sequence[int] | range,
+    table: _Table,
+    own: NDArray[np.float64],
+    indices: NDArray[np.int64],
     wait_phase: str | None,
-    floor: Mapping[str, Sequence[float]],
+    floor: Mapping[str, NDArray[np.float64]],
 ) -> list[dict[str, Any]]:
-    """Per slow rank: its own work against the others' over ``indices``, and the
-    component where the extra sits."""
-    others = [r for r in ranks if r not in group]
+    """Per slow rank (index): its own work against the others' over ``indices``, and
+    the component where the extra sits."""
+    others = [i for i in range(len(table.ranks)) if i not in group]
     out = []
-    idx = list(indices)
+    theirs = _medians(own[others][:, indices], axis=0)
+    reference = _median1(theirs)
+    by_name = {
+        name: (table.get(name)[:, indices], _medians(table.get(name)[others][:, indices], axis=0))
+        for name in floor
+        if name != wait_phase
+    }
     for r in group:
-        mine = [own[r][i] for i in idx]
-        theirs = [median([own[o][i] for o in others]) for i in idx]
-        extra = median([a - b for a, b in zip(mine, theirs, strict=True)])
-        reference = median(theirs)
-        by_component: dict[str, float] = {}
-        for name in floor:
-            if name == wait_phase:
-                continue
-            diffs = [
-                table[r][i].get(name, 0.0) - median([table[o][i].get(name, 0.0) for o in others])
-                for i in idx
-            ]
-            by_component[name] = median(diffs)
+        mine = own[r, indices]
+        extra = _median1(mine - theirs)
+        by_component = {name: _median1(m[r] - med) for name, (m, med) in by_name.items()}
         where = max(by_component, key=lambda k: by_component[k])
-        dl_outside = median([table[r][i]["_dl_outside"] for i in idx]) >= 0.5
+        dl_outside = _median1(table.get("_dl_outside")[r, indices]) >= 0.5
         out.append(
             {
-                "rank": r,
-                "own_work_ms": rounded(median(mine)),
+                "rank": table.ranks[r],
+                "own_work_ms": rounded(_median1(mine)),
                 "others_own_work_ms": rounded(reference),
                 "excess_ms": rounded(max(0.0, extra)),
                 "excess_pct": rounded(100.0 * max(0.0, extra) / reference, 1)
@@ -589,16 +672,11 @@ def _explain(
     return out
 
 
-def _inside_sync_caveat(
-    ranks: Sequence[int],
-    table: Mapping[int, Sequence[Mapping[str, float]]],
-    candidates: Sequence[str],
-    iteration: float,
-) -> str | None:
+def _inside_sync_caveat(table: _Table, candidates: Sequence[str], iteration: float) -> str | None:
     """When a synchronizing phase takes most of every rank's iteration, a rank slow
     inside it would look like the others: say so instead of implying there is none."""
     for name in candidates:
-        share = median([c.get(name, 0.0) for r in ranks for c in table[r]]) / iteration
+        share = _median1(table.get(name)) / iteration
         if iteration > 0 and share >= 0.5:
             return (
                 f"{name} is {share * 100:.0f}% of each iteration: a rank slow inside "
@@ -613,15 +691,19 @@ def _period(slow_steps: Sequence[int], steps: Sequence[int]) -> int | None:
     (a stray slow step from noise does not hide the rhythm)."""
     if len(slow_steps) < 3:
         return None
+    import numpy as np
+
+    all_steps = np.asarray(steps, dtype=np.int64)
     best: tuple[int, int] | None = None
     for n in range(2, max(2, len(steps) // 2) + 1):
         counts: dict[int, int] = {}
         for s in slow_steps:
             counts[s % n] = counts.get(s % n, 0) + 1
         residue, hits = max(counts.items(), key=lambda kv: kv[1])
-        size = sum(1 for s in steps if s % n == residue)
-        clear = hits >= 3 and hits >= 0.8 * len(slow_steps) and hits >= 0.8 * size
-        if clear and (best is None or hits > best[1]):
+        if hits < 3 or hits < 0.8 * len(slow_steps):
+            continue
+        size = int(np.count_nonzero(all_steps % n == residue))
+        if hits >= 0.8 * size and (best is None or hits > best[1]):
             best = (n, hits)
     return best[0] if best else None
 

@@ -1,13 +1,14 @@
 """``traceml summary --follow``: a rich terminal view refreshed while the run writes.
 
-It re-reads the aggregator's export files on every refresh, so it shows every rank
-of every node, and stops by itself when every file it can read has its closing line.
+It reads the aggregator's export files, so it shows every rank of every node, and
+stops by itself when every file it can read has its closing line. Each refresh reads
+only what was appended since the last one (:class:`RunReader`).
 The view fits an 80-column terminal (one column for the largest phase, not one per
 phase); ``short=True`` shows the few lines of ``--short`` instead of the table.
 
-Files change under it only by growing: a file that shrinks, is replaced or disappears
-while followed is said on a ``problem:`` line of every later refresh and of the
-returned summary (so ``traceml summary`` exits non-zero), never skipped silently; a
+Files change under it only by growing: a file that shrinks, is replaced, rewritten or
+disappears while followed is read again from its start (or dropped) and said on a
+``problem:`` line of every later refresh and of the returned summary (so ``traceml summary`` exits non-zero), never skipped silently; a
 refresh that fails is shown as an error line and the view goes on.
 """
 
@@ -20,11 +21,9 @@ from typing import Any
 
 from traceml_ai.run_summary._model import PhaseFigures, RunSummary
 from traceml_ai.run_summary._report import (
-    STREAM_FILES,
+    RunReader,
     SummaryError,
     format_summary,
-    summarize_run,
-    with_problems,
 )
 from traceml_ai.run_summary._straggler import verdict_line
 
@@ -107,53 +106,6 @@ def _render(summary: RunSummary | None, waiting: str | None, short: bool = False
     return Group(*parts)
 
 
-class _Watch:
-    """What each export file was at the last refresh: a file only grows while written."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = path
-        self.seen: dict[str, tuple[int, int]] = {}
-        self.problems: list[str] = []
-
-    def check(self, summary: RunSummary) -> RunSummary:
-        """Note files that shrank, were replaced or disappeared; ``summary`` with every
-        such problem seen so far (it is then never complete)."""
-        folder = summary.export_folder
-        for name in STREAM_FILES:
-            file = f"{name}.jsonl"
-            try:
-                st = os.stat(os.path.join(folder, file))
-            except OSError:
-                if name in self.seen:
-                    self._add(f"{file}: disappeared while followed")
-                    del self.seen[name]
-                continue
-            now = (st.st_ino, st.st_size)
-            before = self.seen.get(name)
-            if before is not None and now[0] != before[0]:
-                self._add(f"{file}: replaced by another file while followed")
-            elif before is not None and now[1] < before[1]:
-                self._add(
-                    f"{file}: truncated or rewritten while followed "
-                    f"({before[1]} bytes, then {now[1]})"
-                )
-            self.seen[name] = now
-        return self.apply(summary)
-
-    def gone(self) -> None:
-        """The export folder holds no file any more."""
-        for name in list(self.seen):
-            self._add(f"{name}.jsonl: disappeared while followed")
-            del self.seen[name]
-
-    def _add(self, problem: str) -> None:
-        if problem not in self.problems:
-            self.problems.append(problem)
-
-    def apply(self, summary: RunSummary) -> RunSummary:
-        return with_problems(summary, self.problems)
-
-
 def follow(
     path: str | os.PathLike[str],
     interval: float = 1.0,
@@ -172,20 +124,20 @@ def follow(
 
     console = Console(stderr=stderr)
     summary: RunSummary | None = None
-    watch = _Watch(path)
+    reader: RunReader | None = None
     waiting = f"{os.fspath(path)}: no export files yet"
     with Live(_render(None, waiting), console=console) as live:
         try:
             while True:
                 done = False
                 try:
-                    summary = watch.check(summarize_run(path))
+                    # One reader for the whole view: each refresh reads what was
+                    # appended since the last one.
+                    reader = reader or RunReader(path)
+                    summary = reader.summary()
                     done = summary.loss.finished
                     live.update(_render(summary, None, short))
                 except SummaryError as exc:
-                    if summary is not None:
-                        watch.gone()
-                        summary = watch.apply(summary)
                     live.update(_render(summary, str(exc), short))
                 except Exception as exc:  # a bug must show, not end the view silently
                     error = f"error: refresh failed: {type(exc).__name__}: {exc}"
