@@ -49,7 +49,7 @@ from traceml_ai.run_summary._phases import (
     OP_WAIT_PREFIX,
     WAIT_PREFIX,
     mean,
-    percentile,
+    percentiles,
     phase_breakdown,
     phase_names,
     rounded,
@@ -129,7 +129,7 @@ def _step_figures(columns: StepColumns) -> StepFigures:
         c = columns[rank]
         if not len(c):
             continue
-        times = np.sort(c.values[STEP_KEY])
+        times = c.values[STEP_KEY]
         ts = c.column(TS_KEY)
         stamps = ts[ts > 0]
         span_s = float(stamps.max() - stamps.min()) / 1e9 if len(stamps) >= 2 else 0.0
@@ -140,14 +140,15 @@ def _step_figures(columns: StepColumns) -> StepFigures:
             rate = (len(stamps) - 1) / span_s
         else:
             rate = 1000.0 / average if average > 0 else 0.0
+        p50, p90, p99 = percentiles(times, (50.0, 90.0, 99.0))
         per_rank[str(rank)] = RankSteps(
             steps=len(times),
             first_step=int(c.steps[0]),
             last_step=int(c.steps[-1]),
-            p50_ms=rounded(percentile(times, 50)),
-            p90_ms=rounded(percentile(times, 90)),
-            p99_ms=rounded(percentile(times, 99)),
-            max_ms=rounded(float(times[-1])),
+            p50_ms=rounded(p50),
+            p90_ms=rounded(p90),
+            p99_ms=rounded(p99),
+            max_ms=rounded(float(times.max())),
             mean_ms=rounded(average),
             steps_per_s=rounded(rate),
         )

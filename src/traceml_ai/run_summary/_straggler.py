@@ -218,9 +218,9 @@ class _Table:
         usable: NDArray[np.int64] | None = None
         for r in ranks:
             c = columns[r]
-            timed = c.steps[c.column(TS_KEY) > 0]
-            mine = timed[np.isin(timed - 1, timed)]
-            usable = mine if usable is None else np.intersect1d(usable, mine)
+            timed = c.steps[c.column(TS_KEY) > 0]  # ascending, unique
+            mine = timed[_among(timed - 1, timed)]
+            usable = mine if usable is None else usable[_among(usable, mine)]
         self.steps = usable if usable is not None else np.zeros(0, dtype=np.int64)
         n = len(self.steps)
         self.n = n
@@ -241,6 +241,17 @@ class _Table:
 
         found = self.m.get(key)
         return found if found is not None else np.zeros((len(self.ranks), self.n))
+
+
+def _among(values: NDArray[np.int64], ascending: NDArray[np.int64]) -> NDArray[np.bool_]:
+    """Which of ``values`` are in ``ascending`` (sorted, unique)."""
+    import numpy as np
+
+    if not len(ascending):
+        return np.zeros(len(values), dtype=np.bool_)
+    at = np.minimum(np.searchsorted(ascending, values), len(ascending) - 1)
+    found: NDArray[np.bool_] = ascending[at] == values
+    return found
 
 
 def _components(
@@ -318,18 +329,25 @@ def _sorted_median(ordered: NDArray[np.float64], axis: int) -> NDArray[np.float6
 
 
 def _medians(values: NDArray[np.float64], axis: int) -> NDArray[np.float64]:
-    """:func:`median` along ``axis`` (exactly its figure, not numpy's)."""
+    """:func:`median` along ``axis`` (exactly its figure, not numpy's), by a partial
+    sort of each line."""
     import numpy as np
 
-    return _sorted_median(np.sort(values, axis=axis), axis)
+    lines = np.ascontiguousarray(np.moveaxis(values, axis, -1))
+    n = lines.shape[-1]
+    pos = (n - 1) * 50.0 / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    part = np.partition(lines, sorted({lo, hi}), axis=-1)
+    a, b = part[..., lo], part[..., hi]
+    out: NDArray[np.float64] = a + (b - a) * (pos - lo)
+    return out
 
 
 def _median1(values: NDArray[np.float64]) -> float:
     """:func:`median` of all of ``values`` (0.0 of nothing)."""
-    import numpy as np
-
-    flat = np.sort(values, axis=None)
-    return float(_sorted_median(flat, 0)) if flat.size else 0.0
+    flat = values.ravel()
+    return _medians(flat, 0).item() if flat.size else 0.0
 
 
 def _mad(values: NDArray[np.float64]) -> float:
@@ -606,7 +624,7 @@ def _intermittent(own: NDArray[np.float64], threshold: float) -> dict[int, list[
     # others (every value but one copy of the largest).
     top = count - 1 - np.argmax(own[::-1], axis=0)
     ordered = np.sort(own, axis=0)
-    beyond = ordered[-1] - _sorted_median(ordered[:-1], 0)
+    beyond = ordered[-1] - _sorted_median(ordered[:-1], 0)  # sorted: one sort serves both
     slow = beyond > threshold
     alone: dict[int, list[int]] = {}
     by: dict[int, list[float]] = {}
