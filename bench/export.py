@@ -108,7 +108,7 @@ def _export_once(bodies: list[bytes], total: int, tmp: Path) -> float:
     return took
 
 
-def _raw_once(dumps: list[dict[str, Any]], tmp: Path) -> float:
+def raw_once(dumps: list[dict[str, Any]], tmp: Path) -> float:
     """Seconds to serialize ``dumps`` with orjson and write them, buffered."""
     raw_path = tmp / "raw.jsonl"
     option = orjson.OPT_APPEND_NEWLINE
@@ -151,7 +151,7 @@ def bench_end_to_end(
             # sit in the GC's way during the next export round.
             dumps = _raw_dicts(batches)
             gc.collect()
-            raw_s.append(_raw_once(dumps, Path(tmp)))
+            raw_s.append(raw_once(dumps, Path(tmp)))
             del dumps
     ratios = [r / e for e, r in zip(export_s, raw_s, strict=True)]
     return total / min(export_s), total / min(raw_s), build_rate, ratios

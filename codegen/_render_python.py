@@ -170,6 +170,7 @@ def render_records(schema_set: SchemaSet) -> str:
     body.line('"""Fields of the identity block that ITEM_LOADERS take from ``identity``."""')
     body.line()
     _render_encoder_plans(body, classes, names)
+    _render_encoder_conditions(body, classes)
     _render_map_key_rules(body, classes)
     body.line("NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {")
     for model in classes:
@@ -192,7 +193,7 @@ def render_records(schema_set: SchemaSet) -> str:
     out.line("import re")
     out.line("from collections.abc import Callable")
     out.line("from enum import IntEnum")
-    out.line("from typing import Any, Literal, NamedTuple, cast")
+    out.line("from typing import Any, Literal, NamedTuple, TypeAlias, cast")
     out.line()
     out.line("import attrs")
     out.line()
@@ -477,6 +478,12 @@ _PLAN_TYPES = (
     "    name: str",
     "    spec: ValueSpec",
     "    flag: Flag",
+    "",
+    "",
+    "EncoderTest: TypeAlias = tuple[str, bytes | None]",
+    "EncoderCondition: TypeAlias = tuple[",
+    "    tuple[EncoderTest, ...] | None, tuple[EncoderTest, ...], tuple[EncoderTest, ...]",
+    "]",
 )
 
 
@@ -556,6 +563,41 @@ def _render_encoder_plans(w: CodeWriter, classes: list[ClassModel], names: _Name
         '"""Record class → its fields in line order: what DUMPERS write and LOADERS check, '
         "as data for the C encoder (traceml_records/_speedups.c reads the named tuples by "
         'position; its codes come from the same table, in _plan_codes.h)."""'
+    )
+    w.line()
+
+
+def _encoder_test(test: FieldTest) -> str:
+    """One field test as data: the field and the text its line value must be (a const's
+    JSON text, ``null``), or None for "not null" (its own type is checked anyway)."""
+    if test.has_const:
+        text: str | None = json.dumps(test.const, ensure_ascii=False, separators=(",", ":"))
+    else:
+        text = "null" if test.type == "null" else None
+    return f"({_lit(test.field)}, {_lit(text.encode() if text is not None else None)})"
+
+
+def _render_encoder_conditions(w: CodeWriter, classes: list[ClassModel]) -> None:
+    """ENCODER_CONDITIONS: each class's if/then/else, as data for C (the loaders render
+    them as code, _render_conditions)."""
+
+    def tests(group: tuple[FieldTest, ...] | None) -> str:
+        if group is None:
+            return "None"
+        return "(" + "".join(f"{_encoder_test(t)}, " for t in group) + ")"
+
+    w.line("ENCODER_CONDITIONS: dict[type[Any], tuple[EncoderCondition, ...]] = {")
+    for model in classes:
+        if model.conditions:
+            w.line(f"    {model.class_name}: (")
+            for c in model.conditions:
+                w.line(f"        ({tests(c.when)}, {tests(c.then)}, {tests(c.otherwise)}),")
+            w.line("    ),")
+    w.line("}")
+    w.line(
+        '"""Record class → its schema conditions, ``(when, then, otherwise)`` (``when`` None: '
+        "``then`` always holds), each test ``(field, text)``: the field's line value is "
+        '``text``, or with ``text`` None is not null. Classes without conditions are absent."""'
     )
     w.line()
 

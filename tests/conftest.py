@@ -76,8 +76,12 @@ def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     pure = _codec._py_dumps_line
     monkeypatch.setattr(_codec, "_c_dumps_line", None)
     monkeypatch.setattr(_codec, "encode_items", None)
+    monkeypatch.setattr(_codec, "encode_batch", None)
+    monkeypatch.setattr(_codec, "split_batch", None)
     monkeypatch.setattr(_codec, "SPEEDUPS", False)
     monkeypatch.setattr(_builder, "encode_items", None)
+    monkeypatch.setattr(_builder, "encode_batch", None)
+    monkeypatch.setattr(_builder, "split_batch", None)
     monkeypatch.setattr(_step_timer, "_encode_host_step", None)
     monkeypatch.setattr(_step_timer, "_encode_host_steps", None)
     for module in (_codec, traceml_records, _jsonl, _capture):

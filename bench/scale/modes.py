@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
+import math
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from ..export import raw_once
 from .aggregator import Sample
 from .items import LoadSpec
 from .run import RunResult, final_line, report, run_once
@@ -15,9 +22,42 @@ from .run import RunResult, final_line, report, run_once
 # -- modes --------------------------------------------------------------------------------
 
 
+RAW_SAMPLE_RECORDS = 50_000
+"""Records of the best probe's files the raw baseline serializes (in the files' mix)."""
+
+
+def raw_records_per_s(run_dir: Path, rounds: int = 3) -> float:
+    """The raw baseline on a run's own records: records/s of ``bench.export``'s raw path
+    (prebuilt dicts -> ``orjson.dumps`` -> a buffered write) over a sample of the lines
+    the run wrote, each stream in its share of the files; the best of ``rounds``."""
+    export = run_dir / "aggregator" / "export"
+    counts = {
+        path: max(0, path.read_bytes().count(b"\n") - 1)  # less the closing line
+        for path in sorted(export.glob("*.jsonl"))
+    }
+    total = sum(counts.values())
+    if total == 0:
+        return 0.0
+    dicts: list[dict[str, Any]] = []
+    for path, count in counts.items():
+        take = math.ceil(count * min(1.0, RAW_SAMPLE_RECORDS / total))
+        with open(path, "rb") as f:
+            dicts.extend(orjson.loads(line) for line in itertools.islice(f, take))
+    best = math.inf
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            gc.collect()
+            best = min(best, raw_once(dicts, Path(tmp)))
+    return len(dicts) / best
+
+
 def find_max(args: argparse.Namespace, base: LoadSpec, logs_dir: Path) -> None:
-    """Double the steps/s while every batch arrives, then bisect; each probe a fresh run."""
+    """Double the steps/s while every batch arrives, then bisect; each probe a fresh run.
+
+    The best probe's files stay until the search ends: the raw baseline is measured on
+    their records, after the probes, in the same process."""
     best: RunResult | None = None
+    best_dir: Path | None = None
     lo, hi = 0.0, None
     steps = base.steps_per_s
     for probe in range(args.probes):
@@ -46,12 +86,14 @@ def find_max(args: argparse.Namespace, base: LoadSpec, logs_dir: Path) -> None:
             f"accounting {'exact' if r.check.exact else 'NOT EXACT'}: {verdict}",
             flush=True,
         )
-        if not args.keep:
-            shutil.rmtree(logs_dir / name, ignore_errors=True)
+        keep = False
         if r.sustained:
             lo = spec.steps_per_s
             if best is None or r.records_per_s > best.records_per_s:
                 best = r
+                if best_dir is not None and not args.keep:
+                    shutil.rmtree(best_dir, ignore_errors=True)
+                best_dir, keep = logs_dir / name, True
             if hi is None:
                 steps = spec.steps_per_s * 2
         else:
@@ -60,14 +102,24 @@ def find_max(args: argparse.Namespace, base: LoadSpec, logs_dir: Path) -> None:
                 print(
                     "  (the generator fell behind its schedule: this probe measured the generator)"
                 )
+        if not keep and not args.keep:
+            shutil.rmtree(logs_dir / name, ignore_errors=True)
         if hi is not None and lo and hi - lo <= max(1.0, lo * 0.05):
             break
-    if best is None:
+    if best is None or best_dir is None:
         print("no probe was sustained")
         sys.exit(1)
     print("best sustained probe:")
     report(best)
-    print(final_line(best, best.records_per_s))
+    raw = raw_records_per_s(best_dir)
+    if not args.keep:
+        shutil.rmtree(best_dir, ignore_errors=True)
+    ratio = best.records_per_s / raw if raw else 0.0
+    print(
+        f"raw baseline on the best probe's records (prebuilt dicts -> orjson -> buffered write, "
+        f"one core): {raw:,.0f} records/s; max sustained / raw = {ratio:.3f}"
+    )
+    print(f"{final_line(best, best.records_per_s)} find_max_vs_raw={ratio:.3f}")
 
 
 def soak(args: argparse.Namespace, spec: LoadSpec, logs_dir: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -15,10 +16,10 @@ from .aggregator import AggregatorProc
 
 def py_spy(out: Path, seconds: float) -> Callable[[AggregatorProc, float], None]:
     """A ``during`` hook: sample the aggregator with py-spy for the load's duration."""
+    exe = _py_spy_exe()
 
     def start(agg: AggregatorProc, t0: float) -> None:
-        exe = Path(sys.executable).with_name("py-spy")
-        cmd = [str(exe), "record", "--pid", str(agg.pid), "--format", "raw", "--rate", "200"]
+        cmd = [exe, "record", "--pid", str(agg.pid), "--format", "raw", "--rate", "200"]
         cmd += [
             "--gil",
             "--nonblocking",
@@ -35,6 +36,17 @@ def py_spy(out: Path, seconds: float) -> Callable[[AggregatorProc, float], None]
         ).start()
 
     return start
+
+
+def _py_spy_exe() -> str:
+    """py-spy beside the interpreter (installed in its environment), else on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("py-spy")
+    if found is None:
+        raise SystemExit("bench.scale: --py-spy needs py-spy (pip install py-spy)")
+    return found
 
 
 def summarize_profile(path: Path, top: int = 15) -> None:

@@ -182,13 +182,35 @@ encode_items: Callable[..., tuple[bytes, int, list[tuple[int, int]]]] | None = (
 )
 """The C item encoder (``_speedups.encode_items``), or None without the extension.
 
-``encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules)``
-returns ``(data, count, pending)``: ``data`` holds, in item order, the line of every
-item it can vouch for (plainly valid: exact types, bounds and sets of the schema, and
-with ``step_rules`` the step_time rules), each ``prefix`` + the item's fields (the
+``encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules,
+conditions)`` returns ``(data, count, pending)``: ``data`` holds, in item order, the line
+of every item it can vouch for (plainly valid: exact types, bounds and sets of the
+schema, the class's schema ``conditions`` (``ENCODER_CONDITIONS`` with fields by index),
+and with ``step_rules`` the step_time rules), each ``prefix`` + the item's fields (the
 record's fields from index ``first_field`` on); ``count`` says how many; ``pending``
 lists ``(item index, offset in data)`` of every other item, for the caller to take
 through the strict Python loaders and put (or not) at that offset.
+"""
+
+split_batch: Callable[[bytes], tuple[bytes, int, int, int] | None] | None = (
+    _speedups_module.split_batch if _speedups_module is not None else None
+)
+"""``split_batch(body)`` (C, or None without the extension): ``(stream, identity_start,
+identity_end, items_start)`` of a batch body written as our senders write it (compact,
+keys ``v, token, type, stream, identity, items``), else None. The identity is only
+delimited, for orjson to read."""
+
+encode_batch: Callable[..., tuple[bytes, int] | None] | None = (
+    _speedups_module.encode_batch if _speedups_module is not None else None
+)
+"""The C batch encoder (``_speedups.encode_batch``), or None without the extension.
+
+``encode_batch(body, items_start, record_class, first_field, prefix, max_string_bytes,
+step_rules, conditions)`` returns ``(data, count)``: the lines :func:`encode_items` writes for
+orjson's reading of the items array at ``items_start`` of ``body``, read from the bytes
+without a Python object per item; or None when the body is not in the plain form our
+senders write or :func:`encode_items` would leave any item to Python (the caller then
+parses the body and takes that path).
 """
 
 if TYPE_CHECKING:

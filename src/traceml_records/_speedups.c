@@ -73,6 +73,7 @@ static ClassPlan *plans = NULL;
 static Py_ssize_t n_plans = 0;
 static PyObject *fallback = NULL;     /* the pure-Python dumps_line */
 static PyObject *orjson_dumps = NULL;
+static PyObject *orjson_loads = NULL; /* imported by encode_batch's first call */
 static PyObject *kw_include_hostname = NULL;
 
 /* ---- output buffer -------------------------------------------------------- */
@@ -585,7 +586,44 @@ typedef struct {
     PyObject *ok_keys[16];
     const Spec *ok_specs[16];
     int n_ok;
+    /* the record class's schema conditions: ((when, then, otherwise), ...), each test
+     * (field index, text the field's line value must be, or None: not null) */
+    PyObject *conditions;
 } Rules;
+
+/* Whether the written field values (field i's text at [at[i], end[i]) of buf) meet
+ * the conditions; a test names a field by its index in the plan, from first on. */
+static int test_holds(PyObject *test, const char *buf, const Py_ssize_t *at,
+                      const Py_ssize_t *end, Py_ssize_t first) {
+    Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(test, 0)) - first;
+    PyObject *text = PyTuple_GET_ITEM(test, 1);
+    const char *value = buf + at[i];
+    Py_ssize_t len = end[i] - at[i];
+    int is_null = len == 4 && memcmp(value, "null", 4) == 0;
+    if (text == Py_None) return !is_null;
+    return len == PyBytes_GET_SIZE(text) && memcmp(value, PyBytes_AS_STRING(text), len) == 0;
+}
+
+static int all_hold(PyObject *tests, const char *buf, const Py_ssize_t *at,
+                    const Py_ssize_t *end, Py_ssize_t first) {
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(tests); k++) {
+        if (!test_holds(PyTuple_GET_ITEM(tests, k), buf, at, end, first)) return 0;
+    }
+    return 1;
+}
+
+static int conditions_hold(const Rules *rules, const char *buf, const Py_ssize_t *at,
+                           const Py_ssize_t *end, Py_ssize_t first) {
+    PyObject *conditions = rules->conditions;
+    if (conditions == NULL) return 1;
+    for (Py_ssize_t c = 0; c < PyTuple_GET_SIZE(conditions); c++) {
+        PyObject *cond = PyTuple_GET_ITEM(conditions, c);
+        PyObject *when = PyTuple_GET_ITEM(cond, 0);
+        int holds = when == Py_None || all_hold(when, buf, at, end, first);
+        if (!all_hold(PyTuple_GET_ITEM(cond, holds ? 1 : 2), buf, at, end, first)) return 0;
+    }
+    return 1;
+}
 
 /* Undo what an item (or object) wrote since a mark. */
 static void out_truncate(Out *o, Py_ssize_t len, Py_ssize_t n_floats) {
@@ -838,8 +876,9 @@ static int item_line(Out *o, PyObject *item, ClassPlan *plan, Py_ssize_t first,
     if (!PyDict_CheckExact(item) || PyDict_GET_SIZE(item) != n) return FALLBACK;
     Py_ssize_t mark = o->len, mark_floats = o->n_floats;
     rules->entries = 0;
-    int rc = out_write(o, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix));
-    Py_ssize_t pos = 0;
+    int rc = n > MAX_OBJECT_FIELDS ? FALLBACK
+                                   : out_write(o, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix));
+    Py_ssize_t pos = 0, at[MAX_OBJECT_FIELDS], end[MAX_OBJECT_FIELDS];
     PyObject *key, *value;
     for (Py_ssize_t i = first; i < plan->n && rc == OK; i++) {
         FieldPlan *f = &plan->fields[i];
@@ -862,26 +901,89 @@ static int item_line(Out *o, PyObject *item, ClassPlan *plan, Py_ssize_t first,
         o->buf[o->len++] = ',';
         memcpy(o->buf + o->len, f->key, f->key_len);
         o->len += f->key_len;
+        at[i - first] = o->len;
         rc = item_value(o, value, &f->spec, rules);
+        end[i - first] = o->len;
     }
+    /* floats are still placeholders here: the conditions test no float's value */
+    if (rc == OK && !conditions_hold(rules, o->buf, at, end, first)) rc = FALLBACK;
     if (rc == OK) rc = out_write(o, "}\n", 2);
     if (rc == FALLBACK) out_truncate(o, mark, mark_floats);
     return rc;
 }
 
-/* encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules)
- *   -> (data, count, pending)
+static int tests_ok(PyObject *tests, ClassPlan *plan, Py_ssize_t first) {
+    if (!PyTuple_Check(tests)) return 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(tests); k++) {
+        PyObject *t = PyTuple_GET_ITEM(tests, k);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2 || !PyLong_Check(PyTuple_GET_ITEM(t, 0))) {
+            return 0;
+        }
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 0));
+        PyObject *text = PyTuple_GET_ITEM(t, 1);
+        if (i < first || i >= plan->n || (text != Py_None && !PyBytes_Check(text))) return 0;
+    }
+    return 1;
+}
+
+/* The step rules of encode_items and encode_batch: None, or (builtin_events,
+ * reserved_prefix, required_event, max_entries, phase_class); and the conditions:
+ * None, or ((when | None, then, otherwise), ...) of tests (field index >= first, text
+ * | None). */
+static int rules_of(Rules *rules, PyObject *step_rules, PyObject *conditions, ClassPlan *plan,
+                    Py_ssize_t first) {
+    PyObject *phase_class = NULL;
+    if (conditions != Py_None) {
+        int ok = PyTuple_Check(conditions) && plan->n - first <= MAX_OBJECT_FIELDS;
+        for (Py_ssize_t c = 0; ok && c < PyTuple_GET_SIZE(conditions); c++) {
+            PyObject *cond = PyTuple_GET_ITEM(conditions, c);
+            ok = PyTuple_Check(cond) && PyTuple_GET_SIZE(cond) == 3 &&
+                 (PyTuple_GET_ITEM(cond, 0) == Py_None || tests_ok(PyTuple_GET_ITEM(cond, 0), plan, first)) &&
+                 tests_ok(PyTuple_GET_ITEM(cond, 1), plan, first) &&
+                 tests_ok(PyTuple_GET_ITEM(cond, 2), plan, first);
+        }
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError, "conditions: ((when, then, otherwise), ...) of (index, text)");
+            return ERR;
+        }
+        rules->conditions = conditions;
+    }
+    if (step_rules == Py_None) return OK;
+    if (!PyArg_ParseTuple(step_rules, "O!UUnO", &PyFrozenSet_Type, &rules->builtin_events,
+                          &rules->reserved_prefix, &rules->required_event, &rules->max_entries,
+                          &phase_class)) {
+        return ERR;
+    }
+    rules->step_rules = 1;
+    rules->phase_plan = PyType_Check(phase_class) ? plan_of((PyTypeObject *)phase_class) : NULL;
+    for (Py_ssize_t i = first; i < plan->n; i++) {
+        if (plan->fields[i].spec.kind == K_MAP) rules->events_spec = &plan->fields[i].spec;
+    }
+    if (rules->phase_plan == NULL || rules->events_spec == NULL) {
+        PyErr_SetString(PyExc_ValueError, "step rules need events and phases");
+        return ERR;
+    }
+    if ((rules->cpu = field_index(rules->phase_plan, "cpu_ms")) < 0 ||
+        (rules->duration = field_index(rules->phase_plan, "duration_ms")) < 0 ||
+        (rules->gpu = field_index(rules->phase_plan, "gpu_ms")) < 0 ||
+        (rules->is_gpu = field_index(rules->phase_plan, "is_gpu")) < 0) {
+        return ERR;
+    }
+    return OK;
+}
+
+/* encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules,
+ *              conditions) -> (data, count, pending)
  * data: the lines (prefix + the item's fields, the record's fields from first_field
  * on) of the items it could vouch for, in order; count: how many; pending: the
  * (item index, offset in data) of each item left to Python, where its line belongs.
- * step_rules: None, or (builtin_events, reserved_prefix, required_event, max_entries,
- * phase_class). */
+ * step_rules and conditions: see rules_of. */
 static PyObject *encode_items(PyObject *module, PyObject *args) {
-    PyObject *items, *cls, *prefix, *step_rules, *phase_class = NULL;
+    PyObject *items, *cls, *prefix, *step_rules, *conditions;
     Py_ssize_t first;
     Rules rules = {0};
-    if (!PyArg_ParseTuple(args, "O!OnO!nO", &PyList_Type, &items, &cls, &first, &PyBytes_Type,
-                          &prefix, &rules.max_string_bytes, &step_rules)) {
+    if (!PyArg_ParseTuple(args, "O!OnO!nOO", &PyList_Type, &items, &cls, &first, &PyBytes_Type,
+                          &prefix, &rules.max_string_bytes, &step_rules, &conditions)) {
         return NULL;
     }
     ClassPlan *plan = PyType_Check(cls) ? plan_of((PyTypeObject *)cls) : NULL;
@@ -889,28 +991,7 @@ static PyObject *encode_items(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "encode_items: no plan for that class and field");
         return NULL;
     }
-    if (step_rules != Py_None) {
-        if (!PyArg_ParseTuple(step_rules, "O!UUnO", &PyFrozenSet_Type, &rules.builtin_events,
-                              &rules.reserved_prefix, &rules.required_event,
-                              &rules.max_entries, &phase_class)) {
-            return NULL;
-        }
-        rules.step_rules = 1;
-        rules.phase_plan = PyType_Check(phase_class) ? plan_of((PyTypeObject *)phase_class) : NULL;
-        for (Py_ssize_t i = first; i < plan->n; i++) {
-            if (plan->fields[i].spec.kind == K_MAP) rules.events_spec = &plan->fields[i].spec;
-        }
-        if (rules.phase_plan == NULL || rules.events_spec == NULL) {
-            PyErr_SetString(PyExc_ValueError, "encode_items: step rules need events and phases");
-            return NULL;
-        }
-        if ((rules.cpu = field_index(rules.phase_plan, "cpu_ms")) < 0 ||
-            (rules.duration = field_index(rules.phase_plan, "duration_ms")) < 0 ||
-            (rules.gpu = field_index(rules.phase_plan, "gpu_ms")) < 0 ||
-            (rules.is_gpu = field_index(rules.phase_plan, "is_gpu")) < 0) {
-            return NULL;
-        }
-    }
+    if (rules_of(&rules, step_rules, conditions, plan, first) < 0) return NULL;
     PyObject *pending = PyList_New(0);
     if (pending == NULL) return NULL;
     Out o;
@@ -971,6 +1052,765 @@ error:
     out_keep(&o);
     Py_DECREF(pending);
     return NULL;
+}
+
+/* ---- wire batches straight from their bytes ------------------------------- */
+/*
+ * encode_batch writes the lines of a batch's items from the frame body itself, with
+ * no Python object built per item: the bytes are read once, checked as encode_items
+ * checks the parsed items, and written. It reads only a plain form of JSON (what our
+ * senders write: no whitespace, ASCII strings without escapes, objects and maps of
+ * the schema's shape), and writes a batch only if encode_items would write every
+ * item of it; on anything else it returns None and the caller takes the batch
+ * through orjson and encode_items. So its lines are, byte for byte, those of the
+ * orjson reading of the body. Floats are read and written by orjson itself (one
+ * loads and one dumps of all the batch's float texts), so their values and texts are
+ * orjson's; the line carries the body's float text, replaced by orjson's where the
+ * two differ.
+ */
+
+typedef struct {
+    const Spec *spec;
+    int key; /* 1: checked as a map key (item_key), 0: as a value (item_str) */
+    const char *s;
+    Py_ssize_t n;
+} OkStr;
+
+#define OK_STRS 32
+
+typedef struct {
+    const char *p, *end;
+    Rules *rules;
+    /* the floats written: place and length of their text in the output, their spec */
+    Py_ssize_t n_floats, float_cap;
+    Py_ssize_t *float_at, *float_len;
+    const Spec **float_spec;
+    /* step_time's duration rule: (duration_ms float, the float it must equal) */
+    Py_ssize_t n_pairs, pair_cap;
+    Py_ssize_t *pairs;
+    /* the entries of the last map read */
+    Py_ssize_t map_count;
+    /* floats were moved (a map's keys came out of order): float_at is not ascending */
+    int unordered;
+    /* strings checked in this call: a batch repeats a few names and devices */
+    OkStr ok[OK_STRS];
+    int n_ok;
+} Wire;
+
+static int grow(void **array, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
+    if (need <= *cap) return OK;
+    Py_ssize_t cap2 = *cap ? *cap * 2 : 256;
+    while (cap2 < need) cap2 *= 2;
+    void *grown = PyMem_Realloc(*array, cap2 * size);
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return ERR;
+    }
+    *array = grown;
+    *cap = cap2;
+    return OK;
+}
+
+static int wire_float(Wire *w, Py_ssize_t at, Py_ssize_t len, const Spec *spec) {
+    Py_ssize_t n = w->n_floats, cap = w->float_cap;
+    if (n == cap) {
+        Py_ssize_t c1 = cap, c2 = cap, c3 = cap;
+        if (grow((void **)&w->float_at, &c1, n + 1, sizeof(Py_ssize_t)) < 0 ||
+            grow((void **)&w->float_len, &c2, n + 1, sizeof(Py_ssize_t)) < 0 ||
+            grow((void **)&w->float_spec, &c3, n + 1, sizeof(Spec *)) < 0) {
+            return ERR;
+        }
+        w->float_cap = c1;
+    }
+    w->float_at[n] = at;
+    w->float_len[n] = len;
+    w->float_spec[n] = spec;
+    w->n_floats = n + 1;
+    return OK;
+}
+
+static void wire_free(Wire *w) {
+    PyMem_Free(w->float_at);
+    PyMem_Free(w->float_len);
+    PyMem_Free(w->float_spec);
+    PyMem_Free(w->pairs);
+}
+
+static inline int wire_byte(Wire *w, char c) {
+    if (w->p < w->end && *w->p == c) {
+        w->p++;
+        return OK;
+    }
+    return FALLBACK;
+}
+
+static inline int wire_lit(Wire *w, const char *lit, Py_ssize_t n) {
+    if (w->end - w->p >= n && memcmp(w->p, lit, n) == 0) {
+        w->p += n;
+        return OK;
+    }
+    return FALLBACK;
+}
+
+#define WIRE_LIT(w, s) wire_lit((w), (s), (Py_ssize_t)sizeof(s) - 1)
+
+/* A string of printable ASCII without escapes: its bytes are its UTF-8 and its line
+ * text, and orjson reads them as the same str. Anything else is Python's. */
+static int wire_str(Wire *w, const char **s, Py_ssize_t *n) {
+    const char *p = w->p, *end = w->end;
+    if (p >= end || *p != '"') return FALLBACK;
+    const char *start = ++p;
+    while (p < end) {
+        unsigned char c = (unsigned char)*p;
+        if (c == '"') break;
+        if (c < 0x20 || c >= 0x7f || c == '\\') return FALLBACK;
+        p++;
+    }
+    if (p >= end) return FALLBACK;
+    *s = start;
+    *n = p - start;
+    w->p = p + 1;
+    return OK;
+}
+
+/* A JSON number; is_float: it has a fraction or an exponent (orjson reads a float). */
+static int wire_number(Wire *w, const char **s, Py_ssize_t *n, int *is_float) {
+    const char *p = w->p, *end = w->end, *start = p;
+    if (p < end && *p == '-') p++;
+    if (p >= end) return FALLBACK;
+    if (*p == '0') {
+        p++;
+    } else if (*p >= '1' && *p <= '9') {
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    } else {
+        return FALLBACK;
+    }
+    *is_float = 0;
+    if (p < end && *p == '.') {
+        p++;
+        if (p >= end || *p < '0' || *p > '9') return FALLBACK;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+        *is_float = 1;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < end && (*p == '+' || *p == '-')) p++;
+        if (p >= end || *p < '0' || *p > '9') return FALLBACK;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+        *is_float = 1;
+    }
+    *s = start;
+    *n = p - start;
+    w->p = p;
+    return OK;
+}
+
+/* An integer token within 64 bits (orjson reads wider ones too: Python's). */
+static int token_ll(const char *s, Py_ssize_t n, long long *v) {
+    int neg = s[0] == '-';
+    Py_ssize_t digits = n - neg;
+    if (digits > 19) return FALLBACK;
+    unsigned long long u = 0;
+    for (Py_ssize_t i = neg; i < n; i++) u = u * 10 + (unsigned)(s[i] - '0');
+    if (neg ? u > 9223372036854775808ULL : u > 9223372036854775807ULL) return FALLBACK;
+    *v = neg ? (long long)(0ULL - u) : (long long)u;
+    return OK;
+}
+
+static int write_ll(Out *o, long long v) {
+    char tmp[24];
+    int i = 24;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    while (u >= 100) {
+        unsigned d = (unsigned)(u % 100) * 2;
+        u /= 100;
+        tmp[--i] = DIGIT_PAIRS[d + 1];
+        tmp[--i] = DIGIT_PAIRS[d];
+    }
+    if (u >= 10) {
+        tmp[--i] = DIGIT_PAIRS[u * 2 + 1];
+        tmp[--i] = DIGIT_PAIRS[u * 2];
+    } else {
+        tmp[--i] = (char)('0' + u);
+    }
+    if (v < 0) tmp[--i] = '-';
+    return out_write(o, tmp + i, 24 - i);
+}
+
+/* The end of the JSON value at p, found by its brackets and strings only (what is
+ * skipped is read afterwards, by orjson or strictly here). NULL: no value ends. */
+static const char *skip_value(const char *p, const char *end) {
+    Py_ssize_t depth = 0;
+    do {
+        if (p >= end) return NULL;
+        char c = *p++;
+        if (c == '"') {
+            while (p < end && *p != '"') p += *p == '\\' ? 2 : 1;
+            if (p >= end) return NULL;
+            p++;
+        } else if (c == '{' || c == '[') {
+            depth++;
+        } else if (c == '}' || c == ']') {
+            if (--depth < 0) return NULL;
+        } else if (c == ',' || c == ':') {
+            if (depth == 0) return NULL;
+        } else {
+            /* a number or a literal: up to the next structural byte */
+            while (p < end && *p != ',' && *p != ':' && *p != '{' && *p != '}' && *p != '[' &&
+                   *p != ']' && *p != '"') {
+                p++;
+            }
+        }
+    } while (depth > 0);
+    return p;
+}
+
+/* Whether a string of this call already passed the same check. */
+static int ok_seen(Wire *w, const Spec *spec, int key, const char *s, Py_ssize_t n) {
+    for (int i = 0; i < w->n_ok; i++) {
+        OkStr *k = &w->ok[i];
+        if (k->spec == spec && k->key == key && k->n == n && memcmp(k->s, s, n) == 0) return 1;
+    }
+    return 0;
+}
+
+static void ok_add(Wire *w, const Spec *spec, int key, const char *s, Py_ssize_t n) {
+    if (w->n_ok < OK_STRS) w->ok[w->n_ok++] = (OkStr){spec, key, s, n};
+}
+
+/* item_str's checks (the value is plain ASCII) and its text. */
+static int wire_str_value(Wire *w, Out *o, const Spec *spec) {
+    const char *s;
+    Py_ssize_t n;
+    int rc = wire_str(w, &s, &n);
+    if (rc != OK) return rc;
+    if (spec->opaque || n < spec->min_count || n > w->rules->max_string_bytes) return FALLBACK;
+    if (spec->allowed && !ok_seen(w, spec, 0, s, n)) {
+        PyObject *value = PyUnicode_DecodeASCII(s, n, NULL);
+        if (value == NULL) return ERR;
+        int in = in_allowed(spec, value);
+        Py_DECREF(value);
+        if (in <= 0) return in < 0 ? ERR : FALLBACK;
+        ok_add(w, spec, 0, s, n);
+    }
+    if (out_reserve(o, n + 2) < 0) return ERR;
+    o->buf[o->len++] = '"';
+    memcpy(o->buf + o->len, s, n);
+    o->len += n;
+    o->buf[o->len++] = '"';
+    return OK;
+}
+
+/* item_key's checks on a map key (plain ASCII). */
+static int wire_key_ok(Wire *w, const Spec *spec, const char *s, Py_ssize_t n) {
+    if (ok_seen(w, spec, 1, s, n)) return OK;
+    if (n > w->rules->max_string_bytes) return FALLBACK; /* item_entry's size check */
+    if (spec->has_min && n < spec->imin) return FALLBACK;
+    PyObject *key = PyUnicode_DecodeASCII(s, n, NULL);
+    if (key == NULL) return ERR;
+    int rc = item_key_checked(key, spec, w->rules);
+    Py_DECREF(key);
+    if (rc == OK) ok_add(w, spec, 1, s, n);
+    return rc;
+}
+
+static int wire_value(Wire *w, Out *o, const Spec *spec, Py_ssize_t *float_index, int *flag);
+
+/* The fields [first, plan->n) of an object, each once, written in the plan's order:
+ * item_object (top = 0: '{' ... '}') or item_line's fields (top = 1: ',' before each).
+ * The keys usually come in that order and are read in one pass; otherwise the values
+ * are found first and read in the plan's order. */
+static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int top) {
+    Py_ssize_t n = plan->n - first;
+    if (n <= 0 || n > MAX_OBJECT_FIELDS) return FALLBACK;
+    if (wire_byte(w, '{') != OK) return FALLBACK;
+    const char *start = w->p;
+    Py_ssize_t mark = o->len, mark_floats = w->n_floats, mark_pairs = w->n_pairs;
+    Py_ssize_t floats[MAX_OBJECT_FIELDS], text_at[MAX_OBJECT_FIELDS], text_end[MAX_OBJECT_FIELDS];
+    int flags[MAX_OBJECT_FIELDS];
+    const char *at[MAX_OBJECT_FIELDS], *ends[MAX_OBJECT_FIELDS];
+    int rc = OK, in_order = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        FieldPlan *f = &plan->fields[first + i];
+        if (f->flag != F_ALWAYS) return FALLBACK;
+        floats[i] = -1;
+        flags[i] = 0;
+        /* '"name":' is the plan's own key text */
+        if (i && wire_byte(w, ',') != OK) return FALLBACK;
+        if (wire_lit(w, f->key, f->key_len) != OK) {
+            in_order = 0;
+            break;
+        }
+        if (out_reserve(o, f->key_len + 1) < 0) return ERR;
+        o->buf[o->len++] = (top || i) ? ',' : '{';
+        memcpy(o->buf + o->len, f->key, f->key_len);
+        o->len += f->key_len;
+        text_at[i] = o->len;
+        rc = wire_value(w, o, &f->spec, &floats[i], &flags[i]);
+        if (rc != OK) return rc;
+        text_end[i] = o->len;
+    }
+    if (!in_order) {
+        o->len = mark;
+        w->n_floats = mark_floats;
+        w->n_pairs = mark_pairs;
+        w->p = start;
+        for (Py_ssize_t i = 0; i < n; i++) at[i] = NULL;
+        for (Py_ssize_t k = 0;; k++) {
+            if (k == n) break;
+            if (k && wire_byte(w, ',') != OK) return FALLBACK;
+            const char *s;
+            Py_ssize_t len;
+            if (wire_str(w, &s, &len) != OK || wire_byte(w, ':') != OK) return FALLBACK;
+            Py_ssize_t i = 0;
+            while (i < n && !(plan->fields[first + i].key_len == len + 3 &&
+                              memcmp(plan->fields[first + i].key + 1, s, len) == 0)) {
+                i++;
+            }
+            if (i == n || at[i] != NULL) return FALLBACK; /* unknown or repeated */
+            at[i] = w->p;
+            ends[i] = skip_value(w->p, w->end);
+            if (ends[i] == NULL) return FALLBACK;
+            w->p = ends[i];
+        }
+        const char *close = w->p;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            FieldPlan *f = &plan->fields[first + i];
+            if (out_reserve(o, f->key_len + 1) < 0) return ERR;
+            o->buf[o->len++] = (top || i) ? ',' : '{';
+            memcpy(o->buf + o->len, f->key, f->key_len);
+            o->len += f->key_len;
+            w->p = at[i];
+            floats[i] = -1;
+            flags[i] = 0;
+            text_at[i] = o->len;
+            rc = wire_value(w, o, &f->spec, &floats[i], &flags[i]);
+            if (rc != OK) return rc;
+            text_end[i] = o->len;
+            if (w->p != ends[i]) return FALLBACK;
+        }
+        w->p = close;
+    }
+    if (wire_byte(w, '}') != OK) return FALLBACK;
+    Rules *r = w->rules;
+    /* the record's conditions (a float's text here is the body's: they test no float's
+     * value, only whether it is null) */
+    if (top && !conditions_hold(r, o->buf, text_at, text_end, first)) return FALLBACK;
+    if (r->step_rules && plan == r->phase_plan) {
+        /* phase_rule: duration_ms equals gpu_ms on the GPU, else cpu_ms */
+        Py_ssize_t used = flags[r->is_gpu - first] ? floats[r->gpu - first] : floats[r->cpu - first];
+        Py_ssize_t duration = floats[r->duration - first];
+        if (used < 0 || duration < 0) return FALLBACK;
+        Py_ssize_t need = 2 * (w->n_pairs + 1);
+        if (grow((void **)&w->pairs, &w->pair_cap, need, sizeof(Py_ssize_t)) < 0) return ERR;
+        w->pairs[2 * w->n_pairs] = duration;
+        w->pairs[2 * w->n_pairs + 1] = used;
+        w->n_pairs++;
+    }
+    return top ? OK : out_char(o, '}');
+}
+
+typedef struct {
+    const char *key;
+    Py_ssize_t key_len;
+    Py_ssize_t at, end; /* its '"key":value' in the output */
+    Py_ssize_t moved;   /* where it goes once the keys are sorted */
+} WireEntry;
+
+static int entry_cmp(const void *a, const void *b) {
+    const WireEntry *x = a, *y = b;
+    Py_ssize_t m = x->key_len < y->key_len ? x->key_len : y->key_len;
+    int c = memcmp(x->key, y->key, m);
+    if (c) return c;
+    return x->key_len < y->key_len ? -1 : x->key_len > y->key_len;
+}
+
+/* item_map: a map, written with its keys sorted. Entries are written as they come;
+ * keys out of order (code point order: bytes, all ASCII) are sorted afterwards by
+ * moving the written entries, their floats with them. A repeated key is Python's. */
+static int wire_map(Wire *w, Out *o, const Spec *spec) {
+    if (wire_byte(w, '{') != OK) return FALLBACK;
+    Rules *r = w->rules;
+    int events = r->step_rules && spec == r->events_spec;
+    WireEntry entries[SMALL_MAP];
+    Py_ssize_t n = 0;
+    Py_ssize_t open = o->len, first_float = w->n_floats;
+    int sorted = 1, rc;
+    if (out_char(o, '{') < 0) return ERR;
+    if (wire_byte(w, '}') != OK) {
+        for (;;) {
+            if (n == SMALL_MAP) return FALLBACK; /* a big map is rare: Python's */
+            WireEntry *e = &entries[n];
+            if (wire_str(w, &e->key, &e->key_len) != OK || wire_byte(w, ':') != OK) {
+                return FALLBACK;
+            }
+            if (n && sorted && entry_cmp(e, &entries[n - 1]) <= 0) sorted = 0;
+            rc = wire_key_ok(w, spec, e->key, e->key_len);
+            if (rc != OK) return rc;
+            if (n && out_char(o, ',') < 0) return ERR;
+            e->at = o->len;
+            if (out_reserve(o, e->key_len + 3) < 0) return ERR;
+            o->buf[o->len++] = '"';
+            memcpy(o->buf + o->len, e->key, e->key_len);
+            o->len += e->key_len;
+            o->buf[o->len++] = '"';
+            o->buf[o->len++] = ':';
+            if (events && (w->p >= w->end || *w->p != '{')) return FALLBACK;
+            Py_ssize_t unused_float;
+            int unused_flag;
+            rc = wire_value(w, o, spec->sub, &unused_float, &unused_flag);
+            if (rc != OK) return rc;
+            if (events) r->entries += w->map_count;
+            e->end = o->len;
+            n++;
+            if (wire_byte(w, ',') == OK) continue;
+            if (wire_byte(w, '}') == OK) break;
+            return FALLBACK;
+        }
+    }
+    if (n < spec->min_count) return FALLBACK;
+    if (events) {
+        if (n > r->max_entries || r->entries > r->max_entries) return FALLBACK;
+        Py_ssize_t req_len;
+        const char *req = PyUnicode_AsUTF8AndSize(r->required_event, &req_len);
+        if (req == NULL) return ERR;
+        int has = 0;
+        for (Py_ssize_t i = 0; i < n && !has; i++) {
+            has = entries[i].key_len == req_len && memcmp(entries[i].key, req, req_len) == 0;
+        }
+        if (!has) return FALLBACK;
+    }
+    if (!sorted) {
+        WireEntry order[SMALL_MAP];
+        memcpy(order, entries, n * sizeof(WireEntry));
+        qsort(order, n, sizeof(WireEntry), entry_cmp);
+        for (Py_ssize_t i = 1; i < n; i++) {
+            if (entry_cmp(&order[i - 1], &order[i]) == 0) return FALLBACK;
+        }
+        /* the entries' bytes, moved into key order; each float moves with its entry */
+        Py_ssize_t body = open + 1, size = o->len - body;
+        char *copy = PyMem_Malloc(size ? size : 1);
+        if (copy == NULL) {
+            PyErr_NoMemory();
+            return ERR;
+        }
+        memcpy(copy, o->buf + body, size);
+        Py_ssize_t to = body;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            WireEntry *e = &order[i];
+            if (i) o->buf[to++] = ',';
+            memcpy(o->buf + to, copy + (e->at - body), e->end - e->at);
+            e->moved = to;
+            to += e->end - e->at;
+        }
+        for (Py_ssize_t f = first_float; f < w->n_floats; f++) {
+            Py_ssize_t at = w->float_at[f];
+            for (Py_ssize_t i = 0; i < n; i++) {
+                if (at >= order[i].at && at < order[i].end) {
+                    w->float_at[f] = at - order[i].at + order[i].moved;
+                    break;
+                }
+            }
+        }
+        PyMem_Free(copy);
+        w->unordered = 1;
+    }
+    w->map_count = n;
+    return out_char(o, '}');
+}
+
+/* item_value on the body's text. float_index: the index of the float written (-1:
+ * none); flag: a bool's value. */
+static int wire_value(Wire *w, Out *o, const Spec *spec, Py_ssize_t *float_index, int *flag) {
+    if (w->p >= w->end) return FALLBACK;
+    char c = *w->p;
+    if (c == 'n') {
+        if (WIRE_LIT(w, "null") != OK) return FALLBACK;
+        return spec->nullable && spec->kind <= K_STR ? out_write(o, "null", 4) : FALLBACK;
+    }
+    switch (spec->kind) {
+        case K_INT: {
+            const char *s;
+            Py_ssize_t n;
+            int is_float;
+            long long v;
+            if (wire_number(w, &s, &n, &is_float) != OK || is_float) return FALLBACK;
+            if (token_ll(s, n, &v) != OK) return FALLBACK;
+            if ((spec->has_min && v < spec->imin) || (spec->has_max && v > spec->imax)) {
+                return FALLBACK;
+            }
+            return write_ll(o, v);
+        }
+        case K_FLOAT: {
+            const char *s;
+            Py_ssize_t n;
+            int is_float;
+            /* an integer here is coerced by the loader: Python's */
+            if (wire_number(w, &s, &n, &is_float) != OK || !is_float) return FALLBACK;
+            *float_index = w->n_floats;
+            if (wire_float(w, o->len, n, spec) < 0) return ERR;
+            return out_write(o, s, n);
+        }
+        case K_BOOL: {
+            int value;
+            if (WIRE_LIT(w, "true") == OK) {
+                value = 1;
+            } else if (WIRE_LIT(w, "false") == OK) {
+                value = 0;
+            } else {
+                return FALLBACK;
+            }
+            if (spec->allowed) {
+                int in = PySet_Contains(spec->allowed, value ? Py_True : Py_False);
+                if (in <= 0) return in < 0 ? ERR : FALLBACK;
+            }
+            *flag = value;
+            return value ? out_write(o, "true", 4) : out_write(o, "false", 5);
+        }
+        case K_STR:
+            return wire_str_value(w, o, spec);
+        case K_OBJECT:
+            return wire_fields(w, o, spec->cls, 0, 0);
+        case K_MAP:
+            return wire_map(w, o, spec);
+        case K_ARRAY: {
+            if (spec->opaque || wire_byte(w, '[') != OK) return FALLBACK;
+            if (out_char(o, '[') < 0) return ERR;
+            Py_ssize_t n = 0;
+            if (wire_byte(w, ']') != OK) {
+                for (;; n++) {
+                    if (n && out_char(o, ',') < 0) return ERR;
+                    Py_ssize_t unused_float;
+                    int unused_flag;
+                    int rc = wire_value(w, o, spec->sub, &unused_float, &unused_flag);
+                    if (rc != OK) return rc;
+                    if (wire_byte(w, ',') == OK) continue;
+                    if (wire_byte(w, ']') == OK) break;
+                    return FALLBACK;
+                }
+                n++;
+            }
+            if (n < spec->min_count) return FALLBACK;
+            return out_char(o, ']');
+        }
+    }
+    return FALLBACK;
+}
+
+typedef struct {
+    Py_ssize_t at, body_len; /* the body's text in the output */
+    const char *text;        /* orjson's */
+    Py_ssize_t len;
+} FloatText;
+
+static int float_text_cmp(const void *a, const void *b) {
+    Py_ssize_t x = ((const FloatText *)a)->at, y = ((const FloatText *)b)->at;
+    return x < y ? -1 : x > y;
+}
+
+/* The output with orjson's float texts ("[t0,t1,...]" of finite floats: no text holds
+ * a comma) in place of the body's. */
+static PyObject *wire_splice(Wire *w, Out *o, PyObject *written, Py_ssize_t n) {
+    FloatText *texts = PyMem_Malloc(n * sizeof(FloatText));
+    if (texts == NULL) return PyErr_NoMemory();
+    const char *src = PyBytes_AS_STRING(written) + 1;
+    Py_ssize_t size = o->len;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *stop = src;
+        while (*stop != ',' && *stop != ']') stop++;
+        texts[i] = (FloatText){w->float_at[i], w->float_len[i], src, stop - src};
+        size += (stop - src) - w->float_len[i];
+        src = stop + 1;
+    }
+    if (w->unordered) qsort(texts, n, sizeof(FloatText), float_text_cmp);
+    PyObject *result = PyBytes_FromStringAndSize(NULL, size);
+    if (result != NULL) {
+        char *dst = PyBytes_AS_STRING(result);
+        Py_ssize_t from = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            FloatText *t = &texts[i];
+            memcpy(dst, o->buf + from, t->at - from);
+            dst += t->at - from;
+            memcpy(dst, t->text, t->len);
+            dst += t->len;
+            from = t->at + t->body_len;
+        }
+        memcpy(dst, o->buf + from, o->len - from);
+    }
+    PyMem_Free(texts);
+    return result;
+}
+
+/* The floats of the batch, read and written by orjson; the data, or None to fall
+ * back. */
+static PyObject *wire_finish(Wire *w, Out *o) {
+    Py_ssize_t n = w->n_floats;
+    if (n == 0) return PyBytes_FromStringAndSize(o->buf, o->len);
+    Py_ssize_t text = 2 + (n - 1);
+    for (Py_ssize_t i = 0; i < n; i++) text += w->float_len[i];
+    PyObject *texts = PyBytes_FromStringAndSize(NULL, text);
+    if (texts == NULL) return NULL;
+    char *t = PyBytes_AS_STRING(texts);
+    *t++ = '[';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i) *t++ = ',';
+        memcpy(t, o->buf + w->float_at[i], w->float_len[i]);
+        t += w->float_len[i];
+    }
+    *t = ']';
+    PyObject *values = PyObject_Vectorcall(orjson_loads, &texts, 1, NULL);
+    if (values == NULL) {
+        Py_DECREF(texts);
+        PyErr_Clear(); /* not orjson's number: the whole body is Python's */
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL;
+    if (!PyList_CheckExact(values) || PyList_GET_SIZE(values) != n) goto fallback;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyList_GET_ITEM(values, i);
+        const Spec *spec = w->float_spec[i];
+        if (!PyFloat_CheckExact(value)) goto fallback;
+        double v = PyFloat_AS_DOUBLE(value);
+        if (!isfinite(v) || (spec->has_min && !(v >= spec->fmin)) ||
+            (spec->has_max && !(v <= spec->fmax))) {
+            goto fallback;
+        }
+    }
+    for (Py_ssize_t i = 0; i < w->n_pairs; i++) {
+        double duration = PyFloat_AS_DOUBLE(PyList_GET_ITEM(values, w->pairs[2 * i]));
+        double used = PyFloat_AS_DOUBLE(PyList_GET_ITEM(values, w->pairs[2 * i + 1]));
+        if (duration != used) goto fallback;
+    }
+    PyObject *written = PyObject_Vectorcall(orjson_dumps, &values, 1, NULL);
+    if (written == NULL) goto done;
+    if (!PyBytes_Check(written)) {
+        PyErr_SetString(PyExc_TypeError, "orjson.dumps did not return bytes");
+        Py_DECREF(written);
+        goto done;
+    }
+    Py_ssize_t written_len = PyBytes_GET_SIZE(written);
+    if (written_len == text && memcmp(PyBytes_AS_STRING(written), PyBytes_AS_STRING(texts), text) == 0) {
+        /* the usual case: the body holds orjson's own texts */
+        result = PyBytes_FromStringAndSize(o->buf, o->len);
+    } else {
+        /* "[t0,t1,...]" of finite floats: no text holds a comma */
+        result = wire_splice(w, o, written, n);
+    }
+    Py_DECREF(written);
+    goto done;
+fallback:
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    Py_DECREF(values);
+    Py_DECREF(texts);
+    return result;
+}
+
+/* split_batch(body) -> (stream, identity_start, identity_end, items_start) | None
+ * The parts of a batch body written as our senders write it ({"v":..,"token":..,
+ * "type":..,"stream":..,"identity":{..},"items":[..]}, compact); None otherwise. The
+ * identity is only delimited: the caller has orjson read it. */
+static PyObject *split_batch(PyObject *module, PyObject *arg) {
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "split_batch takes bytes");
+        return NULL;
+    }
+    const char *base = PyBytes_AS_STRING(arg);
+    Wire w = {0};
+    w.p = base;
+    w.end = base + PyBytes_GET_SIZE(arg);
+    const char *s, *stream;
+    Py_ssize_t n, stream_len;
+    int is_float;
+    if (WIRE_LIT(&w, "{\"v\":") != OK || wire_number(&w, &s, &n, &is_float) != OK || is_float ||
+        WIRE_LIT(&w, ",\"token\":") != OK || wire_str(&w, &s, &n) != OK ||
+        WIRE_LIT(&w, ",\"type\":") != OK || wire_str(&w, &s, &n) != OK ||
+        WIRE_LIT(&w, ",\"stream\":") != OK || wire_str(&w, &stream, &stream_len) != OK ||
+        WIRE_LIT(&w, ",\"identity\":") != OK || w.p >= w.end || *w.p != '{') {
+        Py_RETURN_NONE;
+    }
+    const char *identity = w.p;
+    const char *identity_end = skip_value(w.p, w.end);
+    if (identity_end == NULL) Py_RETURN_NONE;
+    w.p = identity_end;
+    if (WIRE_LIT(&w, ",\"items\":") != OK) Py_RETURN_NONE;
+    return Py_BuildValue("(y#nnn)", stream, stream_len, (Py_ssize_t)(identity - base),
+                         (Py_ssize_t)(identity_end - base), (Py_ssize_t)(w.p - base));
+}
+
+/* encode_batch(body, items_start, record_class, first_field, prefix, max_string_bytes,
+ *              step_rules, conditions) -> (data, count) | None
+ * The lines of every item of the body's items array (from items_start, the rest of
+ * the body closing it), as encode_items writes them for orjson's reading of it; None
+ * if encode_items would leave any item to Python or the body is not in the plain
+ * form, for the caller to take it through orjson and encode_items. */
+static PyObject *encode_batch(PyObject *module, PyObject *args) {
+    PyObject *body, *cls, *prefix, *step_rules, *conditions;
+    Py_ssize_t start, first;
+    Rules rules = {0};
+    if (!PyArg_ParseTuple(args, "O!nOnO!nOO", &PyBytes_Type, &body, &start, &cls, &first,
+                          &PyBytes_Type, &prefix, &rules.max_string_bytes, &step_rules,
+                          &conditions)) {
+        return NULL;
+    }
+    ClassPlan *plan = PyType_Check(cls) ? plan_of((PyTypeObject *)cls) : NULL;
+    if (plan == NULL || first < 0 || first > plan->n || orjson_dumps == NULL) {
+        PyErr_SetString(PyExc_ValueError, "encode_batch: no plan for that class and field");
+        return NULL;
+    }
+    if (rules_of(&rules, step_rules, conditions, plan, first) < 0) return NULL;
+    if (orjson_loads == NULL) {
+        PyObject *orjson = PyImport_ImportModule("orjson");
+        if (orjson == NULL) return NULL;
+        orjson_loads = PyObject_GetAttrString(orjson, "loads");
+        Py_DECREF(orjson);
+        if (orjson_loads == NULL) return NULL;
+    }
+    Py_ssize_t size = PyBytes_GET_SIZE(body);
+    if (start < 0 || start > size) Py_RETURN_NONE;
+    Wire w = {0};
+    w.rules = &rules;
+    w.p = PyBytes_AS_STRING(body) + start;
+    w.end = PyBytes_AS_STRING(body) + size;
+    Out o;
+    out_init(&o);
+    out_take_kept(&o);
+    PyObject *result = NULL, *data = NULL;
+    Py_ssize_t count = 0;
+    int rc = wire_byte(&w, '[');
+    if (rc == OK && wire_byte(&w, ']') != OK) {
+        for (;;) {
+            rules.entries = 0;
+            rc = out_write(&o, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix));
+            if (rc == OK) rc = wire_fields(&w, &o, plan, first, 1);
+            if (rc == OK) rc = out_write(&o, "}\n", 2);
+            if (rc != OK) break;
+            count++;
+            if (wire_byte(&w, ',') == OK) continue;
+            rc = wire_byte(&w, ']');
+            break;
+        }
+    }
+    if (rc == OK && (wire_byte(&w, '}') != OK || w.p != w.end)) rc = FALLBACK;
+    if (rc == OK) {
+        data = wire_finish(&w, &o);
+        if (data == NULL) {
+            rc = ERR;
+        } else if (data == Py_None) {
+            Py_DECREF(data);
+            rc = FALLBACK;
+        }
+    }
+    if (rc == OK) {
+        result = Py_BuildValue("(Nn)", data, count);
+    } else if (rc == FALLBACK) {
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    out_keep(&o);
+    wire_free(&w);
+    return result;
 }
 
 /* ---- configure ------------------------------------------------------------ */
@@ -1455,9 +2295,17 @@ static PyMethodDef methods[] = {
     {"dumps_line", (PyCFunction)(void (*)(void))dumps_line, METH_FASTCALL | METH_KEYWORDS,
      "dumps_line(record, /, *, include_hostname=False) -> bytes"},
     {"encode_items", (PyCFunction)encode_items, METH_VARARGS,
-     "encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules)"
+     "encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules,"
+     " conditions)"
      " -> (data, count, pending): the lines of the plainly valid wire items; pending holds"
      " (index, offset in data) of each item left to Python."},
+    {"split_batch", (PyCFunction)split_batch, METH_O,
+     "split_batch(body) -> (stream, identity_start, identity_end, items_start) | None: the"
+     " parts of a batch body written as our senders write it."},
+    {"encode_batch", (PyCFunction)encode_batch, METH_VARARGS,
+     "encode_batch(body, items_start, record_class, first_field, prefix, max_string_bytes,"
+     " step_rules, conditions) -> (data, count) | None: the lines of a batch's items from its bytes, or"
+     " None where encode_items (on orjson's reading) is needed."},
     {"configure_host_step", (PyCFunction)configure_host_step, METH_VARARGS,
      "configure_host_step(phase_class, orjson_dumps): where encode_host_step reads a"
      " phase's slots."},

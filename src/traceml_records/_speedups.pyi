@@ -15,6 +15,7 @@ def encode_items(
     prefix: bytes,
     max_string_bytes: int,
     step_rules: tuple[frozenset[str], str, str, int, type[Any]] | None,
+    conditions: tuple[Any, ...] | None,
     /,
 ) -> tuple[bytes, int, list[tuple[int, int]]]: ...
 def configure_host_step(
@@ -34,3 +35,15 @@ def encode_host_steps(
 ) -> tuple[
     list[int], list[bytes], list[bytes], int, int, tuple[int, int, str, Any] | BaseException | None
 ]: ...
+def split_batch(body: bytes, /) -> tuple[bytes, int, int, int] | None: ...
+def encode_batch(
+    body: bytes,
+    items_start: int,
+    record_class: type[Any],
+    first_field: int,
+    prefix: bytes,
+    max_string_bytes: int,
+    step_rules: tuple[frozenset[str], str, str, int, type[Any]] | None,
+    conditions: tuple[Any, ...] | None,
+    /,
+) -> tuple[bytes, int] | None: ...

@@ -17,11 +17,22 @@ promise to other users — they have ``traceml_records``'s public names).
   extension or its pure-Python twin (``TRACEML_PURE_PYTHON``).
 """
 
-from traceml_records._codec import dumps_line, dumps_lines, encode_items
+from traceml_records._codec import (
+    dumps_line,
+    dumps_lines,
+    encode_batch,
+    encode_items,
+    split_batch,
+)
 from traceml_records._errors import Path as FieldPath
 from traceml_records._extensions import PURE_PYTHON_ENV
 from traceml_records._extensions import load as load_extension
-from traceml_records._generated.records import ENCODER_PLANS, ITEM_LOADERS, LOADERS
+from traceml_records._generated.records import (
+    ENCODER_CONDITIONS,
+    ENCODER_PLANS,
+    ITEM_LOADERS,
+    LOADERS,
+)
 from traceml_records._generated.wire import (
     BATCH_STREAMS,
     FILE_STREAMS_OF_BATCH,
@@ -63,6 +74,7 @@ __all__ = [
     "BATCH_STREAMS",
     "BLOCK_BYTES",
     "CLOSING_KEY",
+    "ENCODER_CONDITIONS",
     "ENCODER_PLANS",
     "FILE_STREAMS_OF_BATCH",
     "IDENTITY_RULES",
@@ -90,6 +102,7 @@ __all__ = [
     "dumps_line",
     "dumps_lines",
     "duration_ok",
+    "encode_batch",
     "encode_items",
     "export_shows_loss",
     "identity_ok",
@@ -99,6 +112,7 @@ __all__ = [
     "load_extension",
     "scan_lines",
     "schema_documents",
+    "split_batch",
     "stream_schema_file",
     "topology_of",
 ]

@@ -41,6 +41,7 @@ from traceml_records import (
 )
 from traceml_records.events import BUILT_IN_EVENTS, RESERVED_PREFIX, STEP_TIME
 from traceml_records.internal import (
+    ENCODER_CONDITIONS,
     ENCODER_PLANS,
     FILE_STREAMS_OF_BATCH,
     IDENTITY_RULES,
@@ -52,10 +53,12 @@ from traceml_records.internal import (
     WireStream,
     dumps_line,
     duration_ok,
+    encode_batch,
     encode_items,
     identity_ok,
     line_checks,
     line_findings,
+    split_batch,
 )
 from traceml_records.internal import FieldPath as Path
 
@@ -175,13 +178,9 @@ def _plan(wire: WireStream) -> _StreamPlan:
 
 _PLANS: dict[str, _StreamPlan] = {name: _plan(wire) for name, wire in WIRE_STREAMS.items()}
 
-# The C item encoder writes a step_time line as the batch's identity prefix followed
-# by the item's fields, which are the record's fields from timestamp_unix_ns on.
-_STEP_TIME_FIELDS = tuple(field[0] for field in ENCODER_PLANS[StepTimeRecord])
-_STEP_TIME_FIRST_ITEM_FIELD = _STEP_TIME_FIELDS.index("timestamp_unix_ns")
-assert set(_STEP_TIME_FIELDS[_STEP_TIME_FIRST_ITEM_FIELD:]) == WIRE_STREAMS["step_time"].item_keys
-# The C encoder's rule data: the schema's event names (traceml_records.events), the
-# size limit, and the class whose timings get the duration rule.
+# The C encoder's rule data for step_time, what it checks in place of _LIMITS and
+# _CHECKS: the schema's event names (traceml_records.events), the size limit, and the
+# class whose timings get the duration rule.
 _STEP_TIME_RULES = (
     BUILTIN_EVENT_NAMES,
     RESERVED_PREFIX,
@@ -189,6 +188,90 @@ _STEP_TIME_RULES = (
     MAX_EVENT_ENTRIES,
     PhaseTiming,
 )
+_C_RULES: dict[str, tuple[Any, ...]] = {"step_time": _STEP_TIME_RULES}
+
+
+@attrs.frozen(slots=True)
+class _LinePlan:
+    """How the C encoder writes the lines of a batch stream from its wire items: each
+    line is the batch's identity prefix followed by the item's fields, which are the
+    record's fields from ``first_item_field`` on."""
+
+    wire_name: bytes
+    record_class: type[Any]
+    first_item_field: int
+    rules: tuple[Any, ...] | None
+    conditions: tuple[Any, ...] | None
+    """The record class's schema conditions, each test naming its field by index."""
+
+
+def _nested_classes(record_class: type[Any]) -> set[type[Any]]:
+    """The classes of the objects a record holds, at any depth."""
+    found: set[type[Any]] = set()
+
+    def visit(spec: Any) -> None:
+        if spec is None:
+            return
+        if isinstance(spec.sub, type):
+            if spec.sub not in found:
+                found.add(spec.sub)
+                for field in ENCODER_PLANS[spec.sub]:
+                    visit(field.spec)
+        else:
+            visit(spec.sub)
+
+    for field in ENCODER_PLANS[record_class]:
+        visit(field.spec)
+    return found
+
+
+def _line_plan(plan: _StreamPlan) -> _LinePlan | None:
+    """The C encoder's plan for a batch stream, or None where its items need Python: a
+    line rule, a fan-out, a check in Python only, an optional item key, record fields
+    that are not the batch's fields followed by the item's, a condition on a batch
+    field or on a float's value, or a nested object's condition the C rules do not
+    cover (step_time's phase timings: the duration rule)."""
+    wire = plan.wire
+    rules = _C_RULES.get(wire.name)
+    if plan.load_item is None or ((plan.limit or plan.check) and rules is None):
+        return None
+    fields = ENCODER_PLANS[wire.record_class]
+    head = ("stream", "schema_version", *wire.from_batch)
+    first = len(head)
+    tail = fields[first:]
+    if (
+        tuple(field.name for field in fields[:first]) != head
+        or {field.name for field in tail} != wire.item_keys
+        or wire.required_item_keys != wire.item_keys
+        or any(field.flag != 0 for field in tail)  # written always (no hostname, no omitted null)
+    ):
+        return None
+    covered = {rules[-1]} if rules is not None else set()  # the phase class
+    if any(cls in ENCODER_CONDITIONS for cls in _nested_classes(wire.record_class) - covered):
+        return None
+    index = {field.name: i for i, field in enumerate(fields)}
+    conditions = []
+    for when, then, otherwise in ENCODER_CONDITIONS.get(wire.record_class, ()):
+        tests = [*(when or ()), *then, *otherwise]
+        if any(index[name] < first for name, _ in tests) or any(
+            text is not None and text != b"null" and fields[index[name]].spec.kind == 1
+            for name, text in tests
+        ):  # a batch field, or a float const (its text is orjson's only once written)
+            return None
+
+        def by_index(group: tuple[tuple[str, bytes | None], ...]) -> tuple[Any, ...]:
+            return tuple((index[name], text) for name, text in group)
+
+        conditions.append(
+            (None if when is None else by_index(when), by_index(then), by_index(otherwise))
+        )
+    return _LinePlan(wire.name.encode(), wire.record_class, first, rules, tuple(conditions) or None)
+
+
+_LINE_PLANS: dict[str, _LinePlan] = {
+    name: line for name, plan in _PLANS.items() if (line := _line_plan(plan)) is not None
+}
+assert "step_time" in _LINE_PLANS and _LINE_PLANS["step_time"].record_class is StepTimeRecord
 
 
 @attrs.frozen(slots=True)
@@ -376,6 +459,15 @@ class RecordBuilder:
         wanted = batch_streams_for(self._streams)
         self._plans = {name: plan for name, plan in _PLANS.items() if name in wanted}
         self._encode_items = encode_items if encode_lines else None
+        # Line mode: the streams the C encoder writes, and its reading of a batch's
+        # bytes (both None without the extension).
+        self._line_plans = (
+            {name: line for name, line in _LINE_PLANS.items() if name in wanted}
+            if self._encode_items is not None
+            else {}
+        )
+        self._encode_batch = encode_batch if self._encode_items is not None else None
+        self._split_batch = split_batch if self._encode_items is not None else None
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -415,6 +507,10 @@ class RecordBuilder:
             peeked = peek_batch_stream(payload)
             if peeked is not None and peeked not in self._plans:
                 return _EMPTY  # an unselected stream is never parsed nor counted
+            if peeked is not None and peeked in self._line_plans:
+                built = self._body_lines(self._line_plans[peeked], payload, batch)
+                if built is not None:
+                    return built
             try:
                 payload = decode_batch_body(payload)
             except FrameError:
@@ -437,12 +533,13 @@ class RecordBuilder:
             return BuildResult(records={}, skipped_items=len(items))
         wire = plan.wire
         base = _base(wire.stream, wire.from_batch, batch_fields)
-        if self._encode_items is not None and wire.stream == "step_time":
-            encoded = self._step_time_lines(plan, items, base)
+        line_plan = self._line_plans.get(wire.name)
+        if line_plan is not None:
+            encoded = self._item_lines(plan, line_plan, items, base)
             if encoded is not None:
                 lines, skipped = encoded
                 return BuildResult(
-                    records={"step_time": lines} if len(lines) else {}, skipped_items=skipped
+                    records={wire.stream: lines} if len(lines) else {}, skipped_items=skipped
                 )
         fan = plan.fan_out
         bases = (
@@ -514,27 +611,61 @@ class RecordBuilder:
 
     # -- the C encoder's mode ----------------------------------------------------------
 
-    def _step_time_lines(
-        self, plan: _StreamPlan, items: list[Any], base: dict[str, Any]
+    def _body_lines(
+        self, line_plan: _LinePlan, body: bytes, batch: ReceivedBatch
+    ) -> BuildResult | None:
+        """The lines of an encoded batch read straight from its bytes, or None to parse it.
+
+        Only a batch whose every item the C encoder writes comes back here; anything
+        else (an item for the strict loaders, a bad identity, a body not in the form our
+        senders write) goes the parsed way, which counts and reports it.
+        """
+        assert self._split_batch is not None and self._encode_batch is not None
+        parts = self._split_batch(body)
+        if parts is None or parts[0] != line_plan.wire_name:
+            return None
+        _, identity_start, identity_end, items_start = parts
+        try:
+            identity = orjson.loads(memoryview(body)[identity_start:identity_end])
+        except orjson.JSONDecodeError:
+            return None
+        batch_fields = self._batch_fields(identity, batch.observed_timestamp_unix_ns)
+        if batch_fields is None:
+            return None
+        wire = self._plans[line_plan.wire_name.decode()].wire
+        prefix = _line_prefix(_base(wire.stream, wire.from_batch, batch_fields))
+        if prefix is None:
+            return None
+        encoded = self._encode_batch(
+            body, items_start, line_plan.record_class, line_plan.first_item_field, prefix,
+            MAX_STRING_BYTES, line_plan.rules, line_plan.conditions,
+        )  # fmt: skip
+        if encoded is None:
+            return None
+        data, count = encoded
+        lines = EncodedLines(wire.stream, data, count)
+        return BuildResult(records={wire.stream: lines} if count else {}, skipped_items=0)
+
+    def _item_lines(
+        self, plan: _StreamPlan, line_plan: _LinePlan, items: list[Any], base: dict[str, Any]
     ) -> tuple[EncodedLines, int] | None:
-        """(the lines of a step_time batch, skipped items), or None to build records.
+        """(the lines of a batch's items, skipped items), or None to build records.
 
         The C encoder writes the line of every plainly valid item; each item it leaves
         goes through the same strict loader and rules as in record mode, on its own,
         and is skipped or written from its record at its place.
         """
         assert self._encode_items is not None
-        try:
-            # The identity block, as the line writes it: everything up to the item's fields.
-            prefix = orjson.dumps(base)[:-1]
-        except orjson.JSONEncodeError:
-            return None  # e.g. a surrogate in a hostname: record mode reports it
+        prefix = _line_prefix(base)
+        if prefix is None:
+            return None
         data, count, pending = self._encode_items(
-            items, StepTimeRecord, _STEP_TIME_FIRST_ITEM_FIELD, prefix, MAX_STRING_BYTES,
-            _STEP_TIME_RULES,
+            items, line_plan.record_class, line_plan.first_item_field, prefix,
+            MAX_STRING_BYTES, line_plan.rules, line_plan.conditions,
         )  # fmt: skip
+        stream = plan.wire.stream
         if not pending:
-            return EncodedLines("step_time", data, count), 0
+            return EncodedLines(stream, data, count), 0
         parts: list[bytes] = []
         start = 0
         skipped = 0
@@ -549,7 +680,16 @@ class RecordBuilder:
             except Exception:
                 skipped += 1
         parts.append(data[start:])
-        return EncodedLines("step_time", b"".join(parts), count), skipped
+        return EncodedLines(stream, b"".join(parts), count), skipped
+
+
+def _line_prefix(base: dict[str, Any]) -> bytes | None:
+    """The identity block as a line writes it: everything up to the item's fields; None
+    when orjson cannot write it (e.g. a surrogate in a hostname: record mode reports it)."""
+    try:
+        return orjson.dumps(base)[:-1]
+    except orjson.JSONEncodeError:
+        return None
 
 
 def _base(stream: str, from_batch: tuple[str, ...], batch_fields: dict[str, Any]) -> dict[str, Any]:

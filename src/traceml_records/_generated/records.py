@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from enum import IntEnum
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple, TypeAlias, cast
 
 import attrs
 
@@ -674,6 +674,12 @@ class FieldPlan(NamedTuple):
     name: str
     spec: ValueSpec
     flag: Flag
+
+
+EncoderTest: TypeAlias = tuple[str, bytes | None]
+EncoderCondition: TypeAlias = tuple[
+    tuple[EncoderTest, ...] | None, tuple[EncoderTest, ...], tuple[EncoderTest, ...]
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -4667,6 +4673,49 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
     ),
 }
 """Record class → its fields in line order: what DUMPERS write and LOADERS check, as data for the C encoder (traceml_records/_speedups.c reads the named tuples by position; its codes come from the same table, in _plan_codes.h)."""
+
+ENCODER_CONDITIONS: dict[type[Any], tuple[EncoderCondition, ...]] = {
+    StepMemoryRecord: (
+        (
+            (("device", b'"cpu"'),),
+            (
+                ("peak_allocated_bytes", b"null"),
+                ("peak_reserved_bytes", b"null"),
+            ),
+            (),
+        ),
+    ),
+    ProcessRecord: (
+        (
+            (("gpu_available", b"true"),),
+            (),
+            (
+                ("gpu_count", b"null"),
+                ("gpu_device_index", b"null"),
+                ("gpu_memory_used_bytes", b"null"),
+                ("gpu_memory_reserved_bytes", b"null"),
+                ("gpu_memory_total_bytes", b"null"),
+            ),
+        ),
+    ),
+    SystemRecord: (
+        (None, (("local_rank", b"0"),), ()),
+        ((("gpu_available", b"false"),), (("gpu_count", b"0"),), ()),
+    ),
+    SystemGpuRecord: ((None, (("local_rank", b"0"),), ()),),
+    RuntimeEnvironmentRecord: (
+        (
+            (("distributed_initialized", b"true"),),
+            (("distributed_backend", None),),
+            (("distributed_backend", b"null"),),
+        ),
+    ),
+    CollectivesRecord: (
+        ((("wait_measure", b'"none"'),), (("wait_ms", b"null"),), (("wait_ms", None),)),
+    ),
+    PhaseTiming: (((("is_gpu", b"true"),), (("gpu_ms", None),), ()),),
+}
+"""Record class → its schema conditions, ``(when, then, otherwise)`` (``when`` None: ``then`` always holds), each test ``(field, text)``: the field's line value is ``text``, or with ``text`` None is not null. Classes without conditions are absent."""
 
 MAP_KEY_RULES: dict[tuple[type[Any], str], tuple[tuple[str, ...], str | None, frozenset[str]]] = {
     (StepTimeRecord, "events"): (

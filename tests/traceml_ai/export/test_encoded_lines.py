@@ -1,13 +1,16 @@
 """The builder's line mode (for the JSONL exporter) against its record mode.
 
-In line mode the C encoder writes step_time lines straight from the wire items and
-leaves every item it cannot vouch for to the strict Python loaders. Whatever the
-items, both modes must give the same lines (record mode's lines are
-``dumps_line`` of its records) and the same skipped count. Record mode is the oracle;
-its own correctness is tested in test_export_builder.py, whose suite also runs in line
-mode (the ``builder_mode`` fixture): what is left here are the C line encoder's own
-edge cases (fallback at a malformed item between good ones, odd but valid items,
-identities it must escape or leave to Python, the server's payload, a hypothesis
+In line mode the C encoder writes the lines of step_time, step_memory and collectives
+items itself: from the frame body as the server queues it (``encode_batch``, no Python
+object per item) or, for a body not in our senders' plain form, from the parsed items
+(``encode_items``); either leaves every item it cannot vouch for to the strict Python
+loaders. Whatever the items, both modes must give the same lines (record mode's lines
+are ``dumps_line`` of its records) and the same skipped count, from the decoded
+message and from its bytes alike. Record mode is the oracle; its own correctness is
+tested in test_export_builder.py, whose suite also runs in line mode (the
+``builder_mode`` fixture): what is left here are the C line encoders' own edge cases
+(fallback at a malformed item between good ones, odd but valid items, identities it
+must escape or leave to Python, bodies in and out of the plain form, a hypothesis
 differential over generated items).
 """
 
@@ -23,43 +26,91 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.builder_items import BIG, MALFORMED
-from tests.custom_exporters import IDENTITY, batch, phase, step_time_item
+from tests.custom_exporters import (
+    IDENTITY,
+    OBSERVED_NS,
+    batch,
+    phase,
+    step_memory_item,
+    step_time_item,
+)
 from tests.e2e_helpers import REPO
 from tests.strategies import consistent_json
 from traceml_ai.export import RecordBuilder
-from traceml_ai.export._builder import MAX_EVENT_ENTRIES
+from traceml_ai.export._builder import (
+    _LINE_PLANS,
+    MAX_EVENT_ENTRIES,
+    MAX_STRING_BYTES,
+    BuildResult,
+)
 from traceml_ai.export._encoded import EncodedLines
-from traceml_ai.transport.wire import ReceivedBatch
-from traceml_records import StepTimeRecord, dumps_line, loads_line
+from traceml_ai.testing import make_item
+from traceml_ai.transport.wire import (
+    ReceivedBatch,
+    batch_envelope,
+    encode_batch_frame,
+    encode_item,
+    make_batch_message,
+)
+from traceml_records import STREAMS_BY_NAME, StepTimeRecord, dumps_line, loads_line
 from traceml_records._codec import dumps_lines
 from traceml_records._generated.records import IDENTITY_FIELDS
 
 
-def _written(group: Any, include_hostname: bool) -> tuple[bytes, int]:
+def _written(group: Any, include_hostname: bool, stream: str) -> tuple[bytes, int]:
     """What the JSONL exporter writes for a group: (lines, records without a line)."""
     if group is None:
         return b"", 0
     if isinstance(group, EncodedLines):
         return group.data, 0
-    lines, bad = dumps_lines(group, StepTimeRecord, include_hostname=include_hostname)
+    record_class = STREAMS_BY_NAME[stream].record_class
+    lines, bad = dumps_lines(group, record_class, include_hostname=include_hostname)
     return b"".join(lines), bad
 
 
-def _modes(items: list[Any], identity: Any = None, include_hostname: bool = False) -> None:
-    """Build ``items`` in both modes; the same lines and counts must come out."""
-    received = batch("step_time", copy.deepcopy(items), identity=identity)
-    by_records = RecordBuilder(("step_time",), include_hostname).build(received)
-    received = batch("step_time", copy.deepcopy(items), identity=identity)
-    by_lines = RecordBuilder(("step_time",), include_hostname, encode_lines=True).build(received)
-    assert by_lines.skipped_items == by_records.skipped_items
-    records = by_records.records.get("step_time")
-    group = by_lines.records.get("step_time")
-    assert _written(group, include_hostname) == _written(records, include_hostname)
-    assert (group is None) == (records is None)
-    if isinstance(group, EncodedLines):
-        assert records is not None
-        assert len(group) == len(records)
-        assert group[0] == loads_line(dumps_line(records[0], include_hostname=include_hostname))
+def _payloads(stream: str, items: list[Any], identity: Any) -> list[ReceivedBatch]:
+    """The batch as a direct caller hands it (decoded) and as the server queues it (the
+    frame body), when orjson can write it."""
+    decoded = batch(stream, copy.deepcopy(items), identity=identity)
+    try:
+        return [decoded, batch_bytes(stream, items, identity)]
+    except orjson.JSONEncodeError:
+        return [decoded]
+
+
+def batch_bytes(stream: str, items: list[Any], identity: Any = None) -> ReceivedBatch:
+    """The frame body of a batch as our senders write it, still encoded."""
+    ident = IDENTITY if identity is None else identity
+    body = orjson.dumps(make_batch_message("t", ident, stream, items))
+    return ReceivedBatch(OBSERVED_NS, body, len(body))
+
+
+def _modes(
+    items: list[Any],
+    identity: Any = None,
+    include_hostname: bool = False,
+    stream: str = "step_time",
+) -> None:
+    """Build ``items`` in both modes, decoded and encoded; the same lines and counts must
+    come out of each reading."""
+    for received in _payloads(stream, items, identity):
+        payload = received.payload
+        fresh = copy.deepcopy(payload) if isinstance(payload, dict) else payload
+        by_records = RecordBuilder((stream,), include_hostname).build(received)
+        received = ReceivedBatch(received.observed_timestamp_unix_ns, fresh, received.nbytes)
+        by_lines = RecordBuilder((stream,), include_hostname, encode_lines=True).build(received)
+        assert by_lines.skipped_items == by_records.skipped_items
+        records = by_records.records.get(stream)
+        group = by_lines.records.get(stream)
+        assert _written(group, include_hostname, stream) == _written(
+            records, include_hostname, stream
+        )
+        assert (group is None) == (records is None)
+        if isinstance(group, EncodedLines):
+            assert records is not None
+            assert len(group) == len(records)
+            first = dumps_line(records[0], include_hostname=include_hostname)
+            assert group[0] == loads_line(first)
 
 
 def test_line_mode_needs_the_extension_and_takes_step_time() -> None:
@@ -70,15 +121,28 @@ def test_line_mode_needs_the_extension_and_takes_step_time() -> None:
     assert not RecordBuilder(("step_time",), False).encodes_lines
 
 
-STEP_TIME_MALFORMED = [item for stream, _, item in MALFORMED if stream == "step_time"]
+LINE_STREAMS = ("step_time", "step_memory", "collectives")
+"""The streams whose lines the C encoder writes (``_builder._LINE_PLANS``)."""
+
+GOOD: dict[str, Any] = {
+    "step_time": lambda seq: step_time_item(seq=seq, step=seq + 1),
+    "step_memory": lambda seq: step_memory_item(seq=seq, step=seq + 1),
+    "collectives": lambda seq: make_item("collectives", seq),
+}
+LINE_MALFORMED = [(stream, item) for stream, _, item in MALFORMED if stream in LINE_STREAMS]
 
 
-@pytest.mark.parametrize("index", range(len(STEP_TIME_MALFORMED)))
+def test_the_c_encoder_writes_these_streams() -> None:
+    assert tuple(_LINE_PLANS) == LINE_STREAMS
+
+
+@pytest.mark.parametrize("index", range(len(LINE_MALFORMED)))
 def test_every_malformed_item_alone_and_between_good_ones(index: int) -> None:
-    bad = STEP_TIME_MALFORMED[index]
-    _modes([bad])
+    stream, bad = LINE_MALFORMED[index]
+    good = GOOD[stream]
+    _modes([bad], stream=stream)
     # between good items: the good lines must keep their places around a skip
-    _modes([step_time_item(seq=0), bad, step_time_item(seq=2), bad, step_time_item(seq=4)])
+    _modes([good(0), bad, good(2), bad, good(4)], stream=stream)
 
 
 def _events(**phases: dict[str, Any]) -> dict[str, Any]:
@@ -172,10 +236,23 @@ ODD_BUT_VALID: list[dict[str, Any]] = [
 ]
 
 
+ODD_STEP_MEMORY: list[dict[str, Any]] = [
+    {"peak_reserved_bytes": None, "peak_allocated_bytes": 0, "device": "cpu", "step": 2, "seq": 1, "timestamp_unix_ns": 5},
+    {**step_memory_item(), "peak_allocated_bytes": 2**63 - 1, "timestamp_unix_ns": 2**63 - 1},
+    {**step_memory_item(), "device": "xpu:12"},
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("index", range(len(ODD_BUT_VALID)))
 def test_odd_items(index: int) -> None:
     _modes([ODD_BUT_VALID[index]])
     _modes([step_time_item(seq=0), ODD_BUT_VALID[index], step_time_item(seq=2)])
+
+
+@pytest.mark.parametrize("index", range(len(ODD_STEP_MEMORY)))
+def test_odd_step_memory_items(index: int) -> None:
+    _modes([ODD_STEP_MEMORY[index]], stream="step_memory")
+    _modes([step_memory_item(seq=0), ODD_STEP_MEMORY[index]], stream="step_memory")
 
 
 @pytest.mark.parametrize(
@@ -189,29 +266,153 @@ def test_odd_items(index: int) -> None:
     ],
 )
 @pytest.mark.parametrize("include_hostname", [False, True])
-def test_identities(identity: Any, include_hostname: bool) -> None:
-    _modes([step_time_item(seq=i) for i in range(3)], identity, include_hostname)
+@pytest.mark.parametrize("stream", LINE_STREAMS)
+def test_identities(identity: Any, include_hostname: bool, stream: str) -> None:
+    _modes([GOOD[stream](i) for i in range(3)], identity, include_hostname, stream)
 
 
 def test_encoded_bytes_payload_as_the_server_queues_it() -> None:
     items = [step_time_item(seq=i, step=i + 1) for i in range(50)]
-    body = orjson.dumps(
-        {
-            "v": 1,
-            "token": "t",
-            "type": "batch",
-            "stream": "step_time",
-            "identity": IDENTITY,
-            "items": items,
-        }
-    )
-    lines = RecordBuilder(("step_time",), False, encode_lines=True).build(
-        ReceivedBatch(7, body, len(body))
-    )
-    records = RecordBuilder(("step_time",), False).build(ReceivedBatch(7, body, len(body)))
+    received = batch_bytes("step_time", items)
+    lines = RecordBuilder(("step_time",), False, encode_lines=True).build(received)
+    records = RecordBuilder(("step_time",), False).build(received)
     group = lines.records["step_time"]
     assert isinstance(group, EncodedLines)
     assert group.data == b"".join(dumps_line(r) for r in records.records["step_time"])
+
+
+@pytest.mark.parametrize("stream", LINE_STREAMS)
+def test_a_plain_body_is_written_without_parsing_it(
+    stream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frames as a rank's sender cuts them (items encoded one by one, then joined) are
+    written straight from their bytes: with the parser gone, the lines still come."""
+    from traceml_ai.export import _builder
+
+    items = [GOOD[stream](i) for i in range(20)]
+    frame = encode_batch_frame(
+        batch_envelope("t", IDENTITY, stream), [encode_item(i) for i in items]
+    )
+    received = ReceivedBatch(OBSERVED_NS, frame[4:], len(frame) - 4)
+    expected = RecordBuilder((stream,), True).build(received)
+
+    def no_parsing(body: bytes) -> Any:
+        raise AssertionError("the body was parsed")
+
+    monkeypatch.setattr(_builder, "decode_batch_body", no_parsing)
+    built = RecordBuilder((stream,), True, encode_lines=True).build(received)
+    group = built.records[stream]
+    assert isinstance(group, EncodedLines) and len(group) == 20 and built.skipped_items == 0
+    assert _written(group, True, stream) == _written(expected.records[stream], True, stream)
+
+
+def _body(items: list[Any], stream: str = "step_time") -> bytes:
+    return orjson.dumps(make_batch_message("t", IDENTITY, stream, items))
+
+
+def _same_from_bytes(body: bytes, stream: str = "step_time") -> BuildResult:
+    """Line mode and record mode on the same frame body: same lines, same counts."""
+    received = ReceivedBatch(OBSERVED_NS, body, len(body))
+    by_records = RecordBuilder((stream,), False).build(received)
+    by_lines = RecordBuilder((stream,), False, encode_lines=True).build(received)
+    assert by_lines.skipped_items == by_records.skipped_items
+    assert _written(by_lines.records.get(stream), False, stream) == _written(
+        by_records.records.get(stream), False, stream
+    )
+    return by_lines
+
+
+PLAIN = _body([step_time_item(seq=i, step=i + 1, device="cuda:0") for i in range(3)])
+EDITS: list[tuple[bytes, bytes]] = [
+    # floats in other forms than orjson's: orjson's reading and text win
+    (b'"cpu_ms":8.2,', b'"cpu_ms":8.20,'),
+    (b'"cpu_ms":8.2,', b'"cpu_ms":82E-1,'),
+    (b'"cpu_ms":8.2,', b'"cpu_ms":8.2000000000000001,'),
+    (b'"duration_ms":27.0,', b'"duration_ms":2.7e1,'),
+    (b'"cpu_ms":8.2,', b'"cpu_ms":-0.0,'),
+    (b'"cpu_ms":8.2,', b'"cpu_ms":1e400,'),  # beyond a double
+    (b'"cpu_ms":8.2,', b'"cpu_ms":15,'),  # an int where a float goes
+    (b'"n_calls":1', b'"n_calls":1.0'),
+    (b'"n_calls":1', b'"n_calls":01'),  # not JSON
+    (b'"n_calls":1', b'"n_calls":-0'),
+    (b'"seq":1,', b'"seq":99999999999999999999,'),
+    (b'"seq":1,', b'"seq":-1,'),
+    # whitespace, escapes, non-ASCII: the parsed way
+    (b'"seq":1,', b'"seq": 1,'),
+    (b'"cuda:0"', rb'"cuda\u003a0"'),
+    (b'"my_phase"', rb'"my_ph\u00e4se"'),
+    (b'"my_phase"', '"my_phäse"'.encode()),
+    # maps: keys out of order are sorted, a repeated key is orjson's (the last wins)
+    (b'{"_traceml_internal:forward_time"', b'{"zz":{"cpu":{"cpu_ms":1.0,"duration_ms":1.0,"gpu_ms":null,"is_gpu":false,"n_calls":1}},"_traceml_internal:forward_time"'),
+    (b'{"_traceml_internal:forward_time"', b'{"my_phase":{"cpu":{"cpu_ms":9.0,"duration_ms":9.0,"gpu_ms":null,"is_gpu":false,"n_calls":1}},"_traceml_internal:forward_time"'),
+    (b'{"cpu_ms":8.2,', b'{"n_calls":2,"cpu_ms":8.2,'),  # a repeated object key
+    (b'"is_gpu":true,"n_calls":1}', b'"n_calls":1,"is_gpu":true}'),
+    (b'"is_gpu":true,"n_calls":1}', b'"is_gpu":true}'),
+    (b'"is_gpu":true,"n_calls":1}', b'"is_gpu":true,"n_calls":1,"x":1}'),
+    (b'{"timestamp_unix_ns"', b'{"step":1,"timestamp_unix_ns"'),
+    # the envelope
+    (b'{"v":1,', b'{"v":1,"x":2,'),
+    (b'"identity":{', b'"identity":{"note":"a}\"]",'),
+    (b'"identity":{', b'"identity":[{'),
+    (b',"items":[', b',"items":{'),
+    (b'}]}', b'}],"more":1}'),
+    (b'}]}', b'}]} '),
+    (b'}]}', b'}]'),
+    (b'}]}', b'}]}}'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(EDITS)))
+def test_bodies_off_the_plain_form(index: int) -> None:
+    old, new = EDITS[index]
+    assert old in PLAIN
+    _same_from_bytes(PLAIN.replace(old, new, 1))
+    _same_from_bytes(PLAIN.replace(old, new))
+
+
+def test_unsorted_events_and_odd_floats_are_read_from_the_bytes() -> None:
+    from traceml_records._codec import encode_batch, split_batch
+
+    assert encode_batch is not None and split_batch is not None
+    body = PLAIN.replace(b'"cpu_ms":8.2,', b'"cpu_ms":8.20,').replace(
+        b'{"_traceml_internal:forward_time"',
+        b'{"zz":{"cpu":{"cpu_ms":1.25,"duration_ms":1.25,"gpu_ms":null,"is_gpu":false,"n_calls":1}},'
+        b'"_traceml_internal:forward_time"',
+    )
+    parts = split_batch(body)
+    assert parts is not None
+    line = _LINE_PLANS["step_time"]
+    encoded = encode_batch(
+        body, parts[3], line.record_class, line.first_item_field, b"{", MAX_STRING_BYTES,
+        line.rules, None,
+    )  # fmt: skip
+    assert encoded is not None and encoded[1] == 3
+    assert b"8.20" not in encoded[0] and encoded[0].count(b'"zz":') == 3
+    built = _same_from_bytes(body)
+    assert built.records["step_time"][0].events["zz"]["cpu"].cpu_ms == 1.25
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=300)
+@given(
+    cut=st.integers(min_value=0, max_value=len(PLAIN)),
+    at=st.integers(min_value=0, max_value=len(PLAIN) - 1),
+    byte=st.sampled_from(list(b'{}[]",:0123456789.eE-+ \\atrufnl\x00\xc3')),
+    how=st.sampled_from(["replace", "insert", "delete", "truncate"]),
+)
+def test_hostile_bytes_are_read_as_orjson_reads_them(
+    cut: int, at: int, byte: int, how: str
+) -> None:
+    """Any damage to a body: line mode reads it as record mode does (never raises)."""
+    data = bytearray(PLAIN)
+    if how == "replace":
+        data[at] = byte
+    elif how == "insert":
+        data.insert(at, byte)
+    elif how == "delete":
+        del data[at]
+    else:
+        del data[cut:]
+    _same_from_bytes(bytes(data))
 
 
 def _item_from_record(d: dict[str, Any]) -> dict[str, Any]:
@@ -248,12 +449,25 @@ def test_generated_items(
     _modes(items, include_hostname=include_hostname)
 
 
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(
+    stream=st.sampled_from(["step_memory", "collectives"]),
+    data=st.data(),
+    include_hostname=st.booleans(),
+)
+def test_generated_items_of_the_other_streams(
+    stream: str, data: st.DataObject, include_hostname: bool
+) -> None:
+    records = data.draw(st.lists(consistent_json(stream), min_size=1, max_size=6))
+    items = [_item_from_record(r) for r in records]
+    for item in items:
+        if data.draw(st.booleans()):
+            key = data.draw(st.sampled_from(sorted(item)))
+            item[key] = data.draw(st.sampled_from([None, -1, 1.5, "x", True, 2**64]))
+    _modes(items, include_hostname=include_hostname, stream=stream)
+
+
 def test_the_c_encoder_takes_plainly_valid_items_itself() -> None:
-    from traceml_ai.export._builder import (
-        _STEP_TIME_FIRST_ITEM_FIELD,
-        _STEP_TIME_RULES,
-        MAX_STRING_BYTES,
-    )
     from traceml_records._codec import encode_items
 
     assert encode_items is not None
@@ -261,10 +475,10 @@ def test_the_c_encoder_takes_plainly_valid_items_itself() -> None:
     builder.build(batch("step_time", [step_time_item()]))  # the loader learns "cpu" matches
     items = [step_time_item(seq=i, step=i + 1) for i in range(10)]
     items[3] = {**items[3], "step": 0}  # invalid: left to Python
+    line = _LINE_PLANS["step_time"]
     data, count, pending = encode_items(
-        items, StepTimeRecord, _STEP_TIME_FIRST_ITEM_FIELD, b"{", MAX_STRING_BYTES,
-        _STEP_TIME_RULES,
-    )  # fmt: skip
+        items, StepTimeRecord, line.first_item_field, b"{", MAX_STRING_BYTES, line.rules, None
+    )
     assert count == 9
     assert [index for index, _ in pending] == [3]
     (offset,) = [at for _, at in pending]
