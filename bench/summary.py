@@ -13,7 +13,7 @@ ratios little):
   summary of a ``RunReader`` and the dashboard's first view (``FilesSource``), then
   ``--append`` more lines written and one refresh of each (wall seconds).
 
-    python -m bench.summary [--lines 1000000] [--append 640] [--keep FOLDER]
+    python -m bench.summary [--lines 1000000] [--append 640] [--keep FOLDER] [--no-follow]
 
 Prints figures, never pass/fail; the last line is machine-readable:
 ``summary_vs_parse=<x> summary_rss_mb_per_million=<m> follow_refresh_s=<t>
@@ -150,7 +150,7 @@ def _run(kind: str, *paths: Path) -> dict[str, Any]:
     return out
 
 
-def _prepare(folder: Path, lines: int, append: int) -> tuple[Path, Path, Path]:
+def _prepare(folder: Path, lines: int, append: int, grow: bool) -> tuple[Path, Path, Path]:
     """(whole run, growing run, the lines to append), written unless already there."""
     whole, growing = folder / "whole", folder / "growing"
     more = folder / "more.jsonl"
@@ -159,7 +159,7 @@ def _prepare(folder: Path, lines: int, append: int) -> tuple[Path, Path, Path]:
         t0 = time.perf_counter()
         write_step_time(whole / _EXPORT, lines)
         print(f"wrote {lines:,} lines in {time.perf_counter() - t0:.1f} s", flush=True)
-    if not (growing / _EXPORT).exists():
+    if grow and not (growing / _EXPORT).exists():
         (growing / _EXPORT).parent.mkdir(parents=True, exist_ok=True)
         longer = folder / "longer.jsonl"
         write_step_time(longer, lines + append)
@@ -190,21 +190,24 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--lines", type=int, default=1_000_000)
-    ap.add_argument(
-        "--append", type=int, default=640, help="lines appended for the follow figures"
-    )
+    ap.add_argument("--append", type=int, default=640, help="lines appended for the follow figures")
     ap.add_argument("--keep", type=Path, default=None, help="folder to write (or reuse)")
+    ap.add_argument(
+        "--no-follow",
+        action="store_true",
+        help="skip the follow figures (and the second copy of the file they need)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        whole, growing, more = _prepare(folder, args.lines, args.append)
+        whole, growing, more = _prepare(folder, args.lines, args.append, not args.no_follow)
         size = (whole / _EXPORT).stat().st_size
         print(f"file: {size / 1e6:,.0f} MB, {args.lines:,} step_time lines (64 ranks)")
         idle = _run("idle")
         parse = _run("parse", whole / _EXPORT)
         summary = _run("summary", whole)
-        follow = _run("follow", growing, more)
+        follow = None if args.no_follow else _run("follow", growing, more)
     ratio = parse["cpu_s"] / summary["cpu_s"]
     rss = summary["self_rss_mb"] - idle["self_rss_mb"]
     per_million = rss / (args.lines / 1e6)
@@ -215,18 +218,20 @@ def main() -> None:
         f"({idle['self_rss_mb']:.0f} MB idle)"
     )
     print(f"  {summary['steps']:,} steps; files: {summary['status']}; {summary['verdict']}")
-    print(
-        f"follow: first summary {follow['summary_first_s']:.2f} s, dashboard first view "
-        f"{follow['view_first_s']:.2f} s; after {args.append} more lines: summary "
-        f"{follow['summary_refresh_s']:.3f} s, dashboard {follow['view_refresh_s']:.3f} s "
-        f"({follow['steps_before']:,} -> {follow['steps_after']:,} steps; page "
-        f"{follow['view_steps_after']:,})"
-    )
-    print(
-        f"summary_vs_parse={ratio:.2f} summary_rss_mb_per_million={per_million:.0f} "
-        f"follow_refresh_s={follow['view_refresh_s']:.3f} "
-        f"first_view_vs_summary={follow['view_first_s'] / summary['wall_s']:.2f}"
-    )
+    line = f"summary_vs_parse={ratio:.2f} summary_rss_mb_per_million={per_million:.0f}"
+    if follow is not None:
+        print(
+            f"follow: first summary {follow['summary_first_s']:.2f} s, dashboard first view "
+            f"{follow['view_first_s']:.2f} s; after {args.append} more lines: summary "
+            f"{follow['summary_refresh_s']:.3f} s, dashboard {follow['view_refresh_s']:.3f} s "
+            f"({follow['steps_before']:,} -> {follow['steps_after']:,} steps; page "
+            f"{follow['view_steps_after']:,})"
+        )
+        line += (
+            f" follow_refresh_s={follow['view_refresh_s']:.3f} "
+            f"first_view_vs_summary={follow['view_first_s'] / summary['wall_s']:.2f}"
+        )
+    print(line)
 
 
 if __name__ == "__main__":

@@ -231,7 +231,7 @@ def _register() -> None:
     global _registered
     if _registered:
         return
-    from cattrs.gen import make_dict_unstructure_fn, override
+    from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
     from traceml_ai._converter import CONVERTER
 
@@ -247,4 +247,8 @@ def _register() -> None:
         raise TypeError(f"expected a string, a list of strings or null, got {value!r}")
 
     CONVERTER.register_structure_hook(str | list[str] | None, strategy)
+    # After the hook above: the generated function looks its fields' hooks up now.
+    CONVERTER.register_structure_hook(
+        RunSummary, make_dict_structure_fn(RunSummary, CONVERTER, rows=override(omit=True))
+    )
     _registered = True
