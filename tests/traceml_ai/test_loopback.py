@@ -62,6 +62,26 @@ def _dashboard(tmp_path: Path) -> Iterator[tuple[int, str]]:
         server.stop(2.0)
 
 
+@contextmanager
+def _metrics(tmp_path: Path) -> Iterator[tuple[int, str]]:
+    from traceml_ai.monitor import RunInfo, prometheus_sink, start_monitoring
+    from traceml_ai.monitor.metrics import Health
+    from traceml_ai.settings import MonitorSettings
+
+    monitoring = start_monitoring(
+        MonitorSettings(prometheus_port=0),
+        RunInfo(run_dir=tmp_path, run_name="r", host="h"),
+        Health,
+        sinks={"prometheus": prometheus_sink},
+        report=lambda line: None,
+    )
+    assert monitoring is not None and monitoring.sinks, monitoring and monitoring.not_started
+    try:
+        yield monitoring.sinks[0].port, "/metrics"  # type: ignore[attr-defined]
+    finally:
+        monitoring.close(2.0)
+
+
 SERVERS: dict[str, Callable[[Path], AbstractContextManager[tuple[int, str]]]] = {
     "dashboard": _dashboard
 }

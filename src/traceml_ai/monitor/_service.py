@@ -2,7 +2,7 @@
 
 :func:`start_monitoring` starts the sinks its caller hands it, by name: each a
 :data:`SinkFactory` that imports its libraries only when called, so that a default
-install never imports prometheus_client, opentelemetry or the web server. This
+install never imports opentelemetry or the web server. This
 package offers its own two (:func:`prometheus_sink`, :func:`otlp_sink`); the
 aggregator adds the dashboard's and chooses from what
 :class:`~traceml_ai.settings.MonitorSettings` asks for. A sink that cannot start (its
@@ -99,9 +99,9 @@ def extra_required(extra: str) -> Iterator[None]:
 
 
 def prometheus_sink(monitoring: Monitoring) -> LiveSink:
-    """The ``/metrics`` endpoint (the ``prometheus`` extra, imported only here)."""
-    with extra_required("prometheus"):
-        from traceml_ai.monitor.prometheus import start_prometheus
+    """The ``/metrics`` endpoint (the standard library's HTTP server; no extra)."""
+    from traceml_ai.monitor.prometheus import start_prometheus
+
     return start_prometheus(monitoring)
 
 

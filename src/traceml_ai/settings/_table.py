@@ -264,7 +264,7 @@ PROMETHEUS_PORT: Setting[int] = Setting(
     default_doc="off",
     expected=PORT_FORMS,
     help="Serve Prometheus metrics at http://HOST:PORT/metrics from the aggregator "
-    "(needs the 'prometheus' extra; 0 picks a free port).",
+    "(0 picks a free port).",
     metavar="PORT",
     commands=_BOTH,
     kind=int,

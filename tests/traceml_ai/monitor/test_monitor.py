@@ -396,25 +396,28 @@ def test_a_taken_port_is_one_line_and_the_rest_goes_on(tmp_path: Path) -> None:
     assert "prometheus" in loss.not_started
 
 
-def test_a_missing_extra_is_one_line_naming_it(tmp_path: Path) -> None:
+def test_a_missing_extra_is_one_line_naming_it_and_metrics_need_none(tmp_path: Path) -> None:
     code = f"""
 import sys
-sys.modules["prometheus_client"] = None  # as if the extra were not installed
+for name in ("prometheus_client", "opentelemetry"):
+    sys.modules[name] = None  # as if the extras were not installed
 from pathlib import Path
-from traceml_ai.monitor import Monitoring, RunInfo, prometheus_sink
+from traceml_ai.monitor import Monitoring, RunInfo, otlp_sink, prometheus_sink
 from traceml_ai.monitor.metrics import Health
 from traceml_ai.settings import MonitorSettings
 m = Monitoring(MonitorSettings(prometheus_port=0), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="r", host="h"), Health)
-m.start_sinks({{"prometheus": prometheus_sink}})
+m.start_sinks({{"prometheus": prometheus_sink, "otlp": otlp_sink}})
+m.close(2.0)
 """
     result = subprocess.run(
         [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "needs the 'prometheus' extra" in lines[0]
-    assert "pip install 'traceml-ai[prometheus]'" in lines[0]
+    assert len(lines) == 2, result.stderr
+    assert lines[0].startswith("traceml: prometheus: metrics at http://127.0.0.1:")
+    assert "needs the 'otel' extra" in lines[1]
+    assert "pip install 'traceml-ai[otel]'" in lines[1]
 
 
 def test_the_default_install_never_imports_the_extras() -> None:
