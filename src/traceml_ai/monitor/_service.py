@@ -26,7 +26,7 @@ import attrs
 
 from traceml_ai.monitor._feed import LiveFeed
 from traceml_ai.monitor._state import LiveState, StepSeen
-from traceml_ai.monitor.metrics import Health
+from traceml_ai.monitor.metrics import Family, Health, collect
 from traceml_ai.settings import MonitorSettings
 from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import MonitoringLoss
@@ -147,6 +147,15 @@ class Monitoring:
             except Exception:
                 base = Health()
         return attrs.evolve(base, live_dropped_batches=self.feed.dropped_batches)
+
+    def families(self) -> list[Family]:
+        """Every metric's series now, as both Prometheus and OTLP serve them."""
+        return collect(
+            self.state,
+            self.health(),
+            run_name=self.run.run_name,
+            rank_histograms_max_ranks=self.settings.rank_histograms_max_ranks,
+        )
 
     def submit(self, batch: ReceivedBatch) -> None:
         """Hand a received batch to the live views; never blocks, never raises."""

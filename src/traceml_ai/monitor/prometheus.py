@@ -1,6 +1,6 @@
 """The Prometheus endpoint: ``/metrics`` on the aggregator, from the live state.
 
-Each scrape writes :func:`~traceml_ai.monitor.metrics.collect`'s families in Prometheus' text
+Each scrape writes :meth:`~traceml_ai.monitor.Monitoring.families` in Prometheus' text
 format (version 0.0.4), so a scrape costs the aggregator work only when Prometheus
 asks, and the receive loop never waits for one. The text is written here rather than
 by a client library: a 1,024-rank scrape has tens of thousands of lines, and a
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from traceml_ai._loopback import host_allowed, is_loopback
 from traceml_ai.monitor._service import SinkStartError
 from traceml_ai.monitor._state import StepSeen
-from traceml_ai.monitor.metrics import Family, collect
+from traceml_ai.monitor.metrics import Family
 
 if TYPE_CHECKING:
     from traceml_ai.monitor._service import Monitoring
@@ -144,9 +144,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._answer(404, b"traceml: not found; the metrics are at /metrics\n")
             return
         try:
-            monitoring = self.server.monitoring
-            families = collect(monitoring.state, monitoring.health())
-            body = exposition(families).encode("utf-8", "replace")
+            body = exposition(self.server.monitoring.families()).encode("utf-8", "replace")
         except Exception:  # a bug answers 500; the server and the run go on
             _log.debug("building /metrics failed", exc_info=True)
             self._answer(500, b"traceml /metrics: building the metrics failed\n")

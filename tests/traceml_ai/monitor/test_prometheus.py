@@ -18,19 +18,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.custom_exporters import step_memory_item
-from tests.traceml_ai.monitor.test_monitor import encoded, identity, step
+from tests.traceml_ai.monitor.test_monitor import encoded, families_of, identity, step
 from traceml_ai.monitor import Monitoring, RunInfo, prometheus_sink, start_monitoring
 from traceml_ai.monitor._state import LiveState
-from traceml_ai.monitor.metrics import Family, Health, collect
+from traceml_ai.monitor.metrics import Health, traceml_version
 from traceml_ai.monitor.prometheus import CONTENT_TYPE, exposition
 from traceml_ai.settings import MonitorSettings
 
 HOSTILE = 'a "quoted" \\ back\nslash é'
 """A label value with every character the format escapes, and one it does not."""
-
-
-def _families(state: LiveState) -> list[Family]:
-    return collect(state, Health())
 
 
 def _hostile_state() -> LiveState:
@@ -42,7 +38,8 @@ def _hostile_state() -> LiveState:
 
 
 def test_label_values_are_escaped_and_read_back_unchanged() -> None:
-    text = exposition(_families(_hostile_state()))
+    families = families_of(_hostile_state())
+    text = exposition(list(families.values()))
     parsed = {f.name: f for f in text_string_to_metric_families(text)}
     phases = {s.labels["phase"] for s in parsed["traceml_phase_time_seconds"].samples}
     assert f"user:{HOSTILE}" in phases
@@ -55,7 +52,7 @@ def test_label_values_are_escaped_and_read_back_unchanged() -> None:
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus package")
 def test_promtool_accepts_the_text(tmp_path: Path) -> None:
-    text = exposition(_families(_hostile_state()))
+    text = exposition(list(families_of(_hostile_state()).values()))
     result = subprocess.run(
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
@@ -109,12 +106,14 @@ def test_only_metrics_is_served(tmp_path: Path, path: str) -> None:
         assert _get(port, "/metrics?anything=1")[0] == 200
 
 
-def test_the_text_format(tmp_path: Path) -> None:
-    with _endpoint(tmp_path) as (_, port):
+def test_the_run_is_named_by_an_info_metric(tmp_path: Path) -> None:
+    run = 'train "big" é'
+    with _endpoint(tmp_path, run_name=run) as (_, port):
         status, headers, body = _get(port, "/metrics")
     assert status == 200 and headers["Content-Type"] == CONTENT_TYPE
     parsed = {f.name: f for f in text_string_to_metric_families(body.decode())}
-    assert parsed["traceml_ranks_expected"].samples[0].value == 2
+    (info,) = parsed["traceml_run_info"].samples
+    assert info.labels == {"run": run, "version": traceml_version()} and info.value == 1
 
 
 def test_gzip_when_asked(tmp_path: Path) -> None:
@@ -162,14 +161,12 @@ def test_bad_requests_print_nothing_and_the_endpoint_goes_on(
 def test_a_failing_build_is_a_500_and_the_endpoint_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import traceml_ai.monitor.prometheus as prometheus
-
-    with _endpoint(tmp_path) as (_, port):
+    with _endpoint(tmp_path) as (monitoring, port):
 
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(prometheus, "collect", broken)
+        monkeypatch.setattr(monitoring, "families", broken)
         assert _get(port, "/metrics")[0] == 500
         monkeypatch.undo()
         assert _get(port, "/metrics")[0] == 200
