@@ -1,4 +1,4 @@
-"""Aggregator CPU with the live views on: Prometheus and OTLP against JSONL alone.
+"""Aggregator CPU with the live views on, and what one scrape costs at 1,024 ranks.
 
 Runs the scale benchmark's real ``traceml serve`` under the same simulated load
 twice per round — JSONL alone, then JSONL with ``--prometheus-port`` and ``--otlp`` —
@@ -9,16 +9,29 @@ takes the exports (metrics every ``--otlp-interval-s``, traces at the default sa
     python -m bench.monitoring                       # 256 ranks, 10 steps/s, 20 s, 2 rounds
     python -m bench.monitoring --ranks 1024 --seconds 30 --rounds 1   # the nominal scale run
 
-Prints each run's aggregator CPU per 1,000 records, the dropped batches, and the last
-line ``monitoring_cpu_ratio=<median of on/off> dropped_batches=<with the views on>``.
+First, in process: the live state of a 1,024-rank job (8 ranks and 8 GPUs per node,
+each rank's last 120 steps with the scale benchmark's phases, jittered, its memory
+and process figures, each node's system sample) and the ``/metrics`` text a scrape
+builds from it (``Monitoring.families`` and the exposition, as the endpoint does,
+before gzip), the default against each rank's histograms served, in the same run.
+``--rounds 0`` measures only that.
+
+Prints each run's aggregator CPU per 1,000 records, the dropped batches, the scrape's
+series, size and build time, and the last line ``monitoring_cpu_ratio=<median of
+on/off> dropped_batches=<with the views on> scrape_series_1024=<n>
+scrape_build_s_1024=<median build> scrape_build_ratio_1024=<default over each rank's
+histograms>`` (``monitoring_cpu_ratio=nan`` with ``--rounds 0``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import http.server
 import json
+import math
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -27,11 +40,22 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from traceml_ai.monitor import WINDOW_STEPS, Monitoring, RunInfo
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.monitor.prometheus import exposition
+from traceml_ai.settings import MonitorSettings
+from traceml_ai.testing import make_item
 
 from .scale.aggregator import AggregatorProc
-from .scale.items import LoadSpec
+from .scale.items import LoadSpec, process_item, step_events, system_item
 from .scale.run import RunResult, run_once
+
+SCRAPE_RANKS = 1024
+"""The job the scrape is measured on (the last line's ``_1024`` fields)."""
 
 
 class _Sink(http.server.BaseHTTPRequestHandler):
@@ -119,16 +143,161 @@ def one_run(
     return result
 
 
+# -- one scrape at 1,024 ranks ------------------------------------------------------------
+
+
+def _jittered(events: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """The phases with each time scaled by 0.6 to 1.8, so the buckets differ by rank."""
+    out: dict[str, Any] = {}
+    for name, devices in events.items():
+        out[name] = {}
+        for device, t in devices.items():
+            k = rng.uniform(0.6, 1.8)
+            out[name][device] = {
+                **t,
+                "cpu_ms": t["cpu_ms"] * k,
+                "duration_ms": t["duration_ms"] * k,
+                "gpu_ms": None if t["gpu_ms"] is None else t["gpu_ms"] * k,
+            }
+    return out
+
+
+def _job_monitoring(ranks: int, per_node: int = 8) -> Monitoring:
+    """A Monitoring whose live state holds a job of ``ranks`` ranks."""
+    health = Health(
+        written_records={"step_time": ranks * WINDOW_STEPS},
+        failed_records={"step_time": 0},
+        expected_ranks=ranks,
+        reporting_ranks=ranks,
+    )
+    monitoring = Monitoring(
+        MonitorSettings(prometheus_port=0),
+        RunInfo(run_dir=Path("."), run_name="bench", host="bench"),
+        lambda: health,
+    )
+    state, rng, t0 = monitoring.state, random.Random(0), time.time_ns()
+    for rank in range(ranks):
+        local = rank % per_node
+        identity = {
+            "global_rank": rank,
+            "local_rank": local,
+            "world_size": ranks,
+            "local_world_size": per_node,
+            "node_rank": rank // per_node,
+        }
+        device = f"cuda:{local}"
+        steps = [
+            {
+                "seq": n,
+                "step": n,
+                "timestamp_unix_ns": t0 + n * 30_000_000,
+                "events": _jittered(step_events(device), rng),
+            }
+            for n in range(1, WINDOW_STEPS + 1)
+        ]
+        state.add_steps(identity, steps)
+        state.add_memory(identity, [make_item("step_memory", 0, device=device, step=WINDOW_STEPS)])
+        state.add_process(identity, [process_item(0, t0, local)])
+        if local == 0:
+            state.add_system(identity, [system_item(0, t0, per_node)])
+    return monitoring
+
+
+@dataclass(frozen=True)
+class ScrapeCost:
+    series: int
+    nbytes: int
+    gzipped_bytes: int
+    build_s: float
+    """The median time to build the text (the families and the exposition): CPU time of
+    the building thread, which another process's load on a shared machine leaves out."""
+
+
+def _build(monitoring: Monitoring, max_ranks: int) -> tuple[bytes, float]:
+    monitoring.settings = MonitorSettings(prometheus_port=0, rank_histograms_max_ranks=max_ranks)
+    started = time.thread_time()
+    body = exposition(monitoring.families()).encode("utf-8", "replace")
+    return body, time.thread_time() - started
+
+
+def _cost(body: bytes, times: list[float]) -> ScrapeCost:
+    series = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
+    gzipped = len(gzip.compress(body, compresslevel=1))
+    return ScrapeCost(series, len(body), gzipped, statistics.median(times))
+
+
+def _otlp_export_cost(monitoring: Monitoring, repeat: int) -> str:
+    """One OTLP metric export's making: the families, the SDK's objects, the protobuf."""
+    try:
+        from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        from traceml_ai.monitor.otlp import build_metrics_data
+    except ImportError:
+        return "OTLP export: not measured (the 'otel' extra is not installed)"
+    resource, scope = Resource.create({"service.name": "traceml"}), InstrumentationScope("b")
+    times: dict[str, list[float]] = {"families": [], "SDK objects": [], "protobuf": []}
+    size = 0
+    for _ in range(repeat):
+        t0 = time.thread_time()
+        families = monitoring.families()
+        t1 = time.thread_time()
+        data = build_metrics_data(families, resource, scope, 0, time.time_ns())
+        t2 = time.thread_time()
+        size = len(encode_metrics(data).SerializeToString())
+        t3 = time.thread_time()
+        for key, took in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            times[key].append(took)
+    parts = ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in times.items())
+    total = sum(statistics.median(v) for v in times.values())
+    return f"one OTLP metric export: {total:.3f} s ({parts}), {size / 1e6:.2f} MB"
+
+
+def scrape_costs(repeat: int = 9) -> tuple[ScrapeCost, ScrapeCost, str]:
+    """(the default scrape, the scrape with each rank's histograms, the OTLP export's
+    cost in words) at 1,024 ranks; the two scrapes alternate, so that the machine's
+    moments hit both alike."""
+    monitoring = _job_monitoring(SCRAPE_RANKS)
+    bodies: dict[int, bytes] = {}
+    times: dict[int, list[float]] = {
+        MonitorSettings().rank_histograms_max_ranks: [],
+        SCRAPE_RANKS: [],
+    }
+    for _ in range(repeat):
+        for bound, took in times.items():
+            bodies[bound], spent = _build(monitoring, bound)
+            took.append(spent)
+    default, detailed = (_cost(bodies[b], t) for b, t in times.items())
+    monitoring.settings = MonitorSettings(prometheus_port=0)
+    return default, detailed, _otlp_export_cost(monitoring, repeat)
+
+
+def _describe(cost: ScrapeCost) -> str:
+    return (
+        f"{cost.series:,} series, {cost.nbytes / 1e6:.2f} MB "
+        f"({cost.gzipped_bytes / 1e3:.0f} kB gzipped), built in {cost.build_s:.3f} s"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--ranks", type=int, default=256)
     parser.add_argument("--steps-per-s", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="0: the scrape's cost only")
     parser.add_argument("--scrape-s", type=float, default=15.0, help="Prometheus' default")
     parser.add_argument("--otlp-interval-s", type=float, default=15.0)
     parser.add_argument("--views", choices=("both", "prometheus", "otlp"), default="both")
     args = parser.parse_args()
+    default, detailed, otlp = scrape_costs()
+    scrape_ratio = default.build_s / detailed.build_s
+    print(
+        f"one scrape at {SCRAPE_RANKS:,} ranks (8 per node, 8 GPUs per node, "
+        f"{WINDOW_STEPS} steps each), median of 9, CPU time: {_describe(default)}; with each rank's "
+        f"histograms {_describe(detailed)}; ratio {scrape_ratio:.2f}"
+    )
+    print(otlp)
     spec = LoadSpec(ranks=args.ranks, steps_per_s=args.steps_per_s, seconds=args.seconds)
     logs = Path(tempfile.mkdtemp(prefix="bench-monitoring-"))
     ratios: list[float] = []
@@ -154,7 +323,13 @@ def main() -> None:
                 )
     finally:
         shutil.rmtree(logs, ignore_errors=True)
-    print(f"monitoring_cpu_ratio={statistics.median(ratios):.2f} dropped_batches={dropped_on}")
+    cpu_ratio = statistics.median(ratios) if ratios else math.nan
+    print(
+        f"monitoring_cpu_ratio={cpu_ratio:.2f} dropped_batches={dropped_on} "
+        f"scrape_series_{SCRAPE_RANKS}={default.series} "
+        f"scrape_build_s_{SCRAPE_RANKS}={default.build_s:.4f} "
+        f"scrape_build_ratio_{SCRAPE_RANKS}={scrape_ratio:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e_helpers import REPO, TRAIN, clean_env, free_port, run_cli, traceml_cmd
 
@@ -210,7 +211,9 @@ def test_live_page_names_the_straggler_then_the_folder_page_shows_the_run(
             f"http://127.0.0.1:{metrics_port}/metrics",
             'traceml_straggler_excess_seconds{phase="backward",rank="1"}',
         )
-        assert 'traceml_stragglers{verdict="straggler"} 1.0' in metrics
+        stragglers = {f.name: f for f in text_string_to_metric_families(metrics)}
+        (verdict,) = stragglers["traceml_stragglers"].samples
+        assert verdict.labels == {"verdict": "straggler"} and verdict.value == 1
         expect(page.locator("#identity")).to_contain_text("world size 2")
         expect(page.locator("#identity")).to_contain_text("strategy ddp")
         # The page changes while training runs, without a reload.

@@ -8,8 +8,9 @@ step_time.jsonl: the same steps in the same histogram buckets, the quantiles in 
 file's buckets, where the fast rank waits, the straggler named, the export's health.
 The Grafana dashboard's queries run against the same data.
 
-The docs' pieces are checked too, without a server: the Grafana dashboard names
-only metrics that exist, and the OpenTelemetry Collector configuration is one.
+The docs' pieces are checked too, without a server: every metric the Grafana
+dashboard queries is one the endpoint serves, and the OpenTelemetry Collector
+configuration is one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -26,12 +28,18 @@ import yaml
 
 from tests.e2e_helpers import REPO, clean_env, closing_line, data_lines, free_port, traceml_cmd
 from tests.receivers.prometheus_server import PrometheusServer, prometheus_server
-from traceml_ai.monitor.metrics import METRICS
+from tests.traceml_ai.monitor.test_monitor import families_of, job_state
+from traceml_ai.monitor._state import WINDOW_STEPS
+from traceml_ai.monitor.metrics import METRICS, Health, traceml_version
+from traceml_ai.monitor.prometheus import exposition
+from traceml_ai.run_summary import Straggler, StragglerView
 
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
 DASHBOARD = REPO / "docs" / "grafana" / "traceml-dashboard.json"
 COLLECTOR = REPO / "docs" / "otel-collector.yaml"
 
+RUN = 'r "one" é'
+"""The run's name: a quote and a non-ASCII letter, which its info label must carry."""
 STEPS = 200
 """About 7 s of steps at ~36 ms each (rank 1 sleeps 30 ms in forward): a dozen and
 more scrapes, and at least one pass of the live straggler analysis (every 5 s) over
@@ -123,7 +131,7 @@ def test_prometheus_scrapes_a_real_two_rank_run(tmp_path: Path) -> None:
                 "--logs-dir",
                 logs,
                 "--run-name",
-                "r",
+                RUN,
                 "--nproc-per-node",
                 "2",
                 "--master-port",
@@ -152,7 +160,7 @@ def test_prometheus_scrapes_a_real_two_rank_run(tmp_path: Path) -> None:
         why = res.stderr + "\nprometheus:\n" + prom.log_tail()
         assert res.returncode == 0, why
         assert f"traceml: prometheus: metrics at http://127.0.0.1:{port}/metrics" in res.stderr
-        _check_stored(prom, logs / "r" / "aggregator" / "export", why)
+        _check_stored(prom, logs / RUN / "aggregator" / "export", why)
 
 
 def _check_stored(prom: PrometheusServer, export: Path, why: str) -> None:
@@ -201,6 +209,26 @@ def _check_stored(prom: PrometheusServer, export: Path, why: str) -> None:
         assert stored[rank][math.inf] == taken[rank]
         total = _by_rank(_at(prom, 'traceml_step_time_seconds_sum{job="traceml"}', last))
         assert total[rank] == pytest.approx(sum(first), rel=1e-9)
+
+    # The job's histogram: every rank's steps, in the same buckets.
+    job: dict[float, float] = {
+        float(s["metric"]["le"]): float(s["value"][1])
+        for s in _at(prom, 'traceml_job_step_time_seconds_bucket{job="traceml"}', last)
+    }
+    every = [v for rank in (0, 1) for v in step_s[rank][: taken[rank]]]
+    assert [job[b] for b in bounds] == _buckets(every, bounds), why
+    assert job[math.inf] == sum(taken.values())
+
+    # Each rank's median over its recent steps: the file's median of those steps.
+    medians = _by_rank(_at(prom, 'traceml_rank_step_time_median_seconds{job="traceml"}', last))
+    for rank in (0, 1):
+        recent = step_s[rank][: taken[rank]][-WINDOW_STEPS:]
+        assert medians[rank] == pytest.approx(statistics.median(recent), rel=1e-9), rank
+
+    # The run's name and TraceML's version, on one series.
+    (info,) = _at(prom, 'traceml_run_info{job="traceml"}', last)
+    assert info["metric"]["run"] == RUN and info["metric"]["version"] == traceml_version()
+    assert float(info["value"][1]) == 1.0
 
     # Per-rank quantiles: in the bucket of the file's own quantile.
     for q in (0.5, 0.95):
@@ -285,6 +313,38 @@ def _metric_names(expr: str) -> set[str]:
     return names
 
 
+def _served_names() -> set[str]:
+    """The sample names the endpoint serves for a run with every figure: steps, memory,
+    process and system samples, a straggler named, the export's counts."""
+    state = job_state(8, per_node=4)
+    straggler = Straggler(
+        rank=1, own_work_ms=40.0, others_own_work_ms=10.0, excess_ms=30.0, excess_pct=300.0,
+        phase="forward", phase_excess_ms=30.0, phase_description="", slow_steps=3,
+        slow_share=1.0,
+    )  # fmt: skip
+    view = StragglerView(
+        definition="", basis="phase_times", ranks=8, applicable=True, verdict="straggler",
+        stragglers=(straggler,),
+    )  # fmt: skip
+    state.set_straggler(view)
+    health = Health(
+        written_records={"step_time": 1}, failed_records={"step_time": 0}, expected_ranks=8
+    )
+    text = exposition(list(families_of(state, health).values()))
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[0] != "#"}
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_served() -> None:
+    served = _served_names()
+    assert {m.name for m in METRICS} <= {n.removesuffix("_bucket") for n in served}
+    for title, exprs in _panel_queries(_dashboard()):
+        for expr in exprs:
+            queried = set(re.findall(r"\btraceml_[a-z0-9_]+", expr))
+            assert queried and queried <= served, (title, expr, queried - served)
+    templating = json.dumps(_dashboard()["templating"])
+    assert set(re.findall(r"\btraceml_[a-z0-9_]+", templating)) <= served
+
+
 def test_grafana_dashboard_names_only_known_metrics() -> None:
     dashboard = _dashboard()
     known = {m.name for m in METRICS}
@@ -303,6 +363,10 @@ def test_grafana_dashboard_names_only_known_metrics() -> None:
             used |= names
     # The panels the docs promise.
     for name in (
+        "traceml_job_step_time_seconds",
+        "traceml_job_phase_time_seconds",
+        "traceml_rank_step_time_median_seconds",
+        "traceml_run_info",
         "traceml_step_time_seconds",
         "traceml_phase_time_seconds",
         "traceml_stragglers",

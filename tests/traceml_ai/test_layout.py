@@ -75,8 +75,8 @@ def _private_owner(name: str) -> str | None:
 
 def _may_import(package: str, owner: str) -> bool:
     """A private module is private to the package that holds it and the packages
-    below it: the top-level ``_converter``, ``_environ``, ``_fork``, ``_lazy_names`` and
-    ``_queue`` serve every subpackage; ``rank._sdk`` serves ``rank`` only."""
+    below it: the top-level ``_converter``, ``_environ``, ``_fork``, ``_lazy_names``,
+    ``_loopback`` and ``_queue`` serve every subpackage; ``rank._sdk`` serves ``rank`` only."""
     return package == owner or package.startswith(owner + ".")
 
 

@@ -109,8 +109,9 @@ def start_live_dashboard(monitoring: Monitoring) -> LiveDashboard:
     why = missing_extra()
     if why is not None:
         raise SinkStartError(why.removeprefix("the dashboard "))
+    from traceml_ai._loopback import is_loopback
     from traceml_ai.dashboard._live import LiveSource
-    from traceml_ai.dashboard._server import DashboardError, Views, is_loopback, start_server
+    from traceml_ai.dashboard._server import DashboardError, Views, start_server
 
     settings = monitoring.settings
     host, port = settings.dashboard_bind_host, settings.dashboard_port
@@ -142,8 +143,9 @@ def serve_folder(
     if why is not None:
         say(f"traceml: error: {why}")
         return 1
+    from traceml_ai._loopback import is_loopback
     from traceml_ai.dashboard._files import FilesSource, check_folder
-    from traceml_ai.dashboard._server import DashboardError, Views, is_loopback, start_server
+    from traceml_ai.dashboard._server import DashboardError, Views, start_server
 
     problem = check_folder(path)
     if problem is not None:

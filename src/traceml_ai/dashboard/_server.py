@@ -7,7 +7,7 @@ package's files), ``/static/plotly.min.js`` (read at run time from the installed
 
 The socket is bound before the server starts, so a taken port is said at once (as
 :class:`DashboardError`). On a loopback address only requests naming a loopback host
-are answered (a web page elsewhere cannot read the run through DNS rebinding). The
+are answered (``traceml_ai._loopback``, the rule ``/metrics`` follows too). The
 server runs until :meth:`DashboardServer.stop`; it never touches the process's signal
 handlers, and uvicorn's own log lines are silenced (a malformed request would print
 one each, into the training terminal).
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import importlib.resources
-import ipaddress
 import logging
 import socket
 import threading
@@ -28,9 +27,10 @@ from typing import Any
 
 import orjson
 
+from traceml_ai._loopback import host_allowed, is_loopback
 from traceml_ai.dashboard._view import RunData, build_view
 
-__all__ = ["DashboardError", "DashboardServer", "Views", "is_loopback", "start_server"]
+__all__ = ["DashboardError", "DashboardServer", "Views", "start_server"]
 
 _log = logging.getLogger("traceml_ai.dashboard")
 
@@ -129,35 +129,6 @@ class _Plotly:
             return self._gz
 
 
-_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
-
-
-def _host_of(header: str) -> str:
-    if header.startswith("["):
-        return header.split("]", 1)[0] + "]"
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-
-
-def _loopback_name(host: str) -> bool:
-    host = host.lower()
-    if host in _LOOPBACK_NAMES or host.endswith(".localhost"):
-        return True
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    return False
-
-
-def is_loopback(host: str) -> bool:
-    """Whether every address ``host`` names is a loopback address."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-
 def _app(views: Views, loopback_only: bool) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -174,9 +145,7 @@ def _app(views: Views, loopback_only: bool) -> Any:
     page = _static("index.html")
 
     def guard(request: Request) -> Response | None:
-        if not loopback_only:
-            return None
-        if _loopback_name(_host_of(request.headers.get("host", ""))):
+        if host_allowed(request.headers.get("host"), loopback_only=loopback_only):
             return None
         return PlainTextResponse(
             "traceml dashboard: this page answers only requests to a loopback address "

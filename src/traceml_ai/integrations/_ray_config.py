@@ -33,6 +33,7 @@ from traceml_ai.settings import (
     OTLP_TRACE_SAMPLE,
     PROMETHEUS_BIND_HOST,
     PROMETHEUS_PORT,
+    RANK_HISTOGRAMS_MAX_RANKS,
     RAY_CONFIG_SOURCE,
     RUN_NAME,
     ExportSettings,
@@ -154,9 +155,10 @@ class TraceMLRayConfig:
     - ``port``: the aggregator's TCP port; ``0`` picks a free one.
     - ``stop_timeout_sec``: after training, how long to wait for the workers' last
       telemetry, and then how long the export may take to drain.
-    - ``prometheus_port``, ``prometheus_bind_host``, ``otlp``, ``otlp_trace_sample``:
-      the live views, as ``traceml run``'s flags of the same names (docs/monitoring.md);
-      the aggregator actor serves ``/metrics`` on the driver's node.
+    - ``prometheus_port``, ``prometheus_bind_host``, ``rank_histograms_max_ranks``,
+      ``otlp``, ``otlp_trace_sample``: the live views, as ``traceml run``'s flags of the
+      same names (docs/monitoring.md); the aggregator actor serves ``/metrics`` on the
+      driver's node.
     - ``dashboard_port`` (``--dashboard-port``'s default; 0 picks a free one),
       ``dashboard_bind_host`` (``127.0.0.1``): where the aggregator actor serves the live dashboard with
       ``mode="dashboard"``, on the driver's node (docs/dashboard.md); the driver prints
@@ -193,6 +195,7 @@ class TraceMLRayConfig:
     # The live views (docs/monitoring.md), served by the aggregator actor.
     prometheus_port: int | None = ray_field(PROMETHEUS_PORT)
     prometheus_bind_host: str = ray_field(PROMETHEUS_BIND_HOST)
+    rank_histograms_max_ranks: int = ray_field(RANK_HISTOGRAMS_MAX_RANKS)
     otlp: bool = ray_field(OTLP)
     otlp_trace_sample: int = ray_field(OTLP_TRACE_SAMPLE)
     dashboard_port: int = ray_field(DASHBOARD_PORT)
@@ -268,6 +271,7 @@ class TraceMLRayConfig:
         return MonitorSettings(
             prometheus_port=self.prometheus_port,
             prometheus_bind_host=self.prometheus_bind_host,
+            rank_histograms_max_ranks=self.rank_histograms_max_ranks,
             otlp=self.otlp,
             otlp_trace_sample=self.otlp_trace_sample,
             dashboard=self.mode == "dashboard",

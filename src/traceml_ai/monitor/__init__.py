@@ -6,9 +6,9 @@ rest of ``traceml_ai`` (the aggregator that starts monitoring, the dashboard tha
 serves it); they load on first use (PEP 562), with the state, its feed and the
 service. A sink is handed to :func:`start_monitoring` by its caller as a factory
 (:data:`SinkFactory`) that imports its libraries only when called: this package's
-own, :func:`prometheus_sink` and :func:`otlp_sink`, and the dashboard's
-(``traceml_ai.dashboard.start_live_dashboard``). A default install never imports
-prometheus_client, opentelemetry or the web server.
+own, :func:`prometheus_sink` (the standard library's HTTP server) and
+:func:`otlp_sink`, and the dashboard's (``traceml_ai.dashboard.start_live_dashboard``).
+A default install never imports opentelemetry or the web server.
 """
 
 from __future__ import annotations

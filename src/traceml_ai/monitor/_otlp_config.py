@@ -1,12 +1,15 @@
 """The OTLP sink's configuration, from the standard ``OTEL_*`` variables only: which
 signals are on, the metric interval, HTTP or gRPC per signal, the SDK's exporters as
 those variables configure them, and the header variables the SDK would ignore in part.
-A bad value is a :class:`~traceml_ai.monitor.SinkStartError` (one line)."""
+A bad value is a :class:`~traceml_ai.monitor.SinkStartError` (one line), said when the
+run starts rather than at the first export."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -18,6 +21,7 @@ from traceml_ai.monitor._service import SinkStartError
 __all__ = [
     "DEFAULT_METRIC_INTERVAL_MS",
     "endpoint_of",
+    "endpoint_problem",
     "header_problems",
     "make_metric_exporter",
     "make_span_exporter",
@@ -45,6 +49,46 @@ def _protocol(signal: str) -> str:
             )
         return value
     return "http/protobuf"
+
+
+_GRPC_TARGET = re.compile(r"(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}")
+"""``host:port``, which the SDK's gRPC exporters take as well as a URL."""
+
+
+def endpoint_problem(value: str, *, grpc: bool) -> str | None:
+    """What is wrong with an ``OTEL_EXPORTER_OTLP_*ENDPOINT`` value, or None.
+
+    The SDK takes any text and fails only when it exports (an HTTP library's error on
+    every attempt, or a gRPC channel that never connects): a mistyped endpoint would
+    show as export failures, far from its cause."""
+    expected = "http://HOST:PORT or https://HOST:PORT" + (" (or HOST:PORT)" if grpc else "")
+    if grpc and _GRPC_TARGET.fullmatch(value):
+        return None
+    try:
+        parts = urllib.parse.urlsplit(value)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        return f"is not a URL (expected {expected})"
+    if parts.scheme.lower() not in ("http", "https") or value != value.strip():
+        return f"is not a URL (expected {expected})"
+    if not parts.hostname:
+        return f"has no host (expected {expected})"
+    if not port_ok:
+        return f"has no valid port (expected {expected})"
+    return None
+
+
+def _check_endpoint(signal: str, protocol: str) -> None:
+    """The endpoint variable the SDK reads for ``signal`` (the signal's own, else the
+    base one; an empty one counts as unset, as the SDK does) must be a URL."""
+    for var in (f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        raw = os.environ.get(var)
+        if not raw:
+            continue
+        problem = endpoint_problem(raw, grpc=protocol == "grpc")
+        if problem is not None:
+            raise SinkStartError(f"{var}={raw[:200]!r} {problem}")
+        return
 
 
 def signal_on(signal: str) -> bool:
@@ -76,7 +120,9 @@ def _grpc_missing(signal: str) -> SinkStartError:
 
 
 def make_span_exporter() -> SpanExporter:
-    if _protocol("TRACES") == "grpc":
+    protocol = _protocol("TRACES")
+    _check_endpoint("TRACES", protocol)
+    if protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
                 OTLPSpanExporter as GrpcSpanExporter,
@@ -90,7 +136,9 @@ def make_span_exporter() -> SpanExporter:
 
 
 def make_metric_exporter() -> MetricExporter:
-    if _protocol("METRICS") == "grpc":
+    protocol = _protocol("METRICS")
+    _check_endpoint("METRICS", protocol)
+    if protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
                 OTLPMetricExporter as GrpcMetricExporter,

@@ -2,7 +2,7 @@
 
 :func:`start_monitoring` starts the sinks its caller hands it, by name: each a
 :data:`SinkFactory` that imports its libraries only when called, so that a default
-install never imports prometheus_client, opentelemetry or the web server. This
+install never imports opentelemetry or the web server. This
 package offers its own two (:func:`prometheus_sink`, :func:`otlp_sink`); the
 aggregator adds the dashboard's and chooses from what
 :class:`~traceml_ai.settings.MonitorSettings` asks for. A sink that cannot start (its
@@ -26,7 +26,7 @@ import attrs
 
 from traceml_ai.monitor._feed import LiveFeed
 from traceml_ai.monitor._state import LiveState, StepSeen
-from traceml_ai.monitor.metrics import Health
+from traceml_ai.monitor.metrics import Family, Health, collect
 from traceml_ai.settings import MonitorSettings
 from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import MonitoringLoss
@@ -99,9 +99,9 @@ def extra_required(extra: str) -> Iterator[None]:
 
 
 def prometheus_sink(monitoring: Monitoring) -> LiveSink:
-    """The ``/metrics`` endpoint (the ``prometheus`` extra, imported only here)."""
-    with extra_required("prometheus"):
-        from traceml_ai.monitor.prometheus import start_prometheus
+    """The ``/metrics`` endpoint (the standard library's HTTP server; no extra)."""
+    from traceml_ai.monitor.prometheus import start_prometheus
+
     return start_prometheus(monitoring)
 
 
@@ -147,6 +147,15 @@ class Monitoring:
             except Exception:
                 base = Health()
         return attrs.evolve(base, live_dropped_batches=self.feed.dropped_batches)
+
+    def families(self) -> list[Family]:
+        """Every metric's series now, as both Prometheus and OTLP serve them."""
+        return collect(
+            self.state,
+            self.health(),
+            run_name=self.run.run_name,
+            rank_histograms_max_ranks=self.settings.rank_histograms_max_ranks,
+        )
 
     def submit(self, batch: ReceivedBatch) -> None:
         """Hand a received batch to the live views; never blocks, never raises."""

@@ -41,6 +41,8 @@ __all__ = [
     "WINDOW_STEPS",
     "Histogram",
     "LiveState",
+    "MetricFigures",
+    "RankFigures",
     "RankLive",
     "StepSeen",
 ]
@@ -84,6 +86,14 @@ def _number(value: object) -> float | None:
     return None
 
 
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    values.sort()
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2.0
+
+
 def _count(value: object) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
@@ -108,6 +118,15 @@ class Histogram:
 
     def copy(self) -> Histogram:
         return Histogram(self.bounds, list(self.counts), self.total, self.n)
+
+    @classmethod
+    def merged(cls, bounds: tuple[float, ...], hists: Sequence[Histogram]) -> Histogram:
+        """One histogram holding every observation of ``hists`` (all with ``bounds``)."""
+        if not hists:
+            return cls.empty(bounds)
+        # zip(*...) adds bucket by bucket in C, not one Python step per rank and bucket.
+        counts = [sum(bucket) for bucket in zip(*(h.counts for h in hists), strict=True)]
+        return cls(bounds, counts, sum(h.total for h in hists), sum(h.n for h in hists))
 
 
 class StepSeen(NamedTuple):
@@ -136,6 +155,8 @@ class RankLive:
     step_hist: Histogram = attrs.field(factory=lambda: Histogram.empty(STEP_BUCKETS_S))
     phase_hist: dict[str, Histogram] = attrs.field(factory=dict)
     recent: deque[StepSeen] = attrs.field(factory=lambda: deque(maxlen=WINDOW_STEPS))
+    recent_ms: deque[float] = attrs.field(factory=lambda: deque(maxlen=WINDOW_STEPS))
+    """The step times of ``recent``, alone: a scrape's medians copy floats, not steps."""
     peak_memory: dict[str, tuple[float | None, float | None]] = attrs.field(factory=dict)
     """device -> (peak allocated, peak reserved) bytes of the last step that reported it."""
     process: dict[str, float] = attrs.field(factory=dict)
@@ -144,6 +165,39 @@ class RankLive:
     """step -> its wait keys (``run_summary._phases.add_wait``), the recent steps only."""
     waits_unmeasured: bool = False
     """A collectives line of this rank had no measured wait (NCCL without timing)."""
+
+
+class RankFigures(NamedTuple):
+    """One rank's figures as the metrics read them (copies, taken under the lock)."""
+
+    rank: int
+    node: int
+    steps: int
+    last_step: int
+    last_end_ns: int
+    recent_median_ms: float | None
+    """The median time of the rank's recent steps (at most ``WINDOW_STEPS``)."""
+    peak_memory: dict[str, tuple[float | None, float | None]]
+    process: dict[str, float]
+    step_hist: Histogram | None
+    """The rank's own histograms: None unless ``MetricFigures.rank_histograms``."""
+    phase_hist: dict[str, Histogram] | None
+
+
+@attrs.frozen
+class MetricFigures:
+    """What the metrics read from the state at one scrape or export."""
+
+    ranks: list[RankFigures]
+    rank_count: int
+    """The run's ranks: the world size the ranks report, or the ranks heard from if more."""
+    rank_histograms: bool
+    """Whether each rank's own histograms are included (``rank_count`` is at most the
+    bound the caller gave)."""
+    job_step: Histogram
+    """Every rank's step times in one histogram."""
+    job_phases: dict[str, Histogram]
+    """Every rank's times of each phase, one histogram per phase (sorted by name)."""
 
 
 @attrs.define(slots=True)
@@ -278,6 +332,7 @@ class LiveState:
             hist.observe(ms / 1000.0)
         seen = StepSeen(live.rank, live.node, step, end_ns, step_ms, phases)
         live.recent.append(seen)
+        live.recent_ms.append(step_ms)
         return seen
 
     def add_memory(self, identity: Mapping[str, Any], items: Iterable[Any]) -> None:
@@ -433,6 +488,41 @@ class LiveState:
                 )
                 for _, r in sorted(self._ranks.items())
             ]
+
+    def metric_figures(self, rank_histograms_max_ranks: int) -> MetricFigures:
+        """The figures the metrics serve: each rank's gauges, the job's histograms, and
+        each rank's own histograms while the run has at most
+        ``rank_histograms_max_ranks`` ranks. Only copies are made under the lock."""
+        with self._lock:
+            live = [r for _, r in sorted(self._ranks.items())]
+            rank_count = max(self.world_size or 0, len(live))
+            detail = rank_count <= rank_histograms_max_ranks
+            job_step = Histogram.merged(STEP_BUCKETS_S, [r.step_hist for r in live])
+            by_phase: dict[str, list[Histogram]] = {}
+            for r in live:
+                for label, hist in r.phase_hist.items():
+                    by_phase.setdefault(label, []).append(hist)
+            job_phases = {
+                label: Histogram.merged(PHASE_BUCKETS_S, hists)
+                for label, hists in sorted(by_phase.items())
+            }
+            copied = [
+                (
+                    (r.rank, r.node, r.steps, r.last_step, r.last_end_ns),
+                    list(r.recent_ms),
+                    dict(r.peak_memory),
+                    r.process,  # replaced whole by add_process, never changed in place
+                    r.step_hist.copy() if detail else None,
+                    {k: h.copy() for k, h in r.phase_hist.items()} if detail else None,
+                )
+                for r in live
+            ]
+        # The medians outside the lock: the feed thread waits only for the copies.
+        ranks = [
+            RankFigures(*counts, _median(recent), memory, process, step_hist, phases)
+            for counts, recent, memory, process, step_hist, phases in copied
+        ]
+        return MetricFigures(ranks, rank_count, detail, job_step, job_phases)
 
     def nodes(self) -> list[NodeLive]:
         """A copy of every node's latest system sample."""

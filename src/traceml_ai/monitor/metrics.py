@@ -4,8 +4,9 @@
 Prometheus name, kind, unit, labels and meaning. :func:`collect` reads a
 :class:`~traceml_ai.monitor._state.LiveState` and the aggregator's own health into
 :class:`Family` values, which the Prometheus endpoint writes as its exposition and
-the OTLP exporter as OTLP data points; ``docs/monitoring.md``'s metric table is
-:func:`metrics_table_markdown` (a test keeps the page in step).
+the OTLP exporter as OTLP data points; ``docs/monitoring.md``'s metric and series
+tables are :func:`metrics_table_markdown` and :func:`series_table_markdown` (a test
+keeps the page in step).
 
 Names follow Prometheus' conventions: base units (seconds, bytes, ratios), counters
 end in ``_total``. OTLP takes the same name without ``_total`` (:func:`otlp_name`),
@@ -13,16 +14,19 @@ with the unit in the data (UCUM: ``s``, ``By``, ``1`` for ratios, ``{step}``-sty
 annotations for counts, which OTLP-to-Prometheus translation leaves out of the name),
 so that a backend that converts OTLP to Prometheus names arrives at the same series.
 
-Label cardinality is linear in ranks and nodes and otherwise bounded: phases are the
-five built-in ones plus at most ``MAX_USER_PHASES`` user names (the rest are
-``other``), devices at most 16 per rank, GPUs at most 64 per node. At 1,024 ranks the
-endpoint serves about :func:`series_estimate` series.
+Series are bounded for large jobs: the step and phase histograms are the job's (every
+rank's steps in one), each rank has a handful of gauges (its median step time among
+them), and each rank's own histograms (:data:`RANK_HISTOGRAMS`, most of the series:
+one per rank and phase) are served only while the run has at most
+``rank_histograms_max_ranks`` ranks. Phases are the five built-in ones plus at most
+``MAX_USER_PHASES`` user names (the rest are ``other``), devices at most 16 per rank,
+GPUs at most 64 per node. :func:`series_estimate` gives the count for a run's shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import attrs
 
@@ -30,6 +34,7 @@ from traceml_ai.monitor._state import (
     MAX_USER_PHASES,
     PHASE_BUCKETS_S,
     STEP_BUCKETS_S,
+    WINDOW_STEPS,
     Histogram,
     LiveState,
 )
@@ -37,6 +42,7 @@ from traceml_ai.run_summary import BUILT_IN_PHASES, StragglerView
 
 __all__ = [
     "METRICS",
+    "RANK_HISTOGRAMS",
     "Family",
     "Health",
     "MetricDef",
@@ -45,6 +51,8 @@ __all__ = [
     "metrics_table_markdown",
     "otlp_name",
     "series_estimate",
+    "series_table_markdown",
+    "traceml_version",
 ]
 
 Kind = Literal["counter", "gauge", "histogram"]
@@ -69,14 +77,37 @@ def _m(
     return MetricDef(name, kind, unit, labels, help, source)
 
 
+_PHASES_HELP = (
+    "dataloader_wait, h2d, forward, backward, optimizer, "
+    f"user:NAME (at most {MAX_USER_PHASES} names per run; later ones count as other)"
+)
+_RANK_DETAIL = "Served while the run has at most --rank-histograms-max-ranks ranks."
+
+RUN_INFO = _m(
+    "traceml_run_info", "gauge", "1", ("run", "version"),
+    "Always 1: the run's name (its folder) and TraceML's version, as labels.", "aggregator",
+)  # fmt: skip
+JOB_STEP_TIME = _m(
+    "traceml_job_step_time_seconds", "histogram", "s", (),
+    "Duration of each traced step, every rank's steps in one histogram.", "step_time",
+)  # fmt: skip
+JOB_PHASE_TIME = _m(
+    "traceml_job_phase_time_seconds", "histogram", "s", ("phase",),
+    f"Time of each phase in each step, every rank's steps in one histogram per phase: "
+    f"{_PHASES_HELP}.",
+    "step_time",
+)  # fmt: skip
+RANK_STEP_TIME = _m(
+    "traceml_rank_step_time_median_seconds", "gauge", "s", ("rank", "node"),
+    f"Median duration of the rank's recent steps (its last {WINDOW_STEPS}).", "step_time",
+)  # fmt: skip
 STEP_TIME = _m(
     "traceml_step_time_seconds", "histogram", "s", ("rank", "node"),
-    "Duration of each traced step (the whole step).", "step_time",
+    f"Duration of each traced step of the rank (the whole step). {_RANK_DETAIL}", "step_time",
 )  # fmt: skip
 PHASE_TIME = _m(
     "traceml_phase_time_seconds", "histogram", "s", ("rank", "phase"),
-    "Time of each phase in each step: dataloader_wait, h2d, forward, backward, optimizer, "
-    f"user:NAME (at most {MAX_USER_PHASES} names per run; later ones count as other).",
+    f"Time of each phase in each step of the rank: {_PHASES_HELP}. {_RANK_DETAIL}",
     "step_time",
 )  # fmt: skip
 STEPS = _m("traceml_steps_total", "counter", "{step}", ("rank",), "Steps received.", "step_time")
@@ -164,7 +195,8 @@ LIVE_DROPPED = _m(
 )  # fmt: skip
 
 METRICS: tuple[MetricDef, ...] = (
-    STEP_TIME, PHASE_TIME, STEPS, LAST_STEP, LAST_STEP_TIME, PEAK_ALLOCATED, PEAK_RESERVED,
+    RUN_INFO, JOB_STEP_TIME, JOB_PHASE_TIME, RANK_STEP_TIME, STEP_TIME, PHASE_TIME,
+    STEPS, LAST_STEP, LAST_STEP_TIME, PEAK_ALLOCATED, PEAK_RESERVED,
     PROCESS_CPU, PROCESS_RSS, PROCESS_GPU_USED, PROCESS_GPU_RESERVED,
     SYSTEM_CPU, SYSTEM_RAM_USED, SYSTEM_RAM_TOTAL,
     GPU_UTIL, GPU_MEM_USED, GPU_MEM_TOTAL, GPU_TEMP, GPU_POWER, GPU_POWER_LIMIT,
@@ -174,11 +206,29 @@ METRICS: tuple[MetricDef, ...] = (
 )  # fmt: skip
 """Every metric, in the order of the docs' table."""
 
+RANK_HISTOGRAMS: tuple[MetricDef, ...] = (STEP_TIME, PHASE_TIME)
+"""Each rank's own histograms: served only while the run has at most
+``rank_histograms_max_ranks`` ranks (most of the series otherwise)."""
+
 BUCKETS: Mapping[str, tuple[float, ...]] = {
+    JOB_STEP_TIME.name: STEP_BUCKETS_S,
+    JOB_PHASE_TIME.name: PHASE_BUCKETS_S,
     STEP_TIME.name: STEP_BUCKETS_S,
     PHASE_TIME.name: PHASE_BUCKETS_S,
 }
 """Histogram bucket upper bounds (seconds; +Inf after the last)."""
+
+# Series of one rank, one device of a rank and one node, by what they are per (what
+# series_estimate counts; the histograms are counted from their buckets).
+_PER_RANK: tuple[MetricDef, ...] = (
+    RANK_STEP_TIME, STEPS, LAST_STEP, LAST_STEP_TIME,
+    PROCESS_CPU, PROCESS_RSS, PROCESS_GPU_USED, PROCESS_GPU_RESERVED,
+)  # fmt: skip
+_PER_DEVICE: tuple[MetricDef, ...] = (PEAK_ALLOCATED, PEAK_RESERVED)
+_PER_NODE: tuple[MetricDef, ...] = (SYSTEM_CPU, SYSTEM_RAM_USED, SYSTEM_RAM_TOTAL)
+_PER_GPU: tuple[MetricDef, ...] = (
+    GPU_UTIL, GPU_MEM_USED, GPU_MEM_TOTAL, GPU_TEMP, GPU_POWER, GPU_POWER_LIMIT,
+)  # fmt: skip
 
 
 @attrs.frozen
@@ -196,9 +246,10 @@ class Health:
     live_dropped_batches: int = 0
 
 
-@attrs.frozen
-class Sample:
-    """One series' value: ``value`` for counters and gauges, ``histogram`` for histograms."""
+class Sample(NamedTuple):
+    """One series' value: ``value`` for counters and gauges, ``histogram`` for histograms.
+
+    A named tuple: a scrape of a large run makes tens of thousands."""
 
     labels: tuple[str, ...]
     value: float = 0.0
@@ -218,57 +269,94 @@ def otlp_name(metric: MetricDef) -> str:
     return metric.name.removesuffix("_total")
 
 
-def collect(state: LiveState, health: Health) -> list[Family]:
-    """Every metric's series now, in :data:`METRICS` order (empty families included)."""
+def traceml_version() -> str:
+    """TraceML's version (``traceml_ai.__version__``: one source for every view)."""
+    import traceml_ai
+
+    return str(traceml_ai.__version__)
+
+
+def collect(
+    state: LiveState, health: Health, *, run_name: str, rank_histograms_max_ranks: int
+) -> list[Family]:
+    """Every metric's series now, in :data:`METRICS` order (empty families included);
+    :data:`RANK_HISTOGRAMS` only while the run has at most ``rank_histograms_max_ranks``
+    ranks."""
     out: dict[str, list[Sample]] = {m.name: [] for m in METRICS}
 
     def add(metric: MetricDef, labels: tuple[str, ...], value: float) -> None:
         out[metric.name].append(Sample(labels, value))
 
-    for r in state.ranks():
-        rank = str(r.rank)
-        out[STEP_TIME.name].append(Sample((rank, str(r.node)), histogram=r.step_hist))
-        for phase, hist in sorted(r.phase_hist.items()):
-            out[PHASE_TIME.name].append(Sample((rank, phase), histogram=hist))
-        add(STEPS, (rank,), r.steps)
-        if r.steps:
-            add(LAST_STEP, (rank,), r.last_step)
-            add(LAST_STEP_TIME, (rank,), r.last_end_ns / 1e9)
-        for device, (allocated, reserved) in sorted(r.peak_memory.items()):
-            if allocated is not None:
-                add(PEAK_ALLOCATED, (rank, device), allocated)
-            if reserved is not None:
-                add(PEAK_RESERVED, (rank, device), reserved)
-        p = r.process
+    add(RUN_INFO, (run_name, traceml_version()), 1)
+    figures = state.metric_figures(rank_histograms_max_ranks)
+    out[JOB_STEP_TIME.name].append(Sample((), histogram=figures.job_step))
+    for phase, hist in figures.job_phases.items():
+        out[JOB_PHASE_TIME.name].append(Sample((phase,), histogram=hist))
+    rank_step = out[RANK_STEP_TIME.name]
+    steps, last_step, last_time = out[STEPS.name], out[LAST_STEP.name], out[LAST_STEP_TIME.name]
+    step_hists, phase_hists = out[STEP_TIME.name], out[PHASE_TIME.name]
+    peak_allocated, peak_reserved = out[PEAK_ALLOCATED.name], out[PEAK_RESERVED.name]
+    process = [
+        (out[metric.name], key, scale)
         for metric, key, scale in (
             (PROCESS_CPU, "cpu_percent", 0.01),
             (PROCESS_RSS, "ram_used_bytes", 1.0),
             (PROCESS_GPU_USED, "gpu_memory_used_bytes", 1.0),
             (PROCESS_GPU_RESERVED, "gpu_memory_reserved_bytes", 1.0),
-        ):
+        )
+    ]
+    for r in figures.ranks:
+        rank = str(r.rank)
+        by_rank, rank_node = (rank,), (rank, str(r.node))
+        if r.step_hist is not None:
+            step_hists.append(Sample(rank_node, histogram=r.step_hist))
+        if r.phase_hist is not None:
+            for phase, hist in sorted(r.phase_hist.items()):
+                phase_hists.append(Sample((rank, phase), histogram=hist))
+        if r.recent_median_ms is not None:
+            rank_step.append(Sample(rank_node, r.recent_median_ms / 1000.0))
+        steps.append(Sample(by_rank, r.steps))
+        if r.steps:
+            last_step.append(Sample(by_rank, r.last_step))
+            last_time.append(Sample(by_rank, r.last_end_ns / 1e9))
+        for device, (allocated, reserved) in sorted(r.peak_memory.items()):
+            if allocated is not None:
+                peak_allocated.append(Sample((rank, device), allocated))
+            if reserved is not None:
+                peak_reserved.append(Sample((rank, device), reserved))
+        p = r.process
+        for samples, key, scale in process:
             if key in p:
-                add(metric, (rank,), p[key] * scale)
-    for n in state.nodes():
-        node = str(n.node)
+                samples.append(Sample(by_rank, p[key] * scale))
+    system = [
+        (out[metric.name], key, scale)
         for metric, key, scale in (
             (SYSTEM_CPU, "cpu_percent", 0.01),
             (SYSTEM_RAM_USED, "ram_used_bytes", 1.0),
             (SYSTEM_RAM_TOTAL, "ram_total_bytes", 1.0),
-        ):
+        )
+    ]
+    gpus = [
+        (out[metric.name], key, scale)
+        for metric, key, scale in (
+            (GPU_UTIL, "utilization_percent", 0.01),
+            (GPU_MEM_USED, "memory_used_bytes", 1.0),
+            (GPU_MEM_TOTAL, "memory_total_bytes", 1.0),
+            (GPU_TEMP, "temperature_c", 1.0),
+            (GPU_POWER, "power_usage_w", 1.0),
+            (GPU_POWER_LIMIT, "power_limit_w", 1.0),
+        )
+    ]
+    for n in state.nodes():
+        node = (str(n.node),)
+        for samples, key, scale in system:
             if key in n.system:
-                add(metric, (node,), n.system[key] * scale)
+                samples.append(Sample(node, n.system[key] * scale))
         for index, gpu in sorted(n.gpus.items()):
-            labels = (node, str(index))
-            for metric, key, scale in (
-                (GPU_UTIL, "utilization_percent", 0.01),
-                (GPU_MEM_USED, "memory_used_bytes", 1.0),
-                (GPU_MEM_TOTAL, "memory_total_bytes", 1.0),
-                (GPU_TEMP, "temperature_c", 1.0),
-                (GPU_POWER, "power_usage_w", 1.0),
-                (GPU_POWER_LIMIT, "power_limit_w", 1.0),
-            ):
+            labels = (node[0], str(index))
+            for samples, key, scale in gpus:
                 if key in gpu:
-                    add(metric, labels, gpu[key] * scale)
+                    samples.append(Sample(labels, gpu[key] * scale))
     view = state.straggler
     verdict, named = _straggler_figures(view)
     add(STRAGGLERS, (verdict,), len(named))
@@ -296,13 +384,57 @@ def _straggler_figures(view: StragglerView | None) -> tuple[str, list[tuple[int,
     return view.verdict, [(s.rank, s.phase, s.excess_ms) for s in view.stragglers]
 
 
-def series_estimate(ranks: int, nodes: int, user_phases: int = 0, gpus_per_node: int = 0) -> int:
-    """Series the endpoint serves for a run of this shape (one device per rank)."""
-    step = len(STEP_BUCKETS_S) + 3  # buckets, +Inf, _sum, _count
-    phase = (len(PHASE_BUCKETS_S) + 3) * (len(BUILT_IN_PHASES) + user_phases)
-    per_rank = step + phase + 3 + 2 + 4  # steps, last step, its time; memory; process
-    per_node = 3 + 6 * gpus_per_node
-    return ranks * per_rank + nodes * per_node + 20
+def _histogram_series(bounds: tuple[float, ...]) -> int:
+    return len(bounds) + 3  # the buckets, +Inf, _sum and _count
+
+
+def series_estimate(
+    ranks: int,
+    nodes: int,
+    user_phases: int = 0,
+    gpus_per_node: int = 0,
+    *,
+    rank_histograms: bool = False,
+) -> int:
+    """Series the endpoint serves for a run of this shape (one device per rank, no
+    straggler named, every stream exported); ``rank_histograms``: each rank's own
+    histograms included."""
+    phases = len(BUILT_IN_PHASES) + user_phases
+    step, phase = _histogram_series(STEP_BUCKETS_S), _histogram_series(PHASE_BUCKETS_S)
+    per_rank = len(_PER_RANK) + len(_PER_DEVICE)
+    if rank_histograms:
+        per_rank += step + phase * phases
+    per_node = len(_PER_NODE) + len(_PER_GPU) * gpus_per_node
+    job_histograms = step + phase * phases  # JOB_STEP_TIME, JOB_PHASE_TIME
+    # The rest: one series each (STRAGGLERS its one verdict, the export's one stream).
+    counted = {*_PER_RANK, *_PER_DEVICE, *_PER_NODE, *_PER_GPU, *RANK_HISTOGRAMS}
+    counted |= {JOB_STEP_TIME, JOB_PHASE_TIME, STRAGGLER_EXCESS}  # (none named here)
+    per_job = sum(1 for m in METRICS if m not in counted)
+    return ranks * per_rank + nodes * per_node + job_histograms + per_job
+
+
+SERIES_SHAPES: tuple[tuple[str, int, int, int, int], ...] = (
+    ("8 ranks, 1 node, 8 GPUs", 8, 1, 0, 8),
+    ("64 ranks, 8 nodes, 8 GPUs each", 64, 8, 0, 8),
+    ("1,024 ranks, 128 nodes", 1024, 128, 0, 0),
+    ("1,024 ranks, 128 nodes, 8 GPUs each", 1024, 128, 0, 8),
+    ("1,024 ranks, 128 nodes, 8 GPUs each, 8 user phases", 1024, 128, 8, 8),
+)
+"""The run shapes of the docs' series table: (words, ranks, nodes, user phases, GPUs
+per node)."""
+
+
+def series_table_markdown() -> str:
+    """The series table of docs/monitoring.md, from :func:`series_estimate`."""
+    rows = [
+        "| run | series | with each rank's histograms |",
+        "|---|---|---|",
+    ]
+    for words, ranks, nodes, user_phases, gpus in SERIES_SHAPES:
+        bounded = series_estimate(ranks, nodes, user_phases, gpus)
+        detailed = series_estimate(ranks, nodes, user_phases, gpus, rank_histograms=True)
+        rows.append(f"| {words} | {bounded:,} | {detailed:,} |")
+    return "\n".join(rows) + "\n"
 
 
 def metrics_table_markdown(metrics: Sequence[MetricDef] = METRICS) -> str:

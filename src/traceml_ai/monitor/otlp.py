@@ -64,7 +64,7 @@ from traceml_ai.monitor._otlp_traces import (
 )
 from traceml_ai.monitor._service import SinkStartError
 from traceml_ai.monitor._state import StepSeen
-from traceml_ai.monitor.metrics import collect
+from traceml_ai.monitor.metrics import traceml_version
 
 if TYPE_CHECKING:
     from traceml_ai.monitor._service import Monitoring
@@ -121,7 +121,7 @@ class OtlpSink:
             "host.name": run.host,
         }
         self._resource_for: tuple[int | None, Resource] | None = None
-        self._scope = InstrumentationScope(_SCOPE_NAME, _traceml_version())
+        self._scope = InstrumentationScope(_SCOPE_NAME, traceml_version())
         self._builder = SpanBuilder(self._scope)
         self._start_ns = int(monitoring.state.started_unix_s * 1e9)
 
@@ -324,7 +324,7 @@ class OtlpSink:
         assert exporter is not None
         monitoring = self._monitoring
         data = build_metrics_data(
-            collect(monitoring.state, monitoring.health()),
+            monitoring.families(),
             self._resource(),
             self._scope,
             self._start_ns,
@@ -369,15 +369,6 @@ class OtlpSink:
             f"traceml: otlp: export to {where} failed ({reason}); training and the files "
             "go on, and what the live export loses is counted in aggregator/stats.json"
         )
-
-
-def _traceml_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("traceml-ai")
-    except Exception:
-        return "unknown"
 
 
 def start_otlp(monitoring: Monitoring) -> OtlpSink:

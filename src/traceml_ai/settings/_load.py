@@ -33,6 +33,7 @@ from traceml_ai.settings._table import (
     OTLP_TRACE_SAMPLE,
     PROMETHEUS_BIND_HOST,
     PROMETHEUS_PORT,
+    RANK_HISTOGRAMS_MAX_RANKS,
     RUN_NAME,
     RUN_TORCHRUN_OPTIONS,
     SETTINGS,
@@ -306,6 +307,9 @@ def resolve_launch_settings(
         monitor=MonitorSettings(
             prometheus_port=get(PROMETHEUS_PORT),
             prometheus_bind_host=_given(get(PROMETHEUS_BIND_HOST), PROMETHEUS_BIND_HOST),
+            rank_histograms_max_ranks=_given(
+                get(RANK_HISTOGRAMS_MAX_RANKS), RANK_HISTOGRAMS_MAX_RANKS
+            ),
             otlp=_given(get(OTLP), OTLP),
             otlp_trace_sample=_given(get(OTLP_TRACE_SAMPLE), OTLP_TRACE_SAMPLE),
             dashboard=_given(get(DASHBOARD), DASHBOARD),

@@ -128,6 +128,11 @@ def parse_count(text: str) -> int:
     return _parse_int(text, 1, None, "a whole number of at least 1")
 
 
+def parse_bound(text: str) -> int:
+    """A whole number of at least 0 (a bound where 0 means none)."""
+    return _parse_int(text, 0, None, "a whole number of at least 0")
+
+
 def parse_host(text: str) -> str:
     """A host name or an IP address (trimmed; no space inside)."""
     value = text.strip()

@@ -22,6 +22,7 @@ from traceml_ai.settings._parse import (
     Command,
     ExportStreams,
     parse_bool_value,
+    parse_bound,
     parse_count,
     parse_exporter_value,
     parse_folder,
@@ -264,7 +265,7 @@ PROMETHEUS_PORT: Setting[int] = Setting(
     default_doc="off",
     expected=PORT_FORMS,
     help="Serve Prometheus metrics at http://HOST:PORT/metrics from the aggregator "
-    "(needs the 'prometheus' extra; 0 picks a free port).",
+    "(0 picks a free port).",
     metavar="PORT",
     commands=_BOTH,
     kind=int,
@@ -280,6 +281,19 @@ PROMETHEUS_BIND_HOST: Setting[str] = Setting(
     commands=_BOTH,
     kind=str,
     ray="prometheus_bind_host",
+)
+RANK_HISTOGRAMS_MAX_RANKS: Setting[int] = Setting(
+    name="rank_histograms_max_ranks",
+    parse=parse_bound,
+    default=64,
+    expected="a whole number of at least 0",
+    help="Serve each rank's own step and phase histograms (Prometheus and OTLP) while the "
+    "run has at most N ranks; above it, the job's histograms and per-rank gauges only "
+    "(0: never).",
+    metavar="N",
+    commands=_BOTH,
+    kind=int,
+    ray="rank_histograms_max_ranks",
 )
 OTLP: Setting[bool] = Setting(
     name="otlp",
@@ -354,6 +368,7 @@ SETTINGS: tuple[Setting[object], ...] = (
     NPROC_PER_NODE,
     PROMETHEUS_PORT,
     PROMETHEUS_BIND_HOST,
+    RANK_HISTOGRAMS_MAX_RANKS,
     OTLP,
     OTLP_TRACE_SAMPLE,
     DASHBOARD,

@@ -24,6 +24,7 @@ from traceml_ai.settings._table import (
     OTLP_TRACE_SAMPLE,
     PROMETHEUS_BIND_HOST,
     PROMETHEUS_PORT,
+    RANK_HISTOGRAMS_MAX_RANKS,
     default_of,
 )
 
@@ -87,6 +88,7 @@ class MonitorSettings:
 
     prometheus_port: int | None = PROMETHEUS_PORT.default
     prometheus_bind_host: str = default_of(PROMETHEUS_BIND_HOST)
+    rank_histograms_max_ranks: int = default_of(RANK_HISTOGRAMS_MAX_RANKS)
     otlp: bool = default_of(OTLP)
     otlp_trace_sample: int = default_of(OTLP_TRACE_SAMPLE)
     dashboard: bool = default_of(DASHBOARD)

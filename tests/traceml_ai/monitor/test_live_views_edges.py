@@ -12,7 +12,7 @@ import pytest
 
 from traceml_ai.dashboard._server import Views, start_server
 from traceml_ai.launch.launcher import lost_what
-from traceml_ai.monitor._otlp_config import header_problems
+from traceml_ai.monitor._otlp_config import endpoint_problem, header_problems
 
 
 def test_malformed_requests_print_nothing_into_the_terminal(
@@ -51,6 +51,32 @@ def test_malformed_otel_headers_are_one_line(value: str, bad: str) -> None:
 
 def test_good_otel_headers_say_nothing() -> None:
     assert header_problems({"OTEL_EXPORTER_OTLP_HEADERS": "a=1, b=x%20y", "X": "garbage"}) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "grpc", "problem"),
+    [
+        ("http://collector:4318", False, None),
+        ("https://[::1]:4318/prefix", False, None),
+        ("collector:4317", True, None),
+        ("[::1]:4317", True, None),
+        ("not-a-url", False, "is not a URL"),
+        ("not-a-url", True, "is not a URL"),
+        ("collector:4317", False, "is not a URL"),
+        ("ftp://collector", False, "is not a URL"),
+        (" http://collector:4318", False, "is not a URL"),
+        ("http://", False, "has no host"),
+        ("http://collector:http", False, "is not a URL"),
+        ("http://collector:0", True, "has no valid port"),
+    ],
+)
+def test_otlp_endpoints_must_be_urls(value: str, grpc: bool, problem: str | None) -> None:
+    said = endpoint_problem(value, grpc=grpc)
+    if problem is None:
+        assert said is None
+    else:
+        assert said is not None and said.startswith(problem), said
+        assert "http://HOST:PORT" in said and ("(or HOST:PORT)" in said) == grpc
 
 
 def test_a_loss_of_the_live_views_only_says_the_files_are_complete(tmp_path: Path) -> None:

@@ -27,11 +27,15 @@ from traceml_ai.monitor._state import (
 )
 from traceml_ai.monitor.metrics import (
     METRICS,
+    RANK_HISTOGRAMS,
+    Family,
     Health,
     collect,
     metrics_table_markdown,
     series_estimate,
+    series_table_markdown,
 )
+from traceml_ai.monitor.prometheus import exposition
 from traceml_ai.settings import MonitorSettings, resolve_launch_settings
 from traceml_ai.transport.wire import ReceivedBatch
 
@@ -48,6 +52,13 @@ def identity(rank: int, world: int = 2, node: int = 0) -> dict[str, Any]:
         "pid": 1000 + rank,
         "hostname": "h",
     }
+
+
+def families_of(
+    state: LiveState, health: Health | None = None, *, max_ranks: int = 64
+) -> dict[str, Family]:
+    found = collect(state, health or Health(), run_name="r", rank_histograms_max_ranks=max_ranks)
+    return {f.metric.name: f for f in found}
 
 
 def timing(ms: float) -> dict[str, Any]:
@@ -137,7 +148,7 @@ def test_gauges_from_memory_process_and_system() -> None:
     state.add_memory(identity(0), [step_memory_item(device="cuda:0")])
     state.add_process(identity(0), [process_item(gpu=True)])
     state.add_system(identity(0), [system_item(gpus=2)])
-    families = {f.metric.name: f for f in collect(state, Health())}
+    families = families_of(state)
     assert families["traceml_step_peak_allocated_bytes"].samples[0].labels == ("0", "cuda:0")
     assert families["traceml_process_resident_memory_bytes"].samples
     gpu_temps = families["traceml_gpu_temperature_celsius"].samples
@@ -211,7 +222,7 @@ def test_feed_sees_a_straggler_inside_backward_through_collectives() -> None:
     assert view.waiting is not None
     assert (view.waiting.phase, view.waiting.collective) == ("backward", "all_reduce")
     assert state.ignored_items == 2  # the malformed item of each rank
-    families = {f.metric.name: f for f in collect(state, Health())}
+    families = families_of(state)
     (excess,) = families["traceml_straggler_excess_seconds"].samples
     assert excess.labels == ("1", "backward") and excess.value == pytest.approx(0.030, abs=0.002)
 
@@ -263,7 +274,7 @@ def test_feed_reads_batches_and_names_the_straggler() -> None:
     assert view is not None and view.verdict == "straggler"
     assert view.named_ranks == [1]
     assert feed.bad_batches == 1 and state.ignored_items == 1
-    families = {f.metric.name: f for f in collect(state, Health())}
+    families = families_of(state)
     assert [(s.labels, s.value) for s in families["traceml_stragglers"].samples] == [
         (("straggler",), 1.0)
     ]
@@ -294,38 +305,88 @@ def test_the_docs_table_is_generated_from_the_definitions() -> None:
     )
 
 
-def test_series_stay_linear_in_ranks_at_1024() -> None:
+BUILT_IN_EVENTS = ("dataloader_next", "h2d_time", "forward_time", "backward_time", "optimizer_step")
+
+
+def job_state(ranks: int, per_node: int = 8, steps: int = 3) -> LiveState:
+    """A job of ``ranks`` ranks, ``per_node`` per node, each with its steps (every
+    built-in phase), its memory and process figures, and each node's system sample."""
     state = LiveState()
-    for rank in range(1024):
-        ident = identity(rank, world=1024, node=rank // 8)
-        state.add_steps(
-            ident,
-            [
-                step(
-                    1,
-                    30.0,
-                    1,
-                    **{
-                        f"_traceml_internal:{p}": 1.0
-                        for p in (
-                            "forward_time",
-                            "backward_time",
-                            "optimizer_step",
-                            "dataloader_next",
-                            "h2d_time",
-                        )
-                    },
-                )
-            ],
-        )
+    for rank in range(ranks):
+        ident = identity(rank, world=ranks, node=rank // per_node)
+        events = {f"_traceml_internal:{e}": 1.0 + rank % 7 for e in BUILT_IN_EVENTS}
+        items = [step(n, 30.0 + rank % 50, n, **events) for n in range(1, steps + 1)]
+        state.add_steps(ident, items)
         state.add_memory(ident, [step_memory_item(device="cuda:0")])
         state.add_process(ident, [process_item(gpu=True)])
-    series = 0
-    for family in collect(state, Health()):
-        for sample in family.samples:
-            series += len(sample.histogram.counts) + 2 if sample.histogram else 1
-    assert series <= series_estimate(1024, 128)
-    assert series > 0.8 * series_estimate(1024, 128)
+        if rank % per_node == 0:
+            state.add_system(ident, [system_item(gpus=per_node)])
+    return state
+
+
+def _series(families: dict[str, Family]) -> int:
+    """Series the Prometheus endpoint serves for these families."""
+    text = exposition(list(families.values()))
+    return sum(1 for line in text.splitlines() if not line.startswith("#"))
+
+
+HEALTH_1024 = Health(
+    written_records={"step_time": 1}, failed_records={"step_time": 0}, expected_ranks=1024
+)
+
+
+def test_series_at_1024_ranks_are_the_estimate_and_bounded() -> None:
+    state = job_state(1024)
+    bounded = families_of(state, HEALTH_1024)
+    assert all(not bounded[m.name].samples for m in RANK_HISTOGRAMS)
+    assert _series(bounded) == series_estimate(1024, 128, gpus_per_node=8)
+    detailed = families_of(state, HEALTH_1024, max_ranks=1024)
+    assert _series(detailed) == series_estimate(1024, 128, gpus_per_node=8, rank_histograms=True)
+    # Each rank adds a few gauges, not its histograms.
+    assert (
+        series_estimate(2048, 128, gpus_per_node=8) - series_estimate(1024, 128, gpus_per_node=8)
+        == 1024 * 10
+    )
+
+
+def test_rank_histograms_follow_the_bound_on_the_world_size() -> None:
+    state = job_state(8, per_node=4)
+    for bound, shown in ((8, True), (7, False), (0, False)):
+        families = families_of(state, max_ranks=bound)
+        assert bool(families["traceml_step_time_seconds"].samples) == shown, bound
+        assert bool(families["traceml_phase_time_seconds"].samples) == shown, bound
+    # The world size counts, not only the ranks heard from yet.
+    state.add_steps(identity(0, world=16), [step(9, 5.0, 9)])
+    assert not families_of(state, max_ranks=8)["traceml_step_time_seconds"].samples
+
+
+def test_job_histograms_hold_every_ranks_steps() -> None:
+    state = job_state(6, per_node=3, steps=4)
+    families = families_of(state)
+    (job,) = families["traceml_job_step_time_seconds"].samples
+    ranks = [s.histogram for s in families["traceml_step_time_seconds"].samples]
+    assert job.histogram is not None and job.histogram.n == 24 and len(ranks) == 6
+    counts = [r.counts for r in ranks if r is not None]
+    assert job.histogram.counts == [sum(c) for c in zip(*counts, strict=True)]
+    assert job.histogram.total == pytest.approx(sum(r.total for r in ranks if r is not None))
+    phases = {s.labels[0]: s.histogram for s in families["traceml_job_phase_time_seconds"].samples}
+    assert sorted(phases) == ["backward", "dataloader_wait", "forward", "h2d", "optimizer"]
+    assert all(h is not None and h.n == 24 for h in phases.values())
+
+
+def test_each_rank_has_its_median_step_time() -> None:
+    state = LiveState()
+    times = [30.0, 10.0, 500.0, 20.0]  # one slow step does not move the median
+    state.add_steps(identity(3, world=4), [step(i, ms, i) for i, ms in enumerate(times, 1)])
+    (sample,) = families_of(state)["traceml_rank_step_time_median_seconds"].samples
+    assert sample.labels == ("3", "0") and sample.value == pytest.approx(0.025)
+
+
+def test_the_docs_series_table_is_generated() -> None:
+    assert series_table_markdown() in DOCS.read_text(encoding="utf-8"), (
+        "docs/monitoring.md's series table is out of date: paste "
+        "traceml_ai.monitor.metrics.series_table_markdown()"
+    )
 
 
 # -- the Prometheus endpoint ------------------------------------------------------------
@@ -396,25 +457,28 @@ def test_a_taken_port_is_one_line_and_the_rest_goes_on(tmp_path: Path) -> None:
     assert "prometheus" in loss.not_started
 
 
-def test_a_missing_extra_is_one_line_naming_it(tmp_path: Path) -> None:
+def test_a_missing_extra_is_one_line_naming_it_and_metrics_need_none(tmp_path: Path) -> None:
     code = f"""
 import sys
-sys.modules["prometheus_client"] = None  # as if the extra were not installed
+for name in ("prometheus_client", "opentelemetry"):
+    sys.modules[name] = None  # as if the extras were not installed
 from pathlib import Path
-from traceml_ai.monitor import Monitoring, RunInfo, prometheus_sink
+from traceml_ai.monitor import Monitoring, RunInfo, otlp_sink, prometheus_sink
 from traceml_ai.monitor.metrics import Health
 from traceml_ai.settings import MonitorSettings
 m = Monitoring(MonitorSettings(prometheus_port=0), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="r", host="h"), Health)
-m.start_sinks({{"prometheus": prometheus_sink}})
+m.start_sinks({{"prometheus": prometheus_sink, "otlp": otlp_sink}})
+m.close(2.0)
 """
     result = subprocess.run(
         [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "needs the 'prometheus' extra" in lines[0]
-    assert "pip install 'traceml-ai[prometheus]'" in lines[0]
+    assert len(lines) == 2, result.stderr
+    assert lines[0].startswith("traceml: prometheus: metrics at http://127.0.0.1:")
+    assert "needs the 'otel' extra" in lines[1]
+    assert "pip install 'traceml-ai[otel]'" in lines[1]
 
 
 def test_the_default_install_never_imports_the_extras() -> None:

@@ -349,6 +349,8 @@ def test_service_name_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "OTEL_EXPORTER_OTLP_PROTOCOL='http/json'"),
         ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "udp", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='udp'"),
         ("OTEL_METRIC_EXPORT_INTERVAL", "soon", "OTEL_METRIC_EXPORT_INTERVAL='soon'"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "not-a-url", "OTEL_EXPORTER_OTLP_ENDPOINT='not-a-url' is"),
+        ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://", "METRICS_ENDPOINT='http://' has no"),
     ],
 )
 def test_bad_configuration_is_one_line(
