@@ -21,7 +21,8 @@ from tests.traceml_ai.run_summary.test_summary import closing, run_folder, step_
 from traceml_ai.run_summary import RunReader, RunSummary, summarize_run
 from traceml_ai.run_summary._columns import ColumnsBuilder, columns_of_rows
 from traceml_ai.run_summary._phases import STEP_EVENT, phase_name
-from traceml_ai.run_summary._read import _checks, step_line as py_step_line
+from traceml_ai.run_summary._read import _checks
+from traceml_ai.run_summary._read import step_line as py_step_line
 from traceml_records.internal import PURE_PYTHON_ENV, load_extension
 
 P = "_traceml_internal:"
