@@ -27,6 +27,7 @@ from traceml_ai.run_summary import (
     PhaseFigures,
     RankSteps,
     StragglerView,
+    UserPhaseFold,
     percentile,
     verdict_line,
 )
@@ -238,17 +239,40 @@ def _verdict(data: RunData, ranks: Sequence[int]) -> str:
     return verdict_line(data.straggler)
 
 
-def _rank_table(data: RunData, shown: Sequence[int]) -> list[dict[str, Any]]:
+Folded = tuple[list[str], dict[str, dict[str, tuple[float, float]]]]
+"""(the phases the page draws, in order; rank (str) -> phase -> (mean ms, share))."""
+
+
+def _folded_phases(data: RunData) -> Folded:
+    """The phases as the page draws them: folded by the live views' one rule
+    (:class:`~traceml_ai.run_summary.UserPhaseFold`), so that the page from files keeps
+    the phases the live page kept and ``other`` holds the rest, summed: each rank's bars
+    still add up to its iteration."""
+    fold = UserPhaseFold()
+    label = {name: fold(name) for name in data.phase_names}
+    names = list(dict.fromkeys(label.values()))
+    per_rank: dict[str, dict[str, tuple[float, float]]] = {}
+    for rank, figures in (data.phases or {}).items():
+        sums: dict[str, tuple[float, float]] = {}
+        for name, f in figures.items():
+            key = label.get(name) or fold(name)
+            mean_ms, share = sums.get(key, (0.0, 0.0))
+            sums[key] = (mean_ms + f.mean_ms, share + f.share)
+        per_rank[rank] = {k: (round(m, 3), round(sh, 4)) for k, (m, sh) in sums.items()}
+    return names, per_rank
+
+
+def _rank_table(data: RunData, shown: Sequence[int], folded: Folded) -> list[dict[str, Any]]:
     stragglers = set(_straggler_ranks(data.straggler))
     out = []
     step_time = data.step_time or {}
-    phases = data.phases or {}
+    phases = folded[1]
     for r in shown:
         s = step_time.get(str(r))
         if s is None:
             continue
         ph = phases.get(str(r)) or {}
-        largest = max(ph, key=lambda n: ph[n].share) if ph else None
+        largest = max(ph, key=lambda n: ph[n][1]) if ph else None
         out.append(
             {
                 "rank": r,
@@ -261,23 +285,22 @@ def _rank_table(data: RunData, shown: Sequence[int]) -> list[dict[str, Any]]:
                 "max_ms": s.max_ms,
                 "steps_per_s": s.steps_per_s,
                 "largest_phase": largest,
-                "largest_phase_share": ph[largest].share if largest else None,
+                "largest_phase_share": ph[largest][1] if largest else None,
                 "straggler": r in stragglers,
             }
         )
     return out
 
 
-def _phase_chart(data: RunData, ranks: Sequence[int]) -> dict[str, Any]:
-    phases = data.phases or {}
-    names = list(data.phase_names)
+def _phase_chart(folded: Folded, ranks: Sequence[int]) -> dict[str, Any]:
+    names, phases = folded
     present = [r for r in ranks if str(r) in phases]
 
     def figure(r: int, name: str, share: bool) -> float:
         f = phases[str(r)].get(name)
         if f is None:
             return 0.0
-        return f.share if share else f.mean_ms
+        return f[1] if share else f[0]
 
     return {
         "names": names,
@@ -314,6 +337,7 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
         keep = set(shown)
     extra = [r for r in extra_ranks if r in data.series]
     step_chart, throughput = _series(data, highlight, extra)
+    folded = _folded_phases(data)
     nodes = sorted(set(data.rank_nodes.values()))
     job_rates = [s.steps_per_s for s in (data.step_time or {}).values() if s.steps]
     notes = list(data.notes)
@@ -343,7 +367,7 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
             "ranks": stragglers,
             "definition": data.straggler.definition if data.straggler else None,
         },
-        "ranks": _rank_table(data, shown),
+        "ranks": _rank_table(data, shown, folded),
         "ranks_total": len(ranks),
         "ranks_shown_note": (
             f"{len(shown)} of {len(ranks)} ranks: the stragglers, then the slowest p50"
@@ -355,7 +379,7 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
             **throughput,
             "job_steps_per_s": _finite(min(job_rates)) if job_rates else None,
         },
-        "phases": _phase_chart(data, shown),
+        "phases": _phase_chart(folded, shown),
         "memory": _limited(data.memory, keep),
         "memory_basis": data.memory_basis,
         "process": _limited(data.process, keep),

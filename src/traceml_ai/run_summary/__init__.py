@@ -32,11 +32,15 @@ from traceml_ai.run_summary._model import (
 )
 from traceml_ai.run_summary._phases import (
     BUILT_IN_PHASES,
+    MAX_USER_PHASES,
+    OTHER_PHASE,
     PHASES,
     STEP_EVENT,
+    UserPhaseFold,
     add_wait,
     median,
     percentile,
+    phase_name,
     step_row,
     wait_component,
     waits_measured,
@@ -62,6 +66,8 @@ from traceml_ai.run_summary._straggler import (
 
 __all__ = [
     "BUILT_IN_PHASES",
+    "MAX_USER_PHASES",
+    "OTHER_PHASE",
     "PHASES",
     "STEP_EVENT",
     "STREAM_FILES",
@@ -82,6 +88,7 @@ __all__ = [
     "Straggler",
     "StragglerView",
     "SummaryError",
+    "UserPhaseFold",
     "Waiting",
     "add_wait",
     "analyze",
@@ -89,6 +96,7 @@ __all__ = [
     "format_summary",
     "median",
     "percentile",
+    "phase_name",
     "step_figures",
     "step_row",
     "step_series",

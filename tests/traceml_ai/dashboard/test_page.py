@@ -1,0 +1,230 @@
+"""The dashboard page in a real browser (Debian's chromium driven by Playwright), served
+by the real web server on the loopback from each real source: the live state of an
+in-process monitoring fed real batches, a run folder's export files, or a fixed view."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from traceml_ai.dashboard import start_live_dashboard
+from traceml_ai.dashboard._files import FilesSource
+from traceml_ai.dashboard._server import DashboardServer, Views, start_server
+from traceml_ai.dashboard._view import RunData
+from traceml_ai.monitor import Monitoring, RunInfo, start_monitoring
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.run_summary import PhaseFigures, RankSteps
+from traceml_ai.settings import MonitorSettings
+from traceml_ai.transport.wire import ReceivedBatch
+
+pytestmark = pytest.mark.slow  # a real browser per module (docs/testing.md)
+
+CHROMIUM = "/usr/bin/chromium"
+WAIT_MS = 20_000
+P = "_traceml_internal:"
+BASE_NS = 10**18
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1500})
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _timing(ms: float) -> dict[str, Any]:
+    return {"cpu": {"cpu_ms": ms, "duration_ms": ms, "gpu_ms": None, "is_gpu": False, "n_calls": 1}}
+
+
+def _events(step_ms: float, phases: dict[str, float]) -> dict[str, Any]:
+    """A step's events as a rank sends and the export writes them (names sorted)."""
+    events = {P + "step_time": _timing(step_ms)}
+    events.update({name: _timing(ms) for name, ms in phases.items()})
+    return dict(sorted(events.items()))
+
+
+def _identity(rank: int, world: int) -> dict[str, Any]:
+    return {
+        "global_rank": rank,
+        "local_rank": rank,
+        "world_size": world,
+        "local_world_size": world,
+        "node_rank": 0,
+        "pid": 1000 + rank,
+        "hostname": "h",
+    }
+
+
+def _item(step: int, step_ms: float, phases: dict[str, float]) -> dict[str, Any]:
+    return {
+        "seq": step - 1,
+        "step": step,
+        "timestamp_unix_ns": BASE_NS + step * 100_000_000,
+        "events": _events(step_ms, phases),
+    }
+
+
+@contextlib.contextmanager
+def live_page(
+    tmp_path: Path, steps: dict[int, list[dict[str, Any]]]
+) -> Iterator[tuple[str, Monitoring]]:
+    """The live dashboard of an in-process aggregator's monitoring, fed ``steps`` (rank
+    -> step_time items) as real encoded batches."""
+    monitoring = start_monitoring(
+        MonitorSettings(dashboard=True, dashboard_port=0),
+        RunInfo(run_dir=tmp_path / "run", run_name="live", host="h"),
+        Health,
+        sinks={"dashboard": start_live_dashboard},
+        report=lambda line: None,
+    )
+    assert monitoring is not None
+    try:
+        world = len(steps)
+        for rank, items in steps.items():
+            body = orjson.dumps(
+                {"v": 1, "token": "t", "type": "batch", "stream": "step_time",
+                 "identity": _identity(rank, world), "items": items}
+            )  # fmt: skip
+            monitoring.submit(
+                ReceivedBatch(observed_timestamp_unix_ns=1, payload=body, nbytes=len(body))
+            )
+        deadline = time.monotonic() + 10
+        want = {r: len(items) for r, items in steps.items()}
+        while {r.rank: r.steps for r in monitoring.state.ranks()} != want:
+            assert time.monotonic() < deadline, "the feed did not take the steps"
+            time.sleep(0.02)
+        (sink,) = monitoring.sinks
+        yield sink.url, monitoring  # type: ignore[attr-defined]
+    finally:
+        monitoring.close(2.0)
+
+
+def write_run(folder: Path, steps: dict[int, list[dict[str, Any]]]) -> Path:
+    """A run folder whose step_time.jsonl holds ``steps`` (rank -> items), closed."""
+    lines = []
+    world = len(steps)
+    for rank, items in steps.items():
+        for item in items:
+            lines.append(
+                {"stream": "step_time", "schema_version": 1,
+                 "observed_timestamp_unix_ns": item["timestamp_unix_ns"], "rank": rank,
+                 **{k: v for k, v in _identity(rank, world).items() if k not in ("pid", "hostname")},
+                 **item}
+            )  # fmt: skip
+    lines.append({"stream": "step_time", "closing": True, "schema_version": 1,
+                  "written_records": len(lines), "dropped_batches": 0})  # fmt: skip
+    export = folder / "aggregator" / "export"
+    export.mkdir(parents=True)
+    (export / "step_time.jsonl").write_bytes(b"".join(orjson.dumps(o) + b"\n" for o in lines))
+    return folder
+
+
+@contextlib.contextmanager
+def served(source: Callable[[], RunData]) -> Iterator[DashboardServer]:
+    server = start_server(Views(source, final=lambda: False), "127.0.0.1", 0)
+    try:
+        yield server
+    finally:
+        server.stop(2.0)
+
+
+def fixed_run(**changes: Any) -> RunData:
+    """A small live run: 4 ranks of 3 steps each, with ``changes``."""
+    ranks = [0, 1, 2, 3]
+    figures = RankSteps(
+        steps=3, first_step=1, last_step=3, p50_ms=10.0, p90_ms=10.0, p99_ms=10.0,
+        max_ms=10.0, mean_ms=10.0, steps_per_s=10.0,
+    )  # fmt: skip
+    fields: dict[str, Any] = {
+        "source": "live",
+        "finished": False,
+        "status": "training",
+        "run_name": "r",
+        "run_folder": "/runs/r",
+        "ranks": ranks,
+        "step_time": {str(r): figures for r in ranks},
+        "phases": {str(r): {"forward": PhaseFigures(mean_ms=6.0, p50_ms=6.0, share=0.6),
+                            "rest": PhaseFigures(mean_ms=4.0, p50_ms=4.0, share=0.4)}
+                   for r in ranks},
+        "phase_names": ["forward", "rest"],
+        "series": {r: [(s, 10.0, float(BASE_NS + s * 10**8)) for s in (1, 2, 3)] for r in ranks},
+        "loss": {"status": "in_progress", "lines": [], "warning": None},
+    }  # fmt: skip
+    fields.update(changes)
+    return RunData(**fields)
+
+
+def phase_bars(page: Page, ranks: int) -> list[tuple[str, list[float]]]:
+    """The phase chart's bars as drawn: (name, mean ms per rank) of each trace."""
+    expect(page.locator("#chart-phases .main-svg").first).to_be_visible(timeout=WAIT_MS)
+    page.wait_for_function(
+        f"() => {{ const d = document.getElementById('chart-phases').data;"
+        f" return d && d.length && d[0].y.length === {ranks}; }}",
+        timeout=WAIT_MS,
+    )
+    bars: list[tuple[str, list[float]]] = page.evaluate(
+        "() => document.getElementById('chart-phases').data.map(t => [t.name, t.y])"
+    )
+    return bars
+
+
+# --------------------------------------------------------------------------- phases
+
+USER_PHASES = [f"phase_{i:02d}" for i in range(58)]
+
+
+def _many_phases(rank: int, step: int) -> dict[str, Any]:
+    phases = {P + "forward_time": 10.0, P + "backward_time": 15.0 + rank}
+    phases.update({name: 0.6 for name in USER_PHASES})
+    return _item(step, 69.0 + rank, phases)
+
+
+def test_phase_bars_add_up_to_the_step_with_other_live_and_from_files(
+    page: Page, tmp_path: Path
+) -> None:
+    """58 user phases: the live page and the page from files fold them by the one rule
+    (the first 8 to appear keep their names, the rest are ``other``), and each rank's
+    bars add up to its step."""
+    steps = {r: [_many_phases(r, s) for s in range(1, 6)] for r in (0, 1)}
+    expected = [
+        "dataloader_wait", "forward", "backward", "optimizer",
+        *(f"user:{n}" for n in USER_PHASES[:8]), "other", "rest",
+    ]  # fmt: skip
+    drawn: dict[str, list[tuple[str, list[float]]]] = {}
+    with live_page(tmp_path, steps) as (url, _):
+        page.goto(url)
+        drawn["live"] = phase_bars(page, 2)
+    folder = write_run(tmp_path / "files", steps)
+    with served(FilesSource(folder)) as server:
+        page.goto(server.url)
+        drawn["files"] = phase_bars(page, 2)
+    for where, bars in drawn.items():
+        assert [name for name, _ in bars] == expected, where
+        totals = [sum(y[i] for _, y in bars) for i in range(2)]
+        assert totals == pytest.approx([69.0, 70.0], abs=0.01), (where, bars)
+        other = dict(bars)["other"]
+        assert other == pytest.approx([50 * 0.6] * 2), where
