@@ -24,6 +24,7 @@ from typing import Any, Literal
 import attrs
 
 from traceml_ai.run_summary import (
+    OTHER_PHASE,
     PhaseFigures,
     RankSteps,
     StragglerView,
@@ -37,6 +38,8 @@ __all__ = [
     "HIGHLIGHT",
     "MAX_POINTS",
     "MAX_TABLE_ROWS",
+    "PHASE_COLOURS",
+    "USER_PHASE_COLOURS",
     "VIEW_VERSION",
     "RunData",
     "build_view",
@@ -51,6 +54,23 @@ HIGHLIGHT = 5
 """Ranks drawn as their own line above ALL_LINES_UP_TO: the stragglers, then the slowest."""
 MAX_TABLE_ROWS = 64
 """Rows of the per-rank tables; more ranks show the stragglers and the slowest p50."""
+
+PHASE_COLOURS: Mapping[str, str] = {
+    "dataloader_wait": "#8c564b",
+    "h2d": "#e377c2",
+    "forward": "#1f77b4",
+    "backward": "#2ca02c",
+    "optimizer": "#ff7f0e",
+    OTHER_PHASE: "#7f7f7f",
+    "rest": "#c7c7c7",
+}
+"""The colour of each phase every run may have: the same on every page, whatever else
+the chart holds."""
+USER_PHASE_COLOURS: tuple[str, ...] = (
+    "#9467bd", "#d62728", "#17becf", "#bcbd22", "#393b79", "#e7ba52", "#843c39", "#a55194",
+)  # fmt: skip
+"""The user phases' colours, in the order the page keeps them: one for each of the
+``MAX_USER_PHASES`` it draws (the rest are ``other``), none of them a built-in's."""
 
 Series = Mapping[int, Sequence[tuple[int, float, float]]]
 """rank -> its steps in step order: (step, step time in ms, end of the step in ns)."""
@@ -262,6 +282,19 @@ def _folded_phases(data: RunData) -> Folded:
     return names, per_rank
 
 
+def _colours(names: Sequence[str]) -> dict[str, str]:
+    """Each drawn phase's colour: the built-ins' own, the user phases' in turn."""
+    out: dict[str, str] = {}
+    user = 0
+    for name in names:
+        if name in PHASE_COLOURS:
+            out[name] = PHASE_COLOURS[name]
+        else:
+            out[name] = USER_PHASE_COLOURS[user % len(USER_PHASE_COLOURS)]
+            user += 1
+    return out
+
+
 def _rank_table(data: RunData, shown: Sequence[int], folded: Folded) -> list[dict[str, Any]]:
     stragglers = set(_straggler_ranks(data.straggler))
     out = []
@@ -307,6 +340,7 @@ def _phase_chart(folded: Folded, ranks: Sequence[int]) -> dict[str, Any]:
         "ranks": present,
         "mean_ms": {n: [figure(r, n, False) for r in present] for n in names},
         "share": {n: [figure(r, n, True) for r in present] for n in names},
+        "colours": _colours(names),
     }
 
 

@@ -228,3 +228,28 @@ def test_phase_bars_add_up_to_the_step_with_other_live_and_from_files(
         assert totals == pytest.approx([69.0, 70.0], abs=0.01), (where, bars)
         other = dict(bars)["other"]
         assert other == pytest.approx([50 * 0.6] * 2), where
+
+
+def test_phase_colours_never_repeat_and_built_ins_keep_theirs(page: Page) -> None:
+    """Built-in phases have fixed colours; the user phases (8 at most) take theirs from a
+    palette without them: every bar of the chart has a colour of its own."""
+    names = ["dataloader_wait", "h2d", "forward", "backward", "optimizer",
+             *(f"user:u{i}" for i in range(8)), "other", "rest"]  # fmt: skip
+    share = 1.0 / len(names)
+    phases = {n: PhaseFigures(mean_ms=1.0, p50_ms=1.0, share=share) for n in names}
+
+    def colours(data: RunData) -> dict[str, str]:
+        with served(lambda: data) as server:
+            page.goto(server.url)
+            phase_bars(page, 4)
+            out: dict[str, str] = page.evaluate(
+                "() => Object.fromEntries(document.getElementById('chart-phases')._fullData"
+                ".map(t => [t.name, t.marker.color]))"
+            )
+        return out
+
+    many = colours(fixed_run(phases={str(r): phases for r in range(4)}, phase_names=names))
+    assert len(set(many.values())) == len(names), many
+    few = colours(fixed_run())
+    # A built-in phase is drawn in the same colour whatever else the chart holds.
+    assert few["forward"] == many["forward"] and few["rest"] == many["rest"]

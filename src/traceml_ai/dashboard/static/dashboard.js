@@ -77,7 +77,9 @@
   function drawPhases(view) {
     const p = view.phases;
     const x = p.ranks.map((r) => `rank ${r}`);
-    const traces = p.names.map((name) => ({ type: "bar", name, x, y: p.mean_ms[name] }));
+    const traces = p.names.map((name) => ({
+      type: "bar", name, x, y: p.mean_ms[name], marker: { color: p.colours[name] },
+    }));
     Plotly.react("chart-phases", traces, layout({ barmode: "stack", hovermode: "closest", yaxis: { title: { text: "ms" }, gridcolor: "#eee" } }), PLOT_CONFIG);
   }
 
