@@ -5,6 +5,7 @@ in-process monitoring fed real batches, a run folder's export files, or a fixed 
 from __future__ import annotations
 
 import contextlib
+import html
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -179,7 +180,8 @@ def fixed_run(**changes: Any) -> RunData:
 
 
 def phase_bars(page: Page, ranks: int) -> list[tuple[str, list[float]]]:
-    """The phase chart's bars as drawn: (name, mean ms per rank) of each trace."""
+    """The phase chart's bars as drawn: (name, mean ms per rank) of each trace (the
+    name as Plotly shows it: its markup characters are given as entities)."""
     expect(page.locator("#chart-phases .main-svg").first).to_be_visible(timeout=WAIT_MS)
     page.wait_for_function(
         f"() => {{ const d = document.getElementById('chart-phases').data;"
@@ -189,7 +191,7 @@ def phase_bars(page: Page, ranks: int) -> list[tuple[str, list[float]]]:
     bars: list[tuple[str, list[float]]] = page.evaluate(
         "() => document.getElementById('chart-phases').data.map(t => [t.name, t.y])"
     )
-    return bars
+    return [(html.unescape(name), y) for name, y in bars]
 
 
 # --------------------------------------------------------------------------- phases
@@ -253,3 +255,27 @@ def test_phase_colours_never_repeat_and_built_ins_keep_theirs(page: Page) -> Non
     few = colours(fixed_run())
     # A built-in phase is drawn in the same colour whatever else the chart holds.
     assert few["forward"] == many["forward"] and few["rest"] == many["rest"]
+
+
+# --------------------------------------------------------------------------- user strings
+
+HOSTILE = "<b>x</b>&amp;<br>"
+
+
+def test_user_strings_are_shown_as_written_never_as_markup(page: Page, tmp_path: Path) -> None:
+    """A phase named like markup is drawn as its name (Plotly interprets a subset of HTML
+    in trace names); the run name, host and folder are text too."""
+    steps = {r: [_item(s, 20.0, {P + "forward_time": 5.0, HOSTILE: 3.0}) for s in range(1, 5)]
+             for r in (0, 1)}  # fmt: skip
+    folder = write_run(tmp_path / "files", steps)
+    with served(FilesSource(folder)) as server:
+        page.goto(server.url)
+        names = [name for name, _ in phase_bars(page, 2)]
+        assert f"user:{HOSTILE}" in names
+        legend = page.locator("#chart-phases .legendtext").all_text_contents()
+        assert f"user:{HOSTILE}" in legend, legend
+    data = fixed_run(run_name=HOSTILE, host=f"<i>{HOSTILE}", run_folder=f"/r/{HOSTILE}")
+    with served(lambda: data) as server:
+        page.goto(server.url)
+        expect(page.locator("#run-name")).to_have_text(HOSTILE, timeout=WAIT_MS)
+        expect(page.locator("#identity")).to_contain_text(f"aggregator on <i>{HOSTILE}")

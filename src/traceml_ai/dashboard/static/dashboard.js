@@ -22,6 +22,12 @@
     }
     return `${n} B`;
   }
+  // Plotly reads a trace's name as markup (<b>, <br>, <span style>, &amp; ...): a user's
+  // string (a phase name) goes in with its markup characters as entities, so it is
+  // shown as written.
+  function plain(value) {
+    return String(value).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  }
   function pct(x) { return x == null ? "n/a" : `${Number(x).toFixed(0)}%`; }
   function el(tag, cls, content) {
     const e = document.createElement(tag);
@@ -78,7 +84,7 @@
     const p = view.phases;
     const x = p.ranks.map((r) => `rank ${r}`);
     const traces = p.names.map((name) => ({
-      type: "bar", name, x, y: p.mean_ms[name], marker: { color: p.colours[name] },
+      type: "bar", name: plain(name), x, y: p.mean_ms[name], marker: { color: p.colours[name] },
     }));
     Plotly.react("chart-phases", traces, layout({ barmode: "stack", hovermode: "closest", yaxis: { title: { text: "ms" }, gridcolor: "#eee" } }), PLOT_CONFIG);
   }
