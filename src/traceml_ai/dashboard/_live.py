@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData
+from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData, files_command
 from traceml_ai.monitor import WINDOW_STEPS
 from traceml_ai.run_summary import (
     PhaseFigures,
@@ -160,7 +160,7 @@ class LiveSource:
                 lost = True
             lines.append(
                 "the run has finalized (closing lines written); the full loss report, with "
-                f"finalization_warning.json: traceml dashboard {run.run_dir}"
+                f"finalization_warning.json: {files_command(str(run.run_dir))}"
             )
         status = "finalized" if finished else ("training" if recent else "waiting for ranks")
         return RunData(

@@ -17,6 +17,7 @@ rank's line up to :data:`ALL_LINES_UP_TO` ranks); any rank's own line on demand
 from __future__ import annotations
 
 import math
+import shlex
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -43,6 +44,7 @@ __all__ = [
     "VIEW_VERSION",
     "RunData",
     "build_view",
+    "files_command",
 ]
 
 VIEW_VERSION = 1
@@ -344,6 +346,11 @@ def _phase_chart(folded: Folded, ranks: Sequence[int]) -> dict[str, Any]:
     }
 
 
+def files_command(folder: str) -> str:
+    """``traceml dashboard FOLDER`` as a shell reads it (the folder quoted)."""
+    return shlex.join(["traceml", "dashboard", folder])
+
+
 def _limited(items: Sequence[Mapping[str, Any]] | None, keep: set[int] | None) -> Any:
     if items is None:
         return None
@@ -393,6 +400,7 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
             "ranks_reporting": len(ranks),
             "nodes": nodes,
             "strategy": data.strategy,
+            "files_command": files_command(data.run_folder) if data.run_folder else None,
         },
         "window": data.window,
         "straggler": {

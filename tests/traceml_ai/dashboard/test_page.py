@@ -279,3 +279,23 @@ def test_user_strings_are_shown_as_written_never_as_markup(page: Page, tmp_path:
         page.goto(server.url)
         expect(page.locator("#run-name")).to_have_text(HOSTILE, timeout=WAIT_MS)
         expect(page.locator("#identity")).to_contain_text(f"aggregator on <i>{HOSTILE}")
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def test_the_stopped_page_names_a_command_that_works_in_a_shell(page: Page) -> None:
+    """A finalized live page whose server went names ``traceml dashboard`` with the run
+    folder quoted for a shell (a quote and spaces in it)."""
+    import shlex
+
+    folder = "/runs/it's my run"
+    data = fixed_run(finished=True, status="finalized", run_folder=folder)
+    with served(lambda: data) as server:
+        page.goto(server.url)
+        expect(page.locator("#status")).to_have_attribute("data-finished", "true", timeout=WAIT_MS)
+    error = page.locator("#error")
+    expect(error).to_contain_text("traceml dashboard", timeout=WAIT_MS)
+    text = error.inner_text()
+    command = text[text.index("traceml dashboard") :].removesuffix(" shows it from its files.")
+    assert shlex.split(command) == ["traceml", "dashboard", folder], text

@@ -204,8 +204,8 @@
     } catch (err) {
       failures += 1;
       if (lastView && lastView.source === "live" && lastView.finished) {
-        const folder = lastView.identity.run_folder;
-        showError(`The run has finalized and its live page has stopped. ${folder ? `traceml dashboard ${folder} shows it from its files.` : ""}`);
+        const command = lastView.identity.files_command;
+        showError(`The run has finalized and its live page has stopped. ${command ? `${command} shows it from its files.` : ""}`);
         return; // the aggregator is gone: nothing more to fetch
       }
       showError(`cannot refresh (${err.message || err}); retrying`);
