@@ -28,14 +28,12 @@ from typing import Any
 
 import orjson
 
-from traceml_ai.dashboard._view import RunData, build_view
+from traceml_ai.dashboard._view import MAX_EXTRA_RANKS, RunData, build_view
 
 __all__ = ["DashboardError", "DashboardServer", "Views", "is_loopback", "start_server"]
 
 _log = logging.getLogger("traceml_ai.dashboard")
 
-MAX_EXTRA_RANKS = 16
-"""Ranks one request may ask to be drawn on their own."""
 _CACHED_VIEWS = 16
 
 

@@ -37,6 +37,7 @@ from traceml_ai.run_summary import (
 __all__ = [
     "ALL_LINES_UP_TO",
     "HIGHLIGHT",
+    "MAX_EXTRA_RANKS",
     "MAX_POINTS",
     "MAX_TABLE_ROWS",
     "PHASE_COLOURS",
@@ -56,6 +57,8 @@ HIGHLIGHT = 5
 """Ranks drawn as their own line above ALL_LINES_UP_TO: the stragglers, then the slowest."""
 MAX_TABLE_ROWS = 64
 """Rows of the per-rank tables; more ranks show the stragglers and the slowest p50."""
+MAX_EXTRA_RANKS = 16
+"""Ranks the page may ask to be drawn on their own (*Show rank*, ``?ranks=``)."""
 
 PHASE_COLOURS: Mapping[str, str] = {
     "dataloader_wait": "#8c564b",
@@ -346,6 +349,18 @@ def _phase_chart(folded: Folded, ranks: Sequence[int]) -> dict[str, Any]:
     }
 
 
+def _ranges(ranks: Iterable[int]) -> list[list[int]]:
+    """Ranks as [first, last] runs of consecutive ranks (the page checks *Show rank*
+    against them; a short list however many ranks run)."""
+    out: list[list[int]] = []
+    for r in sorted(ranks):
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
 def files_command(folder: str) -> str:
     """``traceml dashboard FOLDER`` as a shell reads it (the folder quoted)."""
     return shlex.join(["traceml", "dashboard", folder])
@@ -411,6 +426,8 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
         },
         "ranks": _rank_table(data, shown, folded),
         "ranks_total": len(ranks),
+        "rank_ranges": _ranges(ranks),
+        "max_extra_ranks": MAX_EXTRA_RANKS,
         "ranks_shown_note": (
             f"{len(shown)} of {len(ranks)} ranks: the stragglers, then the slowest p50"
             if len(shown) < len(ranks)

@@ -281,6 +281,33 @@ def test_user_strings_are_shown_as_written_never_as_markup(page: Page, tmp_path:
         expect(page.locator("#identity")).to_contain_text(f"aggregator on <i>{HOSTILE}")
 
 
+# --------------------------------------------------------------------------- show rank
+
+
+def test_show_rank_refuses_ranks_that_do_not_exist(page: Page) -> None:
+    data = fixed_run()
+    with served(lambda: data) as server:
+        page.goto(server.url)
+        expect(page.locator("#ranks-table tr[data-rank='3']")).to_be_visible(timeout=WAIT_MS)
+        page.fill("#rank-input", "2, 9, x, -1")
+        page.click("#rank-add")
+        refused = page.locator("#rank-refused")
+        expect(refused).to_be_visible()
+        expect(refused).to_contain_text("9")
+        expect(refused).to_contain_text("x")
+        expect(refused).to_contain_text("-1")
+        expect(refused).to_contain_text("ranks with steps: 0-3")
+        expect(page.locator("#rank-picked")).to_have_text("also shown: 2")
+        with page.expect_request(lambda r: "/api/view" in r.url, timeout=WAIT_MS) as asked:
+            pass
+        assert asked.value.url.endswith("/api/view?ranks=2"), asked.value.url
+        # A good rank alone clears the refusal.
+        page.fill("#rank-input", "1")
+        page.click("#rank-add")
+        expect(refused).to_be_hidden()
+        expect(page.locator("#rank-picked")).to_have_text("also shown: 1, 2")
+
+
 # --------------------------------------------------------------------------- commands
 
 

@@ -213,13 +213,35 @@
     setTimeout(poll, failures > 5 ? 5 * REFRESH_MS : REFRESH_MS);
   }
 
+  function rangesText(ranges) {
+    return ranges.map(([a, b]) => (a === b ? `${a}` : `${a}-${b}`)).join(", ");
+  }
+
+  // Only ranks the run has: one the page cannot draw is refused, with the reason.
   $("rank-add").addEventListener("click", () => {
+    const refused = [];
+    const ranges = lastView ? lastView.rank_ranges : [];
+    const limit = lastView ? lastView.max_extra_ranks : 0;
     for (const part of $("rank-input").value.split(/[ ,]+/)) {
-      if (/^\d+$/.test(part) && extraRanks.size < 16) extraRanks.add(Number(part));
+      if (!part) continue;
+      if (!/^\d+$/.test(part)) { refused.push(`${part} (not a rank number)`); continue; }
+      const rank = Number(part);
+      if (!ranges.some(([a, b]) => a <= rank && rank <= b)) { refused.push(`${rank} (no such rank)`); continue; }
+      if (!extraRanks.has(rank) && extraRanks.size >= limit) { refused.push(`${rank} (at most ${limit} ranks at once)`); continue; }
+      extraRanks.add(rank);
     }
+    const box = $("rank-refused");
+    box.hidden = !refused.length;
+    box.textContent = refused.length
+      ? `not shown: ${refused.join(", ")}; ranks with steps: ${ranges.length ? rangesText(ranges) : "none yet"}`
+      : "";
     $("rank-input").value = "";
     if (lastView) render(lastView);
   });
-  $("rank-clear").addEventListener("click", () => { extraRanks.clear(); if (lastView) render(lastView); });
+  $("rank-clear").addEventListener("click", () => {
+    extraRanks.clear();
+    $("rank-refused").hidden = true;
+    if (lastView) render(lastView);
+  });
   poll();
 })();
