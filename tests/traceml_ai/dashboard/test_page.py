@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import html
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -306,6 +307,27 @@ def test_show_rank_refuses_ranks_that_do_not_exist(page: Page) -> None:
         page.click("#rank-add")
         expect(refused).to_be_hidden()
         expect(page.locator("#rank-picked")).to_have_text("also shown: 1, 2")
+
+
+# --------------------------------------------------------------------------- favicon
+
+
+def test_loading_the_page_asks_for_nothing_it_lacks(page: Page) -> None:
+    """No request of a page load fails (browsers ask for /favicon.ico unless the page
+    names an icon), and /favicon.ico itself is served."""
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    data = fixed_run()
+    with served(lambda: data) as server:
+        page.goto(server.url)
+        expect(page.locator("#ranks-table tr[data-rank='3']")).to_be_visible(timeout=WAIT_MS)
+        page.wait_for_timeout(1500)  # a second poll, and the icon's request if any
+        with urllib.request.urlopen(server.url + "favicon.ico", timeout=5) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("image/")
+            assert response.read().startswith(b"<svg")
+    assert failed == []
+    assert page.locator("link[rel='icon']").count() == 1
 
 
 # --------------------------------------------------------------------------- commands
