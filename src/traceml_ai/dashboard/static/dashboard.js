@@ -2,9 +2,11 @@
 "use strict";
 (function () {
   const REFRESH_MS = 1000;
+  const ANSWER_WITHIN_MS = 10000;
   const extraRanks = new Set();
   let lastView = null;
   let failures = 0;
+  let goneSince = null;
   const PLOT_CONFIG = { displayModeBar: false, responsive: true };
   const $ = (id) => document.getElementById(id);
 
@@ -191,14 +193,49 @@
     box.textContent = message || "";
   }
 
+  // The live page is served by the aggregator itself: no answer at all (not an HTTP
+  // error) means it has stopped (killed, crashed) or cannot be reached any more.
+  function showGone(view, why) {
+    if (goneSince == null) goneSince = new Date();
+    const status = $("status");
+    status.textContent = "live: aggregator gone";
+    status.className = "badge lost";
+    status.dataset.gone = "true";
+    const loss = $("loss-status");
+    loss.textContent = "aggregator gone";
+    loss.className = "badge lost";
+    const files = view.identity.export_folder
+      ? "the export files keep what it had written, without closing lines (traceml run writes " +
+        "finalization_warning.json when training ends)"
+      : "export was off, so no file holds the run";
+    const command = view.identity.files_command;
+    showError(
+      `The aggregator does not answer (since ${goneSince.toLocaleTimeString()}: ${why}). ` +
+      "It serves this page, so it has stopped (killed or crashed) or this browser can no " +
+      "longer reach it. If it has stopped, training goes on without it and nothing more " +
+      `is recorded: ${files}.` +
+      (command && view.identity.export_folder ? ` ${command} shows what they hold.` : "")
+    );
+  }
+
   async function poll() {
     const query = extraRanks.size ? `?ranks=${[...extraRanks].join(",")}` : "";
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(), ANSWER_WITHIN_MS);
     try {
-      const response = await fetch(`/api/view${query}`, { cache: "no-store" });
+      let response;
+      try {
+        response = await fetch(`/api/view${query}`, { cache: "no-store", signal: abort.signal });
+      } catch (err) {
+        err.noAnswer = true; // refused, reset or timed out: nothing answered
+        throw err;
+      }
       const body = await response.json();
       if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
       lastView = body;
       failures = 0;
+      goneSince = null;
+      delete $("status").dataset.gone;
       showError(null);
       render(body);
     } catch (err) {
@@ -208,7 +245,11 @@
         showError(`The run has finalized and its live page has stopped. ${command ? `${command} shows it from its files.` : ""}`);
         return; // the aggregator is gone: nothing more to fetch
       }
-      showError(`cannot refresh (${err.message || err}); retrying`);
+      const why = err.name === "AbortError" ? `no answer within ${ANSWER_WITHIN_MS / 1000} s` : (err.message || String(err));
+      if (err.noAnswer && lastView && lastView.source === "live") showGone(lastView, why);
+      else showError(`cannot refresh (${why}); retrying`);
+    } finally {
+      clearTimeout(timer);
     }
     setTimeout(poll, failures > 5 ? 5 * REFRESH_MS : REFRESH_MS);
   }
