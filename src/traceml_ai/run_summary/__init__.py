@@ -56,6 +56,7 @@ from traceml_ai.run_summary._report import (
     summarize_run,
 )
 from traceml_ai.run_summary._straggler import (
+    ExcessSoFar,
     SlowNode,
     Straggler,
     StragglerView,
@@ -74,6 +75,7 @@ __all__ = [
     "WARNING_FILE",
     "DevicePeak",
     "Environment",
+    "ExcessSoFar",
     "FileState",
     "GpuFigures",
     "LossReport",

@@ -221,6 +221,8 @@ def test_phase_bars_add_up_to_the_step_with_other_live_and_from_files(
     with live_page(tmp_path, steps) as (url, _):
         page.goto(url)
         drawn["live"] = phase_bars(page, 2)
+        # The page says what its straggler percentage covers.
+        expect(page.locator("#window")).to_contain_text("its +% over the run so far")
     folder = write_run(tmp_path / "files", steps)
     with served(FilesSource(folder)) as server:
         page.goto(server.url)
