@@ -39,6 +39,7 @@ import functools
 import math
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -773,7 +774,8 @@ def _validate(path: Path, data: bytes, end: int) -> None:
             f"records, the file has {count}"
         )
     if problems:
-        more = f" (and more; run traceml validate {path})" if len(problems) > 5 else ""
+        command = shlex.join(["traceml", "validate", str(path)])
+        more = f" (and more; run {command})" if len(problems) > 5 else ""
         raise FramesError("; ".join(problems[:5]) + more)
 
 

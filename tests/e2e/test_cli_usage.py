@@ -404,6 +404,36 @@ def test_serve_reads_its_settings_from_env_and_yaml(tmp_path: Path) -> None:
         assert text.startswith("traceml: "), err
 
 
+def test_serve_prints_an_environment_line_a_shell_can_run(tmp_path: Path) -> None:
+    """A run token set by hand may hold any character: the printed line still sets it."""
+    import shlex
+
+    token = 'it\'s a "token" $HOME'
+    env = {
+        "TRACEML_AGGREGATOR_PORT": "0",
+        "TRACEML_NPROC_PER_NODE": "1",
+        "TRACEML_RUN_TOKEN": token,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceml_ai", "serve", "--logs-dir", tmp_path / "logs"],
+        cwd=tmp_path,
+        env=clean_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+    words = shlex.split(line)
+    assert words[0] == "export" and words[2] == f"TRACEML_RUN_TOKEN={token}", line
+    assert words[1].startswith("TRACEML_AGGREGATOR_ADDR=127.0.0.1:"), line
+
+
 # --- the docs list every setting -------------------------------------------------------
 
 

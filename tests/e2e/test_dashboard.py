@@ -321,6 +321,60 @@ def test_one_rank(page: Page, tmp_path: Path) -> None:
         assert run.wait() == 0, run.stderr
 
 
+# --------------------------------------------------------------------------- aggregator gone
+
+TINY = """\
+import sys, time
+import traceml_ai as traceml
+
+traceml.init()
+for i in range(int(sys.argv[1])):
+    with traceml.trace_step():
+        time.sleep(0.05)
+open(sys.argv[2], "w").close()
+"""
+"""A training script without torch (quick to start on a busy machine)."""
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_aggregator_is_said_at_once_on_the_page_and_in_the_terminal(
+    page: Page, tmp_path: Path
+) -> None:
+    import psutil
+
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY)
+    done = tmp_path / "done"
+    args = _dashboard_run(tmp_path / "logs", "gone", script=script, script_args=["400", str(done)])
+    with _started(args, tmp_path, "run") as run:
+        page.goto(run.url())
+        expect(page.locator("#ranks-table tr[data-rank='0']")).to_be_visible(timeout=WAIT_MS)
+        expect(page.locator("#status")).to_have_text("live: training")
+        (aggregator,) = [
+            child
+            for child in psutil.Process(run.popen.pid).children()
+            if "traceml_ai.aggregator" in child.cmdline()
+        ]
+        aggregator.kill()
+        # The page says what happened and what it means for the files ...
+        expect(page.locator("#status")).to_have_text("live: aggregator gone", timeout=10_000)
+        expect(page.locator("#loss-status")).to_have_text("aggregator gone")
+        error = page.locator("#error")
+        expect(error).to_contain_text("The aggregator does not answer")
+        expect(error).to_contain_text(
+            "the export files keep what it had written, without closing lines"
+        )
+        expect(error).to_contain_text(f"traceml dashboard {tmp_path / 'logs' / 'gone'}")
+        # ... and so does the terminal, while training goes on.
+        deadline = time.monotonic() + 10
+        while "during the run: training goes on" not in run.stderr:
+            assert time.monotonic() < deadline, run.stderr
+            time.sleep(0.1)
+        assert not done.exists()
+        assert run.wait() == 0, run.stderr
+    assert done.exists()
+
+
 # --------------------------------------------------------------------------- bad input
 
 

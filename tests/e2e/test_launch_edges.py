@@ -326,27 +326,29 @@ def test_killed_aggregator_leaves_a_warning_and_spares_the_ranks(
 ) -> None:
     logs = tmp_path / "logs"
     marker = tmp_path / "marker"
-    steps = 30
-    proc = subprocess.Popen(
-        traceml_cmd(
-            "run",
-            "--logs-dir",
-            logs,
-            "--run-name",
-            "r1",
-            "--exporter",
-            "jsonl",
-            "--interval",
-            "0.2",
-            *_script_args(script, marker, steps=steps, sleep_s=0.1, code=code),
-        ),
-        cwd=tmp_path,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
+    steps = 60
+    err_path = tmp_path / "run.err"
+    with err_path.open("w") as err_file:
+        proc = subprocess.Popen(
+            traceml_cmd(
+                "run",
+                "--logs-dir",
+                logs,
+                "--run-name",
+                "r1",
+                "--exporter",
+                "jsonl",
+                "--interval",
+                "0.2",
+                *_script_args(script, marker, steps=steps, sleep_s=0.1, code=code),
+            ),
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
     step_time = logs / "r1" / "aggregator" / "export" / "step_time.jsonl"
     try:
         wait_for(
@@ -355,19 +357,32 @@ def test_killed_aggregator_leaves_a_warning_and_spares_the_ranks(
             what="two step_time lines",
         )
         _aggregator_of(psutil.Process(proc.pid)).kill()
-        _, err = proc.communicate(timeout=120)
+        # Said at once, while the script still trains (it has seconds of steps left).
+        wait_for(
+            lambda: "during the run: training goes on" in err_path.read_text(),
+            timeout=30,
+            what="the launcher's line on the dead aggregator",
+        )
+        assert not (tmp_path / "marker.done").exists()
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    err = err_path.read_text()
     assert proc.returncode == code, err
     assert "Traceback" not in err
     # The ranks were not hurt: every step ran and the script ended normally.
     assert (tmp_path / "marker.steps").read_text() == str(steps)
     assert (tmp_path / "marker.done").exists()
     lines = [ln for ln in err.splitlines() if "the aggregator" in ln]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("traceml: the aggregator was killed by SIGKILL"), err
-    assert "finalization_warning.json" in lines[0]
+    assert len(lines) == 2, err
+    assert lines[0] == (
+        "traceml: the aggregator was killed by SIGKILL during the run: training goes on "
+        "without telemetry or live views, and nothing more is recorded; the export files "
+        "keep what it wrote, without closing lines (the end of the run says what was lost)"
+    ), err
+    assert lines[1].startswith("traceml: the aggregator was killed by SIGKILL"), err
+    assert "finalization_warning.json" in lines[1]
     data = step_time.read_bytes()
     assert b'"closing"' not in data, "the files must stay as they are"
     warning = orjson.loads((logs / "r1" / "finalization_warning.json").read_bytes())

@@ -219,6 +219,20 @@ def test_messages(tmp_path: Path) -> None:
         frames.register(duckdb.connect(), tmp_path / "empty")
 
 
+def test_many_bad_lines_name_a_validate_command_a_shell_can_run(tmp_path: Path) -> None:
+    import shlex
+
+    bad = _write(
+        tmp_path / 'it\'s a "run"' / "step_time.jsonl",
+        [{"stream": "step_time", "step": -1}] * 7,
+    )
+    with pytest.raises(frames.FramesError) as raised:
+        frames.load(bad, validate=True)
+    message = str(raised.value)
+    command = message[message.index("(and more; run ") + len("(and more; run ") : -1]
+    assert shlex.split(command) == ["traceml", "validate", str(bad)], message
+
+
 def test_empty_and_closing_only_files(tmp_path: Path) -> None:
     empty = tmp_path / "a" / "step_time.jsonl"
     empty.parent.mkdir()

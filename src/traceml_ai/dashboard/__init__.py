@@ -90,9 +90,11 @@ class LiveDashboard:
         failed = self._server.failed is not None or not self._server.running
         self._server.stop(max(0.1, deadline - time.monotonic()))
         files = os.path.isdir(os.path.join(self._run_dir, "aggregator", "export"))
+        from traceml_ai.dashboard._view import files_command
+
         self._report(
             "traceml: dashboard: stopped with the run"
-            + (f"; traceml dashboard {self._run_dir} shows it from its files" if files else "")
+            + (f"; {files_command(self._run_dir)} shows it from its files" if files else "")
         )
         return {"server_failed": 1} if failed else {}
 

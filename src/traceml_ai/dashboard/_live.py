@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData
-from traceml_ai.monitor import WINDOW_STEPS
+from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData, files_command
+from traceml_ai.monitor import STRAGGLER_PERIOD_S, STRAGGLER_STEPS, WINDOW_STEPS
 from traceml_ai.run_summary import (
     PhaseFigures,
     RankSteps,
@@ -160,7 +160,7 @@ class LiveSource:
                 lost = True
             lines.append(
                 "the run has finalized (closing lines written); the full loss report, with "
-                f"finalization_warning.json: traceml dashboard {run.run_dir}"
+                f"finalization_warning.json: {files_command(str(run.run_dir))}"
             )
         status = "finalized" if finished else ("training" if recent else "waiting for ranks")
         return RunData(
@@ -175,7 +175,9 @@ class LiveSource:
             strategy=state.strategy(),
             window=(
                 f"step figures: the last {WINDOW_STEPS} steps of each rank (as received); "
-                "the straggler verdict: each rank's last 60 steps, every 5 s"
+                f"the straggler verdict: each rank's last {STRAGGLER_STEPS} steps, every "
+                f"{STRAGGLER_PERIOD_S:g} s, its +% over the run so far (the excess over "
+                "the others' own work, summed over every verdict that named the rank)"
             ),
             ranks=sorted(recent),
             rank_nodes=nodes,

@@ -1,9 +1,11 @@
 """The dashboard's web server: Starlette routes served by uvicorn on a thread of its own.
 
-Routes: ``/`` (the page), ``/static/dashboard.js``, ``/static/dashboard.css`` (this
-package's files), ``/static/plotly.min.js`` (read at run time from the installed
-``plotly`` Python package, never copied into this project nor fetched from a CDN) and
-``/api/view`` (the view's JSON; ``?ranks=3,17`` adds those ranks' own lines).
+Routes: ``/`` (the page), ``/static/dashboard.js``, ``/static/dashboard.css``,
+``/static/favicon.svg`` (this package's files; the icon is ``/favicon.ico`` too, which
+a browser asks for by itself, the JSON view opened alone), ``/static/plotly.min.js``
+(read at run time from the installed ``plotly`` Python package, never copied into
+this project nor fetched from a CDN) and ``/api/view`` (the view's JSON;
+``?ranks=3,17`` adds those ranks' own lines).
 
 The socket is bound before the server starts, so a taken port is said at once (as
 :class:`DashboardError`). On a loopback address only requests naming a loopback host
@@ -28,14 +30,12 @@ from typing import Any
 import orjson
 
 from traceml_ai._loopback import host_allowed, is_loopback
-from traceml_ai.dashboard._view import RunData, build_view
+from traceml_ai.dashboard._view import MAX_EXTRA_RANKS, RunData, build_view
 
 __all__ = ["DashboardError", "DashboardServer", "Views", "start_server"]
 
 _log = logging.getLogger("traceml_ai.dashboard")
 
-MAX_EXTRA_RANKS = 16
-"""Ranks one request may ask to be drawn on their own."""
 _CACHED_VIEWS = 16
 
 
@@ -141,6 +141,7 @@ def _app(views: Views, loopback_only: bool) -> Any:
     files = {
         "dashboard.js": ("text/javascript; charset=utf-8", _static("dashboard.js")),
         "dashboard.css": ("text/css; charset=utf-8", _static("dashboard.css")),
+        "favicon.svg": ("image/svg+xml", _static("favicon.svg")),
     }
     page = _static("index.html")
 
@@ -172,6 +173,10 @@ def _app(views: Views, loopback_only: bool) -> Any:
         kind, body = files[name]
         return Response(body, media_type=kind, headers=no_cache)
 
+    def icon(request: Request) -> Response:
+        kind, body = files["favicon.svg"]
+        return guard(request) or Response(body, media_type=kind, headers=no_cache)
+
     def view(request: Request) -> Response:
         refused = guard(request)
         if refused is not None:
@@ -194,6 +199,7 @@ def _app(views: Views, loopback_only: bool) -> Any:
         routes=[
             Route("/", index),
             Route("/static/{name}", static),
+            Route("/favicon.ico", icon),
             Route("/api/view", view),
         ]
     )

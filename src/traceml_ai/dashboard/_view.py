@@ -17,6 +17,7 @@ rank's line up to :data:`ALL_LINES_UP_TO` ranks); any rank's own line on demand
 from __future__ import annotations
 
 import math
+import shlex
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -25,10 +26,12 @@ import attrs
 import numpy as np
 
 from traceml_ai.run_summary import (
+    OTHER_PHASE,
     PhaseFigures,
     RankColumns,
     RankSteps,
     StragglerView,
+    UserPhaseFold,
     percentile,
     verdict_line,
 )
@@ -36,11 +39,15 @@ from traceml_ai.run_summary import (
 __all__ = [
     "ALL_LINES_UP_TO",
     "HIGHLIGHT",
+    "MAX_EXTRA_RANKS",
     "MAX_POINTS",
     "MAX_TABLE_ROWS",
+    "PHASE_COLOURS",
+    "USER_PHASE_COLOURS",
     "VIEW_VERSION",
     "RunData",
     "build_view",
+    "files_command",
 ]
 
 VIEW_VERSION = 1
@@ -52,6 +59,25 @@ HIGHLIGHT = 5
 """Ranks drawn as their own line above ALL_LINES_UP_TO: the stragglers, then the slowest."""
 MAX_TABLE_ROWS = 64
 """Rows of the per-rank tables; more ranks show the stragglers and the slowest p50."""
+MAX_EXTRA_RANKS = 16
+"""Ranks the page may ask to be drawn on their own (*Show rank*, ``?ranks=``)."""
+
+PHASE_COLOURS: Mapping[str, str] = {
+    "dataloader_wait": "#8c564b",
+    "h2d": "#e377c2",
+    "forward": "#1f77b4",
+    "backward": "#2ca02c",
+    "optimizer": "#ff7f0e",
+    OTHER_PHASE: "#7f7f7f",
+    "rest": "#c7c7c7",
+}
+"""The colour of each phase every run may have: the same on every page, whatever else
+the chart holds."""
+USER_PHASE_COLOURS: tuple[str, ...] = (
+    "#9467bd", "#d62728", "#17becf", "#bcbd22", "#393b79", "#e7ba52", "#843c39", "#a55194",
+)  # fmt: skip
+"""The user phases' colours, in the order the page keeps them: one for each of the
+``MAX_USER_PHASES`` it draws (the rest are ``other``), none of them a built-in's."""
 
 Series = Mapping[int, "Sequence[tuple[int, float, float]] | RankColumns"]
 """rank -> its steps: (step, step ms, end ns) tuples (the live window), or the files'
@@ -271,17 +297,53 @@ def _verdict(data: RunData, ranks: Sequence[int]) -> str:
     return verdict_line(data.straggler)
 
 
-def _rank_table(data: RunData, shown: Sequence[int]) -> list[dict[str, Any]]:
+Folded = tuple[list[str], dict[str, dict[str, tuple[float, float]]]]
+"""(the phases the page draws, in order; rank (str) -> phase -> (mean ms, share))."""
+
+
+def _folded_phases(data: RunData) -> Folded:
+    """The phases as the page draws them: folded by the live views' one rule
+    (:class:`~traceml_ai.run_summary.UserPhaseFold`), so that the page from files keeps
+    the phases the live page kept and ``other`` holds the rest, summed: each rank's bars
+    still add up to its iteration."""
+    fold = UserPhaseFold()
+    label = {name: fold(name) for name in data.phase_names}
+    names = list(dict.fromkeys(label.values()))
+    per_rank: dict[str, dict[str, tuple[float, float]]] = {}
+    for rank, figures in (data.phases or {}).items():
+        sums: dict[str, tuple[float, float]] = {}
+        for name, f in figures.items():
+            key = label.get(name) or fold(name)
+            mean_ms, share = sums.get(key, (0.0, 0.0))
+            sums[key] = (mean_ms + f.mean_ms, share + f.share)
+        per_rank[rank] = {k: (round(m, 3), round(sh, 4)) for k, (m, sh) in sums.items()}
+    return names, per_rank
+
+
+def _colours(names: Sequence[str]) -> dict[str, str]:
+    """Each drawn phase's colour: the built-ins' own, the user phases' in turn."""
+    out: dict[str, str] = {}
+    user = 0
+    for name in names:
+        if name in PHASE_COLOURS:
+            out[name] = PHASE_COLOURS[name]
+        else:
+            out[name] = USER_PHASE_COLOURS[user % len(USER_PHASE_COLOURS)]
+            user += 1
+    return out
+
+
+def _rank_table(data: RunData, shown: Sequence[int], folded: Folded) -> list[dict[str, Any]]:
     stragglers = set(_straggler_ranks(data.straggler))
     out = []
     step_time = data.step_time or {}
-    phases = data.phases or {}
+    phases = folded[1]
     for r in shown:
         s = step_time.get(str(r))
         if s is None:
             continue
         ph = phases.get(str(r)) or {}
-        largest = max(ph, key=lambda n: ph[n].share) if ph else None
+        largest = max(ph, key=lambda n: ph[n][1]) if ph else None
         out.append(
             {
                 "rank": r,
@@ -294,30 +356,47 @@ def _rank_table(data: RunData, shown: Sequence[int]) -> list[dict[str, Any]]:
                 "max_ms": s.max_ms,
                 "steps_per_s": s.steps_per_s,
                 "largest_phase": largest,
-                "largest_phase_share": ph[largest].share if largest else None,
+                "largest_phase_share": ph[largest][1] if largest else None,
                 "straggler": r in stragglers,
             }
         )
     return out
 
 
-def _phase_chart(data: RunData, ranks: Sequence[int]) -> dict[str, Any]:
-    phases = data.phases or {}
-    names = list(data.phase_names)
+def _phase_chart(folded: Folded, ranks: Sequence[int]) -> dict[str, Any]:
+    names, phases = folded
     present = [r for r in ranks if str(r) in phases]
 
     def figure(r: int, name: str, share: bool) -> float:
         f = phases[str(r)].get(name)
         if f is None:
             return 0.0
-        return f.share if share else f.mean_ms
+        return f[1] if share else f[0]
 
     return {
         "names": names,
         "ranks": present,
         "mean_ms": {n: [figure(r, n, False) for r in present] for n in names},
         "share": {n: [figure(r, n, True) for r in present] for n in names},
+        "colours": _colours(names),
     }
+
+
+def _ranges(ranks: Iterable[int]) -> list[list[int]]:
+    """Ranks as [first, last] runs of consecutive ranks (the page checks *Show rank*
+    against them; a short list however many ranks run)."""
+    out: list[list[int]] = []
+    for r in sorted(ranks):
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
+def files_command(folder: str) -> str:
+    """``traceml dashboard FOLDER`` as a shell reads it (the folder quoted)."""
+    return shlex.join(["traceml", "dashboard", folder])
 
 
 def _limited(items: Sequence[Mapping[str, Any]] | None, keep: set[int] | None) -> Any:
@@ -347,6 +426,7 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
         keep = set(shown)
     extra = [r for r in extra_ranks if r in data.series]
     step_chart, throughput = _series(data, highlight, extra)
+    folded = _folded_phases(data)
     nodes = sorted(set(data.rank_nodes.values()))
     job_rates = [s.steps_per_s for s in (data.step_time or {}).values() if s.steps]
     notes = list(data.notes)
@@ -368,6 +448,7 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
             "ranks_reporting": len(ranks),
             "nodes": nodes,
             "strategy": data.strategy,
+            "files_command": files_command(data.run_folder) if data.run_folder else None,
         },
         "window": data.window,
         "straggler": {
@@ -376,8 +457,10 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
             "ranks": stragglers,
             "definition": data.straggler.definition if data.straggler else None,
         },
-        "ranks": _rank_table(data, shown),
+        "ranks": _rank_table(data, shown, folded),
         "ranks_total": len(ranks),
+        "rank_ranges": _ranges(ranks),
+        "max_extra_ranks": MAX_EXTRA_RANKS,
         "ranks_shown_note": (
             f"{len(shown)} of {len(ranks)} ranks: the stragglers, then the slowest p50"
             if len(shown) < len(ranks)
@@ -388,7 +471,7 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
             **throughput,
             "job_steps_per_s": _finite(min(job_rates)) if job_rates else None,
         },
-        "phases": _phase_chart(data, shown),
+        "phases": _phase_chart(folded, shown),
         "memory": _limited(data.memory, keep),
         "memory_basis": data.memory_basis,
         "process": _limited(data.process, keep),

@@ -29,6 +29,7 @@ import functools
 import importlib
 import inspect
 import os
+import shlex
 import sys
 import threading
 import warnings
@@ -513,7 +514,8 @@ def _print_run_summary(run_dir: Path) -> None:
             return
         size = sum(f.stat().st_size for f in export_dir.glob("*.jsonl"))
         if size > SUMMARY_MAX_BYTES:
-            _say(f"summary: {size / 2**20:.0f} MiB of export files; `traceml summary {run_dir}`")
+            command = shlex.join(["traceml", "summary", str(run_dir)])
+            _say(f"summary: {size / 2**20:.0f} MiB of export files; `{command}`")
             return
         from traceml_ai.run_summary import format_summary, summarize_run
 

@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,8 @@ AGGREGATOR_READY_TIMEOUT_S = 60.0
 
 _READ_SLICE_S = 0.1
 """How often a wait for an aggregator event looks at the signals that came meanwhile."""
+WATCH_S = 0.2
+"""How often, while the ranks train, the launcher looks whether the aggregator died."""
 
 
 class AggregatorProcess:
@@ -60,6 +63,8 @@ class AggregatorProcess:
         )
         self._buffer = b""
         self._stop_sent = False
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def _read_event(
         self, timeout: float, give_up: Callable[[], bool] | None = None
@@ -129,12 +134,45 @@ class AggregatorProcess:
             )
         return event.host, event.port
 
+    def watch(self, export_on: bool) -> None:
+        """Say at once, in one line, if it dies while the ranks train (they go on
+        without it; the end of the run says what was lost). Stopped by :meth:`finalize`."""
+        files = (
+            "the export files keep what it wrote, without closing lines"
+            if export_on
+            else "export was off"
+        )
+
+        def run() -> None:
+            while not self._watch_stop.wait(WATCH_S):
+                code = self.proc.poll()
+                if code is not None:
+                    if self._stop_sent:  # asked to finalize (a signal while it started)
+                        return
+                    say(
+                        f"the aggregator {exit_description(code)} during the run: training "
+                        f"goes on without telemetry or live views, and nothing more is "
+                        f"recorded; {files} (the end of the run says what was lost)"
+                    )
+                    return
+
+        self._watcher = threading.Thread(target=run, name="traceml-aggregator-watch", daemon=True)
+        self._watcher.start()
+
+    def _stop_watching(self) -> None:
+        # Joined before anything else polls the process: Popen's poll() from two threads
+        # may see None while the other holds its wait lock.
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+
     def finalize(self, signals: Signals) -> tuple[FinalizedEvent | None, str]:
         """Ask it to finalize and wait (bounded): (the ``finalized`` event, "") or
         (None, what happened to it instead).
 
         A first signal meanwhile only says how long this may take; a second stops it.
         """
+        self._stop_watching()
         code = self.proc.poll()
         if code is not None:
             self._kill()

@@ -5,6 +5,7 @@ lost, and the warning file it writes when the aggregator could not.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import zipfile
 from pathlib import Path
@@ -33,7 +34,7 @@ def _print_short_summary(run_dir: Path, export_dir: Path) -> None:
         if size > END_OF_RUN_SUMMARY_MAX_BYTES:
             say(
                 f"summary: {size / 2**20:.0f} MiB of export files; "
-                f"`traceml summary {run_dir}` gives it"
+                f"`{shlex.join(['traceml', 'summary', str(run_dir)])}` gives it"
             )
             return
         from traceml_ai.run_summary import format_summary, summarize_run

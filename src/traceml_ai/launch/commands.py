@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -534,7 +535,9 @@ def serve(**cli: Any) -> None:
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     click.echo(f"traceml: aggregator listening on {host}:{port}; run folder {run_dir}", err=True)
     click.echo("traceml: start the ranks with:", err=True)
-    click.echo(f"export TRACEML_AGGREGATOR_ADDR={connect_host}:{port} TRACEML_RUN_TOKEN={token}")
+    # A line to paste into a shell: a token set by hand may hold any character.
+    address = shlex.quote(f"{connect_host}:{port}")
+    click.echo(f"export TRACEML_AGGREGATOR_ADDR={address} TRACEML_RUN_TOKEN={shlex.quote(token)}")
     sys.stdout.flush()
     result = run_until_done(aggregator, stop=stop, wait_for_ranks=True)
     if resolved.settings.exporter:

@@ -136,6 +136,7 @@ def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
             # The ranks say why telemetry is off instead of "not launched by traceml run".
             env[ENV_AGGREGATOR_UNAVAILABLE] = ready
         else:
+            aggregator.watch(export_on)
             env[ENV_AGGREGATOR_ADDR] = f"{p.connect_host}:{ready[1]}"
             env[ENV_RUN_TOKEN] = p.token
             env[ENV_RUN_DIR] = str(p.run_dir)

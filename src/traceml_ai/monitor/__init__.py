@@ -17,6 +17,7 @@ from traceml_ai._lazy_names import lazy_getattr
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from traceml_ai.monitor._feed import STRAGGLER_PERIOD_S, STRAGGLER_STEPS
     from traceml_ai.monitor._service import (
         LiveSink,
         Monitoring,
@@ -46,11 +47,14 @@ _LAZY = {
         "traceml_ai.monitor._service",
     ),
     **dict.fromkeys(("WINDOW_STEPS", "LiveState", "StepSeen"), "traceml_ai.monitor._state"),
+    **dict.fromkeys(("STRAGGLER_PERIOD_S", "STRAGGLER_STEPS"), "traceml_ai.monitor._feed"),
 }
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 __all__ = [
+    "STRAGGLER_PERIOD_S",
+    "STRAGGLER_STEPS",
     "WINDOW_STEPS",
     "LiveSink",
     "LiveState",

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from traceml_ai._queue import BoundedBatchQueue
 from traceml_ai.monitor._state import MAX_USER_PHASES, OTHER_PHASE, LiveState, StepSeen
-from traceml_ai.run_summary import analyze
+from traceml_ai.run_summary import ExcessSoFar, analyze
 from traceml_ai.transport.wire import (
     FrameError,
     ReceivedBatch,
@@ -26,7 +26,14 @@ from traceml_ai.transport.wire import (
     peek_batch_stream,
 )
 
-__all__ = ["DEFAULT_MAX_BATCHES", "DEFAULT_MAX_BYTES", "LiveFeed", "StepListener"]
+__all__ = [
+    "DEFAULT_MAX_BATCHES",
+    "DEFAULT_MAX_BYTES",
+    "STRAGGLER_PERIOD_S",
+    "STRAGGLER_STEPS",
+    "LiveFeed",
+    "StepListener",
+]
 
 _log = logging.getLogger("traceml_ai.monitor")
 
@@ -98,6 +105,7 @@ class LiveFeed:
         self._straggler_period_s = straggler_period_s
         self._next_straggler = time.monotonic() + straggler_period_s
         self._straggler_dirty = False
+        self._excess_so_far = ExcessSoFar()
         self.export_backlog = export_backlog
         """How full the export's queue is (0 to 1); None when export is off."""
         self.report: Callable[[str], None] | None = None
@@ -235,6 +243,7 @@ class LiveFeed:
             nodes = self.state.rank_nodes()
             measured = self.state.collectives_measured()
             view = analyze(rows, self.state.strategy(), nodes, measured) if rows else None
+            view = self._excess_so_far(view)
         except Exception:
             _log.exception("traceml: live views: the straggler analysis failed")
             view = None

@@ -24,9 +24,12 @@ from typing import Any, NamedTuple
 import attrs
 
 from traceml_ai.run_summary import (
-    PHASES,
+    MAX_USER_PHASES,
+    OTHER_PHASE,
     StragglerView,
+    UserPhaseFold,
     add_wait,
+    phase_name,
     step_row,
     wait_component,
     waits_measured,
@@ -59,10 +62,6 @@ PHASE_BUCKETS_S: tuple[float, ...] = (
 """Upper bounds (seconds) of the phase histograms: fewer buckets than the step's,
 because there are several phases per rank (series = ranks x phases x buckets)."""
 
-MAX_USER_PHASES = 8
-"""User phase names kept as their own label value; later names count as ``other``."""
-
-OTHER_PHASE = "other"
 MAX_WAIT_KEYS = 64
 """Wait keys one step of one rank may hold in the live state (phases x operations);
 items past it are ignored and counted, whatever a rank sends."""
@@ -73,7 +72,6 @@ MAX_RANKS = 65536
 WINDOW_STEPS = 120
 """Recent steps kept per rank (for the straggler analysis, the dashboard, outliers)."""
 
-_PHASE_OF_EVENT = {event: name for name, event in PHASES}
 _RESERVED = "_traceml_internal:"
 
 
@@ -237,7 +235,7 @@ class LiveState:
         self._lock = threading.Lock()
         self._ranks: dict[int, RankLive] = {}
         self._nodes: dict[int, NodeLive] = {}
-        self._user_phases: set[str] = set()
+        self._fold = UserPhaseFold()
         self._labels: dict[str, str | None] = {}
         """event name -> its label (None: a reserved name this release does not write)."""
         self.world_size: int | None = None
@@ -271,21 +269,15 @@ class LiveState:
         return live
 
     def _phase_label(self, event: str) -> str | None:
-        if not event:
+        """An event's label: the summary's name, folded by the one rule
+        (:class:`~traceml_ai.run_summary.UserPhaseFold`); None for no phase."""
+        name = phase_name(event) if event else None
+        if name is None:
             return None
-        name = _PHASE_OF_EVENT.get(event)
-        if name is not None:
-            return name
-        if event.startswith(_RESERVED):
-            return None
-        if event in self._user_phases:
-            return f"user:{event}"
-        if len(self._user_phases) < MAX_USER_PHASES:
-            self._user_phases.add(event)
-            return f"user:{event}"
-        if len(self.folded_phase_names) < 64:
+        label = self._fold(name)
+        if label == OTHER_PHASE and len(self.folded_phase_names) < 64:
             self.folded_phase_names.add(event)
-        return OTHER_PHASE
+        return label
 
     def add_steps(self, identity: Mapping[str, Any], items: Sequence[Any]) -> list[StepSeen]:
         """Take a step_time batch's items; returns the steps taken (for the traces)."""

@@ -33,11 +33,15 @@ from traceml_ai.run_summary._model import (
 )
 from traceml_ai.run_summary._phases import (
     BUILT_IN_PHASES,
+    MAX_USER_PHASES,
+    OTHER_PHASE,
     PHASES,
     STEP_EVENT,
+    UserPhaseFold,
     add_wait,
     median,
     percentile,
+    phase_name,
     step_row,
     wait_component,
     waits_measured,
@@ -54,6 +58,7 @@ from traceml_ai.run_summary._report import (
     summarize_run,
 )
 from traceml_ai.run_summary._straggler import (
+    ExcessSoFar,
     SlowNode,
     Straggler,
     StragglerView,
@@ -64,12 +69,15 @@ from traceml_ai.run_summary._straggler import (
 
 __all__ = [
     "BUILT_IN_PHASES",
+    "MAX_USER_PHASES",
+    "OTHER_PHASE",
     "PHASES",
     "STEP_EVENT",
     "STREAM_FILES",
     "WARNING_FILE",
     "DevicePeak",
     "Environment",
+    "ExcessSoFar",
     "FileState",
     "GpuFigures",
     "LossReport",
@@ -87,6 +95,7 @@ __all__ = [
     "Straggler",
     "StragglerView",
     "SummaryError",
+    "UserPhaseFold",
     "Waiting",
     "add_wait",
     "analyze",
@@ -94,6 +103,7 @@ __all__ = [
     "format_summary",
     "median",
     "percentile",
+    "phase_name",
     "step_figures",
     "step_row",
     "step_series",

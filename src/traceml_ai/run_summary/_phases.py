@@ -41,6 +41,13 @@ WAIT_PREFIX = "_cw:"
 """A row's key for the time it waited in collectives in one component (ms)."""
 OP_WAIT_PREFIX = "_cwop:"
 """...and per component and operation: ``_cwop:<component>:<op>``."""
+USER_PREFIX = "user:"
+"""The summary's names of user phases: ``user:<event name>``."""
+MAX_USER_PHASES = 8
+"""User phases the live views and the dashboard keep under their own names."""
+OTHER_PHASE = "other"
+"""Where the live views and the dashboard count the user phases past
+:data:`MAX_USER_PHASES` (:class:`UserPhaseFold`)."""
 _ZEROS = (0.0,) * len(BUILT_IN_PHASES)
 _PHASE_BY_EVENT = {event: name for name, event in PHASES}
 
@@ -49,8 +56,34 @@ def phase_name(event: str) -> str | None:
     """The summary's name of an event; None for a reserved name this reader does not know."""
     name = _PHASE_BY_EVENT.get(event)
     if name is None and not event.startswith(PREFIX):
-        name = f"user:{event}"
+        name = USER_PREFIX + event
     return name
+
+
+class UserPhaseFold:
+    """The one folding rule of the live views (Prometheus labels, OTLP spans, the live
+    state) and of the dashboard page, live or from files: the first
+    :data:`MAX_USER_PHASES` user phases to appear keep their names, every later one
+    counts as :data:`OTHER_PHASE`; other names pass unchanged.
+
+    "To appear": in the order a run's steps are read (a step's event names are sorted),
+    which the live state sees as batches arrive and :func:`phase_names` keeps, so a
+    page from the files keeps the same phases as the live page did. Call it with
+    summary names (``user:NAME``); its memory is the kept names only.
+    """
+
+    __slots__ = ("_kept",)
+
+    def __init__(self) -> None:
+        self._kept: set[str] = set()
+
+    def __call__(self, name: str) -> str:
+        if not name.startswith(USER_PREFIX) or name in self._kept:
+            return name
+        if len(self._kept) < MAX_USER_PHASES:
+            self._kept.add(name)
+            return name
+        return OTHER_PHASE
 
 
 def wait_component(phase: str) -> str | None:
@@ -214,11 +247,6 @@ def rounded(x: float, digits: int = 3) -> float:
     return round(float(x), digits)
 
 
-def _is_phase(key: str) -> bool:
-    # Rows may carry bookkeeping of their reader under "_"-keys (a timestamp).
-    return key != "step" and not key.startswith("_")
-
-
 def iteration(row: Mapping[str, float]) -> float:
     """The time of one training iteration: the step, plus the DataLoader wait when it
     was fetched before the step opened.
@@ -242,8 +270,9 @@ def rest(row: Mapping[str, float]) -> float:
 
 
 def _used(row: Mapping[str, float]) -> float:
-    """The sum of a row's phases (as :func:`_is_phase` picks them); a reader may have
-    summed them already, in the same order, under ``"_used"``."""
+    """The sum of a row's phases (every key but ``step`` and the reader's bookkeeping
+    under ``_``-keys, a timestamp); a reader may have summed them already, in the same
+    order, under ``"_used"``."""
     used = row.get("_used")
     if used is not None:
         return used
@@ -254,20 +283,22 @@ def _used(row: Mapping[str, float]) -> float:
     return total
 
 
-def phase_names(rows: Iterable[Iterable[str]]) -> list[str]:
+def phase_names(rows: Iterable[Mapping[str, object]]) -> list[str]:
     """The breakdown's phases in step order: the core ones always, h2d and user phases
-    when some row (or some rank's columns: their keys) has them, then ``rest``."""
-    keys: set[str] = set()
+    when some row (or some rank's columns: their keys) has them (in the order they
+    first appear in ``rows``: the order :class:`UserPhaseFold` keeps them by),
+    :data:`OTHER_PHASE` when some row has it (the live views' rows), then ``rest``."""
+    keys: dict[str, object] = {}
     for row in rows:
-        keys.update(row)  # C speed; the filter runs once per distinct key
-    seen = {k for k in keys if _is_phase(k)}
+        keys.update(row)  # C speed, first appearance kept; the filter runs once per key
     return [
         "dataloader_wait",
-        *(["h2d"] if "h2d" in seen else []),
+        *(["h2d"] if "h2d" in keys else []),
         "forward",
         "backward",
         "optimizer",
-        *sorted(k for k in seen if k.startswith("user:")),
+        *(k for k in keys if k.startswith(USER_PREFIX)),
+        *([OTHER_PHASE] if OTHER_PHASE in keys else []),
         "rest",
     ]
 

@@ -205,6 +205,38 @@ class StragglerView:
         return [s.rank for s in self.stragglers]
 
 
+class ExcessSoFar:
+    """The percentage of a straggler's excess over the run so far, for a view computed
+    again and again over the last steps (the live views).
+
+    The percentage is the excess over the others' own work; in a synchronous job the
+    others spend most of the iteration waiting, so their own work is a few ms and its
+    median over a short window moves by half from one window to the next (+2251 %, then
+    +1331 % for the same 30 ms). Each call adds a view's named ranks' excess and the
+    others' own work to their totals since that rank was first named (under that
+    verdict), and gives the view with each percentage taken from the totals: steady,
+    and the same figure over the whole run that the files give. The ms figures stay
+    the window's. Bounded by the ranks that were ever named.
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[tuple[int, str], tuple[float, float]] = {}
+
+    def __call__(self, view: StragglerView | None) -> StragglerView | None:
+        if view is None or not view.stragglers:
+            return view
+        named = []
+        for s in view.stragglers:
+            key = (s.rank, view.verdict)
+            excess, others = self._totals.get(key, (0.0, 0.0))
+            excess += s.excess_ms
+            others += s.others_own_work_ms
+            self._totals[key] = (excess, others)
+            pct = rounded(100.0 * excess / others, 1) if others > 0 else None
+            named.append(attrs.evolve(s, excess_pct=pct))
+        return attrs.evolve(view, stragglers=tuple(named))
+
+
 class _Table:
     """The compared iterations of every rank as matrices (ranks x steps) per component:
     the phases, ``between_steps``, ``rest_of_step``, ``_iter`` (the whole iteration),

@@ -236,6 +236,23 @@ def test_import_without_ray_names_the_extra() -> None:
     assert "pip install 'traceml-ai[ray]'" in out.stdout
 
 
+def test_a_big_export_names_a_summary_command_a_shell_can_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shlex
+
+    from traceml_ai.integrations import ray as traceml_ray
+
+    run_dir = tmp_path / 'it\'s my "run" $HOME'
+    export_dir = run_dir / "aggregator" / "export"
+    export_dir.mkdir(parents=True)
+    (export_dir / "step_time.jsonl").write_bytes(b"x" * 4096)
+    monkeypatch.setattr(traceml_ray, "SUMMARY_MAX_BYTES", 1024)
+    traceml_ray._print_run_summary(run_dir)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert shlex.split(line.split("`")[1]) == ["traceml", "summary", str(run_dir)], line
+
+
 # -- end to end on a local cluster --------------------------------------------------------
 
 

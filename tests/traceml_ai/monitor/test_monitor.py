@@ -227,6 +227,50 @@ def test_feed_sees_a_straggler_inside_backward_through_collectives() -> None:
     assert excess.labels == ("1", "backward") and excess.value == pytest.approx(0.030, abs=0.002)
 
 
+def test_the_live_straggler_percentage_is_over_the_run_so_far() -> None:
+    """Rank 1 works 30 ms more every step while the others' own work (the percentage's
+    base) is 20 ms in one window and 10 ms in the next: each window alone says +150 %,
+    then +300 %; the live view's percentage is over every verdict so far, and steady."""
+    from traceml_ai.monitor._feed import STRAGGLER_STEPS
+    from traceml_ai.run_summary import analyze
+
+    state = LiveState()
+    feed = LiveFeed(state)
+    end = {0: 10**18, 1: 10**18}
+    step_no = 0
+    live: list[float] = []
+    window: list[float] = []
+    totals = [0.0, 0.0]
+    for iteration in [50.0, 40.0] * 4:
+        items: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+        for _ in range(STRAGGLER_STEPS):
+            step_no += 1
+            for rank in (0, 1):
+                end[rank] += int(iteration * 1e6)
+                fwd, bwd = (32.0, 3.0) if rank == 1 else (2.0, 33.0)
+                items[rank].append(
+                    step(step_no, iteration - 5.0, end[rank],
+                         **{"_traceml_internal:forward_time": fwd,
+                            "_traceml_internal:backward_time": bwd})
+                )  # fmt: skip
+        for rank in (0, 1):
+            state.add_steps(identity(rank), items[rank])
+        alone = analyze(state.recent_rows(STRAGGLER_STEPS))
+        (mine,) = alone.stragglers
+        window.append(mine.excess_pct or 0.0)
+        totals[0] += mine.excess_ms
+        totals[1] += mine.others_own_work_ms
+        feed._update_straggler()
+        view = state.straggler
+        assert view is not None and view.named_ranks == [1]
+        live.append(view.stragglers[0].excess_pct or 0.0)
+    assert window[:2] == [pytest.approx(150.0, abs=2), pytest.approx(300.0, abs=2)]
+    assert live[-1] == pytest.approx(100.0 * totals[0] / totals[1], abs=0.1)
+    later = live[3:]
+    assert max(later) - min(later) < 0.1 * min(later), live
+    assert max(window) - min(window) > 0.5 * min(window), window
+
+
 def test_collectives_items_are_checked_and_bounded() -> None:
     """Malformed collectives items are counted; a rank sending endless distinct
     operations cannot grow one step's waits past the bound."""

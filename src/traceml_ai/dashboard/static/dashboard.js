@@ -2,9 +2,11 @@
 "use strict";
 (function () {
   const REFRESH_MS = 1000;
+  const ANSWER_WITHIN_MS = 10000;
   const extraRanks = new Set();
   let lastView = null;
   let failures = 0;
+  let goneSince = null;
   const PLOT_CONFIG = { displayModeBar: false, responsive: true };
   const $ = (id) => document.getElementById(id);
 
@@ -21,6 +23,12 @@
       v /= 1024;
     }
     return `${n} B`;
+  }
+  // Plotly reads a trace's name as markup (<b>, <br>, <span style>, &amp; ...): a user's
+  // string (a phase name) goes in with its markup characters as entities, so it is
+  // shown as written.
+  function plain(value) {
+    return String(value).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
   }
   function pct(x) { return x == null ? "n/a" : `${Number(x).toFixed(0)}%`; }
   function el(tag, cls, content) {
@@ -77,7 +85,9 @@
   function drawPhases(view) {
     const p = view.phases;
     const x = p.ranks.map((r) => `rank ${r}`);
-    const traces = p.names.map((name) => ({ type: "bar", name, x, y: p.mean_ms[name] }));
+    const traces = p.names.map((name) => ({
+      type: "bar", name: plain(name), x, y: p.mean_ms[name], marker: { color: p.colours[name] },
+    }));
     Plotly.react("chart-phases", traces, layout({ barmode: "stack", hovermode: "closest", yaxis: { title: { text: "ms" }, gridcolor: "#eee" } }), PLOT_CONFIG);
   }
 
@@ -183,35 +193,96 @@
     box.textContent = message || "";
   }
 
+  // The live page is served by the aggregator itself: no answer at all (not an HTTP
+  // error) means it has stopped (killed, crashed) or cannot be reached any more.
+  function showGone(view, why) {
+    if (goneSince == null) goneSince = new Date();
+    const status = $("status");
+    status.textContent = "live: aggregator gone";
+    status.className = "badge lost";
+    status.dataset.gone = "true";
+    const loss = $("loss-status");
+    loss.textContent = "aggregator gone";
+    loss.className = "badge lost";
+    const files = view.identity.export_folder
+      ? "the export files keep what it had written, without closing lines (traceml run writes " +
+        "finalization_warning.json when training ends)"
+      : "export was off, so no file holds the run";
+    const command = view.identity.files_command;
+    showError(
+      `The aggregator does not answer (since ${goneSince.toLocaleTimeString()}: ${why}). ` +
+      "It serves this page, so it has stopped (killed or crashed) or this browser can no " +
+      "longer reach it. If it has stopped, training goes on without it and nothing more " +
+      `is recorded: ${files}.` +
+      (command && view.identity.export_folder ? ` ${command} shows what they hold.` : "")
+    );
+  }
+
   async function poll() {
     const query = extraRanks.size ? `?ranks=${[...extraRanks].join(",")}` : "";
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(), ANSWER_WITHIN_MS);
     try {
-      const response = await fetch(`/api/view${query}`, { cache: "no-store" });
+      let response;
+      try {
+        response = await fetch(`/api/view${query}`, { cache: "no-store", signal: abort.signal });
+      } catch (err) {
+        err.noAnswer = true; // refused, reset or timed out: nothing answered
+        throw err;
+      }
       const body = await response.json();
       if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
       lastView = body;
       failures = 0;
+      goneSince = null;
+      delete $("status").dataset.gone;
       showError(null);
       render(body);
     } catch (err) {
       failures += 1;
       if (lastView && lastView.source === "live" && lastView.finished) {
-        const folder = lastView.identity.run_folder;
-        showError(`The run has finalized and its live page has stopped. ${folder ? `traceml dashboard ${folder} shows it from its files.` : ""}`);
+        const command = lastView.identity.files_command;
+        showError(`The run has finalized and its live page has stopped. ${command ? `${command} shows it from its files.` : ""}`);
         return; // the aggregator is gone: nothing more to fetch
       }
-      showError(`cannot refresh (${err.message || err}); retrying`);
+      const why = err.name === "AbortError" ? `no answer within ${ANSWER_WITHIN_MS / 1000} s` : (err.message || String(err));
+      if (err.noAnswer && lastView && lastView.source === "live") showGone(lastView, why);
+      else showError(`cannot refresh (${why}); retrying`);
+    } finally {
+      clearTimeout(timer);
     }
     setTimeout(poll, failures > 5 ? 5 * REFRESH_MS : REFRESH_MS);
   }
 
+  function rangesText(ranges) {
+    return ranges.map(([a, b]) => (a === b ? `${a}` : `${a}-${b}`)).join(", ");
+  }
+
+  // Only ranks the run has: one the page cannot draw is refused, with the reason.
   $("rank-add").addEventListener("click", () => {
+    const refused = [];
+    const ranges = lastView ? lastView.rank_ranges : [];
+    const limit = lastView ? lastView.max_extra_ranks : 0;
     for (const part of $("rank-input").value.split(/[ ,]+/)) {
-      if (/^\d+$/.test(part) && extraRanks.size < 16) extraRanks.add(Number(part));
+      if (!part) continue;
+      if (!/^\d+$/.test(part)) { refused.push(`${part} (not a rank number)`); continue; }
+      const rank = Number(part);
+      if (!ranges.some(([a, b]) => a <= rank && rank <= b)) { refused.push(`${rank} (no such rank)`); continue; }
+      if (!extraRanks.has(rank) && extraRanks.size >= limit) { refused.push(`${rank} (at most ${limit} ranks at once)`); continue; }
+      extraRanks.add(rank);
     }
+    const box = $("rank-refused");
+    box.hidden = !refused.length;
+    box.textContent = refused.length
+      ? `not shown: ${refused.join(", ")}; ranks with steps: ${ranges.length ? rangesText(ranges) : "none yet"}`
+      : "";
     $("rank-input").value = "";
     if (lastView) render(lastView);
   });
-  $("rank-clear").addEventListener("click", () => { extraRanks.clear(); if (lastView) render(lastView); });
+  $("rank-clear").addEventListener("click", () => {
+    extraRanks.clear();
+    $("rank-refused").hidden = true;
+    if (lastView) render(lastView);
+  });
   poll();
 })();
