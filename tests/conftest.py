@@ -126,3 +126,34 @@ def builder_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
         monkeypatch.setattr(_builder.RecordBuilder, "__init__", init_in_line_mode)
     return str(request.param)
+
+
+# --------------------------------------------------------------------------- the page
+
+CHROMIUM = "/usr/bin/chromium"
+"""Debian's chromium, driven by Playwright (never ``playwright install``)."""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Any:
+    """The system Chromium, one per module of the tests that look at the dashboard page."""
+    from playwright.sync_api import sync_playwright  # only the page's tests pay for it
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Any:
+    """A fresh page (its own context) of :func:`browser`, 1400 x 1500."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1500})
+    try:
+        yield context.new_page()
+    finally:
+        context.close()

@@ -24,12 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e_helpers import REPO, TRAIN, clean_env, free_port, run_cli, traceml_cmd
 
-CHROMIUM = "/usr/bin/chromium"
 STRAGGLER = REPO / "tests" / "scripts" / "straggler_train.py"
 SCREENSHOTS = os.environ.get("TRACEML_DASHBOARD_SCREENSHOTS")
 URL_LINE = re.compile(r"traceml: dashboard(?: of .*)?:? (?:live )?at (http://\S+)")
@@ -37,27 +36,6 @@ WAIT_MS = 60_000
 SLOW_RANK_1 = ["--where", "backward", "--slow-ranks", "1", "--sleep-ms", "30"]
 """Rank 1 slow inside backward's computation, before DDP's all-reduce: every rank's
 backward lasts as long, and only the measured collectives tell who waits."""
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1400, "height": 1500})
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 class _Proc:

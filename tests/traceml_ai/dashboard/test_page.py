@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from traceml_ai.dashboard import start_live_dashboard
 from traceml_ai.dashboard._files import FilesSource
@@ -28,31 +28,9 @@ from traceml_ai.transport.wire import ReceivedBatch
 
 pytestmark = pytest.mark.slow  # a real browser per module (docs/testing.md)
 
-CHROMIUM = "/usr/bin/chromium"
 WAIT_MS = 20_000
 P = "_traceml_internal:"
 BASE_NS = 10**18
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1400, "height": 1500})
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 # --------------------------------------------------------------------------- sources
