@@ -223,11 +223,8 @@ static const char DIGIT_PAIRS[] =
     "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
     "8081828384858687888990919293949596979899";
 
-static int write_int(Out *o, PyObject *value) {
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
-    if (overflow) return FALLBACK; /* orjson takes up to 2**64-1; let it decide */
-    if (v == -1 && PyErr_Occurred()) return ERR;
+/* A signed 64-bit integer's decimal digits. */
+static int write_ll(Out *o, long long v) {
     char tmp[24];
     int i = 24;
     unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
@@ -245,6 +242,14 @@ static int write_int(Out *o, PyObject *value) {
     }
     if (v < 0) tmp[--i] = '-';
     return out_write(o, tmp + i, 24 - i);
+}
+
+static int write_int(Out *o, PyObject *value) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow) return FALLBACK; /* orjson takes up to 2**64-1; let it decide */
+    if (v == -1 && PyErr_Occurred()) return ERR;
+    return write_ll(o, v);
 }
 
 static const char HEX[] = "0123456789abcdef";
@@ -1215,26 +1220,6 @@ static int token_ll(const char *s, Py_ssize_t n, long long *v) {
     if (neg ? u > 9223372036854775808ULL : u > 9223372036854775807ULL) return FALLBACK;
     *v = neg ? (long long)(0ULL - u) : (long long)u;
     return OK;
-}
-
-static int write_ll(Out *o, long long v) {
-    char tmp[24];
-    int i = 24;
-    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
-    while (u >= 100) {
-        unsigned d = (unsigned)(u % 100) * 2;
-        u /= 100;
-        tmp[--i] = DIGIT_PAIRS[d + 1];
-        tmp[--i] = DIGIT_PAIRS[d];
-    }
-    if (u >= 10) {
-        tmp[--i] = DIGIT_PAIRS[u * 2 + 1];
-        tmp[--i] = DIGIT_PAIRS[u * 2];
-    } else {
-        tmp[--i] = (char)('0' + u);
-    }
-    if (v < 0) tmp[--i] = '-';
-    return out_write(o, tmp + i, 24 - i);
 }
 
 /* The end of the JSON value at p, found by its brackets and strings only (what is
