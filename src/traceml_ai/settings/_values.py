@@ -25,6 +25,8 @@ from traceml_ai.settings._table import (
     PROMETHEUS_BIND_HOST,
     PROMETHEUS_PORT,
     RANK_HISTOGRAMS_MAX_RANKS,
+    TRACKER_EVERY_STEPS,
+    TRACKERS,
     default_of,
 )
 
@@ -83,7 +85,8 @@ class MonitorSettings:
     """Where the aggregator shows the run live, besides (or instead of) the files.
 
     Everything is off by default: ``prometheus_port`` None serves no ``/metrics``,
-    ``otlp`` False exports nothing over OTLP, ``dashboard`` False serves no page.
+    ``otlp`` False exports nothing over OTLP, ``dashboard`` False serves no page,
+    ``trackers`` empty logs to no experiment tracker.
     """
 
     prometheus_port: int | None = PROMETHEUS_PORT.default
@@ -94,11 +97,15 @@ class MonitorSettings:
     dashboard: bool = default_of(DASHBOARD)
     dashboard_port: int = default_of(DASHBOARD_PORT)
     dashboard_bind_host: str = default_of(DASHBOARD_BIND_HOST)
+    trackers: tuple[str, ...] = attrs.field(default=default_of(TRACKERS), converter=tuple)
+    tracker_every_steps: int = default_of(TRACKER_EVERY_STEPS)
 
     @property
     def any_on(self) -> bool:
         """Whether any live view is on."""
-        return self.prometheus_port is not None or self.otlp or self.dashboard
+        return (
+            self.prometheus_port is not None or self.otlp or self.dashboard or bool(self.trackers)
+        )
 
 
 @attrs.frozen(slots=True)
