@@ -3,7 +3,7 @@ Ray. Their defaults are the table's."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import attrs
@@ -80,6 +80,11 @@ def _structure_streams(value: object, _: object) -> ExportStreams:
 CONVERTER.register_structure_hook(ExportStreams, _structure_streams)
 
 
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    # A list is as good as a tuple in code; the protocol's JSON carries a list.
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class MonitorSettings:
     """Where the aggregator shows the run live, besides (or instead of) the files.
@@ -97,7 +102,7 @@ class MonitorSettings:
     dashboard: bool = default_of(DASHBOARD)
     dashboard_port: int = default_of(DASHBOARD_PORT)
     dashboard_bind_host: str = default_of(DASHBOARD_BIND_HOST)
-    trackers: tuple[str, ...] = attrs.field(default=default_of(TRACKERS), converter=tuple)
+    trackers: tuple[str, ...] = attrs.field(default=default_of(TRACKERS), converter=_names)
     tracker_every_steps: int = default_of(TRACKER_EVERY_STEPS)
 
     @property
