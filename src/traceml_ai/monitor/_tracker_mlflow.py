@@ -7,9 +7,11 @@ experiment ``MLFLOW_EXPERIMENT_ID`` or ``MLFLOW_EXPERIMENT_NAME`` (made when it 
 not exist; MLflow's default experiment without either). The run is named after the
 TraceML run, tagged with its folder, and ended (FINISHED) at the end.
 
-MLflow's HTTP client retries a failed request for minutes by default; unless the user
-set them, the aggregator makes that a short wait (:data:`HTTP_DEFAULTS`): a tracker
-that is down costs counted points, not the end of the run.
+MLflow's HTTP client retries a failed request for minutes by default, and ending a
+run prints its URL to stdout (the training terminal); unless the user set them, the
+aggregator makes the first a short wait and switches the second off
+(:data:`CLIENT_DEFAULTS`): a tracker that is down costs counted points, not the end
+of the run, and the terminal holds TraceML's lines only.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from traceml_ai.monitor._service import RunInfo
 
-__all__ = ["HTTP_DEFAULTS", "RUN_DIR_TAG", "MlflowTracker", "open_mlflow"]
+__all__ = ["CLIENT_DEFAULTS", "RUN_DIR_TAG", "MlflowTracker", "open_mlflow"]
 
-HTTP_DEFAULTS: Mapping[str, str] = {
+CLIENT_DEFAULTS: Mapping[str, str] = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
-"""MLflow's request settings the aggregator sets when the user has not."""
+"""MLflow's client settings the aggregator sets when the user has not."""
 
 RUN_DIR_TAG = "traceml.run_dir"
 """The tag that names the TraceML run folder of an MLflow run."""
@@ -38,7 +41,7 @@ class MlflowTracker:
     """One MLflow run TraceML logs into."""
 
     def __init__(self, run: RunInfo) -> None:
-        for key, value in HTTP_DEFAULTS.items():
+        for key, value in CLIENT_DEFAULTS.items():
             os.environ.setdefault(key, value)
         from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
