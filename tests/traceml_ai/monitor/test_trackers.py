@@ -347,3 +347,38 @@ print(round(fed, 2), round(time.monotonic() - t, 2), dict(loss.by_sink))
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr  # nothing of MLflow's own
     assert lines[0].startswith("traceml: mlflow: still busy after "), result.stderr
+
+
+def test_the_tracker_librarys_logging_stays_off_the_terminal(tmp_path: Path) -> None:
+    """What the library logs (through its loggers, as MLflow's and TensorBoard's do)
+    never reaches the aggregator's stderr, the training terminal."""
+    code = f"""
+import logging, sys
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+from tests.traceml_ai.monitor.test_monitor import encoded, identity, step
+from traceml_ai.monitor import Monitoring, RunInfo, tracker_sink
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.monitor.trackers import BACKENDS, Backend
+from traceml_ai.settings import MonitorSettings
+
+class Noisy:
+    def log(self, figures, step):
+        logging.getLogger("tensorboard.summary").warning("library noise at %s", step)
+    def close(self):
+        logging.getLogger("tensorboard").error("library noise at close")
+
+BACKENDS["tensorboard"] = Backend("tensorboard", "tensorboard", ("tensorboard",), lambda run: Noisy())
+m = Monitoring(MonitorSettings(trackers=("tensorboard",), tracker_every_steps=1), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="r", host="h"), Health)
+m.start_sinks({{"tensorboard": tracker_sink("tensorboard")}})
+m.feed.start()
+for i in range(1, 4):
+    m.submit(encoded("step_time", identity(0, world=1), [step(i, 10.0, 10**18 + i * 10**7)]))
+print(m.close(5.0), m.sinks[0].logged_points)
+"""
+    result = subprocess.run(
+        [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(" 3"), result.stdout  # every point logged
+    assert "noise" not in result.stderr, result.stderr
