@@ -183,10 +183,11 @@ def point_figures(state: LiveState, step: int, previous: int | None) -> dict[str
 
 def _quiet(loggers: Sequence[str]) -> None:
     """Keep a tracker library's logging and warnings off the training terminal (the
-    aggregator's stderr is the user's): its failures reach the user as our one line."""
+    aggregator's stderr is the user's): its failures reach the user as our one line.
+    Called once the library is imported (MLflow sets handlers of its own then)."""
     for name in loggers:
         logger = logging.getLogger(name)
-        logger.addHandler(logging.NullHandler())
+        logger.handlers = [logging.NullHandler()]  # replaces a handler of the library's own
         logger.propagate = False
         warnings.filterwarnings("ignore", module=rf"{name}(\.|$)")
 
@@ -245,8 +246,11 @@ class TrackerSink:
             self._report(f"traceml: {self.name}: {line}; training and the files go on")
 
     def _open(self) -> None:
-        _quiet(self._backend.library_loggers)
         try:
+            # The library first, on its own: MLflow sets handlers of its own when
+            # imported, which are replaced before the run is opened (its store logs).
+            importlib.import_module(self._backend.module)
+            _quiet(self._backend.library_loggers)
             self._tracker = self._backend.open(self._run)
         except Exception as exc:
             self._open_failed = True

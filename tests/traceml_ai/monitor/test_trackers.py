@@ -382,3 +382,37 @@ print(m.close(5.0), m.sinks[0].logged_points)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith(" 3"), result.stdout  # every point logged
     assert "noise" not in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_mlflows_own_logging_stays_off_the_terminal(tmp_path: Path) -> None:
+    """MLflow sets a stderr handler of its own when imported (and its sqlite store
+    logs its migrations): after the sink opened a run, none of it reaches stderr."""
+    code = f"""
+import logging, os, sys
+os.environ["MLFLOW_TRACKING_URI"] = "sqlite:///{tmp_path}/mlflow.db"
+os.environ["MLFLOW_EXPERIMENT_NAME"] = "e"
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+from tests.traceml_ai.monitor.test_monitor import encoded, identity, step
+from traceml_ai.monitor import Monitoring, RunInfo, tracker_sink
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.settings import MonitorSettings
+m = Monitoring(MonitorSettings(trackers=("mlflow",), tracker_every_steps=2), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="quiet-run", host="h"), Health)
+m.start_sinks({{"mlflow": tracker_sink("mlflow")}})
+m.feed.start()
+for i in range(1, 5):
+    m.submit(encoded("step_time", identity(0, world=1), [step(i, 10.0, 10**18 + i * 10**7)]))
+loss = m.close(30.0)
+logging.getLogger("mlflow.tracking").warning("library noise after the run")
+from mlflow.tracking import MlflowClient
+client = MlflowClient()
+(run,) = client.search_runs([client.get_experiment_by_name("e").experiment_id])
+print(run.info.run_name, sorted(m.step for m in client.get_metric_history(run.info.run_id, "traceml/step_time_ms/median")), dict(loss.by_sink))
+"""
+    result = subprocess.run(
+        [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "quiet-run [2, 4] {}", result.stdout + result.stderr
+    assert result.stderr == "", result.stderr
