@@ -22,8 +22,6 @@ from tests.e2e_helpers import REPO, data_lines, free_port, run_cli, warning_file
 from tests.receivers.mlflow_server import mlflow_server, server_env
 from traceml_ai.monitor import tracker_metrics as tm
 
-pytestmark = pytest.mark.slow
-
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
 STEPS = 240
 """About 6 s of steps (rank 1 sleeps 20 ms in forward): the live straggler analysis

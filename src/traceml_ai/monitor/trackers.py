@@ -68,12 +68,26 @@ class TrackerBackend(Protocol):
 @attrs.frozen
 class Backend:
     """How one tracker is reached: the extra that brings its library, a module whose
-    absence means the extra is missing, and the function that opens a run."""
+    absence means the extra is missing, the library's loggers, the function that
+    imports the library and the one that opens a run."""
 
     extra: str
     module: str
     library_loggers: tuple[str, ...]
+    load: Callable[[], object]
     open: Callable[[RunInfo], TrackerBackend]
+
+
+def _load_tensorboard() -> object:
+    import tensorboard
+
+    return tensorboard
+
+
+def _load_mlflow() -> object:
+    import mlflow
+
+    return mlflow
 
 
 def _open_tensorboard(run: RunInfo) -> TrackerBackend:
@@ -89,8 +103,12 @@ def _open_mlflow(run: RunInfo) -> TrackerBackend:
 
 
 BACKENDS: Mapping[str, Backend] = {
-    "tensorboard": Backend("tensorboard", "tensorboard", ("tensorboard",), _open_tensorboard),
-    "mlflow": Backend("mlflow", "mlflow", ("mlflow", "alembic", "urllib3"), _open_mlflow),
+    "tensorboard": Backend(
+        "tensorboard", "tensorboard", ("tensorboard",), _load_tensorboard, _open_tensorboard
+    ),
+    "mlflow": Backend(
+        "mlflow", "mlflow", ("mlflow", "alembic", "urllib3"), _load_mlflow, _open_mlflow
+    ),
 }
 """Every tracker of ``settings.TRACKER_NAMES``, by name."""
 assert tuple(BACKENDS) == TRACKER_NAMES
@@ -249,7 +267,7 @@ class TrackerSink:
         try:
             # The library first, on its own: MLflow sets handlers of its own when
             # imported, which are replaced before the run is opened (its store logs).
-            importlib.import_module(self._backend.module)
+            self._backend.load()
             _quiet(self._backend.library_loggers)
             self._tracker = self._backend.open(self._run)
         except Exception as exc:
