@@ -66,6 +66,8 @@ def live_sinks(settings: MonitorSettings) -> dict[str, SinkFactory]:
         from traceml_ai.dashboard import start_live_dashboard
 
         sinks["dashboard"] = start_live_dashboard
+    for name in settings.trackers:
+        sinks[name] = monitor.tracker_sink(name)
     return sinks
 
 

@@ -36,9 +36,12 @@ from traceml_ai.settings import (
     RANK_HISTOGRAMS_MAX_RANKS,
     RAY_CONFIG_SOURCE,
     RUN_NAME,
+    TRACKER_EVERY_STEPS,
+    TRACKERS,
     ExportSettings,
     MonitorSettings,
     ResolvedExportSettings,
+    parse_trackers,
     ray_field,
     settings_from_values,
 )
@@ -52,6 +55,19 @@ CONFIG_SOURCE = RAY_CONFIG_SOURCE
 def _fspath(value: Any) -> Any:
     # Accept a pathlib.Path for logs_dir; anything else is left for the validator.
     return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _trackers(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    # Empty text is a valid value here (no tracker), which the table's str check refuses.
+    del instance
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{CONFIG_SOURCE}.{attribute.name}: expected {TRACKERS.expected}, got {value!r}"
+        )
+    try:
+        parse_trackers(value)
+    except ValueError as exc:
+        raise ValueError(f"{CONFIG_SOURCE}.{attribute.name}: {exc}") from None
 
 
 def _session_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -163,6 +179,9 @@ class TraceMLRayConfig:
       ``dashboard_bind_host`` (``127.0.0.1``): where the aggregator actor serves the live dashboard with
       ``mode="dashboard"``, on the driver's node (docs/dashboard.md); the driver prints
       its URL. Another than a loopback address is said in a warning.
+    - ``trackers`` (comma-separated: ``"tensorboard,mlflow"``; ``""`` none),
+      ``tracker_every_steps``: the experiment trackers the aggregator actor logs to,
+      as ``--tracker`` and ``--tracker-every-steps`` (docs/trackers.md).
 
     TraceML 0.5.0's fields (docs/compat-0.5.md):
 
@@ -200,6 +219,8 @@ class TraceMLRayConfig:
     otlp_trace_sample: int = ray_field(OTLP_TRACE_SAMPLE)
     dashboard_port: int = ray_field(DASHBOARD_PORT)
     dashboard_bind_host: str = ray_field(DASHBOARD_BIND_HOST)
+    trackers: str = ray_field(TRACKERS, validator=_trackers)
+    tracker_every_steps: int = ray_field(TRACKER_EVERY_STEPS)
     # TraceML 0.5.0's fields.
     mode: str | None = attrs.field(default=None, validator=_one_of(RAY_MODES))
     profile: str | None = attrs.field(default=None, validator=_one_of(PROFILES))
@@ -277,6 +298,8 @@ class TraceMLRayConfig:
             dashboard=self.mode == "dashboard",
             dashboard_port=self.dashboard_port,
             dashboard_bind_host=self.dashboard_bind_host,
+            trackers=parse_trackers(self.trackers),
+            tracker_every_steps=self.tracker_every_steps,
         )
 
     @property

@@ -6,9 +6,10 @@ rest of ``traceml_ai`` (the aggregator that starts monitoring, the dashboard tha
 serves it); they load on first use (PEP 562), with the state, its feed and the
 service. A sink is handed to :func:`start_monitoring` by its caller as a factory
 (:data:`SinkFactory`) that imports its libraries only when called: this package's
-own, :func:`prometheus_sink` (the standard library's HTTP server) and
-:func:`otlp_sink`, and the dashboard's (``traceml_ai.dashboard.start_live_dashboard``).
-A default install never imports opentelemetry or the web server.
+own, :func:`prometheus_sink` (the standard library's HTTP server),
+:func:`otlp_sink` and :func:`tracker_sink` (one per experiment tracker), and the
+dashboard's (``traceml_ai.dashboard.start_live_dashboard``). A default install never
+imports opentelemetry, the web server or a tracker's library.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
         start_monitoring,
     )
     from traceml_ai.monitor._state import WINDOW_STEPS, LiveState, StepSeen
+    from traceml_ai.monitor.trackers import tracker_sink
 
 _LAZY = {
     **dict.fromkeys(
@@ -48,6 +50,7 @@ _LAZY = {
     ),
     **dict.fromkeys(("WINDOW_STEPS", "LiveState", "StepSeen"), "traceml_ai.monitor._state"),
     **dict.fromkeys(("STRAGGLER_PERIOD_S", "STRAGGLER_STEPS"), "traceml_ai.monitor._feed"),
+    "tracker_sink": "traceml_ai.monitor.trackers",
 }
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
@@ -67,4 +70,5 @@ __all__ = [
     "otlp_sink",
     "prometheus_sink",
     "start_monitoring",
+    "tracker_sink",
 ]

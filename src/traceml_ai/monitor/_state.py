@@ -533,6 +533,43 @@ class LiveState:
                 out[rank] = steps[-last:] if last else steps
             return out
 
+    def last_steps(self) -> dict[int, int]:
+        """rank -> the highest step it has reported, for every rank that reported one."""
+        with self._lock:
+            return {rank: live.last_step for rank, live in self._ranks.items() if live.steps}
+
+    def steps_at(self, wanted: Sequence[int]) -> dict[int, list[StepSeen | None]]:
+        """rank -> its recent step of each ``wanted`` step number (None: not among its
+        recent steps). Looked up by position first (steps usually come in order), so
+        the lock is held for a few lookups per rank, not a scan of the window."""
+        out: dict[int, list[StepSeen | None]] = {}
+        with self._lock:
+            for rank, live in self._ranks.items():
+                recent = live.recent
+                found: list[StepSeen | None] = []
+                for step in wanted:
+                    index = len(recent) - 1 - (live.last_step - step)
+                    hit = recent[index] if 0 <= index < len(recent) else None
+                    if hit is None or hit.step != step:
+                        hit = next((s for s in recent if s.step == step), None)
+                    found.append(hit)
+                out[rank] = found
+        return out
+
+    def peak_memory(self) -> tuple[float | None, float | None]:
+        """The highest peak allocated and peak reserved bytes any rank's device reported
+        at its last report (None: none reported)."""
+        allocated: float | None = None
+        reserved: float | None = None
+        with self._lock:
+            for live in self._ranks.values():
+                for a, r in live.peak_memory.values():
+                    if a is not None and (allocated is None or a > allocated):
+                        allocated = a
+                    if r is not None and (reserved is None or r > reserved):
+                        reserved = r
+        return allocated, reserved
+
     def rank_nodes(self) -> dict[int, int]:
         """rank -> node of every rank heard from."""
         with self._lock:

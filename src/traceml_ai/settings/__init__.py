@@ -53,6 +53,7 @@ from traceml_ai.settings._parse import (
     BOOL_FORMS,
     EXPORTER_FORMS,
     PORT_FORMS,
+    TRACKER_NAMES,
     Command,
     ExporterKind,
     ExportStreams,
@@ -60,6 +61,7 @@ from traceml_ai.settings._parse import (
     exporter_kind,
     parse_bool_value,
     parse_exporter_value,
+    parse_trackers,
 )
 from traceml_ai.settings._table import (
     AGGREGATOR_BIND_HOST,
@@ -95,6 +97,8 @@ from traceml_ai.settings._table import (
     RUN_TORCHRUN_OPTIONS,
     SETTINGS,
     SETTINGS_BY_NAME,
+    TRACKER_EVERY_STEPS,
+    TRACKERS,
     Setting,
 )
 from traceml_ai.settings._values import (
@@ -149,6 +153,9 @@ __all__ = [
     "SETTINGS",
     "SETTINGS_BY_NAME",
     "SOURCE_DEFAULT",
+    "TRACKERS",
+    "TRACKER_EVERY_STEPS",
+    "TRACKER_NAMES",
     "YAML_FILENAME",
     "Command",
     "ExportSettings",
@@ -166,6 +173,7 @@ __all__ = [
     "load_yaml_config",
     "parse_bool_value",
     "parse_exporter_value",
+    "parse_trackers",
     "ray_field",
     "ray_settings",
     "resolve_export_settings",

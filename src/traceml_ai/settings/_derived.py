@@ -37,6 +37,16 @@ def click_options(command: Command) -> Callable[[_F], _F]:
                 # environment or traceml.yaml switched on.
                 decl = f"{setting.flag}/--no-{setting.flag[2:]}"
                 func = click.option(decl, setting.name, default=None, help=help_text)(func)
+            elif setting.repeatable:
+                func = click.option(
+                    setting.flag,
+                    setting.name,
+                    type=str,
+                    multiple=True,
+                    default=None,
+                    metavar=setting.metavar,
+                    help=help_text,
+                )(func)
             else:
                 func = click.option(
                     setting.flag,
@@ -126,6 +136,8 @@ def settings_table_markdown() -> str:
     ]
     for s in SETTINGS:
         flag = f"`{s.flag}` / `--no-{s.flag[2:]}`" if s.is_switch else f"`{s.flag}`"
+        if s.repeatable:
+            flag += " (repeatable)"
         commands = ", ".join(s.commands)
         rows.append(f"| `{s.yaml_key}` | {flag} | `{s.env}` | {s.doc_default} | {commands} |")
     return "\n".join(rows) + "\n"

@@ -37,6 +37,8 @@ from traceml_ai.settings._table import (
     RUN_NAME,
     RUN_TORCHRUN_OPTIONS,
     SETTINGS,
+    TRACKER_EVERY_STEPS,
+    TRACKERS,
     Setting,
 )
 from traceml_ai.settings._values import (
@@ -160,7 +162,12 @@ def _scalar_text(value: object) -> str | None:
 
 
 def _parse_value(setting: Setting[T], value: object, label: str) -> T:
-    """Parse one layer's value; errors start with ``label`` (the setting and layer)."""
+    """Parse one layer's value; errors start with ``label`` (the setting and layer).
+    A repeatable setting takes a YAML list of scalars too, as its comma list."""
+    if setting.repeatable and isinstance(value, list):
+        parts = [_scalar_text(v) for v in value]
+        if all(p is not None for p in parts):
+            value = ",".join(p for p in parts if p is not None)
     text = _scalar_text(value)
     if text is None:
         raise SettingsError(f"{label}: expected {setting.expected}, got {_describe(value)}")
@@ -193,9 +200,12 @@ def _load_layers(environ: Mapping[str, str] | None, yaml_path: Path | None) -> _
 def _resolve_one(setting: Setting[T], cli_value: object, layers: _Layers) -> tuple[T | None, str]:
     """The winning layer's value of one setting, parsed, and that layer's name.
 
-    A CLI value of ``None`` means the flag was not given. An environment variable
+    A CLI value of ``None`` means the flag was not given; a repeatable flag's values
+    (a sequence, empty when not given) join as a comma list. An environment variable
     counts as set whenever it is present, even when empty.
     """
+    if isinstance(cli_value, (tuple, list)):
+        cli_value = ",".join(str(v) for v in cli_value) if cli_value else None
     if cli_value is not None:
         return _parse_value(setting, cli_value, setting.flag), setting.flag
     if setting.env in layers.environ:
@@ -315,6 +325,8 @@ def resolve_launch_settings(
             dashboard=_given(get(DASHBOARD), DASHBOARD),
             dashboard_port=_given(get(DASHBOARD_PORT), DASHBOARD_PORT),
             dashboard_bind_host=_given(get(DASHBOARD_BIND_HOST), DASHBOARD_BIND_HOST),
+            trackers=_given(get(TRACKERS), TRACKERS),
+            tracker_every_steps=_given(get(TRACKER_EVERY_STEPS), TRACKER_EVERY_STEPS),
         ),
         warnings=tuple(_ignored_torchrun_settings(command, layers)),
     )

@@ -15,6 +15,11 @@ EXPORTER_FORMS = "'' (off), 'jsonl', or 'module.path:factory'"
 BOOL_FORMS = "one of 1/0, true/false, yes/no, on/off"
 PORT_FORMS = "an integer in [0, 65535] (0 picks a free port)"
 
+TRACKER_NAMES: tuple[str, ...] = ("tensorboard", "mlflow")
+"""The experiment trackers the aggregator can log to (docs/trackers.md); each has its
+backend in ``traceml_ai.monitor.trackers``."""
+TRACKERS_FORMS = "tracker names, comma-separated, from " + ", ".join(TRACKER_NAMES)
+
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
@@ -95,6 +100,24 @@ class ExportStreams:
 
     def __str__(self) -> str:
         return self.text
+
+
+def parse_trackers(text: str) -> tuple[str, ...]:
+    """Tracker names, comma-separated (trimmed, any case, each once, in order);
+    ``""``/``off`` is none."""
+    value = text.strip().lower()
+    if value in _FALSE_WORDS:
+        return ()
+    names: list[str] = []
+    for part in value.split(","):
+        name = part.strip()
+        if not name:
+            continue
+        if name not in TRACKER_NAMES:
+            raise ValueError(f"expected {TRACKERS_FORMS}, got {text!r} (unknown {name!r})")
+        if name not in names:
+            names.append(name)
+    return tuple(names)
 
 
 def parse_seconds(text: str) -> float:

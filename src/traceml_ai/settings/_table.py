@@ -19,6 +19,7 @@ from traceml_ai.settings._parse import (
     BOOL_FORMS,
     EXPORTER_FORMS,
     PORT_FORMS,
+    TRACKERS_FORMS,
     Command,
     ExportStreams,
     parse_bool_value,
@@ -30,6 +31,7 @@ from traceml_ai.settings._parse import (
     parse_port,
     parse_run_name,
     parse_seconds,
+    parse_trackers,
 )
 from traceml_records import DEFAULT_EXPORT_STREAMS as _CONTRACT_DEFAULT_STREAMS
 from traceml_records import SELECTION_NAMES
@@ -59,7 +61,9 @@ class Setting(Generic[T_co]):
     one the docs show the default itself). ``kind`` is the type a value given in code
     has (a ``TraceMLRayConfig`` field). ``ray`` names the ``TraceMLRayConfig`` field
     of the setting (None: Ray has none); its default is ``default`` unless
-    ``ray_default`` says otherwise (a Ray job decides differently).
+    ``ray_default`` says otherwise (a Ray job decides differently). A ``repeatable``
+    setting's flag may be given several times, and names one value (its name without
+    the plural ``s``).
     """
 
     name: str
@@ -73,11 +77,15 @@ class Setting(Generic[T_co]):
     default_doc: str = ""
     ray: str | None = None
     ray_default: object = SAME
+    repeatable: bool = False
+    """The flag may be given several times (its values join as a comma list)."""
 
     @property
     def flag(self) -> str:
-        """The CLI flag, e.g. ``--logs-dir``."""
-        return "--" + self.name.replace("_", "-")
+        """The CLI flag, e.g. ``--logs-dir``; a repeatable one names one value
+        (``--tracker`` for ``trackers``)."""
+        name = self.name.removesuffix("s") if self.repeatable else self.name
+        return "--" + name.replace("_", "-")
 
     @property
     def env(self) -> str:
@@ -352,6 +360,36 @@ DASHBOARD_BIND_HOST: Setting[str] = Setting(
     kind=str,
     ray="dashboard_bind_host",
 )
+TRACKERS: Setting[tuple[str, ...]] = Setting(
+    name="trackers",
+    parse=parse_trackers,
+    default=(),
+    default_doc="off",
+    expected=TRACKERS_FORMS,
+    help="Log TraceML's figures to these experiment trackers from the aggregator "
+    "(docs/trackers.md; each needs its extra): repeat the flag or give a comma list.",
+    metavar="NAME",
+    commands=_BOTH,
+    kind=str,
+    ray="trackers",
+    ray_default="",  # the field holds the text; the config parses it
+    repeatable=True,
+)
+TRACKER_EVERY_STEPS: Setting[int] = Setting(
+    name="tracker_every_steps",
+    parse=parse_count,
+    # One point per 100 steps: at 1,024 ranks a point is one pass over the ranks'
+    # latest steps (medians, the maximum) and one write of a bounded set of values,
+    # so the aggregator's cost stays far below the export's and a tracker's chart
+    # still gets hundreds of points over a run of tens of thousands of steps.
+    default=100,
+    expected="a whole number of at least 1",
+    help="Log to the trackers every N training steps (the step all ranks have reached).",
+    metavar="N",
+    commands=_BOTH,
+    kind=int,
+    ray="tracker_every_steps",
+)
 
 SETTINGS: tuple[Setting[object], ...] = (
     EXPORTER,
@@ -374,6 +412,8 @@ SETTINGS: tuple[Setting[object], ...] = (
     DASHBOARD,
     DASHBOARD_PORT,
     DASHBOARD_BIND_HOST,
+    TRACKERS,
+    TRACKER_EVERY_STEPS,
 )
 """Every setting of ``traceml run`` and ``traceml serve``, in the order of the docs."""
 

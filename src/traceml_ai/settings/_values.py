@@ -3,7 +3,7 @@ Ray. Their defaults are the table's."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import attrs
@@ -25,6 +25,8 @@ from traceml_ai.settings._table import (
     PROMETHEUS_BIND_HOST,
     PROMETHEUS_PORT,
     RANK_HISTOGRAMS_MAX_RANKS,
+    TRACKER_EVERY_STEPS,
+    TRACKERS,
     default_of,
 )
 
@@ -78,12 +80,18 @@ def _structure_streams(value: object, _: object) -> ExportStreams:
 CONVERTER.register_structure_hook(ExportStreams, _structure_streams)
 
 
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    # A list is as good as a tuple in code; the protocol's JSON carries a list.
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class MonitorSettings:
     """Where the aggregator shows the run live, besides (or instead of) the files.
 
     Everything is off by default: ``prometheus_port`` None serves no ``/metrics``,
-    ``otlp`` False exports nothing over OTLP, ``dashboard`` False serves no page.
+    ``otlp`` False exports nothing over OTLP, ``dashboard`` False serves no page,
+    ``trackers`` empty logs to no experiment tracker.
     """
 
     prometheus_port: int | None = PROMETHEUS_PORT.default
@@ -94,11 +102,15 @@ class MonitorSettings:
     dashboard: bool = default_of(DASHBOARD)
     dashboard_port: int = default_of(DASHBOARD_PORT)
     dashboard_bind_host: str = default_of(DASHBOARD_BIND_HOST)
+    trackers: tuple[str, ...] = attrs.field(default=default_of(TRACKERS), converter=_names)
+    tracker_every_steps: int = default_of(TRACKER_EVERY_STEPS)
 
     @property
     def any_on(self) -> bool:
         """Whether any live view is on."""
-        return self.prometheus_port is not None or self.otlp or self.dashboard
+        return (
+            self.prometheus_port is not None or self.otlp or self.dashboard or bool(self.trackers)
+        )
 
 
 @attrs.frozen(slots=True)

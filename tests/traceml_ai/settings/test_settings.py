@@ -827,7 +827,8 @@ def test_every_setting_has_flag_env_and_key() -> None:
     names = [s.name for s in settings.SETTINGS]
     assert len(names) == len(set(names))
     for s in settings.SETTINGS:
-        assert s.flag == "--" + s.name.replace("_", "-")
+        name = s.name.removesuffix("s") if s.repeatable else s.name
+        assert s.flag == "--" + name.replace("_", "-")
         assert s.env == "TRACEML_" + s.name.upper()
         assert s.yaml_key == s.name
         assert f"`{s.env}`" in settings.settings_table_markdown()

@@ -57,6 +57,8 @@ GOOD_TEXT: dict[str, str] = {
     "dashboard": "1",
     "dashboard_port": "9999",
     "dashboard_bind_host": "0.0.0.0",
+    "trackers": "TensorBoard, mlflow",
+    "tracker_every_steps": "10",
 }
 BAD_TEXT: dict[str, str] = {
     "exporter": "csv",
@@ -79,6 +81,8 @@ BAD_TEXT: dict[str, str] = {
     "dashboard": "nope",
     "dashboard_port": "65536",
     "dashboard_bind_host": "",
+    "trackers": "tensorboard,neptune",
+    "tracker_every_steps": "0",
 }
 
 
@@ -192,6 +196,8 @@ RAY_BAD: dict[str, tuple[object, object]] = {
     "otlp_trace_sample": (0, True),
     "dashboard_port": (65536, "8765"),
     "dashboard_bind_host": ("", None),
+    "trackers": ("wandb", ["mlflow"]),
+    "tracker_every_steps": (0, "100"),
 }
 
 

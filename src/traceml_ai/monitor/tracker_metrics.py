@@ -1,0 +1,164 @@
+"""Every figure the aggregator logs to an experiment tracker, named once.
+
+The names are stable (users build charts and alerts on them): each is declared here
+and nowhere else, the tracker sink (``trackers.py``) builds its points with these
+values, and the table of ``docs/trackers.md`` is :func:`tracker_metrics_markdown`
+(``python -m traceml_ai.monitor.tracker_metrics --check`` fails when it is stale).
+Light on purpose: no tracker library, no state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import attrs
+
+__all__ = [
+    "MEMORY_PEAK_ALLOCATED",
+    "MEMORY_PEAK_RESERVED",
+    "PHASE_MS",
+    "RANKS",
+    "RANK_STEP_TIME_MS",
+    "STEP_TIME_MAX",
+    "STEP_TIME_MEDIAN",
+    "STRAGGLER_EXCESS_MS",
+    "STRAGGLER_RANK",
+    "THROUGHPUT_STEPS_PER_S",
+    "TRACKER_MAX_RANKS",
+    "TRACKER_METRICS",
+    "TrackerMetric",
+    "tracker_metrics_markdown",
+]
+
+TRACKER_MAX_RANKS = 16
+"""Ranks whose own step time is logged (the straggler analysis' ranks first, then
+the lowest rank numbers): a tracker's chart stays readable and a point's size stays
+bounded whatever the world size."""
+
+
+@attrs.frozen
+class TrackerMetric:
+    """One logged figure: its name (``<phase>`` or ``<rank>`` stand for a value), its
+    unit and what it is."""
+
+    name: str
+    unit: str
+    help: str
+
+    def format(self, **values: object) -> str:
+        """The name with its placeholders filled (``phase=``, ``rank=``)."""
+        name = self.name
+        for key, value in values.items():
+            name = name.replace(f"<{key}>", str(value))
+        return name
+
+
+STEP_TIME_MEDIAN = TrackerMetric(
+    "traceml/step_time_ms/median", "ms", "Median over ranks of each rank's time of the logged step."
+)
+STEP_TIME_MAX = TrackerMetric(
+    "traceml/step_time_ms/max", "ms", "The slowest rank's time of the logged step."
+)
+PHASE_MS = TrackerMetric(
+    "traceml/phase_ms/<phase>",
+    "ms",
+    "Median over ranks of the phase's time in the logged step (forward, backward, "
+    "optimizer, dataloader_wait, user:NAME ...; the summary's phase names).",
+)
+STRAGGLER_EXCESS_MS = TrackerMetric(
+    "traceml/straggler/excess_ms",
+    "ms",
+    "How much longer the straggler's own work takes than the other ranks' (the live "
+    "straggler analysis over recent steps, as the dashboard and /metrics show it); 0 "
+    "when it names none. Left out while the analysis does not apply.",
+)
+STRAGGLER_RANK = TrackerMetric(
+    "traceml/straggler/rank",
+    "rank",
+    "The rank the straggler analysis names (the one with the largest excess); -1 when "
+    "it names none.",
+)
+THROUGHPUT_STEPS_PER_S = TrackerMetric(
+    "traceml/throughput/steps_per_s",
+    "steps/s",
+    "Median over ranks of the steps each rank finished per second since the previous "
+    "logged step (wall clock, gaps between steps included).",
+)
+MEMORY_PEAK_ALLOCATED = TrackerMetric(
+    "traceml/memory/peak_allocated_bytes",
+    "bytes",
+    "The highest peak allocated device memory any rank reported last.",
+)
+MEMORY_PEAK_RESERVED = TrackerMetric(
+    "traceml/memory/peak_reserved_bytes",
+    "bytes",
+    "The highest peak reserved device memory any rank reported last.",
+)
+RANKS = TrackerMetric(
+    "traceml/ranks", "ranks", "Ranks whose time of the logged step the figures cover."
+)
+RANK_STEP_TIME_MS = TrackerMetric(
+    "traceml/rank/<rank>/step_time_ms",
+    "ms",
+    f"One rank's time of the logged step, for at most {TRACKER_MAX_RANKS} ranks: the "
+    "ranks the straggler analysis names, then the lowest rank numbers.",
+)
+
+TRACKER_METRICS: tuple[TrackerMetric, ...] = (
+    STEP_TIME_MEDIAN,
+    STEP_TIME_MAX,
+    PHASE_MS,
+    STRAGGLER_EXCESS_MS,
+    STRAGGLER_RANK,
+    THROUGHPUT_STEPS_PER_S,
+    MEMORY_PEAK_ALLOCATED,
+    MEMORY_PEAK_RESERVED,
+    RANKS,
+    RANK_STEP_TIME_MS,
+)
+"""Every logged figure, in the docs' order."""
+
+
+def tracker_metrics_markdown() -> str:
+    """The metric table of ``docs/trackers.md``."""
+    rows = ["| Name | Unit | What it is |", "|---|---|---|"]
+    rows.extend(f"| `{m.name}` | {m.unit} | {m.help} |" for m in TRACKER_METRICS)
+    return "\n".join(rows) + "\n"
+
+
+DOC = Path("docs/trackers.md")
+START = "<!-- tracker-metrics:start -->\n"
+END = "<!-- tracker-metrics:end -->"
+
+
+def splice(text: str) -> str:
+    """``text`` with the generated table between its markers."""
+    start = text.index(START) + len(START)
+    end = text.index(END, start)
+    return text[:start] + tracker_metrics_markdown() + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite the table of ``docs/trackers.md``, or with ``--check`` fail when stale."""
+    parser = argparse.ArgumentParser(prog="python -m traceml_ai.monitor.tracker_metrics")
+    parser.add_argument("--check", action="store_true", help="fail if the docs' table is stale")
+    parser.add_argument("--root", type=Path, default=Path.cwd(), help="repository root")
+    args = parser.parse_args(argv)
+    path: Path = args.root / DOC
+    text = path.read_text(encoding="utf-8")
+    new = splice(text)
+    if new == text:
+        print(f"tracker metrics: {DOC} is up to date")
+        return 0
+    if args.check:
+        print(f"tracker metrics: {DOC}'s table is stale; run `{parser.prog}`")
+        return 1
+    path.write_text(new, encoding="utf-8")
+    print(f"tracker metrics: wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

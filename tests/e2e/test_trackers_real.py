@@ -1,0 +1,182 @@
+"""TraceML's figures in real experiment trackers during a real run.
+
+A 2-rank DDP run (gloo, CPU) with rank 1 slowed in its forward pass runs under
+``traceml run --tracker ...``: the TensorBoard event files are read back with
+TensorBoard's own ``EventAccumulator``, the MLflow run with ``MlflowClient`` from a
+real ``mlflow server`` on sqlite, and both compared with the run's own
+step_time.jsonl. A tracker that is down costs one line and counted points in
+stats.json and finalization_warning.json; the files are whole.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.e2e_helpers import REPO, data_lines, free_port, run_cli, warning_file
+from tests.receivers.mlflow_server import mlflow_server, server_env
+from traceml_ai.monitor import tracker_metrics as tm
+
+SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
+STEPS = 240
+"""About 6 s of steps (rank 1 sleeps 20 ms in forward): the live straggler analysis
+(every 5 s) has run before the last points."""
+EVERY = 40
+STEP_EVENT = "_traceml_internal:step_time"
+FORWARD_EVENT = "_traceml_internal:forward_time"
+_CLIENT_VARIABLES = {"MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "NO_PROXY"}
+
+
+def _ms(events: dict[str, Any], event: str) -> float:
+    """An event's time in a step (its longest device), in ms."""
+    return max(float(t["duration_ms"]) for t in events[event].values())
+
+
+def _run(tmp_path: Path, run: str, *options: str, env: dict[str, str] | None = None) -> Any:
+    return run_cli(
+        [
+            "run",
+            "--logs-dir",
+            tmp_path / "logs",
+            "--run-name",
+            run,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--exporter",
+            "jsonl",
+            "--tracker-every-steps",
+            str(EVERY),
+            *options,
+            SCRIPT,
+            "--where",
+            "forward",
+            "--slow-ranks",
+            "1",
+            "--sleep-ms",
+            "20",
+            "--steps",
+            str(STEPS),
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=180,
+    )
+
+
+def _expected(export: Path) -> dict[int, dict[str, float]]:
+    """step -> the figures the tracker should hold at it, from step_time.jsonl."""
+    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    for line in data_lines(export / "step_time.jsonl"):
+        by_step.setdefault(line["step"], {})[line["global_rank"]] = line["events"]
+    out: dict[int, dict[str, float]] = {}
+    for step, ranks in by_step.items():
+        assert sorted(ranks) == [0, 1]
+        times = [_ms(ranks[r], STEP_EVENT) for r in (0, 1)]
+        out[step] = {
+            tm.STEP_TIME_MEDIAN.name: statistics.median(times),
+            tm.STEP_TIME_MAX.name: max(times),
+            tm.PHASE_MS.format(phase="forward"): statistics.median(
+                _ms(ranks[r], FORWARD_EVENT) for r in (0, 1)
+            ),
+            tm.RANK_STEP_TIME_MS.format(rank=0): times[0],
+            tm.RANK_STEP_TIME_MS.format(rank=1): times[1],
+        }
+    return out
+
+
+def _tracker_lines(stderr: str, name: str) -> list[str]:
+    """The tracker's lines on the terminal: ours about it; nothing else may be there (the
+    tracker library's own output stays off the training terminal)."""
+    lines = stderr.strip().splitlines()
+    assert all(line.startswith("traceml: ") for line in lines), stderr
+    return [line for line in lines if line.startswith(f"traceml: {name}")]
+
+
+def test_tensorboard_holds_the_runs_figures(tmp_path: Path) -> None:
+    res = _run(tmp_path, "tb", "--tracker", "tensorboard")
+    assert res.returncode == 0, res.stderr
+    assert _tracker_lines(res.stderr, "tensorboard") == [], res.stderr  # nothing of its own
+    folder = tmp_path / "logs" / "tb" / "aggregator"
+    expected = _expected(folder / "export")
+    reader = EventAccumulator(str(folder / "tensorboard"))
+    reader.Reload()
+    read = {tag: {e.step: e.value for e in reader.Scalars(tag)} for tag in reader.Tags()["scalars"]}
+    medians = read[tm.STEP_TIME_MEDIAN.name]
+    assert sorted(medians) == list(range(EVERY, STEPS + 1, EVERY))
+    for step in medians:
+        for name, value in expected[step].items():
+            # Event files hold float32.
+            assert read[name][step] == pytest.approx(value, rel=1e-6), (name, step)
+    assert read[tm.RANKS.name][STEPS] == 2
+    # Rank 1 sleeps 20 ms in forward: the straggler, by about that much.
+    assert read[tm.STRAGGLER_RANK.name][STEPS] == 1
+    assert read[tm.STRAGGLER_EXCESS_MS.name][STEPS] == pytest.approx(20.0, abs=8.0)
+    # EVERY steps over the wall clock between two points, as the file's timestamps say.
+    ends = {
+        line["step"]: line["timestamp_unix_ns"]
+        for line in data_lines(folder / "export" / "step_time.jsonl")
+        if line["global_rank"] == 0
+    }
+    rate = EVERY / ((ends[STEPS] - ends[STEPS - EVERY]) / 1e9)
+    assert read[tm.THROUGHPUT_STEPS_PER_S.name][STEPS] == pytest.approx(rate, rel=0.3)
+
+
+def test_mlflow_gets_a_run_named_after_the_traceml_run(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "mlflow-store"
+    store.mkdir()
+    with mlflow_server(store) as server:
+        # MLflow's own settings for the client (no telemetry, no proxy), not the rest
+        # of the test's environment: clean_env keeps this checkout first on the path.
+        env = {k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES}
+        env["MLFLOW_TRACKING_URI"] = server.url
+        env["MLFLOW_EXPERIMENT_NAME"] = "traceml-e2e"
+        res = _run(tmp_path, "ml-run", "--tracker", "mlflow", env=env)
+        assert res.returncode == 0, res.stderr
+        assert _tracker_lines(res.stderr, "mlflow") == [], res.stderr
+        expected = _expected(tmp_path / "logs" / "ml-run" / "aggregator" / "export")
+        client = MlflowClient(tracking_uri=server.url)
+        experiment = client.get_experiment_by_name("traceml-e2e")
+        assert experiment is not None
+        (run,) = client.search_runs(
+            [experiment.experiment_id], filter_string="attributes.run_name = 'ml-run'"
+        )
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["traceml.run_dir"] == str(tmp_path / "logs" / "ml-run")
+        for name in (tm.STEP_TIME_MEDIAN.name, tm.RANK_STEP_TIME_MS.format(rank=1)):
+            history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+            assert sorted(history) == list(range(EVERY, STEPS + 1, EVERY))
+            for step, value in history.items():
+                assert value == pytest.approx(expected[step][name], rel=1e-9), (name, step)
+
+
+def test_a_tracker_that_is_down_costs_one_line_and_counted_points(tmp_path: Path) -> None:
+    env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}  # nothing listens
+    res = _run(tmp_path, "down", "--tracker", "mlflow,tensorboard", env=env)
+    assert res.returncode == 0, res.stderr
+    lines = _tracker_lines(res.stderr, "mlflow")
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("traceml: mlflow: could not open a run ("), res.stderr
+    assert "Traceback" not in res.stderr
+    aggregator = tmp_path / "logs" / "down" / "aggregator"
+    assert len(_expected(aggregator / "export")) == STEPS  # the files are whole
+    points = STEPS // EVERY
+    stats = json.loads((aggregator / "stats.json").read_text())
+    assert stats["monitoring"]["by_sink"] == {"mlflow": {"points_not_logged": points}}
+    assert f"mlflow: {points} points not logged" in res.stderr  # the end of run says it
+    warning = warning_file(tmp_path / "logs", "down")
+    assert warning is not None
+    assert warning["reason"] == "monitoring_incomplete"
+    assert warning["monitoring"]["by_sink"] == {"mlflow": {"points_not_logged": points}}
+    # The other tracker is not held back by the one that is down.
+    reader = EventAccumulator(str(aggregator / "tensorboard"))
+    reader.Reload()
+    assert len(reader.Scalars(tm.STEP_TIME_MEDIAN.name)) == points

@@ -1,0 +1,418 @@
+"""The experiment trackers' sink: the figures of a point, the points of a run read back
+with TensorBoard's own reader, the generated names table, and each fault costing one
+line and counted points (real monitoring, real feed, real event files)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.custom_exporters import step_memory_item
+from tests.e2e_helpers import PY, REPO, clean_env
+from tests.traceml_ai.monitor.test_monitor import encoded, identity, step
+from traceml_ai.monitor import Monitoring, RunInfo, tracker_sink
+from traceml_ai.monitor import tracker_metrics as tm
+from traceml_ai.monitor._state import LiveState
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.monitor.trackers import BACKENDS, Backend, point_figures
+from traceml_ai.run_summary import StragglerView
+from traceml_ai.settings import TRACKER_NAMES, MonitorSettings
+
+FWD = "_traceml_internal:forward_time"
+BWD = "_traceml_internal:backward_time"
+BASE_NS = 10**18
+
+
+def fill(state: LiveState, ranks: int, steps: int, ms: Any = None) -> None:
+    """``steps`` steps of each rank, rank r taking ``10 + r`` ms (forward 4 + r ms)."""
+    for r in range(ranks):
+        items = [
+            step(i, 10.0 + r, BASE_NS + i * 20_000_000, **{FWD: 4.0 + r, BWD: 2.0})
+            for i in range(1, steps + 1)
+        ]
+        state.add_steps(identity(r, world=ranks), items)
+
+
+def test_a_point_is_medians_maxima_and_the_ranks() -> None:
+    state = LiveState()
+    fill(state, ranks=3, steps=10)
+    memory = {**step_memory_item(), "peak_allocated_bytes": 7e9, "peak_reserved_bytes": 9e9}
+    state.add_memory(identity(2, world=3), [memory])
+    figures = point_figures(state, 10, previous=5)
+    assert figures[tm.STEP_TIME_MEDIAN.name] == 11.0
+    assert figures[tm.STEP_TIME_MAX.name] == 12.0
+    assert figures[tm.PHASE_MS.format(phase="forward")] == 5.0
+    assert figures[tm.PHASE_MS.format(phase="backward")] == 2.0
+    assert figures[tm.RANKS.name] == 3
+    # Five steps in 100 ms of wall clock, each rank.
+    assert figures[tm.THROUGHPUT_STEPS_PER_S.name] == pytest.approx(50.0)
+    assert figures[tm.MEMORY_PEAK_ALLOCATED.name] == 7e9
+    assert figures[tm.MEMORY_PEAK_RESERVED.name] == 9e9
+    assert [figures[tm.RANK_STEP_TIME_MS.format(rank=r)] for r in range(3)] == [10.0, 11.0, 12.0]
+    assert tm.STRAGGLER_EXCESS_MS.name not in figures  # no analysis yet
+    assert point_figures(state, 11, previous=10) == {}  # no rank has step 11
+
+
+def test_every_logged_name_is_in_the_table() -> None:
+    state = LiveState()
+    fill(state, ranks=2, steps=4)
+    state.add_memory(identity(0), [step_memory_item()])
+    state.set_straggler(_named(1, 3.0))
+    templates = {m.name for m in tm.TRACKER_METRICS}
+    for name in point_figures(state, 4, previous=2):
+        generic = name
+        for part, holder in (("phase_ms/", "<phase>"), ("rank/", "<rank>")):
+            if part in name:
+                head, _, tail = name.partition(part)
+                rest = tail.split("/", 1)
+                generic = head + part + holder + ("/" + rest[1] if len(rest) > 1 else "")
+        assert generic in templates, name
+    assert {m.name.split("/")[0] for m in tm.TRACKER_METRICS} == {"traceml"}
+
+
+def _named(rank: int, excess_ms: float) -> StragglerView:
+    data = {
+        "definition": "d",
+        "basis": "phase_times",
+        "ranks": 2,
+        "applicable": True,
+        "verdict": "straggler",
+        "stragglers": [
+            {
+                "rank": rank,
+                "own_work_ms": 10.0 + excess_ms,
+                "others_own_work_ms": 10.0,
+                "excess_ms": excess_ms,
+                "excess_pct": None,
+                "phase": "forward",
+                "phase_excess_ms": excess_ms,
+                "phase_description": "forward",
+                "slow_steps": 3,
+                "slow_share": 1.0,
+            }
+        ],
+    }
+    return StragglerView.from_json({**StragglerView.from_json(_base()).to_json(), **data})
+
+
+def _base() -> dict[str, Any]:
+    return {
+        "definition": "d",
+        "basis": "phase_times",
+        "ranks": 2,
+        "applicable": False,
+        "verdict": "n/a",
+        "reason": "r",
+    }
+
+
+def test_per_rank_series_are_bounded_and_keep_the_straggler() -> None:
+    state = LiveState()
+    fill(state, ranks=40, steps=3)
+    state.set_straggler(_named(37, 29.0))
+    figures = point_figures(state, 3, previous=None)
+    ranks = sorted(int(k.split("/")[2]) for k in figures if k.startswith("traceml/rank/"))
+    assert len(ranks) == tm.TRACKER_MAX_RANKS
+    assert 37 in ranks and ranks[:15] == list(range(15))
+    assert figures[tm.STRAGGLER_EXCESS_MS.name] == 29.0
+    assert figures[tm.STRAGGLER_RANK.name] == 37.0
+    assert figures[tm.STEP_TIME_MAX.name] == 49.0
+
+
+def test_backends_are_the_settings_names() -> None:
+    assert tuple(BACKENDS) == TRACKER_NAMES
+
+
+def test_the_docs_table_is_generated() -> None:
+    result = subprocess.run(
+        [PY, "-m", "traceml_ai.monitor.tracker_metrics", "--check"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert tm.tracker_metrics_markdown() in (REPO / "docs" / "trackers.md").read_text()
+
+
+def _monitoring(run_dir: Path, every: int, lines: list[str]) -> Monitoring:
+    settings = MonitorSettings(trackers=("tensorboard",), tracker_every_steps=every)
+    run = RunInfo(run_dir=run_dir, run_name="r", host="h")
+    monitoring = Monitoring(settings, run, Health, report=lines.append)
+    monitoring.start_sinks({"tensorboard": tracker_sink("tensorboard")})
+    monitoring.feed.start()
+    return monitoring
+
+
+def _feed_steps(monitoring: Monitoring, ranks: int, steps: int, *, pause_s: float = 0.0) -> None:
+    for i in range(1, steps + 1):
+        for r in range(ranks):
+            item = step(i, 10.0 + r, BASE_NS + i * 20_000_000, **{FWD: 4.0})
+            monitoring.submit(encoded("step_time", identity(r, world=ranks), [item]))
+        if pause_s:
+            time.sleep(pause_s)
+
+
+def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    reader = EventAccumulator(str(folder))
+    reader.Reload()
+    return {
+        tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]
+    }
+
+
+def test_tensorboard_gets_a_point_every_n_steps_and_the_last(tmp_path: Path) -> None:
+    lines: list[str] = []
+    monitoring = _monitoring(tmp_path, every=5, lines=lines)
+    _feed_steps(monitoring, ranks=2, steps=23, pause_s=0.005)
+    loss = monitoring.close(5.0)
+    assert loss.by_sink == {} and loss.not_started == {}
+    assert lines == []
+    read = scalars(tmp_path / "aggregator" / "tensorboard")
+    assert read[tm.STEP_TIME_MEDIAN.name] == [(s, 10.5) for s in (5, 10, 15, 20, 23)]
+    assert read[tm.STEP_TIME_MAX.name][-1] == (23, 11.0)
+    assert read[tm.PHASE_MS.format(phase="forward")][0] == (5, 4.0)
+    assert read[tm.RANK_STEP_TIME_MS.format(rank=1)][0] == (5, 11.0)
+
+
+def test_a_rank_a_whole_interval_behind_does_not_hold_the_points(tmp_path: Path) -> None:
+    lines: list[str] = []
+    monitoring = _monitoring(tmp_path, every=5, lines=lines)
+    _feed_steps(monitoring, ranks=1, steps=2)
+    late = [step(i, 30.0, BASE_NS + i * 20_000_000) for i in range(1, 3)]
+    monitoring.submit(encoded("step_time", identity(1, world=2), late))
+    for i in range(3, 13):  # rank 0 goes on to 12, rank 1 stays at 2
+        item = step(i, 10.0, BASE_NS + i * 20_000_000)
+        monitoring.submit(encoded("step_time", identity(0, world=2), [item]))
+    deadline = time.monotonic() + 5
+    folder = tmp_path / "aggregator" / "tensorboard"
+    monitoring.feed.stop(1.0)
+    sink = monitoring.sinks[0]
+    while time.monotonic() < deadline and getattr(sink, "logged_points", 0) < 1:
+        time.sleep(0.05)
+    assert getattr(sink, "logged_points", 0) == 1  # step 5, from rank 0 alone
+    monitoring.close(5.0)
+    read = scalars(folder)
+    assert read[tm.RANKS.name][0] == (5, 1.0)
+
+
+def test_an_unwritable_folder_is_one_line_and_counted_points(tmp_path: Path) -> None:
+    (tmp_path / "aggregator").write_text("a file where the folder goes")
+    lines: list[str] = []
+    monitoring = _monitoring(tmp_path, every=2, lines=lines)
+    _feed_steps(monitoring, ranks=2, steps=9, pause_s=0.005)
+    loss = monitoring.close(5.0)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("traceml: tensorboard: could not open a run (")
+    assert lines[0].endswith("training and the files go on")
+    # Points 2, 4, 6, 8 and the last one, 9.
+    assert loss.by_sink == {"tensorboard": {"points_not_logged": 5}}
+
+
+class _Refusing:
+    """A tracker that takes its time and then refuses each point (as a tracker's
+    server that answers with errors does)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+
+    def log(self, figures: Any, step: int) -> None:
+        self.calls += 1
+        time.sleep(self.delay_s)
+        raise RuntimeError("HTTP 500\nInternal Server Error")
+
+    def close(self) -> None:
+        time.sleep(self.delay_s)
+
+
+def test_a_refusing_tracker_is_one_line_and_each_point_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refusing = _Refusing(0.0)
+    backend = Backend("tensorboard", "tensorboard", (), object, lambda run: refusing)
+    monkeypatch.setitem(BACKENDS, "tensorboard", backend)  # type: ignore[index]
+    lines: list[str] = []
+    monitoring = _monitoring(tmp_path, every=3, lines=lines)
+    _feed_steps(monitoring, ranks=2, steps=9, pause_s=0.005)
+    loss = monitoring.close(5.0)
+    assert lines == [
+        "traceml: tensorboard: a point was not logged (RuntimeError: HTTP 500 Internal "
+        "Server Error); training and the files go on"
+    ]
+    assert loss.by_sink == {"tensorboard": {"points_failed": refusing.calls}}
+    assert refusing.calls == 3
+
+
+def test_a_hung_tracker_costs_the_close_budget_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stuck = _Refusing(60.0)
+    backend = Backend("tensorboard", "tensorboard", (), object, lambda run: stuck)
+    monkeypatch.setitem(BACKENDS, "tensorboard", backend)  # type: ignore[index]
+    lines: list[str] = []
+    monitoring = _monitoring(tmp_path, every=1, lines=lines)
+    started = time.monotonic()
+    _feed_steps(monitoring, ranks=1, steps=50)  # the feed never waits for the tracker
+    assert time.monotonic() - started < 2.0
+    loss = monitoring.close(1.5)
+    assert time.monotonic() - started < 5.0
+    assert loss.by_sink["tensorboard"]["close_timed_out"] == 1
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("traceml: tensorboard: still busy after ")
+    assert lines[0].endswith("s; its last points are lost; training and the files go on")
+
+
+def test_a_missing_library_is_one_line_naming_the_extra(tmp_path: Path) -> None:
+    code = f"""
+import sys
+sys.modules["tensorboard"] = None  # as if the extra were not installed
+from pathlib import Path
+from traceml_ai.monitor import Monitoring, RunInfo, tracker_sink
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.settings import MonitorSettings
+m = Monitoring(MonitorSettings(trackers=("tensorboard",)), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="r", host="h"), Health)
+m.start_sinks({{"tensorboard": tracker_sink("tensorboard")}})
+print(dict(m.close(2.0).not_started))
+"""
+    result = subprocess.run(
+        [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "traceml: tensorboard: needs the 'tensorboard' extra" in lines[0]
+    assert "pip install 'traceml-ai[tensorboard]'" in lines[0]
+    assert "'tensorboard': \"needs the 'tensorboard' extra" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_tracker_server_that_never_answers_holds_nothing(tmp_path: Path) -> None:
+    """MLflow pointed at a socket that accepts and never answers: the sink's thread
+    waits, the feed and close do not."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    port = listener.getsockname()[1]
+    code = f"""
+import os, sys, time
+os.environ["MLFLOW_TRACKING_URI"] = "http://127.0.0.1:{port}"
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+from tests.traceml_ai.monitor.test_monitor import encoded, identity, step
+from traceml_ai.monitor import Monitoring, RunInfo, tracker_sink
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.settings import MonitorSettings
+m = Monitoring(MonitorSettings(trackers=("mlflow",), tracker_every_steps=2), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="r", host="h"), Health)
+m.start_sinks({{"mlflow": tracker_sink("mlflow")}})
+m.feed.start()
+t = time.monotonic()
+for i in range(1, 11):
+    m.submit(encoded("step_time", identity(0, world=1), [step(i, 10.0, 10**18 + i * 10**7)]))
+fed = time.monotonic() - t
+loss = m.close(2.0)
+print(round(fed, 2), round(time.monotonic() - t, 2), dict(loss.by_sink))
+"""
+    try:
+        result = subprocess.run(
+            [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120
+        )
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert result.returncode == 0, result.stderr
+    fed, total, by_sink = result.stdout.split(" ", 2)
+    assert float(fed) < 1.0
+    assert float(total) < 6.0
+    assert "'close_timed_out': 1" in by_sink
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # nothing of MLflow's own
+    assert lines[0].startswith("traceml: mlflow: still busy after "), result.stderr
+
+
+def test_the_tracker_librarys_logging_stays_off_the_terminal(tmp_path: Path) -> None:
+    """What the library logs (through its loggers, as MLflow's and TensorBoard's do)
+    never reaches the aggregator's stderr, the training terminal."""
+    code = f"""
+import logging, sys
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+from tests.traceml_ai.monitor.test_monitor import encoded, identity, step
+from traceml_ai.monitor import Monitoring, RunInfo, tracker_sink
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.monitor.trackers import BACKENDS, Backend
+from traceml_ai.settings import MonitorSettings
+
+class Noisy:
+    def log(self, figures, step):
+        logging.getLogger("tensorboard.summary").warning("library noise at %s", step)
+    def close(self):
+        logging.getLogger("tensorboard").error("library noise at close")
+
+BACKENDS["tensorboard"] = Backend("tensorboard", "tensorboard", ("tensorboard",), BACKENDS["tensorboard"].load, lambda run: Noisy())
+m = Monitoring(MonitorSettings(trackers=("tensorboard",), tracker_every_steps=1), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="r", host="h"), Health)
+m.start_sinks({{"tensorboard": tracker_sink("tensorboard")}})
+m.feed.start()
+for i in range(1, 4):
+    m.submit(encoded("step_time", identity(0, world=1), [step(i, 10.0, 10**18 + i * 10**7)]))
+print(m.close(5.0), m.sinks[0].logged_points)
+"""
+    result = subprocess.run(
+        [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(" 3"), result.stdout  # every point logged
+    assert "noise" not in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_mlflows_own_logging_stays_off_the_terminal(tmp_path: Path) -> None:
+    """MLflow sets a stderr handler of its own when imported (and its sqlite store
+    logs its migrations): after the sink opened a run, none of it reaches stderr."""
+    code = f"""
+import logging, os, sys
+os.environ["MLFLOW_TRACKING_URI"] = "sqlite:///{tmp_path}/mlflow.db"
+os.environ["MLFLOW_EXPERIMENT_NAME"] = "e"
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+from tests.traceml_ai.monitor.test_monitor import encoded, identity, step
+from traceml_ai.monitor import Monitoring, RunInfo, tracker_sink
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.settings import MonitorSettings
+m = Monitoring(MonitorSettings(trackers=("mlflow",), tracker_every_steps=2), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="quiet-run", host="h"), Health)
+m.start_sinks({{"mlflow": tracker_sink("mlflow")}})
+m.feed.start()
+for i in range(1, 5):
+    m.submit(encoded("step_time", identity(0, world=1), [step(i, 10.0, 10**18 + i * 10**7)]))
+loss = m.close(30.0)
+logging.getLogger("mlflow.tracking").warning("library noise after the run")
+from mlflow.tracking import MlflowClient
+client = MlflowClient()
+(run,) = client.search_runs([client.get_experiment_by_name("e").experiment_id])
+print(run.info.run_name, sorted(m.step for m in client.get_metric_history(run.info.run_id, "traceml/step_time_ms/median")), dict(loss.by_sink))
+"""
+    result = subprocess.run(
+        [PY, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "quiet-run [2, 4] {}", result.stdout + result.stderr
+    assert result.stderr == "", result.stderr
