@@ -11,15 +11,19 @@ sorted maps, and the line rules. A schema keyword the plan does not know makes t
 stream's lines all go the full way (no plan), so the plan can only be stricter than
 the schema, never looser.
 
-A :class:`Checker` (``_speedups.Checker`` in C, or :class:`PyChecker`, its
-pure-Python twin) runs a plan over whole lines of a block, and a :class:`Tracker`
-(``_speedups.Tracker`` or :class:`PyTracker`) holds the keys and seqs of one file for
-the cross-line rules. ``scan`` accepts lines up to the first one it cannot vouch for
-(anything wrong, or only unusual: an escape in a string, white space, keys out of
-order in a nested object, ``1`` where the rule compares it with ``1.0``) and returns
-where it stopped; the caller checks that line the full way, recording its key and seq
-in the same tracker, and scans on. tests/traceml_records/test_fastcheck.py holds both
-twins to the full path: neither accepts a line it rejects.
+A :class:`Checker` (``_speedups.Checker``, in C) runs a plan over the whole lines of
+a block, without building a Python object for a line it accepts; a :class:`Tracker`
+(``_speedups.Tracker``, or :class:`PyTracker` without the extension) holds the keys
+and seqs of one file for the cross-line rules. ``scan`` accepts lines up to the first
+one it cannot vouch for (anything wrong, or only unusual: an escape in a string,
+white space, keys out of order in a nested object, ``1`` where a rule compares it with
+``1.0``) and returns where it stopped; the caller checks that line the full way,
+recording its key and seq in the same tracker, and scans on.
+tests/traceml_records/test_fastcheck.py holds the checker to the full path: it never
+accepts a line that path rejects, and a file's report is the same either way.
+
+Without the C extension there is no fast check: every line takes the full path. A
+check in Python would cost more than that path, whose schema check runs in Rust.
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
-
-import orjson
 
 from traceml_records import _extensions
 from traceml_records._generated.records import ENCODER_PLANS
@@ -316,13 +318,18 @@ def plan_for(stream: str) -> Plan | None:
     return (root, keys, rank, seq, hostname, unique)
 
 
-def key_shape(plan: Plan) -> str:
-    """The tracker's key shape: ``i`` (integer) or ``s`` (string) per key field."""
-    fields = plan[0][2]
-    return "".join("s" if fields[i][1][0] == "string" else "i" for i in plan[1])
+def key_shape(stream: str) -> str:
+    """A tracker's key shape for ``stream``: per key field, ``i`` (an integer) or ``s``
+    (a string), as its schema types it."""
+    spec = next(s for s in STREAMS if s.name == stream)
+    schema = schema_documents()[spec.schema_file]
+    props = schema["properties"]
+    return "".join(
+        "s" if "string" in _types(_resolve(props[k], schema)[0]) else "i" for k in spec.key_fields
+    )
 
 
-# ------------------------------------------------------------- the pure-Python twin
+# ------------------------------------------------------------- checker and tracker
 
 
 class Tracker(Protocol):
@@ -337,16 +344,22 @@ class Tracker(Protocol):
 
 
 class Checker(Protocol):
-    """One stream's fast check (``_speedups.Checker`` or :class:`PyChecker`)."""
+    """One stream's fast check (``_speedups.Checker``)."""
 
     def scan(
-        self, data: bytes, pos: int, end: int, tracker: Any, hostname: int, /
-    ) -> tuple[int, int]: ...
+        self, data: bytes | bytearray, pos: int, end: int, tracker: Any, hostname: int, /
+    ) -> tuple[int, int]:
+        """The lines of ``data[pos:end]`` (whole lines) accepted from ``pos`` on:
+        ``(pos, lines)``, ``pos`` where the first line left to the full path starts (or
+        ``end``). ``hostname``: whether lines carry it (0, 1), -1 when the stream has
+        none. Accepted lines' keys and seqs are recorded in ``tracker``."""
+        ...
 
 
 class PyTracker:
-    """The pure-Python twin of ``_speedups.Tracker``: per key prefix, a sorted array
-    of the last integer component of the keys that came in order, a set for the rest."""
+    """The pure-Python twin of ``_speedups.Tracker``, for the full path without the C
+    extension: per key prefix, a sorted array of the last integer component of the
+    keys that came in order (8 bytes a key), a set for the rest."""
 
     def __init__(self, shape: str) -> None:
         if not (1 <= len(shape) <= 5 and set(shape) <= {"i", "s"} and "i" in shape):
@@ -361,46 +374,36 @@ class PyTracker:
     def _split(self, key: tuple[Any, ...]) -> tuple[tuple[Any, ...], int]:
         return key[: self._last] + key[self._last + 1 :], int(key[self._last])
 
-    def seen(self, prefix: tuple[Any, ...], last: int) -> bool:
-        values = self._groups.get(prefix)
-        if not values or last > values[-1]:
-            return False
-        at = bisect_left(values, last)
-        return (at < len(values) and values[at] == last) or (prefix, last) in self._extra
-
-    def record(self, prefix: tuple[Any, ...], last: int) -> None:
+    def add(self, key: tuple[Any, ...], line: int) -> bool:
+        """True when the key is new (then recorded); ``line`` is where it is."""
+        prefix, last = self._split(key)
         values = self._groups.get(prefix)
         if values is None:
             values = self._groups[prefix] = array("q")
+        if values and last <= values[-1]:
+            at = bisect_left(values, last)
+            if (at < len(values) and values[at] == last) or (prefix, last) in self._extra:
+                return False
+        if (prefix, last) in self._watch:
+            self._found[key] = line
         if not values or last > values[-1]:
             values.append(last)
         else:
             self._extra.add((prefix, last))
-
-    def add(self, key: tuple[Any, ...], line: int) -> bool:
-        prefix, last = self._split(key)
-        if self.seen(prefix, last):
-            return False
-        if (prefix, last) in self._watch:
-            self._found[key] = line
-        self.record(prefix, last)
         return True
 
     def seq(self, rank: Any, seq: Any) -> Any:
+        """The rank's previous seq, or None; ``seq`` becomes its last."""
         previous = self._seqs.get(rank)
         self._seqs[rank] = seq
         return previous
 
-    def last_seq(self, rank: Any) -> Any:
-        return self._seqs.get(rank)
-
     def watch(self, keys: Iterable[tuple[Any, ...]]) -> None:
+        """Note the line where each of these keys is first added."""
         self._watch.update(self._split(k) for k in keys)
 
-    def watched(self, prefix: tuple[Any, ...], last: int) -> bool:
-        return bool(self._watch) and (prefix, last) in self._watch
-
     def found(self) -> dict[tuple[Any, ...], int]:
+        """Watched key -> the line where it was first added."""
         return dict(self._found)
 
     @property
@@ -408,233 +411,22 @@ class PyTracker:
         return sum(8 * len(v) for v in self._groups.values()) + 100 * len(self._extra)
 
 
-_PY_TYPES: dict[str, tuple[type, ...]] = {
-    "null": (type(None),),
-    "boolean": (bool,),
-    "integer": (int,),
-    "number": (int, float),
-    "string": (str,),
-    "object": (dict,),
-}
-
-_Check = Callable[[Any], bool]
-
-
-def _cached(verdict: Callable[[str], bool] | None) -> Callable[[str], bool] | None:
-    if verdict is None:
-        return None
-    accepted: set[str] = set()
-
-    def check(text: str) -> bool:
-        if text in accepted:
-            return True
-        if not verdict(text):
-            return False
-        if len(accepted) < 512 and len(text) <= 256:
-            accepted.add(text)
-        return True
-
-    return check
-
-
-def _compile(node: Node) -> _Check:
-    """A predicate over a parsed value: True only when the value is certainly valid."""
-    kind, nullable = node[0], node[1]
-    check: _Check
-    if kind == "integer":
-        low, high = node[2], node[3]
-
-        def check(v: Any) -> bool:
-            return type(v) is int and low <= v <= high
-
-    elif kind == "number":
-        low_f, high_f = node[2], node[3]
-
-        def check(v: Any) -> bool:
-            return (
-                type(v) in (int, float)
-                and (low_f is None or v >= low_f)
-                and (high_f is None or v <= high_f)
-            )
-
-    elif kind == "boolean":
-        const = node[2]
-
-        def check(v: Any) -> bool:
-            return type(v) is bool and (const is None or v is const)
-
-    elif kind == "string":
-        verdict = _cached(node[2])
-
-        def check(v: Any) -> bool:
-            return type(v) is str and (verdict is None or verdict(v))
-
-    elif kind == "object":
-        check = _compile_object(node)
-    else:
-        check = _compile_map(node)
-    if not nullable:
-        return check
-    inner = check
-    return lambda v: v is None or inner(v)
-
-
-def _compile_object(node: Node) -> _Check:
-    _, _, fields, conds, rules = node
-    names = [f[0].decode() for f in fields]
-    checks = [_compile(f[1]) for f in fields]
-    required = [f[2] for f in fields]
-    n = len(fields)
-
-    def test(cond: tuple[Any, ...], d: dict[str, Any]) -> bool | None:
-        """Whether the if holds; None when only the full path can say."""
-        name = names[cond[0]]
-        if name not in d:
-            return True
-        v, const = d[name], cond[1]
-        if type(const) is bytes:
-            return type(v) is str and v.encode() == const
-        if const is None:
-            return v is None
-        if type(const) is bool:
-            return v is const
-        if type(v) is float:
-            return None
-        return type(v) is int and v == const
-
-    def check(d: Any) -> bool:
-        if type(d) is not dict:
-            return False
-        at = 0
-        for key, value in d.items():
-            while at < n and names[at] != key:
-                if required[at]:
-                    return False
-                at += 1
-            if at == n or not checks[at](value):
-                return False
-            at += 1
-        if any(required[at:]):
-            return False
-        for cond in conds:
-            holds = test(cond, d)
-            if holds is None:
-                return False
-            for index, types in cond[2] if holds else cond[3]:
-                name = names[index]
-                if name in d and not _type_ok(d[name], types):
-                    return False
-        return all(_rule_ok(rule, names, d) for rule in rules)
-
-    return check
-
-
-def _type_ok(v: Any, types: tuple[str, ...]) -> bool:
-    if type(v) is float and "integer" in types and "number" not in types:
-        return False  # 1.0 is an integer in JSON Schema: the full path says
-    return any(type(v) in _PY_TYPES[t] for t in types)
-
-
-def _rule_ok(rule: tuple[Any, ...], names: list[str], d: dict[str, Any]) -> bool:
-    op = rule[0]
-    values = [d.get(names[i]) for i in rule[1:]]
-    if op == "no-newline":
-        return type(values[0]) is str and "\n" not in values[0]
-    if op == "duration":
-        is_gpu, cpu, duration, gpu = values
-        used = gpu if is_gpu is True else cpu if is_gpu is False else None
-        return type(used) in (int, float) and type(duration) in (int, float) and duration == used
-    a, b = values
-    if type(a) is not int or type(b) is not int:
-        return False
-    return a == b if op == "==" else a < b if op == "<" else a <= b
-
-
-def _compile_map(node: Node) -> _Check:
-    _, _, verdict_raw, value_node, min_props, required_raw = node
-    verdict = _cached(verdict_raw)
-    value_ok = _compile(value_node)
-    required = {k.decode() for k in required_raw}
-
-    def check(d: Any) -> bool:
-        if type(d) is not dict or len(d) < min_props or not required <= d.keys():
-            return False
-        previous = None
-        for key, value in d.items():
-            if previous is not None and not previous < key:
-                return False
-            previous = key
-            if verdict is not None and not verdict(key):
-                return False
-            if not value_ok(value):
-                return False
-        return True
-
-    return check
-
-
-class PyChecker:
-    """The pure-Python twin of ``_speedups.Checker``: each line parsed, then the plan."""
-
-    def __init__(self, plan: Plan) -> None:
-        root, keys, rank, seq, hostname, unique = plan
-        names = [f[0].decode() for f in root[2]]
-        self._check = _compile(root)
-        self._keys = [names[i] for i in keys]
-        self._rank, self._seq = names[rank], names[seq]
-        self._hostname = names[hostname] if hostname >= 0 else None
-        self._unique = unique
-
-    def scan(
-        self, data: bytes, pos: int, end: int, tracker: PyTracker, hostname: int
-    ) -> tuple[int, int]:
-        if not 0 <= pos <= end <= len(data):
-            raise ValueError("pos and end must lie within data")
-        loads, check = orjson.loads, self._check
-        lines = 0
-        while pos < end:
-            nl = data.find(b"\n", pos, end)
-            if nl < 0:
-                break
-            try:
-                d = loads(data[pos:nl])
-            except orjson.JSONDecodeError:
-                break
-            if not check(d):
-                break
-            if self._hostname is not None and (self._hostname in d) != bool(hostname):
-                break
-            if self._unique:
-                prefix, last = tracker._split(tuple(d[k] for k in self._keys))
-                if tracker.seen(prefix, last) or tracker.watched(prefix, last):
-                    break
-            previous = tracker.last_seq(d[self._rank])
-            if previous is not None and d[self._seq] < previous:
-                break
-            if self._unique:
-                tracker.record(prefix, last)
-            tracker.seq(d[self._rank], d[self._seq])
-            pos = nl + 1
-            lines += 1
-        return pos, lines
-
-
 _speedups = _extensions.load()
 
 
 @functools.cache
 def checker_for(stream: str) -> Checker | None:
-    """The fast check of ``stream`` (in C when built), or None: no plan."""
+    """The fast check of ``stream``, or None: no plan, or no C extension (then every
+    line takes the full path; a check in Python would be slower than that path, whose
+    schema check runs in Rust)."""
     plan = plan_for(stream)
-    if plan is None:
+    if plan is None or _speedups is None:
         return None
+    return _speedups.Checker(plan)  # type: ignore[no-any-return]
+
+
+def tracker_for(shape: str) -> Tracker:
+    """A fresh tracker for the keys of one file (``shape``: see :func:`key_shape`)."""
     if _speedups is not None:
-        return _speedups.Checker(plan)  # type: ignore[no-any-return]
-    return PyChecker(plan)
-
-
-def tracker_for(stream: str, shape: str) -> Tracker:
-    """A fresh tracker for one file of ``stream``, the kind its checker takes."""
-    if _speedups is not None and plan_for(stream) is not None:
         return _speedups.Tracker(shape)  # type: ignore[no-any-return]
     return PyTracker(shape)

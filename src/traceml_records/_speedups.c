@@ -1944,9 +1944,16 @@ static int scan_value(Cur *c, CNode *node, Val *out) {
 
 /* -- the Tracker: keys and seq of one file ---------------------------------------- */
 
+/* The last component of the keys of one group that came in order, sorted, in chunks
+ * of CHUNK (one allocation size, which the heap reuses as it is freed, so memory
+ * stays the keys' 8 bytes each): every chunk full but the last; a group's first
+ * chunk starts small. */
+#define CHUNK 4096
+
 typedef struct {
-    int64_t *v;   /* the last component of the keys that came in order, sorted */
-    Py_ssize_t n, cap;
+    int64_t **chunks;
+    Py_ssize_t n_chunks, cap_chunks;
+    Py_ssize_t last_n, last_cap; /* keys in the last chunk, and room there */
 } Group;
 
 typedef struct {
@@ -2088,16 +2095,29 @@ static Py_ssize_t group_of(Tracker *t, const int64_t *prefix, int n) {
 }
 
 /* 1 when (group, last) is a key already seen, 0 when not. */
+static inline int64_t group_max(const Group *g) {
+    return g->chunks[g->n_chunks - 1][g->last_n - 1];
+}
+
 static int key_seen(Tracker *t, Py_ssize_t gi, int64_t last) {
     Group *g = &t->g[gi];
-    if (g->n == 0 || last > g->v[g->n - 1]) return 0;
-    Py_ssize_t lo = 0, hi = g->n;
+    if (g->n_chunks == 0 || last > group_max(g)) return 0;
+    /* the first chunk whose largest key is not below ``last`` */
+    Py_ssize_t lo = 0, hi = g->n_chunks - 1;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
-        if (g->v[mid] < last) lo = mid + 1;
+        if (g->chunks[mid][CHUNK - 1] < last) lo = mid + 1;
         else hi = mid;
     }
-    if (lo < g->n && g->v[lo] == last) return 1;
+    const int64_t *v = g->chunks[lo];
+    Py_ssize_t n = lo == g->n_chunks - 1 ? g->last_n : CHUNK;
+    Py_ssize_t a = 0, b = n;
+    while (a < b) {
+        Py_ssize_t mid = (a + b) / 2;
+        if (v[mid] < last) a = mid + 1;
+        else b = mid;
+    }
+    if (a < n && v[a] == last) return 1;
     int64_t pair[2] = {(int64_t)gi, last};
     Slot *s = table_find(&t->extra, pair, 2);
     return s != NULL && s->used;
@@ -2106,15 +2126,31 @@ static int key_seen(Tracker *t, Py_ssize_t gi, int64_t last) {
 static int key_add(Tracker *t, Py_ssize_t gi, int64_t last) {
     Group *g = &t->g[gi];
     t->n_keys++;
-    if (g->n == 0 || last > g->v[g->n - 1]) {
-        if (g->n == g->cap) {
-            Py_ssize_t cap = g->cap < 16 ? 16 : g->cap + g->cap / 2;
-            int64_t *v = PyMem_Realloc(g->v, sizeof(int64_t) * (size_t)cap);
-            if (v == NULL) return PyErr_NoMemory(), -1;
-            g->v = v;
-            g->cap = cap;
+    if (g->n_chunks == 0 || last > group_max(g)) {
+        if (g->n_chunks == 0 || g->last_n == g->last_cap) {
+            if (g->n_chunks == 1 && g->last_cap < CHUNK) {
+                Py_ssize_t cap = 4 * g->last_cap < CHUNK ? 4 * g->last_cap : CHUNK;
+                int64_t *v = PyMem_Realloc(g->chunks[0], sizeof(int64_t) * (size_t)cap);
+                if (v == NULL) return PyErr_NoMemory(), -1;
+                g->chunks[0] = v;
+                g->last_cap = cap;
+            } else {
+                if (g->n_chunks == g->cap_chunks) {
+                    Py_ssize_t cap = g->cap_chunks ? 2 * g->cap_chunks : 4;
+                    int64_t **c = PyMem_Realloc(g->chunks, sizeof(int64_t *) * (size_t)cap);
+                    if (c == NULL) return PyErr_NoMemory(), -1;
+                    g->chunks = c;
+                    g->cap_chunks = cap;
+                }
+                Py_ssize_t cap = g->n_chunks == 0 ? 16 : CHUNK;
+                int64_t *v = PyMem_Malloc(sizeof(int64_t) * (size_t)cap);
+                if (v == NULL) return PyErr_NoMemory(), -1;
+                g->chunks[g->n_chunks++] = v;
+                g->last_n = 0;
+                g->last_cap = cap;
+            }
         }
-        g->v[g->n++] = last;
+        g->chunks[g->n_chunks - 1][g->last_n++] = last;
         return 0;
     }
     int64_t pair[2] = {(int64_t)gi, last};
@@ -2185,7 +2221,10 @@ static Py_ssize_t key_group(Tracker *t, const int64_t *comps, int64_t *last) {
 }
 
 static void tracker_dealloc(Tracker *t) {
-    for (Py_ssize_t i = 0; i < t->n_groups; i++) PyMem_Free(t->g[i].v);
+    for (Py_ssize_t i = 0; i < t->n_groups; i++) {
+        for (Py_ssize_t k = 0; k < t->g[i].n_chunks; k++) PyMem_Free(t->g[i].chunks[k]);
+        PyMem_Free(t->g[i].chunks);
+    }
     PyMem_Free(t->g);
     for (Py_ssize_t i = 0; i < t->n_strs; i++) PyMem_Free(t->str_bytes[i]);
     PyMem_Free(t->str_bytes);
@@ -2315,7 +2354,12 @@ static PyObject *tracker_nbytes(Tracker *t, void *unused) {
     Py_ssize_t n = (t->extra.cap + t->groups.cap + t->seqs.cap + t->str_ids.cap + t->watch.cap) *
                    (Py_ssize_t)sizeof(Slot);
     n += t->cap_groups * (Py_ssize_t)sizeof(Group);
-    for (Py_ssize_t i = 0; i < t->n_groups; i++) n += t->g[i].cap * (Py_ssize_t)sizeof(int64_t);
+    for (Py_ssize_t i = 0; i < t->n_groups; i++) {
+        const Group *g = &t->g[i];
+        if (g->n_chunks == 0) continue;
+        n += ((g->n_chunks - 1) * CHUNK + g->last_cap) * (Py_ssize_t)sizeof(int64_t);
+        n += g->cap_chunks * (Py_ssize_t)sizeof(int64_t *);
+    }
     return PyLong_FromSsize_t(n);
 }
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from io import BufferedReader
 from operator import itemgetter
 from pathlib import Path as FsPath
 from typing import Any
@@ -40,10 +41,10 @@ import orjson
 
 from traceml_records._codec import line_problems
 from traceml_records._errors import Path, describe, json_pointer
-from traceml_records._fastcheck import Checker, Tracker, checker_for, tracker_for
+from traceml_records._fastcheck import Checker, Tracker, checker_for, key_shape, tracker_for
 from traceml_records._generated.registry import STREAMS
 from traceml_records._generated.wire import WIRE_STREAMS
-from traceml_records._lines import BLOCK_BYTES, is_closing
+from traceml_records._lines import is_closing
 from traceml_records._schemas import (
     CLOSING_SCHEMA_FILE,
     WARNING_SCHEMA_FILE,
@@ -68,6 +69,9 @@ _IDENTITY = (
 registry declares it (hostname apart: it may be absent on every line)."""
 _SNAPSHOT_KEY = itemgetter("node_rank", "seq")
 _NOT_INT = "expected an integer written without fraction or exponent, got"
+_BLOCK_BYTES = 1 << 20
+"""Bytes read at a time: the fast check's per-block cost is nothing at this size, and
+the memory it takes stays small whatever the file's size."""
 
 # (pointer, message) pairs: what the per-line checks produce before a file and a
 # line number are attached.
@@ -240,10 +244,7 @@ def _kinds() -> dict[str, _Kind]:
             order_without_hostname=tuple(k for k in order if k != "hostname"),
             int_keys=tuple(k for k, v in props.items() if _is_int_schema(v, schema)),
             key_fields=spec.key_fields,
-            key_shape="".join(
-                "s" if _resolve(props[k], schema)[0].get("type") == "string" else "i"
-                for k in spec.key_fields
-            ),
+            key_shape=key_shape(spec.name),
             # A later runtime_environment line for a rank replaces the earlier one.
             unique_keys=spec.name != "runtime_environment",
             carries_hostname=spec.carries_hostname,
@@ -391,16 +392,14 @@ def _scan_file(
     def tracker(stream: str) -> Tracker:
         found = trackers.get(stream)
         if found is None:
-            found = trackers[stream] = tracker_for(stream, kinds[stream].key_shape)
+            found = trackers[stream] = tracker_for(kinds[stream].key_shape)
             found.watch(watch)
         return found
 
     with open(path, "rb") as f:
-        tail = b""
-        while block := f.read(BLOCK_BYTES):
-            data = tail + block if tail else block
-            end = data.rfind(b"\n") + 1
-            tail = data[end:]
+        blocks = _Blocks(f)
+        for end in blocks:
+            data = blocks.buffer
             pos = 0
             while pos < end:
                 fast = _fast_path(state, folder, kinds)
@@ -413,14 +412,15 @@ def _scan_file(
                         state.data_lines += n
                     if pos >= end:
                         break
-                nl = data.index(b"\n", pos)
+                nl = data.index(b"\n", pos, end)
                 number += 1
                 state.lines = number
-                _check_line(data[pos : nl + 1], number, state, folder, kinds, tracker)
+                raw = bytes(memoryview(data)[pos : nl + 1])
+                _check_line(raw, number, state, folder, kinds, tracker)
                 pos = nl + 1
             if progress is not None:
                 progress(f.tell())
-        if tail:
+        if blocks.partial:
             state.add(
                 number + 1, "", "last line has no newline (still being written, or truncated)"
             )
@@ -428,6 +428,37 @@ def _scan_file(
         progress(os.path.getsize(path))
     _finish_file(state)
     return trackers.get(state.stream or "")
+
+
+class _Blocks:
+    """The complete lines of a file, a block at a time, in one buffer reused for every
+    block (no fresh memory per block): iterating gives ``end``, the lines being
+    ``buffer[:end]``; what follows the last newline is kept for the next block."""
+
+    def __init__(self, f: BufferedReader) -> None:
+        self._f = f
+        self.buffer = bytearray(_BLOCK_BYTES)
+        self._kept = 0
+
+    def __iter__(self) -> Iterator[int]:
+        buffer = self.buffer
+        while True:
+            with memoryview(buffer) as view:
+                n = self._f.readinto(view[self._kept :])
+            if not n:
+                return
+            size = self._kept + n
+            end = buffer.rfind(b"\n", 0, size) + 1
+            yield end
+            self._kept = size - end
+            buffer[: self._kept] = buffer[end:size]
+            if self._kept == len(buffer):  # a line longer than the buffer
+                buffer.extend(bytes(len(buffer)))
+
+    @property
+    def partial(self) -> bool:
+        """Whether the file ended inside a line (one still being written)."""
+        return self._kept > 0
 
 
 def _fast_path(

@@ -1,10 +1,10 @@
 """The validator's fast check (``_fastcheck``, ``_speedups.Checker``) against the full path.
 
 The fast check may leave any line to the full path, but must never accept a line the
-full path rejects: each twin (C and pure Python) is run on valid lines and on lines
-mutated to break a type, a bound, a key, a rule, the JSON itself or its bytes, and
-whatever it accepts must pass ``validate_line``. Whole files then give the very same
-report with the fast path, with its pure twin, and without it.
+full path rejects: it is run on valid lines and on lines mutated to break a type, a
+bound, a key, a rule, the JSON itself or its bytes, and whatever it accepts must pass
+``validate_line``. Whole files then give the very same report with the fast path,
+without it, and without the C extension (the full path and the pure-Python tracker).
 """
 
 from __future__ import annotations
@@ -24,37 +24,23 @@ from bench.bigfile import write_step_time
 from tests.strategies import consistent_json
 from traceml_records import STREAMS, _fastcheck, _validate, validate_line, validate_paths
 from traceml_records._extensions import load as load_extension
-from traceml_records._fastcheck import PyChecker, PyTracker, key_shape, plan_for
+from traceml_records._fastcheck import PyTracker, key_shape, plan_for
 
 _speedups = load_extension()
 FAST_STREAMS = [s.name for s in STREAMS if plan_for(s.name) is not None]
-TWINS = ["c", "python"]
+pytestmark = pytest.mark.skipif(_speedups is None, reason="traceml_records._speedups is not built")
 
 
-def checker(twin: str, stream: str) -> Any:
+def checker(stream: str) -> Any:
     plan = plan_for(stream)
-    assert plan is not None
-    if twin == "c":
-        if _speedups is None:
-            pytest.skip("traceml_records._speedups is not built")
-        return _speedups.Checker(plan)
-    return PyChecker(plan)
+    assert plan is not None and _speedups is not None
+    return _speedups.Checker(plan)
 
 
-def tracker(twin: str, shape: str) -> Any:
-    if twin == "c":
-        if _speedups is None:
-            pytest.skip("traceml_records._speedups is not built")
-        return _speedups.Tracker(shape)
-    return PyTracker(shape)
-
-
-def accepts(twin: str, stream: str, raw: bytes, hostname: int) -> bool:
-    plan = plan_for(stream)
-    assert plan is not None
-    pos, lines = checker(twin, stream).scan(
-        raw, 0, len(raw), tracker(twin, key_shape(plan)), hostname
-    )
+def accepts(stream: str, raw: bytes, hostname: int) -> bool:
+    assert _speedups is not None
+    tracker = _speedups.Tracker(key_shape(stream))
+    pos, lines = checker(stream).scan(raw, 0, len(raw), tracker, hostname)
     assert (pos, lines) in ((0, 0), (len(raw), 1))
     return lines == 1
 
@@ -65,15 +51,15 @@ def test_the_per_step_streams_have_a_fast_check() -> None:
     assert plan_for("system") is None and plan_for("system_gpu") is None
 
 
-@pytest.mark.parametrize("twin", TWINS)
-def test_a_realistic_export_is_accepted_line_by_line(twin: str, tmp_path: Path) -> None:
+def test_a_realistic_export_is_accepted_line_by_line(tmp_path: Path) -> None:
     path = tmp_path / "step_time.jsonl"
     write_step_time(path, 2000, world=64)
     data = path.read_bytes()
     end = data.rindex(b"\n", 0, len(data) - 1) + 1  # the closing line is the full path's
     plan = plan_for("step_time")
     assert plan is not None
-    pos, lines = checker(twin, "step_time").scan(data, 0, end, tracker(twin, "ii"), 0)
+    assert _speedups is not None
+    pos, lines = checker("step_time").scan(data, 0, end, _speedups.Tracker("ii"), 0)
     assert (pos, lines) == (end, 2000)
 
 
@@ -139,23 +125,20 @@ BROKEN: list[tuple[str, bytes, bytes]] = [
 """One thing wrong with :data:`_LINE` each: what the full path reports."""
 
 
-@pytest.mark.parametrize("twin", TWINS)
-def test_the_realistic_line_is_accepted(twin: str) -> None:
+def test_the_realistic_line_is_accepted() -> None:
     assert validate_line(_LINE) == []
-    assert accepts(twin, "step_time", _LINE, 0)
+    assert accepts("step_time", _LINE, 0)
 
 
-@pytest.mark.parametrize("twin", TWINS)
 @pytest.mark.parametrize(("old", "new"), [c[1:] for c in BROKEN], ids=[c[0] for c in BROKEN])
-def test_each_broken_line_is_left_to_the_full_path(twin: str, old: bytes, new: bytes) -> None:
+def test_each_broken_line_is_left_to_the_full_path(old: bytes, new: bytes) -> None:
     assert _LINE.count(old) >= 1
     raw = _LINE.replace(old, new, 1)
     assert validate_line(raw) != []
     for hostname in (0, 1):
-        assert not accepts(twin, "step_time", raw, hostname)
+        assert not accepts("step_time", raw, hostname)
 
 
-@pytest.mark.parametrize("twin", TWINS)
 @pytest.mark.parametrize(
     ("old", "new"),
     [
@@ -167,13 +150,10 @@ def test_each_broken_line_is_left_to_the_full_path(twin: str, old: bytes, new: b
         (b'"cpu_ms":3.65929,"duration_ms":3.65929,"gpu_ms":null,"is_gpu":false,"n_calls":1', b'"duration_ms":3.65929,"cpu_ms":3.65929,"gpu_ms":null,"is_gpu":false,"n_calls":1'),
     ],
 )  # fmt: skip
-def test_a_valid_line_written_otherwise_goes_the_full_way(
-    twin: str, old: bytes, new: bytes
-) -> None:
+def test_a_valid_line_written_otherwise_goes_the_full_way(old: bytes, new: bytes) -> None:
     raw = _LINE.replace(old, new, 1)
     assert validate_line(raw) == []
-    if twin == "c":  # the pure twin reads the parsed values: it may take these
-        assert not accepts(twin, "step_time", raw, 0)
+    assert not accepts("step_time", raw, 0)
 
 
 # ------------------------------------------------------------------ mutations
@@ -306,22 +286,20 @@ def mutated_line(draw: st.DrawFn, stream: str) -> bytes:
     return raw + b"\n"
 
 
-@pytest.mark.parametrize("twin", TWINS)
 @pytest.mark.parametrize("stream", FAST_STREAMS)
 @given(data=st.data())
 def test_the_fast_check_never_accepts_a_line_the_full_path_rejects(
-    twin: str, stream: str, data: st.DataObject
+    stream: str, data: st.DataObject
 ) -> None:
     raw = data.draw(mutated_line(stream))
     for hostname in (0, 1):
-        if accepts(twin, stream, raw, hostname):
+        if accepts(stream, raw, hostname):
             assert [str(p) for p in validate_line(raw)] == []
 
 
-@pytest.mark.parametrize("twin", TWINS)
 @pytest.mark.parametrize("stream", FAST_STREAMS)
 @given(data=st.data())
-def test_valid_lines_are_mostly_accepted(twin: str, stream: str, data: st.DataObject) -> None:
+def test_valid_lines_are_mostly_accepted(stream: str, data: st.DataObject) -> None:
     # Not all: a string with an escape or an event name the line's order puts first
     # may go the full way. A plain one is taken.
     d = data.draw(valid_line(stream))
@@ -329,7 +307,7 @@ def test_valid_lines_are_mostly_accepted(twin: str, stream: str, data: st.DataOb
     assert validate_line(raw) == []
     plain = raw.isascii() and b"\\" not in raw and b"e" not in _numbers(raw)
     if plain:
-        assert accepts(twin, stream, raw, int("hostname" in d))
+        assert accepts(stream, raw, int("hostname" in d))
 
 
 def _numbers(raw: bytes) -> bytes:
@@ -341,18 +319,13 @@ def _numbers(raw: bytes) -> bytes:
 
 @contextmanager
 def path_taken(how: str) -> Iterator[None]:
-    """validate_paths with the fast check in C, in pure Python, or none."""
+    """validate_paths with the fast check ("c"), without it ("none"), or as without
+    the C extension ("pure": the full path, the pure-Python tracker)."""
     with pytest.MonkeyPatch.context() as mp:
-        if how == "python":
-
-            def py_checker(stream: str) -> Any:
-                plan = plan_for(stream)
-                return PyChecker(plan) if plan is not None else None
-
-            mp.setattr(_validate, "checker_for", py_checker)
-            mp.setattr(_validate, "tracker_for", lambda stream, shape: PyTracker(shape))
-        elif how == "none":
+        if how in ("none", "pure"):
             mp.setattr(_validate, "checker_for", lambda stream: None)
+        if how == "pure":
+            mp.setattr(_validate, "tracker_for", PyTracker)
         yield
 
 
@@ -400,9 +373,7 @@ def test_a_file_gets_the_same_report_either_way(
     path = tmp_path_factory.mktemp("export") / f"{stream}.jsonl"
     path.write_bytes(b"".join(lines))
     reports = {}
-    for how in ("c", "python", "none"):
-        if how == "c" and _speedups is None:
-            continue
+    for how in ("c", "pure", "none"):
         with path_taken(how):
             reports[how] = validate_paths([path], max_problems_per_file=cap)
     full = reports.pop("none")
@@ -424,7 +395,7 @@ def test_a_repeat_of_a_fast_line_names_its_first_line(tmp_path: Path) -> None:
         f"{path}:201: /: duplicate key global_rank={d['global_rank']}, step={d['step']} "
         f"(first on line 124)"
     )
-    for how in ("c", "python", "none"):
+    for how in ("c", "pure", "none"):
         with path_taken(how):
             report = validate_paths([path])
             capped = validate_paths([path], max_problems_per_file=1)
@@ -447,8 +418,7 @@ def test_a_repeat_of_a_fast_line_names_its_first_line(tmp_path: Path) -> None:
 def test_both_trackers_keep_the_same_keys_and_seqs(
     shape: str, ops: list[tuple[bool, list[int]]]
 ) -> None:
-    if _speedups is None:
-        pytest.skip("traceml_records._speedups is not built")
+    assert _speedups is not None
     c, py = _speedups.Tracker(shape), PyTracker(shape)
     c.watch([_key(shape, [1, 2, 3, 4])])
     py.watch([_key(shape, [1, 2, 3, 4])])
@@ -467,8 +437,7 @@ def _key(shape: str, values: list[int]) -> tuple[Any, ...]:
 
 
 def test_a_float_seq_is_remembered_as_written() -> None:
-    if _speedups is None:
-        pytest.skip("traceml_records._speedups is not built")
+    assert _speedups is not None
     for t in (_speedups.Tracker("ii"), PyTracker("ii")):
         assert t.seq(0, 5.0) is None
         assert t.seq(0.0, 4) == 5.0 and repr(t.seq(0, 6)) == "4"
@@ -476,8 +445,7 @@ def test_a_float_seq_is_remembered_as_written() -> None:
 
 
 def test_keys_out_of_order_are_still_found() -> None:
-    if _speedups is None:
-        pytest.skip("traceml_records._speedups is not built")
+    assert _speedups is not None
     for t in (_speedups.Tracker("ii"), PyTracker("ii")):
         steps = [5, 9, 3, 7, 1, 9, 3, 100, 2]
         assert [t.add((0, s), i) for i, s in enumerate(steps)] == [
@@ -496,3 +464,18 @@ def test_the_plan_follows_the_schema_keyword_it_does_not_know(
     docs["step_time.schema.json"] = schema
     monkeypatch.setattr(_fastcheck, "schema_documents", lambda: docs)
     assert _fastcheck.plan_for.__wrapped__("step_time") is None
+
+
+@pytest.mark.parametrize("block", [7, 64, 1000])
+def test_lines_across_blocks_or_longer_than_one(
+    block: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "step_time.jsonl"
+    write_step_time(path, 40, world=8)
+    lines = path.read_bytes().splitlines(keepends=True)
+    broken = lines[5].replace(b'"seq":', b'"seq":-')
+    path.write_bytes(b"".join([*lines[:5], broken, *lines[5:-1], lines[-1], lines[3][:50]]))
+    expected = validate_paths([path])
+    assert [p.line for p in expected.problems] == [6, 42, 43]
+    monkeypatch.setattr(_validate, "_BLOCK_BYTES", block)
+    assert validate_paths([path]) == expected
