@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from traceml_records import _extensions
 from traceml_records._generated.records import ENCODER_PLANS
 from traceml_records._generated.registry import STREAMS
+from traceml_records._generated.tables import LONG_TABLES, TABLE_STREAM, TABLES
 from traceml_records._rules import RULES
 from traceml_records._schemas import schema_documents
 
@@ -423,6 +424,59 @@ def checker_for(stream: str) -> Checker | None:
     if plan is None or _speedups is None:
         return None
     return _speedups.Checker(plan)  # type: ignore[no-any-return]
+
+
+Column = tuple[bytes | None, bytes, bytes | None, int, int]
+"""One column of :meth:`Extractor.extract`: (validity bitmap or None, values, string
+offsets or None, length, nulls), the buffers of an Arrow array."""
+
+
+class Extractor(Checker, Protocol):
+    """A fast check that also reads the lines it accepts into the stream's tables."""
+
+    def extract(
+        self, data: bytes | bytearray, pos: int, end: int, tracker: Any, hostname: int, /
+    ) -> tuple[int, int, tuple[Column, ...], tuple[Column, ...] | None]:
+        """As :meth:`Checker.scan`, and the accepted lines' values: the stream table's
+        columns (``TABLES[stream]``) and its long table's (or None)."""
+        ...
+
+
+def layout_for(stream: str) -> tuple[Any, ...] | None:
+    """Where each column of ``stream``'s tables comes from in a line, for
+    :class:`Extractor`, or None when the extractor cannot fill them."""
+    plan = plan_for(stream)
+    if plan is None:
+        return None
+    fields = [f[0].decode() for f in plan[0][2]]
+    if any(t not in ("int64", "float64", "bool", "string") for _, t, _ in TABLES[stream]):
+        return None
+    top = tuple((fields.index(name), t) for name, t, _ in TABLES[stream])
+    longs = [name for name in LONG_TABLES if TABLE_STREAM[name] == stream]
+    if not longs:
+        return (top, None)
+    if len(longs) > 1:
+        return None
+    source, key_names = LONG_TABLES[longs[0]]
+    columns = TABLES[longs[0]]
+    names = [c[0] for c in columns]
+    at = names.index(key_names[0])
+    if len(key_names) != 2 or names[at : at + 2] != list(key_names):
+        return None
+    timing = plan[0][2][fields.index(source)][1][3][3]
+    leaf_names = [f[0].decode() for f in timing[2]]
+    keys = tuple((fields.index(name), t) for name, t, _ in columns[:at])
+    leaves = tuple((leaf_names.index(name), t) for name, t, _ in columns[at + 2 :])
+    return (top, (fields.index(source), keys, leaves))
+
+
+@functools.cache
+def extractor_for(stream: str) -> Extractor | None:
+    """The fast check of ``stream`` that reads lines into its tables (frames), or None."""
+    layout = layout_for(stream)
+    if layout is None or _speedups is None:
+        return None
+    return _speedups.Checker(plan_for(stream), layout)  # type: ignore[no-any-return]
 
 
 def tracker_for(shape: str) -> Tracker:

@@ -1533,6 +1533,8 @@ struct CNode {
     Py_ssize_t n_required;
     char **required;
     Py_ssize_t *required_len;
+    int key_slot;              /* N_MAP read into a long table: its keys' column (0, 1) */
+    int row_sink;              /* N_OBJ read into a long table: one row each */
 };
 
 typedef struct {
@@ -1607,9 +1609,14 @@ static int string_ok(CNode *node, const char *s, Py_ssize_t n) {
 
 /* -- scanning one line ----------------------------------------------------------- */
 
+typedef struct Sink Sink;
+
 typedef struct {
     const char *p, *end; /* end: the line's newline */
+    Sink *sink;          /* where accepted values go (Checker.extract), or NULL */
 } Cur;
+
+static int sink_row(Sink *sink, const Val *vals);
 
 /* The length of the UTF-8 sequence at p (RFC 3629: no overlong form, no surrogate,
  * nothing past U+10FFFF, as orjson reads it), or 0 when it is not one. */
@@ -1732,6 +1739,7 @@ static int number_in_range(const CNode *node, const char *s, Py_ssize_t n, int n
 }
 
 static int scan_value(Cur *c, CNode *node, Val *out);
+static void sink_key(Sink *sink, int slot, const char *s, Py_ssize_t n);
 
 static int scan_object(Cur *c, CNode *node, Val *vals) {
     /* at '{' */
@@ -1743,7 +1751,8 @@ static int scan_object(Cur *c, CNode *node, Val *vals) {
     } else {
         for (;;) {
             if (p >= c->end || *p != '"') return 0;
-            Cur k = {p + 1, c->end};
+            Cur k = *c;
+            k.p = p + 1;
             const char *key;
             Py_ssize_t key_len;
             if (!scan_plain_string(&k, &key, &key_len)) return 0;
@@ -1826,6 +1835,7 @@ static int scan_object(Cur *c, CNode *node, Val *vals) {
             return 0;
         }
     }
+    if (node->row_sink && c->sink != NULL && sink_row(c->sink, vals) < 0) return -1;
     return 1;
 }
 
@@ -1838,7 +1848,8 @@ static int scan_map(Cur *c, CNode *node) {
     } else {
         for (;;) {
             if (p >= c->end || *p != '"') return 0;
-            Cur k = {p + 1, c->end};
+            Cur k = *c;
+            k.p = p + 1;
             const char *key;
             Py_ssize_t key_len;
             if (!scan_plain_string(&k, &key, &key_len)) return 0;
@@ -1862,6 +1873,7 @@ static int scan_map(Cur *c, CNode *node) {
             if (r != 1) return r;
             if (k.p >= c->end || *k.p != ':') return 0;
             k.p++;
+            if (node->key_slot >= 0 && c->sink != NULL) sink_key(c->sink, node->key_slot, key, key_len);
             Val ignored;
             r = scan_value(&k, node->value, &ignored);
             if (r != 1) return r;
@@ -2397,6 +2409,347 @@ static PyTypeObject TrackerType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* -- reading accepted lines into columns (Checker.extract, for frames) -------------
+ *
+ * A Checker built with a layout also puts the values of the lines it accepts into
+ * Arrow-shaped columns: the stream table's (top-level fields) and, for a map of maps
+ * of objects (step_time's events), a long table with a row per inner object: the
+ * stream key fields, the two map keys, the object's fields. A line's rows are added
+ * as its map is scanned and taken back when the line is not accepted after all.
+ */
+
+enum { C_I64, C_F64, C_BOOL, C_STR };
+
+static int plan_error(const char *what) {
+    PyErr_Format(PyExc_ValueError, "fast check plan: %s", what);
+    return -1;
+}
+
+typedef struct {
+    int kind;
+    int field;            /* the field it reads, in the line (top) or the row's object */
+    char *data;           /* int64, double or one byte per bool; a string's bytes */
+    Py_ssize_t len, cap;
+    int32_t *offsets;     /* strings: rows + 1 */
+    Py_ssize_t ocap;
+    uint8_t *valid;       /* one bit a row */
+    Py_ssize_t vcap;
+    Py_ssize_t rows, nulls;
+} Col;
+
+struct Sink {
+    Py_ssize_t n_top;
+    Col *top;
+    Py_ssize_t n_keys;   /* the long table's first columns: top-level fields, per row */
+    Py_ssize_t n_row;    /* the long table's columns: keys, the two map keys, fields */
+    Col *row;
+    const char *key[2];
+    Py_ssize_t key_len[2];
+    const char *last_text; /* the last number parsed in this row, and its value */
+    Py_ssize_t last_len;
+    double last_value;
+    Py_ssize_t rows;      /* long-table rows of the accepted lines */
+    Py_ssize_t line_rows; /* rows of the line being scanned */
+};
+
+static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, Py_ssize_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t cap2 = *cap ? *cap : 256;
+    while (cap2 < need) cap2 += cap2 / 2 + 256;
+    void *q = PyMem_Realloc(*p, (size_t)(cap2 * item));
+    if (q == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *p = q;
+    *cap = cap2;
+    return 0;
+}
+
+/* a JSON number's text as the double it denotes (correctly rounded) */
+static double text_to_double(const char *s, Py_ssize_t n) {
+    static const double pow10[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
+                                   1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                                   1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+    const char *p = s, *end = s + n;
+    int negative = p < end && *p == '-';
+    if (negative) p++;
+    uint64_t m = 0;
+    int digits = 0, decimals = 0, seen_dot = 0;
+    for (; p < end; p++) {
+        if (*p == '.') {
+            seen_dot = 1;
+        } else if (*p >= '0' && *p <= '9') {
+            if (m != 0 || *p != '0') digits++;
+            m = m * 10 + (uint64_t)(*p - '0');
+            decimals += seen_dot;
+            if (digits > 15) break;
+        } else {
+            break; /* an exponent */
+        }
+    }
+    if (p == end && decimals <= 22) {
+        /* both exact as doubles: one division, correctly rounded (Clinger's fast path) */
+        double v = (double)m / pow10[decimals];
+        return negative ? -v : v;
+    }
+    char buf[48];
+    memcpy(buf, s, (size_t)n);
+    buf[n] = '\0';
+    /* strtod rounds correctly; under a locale whose decimal point is not '.', it stops
+     * early, and Python's own (locale-free, slower) parser reads the number */
+    char *stop;
+    double v = strtod(buf, &stop);
+    if (stop == buf + n) return v;
+    v = PyOS_string_to_double(buf, NULL, NULL);
+    if (v == -1.0 && PyErr_Occurred()) PyErr_Clear(); /* cannot happen: the scan took it */
+    return v;
+}
+
+static int col_push(Col *c, const Val *v, Sink *memo) {
+    Py_ssize_t bit = c->rows;
+    if (grow((void **)&c->valid, &c->vcap, bit / 8 + 1, 1) < 0) return -1;
+    int present = v != NULL && v->tag != 0 && v->tag != J_NULL;
+    c->valid[bit / 8] &= (uint8_t)~(1u << (bit % 8));
+    if (present) c->valid[bit / 8] |= (uint8_t)(1u << (bit % 8));
+    else c->nulls++;
+    switch (c->kind) {
+    case C_I64: {
+        int64_t x = 0;
+        if (present) {
+            if (v->tag != J_INT) return 0;
+            x = v->i;
+        }
+        if (grow((void **)&c->data, &c->cap, c->len + 8, 1) < 0) return -1;
+        memcpy(c->data + c->len, &x, 8);
+        c->len += 8;
+        break;
+    }
+    case C_F64: {
+        double x = 0.0;
+        if (present) {
+            if (v->tag == J_INT) {
+                x = (double)v->i;
+            } else if (v->tag != J_FLOAT) {
+                return 0;
+            } else if (memo != NULL && memo->last_len == v->n &&
+                       memcmp(memo->last_text, v->s, (size_t)v->n) == 0) {
+                x = memo->last_value; /* duration_ms is cpu_ms or gpu_ms, written alike */
+            } else {
+                x = text_to_double(v->s, v->n);
+                if (memo != NULL) {
+                    memo->last_text = v->s;
+                    memo->last_len = v->n;
+                    memo->last_value = x;
+                }
+            }
+        }
+        if (grow((void **)&c->data, &c->cap, c->len + 8, 1) < 0) return -1;
+        memcpy(c->data + c->len, &x, 8);
+        c->len += 8;
+        break;
+    }
+    case C_BOOL:
+        if (present && v->tag != J_BOOL) return 0;
+        if (grow((void **)&c->data, &c->cap, c->len + 1, 1) < 0) return -1;
+        c->data[c->len++] = (char)(present && v->i);
+        break;
+    default: {
+        if (present && v->tag != J_STR) return 0;
+        Py_ssize_t n = present ? v->n : 0;
+        if (c->len + n > INT32_MAX) return 0; /* the caller reads smaller blocks */
+        if (grow((void **)&c->offsets, &c->ocap, c->rows + 2, sizeof(int32_t)) < 0) return -1;
+        if (grow((void **)&c->data, &c->cap, c->len + n + 1, 1) < 0) return -1;
+        if (c->rows == 0) c->offsets[0] = 0;
+        memcpy(c->data + c->len, present ? v->s : "", (size_t)n);
+        c->len += n;
+        c->offsets[c->rows + 1] = (int32_t)c->len;
+    }
+    }
+    c->rows++;
+    return 1;
+}
+
+static void col_truncate(Col *c, Py_ssize_t rows) {
+    for (Py_ssize_t r = rows; r < c->rows; r++) {
+        if (!(c->valid[r / 8] >> (r % 8) & 1)) c->nulls--;
+    }
+    c->rows = rows;
+    c->len = c->kind == C_STR ? (rows ? c->offsets[rows] : 0) : c->kind == C_BOOL ? rows : 8 * rows;
+}
+
+static void col_free(Col *c) {
+    PyMem_Free(c->data);
+    PyMem_Free(c->offsets);
+    PyMem_Free(c->valid);
+}
+
+/* A column's memory handed to Python as it is (no copy): a read-only buffer that
+ * frees it when the last view of it (pyarrow's) goes. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    Py_ssize_t len;
+} Owned;
+
+static int owned_getbuffer(Owned *o, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)o, o->data, o->len, 1, flags);
+}
+
+static void owned_dealloc(Owned *o) {
+    PyMem_Free(o->data);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+static PyBufferProcs owned_as_buffer = {(getbufferproc)owned_getbuffer, NULL};
+
+static PyTypeObject OwnedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traceml_records._speedups.Owned",
+    .tp_basicsize = sizeof(Owned),
+    .tp_dealloc = (destructor)owned_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Memory of one column, read-only (Checker.extract).",
+    .tp_as_buffer = &owned_as_buffer,
+};
+
+/* Python owns *data from here on (NULL when that failed; *data is freed either way). */
+static PyObject *owned(char **data, Py_ssize_t len) {
+    Owned *o = PyObject_New(Owned, &OwnedType);
+    if (o == NULL) {
+        PyMem_Free(*data);
+        *data = NULL;
+        return NULL;
+    }
+    o->data = *data;
+    o->len = len;
+    *data = NULL;
+    return (PyObject *)o;
+}
+
+/* (validity bitmap or None, values, offsets or None, rows, nulls); the column's
+ * memory goes with them. */
+static PyObject *col_take(Col *c) {
+    PyObject *valid = NULL, *data = NULL, *offsets = NULL;
+    if (c->valid == NULL && grow((void **)&c->valid, &c->vcap, 1, 1) < 0) return NULL;
+    if (c->data == NULL && grow((void **)&c->data, &c->cap, 1, 1) < 0) return NULL;
+    if (c->nulls) {
+        valid = owned((char **)&c->valid, (c->rows + 7) / 8);
+    } else {
+        valid = Py_NewRef(Py_None);
+    }
+    if (c->kind == C_BOOL) {
+        char *bits = PyMem_Calloc((size_t)(c->rows + 7) / 8 + 1, 1);
+        if (bits != NULL) {
+            for (Py_ssize_t r = 0; r < c->rows; r++) {
+                if (c->data[r]) bits[r / 8] |= (char)(1u << (r % 8));
+            }
+        }
+        data = bits == NULL ? PyErr_NoMemory() : owned(&bits, (c->rows + 7) / 8);
+    } else {
+        data = owned(&c->data, c->len);
+    }
+    if (c->kind == C_STR) {
+        if (c->rows == 0 && grow((void **)&c->offsets, &c->ocap, 1, sizeof(int32_t)) == 0) {
+            c->offsets[0] = 0;
+        }
+        offsets = c->offsets == NULL ? NULL
+                                     : owned((char **)&c->offsets,
+                                             (c->rows + 1) * (Py_ssize_t)sizeof(int32_t));
+    } else {
+        offsets = Py_NewRef(Py_None);
+    }
+    if (valid == NULL || data == NULL || offsets == NULL) {
+        Py_XDECREF(valid);
+        Py_XDECREF(data);
+        Py_XDECREF(offsets);
+        return NULL;
+    }
+    return Py_BuildValue("NNNnn", valid, data, offsets, c->rows, c->nulls);
+}
+
+static void sink_key(Sink *sink, int slot, const char *s, Py_ssize_t n) {
+    sink->key[slot] = s;
+    sink->key_len[slot] = n;
+}
+
+static int sink_row(Sink *sink, const Val *vals) {
+    for (Py_ssize_t j = sink->n_keys; j < sink->n_row; j++) {
+        Col *c = &sink->row[j];
+        Val key;
+        const Val *v;
+        if (j < sink->n_keys + 2) {
+            int slot = (int)(j - sink->n_keys);
+            key.tag = J_STR;
+            key.s = sink->key[slot];
+            key.n = sink->key_len[slot];
+            v = &key;
+        } else {
+            v = &vals[c->field];
+        }
+        int r = col_push(c, v, sink);
+        if (r != 1) return r < 0 ? -1 : 0;
+    }
+    sink->line_rows++;
+    sink->last_len = -1;
+    return 0;
+}
+
+/* The line is accepted: its top-level values, and the keys of its rows. */
+static int sink_line(Sink *sink, const Val *vals) {
+    for (Py_ssize_t j = 0; j < sink->n_top; j++) {
+        int r = col_push(&sink->top[j], &vals[sink->top[j].field], NULL);
+        if (r != 1) return r < 0 ? -1 : 0;
+    }
+    for (Py_ssize_t j = 0; j < sink->n_keys; j++) {
+        for (Py_ssize_t k = 0; k < sink->line_rows; k++) {
+            int r = col_push(&sink->row[j], &vals[sink->row[j].field], NULL);
+            if (r != 1) return r < 0 ? -1 : 0;
+        }
+    }
+    sink->rows += sink->line_rows;
+    sink->line_rows = 0;
+    return 1;
+}
+
+/* The line is not accepted: its rows are taken back. */
+static void sink_drop(Sink *sink) {
+    for (Py_ssize_t j = sink->n_keys; j < sink->n_row; j++) col_truncate(&sink->row[j], sink->rows);
+    sink->line_rows = 0;
+}
+
+static void sink_free(Sink *sink) {
+    for (Py_ssize_t j = 0; j < sink->n_top; j++) col_free(&sink->top[j]);
+    for (Py_ssize_t j = 0; j < sink->n_row; j++) col_free(&sink->row[j]);
+    PyMem_Free(sink->top);
+    PyMem_Free(sink->row);
+}
+
+static int col_kind(const char *name, int *kind) {
+    static const char *names[] = {"int64", "float64", "bool", "string"};
+    for (int k = 0; k < 4; k++) {
+        if (strcmp(name, names[k]) == 0) {
+            *kind = k;
+            return 0;
+        }
+    }
+    return plan_error("unknown column type");
+}
+
+/* Columns from a layout tuple: ((field, type), ...) per table. */
+static int cols_from(PyObject *spec, Col **cols, Py_ssize_t *n, Py_ssize_t extra) {
+    if (!PyTuple_Check(spec)) return plan_error("columns are a tuple");
+    *n = PyTuple_GET_SIZE(spec) + extra;
+    *cols = PyMem_Calloc((size_t)*n + 1, sizeof(Col));
+    if (*cols == NULL) return PyErr_NoMemory(), -1;
+    return 0;
+}
+
+static int col_set(Col *c, PyObject *pair) {
+    const char *kind;
+    if (!PyArg_ParseTuple(pair, "is", &c->field, &kind)) return -1;
+    return col_kind(kind, &c->kind);
+}
+
 /* -- the Checker: a compiled plan --------------------------------------------------- */
 
 typedef struct {
@@ -2407,6 +2760,8 @@ typedef struct {
     int key_field[MAX_KEY];
     int rank_field, seq_field, hostname_field;
     int unique;
+    Sink layout;         /* with a layout: the columns extract fills (kinds, fields) */
+    int has_layout;
 } Checker;
 
 static void node_free(CNode *node) {
@@ -2432,11 +2787,6 @@ static void node_free(CNode *node) {
         PyMem_Free(node->cache.ents);
     }
     PyMem_Free(node);
-}
-
-static int plan_error(const char *what) {
-    PyErr_Format(PyExc_ValueError, "fast check plan: %s", what);
-    return -1;
 }
 
 static int type_mask(PyObject *names, int *mask) {
@@ -2637,15 +2987,58 @@ static int build_node(PyObject *desc, CNode **out) {
 
 static void checker_dealloc(Checker *c) {
     node_free(c->root);
+    sink_free(&c->layout);
     Py_XDECREF(c->keep);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
 /* Checker(plan): plan = (root object node, key field indexes, rank field, seq field,
  * hostname field or -1, unique keys) */
+static int build_layout(Checker *c, PyObject *layout) {
+    PyObject *top, *rows;
+    if (!PyArg_ParseTuple(layout, "O!O", &PyTuple_Type, &top, &rows)) return -1;
+    Sink *l = &c->layout;
+    if (cols_from(top, &l->top, &l->n_top, 0) < 0) return -1;
+    for (Py_ssize_t j = 0; j < l->n_top; j++) {
+        if (col_set(&l->top[j], PyTuple_GET_ITEM(top, j)) < 0) return -1;
+        if (l->top[j].field < 0 || l->top[j].field >= c->root->n_fields)
+            return plan_error("a column's field");
+    }
+    if (rows != Py_None) {
+        int map_field;
+        PyObject *keys, *leaves;
+        if (!PyArg_ParseTuple(rows, "iO!O!", &map_field, &PyTuple_Type, &keys, &PyTuple_Type,
+                              &leaves))
+            return -1;
+        if (map_field < 0 || map_field >= c->root->n_fields) return plan_error("the map field");
+        CNode *outer = c->root->fields[map_field].node;
+        CNode *inner = outer->kind == N_MAP ? outer->value : NULL;
+        CNode *obj = inner != NULL && inner->kind == N_MAP ? inner->value : NULL;
+        if (obj == NULL || obj->kind != N_OBJ) return plan_error("rows come from a map of maps of objects");
+        outer->key_slot = 0;
+        inner->key_slot = 1;
+        obj->row_sink = 1;
+        l->n_keys = PyTuple_GET_SIZE(keys);
+        if (cols_from(leaves, &l->row, &l->n_row, l->n_keys + 2) < 0) return -1;
+        for (Py_ssize_t j = 0; j < l->n_keys; j++) {
+            if (col_set(&l->row[j], PyTuple_GET_ITEM(keys, j)) < 0) return -1;
+            if (l->row[j].field < 0 || l->row[j].field >= c->root->n_fields)
+                return plan_error("a key column's field");
+        }
+        l->row[l->n_keys].kind = l->row[l->n_keys + 1].kind = C_STR;
+        for (Py_ssize_t j = l->n_keys + 2; j < l->n_row; j++) {
+            if (col_set(&l->row[j], PyTuple_GET_ITEM(leaves, j - l->n_keys - 2)) < 0) return -1;
+            if (l->row[j].field < 0 || l->row[j].field >= obj->n_fields)
+                return plan_error("a row column's field");
+        }
+    }
+    c->has_layout = 1;
+    return 0;
+}
+
 static int checker_init(Checker *c, PyObject *args, PyObject *kwds) {
-    PyObject *plan, *root, *keys;
-    if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &plan)) return -1;
+    PyObject *plan, *root, *keys, *layout = Py_None;
+    if (!PyArg_ParseTuple(args, "O!|O", &PyTuple_Type, &plan, &layout)) return -1;
     if (!PyArg_ParseTuple(plan, "OO!iiip", &root, &PyTuple_Type, &keys, &c->rank_field,
                           &c->seq_field, &c->hostname_field, &c->unique))
         return -1;
@@ -2666,102 +3059,179 @@ static int checker_init(Checker *c, PyObject *args, PyObject *kwds) {
         if (*all[j] < (j == 2 ? -1 : 0) || *all[j] >= c->root->n_fields)
             return plan_error("a field index");
     }
-    return 0;
+    return layout == Py_None ? 0 : build_layout(c, layout);
 }
 
-/* scan(data, pos, end, tracker, hostname) -> (pos, lines): the lines of
- * data[pos:end] (whole lines) accepted from pos on, up to the first one left to the
- * full path (then pos is its start) or end. hostname: whether lines carry it (0, 1;
- * -1 when the stream has no hostname). */
-static PyObject *checker_scan(Checker *c, PyObject *args) {
-    Py_buffer buf;
-    Py_ssize_t pos, end;
-    Tracker *t;
-    int hostname;
-    if (!PyArg_ParseTuple(args, "y*nnO!i", &buf, &pos, &end, &TrackerType, &t, &hostname))
-        return NULL;
-    if (pos < 0 || end > buf.len || pos > end) {
-        PyBuffer_Release(&buf);
-        PyErr_SetString(PyExc_ValueError, "pos and end must lie within data");
-        return NULL;
-    }
-    if (t->n_comp != c->n_key) {
-        PyBuffer_Release(&buf);
-        PyErr_SetString(PyExc_ValueError, "the tracker's key shape is not this stream's");
-        return NULL;
-    }
-    const char *data = buf.buf;
-    Py_ssize_t lines = 0;
-    CNode *root = c->root;
+/* One whole line [p, nl): 1 when accepted (its key and seq then recorded, its values
+ * in the sink), 0 when left to the full path, -1 on a Python error. */
+static int take_line(Checker *c, Tracker *t, const char *p, const char *nl, int hostname,
+                     Sink *sink) {
     Val vals[MAX_FIELDS];
-    int failed = 0;
+    Cur cur = {p, nl, sink};
+    if (*p != '{') return 0;
+    int r = scan_object(&cur, c->root, vals);
+    if (r != 1) return r;
+    if (cur.p != nl) return 0;
+    if (c->hostname_field >= 0 && (vals[c->hostname_field].tag != 0) != hostname) return 0;
+    /* cross-line: checked first, recorded once the line is accepted */
+    int64_t comps[MAX_KEY];
+    Py_ssize_t gi = 0;
+    int64_t last = 0;
+    if (c->unique) {
+        for (int j = 0; j < c->n_key; j++) {
+            const Val *v = &vals[c->key_field[j]];
+            if (t->comp_str[j]) {
+                if (v->tag != J_STR) return 0;
+                int64_t id = string_id(t, v->s, v->n);
+                if (id < 0) return -1;
+                comps[j] = id;
+            } else {
+                if (v->tag != J_INT) return 0;
+                comps[j] = v->i;
+            }
+        }
+        gi = key_group(t, comps, &last);
+        if (gi < 0) return -1;
+        if (key_seen(t, gi, last) || watched(t, gi, last)) return 0;
+    }
+    const Val *rank = &vals[c->rank_field], *seq = &vals[c->seq_field];
+    if (rank->tag != J_INT || seq->tag != J_INT) return 0;
+    Slot *s = table_slot(&t->seqs, &rank->i, 1);
+    if (s == NULL) return -1;
+    if (s->used && seq->i < s->value) return 0;
+    if (sink != NULL) {
+        r = sink_line(sink, vals);
+        if (r != 1) return r;
+    }
+    if (c->unique && key_add(t, gi, last) < 0) return -1;
+    if (!s->used) table_take(&t->seqs, s, &rank->i, 1);
+    s->value = seq->i;
+    s->flags = 0;
+    return 1;
+}
+
+/* The lines of data[pos:end] accepted from pos on; -1 on a Python error. */
+static Py_ssize_t take_lines(Checker *c, Tracker *t, const char *data, Py_ssize_t pos,
+                             Py_ssize_t end, int hostname, Sink *sink, Py_ssize_t *lines) {
+    *lines = 0;
     while (pos < end) {
         const char *nl = memchr(data + pos, '\n', (size_t)(end - pos));
         if (nl == NULL) break;
-        Cur cur = {data + pos, nl};
-        if (*cur.p != '{') break;
-        int r = scan_object(&cur, root, vals);
-        if (r < 0) {
-            failed = 1;
+        int r = take_line(c, t, data + pos, nl, hostname, sink);
+        if (r < 0) return -1;
+        if (r == 0) {
+            if (sink != NULL) sink_drop(sink);
             break;
         }
-        if (r == 0 || cur.p != nl) break;
-        if (c->hostname_field >= 0 && (vals[c->hostname_field].tag != 0) != hostname) break;
-        /* cross-line: checked first, recorded once the line is accepted */
-        int64_t comps[MAX_KEY];
-        Py_ssize_t gi = 0;
-        int64_t last = 0;
-        if (c->unique) {
-            for (int j = 0; j < c->n_key; j++) {
-                const Val *v = &vals[c->key_field[j]];
-                if (t->comp_str[j]) {
-                    if (v->tag != J_STR) goto stop;
-                    int64_t id = string_id(t, v->s, v->n);
-                    if (id < 0) {
-                        failed = 1;
-                        goto stop;
-                    }
-                    comps[j] = id;
-                } else {
-                    if (v->tag != J_INT) goto stop;
-                    comps[j] = v->i;
-                }
-            }
-            gi = key_group(t, comps, &last);
-            if (gi < 0) {
-                failed = 1;
-                break;
-            }
-            if (key_seen(t, gi, last) || watched(t, gi, last)) break;
-        }
-        const Val *rank = &vals[c->rank_field], *seq = &vals[c->seq_field];
-        if (rank->tag != J_INT || seq->tag != J_INT) break;
-        Slot *s = table_slot(&t->seqs, &rank->i, 1);
-        if (s == NULL) {
-            failed = 1;
-            break;
-        }
-        if (s->used && seq->i < s->value) break;
-        if (c->unique && key_add(t, gi, last) < 0) {
-            failed = 1;
-            break;
-        }
-        if (!s->used) table_take(&t->seqs, s, &rank->i, 1);
-        s->value = seq->i;
-        s->flags = 0;
         pos = nl - data + 1;
-        lines++;
+        (*lines)++;
     }
-stop:
+    return pos;
+}
+
+static int scan_args(Checker *c, PyObject *args, Py_buffer *buf, Py_ssize_t *pos,
+                     Py_ssize_t *end, Tracker **t, int *hostname) {
+    if (!PyArg_ParseTuple(args, "y*nnO!i", buf, pos, end, &TrackerType, t, hostname)) return -1;
+    if (*pos < 0 || *end > buf->len || *pos > *end) {
+        PyBuffer_Release(buf);
+        PyErr_SetString(PyExc_ValueError, "pos and end must lie within data");
+        return -1;
+    }
+    if ((*t)->n_comp != c->n_key) {
+        PyBuffer_Release(buf);
+        PyErr_SetString(PyExc_ValueError, "the tracker's key shape is not this stream's");
+        return -1;
+    }
+    return 0;
+}
+
+/* scan(data, pos, end, tracker, hostname) -> (pos, lines): the lines of data[pos:end]
+ * (whole lines) accepted from pos on, up to the first one left to the full path (then
+ * pos is its start) or end. hostname: whether lines carry it (0, 1; -1 when the
+ * stream has no hostname). */
+static PyObject *checker_scan(Checker *c, PyObject *args) {
+    Py_buffer buf;
+    Py_ssize_t pos, end, lines;
+    Tracker *t;
+    int hostname;
+    if (scan_args(c, args, &buf, &pos, &end, &t, &hostname) < 0) return NULL;
+    pos = take_lines(c, t, buf.buf, pos, end, hostname, NULL, &lines);
     PyBuffer_Release(&buf);
-    if (failed) return NULL;
+    if (pos < 0) return NULL;
     return Py_BuildValue("nn", pos, lines);
+}
+
+/* extract(data, pos, end, tracker, hostname) -> (pos, lines, table, rows): as scan,
+ * and the accepted lines' values: a column per layout column, each (validity or None,
+ * values, offsets or None, length, nulls), for the stream table and the long table
+ * (None without one). */
+static PyObject *checker_extract(Checker *c, PyObject *args) {
+    if (!c->has_layout) {
+        PyErr_SetString(PyExc_TypeError, "this checker was built without a layout");
+        return NULL;
+    }
+    Py_buffer buf;
+    Py_ssize_t pos, end, lines;
+    Tracker *t;
+    int hostname;
+    if (scan_args(c, args, &buf, &pos, &end, &t, &hostname) < 0) return NULL;
+    Sink sink;
+    memset(&sink, 0, sizeof(sink));
+    sink.last_len = -1;
+    sink.n_top = c->layout.n_top;
+    sink.n_keys = c->layout.n_keys;
+    sink.n_row = c->layout.n_row;
+    sink.top = PyMem_Calloc((size_t)sink.n_top + 1, sizeof(Col));
+    sink.row = PyMem_Calloc((size_t)sink.n_row + 1, sizeof(Col));
+    PyObject *result = NULL, *top = NULL, *rows = NULL;
+    if (sink.top == NULL || sink.row == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < sink.n_top; j++) {
+        sink.top[j].kind = c->layout.top[j].kind;
+        sink.top[j].field = c->layout.top[j].field;
+    }
+    for (Py_ssize_t j = 0; j < sink.n_row; j++) {
+        sink.row[j].kind = c->layout.row[j].kind;
+        sink.row[j].field = c->layout.row[j].field;
+    }
+    pos = take_lines(c, t, buf.buf, pos, end, hostname, &sink, &lines);
+    if (pos < 0) goto done;
+    top = PyTuple_New(sink.n_top);
+    if (top == NULL) goto done;
+    for (Py_ssize_t j = 0; j < sink.n_top; j++) {
+        PyObject *col = col_take(&sink.top[j]);
+        if (col == NULL) goto done;
+        PyTuple_SET_ITEM(top, j, col);
+    }
+    if (sink.n_row) {
+        rows = PyTuple_New(sink.n_row);
+        if (rows == NULL) goto done;
+        for (Py_ssize_t j = 0; j < sink.n_row; j++) {
+            PyObject *col = col_take(&sink.row[j]);
+            if (col == NULL) goto done;
+            PyTuple_SET_ITEM(rows, j, col);
+        }
+    } else {
+        rows = Py_NewRef(Py_None);
+    }
+    result = Py_BuildValue("nnOO", pos, lines, top, rows);
+done:
+    Py_XDECREF(top);
+    Py_XDECREF(rows);
+    sink_free(&sink);
+    PyBuffer_Release(&buf);
+    return result;
 }
 
 static PyMethodDef checker_methods[] = {
     {"scan", (PyCFunction)checker_scan, METH_VARARGS,
      "scan(data, pos, end, tracker, hostname) -> (pos, lines): the lines"
      " accepted from pos on, up to the first left to the full path."},
+    {"extract", (PyCFunction)checker_extract, METH_VARARGS,
+     "extract(data, pos, end, tracker, hostname) -> (pos, lines, table, rows): as scan,"
+     " with the accepted lines' values as columns (a checker built with a layout)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2770,7 +3240,7 @@ static PyTypeObject CheckerType = {
     .tp_basicsize = sizeof(Checker),
     .tp_dealloc = (destructor)checker_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Checker(plan): the fast check of one stream's lines (see _fastcheck).",
+    .tp_doc = "Checker(plan, layout=None): the fast check of one stream's lines (see _fastcheck).",
     .tp_methods = checker_methods,
     .tp_init = (initproc)checker_init,
     .tp_new = PyType_GenericNew,
@@ -2808,7 +3278,9 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (kw_include_hostname == NULL) return NULL;
     str_popleft = PyUnicode_InternFromString("popleft");
     if (str_popleft == NULL) return NULL;
-    if (PyType_Ready(&TrackerType) < 0 || PyType_Ready(&CheckerType) < 0) return NULL;
+    if (PyType_Ready(&TrackerType) < 0 || PyType_Ready(&CheckerType) < 0 ||
+        PyType_Ready(&OwnedType) < 0)
+        return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) return NULL;
     if (PyModule_AddObjectRef(module, "Tracker", (PyObject *)&TrackerType) < 0 ||

@@ -21,7 +21,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from bench.bigfile import write_step_time
-from tests.strategies import consistent_json
+from tests.strategies import as_written, consistent_json
 from traceml_records import STREAMS, _fastcheck, _validate, validate_line, validate_paths
 from traceml_records._extensions import load as load_extension
 from traceml_records._fastcheck import PyTracker, key_shape, plan_for
@@ -204,31 +204,13 @@ def _objects(d: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def _plain_text(text: str) -> str:
-    return "".join(c if " " <= c <= "~" and c not in '"\\' else "x" for c in text)
-
-
-def _plain(value: Any) -> Any:
-    """A valid value as the producer writes them (what the fast check takes): short
-    floats and printable ASCII strings, maps sorted again."""
-    if type(value) is float:
-        return round(abs(value) % 1e6, 3)
-    if type(value) is str:
-        return _plain_text(value)
-    if type(value) is dict:
-        items = [(_plain_text(k), _plain(v)) for k, v in value.items()]
-        out = dict(items)
-        return out if list(out) == [k for k, _ in items] else dict(sorted(out.items()))
-    return value
-
-
 @st.composite
 def valid_line(draw: st.DrawFn, stream: str) -> dict[str, Any]:
     """A valid line of ``stream``: any, or (mostly) one the fast check takes."""
     d = draw(consistent_json(stream))
     if draw(st.integers(0, 3)) == 0:
         return d
-    plain = _plain(d)
+    plain = as_written(d)
     return plain if validate_line(orjson.dumps(plain)) == [] else d
 
 
