@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import random
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,9 +31,57 @@ from pathlib import Path
 from typing import Any
 
 from bench.bigfile import USER_PHASES, write_step_time
+from traceml_records import ClosingLine, PhaseTiming, StepTimeRecord, dumps_line
 
 PHASES = 6 + len(USER_PHASES)
 """Phases a line of the file has: the built-in ones and the user phases."""
+_P = "_traceml_internal:"
+
+
+def _timing(ms: float) -> dict[str, PhaseTiming]:
+    return {"cpu": PhaseTiming(cpu_ms=ms, duration_ms=ms, gpu_ms=None, is_gpu=False, n_calls=1)}
+
+
+def write_file(path: Path, lines: int, world: int = 8) -> None:
+    """``lines`` step_time lines of ``world`` ranks (5 CPU phases each), then the closing
+    line: the small-world file ``bench.summary`` reads (this bench reads ``bench.bigfile``'s)."""
+    rnd = random.Random(0)
+    with open(path, "wb") as fh:
+        batch: list[bytes] = []
+        for i in range(lines):
+            rank, step = i % world, i // world + 1
+            fwd, bwd, opt, dl = rnd.random() * 8, rnd.random() * 15, rnd.random(), rnd.random() * 3
+            record = StepTimeRecord(
+                observed_timestamp_unix_ns=1_796_073_447_523_468_974 + i,
+                rank=rank,
+                global_rank=rank,
+                local_rank=rank,
+                world_size=world,
+                local_world_size=world,
+                node_rank=0,
+                timestamp_unix_ns=1_796_073_447_453_688_073 + i,
+                seq=step - 1,
+                step=step,
+                events={
+                    _P + "backward_time": _timing(bwd),
+                    _P + "dataloader_next": _timing(dl),
+                    _P + "forward_time": _timing(fwd),
+                    _P + "optimizer_step": _timing(opt),
+                    _P + "step_time": _timing(fwd + bwd + opt + dl + 0.5),
+                },
+            )
+            batch.append(dumps_line(record))
+            if len(batch) >= 10_000:
+                fh.write(b"".join(batch))
+                batch.clear()
+        fh.write(b"".join(batch))
+        fh.write(
+            dumps_line(
+                ClosingLine(
+                    stream="step_time", closing=True, written_records=lines, dropped_batches=0
+                )
+            )
+        )
 
 
 def _timed(label: str, fn: Callable[[], Any]) -> float:
