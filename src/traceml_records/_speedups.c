@@ -1835,7 +1835,7 @@ static int scan_object(Cur *c, CNode *node, Val *vals) {
             return 0;
         }
     }
-    if (node->row_sink && c->sink != NULL && sink_row(c->sink, vals) < 0) return -1;
+    if (node->row_sink && c->sink != NULL) return sink_row(c->sink, vals);
     return 1;
 }
 
@@ -2448,6 +2448,7 @@ struct Sink {
     const char *last_text; /* the last number parsed in this row, and its value */
     Py_ssize_t last_len;
     double last_value;
+    Py_ssize_t lines;     /* accepted lines (rows of the stream table) */
     Py_ssize_t rows;      /* long-table rows of the accepted lines */
     Py_ssize_t line_rows; /* rows of the line being scanned */
 };
@@ -2571,6 +2572,7 @@ static int col_push(Col *c, const Val *v, Sink *memo) {
 }
 
 static void col_truncate(Col *c, Py_ssize_t rows) {
+    if (rows >= c->rows) return;
     for (Py_ssize_t r = rows; r < c->rows; r++) {
         if (!(c->valid[r / 8] >> (r % 8) & 1)) c->nulls--;
     }
@@ -2687,11 +2689,11 @@ static int sink_row(Sink *sink, const Val *vals) {
             v = &vals[c->field];
         }
         int r = col_push(c, v, sink);
-        if (r != 1) return r < 0 ? -1 : 0;
+        if (r != 1) return r; /* 0: a value of another type than its column's */
     }
     sink->line_rows++;
     sink->last_len = -1;
-    return 0;
+    return 1;
 }
 
 /* The line is accepted: its top-level values, and the keys of its rows. */
@@ -2708,12 +2710,14 @@ static int sink_line(Sink *sink, const Val *vals) {
     }
     sink->rows += sink->line_rows;
     sink->line_rows = 0;
+    sink->lines++;
     return 1;
 }
 
-/* The line is not accepted: its rows are taken back. */
+/* The line is not accepted: whatever of it went into the columns is taken back. */
 static void sink_drop(Sink *sink) {
-    for (Py_ssize_t j = sink->n_keys; j < sink->n_row; j++) col_truncate(&sink->row[j], sink->rows);
+    for (Py_ssize_t j = 0; j < sink->n_top; j++) col_truncate(&sink->top[j], sink->lines);
+    for (Py_ssize_t j = 0; j < sink->n_row; j++) col_truncate(&sink->row[j], sink->rows);
     sink->line_rows = 0;
 }
 

@@ -461,3 +461,25 @@ def test_lines_across_blocks_or_longer_than_one(
     assert [p.line for p in expected.problems] == [6, 42, 43]
     monkeypatch.setattr(_validate, "_BLOCK_BYTES", block)
     assert validate_paths([path]) == expected
+
+
+@pytest.mark.parametrize("where", ["table", "rows"])
+def test_a_value_of_another_type_than_its_column_leaves_the_line(where: str) -> None:
+    # The layout comes from the same schemas as the plan, so this cannot happen with
+    # the shipped tables; the extractor must still never return columns of unequal
+    # lengths (or a line it did not read whole).
+    from traceml_records._fastcheck import layout_for
+
+    assert _speedups is not None
+    layout = layout_for("step_time")
+    assert layout is not None
+    top, (source, keys, leaves) = layout
+    if where == "table":
+        top = (*top[:-1], (top[-1][0], "string"))  # step: an integer
+    else:
+        leaves = (*leaves[:-1], (leaves[-1][0], "bool"))  # n_calls: an integer
+    extractor = _speedups.Checker(plan_for("step_time"), (top, (source, keys, leaves)))
+    data = _LINE * 3
+    pos, lines, table, rows = extractor.extract(data, 0, len(data), _speedups.Tracker("ii"), 0)
+    assert (pos, lines) == (0, 0)
+    assert {c[3] for c in table} == {0} and {c[3] for c in rows} == {0}
