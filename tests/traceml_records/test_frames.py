@@ -562,6 +562,11 @@ def test_duplicate_keys_are_reported_never_merged(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- the fast reader
 
+needs_fast_reader = pytest.mark.skipif(
+    frames.extractor_for("step_time") is None,
+    reason="the fast reader needs traceml_records._speedups (built, not TRACEML_PURE_PYTHON)",
+)
+
 
 def _both_ways(path: Path, stream: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, bool]:
     """(loaded with the fast reader, loaded the general way, whether the fast reader
@@ -604,6 +609,7 @@ def _same_load(fast: Any, general: Any) -> None:
             assert _rows_of(table) == _rows_of(other), name
 
 
+@needs_fast_reader
 def test_a_realistic_export_is_read_by_the_fast_reader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -674,6 +680,7 @@ def _identity(rank: int, step: int, **extra: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+@needs_fast_reader
 @pytest.mark.parametrize("hostname", [{}, {"hostname": "node-7"}, {"hostname": None}])
 def test_step_memory_and_collectives_are_read_fast(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hostname: dict[str, Any]
