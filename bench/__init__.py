@@ -8,5 +8,7 @@ Run each from the repository root as a module, ``python -m bench.<name>``
 - ``scale``: the aggregator under N simulated ranks (a package);
 - ``overhead``: what TraceML costs a training rank (a package: ``overhead.step``,
   ``overhead.frameworks``, ... and the estimator they share, ``overhead.paired``,
-  which the GPU check's judge imports too).
+  which the GPU check's judge imports too);
+- ``bigfile``: not a bench, the realistic step_time export of any size the benches
+  that read files write (``write_step_time``).
 """

@@ -1,35 +1,26 @@
-"""Throughput of the record codec and the validator (prints figures; never pass/fail).
+"""Throughput of the record codec (prints figures; never pass/fail).
 
 Per stream: ``dumps_line`` and ``loads_line`` records/s, next to plain
 ``orjson.dumps`` / ``orjson.loads`` of the equivalent dict measured in the same run,
 and their ratio; also the pure-Python ``dumps_line`` (what runs without the C
-extension, or with TRACEML_PURE_PYTHON=1). Then ``validate_paths`` on a step_time file, in lines/s.
+extension, or with TRACEML_PURE_PYTHON=1). The validator has its own bench,
+``bench.validate``.
 
-    python -m bench.records [--seconds 0.5] [--lines 200000]
+    python -m bench.records [--seconds 0.5]
 
-The last line is machine-readable:
-``dumps_ratio_step_time=<x> validate_lines_per_s=<y>``.
+The last line is machine-readable: ``dumps_ratio_step_time=<x>``.
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import attrs
 import orjson
 
-from traceml_records import (
-    ClosingLine,
-    StepTimeRecord,
-    dumps_line,
-    loads_line,
-    validate_paths,
-)
+from traceml_records import dumps_line, loads_line
 from traceml_records._codec import SPEEDUPS, _py_dumps_line
 
 _IDENT = (
@@ -130,40 +121,13 @@ def bench_codec(seconds: float) -> dict[str, float]:
     return ratios
 
 
-def bench_validate(lines: int) -> float:
-    """validate_paths lines/s on a step_time file of ``lines`` data lines (2 ranks)."""
-    base = loads_line(SAMPLE_LINES["step_time"])
-    assert type(base) is StepTimeRecord
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "step_time.jsonl"
-        with open(path, "wb") as f:
-            for i in range(lines):
-                rank = i % 2
-                record = attrs.evolve(
-                    base, rank=rank, global_rank=rank, local_rank=rank, seq=i // 2, step=i // 2 + 1
-                )
-                f.write(dumps_line(record))
-            closing = ClosingLine(stream="step_time", written_records=lines, dropped_batches=0)
-            f.write(dumps_line(closing))
-        validate_paths([path])  # warm up: builds the validators once
-        start = time.perf_counter()
-        report = validate_paths([path])
-        took = time.perf_counter() - start
-    assert report.ok, report.problems[:3]
-    per_s = (lines + 1) / took
-    print(f"validate_paths step_time: {lines + 1:,} lines in {took:.2f} s = {per_s:,.0f} lines/s")
-    return per_s
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0.6, help="time per measurement")
-    parser.add_argument("--lines", type=int, default=200_000, help="lines in the validated file")
     args = parser.parse_args()
     print(f"dumps_line: {'C encoder (traceml_records._speedups)' if SPEEDUPS else 'pure Python'}")
     ratios = bench_codec(args.seconds)
-    per_s = bench_validate(args.lines)
-    print(f"dumps_ratio_step_time={ratios['step_time']:.3f} validate_lines_per_s={per_s:.0f}")
+    print(f"dumps_ratio_step_time={ratios['step_time']:.3f}")
 
 
 if __name__ == "__main__":

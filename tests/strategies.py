@@ -231,6 +231,25 @@ def consistent_json(stream: str) -> st.SearchStrategy[dict[str, Any]]:
     return stream_json(stream).map(lambda d: consistent(stream, d))
 
 
+def _plain_text(text: str) -> str:
+    return "".join(c if " " <= c <= "~" and c not in '"\\' else "x" for c in text)
+
+
+def as_written(value: Any) -> Any:
+    """A valid value as the exporter writes one (what the validator's fast check
+    takes): short non-negative floats, printable ASCII strings, maps sorted again.
+    The caller checks the result is still valid (a renamed key may collide)."""
+    if type(value) is float:
+        return round(abs(value) % 1e6, 3)
+    if type(value) is str:
+        return _plain_text(value)
+    if type(value) is dict:
+        items = [(_plain_text(k), as_written(v)) for k, v in value.items()]
+        out = dict(items)
+        return out if list(out) == [k for k, _ in items] else dict(sorted(out.items()))
+    return value
+
+
 @st.composite
 def warning_json(draw: st.DrawFn) -> dict[str, Any]:
     """finalization_warning.json objects meeting the schema and the spec's rules."""

@@ -199,16 +199,30 @@ def _warning_message_not_blank(d: Mapping[str, Any]) -> Iterator[Finding]:
         yield ("message",), "message must not be blank (one human sentence)"
 
 
+FastForm = tuple[str, ...]
+"""A line rule as the validator's fast check (``_fastcheck``) tests it, as data:
+``(op, left, right)`` with op ``==``, ``<`` or ``<=`` compares two integer fields;
+``("duration", map_field, is_gpu, cpu_ms, duration_ms, gpu_ms)`` is
+duration-matches-timing on every timing of a map of maps; ``("no-newline", field)``
+says a string field holds no newline."""
+
+
 class Rule:
-    """One named rule: its text for the docs and, for a line rule, its check."""
+    """One named rule: its text for the docs and, for a line rule, its check (and the
+    form the validator's fast check tests, when it has one)."""
 
-    __slots__ = ("check", "name", "text")
+    __slots__ = ("check", "fast", "name", "text")
 
-    def __init__(self, name: str, text: str, check: LineCheck | None) -> None:
+    def __init__(
+        self, name: str, text: str, check: LineCheck | None, fast: FastForm | None = None
+    ) -> None:
         self.name = name
         self.text = text
         self.check = check
         """None for a cross-line rule (``traceml validate`` checks it over a file)."""
+        self.fast = fast
+        """The same rule as data for the fast check; None: a line under this rule is
+        always left to ``check``."""
 
 
 RULES: dict[str, Rule] = {
@@ -218,27 +232,32 @@ RULES: dict[str, Rule] = {
             "rank-equals-global-rank",
             "`rank == global_rank`.",
             _rank_equals_global_rank,
+            ("==", "rank", "global_rank"),
         ),
         Rule(
             "global-rank-below-world-size",
             "`global_rank < world_size`.",
             _global_rank_below_world_size,
+            ("<", "global_rank", "world_size"),
         ),
         Rule(
             "local-rank-below-local-world-size",
             "`local_rank < local_world_size`.",
             _local_rank_below_local_world_size,
+            ("<", "local_rank", "local_world_size"),
         ),
         Rule(
             "local-world-size-within-world-size",
             "`local_world_size <= world_size`.",
             _local_world_size_within_world_size,
+            ("<=", "local_world_size", "world_size"),
         ),
         Rule(
             "duration-matches-timing",
             "Every phase timing's `duration_ms` equals its `gpu_ms` when `is_gpu`, "
             "else its `cpu_ms`.",
             _duration_matches_timing,
+            ("duration", "events", "is_gpu", "cpu_ms", "duration_ms", "gpu_ms"),
         ),
         Rule(
             "topology-from-world-sizes",
@@ -257,6 +276,7 @@ RULES: dict[str, Rule] = {
             "line-without-newline",
             "`line` holds no newline (it may be empty or hold `\\r`).",
             _line_without_newline,
+            ("no-newline", "line"),
         ),
         Rule(
             "warning-ranks-sorted",

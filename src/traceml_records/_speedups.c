@@ -1,6 +1,6 @@
 /*
- * traceml_records._speedups: the line encoder in C (and, at the end of this file, a
- * rank's step encoder, encode_host_step).
+ * traceml_records._speedups: the line encoder in C (and, further down, a rank's step
+ * encoder, encode_host_step, and the validator's fast check, Checker and Tracker).
  *
  * The generated ENCODER_PLANS (codegen, from the schemas) say, per record class,
  * which attributes to write, in which order and as which JSON kind. This module
@@ -2274,6 +2274,1807 @@ error:
     return NULL;
 }
 
+/* ---- the validator's fast check (traceml_records._fastcheck) ------------------------
+ *
+ * traceml validate parses each line and checks it against its JSON Schema, then the
+ * rules a schema cannot state. This is its fast path: a Checker, compiled from a plan
+ * that _fastcheck derives from the schemas, walks the bytes of complete lines and
+ * accepts a line only when it is certainly valid, with nothing to report: exact
+ * schema order at the top, no white space, no escape in any string (valid UTF-8, so
+ * its bytes are the string's), integers written as integers within their bounds, numbers in
+ * range, every string the schema constrains accepted by the schema's own validator
+ * (jsonschema_rs on that sub-schema, its verdicts cached), the schema's if/then type
+ * conditions, sorted maps, the stream's line rules, and the cross-line rules against
+ * a Tracker (a new key, seq not going back, hostname as the folder has it). It stops
+ * at the first line it cannot vouch for and hands it to the full Python path, which
+ * reports exactly what is wrong, if anything. No Python object is built for an
+ * accepted line.
+ *
+ * A Tracker holds what the cross-line rules need of every line of one file: the keys
+ * seen (per key prefix, e.g. rank, a sorted array of the last integer component, e.g.
+ * step: 8 bytes a key when keys arrive in order, a hash set for those that do not)
+ * and each rank's last seq. The Python path records its lines in the same Tracker.
+ */
+
+enum { N_INT, N_NUM, N_BOOL, N_STR, N_OBJ, N_MAP };
+enum { J_NULL = 1, J_BOOL = 2, J_INT = 4, J_FLOAT = 8, J_STR = 16, J_OBJ = 32 };
+enum { X_EQ, X_LT, X_LE, X_DURATION, X_NO_NEWLINE };
+#define MAX_FIELDS 48
+#define MAX_KEY 5
+
+typedef struct {
+    uint64_t h;
+    char *s;
+    Py_ssize_t n;
+} CacheEnt;
+
+/* Strings a verdict accepted (bounded; past it the verdict is asked each time). */
+typedef struct {
+    CacheEnt *ents;
+    Py_ssize_t cap, n;
+} StrCache;
+
+typedef struct CNode CNode;
+
+typedef struct {
+    const char *key;
+    Py_ssize_t key_len;
+    CNode *node;
+    int required;
+} CField;
+
+typedef struct {
+    int field;      /* the if: properties: {field: {const: ...}} */
+    int const_tag;  /* J_BOOL, J_INT, J_STR or J_NULL */
+    int64_t const_int;
+    char *const_str;
+    Py_ssize_t const_len;
+    int n_then, n_else;
+    int *then_field, *then_mask, *else_field, *else_mask;
+} CCond;
+
+typedef struct {
+    int code;
+    int a, b, c, d;
+} CRule;
+
+struct CNode {
+    int kind;
+    int nullable;
+    int64_t imin, imax;        /* N_INT */
+    int has_fmin, has_fmax;    /* N_NUM */
+    double fmin, fmax;
+    int bool_const;            /* N_BOOL: -1 any, else 0 or 1 */
+    PyObject *verdict;         /* N_STR value, N_MAP keys: str -> bool, or NULL (any) */
+    StrCache cache;
+    Py_ssize_t n_fields;       /* N_OBJ */
+    CField *fields;
+    Py_ssize_t n_conds;
+    CCond *conds;
+    Py_ssize_t n_rules;
+    CRule *rules;
+    CNode *value;              /* N_MAP */
+    Py_ssize_t min_props;
+    Py_ssize_t n_required;
+    char **required;
+    Py_ssize_t *required_len;
+    int key_slot;              /* N_MAP read into a long table: its keys' column (0, 1) */
+    int row_sink;              /* N_OBJ read into a long table: one row each */
+};
+
+typedef struct {
+    int tag;      /* 0: absent */
+    const char *s; /* the value's text (a string: inside its quotes) */
+    Py_ssize_t n;
+    int64_t i;    /* J_INT, J_BOOL */
+} Val;
+
+static inline uint64_t hash_bytes(const char *s, Py_ssize_t n) {
+    uint64_t h = 1469598103934665603ULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        h ^= (unsigned char)s[k];
+        h *= 1099511628211ULL;
+    }
+    return h ? h : 1;
+}
+
+static inline uint64_t mix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+#define CACHE_CAP 1024 /* slots; at most half are filled */
+
+static int cache_has(const StrCache *c, uint64_t h, const char *s, Py_ssize_t n) {
+    if (c->ents == NULL) return 0;
+    Py_ssize_t mask = c->cap - 1;
+    for (Py_ssize_t k = (Py_ssize_t)(h & (uint64_t)mask);; k = (k + 1) & mask) {
+        const CacheEnt *e = &c->ents[k];
+        if (e->h == 0) return 0;
+        if (e->h == h && e->n == n && memcmp(e->s, s, (size_t)n) == 0) return 1;
+    }
+}
+
+static void cache_put(StrCache *c, uint64_t h, const char *s, Py_ssize_t n) {
+    if (c->ents == NULL) {
+        c->ents = PyMem_Calloc(CACHE_CAP, sizeof(CacheEnt));
+        if (c->ents == NULL) return; /* no cache: the verdict is asked each time */
+        c->cap = CACHE_CAP;
+    }
+    if (2 * (c->n + 1) > c->cap || n > 256) return;
+    char *copy = PyMem_Malloc(n ? (size_t)n : 1);
+    if (copy == NULL) return;
+    memcpy(copy, s, (size_t)n);
+    Py_ssize_t mask = c->cap - 1;
+    Py_ssize_t k = (Py_ssize_t)(h & (uint64_t)mask);
+    while (c->ents[k].h != 0) k = (k + 1) & mask;
+    c->ents[k].h = h;
+    c->ents[k].s = copy;
+    c->ents[k].n = n;
+    c->n++;
+}
+
+/* 1: the verdict accepts the string, 0: it does not, -1: a Python error. */
+static int string_ok(CNode *node, const char *s, Py_ssize_t n) {
+    if (node->verdict == NULL) return 1;
+    uint64_t h = hash_bytes(s, n);
+    if (cache_has(&node->cache, h, s, n)) return 1;
+    PyObject *text = PyUnicode_DecodeUTF8(s, n, NULL);
+    if (text == NULL) return -1;
+    PyObject *r = PyObject_CallOneArg(node->verdict, text);
+    Py_DECREF(text);
+    if (r == NULL) return -1;
+    int ok = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (ok == 1) cache_put(&node->cache, h, s, n);
+    return ok;
+}
+
+/* -- scanning one line ----------------------------------------------------------- */
+
+typedef struct Sink Sink;
+
+typedef struct {
+    const char *p, *end; /* end: the line's newline */
+    Sink *sink;          /* where accepted values go (Checker.extract), or NULL */
+} Cur;
+
+static int sink_row(Sink *sink, const Val *vals);
+
+/* The length of the UTF-8 sequence at p (RFC 3629: no overlong form, no surrogate,
+ * nothing past U+10FFFF, as orjson reads it), or 0 when it is not one. */
+static inline int utf8_length(const unsigned char *p, const unsigned char *end) {
+    unsigned char b0 = p[0];
+    int n;
+    unsigned char lo = 0x80, hi = 0xbf;
+    if (b0 >= 0xc2 && b0 <= 0xdf) {
+        n = 2;
+    } else if (b0 >= 0xe0 && b0 <= 0xef) {
+        n = 3;
+        if (b0 == 0xe0) lo = 0xa0;
+        if (b0 == 0xed) hi = 0x9f;
+    } else if (b0 >= 0xf0 && b0 <= 0xf4) {
+        n = 4;
+        if (b0 == 0xf0) lo = 0x90;
+        if (b0 == 0xf4) hi = 0x8f;
+    } else {
+        return 0;
+    }
+    if (end - p < n || p[1] < lo || p[1] > hi) return 0;
+    for (int k = 2; k < n; k++) {
+        if (p[k] < 0x80 || p[k] > 0xbf) return 0;
+    }
+    return n;
+}
+
+/* A string's text, between its quotes: valid UTF-8 without an escape or a control
+ * character, so its bytes are the string's UTF-8. 0 when not that. */
+static inline int scan_plain_string(Cur *c, const char **s, Py_ssize_t *n) {
+    const unsigned char *p = (const unsigned char *)c->p; /* after the opening quote */
+    const unsigned char *end = (const unsigned char *)c->end;
+    const char *start = c->p;
+    while (p < end) {
+        unsigned char ch = *p;
+        if (ch == '"') {
+            *s = start;
+            *n = (const char *)p - start;
+            c->p = (const char *)p + 1;
+            return 1;
+        }
+        if (ch < 0x80) {
+            if (ch < 0x20 || ch == '\\') return 0;
+            p++;
+        } else {
+            int len = utf8_length(p, end);
+            if (len == 0) return 0;
+            p += len;
+        }
+    }
+    return 0;
+}
+
+/* A JSON number (grammar of RFC 8259, kept short enough to be finite as a double):
+ * sets *is_int (no fraction, no exponent) and, for an integer, *value (within
+ * signed 64 bits). 0 when not a number taken here. */
+static inline int scan_number(Cur *c, int *is_int, int64_t *value, int *negative) {
+    const char *p = c->p, *end = c->end;
+    *negative = 0;
+    if (p < end && *p == '-') {
+        *negative = 1;
+        p++;
+    }
+    if (p >= end) return 0;
+    const char *digits = p;
+    if (*p == '0') {
+        p++;
+    } else if (*p >= '1' && *p <= '9') {
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    } else {
+        return 0;
+    }
+    Py_ssize_t n_int = p - digits;
+    *is_int = 1;
+    if (p < end && *p == '.') {
+        *is_int = 0;
+        p++;
+        const char *f = p;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+        if (p == f) return 0;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        *is_int = 0;
+        p++;
+        if (p < end && (*p == '+' || *p == '-')) p++;
+        const char *e = p;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+        if (p == e || p - e > 2) return 0;
+    }
+    if (p - c->p > 40) return 0;
+    if (*is_int) {
+        if (n_int > 19) return 0; /* past 2**63: the full path decides */
+        uint64_t v = 0;
+        for (const char *q = digits; q < digits + n_int; q++) v = v * 10 + (uint64_t)(*q - '0');
+        if (v > (uint64_t)INT64_MAX) return 0;
+        *value = *negative ? -(int64_t)v : (int64_t)v;
+    }
+    c->p = p;
+    return 1;
+}
+
+static int number_in_range(const CNode *node, const char *s, Py_ssize_t n, int negative,
+                           int is_int, int64_t value) {
+    if (!node->has_fmin && !node->has_fmax) return 1;
+    if (is_int) {
+        double v = (double)value; /* exact below 2**53; bounds checked both ways below */
+        if (value > ((int64_t)1 << 53) || value < -((int64_t)1 << 53)) return 0;
+        return (!node->has_fmin || v >= node->fmin) && (!node->has_fmax || v <= node->fmax);
+    }
+    if (!node->has_fmax && node->fmin <= 0.0 && !negative) return 1;
+    char buf[48];
+    memcpy(buf, s, (size_t)n);
+    buf[n] = '\0';
+    double v = PyOS_string_to_double(buf, NULL, NULL);
+    if (v == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return (!node->has_fmin || v >= node->fmin) && (!node->has_fmax || v <= node->fmax);
+}
+
+static int scan_value(Cur *c, CNode *node, Val *out);
+static void sink_key(Sink *sink, int slot, const char *s, Py_ssize_t n);
+
+static int scan_object(Cur *c, CNode *node, Val *vals) {
+    /* at '{' */
+    const char *p = c->p + 1;
+    Py_ssize_t next = 0; /* the first field not yet seen */
+    for (Py_ssize_t k = 0; k < node->n_fields; k++) vals[k].tag = 0;
+    if (p < c->end && *p == '}') {
+        c->p = p + 1;
+    } else {
+        for (;;) {
+            if (p >= c->end || *p != '"') return 0;
+            Cur k = *c;
+            k.p = p + 1;
+            const char *key;
+            Py_ssize_t key_len;
+            if (!scan_plain_string(&k, &key, &key_len)) return 0;
+            while (next < node->n_fields) {
+                CField *f = &node->fields[next];
+                if (f->key_len == key_len && memcmp(f->key, key, (size_t)key_len) == 0) break;
+                if (f->required) return 0;
+                next++;
+            }
+            if (next == node->n_fields) return 0;
+            if (k.p >= c->end || *k.p != ':') return 0;
+            k.p++;
+            int r = scan_value(&k, node->fields[next].node, &vals[next]);
+            if (r != 1) return r;
+            next++;
+            p = k.p;
+            if (p < c->end && *p == ',') {
+                p++;
+                continue;
+            }
+            if (p < c->end && *p == '}') {
+                c->p = p + 1;
+                break;
+            }
+            return 0;
+        }
+    }
+    for (; next < node->n_fields; next++) {
+        if (node->fields[next].required) return 0;
+    }
+    for (Py_ssize_t k = 0; k < node->n_conds; k++) {
+        const CCond *cond = &node->conds[k];
+        const Val *v = &vals[cond->field];
+        int holds;
+        if (v->tag == 0) {
+            holds = 1; /* properties: says nothing of an absent key */
+        } else if (v->tag == J_FLOAT && cond->const_tag == J_INT) {
+            return 0; /* 1.0 equals 1 in JSON Schema: left to the full path */
+        } else if (v->tag != cond->const_tag) {
+            holds = 0;
+        } else if (v->tag == J_STR) {
+            holds = v->n == cond->const_len && memcmp(v->s, cond->const_str, (size_t)v->n) == 0;
+        } else {
+            holds = v->tag == J_NULL || v->i == cond->const_int;
+        }
+        int n = holds ? cond->n_then : cond->n_else;
+        const int *fields = holds ? cond->then_field : cond->else_field;
+        const int *masks = holds ? cond->then_mask : cond->else_mask;
+        for (int j = 0; j < n; j++) {
+            int tag = vals[fields[j]].tag;
+            if (tag != 0 && !(tag & masks[j])) return 0;
+        }
+    }
+    for (Py_ssize_t k = 0; k < node->n_rules; k++) {
+        const CRule *r = &node->rules[k];
+        switch (r->code) {
+        case X_EQ:
+        case X_LT:
+        case X_LE: {
+            const Val *a = &vals[r->a], *b = &vals[r->b];
+            if (a->tag != J_INT || b->tag != J_INT) return 0;
+            int ok = r->code == X_EQ ? a->i == b->i : r->code == X_LT ? a->i < b->i : a->i <= b->i;
+            if (!ok) return 0;
+            break;
+        }
+        case X_DURATION: {
+            /* duration_ms is gpu_ms when is_gpu, else cpu_ms: the same text is the same
+             * number; other texts may still be equal (1 and 1.0): the full path says. */
+            const Val *is_gpu = &vals[r->a], *cpu = &vals[r->b], *dur = &vals[r->c],
+                      *gpu = &vals[r->d];
+            if (is_gpu->tag != J_BOOL || dur->tag == 0) return 0;
+            const Val *used = is_gpu->i ? gpu : cpu;
+            if (!(used->tag & (J_INT | J_FLOAT)) || !(dur->tag & (J_INT | J_FLOAT))) return 0;
+            if (used->n != dur->n || memcmp(used->s, dur->s, (size_t)dur->n) != 0) return 0;
+            break;
+        }
+        case X_NO_NEWLINE:
+            break; /* an accepted string has no escape, so no newline */
+        default:
+            return 0;
+        }
+    }
+    if (node->row_sink && c->sink != NULL) return sink_row(c->sink, vals);
+    return 1;
+}
+
+static int scan_map(Cur *c, CNode *node) {
+    const char *p = c->p + 1;
+    const char *prev = NULL;
+    Py_ssize_t prev_len = 0, count = 0, required_seen = 0;
+    if (p < c->end && *p == '}') {
+        c->p = p + 1;
+    } else {
+        for (;;) {
+            if (p >= c->end || *p != '"') return 0;
+            Cur k = *c;
+            k.p = p + 1;
+            const char *key;
+            Py_ssize_t key_len;
+            if (!scan_plain_string(&k, &key, &key_len)) return 0;
+            if (prev != NULL) {
+                /* strictly increasing: sorted (a line rule) and no repeated key */
+                Py_ssize_t m = prev_len < key_len ? prev_len : key_len;
+                int cmp = memcmp(prev, key, (size_t)m);
+                if (cmp > 0 || (cmp == 0 && prev_len >= key_len)) return 0;
+            }
+            prev = key;
+            prev_len = key_len;
+            count++;
+            for (Py_ssize_t j = 0; j < node->n_required; j++) {
+                if (node->required_len[j] == key_len &&
+                    memcmp(node->required[j], key, (size_t)key_len) == 0) {
+                    required_seen++;
+                    break;
+                }
+            }
+            int r = string_ok(node, key, key_len);
+            if (r != 1) return r;
+            if (k.p >= c->end || *k.p != ':') return 0;
+            k.p++;
+            if (node->key_slot >= 0 && c->sink != NULL) sink_key(c->sink, node->key_slot, key, key_len);
+            Val ignored;
+            r = scan_value(&k, node->value, &ignored);
+            if (r != 1) return r;
+            p = k.p;
+            if (p < c->end && *p == ',') {
+                p++;
+                continue;
+            }
+            if (p < c->end && *p == '}') {
+                c->p = p + 1;
+                break;
+            }
+            return 0;
+        }
+    }
+    return count >= node->min_props && required_seen == node->n_required;
+}
+
+/* 1: the value is certainly valid here, 0: not certain, -1: a Python error. */
+static int scan_value(Cur *c, CNode *node, Val *out) {
+    const char *p = c->p;
+    if (p >= c->end) return 0;
+    out->s = p;
+    switch (*p) {
+    case 'n':
+        if (!node->nullable || c->end - p < 4 || memcmp(p, "null", 4) != 0) return 0;
+        c->p = p + 4;
+        out->tag = J_NULL;
+        out->n = 4;
+        return 1;
+    case 't':
+    case 'f': {
+        if (node->kind != N_BOOL) return 0;
+        int v = *p == 't';
+        Py_ssize_t len = v ? 4 : 5;
+        if (c->end - p < len || memcmp(p, v ? "true" : "false", (size_t)len) != 0) return 0;
+        if (node->bool_const >= 0 && node->bool_const != v) return 0;
+        c->p = p + len;
+        out->tag = J_BOOL;
+        out->i = v;
+        out->n = len;
+        return 1;
+    }
+    case '"': {
+        if (node->kind != N_STR) return 0;
+        c->p = p + 1;
+        if (!scan_plain_string(c, &out->s, &out->n)) return 0;
+        out->tag = J_STR;
+        return string_ok(node, out->s, out->n);
+    }
+    case '{': {
+        if (node->kind == N_OBJ) {
+            Val vals[MAX_FIELDS];
+            int r = scan_object(c, node, vals);
+            out->tag = J_OBJ;
+            return r;
+        }
+        if (node->kind == N_MAP) {
+            out->tag = J_OBJ;
+            return scan_map(c, node);
+        }
+        return 0;
+    }
+    default: {
+        if (node->kind != N_INT && node->kind != N_NUM) return 0;
+        int is_int, negative;
+        int64_t value = 0;
+        if (!scan_number(c, &is_int, &value, &negative)) return 0;
+        out->n = c->p - p;
+        out->tag = is_int ? J_INT : J_FLOAT;
+        out->i = value;
+        if (node->kind == N_INT) {
+            /* integers written as integers (a float is reported, even 1.0) */
+            return is_int && value >= node->imin && value <= node->imax;
+        }
+        return number_in_range(node, p, out->n, negative, is_int, value);
+    }
+    }
+}
+
+/* -- the Tracker: keys and seq of one file ---------------------------------------- */
+
+/* The last component of the keys of one group that came in order, sorted, in chunks
+ * of CHUNK (one allocation size, which the heap reuses as it is freed, so memory
+ * stays the keys' 8 bytes each): every chunk full but the last; a group's first
+ * chunk starts small. */
+#define CHUNK 4096
+
+typedef struct {
+    int64_t **chunks;
+    Py_ssize_t n_chunks, cap_chunks;
+    Py_ssize_t last_n, last_cap; /* keys in the last chunk, and room there */
+} Group;
+
+typedef struct {
+    int64_t k[MAX_KEY]; /* a prefix (group entries), or (group, last component) pairs */
+    int64_t value;      /* group index; seq (with its float flag in bit 0 of flags) */
+    int used;
+    int flags;
+} Slot;
+
+typedef struct {
+    Slot *slots;
+    Py_ssize_t cap, n;
+} Table;
+
+typedef struct {
+    PyObject_HEAD
+    int n_comp;          /* key components */
+    int last;            /* the one kept in the groups' sorted arrays: the last integer */
+    char comp_str[MAX_KEY]; /* 1 where a component is a string */
+    Table str_ids;       /* hash of a string's bytes -> id (with the bytes in str_bytes) */
+    char **str_bytes;
+    Py_ssize_t *str_len;
+    Py_ssize_t n_strs, cap_strs;
+    Table groups;        /* prefix -> group index */
+    Group *g;
+    Py_ssize_t n_groups, cap_groups;
+    Table extra;         /* (group, component) of the keys that came out of order */
+    Table seqs;          /* rank -> last seq */
+    Table watch;         /* (group, component) of keys whose first line is asked for */
+    PyObject *found;     /* key tuple -> line, for watched keys */
+    Py_ssize_t n_keys;
+} Tracker;
+
+static uint64_t slot_hash(const int64_t *k, int n) {
+    uint64_t h = 0x12345678ULL;
+    for (int j = 0; j < n; j++) h = mix64(h ^ (uint64_t)k[j]);
+    return h;
+}
+
+/* The slot of key k (n components): found, or the empty one where it would go. */
+static Slot *table_find(Table *t, const int64_t *k, int n) {
+    if (t->slots == NULL) return NULL;
+    Py_ssize_t mask = t->cap - 1;
+    for (Py_ssize_t i = (Py_ssize_t)(slot_hash(k, n) & (uint64_t)mask);; i = (i + 1) & mask) {
+        Slot *s = &t->slots[i];
+        if (!s->used) return s;
+        if (memcmp(s->k, k, sizeof(int64_t) * (size_t)n) == 0) return s;
+    }
+}
+
+static int table_grow(Table *t, int n) {
+    Py_ssize_t cap = t->cap ? 2 * t->cap : 64;
+    Slot *slots = PyMem_Calloc((size_t)cap, sizeof(Slot));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Slot *old = t->slots;
+    Py_ssize_t old_cap = t->cap;
+    t->slots = slots;
+    t->cap = cap;
+    for (Py_ssize_t i = 0; i < old_cap; i++) {
+        if (old[i].used) *table_find(t, old[i].k, n) = old[i];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+/* The slot for k, made when absent (used = 0 on return means it is new). */
+static Slot *table_slot(Table *t, const int64_t *k, int n) {
+    if (t->slots == NULL || 4 * (t->n + 1) > 3 * t->cap) {
+        if (table_grow(t, n) < 0) return NULL;
+    }
+    return table_find(t, k, n);
+}
+
+static void table_take(Table *t, Slot *s, const int64_t *k, int n) {
+    memset(s->k, 0, sizeof(s->k));
+    memcpy(s->k, k, sizeof(int64_t) * (size_t)n);
+    s->used = 1;
+    t->n++;
+}
+
+static void table_free(Table *t) {
+    PyMem_Free(t->slots);
+    t->slots = NULL;
+    t->cap = t->n = 0;
+}
+
+/* The id of a key string (made when new), or -1 with an error set. */
+static int64_t string_id(Tracker *t, const char *s, Py_ssize_t n) {
+    int64_t k[1] = {(int64_t)hash_bytes(s, n)};
+    /* chained by probing the hash: ids of strings sharing a hash follow each other */
+    for (int64_t salt = 0;; salt++) {
+        int64_t kk[2] = {k[0], salt};
+        Slot *slot = table_slot(&t->str_ids, kk, 2);
+        if (slot == NULL) return -1;
+        if (!slot->used) {
+            if (t->n_strs == t->cap_strs) {
+                Py_ssize_t cap = t->cap_strs ? 2 * t->cap_strs : 16;
+                char **b = PyMem_Realloc(t->str_bytes, sizeof(char *) * (size_t)cap);
+                if (b == NULL) return PyErr_NoMemory(), -1;
+                t->str_bytes = b;
+                Py_ssize_t *l = PyMem_Realloc(t->str_len, sizeof(Py_ssize_t) * (size_t)cap);
+                if (l == NULL) return PyErr_NoMemory(), -1;
+                t->str_len = l;
+                t->cap_strs = cap;
+            }
+            char *copy = PyMem_Malloc(n ? (size_t)n : 1);
+            if (copy == NULL) return PyErr_NoMemory(), -1;
+            memcpy(copy, s, (size_t)n);
+            t->str_bytes[t->n_strs] = copy;
+            t->str_len[t->n_strs] = n;
+            table_take(&t->str_ids, slot, kk, 2);
+            slot->value = t->n_strs++;
+            return slot->value;
+        }
+        Py_ssize_t id = (Py_ssize_t)slot->value;
+        if (t->str_len[id] == n && memcmp(t->str_bytes[id], s, (size_t)n) == 0) return id;
+    }
+}
+
+/* The group of a key prefix (made when new), or -1 with an error set. */
+static Py_ssize_t group_of(Tracker *t, const int64_t *prefix, int n) {
+    Slot *slot = table_slot(&t->groups, prefix, n);
+    if (slot == NULL) return -1;
+    if (slot->used) return (Py_ssize_t)slot->value;
+    if (t->n_groups == t->cap_groups) {
+        Py_ssize_t cap = t->cap_groups ? 2 * t->cap_groups : 64;
+        Group *g = PyMem_Realloc(t->g, sizeof(Group) * (size_t)cap);
+        if (g == NULL) return PyErr_NoMemory(), -1;
+        t->g = g;
+        t->cap_groups = cap;
+    }
+    memset(&t->g[t->n_groups], 0, sizeof(Group));
+    table_take(&t->groups, slot, prefix, n);
+    slot->value = t->n_groups;
+    return t->n_groups++;
+}
+
+/* 1 when (group, last) is a key already seen, 0 when not. */
+static inline int64_t group_max(const Group *g) {
+    return g->chunks[g->n_chunks - 1][g->last_n - 1];
+}
+
+static int key_seen(Tracker *t, Py_ssize_t gi, int64_t last) {
+    Group *g = &t->g[gi];
+    if (g->n_chunks == 0 || last > group_max(g)) return 0;
+    /* the first chunk whose largest key is not below ``last`` */
+    Py_ssize_t lo = 0, hi = g->n_chunks - 1;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (g->chunks[mid][CHUNK - 1] < last) lo = mid + 1;
+        else hi = mid;
+    }
+    const int64_t *v = g->chunks[lo];
+    Py_ssize_t n = lo == g->n_chunks - 1 ? g->last_n : CHUNK;
+    Py_ssize_t a = 0, b = n;
+    while (a < b) {
+        Py_ssize_t mid = (a + b) / 2;
+        if (v[mid] < last) a = mid + 1;
+        else b = mid;
+    }
+    if (a < n && v[a] == last) return 1;
+    int64_t pair[2] = {(int64_t)gi, last};
+    Slot *s = table_find(&t->extra, pair, 2);
+    return s != NULL && s->used;
+}
+
+static int key_add(Tracker *t, Py_ssize_t gi, int64_t last) {
+    Group *g = &t->g[gi];
+    t->n_keys++;
+    if (g->n_chunks == 0 || last > group_max(g)) {
+        if (g->n_chunks == 0 || g->last_n == g->last_cap) {
+            if (g->n_chunks == 1 && g->last_cap < CHUNK) {
+                Py_ssize_t cap = 4 * g->last_cap < CHUNK ? 4 * g->last_cap : CHUNK;
+                int64_t *v = PyMem_Realloc(g->chunks[0], sizeof(int64_t) * (size_t)cap);
+                if (v == NULL) return PyErr_NoMemory(), -1;
+                g->chunks[0] = v;
+                g->last_cap = cap;
+            } else {
+                if (g->n_chunks == g->cap_chunks) {
+                    Py_ssize_t cap = g->cap_chunks ? 2 * g->cap_chunks : 4;
+                    int64_t **c = PyMem_Realloc(g->chunks, sizeof(int64_t *) * (size_t)cap);
+                    if (c == NULL) return PyErr_NoMemory(), -1;
+                    g->chunks = c;
+                    g->cap_chunks = cap;
+                }
+                Py_ssize_t cap = g->n_chunks == 0 ? 16 : CHUNK;
+                int64_t *v = PyMem_Malloc(sizeof(int64_t) * (size_t)cap);
+                if (v == NULL) return PyErr_NoMemory(), -1;
+                g->chunks[g->n_chunks++] = v;
+                g->last_n = 0;
+                g->last_cap = cap;
+            }
+        }
+        g->chunks[g->n_chunks - 1][g->last_n++] = last;
+        return 0;
+    }
+    int64_t pair[2] = {(int64_t)gi, last};
+    Slot *s = table_slot(&t->extra, pair, 2);
+    if (s == NULL) return -1;
+    table_take(&t->extra, s, pair, 2);
+    return 0;
+}
+
+static int watched(Tracker *t, Py_ssize_t gi, int64_t last) {
+    if (t->watch.n == 0) return 0;
+    int64_t pair[2] = {(int64_t)gi, last};
+    Slot *s = table_find(&t->watch, pair, 2);
+    return s != NULL && s->used;
+}
+
+/* A Python key's components as int64 (strings as ids); -1: error, 0: not a key here. */
+static int key_from_tuple(Tracker *t, PyObject *key, int64_t *comps) {
+    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != t->n_comp) {
+        PyErr_SetString(PyExc_TypeError, "a key is a tuple of its stream's key fields");
+        return -1;
+    }
+    for (int j = 0; j < t->n_comp; j++) {
+        PyObject *v = PyTuple_GET_ITEM(key, j);
+        if (t->comp_str[j]) {
+            Py_ssize_t n;
+            const char *s = PyUnicode_Check(v) ? PyUnicode_AsUTF8AndSize(v, &n) : NULL;
+            if (s == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a string key field");
+                return -1;
+            }
+            int64_t id = string_id(t, s, n);
+            if (id < 0) return -1;
+            comps[j] = id;
+        } else {
+            int overflow = 0;
+            long long i;
+            if (PyFloat_Check(v)) {
+                double d = PyFloat_AS_DOUBLE(v); /* 1.0 is the key 1, as in a dict */
+                if (d != floor(d) || d < -9.2e18 || d > 9.2e18) {
+                    PyErr_SetString(PyExc_ValueError, "an integer key field");
+                    return -1;
+                }
+                i = (long long)d;
+            } else {
+                i = PyLong_AsLongLongAndOverflow(v, &overflow);
+                if (i == -1 && PyErr_Occurred()) return -1;
+                if (overflow) {
+                    PyErr_SetString(PyExc_OverflowError, "an integer key field beyond 64 bits");
+                    return -1;
+                }
+            }
+            comps[j] = i;
+        }
+    }
+    return 0;
+}
+
+/* The group of a key's components (all but the last integer) and that integer. */
+static Py_ssize_t key_group(Tracker *t, const int64_t *comps, int64_t *last) {
+    int64_t prefix[MAX_KEY];
+    int n = 0;
+    for (int j = 0; j < t->n_comp; j++) {
+        if (j != t->last) prefix[n++] = comps[j];
+    }
+    *last = comps[t->last];
+    return group_of(t, prefix, n);
+}
+
+static void tracker_dealloc(Tracker *t) {
+    for (Py_ssize_t i = 0; i < t->n_groups; i++) {
+        for (Py_ssize_t k = 0; k < t->g[i].n_chunks; k++) PyMem_Free(t->g[i].chunks[k]);
+        PyMem_Free(t->g[i].chunks);
+    }
+    PyMem_Free(t->g);
+    for (Py_ssize_t i = 0; i < t->n_strs; i++) PyMem_Free(t->str_bytes[i]);
+    PyMem_Free(t->str_bytes);
+    PyMem_Free(t->str_len);
+    table_free(&t->str_ids);
+    table_free(&t->groups);
+    table_free(&t->extra);
+    table_free(&t->seqs);
+    table_free(&t->watch);
+    Py_XDECREF(t->found);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int tracker_init(Tracker *t, PyObject *args, PyObject *kwds) {
+    const char *shape;
+    if (!PyArg_ParseTuple(args, "s", &shape)) return -1;
+    size_t n = strlen(shape);
+    if (n < 1 || n > MAX_KEY || strspn(shape, "is") != n || strchr(shape, 'i') == NULL) {
+        PyErr_SetString(PyExc_ValueError,
+                        "the key's shape: 1 to 5 of 'i' (integer) and 's' (string), one 'i' at least");
+        return -1;
+    }
+    t->n_comp = (int)n;
+    for (size_t j = 0; j < n; j++) {
+        t->comp_str[j] = shape[j] == 's';
+        if (shape[j] == 'i') t->last = (int)j;
+    }
+    t->found = PyDict_New();
+    return t->found == NULL ? -1 : 0;
+}
+
+/* Python: add(key, line) -> bool: True when the key is new (then recorded). */
+static PyObject *tracker_add(Tracker *t, PyObject *args) {
+    PyObject *key;
+    Py_ssize_t line;
+    if (!PyArg_ParseTuple(args, "On", &key, &line)) return NULL;
+    int64_t comps[MAX_KEY];
+    if (key_from_tuple(t, key, comps) < 0) return NULL;
+    int64_t last;
+    Py_ssize_t gi = key_group(t, comps, &last);
+    if (gi < 0) return NULL;
+    if (key_seen(t, gi, last)) Py_RETURN_FALSE;
+    if (watched(t, gi, last)) {
+        PyObject *at = PyLong_FromSsize_t(line);
+        if (at == NULL || PyDict_SetItem(t->found, key, at) < 0) {
+            Py_XDECREF(at);
+            return NULL;
+        }
+        Py_DECREF(at);
+    }
+    if (key_add(t, gi, last) < 0) return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* Python: seq(rank, seq) -> the rank's previous seq or None; seq becomes its last. */
+static PyObject *tracker_seq(Tracker *t, PyObject *args) {
+    PyObject *rank_obj, *seq_obj;
+    if (!PyArg_UnpackTuple(args, "seq", 2, 2, &rank_obj, &seq_obj)) return NULL;
+    PyObject *tup = PyTuple_Pack(2, rank_obj, seq_obj);
+    if (tup == NULL) return NULL;
+    /* both as integers (1.0 as 1, remembered as a float for the message) */
+    int64_t v[2];
+    int is_float[2];
+    for (int j = 0; j < 2; j++) {
+        PyObject *o = PyTuple_GET_ITEM(tup, j);
+        is_float[j] = PyFloat_Check(o);
+        if (is_float[j]) {
+            double d = PyFloat_AS_DOUBLE(o);
+            if (d != floor(d) || d < -9.2e18 || d > 9.2e18) {
+                Py_DECREF(tup);
+                PyErr_SetString(PyExc_ValueError, "rank and seq are integers");
+                return NULL;
+            }
+            v[j] = (int64_t)d;
+        } else {
+            int overflow = 0;
+            long long i = PyLong_AsLongLongAndOverflow(o, &overflow);
+            if ((i == -1 && PyErr_Occurred()) || overflow) {
+                Py_DECREF(tup);
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "beyond 64 bits");
+                return NULL;
+            }
+            v[j] = i;
+        }
+    }
+    Py_DECREF(tup);
+    Slot *s = table_slot(&t->seqs, &v[0], 1);
+    if (s == NULL) return NULL;
+    PyObject *previous;
+    if (s->used) {
+        previous = s->flags ? PyFloat_FromDouble((double)s->value) : PyLong_FromLongLong(s->value);
+        if (previous == NULL) return NULL;
+    } else {
+        table_take(&t->seqs, s, &v[0], 1);
+        previous = Py_NewRef(Py_None);
+    }
+    s->value = v[1];
+    s->flags = is_float[1];
+    return previous;
+}
+
+/* Python: watch(keys): add() notes the line where each of these keys first comes. */
+static PyObject *tracker_watch(Tracker *t, PyObject *keys) {
+    PyObject *it = PyObject_GetIter(keys);
+    if (it == NULL) return NULL;
+    PyObject *key;
+    while ((key = PyIter_Next(it)) != NULL) {
+        int64_t comps[MAX_KEY], last = 0;
+        Py_ssize_t gi = key_from_tuple(t, key, comps) < 0 ? -1 : key_group(t, comps, &last);
+        Py_DECREF(key);
+        if (gi < 0) break;
+        int64_t pair[2] = {(int64_t)gi, last};
+        Slot *s = table_slot(&t->watch, pair, 2);
+        if (s == NULL) break;
+        if (!s->used) table_take(&t->watch, s, pair, 2);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *tracker_found(Tracker *t, PyObject *unused) {
+    return PyDict_Copy(t->found);
+}
+
+static PyObject *tracker_nbytes(Tracker *t, void *unused) {
+    Py_ssize_t n = (t->extra.cap + t->groups.cap + t->seqs.cap + t->str_ids.cap + t->watch.cap) *
+                   (Py_ssize_t)sizeof(Slot);
+    n += t->cap_groups * (Py_ssize_t)sizeof(Group);
+    for (Py_ssize_t i = 0; i < t->n_groups; i++) {
+        const Group *g = &t->g[i];
+        if (g->n_chunks == 0) continue;
+        n += ((g->n_chunks - 1) * CHUNK + g->last_cap) * (Py_ssize_t)sizeof(int64_t);
+        n += g->cap_chunks * (Py_ssize_t)sizeof(int64_t *);
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+static PyObject *tracker_keys(Tracker *t, void *unused) {
+    return PyLong_FromSsize_t(t->n_keys);
+}
+
+static PyMethodDef tracker_methods[] = {
+    {"add", (PyCFunction)tracker_add, METH_VARARGS,
+     "add(key, line) -> bool: True when the key is new (it is recorded)."},
+    {"seq", (PyCFunction)tracker_seq, METH_VARARGS,
+     "seq(rank, seq) -> the rank's previous seq, or None; seq becomes its last."},
+    {"watch", (PyCFunction)tracker_watch, METH_O,
+     "watch(keys): note the line where each of these keys is first added."},
+    {"found", (PyCFunction)tracker_found, METH_NOARGS,
+     "found() -> {key: line} of the watched keys added so far."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef tracker_getset[] = {
+    {"nbytes", (getter)tracker_nbytes, NULL, "bytes held for the keys and seqs", NULL},
+    {"keys", (getter)tracker_keys, NULL, "keys recorded", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TrackerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traceml_records._speedups.Tracker",
+    .tp_basicsize = sizeof(Tracker),
+    .tp_dealloc = (destructor)tracker_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Tracker(shape): the keys and seqs of one file's lines (the cross-line rules).",
+    .tp_methods = tracker_methods,
+    .tp_getset = tracker_getset,
+    .tp_init = (initproc)tracker_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* -- reading accepted lines into columns (Checker.extract, for frames) -------------
+ *
+ * A Checker built with a layout also puts the values of the lines it accepts into
+ * Arrow-shaped columns: the stream table's (top-level fields) and, for a map of maps
+ * of objects (step_time's events), a long table with a row per inner object: the
+ * stream key fields, the two map keys, the object's fields. A line's rows are added
+ * as its map is scanned and taken back when the line is not accepted after all.
+ */
+
+enum { C_I64, C_F64, C_BOOL, C_STR };
+
+static int plan_error(const char *what) {
+    PyErr_Format(PyExc_ValueError, "fast check plan: %s", what);
+    return -1;
+}
+
+typedef struct {
+    int kind;
+    int field;            /* the field it reads, in the line (top) or the row's object */
+    char *data;           /* int64, double or one byte per bool; a string's bytes */
+    Py_ssize_t len, cap;
+    int32_t *offsets;     /* strings: rows + 1 */
+    Py_ssize_t ocap;
+    uint8_t *valid;       /* one bit a row */
+    Py_ssize_t vcap;
+    Py_ssize_t rows, nulls;
+} Col;
+
+struct Sink {
+    Py_ssize_t n_top;
+    Col *top;
+    Py_ssize_t n_keys;   /* the long table's first columns: top-level fields, per row */
+    Py_ssize_t n_row;    /* the long table's columns: keys, the two map keys, fields */
+    Col *row;
+    const char *key[2];
+    Py_ssize_t key_len[2];
+    const char *last_text; /* the last number parsed in this row, and its value */
+    Py_ssize_t last_len;
+    double last_value;
+    Py_ssize_t lines;     /* accepted lines (rows of the stream table) */
+    Py_ssize_t rows;      /* long-table rows of the accepted lines */
+    Py_ssize_t line_rows; /* rows of the line being scanned */
+};
+
+static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, Py_ssize_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t cap2 = *cap ? *cap : 256;
+    while (cap2 < need) cap2 += cap2 / 2 + 256;
+    void *q = PyMem_Realloc(*p, (size_t)(cap2 * item));
+    if (q == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *p = q;
+    *cap = cap2;
+    return 0;
+}
+
+/* a JSON number's text as the double it denotes (correctly rounded) */
+static double text_to_double(const char *s, Py_ssize_t n) {
+    static const double pow10[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
+                                   1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                                   1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+    const char *p = s, *end = s + n;
+    int negative = p < end && *p == '-';
+    if (negative) p++;
+    uint64_t m = 0;
+    int digits = 0, decimals = 0, seen_dot = 0;
+    for (; p < end; p++) {
+        if (*p == '.') {
+            seen_dot = 1;
+        } else if (*p >= '0' && *p <= '9') {
+            if (m != 0 || *p != '0') digits++;
+            m = m * 10 + (uint64_t)(*p - '0');
+            decimals += seen_dot;
+            if (digits > 15) break;
+        } else {
+            break; /* an exponent */
+        }
+    }
+    if (p == end && decimals <= 22) {
+        /* both exact as doubles: one division, correctly rounded (Clinger's fast path) */
+        double v = (double)m / pow10[decimals];
+        return negative ? -v : v;
+    }
+    char buf[48];
+    memcpy(buf, s, (size_t)n);
+    buf[n] = '\0';
+    /* strtod rounds correctly; under a locale whose decimal point is not '.', it stops
+     * early, and Python's own (locale-free, slower) parser reads the number */
+    char *stop;
+    double v = strtod(buf, &stop);
+    if (stop == buf + n) return v;
+    v = PyOS_string_to_double(buf, NULL, NULL);
+    if (v == -1.0 && PyErr_Occurred()) PyErr_Clear(); /* cannot happen: the scan took it */
+    return v;
+}
+
+static int col_push(Col *c, const Val *v, Sink *memo) {
+    Py_ssize_t bit = c->rows;
+    if (grow((void **)&c->valid, &c->vcap, bit / 8 + 1, 1) < 0) return -1;
+    int present = v != NULL && v->tag != 0 && v->tag != J_NULL;
+    c->valid[bit / 8] &= (uint8_t)~(1u << (bit % 8));
+    if (present) c->valid[bit / 8] |= (uint8_t)(1u << (bit % 8));
+    else c->nulls++;
+    switch (c->kind) {
+    case C_I64: {
+        int64_t x = 0;
+        if (present) {
+            if (v->tag != J_INT) return 0;
+            x = v->i;
+        }
+        if (grow((void **)&c->data, &c->cap, c->len + 8, 1) < 0) return -1;
+        memcpy(c->data + c->len, &x, 8);
+        c->len += 8;
+        break;
+    }
+    case C_F64: {
+        double x = 0.0;
+        if (present) {
+            if (v->tag == J_INT) {
+                x = (double)v->i;
+            } else if (v->tag != J_FLOAT) {
+                return 0;
+            } else if (memo != NULL && memo->last_len == v->n &&
+                       memcmp(memo->last_text, v->s, (size_t)v->n) == 0) {
+                x = memo->last_value; /* duration_ms is cpu_ms or gpu_ms, written alike */
+            } else {
+                x = text_to_double(v->s, v->n);
+                if (memo != NULL) {
+                    memo->last_text = v->s;
+                    memo->last_len = v->n;
+                    memo->last_value = x;
+                }
+            }
+        }
+        if (grow((void **)&c->data, &c->cap, c->len + 8, 1) < 0) return -1;
+        memcpy(c->data + c->len, &x, 8);
+        c->len += 8;
+        break;
+    }
+    case C_BOOL:
+        if (present && v->tag != J_BOOL) return 0;
+        if (grow((void **)&c->data, &c->cap, c->len + 1, 1) < 0) return -1;
+        c->data[c->len++] = (char)(present && v->i);
+        break;
+    default: {
+        if (present && v->tag != J_STR) return 0;
+        Py_ssize_t n = present ? v->n : 0;
+        if (c->len + n > INT32_MAX) return 0; /* the caller reads smaller blocks */
+        if (grow((void **)&c->offsets, &c->ocap, c->rows + 2, sizeof(int32_t)) < 0) return -1;
+        if (grow((void **)&c->data, &c->cap, c->len + n + 1, 1) < 0) return -1;
+        if (c->rows == 0) c->offsets[0] = 0;
+        memcpy(c->data + c->len, present ? v->s : "", (size_t)n);
+        c->len += n;
+        c->offsets[c->rows + 1] = (int32_t)c->len;
+    }
+    }
+    c->rows++;
+    return 1;
+}
+
+static void col_truncate(Col *c, Py_ssize_t rows) {
+    if (rows >= c->rows) return;
+    for (Py_ssize_t r = rows; r < c->rows; r++) {
+        if (!(c->valid[r / 8] >> (r % 8) & 1)) c->nulls--;
+    }
+    c->rows = rows;
+    c->len = c->kind == C_STR ? (rows ? c->offsets[rows] : 0) : c->kind == C_BOOL ? rows : 8 * rows;
+}
+
+static void col_free(Col *c) {
+    PyMem_Free(c->data);
+    PyMem_Free(c->offsets);
+    PyMem_Free(c->valid);
+}
+
+/* A column's memory handed to Python as it is (no copy): a read-only buffer that
+ * frees it when the last view of it (pyarrow's) goes. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    Py_ssize_t len;
+} Owned;
+
+static int owned_getbuffer(Owned *o, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)o, o->data, o->len, 1, flags);
+}
+
+static void owned_dealloc(Owned *o) {
+    PyMem_Free(o->data);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+static PyBufferProcs owned_as_buffer = {(getbufferproc)owned_getbuffer, NULL};
+
+static PyTypeObject OwnedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traceml_records._speedups.Owned",
+    .tp_basicsize = sizeof(Owned),
+    .tp_dealloc = (destructor)owned_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Memory of one column, read-only (Checker.extract).",
+    .tp_as_buffer = &owned_as_buffer,
+};
+
+/* Python owns *data from here on (NULL when that failed; *data is freed either way). */
+static PyObject *owned(char **data, Py_ssize_t len) {
+    Owned *o = PyObject_New(Owned, &OwnedType);
+    if (o == NULL) {
+        PyMem_Free(*data);
+        *data = NULL;
+        return NULL;
+    }
+    o->data = *data;
+    o->len = len;
+    *data = NULL;
+    return (PyObject *)o;
+}
+
+/* (validity bitmap or None, values, offsets or None, rows, nulls); the column's
+ * memory goes with them. */
+static PyObject *col_take(Col *c) {
+    PyObject *valid = NULL, *data = NULL, *offsets = NULL;
+    if (c->valid == NULL && grow((void **)&c->valid, &c->vcap, 1, 1) < 0) return NULL;
+    if (c->data == NULL && grow((void **)&c->data, &c->cap, 1, 1) < 0) return NULL;
+    if (c->nulls) {
+        valid = owned((char **)&c->valid, (c->rows + 7) / 8);
+    } else {
+        valid = Py_NewRef(Py_None);
+    }
+    if (c->kind == C_BOOL) {
+        char *bits = PyMem_Calloc((size_t)(c->rows + 7) / 8 + 1, 1);
+        if (bits != NULL) {
+            for (Py_ssize_t r = 0; r < c->rows; r++) {
+                if (c->data[r]) bits[r / 8] |= (char)(1u << (r % 8));
+            }
+        }
+        data = bits == NULL ? PyErr_NoMemory() : owned(&bits, (c->rows + 7) / 8);
+    } else {
+        data = owned(&c->data, c->len);
+    }
+    if (c->kind == C_STR) {
+        if (c->rows == 0 && grow((void **)&c->offsets, &c->ocap, 1, sizeof(int32_t)) == 0) {
+            c->offsets[0] = 0;
+        }
+        offsets = c->offsets == NULL ? NULL
+                                     : owned((char **)&c->offsets,
+                                             (c->rows + 1) * (Py_ssize_t)sizeof(int32_t));
+    } else {
+        offsets = Py_NewRef(Py_None);
+    }
+    if (valid == NULL || data == NULL || offsets == NULL) {
+        Py_XDECREF(valid);
+        Py_XDECREF(data);
+        Py_XDECREF(offsets);
+        return NULL;
+    }
+    return Py_BuildValue("NNNnn", valid, data, offsets, c->rows, c->nulls);
+}
+
+static void sink_key(Sink *sink, int slot, const char *s, Py_ssize_t n) {
+    sink->key[slot] = s;
+    sink->key_len[slot] = n;
+}
+
+static int sink_row(Sink *sink, const Val *vals) {
+    for (Py_ssize_t j = sink->n_keys; j < sink->n_row; j++) {
+        Col *c = &sink->row[j];
+        Val key;
+        const Val *v;
+        if (j < sink->n_keys + 2) {
+            int slot = (int)(j - sink->n_keys);
+            key.tag = J_STR;
+            key.s = sink->key[slot];
+            key.n = sink->key_len[slot];
+            v = &key;
+        } else {
+            v = &vals[c->field];
+        }
+        int r = col_push(c, v, sink);
+        if (r != 1) return r; /* 0: a value of another type than its column's */
+    }
+    sink->line_rows++;
+    sink->last_len = -1;
+    return 1;
+}
+
+/* The line is accepted: its top-level values, and the keys of its rows. */
+static int sink_line(Sink *sink, const Val *vals) {
+    for (Py_ssize_t j = 0; j < sink->n_top; j++) {
+        int r = col_push(&sink->top[j], &vals[sink->top[j].field], NULL);
+        if (r != 1) return r < 0 ? -1 : 0;
+    }
+    for (Py_ssize_t j = 0; j < sink->n_keys; j++) {
+        for (Py_ssize_t k = 0; k < sink->line_rows; k++) {
+            int r = col_push(&sink->row[j], &vals[sink->row[j].field], NULL);
+            if (r != 1) return r < 0 ? -1 : 0;
+        }
+    }
+    sink->rows += sink->line_rows;
+    sink->line_rows = 0;
+    sink->lines++;
+    return 1;
+}
+
+/* The line is not accepted: whatever of it went into the columns is taken back. */
+static void sink_drop(Sink *sink) {
+    for (Py_ssize_t j = 0; j < sink->n_top; j++) col_truncate(&sink->top[j], sink->lines);
+    for (Py_ssize_t j = 0; j < sink->n_row; j++) col_truncate(&sink->row[j], sink->rows);
+    sink->line_rows = 0;
+}
+
+static void sink_free(Sink *sink) {
+    for (Py_ssize_t j = 0; j < sink->n_top; j++) col_free(&sink->top[j]);
+    for (Py_ssize_t j = 0; j < sink->n_row; j++) col_free(&sink->row[j]);
+    PyMem_Free(sink->top);
+    PyMem_Free(sink->row);
+}
+
+static int col_kind(const char *name, int *kind) {
+    static const char *names[] = {"int64", "float64", "bool", "string"};
+    for (int k = 0; k < 4; k++) {
+        if (strcmp(name, names[k]) == 0) {
+            *kind = k;
+            return 0;
+        }
+    }
+    return plan_error("unknown column type");
+}
+
+/* Columns from a layout tuple: ((field, type), ...) per table. */
+static int cols_from(PyObject *spec, Col **cols, Py_ssize_t *n, Py_ssize_t extra) {
+    if (!PyTuple_Check(spec)) return plan_error("columns are a tuple");
+    *n = PyTuple_GET_SIZE(spec) + extra;
+    *cols = PyMem_Calloc((size_t)*n + 1, sizeof(Col));
+    if (*cols == NULL) return PyErr_NoMemory(), -1;
+    return 0;
+}
+
+static int col_set(Col *c, PyObject *pair) {
+    const char *kind;
+    if (!PyArg_ParseTuple(pair, "is", &c->field, &kind)) return -1;
+    return col_kind(kind, &c->kind);
+}
+
+/* -- the Checker: a compiled plan --------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    CNode *root;
+    PyObject *keep;      /* the plan: owns the verdicts */
+    int n_key;
+    int key_field[MAX_KEY];
+    int rank_field, seq_field, hostname_field;
+    int unique;
+    Sink layout;         /* with a layout: the columns extract fills (kinds, fields) */
+    int has_layout;
+} Checker;
+
+static void node_free(CNode *node) {
+    if (node == NULL) return;
+    for (Py_ssize_t i = 0; i < node->n_fields; i++) node_free(node->fields[i].node);
+    PyMem_Free(node->fields);
+    for (Py_ssize_t i = 0; i < node->n_conds; i++) {
+        CCond *c = &node->conds[i];
+        PyMem_Free(c->const_str);
+        PyMem_Free(c->then_field);
+        PyMem_Free(c->then_mask);
+        PyMem_Free(c->else_field);
+        PyMem_Free(c->else_mask);
+    }
+    PyMem_Free(node->conds);
+    PyMem_Free(node->rules);
+    node_free(node->value);
+    for (Py_ssize_t i = 0; i < node->n_required; i++) PyMem_Free(node->required[i]);
+    PyMem_Free(node->required);
+    PyMem_Free(node->required_len);
+    if (node->cache.ents != NULL) {
+        for (Py_ssize_t i = 0; i < node->cache.cap; i++) PyMem_Free(node->cache.ents[i].s);
+        PyMem_Free(node->cache.ents);
+    }
+    PyMem_Free(node);
+}
+
+static int type_mask(PyObject *names, int *mask) {
+    static const char *type_names[] = {"null", "boolean", "integer", "number", "string", "object"};
+    static const int type_bits[] = {J_NULL, J_BOOL, J_INT, J_INT | J_FLOAT, J_STR, J_OBJ};
+    *mask = 0;
+    if (!PyTuple_Check(names)) return plan_error("types are a tuple");
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
+        const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(names, i));
+        if (name == NULL) return -1;
+        int j = 0;
+        while (j < 6 && strcmp(name, type_names[j]) != 0) j++;
+        if (j == 6) return plan_error("unknown type name");
+        *mask |= type_bits[j];
+    }
+    return 0;
+}
+
+static int build_node(PyObject *desc, CNode **out);
+
+static int copy_bytes(PyObject *b, char **s, Py_ssize_t *n) {
+    char *data;
+    if (PyBytes_AsStringAndSize(b, &data, n) < 0) return -1;
+    *s = PyMem_Malloc(*n ? (size_t)*n : 1);
+    if (*s == NULL) return PyErr_NoMemory(), -1;
+    memcpy(*s, data, (size_t)*n);
+    return 0;
+}
+
+static int build_branch(PyObject *pairs, int *n, int **fields, int **masks) {
+    if (!PyTuple_Check(pairs)) return plan_error("a branch is a tuple");
+    *n = (int)PyTuple_GET_SIZE(pairs);
+    *fields = PyMem_Calloc((size_t)*n + 1, sizeof(int));
+    *masks = PyMem_Calloc((size_t)*n + 1, sizeof(int));
+    if (*fields == NULL || *masks == NULL) return PyErr_NoMemory(), -1;
+    for (int j = 0; j < *n; j++) {
+        int field;
+        PyObject *types;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(pairs, j), "iO", &field, &types)) return -1;
+        (*fields)[j] = field;
+        if (type_mask(types, &(*masks)[j]) < 0) return -1;
+    }
+    return 0;
+}
+
+static int build_object(CNode *node, PyObject *desc) {
+    PyObject *fields, *conds, *rules;
+    const char *kind;
+    int nullable;
+    if (!PyArg_ParseTuple(desc, "spO!O!O!", &kind, &nullable, &PyTuple_Type, &fields,
+                          &PyTuple_Type, &conds, &PyTuple_Type, &rules))
+        return -1;
+    node->n_fields = PyTuple_GET_SIZE(fields);
+    if (node->n_fields > MAX_FIELDS) return plan_error("too many fields");
+    node->fields = PyMem_Calloc((size_t)node->n_fields + 1, sizeof(CField));
+    if (node->fields == NULL) return PyErr_NoMemory(), -1;
+    for (Py_ssize_t i = 0; i < node->n_fields; i++) {
+        PyObject *key, *sub;
+        int required;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(fields, i), "O!Op", &PyBytes_Type, &key, &sub,
+                              &required))
+            return -1;
+        CField *f = &node->fields[i];
+        f->key = PyBytes_AS_STRING(key); /* the plan is kept alive by the Checker */
+        f->key_len = PyBytes_GET_SIZE(key);
+        f->required = required;
+        if (build_node(sub, &f->node) < 0) return -1;
+    }
+    node->n_conds = PyTuple_GET_SIZE(conds);
+    node->conds = PyMem_Calloc((size_t)node->n_conds + 1, sizeof(CCond));
+    if (node->conds == NULL) return PyErr_NoMemory(), -1;
+    for (Py_ssize_t i = 0; i < node->n_conds; i++) {
+        CCond *c = &node->conds[i];
+        PyObject *value, *then, *otherwise;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(conds, i), "iOOO", &c->field, &value, &then,
+                              &otherwise))
+            return -1;
+        if (c->field < 0 || c->field >= node->n_fields) return plan_error("a condition's field");
+        if (value == Py_None) {
+            c->const_tag = J_NULL;
+        } else if (PyBool_Check(value)) {
+            c->const_tag = J_BOOL;
+            c->const_int = value == Py_True;
+        } else if (PyLong_Check(value)) {
+            c->const_tag = J_INT;
+            c->const_int = PyLong_AsLongLong(value);
+            if (c->const_int == -1 && PyErr_Occurred()) return -1;
+        } else if (PyBytes_Check(value)) {
+            c->const_tag = J_STR;
+            if (copy_bytes(value, &c->const_str, &c->const_len) < 0) return -1;
+        } else {
+            return plan_error("a condition's constant");
+        }
+        if (build_branch(then, &c->n_then, &c->then_field, &c->then_mask) < 0) return -1;
+        if (build_branch(otherwise, &c->n_else, &c->else_field, &c->else_mask) < 0) return -1;
+    }
+    node->n_rules = PyTuple_GET_SIZE(rules);
+    node->rules = PyMem_Calloc((size_t)node->n_rules + 1, sizeof(CRule));
+    if (node->rules == NULL) return PyErr_NoMemory(), -1;
+    for (Py_ssize_t i = 0; i < node->n_rules; i++) {
+        CRule *r = &node->rules[i];
+        const char *code;
+        r->b = r->c = r->d = -1;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(rules, i), "si|iii", &code, &r->a, &r->b, &r->c,
+                              &r->d))
+            return -1;
+        if (strcmp(code, "==") == 0) r->code = X_EQ;
+        else if (strcmp(code, "<") == 0) r->code = X_LT;
+        else if (strcmp(code, "<=") == 0) r->code = X_LE;
+        else if (strcmp(code, "duration") == 0) r->code = X_DURATION;
+        else if (strcmp(code, "no-newline") == 0) r->code = X_NO_NEWLINE;
+        else return plan_error("unknown rule");
+        int *idx[4] = {&r->a, &r->b, &r->c, &r->d};
+        int used = r->code == X_DURATION ? 4 : r->code == X_NO_NEWLINE ? 1 : 2;
+        for (int j = 0; j < used; j++) {
+            if (*idx[j] < 0 || *idx[j] >= node->n_fields) return plan_error("a rule's field");
+        }
+    }
+    return 0;
+}
+
+/* A node from its plan tuple: ("int", nullable, min, max), ("number", nullable, min,
+ * max), ("boolean", nullable, const), ("string", nullable, verdict), ("object",
+ * nullable, fields, conditions, rules), ("map", nullable, key verdict, value,
+ * min_properties, required keys). */
+static int build_node(PyObject *desc, CNode **out) {
+    CNode *node = PyMem_Calloc(1, sizeof(CNode));
+    if (node == NULL) return PyErr_NoMemory(), -1;
+    *out = node;
+    if (!PyTuple_Check(desc) || PyTuple_GET_SIZE(desc) < 2) return plan_error("a node is a tuple");
+    const char *kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(desc, 0));
+    if (kind == NULL) return -1;
+    node->nullable = PyObject_IsTrue(PyTuple_GET_ITEM(desc, 1));
+    if (strcmp(kind, "integer") == 0) {
+        node->kind = N_INT;
+        long long lo, hi;
+        const char *k;
+        int nb;
+        if (!PyArg_ParseTuple(desc, "spLL", &k, &nb, &lo, &hi)) return -1;
+        node->imin = lo;
+        node->imax = hi;
+    } else if (strcmp(kind, "number") == 0) {
+        node->kind = N_NUM;
+        PyObject *lo, *hi;
+        const char *k;
+        int nb;
+        if (!PyArg_ParseTuple(desc, "spOO", &k, &nb, &lo, &hi)) return -1;
+        if (lo != Py_None) {
+            node->has_fmin = 1;
+            node->fmin = PyFloat_AsDouble(lo);
+        }
+        if (hi != Py_None) {
+            node->has_fmax = 1;
+            node->fmax = PyFloat_AsDouble(hi);
+        }
+        if (PyErr_Occurred()) return -1;
+    } else if (strcmp(kind, "boolean") == 0) {
+        node->kind = N_BOOL;
+        PyObject *value;
+        const char *k;
+        int nb;
+        if (!PyArg_ParseTuple(desc, "spO", &k, &nb, &value)) return -1;
+        node->bool_const = value == Py_None ? -1 : value == Py_True;
+    } else if (strcmp(kind, "string") == 0) {
+        node->kind = N_STR;
+        PyObject *verdict;
+        const char *k;
+        int nb;
+        if (!PyArg_ParseTuple(desc, "spO", &k, &nb, &verdict)) return -1;
+        node->verdict = verdict == Py_None ? NULL : verdict; /* owned by the plan */
+    } else if (strcmp(kind, "object") == 0) {
+        node->kind = N_OBJ;
+        return build_object(node, desc);
+    } else if (strcmp(kind, "map") == 0) {
+        node->kind = N_MAP;
+        PyObject *verdict, *value, *required;
+        const char *k;
+        int nb;
+        if (!PyArg_ParseTuple(desc, "spOOnO!", &k, &nb, &verdict, &value, &node->min_props,
+                              &PyTuple_Type, &required))
+            return -1;
+        node->verdict = verdict == Py_None ? NULL : verdict;
+        if (build_node(value, &node->value) < 0) return -1;
+        node->n_required = PyTuple_GET_SIZE(required);
+        node->required = PyMem_Calloc((size_t)node->n_required + 1, sizeof(char *));
+        node->required_len = PyMem_Calloc((size_t)node->n_required + 1, sizeof(Py_ssize_t));
+        if (node->required == NULL || node->required_len == NULL) return PyErr_NoMemory(), -1;
+        for (Py_ssize_t i = 0; i < node->n_required; i++) {
+            if (copy_bytes(PyTuple_GET_ITEM(required, i), &node->required[i],
+                           &node->required_len[i]) < 0)
+                return -1;
+        }
+    } else {
+        return plan_error("unknown node kind");
+    }
+    return 0;
+}
+
+static void checker_dealloc(Checker *c) {
+    node_free(c->root);
+    sink_free(&c->layout);
+    Py_XDECREF(c->keep);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+/* Checker(plan): plan = (root object node, key field indexes, rank field, seq field,
+ * hostname field or -1, unique keys) */
+static int build_layout(Checker *c, PyObject *layout) {
+    PyObject *top, *rows;
+    if (!PyArg_ParseTuple(layout, "O!O", &PyTuple_Type, &top, &rows)) return -1;
+    Sink *l = &c->layout;
+    if (cols_from(top, &l->top, &l->n_top, 0) < 0) return -1;
+    for (Py_ssize_t j = 0; j < l->n_top; j++) {
+        if (col_set(&l->top[j], PyTuple_GET_ITEM(top, j)) < 0) return -1;
+        if (l->top[j].field < 0 || l->top[j].field >= c->root->n_fields)
+            return plan_error("a column's field");
+    }
+    if (rows != Py_None) {
+        int map_field;
+        PyObject *keys, *leaves;
+        if (!PyArg_ParseTuple(rows, "iO!O!", &map_field, &PyTuple_Type, &keys, &PyTuple_Type,
+                              &leaves))
+            return -1;
+        if (map_field < 0 || map_field >= c->root->n_fields) return plan_error("the map field");
+        CNode *outer = c->root->fields[map_field].node;
+        CNode *inner = outer->kind == N_MAP ? outer->value : NULL;
+        CNode *obj = inner != NULL && inner->kind == N_MAP ? inner->value : NULL;
+        if (obj == NULL || obj->kind != N_OBJ) return plan_error("rows come from a map of maps of objects");
+        outer->key_slot = 0;
+        inner->key_slot = 1;
+        obj->row_sink = 1;
+        l->n_keys = PyTuple_GET_SIZE(keys);
+        if (cols_from(leaves, &l->row, &l->n_row, l->n_keys + 2) < 0) return -1;
+        for (Py_ssize_t j = 0; j < l->n_keys; j++) {
+            if (col_set(&l->row[j], PyTuple_GET_ITEM(keys, j)) < 0) return -1;
+            if (l->row[j].field < 0 || l->row[j].field >= c->root->n_fields)
+                return plan_error("a key column's field");
+        }
+        l->row[l->n_keys].kind = l->row[l->n_keys + 1].kind = C_STR;
+        for (Py_ssize_t j = l->n_keys + 2; j < l->n_row; j++) {
+            if (col_set(&l->row[j], PyTuple_GET_ITEM(leaves, j - l->n_keys - 2)) < 0) return -1;
+            if (l->row[j].field < 0 || l->row[j].field >= obj->n_fields)
+                return plan_error("a row column's field");
+        }
+    }
+    c->has_layout = 1;
+    return 0;
+}
+
+static int checker_init(Checker *c, PyObject *args, PyObject *kwds) {
+    PyObject *plan, *root, *keys, *layout = Py_None;
+    if (!PyArg_ParseTuple(args, "O!|O", &PyTuple_Type, &plan, &layout)) return -1;
+    if (!PyArg_ParseTuple(plan, "OO!iiip", &root, &PyTuple_Type, &keys, &c->rank_field,
+                          &c->seq_field, &c->hostname_field, &c->unique))
+        return -1;
+    if (c->root != NULL) return plan_error("already built");
+    Py_INCREF(plan);
+    c->keep = plan;
+    if (build_node(root, &c->root) < 0) return -1;
+    if (c->root->kind != N_OBJ) return plan_error("the root is an object");
+    c->n_key = (int)PyTuple_GET_SIZE(keys);
+    if (c->n_key < 1 || c->n_key > MAX_KEY) return plan_error("1 to 5 key fields");
+    int *all[3] = {&c->rank_field, &c->seq_field, &c->hostname_field};
+    for (int j = 0; j < c->n_key; j++) {
+        c->key_field[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(keys, j));
+        if (c->key_field[j] < 0 || c->key_field[j] >= c->root->n_fields)
+            return PyErr_Occurred() ? -1 : plan_error("a key field");
+    }
+    for (int j = 0; j < 3; j++) {
+        if (*all[j] < (j == 2 ? -1 : 0) || *all[j] >= c->root->n_fields)
+            return plan_error("a field index");
+    }
+    return layout == Py_None ? 0 : build_layout(c, layout);
+}
+
+/* One whole line [p, nl): 1 when accepted (its key and seq then recorded, its values
+ * in the sink), 0 when left to the full path, -1 on a Python error. */
+static int take_line(Checker *c, Tracker *t, const char *p, const char *nl, int hostname,
+                     Sink *sink) {
+    Val vals[MAX_FIELDS];
+    Cur cur = {p, nl, sink};
+    if (*p != '{') return 0;
+    int r = scan_object(&cur, c->root, vals);
+    if (r != 1) return r;
+    if (cur.p != nl) return 0;
+    if (c->hostname_field >= 0 && (vals[c->hostname_field].tag != 0) != hostname) return 0;
+    /* cross-line: checked first, recorded once the line is accepted */
+    int64_t comps[MAX_KEY];
+    Py_ssize_t gi = 0;
+    int64_t last = 0;
+    if (c->unique) {
+        for (int j = 0; j < c->n_key; j++) {
+            const Val *v = &vals[c->key_field[j]];
+            if (t->comp_str[j]) {
+                if (v->tag != J_STR) return 0;
+                int64_t id = string_id(t, v->s, v->n);
+                if (id < 0) return -1;
+                comps[j] = id;
+            } else {
+                if (v->tag != J_INT) return 0;
+                comps[j] = v->i;
+            }
+        }
+        gi = key_group(t, comps, &last);
+        if (gi < 0) return -1;
+        if (key_seen(t, gi, last) || watched(t, gi, last)) return 0;
+    }
+    const Val *rank = &vals[c->rank_field], *seq = &vals[c->seq_field];
+    if (rank->tag != J_INT || seq->tag != J_INT) return 0;
+    Slot *s = table_slot(&t->seqs, &rank->i, 1);
+    if (s == NULL) return -1;
+    if (s->used && seq->i < s->value) return 0;
+    if (sink != NULL) {
+        r = sink_line(sink, vals);
+        if (r != 1) return r;
+    }
+    if (c->unique && key_add(t, gi, last) < 0) return -1;
+    if (!s->used) table_take(&t->seqs, s, &rank->i, 1);
+    s->value = seq->i;
+    s->flags = 0;
+    return 1;
+}
+
+/* The lines of data[pos:end] accepted from pos on; -1 on a Python error. */
+static Py_ssize_t take_lines(Checker *c, Tracker *t, const char *data, Py_ssize_t pos,
+                             Py_ssize_t end, int hostname, Sink *sink, Py_ssize_t *lines) {
+    *lines = 0;
+    while (pos < end) {
+        const char *nl = memchr(data + pos, '\n', (size_t)(end - pos));
+        if (nl == NULL) break;
+        int r = take_line(c, t, data + pos, nl, hostname, sink);
+        if (r < 0) return -1;
+        if (r == 0) {
+            if (sink != NULL) sink_drop(sink);
+            break;
+        }
+        pos = nl - data + 1;
+        (*lines)++;
+    }
+    return pos;
+}
+
+static int scan_args(Checker *c, PyObject *args, Py_buffer *buf, Py_ssize_t *pos,
+                     Py_ssize_t *end, Tracker **t, int *hostname) {
+    if (!PyArg_ParseTuple(args, "y*nnO!i", buf, pos, end, &TrackerType, t, hostname)) return -1;
+    if (*pos < 0 || *end > buf->len || *pos > *end) {
+        PyBuffer_Release(buf);
+        PyErr_SetString(PyExc_ValueError, "pos and end must lie within data");
+        return -1;
+    }
+    if ((*t)->n_comp != c->n_key) {
+        PyBuffer_Release(buf);
+        PyErr_SetString(PyExc_ValueError, "the tracker's key shape is not this stream's");
+        return -1;
+    }
+    return 0;
+}
+
+/* scan(data, pos, end, tracker, hostname) -> (pos, lines): the lines of data[pos:end]
+ * (whole lines) accepted from pos on, up to the first one left to the full path (then
+ * pos is its start) or end. hostname: whether lines carry it (0, 1; -1 when the
+ * stream has no hostname). */
+static PyObject *checker_scan(Checker *c, PyObject *args) {
+    Py_buffer buf;
+    Py_ssize_t pos, end, lines;
+    Tracker *t;
+    int hostname;
+    if (scan_args(c, args, &buf, &pos, &end, &t, &hostname) < 0) return NULL;
+    pos = take_lines(c, t, buf.buf, pos, end, hostname, NULL, &lines);
+    PyBuffer_Release(&buf);
+    if (pos < 0) return NULL;
+    return Py_BuildValue("nn", pos, lines);
+}
+
+/* extract(data, pos, end, tracker, hostname) -> (pos, lines, table, rows): as scan,
+ * and the accepted lines' values: a column per layout column, each (validity or None,
+ * values, offsets or None, length, nulls), for the stream table and the long table
+ * (None without one). */
+static PyObject *checker_extract(Checker *c, PyObject *args) {
+    if (!c->has_layout) {
+        PyErr_SetString(PyExc_TypeError, "this checker was built without a layout");
+        return NULL;
+    }
+    Py_buffer buf;
+    Py_ssize_t pos, end, lines;
+    Tracker *t;
+    int hostname;
+    if (scan_args(c, args, &buf, &pos, &end, &t, &hostname) < 0) return NULL;
+    Sink sink;
+    memset(&sink, 0, sizeof(sink));
+    sink.last_len = -1;
+    sink.n_top = c->layout.n_top;
+    sink.n_keys = c->layout.n_keys;
+    sink.n_row = c->layout.n_row;
+    sink.top = PyMem_Calloc((size_t)sink.n_top + 1, sizeof(Col));
+    sink.row = PyMem_Calloc((size_t)sink.n_row + 1, sizeof(Col));
+    PyObject *result = NULL, *top = NULL, *rows = NULL;
+    if (sink.top == NULL || sink.row == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < sink.n_top; j++) {
+        sink.top[j].kind = c->layout.top[j].kind;
+        sink.top[j].field = c->layout.top[j].field;
+    }
+    for (Py_ssize_t j = 0; j < sink.n_row; j++) {
+        sink.row[j].kind = c->layout.row[j].kind;
+        sink.row[j].field = c->layout.row[j].field;
+    }
+    pos = take_lines(c, t, buf.buf, pos, end, hostname, &sink, &lines);
+    if (pos < 0) goto done;
+    top = PyTuple_New(sink.n_top);
+    if (top == NULL) goto done;
+    for (Py_ssize_t j = 0; j < sink.n_top; j++) {
+        PyObject *col = col_take(&sink.top[j]);
+        if (col == NULL) goto done;
+        PyTuple_SET_ITEM(top, j, col);
+    }
+    if (sink.n_row) {
+        rows = PyTuple_New(sink.n_row);
+        if (rows == NULL) goto done;
+        for (Py_ssize_t j = 0; j < sink.n_row; j++) {
+            PyObject *col = col_take(&sink.row[j]);
+            if (col == NULL) goto done;
+            PyTuple_SET_ITEM(rows, j, col);
+        }
+    } else {
+        rows = Py_NewRef(Py_None);
+    }
+    result = Py_BuildValue("nnOO", pos, lines, top, rows);
+done:
+    Py_XDECREF(top);
+    Py_XDECREF(rows);
+    sink_free(&sink);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyMethodDef checker_methods[] = {
+    {"scan", (PyCFunction)checker_scan, METH_VARARGS,
+     "scan(data, pos, end, tracker, hostname) -> (pos, lines): the lines"
+     " accepted from pos on, up to the first left to the full path."},
+    {"extract", (PyCFunction)checker_extract, METH_VARARGS,
+     "extract(data, pos, end, tracker, hostname) -> (pos, lines, table, rows): as scan,"
+     " with the accepted lines' values as columns (a checker built with a layout)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CheckerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traceml_records._speedups.Checker",
+    .tp_basicsize = sizeof(Checker),
+    .tp_dealloc = (destructor)checker_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Checker(plan, layout=None): the fast check of one stream's lines (see _fastcheck).",
+    .tp_methods = checker_methods,
+    .tp_init = (initproc)checker_init,
+    .tp_new = PyType_GenericNew,
+};
+
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(plans, fallback, orjson_dumps): set the encoding plans, once."},
@@ -2305,7 +4106,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_speedups", "The line encoder (see _codec) and a rank's step encoder in C.", -1,
+    PyModuleDef_HEAD_INIT, "_speedups", "The line encoder (see _codec), a rank's step encoder and the validator's fast check in C.", -1,
     methods,
 };
 
@@ -2314,5 +4115,15 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (kw_include_hostname == NULL) return NULL;
     str_popleft = PyUnicode_InternFromString("popleft");
     if (str_popleft == NULL) return NULL;
-    return PyModule_Create(&module_def);
+    if (PyType_Ready(&TrackerType) < 0 || PyType_Ready(&CheckerType) < 0 ||
+        PyType_Ready(&OwnedType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) return NULL;
+    if (PyModule_AddObjectRef(module, "Tracker", (PyObject *)&TrackerType) < 0 ||
+        PyModule_AddObjectRef(module, "Checker", (PyObject *)&CheckerType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

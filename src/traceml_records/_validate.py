@@ -1,13 +1,22 @@
 """``traceml validate``: export files checked against the schemas and the spec's rules.
 
 Each line is parsed with orjson and checked against its JSON Schema with a compiled
-``jsonschema_rs`` validator (fast path: ``is_valid``; the error list is built only for
-a bad line). A schema-valid line then gets the checks a schema cannot express: keys
-in schema order, integers written as integers, sorted maps, the cross-field rules of
-the Export Records page. Whole files and folders get the cross-line rules: one
-closing line, last, with the right stream and count; one ``dropped_batches`` per
-folder; unique keys; ``seq`` never decreasing; system_gpu lines matching their
-snapshot; ``hostname`` on every line or none.
+``jsonschema_rs`` validator (``is_valid``; the error list is built only for a bad
+line). A schema-valid line then gets the checks a schema cannot express: keys in
+schema order, integers written as integers, sorted maps, the cross-field rules of the
+Export Records page. Whole files and folders get the cross-line rules: one closing
+line, last, with the right stream and count; one ``dropped_batches`` per folder;
+unique keys; ``seq`` never decreasing; system_gpu lines matching their snapshot;
+``hostname`` on every line or none.
+
+That is the full path. Files are read in blocks, and the lines of a stream with a
+fast check (``_fastcheck``: derived from its schema, in C when built) are first
+scanned by it: it accepts the lines it can vouch for, with nothing to report, and
+stops at any other, which then takes the full path. Both record each line's key and
+seq in one tracker per file (the keys compactly: an int64 a key), so the cross-line
+rules see every line either way. A repeated key is reported with the line of its
+first occurrence, which the tracker does not keep: a file with repeats is scanned a
+second time, for those keys only.
 
 A run folder's ``finalization_warning.json`` is compared with its export files,
 except when the warning says its run's exporter failed and wrote nothing
@@ -21,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from io import BufferedReader
 from operator import itemgetter
 from pathlib import Path as FsPath
 from typing import Any
@@ -31,6 +41,7 @@ import orjson
 
 from traceml_records._codec import line_problems
 from traceml_records._errors import Path, describe, json_pointer
+from traceml_records._fastcheck import Checker, Tracker, checker_for, key_shape, tracker_for
 from traceml_records._generated.registry import STREAMS
 from traceml_records._generated.wire import WIRE_STREAMS
 from traceml_records._lines import is_closing
@@ -58,6 +69,9 @@ _IDENTITY = (
 registry declares it (hostname apart: it may be absent on every line)."""
 _SNAPSHOT_KEY = itemgetter("node_rank", "seq")
 _NOT_INT = "expected an integer written without fraction or exponent, got"
+_BLOCK_BYTES = 1 << 20
+"""Bytes read at a time: the fast check's per-block cost is nothing at this size, and
+the memory it takes stays small whatever the file's size."""
 
 # (pointer, message) pairs: what the per-line checks produce before a file and a
 # line number are attached.
@@ -195,7 +209,8 @@ class _Kind:
     order_without_hostname: tuple[str, ...]
     int_keys: tuple[str, ...]
     key_fields: tuple[str, ...]
-    key_of: Callable[[dict[str, Any]], Any]
+    key_shape: str
+    """Per key field, ``i`` (an integer) or ``s`` (a string): the tracker's keys."""
     unique_keys: bool
     carries_hostname: bool
 
@@ -229,7 +244,7 @@ def _kinds() -> dict[str, _Kind]:
             order_without_hostname=tuple(k for k in order if k != "hostname"),
             int_keys=tuple(k for k, v in props.items() if _is_int_schema(v, schema)),
             key_fields=spec.key_fields,
-            key_of=itemgetter(*spec.key_fields),
+            key_shape=key_shape(spec.name),
             # A later runtime_environment line for a rank replaces the earlier one.
             unique_keys=spec.name != "runtime_environment",
             carries_hostname=spec.carries_hostname,
@@ -329,11 +344,20 @@ class _FileState:
     gpu_groups: dict[Any, list[Any]] = attrs.Factory(dict)
     # finalization_warning.json: its bytes, to give problems a line number.
     text: bytes = b""
+    # Repeated keys whose first line is still to be found: (index in problems or
+    # None when over the cap, key, the key as shown).
+    repeats: list[tuple[int | None, tuple[Any, ...], str]] = attrs.Factory(list)
 
     def add(self, line: int | None, pointer: str, message: str) -> None:
         self.count += 1
         if self.cap is None or len(self.problems) < self.cap:
             self.problems.append(Problem(self.display, line, pointer, message))
+
+    def add_repeat(self, line: int, key: tuple[Any, ...], shown: str) -> None:
+        """A duplicate key; its message gets the first line after the scan."""
+        kept = self.cap is None or len(self.problems) < self.cap
+        self.add(line, "", f"duplicate key {shown}")
+        self.repeats.append((len(self.problems) - 1 if kept else None, key, shown))
 
     def summary(self) -> FileSummary:
         return FileSummary(
@@ -357,61 +381,166 @@ def _scan_file(
     state: _FileState,
     folder: _Folder,
     progress: Callable[[int], None] | None,
-) -> None:
+    watch: Iterable[tuple[Any, ...]] = (),
+) -> Tracker | None:
+    """Check every line of one file; returns the tracker of its stream's lines, if
+    any reached one (``watch``: keys whose first line the tracker notes)."""
     kinds = _kinds()
-    loads = orjson.loads
-    decode_error = orjson.JSONDecodeError
-    add = state.add
-    seen: dict[Any, int] = {}
-    last_seq: dict[int, int] = {}
+    trackers: dict[str, Tracker] = {}
     number = 0
+
+    def tracker(stream: str) -> Tracker:
+        found = trackers.get(stream)
+        if found is None:
+            found = trackers[stream] = tracker_for(kinds[stream].key_shape)
+            found.watch(watch)
+        return found
+
     with open(path, "rb") as f:
-        for raw in f:
-            number += 1
-            if progress is not None and number % 65536 == 0:
+        blocks = _Blocks(f)
+        for end in blocks:
+            data = blocks.buffer
+            pos = 0
+            while pos < end:
+                fast = _fast_path(state, folder, kinds)
+                if fast is not None:
+                    checker, hostname = fast
+                    pos, n = checker.scan(data, pos, end, tracker(state.stream or ""), hostname)
+                    if n:
+                        number += n
+                        state.lines = number
+                        state.data_lines += n
+                    if pos >= end:
+                        break
+                nl = data.index(b"\n", pos, end)
+                number += 1
+                state.lines = number
+                raw = bytes(memoryview(data)[pos : nl + 1])
+                _check_line(raw, number, state, folder, kinds, tracker)
+                pos = nl + 1
+            if progress is not None:
                 progress(f.tell())
-            if raw[-1:] != b"\n":
-                add(number, "", "last line has no newline (still being written, or truncated)")
-                break
-            state.lines = number
-            try:
-                d = loads(raw)
-            except decode_error as exc:
-                state.data_lines += 1
-                add(number, "", f"invalid JSON: {exc}")
-                continue
-            if is_closing(d):
-                _closing_line(state, number, d)
-                continue
-            state.data_lines += 1
-            if type(d) is not dict:
-                add(number, "", f"expected object, got {describe(d)}")
-                continue
-            if "closing" in d:
-                add(number, *_closing_not_true(d))
-                continue
-            stream = d.get("stream")
-            kind = kinds.get(stream) if type(stream) is str else None
-            if kind is None:
-                if "status" in d:
-                    add(number, "", "a finalization warning object is not an export line")
-                else:
-                    add(number, *_unknown_stream(d))
-                continue
-            if state.stream is None:
-                state.stream = stream
-            elif stream != state.stream:
-                add(number, "/stream", f"a {stream} line in a {state.stream} file")
-                continue
-            valid, found = kind.check(d)
-            for pointer, message in found:
-                add(number, pointer, message)
-            if not valid:
-                continue  # values may have any type: no cross-line checks
-            _cross_line(state, folder, kind, d, number, seen, last_seq)
+        if blocks.partial:
+            state.add(
+                number + 1, "", "last line has no newline (still being written, or truncated)"
+            )
     if progress is not None:
         progress(os.path.getsize(path))
     _finish_file(state)
+    return trackers.get(state.stream or "")
+
+
+class _Blocks:
+    """The complete lines of a file, a block at a time, in one buffer reused for every
+    block (no fresh memory per block): iterating gives ``end``, the lines being
+    ``buffer[:end]``; what follows the last newline is kept for the next block."""
+
+    def __init__(self, f: BufferedReader) -> None:
+        self._f = f
+        self.buffer = bytearray(_BLOCK_BYTES)
+        self._kept = 0
+
+    def __iter__(self) -> Iterator[int]:
+        buffer = self.buffer
+        while True:
+            with memoryview(buffer) as view:
+                n = self._f.readinto(view[self._kept :])
+            if not n:
+                return
+            size = self._kept + n
+            end = buffer.rfind(b"\n", 0, size) + 1
+            yield end
+            self._kept = size - end
+            buffer[: self._kept] = buffer[end:size]
+            if self._kept == len(buffer):  # a line longer than the buffer
+                buffer.extend(bytes(len(buffer)))
+
+    @property
+    def partial(self) -> bool:
+        """Whether the file ended inside a line (one still being written)."""
+        return self._kept > 0
+
+
+def _fast_path(
+    state: _FileState, folder: _Folder, kinds: dict[str, _Kind]
+) -> tuple[Checker, int] | None:
+    """The fast check for the next lines and what it takes of hostname, or None:
+    the next line goes the full way (the file's stream or the folder's hostname
+    not known yet, or no fast check for the stream)."""
+    if state.stream is None:
+        return None
+    checker = checker_for(state.stream)
+    if checker is None:
+        return None
+    if not kinds[state.stream].carries_hostname:
+        return checker, -1
+    if folder.hostname is None:
+        return None
+    return checker, int(folder.hostname[0])
+
+
+def _check_line(
+    raw: bytes,
+    number: int,
+    state: _FileState,
+    folder: _Folder,
+    kinds: dict[str, _Kind],
+    tracker: Callable[[str], Tracker],
+) -> None:
+    """The full path of one complete line (``raw`` ends with its newline)."""
+    add = state.add
+    try:
+        d = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        state.data_lines += 1
+        add(number, "", f"invalid JSON: {exc}")
+        return
+    if is_closing(d):
+        _closing_line(state, number, d)
+        return
+    state.data_lines += 1
+    if type(d) is not dict:
+        add(number, "", f"expected object, got {describe(d)}")
+        return
+    if "closing" in d:
+        add(number, *_closing_not_true(d))
+        return
+    stream = d.get("stream")
+    kind = kinds.get(stream) if type(stream) is str else None
+    if kind is None:
+        if "status" in d:
+            add(number, "", "a finalization warning object is not an export line")
+        else:
+            add(number, *_unknown_stream(d))
+        return
+    if state.stream is None:
+        state.stream = stream
+    elif stream != state.stream:
+        add(number, "/stream", f"a {stream} line in a {state.stream} file")
+        return
+    valid, found = kind.check(d)
+    for pointer, message in found:
+        add(number, pointer, message)
+    if not valid:
+        return  # values may have any type: no cross-line checks
+    _cross_line(state, folder, kind, d, number, tracker(kind.stream))
+
+
+def _first_lines(path: FsPath, state: _FileState, folder: _Folder, stream: str | None) -> None:
+    """Give each duplicate-key problem the line of the key's first occurrence: the
+    file scanned again from its first state (``stream``: the one its name gives), its
+    problems dropped, its tracker noting where those keys first come (the same lines
+    reach it in the same order)."""
+    again = _FileState(state.display, stream, 0)
+    keys = [key for _, key, _ in state.repeats]
+    tracker = _scan_file(path, again, attrs.evolve(folder), None, watch=keys)
+    found = tracker.found() if tracker is not None else {}
+    for index, key, shown in state.repeats:
+        if index is not None:
+            problem = state.problems[index]
+            message = f"duplicate key {shown} (first on line {found[key]})"
+            state.problems[index] = attrs.evolve(problem, message=message)
+    state.repeats.clear()
 
 
 def _closing_line(state: _FileState, number: int, d: dict[str, Any]) -> None:
@@ -433,22 +562,17 @@ def _cross_line(
     kind: _Kind,
     d: dict[str, Any],
     number: int,
-    seen: dict[Any, int],
-    last_seq: dict[int, int],
+    tracker: Tracker,
 ) -> None:
     if kind.unique_keys:
-        key = kind.key_of(d)
-        first = seen.get(key)
-        if first is None:
-            seen[key] = number
-        else:
+        key = tuple(d[f] for f in kind.key_fields)
+        if not tracker.add(key, number):
             shown = ", ".join(f"{f}={d[f]!r}" for f in kind.key_fields)
-            state.add(number, "", f"duplicate key {shown} (first on line {first})")
+            state.add_repeat(number, key, shown)
     rank, seq = d["rank"], d["seq"]
-    previous = last_seq.get(rank)
+    previous = tracker.seq(rank, seq)
     if previous is not None and seq < previous:
         state.add(number, "/seq", f"seq {seq} decreases (was {previous} for rank {rank})")
-    last_seq[rank] = seq
     if kind.carries_hostname:
         has = "hostname" in d
         if folder.hostname is None:
@@ -687,6 +811,8 @@ def validate_paths(
                     progress(base + n, total)
 
             _scan_file(path, state, folder, on_bytes)
+            if state.repeats:
+                _first_lines(path, state, folder, spec.name if spec else None)
             done += path.stat().st_size
             states.append(state)
         warning = None

@@ -26,11 +26,17 @@ complete line.
 pyarrow is needed (the ``frames`` extra); pandas, polars and duckdb only for their
 own functions.
 
-Speed: pyarrow's multithreaded JSON reader parses the lines with an explicit schema
-for the scalar columns and infers only the ``events`` map, whose keys vary (user
-phase names); the map is then flattened column-wise, and the value checks are
-column-wise too. bench/frames.py compares it with ``pandas.read_json`` and the
-untyped ``pyarrow.json.read_json``.
+Speed: a file as the exporter writes it (every data line one the validator's fast
+check accepts: valid, in schema order, keys unique, seq never going back; its closing
+line, if any, last and matching) is read by that check (``_fastcheck``, in C) straight
+into the tables' columns, in one pass and no Python object per line; rows come in
+file order, a line's phase rows in its event and device order. Any other file goes
+the general way: pyarrow's multithreaded JSON reader parses the lines with an explicit
+schema for the scalar columns and infers only the ``events`` map, whose keys vary
+(user phase names); the map is then flattened column-wise, and the value checks are
+column-wise too (rows of the long tables then come block by block, event by event).
+Either way, sort when the order matters. bench/frames.py compares it with
+``pandas.read_json`` and the untyped ``pyarrow.json.read_json``.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "traceml_records.frames needs pyarrow: pip install 'traceml-ai[frames]'"
     ) from exc
 
+from traceml_records._fastcheck import Column, extractor_for, key_shape, tracker_for
 from traceml_records._generated.registry import STREAMS
 from traceml_records._generated.tables import LONG_TABLES, NESTED_FIELDS, TABLE_STREAM, TABLES
 from traceml_records._lines import closing_of
@@ -96,6 +103,9 @@ _MAX_PROBLEMS = 10
 _CLOSING_FIELDS = ("closing", "written_records", "dropped_batches")
 """Closing-line keys parsed with every file, to tell closing lines from data lines."""
 _INT64_MAX = (1 << 63) - 1
+_FAST_BLOCK = 64 << 20
+"""Bytes of lines the fast reader turns into one chunk of columns (so that a string
+column's 32-bit offsets never overflow)."""
 
 
 class FramesError(ValueError):
@@ -812,6 +822,9 @@ def load(
     stream = _stream_of(stream)
     path = _file_for(source, stream)
     file = _File(path)
+    fast = _load_fast(file, stream)
+    if fast is not None:
+        return _finish(fast)
     if validate:
         _validate(path, file.data, file.end)
     if file.end == 0:
@@ -821,6 +834,64 @@ def load(
     except UnicodeDecodeError:
         # A key that is not UTF-8 (pyarrow decodes field names only when asked).
         raise _not_utf8(path, file.data, file.end) from None
+
+
+def _load_fast(file: _File, stream: str) -> Loaded | None:
+    """The tables straight from the fast check's columns, when every data line is one
+    it accepts (then every line is valid and no key repeats) and the only closing line,
+    if any, is the last and counts them; None: the general way loads the file."""
+    extractor = extractor_for(stream)
+    data, end = file.data, file.end
+    if extractor is None or end == 0:
+        return None
+    from traceml_records._validate import validate_line
+
+    last = data.rfind(b"\n", 0, end - 1) + 1
+    closing = closing_of(data[last:end])
+    body = last if closing is not None else end
+    if closing is not None and (closing.get("stream") != stream or validate_line(data[last:end])):
+        return None
+    spec = next(s for s in STREAMS if s.name == stream)
+    hostname = -1
+    if spec.carries_hostname:
+        first = data[: data.find(b"\n", 0, end) + 1]
+        hostname = int(b'"hostname":' in first)
+    tracker = tracker_for(key_shape(stream))
+    chunks: list[tuple[tuple[Column, ...], tuple[Column, ...] | None]] = []
+    lines = pos = 0
+    while pos < body:
+        stop = data.find(b"\n", min(pos + _FAST_BLOCK, body) - 1, body) + 1
+        pos, n, top, rows = extractor.extract(data, pos, stop, tracker, hostname)
+        if pos != stop:
+            return None
+        lines += n
+        chunks.append((top, rows))
+    if not chunks or (closing is not None and closing["written_records"] != lines):
+        return None
+    tables = {stream: _table(arrow_schema(stream), [top for top, _ in chunks])}
+    for name in LONG_TABLES:
+        if TABLE_STREAM[name] == stream:
+            tables[name] = _table(arrow_schema(name), [rows for _, rows in chunks if rows])
+    if closing is not None:
+        order = tuple(_schema_docs()[CLOSING_SCHEMA_FILE]["properties"])
+        closing = {k: closing[k] for k in order if closing.get(k) is not None}
+    return Loaded(file.path, stream, tables, closing, file.partial, data_lines=lines)
+
+
+def _table(schema: Any, chunks: list[tuple[Column, ...]]) -> Any:
+    """A table of ``schema`` from the fast reader's columns, a chunk per block."""
+    columns = []
+    for i, fld in enumerate(schema):
+        arrays = []
+        for chunk in chunks:
+            valid, values, offsets, length, nulls = chunk[i]
+            buffers = [None if valid is None else pa.py_buffer(valid)]
+            if offsets is not None:
+                buffers.append(pa.py_buffer(offsets))
+            buffers.append(pa.py_buffer(values))
+            arrays.append(pa.Array.from_buffers(fld.type, length, buffers, null_count=nulls))
+        columns.append(pa.chunked_array(arrays, type=fld.type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def _load(file: _File, stream: str, validate: bool) -> Loaded:

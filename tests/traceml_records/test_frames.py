@@ -248,11 +248,11 @@ def test_empty_and_closing_only_files(tmp_path: Path) -> None:
 def test_bench_runs_small(tmp_path: Path) -> None:
     """bench/frames.py end to end on a small file (the 1M-line figure lives in docs)."""
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "frames.py"), "--lines", "2000"],
+        [sys.executable, "-m", "bench.frames", "--lines", "2000", "--keep", str(tmp_path / "f")],
         capture_output=True,
         text=True,
         timeout=240,
-        cwd=tmp_path,
+        cwd=REPO,
     )
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
@@ -572,3 +572,149 @@ def test_duplicate_keys_are_reported_never_merged(tmp_path: Path) -> None:
     assert loaded.duplicate_keys == 2 and loaded.bad_lines == 0
     assert any("duplicate key global_rank=0, step=1 on 3 lines" in p for p in loaded.problems)
     assert frames.to_pandas(path).attrs["traceml"]["duplicate_keys"] == 2
+
+
+# ---------------------------------------------------------------- the fast reader
+
+needs_fast_reader = pytest.mark.skipif(
+    frames.extractor_for("step_time") is None,
+    reason="the fast reader needs traceml_records._speedups (built, not TRACEML_PURE_PYTHON)",
+)
+
+
+def _both_ways(path: Path, stream: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, bool]:
+    """(loaded with the fast reader, loaded the general way, whether the fast reader
+    took the file); a FramesError is returned as its message."""
+    taken: list[bool] = []
+    real = frames._load_fast
+
+    def spy(file: Any, name: str) -> Any:
+        loaded = real(file, name)
+        taken.append(loaded is not None)
+        return loaded
+
+    def load() -> Any:
+        try:
+            return frames.load(path, stream)
+        except frames.FramesError as exc:
+            return str(exc)
+
+    monkeypatch.setattr(frames, "_load_fast", spy)
+    fast = load()
+    monkeypatch.setattr(frames, "_load_fast", lambda file, name: None)
+    general = load()
+    monkeypatch.undo()
+    return fast, general, any(taken)
+
+
+def _same_load(fast: Any, general: Any) -> None:
+    """Equal results; the long tables' rows may come in another order."""
+    if isinstance(general, str) or isinstance(fast, str):
+        assert fast == general  # the same FramesError
+        return
+    assert fast.info() == general.info()
+    assert fast.tables.keys() == general.tables.keys()
+    for name, table in fast.tables.items():
+        other = general.tables[name]
+        assert table.schema == other.schema, name
+        if name in TABLES and name not in frames.LONG_TABLES:
+            assert table.to_pylist() == other.to_pylist(), name
+        else:
+            assert _rows_of(table) == _rows_of(other), name
+
+
+@needs_fast_reader
+def test_a_realistic_export_is_read_by_the_fast_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.bigfile import write_step_time
+
+    path = tmp_path / "step_time.jsonl"
+    write_step_time(path, 3000, world=64)
+    with open(path, "ab") as fh:
+        fh.write(b'{"stream":"step_ti')  # and the exporter is writing the next line
+    fast, general, taken = _both_ways(path, "step_time", monkeypatch)
+    assert taken
+    _same_load(fast, general)
+    assert fast.tables["step_time_phases"].num_rows == 8 * 3000
+    assert fast.partial_last_line and fast.closing == _closing("step_time", 3000)
+    steps = fast.tables["step_time"].column("step").to_pylist()
+    assert steps == [orjson.loads(x)["step"] for x in path.read_bytes().splitlines()[:3000]]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    data=st.data(),
+    stream=st.sampled_from([s.name for s in STREAMS]),
+    close=st.sampled_from(["right", "wrong", "none", "middle"]),
+)
+def test_the_fast_reader_gives_what_the_general_way_gives(
+    tmp_path_factory: pytest.TempPathFactory,
+    data: st.DataObject,
+    stream: str,
+    close: str,
+) -> None:
+    from tests.strategies import as_written
+    from traceml_records import validate_line
+
+    host = data.draw(st.sampled_from([None, "node-1", ...]))
+    order = [c[0] for c in TABLES[stream]] + ["events"]
+    lines = []
+    for i, d in enumerate(data.draw(st.lists(consistent_json(stream), max_size=10))):
+        # As exported: plain values, keys unique, seq growing, hostname on all or none.
+        d.update(seq=i, **({"step": i + 1} if "step" in d else {}))
+        if "hostname" in order:
+            d.pop("hostname", None)
+            if host is not ...:
+                d["hostname"] = host
+        d = {k: d[k] for k in order if k in d}
+        plain = as_written(d)
+        lines.append(plain if validate_line(orjson.dumps(plain)) == [] else d)
+    body: list[dict[str, Any]] = list(lines)
+    if close == "right":
+        body.append(_closing(stream, len(lines)))
+    elif close == "wrong":
+        body.append(_closing(stream, len(lines) + 1))
+    elif close == "middle" and lines:
+        body.insert(len(lines) // 2, _closing(stream, len(lines) // 2))
+    path = _write(tmp_path_factory.mktemp("f") / f"{stream}.jsonl", body)
+    with pytest.MonkeyPatch.context() as mp:
+        fast, general, taken = _both_ways(path, stream, mp)
+    _same_load(fast, general)
+    if taken:
+        assert not isinstance(fast, str)
+
+
+def _identity(rank: int, step: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "schema_version": 1, "observed_timestamp_unix_ns": 10**18 + step, "rank": rank,
+        "global_rank": rank, "local_rank": rank, "world_size": 4, "local_world_size": 4,
+        "node_rank": 0, **extra, "timestamp_unix_ns": 10**18 + step - 5, "seq": step - 1,
+        "step": step,
+    }  # fmt: skip
+
+
+@needs_fast_reader
+@pytest.mark.parametrize("hostname", [{}, {"hostname": "node-7"}, {"hostname": None}])
+def test_step_memory_and_collectives_are_read_fast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hostname: dict[str, Any]
+) -> None:
+    memory = [
+        {"stream": "step_memory", **_identity(r, s, **hostname), "device": device,
+         "peak_allocated_bytes": None if device == "cpu" else 5 * s,
+         "peak_reserved_bytes": None if device == "cpu" else 8 * s}
+        for s in (1, 2, 3) for r in range(4) for device in ("cpu", f"cuda:{r}")
+    ]  # fmt: skip
+    collectives = [
+        {"stream": "collectives", **_identity(r, s, **hostname), "phase": phase,
+         "op": "all_reduce", "source": "ddp_comm_hook", "backend": "nccl", "n_calls": 3,
+         "wait_ms": None if r == 2 else 1.25 * s, "wait_measure": "none" if r == 2 else "device",
+         "first_arrival_ms": 0.5, "last_arrival_ms": 7.0}
+        for s in (1, 2) for r in range(4) for phase in (P + "backward_time", "my phase")
+    ]  # fmt: skip
+    for stream, lines in (("step_memory", memory), ("collectives", collectives)):
+        path = _write(tmp_path / f"{stream}.jsonl", [*lines, _closing(stream, len(lines))])
+        fast, general, taken = _both_ways(path, stream, monkeypatch)
+        assert taken, stream
+        _same_load(fast, general)
+        assert fast.tables[stream].num_rows == len(lines)

@@ -1,0 +1,201 @@
+"""A realistic step_time export of any size, written fast, for the benches that read files.
+
+A 64-rank GPU run (8 nodes of 8): each line is one step of one rank, with the
+built-in phases (the DataLoader on the CPU, H2D copy, forward, backward, optimizer,
+the whole step on the rank's GPU) and user phases (``trace_phase``), timings as CUDA
+events and ``perf_counter`` give them (float32 device times, nanosecond host times).
+Ranks flush a few steps per batch, so lines arrive in short runs per rank, as the
+aggregator writes them; the closing line ends the file.
+
+The bytes are the real encoder's (``dumps_line``): a pool of records is encoded once
+and each line splices its own timestamps, ``seq`` and ``step`` into one of them, so
+writing costs about a string join per line, and the disk's write speed bounds it.
+
+    from bench.bigfile import write_step_time
+    size = write_step_time(path, 1_000_000)  # 64 ranks, 6 built-in + 2 user phases
+
+    python -m bench.bigfile OUT.jsonl [--lines N] [--world 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import struct
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from traceml_records import ClosingLine, PhaseTiming, StepTimeRecord, dumps_line
+
+_P = "_traceml_internal:"
+
+USER_PHASES: tuple[str, ...] = ("compute_loss", "grad_clip")
+"""The user phases every step has by default (names as ``trace_phase`` gives them)."""
+
+# Typical share of a ~60 ms step of a 64-GPU data-parallel job, per phase (ms).
+_BUILTIN_MS = {
+    "backward_time": 28.0,
+    "forward_time": 14.0,
+    "h2d_time": 0.8,
+    "optimizer_step": 4.5,
+}
+_USER_MS = 1.6
+_LOADER_MS = 2.2
+_STEP_OVERHEAD_MS = 3.0
+_POOL = 512  # encoded event variants per local rank
+_STEP_NS = 60_000_000
+_BATCH_STEPS = 4  # steps a rank flushes per batch
+
+
+def _f32(ms: float) -> float:
+    """``ms`` as CUDA's ``elapsed_time`` gives it (a float32, widened)."""
+    value: float = struct.unpack("f", struct.pack("f", ms))[0]
+    return value
+
+
+def _gpu(rnd: random.Random, ms: float, device: str) -> dict[str, PhaseTiming]:
+    gpu = _f32(ms * rnd.uniform(0.9, 1.15))
+    cpu = round(gpu + rnd.uniform(0.02, 0.4), 6)  # host time, nanosecond resolution
+    return {device: PhaseTiming(cpu_ms=cpu, duration_ms=gpu, gpu_ms=gpu, is_gpu=True, n_calls=1)}
+
+
+def _cpu(rnd: random.Random, ms: float) -> dict[str, PhaseTiming]:
+    cpu = round(ms * rnd.uniform(0.5, 2.0), 6)
+    return {"cpu": PhaseTiming(cpu_ms=cpu, duration_ms=cpu, gpu_ms=None, is_gpu=False, n_calls=1)}
+
+
+def _events(
+    rnd: random.Random, device: str, user_phases: Sequence[str]
+) -> dict[str, dict[str, PhaseTiming]]:
+    events = {_P + name: _gpu(rnd, ms, device) for name, ms in _BUILTIN_MS.items()}
+    events[_P + "dataloader_next"] = _cpu(rnd, _LOADER_MS)
+    for name in user_phases:
+        events[name] = _gpu(rnd, _USER_MS, device)
+    total = sum(t.duration_ms for timing in events.values() for t in timing.values())
+    events[_P + "step_time"] = _gpu(rnd, total + _STEP_OVERHEAD_MS, device)
+    return events
+
+
+# Values no real field takes, so each is found exactly once in an encoded line.
+_SENTINELS = (7_111_111_111_111_111_117, 7_222_222_222_222_222_227, 7_333_333_337, 7_444_444_447)
+
+
+def _templates(
+    world: int, ranks_per_node: int, user_phases: Sequence[str], seed: int
+) -> tuple[list[list[bytes]], list[list[bytes]]]:
+    """Per rank: the line's head cut at the four varying fields; per local rank: the
+    encoded ``events`` values, each ending the line."""
+    rnd = random.Random(seed)
+    marker = b'"events":'
+
+    def encode(rank: int) -> tuple[bytes, bytes]:
+        """The line of ``rank`` with fresh timings, cut after ``"events":``."""
+        local = rank % ranks_per_node
+        line = dumps_line(
+            StepTimeRecord(
+                observed_timestamp_unix_ns=_SENTINELS[0],
+                rank=rank,
+                global_rank=rank,
+                local_rank=local,
+                world_size=world,
+                local_world_size=ranks_per_node,
+                node_rank=rank // ranks_per_node,
+                timestamp_unix_ns=_SENTINELS[1],
+                seq=_SENTINELS[2],
+                step=_SENTINELS[3],
+                events=_events(rnd, f"cuda:{local}", user_phases),
+            )
+        )
+        cut = line.index(marker) + len(marker)
+        return line[:cut], line[cut:]
+
+    tails = [[encode(local)[1] for _ in range(_POOL)] for local in range(ranks_per_node)]
+    heads: list[list[bytes]] = []
+    for rank in range(world):
+        head = encode(rank)[0]
+        parts: list[bytes] = []
+        for sentinel in _SENTINELS:
+            before, head = head.split(str(sentinel).encode())
+            parts.append(before)
+        parts.append(head)
+        heads.append(parts)
+    return heads, tails
+
+
+def write_step_time(
+    path: Path,
+    lines: int,
+    *,
+    world: int = 64,
+    ranks_per_node: int = 8,
+    user_phases: Sequence[str] = USER_PHASES,
+    seed: int = 0,
+) -> int:
+    """Write ``lines`` step_time lines of a ``world``-rank run, then its closing line.
+
+    Rank ``r`` is ``local_rank = r % ranks_per_node`` on node ``r // ranks_per_node``;
+    steps go round the ranks in batches of a few steps each, so every (rank, step) is
+    written once and the file passes ``traceml validate``. Returns the file's size.
+    """
+    if world % ranks_per_node:
+        raise ValueError(f"world {world} is not a multiple of ranks_per_node {ranks_per_node}")
+    heads, tails = _templates(world, ranks_per_node, user_phases, seed)
+    rnd = random.Random(seed + 1)
+    picks = [rnd.randrange(_POOL) for _ in range(4099)]  # a prime cycle of pool indexes
+    t0 = 1_796_073_447_453_688_073
+    block = world * _BATCH_STEPS
+    written = 0
+    with open(path, "wb") as fh:
+        out: list[bytes] = []
+        for start in range(0, lines, block):
+            first_step = start // world + 1
+            for rank in range(world):
+                h0, h1, h2, h3, h4 = heads[rank]
+                pool = tails[rank % ranks_per_node]
+                jitter = rank * 37_011
+                for k in range(_BATCH_STEPS):
+                    i = start + rank * _BATCH_STEPS + k
+                    if i >= lines:
+                        break
+                    step = first_step + k
+                    ts = t0 + step * _STEP_NS + jitter
+                    observed = t0 + (first_step + _BATCH_STEPS) * _STEP_NS + jitter + 70_000
+                    out += (
+                        h0,
+                        str(observed).encode(),
+                        h1,
+                        str(ts).encode(),
+                        h2,
+                        str(step - 1).encode(),
+                        h3,
+                        str(step).encode(),
+                        h4,
+                        pool[picks[i % 4099]],
+                    )
+            if len(out) > 100_000:
+                written += fh.write(b"".join(out))
+                out.clear()
+        closing = ClosingLine(stream="step_time", written_records=lines, dropped_batches=0)
+        out.append(dumps_line(closing))
+        written += fh.write(b"".join(out))
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--lines", type=int, default=1_000_000)
+    parser.add_argument("--world", type=int, default=64)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    size = write_step_time(args.path, args.lines, world=args.world)
+    took = time.perf_counter() - start
+    print(
+        f"wrote {args.lines:,} lines, {size / 1e6:,.0f} MB ({size / max(args.lines, 1):.0f} "
+        f"bytes a line) in {took:.1f} s: {args.path}"
+    )
+
+
+if __name__ == "__main__":
+    main()
