@@ -1102,6 +1102,8 @@ typedef struct {
     int n_ok;
 } Wire;
 
+/* Room for ``need`` items of ``size`` bytes in a PyMem array (capacity doubling): OK,
+ * or ERR with MemoryError set. */
 static int grow(void **array, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
     if (need <= *cap) return OK;
     Py_ssize_t cap2 = *cap ? *cap * 2 : 256;
@@ -3277,20 +3279,6 @@ struct Sink {
     Py_ssize_t rows;      /* long-table rows of the accepted lines */
     Py_ssize_t line_rows; /* rows of the line being scanned */
 };
-
-static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, Py_ssize_t item) {
-    if (need <= *cap) return 0;
-    Py_ssize_t cap2 = *cap ? *cap : 256;
-    while (cap2 < need) cap2 += cap2 / 2 + 256;
-    void *q = PyMem_Realloc(*p, (size_t)(cap2 * item));
-    if (q == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    *p = q;
-    *cap = cap2;
-    return 0;
-}
 
 /* a JSON number's text as the double it denotes (correctly rounded) */
 static double text_to_double(const char *s, Py_ssize_t n) {
