@@ -245,8 +245,8 @@ def _kinds() -> dict[str, _Kind]:
             int_keys=tuple(k for k, v in props.items() if _is_int_schema(v, schema)),
             key_fields=spec.key_fields,
             key_shape=key_shape(spec.name),
-            # A later runtime_environment line for a rank replaces the earlier one.
-            unique_keys=spec.name != "runtime_environment",
+            # A stream without it (runtime_environment: last-line-wins) may repeat a key.
+            unique_keys="unique-key" in spec.rules,
             carries_hostname=spec.carries_hostname,
         )
     return kinds
