@@ -310,7 +310,10 @@ def plan_for(stream: str) -> Plan | None:
             if form is not None:
                 root = _with_rule(root, form)
         keys = tuple(_field(fields, k, ("integer", "string")) for k in spec.key_fields)
-        hostname = [f[0] for f in fields].index(b"hostname") if spec.carries_hostname else -1
+        names = [f[0] for f in fields]
+        if spec.carries_hostname and b"hostname" not in names:
+            raise _NoPlan("a stream that carries hostname without the field")
+        hostname = names.index(b"hostname") if spec.carries_hostname else -1
         rank = _field(fields, "rank", ("integer",))
         seq = _field(fields, "seq", ("integer",))
     except _NoPlan:

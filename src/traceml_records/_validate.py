@@ -245,8 +245,8 @@ def _kinds() -> dict[str, _Kind]:
             int_keys=tuple(k for k, v in props.items() if _is_int_schema(v, schema)),
             key_fields=spec.key_fields,
             key_shape=key_shape(spec.name),
-            # A later runtime_environment line for a rank replaces the earlier one.
-            unique_keys=spec.name != "runtime_environment",
+            # A stream without it (runtime_environment: last-line-wins) may repeat a key.
+            unique_keys="unique-key" in spec.rules,
             carries_hostname=spec.carries_hostname,
         )
     return kinds
@@ -536,10 +536,10 @@ def _first_lines(path: FsPath, state: _FileState, folder: _Folder, stream: str |
     tracker = _scan_file(path, again, attrs.evolve(folder), None, watch=keys)
     found = tracker.found() if tracker is not None else {}
     for index, key, shown in state.repeats:
-        if index is not None:
-            problem = state.problems[index]
-            message = f"duplicate key {shown} (first on line {found[key]})"
-            state.problems[index] = attrs.evolve(problem, message=message)
+        first = found.get(key)
+        if index is not None and first is not None:  # always found: the same lines
+            message = f"duplicate key {shown} (first on line {first})"
+            state.problems[index] = attrs.evolve(state.problems[index], message=message)
     state.repeats.clear()
 
 

@@ -9,6 +9,7 @@ without it, and without the C extension (the full path and the pure-Python track
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -223,14 +224,14 @@ def mutated_line(draw: st.DrawFn, stream: str) -> bytes:
         places = _places(d)
         if action == "replace" and places:
             target, key = draw(st.sampled_from(places))
-            target[key] = draw(HOSTILE)
+            target[key] = copy.deepcopy(draw(HOSTILE))
         elif action == "drop" and places:
             target, key = draw(st.sampled_from(places))
             del target[key]
         elif action == "add":
             target = draw(st.sampled_from(_objects(d)))
             names = [*sorted(target), "x", "closing", "hostname", ""]
-            target[draw(st.sampled_from(names))] = draw(HOSTILE)
+            target[draw(st.sampled_from(names))] = copy.deepcopy(draw(HOSTILE))
         elif action == "reorder":
             target = draw(st.sampled_from(_objects(d)))
             items = list(target.items())
