@@ -9,7 +9,6 @@ Light on purpose: no tracker library, no state.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -129,35 +128,20 @@ def tracker_metrics_markdown() -> str:
 
 
 DOC = Path("docs/trackers.md")
-START = "<!-- tracker-metrics:start -->\n"
-END = "<!-- tracker-metrics:end -->"
-
-
-def splice(text: str) -> str:
-    """``text`` with the generated table between its markers."""
-    start = text.index(START) + len(START)
-    end = text.index(END, start)
-    return text[:start] + tracker_metrics_markdown() + text[end:]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Rewrite the table of ``docs/trackers.md``, or with ``--check`` fail when stale."""
-    parser = argparse.ArgumentParser(prog="python -m traceml_ai.monitor.tracker_metrics")
-    parser.add_argument("--check", action="store_true", help="fail if the docs' table is stale")
-    parser.add_argument("--root", type=Path, default=Path.cwd(), help="repository root")
-    args = parser.parse_args(argv)
-    path: Path = args.root / DOC
-    text = path.read_text(encoding="utf-8")
-    new = splice(text)
-    if new == text:
-        print(f"tracker metrics: {DOC} is up to date")
-        return 0
-    if args.check:
-        print(f"tracker metrics: {DOC}'s table is stale; run `{parser.prog}`")
-        return 1
-    path.write_text(new, encoding="utf-8")
-    print(f"tracker metrics: wrote {DOC}")
-    return 0
+    from traceml_ai import _docs_tables
+
+    return _docs_tables.main(
+        "python -m traceml_ai.monitor.tracker_metrics",
+        "tracker metrics",
+        DOC,
+        "tracker-metrics",
+        tracker_metrics_markdown,
+        argv,
+    )
 
 
 if __name__ == "__main__":
