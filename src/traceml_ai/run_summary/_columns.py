@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -256,14 +256,6 @@ def is_columns(rows: Mapping[int, Any]) -> bool:
     return all(isinstance(v, RankColumns) for v in rows.values())
 
 
-def keys_of(columns: Iterable[RankColumns]) -> set[str]:
-    """Every row key some row of some rank had."""
-    out: set[str] = set()
-    for c in columns:
-        out.update(c.values)
-    return out
-
-
 __all__ = [
     "STEP_KEY",
     "TS_KEY",
@@ -273,5 +265,4 @@ __all__ = [
     "StepColumns",
     "columns_of_rows",
     "is_columns",
-    "keys_of",
 ]
