@@ -177,6 +177,7 @@ class Aggregator:
             self.config.token,
             on_batch=self._on_batch,
             on_finished=self._on_finished,
+            on_tracker_runs=self._on_tracker_runs,
         )
         try:
             address = self._server.start()
@@ -287,6 +288,12 @@ class Aggregator:
                 and len(self._finished_ranks & set(range(expected))) >= expected
             ):
                 self._all_finished.set()
+
+    def _on_tracker_runs(self, message: dict[str, Any]) -> None:
+        monitoring = self._monitoring
+        identity = message.get("identity")
+        if monitoring is not None and isinstance(identity, dict):
+            monitoring.state.note_tracker_runs(identity, message["runs"])
 
     def _note_rank_drops(self, rank: int, message: dict[str, Any]) -> None:
         """Merge a ``finished`` message's drop counts into ``rank``'s (call with the lock).

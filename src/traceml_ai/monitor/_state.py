@@ -246,6 +246,8 @@ class LiveState:
         """User phase names counted as ``other`` (bounded: only the first few are kept)."""
         self.straggler: StragglerView | None = None
         """The latest straggler view (``run_summary._straggler.analyze``), when computed."""
+        self._tracker_runs: dict[str, tuple[int, dict[str, str]]] = {}
+        """tracker -> (rank, its fields): the run the lowest rank that told one has open."""
 
     # -- writing (the feed thread) --------------------------------------------------
 
@@ -400,6 +402,27 @@ class LiveState:
             strategy = items[-1].get("training_strategy")
             if type(strategy) is str and len(strategy) <= 64:
                 live.strategy = strategy
+
+    def note_tracker_runs(
+        self, identity: Mapping[str, Any], runs: Mapping[str, Mapping[str, str]]
+    ) -> None:
+        """A rank's ``tracker_runs`` message (checked by the wire): each tracker's run,
+        kept from the lowest rank that told one (rank 0 in practice). A run stays once
+        told: the script ending it does not take TraceML's last figures out of it."""
+        rank = identity.get("global_rank")
+        if type(rank) is not int or not 0 <= rank < MAX_RANKS:
+            return
+        with self._lock:
+            for name, fields in runs.items():
+                known = self._tracker_runs.get(name)
+                if known is None or rank <= known[0]:
+                    self._tracker_runs[name] = (rank, dict(fields))
+
+    def tracker_run(self, name: str) -> dict[str, str] | None:
+        """The run of tracker ``name`` the training script has open, if it told one."""
+        with self._lock:
+            known = self._tracker_runs.get(name)
+        return dict(known[1]) if known is not None else None
 
     def add_collectives(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
         """A batch of ``collectives`` items: each step's wait per component and op."""

@@ -1,7 +1,11 @@
-"""The MLflow tracker: a run of TraceML's own, through ``MlflowClient`` (the
-``mlflow`` extra, ``mlflow-skinny``: the tracking client without the server).
+"""The MLflow tracker, through ``MlflowClient`` (the ``mlflow`` extra,
+``mlflow-skinny``: the tracking client without the server).
 
-The run is chosen by MLflow's standard variables, as a training script's
+**The script's own run**, when rank 0 told one (its ``run_id`` and ``tracking_uri``):
+TraceML's figures go into it beside the script's own metrics, tagged with the
+TraceML run folder; the script ends it, not TraceML.
+
+**Else a run of TraceML's own**, chosen by MLflow's standard variables, as a training script's
 ``mlflow.start_run()`` would: the tracking server ``MLFLOW_TRACKING_URI``, the
 experiment ``MLFLOW_EXPERIMENT_ID`` or ``MLFLOW_EXPERIMENT_NAME`` (made when it does
 not exist; MLflow's default experiment without either). The run is named after the
@@ -17,11 +21,17 @@ of the run, and the terminal holds TraceML's lines only.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from traceml_ai.monitor.tracker_metrics import SUMMARY_ARTIFACT
+
 if TYPE_CHECKING:
+    from mlflow.entities import RunTag
+
     from traceml_ai.monitor._service import RunInfo
 
 __all__ = ["CLIENT_DEFAULTS", "RUN_DIR_TAG", "MlflowTracker", "open_mlflow"]
@@ -38,15 +48,22 @@ RUN_DIR_TAG = "traceml.run_dir"
 
 
 class MlflowTracker:
-    """One MLflow run TraceML logs into."""
+    """One MLflow run TraceML logs into: the script's (``user``) or its own."""
 
-    def __init__(self, run: RunInfo) -> None:
+    def __init__(self, run: RunInfo, user: Mapping[str, str] | None = None) -> None:
         for key, value in CLIENT_DEFAULTS.items():
             os.environ.setdefault(key, value)
         from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
         self._metric = Metric
+        self.owned = user is None
+        if user is not None:
+            self._client = MlflowClient(tracking_uri=user.get("tracking_uri") or None)
+            self.run_id: str = user["run_id"]
+            # Fails here, not at the first point, when the run is not on that server.
+            self._client.set_tag(self.run_id, RUN_DIR_TAG, str(run.run_dir))
+            return
         self._client = MlflowClient()
         experiment_id = os.environ.get("MLFLOW_EXPERIMENT_ID") or self._experiment(
             os.environ.get("MLFLOW_EXPERIMENT_NAME")
@@ -54,7 +71,7 @@ class MlflowTracker:
         created = self._client.create_run(
             experiment_id, run_name=run.run_name, tags={RUN_DIR_TAG: str(run.run_dir)}
         )
-        self.run_id: str = created.info.run_id
+        self.run_id = created.info.run_id
 
     def _experiment(self, name: str | None) -> str:
         if not name:
@@ -69,9 +86,31 @@ class MlflowTracker:
         metrics = [self._metric(k, v, now_ms, step) for k, v in figures.items()]
         self._client.log_batch(self.run_id, metrics=metrics, synchronous=True)
 
+    def log_summary(self, fields: Mapping[str, float | str], summary_json: bytes) -> None:
+        # Tags: MLflow's fields of a run as a whole (metrics are series over steps).
+        self._client.log_batch(
+            self.run_id,
+            tags=[self._tag(k, v) for k, v in fields.items()],
+            synchronous=True,
+        )
+        with tempfile.TemporaryDirectory(prefix="traceml-") as folder:
+            path = Path(folder, SUMMARY_ARTIFACT)
+            path.write_bytes(summary_json)
+            self._client.log_artifact(self.run_id, str(path))
+
+    def _tag(self, key: str, value: float | str) -> RunTag:
+        from mlflow.entities import RunTag
+
+        if isinstance(value, str):
+            text = value
+        else:
+            text = str(int(value)) if value.is_integer() else f"{value:.6g}"
+        return RunTag(key, text)
+
     def close(self) -> None:
-        self._client.set_terminated(self.run_id)
+        if self.owned:
+            self._client.set_terminated(self.run_id)
 
 
-def open_mlflow(run: RunInfo) -> MlflowTracker:
-    return MlflowTracker(run)
+def open_mlflow(run: RunInfo, user: Mapping[str, str] | None = None) -> MlflowTracker:
+    return MlflowTracker(run, user)

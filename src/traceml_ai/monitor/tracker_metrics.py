@@ -24,6 +24,8 @@ __all__ = [
     "STEP_TIME_MEDIAN",
     "STRAGGLER_EXCESS_MS",
     "STRAGGLER_RANK",
+    "SUMMARY_ARTIFACT",
+    "SUMMARY_FIELDS",
     "THROUGHPUT_STEPS_PER_S",
     "TRACKER_MAX_RANKS",
     "TRACKER_METRICS",
@@ -120,10 +122,94 @@ TRACKER_METRICS: tuple[TrackerMetric, ...] = (
 """Every logged figure, in the docs' order."""
 
 
-def tracker_metrics_markdown() -> str:
-    """The metric table of ``docs/trackers.md``."""
+SUMMARY_VERDICT = TrackerMetric(
+    "traceml/summary/verdict",
+    "text",
+    "The straggler verdict of the run summary: straggler, intermittent, none or n/a.",
+)
+SUMMARY_STRAGGLER_RANK = TrackerMetric(
+    "traceml/summary/straggler_rank",
+    "rank",
+    "The rank the verdict names first (the largest excess); -1 when it names none.",
+)
+SUMMARY_STRAGGLER_EXCESS_MS = TrackerMetric(
+    "traceml/summary/straggler_excess_ms",
+    "ms",
+    "How much longer that rank's own work takes per step than the other ranks'; 0 "
+    "when the verdict names none.",
+)
+SUMMARY_STRAGGLER_PHASE = TrackerMetric(
+    "traceml/summary/straggler_phase",
+    "text",
+    "Where that rank's extra time sits (a phase name); left out when the verdict names none.",
+)
+SUMMARY_RANKS = TrackerMetric("traceml/summary/ranks", "ranks", "Ranks with steps in the files.")
+SUMMARY_STEPS = TrackerMetric(
+    "traceml/summary/steps", "steps", "The most steps any rank has in the files."
+)
+SUMMARY_STEP_TIME_MEDIAN = TrackerMetric(
+    "traceml/summary/step_time_ms/median",
+    "ms",
+    "Median over ranks of each rank's median step time.",
+)
+SUMMARY_STEP_TIME_P99 = TrackerMetric(
+    "traceml/summary/step_time_ms/p99",
+    "ms",
+    "The highest of the ranks' 99th percentile step times.",
+)
+SUMMARY_STEPS_PER_S = TrackerMetric(
+    "traceml/summary/steps_per_s",
+    "steps/s",
+    "Median over ranks of each rank's steps per second over the run.",
+)
+SUMMARY_PEAK_ALLOCATED = TrackerMetric(
+    "traceml/summary/peak_allocated_bytes",
+    "bytes",
+    "The highest peak allocated device memory of any rank and device; left out "
+    "without step_memory.",
+)
+SUMMARY_FILES = TrackerMetric(
+    "traceml/summary/files",
+    "text",
+    "What the files say about loss: complete, or the status the summary gives.",
+)
+
+SUMMARY_FIELDS: tuple[TrackerMetric, ...] = (
+    SUMMARY_VERDICT,
+    SUMMARY_STRAGGLER_RANK,
+    SUMMARY_STRAGGLER_EXCESS_MS,
+    SUMMARY_STRAGGLER_PHASE,
+    SUMMARY_RANKS,
+    SUMMARY_STEPS,
+    SUMMARY_STEP_TIME_MEDIAN,
+    SUMMARY_STEP_TIME_P99,
+    SUMMARY_STEPS_PER_S,
+    SUMMARY_PEAK_ALLOCATED,
+    SUMMARY_FILES,
+)
+"""The run summary's figures each tracker run gets once, at the end."""
+
+SUMMARY_ARTIFACT = "traceml_summary.json"
+"""The file name of the summary JSON (``traceml summary --json``) given to each run."""
+
+
+def _table(metrics: tuple[TrackerMetric, ...]) -> list[str]:
     rows = ["| Name | Unit | What it is |", "|---|---|---|"]
-    rows.extend(f"| `{m.name}` | {m.unit} | {m.help} |" for m in TRACKER_METRICS)
+    rows.extend(f"| `{m.name}` | {m.unit} | {m.help} |" for m in metrics)
+    return rows
+
+
+def tracker_metrics_markdown() -> str:
+    """The metric tables of ``docs/trackers.md``: the points, then the summary."""
+    rows = [
+        *_table(TRACKER_METRICS),
+        "",
+        "At the end of the run, once the export files are closed, each run also gets the "
+        f"run summary's figures (as W&B summary fields, MLflow tags, a TensorBoard text "
+        f"entry) and the summary JSON as `{SUMMARY_ARTIFACT}`:",
+        "",
+        *_table(SUMMARY_FIELDS),
+    ]
     return "\n".join(rows) + "\n"
 
 

@@ -1,10 +1,21 @@
-"""The experiment trackers' sink: TraceML's figures in TensorBoard or MLflow
+"""The experiment trackers' sink: TraceML's figures in TensorBoard, MLflow or W&B
 (docs/trackers.md).
 
 One sink per tracker, each with its own thread, so that a slow or failing tracker
 holds up nothing: the feed thread only notes the highest step it saw
-(:meth:`TrackerSink.on_steps`), the sink's thread opens the tracker, builds a point
-from the live state every ``tracker_every_steps`` steps and writes it. A point is
+(:meth:`TrackerSink.on_steps`), the sink's thread imports the tracker's library,
+builds a point from the live state every ``tracker_every_steps`` steps and writes it.
+
+**Which run.** The run is opened when the first point is due: the run the training
+script has open, when rank 0 told one (``LiveState.tracker_run``, from
+``rank._tracker_runs``), else a run of TraceML's own. A script's run told later
+(training began after TraceML's first point) takes the points from then on; one
+that cannot be joined leaves them in TraceML's own run, said in one line.
+
+**At the end** the last point is logged, then the run summary (read once from the
+closed export files, :class:`EndSummary`) goes to each run as fields and an artifact
+(:meth:`TrackerBackend.log_summary`), and TraceML's own run is ended (the script's
+own run is the script's to end). A point is
 logged at step S once every rank has reported S (or, with a rank a whole interval
 behind, with the ranks that have); points that came due while the tracker was busy
 are logged when it is free, as long as their steps are still in the live state's
@@ -26,10 +37,13 @@ import logging
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
+import orjson
 
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._state import LiveState, StepSeen
@@ -37,13 +51,17 @@ from traceml_ai.settings import TRACKER_NAMES
 
 if TYPE_CHECKING:
     from traceml_ai.monitor._service import LiveSink, Monitoring, RunInfo
+    from traceml_ai.run_summary import RunSummary
 
 __all__ = [
     "BACKENDS",
     "Backend",
+    "EndSummary",
     "TrackerBackend",
     "TrackerSink",
+    "UserRun",
     "point_figures",
+    "summary_fields",
     "tracker_sink",
 ]
 
@@ -54,6 +72,12 @@ POLL_S = 1.0
 (a rank that stopped leaves the others' point due by their lead)."""
 
 
+UserRun = Mapping[str, str]
+"""The run of one tracker the training script has open, as rank 0 told it
+(``rank._tracker_runs``: an MLflow ``run_id`` and ``tracking_uri``, a W&B ``id``,
+``project``, ``entity``, ``mode`` and ``dir``, a TensorBoard ``log_dir``)."""
+
+
 class TrackerBackend(Protocol):
     """One open tracker run: the sink's thread is its only caller."""
 
@@ -61,8 +85,13 @@ class TrackerBackend(Protocol):
         """Write one point (``figures`` by :mod:`tracker_metrics` name) at ``step``;
         raises when the tracker refuses it."""
 
+    def log_summary(self, fields: Mapping[str, float | str], summary_json: bytes) -> None:
+        """At the end: the run summary's figures (by :data:`tracker_metrics.SUMMARY_FIELDS`
+        name) as the run's summary fields, and ``summary_json`` (what ``traceml summary
+        --json`` prints) as the file :data:`tracker_metrics.SUMMARY_ARTIFACT`."""
+
     def close(self) -> None:
-        """Flush and end the run."""
+        """Flush, and end the run if it is TraceML's own."""
 
 
 @attrs.frozen
@@ -75,7 +104,7 @@ class Backend:
     module: str
     library_loggers: tuple[str, ...]
     load: Callable[[], object]
-    open: Callable[[RunInfo], TrackerBackend]
+    open: Callable[[RunInfo, UserRun | None], TrackerBackend]
 
 
 def _load_tensorboard() -> object:
@@ -90,16 +119,16 @@ def _load_mlflow() -> object:
     return mlflow
 
 
-def _open_tensorboard(run: RunInfo) -> TrackerBackend:
+def _open_tensorboard(run: RunInfo, user: UserRun | None) -> TrackerBackend:
     from traceml_ai.monitor._tracker_tensorboard import open_tensorboard
 
-    return open_tensorboard(run)
+    return open_tensorboard(run, user)
 
 
-def _open_mlflow(run: RunInfo) -> TrackerBackend:
+def _open_mlflow(run: RunInfo, user: UserRun | None) -> TrackerBackend:
     from traceml_ai.monitor._tracker_mlflow import open_mlflow
 
-    return open_mlflow(run)
+    return open_mlflow(run, user)
 
 
 BACKENDS: Mapping[str, Backend] = {
@@ -114,6 +143,82 @@ BACKENDS: Mapping[str, Backend] = {
 assert tuple(BACKENDS) == TRACKER_NAMES
 
 
+SUMMARY_MAX_BYTES = 64 * 1024 * 1024
+"""Export files larger than this give the trackers no summary: reading every line
+would hold the aggregator's finalization back (``traceml summary`` gives it)."""
+
+
+class EndSummary:
+    """The run summary for the trackers, read once from the closed export files by
+    the first sink that asks (each tracker's thread asks at the end)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self._run_dir = run_dir
+        self._lock = threading.Lock()
+        self._read = False
+        self._value: tuple[dict[str, float | str], bytes] | None = None
+
+    def get(self) -> tuple[dict[str, float | str], bytes] | None:
+        """(fields, summary JSON), or None without JSONL export files (another
+        exporter, or none) or above :data:`SUMMARY_MAX_BYTES`; raises what the reader
+        raised otherwise (each asker gets it)."""
+        with self._lock:
+            if not self._read:
+                self._read = True
+                self._value = self._summary()
+            return self._value
+
+    def _summary(self) -> tuple[dict[str, float | str], bytes] | None:
+        from traceml_ai.run_summary import SummaryError, export_folder_of, summarize_run
+
+        try:
+            export, _ = export_folder_of(self._run_dir)
+            if sum(f.stat().st_size for f in export.glob("*.jsonl")) > SUMMARY_MAX_BYTES:
+                return None
+            summary = summarize_run(self._run_dir)
+        except SummaryError:
+            return None
+        return summary_fields(summary), orjson.dumps(summary.to_json())
+
+
+def summary_fields(summary: RunSummary) -> dict[str, float | str]:
+    """The run summary's figures by :data:`tracker_metrics.SUMMARY_FIELDS` name (a
+    figure the summary has not is left out)."""
+    fields: dict[str, float | str] = {}
+    view = summary.straggler
+    if view is not None:
+        fields[tm.SUMMARY_VERDICT.name] = view.verdict
+        if view.stragglers:
+            first = max(view.stragglers, key=lambda s: s.excess_ms)
+            fields[tm.SUMMARY_STRAGGLER_RANK.name] = float(first.rank)
+            fields[tm.SUMMARY_STRAGGLER_EXCESS_MS.name] = first.excess_ms
+            fields[tm.SUMMARY_STRAGGLER_PHASE.name] = first.phase
+        elif view.applicable:
+            fields[tm.SUMMARY_STRAGGLER_RANK.name] = -1.0
+            fields[tm.SUMMARY_STRAGGLER_EXCESS_MS.name] = 0.0
+    fields[tm.SUMMARY_RANKS.name] = float(len(summary.ranks))
+    ranks = list((summary.step_time or {}).values())
+    if ranks:
+        fields[tm.SUMMARY_STEPS.name] = float(max(r.steps for r in ranks))
+        fields[tm.SUMMARY_STEP_TIME_MEDIAN.name] = _median([r.p50_ms for r in ranks])
+        fields[tm.SUMMARY_STEP_TIME_P99.name] = max(r.p99_ms for r in ranks)
+        fields[tm.SUMMARY_STEPS_PER_S.name] = _median([r.steps_per_s for r in ranks])
+    peaks = [
+        peak.peak_allocated_bytes
+        for devices in (summary.memory or {}).values()
+        for peak in devices.values()
+        if peak.peak_allocated_bytes is not None
+    ]
+    if peaks:
+        fields[tm.SUMMARY_PEAK_ALLOCATED.name] = float(max(peaks))
+    fields[tm.SUMMARY_FILES.name] = summary.loss.status
+    return {k: v for k, v in fields.items() if isinstance(v, str) or math.isfinite(v)}
+
+
+_END_SUMMARIES: weakref.WeakKeyDictionary[LiveState, EndSummary] = weakref.WeakKeyDictionary()
+"""One :class:`EndSummary` per aggregator (by its live state), shared by its trackers."""
+
+
 def tracker_sink(name: str) -> Callable[[Monitoring], LiveSink]:
     """The sink factory of tracker ``name``: refuses (one line naming the extra) when
     its library is not installed, else starts the sink, whose thread opens the run."""
@@ -125,6 +230,9 @@ def tracker_sink(name: str) -> Callable[[Monitoring], LiveSink]:
         with extra_required(backend.extra):
             if importlib.util.find_spec(backend.module) is None:
                 raise ImportError(name=backend.module)
+        end_summary = _END_SUMMARIES.get(monitoring.state)
+        if end_summary is None:
+            end_summary = _END_SUMMARIES[monitoring.state] = EndSummary(monitoring.run.run_dir)
         sink = TrackerSink(
             name,
             backend,
@@ -132,6 +240,7 @@ def tracker_sink(name: str) -> Callable[[Monitoring], LiveSink]:
             monitoring.run,
             every=monitoring.settings.tracker_every_steps,
             report=monitoring.report,
+            end_summary=end_summary,
         )
         sink.start()
         return sink
@@ -222,6 +331,7 @@ class TrackerSink:
         *,
         every: int,
         report: Callable[[str], None],
+        end_summary: EndSummary | None = None,
     ) -> None:
         self.name = name
         self._backend = backend
@@ -234,8 +344,12 @@ class TrackerSink:
         self._seen_step = 0
         self._next_due = every
         self._logged: int | None = None
+        self._end_summary = end_summary
         self._tracker: TrackerBackend | None = None
-        self._open_failed = False
+        self._load_failed = False
+        self._own_failed = False
+        self._tried: UserRun | None = None
+        """The script's run last tried (each is tried once)."""
         self._said: set[str] = set()
         self.lost: dict[str, int] = {"points_skipped": 0, "points_failed": 0}
         self.logged_points = 0
@@ -263,17 +377,71 @@ class TrackerSink:
             self._said.add(kind)
             self._report(f"traceml: {self.name}: {line}; training and the files go on")
 
-    def _open(self) -> None:
+    def _load(self) -> None:
+        # At start, not with the first point: MLflow's import alone takes seconds. Its
+        # own handlers, set when imported, are replaced before any run is opened.
         try:
-            # The library first, on its own: MLflow sets handlers of its own when
-            # imported, which are replaced before the run is opened (its store logs).
             self._backend.load()
             _quiet(self._backend.library_loggers)
-            self._tracker = self._backend.open(self._run)
         except Exception as exc:
-            self._open_failed = True
-            _log.debug("tracker %s failed to open", self.name, exc_info=True)
+            self._load_failed = True
+            _log.debug("tracker %s failed to load", self.name, exc_info=True)
             self._say("open", f"could not open a run ({type(exc).__name__}: {_short(exc)})")
+
+    def _open(self, user: UserRun | None) -> TrackerBackend | None:
+        try:
+            return self._backend.open(self._run, user)
+        except Exception as exc:
+            _log.debug("tracker %s failed to open", self.name, exc_info=True)
+            why = f"{type(exc).__name__}: {_short(exc)}"
+            if user is None:
+                self._say("open", f"could not open a run ({why})")
+            else:
+                self._say(
+                    "join",
+                    f"could not log into the run the training script has open ({why}); "
+                    "its figures go to a run of TraceML's own",
+                )
+            return None
+
+    def _ensure_open(self) -> None:
+        """Log into the script's run once it is told (each told run tried once), else
+        into a run of TraceML's own."""
+        if self._load_failed:
+            return
+        user = self._state.tracker_run(self.name)
+        if user is not None and user != self._tried:
+            self._tried = user
+            tracker = self._open(user)
+            if tracker is not None:
+                previous, self._tracker = self._tracker, tracker
+                if previous is not None:
+                    self._close(previous)
+                return
+        if self._tracker is None and not self._own_failed:
+            self._tracker = self._open(None)
+            self._own_failed = self._tracker is None
+
+    def _close(self, tracker: TrackerBackend) -> None:
+        try:
+            tracker.close()
+        except Exception as exc:
+            self.lost["close_failed"] = 1
+            self._say("close", f"closing its run failed ({type(exc).__name__}: {_short(exc)})")
+
+    def _log_summary(self, tracker: TrackerBackend) -> None:
+        if self._end_summary is None:
+            return
+        try:
+            summary = self._end_summary.get()
+            if summary is not None:
+                tracker.log_summary(*summary)
+        except Exception as exc:
+            self.lost["summary_failed"] = 1
+            _log.debug("tracker %s failed to log the summary", self.name, exc_info=True)
+            self._say(
+                "summary", f"the run summary was not logged ({type(exc).__name__}: {_short(exc)})"
+            )
 
     def _log_due(self, final: bool) -> None:
         """Log each point that is due now: every multiple of ``every`` that all ranks
@@ -299,6 +467,7 @@ class TrackerSink:
             self.lost["points_skipped"] += 1
             return
         self._logged = step
+        self._ensure_open()
         if self._tracker is None:
             self.lost["points_not_logged"] = self.lost.get("points_not_logged", 0) + 1
             return
@@ -313,21 +482,17 @@ class TrackerSink:
 
     def _run_thread(self) -> None:
         try:
-            self._open()
+            self._load()
             while not self._stopping.is_set():
                 self._wake.wait(POLL_S)
                 self._wake.clear()
                 if not self._stopping.is_set():
                     self._log_due(final=False)
             self._log_due(final=True)
-            if self._tracker is not None:
-                try:
-                    self._tracker.close()
-                except Exception as exc:
-                    self.lost["close_failed"] = 1
-                    self._say(
-                        "close", f"closing its run failed ({type(exc).__name__}: {_short(exc)})"
-                    )
+            tracker = self._tracker
+            if tracker is not None:
+                self._log_summary(tracker)
+                self._close(tracker)
         except Exception:  # a bug of ours: said once, never raised into the aggregator
             _log.exception("traceml: %s: the tracker sink failed", self.name)
             self.lost["sink_failed"] = 1

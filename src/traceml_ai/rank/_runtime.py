@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import attrs
@@ -22,6 +22,7 @@ from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank._step_recorder import StepHistory, StepRecorder
 from traceml_ai.rank._step_timer import StepTimer
 from traceml_ai.rank._torch_patches import activate, active, install_patches
+from traceml_ai.rank._tracker_runs import TrackerRuns, watch_summary_writers
 from traceml_ai.rank.gpu import CudaBackend, NvmlBackend, PynvmlBackend
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.rank.runtime_env import (
@@ -50,6 +51,8 @@ class Sender(ItemSink, EncodedItemSink, Protocol):
     def set_producer(self, producer: Callable[[], None] | None) -> None: ...
 
     def wake(self) -> None: ...
+
+    def note_tracker_runs(self, runs: Mapping[str, Mapping[str, str]]) -> None: ...
 
 
 @attrs.define
@@ -193,6 +196,11 @@ class Runtime:
         self.interval = interval
         self._carried_seq_system = carried_seq_system
         self._thread = SamplerThread(interval, self._tick)
+        # Rank 0 of a run with an aggregator tells it the tracker runs the script has
+        # open, so that TraceML's figures go into the user's own run.
+        self._tracker_runs = (
+            TrackerRuns() if sender is not None and identity.global_rank == 0 else None
+        )
 
     def start(self) -> None:
         """Install what the config times, report to this runtime's timer, start sampling."""
@@ -209,6 +217,8 @@ class Runtime:
                 _wrappers.install_h2d_patch(torch)
             self._guard.run("collectives", self._install_collectives)
         _wrappers.set_auto_h2d(config.patch_h2d)
+        if self._tracker_runs is not None:
+            self._guard.run("tracker_runs", watch_summary_writers)
         if self.sender is not None:
             # The sender's thread builds the items of steps off CUDA (StepTimer.defer).
             self.sender.set_producer(self._build_steps)
@@ -277,6 +287,13 @@ class Runtime:
         self._poll_steps()
         self._guard.run("process", self._sample_process)
         self._guard.run("system", self._sample_system)
+        if self._tracker_runs is not None:
+            self._guard.run("tracker_runs", self._report_tracker_runs)
+
+    def _report_tracker_runs(self) -> None:
+        runs, sender = self._tracker_runs, self.sender
+        if runs is not None and sender is not None and runs.look():
+            sender.note_tracker_runs(runs.runs)
 
     # -- shutdown -------------------------------------------------------------
 

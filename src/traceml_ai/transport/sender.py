@@ -17,7 +17,7 @@ import select
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat, starmap
 from time import monotonic
 from typing import Any
@@ -33,6 +33,7 @@ from traceml_ai.transport.wire import (
     encode_frame,
     encode_item,
     make_finished_message,
+    make_tracker_runs_message,
 )
 from traceml_records.internal import load_extension
 
@@ -140,6 +141,10 @@ class RankSender:
         self._closed = False
         self._forked = False
         self._deadline: float | None = None
+        # The latest tracker_runs frame not yet sent (note_tracker_runs), and the runs
+        # of the last one noted: one slot, the newest wins.
+        self._tracker_runs_frame: bytes | None = None
+        self._tracker_runs: object = None
         _fork.track(self)
 
     # ---- stats -------------------------------------------------------------------------
@@ -253,6 +258,26 @@ class RankSender:
         except Exception:
             pass
 
+    def note_tracker_runs(self, runs: Mapping[str, Mapping[str, str]]) -> None:
+        """Have the aggregator know the tracker runs the script has open (a
+        ``tracker_runs`` message, sent with the next flush) when they differ from the
+        last ones noted. Never blocks, never raises; nothing after ``close``."""
+        try:
+            if self._closed or runs == self._tracker_runs:
+                return
+            frame = encode_frame(make_tracker_runs_message(self._token, self._identity, runs))
+            self._tracker_runs = {k: dict(v) for k, v in runs.items()}
+            self._tracker_runs_frame = frame
+            self._wake.set()
+        except Exception:
+            pass
+
+    def _send_tracker_runs(self) -> None:
+        frame = self._tracker_runs_frame
+        sent = frame is not None and self._sock is not None and self._send_frame(frame)
+        if sent and self._tracker_runs_frame is frame:
+            self._tracker_runs_frame = None
+
     def set_producer(self, producer: Callable[[], None] | None) -> None:
         """Have the sender thread call ``producer`` before each flush, to ``put`` items
         that were left to build off the caller's thread. Not called by ``close`` (``put``
@@ -339,11 +364,15 @@ class RankSender:
                 if (
                     self._sock is None
                     and monotonic() >= self._retry_at
-                    and any(queue for _, queue in self._streams)
+                    and (
+                        any(queue for _, queue in self._streams)
+                        or self._tracker_runs_frame is not None
+                    )
                 ):
                     self._connect(self._connect_timeout_s)
                 if self._sock is not None:
                     self._check_peer()
+                    self._send_tracker_runs()
                     self._flush(stop_at=None)
             self._finish()
         except Exception:
@@ -360,6 +389,7 @@ class RankSender:
             self._connect(min(self._connect_timeout_s, flush_until - monotonic()))
         if self._sock is not None:
             self._check_peer()
+            self._send_tracker_runs()
             self._flush(stop_at=flush_until)
         self._drop_pending()
         self._charge_put_drops()

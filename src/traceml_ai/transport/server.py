@@ -59,6 +59,7 @@ from traceml_ai.transport.wire import (
     batch_prefix,
     decode_message,
     make_finished_message,
+    make_tracker_runs_message,
 )
 
 __all__ = ["AggregatorServer"]
@@ -144,17 +145,22 @@ class _PortGuard:
     def __init__(self, token: str, max_frame_bytes: int) -> None:
         prefix = batch_prefix(token)
         token_json = orjson.dumps(token)
-        finished = orjson.dumps(make_finished_message(token, {}, 0, 0))
         head_end = prefix.index(token_json)
         token_end = head_end + len(token_json)
-        if finished[:token_end] != prefix[:token_end]:
-            raise AssertionError("batch and finished messages must start alike")
-        finished_end = finished.index(b'"identity":', token_end) + len(b'"identity":')
+        tails = [prefix[token_end:]]
+        for other in (
+            orjson.dumps(make_finished_message(token, {}, 0, 0)),
+            orjson.dumps(make_tracker_runs_message(token, {}, {})),
+        ):
+            if other[:token_end] != prefix[:token_end]:
+                raise AssertionError("every message type must start alike")
+            identity_at = other.index(b'"identity":', token_end)
+            tails.append(other[token_end : identity_at + len(b'"identity":')])
         self.max_frame_bytes = max_frame_bytes
         self.head = prefix[:head_end]
         self.token_json = token_json
         self.token_end = token_end
-        self.tails = (prefix[token_end:], finished[token_end:finished_end])
+        self.tails = tuple(tails)
         self.screen_bytes = token_end + max(len(tail) for tail in self.tails)
         # Unproven open connections, oldest first (a dict keeps insertion order).
         self.unproven: dict[_Connection, None] = {}
@@ -413,9 +419,11 @@ class AggregatorServer:
 
     ``on_batch`` gets a ``ReceivedBatch`` for each valid ``batch`` frame. ``on_finished``
     gets the whole decoded ``finished`` message (``identity``, ``sent_batches``,
-    ``dropped_batches``). ``on_connection_lost`` gets the identity of the last decoded
-    message a closed connection carried, or ``None`` if it carried none (our senders'
-    batches are passed on still encoded, so usually only ``finished`` counts). All callbacks run
+    ``dropped_batches``). ``on_tracker_runs`` gets each valid ``tracker_runs`` message
+    (the tracker runs a rank's script has open). ``on_connection_lost`` gets the
+    identity of the last decoded batch or ``finished`` message a closed connection
+    carried, or ``None`` if it carried none (our senders' batches are passed on still
+    encoded, so usually only ``finished`` counts). All callbacks run
     on the server's event-loop thread; an exception in one is counted in
     ``callback_errors`` and the connection goes on.
 
@@ -441,6 +449,7 @@ class AggregatorServer:
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         on_connection_lost: Callable[[dict[str, Any] | None], None] | None = None,
+        on_tracker_runs: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self._host = host
         self._port = port
@@ -448,6 +457,7 @@ class AggregatorServer:
         self._on_batch = on_batch
         self._on_finished = on_finished
         self._on_connection_lost = on_connection_lost
+        self._on_tracker_runs = on_tracker_runs
         self._max_frame_bytes = max_frame_bytes
         self._batch_prefix = batch_prefix(token)
         self._gate = _PortGuard(token, max_frame_bytes)
@@ -657,6 +667,11 @@ class AggregatorServer:
             self._call(self._on_batch, ReceivedBatch(observed, body, length))
             return
         message = decode_message(body, self._token)
+        if message["type"] == "tracker_runs":
+            # Not a batch nor a goodbye: it says nothing of how the connection ends.
+            if self._on_tracker_runs is not None:
+                self._call(self._on_tracker_runs, message)
+            return
         connection.last_identity = message["identity"]
         if message["type"] == "batch":
             self._accepted_batches += 1

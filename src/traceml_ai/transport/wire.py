@@ -37,6 +37,7 @@ __all__ = [
     "encode_item",
     "make_batch_message",
     "make_finished_message",
+    "make_tracker_runs_message",
     "new_run_token",
     "peek_batch_stream",
 ]
@@ -50,7 +51,13 @@ ENV_SAMPLER_INTERVAL = _environ.SAMPLER_INTERVAL
 # BATCH_STREAMS (generated from the schemas' x-traceml-wire): streams a rank can send;
 # ``system_gpu`` records are split out of ``system`` items.
 
-MESSAGE_TYPES = ("batch", "finished")
+MESSAGE_TYPES = ("batch", "finished", "tracker_runs")
+
+TRACKER_RUNS_MAX_TRACKERS = 8
+TRACKER_RUNS_MAX_FIELDS = 8
+TRACKER_RUNS_MAX_CHARS = 4096
+"""Bounds of a ``tracker_runs`` message: trackers, fields per tracker, characters per
+name or value (a path or a URI fits; a message never grows without bound)."""
 
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
 
@@ -170,6 +177,37 @@ def make_finished_message(
     return message
 
 
+def make_tracker_runs_message(
+    token: str, identity: Mapping[str, Any], runs: Mapping[str, Mapping[str, str]]
+) -> dict[str, Any]:
+    """Build a ``tracker_runs`` message: the experiment-tracker runs the training script
+    has open (tracker name -> its fields: an MLflow run id, a W&B run id, a TensorBoard
+    log dir; ``traceml_ai.rank._tracker_runs``), sent when they change, so that the
+    aggregator logs into the user's own run. Not exported: it only chooses the run."""
+    return {
+        "v": WIRE_VERSION,
+        "token": token,
+        "type": "tracker_runs",
+        "identity": identity,
+        "runs": {name: dict(fields) for name, fields in runs.items()},
+    }
+
+
+def _valid_tracker_runs(runs: object) -> bool:
+    """A ``tracker_runs`` message's runs: a bounded map of bounded maps of strings."""
+    if type(runs) is not dict or len(runs) > TRACKER_RUNS_MAX_TRACKERS:
+        return False
+    for name, fields in runs.items():
+        if len(name) > TRACKER_RUNS_MAX_CHARS or type(fields) is not dict:
+            return False
+        if len(fields) > TRACKER_RUNS_MAX_FIELDS:
+            return False
+        for key, value in fields.items():
+            if type(value) is not str or max(len(key), len(value)) > TRACKER_RUNS_MAX_CHARS:
+                return False
+    return True
+
+
 def batch_prefix(token: str) -> bytes:
     """The first bytes of every ``batch`` frame body our senders write for ``token``.
 
@@ -250,6 +288,9 @@ def decode_message(data: bytes, token: str) -> dict[str, Any]:
             raise FrameError("stream not in BATCH_STREAMS")
         if not isinstance(message.get("items"), list):
             raise FrameError("items not a list")
+    elif kind == "tracker_runs":
+        if not _valid_tracker_runs(message.get("runs")):
+            raise FrameError("bad tracker runs")
     elif not _valid_counts(message):
         raise FrameError("bad counts")
     return message

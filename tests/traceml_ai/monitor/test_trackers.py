@@ -238,7 +238,7 @@ def test_a_refusing_tracker_is_one_line_and_each_point_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     refusing = _Refusing(0.0)
-    backend = Backend("tensorboard", "tensorboard", (), object, lambda run: refusing)
+    backend = Backend("tensorboard", "tensorboard", (), object, lambda run, user: refusing)
     monkeypatch.setitem(BACKENDS, "tensorboard", backend)  # type: ignore[index]
     lines: list[str] = []
     monitoring = _monitoring(tmp_path, every=3, lines=lines)
@@ -256,7 +256,7 @@ def test_a_hung_tracker_costs_the_close_budget_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stuck = _Refusing(60.0)
-    backend = Backend("tensorboard", "tensorboard", (), object, lambda run: stuck)
+    backend = Backend("tensorboard", "tensorboard", (), object, lambda run, user: stuck)
     monkeypatch.setitem(BACKENDS, "tensorboard", backend)  # type: ignore[index]
     lines: list[str] = []
     monitoring = _monitoring(tmp_path, every=1, lines=lines)
@@ -368,7 +368,7 @@ class Noisy:
     def close(self):
         logging.getLogger("tensorboard").error("library noise at close")
 
-BACKENDS["tensorboard"] = Backend("tensorboard", "tensorboard", ("tensorboard",), BACKENDS["tensorboard"].load, lambda run: Noisy())
+BACKENDS["tensorboard"] = Backend("tensorboard", "tensorboard", ("tensorboard",), BACKENDS["tensorboard"].load, lambda run, user: Noisy())
 m = Monitoring(MonitorSettings(trackers=("tensorboard",), tracker_every_steps=1), RunInfo(run_dir=Path({str(tmp_path)!r}), run_name="r", host="h"), Health)
 m.start_sinks({{"tensorboard": tracker_sink("tensorboard")}})
 m.feed.start()
