@@ -6,6 +6,10 @@ TensorBoard's own ``EventAccumulator``, the MLflow run with ``MlflowClient`` fro
 real ``mlflow server`` on sqlite, and both compared with the run's own
 step_time.jsonl. A tracker that is down costs one line and counted points in
 stats.json and finalization_warning.json; the files are whole.
+
+A script with its own tracker run gets TraceML's figures in that run: an HF
+``Trainer(report_to=["mlflow"])`` on 2 ranks (one MLflow run holds the loss and
+TraceML's figures), a Lightning ``TensorBoardLogger`` (its log dir holds both).
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.e2e_helpers import REPO, data_lines, free_port, run_cli, warning_file
 from tests.receivers.mlflow_server import mlflow_server, server_env
 from traceml_ai.monitor import tracker_metrics as tm
+from traceml_ai.monitor._tracker_tensorboard import SUMMARY_TAG
 
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
+FRAMEWORKS = REPO / "tests" / "scripts" / "tracker_frameworks.py"
+FRAMEWORK_STEPS = 40
+FRAMEWORK_EVERY = 10
 STEPS = 240
 """About 6 s of steps (rank 1 sleeps 20 ms in forward): the live straggler analysis
 (every 5 s) has run before the last points."""
@@ -126,6 +134,14 @@ def test_tensorboard_holds_the_runs_figures(tmp_path: Path) -> None:
     }
     rate = EVERY / ((ends[STEPS] - ends[STEPS - EVERY]) / 1e9)
     assert read[tm.THROUGHPUT_STEPS_PER_S.name][STEPS] == pytest.approx(rate, rel=0.3)
+    # The run summary at the end: a text entry, and the JSON beside the event files.
+    (text,) = reader.Tensors(SUMMARY_TAG)
+    table = text.tensor_proto.string_val[0].decode()
+    assert f"| {tm.SUMMARY_VERDICT.name} | straggler |" in table
+    assert f"| {tm.SUMMARY_STRAGGLER_RANK.name} | 1 |" in table
+    summary = json.loads((folder / "tensorboard" / tm.SUMMARY_ARTIFACT).read_text())
+    assert summary["straggler"]["stragglers"][0]["rank"] == 1
+    assert summary["ranks"] == [0, 1]
 
 
 def test_mlflow_gets_a_run_named_after_the_traceml_run(tmp_path: Path) -> None:
@@ -156,6 +172,123 @@ def test_mlflow_gets_a_run_named_after_the_traceml_run(tmp_path: Path) -> None:
             assert sorted(history) == list(range(EVERY, STEPS + 1, EVERY))
             for step, value in history.items():
                 assert value == pytest.approx(expected[step][name], rel=1e-9), (name, step)
+        # The run summary at the end: tags, and the JSON as an artifact.
+        tags = run.data.tags
+        assert tags[tm.SUMMARY_VERDICT.name] == "straggler"
+        assert tags[tm.SUMMARY_STRAGGLER_RANK.name] == "1"
+        assert tags[tm.SUMMARY_RANKS.name] == "2"
+        assert tags[tm.SUMMARY_STEPS.name] == str(STEPS)
+        summary = _artifact_json(client, run.info.run_id, tmp_path)
+        assert summary["straggler"]["stragglers"][0]["rank"] == 1
+
+
+def _artifact_json(client: Any, run_id: str, tmp_path: Path) -> Any:
+    assert [a.path for a in client.list_artifacts(run_id)] == [tm.SUMMARY_ARTIFACT]
+    local = client.download_artifacts(run_id, tm.SUMMARY_ARTIFACT, str(tmp_path))
+    return json.loads(Path(local).read_text())
+
+
+def _framework_run(
+    tmp_path: Path, run: str, tracker: str, *script_args: str, env: dict[str, str] | None = None
+) -> Any:
+    return run_cli(
+        [
+            "run",
+            "--logs-dir",
+            tmp_path / "logs",
+            "--run-name",
+            run,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--exporter",
+            "jsonl",
+            "--tracker",
+            tracker,
+            "--tracker-every-steps",
+            str(FRAMEWORK_EVERY),
+            FRAMEWORKS,
+            *script_args,
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=240,
+    )
+
+
+def _step_medians(export: Path) -> dict[int, float]:
+    """step -> the median over both ranks of its step time, from step_time.jsonl."""
+    by_step: dict[int, list[float]] = {}
+    for line in data_lines(export / "step_time.jsonl"):
+        by_step.setdefault(line["step"], []).append(_ms(line["events"], STEP_EVENT))
+    return {step: statistics.median(times) for step, times in by_step.items() if len(times) == 2}
+
+
+def test_an_hf_trainer_reporting_to_mlflow_gets_the_figures_in_its_own_run(
+    tmp_path: Path,
+) -> None:
+    """HF's MLflowCallback opens the run on rank 0; TraceML logs into that run (no
+    second run), beside the loss, and leaves ending it to HF."""
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "mlflow-store"
+    store.mkdir()
+    with mlflow_server(store) as server:
+        env = {k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES}
+        env["MLFLOW_TRACKING_URI"] = server.url
+        env["MLFLOW_EXPERIMENT_NAME"] = "hf"
+        res = _framework_run(
+            tmp_path, "hf-run", "mlflow", "hf-mlflow", str(FRAMEWORK_STEPS), env=env
+        )
+        assert res.returncode == 0, res.stderr
+        assert "DONE" in res.stdout
+        assert "Traceback" not in res.stderr
+        client = MlflowClient(tracking_uri=server.url)
+        experiment = client.get_experiment_by_name("hf")
+        assert experiment is not None
+        (run,) = client.search_runs([experiment.experiment_id])  # HF's, and no other
+        run_id = run.info.run_id
+        assert run.data.tags["traceml.run_dir"] == str(tmp_path / "logs" / "hf-run")
+        assert client.get_metric_history(run_id, "loss")  # HF's own metric
+        expected = _step_medians(tmp_path / "logs" / "hf-run" / "aggregator" / "export")
+        history = {
+            m.step: m.value for m in client.get_metric_history(run_id, tm.STEP_TIME_MEDIAN.name)
+        }
+        assert sorted(history) == list(range(FRAMEWORK_EVERY, FRAMEWORK_STEPS + 1, FRAMEWORK_EVERY))
+        for step, value in history.items():
+            assert value == pytest.approx(expected[step], rel=1e-9), step
+        assert run.data.tags[tm.SUMMARY_RANKS.name] == "2"
+        assert _artifact_json(client, run_id, tmp_path)["ranks"] == [0, 1]
+
+
+def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(tmp_path: Path) -> None:
+    """Lightning's TensorBoardLogger writes on rank 0 into lit/version_0; TraceML's
+    event file goes there too, so TensorBoard shows one run with both."""
+    res = _framework_run(
+        tmp_path,
+        "lit-run",
+        "tensorboard",
+        "lightning-tensorboard",
+        str(FRAMEWORK_STEPS),
+        str(tmp_path / "tb"),
+    )
+    assert res.returncode == 0, res.stderr
+    assert "DONE" in res.stdout
+    log_dir = tmp_path / "tb" / "lit" / "version_0"
+    reader = EventAccumulator(str(log_dir))
+    reader.Reload()
+    scalars = reader.Tags()["scalars"]
+    assert "loss" in scalars  # Lightning's own
+    expected = _step_medians(tmp_path / "logs" / "lit-run" / "aggregator" / "export")
+    medians = {e.step: e.value for e in reader.Scalars(tm.STEP_TIME_MEDIAN.name)}
+    assert sorted(medians) == list(range(FRAMEWORK_EVERY, FRAMEWORK_STEPS + 1, FRAMEWORK_EVERY))
+    for step, value in medians.items():
+        assert value == pytest.approx(expected[step], rel=1e-6), step
+    assert reader.Tensors(SUMMARY_TAG)
+    assert json.loads((log_dir / tm.SUMMARY_ARTIFACT).read_text())["ranks"] == [0, 1]
+    # Nothing went to TraceML's own folder.
+    assert not (tmp_path / "logs" / "lit-run" / "aggregator" / "tensorboard").exists()
 
 
 def test_a_tracker_that_is_down_costs_one_line_and_counted_points(tmp_path: Path) -> None:

@@ -248,6 +248,9 @@ class LiveState:
         """The latest straggler view (``run_summary._straggler.analyze``), when computed."""
         self._tracker_runs: dict[str, tuple[int, dict[str, str]]] = {}
         """tracker -> (rank, its fields): the run the lowest rank that told one has open."""
+        self.tracker_runs_told = False
+        """Whether rank 0 told its tracker runs (it does once after its first step, even
+        with none): a tracker then knows whether to join the script's run."""
 
     # -- writing (the feed thread) --------------------------------------------------
 
@@ -413,6 +416,8 @@ class LiveState:
         if type(rank) is not int or not 0 <= rank < MAX_RANKS:
             return
         with self._lock:
+            if rank == 0:
+                self.tracker_runs_told = True
             for name, fields in runs.items():
                 known = self._tracker_runs.get(name)
                 if known is None or rank <= known[0]:

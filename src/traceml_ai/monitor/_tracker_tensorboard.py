@@ -76,7 +76,11 @@ class TensorBoardTracker:
             dtype=types_pb2.DT_STRING, string_val=["\n".join(rows).encode()]
         )
         value = self._summary.Value(
-            tag=SUMMARY_TAG, tensor=tensor, metadata=metadata.create_summary_metadata()
+            tag=SUMMARY_TAG,
+            tensor=tensor,
+            metadata=metadata.create_summary_metadata(
+                display_name="TraceML run summary", description=""
+            ),
         )
         event = self._event(
             wall_time=time.time(), step=self._last_step, summary=self._summary(value=[value])

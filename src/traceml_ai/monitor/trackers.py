@@ -6,9 +6,11 @@ holds up nothing: the feed thread only notes the highest step it saw
 (:meth:`TrackerSink.on_steps`), the sink's thread imports the tracker's library,
 builds a point from the live state every ``tracker_every_steps`` steps and writes it.
 
-**Which run.** The run is opened when the first point is due: the run the training
-script has open, when rank 0 told one (``LiveState.tracker_run``, from
-``rank._tracker_runs``), else a run of TraceML's own. A script's run told later
+**Which run.** The run is opened when the first point is due and rank 0 has told the
+runs its script has open (it does after its first step; after :data:`JOIN_WAIT_S`
+without its word the point is logged anyway): the script's run when rank 0 told one
+(``LiveState.tracker_run``, from ``rank._tracker_runs``), else a run of TraceML's
+own. Points wait in :attr:`TrackerSink._pending` meanwhile. A script's run told later
 (training began after TraceML's first point) takes the points from then on; one
 that cannot be joined leaves them in TraceML's own run, said in one line.
 
@@ -16,8 +18,8 @@ that cannot be joined leaves them in TraceML's own run, said in one line.
 closed export files, :class:`EndSummary`) goes to each run as fields and an artifact
 (:meth:`TrackerBackend.log_summary`), and TraceML's own run is ended (the script's
 own run is the script's to end). A point is
-logged at step S once every rank has reported S (or, with a rank a whole interval
-behind, with the ranks that have); points that came due while the tracker was busy
+logged at step S once every rank has reported S (or, with a rank far behind, with
+the ranks that have: :meth:`TrackerSink._log_due`); points that came due while the tracker was busy
 are logged when it is free, as long as their steps are still in the live state's
 window of recent steps, else skipped and counted (``points_skipped``); one the tracker refused
 is counted (``points_failed``), and a tracker that could not be opened counts every
@@ -36,6 +38,7 @@ import importlib.util
 import logging
 import math
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +49,7 @@ import attrs
 import orjson
 
 from traceml_ai.monitor import tracker_metrics as tm
-from traceml_ai.monitor._state import LiveState, StepSeen
+from traceml_ai.monitor._state import WINDOW_STEPS, LiveState, StepSeen
 from traceml_ai.settings import TRACKER_NAMES
 
 if TYPE_CHECKING:
@@ -66,6 +69,17 @@ __all__ = [
 ]
 
 _log = logging.getLogger("traceml_ai.monitor")
+
+JOIN_WAIT_S = 5.0
+"""How long a due point waits for rank 0 to tell its tracker runs before it goes to a
+run of TraceML's own (rank 0 may not be traced, or its word lost)."""
+
+LAGGARD_WAIT_S = 2.0
+"""How long a point waits for ranks that have not reached its step (or reported at
+all) once the leading rank has."""
+
+MAX_PENDING_POINTS = 1000
+"""Points kept while no run is open yet; older ones are skipped (counted)."""
 
 POLL_S = 1.0
 """How often the sink's thread looks for a due point when the feed has not woken it
@@ -350,6 +364,12 @@ class TrackerSink:
         self._own_failed = False
         self._tried: UserRun | None = None
         """The script's run last tried (each is tried once)."""
+        self._pending: list[tuple[int, dict[str, float]]] = []
+        self._lead_step = 0
+        self._lead_at = 0.0
+        """When the leading rank was first seen at the next due step (the wait for the
+        ranks behind it starts then)."""
+        self._waiting_since: float | None = None
         self._said: set[str] = set()
         self.lost: dict[str, int] = {"points_skipped": 0, "points_failed": 0}
         self.logged_points = 0
@@ -445,20 +465,34 @@ class TrackerSink:
 
     def _log_due(self, final: bool) -> None:
         """Log each point that is due now: every multiple of ``every`` that all ranks
-        have reached (or that the leading rank passed a whole interval ago), and at the
-        end the step all ranks reached."""
+        have reached, or that the leading rank reached :data:`LAGGARD_WAIT_S` ago or
+        passed by half the live state's window (a rank behind does not hold the others'
+        points back: the point holds the ranks that have it), and at the end the step
+        all ranks reached."""
         last = self._state.last_steps()
         if not last:
             return
         low, high = min(last.values()), max(last.values())
+        world = self._state.world_size
+        if not final and world is not None and len(last) < world:
+            # A rank of the world that has not reported yet (it starts late, or its
+            # first batch is on its way) is at step 0: the point waits for it as for
+            # any rank behind.
+            low = 0
         every = self._every
-        # A rank a whole interval behind does not hold the others' points back.
-        reached = max(low, high - every)
+        reached = max(low, high - WINDOW_STEPS // 2)
+        if reached < self._next_due <= high:
+            now = time.monotonic()
+            if self._lead_step != self._next_due:
+                self._lead_step, self._lead_at = self._next_due, now
+            elif now - self._lead_at >= LAGGARD_WAIT_S:
+                reached = high
         while self._next_due <= reached:
             self._log_point(self._next_due)
             self._next_due += every
         if final and low > 0 and (self._logged is None or low > self._logged):
             self._log_point(low)  # the run's last figures, where they stand
+        self._flush(final)
 
     def _log_point(self, step: int) -> None:
         figures = point_figures(self._state, step, self._logged)
@@ -467,18 +501,39 @@ class TrackerSink:
             self.lost["points_skipped"] += 1
             return
         self._logged = step
+        self._pending.append((step, figures))
+        if len(self._pending) > MAX_PENDING_POINTS:
+            del self._pending[0]
+            self.lost["points_skipped"] += 1
+
+    def _ready(self, final: bool) -> bool:
+        """Whether the pending points may go to a run now (see the module's docstring)."""
+        if final or self._tracker is not None or self._state.tracker_runs_told:
+            return True
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return now - self._waiting_since >= JOIN_WAIT_S
+
+    def _flush(self, final: bool) -> None:
+        """Log the pending points, into the run :meth:`_ensure_open` chooses."""
+        if not self._pending or not self._ready(final):
+            return
         self._ensure_open()
-        if self._tracker is None:
-            self.lost["points_not_logged"] = self.lost.get("points_not_logged", 0) + 1
-            return
-        try:
-            self._tracker.log(figures, step)
-        except Exception as exc:
-            self.lost["points_failed"] += 1
-            _log.debug("tracker %s failed to log", self.name, exc_info=True)
-            self._say("log", f"a point was not logged ({type(exc).__name__}: {_short(exc)})")
-            return
-        self.logged_points += 1
+        pending, self._pending = self._pending, []
+        for step, figures in pending:
+            tracker = self._tracker
+            if tracker is None:
+                self.lost["points_not_logged"] = self.lost.get("points_not_logged", 0) + 1
+                continue
+            try:
+                tracker.log(figures, step)
+            except Exception as exc:
+                self.lost["points_failed"] += 1
+                _log.debug("tracker %s failed to log", self.name, exc_info=True)
+                self._say("log", f"a point was not logged ({type(exc).__name__}: {_short(exc)})")
+                continue
+            self.logged_points += 1
 
     def _run_thread(self) -> None:
         try:

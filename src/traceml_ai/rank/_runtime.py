@@ -201,6 +201,7 @@ class Runtime:
         self._tracker_runs = (
             TrackerRuns() if sender is not None and identity.global_rank == 0 else None
         )
+        self._tracker_runs_told = False
 
     def start(self) -> None:
         """Install what the config times, report to this runtime's timer, start sampling."""
@@ -292,7 +293,13 @@ class Runtime:
 
     def _report_tracker_runs(self) -> None:
         runs, sender = self._tracker_runs, self.sender
-        if runs is not None and sender is not None and runs.look():
+        if runs is None or sender is None:
+            return
+        # Told once after the first step even when there is no run: the aggregator
+        # waits for this word before opening a run of TraceML's own (a script opens
+        # its run before its first step).
+        if runs.look() or (not self._tracker_runs_told and self.timer.step > 0):
+            self._tracker_runs_told = True
             sender.note_tracker_runs(runs.runs)
 
     # -- shutdown -------------------------------------------------------------

@@ -44,28 +44,33 @@ _lock = threading.Lock()
 _log_dirs: list[str] = []
 """Folders of the ``SummaryWriter``s made in this process, oldest first."""
 _watching = False
+_made_before: list[tuple[type, str]] = []
+"""``SummaryWriter`` classes imported before watching began (with their folder
+attribute): writers made before then are looked for once (:func:`_writers_made_before`)."""
 
 
-def _note_writers(module: types.ModuleType, attribute: str) -> None:
-    """Wrap ``module.SummaryWriter.__init__`` to note each writer's folder."""
+def _note(folder: object) -> None:
+    if isinstance(folder, str) and folder:
+        with _lock:
+            _log_dirs.append(os.path.abspath(folder))
+
+
+def _note_writers(module: types.ModuleType, attribute: str) -> type | None:
+    """Wrap ``module.SummaryWriter.__init__`` to note each writer's folder; the class."""
     cls = getattr(module, "SummaryWriter", None)
     init = getattr(cls, "__init__", None)
-    if cls is None or init is None or getattr(init, "_traceml_noted", False):
-        return
+    if not isinstance(cls, type) or init is None or getattr(init, "_traceml_noted", False):
+        return None
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        try:
-            folder = getattr(self, attribute, None)
-            if isinstance(folder, str) and folder:
-                with _lock:
-                    _log_dirs.append(os.path.abspath(folder))
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):
+            _note(getattr(self, attribute, None))
 
     __init__._traceml_noted = True  # type: ignore[attr-defined]
-    cls.__init__ = __init__
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
 
 
 def _noting(
@@ -117,9 +122,28 @@ def watch_summary_writers() -> None:
         _watching = True
     for name, attribute in _WRITER_MODULES.items():
         module = sys.modules.get(name)
-        if module is not None:
-            _note_writers(module, attribute)
+        cls = _note_writers(module, attribute) if module is not None else None
+        if cls is not None:
+            _made_before.append((cls, attribute))
     sys.meta_path.insert(0, _WriterModuleFinder())
+
+
+def _writers_made_before() -> None:
+    """Once, on the sampler thread: the folders of writers made before watching began
+    (a script that made its logger before TraceML started, as Lightning does before
+    its callbacks' ``on_train_start``). One walk of the collector's objects."""
+    with _lock:
+        classes = tuple(_made_before)
+        _made_before.clear()
+    if not classes:
+        return
+    import gc
+
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: that reads __class__, which may warn or raise
+        for cls, attribute in classes:
+            if issubclass(kind, cls):
+                _note(getattr(obj, attribute, None))
 
 
 def _local_uri(uri: str) -> str:
@@ -175,6 +199,7 @@ def _wandb_run() -> dict[str, str] | None:
 
 
 def _tensorboard_run() -> dict[str, str] | None:
+    _writers_made_before()
     with _lock:
         return {"log_dir": _log_dirs[-1]} if _log_dirs else None
 
