@@ -94,7 +94,7 @@ def test_ray_config_field() -> None:
         (["--tracker", "neptune"], {}, "traceml: error: --tracker: expected tracker names"),
         (
             [],
-            {"TRACEML_TRACKERS": "wandb"},
+            {"TRACEML_TRACKERS": "comet"},
             "traceml: error: TRACEML_TRACKERS: expected tracker names",
         ),
         (
