@@ -207,3 +207,60 @@ except Exception as exc:
     assert out["error"] == "CommError"
     assert out["s"] < 30.0
     assert time.monotonic() - started < 60.0  # W&B's service did not hold the exit
+
+
+class _FakeRun:
+    """What the tracker uses of a W&B run, recorded (joining needs a W&B server)."""
+
+    def __init__(self) -> None:
+        self.id = "abcd1234"
+        self.logged: list[tuple[dict[str, Any], int | None]] = []
+        self.metrics: list[tuple[str, dict[str, Any]]] = []
+
+    def define_metric(self, name: str, **options: Any) -> None:
+        self.metrics.append((name, options))
+
+    def log(self, data: dict[str, Any], step: int | None = None) -> None:
+        self.logged.append((data, step))
+
+
+def test_a_training_scripts_online_run_is_joined_as_a_second_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calls only (no server here): W&B's documented settings of a second writer,
+    and points that leave the script's own ``_step`` alone."""
+    import wandb
+
+    from traceml_ai.monitor import RunInfo
+    from traceml_ai.monitor._tracker_wandb import CLIENT_DEFAULTS, LABEL, open_wandb
+
+    for key in (*CLIENT_DEFAULTS, "WANDB_SILENT"):  # set by the tracker, restored after
+        monkeypatch.delenv(key, raising=False)
+    calls: list[dict[str, Any]] = []
+    run = _FakeRun()
+
+    def init(**kwargs: Any) -> _FakeRun:
+        calls.append(kwargs)
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setattr(wandb, "login", lambda **kwargs: True)
+    user_run = {"id": "abcd1234", "project": "p", "entity": "team", "mode": "online", "dir": ""}
+    tracker = open_wandb(RunInfo(run_dir=tmp_path, run_name="r", host="h"), user_run)
+    assert tracker.joined
+    (call,) = calls
+    assert (call["id"], call["project"], call["entity"], call["dir"]) == (
+        "abcd1234",
+        "p",
+        "team",
+        None,
+    )
+    assert "name" not in call  # the script's run keeps its name
+    settings = call["settings"]
+    assert settings["mode"] == "shared" and settings["x_primary"] is False
+    assert settings["x_label"] == LABEL and settings["x_update_finish_state"] is False
+    assert settings["silent"] is True and settings["console"] == "off"
+    assert call["config"] == {RUN_DIR_KEY: str(tmp_path)}
+    assert ("traceml/*", {"step_metric": STEP_METRIC}) in run.metrics
+    tracker.log({"traceml/ranks": 2.0}, 300)
+    assert run.logged == [({"traceml/ranks": 2.0, STEP_METRIC: 300}, None)]
