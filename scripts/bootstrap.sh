@@ -15,12 +15,12 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
 fi
 # The framework extras (hf, lightning) require torch: the constraint keeps the CPU
 # build installed above instead of letting pip pick another. The live views' extras
-# (prometheus, otel, dashboard) and the trackers' (tensorboard, mlflow) come too: the
+# (prometheus, otel, dashboard) and the trackers' (tensorboard, mlflow, wandb) come too: the
 # tests drive them against real receivers
 # (the test extra brings mlflow, playwright and opentelemetry-proto; playwright drives
 # the system's chromium, so no `playwright install` and no browser download).
 "$venv/bin/python" -m pip install -q -c <(echo "torch==2.13.0") \
-  -e "$root[test,ray,plot,frames,hf,lightning,prometheus,otel,dashboard,tensorboard,mlflow]"
+  -e "$root[test,ray,plot,frames,hf,lightning,prometheus,otel,dashboard,tensorboard,mlflow,wandb]"
 # TraceML 0.5.0's published source distribution: its examples/ are real user scripts
 # that tests/e2e/test_compat_examples_050.py runs unmodified (kept out of this repo).
 compat="$venv/compat050"

@@ -2,8 +2,9 @@
 
 A 2-rank DDP run (gloo, CPU) with rank 1 slowed in its forward pass runs under
 ``traceml run --tracker ...``: the TensorBoard event files are read back with
-TensorBoard's own ``EventAccumulator``, the MLflow run with ``MlflowClient`` from a
-real ``mlflow server`` on sqlite, and both compared with the run's own
+TensorBoard's own ``EventAccumulator``, the W&B offline run (the same run, both
+trackers on) with ``wandb leet inspect``, the MLflow run with ``MlflowClient`` from a
+real ``mlflow server`` on sqlite, and each compared with the run's own
 step_time.jsonl. A tracker that is down costs one line and counted points in
 stats.json and finalization_warning.json; the files are whole.
 
@@ -24,6 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.e2e_helpers import REPO, data_lines, free_port, run_cli, warning_file
 from tests.receivers.mlflow_server import mlflow_server, server_env
+from tests.receivers.wandb_files import history, of_type, records, run_folders, wandb_env
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._tracker_tensorboard import SUMMARY_TAG
 
@@ -107,10 +109,15 @@ def _tracker_lines(stderr: str, name: str) -> list[str]:
     return [line for line in lines if line.startswith(f"traceml: {name}")]
 
 
-def test_tensorboard_holds_the_runs_figures(tmp_path: Path) -> None:
-    res = _run(tmp_path, "tb", "--tracker", "tensorboard")
+def test_tensorboard_and_wandb_hold_the_runs_figures(tmp_path: Path) -> None:
+    # W&B offline, its files under tmp_path, none of the machine's W&B settings.
+    env = wandb_env(tmp_path / "wb", WANDB_MODE="offline", WANDB_PROJECT="traceml-e2e")
+    env = {k: v for k, v in env.items() if k.startswith(("WANDB_", "HOME", "NETRC"))}
+    res = _run(tmp_path, "tb", "--tracker", "tensorboard,wandb", env=env)
     assert res.returncode == 0, res.stderr
     assert _tracker_lines(res.stderr, "tensorboard") == [], res.stderr  # nothing of its own
+    assert _tracker_lines(res.stderr, "wandb") == [], res.stderr
+    assert "wandb:" not in res.stdout + res.stderr  # W&B's own lines stay off the terminal
     folder = tmp_path / "logs" / "tb" / "aggregator"
     expected = _expected(folder / "export")
     reader = EventAccumulator(str(folder / "tensorboard"))
@@ -142,6 +149,18 @@ def test_tensorboard_holds_the_runs_figures(tmp_path: Path) -> None:
     summary = json.loads((folder / "tensorboard" / tm.SUMMARY_ARTIFACT).read_text())
     assert summary["straggler"]["stragglers"][0]["rank"] == 1
     assert summary["ranks"] == [0, 1]
+    # The same points in W&B, at full precision.
+    (wb_run,) = run_folders(tmp_path / "wb")
+    found = records(wb_run)
+    (opened,) = of_type(found, "run")
+    assert opened["display_name"] == "tb" and opened["project"] == "traceml-e2e"
+    assert opened["config"]["update"]["traceml.run_dir"] == str(tmp_path / "logs" / "tb")
+    wb = history(found)
+    assert [s for s, _ in wb[tm.STEP_TIME_MEDIAN.name]] == list(range(EVERY, STEPS + 1, EVERY))
+    for name in (tm.STEP_TIME_MEDIAN.name, tm.RANK_STEP_TIME_MS.format(rank=1)):
+        for step, value in wb[name]:
+            assert value == pytest.approx(expected[step][name], rel=1e-9), (name, step)
+    assert of_type(found, "exit")[0]["exit_code"] == 0
 
 
 def test_mlflow_gets_a_run_named_after_the_traceml_run(tmp_path: Path) -> None:

@@ -179,7 +179,7 @@ class TraceMLRayConfig:
       ``dashboard_bind_host`` (``127.0.0.1``): where the aggregator actor serves the live dashboard with
       ``mode="dashboard"``, on the driver's node (docs/dashboard.md); the driver prints
       its URL. Another than a loopback address is said in a warning.
-    - ``trackers`` (comma-separated: ``"tensorboard,mlflow"``; ``""`` none),
+    - ``trackers`` (comma-separated: ``"tensorboard,wandb"``; ``""`` none),
       ``tracker_every_steps``: the experiment trackers the aggregator actor logs to,
       as ``--tracker`` and ``--tracker-every-steps`` (docs/trackers.md).
 

@@ -133,6 +133,12 @@ def _load_mlflow() -> object:
     return mlflow
 
 
+def _load_wandb() -> object:
+    import wandb
+
+    return wandb
+
+
 def _open_tensorboard(run: RunInfo, user: UserRun | None) -> TrackerBackend:
     from traceml_ai.monitor._tracker_tensorboard import open_tensorboard
 
@@ -145,6 +151,12 @@ def _open_mlflow(run: RunInfo, user: UserRun | None) -> TrackerBackend:
     return open_mlflow(run, user)
 
 
+def _open_wandb(run: RunInfo, user: UserRun | None) -> TrackerBackend:
+    from traceml_ai.monitor._tracker_wandb import open_wandb
+
+    return open_wandb(run, user)
+
+
 BACKENDS: Mapping[str, Backend] = {
     "tensorboard": Backend(
         "tensorboard", "tensorboard", ("tensorboard",), _load_tensorboard, _open_tensorboard
@@ -152,6 +164,7 @@ BACKENDS: Mapping[str, Backend] = {
     "mlflow": Backend(
         "mlflow", "mlflow", ("mlflow", "alembic", "urllib3"), _load_mlflow, _open_mlflow
     ),
+    "wandb": Backend("wandb", "wandb", ("wandb",), _load_wandb, _open_wandb),
 }
 """Every tracker of ``settings.TRACKER_NAMES``, by name."""
 assert tuple(BACKENDS) == TRACKER_NAMES

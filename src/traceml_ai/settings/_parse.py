@@ -15,7 +15,7 @@ EXPORTER_FORMS = "'' (off), 'jsonl', or 'module.path:factory'"
 BOOL_FORMS = "one of 1/0, true/false, yes/no, on/off"
 PORT_FORMS = "an integer in [0, 65535] (0 picks a free port)"
 
-TRACKER_NAMES: tuple[str, ...] = ("tensorboard", "mlflow")
+TRACKER_NAMES: tuple[str, ...] = ("tensorboard", "mlflow", "wandb")
 """The experiment trackers the aggregator can log to (docs/trackers.md); each has its
 backend in ``traceml_ai.monitor.trackers``."""
 TRACKERS_FORMS = "tracker names, comma-separated, from " + ", ".join(TRACKER_NAMES)

@@ -533,11 +533,11 @@ import traceml_ai.monitor._service
 from traceml_ai.settings import MonitorSettings
 # Every live view switched on: the caller names its sinks, none is imported until started.
 sinks = traceml_ai.aggregator._service.live_sinks(
-    MonitorSettings(prometheus_port=0, otlp=True, dashboard=True, trackers=("tensorboard", "mlflow"))
+    MonitorSettings(prometheus_port=0, otlp=True, dashboard=True, trackers=("tensorboard", "mlflow", "wandb"))
 )
-assert list(sinks) == ["prometheus", "otlp", "dashboard", "tensorboard", "mlflow"], sinks
+assert list(sinks) == ["prometheus", "otlp", "dashboard", "tensorboard", "mlflow", "wandb"], sinks
 assert traceml_ai.aggregator._service.live_sinks(MonitorSettings()) == {}
-extras = ("prometheus_client", "opentelemetry", "starlette", "uvicorn", "plotly", "tensorboard", "mlflow")
+extras = ("prometheus_client", "opentelemetry", "starlette", "uvicorn", "plotly", "tensorboard", "mlflow", "wandb")
 loaded = [m for m in extras if m in sys.modules]
 print(",".join(loaded))
 """

@@ -196,7 +196,7 @@ RAY_BAD: dict[str, tuple[object, object]] = {
     "otlp_trace_sample": (0, True),
     "dashboard_port": (65536, "8765"),
     "dashboard_bind_host": ("", None),
-    "trackers": ("wandb", ["mlflow"]),
+    "trackers": ("neptune", ["mlflow"]),
     "tracker_every_steps": (0, "100"),
 }
 

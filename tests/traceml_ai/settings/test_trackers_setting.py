@@ -39,7 +39,7 @@ def test_parse_trackers_forms() -> None:
     assert parse_trackers(" MLflow , tensorboard,mlflow,") == ("mlflow", "tensorboard")
     with pytest.raises(ValueError, match=r"unknown 'neptune'"):
         parse_trackers("tensorboard,neptune")
-    assert TRACKER_NAMES == ("tensorboard", "mlflow")
+    assert TRACKER_NAMES == ("tensorboard", "mlflow", "wandb")
 
 
 def test_the_flag_repeats_and_takes_a_comma_list(tmp_path: Path) -> None:
@@ -94,7 +94,7 @@ def test_ray_config_field() -> None:
         (["--tracker", "neptune"], {}, "traceml: error: --tracker: expected tracker names"),
         (
             [],
-            {"TRACEML_TRACKERS": "wandb"},
+            {"TRACEML_TRACKERS": "comet"},
             "traceml: error: TRACEML_TRACKERS: expected tracker names",
         ),
         (
