@@ -21,7 +21,6 @@ from traceml_ai.monitor._tracker_wandb import (
     RUN_DIR_KEY,
     STEP_METRIC,
     SUMMARY_ARTIFACT_TYPE,
-    SUMMARY_FILE,
     USER_RUN_KEY,
 )
 
@@ -120,7 +119,7 @@ print(json.dumps({"dir": t.run_dir}))
     assert artifact["type"] == SUMMARY_ARTIFACT_TYPE
     assert artifact["name"].startswith("traceml-summary-")
     (entry,) = artifact["manifest"]["contents"]
-    assert entry["path"] == SUMMARY_FILE
+    assert entry["path"] == tm.SUMMARY_ARTIFACT
     # Staged on disk until `wandb sync` uploads it: the bytes given.
     assert Path(entry["local_path"]).read_bytes() == b'{"schema": "traceml.summary", "steps": 40}'
 

@@ -183,25 +183,46 @@ def test_tensorboard_gets_a_point_every_n_steps_and_the_last(tmp_path: Path) -> 
     assert read[tm.RANK_STEP_TIME_MS.format(rank=1)][0] == (5, 11.0)
 
 
-def test_a_rank_a_whole_interval_behind_does_not_hold_the_points(tmp_path: Path) -> None:
+def test_a_rank_behind_holds_a_point_back_for_the_wait_only(tmp_path: Path) -> None:
+    """Rank 1 stops at step 2 while rank 0 goes on to 12: the point at 5 waits for
+    rank 1 (LAGGARD_WAIT_S), then is logged with rank 0 alone, while the run goes on."""
     lines: list[str] = []
     monitoring = _monitoring(tmp_path, every=5, lines=lines)
+    monitoring.state.note_tracker_runs(identity(0, world=2), {})  # rank 0: no run of its own
     _feed_steps(monitoring, ranks=1, steps=2)
     late = [step(i, 30.0, BASE_NS + i * 20_000_000) for i in range(1, 3)]
     monitoring.submit(encoded("step_time", identity(1, world=2), late))
     for i in range(3, 13):  # rank 0 goes on to 12, rank 1 stays at 2
         item = step(i, 10.0, BASE_NS + i * 20_000_000)
         monitoring.submit(encoded("step_time", identity(0, world=2), [item]))
-    deadline = time.monotonic() + 5
+    started = time.monotonic()
     folder = tmp_path / "aggregator" / "tensorboard"
-    monitoring.feed.stop(1.0)
     sink = monitoring.sinks[0]
-    while time.monotonic() < deadline and getattr(sink, "logged_points", 0) < 1:
+    while time.monotonic() < started + 15 and getattr(sink, "logged_points", 0) < 2:
         time.sleep(0.05)
-    assert getattr(sink, "logged_points", 0) == 1  # step 5, from rank 0 alone
+    assert getattr(sink, "logged_points", 0) == 2  # steps 5 and 10, from rank 0 alone
     monitoring.close(5.0)
     read = scalars(folder)
-    assert read[tm.RANKS.name][0] == (5, 1.0)
+    assert read[tm.RANKS.name][:2] == [(5, 1.0), (10, 1.0)]
+
+
+def test_a_point_waits_for_a_rank_that_has_not_reported_yet(tmp_path: Path) -> None:
+    """World 2, rank 1 not heard from yet (its first batch on its way): the point at 5
+    is not logged with rank 0 alone at once; once rank 1's steps come, it has both."""
+    lines: list[str] = []
+    monitoring = _monitoring(tmp_path, every=5, lines=lines)
+    monitoring.state.note_tracker_runs(identity(0, world=2), {})
+    for i in range(1, 8):
+        item = step(i, 10.0, BASE_NS + i * 20_000_000)
+        monitoring.submit(encoded("step_time", identity(0, world=2), [item]))
+    time.sleep(0.3)
+    late = [step(i, 30.0, BASE_NS + i * 20_000_000) for i in range(1, 8)]
+    monitoring.submit(encoded("step_time", identity(1, world=2), late))
+    time.sleep(0.3)
+    monitoring.close(5.0)
+    read = scalars(tmp_path / "aggregator" / "tensorboard")
+    assert read[tm.RANKS.name][0] == (5, 2.0)
+    assert read[tm.STEP_TIME_MAX.name][0] == (5, 30.0)
 
 
 def test_an_unwritable_folder_is_one_line_and_counted_points(tmp_path: Path) -> None:
