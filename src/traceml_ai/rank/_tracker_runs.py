@@ -194,7 +194,7 @@ def _wandb_run() -> dict[str, str] | None:
         "project": str(getattr(run, "project", "") or ""),
         "entity": str(getattr(run, "entity", "") or ""),
         "mode": mode,
-        "dir": str(getattr(settings, "root_dir", "") or ""),
+        "dir": os.path.abspath(root) if (root := getattr(settings, "root_dir", "")) else "",
     }
 
 

@@ -23,6 +23,9 @@ from traceml_ai.transport import AggregatorServer, RankSender
 from traceml_ai.transport.wire import (
     BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
+    TRACKER_RUNS_MAX_CHARS,
+    TRACKER_RUNS_MAX_FIELDS,
+    TRACKER_RUNS_MAX_TRACKERS,
     FRAME_HEADER,
     WIRE_VERSION,
     FrameError,
@@ -36,6 +39,7 @@ from traceml_ai.transport.wire import (
     encode_item,
     make_batch_message,
     make_finished_message,
+    make_tracker_runs_message,
     new_run_token,
 )
 
@@ -1017,3 +1021,82 @@ def test_a_sender_whose_socket_was_closed_under_it_disconnects_and_stays_up() ->
         accepted.close()
     finally:
         listener.close()
+
+
+# ---- tracker_runs ------------------------------------------------------------------------
+
+
+def _tracker_runs_body(runs: object) -> bytes:
+    message = make_tracker_runs_message(TOKEN, identity(0), {})
+    message["runs"] = runs
+    return orjson.dumps(message)
+
+
+def test_tracker_runs_decode_within_their_bounds() -> None:
+    runs = {"mlflow": {"run_id": "abc", "tracking_uri": "http://127.0.0.1:5000"}}
+    assert decode_message(_tracker_runs_body(runs), TOKEN)["runs"] == runs
+    assert decode_message(_tracker_runs_body({}), TOKEN)["runs"] == {}
+    long = "x" * (TRACKER_RUNS_MAX_CHARS + 1)
+    for bad in (
+        None,
+        [],
+        {"mlflow": "abc"},
+        {"mlflow": {"run_id": 3}},
+        {"mlflow": {"run_id": long}},
+        {"mlflow": {long: "a"}},
+        {long: {}},
+        {f"t{i}": {} for i in range(TRACKER_RUNS_MAX_TRACKERS + 1)},
+        {"mlflow": {f"k{i}": "v" for i in range(TRACKER_RUNS_MAX_FIELDS + 1)}},
+    ):
+        with pytest.raises(FrameError, match="bad tracker runs"):
+            decode_message(_tracker_runs_body(bad), TOKEN)
+
+
+def test_tracker_runs_reach_their_callback_once_per_change_and_say_nothing_of_the_end(
+    collector: Collector,
+) -> None:
+    """A rank's first frame may be its tracker_runs (the gate knows its prefix); the
+    same runs noted again are not sent again; the connection's end still carries the
+    identity of its batches and goodbye, not of a tracker_runs message."""
+    told: list[dict[str, Any]] = []
+    server = AggregatorServer(
+        "127.0.0.1",
+        0,
+        TOKEN,
+        collector.on_batch,
+        collector.on_finished,
+        on_connection_lost=collector.on_lost,
+        on_tracker_runs=told.append,
+    )
+    address = server.start()
+    try:
+        sender = RankSender(address, TOKEN, identity(0), flush_interval_s=0.02)
+        sender.start()
+        runs = {"tensorboard": {"log_dir": "/tmp/tb"}}
+        sender.note_tracker_runs(runs)
+        wait_until(lambda: len(told) == 1)
+        sender.note_tracker_runs({"tensorboard": {"log_dir": "/tmp/tb"}})  # the same
+        sender.put("process", {"seq": 0})
+        collector.wait(lambda c: c.item_count() == 1)
+        changed = {**runs, "mlflow": {"run_id": "r1", "tracking_uri": ""}}
+        sender.note_tracker_runs(changed)
+        sender.close()
+        collector.wait(lambda c: len(c.finished) == 1 and len(c.lost) == 1)
+        assert [m["runs"] for m in told] == [runs, changed]
+        assert told[0]["identity"]["global_rank"] == 0
+        assert server.rejected_frames == 0
+    finally:
+        server.stop()
+
+
+def test_a_server_without_the_callback_takes_tracker_runs_quietly(
+    collector: Collector, server_factory: Callable[..., AggregatorServer]
+) -> None:
+    server = server_factory(collector)
+    sender = RankSender(server.start(), TOKEN, identity(0), flush_interval_s=0.02)
+    sender.start()
+    sender.note_tracker_runs({"wandb": {"id": "x"}})
+    sender.put("process", {"seq": 0})
+    sender.close()
+    collector.wait(lambda c: len(c.finished) == 1)
+    assert collector.item_count() == 1 and server.rejected_frames == 0
