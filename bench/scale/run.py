@@ -78,6 +78,7 @@ def run_once(
     do_validate: bool,
     sample_interval_s: float = 0.25,
     during: Callable[[AggregatorProc, float], None] | None = None,
+    before_load: Callable[[AggregatorProc], None] | None = None,
     quiet: bool = False,
     bounds: QueueBounds | None = None,
 ) -> RunResult:
@@ -112,6 +113,8 @@ def run_once(
             if msg != "connected":
                 raise RuntimeError(f"generator failed: {msg}")
         time.sleep(0.5)
+        if before_load is not None:
+            before_load(agg)  # e.g. until a tracker's start-up work is done (bench.trackers)
         idle = agg.sample_now()
         assert idle is not None
         agg.sample_every(sample_interval_s)
