@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -437,3 +438,128 @@ print(run.info.run_name, sorted(m.step for m in client.get_metric_history(run.in
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "quiet-run [2, 4] {}", result.stdout + result.stderr
     assert result.stderr == "", result.stderr
+
+
+class _Recording:
+    """A tracker run that keeps what it was given."""
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+        self.points: list[int] = []
+        self.summary: Any = None
+        self.closed = False
+
+    def log(self, figures: Any, step: int) -> None:
+        self.points.append(step)
+
+    def log_summary(self, fields: Any, summary_json: bytes) -> None:
+        self.summary = (dict(fields), summary_json)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _recording_backend(opened: list[_Recording], refuse: Any = None) -> Backend:
+    def open_run(run: Any, user: Any) -> _Recording:
+        if user is not None and user == refuse:
+            raise ConnectionError("the script's server is out of reach")
+        opened.append(_Recording(user))
+        return opened[-1]
+
+    return Backend("tensorboard", "tensorboard", (), object, open_run)
+
+
+def test_points_wait_for_rank_0_and_go_into_the_scripts_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 tells its script's run after the first point is due: the point waited,
+    and the script's run has every point; a run told later takes the points from
+    then on, and the one before is closed."""
+    opened: list[_Recording] = []
+    monkeypatch.setitem(BACKENDS, "tensorboard", _recording_backend(opened))  # type: ignore[index]
+    lines: list[str] = []
+    monitoring = _monitoring(tmp_path, every=2, lines=lines)
+    _feed_steps(monitoring, ranks=2, steps=4)
+    time.sleep(1.5)  # the points at 2 and 4 are due: they wait for rank 0's word
+    assert opened == []
+    first = {"log_dir": "/runs/a"}
+    monitoring.state.note_tracker_runs(identity(0), {"tensorboard": first})
+    _feed_steps(monitoring, ranks=2, steps=6)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (opened and opened[0].points == [2, 4, 6]):
+        time.sleep(0.05)
+    assert [r.user for r in opened] == [first] and opened[0].points == [2, 4, 6]
+    second = {"log_dir": "/runs/b"}
+    monitoring.state.note_tracker_runs(identity(0), {"tensorboard": second})
+    monitoring.state.note_tracker_runs(identity(1), {"tensorboard": {"log_dir": "/rank1"}})
+    for i in range(7, 9):
+        for r in range(2):
+            item = step(i, 10.0, BASE_NS + i * 20_000_000)
+            monitoring.submit(encoded("step_time", identity(r), [item]))
+    loss = monitoring.close(5.0)
+    assert loss.by_sink == {} and lines == []
+    assert [r.user for r in opened] == [first, second]  # rank 0's run, never rank 1's
+    assert opened[0].closed and opened[0].summary is None
+    assert opened[1].points == [8] and opened[1].closed
+
+
+def test_a_scripts_run_out_of_reach_is_one_line_and_the_points_go_to_traceml_s_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    told = {"log_dir": "/elsewhere"}
+    opened: list[_Recording] = []
+    monkeypatch.setitem(BACKENDS, "tensorboard", _recording_backend(opened, refuse=told))  # type: ignore[index]
+    lines: list[str] = []
+    monitoring = _monitoring(tmp_path, every=2, lines=lines)
+    monitoring.state.note_tracker_runs(identity(0), {"tensorboard": told})
+    _feed_steps(monitoring, ranks=2, steps=5)
+    loss = monitoring.close(5.0)
+    assert loss.by_sink == {}
+    assert lines == [
+        "traceml: tensorboard: could not log into the run the training script has open "
+        "(ConnectionError: the script's server is out of reach); its figures go to a run "
+        "of TraceML's own; training and the files go on"
+    ]
+    assert [r.user for r in opened] == [None]
+    assert opened[0].points == [2, 4, 5]
+
+
+def test_without_rank_0_s_word_the_points_wait_5_s_at_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[_Recording] = []
+    monkeypatch.setitem(BACKENDS, "tensorboard", _recording_backend(opened))  # type: ignore[index]
+    monitoring = _monitoring(tmp_path, every=2, lines=[])
+    _feed_steps(monitoring, ranks=1, steps=2)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not opened:
+        time.sleep(0.05)
+    assert [r.user for r in opened] == [None] and opened[0].points == [2]
+    monitoring.close(5.0)
+
+
+def test_each_run_gets_the_summary_of_the_closed_files(tmp_path: Path) -> None:
+    """The real TensorBoard tracker at the end of a run whose export files exist: the
+    summary's figures as a text entry and the summary JSON beside the event files,
+    the same JSON `traceml summary --json` prints."""
+    from bench.bigfile import write_step_time
+    from traceml_ai.run_summary import summarize_run
+
+    export = tmp_path / "aggregator" / "export"
+    export.mkdir(parents=True)
+    write_step_time(export / "step_time.jsonl", 24, world=2, ranks_per_node=2)
+    lines: list[str] = []
+    monitoring = _monitoring(tmp_path, every=5, lines=lines)
+    _feed_steps(monitoring, ranks=2, steps=12)
+    loss = monitoring.close(5.0)
+    assert loss.by_sink == {} and lines == []
+    folder = tmp_path / "aggregator" / "tensorboard"
+    written = (folder / tm.SUMMARY_ARTIFACT).read_bytes()
+    assert orjson.loads(written) == summarize_run(tmp_path).to_json()
+    reader = EventAccumulator(str(folder))
+    reader.Reload()
+    (text,) = reader.Tensors("traceml/summary")
+    table = text.tensor_proto.string_val[0].decode()
+    assert f"| {tm.SUMMARY_RANKS.name} | 2 |" in table
+    assert f"| {tm.SUMMARY_STEPS.name} | 12 |" in table
+    assert f"| {tm.SUMMARY_FILES.name} | complete |" in table
