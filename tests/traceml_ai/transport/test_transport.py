@@ -23,10 +23,10 @@ from traceml_ai.transport import AggregatorServer, RankSender
 from traceml_ai.transport.wire import (
     BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
+    FRAME_HEADER,
     TRACKER_RUNS_MAX_CHARS,
     TRACKER_RUNS_MAX_FIELDS,
     TRACKER_RUNS_MAX_TRACKERS,
-    FRAME_HEADER,
     WIRE_VERSION,
     FrameError,
     ReceivedBatch,
