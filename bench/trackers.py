@@ -50,6 +50,7 @@ from .scale.aggregator import AggregatorProc
 from .scale.items import LoadSpec
 from .scale.pyspy import py_spy, summarize_profile
 from .scale.run import RunResult, run_once
+from .wandb_files import history, of_type, records, run_folders
 
 EXPERIMENT = "bench-trackers"
 """The MLflow experiment the runs go to."""
@@ -114,6 +115,16 @@ def tensorboard_points(run_dir: Path) -> int:
     return len(reader.Scalars(tm.STEP_TIME_MEDIAN.name))
 
 
+def wandb_points(folder: Path, run_name: str) -> int:
+    """Points of the offline W&B run named ``run_name`` under ``folder`` (``WANDB_DIR``),
+    read back with W&B's own ``wandb leet inspect`` (0 when there is none)."""
+    for run in run_folders(folder):
+        found = records(run)
+        if any(r.get("display_name") == run_name for r in of_type(found, "run")):
+            return len(history(found).get(tm.STEP_TIME_MEDIAN.name, []))
+    return 0
+
+
 def mlflow_points(url: str, run_name: str) -> int:
     """Points of the MLflow run named ``run_name`` (0 when there is none)."""
     from mlflow.tracking import MlflowClient
@@ -170,6 +181,8 @@ def one_run(
             run.points[tracker] = tensorboard_points(logs / name)
         elif tracker == "mlflow" and mlflow_url is not None:
             run.points[tracker] = mlflow_points(mlflow_url, name)
+        elif tracker == "wandb" and os.environ.get("WANDB_DIR"):
+            run.points[tracker] = wandb_points(Path(os.environ["WANDB_DIR"]), name)
         else:
             run.points[tracker] = None
     return run

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from bench.wandb_files import history, of_type, records, run_folders, wandb_env
 from tests.e2e_helpers import REPO, data_lines, free_port, run_cli, warning_file
 from tests.receivers.mlflow_server import mlflow_server, server_env
-from tests.receivers.wandb_files import history, of_type, records, run_folders, wandb_env
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._tracker_tensorboard import SUMMARY_TAG
 
@@ -244,21 +244,24 @@ def _step_medians(export: Path) -> dict[int, float]:
     return {step: statistics.median(times) for step, times in by_step.items() if len(times) == 2}
 
 
-def test_an_hf_trainer_reporting_to_mlflow_gets_the_figures_in_its_own_run(
+def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_runs(
     tmp_path: Path,
 ) -> None:
-    """HF's MLflowCallback opens the run on rank 0; TraceML logs into that run (no
-    second run), beside the loss, and leaves ending it to HF."""
+    """HF's MLflowCallback and WandbCallback open their runs on rank 0. TraceML logs
+    into the MLflow run itself (no second run), beside the loss, and leaves ending it
+    to HF; the W&B run is offline, so TraceML's is an offline run of its own that
+    names the script's."""
     from mlflow.tracking import MlflowClient
 
     store = tmp_path / "mlflow-store"
     store.mkdir()
     with mlflow_server(store) as server:
         env = {k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES}
+        env.update(wandb_env(tmp_path / "wb", WANDB_MODE="offline", WANDB_PROJECT="hf"))
         env["MLFLOW_TRACKING_URI"] = server.url
         env["MLFLOW_EXPERIMENT_NAME"] = "hf"
         res = _framework_run(
-            tmp_path, "hf-run", "mlflow", "hf-mlflow", str(FRAMEWORK_STEPS), env=env
+            tmp_path, "hf-run", "mlflow,wandb", "hf", str(FRAMEWORK_STEPS), "mlflow,wandb", env=env
         )
         assert res.returncode == 0, res.stderr
         assert "DONE" in res.stdout
@@ -271,14 +274,27 @@ def test_an_hf_trainer_reporting_to_mlflow_gets_the_figures_in_its_own_run(
         assert run.data.tags["traceml.run_dir"] == str(tmp_path / "logs" / "hf-run")
         assert client.get_metric_history(run_id, "loss")  # HF's own metric
         expected = _step_medians(tmp_path / "logs" / "hf-run" / "aggregator" / "export")
-        history = {
+        history_ml = {
             m.step: m.value for m in client.get_metric_history(run_id, tm.STEP_TIME_MEDIAN.name)
         }
-        assert sorted(history) == list(range(FRAMEWORK_EVERY, FRAMEWORK_STEPS + 1, FRAMEWORK_EVERY))
-        for step, value in history.items():
+        due = list(range(FRAMEWORK_EVERY, FRAMEWORK_STEPS + 1, FRAMEWORK_EVERY))
+        assert sorted(history_ml) == due
+        for step, value in history_ml.items():
             assert value == pytest.approx(expected[step], rel=1e-9), step
         assert run.data.tags[tm.SUMMARY_RANKS.name] == "2"
         assert _artifact_json(client, run_id, tmp_path)["ranks"] == [0, 1]
+    # W&B: the script's offline run and TraceML's, which names it.
+    by_name = {}
+    for folder in run_folders(tmp_path / "wb"):
+        found = records(folder)
+        (opened,) = of_type(found, "run")
+        by_name[opened["display_name"]] = (opened, found)
+    script = next(v for k, v in by_name.items() if k != "hf-run")
+    ours, found = by_name["hf-run"]
+    assert ours["config"]["update"]["traceml.user_run_id"] == script[0]["run_id"]
+    assert "loss" in history(script[1]) or "train/loss" in history(script[1])
+    wb = history(found)
+    assert [s for s, _ in wb[tm.STEP_TIME_MEDIAN.name]] == due
 
 
 def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """A training script with its own tracker run, for tests/e2e/test_trackers_real.py.
 
-``hf-mlflow STEPS``: an HF ``TraceMLTrainer`` with ``report_to=["mlflow"]`` (HF's
-``MLflowCallback`` opens the MLflow run on rank 0 and logs the loss every 5 steps).
+``hf STEPS REPORT_TO``: an HF ``TraceMLTrainer`` with ``report_to`` the comma list
+``REPORT_TO`` (HF's ``MLflowCallback`` or ``WandbCallback`` opens the run on rank 0
+and logs the loss every 5 steps).
 ``lightning-tensorboard STEPS LOG_ROOT``: a Lightning ``Trainer`` with a
 ``TensorBoardLogger(LOG_ROOT, name="lit")`` logging the loss every 5 steps. Each
 rank's forward sleeps 10 ms, so the run lasts a few seconds. Models are built in
@@ -44,14 +45,14 @@ class HFNet(nn.Module):
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
-def hf_mlflow(steps: int) -> None:
+def hf(steps: int, report_to: list[str]) -> None:
     from transformers import TrainingArguments
 
     from traceml_ai.integrations.huggingface import TraceMLTrainer
 
     args = TrainingArguments(
         output_dir="hf_out", per_device_train_batch_size=4, max_steps=steps,
-        save_strategy="no", report_to=["mlflow"], disable_tqdm=True,
+        save_strategy="no", report_to=report_to, disable_tqdm=True,
         remove_unused_columns=False, use_cpu=True, logging_steps=5,
     )  # fmt: skip
     TraceMLTrainer(model=HFNet(), args=args, train_dataset=Pairs(4 * steps)).train()
@@ -89,8 +90,8 @@ def lightning_tensorboard(steps: int, log_root: str) -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    if sys.argv[1] == "hf-mlflow":
-        hf_mlflow(int(sys.argv[2]))
+    if sys.argv[1] == "hf":
+        hf(int(sys.argv[2]), sys.argv[3].split(","))
     else:
         lightning_tensorboard(int(sys.argv[2]), sys.argv[3])
     print("DONE", flush=True)

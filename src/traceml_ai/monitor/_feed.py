@@ -105,6 +105,12 @@ class LiveFeed:
         self._straggler_period_s = straggler_period_s
         self._next_straggler = time.monotonic() + straggler_period_s
         self._straggler_dirty = False
+        self._straggler_lock = threading.Lock()
+        self._straggler_at = 0.0
+        self.straggler_on_demand = False
+        """Whether the straggler view is made only when asked (:meth:`straggler_now`),
+        not every period: set when every sink asks for it when it needs it (the
+        trackers, once a point), so that no analysis runs that nothing reads."""
         self._excess_so_far = ExcessSoFar()
         self.export_backlog = export_backlog
         """How full the export's queue is (0 to 1); None when export is off."""
@@ -177,7 +183,11 @@ class LiveFeed:
                     # The state checks every value; this is a bug, not bad input.
                     _log.exception("traceml: live views: a batch could not be read")
                     self.bad_batches += 1
-            if self._straggler_dirty and time.monotonic() >= self._next_straggler:
+            if (
+                self._straggler_dirty
+                and not self.straggler_on_demand
+                and time.monotonic() >= self._next_straggler
+            ):
                 self._update_straggler()
             if not queue.closed:
                 time.sleep(_LINGER_S)
@@ -234,9 +244,20 @@ class LiveFeed:
         if self.report is not None:
             self.report(line)
 
+    def straggler_now(self, max_age_s: float) -> None:
+        """Make the straggler view again, from any thread, unless it is at most
+        ``max_age_s`` old or no step came since (several trackers at one point share
+        one analysis)."""
+        if self._straggler_dirty and time.monotonic() - self._straggler_at >= max_age_s:
+            self._update_straggler()
+
     def _update_straggler(self) -> None:
         """Recompute the straggler view; the next run waits at least 20 times as long as
         this one took, so a large world costs at most about 5 % of a core."""
+        with self._straggler_lock:
+            self._analyze_straggler()
+
+    def _analyze_straggler(self) -> None:
         started = time.monotonic()
         try:
             rows = self.state.recent_rows(STRAGGLER_STEPS)
@@ -249,5 +270,6 @@ class LiveFeed:
             view = None
         self.state.set_straggler(view)
         took = time.monotonic() - started
+        self._straggler_at = started
         self._straggler_dirty = False
         self._next_straggler = time.monotonic() + max(self._straggler_period_s, 20 * took)

@@ -180,6 +180,9 @@ class Monitoring:
                 continue
             self.sinks.append(sink)
             self.feed.add_listener(sink.on_steps)
+        self.feed.straggler_on_demand = bool(self.sinks) and all(
+            getattr(sink, "straggler_on_demand", False) for sink in self.sinks
+        )
 
     def finish(self, health: Health) -> None:
         """The aggregator finalized: the live views show the final figures from now on."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import operator
 import threading
 import time
 import warnings
@@ -69,6 +70,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("traceml_ai.monitor")
+_STEP = operator.attrgetter("step")
 
 JOIN_WAIT_S = 5.0
 """How long a due point waits for rank 0 to tell its tracker runs before it goes to a
@@ -77,6 +79,10 @@ run of TraceML's own (rank 0 may not be traced, or its word lost)."""
 LAGGARD_WAIT_S = 2.0
 """How long a point waits for ranks that have not reached its step (or reported at
 all) once the leading rank has."""
+
+STRAGGLER_MAX_AGE_S = 1.0
+"""A straggler view this recent serves a point (the trackers' points at one step share
+one analysis)."""
 
 MAX_PENDING_POINTS = 1000
 """Points kept while no run is open yet; older ones are skipped (counted)."""
@@ -121,20 +127,34 @@ class Backend:
     open: Callable[[RunInfo, UserRun | None], TrackerBackend]
 
 
+# Each tracker's library and the parts of it its run needs, imported at the sink's
+# start: opening a run (with the first point, mid-training) then costs the run itself,
+# not seconds of lazy imports (W&B's and MLflow's take about as long as the run).
+
+
 def _load_tensorboard() -> object:
     import tensorboard
+    import tensorboard.compat.proto.event_pb2
+    import tensorboard.plugins.text.metadata
+    import tensorboard.summary.writer.event_file_writer
 
     return tensorboard
 
 
 def _load_mlflow() -> object:
     import mlflow
+    import mlflow.entities
+    import mlflow.tracking
 
     return mlflow
 
 
 def _load_wandb() -> object:
     import wandb
+    import wandb.apis.public
+    import wandb.sdk.artifacts.artifact
+    import wandb.sdk.wandb_init
+    import wandb.sdk.wandb_run
 
     return wandb
 
@@ -268,6 +288,7 @@ def tracker_sink(name: str) -> Callable[[Monitoring], LiveSink]:
             every=monitoring.settings.tracker_every_steps,
             report=monitoring.report,
             end_summary=end_summary,
+            refresh_straggler=lambda: monitoring.feed.straggler_now(STRAGGLER_MAX_AGE_S),
         )
         sink.start()
         return sink
@@ -349,6 +370,10 @@ def _quiet(loggers: Sequence[str]) -> None:
 class TrackerSink:
     """One tracker's sink (see the module's docstring)."""
 
+    straggler_on_demand = True
+    """It asks for the straggler view when it builds a point (``refresh_straggler``):
+    with trackers only, the feed runs no analysis that nothing reads."""
+
     def __init__(
         self,
         name: str,
@@ -359,6 +384,7 @@ class TrackerSink:
         every: int,
         report: Callable[[str], None],
         end_summary: EndSummary | None = None,
+        refresh_straggler: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self._backend = backend
@@ -372,6 +398,7 @@ class TrackerSink:
         self._next_due = every
         self._logged: int | None = None
         self._end_summary = end_summary
+        self._refresh_straggler = refresh_straggler
         self._tracker: TrackerBackend | None = None
         self._load_failed = False
         self._own_failed = False
@@ -397,7 +424,7 @@ class TrackerSink:
 
     def on_steps(self, steps: Sequence[StepSeen]) -> None:
         """Note the highest step; wake the sink's thread when a point may be due."""
-        high = max((s.step for s in steps), default=0)
+        high = max(map(_STEP, steps), default=0)
         if high > self._seen_step:
             self._seen_step = high
             if high >= self._next_due:
@@ -508,6 +535,8 @@ class TrackerSink:
         self._flush(final)
 
     def _log_point(self, step: int) -> None:
+        if self._refresh_straggler is not None:
+            self._refresh_straggler()
         figures = point_figures(self._state, step, self._logged)
         if not figures:
             # Out of the live state's window of recent steps: the tracker was too slow.

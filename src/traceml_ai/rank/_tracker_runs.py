@@ -44,6 +44,7 @@ _lock = threading.Lock()
 _log_dirs: list[str] = []
 """Folders of the ``SummaryWriter``s made in this process, oldest first."""
 _watching = False
+_KEEP_LOG_DIRS = 8
 _made_before: list[tuple[type, str]] = []
 """``SummaryWriter`` classes imported before watching began (with their folder
 attribute): writers made before then are looked for once (:func:`_writers_made_before`)."""
@@ -53,6 +54,7 @@ def _note(folder: object) -> None:
     if isinstance(folder, str) and folder:
         with _lock:
             _log_dirs.append(os.path.abspath(folder))
+            del _log_dirs[:-_KEEP_LOG_DIRS]  # a writer per epoch must not grow this
 
 
 def _note_writers(module: types.ModuleType, attribute: str) -> type | None:
@@ -151,7 +153,9 @@ def _local_uri(uri: str) -> str:
     absolute (the aggregator's working directory need not be the script's)."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
-    if uri.startswith("file:") or "://" in uri:
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return "file:" + os.path.abspath(uri[len("file:") :])
+    if "://" in uri or uri.startswith("file:") or uri.startswith("databricks"):
         return uri
     return os.path.abspath(uri)
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e_helpers import clean_env
 
 PROBE = """
@@ -80,3 +82,18 @@ def test_the_runs_a_script_has_open_are_found(tmp_path: Path) -> None:
     assert looks[2]["changed"] is False  # the same runs are not told again
     assert looks[3]["runs"]["tensorboard"] == {"log_dir": str(tmp_path / "tbx_after")}
     assert looks[4] == {"changed": False, "runs": looks[3]["runs"]}
+
+
+def test_a_local_tracking_uri_is_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from traceml_ai.rank._tracker_runs import _local_uri
+
+    monkeypatch.chdir(tmp_path)
+    assert _local_uri("sqlite:///m.db") == f"sqlite:///{tmp_path}/m.db"
+    assert _local_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    assert _local_uri("file:mlruns") == f"file:{tmp_path}/mlruns"
+    assert _local_uri("file:///abs/mlruns") == "file:///abs/mlruns"
+    assert _local_uri("mlruns") == f"{tmp_path}/mlruns"
+    assert _local_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert _local_uri("databricks") == "databricks"

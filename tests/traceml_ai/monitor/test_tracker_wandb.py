@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from bench.wandb_files import history, of_type, records, run_folders, wandb_env
 from tests.e2e_helpers import PY, REPO, free_port
-from tests.receivers.wandb_files import history, of_type, records, run_folders, wandb_env
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._tracker_wandb import (
     RUN_DIR_KEY,

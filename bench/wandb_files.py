@@ -1,4 +1,5 @@
-"""W&B runs on disk read back with W&B's own tool: ``wandb leet inspect --json`` prints
+"""W&B runs on disk read back with W&B's own tool (for the tests and
+``python -m bench.trackers``): ``wandb leet inspect --json`` prints
 a run's ``.wandb`` transaction log, one record a line.
 
 :func:`wandb_env` is the environment of a W&B client that can only work offline (no
