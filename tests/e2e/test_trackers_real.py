@@ -109,15 +109,39 @@ def _tracker_lines(stderr: str, name: str) -> list[str]:
     return [line for line in lines if line.startswith(f"traceml: {name}")]
 
 
-def test_tensorboard_and_wandb_hold_the_runs_figures(tmp_path: Path) -> None:
-    # W&B offline, its files under tmp_path, none of the machine's W&B settings.
-    env = wandb_env(tmp_path / "wb", WANDB_MODE="offline", WANDB_PROJECT="traceml-e2e")
-    env = {k: v for k, v in env.items() if k.startswith(("WANDB_", "HOME", "NETRC"))}
-    res = _run(tmp_path, "tb", "--tracker", "tensorboard,wandb", env=env)
-    assert res.returncode == 0, res.stderr
-    assert _tracker_lines(res.stderr, "tensorboard") == [], res.stderr  # nothing of its own
-    assert _tracker_lines(res.stderr, "wandb") == [], res.stderr
-    assert "wandb:" not in res.stdout + res.stderr  # W&B's own lines stay off the terminal
+def test_a_plain_loop_gets_a_run_of_traceml_s_own_in_each_tracker(tmp_path: Path) -> None:
+    """No tracker run open in the script: TensorBoard's files in the run folder, a W&B
+    offline run and an MLflow run named after the TraceML run, each with the same
+    points as step_time.jsonl and the run summary at the end."""
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "mlflow-store"
+    store.mkdir()
+    with mlflow_server(store) as server:
+        # W&B offline, its files under tmp_path, none of the machine's W&B settings;
+        # MLflow's own settings for the client (no telemetry, no proxy), not the rest
+        # of the test's environment: clean_env keeps this checkout first on the path.
+        env = wandb_env(tmp_path / "wb", WANDB_MODE="offline", WANDB_PROJECT="traceml-e2e")
+        env = {k: v for k, v in env.items() if k.startswith(("WANDB_", "HOME", "NETRC"))}
+        env.update({k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES})
+        env["MLFLOW_TRACKING_URI"] = server.url
+        env["MLFLOW_EXPERIMENT_NAME"] = "traceml-e2e"
+        res = _run(tmp_path, "tb", "--tracker", "tensorboard,wandb,mlflow", env=env)
+        assert res.returncode == 0, res.stderr
+        for name in ("tensorboard", "wandb", "mlflow"):
+            assert _tracker_lines(res.stderr, name) == [], res.stderr  # nothing of its own
+        assert "wandb:" not in res.stdout + res.stderr  # W&B's own lines stay off the terminal
+        client = MlflowClient(tracking_uri=server.url)
+        experiment = client.get_experiment_by_name("traceml-e2e")
+        assert experiment is not None
+        (run,) = client.search_runs(
+            [experiment.experiment_id], filter_string="attributes.run_name = 'tb'"
+        )
+        histories = {
+            name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+            for name in (tm.STEP_TIME_MEDIAN.name, tm.RANK_STEP_TIME_MS.format(rank=1))
+        }
+        artifact = _artifact_json(client, run.info.run_id, tmp_path)
     folder = tmp_path / "logs" / "tb" / "aggregator"
     expected = _expected(folder / "export")
     reader = EventAccumulator(str(folder / "tensorboard"))
@@ -161,44 +185,19 @@ def test_tensorboard_and_wandb_hold_the_runs_figures(tmp_path: Path) -> None:
         for step, value in wb[name]:
             assert value == pytest.approx(expected[step][name], rel=1e-9), (name, step)
     assert of_type(found, "exit")[0]["exit_code"] == 0
-
-
-def test_mlflow_gets_a_run_named_after_the_traceml_run(tmp_path: Path) -> None:
-    from mlflow.tracking import MlflowClient
-
-    store = tmp_path / "mlflow-store"
-    store.mkdir()
-    with mlflow_server(store) as server:
-        # MLflow's own settings for the client (no telemetry, no proxy), not the rest
-        # of the test's environment: clean_env keeps this checkout first on the path.
-        env = {k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES}
-        env["MLFLOW_TRACKING_URI"] = server.url
-        env["MLFLOW_EXPERIMENT_NAME"] = "traceml-e2e"
-        res = _run(tmp_path, "ml-run", "--tracker", "mlflow", env=env)
-        assert res.returncode == 0, res.stderr
-        assert _tracker_lines(res.stderr, "mlflow") == [], res.stderr
-        expected = _expected(tmp_path / "logs" / "ml-run" / "aggregator" / "export")
-        client = MlflowClient(tracking_uri=server.url)
-        experiment = client.get_experiment_by_name("traceml-e2e")
-        assert experiment is not None
-        (run,) = client.search_runs(
-            [experiment.experiment_id], filter_string="attributes.run_name = 'ml-run'"
-        )
-        assert run.info.status == "FINISHED"
-        assert run.data.tags["traceml.run_dir"] == str(tmp_path / "logs" / "ml-run")
-        for name in (tm.STEP_TIME_MEDIAN.name, tm.RANK_STEP_TIME_MS.format(rank=1)):
-            history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
-            assert sorted(history) == list(range(EVERY, STEPS + 1, EVERY))
-            for step, value in history.items():
-                assert value == pytest.approx(expected[step][name], rel=1e-9), (name, step)
-        # The run summary at the end: tags, and the JSON as an artifact.
-        tags = run.data.tags
-        assert tags[tm.SUMMARY_VERDICT.name] == "straggler"
-        assert tags[tm.SUMMARY_STRAGGLER_RANK.name] == "1"
-        assert tags[tm.SUMMARY_RANKS.name] == "2"
-        assert tags[tm.SUMMARY_STEPS.name] == str(STEPS)
-        summary = _artifact_json(client, run.info.run_id, tmp_path)
-        assert summary["straggler"]["stragglers"][0]["rank"] == 1
+    # MLflow: the same points, the summary as tags and an artifact.
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["traceml.run_dir"] == str(tmp_path / "logs" / "tb")
+    for name, history_ml in histories.items():
+        assert sorted(history_ml) == list(range(EVERY, STEPS + 1, EVERY))
+        for step, value in history_ml.items():
+            assert value == pytest.approx(expected[step][name], rel=1e-9), (name, step)
+    tags = run.data.tags
+    assert tags[tm.SUMMARY_VERDICT.name] == "straggler"
+    assert tags[tm.SUMMARY_STRAGGLER_RANK.name] == "1"
+    assert tags[tm.SUMMARY_RANKS.name] == "2"
+    assert tags[tm.SUMMARY_STEPS.name] == str(STEPS)
+    assert artifact["straggler"]["stragglers"][0]["rank"] == 1
 
 
 def _artifact_json(client: Any, run_id: str, tmp_path: Path) -> Any:
@@ -288,7 +287,7 @@ def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_run
     for folder in run_folders(tmp_path / "wb"):
         found = records(folder)
         (opened,) = of_type(found, "run")
-        by_name[opened["display_name"]] = (opened, found)
+        by_name[opened.get("display_name", "")] = (opened, found)
     script = next(v for k, v in by_name.items() if k != "hf-run")
     ours, found = by_name["hf-run"]
     assert ours["config"]["update"]["traceml.user_run_id"] == script[0]["run_id"]

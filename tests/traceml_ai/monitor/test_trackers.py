@@ -563,3 +563,48 @@ def test_each_run_gets_the_summary_of_the_closed_files(tmp_path: Path) -> None:
     assert f"| {tm.SUMMARY_RANKS.name} | 2 |" in table
     assert f"| {tm.SUMMARY_STEPS.name} | 12 |" in table
     assert f"| {tm.SUMMARY_FILES.name} | complete |" in table
+
+
+def test_with_trackers_only_the_straggler_view_is_made_when_a_point_needs_it(
+    tmp_path: Path,
+) -> None:
+    """No periodic analysis that nothing reads: the feed makes none, the point asks
+    for one (and gets the straggler); with another live view the feed makes them."""
+    monitoring = _monitoring(tmp_path, every=40, lines=[])
+    assert monitoring.feed.straggler_on_demand is True
+    for i in range(1, 41):
+        for r in range(2):
+            # As under DDP: rank 1 is 25 ms slower in forward, rank 0 waits in backward.
+            forward, backward = (30.0, 2.0) if r == 1 else (5.0, 27.0)
+            item = step(i, 55.0, BASE_NS + i * 60_000_000, **{FWD: forward, BWD: backward})
+            monitoring.submit(encoded("step_time", identity(r), [item]))
+    time.sleep(1.0)
+    assert monitoring.state.straggler is None or monitoring.state.straggler.ranks == 2
+    monitoring.state.note_tracker_runs(identity(0), {})
+    monitoring.close(5.0)
+    read = scalars(tmp_path / "aggregator" / "tensorboard")
+    assert read[tm.STRAGGLER_RANK.name] == [(40, 1.0)]
+    assert read[tm.STRAGGLER_EXCESS_MS.name][0][1] == pytest.approx(25.0, abs=1.0)
+
+    other = Monitoring(
+        MonitorSettings(trackers=("tensorboard",), tracker_every_steps=5),
+        RunInfo(run_dir=tmp_path / "other", run_name="r", host="h"),
+        Health,
+        report=[].append,
+    )
+    other.start_sinks({"tensorboard": tracker_sink("tensorboard"), "view": _View})
+    assert other.feed.straggler_on_demand is False
+    other.close(1.0)
+
+
+class _View:
+    """A live view that reads the state's straggler view whenever it likes."""
+
+    def __init__(self, monitoring: Any) -> None:
+        pass
+
+    def on_steps(self, steps: Any) -> None:
+        pass
+
+    def close(self, timeout_s: float) -> dict[str, int]:
+        return {}
