@@ -7,7 +7,7 @@ JSONL with ``--tracker`` naming every tracker TraceML knows
 round so that the machine's noise hits both alike. Each tracker writes where a user's
 would: TensorBoard its event files in the run folder; MLflow to a real ``mlflow server``
 on sqlite that this bench starts (``bench/mlflow_server.py``; its CPU is its own
-process's, not the aggregator's); W&B, when TraceML has it, offline
+process's, not the aggregator's); W&B offline
 (``WANDB_MODE=offline``) into a temporary ``WANDB_DIR``.
 
 The figure is the aggregator process's own CPU time (user + system, from ``wait4`` at
