@@ -283,6 +283,9 @@ def test_the_runtime_encodes_steps_only_for_its_own_sender(
         def wake(self) -> None:
             pass
 
+        def note_tracker_runs(self, runs: Any) -> None:
+            pass
+
     sink = Sender()
     if own_sender:
         monkeypatch.setattr(_sdk, "build_sender", lambda *args: sink)
