@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from traceml_ai import _environ
+from traceml_ai._after_import import when_imported
 
 ENV_ZERO_CODE = _environ.ZERO_CODE
 
@@ -113,63 +114,22 @@ def _apply(name: str, module: types.ModuleType) -> None:
         _say(f"could not attach to {name} ({exc!r}); this run's training steps are not traced")
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """Delegates to the real loader, then patches the module it executed."""
-
-    def __init__(self, name: str, loader: Any) -> None:
-        self._name = name
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        module: types.ModuleType | None = self._loader.create_module(spec)
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._loader.exec_module(module)
-        _apply(self._name, module)
-
-    def __getattr__(self, name: str) -> Any:
-        # get_resource_reader, get_source, is_package...: the real loader's.
-        return getattr(self._loader, name)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of the Trainer modules other finders find."""
-
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None,
-        target: types.ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _TARGETS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
-            if spec is None:
-                continue
-            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _PatchingLoader(fullname, spec.loader)
-            return spec
-        return None
-
-
 def zero_code_enabled(environ: dict[str, str] | os._Environ[str]) -> bool:
     """Whether ``TRACEML_ZERO_CODE`` leaves the automatic attach on (default: on)."""
     return environ.get(ENV_ZERO_CODE, "").strip().lower() not in ("0", "false", "off", "no")
 
 
+_installed = False
+
+
 def install() -> None:
-    """Install the import hook; patch now what is already imported."""
-    if any(isinstance(finder, _Finder) for finder in sys.meta_path):
+    """Patch each framework's Trainer module when it is imported (now, if it is)."""
+    global _installed
+    if _installed:
         return
-    sys.meta_path.insert(0, _Finder())
+    _installed = True
     for name in _TARGETS:
-        module = sys.modules.get(name)
-        if module is not None:
-            _apply(name, module)
+        when_imported(name, functools.partial(_apply, name))
 
 
 ENV_RANK_STATE_DIR = _environ.RANK_STATE_DIR

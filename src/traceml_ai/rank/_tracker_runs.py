@@ -11,7 +11,8 @@ The aggregator logs TraceML's figures into the user's own run when there is one:
 - **TensorBoard**: ``log_dir``, the folder of the last ``SummaryWriter`` the process
   made (``torch.utils.tensorboard``, as HF's ``TensorBoardCallback`` and Lightning's
   ``TensorBoardLogger`` use, or ``tensorboardX``): each ``SummaryWriter`` notes its
-  folder as it is made (:func:`watch_summary_writers`).
+  folder as it is made (:func:`watch_summary_writers`, through the process's one
+  import hook, ``traceml_ai._after_import``).
 
 Only modules the script imported are read (``sys.modules``): nothing here imports a
 tracker library. A run seen once stays the one reported after it ends (HF ends its
@@ -22,14 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
+
+from traceml_ai._after_import import when_imported
 
 __all__ = ["TrackerRuns", "watch_summary_writers"]
 
@@ -75,59 +76,22 @@ def _note_writers(module: types.ModuleType, attribute: str) -> type | None:
     return cls
 
 
-def _noting(
-    execute: Callable[[types.ModuleType], None], attribute: str
-) -> Callable[[types.ModuleType], None]:
-    """A loader's ``exec_module`` that also wraps the module's ``SummaryWriter``."""
-
-    def exec_module(module: types.ModuleType) -> None:
-        execute(module)
-        with contextlib.suppress(Exception):
-            _note_writers(module, attribute)
-
-    return exec_module
-
-
-class _WriterModuleFinder(importlib.abc.MetaPathFinder):
-    """Notes the writers of a ``SummaryWriter`` module imported after the rank started:
-    finds the module with the other finders, and wraps its loader's ``exec_module``."""
-
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None,
-        target: types.ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        attribute = _WRITER_MODULES.get(fullname)
-        if attribute is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is None:
-                continue
-            execute = getattr(spec.loader, "exec_module", None)
-            if execute is not None:
-                spec.loader.exec_module = _noting(execute, attribute)  # type: ignore[union-attr,method-assign]
-            return spec
-        return None
-
-
 def watch_summary_writers() -> None:
     """Note the folder of every ``SummaryWriter`` made from now on in this process
-    (once per process; the modules already imported are wrapped now)."""
+    (once per process; a writer module already imported is wrapped now, and its
+    writers made before are looked for once, :func:`_writers_made_before`)."""
     global _watching
     with _lock:
         if _watching:
             return
         _watching = True
     for name, attribute in _WRITER_MODULES.items():
-        module = sys.modules.get(name)
-        cls = _note_writers(module, attribute) if module is not None else None
-        if cls is not None:
-            _made_before.append((cls, attribute))
-    sys.meta_path.insert(0, _WriterModuleFinder())
+        if name in sys.modules:
+            cls = _note_writers(sys.modules[name], attribute)
+            if cls is not None:
+                _made_before.append((cls, attribute))
+        else:
+            when_imported(name, functools.partial(_note_writers, attribute=attribute))
 
 
 def _writers_made_before() -> None:
