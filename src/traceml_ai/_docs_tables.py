@@ -38,7 +38,13 @@ def main(
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="repository root")
     args = parser.parse_args(argv)
     path: Path = args.root / doc
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        print(
+            f"{what}: cannot read {path} ({exc.strerror}); run from the repository's root or give --root"
+        )
+        return 2
     new = splice(text, name, table())
     if new == text:
         print(f"{what}: {doc} is up to date")

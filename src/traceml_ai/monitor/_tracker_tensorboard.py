@@ -1,10 +1,14 @@
 """The TensorBoard tracker: event files written with the ``tensorboard`` package's
-own writer (the ``tensorboard`` extra).
+own record writer (the ``tensorboard`` extra).
 
-``tensorboard.summary.writer.event_file_writer.EventFileWriter`` is the writer
-``torch.utils.tensorboard`` itself wraps; taken directly, the aggregator (which never
+``tensorboard.summary.writer.record_writer.RecordWriter`` frames each event as
+``torch.utils.tensorboard``'s writer does; taken directly, the aggregator (which never
 imports torch) needs only the package TensorBoard's reader comes in, and no second
-library (tensorboardX) that re-implements the same file format.
+library (tensorboardX) that re-implements the same file format. It is driven from the
+sink's own thread, each point written and flushed there: the package's
+``EventFileWriter`` would write from a thread of its own, whose failure (a full disk,
+a folder made read-only) would print a traceback on the training terminal instead of
+costing a counted point.
 
 The event file goes into the log dir of the script's own ``SummaryWriter`` when rank 0
 told one (HF's ``TensorBoardCallback``, Lightning's ``TensorBoardLogger``): TensorBoard
@@ -15,6 +19,9 @@ script's. Else, and when that folder is not on the aggregator's machine, into
 
 from __future__ import annotations
 
+import itertools
+import os
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,8 +37,8 @@ __all__ = ["LOG_DIR_PARTS", "SUMMARY_TAG", "TensorBoardTracker", "open_tensorboa
 LOG_DIR_PARTS = ("aggregator", "tensorboard")
 """Where, under the run folder, the event files go."""
 
-FLUSH_S = 10.0
-"""The writer's own flush period (it also flushes at close)."""
+_FILES = itertools.count()
+"""Numbers the event files of this process (two in one folder within a second)."""
 
 SUMMARY_TAG = "traceml/summary"
 """The tag of the text entry that holds the run summary's figures."""
@@ -47,19 +54,29 @@ class TensorBoardTracker:
 
     def __init__(self, folder: Path) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from tensorboard.summary.writer.record_writer import RecordWriter
 
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self._event = event_pb2.Event
         self._summary = summary_pb2.Summary
-        self._writer = EventFileWriter(str(folder), flush_secs=FLUSH_S, filename_suffix=".traceml")
+        # TensorBoard's own naming, which its reader orders a folder's files by.
+        now = time.time()
+        host, pid, n = socket.gethostname(), os.getpid(), next(_FILES)
+        name = f"events.out.tfevents.{int(now):010d}.{host}.{pid}.{n}.traceml"
+        self.path = folder / name
+        self._writer = RecordWriter(self.path.open("xb"))
+        self._write(self._event(wall_time=now, file_version="brain.Event:2"))
         self._last_step = 0
+
+    def _write(self, event: object) -> None:
+        self._writer.write(event.SerializeToString())  # type: ignore[attr-defined]
+        self._writer.flush()
 
     def log(self, figures: Mapping[str, float], step: int) -> None:
         values = [self._summary.Value(tag=k, simple_value=v) for k, v in figures.items()]
         event = self._event(wall_time=time.time(), step=step, summary=self._summary(value=values))
-        self._writer.add_event(event)
+        self._write(event)
         self._last_step = step
 
     def log_summary(self, fields: Mapping[str, float | str], summary_json: bytes) -> None:
@@ -85,7 +102,7 @@ class TensorBoardTracker:
         event = self._event(
             wall_time=time.time(), step=self._last_step, summary=self._summary(value=[value])
         )
-        self._writer.add_event(event)
+        self._write(event)
         (self.folder / SUMMARY_ARTIFACT).write_bytes(summary_json)
 
     def close(self) -> None:

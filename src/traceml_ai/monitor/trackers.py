@@ -433,7 +433,9 @@ class TrackerSink:
     # -- the sink's thread -----------------------------------------------------------
 
     def _say(self, kind: str, line: str) -> None:
-        if kind not in self._said:
+        """One line per tracker for the whole run (its first fault); what follows is
+        counted, and the end of the run says the counts."""
+        if not self._said:
             self._said.add(kind)
             self._report(f"traceml: {self.name}: {line}; training and the files go on")
 
@@ -562,20 +564,24 @@ class TrackerSink:
         if not self._pending or not self._ready(final):
             return
         self._ensure_open()
-        pending, self._pending = self._pending, []
-        for step, figures in pending:
+        pending = self._pending
+        while pending:
+            # Taken off once written: a point the tracker hangs on is still pending
+            # when the close budget runs out, and counted then.
+            step, figures = pending[0]
             tracker = self._tracker
             if tracker is None:
                 self.lost["points_not_logged"] = self.lost.get("points_not_logged", 0) + 1
-                continue
-            try:
-                tracker.log(figures, step)
-            except Exception as exc:
-                self.lost["points_failed"] += 1
-                _log.debug("tracker %s failed to log", self.name, exc_info=True)
-                self._say("log", f"a point was not logged ({type(exc).__name__}: {_short(exc)})")
-                continue
-            self.logged_points += 1
+            else:
+                try:
+                    tracker.log(figures, step)
+                    self.logged_points += 1
+                except Exception as exc:
+                    self.lost["points_failed"] += 1
+                    _log.debug("tracker %s failed to log", self.name, exc_info=True)
+                    why = f"{type(exc).__name__}: {_short(exc)}"
+                    self._say("log", f"a point was not logged ({why})")
+            del pending[0]
 
     def _run_thread(self) -> None:
         try:
@@ -602,8 +608,24 @@ class TrackerSink:
         lost = dict(self.lost)
         if self._thread.is_alive():
             lost["close_timed_out"] = 1
+            # The points it would still have logged: those waiting, and those due
+            # since (its thread hangs in the tracker, so they were never counted).
+            lost["points_not_logged"] = (
+                lost.get("points_not_logged", 0) + len(self._pending) + self._not_yet_due()
+            )
             self._say("close", f"still busy after {timeout_s:.1f} s; its last points are lost")
+            self._said.add("closed")  # nothing more from its thread, whatever it does
         return {k: v for k, v in lost.items() if v}
+
+    def _not_yet_due(self) -> int:
+        """Points the sink's thread has not reached: each multiple of ``every`` from
+        the next due one to the highest step, and the last step when it is none."""
+        last = self._state.last_steps()
+        if not last:
+            return 0
+        high, every = max(last.values()), self._every
+        due = max(0, high // every - (self._next_due - 1) // every)
+        return due + (1 if high % every and high >= self._next_due - every else 0)
 
 
 def _short(exc: BaseException) -> str:

@@ -1287,7 +1287,7 @@ class MonitoringLoss(_Checked):
     """Batches the live views skipped because their queue was full."""
 
     by_sink: dict[str, dict[str, int]]
-    """Per live view (prometheus, otlp, dashboard): what it lost, by name (spans_dropped, spans_failed, metric_exports_failed, ...)."""
+    """Per live view (prometheus, otlp, dashboard, and each tracker: tensorboard, mlflow, wandb): what it lost, by name (spans_dropped, spans_failed, metric_exports_failed, points_not_logged, points_failed, ...)."""
 
     not_started: dict[str, str]
     """Per live view that could not start: why, in one line."""

@@ -243,8 +243,9 @@ class _Refusing:
     """A tracker that takes its time and then refuses each point (as a tracker's
     server that answers with errors does)."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, fail_close: bool = False) -> None:
         self.delay_s = delay_s
+        self.fail_close = fail_close
         self.calls = 0
 
     def log(self, figures: Any, step: int) -> None:
@@ -252,14 +253,19 @@ class _Refusing:
         time.sleep(self.delay_s)
         raise RuntimeError("HTTP 500\nInternal Server Error")
 
+    def log_summary(self, fields: Any, summary_json: bytes) -> None:
+        raise RuntimeError("HTTP 500")
+
     def close(self) -> None:
         time.sleep(self.delay_s)
+        if self.fail_close:
+            raise RuntimeError("HTTP 503")
 
 
 def test_a_refusing_tracker_is_one_line_and_each_point_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    refusing = _Refusing(0.0)
+    refusing = _Refusing(0.0, fail_close=True)
     backend = Backend("tensorboard", "tensorboard", (), object, lambda run, user: refusing)
     monkeypatch.setitem(BACKENDS, "tensorboard", backend)  # type: ignore[index]
     lines: list[str] = []
@@ -270,7 +276,8 @@ def test_a_refusing_tracker_is_one_line_and_each_point_counted(
         "traceml: tensorboard: a point was not logged (RuntimeError: HTTP 500 Internal "
         "Server Error); training and the files go on"
     ]
-    assert loss.by_sink == {"tensorboard": {"points_failed": refusing.calls}}
+    # Its end failing too is counted, not said again: one line per tracker.
+    assert loss.by_sink == {"tensorboard": {"points_failed": refusing.calls, "close_failed": 1}}
     assert refusing.calls == 3
 
 
@@ -288,6 +295,8 @@ def test_a_hung_tracker_costs_the_close_budget_only(
     loss = monitoring.close(1.5)
     assert time.monotonic() - started < 5.0
     assert loss.by_sink["tensorboard"]["close_timed_out"] == 1
+    # Every point it did not log is counted, the one it hangs on included.
+    assert loss.by_sink["tensorboard"]["points_not_logged"] == 50
     assert len(lines) == 1, lines
     assert lines[0].startswith("traceml: tensorboard: still busy after ")
     assert lines[0].endswith("s; its last points are lost; training and the files go on")
@@ -608,3 +617,56 @@ class _View:
 
     def close(self, timeout_s: float) -> dict[str, int]:
         return {}
+
+
+def test_an_event_file_that_cannot_be_written_is_one_line_and_counted_points(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk under the real TensorBoard tracker: written from the sink's thread,
+    so each refused point is counted and said once, never a thread's traceback."""
+    from traceml_ai.monitor._tracker_tensorboard import TensorBoardTracker
+
+    class FullDisk:
+        closed = False
+
+        def write(self, data: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        def flush(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    opened: list[TensorBoardTracker] = []
+
+    def open_run(run: Any, user: Any) -> TensorBoardTracker:
+        tracker = TensorBoardTracker(tmp_path / "tb")
+        tracker._writer._writer = FullDisk()  # the disk fills up after the file's start
+        opened.append(tracker)
+        return tracker
+
+    lines: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(
+            BACKENDS, "tensorboard", Backend("tensorboard", "tensorboard", (), object, open_run)
+        )  # type: ignore[index]
+        monitoring = _monitoring(tmp_path, every=2, lines=lines)
+        monitoring.state.note_tracker_runs(identity(0), {})
+        _feed_steps(monitoring, ranks=2, steps=6, pause_s=0.01)
+        loss = monitoring.close(5.0)
+    assert loss.by_sink == {"tensorboard": {"points_failed": 3}}
+    assert lines == [
+        "traceml: tensorboard: a point was not logged (OSError: [Errno 28] No space left on "
+        "device); training and the files go on"
+    ]
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_table_check_outside_the_repository_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert tm.main(["--check", "--root", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"tracker metrics: cannot read {tmp_path / 'docs' / 'trackers.md'} (")
+    assert tm.main(["--check", "--root", str(REPO)]) == 0
