@@ -670,3 +670,22 @@ def test_the_table_check_outside_the_repository_is_one_line(
     out = capsys.readouterr().out
     assert out.startswith(f"tracker metrics: cannot read {tmp_path / 'docs' / 'trackers.md'} (")
     assert tm.main(["--check", "--root", str(REPO)]) == 0
+
+
+def test_a_log_dir_not_on_this_machine_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's log dir of a multi-node run may be another machine's path: refused (the
+    sink then says one line and uses TraceML's own folder), nothing created."""
+    from traceml_ai.monitor._tracker_tensorboard import open_tensorboard
+
+    run = RunInfo(run_dir=tmp_path / "run", run_name="r", host="h")
+    elsewhere = tmp_path / "not" / "here"
+    with pytest.raises(FileNotFoundError, match="is not a folder on this machine"):
+        open_tensorboard(run, {"log_dir": str(elsewhere)})
+    with pytest.raises(FileNotFoundError):
+        open_tensorboard(run, {"log_dir": "relative/tb"})
+    assert not elsewhere.exists() and not (tmp_path / "run").exists()
+    joined = open_tensorboard(run, {"log_dir": str(tmp_path)})
+    joined.close()
+    assert joined.path.parent == tmp_path and joined.path.name.endswith(".traceml")
