@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 
 def entry() -> None:
-    """Run the CLI; a Ctrl-C while it is still importing ends quietly, as after."""
+    """Run the CLI; a Ctrl-C while it is still importing ends quietly, as after.
+
+    SIGINT is held while the CLI's modules import: a KeyboardInterrupt raised inside
+    an extension module's initialization (orjson's, for one) can crash the
+    interpreter instead of unwinding. A Ctrl-C that came meanwhile is taken once the
+    imports are done."""
+    held = hasattr(signal, "pthread_sigmask")
+    if held:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        from traceml_ai.cli import main
+        try:
+            from traceml_ai.cli import main
+        finally:
+            if held:
+                pending = signal.SIGINT in signal.sigpending()
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+                if pending:
+                    # Delivered on unblocking, unless the default handler was replaced.
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
         print("traceml: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -261,7 +261,7 @@ def test_ctrl_c_while_the_rank_starts(tmp_path: Path) -> None:
     assert "may not call traceml.init()" not in err
 
 
-@pytest.mark.parametrize("delay_s", [0.03, 0.08, 0.15, 0.3, 0.6])
+@pytest.mark.parametrize("delay_s", [0.03, 0.05, 0.08, 0.15, 0.3, 0.6])
 def test_ctrl_c_while_traceml_starts_has_no_traceback(tmp_path: Path, delay_s: float) -> None:
     """A Ctrl-C at any early moment of `traceml run` (the CLI still importing, the
     launcher planning, a rank starting): one line, exit 130 or the signal, no traceback."""
