@@ -23,8 +23,9 @@ def entry() -> None:
             if held:
                 pending = signal.SIGINT in signal.sigpending()
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-                if pending:
-                    # Delivered on unblocking, unless the default handler was replaced.
+                # Python's own handler turns it into a KeyboardInterrupt; a SIGINT the
+                # process ignores (a background job's) was held too, and stays ignored.
+                if pending and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
         print("traceml: interrupted", file=sys.stderr)

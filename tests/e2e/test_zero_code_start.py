@@ -261,6 +261,39 @@ def test_ctrl_c_while_the_rank_starts(tmp_path: Path) -> None:
     assert "may not call traceml.init()" not in err
 
 
+def test_a_sigint_the_process_ignores_stays_ignored_while_the_cli_imports(
+    tmp_path: Path,
+) -> None:
+    """The CLI holds SIGINT while it imports; a background job, which ignores SIGINT,
+    must not be ended by one that came meanwhile."""
+    script = tmp_path / "train.py"
+    script.write_text("print('RAN', flush=True)\n")
+    console = Path(PY).parent / "traceml"
+    proc = subprocess.Popen(
+        [
+            str(console),
+            "run",
+            "--logs-dir",
+            str(tmp_path / "logs"),
+            "--exporter",
+            "off",
+            str(script),
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "RAN" in out and "interrupted" not in err
+
+
 @pytest.mark.parametrize("delay_s", [0.03, 0.05, 0.08, 0.15, 0.3, 0.6])
 def test_ctrl_c_while_traceml_starts_has_no_traceback(tmp_path: Path, delay_s: float) -> None:
     """A Ctrl-C at any early moment of `traceml run` (the CLI still importing, the
