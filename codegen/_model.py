@@ -56,8 +56,17 @@ _KNOWN_EXTENSIONS = {
     "x-traceml-optional",
     "x-traceml-rules",
     "x-traceml-wire",
+    "x-traceml-written",
 }
 _SCALAR_TYPES = {"integer", "number", "boolean", "string"}
+WRITTEN_ALWAYS = "always"
+"""``x-traceml-written: always`` on an optional field: this producer writes the key on
+every line (``null`` when unknown where the type allows it; a non-nullable one is left
+out only by a record loaded from a line that lacked it), and the rank's item always
+carries it. Readers still accept lines without it (written before it existed)."""
+WRITTEN_WHEN_KNOWN = "when-known"
+"""``x-traceml-written: when-known`` on an optional field: the key is written only when
+the value is known (left out when None), and the rank's item carries it only then."""
 
 
 class SchemaError(Exception):
@@ -99,6 +108,8 @@ class MapOf:
     """``propertyNames: {if: {pattern: P}, then: {enum: [...]}}``: keys matching P ..."""
     reserved_keys: tuple[str, ...] = ()
     """... must be one of these."""
+    nullable: bool = False
+    """``type: ["object", "null"]``: the map may be ``null``."""
 
 
 @attrs.frozen
@@ -154,6 +165,19 @@ class FieldModel:
     description: str
     unit: str | None
     pointer: str
+    written: str | None = None
+    """``x-traceml-written`` of an optional field (WRITTEN_ALWAYS, WRITTEN_WHEN_KNOWN), or
+    None: an optional field left out when None, sent by ranks as None when unknown."""
+
+    @property
+    def always_written(self) -> bool:
+        """Optional on read, but on every line this producer writes."""
+        return self.written == WRITTEN_ALWAYS
+
+    @property
+    def item_required(self) -> bool:
+        """Whether the rank's item must carry the key (the TypedDict's key is required)."""
+        return self.written != WRITTEN_WHEN_KNOWN
 
 
 @attrs.frozen
@@ -346,7 +370,9 @@ class _Loader:
                 unit,
             )
         json_type = target.get("type")
-        if json_type == "object":
+        if json_type == "object" or (
+            isinstance(json_type, list) and sorted(json_type) == ["null", "object"]
+        ):
             return self._map(file, schema_id, pointer, target), description, unit
         if json_type == "array":
             item_node = target.get("items")
@@ -374,6 +400,11 @@ class _Loader:
         if json_type not in _SCALAR_TYPES:
             raise SchemaError(file, pointer + "/type", f"unsupported type {json_type!r}")
         enum = node.get("enum")
+        if enum is not None and nullable:
+            # JSON Schema checks enum beside type: a nullable enum lists null too.
+            if None not in enum:
+                raise SchemaError(file, pointer + "/enum", "a nullable enum must list null")
+            enum = [e for e in enum if e is not None]
         if enum is not None and (
             json_type != "string" or not all(isinstance(e, str) for e in enum)
         ):
@@ -429,6 +460,7 @@ class _Loader:
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError(file, f"{pointer}/required", "a list of key names")
         return MapOf(
+            nullable=isinstance(node.get("type"), list),
             value=value,
             min_properties=int(node.get("minProperties", 0)),
             key_pattern=names.get("pattern"),
@@ -474,7 +506,18 @@ class _Loader:
             type_ref, description, unit = self._type(file, schema_id, here, prop)
             if not description:
                 raise SchemaError(file, here, "every field needs a description")
-            fields.append(FieldModel(name, type_ref, name in required, description, unit, here))
+            written = prop.get("x-traceml-written")
+            if written is not None and (
+                written not in (WRITTEN_ALWAYS, WRITTEN_WHEN_KNOWN) or name in required
+            ):
+                raise SchemaError(
+                    file,
+                    here + "/x-traceml-written",
+                    f"{WRITTEN_ALWAYS!r} or {WRITTEN_WHEN_KNOWN!r}, on an optional field",
+                )
+            fields.append(
+                FieldModel(name, type_ref, name in required, description, unit, here, written)
+            )
         # Top-level schemas without a stream (the warning file, the closing line) keep
         # their conditionals for the JSON Schema validator; records get loader checks.
         conditions: tuple[Condition, ...] = ()

@@ -31,12 +31,19 @@ LONG_TABLES: dict[tuple[str, str], tuple[str, tuple[str, ...], str]] = {
         ("event", "device"),
         "One row per rank, step, event and device: the step's `events` map, flattened.",
     ),
+    ("runtime_environment", "parallel"): (
+        "runtime_environment_parallel",
+        ("dimension",),
+        "One row per runtime_environment line and dimension of its parallel layout: the "
+        "`parallel` map, flattened (a line whose `parallel` is null has no row).",
+    ),
 }
 """(stream, map field) -> (table name, one column name per map level, description)."""
 
 _KEY_DESCRIPTIONS = {
     "event": "Event (phase) name: a key of `events`.",
     "device": "Device key of that event: cpu, cuda:N, mps, xpu:N.",
+    "dimension": "Dimension name: a key of `parallel` (dp, pp, tp, cp, ep, ...).",
 }
 
 _ARROW_TYPES = {"integer": "int64", "number": "float64", "boolean": "bool", "string": "string"}

@@ -52,7 +52,8 @@ def _type_text(type_ref: TypeRef) -> str:
             text += f" ({type_ref.format})"
         return text
     if isinstance(type_ref, MapOf):
-        return f"object: string → {_type_text(type_ref.value)}"
+        key = f" matching `{type_ref.key_pattern}`" if type_ref.key_pattern else ""
+        return f"object: string{key} → {_type_text(type_ref.value)}"
     if isinstance(type_ref, ArrayOf):
         return f"array of {_type_text(type_ref.item)}"
     assert isinstance(type_ref, ClassRef)
@@ -74,9 +75,10 @@ def _num(value: float) -> str:
 
 
 def _nullable(field: FieldModel) -> str:
-    text = "yes" if isinstance(field.type, Scalar) and field.type.nullable else "no"
+    nullable = isinstance(field.type, (Scalar, MapOf)) and field.type.nullable
+    text = "yes" if nullable else "no"
     if not field.required:
-        text += ", opt"
+        text += ", opt" + (" (always written)" if field.always_written else "")
     return text
 
 
@@ -170,6 +172,9 @@ def render_reference(schema_set: SchemaSet) -> str:
         "Every data line is one compact JSON object on one line, keys in the order of the tables "
         'below, `stream` and `schema_version` first. "null?" says whether the value may be JSON `null`; '
         '"opt" means the key may be absent (`hostname` is present only with the exporter hostname setting on). '
+        '"always written" marks an optional key that this producer writes on every line '
+        "(null when unknown where null is allowed): readers still accept lines without it, "
+        "written before it existed. "
         "Times are Unix nanoseconds, durations milliseconds, memory bytes."
     )
     lines.append("")

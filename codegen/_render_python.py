@@ -60,14 +60,23 @@ def annotation(type_ref: TypeRef) -> str:
             ]
         return f"{base} | None" if type_ref.nullable else base
     if isinstance(type_ref, MapOf):
-        return f"dict[str, {annotation(type_ref.value)}]"
+        text = f"dict[str, {annotation(type_ref.value)}]"
+        return f"{text} | None" if type_ref.nullable else text
     if isinstance(type_ref, ArrayOf):
         return f"tuple[{annotation(type_ref.item)}, ...]"
     return type_ref.class_name
 
 
 def _is_nullable(type_ref: TypeRef) -> bool:
-    return isinstance(type_ref, Scalar) and type_ref.nullable
+    return isinstance(type_ref, (Scalar, MapOf)) and type_ref.nullable
+
+
+def written_always(field: FieldModel) -> bool:
+    """Whether the dumpers write the key whatever its value (None as ``null``): a
+    required field, or an optional one this producer always writes whose type allows
+    null. (An always-written field that cannot be null is left out only when None, which
+    only a record loaded from a line without it has.)"""
+    return field.required or (field.always_written and _is_nullable(field.type))
 
 
 def _field_annotation(field: FieldModel) -> str:
@@ -326,12 +335,12 @@ def _render_dump(w: CodeWriter, model: ClassModel, classes: dict[str, ClassModel
         w.line("d: dict[str, Any] = {")
         index = 0
         fields = list(model.fields)
-        while index < len(fields) and fields[index].required:
+        while index < len(fields) and written_always(fields[index]):
             w.line(f'    "{fields[index].name}": {_dump_value(fields[index], classes)},')
             index += 1
         w.line("}")
         for field in fields[index:]:
-            if field.required:
+            if written_always(field):
                 w.line(f'd["{field.name}"] = {_dump_value(field, classes)}')
             elif field.name == "hostname":
                 with w.block("if include_hostname:"):
@@ -367,7 +376,10 @@ def _dump_expr(type_ref: TypeRef, value: str, depth: int, classes: dict[str, Cla
         if inner == k:
             return f"list({value})"
         return f"[{inner} for {k} in {value}]"
-    return f"_dump_map_{depth}_{id_of(type_ref)}({value}, include_hostname)"
+    call = f"_dump_map_{depth}_{id_of(type_ref)}({value}, include_hostname)"
+    if type_ref.nullable:
+        return f"(None if {value} is None else {call})"
+    return call
 
 
 def id_of(type_ref: MapOf) -> str:
@@ -538,8 +550,8 @@ def _encoder_spec(type_ref: TypeRef, names: _Names) -> str:
     else:
         keys = "None"
     return (
-        f"ValueSpec(Kind.MAP, False, {value}, {type_ref.key_min_length or 0}, None, "
-        f"{type_ref.min_properties}, {keys})"
+        f"ValueSpec(Kind.MAP, {type_ref.nullable}, {value}, {type_ref.key_min_length or 0}, "
+        f"None, {type_ref.min_properties}, {keys})"
     )
 
 
@@ -549,7 +561,7 @@ def _render_encoder_plans(w: CodeWriter, classes: list[ClassModel], names: _Name
     for model in classes:
         w.line(f"    {model.class_name}: (")
         for field in model.fields:
-            if field.required:
+            if written_always(field):
                 flag = "ALWAYS"
             elif field.name == "hostname":
                 flag = "HOSTNAME"
@@ -836,6 +848,10 @@ def _render_field_load(
         # An absent key reads as None, which the nullable check lets through.
         w.line(f'{var} = d.get("{field.name}")')
         _load_scalar(w, attrs.evolve(field.type, nullable=True), var, path, names)
+    elif isinstance(field.type, MapOf):
+        # An absent key reads as None, which a nullable map's check lets through.
+        w.line(f'{var} = d.get("{field.name}")')
+        _load_check(w, attrs.evolve(field.type, nullable=True), var, path, names, 0, classes)
     else:
         w.line(f'{var} = d.get("{field.name}")')
         with w.block(f"if {var} is not None:"):
@@ -860,7 +876,11 @@ def _load_check(
             w.line(f"{var} = _load_{snake(type_ref.class_name)}({var}, {path})")
         return
     if isinstance(type_ref, MapOf):
-        _load_map(w, type_ref, var, path, names, depth, classes)
+        if type_ref.nullable:
+            with w.block(f"if {var} is not None:"):
+                _load_map(w, type_ref, var, path, names, depth, classes)
+        else:
+            _load_map(w, type_ref, var, path, names, depth, classes)
         return
     if isinstance(type_ref, ArrayOf):
         _load_array(w, type_ref, var, path, names, depth, classes)

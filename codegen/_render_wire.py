@@ -69,7 +69,8 @@ def _py_type(type_ref: TypeRef) -> str:
     if isinstance(type_ref, ArrayOf):
         return f"list[{_py_type(type_ref.item)}]"
     assert isinstance(type_ref, MapOf)
-    return f"dict[str, {_py_type(type_ref.value)}]"
+    text = f"dict[str, {_py_type(type_ref.value)}]"
+    return f"{text} | None" if type_ref.nullable else text
 
 
 def _nested_classes(schema_set: SchemaSet, fields: list[FieldModel]) -> list[str]:
@@ -93,14 +94,42 @@ def _nested_classes(schema_set: SchemaSet, fields: list[FieldModel]) -> list[str
     return out
 
 
-def _typed_dict(w: CodeWriter, name: str, doc: str, fields: list[tuple[str, str, bool]]) -> None:
-    """A TypedDict; every key is required (a field the record may omit is sent as None)."""
-    with w.block(f"class {name}(TypedDict):"):
+ItemKey = tuple[str, str, bool]
+"""(key, Python type, whether the item must carry it)."""
+
+
+def _item_key(field: FieldModel) -> ItemKey:
+    """An item key of a record field: a field the record may omit is sent as None, except
+    one the producer always writes (sent with its value) and one written only when known
+    (sent only then: a key the item may leave out)."""
+    py_type = _py_type(field.type)
+    if not field.required and not field.always_written and not py_type.endswith("| None"):
+        py_type += " | None"
+    return field.name, py_type, field.item_required
+
+
+def _typed_dict(w: CodeWriter, name: str, doc: str, fields: list[ItemKey]) -> None:
+    """A TypedDict of the keys; keys the item may leave out go in a ``total=False``
+    subclass of a base holding the others (``NotRequired`` needs Python 3.11)."""
+    required = [f for f in fields if f[2]]
+    optional = [f for f in fields if not f[2]]
+    if optional:
+        base = f"_{name}Keys"
+        with w.block(f"class {base}(TypedDict):"):
+            w.line(f'"""The keys every ``{name}`` carries."""')
+            w.line()
+            for field_name, py_type, _ in required:
+                w.line(f"{field_name}: {py_type}")
+        w.line()
+        w.line()
+        header = f"class {name}({base}, total=False):"
+    else:
+        header = f"class {name}(TypedDict):"
+    with w.block(header):
         w.line(f'"""{doc}"""')
         w.line()
-        for field_name, py_type, required in fields:
-            optional = not required and not py_type.endswith("| None")
-            w.line(f"{field_name}: {py_type + ' | None' if optional else py_type}")
+        for field_name, py_type, _ in optional or required:
+            w.line(f"{field_name}: {py_type}")
     w.line()
     w.line()
 
@@ -168,7 +197,7 @@ def render_wire(schema_set: SchemaSet) -> str:
             w,
             _item_name(class_name),
             f"A {model.title} object as items carry it.",
-            [(f.name, _py_type(f.type), f.required) for f in model.fields],
+            [_item_key(f) for f in model.fields],
         )
     for s in streams:
         assert s.wire is not None
@@ -179,9 +208,9 @@ def render_wire(schema_set: SchemaSet) -> str:
                 w,
                 _item_name(entry.class_name),
                 f"One entry of a ``{s.name}`` item's ``{fan.item_key}``: one ``{entry.name}`` record.",
-                [(f.name, _py_type(f.type), f.required) for f in item_fields(schema_set, entry)],
+                [_item_key(f) for f in item_fields(schema_set, entry)],
             )
-        fields = [(f.name, _py_type(f.type), f.required) for f in item_fields(schema_set, s)]
+        fields = [_item_key(f) for f in item_fields(schema_set, s)]
         if fan is not None:
             fields.append(
                 (fan.item_key, f"list[{_item_name(by_name[fan.stream].class_name)}]", True)
@@ -262,6 +291,8 @@ def render_wire_table(schema_set: SchemaSet) -> str:
         keys: list[str] = []
         for f in item_fields(schema_set, s):
             detail = _doc_type(f.type, classes)
+            if not f.item_required:
+                detail = f"{detail}; only when known" if detail else "only when known"
             keys.append(f"`{f.name}`" + (f" ({detail})" if detail else ""))
         records = f"one `{s.name}`"
         fan = s.wire.fan_out
@@ -280,7 +311,8 @@ def render_wire_table(schema_set: SchemaSet) -> str:
     lines += made
     lines += [
         "",
-        "Ranks send every item key (null where the record omits the field); the aggregator "
+        "Ranks send every item key (null where the record omits the field), except those "
+        "marked only when known, which they send only with a value; the aggregator "
         "also takes items that lack a key of an optional record field (one added after "
         "release 1). From the batch: `observed_timestamp_unix_ns` is when the "
         "aggregator received it, `rank` is `identity.global_rank`, the others are the identity "

@@ -26,7 +26,7 @@ from traceml_records import (
     RecordError,
 )
 from traceml_records._codec import BUILTIN_EVENTS, RESERVED_EVENT_PREFIX, STEP_TIME_EVENT
-from traceml_records._generated.records import LOADERS
+from traceml_records._generated.records import ENCODER_PLANS, LOADERS, Flag
 from traceml_records._schemas import (
     CLOSING_SCHEMA_FILE,
     WARNING_SCHEMA_FILE,
@@ -198,6 +198,18 @@ def consistent(stream: str, d: dict[str, Any]) -> dict[str, Any]:
         if not d["distributed_initialized"]:
             d["distributed_backend"] = None
         d["python_version"] = "3.11.7"
+        # Each coordinate's rank is below its size; parallel_source is null exactly
+        # when parallel is (an absent key counts as null, and stays absent).
+        parallel = d.get("parallel")
+        if parallel is not None:
+            d["parallel"] = {
+                name: {"rank": c["rank"] % c["size"], "size": c["size"]}
+                for name, c in sorted(parallel.items())
+            }
+            if d.get("parallel_source") is None:
+                d["parallel_source"] = "declared"
+        elif d.get("parallel_source") is not None:
+            d["parallel_source"] = None
     elif stream == "stdout_stderr":
         d["line"] = d["line"].replace("\n", "")
     elif stream == "collectives":
@@ -224,6 +236,22 @@ def _phase(t: dict[str, Any]) -> dict[str, Any]:
     else:
         t["duration_ms"] = t["cpu_ms"]
     return t
+
+
+def as_dumped(stream: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The object ``dumps_line`` writes for the valid line ``d``: a key this producer
+    always writes (``parallel``, collectives' ``peer_rank`` ...) that ``d`` lacks, as a
+    line written before it existed does, comes back as null where its type allows; a
+    null in a key written only when known (step_time's ``tokens``) is left out."""
+    plan = ENCODER_PLANS[CLASSES[stream]]
+    out: dict[str, Any] = {}
+    for name, spec, flag in plan:
+        if name in d:
+            if d[name] is not None or flag != Flag.OMIT_NONE:
+                out[name] = d[name]
+        elif flag == Flag.ALWAYS and spec.nullable:
+            out[name] = None
+    return out
 
 
 def consistent_json(stream: str) -> st.SearchStrategy[dict[str, Any]]:

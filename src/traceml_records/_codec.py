@@ -310,27 +310,41 @@ class _LineForm:
 
     __slots__ = ("checks", "not_null", "order", "orders", "sorted_map")
 
-    def __init__(self, record_class: type[Any], rules: tuple[str, ...]) -> None:
+    def __init__(self, record_class: type[Any], rules: tuple[str, ...], required: set[str]) -> None:
         plan = ENCODER_PLANS[record_class]
         self.order = tuple(field[0] for field in plan)
         # Every key order a line may have: the schema order less any set of its
-        # optional keys (flag != 0: hostname, and keys omitted when null such as
-        # gpu_uuid, which lines written before that key existed lack).
-        optional = [field[0] for field in plan if field[2] != 0]
+        # optional keys (hostname, keys omitted when unknown such as gpu_uuid, and keys
+        # that lines written before them lack, such as collectives' group).
+        optional = [field[0] for field in plan if field[0] not in required]
         orders = set()
         for mask in range(1 << len(optional)):
             left_out = {name for bit, name in enumerate(optional) if mask >> bit & 1}
             orders.add(tuple(k for k in self.order if k not in left_out))
         self.orders = frozenset(orders)
-        # Optional keys that are absent when unknown, never null (gpu_uuid): the
-        # loader reads a null as absent, the schema refuses it.
-        self.not_null = tuple(field[0] for field in plan if field[2] == 2)
+        # Optional keys that cannot be null (gpu_uuid, collectives' group): the loader
+        # reads a null as absent, the schema refuses it. (A nullable one, such as
+        # step_time's tokens, may be null.)
+        self.not_null = tuple(
+            (field[0], _JSON_TYPES[field[1].kind])
+            for field in plan
+            if field[0] not in required and field[0] != "hostname" and not field[1].nullable
+        )
         self.checks: tuple[LineCheck, ...] = line_checks(rules)
         # step_time's events: names and each device map sorted (a line format rule).
         self.sorted_map = "events" if "events" in self.order else None
 
 
-_LINE_FORMS = {spec.name: _LineForm(spec.record_class, spec.rules) for spec in STREAMS}
+_JSON_TYPES = ("integer", "number", "boolean", "string", "object", "object", "array")
+"""JSON type name of each plan Kind (by its code: OBJECT and MAP are both objects)."""
+_LINE_FORMS = {
+    spec.name: _LineForm(
+        spec.record_class,
+        spec.rules,
+        set(schema_documents()[spec.schema_file]["required"]),
+    )
+    for spec in STREAMS
+}
 _CLOSING_ORDER = tuple(field[0] for field in ENCODER_PLANS[ClosingLine])
 
 
@@ -352,9 +366,9 @@ def line_problems(obj: dict[str, Any]) -> list[tuple[Path, str]]:
     found: list[tuple[Path, str]] = []
     if tuple(obj) not in form.orders:
         found.append(((), f"keys are not in schema order ({', '.join(form.order)})"))
-    for key in form.not_null:
+    for key, json_type in form.not_null:
         if key in obj and obj[key] is None:
-            found.append(((key,), 'null is not of type "string"'))
+            found.append(((key,), f'null is not of type "{json_type}"'))
     if form.sorted_map is not None:
         found.extend(_unsorted(obj[form.sorted_map], form.sorted_map))
     found.extend(line_findings(form.checks, obj))

@@ -296,20 +296,28 @@ def plan_for(stream: str) -> Plan | None:
             raise _NoPlan("a line is an object")
         # The top-level key order is a line rule: a key may be absent only where the
         # schema and the line's key orders (the encoder plan's optional keys) both
-        # allow it, and a key the encoder leaves out when unknown is never null.
+        # allow it (any key the schema leaves optional: lines written before it existed
+        # lack it), and a key the encoder leaves out when unknown is null only where its
+        # type allows.
         plan_fields = ENCODER_PLANS[spec.record_class]
         if [f[0] for f in plan_fields] != [f[0].decode() for f in root[2]]:
             raise _NoPlan("the schema's key order is not the encoder's")
         fields = tuple(
-            (key, node if flag != 2 else (node[0], False, *node[2:]), required or flag == 0)
-            for (key, node, required), (_, _, flag) in zip(root[2], plan_fields, strict=True)
+            (
+                key,
+                node if flag != 2 or value.nullable else (node[0], False, *node[2:]),
+                required,
+            )
+            for (key, node, required), (_, value, flag) in zip(root[2], plan_fields, strict=True)
         )
         root = (*root[:2], fields, *root[3:])
         for name in spec.rules:
             form = RULES[name].fast
             if form is not None:
                 root = _with_rule(root, form)
-        keys = tuple(_field(fields, k, ("integer", "string")) for k in spec.key_fields)
+        # A key field may be optional or null (collectives' group, peer_rank): the
+        # trackers give a missing or null component a value of its own.
+        keys = tuple(_field(fields, k, ("integer", "string"), True) for k in spec.key_fields)
         names = [f[0] for f in fields]
         if spec.carries_hostname and b"hostname" not in names:
             raise _NoPlan("a stream that carries hostname without the field")
@@ -323,14 +331,22 @@ def plan_for(stream: str) -> Plan | None:
 
 
 def key_shape(stream: str) -> str:
-    """A tracker's key shape for ``stream``: per key field, ``i`` (an integer) or ``s``
-    (a string), as its schema types it."""
+    """A tracker's key shape for ``stream``: per key field, ``i`` (an integer), ``n`` (an
+    integer that may be null or missing) or ``s`` (a string, or null or missing where the
+    schema allows), as its schema types it. The last ``i`` is the component a tracker
+    keeps in sorted arrays per group of the others, so a nullable integer is never it."""
     spec = next(s for s in STREAMS if s.name == stream)
     schema = schema_documents()[spec.schema_file]
     props = schema["properties"]
-    return "".join(
-        "s" if "string" in _types(_resolve(props[k], schema)[0]) else "i" for k in spec.key_fields
-    )
+    required = set(schema.get("required", ()))
+
+    def letter(name: str) -> str:
+        types = _types(_resolve(props[name], schema)[0])
+        if "string" in types:
+            return "s"
+        return "n" if "null" in types or name not in required else "i"
+
+    return "".join(letter(k) for k in spec.key_fields)
 
 
 # ------------------------------------------------------------- checker and tracker
@@ -366,8 +382,8 @@ class PyTracker:
     keys that came in order (8 bytes a key), a set for the rest."""
 
     def __init__(self, shape: str) -> None:
-        if not (1 <= len(shape) <= 5 and set(shape) <= {"i", "s"} and "i" in shape):
-            raise ValueError("the key's shape: 1 to 5 of 'i' and 's', one 'i' at least")
+        if not (1 <= len(shape) <= 6 and set(shape) <= {"i", "n", "s"} and "i" in shape):
+            raise ValueError("the key's shape: 1 to 6 of 'i', 'n' and 's', one 'i' at least")
         self._last = shape.rindex("i")
         self._groups: dict[tuple[Any, ...], array[int]] = {}
         self._extra: set[tuple[tuple[Any, ...], int]] = set()

@@ -66,6 +66,16 @@ def single_line_ok(value: str) -> bool:
     return "\n" not in value
 
 
+def parallel_ok(parallel: Mapping[str, Mapping[str, Any]] | None) -> bool:
+    """Every coordinate of a ``parallel`` layout (or None) has ``rank < size``."""
+    return parallel is None or all(c["rank"] < c["size"] for c in parallel.values())
+
+
+def parallel_source_ok(parallel: object, parallel_source: object) -> bool:
+    """``parallel_source`` is null exactly when ``parallel`` is (absent reads as null)."""
+    return (parallel is None) == (parallel_source is None)
+
+
 # ----------------------------------------------------------------------- line rules
 
 
@@ -124,6 +134,26 @@ def _topology_from_world_sizes(d: Mapping[str, Any]) -> Iterator[Finding]:
 def _python_version_format(d: Mapping[str, Any]) -> Iterator[Finding]:
     if not python_version_ok(d["python_version"]):
         yield ("python_version",), "expected platform.python_version(), e.g. '3.11.7'"
+
+
+def _parallel_rank_below_size(d: Mapping[str, Any]) -> Iterator[Finding]:
+    parallel = d.get("parallel")
+    if parallel is None:
+        return
+    for name, c in parallel.items():
+        if c["rank"] >= c["size"]:
+            yield ("parallel", name, "rank"), f"rank {c['rank']} is not below size {c['size']}"
+
+
+def _parallel_source_with_parallel(d: Mapping[str, Any]) -> Iterator[Finding]:
+    source = d.get("parallel_source")
+    if not parallel_source_ok(d.get("parallel"), source):
+        text = "null" if source is None else repr(source)
+        yield (
+            ("parallel_source",),
+            f"parallel_source {text} but parallel "
+            + ("is null" if d.get("parallel") is None else "is not null"),
+        )
 
 
 def _line_without_newline(d: Mapping[str, Any]) -> Iterator[Finding]:
@@ -271,6 +301,17 @@ RULES: dict[str, Rule] = {
             "`python_version` looks like `platform.python_version()` "
             "(three dot-separated numbers, then any non-space suffix).",
             _python_version_format,
+        ),
+        Rule(
+            "parallel-rank-below-size",
+            "Every coordinate of `parallel` has `rank < size`.",
+            _parallel_rank_below_size,
+        ),
+        Rule(
+            "parallel-source-with-parallel",
+            "`parallel_source` is null exactly when `parallel` is null (an absent key "
+            "counts as null).",
+            _parallel_source_with_parallel,
         ),
         Rule(
             "line-without-newline",

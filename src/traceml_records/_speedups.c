@@ -434,8 +434,8 @@ static int write_array(Out *o, PyObject *seq, const Spec *item_spec) {
 static int write_value(Out *o, PyObject *value, const Spec *spec) {
     if (value == Py_None) {
         /* orjson writes None as null; Python's dumpers fail on None where a nested
-         * object, map or array belongs, so that case is theirs. */
-        return spec->kind <= K_STR ? out_write(o, "null", 4) : FALLBACK;
+         * object, map or array belongs unless it is nullable, so that case is theirs. */
+        return spec->kind <= K_STR || spec->nullable ? out_write(o, "null", 4) : FALLBACK;
     }
     switch (spec->kind) {
         case K_INT:
@@ -813,7 +813,7 @@ static int item_map(Out *o, PyObject *map, const Spec *spec, Rules *rules) {
 
 static int item_value(Out *o, PyObject *value, const Spec *spec, Rules *rules) {
     if (value == Py_None) {
-        return spec->nullable && spec->kind <= K_STR ? out_write(o, "null", 4) : FALLBACK;
+        return spec->nullable ? out_write(o, "null", 4) : FALLBACK;
     }
     switch (spec->kind) {
         case K_INT: {
@@ -874,33 +874,45 @@ static Py_ssize_t field_index(const ClassPlan *plan, const char *name) {
     return -1;
 }
 
-/* The lines of one item, appended; FALLBACK leaves the output as it was. */
+/* The lines of one item, appended; FALLBACK leaves the output as it was. A field
+ * the plan may leave out (F_OMIT_NONE: optional on read, written only with a value)
+ * may be missing from the item or None: then the line has no such key. */
 static int item_line(Out *o, PyObject *item, ClassPlan *plan, Py_ssize_t first,
                      PyObject *prefix, Rules *rules) {
     Py_ssize_t n = plan->n - first;
-    if (!PyDict_CheckExact(item) || PyDict_GET_SIZE(item) != n) return FALLBACK;
+    if (!PyDict_CheckExact(item) || PyDict_GET_SIZE(item) > n) return FALLBACK;
     Py_ssize_t mark = o->len, mark_floats = o->n_floats;
     rules->entries = 0;
     int rc = n > MAX_OBJECT_FIELDS ? FALLBACK
                                    : out_write(o, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix));
-    Py_ssize_t pos = 0, at[MAX_OBJECT_FIELDS], end[MAX_OBJECT_FIELDS];
+    Py_ssize_t pos = 0, found = 0, at[MAX_OBJECT_FIELDS], end[MAX_OBJECT_FIELDS];
     PyObject *key, *value;
     for (Py_ssize_t i = first; i < plan->n && rc == OK; i++) {
         FieldPlan *f = &plan->fields[i];
-        /* by position and identity first, as in item_object */
-        PyDict_Next(item, &pos, &key, &value);
-        if (key != f->seen_key) {
-            if (PyUnicode_CheckExact(key) && str_eq(key, f->name)) {
+        /* by position and identity first, as in item_object; a key found by name
+         * leaves the position where it was (an optional key may be missing) */
+        Py_ssize_t next = pos;
+        if (PyDict_Next(item, &next, &key, &value) &&
+            (key == f->seen_key || (PyUnicode_CheckExact(key) && str_eq(key, f->name)))) {
+            pos = next;
+            if (key != f->seen_key) {
                 Py_INCREF(key);
                 Py_XSETREF(f->seen_key, key);
-            } else {
-                value = PyDict_GetItemWithError(item, f->name);
-                if (value == NULL) {
-                    rc = PyErr_Occurred() ? ERR : FALLBACK;
-                    break;
-                }
+            }
+        } else {
+            value = PyDict_GetItemWithError(item, f->name);
+            if (value == NULL && PyErr_Occurred()) {
+                rc = ERR;
+                break;
             }
         }
+        at[i - first] = end[i - first] = o->len;
+        if (value == NULL || (value == Py_None && f->flag == F_OMIT_NONE)) {
+            if (value == NULL && f->flag == F_ALWAYS) rc = FALLBACK;
+            if (value != NULL) found++;
+            continue;
+        }
+        found++;
         rc = out_reserve(o, f->key_len + 1);
         if (rc != OK) break;
         o->buf[o->len++] = ',';
@@ -910,6 +922,8 @@ static int item_line(Out *o, PyObject *item, ClassPlan *plan, Py_ssize_t first,
         rc = item_value(o, value, &f->spec, rules);
         end[i - first] = o->len;
     }
+    /* every key of the item is a field of the plan (each found once) */
+    if (rc == OK && found != PyDict_GET_SIZE(item)) rc = FALLBACK;
     /* floats are still placeholders here: the conditions test no float's value */
     if (rc == OK && !conditions_hold(rules, o->buf, at, end, first)) rc = FALLBACK;
     if (rc == OK) rc = out_write(o, "}\n", 2);
@@ -1306,7 +1320,9 @@ static int wire_value(Wire *w, Out *o, const Spec *spec, Py_ssize_t *float_index
 /* The fields [first, plan->n) of an object, each once, written in the plan's order:
  * item_object (top = 0: '{' ... '}') or item_line's fields (top = 1: ',' before each).
  * The keys usually come in that order and are read in one pass; otherwise the values
- * are found first and read in the plan's order. */
+ * are found first and read in the plan's order. On a line (top = 1) a field the plan
+ * may leave out (F_OMIT_NONE) may be missing or null: then it is not written, as
+ * item_line does. */
 static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int top) {
     Py_ssize_t n = plan->n - first;
     if (n <= 0 || n > MAX_OBJECT_FIELDS) return FALLBACK;
@@ -1317,17 +1333,31 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
     int flags[MAX_OBJECT_FIELDS];
     const char *at[MAX_OBJECT_FIELDS], *ends[MAX_OBJECT_FIELDS];
     int rc = OK, in_order = 1;
+    Py_ssize_t read = 0; /* keys read from the body */
     for (Py_ssize_t i = 0; i < n; i++) {
         FieldPlan *f = &plan->fields[first + i];
-        if (f->flag != F_ALWAYS) return FALLBACK;
+        int optional = f->flag == F_OMIT_NONE;
+        if (f->flag != F_ALWAYS && !(top && optional)) return FALLBACK;
         floats[i] = -1;
         flags[i] = 0;
+        text_at[i] = text_end[i] = o->len;
+        if (optional) {
+            /* absent unless its key comes next */
+            const char *q = w->p;
+            if (read && q < w->end && *q == ',') q++;
+            if ((read && q == w->p) || w->end - q < f->key_len ||
+                memcmp(q, f->key, f->key_len) != 0) {
+                continue;
+            }
+        }
         /* '"name":' is the plan's own key text */
-        if (i && wire_byte(w, ',') != OK) return FALLBACK;
+        if (read && wire_byte(w, ',') != OK) return FALLBACK;
         if (wire_lit(w, f->key, f->key_len) != OK) {
             in_order = 0;
             break;
         }
+        read++;
+        Py_ssize_t key_at = o->len;
         if (out_reserve(o, f->key_len + 1) < 0) return ERR;
         o->buf[o->len++] = (top || i) ? ',' : '{';
         memcpy(o->buf + o->len, f->key, f->key_len);
@@ -1336,6 +1366,10 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
         rc = wire_value(w, o, &f->spec, &floats[i], &flags[i]);
         if (rc != OK) return rc;
         text_end[i] = o->len;
+        if (optional && text_end[i] - text_at[i] == 4 && memcmp(o->buf + text_at[i], "null", 4) == 0) {
+            o->len = key_at; /* null: left out */
+            text_at[i] = text_end[i] = o->len;
+        }
     }
     if (!in_order) {
         o->len = mark;
@@ -1344,7 +1378,7 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
         w->p = start;
         for (Py_ssize_t i = 0; i < n; i++) at[i] = NULL;
         for (Py_ssize_t k = 0;; k++) {
-            if (k == n) break;
+            if (k == n || (w->p < w->end && *w->p == '}')) break;
             if (k && wire_byte(w, ',') != OK) return FALLBACK;
             const char *s;
             Py_ssize_t len;
@@ -1363,6 +1397,12 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
         const char *close = w->p;
         for (Py_ssize_t i = 0; i < n; i++) {
             FieldPlan *f = &plan->fields[first + i];
+            text_at[i] = text_end[i] = o->len;
+            if (at[i] == NULL) {
+                if (f->flag != F_OMIT_NONE) return FALLBACK; /* a key is missing */
+                continue;
+            }
+            Py_ssize_t key_at = o->len;
             if (out_reserve(o, f->key_len + 1) < 0) return ERR;
             o->buf[o->len++] = (top || i) ? ',' : '{';
             memcpy(o->buf + o->len, f->key, f->key_len);
@@ -1375,6 +1415,11 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
             if (rc != OK) return rc;
             text_end[i] = o->len;
             if (w->p != ends[i]) return FALLBACK;
+            if (f->flag == F_OMIT_NONE && text_end[i] - text_at[i] == 4 &&
+                memcmp(o->buf + text_at[i], "null", 4) == 0) {
+                o->len = key_at; /* null: left out */
+                text_at[i] = text_end[i] = o->len;
+            }
         }
         w->p = close;
     }
@@ -1513,7 +1558,7 @@ static int wire_value(Wire *w, Out *o, const Spec *spec, Py_ssize_t *float_index
     char c = *w->p;
     if (c == 'n') {
         if (WIRE_LIT(w, "null") != OK) return FALLBACK;
-        return spec->nullable && spec->kind <= K_STR ? out_write(o, "null", 4) : FALLBACK;
+        return spec->nullable ? out_write(o, "null", 4) : FALLBACK;
     }
     switch (spec->kind) {
         case K_INT: {
@@ -2302,7 +2347,7 @@ enum { N_INT, N_NUM, N_BOOL, N_STR, N_OBJ, N_MAP };
 enum { J_NULL = 1, J_BOOL = 2, J_INT = 4, J_FLOAT = 8, J_STR = 16, J_OBJ = 32 };
 enum { X_EQ, X_LT, X_LE, X_DURATION, X_NO_NEWLINE };
 #define MAX_FIELDS 48
-#define MAX_KEY 5
+#define MAX_KEY 6
 
 typedef struct {
     uint64_t h;
@@ -2812,6 +2857,7 @@ typedef struct {
     int n_comp;          /* key components */
     int last;            /* the one kept in the groups' sorted arrays: the last integer */
     char comp_str[MAX_KEY]; /* 1 where a component is a string */
+    char comp_null[MAX_KEY]; /* 1 where a component is an integer that may be null */
     Table str_ids;       /* hash of a string's bytes -> id (with the bytes in str_bytes) */
     char **str_bytes;
     Py_ssize_t *str_len;
@@ -2881,6 +2927,11 @@ static void table_free(Table *t) {
     t->slots = NULL;
     t->cap = t->n = 0;
 }
+
+/* A null (or missing) key component: a string's id that no string has, an integer no
+ * key field of the schemas allows (they are all >= 0). */
+#define NULL_STR_ID ((int64_t)-2)
+#define NULL_INT INT64_MIN
 
 /* The id of a key string (made when new), or -1 with an error set. */
 static int64_t string_id(Tracker *t, const char *s, Py_ssize_t n) {
@@ -3014,6 +3065,11 @@ static int key_from_tuple(Tracker *t, PyObject *key, int64_t *comps) {
     }
     for (int j = 0; j < t->n_comp; j++) {
         PyObject *v = PyTuple_GET_ITEM(key, j);
+        if (v == Py_None && (t->comp_str[j] || t->comp_null[j])) {
+            /* a key field the line lacks or has as null (an optional one) */
+            comps[j] = t->comp_str[j] ? NULL_STR_ID : NULL_INT;
+            continue;
+        }
         if (t->comp_str[j]) {
             Py_ssize_t n;
             const char *s = PyUnicode_Check(v) ? PyUnicode_AsUTF8AndSize(v, &n) : NULL;
@@ -3081,14 +3137,16 @@ static int tracker_init(Tracker *t, PyObject *args, PyObject *kwds) {
     const char *shape;
     if (!PyArg_ParseTuple(args, "s", &shape)) return -1;
     size_t n = strlen(shape);
-    if (n < 1 || n > MAX_KEY || strspn(shape, "is") != n || strchr(shape, 'i') == NULL) {
+    if (n < 1 || n > MAX_KEY || strspn(shape, "isn") != n || strchr(shape, 'i') == NULL) {
         PyErr_SetString(PyExc_ValueError,
-                        "the key's shape: 1 to 5 of 'i' (integer) and 's' (string), one 'i' at least");
+                        "the key's shape: 1 to 6 of 'i' (integer), 'n' (integer or null) and "
+                        "'s' (string or null), one 'i' at least");
         return -1;
     }
     t->n_comp = (int)n;
     for (size_t j = 0; j < n; j++) {
         t->comp_str[j] = shape[j] == 's';
+        t->comp_null[j] = shape[j] == 'n';
         if (shape[j] == 'i') t->last = (int)j;
     }
     t->found = PyDict_New();
@@ -3865,7 +3923,7 @@ static int checker_init(Checker *c, PyObject *args, PyObject *kwds) {
     if (build_node(root, &c->root) < 0) return -1;
     if (c->root->kind != N_OBJ) return plan_error("the root is an object");
     c->n_key = (int)PyTuple_GET_SIZE(keys);
-    if (c->n_key < 1 || c->n_key > MAX_KEY) return plan_error("1 to 5 key fields");
+    if (c->n_key < 1 || c->n_key > MAX_KEY) return plan_error("1 to 6 key fields");
     int *all[3] = {&c->rank_field, &c->seq_field, &c->hostname_field};
     for (int j = 0; j < c->n_key; j++) {
         c->key_field[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(keys, j));
@@ -3897,6 +3955,10 @@ static int take_line(Checker *c, Tracker *t, const char *p, const char *nl, int 
     if (c->unique) {
         for (int j = 0; j < c->n_key; j++) {
             const Val *v = &vals[c->key_field[j]];
+            if ((v->tag == 0 || v->tag == J_NULL) && (t->comp_str[j] || t->comp_null[j])) {
+                comps[j] = t->comp_str[j] ? NULL_STR_ID : NULL_INT; /* as key_from_tuple */
+                continue;
+            }
             if (t->comp_str[j]) {
                 if (v->tag != J_STR) return 0;
                 int64_t id = string_id(t, v->s, v->n);

@@ -565,9 +565,9 @@ def _cross_line(
     tracker: Tracker,
 ) -> None:
     if kind.unique_keys:
-        key = tuple(d[f] for f in kind.key_fields)
+        key = tuple(d.get(f) for f in kind.key_fields)  # an optional key field: None
         if not tracker.add(key, number):
-            shown = ", ".join(f"{f}={d[f]!r}" for f in kind.key_fields)
+            shown = ", ".join(f"{f}={d.get(f)!r}" for f in kind.key_fields)
             state.add_repeat(number, key, shown)
     rank, seq = d["rank"], d["seq"]
     previous = tracker.seq(rank, seq)

@@ -558,7 +558,11 @@ def _check_values(f: _Findings, col: Any, b: _Bounds, pointer: str, *, present: 
     if b.enum is not None and pa.types.is_string(col.type):
         bad.append(
             f.check(
-                pc.invert(pc.is_in(col, value_set=pa.array(b.enum, pa.string()))),
+                # a null is no value (a missing optional key): the check above has it
+                pc.and_(
+                    pc.is_valid(col),
+                    pc.invert(pc.is_in(col, value_set=pa.array(b.enum, pa.string()))),
+                ),
                 pointer,
                 f"{{value}} is not one of {', '.join(map(repr, b.enum))}",
                 values=col,
@@ -1012,9 +1016,13 @@ def _duplicates(raw: Any, stream: str) -> tuple[int, list[str]]:
     """Rows whose stream key an earlier row has, and a few of those keys (text)."""
     checks = _checks(stream)
     keys = list(checks.key_fields)
-    if not checks.unique_keys or raw.num_rows < 2 or not set(keys) <= set(raw.column_names):
+    if not checks.unique_keys or raw.num_rows < 2:
         return 0, []
-    counts = raw.select(keys).group_by(keys, use_threads=False).aggregate([([], "count_all")])
+    # A key field the file's lines lack (an optional one: collectives' group and
+    # peer_rank in files written before them) is null on every row; nulls group together.
+    n = raw.num_rows
+    key_table = pa.table({k: raw.column(k) if k in raw.column_names else pa.nulls(n) for k in keys})
+    counts = key_table.group_by(keys, use_threads=False).aggregate([([], "count_all")])
     extra = int(pc.sum(counts.column("count_all")).as_py() or 0) - counts.num_rows
     if extra == 0:
         return 0, []
@@ -1034,52 +1042,57 @@ def _column(table: Any, name: str, target: Any, rows: int) -> Any:
 
 
 def _flatten(raw: Any, source_field: str, key_names: tuple[str, ...], table: str) -> Any:
-    """The map column (event -> device -> timing) of ``raw`` as a long table.
+    """A map column of ``raw`` as a long table: one map level per name of ``key_names``
+    (step_time's events: event -> device -> timing; runtime_environment's parallel:
+    dimension -> coordinate).
 
-    Block by block of the file, then event by event and device by device, rows in
-    file order within each (sort when the order matters). Zero-copy where every line
-    has the entry, a filter where some lack it.
+    Block by block of the file, then entry by entry of each level, rows in file order
+    within each (sort when the order matters). Zero-copy where every line has the
+    entry, a filter where some lack it (or, for a nullable map, have null).
     """
     schema = arrow_schema(table)
     stream_keys = _stream_keys(table, key_names)
     leaf_cols = [f for f in schema if f.name not in key_names and f.name not in stream_keys]
-    events = raw.column(source_field)
+    column = raw.column(source_field)
     keys = [raw.column(k) for k in stream_keys]
     parts = []
-    for c, chunk in enumerate(events.chunks):
-        if not pa.types.is_struct(chunk.type):
-            raise FramesError(
-                f"{source_field} is not an object (got {chunk.type}); use validate=True"
-            )
-        key_chunks = [k.chunk(c) for k in keys]
+
+    def leaves(key_chunks: list[Any], names: list[str], leaf: Any) -> None:
+        mask = None if leaf.null_count == 0 else leaf.is_valid()
+        if mask is not None:
+            leaf = leaf.filter(mask)
+        n = len(leaf)
+        if n == 0:
+            return
+        cols: list[Any] = [k if mask is None else k.filter(mask) for k in key_chunks]
+        cols += [pa.repeat(pa.scalar(name, pa.string()), n) for name in names]
+        children = (
+            dict(zip([f.name for f in leaf.type], leaf.flatten(), strict=True))
+            if pa.types.is_struct(leaf.type)
+            else {}
+        )
+        for f in leaf_cols:
+            arr = children.get(f.name)
+            if arr is None:
+                cols.append(pa.nulls(n, f.type))
+            else:
+                cols.append(arr if arr.type == f.type else arr.cast(f.type))
+        parts.append(pa.Table.from_arrays(cols, schema=schema))
+
+    def level(key_chunks: list[Any], names: list[str], value: Any, where: str) -> None:
+        if len(names) == len(key_names):
+            leaves(key_chunks, names, value)
+            return
+        if pa.types.is_null(value.type):
+            return  # null on every line of the block (a nullable map)
+        if not pa.types.is_struct(value.type):
+            raise FramesError(f"{where} is not an object (got {value.type}); use validate=True")
         # flatten() merges each parent's nulls into its children.
-        for ev_field, by_device in zip(chunk.type, chunk.flatten(), strict=True):
-            if not pa.types.is_struct(by_device.type):
-                raise FramesError(
-                    f"{source_field}/{ev_field.name} is not an object; use validate=True"
-                )
-            for dev_field, timing in zip(by_device.type, by_device.flatten(), strict=True):
-                mask = None if timing.null_count == 0 else timing.is_valid()
-                if mask is not None:
-                    timing = timing.filter(mask)
-                n = len(timing)
-                if n == 0:
-                    continue
-                cols: list[Any] = [k if mask is None else k.filter(mask) for k in key_chunks]
-                cols.append(pa.repeat(pa.scalar(ev_field.name, pa.string()), n))
-                cols.append(pa.repeat(pa.scalar(dev_field.name, pa.string()), n))
-                children = (
-                    dict(zip([f.name for f in timing.type], timing.flatten(), strict=True))
-                    if pa.types.is_struct(timing.type)
-                    else {}
-                )
-                for f in leaf_cols:
-                    arr = children.get(f.name)
-                    if arr is None:
-                        cols.append(pa.nulls(n, f.type))
-                    else:
-                        cols.append(arr if arr.type == f.type else arr.cast(f.type))
-                parts.append(pa.Table.from_arrays(cols, schema=schema))
+        for entry, child in zip(value.type, value.flatten(), strict=True):
+            level(key_chunks, [*names, entry.name], child, f"{where}/{entry.name}")
+
+    for c, chunk in enumerate(column.chunks):
+        level([k.chunk(c) for k in keys], [], chunk, source_field)
     if not parts:
         return schema.empty_table()
     return pa.concat_tables(parts)

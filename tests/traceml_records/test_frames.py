@@ -75,7 +75,7 @@ def test_tables_follow_the_schemas() -> None:
     """One table per stream, columns in schema order; maps are long tables."""
     for spec in STREAMS:
         schema = json.loads((REPO / "schemas" / spec.schema_file).read_text(encoding="utf-8"))
-        props = [p for p in schema["properties"] if p != "events"]
+        props = [p for p in schema["properties"] if p not in ("events", "parallel")]
         assert [c[0] for c in TABLES[spec.name]] == props
         arrow = frames.arrow_schema(spec.name)
         required = set(schema["required"])
@@ -96,6 +96,8 @@ def test_tables_follow_the_schemas() -> None:
     ]
     assert phases.field("gpu_ms").nullable and not phases.field("cpu_ms").nullable
     assert phases.field("n_calls").type == pa.int64()
+    parallel = frames.arrow_schema("runtime_environment_parallel")
+    assert parallel.names == ["global_rank", "dimension", "rank", "size"]
 
 
 def test_generated_reference_lists_every_table() -> None:

@@ -61,7 +61,7 @@ def test_keys_match_the_spec() -> None:
         "system_gpu": ("node_rank", "seq", "gpu_index"),
         "runtime_environment": ("global_rank",),
         "stdout_stderr": ("rank", "seq"),
-        "collectives": ("global_rank", "step", "phase", "op"),
+        "collectives": ("global_rank", "step", "phase", "op", "group", "peer_rank"),
     }
 
 

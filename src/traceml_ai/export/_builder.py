@@ -49,6 +49,7 @@ from traceml_records.internal import (
     LOADERS,
     WIRE_STREAMS,
     FanOut,
+    Flag,
     LineCheck,
     WireStream,
     dumps_line,
@@ -227,10 +228,12 @@ def _nested_classes(record_class: type[Any]) -> set[type[Any]]:
 
 def _line_plan(plan: _StreamPlan) -> _LinePlan | None:
     """The C encoder's plan for a batch stream, or None where its items need Python: a
-    line rule, a fan-out, a check in Python only, an optional item key, record fields
-    that are not the batch's fields followed by the item's, a condition on a batch
-    field or on a float's value, or a nested object's condition the C rules do not
-    cover (step_time's phase timings: the duration rule)."""
+    line rule, a fan-out, a check in Python only, record fields that are not the batch's
+    fields followed by the item's, a condition on a batch field or on a float's value,
+    or a nested object's condition the C rules do not cover (step_time's phase timings:
+    the duration rule). Optional item keys are the C encoder's too: one written only
+    with a value (flag OMIT_NONE) is left out when missing or None, and an item without
+    an always-written one (an older sender's) is handed to Python, which writes null."""
     wire = plan.wire
     rules = _C_RULES.get(wire.name)
     if plan.load_item is None or ((plan.limit or plan.check) and rules is None):
@@ -242,8 +245,9 @@ def _line_plan(plan: _StreamPlan) -> _LinePlan | None:
     if (
         tuple(field.name for field in fields[:first]) != head
         or {field.name for field in tail} != wire.item_keys
-        or wire.required_item_keys != wire.item_keys
-        or any(field.flag != 0 for field in tail)  # written always (no hostname, no omitted null)
+        or not wire.required_item_keys <= wire.item_keys
+        # written always, or only with a value (no hostname)
+        or any(field.flag not in (Flag.ALWAYS, Flag.OMIT_NONE) for field in tail)
     ):
         return None
     covered = {rules[-1]} if rules is not None else set()  # the phase class
@@ -368,7 +372,7 @@ def _record(
     if keys != plan.keys and not (plan.required_keys <= keys <= plan.keys):
         raise _Skip  # an older rank's item may lack an optional field
     for name in plan.strings:
-        value = item[name]
+        value = item.get(name)  # an optional string field may be missing
         if type(value) is str and _str_too_big(value):
             raise _Skip
     if plan.limit is not None:

@@ -494,7 +494,7 @@ def step_line(
     worlds: object = None,
 ) -> tuple[int, int, int, int, dict[str, float]] | int | None:
     """One step_time line's ``(global_rank, step, world_size, node_rank, row)`` (the row
-    with ``_ts``, the step's end), or 1 when a scalar field cannot be a valid line's, 2
+    with ``_ts``, the step's end, and ``_tokens`` when the line has tokens), or 1 when a scalar field cannot be a valid line's, 2
     when its events cannot (:func:`check_fields` and :func:`_step_problem` say why).
     The pure-Python twin of ``_rowscan.step_line``, which also appends the common row to
     its rank's builder in ``ranks`` itself (and then returns None); this one leaves
@@ -505,6 +505,9 @@ def step_line(
     if row is None:
         return _BAD_EVENTS
     row["_ts"] = float(obj["timestamp_unix_ns"])
+    tokens = obj.get("tokens")
+    if tokens is not None:  # the step's tokens, when the line has them
+        row["_tokens"] = float(tokens)
     return obj["global_rank"], obj["step"], obj["world_size"], obj["node_rank"], row
 
 

@@ -16,7 +16,7 @@
 /* Interned names (made once, at import). */
 static PyObject *s_events, *s_step, *s_used, *s_ts, *s_global_rank, *s_world_size,
     *s_node_rank, *s_timestamp, *s_keys, *s_key_columns, *s_steps, *s_last, *s_node,
-    *s_duration, *s_cpu, *s_gpu, *s_calls, *s_closing;
+    *s_duration, *s_cpu, *s_gpu, *s_calls, *s_closing, *s_tokens, *s_row_tokens;
 
 enum { KIND_INT = 0, KIND_NUMBER = 1, KIND_STRING = 2, KIND_BOOL = 3 };
 enum { BAD_FIELDS = 1, BAD_EVENTS = 2 };
@@ -371,6 +371,22 @@ static PyObject *step_line(PyObject *module, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     Py_DECREF(ts);
+    /* the step's tokens, when the line has them (not null): the checks made them an
+     * integer >= 0 */
+    PyObject *tokens = PyDict_GetItemWithError(obj, s_tokens);
+    if (tokens == NULL && PyErr_Occurred()) {
+        Py_DECREF(row);
+        return NULL;
+    }
+    if (tokens != NULL && tokens != Py_None) {
+        PyObject *value = PyNumber_Float(tokens);
+        if (value == NULL || PyDict_SetItem(row, s_row_tokens, value) < 0) {
+            Py_XDECREF(value);
+            Py_DECREF(row);
+            return NULL;
+        }
+        Py_DECREF(value);
+    }
     PyObject *builder = PyDict_GetItemWithError(ranks, rank);
     if (builder == NULL && PyErr_Occurred()) {
         Py_DECREF(row);
@@ -472,7 +488,9 @@ PyMODINIT_FUNC PyInit__rowscan(void) {
     s_gpu = PyUnicode_InternFromString("gpu_ms");
     s_calls = PyUnicode_InternFromString("n_calls");
     s_closing = PyUnicode_InternFromString("closing");
-    if (!s_closing) return NULL;
+    s_tokens = PyUnicode_InternFromString("tokens");
+    s_row_tokens = PyUnicode_InternFromString("_tokens");
+    if (!s_closing || !s_tokens || !s_row_tokens) return NULL;
     if (!s_keys || !s_key_columns || !s_steps || !s_last || !s_node || !s_duration || !s_cpu ||
         !s_gpu || !s_calls)
         return NULL;

@@ -200,6 +200,11 @@ def _collectives(seq: int, device: str) -> dict[str, Any]:
         "wait_measure": "device" if device.startswith("cuda") else "host",
         "first_arrival_ms": 4.25,
         "last_arrival_ms": 9.5,
+        # DDP's buckets run over the default group: the whole job; two 25 MiB buckets
+        "group": "world",
+        "peer_rank": None,
+        "peer_stage": None,
+        "bytes": 2 * 25 * 1024 * 1024,
     }
 
 
@@ -215,6 +220,8 @@ def _runtime_environment(identity: Mapping[str, Any]) -> dict[str, Any]:
         "strategy_confidence": "high",
         "torch_version": "2.13.0",
         "python_version": "3.11.7",
+        "parallel": None,  # no layout declared or found
+        "parallel_source": None,
     }
 
 

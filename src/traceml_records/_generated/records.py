@@ -19,6 +19,7 @@ __all__ = [
     "ExportLoss",
     "FinalizationWarning",
     "MonitoringLoss",
+    "ParallelCoordinate",
     "PhaseTiming",
     "ProcessRecord",
     "RuntimeEnvironmentRecord",
@@ -35,8 +36,9 @@ _ENUM_27 = frozenset(
 )
 _ENUM_28 = frozenset({"runtime_model", "runtime_distributed", "topology", "unknown"})
 _ENUM_29 = frozenset({"high", "low"})
-_ENUM_34 = frozenset({"stdout", "stderr"})
-_ENUM_39 = frozenset(
+_ENUM_34 = frozenset({"device_mesh", "pipelining", "megatron", "deepspeed", "declared"})
+_ENUM_39 = frozenset({"stdout", "stderr"})
+_ENUM_44 = frozenset(
     {
         "all_gather",
         "all_reduce",
@@ -51,9 +53,10 @@ _ENUM_39 = frozenset(
         "send",
     }
 )
-_ENUM_40 = frozenset({"ddp_comm_hook", "torch.distributed"})
-_ENUM_41 = frozenset({"device", "host", "none"})
-_ENUM_48 = frozenset(
+_ENUM_45 = frozenset({"ddp_comm_hook", "torch.distributed"})
+_ENUM_46 = frozenset({"device", "host", "none"})
+_ENUM_47 = frozenset({"dp", "pp", "tp", "cp", "ep", "world", "other"})
+_ENUM_54 = frozenset(
     {
         "step_time",
         "step_memory",
@@ -65,7 +68,7 @@ _ENUM_48 = frozenset(
         "collectives",
     }
 )
-_ENUM_53 = frozenset(
+_ENUM_59 = frozenset(
     {"export_incomplete", "monitoring_incomplete", "ranks_disconnected", "timeout"}
 )
 _INF = float("inf")
@@ -96,6 +99,10 @@ _KEYS_COLLECTIVES_RECORD = frozenset(
         "wait_measure",
         "first_arrival_ms",
         "last_arrival_ms",
+        "group",
+        "peer_rank",
+        "peer_stage",
+        "bytes",
     }
 )
 _KEYS_COLLECTIVES_RECORD_ITEM = frozenset(
@@ -112,6 +119,10 @@ _KEYS_COLLECTIVES_RECORD_ITEM = frozenset(
         "wait_measure",
         "first_arrival_ms",
         "last_arrival_ms",
+        "group",
+        "peer_rank",
+        "peer_stage",
+        "bytes",
     }
 )
 _KEYS_EXPORT_LOSS = frozenset(
@@ -131,6 +142,7 @@ _KEYS_FINALIZATION_WARNING = frozenset(
     }
 )
 _KEYS_MONITORING_LOSS = frozenset({"dropped_batches", "by_sink", "not_started"})
+_KEYS_PARALLEL_COORDINATE = frozenset({"rank", "size"})
 _KEYS_PHASE_TIMING = frozenset({"cpu_ms", "duration_ms", "gpu_ms", "is_gpu", "n_calls"})
 _KEYS_PROCESS_RECORD = frozenset(
     {
@@ -200,6 +212,8 @@ _KEYS_RUNTIME_ENVIRONMENT_RECORD = frozenset(
         "strategy_confidence",
         "torch_version",
         "python_version",
+        "parallel",
+        "parallel_source",
     }
 )
 _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM = frozenset(
@@ -214,6 +228,8 @@ _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM = frozenset(
         "strategy_confidence",
         "torch_version",
         "python_version",
+        "parallel",
+        "parallel_source",
     }
 )
 _KEYS_STDOUT_STDERR_RECORD = frozenset(
@@ -268,9 +284,10 @@ _KEYS_STEP_TIME_RECORD = frozenset(
         "seq",
         "step",
         "events",
+        "tokens",
     }
 )
-_KEYS_STEP_TIME_RECORD_ITEM = frozenset({"timestamp_unix_ns", "seq", "step", "events"})
+_KEYS_STEP_TIME_RECORD_ITEM = frozenset({"timestamp_unix_ns", "seq", "step", "events", "tokens"})
 _KEYS_SYSTEM_GPU_RECORD = frozenset(
     {
         "stream",
@@ -342,7 +359,9 @@ _KEYS_SYSTEM_RECORD_ITEM = frozenset(
     }
 )
 _MATCHED_0: set[str] = set()
+_MATCHED_1: set[str] = set()
 _PATTERN_0 = re.compile("^[a-z]+(:[0-9]+)?\\Z")
+_PATTERN_1 = re.compile("^[a-z][a-z0-9_]*\\Z")
 _REQUIRED_CLOSING_LINE = frozenset(
     {"stream", "closing", "schema_version", "written_records", "dropped_batches"}
 )
@@ -392,6 +411,7 @@ _REQUIRED_EXPORT_LOSS = frozenset(
 )
 _REQUIRED_FINALIZATION_WARNING = frozenset({"status", "completed_at", "reason", "message"})
 _REQUIRED_MONITORING_LOSS = frozenset({"dropped_batches", "by_sink", "not_started"})
+_REQUIRED_PARALLEL_COORDINATE = frozenset({"rank", "size"})
 _REQUIRED_PHASE_TIMING = frozenset({"cpu_ms", "duration_ms", "gpu_ms", "is_gpu", "n_calls"})
 _REQUIRED_PROCESS_RECORD = frozenset(
     {
@@ -592,7 +612,7 @@ _REQUIRED_SYSTEM_RECORD_ITEM = frozenset(
         "gpu_count",
     }
 )
-_RESERVED_KEYS_df1b3c6a = frozenset(
+_RESERVED_KEYS_992a56af = frozenset(
     {
         "_traceml_internal:backward_time",
         "_traceml_internal:dataloader_next",
@@ -730,6 +750,9 @@ class StepTimeRecord(_Checked):
 
     events: dict[str, dict[str, PhaseTiming]]
     """Phase timings of the step: event name -> device key -> timing. Names and device keys are sorted; the whole step (_traceml_internal:step_time) is always there, and names starting with _traceml_internal: are the built-in events only."""
+
+    tokens: int | None = None
+    """Tokens (or sequence elements of the samples) this rank processed in the step, as the script or an integration counted them. Optional: absent when not known and from lines written before it existed; a null reads as not known."""
 
 
 @attrs.frozen(kw_only=True)
@@ -1067,6 +1090,14 @@ class RuntimeEnvironmentRecord(_Checked):
     python_version: str
     """platform.python_version(), e.g. 3.11.7."""
 
+    parallel: dict[str, ParallelCoordinate] | None = None
+    """This rank's place in the job's parallel layout: dimension name -> its coordinate along that dimension. Names: dp, pp, tp, cp, ep where they apply; dp_replicate and dp_shard for HSDP; a DeviceMesh's own dimension names otherwise. Names are sorted. null when the layout is unknown. Optional on read: absent from lines written before it existed; this producer always writes it."""
+
+    parallel_source: (
+        Literal["device_mesh", "pipelining", "megatron", "deepspeed", "declared"] | None
+    ) = None
+    """What parallel was read from: device_mesh (a torch DeviceMesh the script made), pipelining (torch.distributed.pipelining), megatron (Megatron's parallel state), deepspeed (DeepSpeed's topology), declared (the parallel setting); null exactly when parallel is null. Optional on read: absent from lines written before it existed; this producer always writes it."""
+
 
 @attrs.frozen(kw_only=True)
 class StdoutStderrRecord(_Checked):
@@ -1185,6 +1216,18 @@ class CollectivesRecord(_Checked):
     last_arrival_ms: float
     """When the rank issued the last of them, on the same clock as first_arrival_ms. [ms]"""
 
+    group: Literal["dp", "pp", "tp", "cp", "ep", "world", "other"] | None = None
+    """The dimension of the parallel layout the collectives ran over: the process group's ranks differ in exactly that coordinate (dp_replicate, dp_shard and any dp_* dimension count as dp); world when the group is the whole job (or the default group); other otherwise, also when the layout is unknown and the group is not the whole job. Optional on read: absent from lines written before it existed; this producer always writes it."""
+
+    peer_rank: int | None = None
+    """For point-to-point operations (send, recv; also isend, irecv, batch_isend_irecv and what torch.distributed.pipelining issues): the global rank of the peer; null for collectives. Optional on read: absent from lines written before it existed; this producer always writes it."""
+
+    peer_stage: int | None = None
+    """For point-to-point operations: the peer's pp coordinate when this rank's layout has pp; else null. Optional on read: absent from lines written before it existed; this producer always writes it."""
+
+    bytes: int | None = None
+    """Tensor bytes the calls of this line moved: the sum of numel times element size of their tensor arguments as passed, over the calls whose size is known (an object collective's is not); null when none is known. Optional on read: absent from lines written before it existed; this producer always writes it. [bytes]"""
+
 
 @attrs.frozen(kw_only=True)
 class ClosingLine(_Checked):
@@ -1294,6 +1337,20 @@ class MonitoringLoss(_Checked):
 
 
 @attrs.frozen(kw_only=True)
+class ParallelCoordinate(_Checked):
+    """This rank's place along one dimension of the parallel layout.
+
+    Schema ``urn:traceml:schema:common:v1`` (common.schema.json#/$defs/parallel_coordinate).
+    """
+
+    rank: int
+    """This rank's coordinate along the dimension, from 0; below size."""
+
+    size: int
+    """How many coordinates the dimension has."""
+
+
+@attrs.frozen(kw_only=True)
 class PhaseTiming(_Checked):
     """One phase of one step on one device.
 
@@ -1334,6 +1391,7 @@ _set_step_time_record_timestamp_unix_ns = StepTimeRecord.__dict__["timestamp_uni
 _set_step_time_record_seq = StepTimeRecord.__dict__["seq"].__set__
 _set_step_time_record_step = StepTimeRecord.__dict__["step"].__set__
 _set_step_time_record_events = StepTimeRecord.__dict__["events"].__set__
+_set_step_time_record_tokens = StepTimeRecord.__dict__["tokens"].__set__
 _set_step_memory_record_stream = StepMemoryRecord.__dict__["stream"].__set__
 _set_step_memory_record_schema_version = StepMemoryRecord.__dict__["schema_version"].__set__
 _set_step_memory_record_observed_timestamp_unix_ns = StepMemoryRecord.__dict__[
@@ -1472,6 +1530,10 @@ _set_runtime_environment_record_torch_version = RuntimeEnvironmentRecord.__dict_
 _set_runtime_environment_record_python_version = RuntimeEnvironmentRecord.__dict__[
     "python_version"
 ].__set__
+_set_runtime_environment_record_parallel = RuntimeEnvironmentRecord.__dict__["parallel"].__set__
+_set_runtime_environment_record_parallel_source = RuntimeEnvironmentRecord.__dict__[
+    "parallel_source"
+].__set__
 _set_stdout_stderr_record_stream = StdoutStderrRecord.__dict__["stream"].__set__
 _set_stdout_stderr_record_schema_version = StdoutStderrRecord.__dict__["schema_version"].__set__
 _set_stdout_stderr_record_observed_timestamp_unix_ns = StdoutStderrRecord.__dict__[
@@ -1508,6 +1570,10 @@ _set_collectives_record_wait_ms = CollectivesRecord.__dict__["wait_ms"].__set__
 _set_collectives_record_wait_measure = CollectivesRecord.__dict__["wait_measure"].__set__
 _set_collectives_record_first_arrival_ms = CollectivesRecord.__dict__["first_arrival_ms"].__set__
 _set_collectives_record_last_arrival_ms = CollectivesRecord.__dict__["last_arrival_ms"].__set__
+_set_collectives_record_group = CollectivesRecord.__dict__["group"].__set__
+_set_collectives_record_peer_rank = CollectivesRecord.__dict__["peer_rank"].__set__
+_set_collectives_record_peer_stage = CollectivesRecord.__dict__["peer_stage"].__set__
+_set_collectives_record_bytes = CollectivesRecord.__dict__["bytes"].__set__
 _set_closing_line_stream = ClosingLine.__dict__["stream"].__set__
 _set_closing_line_closing = ClosingLine.__dict__["closing"].__set__
 _set_closing_line_schema_version = ClosingLine.__dict__["schema_version"].__set__
@@ -1532,6 +1598,8 @@ _set_finalization_warning_monitoring = FinalizationWarning.__dict__["monitoring"
 _set_monitoring_loss_dropped_batches = MonitoringLoss.__dict__["dropped_batches"].__set__
 _set_monitoring_loss_by_sink = MonitoringLoss.__dict__["by_sink"].__set__
 _set_monitoring_loss_not_started = MonitoringLoss.__dict__["not_started"].__set__
+_set_parallel_coordinate_rank = ParallelCoordinate.__dict__["rank"].__set__
+_set_parallel_coordinate_size = ParallelCoordinate.__dict__["size"].__set__
 _set_phase_timing_cpu_ms = PhaseTiming.__dict__["cpu_ms"].__set__
 _set_phase_timing_duration_ms = PhaseTiming.__dict__["duration_ms"].__set__
 _set_phase_timing_gpu_ms = PhaseTiming.__dict__["gpu_ms"].__set__
@@ -1539,7 +1607,7 @@ _set_phase_timing_is_gpu = PhaseTiming.__dict__["is_gpu"].__set__
 _set_phase_timing_n_calls = PhaseTiming.__dict__["n_calls"].__set__
 
 
-def _dump_map_1_536251bd(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+def _dump_map_1_9c37ab7c(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
     if len(m) == 1:
         for k, v in m.items():
             return {
@@ -1564,18 +1632,29 @@ def _dump_map_1_536251bd(m: dict[str, Any], include_hostname: bool) -> dict[str,
     return out
 
 
-def _dump_map_0_df1b3c6a(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+def _dump_map_0_992a56af(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
     if len(m) == 1:
         for k, v in m.items():
-            return {k: _dump_map_1_536251bd(v, include_hostname)}
+            return {k: _dump_map_1_9c37ab7c(v, include_hostname)}
     out: dict[str, Any] = {}
     for k in sorted(m):
         v = m[k]
-        out[k] = _dump_map_1_536251bd(v, include_hostname)
+        out[k] = _dump_map_1_9c37ab7c(v, include_hostname)
     return out
 
 
-def _dump_map_1_a21e3ceb(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+def _dump_map_0_7cb4417d(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+    if len(m) == 1:
+        for k, v in m.items():
+            return {k: {"rank": v.rank, "size": v.size}}
+    out: dict[str, Any] = {}
+    for k in sorted(m):
+        v = m[k]
+        out[k] = {"rank": v.rank, "size": v.size}
+    return out
+
+
+def _dump_map_1_a8c4fc32(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
     if len(m) == 1:
         for k, v in m.items():
             return {k: v}
@@ -1586,18 +1665,18 @@ def _dump_map_1_a21e3ceb(m: dict[str, Any], include_hostname: bool) -> dict[str,
     return out
 
 
-def _dump_map_0_9ff862fb(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+def _dump_map_0_4ac2dab9(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
     if len(m) == 1:
         for k, v in m.items():
-            return {k: _dump_map_1_a21e3ceb(v, include_hostname)}
+            return {k: _dump_map_1_a8c4fc32(v, include_hostname)}
     out: dict[str, Any] = {}
     for k in sorted(m):
         v = m[k]
-        out[k] = _dump_map_1_a21e3ceb(v, include_hostname)
+        out[k] = _dump_map_1_a8c4fc32(v, include_hostname)
     return out
 
 
-def _dump_map_0_97d89bc9(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
+def _dump_map_0_ba465d52(m: dict[str, Any], include_hostname: bool) -> dict[str, Any]:
     if len(m) == 1:
         for k, v in m.items():
             return {k: v}
@@ -1625,7 +1704,9 @@ def _dump_step_time_record(r: StepTimeRecord, include_hostname: bool) -> dict[st
     d["timestamp_unix_ns"] = r.timestamp_unix_ns
     d["seq"] = r.seq
     d["step"] = r.step
-    d["events"] = _dump_map_0_df1b3c6a(r.events, include_hostname)
+    d["events"] = _dump_map_0_992a56af(r.events, include_hostname)
+    if r.tokens is not None:
+        d["tokens"] = r.tokens
     return d
 
 
@@ -1665,7 +1746,7 @@ def _build_step_time_record(identity: dict[str, Any], d: Any, path: Path) -> Ste
         )
     m_f_events: dict[str, dict[str, PhaseTiming]] = {}
     for k0, v0 in f_events.items():
-        if k0 not in _RESERVED_KEYS_df1b3c6a and k0.startswith("_traceml_internal:"):
+        if k0 not in _RESERVED_KEYS_992a56af and k0.startswith("_traceml_internal:"):
             raise RecordError(
                 (*(*path, "events"), k0),
                 "keys matching ^_traceml_internal: are reserved; expected one of _traceml_internal:backward_time, _traceml_internal:dataloader_next, _traceml_internal:forward_time, _traceml_internal:h2d_time, _traceml_internal:optimizer_step, _traceml_internal:step_time",
@@ -1769,6 +1850,13 @@ def _build_step_time_record(identity: dict[str, Any], d: Any, path: Path) -> Ste
         v0 = m1
         m_f_events[k0] = v0
     f_events = m_f_events
+    f_tokens = d.get("tokens")
+    if f_tokens is not None and (
+        type(f_tokens) is not int or f_tokens < 0 or f_tokens > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "tokens"), f"expected integer >= 0 or null, got {describe(f_tokens)}"
+        )
     record: StepTimeRecord = _new(StepTimeRecord)
     _set_step_time_record_stream(record, "step_time")
     _set_step_time_record_schema_version(record, 1)
@@ -1784,6 +1872,7 @@ def _build_step_time_record(identity: dict[str, Any], d: Any, path: Path) -> Ste
     _set_step_time_record_seq(record, f_seq)
     _set_step_time_record_step(record, f_step)
     _set_step_time_record_events(record, f_events)
+    _set_step_time_record_tokens(record, f_tokens)
     _mark_checked(record, True)
     return record
 
@@ -1792,7 +1881,7 @@ def _load_step_time_record_item(identity: dict[str, Any], d: Any, path: Path) ->
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if keys != _KEYS_STEP_TIME_RECORD_ITEM:
+    if not (_REQUIRED_STEP_TIME_RECORD_ITEM <= keys <= _KEYS_STEP_TIME_RECORD_ITEM):
         _key_error(keys, _REQUIRED_STEP_TIME_RECORD_ITEM, _KEYS_STEP_TIME_RECORD_ITEM, path)
     return _build_step_time_record(identity, d, path)
 
@@ -2786,6 +2875,10 @@ def _dump_runtime_environment_record(
     d["strategy_confidence"] = r.strategy_confidence
     d["torch_version"] = r.torch_version
     d["python_version"] = r.python_version
+    d["parallel"] = (
+        None if r.parallel is None else _dump_map_0_7cb4417d(r.parallel, include_hostname)
+    )
+    d["parallel_source"] = r.parallel_source
     return d
 
 
@@ -2860,6 +2953,61 @@ def _build_runtime_environment_record(
         raise RecordError(
             (*path, "python_version"), f"expected string, got {describe(f_python_version)}"
         )
+    f_parallel = d.get("parallel")
+    if f_parallel is not None:
+        if type(f_parallel) is not dict or len(f_parallel) < 1:
+            raise RecordError(
+                (*path, "parallel"),
+                f"expected object with at least 1 key(s), got {describe(f_parallel)}",
+            )
+        m_f_parallel: dict[str, ParallelCoordinate] = {}
+        for k0, v0 in f_parallel.items():
+            if k0 not in _MATCHED_1 and _no_match(_PATTERN_1, _MATCHED_1, k0):
+                raise RecordError((*(*path, "parallel"), k0), "invalid key")
+            if type(v0) is not dict:
+                raise RecordError(
+                    (*(*path, "parallel"), k0), f"expected object, got {describe(v0)}"
+                )
+            if len(v0) != 2:
+                _key_error(
+                    v0.keys(),
+                    _REQUIRED_PARALLEL_COORDINATE,
+                    _KEYS_PARALLEL_COORDINATE,
+                    (*(*path, "parallel"), k0),
+                )
+            try:
+                v0_rank = v0["rank"]
+                v0_size = v0["size"]
+            except KeyError:
+                _key_error(
+                    v0.keys(),
+                    _REQUIRED_PARALLEL_COORDINATE,
+                    _KEYS_PARALLEL_COORDINATE,
+                    (*(*path, "parallel"), k0),
+                )
+            if type(v0_rank) is not int or v0_rank < 0 or v0_rank > 9223372036854775807:
+                raise RecordError(
+                    (*(*(*path, "parallel"), k0), "rank"),
+                    f"expected integer >= 0, got {describe(v0_rank)}",
+                )
+            if type(v0_size) is not int or v0_size < 1 or v0_size > 9223372036854775807:
+                raise RecordError(
+                    (*(*(*path, "parallel"), k0), "size"),
+                    f"expected integer >= 1, got {describe(v0_size)}",
+                )
+            v0 = _new(ParallelCoordinate)
+            _set_parallel_coordinate_rank(v0, v0_rank)
+            _set_parallel_coordinate_size(v0, v0_size)
+            m_f_parallel[k0] = v0
+        f_parallel = m_f_parallel
+    f_parallel_source = d.get("parallel_source")
+    if f_parallel_source is not None and (
+        type(f_parallel_source) is not str or f_parallel_source not in _ENUM_34
+    ):
+        raise RecordError(
+            (*path, "parallel_source"),
+            f"expected one of device_mesh, pipelining, megatron, deepspeed, declared or null, got {describe(f_parallel_source)}",
+        )
     if f_distributed_initialized is True and f_distributed_backend is None:
         raise RecordError(
             (*path, "distributed_backend"),
@@ -2894,6 +3042,8 @@ def _build_runtime_environment_record(
     _set_runtime_environment_record_strategy_confidence(record, f_strategy_confidence)
     _set_runtime_environment_record_torch_version(record, f_torch_version)
     _set_runtime_environment_record_python_version(record, f_python_version)
+    _set_runtime_environment_record_parallel(record, f_parallel)
+    _set_runtime_environment_record_parallel_source(record, f_parallel_source)
     _mark_checked(record, True)
     return record
 
@@ -2904,7 +3054,9 @@ def _load_runtime_environment_record_item(
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if keys != _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM:
+    if not (
+        _REQUIRED_RUNTIME_ENVIRONMENT_RECORD_ITEM <= keys <= _KEYS_RUNTIME_ENVIRONMENT_RECORD_ITEM
+    ):
         _key_error(
             keys,
             _REQUIRED_RUNTIME_ENVIRONMENT_RECORD_ITEM,
@@ -3017,7 +3169,7 @@ def _build_stdout_stderr_record(identity: dict[str, Any], d: Any, path: Path) ->
     if type(f_seq) is not int or f_seq < 0 or f_seq > 9223372036854775807:
         raise RecordError((*path, "seq"), f"expected integer >= 0, got {describe(f_seq)}")
     f_source = d["source"]
-    if type(f_source) is not str or f_source not in _ENUM_34:
+    if type(f_source) is not str or f_source not in _ENUM_39:
         raise RecordError(
             (*path, "source"), f"expected one of stdout, stderr, got {describe(f_source)}"
         )
@@ -3104,6 +3256,11 @@ def _dump_collectives_record(r: CollectivesRecord, include_hostname: bool) -> di
     d["wait_measure"] = r.wait_measure
     d["first_arrival_ms"] = r.first_arrival_ms
     d["last_arrival_ms"] = r.last_arrival_ms
+    if r.group is not None:
+        d["group"] = r.group
+    d["peer_rank"] = r.peer_rank
+    d["peer_stage"] = r.peer_stage
+    d["bytes"] = r.bytes
     return d
 
 
@@ -3138,13 +3295,13 @@ def _build_collectives_record(identity: dict[str, Any], d: Any, path: Path) -> C
             (*path, "phase"), f"expected string of length >= 1, got {describe(f_phase)}"
         )
     f_op = d["op"]
-    if type(f_op) is not str or f_op not in _ENUM_39:
+    if type(f_op) is not str or f_op not in _ENUM_44:
         raise RecordError(
             (*path, "op"),
             f"expected one of all_gather, all_reduce, all_to_all, barrier, broadcast, gather, recv, reduce, reduce_scatter, scatter, send, got {describe(f_op)}",
         )
     f_source = d["source"]
-    if type(f_source) is not str or f_source not in _ENUM_40:
+    if type(f_source) is not str or f_source not in _ENUM_45:
         raise RecordError(
             (*path, "source"),
             f"expected one of ddp_comm_hook, torch.distributed, got {describe(f_source)}",
@@ -3171,7 +3328,7 @@ def _build_collectives_record(identity: dict[str, Any], d: Any, path: Path) -> C
             (*path, "wait_ms"), f"expected finite number >= 0 or null, got {describe(f_wait_ms)}"
         )
     f_wait_measure = d["wait_measure"]
-    if type(f_wait_measure) is not str or f_wait_measure not in _ENUM_41:
+    if type(f_wait_measure) is not str or f_wait_measure not in _ENUM_46:
         raise RecordError(
             (*path, "wait_measure"),
             f"expected one of device, host, none, got {describe(f_wait_measure)}",
@@ -3203,6 +3360,33 @@ def _build_collectives_record(identity: dict[str, Any], d: Any, path: Path) -> C
         raise RecordError(
             (*path, "last_arrival_ms"),
             f"expected finite number >= 0, got {describe(f_last_arrival_ms)}",
+        )
+    f_group = d.get("group")
+    if f_group is not None and (type(f_group) is not str or f_group not in _ENUM_47):
+        raise RecordError(
+            (*path, "group"),
+            f"expected one of dp, pp, tp, cp, ep, world, other or null, got {describe(f_group)}",
+        )
+    f_peer_rank = d.get("peer_rank")
+    if f_peer_rank is not None and (
+        type(f_peer_rank) is not int or f_peer_rank < 0 or f_peer_rank > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "peer_rank"), f"expected integer >= 0 or null, got {describe(f_peer_rank)}"
+        )
+    f_peer_stage = d.get("peer_stage")
+    if f_peer_stage is not None and (
+        type(f_peer_stage) is not int or f_peer_stage < 0 or f_peer_stage > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "peer_stage"), f"expected integer >= 0 or null, got {describe(f_peer_stage)}"
+        )
+    f_bytes = d.get("bytes")
+    if f_bytes is not None and (
+        type(f_bytes) is not int or f_bytes < 0 or f_bytes > 9223372036854775807
+    ):
+        raise RecordError(
+            (*path, "bytes"), f"expected integer >= 0 or null, got {describe(f_bytes)}"
         )
     if f_wait_measure == "none" and f_wait_ms is not None:
         raise RecordError(
@@ -3237,6 +3421,10 @@ def _build_collectives_record(identity: dict[str, Any], d: Any, path: Path) -> C
     _set_collectives_record_wait_measure(record, f_wait_measure)
     _set_collectives_record_first_arrival_ms(record, f_first_arrival_ms)
     _set_collectives_record_last_arrival_ms(record, f_last_arrival_ms)
+    _set_collectives_record_group(record, f_group)
+    _set_collectives_record_peer_rank(record, f_peer_rank)
+    _set_collectives_record_peer_stage(record, f_peer_stage)
+    _set_collectives_record_bytes(record, f_bytes)
     _mark_checked(record, True)
     return record
 
@@ -3247,7 +3435,7 @@ def _load_collectives_record_item(
     if type(d) is not dict:
         raise RecordError(path, f"expected object, got {describe(d)}")
     keys = d.keys()
-    if keys != _KEYS_COLLECTIVES_RECORD_ITEM:
+    if not (_REQUIRED_COLLECTIVES_RECORD_ITEM <= keys <= _KEYS_COLLECTIVES_RECORD_ITEM):
         _key_error(keys, _REQUIRED_COLLECTIVES_RECORD_ITEM, _KEYS_COLLECTIVES_RECORD_ITEM, path)
     return _build_collectives_record(identity, d, path)
 
@@ -3335,7 +3523,7 @@ def _load_closing_line(d: Any, path: Path) -> ClosingLine:
     if keys != _KEYS_CLOSING_LINE:
         _key_error(keys, _REQUIRED_CLOSING_LINE, _KEYS_CLOSING_LINE, path)
     f_stream = d["stream"]
-    if type(f_stream) is not str or f_stream not in _ENUM_48:
+    if type(f_stream) is not str or f_stream not in _ENUM_54:
         raise RecordError(
             (*path, "stream"),
             f"expected one of step_time, step_memory, process, system, system_gpu, runtime_environment, stdout_stderr, collectives, got {describe(f_stream)}",
@@ -3479,7 +3667,7 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
             (*path, "completed_at"), f"expected string, got {describe(f_completed_at)}"
         )
     f_reason = d["reason"]
-    if type(f_reason) is not str or f_reason not in _ENUM_53:
+    if type(f_reason) is not str or f_reason not in _ENUM_59:
         raise RecordError(
             (*path, "reason"),
             f"expected one of export_incomplete, monitoring_incomplete, ranks_disconnected, timeout, got {describe(f_reason)}",
@@ -3556,8 +3744,8 @@ def _load_finalization_warning(d: Any, path: Path) -> FinalizationWarning:
 def _dump_monitoring_loss(r: MonitoringLoss, include_hostname: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "dropped_batches": r.dropped_batches,
-        "by_sink": _dump_map_0_9ff862fb(r.by_sink, include_hostname),
-        "not_started": _dump_map_0_97d89bc9(r.not_started, include_hostname),
+        "by_sink": _dump_map_0_4ac2dab9(r.by_sink, include_hostname),
+        "not_started": _dump_map_0_ba465d52(r.not_started, include_hostname),
     }
     return d
 
@@ -3617,6 +3805,33 @@ def _load_monitoring_loss(d: Any, path: Path) -> MonitoringLoss:
     _set_monitoring_loss_dropped_batches(record, f_dropped_batches)
     _set_monitoring_loss_by_sink(record, f_by_sink)
     _set_monitoring_loss_not_started(record, f_not_started)
+    _mark_checked(record, True)
+    return record
+
+
+def _dump_parallel_coordinate(r: ParallelCoordinate, include_hostname: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "rank": r.rank,
+        "size": r.size,
+    }
+    return d
+
+
+def _load_parallel_coordinate(d: Any, path: Path) -> ParallelCoordinate:
+    if type(d) is not dict:
+        raise RecordError(path, f"expected object, got {describe(d)}")
+    keys = d.keys()
+    if keys != _KEYS_PARALLEL_COORDINATE:
+        _key_error(keys, _REQUIRED_PARALLEL_COORDINATE, _KEYS_PARALLEL_COORDINATE, path)
+    f_rank = d["rank"]
+    if type(f_rank) is not int or f_rank < 0 or f_rank > 9223372036854775807:
+        raise RecordError((*path, "rank"), f"expected integer >= 0, got {describe(f_rank)}")
+    f_size = d["size"]
+    if type(f_size) is not int or f_size < 1 or f_size > 9223372036854775807:
+        raise RecordError((*path, "size"), f"expected integer >= 1, got {describe(f_size)}")
+    record: ParallelCoordinate = _new(ParallelCoordinate)
+    _set_parallel_coordinate_rank(record, f_rank)
+    _set_parallel_coordinate_size(record, f_size)
     _mark_checked(record, True)
     return record
 
@@ -3708,6 +3923,7 @@ DUMPERS: dict[type[Any], Callable[[Any, bool], dict[str, Any]]] = {
     ExportLoss: _dump_export_loss,
     FinalizationWarning: _dump_finalization_warning,
     MonitoringLoss: _dump_monitoring_loss,
+    ParallelCoordinate: _dump_parallel_coordinate,
     PhaseTiming: _dump_phase_timing,
 }
 """Record class → function giving its JSON object (keys in schema order)."""
@@ -3725,6 +3941,7 @@ LOADERS: dict[type[Any], Callable[[Any, Path], Any]] = {
     ExportLoss: _load_export_loss,
     FinalizationWarning: _load_finalization_warning,
     MonitoringLoss: _load_monitoring_loss,
+    ParallelCoordinate: _load_parallel_coordinate,
     PhaseTiming: _load_phase_timing,
 }
 """Record class → strict function building it from a parsed JSON object."""
@@ -3841,6 +4058,11 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
                 None,
             ),
             Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "tokens",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.OMIT_NONE,
         ),
     ),
     StepMemoryRecord: (
@@ -4320,6 +4542,32 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
         FieldPlan(
             "python_version", ValueSpec(Kind.STRING, False, None, None, None, 0, None), Flag.ALWAYS
         ),
+        FieldPlan(
+            "parallel",
+            ValueSpec(
+                Kind.MAP,
+                True,
+                ValueSpec(Kind.OBJECT, False, ParallelCoordinate, None, None, 0, None),
+                0,
+                None,
+                1,
+                _PATTERN_1,
+            ),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "parallel_source",
+            ValueSpec(
+                Kind.STRING,
+                True,
+                None,
+                None,
+                None,
+                0,
+                frozenset({"device_mesh", "pipelining", "megatron", "deepspeed", "declared"}),
+            ),
+            Flag.ALWAYS,
+        ),
     ),
     StdoutStderrRecord: (
         FieldPlan(
@@ -4479,6 +4727,34 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
         ),
         FieldPlan(
             "last_arrival_ms", ValueSpec(Kind.NUMBER, False, None, 0, None, 0, None), Flag.ALWAYS
+        ),
+        FieldPlan(
+            "group",
+            ValueSpec(
+                Kind.STRING,
+                False,
+                None,
+                None,
+                None,
+                0,
+                frozenset({"dp", "pp", "tp", "cp", "ep", "world", "other"}),
+            ),
+            Flag.OMIT_NONE,
+        ),
+        FieldPlan(
+            "peer_rank",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "peer_stage",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "bytes",
+            ValueSpec(Kind.INTEGER, True, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
         ),
     ),
     ClosingLine: (
@@ -4658,6 +4934,18 @@ ENCODER_PLANS: dict[type[Any], tuple[FieldPlan, ...]] = {
             Flag.ALWAYS,
         ),
     ),
+    ParallelCoordinate: (
+        FieldPlan(
+            "rank",
+            ValueSpec(Kind.INTEGER, False, None, 0, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+        FieldPlan(
+            "size",
+            ValueSpec(Kind.INTEGER, False, None, 1, 9223372036854775807, 0, None),
+            Flag.ALWAYS,
+        ),
+    ),
     PhaseTiming: (
         FieldPlan("cpu_ms", ValueSpec(Kind.NUMBER, False, None, 0, None, 0, None), Flag.ALWAYS),
         FieldPlan(
@@ -4754,6 +5042,7 @@ NON_NULLABLE_FLOAT_KEYS: dict[type[Any], tuple[bytes, ...]] = {
     ExportLoss: (),
     FinalizationWarning: (),
     MonitoringLoss: (),
+    ParallelCoordinate: (),
     PhaseTiming: (
         b'"cpu_ms":null',
         b'"duration_ms":null',

@@ -140,6 +140,8 @@ STREAMS: tuple[StreamSpec, ...] = (
             "last-line-wins",
             "seq-never-decreases",
             "hostname-all-or-none",
+            "parallel-rank-below-size",
+            "parallel-source-with-parallel",
         ),
     ),
     StreamSpec(
@@ -157,7 +159,7 @@ STREAMS: tuple[StreamSpec, ...] = (
         name="collectives",
         file_name="collectives.jsonl",
         record_class=CollectivesRecord,
-        key_fields=("global_rank", "step", "phase", "op"),
+        key_fields=("global_rank", "step", "phase", "op", "group", "peer_rank"),
         carries_hostname=True,
         selected_by=("collectives", "all"),
         schema_id="urn:traceml:schema:collectives:v1",

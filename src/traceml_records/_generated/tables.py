@@ -23,6 +23,7 @@ TABLES: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("timestamp_unix_ns", "int64", False),
         ("seq", "int64", False),
         ("step", "int64", False),
+        ("tokens", "int64", True),
     ),
     "step_time_phases": (
         ("global_rank", "int64", False),
@@ -142,6 +143,13 @@ TABLES: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("strategy_confidence", "string", False),
         ("torch_version", "string", True),
         ("python_version", "string", False),
+        ("parallel_source", "string", True),
+    ),
+    "runtime_environment_parallel": (
+        ("global_rank", "int64", False),
+        ("dimension", "string", False),
+        ("rank", "int64", False),
+        ("size", "int64", False),
     ),
     "stdout_stderr": (
         ("stream", "string", False),
@@ -176,6 +184,10 @@ TABLES: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("wait_measure", "string", False),
         ("first_arrival_ms", "float64", False),
         ("last_arrival_ms", "float64", False),
+        ("group", "string", True),
+        ("peer_rank", "int64", True),
+        ("peer_stage", "int64", True),
+        ("bytes", "int64", True),
     ),
 }
 """Table name -> columns (name, Arrow type name, nullable), in schema order."""
@@ -188,6 +200,7 @@ TABLE_STREAM: dict[str, str] = {
     "system": "system",
     "system_gpu": "system_gpu",
     "runtime_environment": "runtime_environment",
+    "runtime_environment_parallel": "runtime_environment",
     "stdout_stderr": "stdout_stderr",
     "collectives": "collectives",
 }
@@ -195,6 +208,7 @@ TABLE_STREAM: dict[str, str] = {
 
 LONG_TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "step_time_phases": ("events", ("event", "device")),
+    "runtime_environment_parallel": ("parallel", ("dimension",)),
 }
 """Long table -> (the map field it flattens, one column name per map level)."""
 
@@ -204,7 +218,7 @@ NESTED_FIELDS: dict[str, tuple[str, ...]] = {
     "process": (),
     "system": (),
     "system_gpu": (),
-    "runtime_environment": (),
+    "runtime_environment": ("parallel",),
     "stdout_stderr": (),
     "collectives": (),
 }

@@ -23,6 +23,7 @@ __all__ = [
     "FILE_STREAMS_OF_BATCH",
     "WIRE_STREAMS",
     "CollectivesItem",
+    "ParallelCoordinateItem",
     "PhaseTimingItem",
     "ProcessItem",
     "RuntimeEnvironmentItem",
@@ -44,13 +45,26 @@ class PhaseTimingItem(TypedDict):
     n_calls: int
 
 
-class StepTimeItem(TypedDict):
-    """One item of the ``step_time`` batch stream."""
+class ParallelCoordinateItem(TypedDict):
+    """A ParallelCoordinate object as items carry it."""
+
+    rank: int
+    size: int
+
+
+class _StepTimeItemKeys(TypedDict):
+    """The keys every ``StepTimeItem`` carries."""
 
     timestamp_unix_ns: int
     seq: int
     step: int
     events: dict[str, dict[str, PhaseTimingItem]]
+
+
+class StepTimeItem(_StepTimeItemKeys, total=False):
+    """One item of the ``step_time`` batch stream."""
+
+    tokens: int | None
 
 
 class StepMemoryItem(TypedDict):
@@ -120,6 +134,8 @@ class RuntimeEnvironmentItem(TypedDict):
     strategy_confidence: str
     torch_version: str | None
     python_version: str
+    parallel: dict[str, ParallelCoordinateItem] | None
+    parallel_source: str | None
 
 
 class StdoutStderrItem(TypedDict):
@@ -146,6 +162,10 @@ class CollectivesItem(TypedDict):
     wait_measure: str
     first_arrival_ms: float
     last_arrival_ms: float
+    group: str
+    peer_rank: int | None
+    peer_stage: int | None
+    bytes: int | None
 
 
 BATCH_STREAMS: tuple[str, ...] = (
@@ -174,7 +194,7 @@ WIRE_STREAMS: dict[str, WireStream] = {
             "node_rank",
             "hostname",
         ),
-        item_keys=frozenset({"timestamp_unix_ns", "seq", "step", "events"}),
+        item_keys=frozenset({"timestamp_unix_ns", "seq", "step", "events", "tokens"}),
         required_item_keys=frozenset({"timestamp_unix_ns", "seq", "step", "events"}),
         string_fields=(),
     ),
@@ -370,6 +390,8 @@ WIRE_STREAMS: dict[str, WireStream] = {
                 "strategy_confidence",
                 "torch_version",
                 "python_version",
+                "parallel",
+                "parallel_source",
             }
         ),
         required_item_keys=frozenset(
@@ -394,6 +416,7 @@ WIRE_STREAMS: dict[str, WireStream] = {
             "strategy_confidence",
             "torch_version",
             "python_version",
+            "parallel_source",
         ),
     ),
     "stdout_stderr": WireStream(
@@ -433,6 +456,10 @@ WIRE_STREAMS: dict[str, WireStream] = {
                 "wait_measure",
                 "first_arrival_ms",
                 "last_arrival_ms",
+                "group",
+                "peer_rank",
+                "peer_stage",
+                "bytes",
             }
         ),
         required_item_keys=frozenset(
@@ -451,7 +478,7 @@ WIRE_STREAMS: dict[str, WireStream] = {
                 "last_arrival_ms",
             }
         ),
-        string_fields=("phase", "op", "source", "backend", "wait_measure"),
+        string_fields=("phase", "op", "source", "backend", "wait_measure", "group"),
     ),
 }
 """Batch stream → how its items become records (x-traceml-wire of the schemas)."""
