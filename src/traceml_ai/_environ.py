@@ -38,3 +38,8 @@ second ended by ``os._exit()``, a signal or a crash, and the launcher says so.""
 SIGINT_HELD = "TRACEML_SIGINT_HELD"
 """``1`` when the rank was started with SIGINT blocked: a Ctrl-C during the
 interpreter's start and TraceML's imports waits until the bootstrap can take it."""
+PARALLEL = "TRACEML_PARALLEL"
+"""The declared parallel layout (the ``parallel`` setting's variable, as
+``traceml_ai.settings.PARALLEL.env`` names it): ``traceml run`` and Ray set it for the
+ranks from the flag, ``traceml.yaml`` or the config; the rank reads it
+(``rank._parallel``)."""

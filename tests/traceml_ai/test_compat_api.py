@@ -116,7 +116,10 @@ def test_every_050_name_is_public_with_its_signature() -> None:
         params = inspect.signature(summary_fn).parameters
         assert [(n, p.default) for n, p in params.items()] == list(SUMMARY_050)
         assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
-    assert list(inspect.signature(traceml.trace_step).parameters) == ["model"]
+    # 0.5.0's one parameter, and this project's keyword-only ``tokens``.
+    step_params = inspect.signature(traceml.trace_step).parameters
+    assert list(step_params) == ["model", "tokens"]
+    assert step_params["tokens"].kind is inspect.Parameter.KEYWORD_ONLY
     for name in NAMES_050[6:]:
         assert len(inspect.signature(getattr(traceml, name)).parameters) == 1
 

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import traceml_ai as traceml
 from traceml_ai.rank import (
@@ -205,3 +206,29 @@ class StepDriver:
             self.resume()
         finally:
             self.end()
+
+
+def record_batch_tokens(batch: Any) -> None:
+    """Add a batch's tokens to the open traced step: ``attention_mask.sum()`` when the
+    batch has an ``attention_mask``, else ``input_ids.numel()``; nothing for another
+    batch. A sum on an accelerator is read when the step's item is built, so the
+    training thread never waits for the device here."""
+    timer = active()
+    if timer is None or not timer.enabled or not timer.in_step:
+        return
+    get = getattr(batch, "get", None)
+    if not callable(get):
+        return
+    try:
+        mask = get("attention_mask")
+        ids = get("input_ids") if mask is None else None
+    except Exception:
+        return
+    if mask is not None and hasattr(mask, "sum"):
+        total = mask.sum()
+        if getattr(getattr(total, "device", None), "type", "cpu") == "cpu":
+            timer.record_tokens(int(total))
+        else:
+            timer.record_tokens_later(total)
+    elif ids is not None and hasattr(ids, "numel"):
+        timer.record_tokens(int(ids.numel()))

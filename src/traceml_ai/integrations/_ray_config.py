@@ -31,6 +31,7 @@ from traceml_ai.settings import (
     LOGS_DIR,
     OTLP,
     OTLP_TRACE_SAMPLE,
+    PARALLEL,
     PROMETHEUS_BIND_HOST,
     PROMETHEUS_PORT,
     RANK_HISTOGRAMS_MAX_RANKS,
@@ -41,6 +42,7 @@ from traceml_ai.settings import (
     ExportSettings,
     MonitorSettings,
     ResolvedExportSettings,
+    parse_parallel,
     parse_trackers,
     ray_field,
     settings_from_values,
@@ -66,6 +68,20 @@ def _trackers(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> Non
         )
     try:
         parse_trackers(value)
+    except ValueError as exc:
+        raise ValueError(f"{CONFIG_SOURCE}.{attribute.name}: {exc}") from None
+
+
+def _parallel(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    # Empty text is a valid value here (no declared layout), which the table's str check
+    # refuses.
+    del instance
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{CONFIG_SOURCE}.{attribute.name}: expected {PARALLEL.expected}, got {value!r}"
+        )
+    try:
+        parse_parallel(value)
     except ValueError as exc:
         raise ValueError(f"{CONFIG_SOURCE}.{attribute.name}: {exc}") from None
 
@@ -182,6 +198,9 @@ class TraceMLRayConfig:
     - ``trackers`` (comma-separated: ``"tensorboard,wandb"``; ``""`` none),
       ``tracker_every_steps``: the experiment trackers the aggregator actor logs to,
       as ``--tracker`` and ``--tracker-every-steps`` (docs/trackers.md).
+    - ``parallel``: the job's declared parallel layout (``"tp=4,dp=8"``; ``""`` none),
+      as ``--parallel``: each worker's place in it is exported, and each collective's
+      group named by it; a layout the script makes (a DeviceMesh ...) wins.
 
     TraceML 0.5.0's fields (docs/compat-0.5.md):
 
@@ -221,6 +240,7 @@ class TraceMLRayConfig:
     dashboard_bind_host: str = ray_field(DASHBOARD_BIND_HOST)
     trackers: str = ray_field(TRACKERS, validator=_trackers)
     tracker_every_steps: int = ray_field(TRACKER_EVERY_STEPS)
+    parallel: str = ray_field(PARALLEL, validator=_parallel)
     # TraceML 0.5.0's fields.
     mode: str | None = attrs.field(default=None, validator=_one_of(RAY_MODES))
     profile: str | None = attrs.field(default=None, validator=_one_of(PROFILES))

@@ -46,7 +46,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 import traceml_ai as traceml
-from traceml_ai.integrations._common import HookGuard, StepDriver
+from traceml_ai.integrations._common import HookGuard, StepDriver, record_batch_tokens
 from traceml_ai.rank import TraceMLInitConfig, active, env_disabled
 
 __all__ = ["TraceMLTrainer", "TraceMLTrainerCallback", "init"]
@@ -145,6 +145,7 @@ def _attach(trainer: Any) -> TraceMLTrainerCallback:
 
 _ATTACH_GUARD = HookGuard(FRAMEWORK, lambda: None)
 _LOOP_GUARD = HookGuard(FRAMEWORK, lambda: None)
+_TOKENS_GUARD = HookGuard(FRAMEWORK, lambda: None)
 
 
 def _guarded_attach(trainer: Any, *, add: bool = True) -> TraceMLTrainerCallback | None:
@@ -170,6 +171,7 @@ def _wrap_train(original: Callable[..., Any], *, add: bool = True) -> Callable[.
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         callback = _guarded_attach(self, add=add)
+        _ATTACH_GUARD.run("Trainer.training_step", lambda: _count_tokens_of(type(self)))
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
@@ -183,6 +185,22 @@ def _wrap_train(original: Callable[..., Any], *, add: bool = True) -> Callable[.
 
     train.__traceml_wrapped__ = True  # type: ignore[attr-defined]
     return train
+
+
+def _count_tokens_of(trainer_cls: Any) -> None:
+    """Wrap ``training_step`` of the trainer's class (once): each micro-batch's tokens
+    (``attention_mask.sum()``, else ``input_ids.numel()``) add to the open step."""
+    original = getattr(trainer_cls, "training_step", None)
+    if not callable(original) or getattr(original, "__traceml_tokens__", False):
+        return
+
+    @functools.wraps(original)
+    def training_step(self: Any, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        _TOKENS_GUARD.run("Trainer.training_step", lambda: record_batch_tokens(inputs))
+        return original(self, model, inputs, *args, **kwargs)
+
+    training_step.__traceml_tokens__ = True  # type: ignore[attr-defined]
+    trainer_cls.training_step = training_step
 
 
 def _wrap_loop(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import traceml_ai as traceml
-from traceml_ai.integrations._common import HookGuard, StepDriver
+from traceml_ai.integrations._common import HookGuard, StepDriver, record_batch_tokens
 from traceml_ai.rank import (
     BACKWARD,
     FORWARD,
@@ -146,6 +146,8 @@ class TraceMLCallback(Callback):  # type: ignore[misc]
                 driver.begin(model if model is not None else pl_module)
                 self._global_step = trainer.global_step
             driver.open_forward()
+            if driver.open:
+                record_batch_tokens(batch)
 
         self._guard.run("on_train_batch_start", begin)
 

@@ -56,12 +56,13 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
     ) from _exc
 
 import traceml_ai as traceml
+from traceml_ai import _environ
 from traceml_ai._converter import unstructure
 from traceml_ai.aggregator import Aggregator, AggregatorConfig, tune_gc_for_aggregator
 from traceml_ai.aggregator.protocol import RayExportSummary
 from traceml_ai.integrations._ray_config import TraceMLRayConfig
 from traceml_ai.launch.launcher import default_run_name, report_export_off
-from traceml_ai.settings import ExportSettings, MonitorSettings
+from traceml_ai.settings import ExportSettings, MonitorSettings, parse_parallel
 from traceml_ai.transport.wire import (
     ENV_AGGREGATOR_ADDR,
     ENV_RUN_TOKEN,
@@ -208,6 +209,8 @@ class _WorkerPlan:
     init_mode: str = "auto"
     """``traceml.init``'s ``mode`` and ``patch_*`` (TraceMLRayConfig.init_mode & co.)."""
     init_patches: Mapping[str, bool | None] = attrs.field(factory=dict)
+    parallel: str = ""
+    """TraceMLRayConfig.parallel, normalized: the workers' ``TRACEML_PARALLEL``."""
 
 
 def _required_positional_params(fn: Callable[..., Any]) -> int:
@@ -264,6 +267,7 @@ def _worker_environ(plan: _WorkerPlan, address: str) -> dict[str, str]:
         ENV_AGGREGATOR_ADDR: address,
         ENV_RUN_TOKEN: plan.token,
         ENV_SAMPLER_INTERVAL: repr(plan.sampler_interval),
+        _environ.PARALLEL: plan.parallel,
     }
 
 
@@ -415,6 +419,7 @@ class TraceMLTorchTrainer:
                 config.sampler_interval_sec,
                 config.init_mode,
                 config.init_patches(),
+                parse_parallel(config.parallel),
             )
         try:
             return self._torch_trainer(plan).fit()

@@ -50,6 +50,8 @@ class RunOptions:
     """``--trace-max-steps``: each rank sends the step figures of its first N steps."""
     on_missing_aggregator: str | None = None
     """``--on-missing-aggregator``: ``warn`` or ``raise`` in the ranks' ``traceml.init()``."""
+    parallel: str = ""
+    """``--parallel``: the declared layout (normalized), for the ranks' environment."""
 
 
 def default_run_name() -> str:

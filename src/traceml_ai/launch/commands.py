@@ -445,6 +445,7 @@ def run(
         monitor=attrs.evolve(settings.monitor, dashboard=dashboard),
         trace_max_steps=trace_max_steps,
         on_missing_aggregator=on_missing_aggregator,
+        parallel=settings.parallel,
     )
     try:
         code = launch(options)
@@ -537,7 +538,10 @@ def serve(**cli: Any) -> None:
     click.echo("traceml: start the ranks with:", err=True)
     # A line to paste into a shell: a token set by hand may hold any character.
     address = shlex.quote(f"{connect_host}:{port}")
-    click.echo(f"export TRACEML_AGGREGATOR_ADDR={address} TRACEML_RUN_TOKEN={shlex.quote(token)}")
+    layout = f" {_environ.PARALLEL}={shlex.quote(settings.parallel)}" if settings.parallel else ""
+    click.echo(
+        f"export TRACEML_AGGREGATOR_ADDR={address} TRACEML_RUN_TOKEN={shlex.quote(token)}{layout}"
+    )
     sys.stdout.flush()
     result = run_until_done(aggregator, stop=stop, wait_for_ranks=True)
     if resolved.settings.exporter:

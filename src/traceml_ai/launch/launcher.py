@@ -120,6 +120,11 @@ def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
         env[_environ.TRACE_MAX_STEPS] = str(options.trace_max_steps)
     if options.on_missing_aggregator is not None:
         env[_environ.ON_MISSING_AGGREGATOR] = options.on_missing_aggregator
+    # The layout as resolved (flag > TRACEML_PARALLEL > traceml.yaml): what the ranks read.
+    if options.parallel:
+        env[_environ.PARALLEL] = options.parallel
+    else:
+        env.pop(_environ.PARALLEL, None)
     env.pop(ENV_AGGREGATOR_ADDR, None)
     env.pop(ENV_AGGREGATOR_UNAVAILABLE, None)
     env.pop(ENV_RUN_DIR, None)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from traceml_ai.rank._sdk import (
         init,
         is_running,
+        record_tokens,
         reset_for_tests,
         shutdown,
         start,
@@ -80,6 +81,7 @@ _LAZY = {
         (
             "init",
             "is_running",
+            "record_tokens",
             "reset_for_tests",
             "shutdown",
             "start",
@@ -139,6 +141,7 @@ __all__ = [
     "forward_timed_elsewhere",
     "init",
     "is_running",
+    "record_tokens",
     "reset_for_tests",
     "resume_optimizer_hooks",
     "shutdown",

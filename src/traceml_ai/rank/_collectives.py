@@ -41,6 +41,7 @@ run's rank showed none.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import threading
@@ -50,6 +51,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from traceml_ai.rank import _parallel
 from traceml_records import events as _events
 
 if TYPE_CHECKING:
@@ -97,6 +99,43 @@ OP_OF_FUNCTION: dict[str, str] = {
 }
 """The torch.distributed functions timed, and the operation each one is."""
 
+PAYLOAD_OF_FUNCTION: dict[str, str] = {
+    "all_reduce": "tensor",
+    "all_reduce_coalesced": "tensors",
+    "all_gather": "tensor",
+    "all_gather_single": "input_tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "_all_gather_base": "input_tensor",
+    "all_gather_coalesced": "input_tensor_list",
+    "reduce_scatter": "input_list",
+    "reduce_scatter_single": "input",
+    "reduce_scatter_tensor": "input",
+    "_reduce_scatter_base": "input",
+    "broadcast": "tensor",
+    "send": "tensor",
+    "isend": "tensor",
+    "recv": "tensor",
+    "irecv": "tensor",
+    "all_to_all": "input_tensor_list",
+    "all_to_all_single": "input",
+    "reduce": "tensor",
+    "gather": "tensor",
+    "scatter": "tensor",
+}
+"""The parameter holding the tensor(s) a function moves, whose bytes its line counts
+(object collectives and barriers have none: ``bytes`` null)."""
+
+PEER_OF_FUNCTION: dict[str, tuple[str, str]] = {
+    "send": ("dst", "group_dst"),
+    "isend": ("dst", "group_dst"),
+    "send_object_list": ("dst", "group_dst"),
+    "recv": ("src", "group_src"),
+    "irecv": ("src", "group_src"),
+    "recv_object_list": ("src", "group_src"),
+}
+"""Point-to-point functions: the parameter naming the peer's global rank, and the one
+naming it as a rank of the group."""
+
 SOURCE_DIST = "torch.distributed"
 SOURCE_DDP = "ddp_comm_hook"
 
@@ -117,15 +156,90 @@ _get_ident = threading.get_ident
 
 Call: TypeAlias = list[Any]
 """One collective as issued, a list (made on every collective: cheaper than an
-object): ``[step, phase, op, source, arrival_ns, wait_ns, done_ns, work]`` — arrival on
-the wall clock (``time.time_ns``, as the step ends are), the host wait, for DDP's
-buckets on a host backend when the all-reduce completed, on NCCL the Work whose
-duration is read once it has completed."""
-STEP, PHASE, OP, SOURCE, ARRIVAL, WAIT, DONE, WORK = range(8)
+object): ``[step, phase, op, source, arrival_ns, wait_ns, done_ns, work, group, peer,
+bytes]`` — arrival on the wall clock (``time.time_ns``, as the step ends are), the host
+wait, for DDP's buckets on a host backend when the all-reduce completed, on NCCL the
+Work whose duration is read once it has completed; the process group as passed (None:
+the default group; classified when the step's items are built, off the training
+thread), the peer of a point-to-point call (its global rank, or ``(GROUP_PEER, rank
+in the group)``) and the tensor bytes (None: not known)."""
+STEP, PHASE, OP, SOURCE, ARRIVAL, WAIT, DONE, WORK, GROUP, PEER, BYTES = range(11)
+
+GROUP_PEER = "group_peer"
+"""A peer named by its rank in the call's group (``group_dst``/``group_src``)."""
+
+
+class _Spec:
+    """Where a timed function's arguments are: ``async_op``, ``group``, the tensor(s)
+    it moves and, point-to-point, its peer (positions from its signature)."""
+
+    __slots__ = (
+        "async_index",
+        "group_index",
+        "group_peer_name",
+        "payload_index",
+        "payload_name",
+        "peer_index",
+        "peer_name",
+    )
+
+    def __init__(self, name: str, function: Callable[..., Any]) -> None:
+        try:
+            names = list(inspect.signature(function).parameters)
+        except (TypeError, ValueError):
+            names = []
+        self.async_index = names.index("async_op") if "async_op" in names else None
+        self.group_index = names.index("group") if "group" in names else None
+        self.payload_name = PAYLOAD_OF_FUNCTION.get(name)
+        self.payload_index = names.index(self.payload_name) if self.payload_name in names else None
+        peer = PEER_OF_FUNCTION.get(name)
+        self.peer_name = peer[0] if peer is not None else None
+        self.group_peer_name = peer[1] if peer is not None else None
+        self.peer_index = names.index(self.peer_name) if self.peer_name in names else None
+
+
+def _nbytes(payload: Any) -> int | None:
+    """The bytes of a tensor, or of a list of tensors (None: not tensors)."""
+    if payload is None:
+        return None
+    if isinstance(payload, (list, tuple)):
+        total = 0
+        for tensor in payload:
+            n = getattr(tensor, "nbytes", None)
+            if type(n) is not int:
+                return None
+            total += n
+        return total
+    n = getattr(payload, "nbytes", None)
+    return n if type(n) is int else None
+
+
+def _details(
+    spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any, int | None]:
+    """A call's process group, peer and tensor bytes, from its arguments."""
+    n = len(args)
+    index = spec.group_index
+    group = args[index] if index is not None and index < n else kwargs.get("group")
+    index = spec.payload_index
+    name = spec.payload_name
+    payload = (
+        args[index] if index is not None and index < n else (kwargs.get(name) if name else None)
+    )
+    peer: Any = None
+    name = spec.peer_name
+    if name is not None:
+        index = spec.peer_index
+        peer = args[index] if index is not None and index < n else kwargs.get(name)
+        if peer is None:
+            local = kwargs.get(spec.group_peer_name or "")
+            if local is not None:
+                peer = (GROUP_PEER, local)
+    return group, peer, _nbytes(payload)
 
 
 class _Group:
-    __slots__ = ("first", "last", "measure", "n", "wait_ms")
+    __slots__ = ("bytes", "first", "last", "measure", "n", "wait_ms")
 
     def __init__(self) -> None:
         self.n = 0
@@ -133,6 +247,8 @@ class _Group:
         self.measure = "host"
         self.first = 0.0
         self.last = 0.0
+        self.bytes: int | None = None
+        """The known calls' tensor bytes (an object collective's size is not known)."""
 
 
 class CollectiveRecorder:
@@ -221,7 +337,7 @@ class CollectiveRecorder:
             return None
         if self._ddp_source:
             source = SOURCE_DDP
-        call: Call = [step, phase, op, source, _wall_ns(), 0, 0, None]
+        call: Call = [step, phase, op, source, _wall_ns(), 0, 0, None, None, None, None]
         calls = self._calls
         if len(calls) >= MAX_OPEN_CALLS:
             self._drop_oldest()
@@ -252,12 +368,12 @@ class CollectiveRecorder:
         self,
         original: Callable[..., Any],
         op: str,
-        async_index: int | None,
+        spec: _Spec,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """Run a torch.distributed function, timing it as ``op`` (``async_index``: the
-        position of its ``async_op`` parameter, None without one)."""
+        """Run a torch.distributed function, timing it as ``op`` (``spec``: where its
+        ``async_op``, ``group``, tensors and peer are)."""
         timer = self._timer
         if (
             self._busy
@@ -267,7 +383,7 @@ class CollectiveRecorder:
             or not timer.enabled
             or _get_ident() != timer.thread
         ):
-            return self._call(original, op, async_index, args, kwargs)
+            return self._call(original, op, spec, args, kwargs)
         # The common case (a host backend, the training thread) without a call:
         # _where() and begin() inlined (a method call each would add a fifth to what a
         # collective costs here; bench/overhead/collectives.py).
@@ -289,6 +405,7 @@ class CollectiveRecorder:
         calls = self._calls
         if len(calls) >= MAX_OPEN_CALLS:
             self._drop_oldest()
+        group, peer, nbytes = _details(spec, args, kwargs)
         self._busy = True
         t0 = _wall_ns()
         try:
@@ -296,9 +413,11 @@ class CollectiveRecorder:
         finally:
             self._busy = False
         if result is None:
-            calls.append([step, phase, op, SOURCE_DIST, t0, _wall_ns() - t0, 0, None])
+            calls.append(
+                [step, phase, op, SOURCE_DIST, t0, _wall_ns() - t0, 0, None, group, peer, nbytes]
+            )
             return result
-        call: Call = [step, phase, op, SOURCE_DIST, t0, 0, 0, None]
+        call: Call = [step, phase, op, SOURCE_DIST, t0, 0, 0, None, group, peer, nbytes]
         calls.append(call)
         if _is_work(result):
             self._await(result, call)
@@ -317,7 +436,7 @@ class CollectiveRecorder:
         self,
         original: Callable[..., Any],
         op: str,
-        async_index: int | None,
+        spec: _Spec,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
@@ -325,6 +444,13 @@ class CollectiveRecorder:
         call = self.begin(op, SOURCE_DIST)
         if call is None:
             return original(*args, **kwargs)
+        try:
+            call[GROUP], call[PEER], call[BYTES] = _details(spec, args, kwargs)
+        except Exception as exc:
+            self._busy = False
+            self.fail(exc)
+            return original(*args, **kwargs)
+        async_index = spec.async_index
         device = self._device_timing
         forced = False
         try:
@@ -357,6 +483,57 @@ class CollectiveRecorder:
             call[WAIT] = t1 - call[ARRIVAL]
         else:
             self._await(work, call)
+        return result
+
+    def batch(
+        self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run ``batch_isend_irecv``: each ``P2POp`` counts as a ``send`` or ``recv`` with
+        its peer and bytes (the isend/irecv it issues inside count as these)."""
+        ops: Any = args[0] if args else kwargs.get("p2p_op_list")
+        first = self.begin("send", SOURCE_DIST) if ops else None
+        if first is None:
+            return original(*args, **kwargs)
+        calls: list[Call] = []
+        try:
+            self._calls.pop()  # begin() appended it; each op is appended below
+            for p2p in ops:
+                kind = getattr(getattr(p2p, "op", None), "__name__", "")
+                call = list(first)
+                call[OP] = "recv" if kind == "irecv" else "send"
+                peer: Any = getattr(p2p, "peer", None)
+                if peer is None and getattr(p2p, "group_peer", None) is not None:
+                    peer = (GROUP_PEER, p2p.group_peer)
+                call[GROUP] = getattr(p2p, "group", None)
+                call[PEER] = peer
+                call[BYTES] = _nbytes(getattr(p2p, "tensor", None))
+                calls.append(call)
+        except Exception as exc:
+            self._busy = False
+            self.fail(exc)
+            return original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+            t1 = _wall_ns()
+        finally:
+            self._busy = False
+        for call in calls:
+            if len(self._calls) >= MAX_OPEN_CALLS:
+                self._drop_oldest()
+            self._calls.append(call)
+        works = [w for w in (result or ()) if _is_work(w)]
+        if len(works) == len(calls):
+            for call, work in zip(calls, works, strict=True):
+                if self._device_timing:
+                    call[WORK] = work
+                else:
+                    self._await(work, call)
+        elif works and self._device_timing:
+            calls[0][WORK] = works[0]  # one coalesced Work: its time counts once
+        else:
+            calls[0][WAIT] = t1 - calls[0][ARRIVAL]
+            for work in works:
+                self._await(work, calls[0])
         return result
 
     def waited(self, work: Any, dt_ns: int) -> None:
@@ -424,18 +601,31 @@ class CollectiveRecorder:
     def _send(
         self, step: int, start_ns: int, end_ns: int, previous: int | None, calls: list[Call]
     ) -> None:
-        groups: dict[tuple[str, str, str], _Group] = {}
-        ddp_done: dict[tuple[str, str, str], tuple[int, int]] = {}
+        groups: dict[tuple[str, str, str, str, int | None], _Group] = {}
+        ddp_done: dict[tuple[str, str, str, str, int | None], tuple[int, int]] = {}
+        layout = _parallel.current_layout() if calls else None
+        has_pp = layout is not None and "pp" in layout.dims
         # Between steps, arrivals count from the previous step's end (the first step:
         # from its first collective).
         between = previous
         if between is None:
             between = min((c[ARRIVAL] for c in calls if c[PHASE] == BETWEEN_STEPS), default=0)
-        for _step, phase, op, source, arrival, wait_ns, done_ns, work in calls:
-            key = (phase, op, source)
+        for (
+            _step, phase, op, source, arrival, wait_ns, done_ns, work, pg, peer, nbytes
+        ) in calls:  # fmt: skip
+            label = _parallel.group_label(pg, layout)
+            if peer is not None:
+                peer = _global_peer(pg, peer)
+                if label == "world" and peer is not None:
+                    # A send or receive on the default group runs over the dimension
+                    # in which this rank and its peer differ (a pipeline's next stage).
+                    label = _parallel.pair_label(layout, peer)
+            key = (phase, op, source, label, peer)
             group = groups.get(key)
             if group is None:
                 group = groups[key] = _Group()
+            if nbytes is not None:
+                group.bytes = nbytes if group.bytes is None else group.bytes + nbytes
             origin = between if phase == BETWEEN_STEPS else start_ns
             at = max(0.0, (arrival - origin) / 1e6)
             if group.n == 0:
@@ -465,7 +655,12 @@ class CollectiveRecorder:
                 group.wait_ms = max(0.0, (last_done - last_arrival) / 1e6)
         backend = self._backend
         sink = self._sink
-        for (phase, op, source), group in sorted(groups.items(), key=lambda kv: kv[1].first):
+        for (phase, op, source, label, peer), group in sorted(
+            groups.items(), key=lambda kv: kv[1].first
+        ):
+            peer_stage = None
+            if peer is not None and has_pp and layout is not None:
+                peer_stage = layout.coordinate(peer, "pp")
             seq = self.next_seq
             self.next_seq = seq + 1
             wait = group.wait_ms
@@ -484,8 +679,32 @@ class CollectiveRecorder:
                     "wait_measure": "none" if wait is None else group.measure,
                     "first_arrival_ms": group.first,
                     "last_arrival_ms": group.last,
+                    "group": label,
+                    "peer_rank": peer,
+                    "peer_stage": peer_stage,
+                    "bytes": group.bytes,
                 },
             )
+
+
+def _global_peer(group: Any, peer: Any) -> int | None:
+    """A point-to-point call's peer as a global rank (None: not known)."""
+    if type(peer) is int:
+        return peer if peer >= 0 else None
+    if isinstance(peer, tuple) and len(peer) == 2 and peer[0] == GROUP_PEER:
+        try:
+            import torch.distributed as dist
+
+            if group is None:
+                return int(peer[1])
+            return int(dist.get_global_rank(group, int(peer[1])))
+        except Exception:
+            return None
+    try:
+        value = int(peer)
+    except Exception:
+        return None
+    return value if value >= 0 else None
 
 
 def _enable_nccl_timing() -> None:
@@ -547,23 +766,15 @@ def active() -> CollectiveRecorder | None:
     return _active
 
 
-def _async_index(function: Callable[..., Any]) -> int | None:
-    try:
-        names = list(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return None
-    return names.index("async_op") if "async_op" in names else None
-
-
 def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     op = OP_OF_FUNCTION[name]
-    async_index = _async_index(original)
+    spec = _Spec(name, original)
 
     def collective(*args: Any, **kwargs: Any) -> Any:
         recorder = _active
         if recorder is None:
             return original(*args, **kwargs)
-        return recorder.call(original, op, async_index, args, kwargs)
+        return recorder.call(original, op, spec, args, kwargs)
 
     collective.__wrapped__ = original  # type: ignore[attr-defined]
     collective.__name__ = getattr(original, "__name__", name)
@@ -571,6 +782,18 @@ def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     collective.__doc__ = getattr(original, "__doc__", None)
     collective.__traceml_collective__ = True  # type: ignore[attr-defined]
     return collective
+
+
+def _timed_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+    def batch_isend_irecv(*args: Any, **kwargs: Any) -> Any:
+        recorder = _active
+        if recorder is None:
+            return original(*args, **kwargs)
+        return recorder.batch(original, args, kwargs)
+
+    functools.update_wrapper(batch_isend_irecv, original)
+    batch_isend_irecv.__traceml_collective__ = True  # type: ignore[attr-defined]
+    return batch_isend_irecv
 
 
 def _timed_wait(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -598,15 +821,25 @@ def install(dist: Any) -> None:
         return
     _installed = True
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    # One wrapper per function, whichever module names it: torch compares them by
+    # identity (``P2POp(dist.isend, ...)`` against distributed_c10d's ``isend``).
+    made: dict[int, Callable[..., Any]] = {}
     for module in (dist, c10d):
         if module is None:
             continue
-        for name in OP_OF_FUNCTION:
+        for name in (*OP_OF_FUNCTION, "batch_isend_irecv"):
             original = getattr(module, name, None)
             if original is None or getattr(original, "__traceml_collective__", False):
                 continue
             with contextlib.suppress(Exception):
-                setattr(module, name, _timed(name, original))
+                wrapper = made.get(id(original))
+                if wrapper is None:
+                    if name == "batch_isend_irecv":
+                        wrapper = _timed_batch(original)
+                    else:
+                        wrapper = _timed(name, original)
+                    made[id(original)] = wrapper
+                setattr(module, name, wrapper)
     work_class = getattr(dist, "Work", None)
     if work_class is not None and not getattr(work_class.wait, "__traceml_collective__", False):
         with contextlib.suppress(Exception):
@@ -620,8 +853,9 @@ def install(dist: Any) -> None:
 # --------------------------------------------------------------------------- DDP
 
 
-def _wrap_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """A DDP communication hook that reports each bucket, around ``hook``."""
+def _wrap_hook(hook: Callable[..., Any], group: Any = None) -> Callable[..., Any]:
+    """A DDP communication hook that reports each bucket, around ``hook`` (``group``:
+    the DDP model's process group, None for the default one)."""
 
     def traced_hook(state: Any, bucket: Any) -> Any:
         recorder = _active
@@ -635,6 +869,12 @@ def _wrap_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
             finally:
                 recorder._ddp_source = False
         call = recorder.begin("all_reduce", SOURCE_DDP)
+        if call is not None:
+            call[GROUP] = group
+            try:
+                call[BYTES] = _nbytes(bucket.buffer())
+            except Exception:
+                call[BYTES] = None
         try:
             future = hook(state, bucket)
         finally:
@@ -684,7 +924,7 @@ def _patch_ddp(ddp_class: Any) -> None:
             self.__dict__["_traceml_user_hook"] = (state, hook)
             return
         if not getattr(hook, "__traceml_collective__", False):
-            hook = _wrap_hook(hook)
+            hook = _wrap_hook(hook, getattr(self, "process_group", None))
         original(self, state, hook)
 
     register_comm_hook.__wrapped__ = original  # type: ignore[attr-defined]

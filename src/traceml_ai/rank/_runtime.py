@@ -16,7 +16,7 @@ from typing import Protocol
 
 import attrs
 
-from traceml_ai.rank import _collectives, _wrappers
+from traceml_ai.rank import _collectives, _parallel, _wrappers
 from traceml_ai.rank._init_config import TraceMLInitConfig, warn_once
 from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank._step_recorder import StepHistory, StepRecorder
@@ -148,6 +148,21 @@ class EnvironmentReporter:
             self.next_seq += 1
             self._sink.put("runtime_environment", item)
 
+    def refresh_layout(self) -> None:
+        """Send again when the parallel layout changed since the last item (a DeviceMesh
+        made after it, a pipeline stage made at step 1, Megatron set up later); only
+        after a first item, and never for a layout that went away (the process group
+        torn down at the end of a script)."""
+        last = self._last
+        if last is None:
+            return
+        layout = _parallel.current_layout()
+        if layout is None:
+            return
+        if last.get("parallel_source") == layout.source and last.get("parallel") == layout.item():
+            return
+        self.report()
+
     def on_new_model(self, model: object) -> None:
         """The step timer met ``model`` for the first time."""
         strategy = model_strategy(model)
@@ -217,6 +232,7 @@ class Runtime:
             if config.patch_h2d:
                 _wrappers.install_h2d_patch(torch)
             self._guard.run("collectives", self._install_collectives)
+            self._guard.run("parallel", _parallel.install_layout_hooks)
         _wrappers.set_auto_h2d(config.patch_h2d)
         if self._tracker_runs is not None:
             self._guard.run("tracker_runs", watch_summary_writers)
@@ -288,6 +304,7 @@ class Runtime:
         self._poll_steps()
         self._guard.run("process", self._sample_process)
         self._guard.run("system", self._sample_system)
+        self._guard.run("runtime_environment", self.environment.refresh_layout)
         if self._tracker_runs is not None:
             self._guard.run("tracker_runs", self._report_tracker_runs)
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import operator
 import os
 import threading
 from contextlib import AbstractContextManager
+from typing import Any
 
 from traceml_ai import _environ, _fork
 from traceml_ai.rank import _collectives
@@ -45,7 +47,7 @@ from traceml_ai.rank._init_config import (
 )
 from traceml_ai.rank._runtime import Carried, Runtime, Sender, make_runtime
 from traceml_ai.rank._step_recorder import StepHistory
-from traceml_ai.rank._step_timer import PhaseContext, StepContext
+from traceml_ai.rank._step_timer import PhaseContext, StepContext, StepTimer
 from traceml_ai.rank._torch_patches import activate
 from traceml_ai.rank.gpu import CudaBackend, NvmlBackend, PynvmlBackend, TorchCudaBackend
 from traceml_ai.rank.identity import RankIdentity
@@ -55,6 +57,7 @@ from traceml_ai.rank.sink import ItemSink
 __all__ = [
     "init",
     "is_running",
+    "record_tokens",
     "reset_for_tests",
     "shutdown",
     "start",
@@ -303,7 +306,49 @@ def _current() -> Runtime | None:
     return runtime
 
 
-def trace_step(model: object | None = None) -> AbstractContextManager[None]:
+def _token_count(n: object, what: str) -> int:
+    """``n`` as a whole number of tokens >= 0 (an int, a numpy or 0-d tensor integer)."""
+    if isinstance(n, bool):
+        raise TypeError(f"{what} must be a whole number >= 0; got {n!r}")
+    try:
+        value = operator.index(n)  # type: ignore[arg-type]
+    except TypeError:
+        item = getattr(n, "item", None)
+        read = item() if callable(item) else None
+        if not isinstance(read, int) or isinstance(read, bool):
+            raise TypeError(f"{what} must be a whole number >= 0; got {n!r}") from None
+        value = read
+    if value < 0:
+        raise ValueError(f"{what} must be a whole number >= 0; got {value}")
+    return value
+
+
+class _TokensStep:
+    """``trace_step(model, tokens=N)``: the step, and its ``N`` tokens once it began."""
+
+    __slots__ = ("_step", "_timer", "_tokens")
+
+    def __init__(self, step: AbstractContextManager[None], timer: StepTimer, tokens: int) -> None:
+        self._step = step
+        self._timer = timer
+        self._tokens = tokens
+
+    def __enter__(self) -> None:
+        self._step.__enter__()
+        timer = self._timer
+        if timer.enabled:
+            try:
+                timer.record_tokens(self._tokens)
+            except Exception as exc:
+                timer.fail(exc)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._step.__exit__(*exc)
+
+
+def trace_step(
+    model: object | None = None, *, tokens: int | None = None
+) -> AbstractContextManager[None]:
     """Context manager around one training step.
 
     Inside it, the model's forward (hooks on ``model``; a DDP wrapper or its
@@ -312,14 +357,47 @@ def trace_step(model: object | None = None) -> AbstractContextManager[None]:
     step is numbered from 1. An exception raised inside the block propagates
     unchanged, and that step is discarded (not sent, not counted) as TraceML 0.5.0
     does: the next step gets its number, so step numbers stay consecutive.
+
+    ``tokens``: the tokens (or sequence elements) the step processes, a whole number
+    >= 0; the step's ``step_time`` line carries it (``record_tokens`` adds to it from
+    inside the step).
     """
     # Every step: the running runtime without the call into _current() (auto-init).
     runtime = _runtime
     if runtime is None:
         runtime = _current()
         if runtime is None:
+            if tokens is not None:
+                _token_count(tokens, "tokens")
             return _NULL
+    if tokens is not None:
+        count = _token_count(tokens, "tokens")
+        return _TokensStep(StepContext(runtime.timer, model), runtime.timer, count)
     return StepContext(runtime.timer, model)
+
+
+def record_tokens(n: int) -> None:
+    """Add ``n`` tokens to the traced step open now (for when the batch is known only
+    inside the step); its ``step_time`` line carries the step's total. Outside a traced
+    step (or without TraceML) nothing is kept."""
+    count = _token_count(n, "record_tokens(n)")
+    runtime = _runtime
+    if runtime is None:
+        return
+    timer = runtime.timer
+    if not timer.enabled:
+        return
+    try:
+        kept = timer.record_tokens(count)
+    except Exception as exc:
+        timer.fail(exc)
+        return
+    if not kept:
+        _warn_once(
+            "record_tokens_outside",
+            "traceml: record_tokens() outside a traced step (or on another thread than "
+            "the step's) is not counted; call it inside `with traceml.trace_step(...)`",
+        )
 
 
 def trace_phase(name: str) -> AbstractContextManager[None]:

@@ -260,6 +260,12 @@ class StepTimer(TimerCore):
         # The user phases open now (trace_phase), innermost last: where a collective
         # issued outside the built-in phases is attributed.
         self.user_phases: list[str] = []
+        # Tokens of the steps that said theirs (trace_step(tokens=), record_tokens),
+        # by step number; taken when the step's item is built. Empty for a run that
+        # never says tokens: its steps take the paths they always took.
+        # A value is an int, or a list of an int and 0-d tensors (record_batch_tokens on
+        # an accelerator: read on the builder's thread, never synchronizing the step).
+        self._tokens: dict[int, Any] = {}
 
     @property
     def auto_forward(self) -> bool:
@@ -300,6 +306,50 @@ class StepTimer(TimerCore):
         self.step = step
         self._seq_time = seq_time
         self._seq_mem = seq_mem
+
+    # -- tokens ---------------------------------------------------------------
+
+    def record_tokens(self, n: int) -> bool:
+        """Add ``n`` tokens to the open step (the training thread's); False outside
+        one (nothing is kept)."""
+        if not self.in_step or _get_ident() != self.thread:
+            return False
+        step = self.step
+        tokens = self._tokens
+        held = tokens.get(step, 0)
+        if type(held) is list:
+            held[0] += n
+        else:
+            tokens[step] = held + n
+        return True
+
+    def record_tokens_later(self, count: Any) -> bool:
+        """Add a 0-d tensor's value to the open step's tokens, read when the step's item
+        is built (off the training thread, after the step's work): a count on the GPU is
+        never waited for here. False outside a step."""
+        if not self.in_step or _get_ident() != self.thread:
+            return False
+        step = self.step
+        tokens = self._tokens
+        held = tokens.get(step, 0)
+        if type(held) is list:
+            held.append(count)
+        else:
+            tokens[step] = [held, count]
+        return True
+
+    def _take_tokens(self, step: int) -> int | None:
+        """The tokens of ``step`` (None: it said none), forgotten."""
+        held = self._tokens.pop(step, None)
+        if held is None or type(held) is int:
+            return held
+        total = 0
+        for part in held:
+            try:
+                total += int(part)
+            except Exception:
+                return None
+        return total if total >= 0 else None
 
     # -- failure --------------------------------------------------------------
 
@@ -447,6 +497,33 @@ class StepTimer(TimerCore):
                 step, ts, device = ended_at.popleft()
                 self._send_host_items(step, ts, device, acc)
             return
+        tokens = self._tokens
+        if not tokens:
+            self._encode_hosts(encoded_sink, ended, ended_at)
+            return
+        # A step with tokens is built as dicts (the C encoder writes no tokens); the
+        # steps between them go encoded, in order.
+        while ended:
+            if ended_at[0][0] in tokens:
+                acc = ended.popleft()
+                step, ts, device = ended_at.popleft()
+                self._send_host_items(step, ts, device, acc)
+                continue
+            run: deque[dict[str, Phase]] = deque()
+            run_at: deque[tuple[int, int, str]] = deque()
+            while ended and ended_at[0][0] not in tokens:
+                run.append(ended.popleft())
+                run_at.append(ended_at.popleft())
+            self._encode_hosts(encoded_sink, run, run_at)
+
+    def _encode_hosts(
+        self,
+        encoded_sink: EncodedItemSink,
+        ended: deque[dict[str, Phase]],
+        ended_at: deque[tuple[int, int, str]],
+    ) -> None:
+        """The C encoder's loop over ``ended`` (steps without tokens)."""
+        assert _encode_host_steps is not None
         while ended:
             steps, memories, times, self._seq_time, self._seq_mem, stop = _encode_host_steps(
                 _encode_host_step, ended, ended_at, self._spare_acc, self._seq_time, self._seq_mem
@@ -503,6 +580,7 @@ class StepTimer(TimerCore):
         self._acc = {}
         if self.collectives is not None:
             self.collectives.discard(self.step)
+        self._tokens.pop(self.step, None)
         self.step -= 1
 
     def _drain_ready(self) -> None:
@@ -573,6 +651,10 @@ class StepTimer(TimerCore):
         seq = self._seq_time
         self._seq_time = seq + 1
         item: StepTimeItem = {"timestamp_unix_ns": ts, "seq": seq, "step": step, "events": events}
+        if self._tokens:
+            tokens = self._take_tokens(step)
+            if tokens is not None:
+                item["tokens"] = tokens
         self._sink.put("step_time", item)
 
     def _emit(self, pending: PendingStep) -> None:
@@ -611,6 +693,10 @@ class StepTimer(TimerCore):
             "step": pending.step,
             "events": events,
         }
+        if self._tokens:
+            tokens = self._take_tokens(pending.step)
+            if tokens is not None:
+                item["tokens"] = tokens
         self._sink.put("step_time", item)
         if measured:
             # Both events of every pair read completed, and the step is dropped with

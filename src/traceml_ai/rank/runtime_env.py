@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 from typing import Any
 
+from traceml_ai.rank import _parallel
 from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank.identity import RankIdentity
 from traceml_records.internal import RuntimeEnvironmentItem
@@ -81,6 +82,7 @@ def runtime_environment_item(
     else:
         # Several ranks but torch.distributed not (yet) up and no wrapper seen.
         strategy, source, confidence = "distributed_unknown", "topology", "low"
+    layout = _parallel.current_layout()
     return {
         "timestamp_unix_ns": timestamp_unix_ns,
         "seq": seq,
@@ -92,6 +94,9 @@ def runtime_environment_item(
         "strategy_confidence": confidence,
         "torch_version": torch_version(),
         "python_version": platform.python_version(),
+        # This rank's place in the parallel layout (rank._parallel): null when unknown.
+        "parallel": layout.item() if layout is not None else None,
+        "parallel_source": layout.source if layout is not None else None,
     }
 
 

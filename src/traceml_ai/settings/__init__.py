@@ -52,6 +52,7 @@ from traceml_ai.settings._load import (
 from traceml_ai.settings._parse import (
     BOOL_FORMS,
     EXPORTER_FORMS,
+    PARALLEL_FORMS,
     PORT_FORMS,
     TRACKER_NAMES,
     Command,
@@ -61,6 +62,8 @@ from traceml_ai.settings._parse import (
     exporter_kind,
     parse_bool_value,
     parse_exporter_value,
+    parse_parallel,
+    parse_parallel_layout,
     parse_trackers,
 )
 from traceml_ai.settings._table import (
@@ -90,6 +93,7 @@ from traceml_ai.settings._table import (
     NPROC_PER_NODE,
     OTLP,
     OTLP_TRACE_SAMPLE,
+    PARALLEL,
     PROMETHEUS_BIND_HOST,
     PROMETHEUS_PORT,
     RANK_HISTOGRAMS_MAX_RANKS,
@@ -143,6 +147,8 @@ __all__ = [
     "NPROC_PER_NODE",
     "OTLP",
     "OTLP_TRACE_SAMPLE",
+    "PARALLEL",
+    "PARALLEL_FORMS",
     "PORT_FORMS",
     "PROMETHEUS_BIND_HOST",
     "PROMETHEUS_PORT",
@@ -173,6 +179,8 @@ __all__ = [
     "load_yaml_config",
     "parse_bool_value",
     "parse_exporter_value",
+    "parse_parallel",
+    "parse_parallel_layout",
     "parse_trackers",
     "ray_field",
     "ray_settings",

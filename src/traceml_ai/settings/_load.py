@@ -31,6 +31,7 @@ from traceml_ai.settings._table import (
     NPROC_PER_NODE,
     OTLP,
     OTLP_TRACE_SAMPLE,
+    PARALLEL,
     PROMETHEUS_BIND_HOST,
     PROMETHEUS_PORT,
     RANK_HISTOGRAMS_MAX_RANKS,
@@ -329,6 +330,7 @@ def resolve_launch_settings(
             tracker_every_steps=_given(get(TRACKER_EVERY_STEPS), TRACKER_EVERY_STEPS),
         ),
         warnings=tuple(_ignored_torchrun_settings(command, layers)),
+        parallel=_given(get(PARALLEL), PARALLEL),
     )
 
 

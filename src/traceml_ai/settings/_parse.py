@@ -4,6 +4,7 @@ checked value, and the one typed value of ``export_streams``."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +20,13 @@ TRACKER_NAMES: tuple[str, ...] = ("tensorboard", "mlflow", "wandb")
 """The experiment trackers the aggregator can log to (docs/trackers.md); each has its
 backend in ``traceml_ai.monitor.trackers``."""
 TRACKERS_FORMS = "tracker names, comma-separated, from " + ", ".join(TRACKER_NAMES)
+PARALLEL_FORMS = (
+    "'' (none) or comma-separated name=size, e.g. 'tp=4,cp=1,dp=8,pp=4' (first varies "
+    "fastest; sizes whole numbers of at least 1)"
+)
+MAX_PARALLEL_SIZE = 1 << 20
+"""The largest size one dimension of a declared layout may have (and their product)."""
+_DIM_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
@@ -176,3 +184,51 @@ def parse_run_name(text: str) -> str:
     if not text:
         raise ValueError(f"expected a folder name, got {text!r}")
     return text
+
+
+def parse_parallel_layout(text: str) -> tuple[tuple[str, int], ...]:
+    """A declared parallel layout: ``name=size`` pairs, comma-separated, in Megatron's
+    order (the first dimension varies fastest with the global rank); ``""`` is none.
+
+    Names match ``^[a-z][a-z0-9_]*$`` (at most 32 characters) and appear once; sizes
+    are whole numbers in ``[1, MAX_PARALLEL_SIZE]`` and so is their product.
+    ``ValueError`` naming the problem otherwise. Whether the product is the world
+    size is checked on the rank, which knows it.
+    """
+    value = text.strip()
+    if not value:
+        return ()
+    dims: list[tuple[str, int]] = []
+    product = 1
+    for part in value.split(","):
+        name, sep, size_text = part.strip().partition("=")
+        name, size_text = name.strip(), size_text.strip()
+        if not sep or not _DIM_NAME.fullmatch(name):
+            raise ValueError(f"expected {PARALLEL_FORMS}, got {text!r} (bad entry {part!r})")
+        if any(name == seen for seen, _ in dims):
+            raise ValueError(f"expected {PARALLEL_FORMS}, got {text!r} ({name!r} repeated)")
+        if not size_text.isdigit() or len(size_text) > 8:
+            raise ValueError(
+                f"expected {PARALLEL_FORMS}, got {text!r} ({name}: {size_text!r} is not a "
+                f"whole number in [1, {MAX_PARALLEL_SIZE}])"
+            )
+        size = int(size_text)
+        if not 1 <= size <= MAX_PARALLEL_SIZE:
+            raise ValueError(
+                f"expected {PARALLEL_FORMS}, got {text!r} ({name}: {size} is not in "
+                f"[1, {MAX_PARALLEL_SIZE}])"
+            )
+        product *= size
+        if product > MAX_PARALLEL_SIZE:
+            raise ValueError(
+                f"expected {PARALLEL_FORMS}, got {text!r} (the sizes multiply to more than "
+                f"{MAX_PARALLEL_SIZE} ranks)"
+            )
+        dims.append((name, size))
+    return tuple(dims)
+
+
+def parse_parallel(text: str) -> str:
+    """The ``parallel`` setting: its layout checked (:func:`parse_parallel_layout`) and
+    written back in one form (``tp=4,dp=8``; ``""`` for none), as the ranks read it."""
+    return ",".join(f"{name}={size}" for name, size in parse_parallel_layout(text))

@@ -18,6 +18,7 @@ from traceml_ai._ports import DEFAULT_DASHBOARD_PORT, DEFAULT_SERVE_PORT, LOOPBA
 from traceml_ai.settings._parse import (
     BOOL_FORMS,
     EXPORTER_FORMS,
+    PARALLEL_FORMS,
     PORT_FORMS,
     TRACKERS_FORMS,
     Command,
@@ -28,6 +29,7 @@ from traceml_ai.settings._parse import (
     parse_exporter_value,
     parse_folder,
     parse_host,
+    parse_parallel,
     parse_port,
     parse_run_name,
     parse_seconds,
@@ -390,6 +392,21 @@ TRACKER_EVERY_STEPS: Setting[int] = Setting(
     kind=int,
     ray="tracker_every_steps",
 )
+PARALLEL: Setting[str] = Setting(
+    name="parallel",
+    parse=parse_parallel,
+    default="",
+    default_doc="none (found from the script's DeviceMesh, pipelining, Megatron, DeepSpeed)",
+    expected=PARALLEL_FORMS,
+    help="The job's parallel layout, e.g. tp=4,cp=1,dp=8,pp=4 (Megatron's order: the first "
+    "dimension varies fastest with the rank); each rank's place in it is exported, and "
+    "each collective's group named by it. A layout the script makes (a DeviceMesh, "
+    "torch pipelining, Megatron, DeepSpeed) wins.",
+    metavar="LAYOUT",
+    commands=_BOTH,
+    kind=str,
+    ray="parallel",
+)
 
 SETTINGS: tuple[Setting[object], ...] = (
     EXPORTER,
@@ -414,6 +431,7 @@ SETTINGS: tuple[Setting[object], ...] = (
     DASHBOARD_BIND_HOST,
     TRACKERS,
     TRACKER_EVERY_STEPS,
+    PARALLEL,
 )
 """Every setting of ``traceml run`` and ``traceml serve``, in the order of the docs."""
 

@@ -22,6 +22,7 @@ from traceml_ai.settings._table import (
     ENV_EXPORTER_HOSTNAME,
     OTLP,
     OTLP_TRACE_SAMPLE,
+    PARALLEL,
     PROMETHEUS_BIND_HOST,
     PROMETHEUS_PORT,
     RANK_HISTOGRAMS_MAX_RANKS,
@@ -165,6 +166,9 @@ class LaunchSettings:
     monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
     """The live views; ``dashboard`` is set by the command (``--mode dashboard``)."""
     warnings: tuple[str, ...] = ()
+    parallel: str = default_of(PARALLEL)
+    """The declared parallel layout (``tp=4,dp=8``), normalized; ``""`` none. The ranks
+    read it from ``TRACEML_PARALLEL``."""
 
     def label(self, name: str) -> str:
         """How a later message names where setting ``name`` came from.

@@ -59,6 +59,7 @@ GOOD_TEXT: dict[str, str] = {
     "dashboard_bind_host": "0.0.0.0",
     "trackers": "TensorBoard, mlflow",
     "tracker_every_steps": "10",
+    "parallel": "tp=2, dp=4",
 }
 BAD_TEXT: dict[str, str] = {
     "exporter": "csv",
@@ -83,6 +84,7 @@ BAD_TEXT: dict[str, str] = {
     "dashboard_bind_host": "",
     "trackers": "tensorboard,neptune",
     "tracker_every_steps": "0",
+    "parallel": "tp=0",
 }
 
 
@@ -198,6 +200,7 @@ RAY_BAD: dict[str, tuple[object, object]] = {
     "dashboard_bind_host": ("", None),
     "trackers": ("neptune", ["mlflow"]),
     "tracker_every_steps": (0, "100"),
+    "parallel": ("tp=2,tp=2", 4),
 }
 
 
