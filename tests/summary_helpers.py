@@ -15,8 +15,9 @@ def summarize_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     return summarize_run(path).to_json()
 
 
-def format_json(summary: dict[str, Any], full: bool = True) -> str:
-    """The text of the summary whose JSON form is ``summary``."""
+def format_json(summary: dict[str, Any], full: bool = True, ranks: bool = False) -> str:
+    """The text of the summary whose JSON form is ``summary`` (``ranks``: with the
+    per-rank table)."""
     typed = RunSummary.from_json(summary)
     assert typed.to_json() == summary  # the JSON form round-trips
-    return format_summary(typed, full=full)
+    return format_summary(typed, full=full, ranks=ranks)

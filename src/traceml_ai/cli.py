@@ -149,6 +149,13 @@ def validate(paths: tuple[str, ...], max_problems: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--short", is_flag=True, help="Only the few lines traceml run prints at the end.")
 @click.option(
+    "--ranks",
+    "per_rank",
+    is_flag=True,
+    help="Also list every rank (and node): the full table. By default figures across "
+    "ranks are given as their distribution, whatever the rank count.",
+)
+@click.option(
     "--follow",
     is_flag=True,
     help="Refresh a terminal view while the run writes its files (on stderr with --json).",
@@ -171,7 +178,13 @@ def validate(paths: tuple[str, ...], max_problems: int) -> None:
     ),
 )
 def summary(
-    path: str, as_json: bool, short: bool, follow: bool, interval: float, plot_path: str | None
+    path: str,
+    as_json: bool,
+    short: bool,
+    per_rank: bool,
+    follow: bool,
+    interval: float,
+    plot_path: str | None,
 ) -> None:
     """Summarize a run from its export files: step time per rank, phases, memory,
     process and system figures, the straggler, and what was lost.
@@ -214,7 +227,7 @@ def summary(
     if as_json:
         click.echo(orjson.dumps(result.to_json()).decode())
     elif not follow:
-        click.echo(format_summary(result, full=not short))
+        click.echo(format_summary(result, full=not short, ranks=per_rank))
     if plot_path is not None:
         from traceml_ai.run_summary.plot import PlotUnavailable, plot_summary
 

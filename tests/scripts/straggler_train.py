@@ -4,7 +4,7 @@ The straggler tests (tests/traceml_ai/run_summary/test_straggler.py) run it unde
 and check that the summary names the slowed ranks, the place and where the others wait.
 
 Usage: straggler_train.py --where WHERE [--slow-ranks 1,3] [--every N] [--sleep-ms MS]
-       [--steps N] [--strategy ddp|fsdp2|allreduce]
+       [--steps N] [--strategy ddp|fsdp2|allreduce] [--exit-after N]
 
 WHERE is one of: none, forward, backward, optimizer, collate (the DataLoader's
 collate_fn, the batch fetched before the step opens), dataloader_in_step (the batch
@@ -129,6 +129,9 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=30.0)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--strategy", choices=("ddp", "fsdp2", "allreduce"), default="ddp")
+    parser.add_argument(
+        "--exit-after", type=int, default=0, help="the slowed ranks os._exit(0) after N steps"
+    )
     args = parser.parse_args()
     traceml.init()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -192,6 +195,8 @@ def main() -> None:
                 train_step(x, y)
         if args.where == "between":
             clock.pause()
+        if args.exit_after and slow and i == args.exit_after:
+            os._exit(0)  # a rank that stops early: no shutdown, no goodbye
     traceml.shutdown()
     if world > 1:
         dist.barrier()

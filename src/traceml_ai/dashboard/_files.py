@@ -158,6 +158,10 @@ def from_summary(summary: RunSummary) -> RunData:
         window="every step written",
         ranks=ranks,
         rank_nodes=nodes,
+        layout={
+            int(r): {n: (c.rank, c.size) for n, c in coordinates.items()}
+            for r, coordinates in (summary.coordinates or {}).items()
+        },
         total_steps={r: len(rows[r]) if r in rows else 0 for r in ranks},
         step_time=summary.step_time,
         phases=summary.phases,

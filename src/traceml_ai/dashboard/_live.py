@@ -181,6 +181,7 @@ class LiveSource:
             ),
             ranks=sorted(recent),
             rank_nodes=nodes,
+            layout=state.layout(),
             total_steps={r.rank: r.steps for r in live_ranks},
             step_time=step_time,
             phases=phases,

@@ -27,11 +27,13 @@ import numpy as np
 
 from traceml_ai.run_summary import (
     OTHER_PHASE,
+    Coordinates,
     PhaseFigures,
     RankColumns,
     RankSteps,
     StragglerView,
     UserPhaseFold,
+    cost_line,
     percentile,
     verdict_line,
 )
@@ -41,6 +43,7 @@ __all__ = [
     "HIGHLIGHT",
     "MAX_EXTRA_RANKS",
     "MAX_POINTS",
+    "MAX_STAGES",
     "MAX_TABLE_ROWS",
     "PHASE_COLOURS",
     "USER_PHASE_COLOURS",
@@ -57,8 +60,11 @@ ALL_LINES_UP_TO = 8
 """Up to this many ranks, every rank has its own line; above, median and band."""
 HIGHLIGHT = 5
 """Ranks drawn as their own line above ALL_LINES_UP_TO: the stragglers, then the slowest."""
-MAX_TABLE_ROWS = 64
-"""Rows of the per-rank tables; more ranks show the stragglers and the slowest p50."""
+MAX_TABLE_ROWS = 8
+"""Rows of the per-rank tables: the named ranks, then the slowest p50 (every rank of a
+job this small); the distribution across ranks and the stages stand for the rest."""
+MAX_STAGES = 64
+"""Pipeline stages the page lists."""
 MAX_EXTRA_RANKS = 16
 """Ranks the page may ask to be drawn on their own (*Show rank*, ``?ranks=``)."""
 
@@ -104,6 +110,8 @@ class RunData:
     """What the step figures cover (``the last 120 steps of each rank`` ...)."""
     ranks: Sequence[int] = ()
     rank_nodes: Mapping[int, int] = attrs.field(factory=dict)
+    layout: Mapping[int, Coordinates] = attrs.field(factory=dict)
+    """rank -> its place in the parallel layout, for the ranks that said it."""
     total_steps: Mapping[int, int] = attrs.field(factory=dict)
     """Steps received or written per rank (the window may hold fewer)."""
     step_time: Mapping[str, RankSteps] | None = None
@@ -382,6 +390,71 @@ def _phase_chart(folded: Folded, ranks: Sequence[int]) -> dict[str, Any]:
     }
 
 
+def _distribution(values: Sequence[float]) -> dict[str, float | None] | None:
+    """min, p50, p90 and max of one figure across ranks."""
+    ordered = sorted(v for v in values if math.isfinite(v))
+    if not ordered:
+        return None
+    return {
+        "min": ordered[0],
+        "p50": percentile(ordered, 50.0),
+        "p90": percentile(ordered, 90.0),
+        "max": ordered[-1],
+    }
+
+
+def _spread(data: RunData) -> list[dict[str, Any]]:
+    """The figures across ranks, each as its distribution (the rows of *Across ranks*)."""
+    steps = list((data.step_time or {}).values())
+    if not steps:
+        return []
+    rows = [
+        ("step time p50 (ms)", [s.p50_ms for s in steps]),
+        ("step time p99 (ms)", [s.p99_ms for s in steps]),
+        ("steps/s", [s.steps_per_s for s in steps]),
+    ]
+    own = data.straggler.own_work_ms if data.straggler else None
+    if own:
+        rows.append(("own work per iteration (ms)", list(own.values())))
+    out = []
+    for name, values in rows:
+        found = _distribution(values)
+        if found is not None:
+            out.append({"figure": name, **found})
+    return out
+
+
+def _stages(data: RunData) -> list[dict[str, Any]]:
+    """One row per pipeline stage (medians over its ranks), when there are stages."""
+    steps = data.step_time or {}
+    own = data.straggler.own_work_ms if data.straggler else None
+    by_stage: dict[int, list[int]] = {}
+    for rank, coordinates in data.layout.items():
+        place = coordinates.get("pp")
+        if place is not None and str(rank) in steps:
+            by_stage.setdefault(place[0], []).append(rank)
+    if len(by_stage) < 2:
+        return []
+    slow: set[int] = set()
+    if data.straggler is not None:
+        for stages in (data.straggler.stages, *(c.stages for c in data.straggler.also)):
+            slow.update(s.stage for s in stages)
+    out = []
+    for stage, ranks in sorted(by_stage.items())[:MAX_STAGES]:
+        p50 = sorted(steps[str(r)].p50_ms for r in ranks)
+        work = sorted(own[str(r)] for r in ranks if own and str(r) in own)
+        out.append(
+            {
+                "stage": stage,
+                "ranks": len(ranks),
+                "p50_ms": percentile(p50, 50.0),
+                "own_work_ms": percentile(work, 50.0) if work else None,
+                "slow": stage in slow,
+            }
+        )
+    return out
+
+
 def _ranges(ranks: Iterable[int]) -> list[list[int]]:
     """Ranks as [first, last] runs of consecutive ranks (the page checks *Show rank*
     against them; a short list however many ranks run)."""
@@ -456,7 +529,10 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
             "verdict": data.straggler.verdict if data.straggler else None,
             "ranks": stragglers,
             "definition": data.straggler.definition if data.straggler else None,
+            "cost": cost_line(data.straggler) if ranks else None,
         },
+        "spread": _spread(data),
+        "stages": _stages(data),
         "ranks": _rank_table(data, shown, folded),
         "ranks_total": len(ranks),
         "rank_ranges": _ranges(ranks),

@@ -263,7 +263,8 @@ class LiveFeed:
             rows = self.state.recent_rows(STRAGGLER_STEPS)
             nodes = self.state.rank_nodes()
             measured = self.state.collectives_measured()
-            view = analyze(rows, self.state.strategy(), nodes, measured) if rows else None
+            layout = self.state.layout()
+            view = analyze(rows, self.state.strategy(), nodes, measured, layout) if rows else None
             view = self._excess_so_far(view)
         except Exception:
             _log.exception("traceml: live views: the straggler analysis failed")

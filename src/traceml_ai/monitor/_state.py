@@ -26,9 +26,13 @@ import attrs
 from traceml_ai.run_summary import (
     MAX_USER_PHASES,
     OTHER_PHASE,
+    TOKENS_KEY,
+    Coordinates,
     StragglerView,
     UserPhaseFold,
     add_wait,
+    layout_of,
+    op_label,
     phase_name,
     step_row,
     wait_component,
@@ -62,6 +66,8 @@ PHASE_BUCKETS_S: tuple[float, ...] = (
 """Upper bounds (seconds) of the phase histograms: fewer buckets than the step's,
 because there are several phases per rank (series = ranks x phases x buckets)."""
 
+MAX_DIMS = 16
+"""Parallel dimensions a rank's layout may have; a larger one is not a layout."""
 MAX_WAIT_KEYS = 64
 """Wait keys one step of one rank may hold in the live state (phases x operations);
 items past it are ignored and counted, whatever a rank sends."""
@@ -163,6 +169,10 @@ class RankLive:
     """step -> its wait keys (``run_summary._phases.add_wait``), the recent steps only."""
     waits_unmeasured: bool = False
     """A collectives line of this rank had no measured wait (NCCL without timing)."""
+    tokens: dict[int, float] = attrs.field(factory=dict)
+    """step -> the tokens the rank said for it, the recent steps only."""
+    parallel: Coordinates | None = None
+    """Its place in the parallel layout (its last runtime_environment's ``parallel``)."""
 
 
 class RankFigures(NamedTuple):
@@ -328,6 +338,11 @@ class LiveState:
                 hist = hists[label] = Histogram.empty(PHASE_BUCKETS_S)
             hist.observe(ms / 1000.0)
         seen = StepSeen(live.rank, live.node, step, end_ns, step_ms, phases)
+        tokens = item.get("tokens")
+        if type(tokens) is int and tokens >= 0:
+            live.tokens[step] = float(tokens)
+            if len(live.tokens) > 2 * WINDOW_STEPS:
+                del live.tokens[next(iter(live.tokens))]
         live.recent.append(seen)
         live.recent_ms.append(step_ms)
         return seen
@@ -405,6 +420,9 @@ class LiveState:
             strategy = items[-1].get("training_strategy")
             if type(strategy) is str and len(strategy) <= 64:
                 live.strategy = strategy
+            parallel = items[-1].get("parallel")
+            if parallel is None or (type(parallel) is dict and len(parallel) <= MAX_DIMS):
+                live.parallel = layout_of(parallel)
 
     def note_tracker_runs(
         self, identity: Mapping[str, Any], runs: Mapping[str, Mapping[str, str]]
@@ -470,7 +488,7 @@ class LiveState:
                 if component is None or len(row) >= MAX_WAIT_KEYS:
                     self.ignored_items += 1
                     continue
-                add_wait(row, component, op, ms)
+                add_wait(row, component, op_label(op, item.get("group")), ms)
             while len(waits) > 2 * WINDOW_STEPS:
                 del waits[next(iter(waits))]
 
@@ -598,6 +616,15 @@ class LiveState:
                         reserved = r
         return allocated, reserved
 
+    def layout(self) -> dict[int, Coordinates]:
+        """rank -> its place in the parallel layout, for every rank that said one."""
+        with self._lock:
+            return {
+                rank: live.parallel
+                for rank, live in self._ranks.items()
+                if live.parallel is not None
+            }
+
     def rank_nodes(self) -> dict[int, int]:
         """rank -> node of every rank heard from."""
         with self._lock:
@@ -616,15 +643,20 @@ class LiveState:
         rows: dict[int, dict[int, dict[str, float]]] = {}
         with self._lock:
             waits = {rank: dict(live.waits) for rank, live in self._ranks.items()}
+            tokens = {rank: dict(live.tokens) for rank, live in self._ranks.items()}
         for rank, steps in self.recent_steps(last).items():
             mine: dict[int, dict[str, float]] = {}
             theirs = waits.get(rank, {})
+            said = tokens.get(rank, {})
             for s in steps:
                 row = {"step": s.step_ms, "_ts": float(s.end_ns)}
                 row.update(s.phases)
                 step_waits = theirs.get(s.step)
                 if step_waits:
                     row.update(step_waits)
+                step_tokens = said.get(s.step)
+                if step_tokens is not None:
+                    row[TOKENS_KEY] = step_tokens
                 mine[s.step] = row
             rows[rank] = mine
         return rows

@@ -38,7 +38,7 @@ from traceml_ai.monitor._state import (
     Histogram,
     LiveState,
 )
-from traceml_ai.run_summary import BUILT_IN_PHASES, StragglerView
+from traceml_ai.run_summary import BUILT_IN_PHASES, Cause, StragglerView
 
 __all__ = [
     "METRICS",
@@ -155,7 +155,26 @@ GPU_POWER_LIMIT = _m("traceml_gpu_power_limit_watts", "gauge", "W", ("node", "gp
 STRAGGLERS = _m(
     "traceml_stragglers", "gauge", "{rank}", ("verdict",),
     "Ranks the straggler analysis names now (over each rank's recent steps), with its "
-    "verdict as a label: straggler, intermittent, none or n/a (one series).",
+    "verdict as a label: straggler, intermittent, slow_stage, data_imbalance, none or "
+    "n/a (one series; a slow stage's or an imbalance's ranks are not counted).",
+    "step_time",
+)  # fmt: skip
+SLOWDOWN = _m(
+    "traceml_slowdown_ratio", "gauge", "1", ("cause",),
+    "For each cause the analysis finds now (straggler, intermittent, slow_stage, "
+    "data_imbalance): the measured step time over the step time without it (replayed).",
+    "step_time",
+)  # fmt: skip
+SLOW_STAGE_EXCESS = _m(
+    "traceml_slow_stage_excess_seconds", "gauge", "s", ("stage",),
+    "For each pipeline stage the analysis finds slow now: its own work per iteration "
+    "beyond the other stages' (the least over the replicas).",
+    "step_time",
+)  # fmt: skip
+IMBALANCE_SPREAD = _m(
+    "traceml_data_imbalance_spread_seconds", "gauge", "s", (),
+    "With a data imbalance found now: per step, the slowest replica's extra work over "
+    "the fastest's (median).",
     "step_time",
 )  # fmt: skip
 STRAGGLER_EXCESS = _m(
@@ -200,7 +219,7 @@ METRICS: tuple[MetricDef, ...] = (
     PROCESS_CPU, PROCESS_RSS, PROCESS_GPU_USED, PROCESS_GPU_RESERVED,
     SYSTEM_CPU, SYSTEM_RAM_USED, SYSTEM_RAM_TOTAL,
     GPU_UTIL, GPU_MEM_USED, GPU_MEM_TOTAL, GPU_TEMP, GPU_POWER, GPU_POWER_LIMIT,
-    STRAGGLERS, STRAGGLER_EXCESS,
+    STRAGGLERS, STRAGGLER_EXCESS, SLOWDOWN, SLOW_STAGE_EXCESS, IMBALANCE_SPREAD,
     EXPORT_RECORDS, EXPORT_FAILED, EXPORT_DROPPED, REJECTED_CONNECTIONS,
     RANKS_EXPECTED, RANKS_REPORTING, RANKS_FINISHED, RANKS_MISSING, LIVE_DROPPED,
 )  # fmt: skip
@@ -362,6 +381,13 @@ def collect(
     add(STRAGGLERS, (verdict,), len(named))
     for slow_rank, phase, excess_ms in named:
         add(STRAGGLER_EXCESS, (str(slow_rank), phase), excess_ms / 1000.0)
+    for cause in _causes(view):
+        if cause.slowdown is not None:
+            add(SLOWDOWN, (cause.verdict,), cause.slowdown.factor)
+        for stage in cause.stages:
+            add(SLOW_STAGE_EXCESS, (str(stage.stage),), stage.excess_ms / 1000.0)
+        if cause.imbalance is not None:
+            add(IMBALANCE_SPREAD, (), cause.imbalance.spread_ms / 1000.0)
     for stream, n_written in sorted(health.written_records.items()):
         add(EXPORT_RECORDS, (stream,), n_written)
     for stream, n_failed in sorted(health.failed_records.items()):
@@ -382,6 +408,21 @@ def _straggler_figures(view: StragglerView | None) -> tuple[str, list[tuple[int,
     if view is None:
         return "n/a", []
     return view.verdict, [(s.rank, s.phase, s.excess_ms) for s in view.stragglers]
+
+
+def _causes(view: StragglerView | None) -> list[Cause]:
+    """The view's causes, its verdict's first (each verdict at most once)."""
+    if view is None or not view.applicable or view.verdict == "none":
+        return []
+    first = Cause(
+        verdict=view.verdict,
+        stragglers=view.stragglers,
+        stages=view.stages,
+        imbalance=view.imbalance,
+        slowdown=view.slowdown,
+        waiting=view.waiting,
+    )
+    return [first, *(c for c in view.also if c.verdict != view.verdict)]
 
 
 def _histogram_series(bounds: tuple[float, ...]) -> int:
@@ -409,6 +450,7 @@ def series_estimate(
     # The rest: one series each (STRAGGLERS its one verdict, the export's one stream).
     counted = {*_PER_RANK, *_PER_DEVICE, *_PER_NODE, *_PER_GPU, *RANK_HISTOGRAMS}
     counted |= {JOB_STEP_TIME, JOB_PHASE_TIME, STRAGGLER_EXCESS}  # (none named here)
+    counted |= {SLOWDOWN, SLOW_STAGE_EXCESS, IMBALANCE_SPREAD}  # (no cause found here)
     per_job = sum(1 for m in METRICS if m not in counted)
     return ranks * per_rank + nodes * per_node + job_histograms + per_job
 

@@ -15,13 +15,19 @@ from pathlib import Path
 import attrs
 
 __all__ = [
+    "MAX_STAGES",
     "MEMORY_PEAK_ALLOCATED",
     "MEMORY_PEAK_RESERVED",
     "PHASE_MS",
     "RANKS",
     "RANK_STEP_TIME_MS",
+    "SLOWDOWN",
+    "SLOW_STAGE",
+    "STAGE_STEP_TIME_MS",
     "STEP_TIME_MAX",
     "STEP_TIME_MEDIAN",
+    "STEP_TIME_MIN",
+    "STEP_TIME_P90",
     "STRAGGLER_EXCESS_MS",
     "STRAGGLER_RANK",
     "SUMMARY_ARTIFACT",
@@ -33,6 +39,8 @@ __all__ = [
     "tracker_metrics_markdown",
 ]
 
+MAX_STAGES = 32
+"""Pipeline stages with a figure of their own in a point."""
 TRACKER_MAX_RANKS = 16
 """Ranks whose own step time is logged (the straggler analysis' ranks first, then
 the lowest rank numbers): a tracker's chart stays readable and a point's size stays
@@ -61,6 +69,18 @@ STEP_TIME_MEDIAN = TrackerMetric(
 )
 STEP_TIME_MAX = TrackerMetric(
     "traceml/step_time_ms/max", "ms", "The slowest rank's time of the logged step."
+)
+STEP_TIME_MIN = TrackerMetric(
+    "traceml/step_time_ms/min", "ms", "The fastest rank's time of the logged step."
+)
+STEP_TIME_P90 = TrackerMetric(
+    "traceml/step_time_ms/p90", "ms", "90th percentile over ranks of the logged step's time."
+)
+STAGE_STEP_TIME_MS = TrackerMetric(
+    "traceml/stage/<stage>/step_time_ms",
+    "ms",
+    "Median over a pipeline stage's ranks of their time of the logged step, when the "
+    "ranks said their place in the layout (at most 32 stages).",
 )
 PHASE_MS = TrackerMetric(
     "traceml/phase_ms/<phase>",
@@ -97,6 +117,17 @@ MEMORY_PEAK_RESERVED = TrackerMetric(
     "bytes",
     "The highest peak reserved device memory any rank reported last.",
 )
+SLOWDOWN = TrackerMetric(
+    "traceml/straggler/slowdown",
+    "ratio",
+    "What the cause the live analysis names costs: the step time over the step time "
+    "without it (replayed); 1 when it names none.",
+)
+SLOW_STAGE = TrackerMetric(
+    "traceml/straggler/slow_stage",
+    "stage",
+    "The pipeline stage the live analysis finds slow (the largest excess); -1 when none.",
+)
 RANKS = TrackerMetric(
     "traceml/ranks", "ranks", "Ranks whose time of the logged step the figures cover."
 )
@@ -108,11 +139,16 @@ RANK_STEP_TIME_MS = TrackerMetric(
 )
 
 TRACKER_METRICS: tuple[TrackerMetric, ...] = (
+    STEP_TIME_MIN,
     STEP_TIME_MEDIAN,
+    STEP_TIME_P90,
     STEP_TIME_MAX,
     PHASE_MS,
+    STAGE_STEP_TIME_MS,
     STRAGGLER_EXCESS_MS,
     STRAGGLER_RANK,
+    SLOWDOWN,
+    SLOW_STAGE,
     THROUGHPUT_STEPS_PER_S,
     MEMORY_PEAK_ALLOCATED,
     MEMORY_PEAK_RESERVED,
@@ -125,7 +161,19 @@ TRACKER_METRICS: tuple[TrackerMetric, ...] = (
 SUMMARY_VERDICT = TrackerMetric(
     "traceml/summary/verdict",
     "text",
-    "The straggler verdict of the run summary: straggler, intermittent, none or n/a.",
+    "The straggler verdict of the run summary: straggler, intermittent, slow_stage, "
+    "data_imbalance, none or n/a.",
+)
+SUMMARY_SLOWDOWN = TrackerMetric(
+    "traceml/summary/slowdown",
+    "ratio",
+    "What the verdict's cause costs: the step time over the step time without it "
+    "(replayed); left out when the verdict names none.",
+)
+SUMMARY_SLOW_STAGE = TrackerMetric(
+    "traceml/summary/slow_stage",
+    "stage",
+    "The slow pipeline stage the verdict (or its `also`) names first; -1 when none.",
 )
 SUMMARY_STRAGGLER_RANK = TrackerMetric(
     "traceml/summary/straggler_rank",
@@ -176,6 +224,8 @@ SUMMARY_FILES = TrackerMetric(
 
 SUMMARY_FIELDS: tuple[TrackerMetric, ...] = (
     SUMMARY_VERDICT,
+    SUMMARY_SLOWDOWN,
+    SUMMARY_SLOW_STAGE,
     SUMMARY_STRAGGLER_RANK,
     SUMMARY_STRAGGLER_EXCESS_MS,
     SUMMARY_STRAGGLER_PHASE,

@@ -51,11 +51,12 @@ import orjson
 
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._state import WINDOW_STEPS, LiveState, StepSeen
+from traceml_ai.run_summary import percentile
 from traceml_ai.settings import TRACKER_NAMES
 
 if TYPE_CHECKING:
     from traceml_ai.monitor._service import LiveSink, Monitoring, RunInfo
-    from traceml_ai.run_summary import RunSummary
+    from traceml_ai.run_summary import RunSummary, StragglerView
 
 __all__ = [
     "BACKENDS",
@@ -243,6 +244,10 @@ def summary_fields(summary: RunSummary) -> dict[str, float | str]:
         elif view.applicable:
             fields[tm.SUMMARY_STRAGGLER_RANK.name] = -1.0
             fields[tm.SUMMARY_STRAGGLER_EXCESS_MS.name] = 0.0
+        if view.slowdown is not None:
+            fields[tm.SUMMARY_SLOWDOWN.name] = view.slowdown.factor
+        if view.applicable:
+            fields[tm.SUMMARY_SLOW_STAGE.name] = float(_slow_stage(view))
     fields[tm.SUMMARY_RANKS.name] = float(len(summary.ranks))
     ranks = list((summary.step_time or {}).values())
     if ranks:
@@ -296,6 +301,14 @@ def tracker_sink(name: str) -> Callable[[Monitoring], LiveSink]:
     return start
 
 
+def _slow_stage(view: StragglerView) -> int:
+    """The slow stage the view names first (its verdict's, else its ``also``'s); -1."""
+    for stages in (view.stages, *(c.stages for c in view.also)):
+        if stages:
+            return max(stages, key=lambda s: s.excess_ms).stage
+    return -1
+
+
 def _median(values: list[float]) -> float:
     values.sort()
     mid = len(values) // 2
@@ -319,12 +332,22 @@ def point_figures(state: LiveState, step: int, previous: int | None) -> dict[str
             rates.append((now.step - before.step) / ((now.end_ns - before.end_ns) / 1e9))
     if not at:
         return {}
-    step_ms = [s.step_ms for s in at.values()]
+    step_ms = sorted(s.step_ms for s in at.values())
     figures: dict[str, float] = {
+        tm.STEP_TIME_MIN.name: step_ms[0],
         tm.STEP_TIME_MEDIAN.name: _median(list(step_ms)),
-        tm.STEP_TIME_MAX.name: max(step_ms),
+        tm.STEP_TIME_P90.name: percentile(step_ms, 90.0),
+        tm.STEP_TIME_MAX.name: step_ms[-1],
         tm.RANKS.name: float(len(at)),
     }
+    by_stage: dict[int, list[float]] = {}
+    for rank, coordinates in state.layout().items():
+        place = coordinates.get("pp")
+        if place is not None and rank in at:
+            by_stage.setdefault(place[0], []).append(at[rank].step_ms)
+    if len(by_stage) > 1:
+        for stage, values in sorted(by_stage.items())[: tm.MAX_STAGES]:
+            figures[tm.STAGE_STEP_TIME_MS.format(stage=stage)] = _median(values)
     by_phase: dict[str, list[float]] = {}
     for s in at.values():
         for phase, ms in s.phases.items():
@@ -345,6 +368,8 @@ def point_figures(state: LiveState, step: int, previous: int | None) -> dict[str
         named = [s.rank for s in ranked]
         figures[tm.STRAGGLER_EXCESS_MS.name] = ranked[0].excess_ms if ranked else 0.0
         figures[tm.STRAGGLER_RANK.name] = float(ranked[0].rank) if ranked else -1.0
+        figures[tm.SLOWDOWN.name] = view.slowdown.factor if view.slowdown else 1.0
+        figures[tm.SLOW_STAGE.name] = float(_slow_stage(view))
     chosen = [r for r in named if r in at][: tm.TRACKER_MAX_RANKS]
     for rank in sorted(at):
         if len(chosen) >= tm.TRACKER_MAX_RANKS:

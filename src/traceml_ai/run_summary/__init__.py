@@ -9,13 +9,16 @@ One engine behind ``traceml summary`` (text, ``--json``, ``--short``, ``--follow
 - ``_straggler``: the straggler analysis (docs/reading-the-files.md gives the rule);
 - ``_model``: the summary as one typed value (:class:`RunSummary`, attrs; ``to_json``
   is ``--json``), which every view reads;
-- ``_report``: :func:`summarize_run` (the files to a :class:`RunSummary`), the step
-  figures of any step rows (:func:`step_figures`), and the text (:func:`format_summary`);
+- ``_report``: :func:`summarize_run` (the files to a :class:`RunSummary`) and the step
+  figures of any step rows (:func:`step_figures`);
+- ``_causes``: the causes of a job with several parallel dimensions and their cost;
+- ``_text``: the text (:func:`format_summary`);
 - ``live``: the ``--follow`` terminal view; ``plot``: the ``--plot`` figure.
 
 Light to import: orjson only (never torch, never pyarrow).
 """
 
+from traceml_ai.run_summary._causes import Coordinates, Layout, layout_of
 from traceml_ai.run_summary._columns import RankColumns, StepColumns
 from traceml_ai.run_summary._model import (
     DevicePeak,
@@ -40,6 +43,7 @@ from traceml_ai.run_summary._phases import (
     UserPhaseFold,
     add_wait,
     median,
+    op_label,
     percentile,
     phase_name,
     step_row,
@@ -52,20 +56,28 @@ from traceml_ai.run_summary._report import (
     RunReader,
     SummaryError,
     export_folder_of,
-    format_summary,
     step_figures,
     step_series,
     summarize_run,
 )
 from traceml_ai.run_summary._straggler import (
+    TOKENS_KEY,
+    Cause,
+    Coordinate,
     ExcessSoFar,
+    Imbalance,
+    Slowdown,
     SlowNode,
+    SlowStage,
+    Stopped,
     Straggler,
     StragglerView,
     Waiting,
     analyze,
+    cost_line,
     verdict_line,
 )
+from traceml_ai.run_summary._text import format_summary
 
 __all__ = [
     "BUILT_IN_PHASES",
@@ -74,12 +86,18 @@ __all__ = [
     "PHASES",
     "STEP_EVENT",
     "STREAM_FILES",
+    "TOKENS_KEY",
     "WARNING_FILE",
+    "Cause",
+    "Coordinate",
+    "Coordinates",
     "DevicePeak",
     "Environment",
     "ExcessSoFar",
     "FileState",
     "GpuFigures",
+    "Imbalance",
+    "Layout",
     "LossReport",
     "NodeFigures",
     "PhaseFigures",
@@ -89,9 +107,12 @@ __all__ = [
     "RunReader",
     "RunSummary",
     "SlowNode",
+    "SlowStage",
+    "Slowdown",
     "StepColumns",
     "StepFigures",
     "StepRows",
+    "Stopped",
     "Straggler",
     "StragglerView",
     "SummaryError",
@@ -99,9 +120,12 @@ __all__ = [
     "Waiting",
     "add_wait",
     "analyze",
+    "cost_line",
     "export_folder_of",
     "format_summary",
+    "layout_of",
     "median",
+    "op_label",
     "percentile",
     "phase_name",
     "step_figures",

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import attrs
 
 from traceml_ai.run_summary._columns import StepColumns
-from traceml_ai.run_summary._straggler import StragglerView
+from traceml_ai.run_summary._straggler import Coordinate, StragglerView
 
 StepRows = dict[int, dict[int, dict[str, float]]]
 """rank -> step -> {"step": ms, phase name: ms, ...} (keys starting ``_`` are the
@@ -73,6 +73,11 @@ class Environment:
     topology: str | None
     world_size: int | None
     torch_version: str | None
+    parallel: dict[str, int] | None = None
+    """The parallel dimensions and their sizes, when every rank said the same ones."""
+    parallel_source: str | None = None
+    """Where the layout came from (``device_mesh``, ``pipelining``, ``megatron``,
+    ``deepspeed``, ``declared``); a list's first when ranks differ."""
 
 
 @attrs.frozen(kw_only=True)
@@ -199,6 +204,8 @@ class RunSummary:
     problems: list[str]
     """What could not be read, one line each (the files are then never complete)."""
     notes: list[str]
+    coordinates: dict[str, dict[str, Coordinate]] | None = None
+    """rank -> its place in the parallel layout, when the ranks said it."""
     rows: StepColumns = attrs.field(factory=dict, eq=False, repr=False)
     """The step rows behind the figures, as columns (not in the JSON)."""
 

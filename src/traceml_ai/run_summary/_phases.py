@@ -96,9 +96,23 @@ def wait_component(phase: str) -> str | None:
     return phase_name(phase)
 
 
+GROUP_SEP = "@"
+"""Between an operation and its group in a wait key: ``_cwop:backward:all_reduce@dp``."""
+
+
+def op_label(op: str, group: object) -> str:
+    """A collectives line's operation as the wait keys name it: with its group
+    (``all_reduce@dp``) when the line says one, so that pipeline traffic and
+    data-parallel reductions never merge."""
+    if type(group) is str and group and len(group) <= 16:
+        return f"{op}{GROUP_SEP}{group}"
+    return op
+
+
 def add_wait(waits: dict[str, float], component: str, op: str, wait_ms: float) -> None:
     """Add one collectives line's wait to ``waits`` (a row's wait keys); ``component``
-    is its phase's (:func:`wait_component`, or the live views' folded label)."""
+    is its phase's (:func:`wait_component`, or the live views' folded label); ``op`` is
+    :func:`op_label`'s."""
     key = WAIT_PREFIX + component
     waits[key] = waits.get(key, 0.0) + wait_ms
     key = f"{OP_WAIT_PREFIX}{component}:{op}"

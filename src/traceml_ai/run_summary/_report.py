@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 import orjson
 
+from traceml_ai.run_summary._causes import Coordinates, Layout, layout_of
 from traceml_ai.run_summary._columns import (
     STEP_KEY,
     TS_KEY,
@@ -49,6 +50,7 @@ from traceml_ai.run_summary._phases import (
     OP_WAIT_PREFIX,
     WAIT_PREFIX,
     mean,
+    op_label,
     percentiles,
     phase_breakdown,
     phase_names,
@@ -64,7 +66,7 @@ from traceml_ai.run_summary._read import (
     exists,
     read_bytes,
 )
-from traceml_ai.run_summary._straggler import StragglerView, verdict_line
+from traceml_ai.run_summary._straggler import Coordinate, StragglerView
 from traceml_ai.run_summary._straggler import analyze as analyze_stragglers
 from traceml_records import STREAMS
 
@@ -158,10 +160,12 @@ def _step_figures(columns: StepColumns) -> StepFigures:
     return StepFigures(step_time=per_rank, phases=phases, phase_names=names)
 
 
-def _straggler_view(columns: StepColumns, strategy: str | None, collectives: bool) -> StragglerView:
+def _straggler_view(
+    columns: StepColumns, strategy: str | None, collectives: bool, layout: Layout | None
+) -> StragglerView:
     """The straggler analysis (:mod:`traceml_ai.run_summary._straggler`) of the step rows."""
     nodes = {rank: c.node for rank, c in columns.items() if c.node is not None}
-    return analyze_stragglers(columns, strategy, nodes, collectives)
+    return analyze_stragglers(columns, strategy, nodes, collectives, layout)
 
 
 class _Waits:
@@ -190,11 +194,12 @@ class _Waits:
         component = wait_component(obj["phase"])
         if component is None:
             return
-        ids = self._ids.get((component, obj["op"]))
+        op = op_label(obj["op"], obj.get("group"))
+        ids = self._ids.get((component, op))
         if ids is None:
-            ids = self._ids[(component, obj["op"])] = (
+            ids = self._ids[(component, op)] = (
                 self._id(WAIT_PREFIX + component),
-                self._id(f"{OP_WAIT_PREFIX}{component}:{obj['op']}"),
+                self._id(f"{OP_WAIT_PREFIX}{component}:{op}"),
             )
         step = obj["step"]
         steps.extend((step, step))
@@ -424,27 +429,6 @@ def _read_warning(path: Path) -> tuple[Any, str | None]:
     return warning, None
 
 
-def _steps_text(counts: Sequence[int]) -> str:
-    """How many steps the ranks have, said truthfully: ``30 steps on each of 2 ranks``."""
-    if len(counts) == 1:
-        return f"{counts[0]} steps on 1 rank"
-    low, high = min(counts), max(counts)
-    if low == high:
-        return f"{low} steps on each of {len(counts)} ranks"
-    return f"{low} to {high} steps per rank on {len(counts)} ranks"
-
-
-def _cpu_text(p: ProcessFigures) -> str:
-    if p.cpu_percent_mean is None or p.cpu_percent_max is None:
-        text = "CPU n/a"
-    else:
-        text = f"CPU {p.cpu_percent_mean:.0f}% mean, {p.cpu_percent_max:.0f}% max"
-    bad = p.cpu_percent_impossible_samples
-    if bad:
-        text += f" ({bad} impossible sample(s) left out)"
-    return text
-
-
 _KEPT_LINES = ("runtime_environment", "process", "system", "system_gpu")
 """The streams whose lines are kept whole (a few per rank a minute); the others are
 kept as figures (step_time, collectives, step_memory) or only counted."""
@@ -585,19 +569,27 @@ def _summary_of(
     strategy: str | None = None
     environment: Environment | None = None
     env_rows = objs.get("runtime_environment", [])
+    layout: dict[int, Coordinates] = {}
     if env_rows:
         last: dict[int, dict[str, Any]] = {}
         for obj in env_rows:
             last[obj["global_rank"]] = obj
+        for rank, obj in last.items():
+            coordinates = layout_of(obj.get("parallel"))
+            if coordinates is not None:
+                layout[rank] = coordinates
         strategies = sorted({str(o.get("training_strategy")) for o in last.values()})
         strategy = strategies[0] if len(strategies) == 1 else None
         first = next(iter(last.values()), {})
+        sources = sorted({str(o.get("parallel_source")) for o in last.values() if layout})
         environment = Environment(
             training_strategy=strategies[0] if len(strategies) == 1 else strategies,
             distributed_backend=first.get("distributed_backend"),
             topology=first.get("topology"),
             world_size=first.get("world_size"),
             torch_version=first.get("torch_version"),
+            parallel=_sizes(layout),
+            parallel_source=sources[0] if sources and sources[0] != "None" else None,
         )
 
     rows: StepColumns = {}
@@ -622,7 +614,7 @@ def _summary_of(
             )
         figures = step_figures(rows)
         measured = "collectives" in reads and _merge_waits(rows, kept["collectives"], notes)
-        straggler = _straggler_view(rows, strategy, measured)
+        straggler = _straggler_view(rows, strategy, measured, layout)
         if world:
             # Count rather than list every rank: a world may be very large.
             missing = max(world) - len([r for r in rows if r < max(world)])
@@ -690,8 +682,19 @@ def _summary_of(
         loss=loss,
         problems=problems,
         notes=notes,
+        coordinates={
+            str(r): {n: Coordinate(rank=c, size=size) for n, (c, size) in sorted(co.items())}
+            for r, co in sorted(layout.items())
+        }
+        or None,
         rows=rows,
     )
+
+
+def _sizes(layout: Mapping[int, Coordinates]) -> dict[str, int] | None:
+    """The dimensions and sizes, when every rank with coordinates says the same ones."""
+    found = {tuple(sorted((n, s) for n, (_, s) in co.items())) for co in layout.values()}
+    return dict(next(iter(found))) if len(found) == 1 else None
 
 
 def _file_state(info: FileRead) -> FileState:
@@ -825,111 +828,3 @@ def _loss_line(
             f"(see {warning_file})"
         )
     return f"files: incomplete ({dropped_batches} dropped batches)"
-
-
-# --------------------------------------------------------------------------- text
-
-
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
-
-
-def format_summary(summary: RunSummary, full: bool = True) -> str:
-    """The summary as plain text: a few lines (``full=False``) or every section."""
-    out: list[str] = []
-    ranks = summary.ranks
-    steps = summary.step_time
-    env = summary.environment
-    head = f"traceml: summary of {summary.title}"
-    if env is not None and env.training_strategy:
-        # Ranks with a step line; none yet (a run that stopped before its first step)
-        # is said by the notes, not as "0 ranks" of a run whose ranks did connect.
-        counted = f", {len(ranks)} rank(s)" if ranks else ""
-        head += f" ({env.training_strategy}{counted})"
-    out.append(head)
-    phases = summary.phases or {}
-    if steps:
-        if full:
-            out.append("step time per rank (ms):")
-            out.append("  rank  steps      p50      p90      p99      max   steps/s")
-            for r in ranks:
-                s = steps[str(r)]
-                out.append(
-                    f"  {r:>4} {s.steps:>6} {s.p50_ms:>8.2f} {s.p90_ms:>8.2f} "
-                    f"{s.p99_ms:>8.2f} {s.max_ms:>8.2f} {s.steps_per_s:>9.2f}"
-                )
-            out.append("phases per rank (mean ms, share of the iteration):")
-            for r in ranks:
-                ph = phases[str(r)]
-                cells = ", ".join(
-                    f"{n} {ph[n].mean_ms:.2f} ({ph[n].share * 100:.0f}%)"
-                    for n in summary.phase_names
-                )
-                out.append(f"  rank {r}: {cells}")
-        else:
-            p50 = [steps[str(r)].p50_ms for r in ranks]
-            spread = (
-                f"{p50[0]:.2f} ms"
-                if min(p50) == max(p50)
-                else f"{min(p50):.2f} to {max(p50):.2f} ms"
-            )
-            out.append(
-                f"step time: p50 {spread}; {_steps_text([steps[str(r)].steps for r in ranks])}"
-            )
-            # The largest phase on average, the quickest pointer to where time goes.
-            totals: dict[str, float] = {}
-            for r in ranks:
-                for n, v in phases[str(r)].items():
-                    totals[n] = totals.get(n, 0.0) + v.share / len(ranks)
-            top = sorted(totals.items(), key=lambda kv: -kv[1])[:3]
-            out.append("phases: " + ", ".join(f"{n} {v * 100:.0f}%" for n, v in top))
-        out.append(verdict_line(summary.straggler))
-    if full and summary.memory:
-        rows = [
-            f"rank {r} {d}: allocated {_bytes(v.peak_allocated_bytes)}, "
-            f"reserved {_bytes(v.peak_reserved_bytes)}"
-            for r, devs in summary.memory.items()
-            for d, v in devs.items()
-            if v.peak_allocated_bytes is not None or v.peak_reserved_bytes is not None
-        ]
-        if rows:
-            out.append("peak memory per device:")
-            out.extend(f"  {row}" for row in rows)
-    if full and summary.process:
-        out.append("process per rank:")
-        for rank_name, p in summary.process.items():
-            gpu = (
-                f", GPU memory max {_bytes(p.gpu_memory_used_bytes_max)}"
-                if p.gpu_memory_used_bytes_max is not None
-                else ""
-            )
-            out.append(
-                f"  rank {rank_name}: {_cpu_text(p)}; RSS max {_bytes(p.ram_used_bytes_max)}{gpu}"
-            )
-    if full and summary.system:
-        out.append("system per node:")
-        for node_name, node in summary.system.items():
-            out.append(
-                f"  node {node_name}: CPU {node.cpu_percent_mean:.0f}% mean, {node.cpu_percent_max:.0f}% max; "
-                f"RAM max {_bytes(node.ram_used_bytes_max)} of {_bytes(node.ram_total_bytes)}; "
-                f"{node.gpu_count} GPU(s)"
-            )
-            for index, g in node.gpus.items():
-                util = g.utilization_percent_mean
-                out.append(
-                    f"    gpu {index}: util {'n/a' if util is None else f'{util:.0f}%'} mean, "
-                    f"memory max {_bytes(g.memory_used_bytes_max)}, "
-                    f"temp max {g.temperature_c_max} C, power max {g.power_usage_w_max} W"
-                )
-    out.extend(f"problem: {p}" for p in summary.problems)
-    out.append(summary.loss.line if full else summary.loss.short_line)
-    if full:
-        out.extend(f"note: {n}" for n in summary.notes)
-    return "\n".join(line if line.startswith("traceml:") else f"traceml: {line}" for line in out)

@@ -37,6 +37,17 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
+from traceml_ai.run_summary._causes import (
+    Groups,
+    Layout,
+    balanced,
+    data_imbalance,
+    peer_excess,
+    peer_level,
+    replay,
+    slow_stages,
+    tokens_confirm,
+)
 from traceml_ai.run_summary._columns import (
     STEP_KEY,
     TS_KEY,
@@ -48,6 +59,7 @@ from traceml_ai.run_summary._columns import (
 from traceml_ai.run_summary._phases import (
     BETWEEN,
     BUILT_IN_PHASES,
+    GROUP_SEP,
     OP_WAIT_PREFIX,
     REST,
     WAIT_PREFIX,
@@ -87,6 +99,8 @@ buffers, at the start of forward); FSDP and ZeRO gather and reduce in all three.
 _DEFAULT_SYNC = ("backward", "forward", "optimizer")
 
 DATALOADER = "dataloader_wait"
+TOKENS_KEY = "_tokens"
+"""A step row's tokens (the step_time line's ``tokens``), when the rank said them."""
 
 DEFINITION = (
     "per step, a rank's own work is its iteration (step plus time outside it) minus its "
@@ -108,6 +122,14 @@ Rows = Mapping[int, Mapping[int, Mapping[str, float]]]
 
 
 @attrs.frozen(kw_only=True)
+class Coordinate:
+    """A rank's coordinate in one parallel dimension."""
+
+    rank: int
+    size: int
+
+
+@attrs.frozen(kw_only=True)
 class Straggler:
     """One rank the verdict names: its own work against the others', and where the
     extra sits."""
@@ -126,6 +148,8 @@ class Straggler:
     """``intermittent`` only: N when the slow steps come every Nth step."""
     first_slow_steps: tuple[int, ...] | None = None
     """``intermittent`` only: the first (up to 5) slow steps."""
+    parallel: Mapping[str, Coordinate] | None = None
+    """Its place in the parallel layout, when the ranks said it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -135,6 +159,9 @@ class Waiting:
     phase: str
     collective: str | None
     """The collective operation they wait in most (measured collectives), else None."""
+    group: str | None = None
+    """The parallel dimension that collective ran over (``dp``, ``pp``, ``tp``, ...),
+    when the collectives lines said it."""
     ranks: tuple[int, ...] | None
     """The waiting ranks, up to 16 (None: more)."""
     rank_count: int
@@ -151,6 +178,72 @@ class SlowNode:
 
 
 @attrs.frozen(kw_only=True)
+class SlowStage:
+    """A pipeline stage whose every replica does more work than its other stages."""
+
+    stage: int
+    ranks: tuple[int, ...]
+    excess_ms: float
+    """Per step, its work beyond the other stages' (the least over the replicas), median."""
+    excess_pct: float | None
+    slow_steps: int
+    slow_share: float
+
+
+@attrs.frozen(kw_only=True)
+class Imbalance:
+    """Replicas that take turns being slow: data (sequence-length) imbalance."""
+
+    replicas: int
+    spread_ms: float
+    """Per step, the slowest replica's extra work over the fastest's, median."""
+    uneven_steps: int
+    """Steps where that spread is above the threshold."""
+    slowest_changes: int
+    """How many times the slowest replica changed from one step to the next."""
+    slowest_changes_share: float
+    coherence: float
+    """In a median uneven step, the share of the slowest replica's ranks slower than their
+    peers (1.0: slow across every stage)."""
+    tokens_correlation: float | None
+    """How much a replica's tokens go with its extra work; None without tokens."""
+    tokens_confirm: bool | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Slowdown:
+    """What a cause costs: the measured step time over the step time without it."""
+
+    factor: float
+    step_ms: float
+    without_ms: float
+    method: str
+    """``replay``: docs/reading-the-files.md says how."""
+
+
+@attrs.frozen(kw_only=True)
+class Cause:
+    """One cause the analysis found, in the shape of the view's own fields."""
+
+    verdict: str
+    stragglers: tuple[Straggler, ...] = ()
+    stages: tuple[SlowStage, ...] = ()
+    imbalance: Imbalance | None = None
+    slowdown: Slowdown | None = None
+    waiting: Waiting | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Stopped:
+    """A rank whose steps ended well before the others'."""
+
+    rank: int
+    last_step: int
+    others_last_step: int
+    parallel: Mapping[str, Coordinate] | None = None
+
+
+@attrs.frozen(kw_only=True)
 class StragglerView:
     """The straggler analysis of a run: the one value every view reads (``traceml
     summary`` and its ``--json``, ``traceml.summary()``, the end of ``traceml run``, the
@@ -164,7 +257,8 @@ class StragglerView:
     ranks: int
     applicable: bool
     verdict: str
-    """``straggler``, ``intermittent``, ``none`` or ``n/a``."""
+    """``straggler``, ``intermittent``, ``slow_stage``, ``data_imbalance``, ``none`` or
+    ``n/a``: the costliest cause found."""
     stragglers: tuple[Straggler, ...] = ()
     reason: str | None = None
     """``n/a`` only: why."""
@@ -180,6 +274,18 @@ class StragglerView:
     """``none`` with inferred waits: what phase times cannot show."""
     slow_node: SlowNode | None = None
     waiting: Waiting | None = None
+    layout: Mapping[str, int] | None = None
+    """The parallel dimensions and their sizes, when the ranks said them."""
+    stages: tuple[SlowStage, ...] = ()
+    """``slow_stage`` only: the slow stages."""
+    imbalance: Imbalance | None = None
+    """``data_imbalance`` only."""
+    slowdown: Slowdown | None = None
+    """What the named cause costs."""
+    also: tuple[Cause, ...] = ()
+    """The other causes found, costliest first."""
+    stopped: tuple[Stopped, ...] = ()
+    """Ranks whose steps ended well before the others'."""
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> StragglerView:
@@ -265,6 +371,8 @@ class _Table:
         present = set().union(*(seen for _, seen in parts)) if parts else set()
         self.names = sorted(k for k in present if not k.startswith("_"))
         """The components some compared row had (phases, between, rest, waited ones)."""
+        self.tokens_everywhere = all(TOKENS_KEY in seen for _, seen in parts) and bool(parts)
+        """Whether every compared row said its tokens."""
         self.wait_keys = sorted(k for k in present if k.startswith(WAIT_PREFIX))
         self.op_keys = sorted(k for k in present if k.startswith(OP_WAIT_PREFIX))
 
@@ -343,6 +451,11 @@ def _components(
             if had(key):
                 seen.add(key)
     out["_wait"] = wait
+    if TOKENS_KEY in c.values:
+        out[TOKENS_KEY] = at(TOKENS_KEY)
+        mask = c.present.get(TOKENS_KEY)
+        if n and (mask is None or bool(mask[p].all())):
+            seen.add(TOKENS_KEY)
     return out, seen
 
 
@@ -416,16 +529,55 @@ def analyze(
     strategy: str | None = None,
     nodes: Mapping[int, int] | None = None,
     collectives: bool = False,
+    layout: Layout | None = None,
 ) -> StragglerView:
     """The straggler view of a run (see :func:`_analyze`): ``rows`` are the step
-    columns, or dict rows (rank -> step -> row) as the live views keep them."""
+    columns, or dict rows (rank -> step -> row) as the live views keep them; ``layout``
+    is each rank's place in the parallel layout, when the ranks said it."""
     import numpy as np
 
     columns = rows if is_columns(rows) else columns_of_rows(rows)  # type: ignore[arg-type]
     # Overflow to infinity is a figure like any other (as in Python's arithmetic).
     with np.errstate(all="ignore"):
-        view = _analyze(columns, strategy, nodes, collectives)  # type: ignore[arg-type]
+        view = _analyze(columns, strategy, nodes, collectives, layout)  # type: ignore[arg-type]
     return StragglerView.from_json(view)
+
+
+def _coordinates(layout: Layout | None, rank: int) -> dict[str, dict[str, int]] | None:
+    found = layout.get(rank) if layout else None
+    if found is None:
+        return None
+    return {name: {"rank": c, "size": size} for name, (c, size) in sorted(found.items())}
+
+
+def _layout_sizes(layout: Layout | None, ranks: Sequence[int]) -> dict[str, int] | None:
+    """The dimensions and sizes every rank says alike (None when they do not agree)."""
+    if not layout or not ranks or any(r not in layout for r in ranks):
+        return None
+    sizes = {name: size for name, (_, size) in sorted(layout[ranks[0]].items())}
+    if any({n: s for n, (_, s) in sorted(layout[r].items())} != sizes for r in ranks):
+        return None
+    return sizes
+
+
+def _stopped(columns: StepColumns, ranks: Sequence[int], layout: Layout | None) -> list[Any]:
+    """Ranks whose last step is well before the others' (a crash, an early exit)."""
+    last = {r: int(columns[r].steps[-1]) for r in ranks if len(columns[r])}
+    if len(last) < 2:
+        return []
+    top = max(last.values())
+    out = []
+    for r, mine in sorted(last.items()):
+        if top - mine >= max(MIN_STEPS, 0.1 * top):
+            out.append(
+                {
+                    "rank": r,
+                    "last_step": mine,
+                    "others_last_step": top,
+                    "parallel": _coordinates(layout, r),
+                }
+            )
+    return out
 
 
 def _analyze(
@@ -433,6 +585,7 @@ def _analyze(
     strategy: str | None,
     nodes: Mapping[int, int] | None,
     collectives: bool,
+    layout: Layout | None,
 ) -> dict[str, Any]:
     """The straggler view of a run, as its JSON form: ``columns`` hold each rank's step
     rows (``step_row``'s figures plus ``_ts``, the step's end in ns, and with
@@ -448,6 +601,8 @@ def _analyze(
         "basis": "collectives" if collectives else "phase_times",
         "ranks": len(ranks),
         "stragglers": [],
+        "layout": _layout_sizes(layout, ranks),
+        "stopped": _stopped(columns, ranks, layout),
     }
     if len(ranks) < 2:
         view.update(applicable=False, verdict="n/a", reason="one rank: nothing to compare")
@@ -460,6 +615,15 @@ def _analyze(
             applicable=False,
             verdict="n/a",
             reason=f"{len(steps)} step(s) that every rank has; {MIN_STEPS} needed",
+        )
+        return view
+    groups = Groups.of(ranks, layout)
+    if groups is not None and groups.stage is not None and groups.stages > 1 and not collectives:
+        view.update(
+            applicable=False,
+            verdict="n/a",
+            reason="pipeline parallel: the waits between stages are measured by the "
+            "collectives stream, which was not exported or not measured on every rank",
         )
         return view
     view["applicable"] = True
@@ -493,17 +657,23 @@ def _analyze(
                 break
         own = table.get("_iter") - (excess(wait_phase) if wait_phase else 0.0)
     view["wait_phase"] = wait_phase
+    own_median = _medians(own, axis=1)
+    view["own_work_ms"] = {str(r): rounded(float(own_median[i])) for i, r in enumerate(ranks)}
+    if groups is not None:
+        _layout_verdict(view, table, own, groups, steps, iteration, wait_phase, layout, strategy)
+        view["slow_node"] = None
+        return view
+
     # Step-to-step noise: how much a rank's own work varies around its own median
     # (robust: a rank slow now and then, or slow throughout, does not inflate it).
     noise = _median1(np.array([_mad(own[i]) for i in range(len(ranks))]))
     view["noise_ms"] = rounded(noise)
-    own_median = _medians(own, axis=1)
-    view["own_work_ms"] = {str(r): rounded(float(own_median[i])) for i, r in enumerate(ranks)}
     threshold = _threshold(iteration, noise)
     view["threshold_ms"] = rounded(threshold)
 
     # Persistent: the ranks above the largest gap in the sorted medians of own work.
     group = _slow_group(own_median, own, threshold, n)
+    slow_at: dict[int, NDArray[np.int64]] = {}
     if group:
         view["verdict"] = "straggler"
         view["stragglers"] = _explain(group, table, own, np.arange(n), wait_phase, floor)
@@ -513,6 +683,7 @@ def _analyze(
         for entry in view["stragglers"]:
             entry["slow_steps"] = slow_steps
             entry["slow_share"] = rounded(slow_steps / n, 3)
+        slow_at = {i: np.arange(n) for i in group}
     else:
         # One step is noisier than a median over many: a stricter bar for a step.
         step_threshold = max(threshold, STEP_ABS_MS, STEP_REL * iteration)
@@ -527,6 +698,7 @@ def _analyze(
                 entry["every_n_steps"] = _period([steps[k] for k in indices], steps)
                 entry["first_slow_steps"] = [steps[k] for k in indices[:5]]
                 entries.append(entry)
+                slow_at[i] = np.array(indices, dtype=np.int64)
             view["stragglers"] = entries
         else:
             view["verdict"] = "none"
@@ -535,6 +707,15 @@ def _analyze(
             view["caveat"] = (
                 None if collectives else _inside_sync_caveat(table, candidates, iteration)
             )
+    for entry in view["stragglers"]:
+        entry["parallel"] = _coordinates(layout, entry["rank"])
+    if slow_at:
+        without = own.copy()
+        for i, at in slow_at.items():
+            others = [j for j in range(len(ranks)) if j not in slow_at]
+            level = _medians(own[others], axis=0) if others else own[i]
+            without[i, at] = np.fmin(own[i, at], level[at])
+        view["slowdown"] = replay(table.get("_iter"), own, without)
 
     view["slow_node"] = _slow_node([s["rank"] for s in view["stragglers"]], ranks, nodes)
     if view["stragglers"] and collectives:
@@ -546,6 +727,7 @@ def _analyze(
         view["waiting"] = {
             "phase": wait_phase,
             "collective": None,
+            "group": None,
             "ranks": [ranks[i] for i in waiting] if len(waiting) <= 16 else None,
             "rank_count": len(waiting),
             "wait_ms_per_step": rounded(_mean1(excess(wait_phase)[waiting].sum(axis=1) / n))
@@ -556,6 +738,202 @@ def _analyze(
     else:
         view["waiting"] = None
     return view
+
+
+def _layout_verdict(
+    view: dict[str, Any],
+    table: _Table,
+    own: NDArray[np.float64],
+    groups: Groups,
+    steps: Sequence[int],
+    iteration: float,
+    wait_phase: str | None,
+    layout: Layout | None,
+    strategy: str | None,
+) -> None:
+    """The causes of a job with several parallel dimensions (:mod:`._causes`), each
+    with its cost; the costliest is the verdict, the others go in ``also``."""
+    import numpy as np
+
+    n = len(steps)
+    ranks = table.ranks
+    # Relative to own work, not to the iteration: a pipeline's iteration holds its
+    # fill and drain, which no stage's work is compared with.
+    base = max(ABS_MS, REL * _median1(own))
+    peer = peer_excess(own, groups)
+    has_peers = ~np.isnan(peer[:, 0])
+    filled = np.where(np.isnan(peer), 0.0, peer)
+    noise = _median1(np.array([_mad(filled[i]) for i in range(len(ranks)) if has_peers[i]]))
+    view["noise_ms"] = rounded(noise)
+    threshold = max(base, NOISE_FACTOR * noise)
+    view["threshold_ms"] = rounded(threshold)
+    iterations = table.get("_iter")
+    causes: list[dict[str, Any]] = []
+
+    # One slow worker: its own work beyond its peers' in most steps.
+    peer_median = _medians(filled, axis=1)
+    named = [
+        i
+        for i in range(len(ranks))
+        if has_peers[i]
+        and peer_median[i] > threshold
+        and np.count_nonzero(filled[i] > threshold) >= CONSISTENT_SHARE * n
+    ]
+    imbalance = data_imbalance(own, groups, base, CONSISTENT_SHARE, _tokens(table))
+    if named:
+        entries = _explain_peers(named, table, own, groups, np.arange(n), wait_phase)
+        without = own.copy()
+        for i, entry in zip(named, entries, strict=True):
+            entry["slow_steps"] = int(np.count_nonzero(filled[i] > threshold))
+            entry["slow_share"] = rounded(entry["slow_steps"] / n, 3)
+            entry["parallel"] = _coordinates(layout, ranks[i])
+            without[i] = np.fmin(own[i], peer_level(own, groups, i))
+        causes.append(
+            {
+                "verdict": "straggler",
+                "stragglers": entries,
+                "slowdown": replay(iterations, own, without, groups),
+                "waiting": _waiting_for(named, table, strategy),
+            }
+        )
+    elif imbalance is None:
+        step_threshold = max(threshold, STEP_ABS_MS, STEP_REL * iteration)
+        slow = _intermittent(np.where(has_peers[:, None], filled, -np.inf), step_threshold)
+        if slow:
+            entries = []
+            without = own.copy()
+            for i, indices in slow.items():
+                at = np.array(indices, dtype=np.int64)
+                entry = _explain_peers([i], table, own, groups, at, wait_phase)[0]
+                entry["slow_steps"] = len(indices)
+                entry["slow_share"] = rounded(len(indices) / n, 3)
+                entry["every_n_steps"] = _period([steps[k] for k in indices], steps)
+                entry["first_slow_steps"] = [steps[k] for k in indices[:5]]
+                entry["parallel"] = _coordinates(layout, ranks[i])
+                entries.append(entry)
+                without[i, at] = np.fmin(own[i, at], peer_level(own, groups, i)[at])
+            causes.append(
+                {
+                    "verdict": "intermittent",
+                    "stragglers": entries,
+                    "slowdown": replay(iterations, own, without, groups),
+                    "waiting": _waiting_for(list(slow), table, strategy),
+                }
+            )
+
+    # A slow pipeline stage: every replica's stage beyond its other stages.
+    stages, stage_extra = slow_stages(own, groups, base, CONSISTENT_SHARE)
+    if stages:
+        without = own.copy()
+        for extra in stage_extra.values():
+            without = np.fmax(0.0, without - extra)
+        stage_ranks = [i for e in stages for i in e["ranks"]]
+        for e in stages:
+            e["ranks"] = [ranks[i] for i in e["ranks"]]
+        causes.append(
+            {
+                "verdict": "slow_stage",
+                "stages": stages,
+                "slowdown": replay(iterations, own, without, groups),
+                "waiting": _waiting_for(stage_ranks, table, strategy),
+            }
+        )
+
+    # Data imbalance: the slowest replica changes from step to step.
+    if imbalance is not None:
+        imbalance["tokens_confirm"] = tokens_confirm(imbalance)
+        causes.append(
+            {
+                "verdict": "data_imbalance",
+                "imbalance": imbalance,
+                "slowdown": replay(iterations, own, balanced(own, groups), groups),
+                "waiting": None,
+            }
+        )
+
+    causes.sort(key=lambda c: -float(c["slowdown"]["factor"]))
+    if not causes:
+        view["verdict"] = "none"
+        spread = peer_median[has_peers]
+        view["spread_ms"] = rounded(float(spread.max() - spread.min())) if len(spread) else 0.0
+        view["caveat"] = None
+        view["waiting"] = None
+        return
+    first, rest = causes[0], causes[1:]
+    view.update(
+        verdict=first["verdict"],
+        stragglers=first.get("stragglers", []),
+        stages=first.get("stages", []),
+        imbalance=first.get("imbalance"),
+        slowdown=first["slowdown"],
+        waiting=first["waiting"],
+    )
+    if first["waiting"]:
+        view["wait_phase"] = first["waiting"]["phase"]
+    view["also"] = rest
+
+
+def _tokens(table: _Table) -> NDArray[np.float64] | None:
+    """Tokens per rank and step, when every compared rank said them in every step."""
+    found = table.m.get(TOKENS_KEY)
+    if found is None or not table.tokens_everywhere:
+        return None
+    return found
+
+
+def _waiting_for(
+    named: Sequence[int], table: _Table, strategy: str | None
+) -> dict[str, Any] | None:
+    """Where the other ranks wait for the named rank indices (measured collectives)."""
+    if not table.wait_keys:
+        return None
+    return _measured_wait(
+        {"stragglers": [{"rank": table.ranks[i]} for i in named]}, table, strategy
+    )
+
+
+def _explain_peers(
+    named: Sequence[int],
+    table: _Table,
+    own: NDArray[np.float64],
+    groups: Groups,
+    indices: NDArray[np.int64],
+    wait_phase: str | None,
+) -> list[dict[str, Any]]:
+    """Per named rank index: its own work against its peers' over ``indices``, and the
+    component where the extra sits."""
+    import numpy as np
+
+    out = []
+    names = [k for k in table.names if k != wait_phase]
+    for i in named:
+        peers = groups.peers(i)
+        mine = own[i, indices]
+        theirs = np.median(own[peers][:, indices], axis=0) if peers else mine
+        extra = _median1(mine - theirs)
+        reference = _median1(theirs)
+        by_component = {}
+        for name in names:
+            m = table.get(name)[:, indices]
+            level = np.median(m[peers], axis=0) if peers else m[i]
+            by_component[name] = _median1(m[i] - level)
+        where = max(by_component, key=lambda k: by_component[k]) if by_component else REST
+        dl_outside = _median1(table.get("_dl_outside")[i, indices]) >= 0.5
+        out.append(
+            {
+                "rank": table.ranks[i],
+                "own_work_ms": rounded(_median1(mine)),
+                "others_own_work_ms": rounded(reference),
+                "excess_ms": rounded(max(0.0, extra)),
+                "excess_pct": rounded(100.0 * max(0.0, extra) / reference, 1)
+                if reference > 0
+                else None,
+                "phase": where,
+                "phase_excess_ms": rounded(max(0.0, by_component.get(where, 0.0))),
+                "phase_description": _describe(where, dl_outside),
+            }
+        )
+    return out
 
 
 def _measured_wait(
@@ -586,19 +964,23 @@ def _measured_wait(
     op_prefix = f"{OP_WAIT_PREFIX}{component}:"
     op_keys = [k for k in table.op_keys if k.startswith(op_prefix)]
     op = max(op_keys, key=surplus)[len(op_prefix) :] if op_keys else None
+    group: str | None = None
+    if op is not None and GROUP_SEP in op:
+        op, group = op.split(GROUP_SEP, 1)
     m = table.get(key)
     beyond = m - m.min(axis=0)
     return {
         "phase": component,
         "collective": op,
+        "group": group,
         "ranks": [ranks[i] for i in waiting] if len(waiting) <= 16 else None,
         "rank_count": len(waiting),
         "wait_ms_per_step": rounded(_mean1(beyond[waiting].sum(axis=1) / n)),
-        "why": _why_measured(strategy, component, op),
+        "why": _why_measured(strategy, component, op, group),
     }
 
 
-def _why_measured(strategy: str | None, phase: str, op: str | None) -> str:
+def _why_measured(strategy: str | None, phase: str, op: str | None, group: str | None) -> str:
     what = _COLLECTIVE_WORDS.get(op or "", op or "collectives")
     if strategy == "ddp" and phase == "backward" and op == "all_reduce":
         what = "gradient all-reduce (DDP's buckets)"
@@ -607,7 +989,11 @@ def _why_measured(strategy: str | None, phase: str, op: str | None) -> str:
     )
     label = {"ddp": "DDP", "fsdp": "FSDP", "deepspeed": "DeepSpeed"}.get(strategy or "")
     prefix = f"{label}: " if label else ""
-    return f"{prefix}the other ranks wait in the {what}, {where} (measured)"
+    return f"{prefix}the other ranks wait in the {what}{_group_words(group)}, {where} (measured)"
+
+
+def _group_words(group: str | None) -> str:
+    return f" over {group}" if group and group not in ("world", "other") else ""
 
 
 _COLLECTIVE_WORDS = {
@@ -795,47 +1181,154 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def verdict_line(view: StragglerView | None) -> str:
-    """The verdict as one sentence, every figure non-negative."""
+    """The verdict as one sentence, every figure non-negative: the costliest cause, the
+    others after ``also:``, and the ranks that stopped early."""
     if view is None:
         return "straggler: no step times"
     if not view.applicable:
-        return f"straggler: n/a ({view.reason})"
-    found = view.stragglers
-    if view.verdict == "none" or not found:
+        return f"straggler: n/a ({view.reason})" + _stopped_text(view)
+    if view.verdict == "none" or not (view.stragglers or view.stages or view.imbalance):
         text = (
             f"straggler: none (own work per iteration within {view.spread_ms or 0.0:.2f} ms "
             f"across ranks; a difference needs {view.threshold_ms or 0.0:.2f} ms)"
         )
         if view.caveat:
             text += f"; {view.caveat}"
-        return text
-    node = view.slow_node
+        return text + _stopped_text(view)
+    text = _cause_text(
+        Cause(
+            verdict=view.verdict,
+            stragglers=view.stragglers,
+            stages=view.stages,
+            imbalance=view.imbalance,
+            slowdown=view.slowdown,
+            waiting=view.waiting,
+        ),
+        view,
+        first=True,
+    )
+    if view.also:
+        text += "; also: " + "; ".join(_cause_text(c, view, first=False) for c in view.also)
+    return text + _stopped_text(view)
+
+
+def _stopped_text(view: StragglerView) -> str:
+    if not view.stopped:
+        return ""
+    first = view.stopped[0]
+    who = _ranks_text([s.rank for s in view.stopped])
+    return (
+        f"; {who}: steps end at step {first.last_step}"
+        + (" (and later)" if len({s.last_step for s in view.stopped}) > 1 else "")
+        + f" while the others' reach step {first.others_last_step} (stopped early, "
+        "or its last steps were lost)"
+    )
+
+
+def _where_text(parallel: Mapping[str, Coordinate] | None) -> str:
+    if not parallel:
+        return ""
+    return " [" + " ".join(f"{n}={c.rank}" for n, c in parallel.items()) + "]"
+
+
+def _one_tensor_group(found: Sequence[Straggler]) -> bool:
+    """Whether the named ranks are exactly one tensor-parallel group: every ``tp``
+    coordinate once, every other coordinate the same."""
+    places = [s.parallel for s in found]
+    if len(places) < 2 or any(not p or "tp" not in p for p in places):
+        return False
+    first = places[0]
+    assert first is not None
+    size = first["tp"].size
+    if len(places) != size or {p["tp"].rank for p in places if p} != set(range(size)):
+        return False
+    rest = {n: c.rank for n, c in first.items() if n != "tp"}
+    return all({n: c.rank for n, c in p.items() if n != "tp"} == rest for p in places if p)
+
+
+def _cause_text(cause: Cause, view: StragglerView, first: bool) -> str:
+    """One cause in words; the first one with the straggler verdict's exact wording of a
+    data-parallel job, so one-dimension runs read as they always did."""
+    layout = view.layout is not None and sum(1 for s in view.layout.values() if s > 1) > 1
+    cost = ""
+    if layout and cause.slowdown is not None:
+        sd = cause.slowdown
+        cost = (
+            f"; slowdown {sd.factor:.2f}x ({sd.step_ms:.2f} ms a step, "
+            f"{sd.without_ms:.2f} ms without it)"
+        )
+    if cause.verdict == "slow_stage":
+        parts = []
+        for st in cause.stages:
+            pct = f" (+{st.excess_pct:.0f}%)" if st.excess_pct is not None else ""
+            parts.append(
+                f"stage {st.stage} ({_ranks_text(list(st.ranks))}): +{st.excess_ms:.2f} ms "
+                f"of own work per iteration{pct} over the other stages, on every replica"
+            )
+        return "slow stage: " + "; ".join(parts) + " (rebalance the stages)" + cost
+    if cause.verdict == "data_imbalance" and cause.imbalance is not None:
+        im = cause.imbalance
+        tokens = ""
+        if im.tokens_confirm is True:
+            tokens = f"; tokens per step confirm it (r={im.tokens_correlation:.2f})"
+        elif im.tokens_confirm is False:
+            tokens = f"; tokens per step do not follow it (r={im.tokens_correlation:.2f})"
+        return (
+            f"data imbalance: one of {im.replicas} replicas is slower across its stages in "
+            f"{im.uneven_steps} steps, by {im.spread_ms:.2f} ms (median), and the slowest "
+            f"replica changed {im.slowest_changes} times{tokens}" + cost
+        )
+    found = cause.stragglers
+    if not found:
+        return cause.verdict
+    node = view.slow_node if first else None
     who = _ranks_text([s.rank for s in found])
+    if layout:
+        who += "".join(_where_text(s.parallel) for s in found[:4])
+        if _one_tensor_group(found):
+            who += " (one tensor-parallel group)"
     if node:
         names = ", ".join(map(str, node.nodes))
         who = f"node {names} ({who})" if len(node.nodes) == 1 else f"nodes {names} ({who})"
-    first = found[0]
-    same_place = all(s.phase == first.phase for s in found)
-    where = first.phase_description if same_place else "in several places"
+    head = found[0]
+    same_place = all(s.phase == head.phase for s in found)
+    where = head.phase_description if same_place else "in several places"
     excess = max(s.excess_ms for s in found)
-    pct = first.excess_pct
-    if view.verdict == "intermittent":
-        every = first.every_n_steps
-        how_often = f"every {every}th step" if every else f"{first.slow_share * 100:.0f}% of steps"
+    share = head.excess_pct
+    if cause.verdict == "intermittent":
+        every = head.every_n_steps
+        how_often = f"every {every}th step" if every else f"{head.slow_share * 100:.0f}% of steps"
         text = (
-            f"straggler: {who}, now and then: slow in {first.slow_steps} of "
+            f"straggler: {who}, now and then: slow in {head.slow_steps} of "
             f"{view.steps_compared} steps ({how_often}), +{excess:.2f} ms in those steps, "
             f"{where}"
         )
     else:
         text = (
             f"straggler: {who}: +{excess:.2f} ms of own work per iteration"
-            + (f" (+{pct:.0f}%)" if pct is not None and len(found) == 1 else "")
+            + (f" (+{share:.0f}%)" if share is not None and len(found) == 1 else "")
             + f", {where}"
         )
-    waiting = view.waiting
+    waiting = cause.waiting
     if waiting and waiting.rank_count:
         op = waiting.collective
+        if op and layout and waiting.group:
+            op = f"{op} over {waiting.group}"
         at = f"{waiting.phase}'s {op}" if op else waiting.phase
         text += f"; the others wait in {at} ({waiting.wait_ms_per_step:.2f} ms per step)"
-    return text
+    return text + cost
+
+
+def cost_line(view: StragglerView | None) -> str | None:
+    """What the named cause costs, as the summary's line under the verdict (None when
+    nothing is named)."""
+    if view is None or view.slowdown is None:
+        return None
+    if view.layout is not None and sum(1 for size in view.layout.values() if size > 1) > 1:
+        return None  # the verdict's own sentence says each cause's cost
+    sd = view.slowdown
+    return (
+        f"cost: {sd.factor:.2f}x slowdown: {sd.step_ms:.2f} ms a step (median), "
+        f"{sd.without_ms:.2f} ms without the {view.verdict.replace('_', ' ')} "
+        f"(replayed from each step's own work and waits)"
+    )

@@ -23,7 +23,8 @@ from typing import Any
 
 from traceml_ai.run_summary._model import RunSummary, StepFigures, StepRows
 from traceml_ai.run_summary._phases import rounded, step_row
-from traceml_ai.run_summary._report import format_summary, step_figures, summarize_run
+from traceml_ai.run_summary._report import step_figures, summarize_run
+from traceml_ai.run_summary._text import format_summary
 from traceml_records.internal import LineKind, LineSplitter, classify_line
 
 # 0.5.0's compact keys (traceml/step_time/<metric>) for the phases this project measures.

@@ -353,6 +353,35 @@ COLLECTIVE_CASES = [
 
 
 @pytest.mark.slow
+def test_real_ddp_run_whose_slow_rank_exits_early(tmp_path: Path) -> None:
+    """Rank 1, 30 ms slow in forward, calls os._exit(0) after its 10th step (rank 0
+    then fails in the next all-reduce): the verdict names it, and says its steps end
+    early, instead of finding no straggler."""
+    res = run_cli(
+        [
+            *("run", "--logs-dir", tmp_path / "logs", "--run-name", "r"),
+            *("--nproc-per-node", "2", "--master-port", str(free_port())),
+            *("--exporter", "jsonl", "--export-streams", "all", SCRIPT),
+            *("--where", "forward", "--slow-ranks", "1", "--steps", "40"),
+            *("--sleep-ms", "30", "--exit-after", "10"),
+        ],
+        cwd=tmp_path,
+    )
+    assert res.returncode != 0  # rank 0's script fails once its peer is gone
+    summary = summarize_json(tmp_path / "logs" / "r")
+    view = summary["straggler"]
+    why = format_json(summary) + "\n" + res.stderr
+    assert view["verdict"] == "straggler", why
+    assert [s["rank"] for s in view["stragglers"]] == [1], why
+    # Whether its lines end visibly early depends on how many steps its sender had
+    # not sent yet when it exited; when they do, the verdict says so.
+    assert [s["rank"] for s in view["stopped"]] in ([], [1]), why
+    if view["stopped"]:
+        assert "rank 1: steps end at step" in verdict_line(view), why
+    assert "missing rank 1" in summary["loss"]["line"], why
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("ranks", "strategy", "where", "slowed", "every", "phase", "verdict", "waits", "ops"),
     COLLECTIVE_CASES,

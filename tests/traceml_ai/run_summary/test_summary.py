@@ -517,7 +517,7 @@ def test_the_summary_is_one_typed_value_whose_json_has_every_key(tmp_path: Path)
     assert set(data) == {
         "export_folder", "run_folder", "streams", "environment", "ranks", "world_size",
         "step_time", "phases", "phase_names", "straggler", "memory", "process", "system",
-        "loss", "problems", "notes",
+        "loss", "problems", "notes", "coordinates",
     }  # fmt: skip
     assert "rows" not in data  # the step rows travel with the value, never into the JSON
     assert set(data["loss"]["files"]["step_time"]) == {

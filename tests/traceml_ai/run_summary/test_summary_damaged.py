@@ -215,8 +215,9 @@ def test_process_cpu_above_the_host_cores_is_left_out(tmp_path: Path) -> None:
     assert proc["cpu_percent_mean"] == 120.0
     assert proc["cpu_percent_impossible_samples"] == 1
     assert proc["cpu_logical_cores"] == 2
-    text = format_json(summary)
+    text = format_json(summary, ranks=True)
     assert "rank 0: CPU 120% mean, 190% max (1 impossible sample(s) left out)" in text
+    assert "(1 impossible CPU sample(s) left out)" in format_json(summary)
     assert "5000" not in text
     assert "note: process CPU: rank 0 1 sample(s) above 100 % per logical core" in text
 

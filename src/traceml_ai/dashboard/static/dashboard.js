@@ -112,6 +112,23 @@
     text("ranks-caption", [view.window, view.ranks_shown_note].filter(Boolean).join(" · "));
   }
 
+  function drawSpread(view) {
+    const rows = (view.spread || []).map((r) => {
+      const tr = el("tr");
+      [r.figure, fmt(r.min), fmt(r.p50), fmt(r.p90), fmt(r.max)].forEach((c) => tr.appendChild(el("td", null, c)));
+      return tr;
+    });
+    document.querySelector("#spread-table tbody").replaceChildren(...rows);
+    const stages = view.stages || [];
+    $("stages-box").hidden = !stages.length;
+    const stageRows = stages.map((s) => {
+      const tr = el("tr", s.slow ? "straggler" : null);
+      [`${s.stage}${s.slow ? " (slow)" : ""}`, s.ranks, fmt(s.p50_ms), fmt(s.own_work_ms)].forEach((c) => tr.appendChild(el("td", null, c)));
+      return tr;
+    });
+    document.querySelector("#stages-table tbody").replaceChildren(...stageRows);
+  }
+
   function drawMemory(view) {
     text("memory-caption", view.memory_basis ? `(${view.memory_basis})` : "");
     if (view.memory == null) { replace("memory", el("p", "muted", "not available (step_memory not exported)")); return; }
@@ -178,12 +195,13 @@
     verdict.textContent = view.straggler.line;
     verdict.className = view.straggler.verdict || "";
     verdict.title = view.straggler.definition || "";
+    text("cost", view.straggler.cost || "");
     text("window", view.waiting ? `waiting: ${view.waiting}` : view.window);
     const notes = view.notes || [];
     $("notes-box").hidden = !notes.length;
     $("notes").replaceChildren(...notes.map((n) => el("li", null, n)));
     drawSteps(view); drawPhases(view); drawThroughput(view);
-    drawRanks(view); drawMemory(view); drawProcess(view); drawSystem(view); drawLoss(view);
+    drawSpread(view); drawRanks(view); drawMemory(view); drawProcess(view); drawSystem(view); drawLoss(view);
     text("rank-picked", extraRanks.size ? `also shown: ${[...extraRanks].sort((a, b) => a - b).join(", ")}` : "");
   }
 
