@@ -347,7 +347,7 @@ def test_mode_summary_prints_the_run_summary_and_exports_step_time(tmp_path: Pat
     assert (export_dir(logs, "sid") / "step_time.jsonl").is_file()
     # The full summary, after the launcher's own short one.
     assert res.stderr.count(f"traceml: summary of {logs / 'sid'}") == 2, res.stderr
-    assert "step time per rank (ms):" in res.stderr
+    assert "step time across ranks (ms, min/p50/p90/max" in res.stderr
 
 
 def test_trace_max_steps_and_on_missing_aggregator(tmp_path: Path) -> None:

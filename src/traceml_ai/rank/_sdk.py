@@ -306,21 +306,47 @@ def _current() -> Runtime | None:
     return runtime
 
 
-def _token_count(n: object, what: str) -> int:
-    """``n`` as a whole number of tokens >= 0 (an int, a numpy or 0-d tensor integer)."""
-    if isinstance(n, bool):
-        raise TypeError(f"{what} must be a whole number >= 0; got {n!r}")
-    try:
-        value = operator.index(n)  # type: ignore[arg-type]
-    except TypeError:
-        item = getattr(n, "item", None)
-        read = item() if callable(item) else None
-        if not isinstance(read, int) or isinstance(read, bool):
-            raise TypeError(f"{what} must be a whole number >= 0; got {n!r}") from None
-        value = read
-    if value < 0:
-        raise ValueError(f"{what} must be a whole number >= 0; got {value}")
-    return value
+_LATER = object()
+"""A token count on an accelerator: read when the step's item is built."""
+
+
+def _token_count(n: object, what: str) -> tuple[int | object, object] | None:
+    """``n`` as tokens: ``(count, None)`` for a whole number >= 0 (an int, a numpy or
+    CPU 0-d tensor integer), ``(_LATER, n)`` for a 0-d tensor on an accelerator (read
+    off the training thread, never synchronizing the device here), None for anything
+    else (one warning, the count left out: training goes on)."""
+    if not isinstance(n, bool):
+        try:
+            value = operator.index(n)  # type: ignore[arg-type]
+        except TypeError:
+            value = None
+            device = getattr(getattr(n, "device", None), "type", None)
+            if device not in (None, "cpu") and getattr(n, "ndim", None) == 0:
+                return _LATER, n
+            item = getattr(n, "item", None)
+            if callable(item) and getattr(n, "ndim", 0) == 0:
+                try:
+                    read = item()
+                except Exception:
+                    read = None
+                if isinstance(read, int) and not isinstance(read, bool):
+                    value = read
+        if value is not None and value >= 0:
+            return value, None
+    _warn_once(
+        f"bad_tokens:{what}",
+        f"traceml: {what} takes a whole number >= 0 (an int or a 0-d integer tensor); "
+        f"got {type(n).__name__} {str(n)[:40]!r}: this count is left out",
+    )
+    return None
+
+
+def _add_tokens(timer: StepTimer, found: tuple[int | object, object]) -> bool:
+    count, later = found
+    if count is _LATER:
+        return timer.record_tokens_later(later)
+    assert isinstance(count, int)
+    return timer.record_tokens(count)
 
 
 class _TokensStep:
@@ -328,7 +354,12 @@ class _TokensStep:
 
     __slots__ = ("_step", "_timer", "_tokens")
 
-    def __init__(self, step: AbstractContextManager[None], timer: StepTimer, tokens: int) -> None:
+    def __init__(
+        self,
+        step: AbstractContextManager[None],
+        timer: StepTimer,
+        tokens: tuple[int | object, object],
+    ) -> None:
         self._step = step
         self._timer = timer
         self._tokens = tokens
@@ -338,7 +369,7 @@ class _TokensStep:
         timer = self._timer
         if timer.enabled:
             try:
-                timer.record_tokens(self._tokens)
+                _add_tokens(timer, self._tokens)
             except Exception as exc:
                 timer.fail(exc)
 
@@ -359,20 +390,20 @@ def trace_step(
     does: the next step gets its number, so step numbers stay consecutive.
 
     ``tokens``: the tokens (or sequence elements) the step processes, a whole number
-    >= 0; the step's ``step_time`` line carries it (``record_tokens`` adds to it from
-    inside the step).
+    >= 0 or a 0-d integer tensor (on a GPU it is read after the step, never waited
+    for); the step's ``step_time`` line carries it (``record_tokens`` adds to it from
+    inside the step). Anything else is one warning and no count.
     """
     # Every step: the running runtime without the call into _current() (auto-init).
     runtime = _runtime
     if runtime is None:
         runtime = _current()
         if runtime is None:
-            if tokens is not None:
-                _token_count(tokens, "tokens")
             return _NULL
     if tokens is not None:
-        count = _token_count(tokens, "tokens")
-        return _TokensStep(StepContext(runtime.timer, model), runtime.timer, count)
+        found = _token_count(tokens, "trace_step(tokens=...)")
+        if found is not None:
+            return _TokensStep(StepContext(runtime.timer, model), runtime.timer, found)
     return StepContext(runtime.timer, model)
 
 
@@ -380,15 +411,17 @@ def record_tokens(n: int) -> None:
     """Add ``n`` tokens to the traced step open now (for when the batch is known only
     inside the step); its ``step_time`` line carries the step's total. Outside a traced
     step (or without TraceML) nothing is kept."""
-    count = _token_count(n, "record_tokens(n)")
     runtime = _runtime
     if runtime is None:
         return
     timer = runtime.timer
     if not timer.enabled:
         return
+    found = _token_count(n, "record_tokens(n)")
+    if found is None:
+        return
     try:
-        kept = timer.record_tokens(count)
+        kept = _add_tokens(timer, found)
     except Exception as exc:
         timer.fail(exc)
         return

@@ -124,8 +124,8 @@ def _named_lines(summary: RunSummary) -> list[str]:
         figures = steps.get(str(s.rank))
         step = f": step p50 {figures.p50_ms:.2f} ms" if figures else ""
         lines.append(
-            f"rank {s.rank}{where}{step}, own work {s.own_work_ms:.2f} ms "
-            f"({'its peers' if s.parallel else 'the others'} {s.others_own_work_ms:.2f} ms)"
+            f"rank {s.rank}{where}{step}, own work {s.own_work_ms:.2f} ms against "
+            f"{s.others_own_work_ms:.2f} ms for {'its peers' if s.parallel else 'the others'}"
         )
     return _listed("named", lines, MAX_LISTED)
 

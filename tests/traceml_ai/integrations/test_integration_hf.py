@@ -172,6 +172,9 @@ def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> No
         assert 1 <= calls(line, DATALOADER) <= 3, line
         (device,) = line["events"][STEP]
         assert device == "cpu"
+        # Tokens from the batches (no attention_mask: input_ids, 4 x 16 each), the
+        # update's two micro-batches added up; evaluation's batches are not counted.
+        assert line["tokens"] == 2 * 4 * 16, line
 
     memory = stream_lines(tmp_path, "step_memory")
     assert [m["step"] for m in memory] == [1, 2, 3, 4]

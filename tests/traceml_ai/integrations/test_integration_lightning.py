@@ -231,6 +231,8 @@ def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> No
         # backward (StepTimer.bracket): the phases do not overlap.
         ms = {name: line["events"][name]["cpu"]["cpu_ms"] for name in line["events"]}
         assert ms[FORWARD] + ms[BACKWARD] + ms[OPTIMIZER] <= ms[STEP], line
+        # Tensor batches, no input_ids or attention_mask: no tokens said.
+        assert "tokens" not in line, line
     memory = stream_lines(tmp_path, "step_memory")
     assert [m["step"] for m in memory] == [1, 2, 3, 4]
     assert_all_streams_closed(tmp_path)
