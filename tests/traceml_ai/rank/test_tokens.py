@@ -63,9 +63,9 @@ def test_a_bad_count_is_one_warning_and_training_goes_on(
     capture: ExportCapture, bad: object
 ) -> None:
     model = torch.nn.Linear(4, 1)
-    with pytest.warns(TraceMLWarning, match="whole number >= 0"):
-        with traceml.trace_step(model, tokens=bad):  # type: ignore[arg-type]
-            traceml.record_tokens(bad)  # type: ignore[arg-type]
+    warned = pytest.warns(TraceMLWarning, match="whole number >= 0")
+    with warned, traceml.trace_step(model, tokens=bad):  # type: ignore[arg-type]
+        traceml.record_tokens(bad)  # type: ignore[arg-type]
     with traceml.trace_step(model, tokens=torch.tensor(9)):  # a 0-d tensor is a count
         pass
     assert _steps(capture) == [None, 9]
