@@ -437,8 +437,8 @@ def _stages(data: RunData) -> list[dict[str, Any]]:
         return []
     slow: set[int] = set()
     if data.straggler is not None:
-        for stages in (data.straggler.stages, *(c.stages for c in data.straggler.also)):
-            slow.update(s.stage for s in stages)
+        for cause in data.straggler.causes():
+            slow.update(s.stage for s in cause.stages)
     out = []
     for stage, ranks in sorted(by_stage.items())[:MAX_STAGES]:
         p50 = sorted(steps[str(r)].p50_ms for r in ranks)

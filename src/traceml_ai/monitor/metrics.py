@@ -38,7 +38,7 @@ from traceml_ai.monitor._state import (
     Histogram,
     LiveState,
 )
-from traceml_ai.run_summary import BUILT_IN_PHASES, Cause, StragglerView
+from traceml_ai.run_summary import BUILT_IN_PHASES, StragglerView
 
 __all__ = [
     "METRICS",
@@ -381,7 +381,7 @@ def collect(
     add(STRAGGLERS, (verdict,), len(named))
     for slow_rank, phase, excess_ms in named:
         add(STRAGGLER_EXCESS, (str(slow_rank), phase), excess_ms / 1000.0)
-    for cause in _causes(view):
+    for cause in view.causes() if view is not None else ():
         if cause.slowdown is not None:
             add(SLOWDOWN, (cause.verdict,), cause.slowdown.factor)
         for stage in cause.stages:
@@ -408,21 +408,6 @@ def _straggler_figures(view: StragglerView | None) -> tuple[str, list[tuple[int,
     if view is None:
         return "n/a", []
     return view.verdict, [(s.rank, s.phase, s.excess_ms) for s in view.stragglers]
-
-
-def _causes(view: StragglerView | None) -> list[Cause]:
-    """The view's causes, its verdict's first (each verdict at most once)."""
-    if view is None or not view.applicable or view.verdict == "none":
-        return []
-    first = Cause(
-        verdict=view.verdict,
-        stragglers=view.stragglers,
-        stages=view.stages,
-        imbalance=view.imbalance,
-        slowdown=view.slowdown,
-        waiting=view.waiting,
-    )
-    return [first, *(c for c in view.also if c.verdict != view.verdict)]
 
 
 def _histogram_series(bounds: tuple[float, ...]) -> int:

@@ -303,9 +303,9 @@ def tracker_sink(name: str) -> Callable[[Monitoring], LiveSink]:
 
 def _slow_stage(view: StragglerView) -> int:
     """The slow stage the view names first (its verdict's, else its ``also``'s); -1."""
-    for stages in (view.stages, *(c.stages for c in view.also)):
-        if stages:
-            return max(stages, key=lambda s: s.excess_ms).stage
+    for cause in view.causes():
+        if cause.stages:
+            return max(cause.stages, key=lambda s: s.excess_ms).stage
     return -1
 
 

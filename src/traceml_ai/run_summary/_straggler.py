@@ -305,6 +305,20 @@ class StragglerView:
         """The verdict as one sentence."""
         return verdict_line(self)
 
+    def causes(self) -> list[Cause]:
+        """Every cause found, the verdict's first, then ``also`` (empty when none)."""
+        if not self.applicable or self.verdict == "none":
+            return []
+        first = Cause(
+            verdict=self.verdict,
+            stragglers=self.stragglers,
+            stages=self.stages,
+            imbalance=self.imbalance,
+            slowdown=self.slowdown,
+            waiting=self.waiting,
+        )
+        return [first, *self.also]
+
     @property
     def named_ranks(self) -> list[int]:
         """The ranks the verdict names."""
@@ -920,18 +934,15 @@ def _explain_peers(
         where = max(by_component, key=lambda k: by_component[k]) if by_component else REST
         dl_outside = _median1(table.get("_dl_outside")[i, indices]) >= 0.5
         out.append(
-            {
-                "rank": table.ranks[i],
-                "own_work_ms": rounded(_median1(mine)),
-                "others_own_work_ms": rounded(reference),
-                "excess_ms": rounded(max(0.0, extra)),
-                "excess_pct": rounded(100.0 * max(0.0, extra) / reference, 1)
-                if reference > 0
-                else None,
-                "phase": where,
-                "phase_excess_ms": rounded(max(0.0, by_component.get(where, 0.0))),
-                "phase_description": _describe(where, dl_outside),
-            }
+            _entry(
+                table.ranks[i],
+                _median1(mine),
+                reference,
+                extra,
+                where,
+                by_component.get(where, 0.0),
+                dl_outside,
+            )
         )
     return out
 
@@ -1092,20 +1103,40 @@ def _explain(
         where = max(by_component, key=lambda k: by_component[k])
         dl_outside = _median1(table.get("_dl_outside")[r, indices]) >= 0.5
         out.append(
-            {
-                "rank": table.ranks[r],
-                "own_work_ms": rounded(_median1(mine)),
-                "others_own_work_ms": rounded(reference),
-                "excess_ms": rounded(max(0.0, extra)),
-                "excess_pct": rounded(100.0 * max(0.0, extra) / reference, 1)
-                if reference > 0
-                else None,
-                "phase": where,
-                "phase_excess_ms": rounded(max(0.0, by_component[where])),
-                "phase_description": _describe(where, dl_outside),
-            }
+            _entry(
+                table.ranks[r],
+                _median1(mine),
+                reference,
+                extra,
+                where,
+                by_component[where],
+                dl_outside,
+            )
         )
     return out
+
+
+def _entry(
+    rank: int,
+    own_ms: float,
+    reference: float,
+    extra: float,
+    where: str,
+    where_extra: float,
+    dl_outside: bool,
+) -> dict[str, Any]:
+    """One named rank's JSON entry: its own work against ``reference`` (the others' or
+    its peers'), and the component ``where`` its extra sits."""
+    return {
+        "rank": rank,
+        "own_work_ms": rounded(own_ms),
+        "others_own_work_ms": rounded(reference),
+        "excess_ms": rounded(max(0.0, extra)),
+        "excess_pct": rounded(100.0 * max(0.0, extra) / reference, 1) if reference > 0 else None,
+        "phase": where,
+        "phase_excess_ms": rounded(max(0.0, where_extra)),
+        "phase_description": _describe(where, dl_outside),
+    }
 
 
 def _inside_sync_caveat(table: _Table, candidates: Sequence[str], iteration: float) -> str | None:
@@ -1195,20 +1226,10 @@ def verdict_line(view: StragglerView | None) -> str:
         if view.caveat:
             text += f"; {view.caveat}"
         return text + _stopped_text(view)
-    text = _cause_text(
-        Cause(
-            verdict=view.verdict,
-            stragglers=view.stragglers,
-            stages=view.stages,
-            imbalance=view.imbalance,
-            slowdown=view.slowdown,
-            waiting=view.waiting,
-        ),
-        view,
-        first=True,
-    )
-    if view.also:
-        text += "; also: " + "; ".join(_cause_text(c, view, first=False) for c in view.also)
+    first, *also = view.causes()
+    text = _cause_text(first, view, first=True)
+    if also:
+        text += "; also: " + "; ".join(_cause_text(c, view, first=False) for c in also)
     return text + _stopped_text(view)
 
 
