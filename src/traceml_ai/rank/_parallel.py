@@ -185,7 +185,8 @@ def parse_declared(text: str, world_size: int, rank: int) -> Layout | None:
         product *= size
     if product != world_size:
         raise ValueError(
-            f"{_environ.PARALLEL}={text!r} describes {product} ranks; the job has {world_size}"
+            f"the declared layout {text!r} (--parallel, {_environ.PARALLEL}) describes "
+            f"{product} ranks; the job has {world_size}"
         )
     return grid_layout([d for d, _ in dims], [s for _, s in dims], rank, SOURCE_DECLARED)
 
