@@ -32,7 +32,7 @@ from tests.traceml_ai.monitor.test_monitor import families_of, job_state
 from traceml_ai.monitor._state import WINDOW_STEPS
 from traceml_ai.monitor.metrics import METRICS, Health, traceml_version
 from traceml_ai.monitor.prometheus import exposition
-from traceml_ai.run_summary import Straggler, StragglerView
+from traceml_ai.run_summary import Cause, Imbalance, Slowdown, SlowStage, Straggler, StragglerView
 
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
 DASHBOARD = REPO / "docs" / "grafana" / "traceml-dashboard.json"
@@ -322,9 +322,22 @@ def _served_names() -> set[str]:
         phase="forward", phase_excess_ms=30.0, phase_description="", slow_steps=3,
         slow_share=1.0,
     )  # fmt: skip
+    slowdown = Slowdown(factor=1.5, step_ms=30.0, without_ms=20.0, method="replay")
+    stage = SlowStage(
+        stage=1, ranks=(4, 5, 6, 7), excess_ms=5.0, excess_pct=50.0, slow_steps=3,
+        slow_share=1.0,
+    )  # fmt: skip
+    imbalance = Imbalance(
+        replicas=4, spread_ms=3.0, uneven_steps=3, slowest_changes=2,
+        slowest_changes_share=1.0, coherence=1.0, tokens_correlation=None,
+    )  # fmt: skip
     view = StragglerView(
         definition="", basis="phase_times", ranks=8, applicable=True, verdict="straggler",
-        stragglers=(straggler,),
+        stragglers=(straggler,), slowdown=slowdown,
+        also=(
+            Cause(verdict="slow_stage", stages=(stage,), slowdown=slowdown),
+            Cause(verdict="data_imbalance", imbalance=imbalance, slowdown=slowdown),
+        ),
     )  # fmt: skip
     state.set_straggler(view)
     health = Health(
