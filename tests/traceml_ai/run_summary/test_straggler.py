@@ -371,11 +371,16 @@ def test_real_ddp_run_whose_slow_rank_exits_early(tmp_path: Path) -> None:
     summary = summarize_json(tmp_path / "logs" / "r")
     view = summary["straggler"]
     why = format_json(summary) + "\n" + res.stderr
-    assert view["verdict"] == "straggler", why
-    assert [s["rank"] for s in view["stragglers"]] == [1], why
-    # Whether its lines end visibly early depends on how many steps its sender had
-    # not sent yet when it exited; when they do, the verdict says so.
-    assert [s["rank"] for s in view["stopped"]] in ([], [1]), why
+    # How many of its steps reach the files depends on what its sender had not sent
+    # yet when it exited (on a busy machine, most): with enough steps in common the
+    # verdict names it; with fewer it says it cannot judge, and why.
+    if view["verdict"] == "n/a":
+        assert "step(s) that every rank has" in view["reason"], why
+        assert [s["rank"] for s in view["stopped"]] == [1], why
+    else:
+        assert view["verdict"] == "straggler", why
+        assert [s["rank"] for s in view["stragglers"]] == [1], why
+        assert [s["rank"] for s in view["stopped"]] in ([], [1]), why
     if view["stopped"]:
         assert "rank 1: steps end at step" in verdict_line(view), why
     assert "missing rank 1" in summary["loss"]["line"], why
