@@ -75,7 +75,8 @@ PIPELINE_CASES = [
     ("torch", "slow_stage", "slow_stage"),
     ("torch", "slow_rank", "straggler"),
     ("torch", "data_imbalance", "data_imbalance"),
-    ("manual", "slow_stage", "slow_stage"),
+    # The hand-written pipeline (blocking dist.send/recv over a pp group, declared):
+    # one case, so that the declared layout and the send/recv path run for real too.
     ("manual", "slow_rank", "straggler"),
 ]
 
@@ -164,7 +165,7 @@ def test_device_mesh_run_without_a_slow_rank(tmp_path: Path) -> None:
     assert view["verdict"] == "none", why
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "allreduce"])
+@pytest.mark.parametrize("strategy", ["fsdp2"])
 def test_device_mesh_run_with_one_slow_rank(tmp_path: Path, strategy: str) -> None:
     """dp x tp DeviceMesh, rank 1 (replica 0, tp 1) sleeps 60 ms in a block's forward.
 
