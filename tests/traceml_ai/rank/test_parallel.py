@@ -53,6 +53,7 @@ def _by_group(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {item["group"]: item for item in items if item["op"] == "all_reduce"}
 
 
+@pytest.mark.slow  # real gloo ranks in subprocesses
 @pytest.mark.timeout(300)
 def test_a_device_mesh_gives_coordinates_and_group_names(tmp_path: Path) -> None:
     ranks = _run_ranks("mesh", 4, tmp_path)
@@ -76,6 +77,7 @@ def test_a_device_mesh_gives_coordinates_and_group_names(tmp_path: Path) -> None
         assert steps[0]["tokens"] == 7 and steps[1]["tokens"] == 11
 
 
+@pytest.mark.slow  # real gloo ranks in subprocesses
 @pytest.mark.timeout(300)
 def test_send_recv_between_pipeline_stages(tmp_path: Path) -> None:
     ranks = _run_ranks("pipeline", 2, tmp_path, {"TRACEML_PARALLEL": "pp=2"})
@@ -96,6 +98,7 @@ def test_send_recv_between_pipeline_stages(tmp_path: Path) -> None:
         assert all("tokens" not in s for s in got["step_time"])
 
 
+@pytest.mark.slow  # real gloo ranks in subprocesses
 @pytest.mark.timeout(300)
 def test_a_declared_layout_that_is_not_the_world_is_unknown(tmp_path: Path) -> None:
     ranks = _run_ranks("declared", 2, tmp_path, {"TRACEML_PARALLEL": "tp=4"})
