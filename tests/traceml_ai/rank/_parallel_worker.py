@@ -45,6 +45,14 @@ def main() -> None:
     elif scenario == "declared":
         with traceml.trace_step(model):
             dist.all_reduce(torch.ones(3))
+    elif scenario == "megatron":
+        import megatron.core.parallel_state as ps
+
+        # 4 ranks, Megatron's order tp-cp-ep-dp-pp: tp 1, dp 2, pp 2.
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+        with traceml.trace_step(model):
+            dist.all_reduce(torch.ones(4), group=ps.get_data_parallel_group())
+            dist.all_reduce(torch.ones(2), group=ps.get_pipeline_model_parallel_group())
     elif scenario == "pipeline":
         me = int(rank)
         with traceml.trace_step(model):

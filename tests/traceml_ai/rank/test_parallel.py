@@ -79,6 +79,22 @@ def test_a_device_mesh_gives_coordinates_and_group_names(tmp_path: Path) -> None
 
 @pytest.mark.slow  # real gloo ranks in subprocesses
 @pytest.mark.timeout(300)
+def test_megatron_core_parallel_state_gives_coordinates_and_groups(tmp_path: Path) -> None:
+    """The real Megatron-Core (its parallel_state on gloo, CPU): each rank's place and
+    its data- and pipeline-parallel groups, without any setting."""
+    ranks = _run_ranks("megatron", 4, tmp_path)
+    for r, got in enumerate(ranks):
+        last = got["runtime_environment"][-1]
+        assert last["parallel_source"] == "megatron"
+        coords = last["parallel"]
+        assert coords["dp"] == {"rank": r % 2, "size": 2}
+        assert coords["pp"] == {"rank": r // 2, "size": 2}
+        assert coords["tp"] == {"rank": 0, "size": 1}
+        assert set(_by_group(got["collectives"])) == {"dp", "pp"}
+
+
+@pytest.mark.slow  # real gloo ranks in subprocesses
+@pytest.mark.timeout(300)
 def test_send_recv_between_pipeline_stages(tmp_path: Path) -> None:
     ranks = _run_ranks("pipeline", 2, tmp_path, {"TRACEML_PARALLEL": "pp=2"})
     for r, got in enumerate(ranks):
