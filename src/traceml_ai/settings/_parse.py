@@ -128,14 +128,26 @@ def parse_trackers(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+MAX_SECONDS = 365 * 24 * 3600
+"""The most seconds any setting takes (a year): a timer or a wait past it overflows the
+clocks and the wait calls it reaches."""
+MAX_COUNT = 2**31 - 1
+"""The most any count or bound setting takes: every one fits the 64-bit integers of the
+JSON the launcher hands its processes, and no count means more."""
+
+
 def parse_seconds(text: str) -> float:
-    """A positive, finite number of seconds."""
+    """A positive, finite number of seconds, at most :data:`MAX_SECONDS`."""
     try:
         value = float(text.strip())
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"expected a positive number of seconds, got {text!r}")
+    if value > MAX_SECONDS:
+        raise ValueError(
+            f"expected a positive number of seconds up to a year ({MAX_SECONDS}), got {text!r}"
+        )
     return value
 
 
@@ -146,6 +158,8 @@ def _parse_int(text: str, low: int, high: int | None, forms: str) -> int:
         raise ValueError(f"expected {forms}, got {text!r}") from None
     if value < low or (high is not None and value > high):
         raise ValueError(f"expected {forms}, got {text!r}")
+    if value > MAX_COUNT:
+        raise ValueError(f"expected a whole number from {low} to {MAX_COUNT}, got {text!r}")
     return value
 
 

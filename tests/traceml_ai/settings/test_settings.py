@@ -733,6 +733,29 @@ def test_run_warns_about_serve_world_size_settings(tmp_path: Path) -> None:
     ("cli", "environ", "yaml_text", "message"),
     [
         ({"interval": "0"}, {}, None, "--interval: expected a positive number of seconds, got '0'"),
+        # Past what a clock or a wait takes, and past a 64-bit integer: one line each,
+        # never a traceback (in the launcher or, later, in the aggregator).
+        (
+            {"finalize_timeout_sec": "1e300"},
+            {},
+            None,
+            "--finalize-timeout-sec: expected a positive number of seconds up to a year "
+            "(31536000), got '1e300'",
+        ),
+        (
+            {"tracker_every_steps": "99999999999999999999999"},
+            {},
+            None,
+            "--tracker-every-steps: expected a whole number from 1 to 2147483647, "
+            "got '99999999999999999999999'",
+        ),
+        (
+            {},
+            {"TRACEML_TRACKER_EVERY_STEPS": "99999999999999999999999"},
+            None,
+            "TRACEML_TRACKER_EVERY_STEPS: expected a whole number from 1 to 2147483647, "
+            "got '99999999999999999999999'",
+        ),
         (
             {},
             {"TRACEML_INTERVAL": "nan"},
