@@ -58,6 +58,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
 import traceml_ai as traceml
 from traceml_ai import _environ
 from traceml_ai._converter import unstructure
+from traceml_ai._limits import END_OF_RUN_SUMMARY_MAX_BYTES
 from traceml_ai.aggregator import Aggregator, AggregatorConfig, tune_gc_for_aggregator
 from traceml_ai.aggregator.protocol import RayExportSummary
 from traceml_ai.integrations._ray_config import TraceMLRayConfig
@@ -506,11 +507,6 @@ class TraceMLTorchTrainer:
                 ray.kill(actor)
 
 
-SUMMARY_MAX_BYTES = 64 * 1024 * 1024
-"""``mode="summary"`` prints no summary of export files larger than this (it reads every
-line); ``traceml summary RUN_FOLDER`` gives it on demand."""
-
-
 def _print_run_summary(run_dir: Path) -> None:
     """The run's summary on stderr (``mode="summary"``); never fails or stalls ``fit()``."""
     try:
@@ -518,7 +514,7 @@ def _print_run_summary(run_dir: Path) -> None:
         if not export_dir.is_dir():
             return
         size = sum(f.stat().st_size for f in export_dir.glob("*.jsonl"))
-        if size > SUMMARY_MAX_BYTES:
+        if size > END_OF_RUN_SUMMARY_MAX_BYTES:
             command = shlex.join(["traceml", "summary", str(run_dir)])
             _say(f"summary: {size / 2**20:.0f} MiB of export files; `{command}`")
             return

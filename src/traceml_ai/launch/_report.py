@@ -12,6 +12,7 @@ from pathlib import Path
 
 import orjson
 
+from traceml_ai._limits import END_OF_RUN_SUMMARY_MAX_BYTES
 from traceml_ai.aggregator.protocol import (
     FinalizedEvent,
 )
@@ -19,12 +20,6 @@ from traceml_ai.launch._plan import RunOptions, RunPlan
 from traceml_ai.launch._ranks import RankEnds
 from traceml_ai.launch._signals import exit_description, say, signal_name
 from traceml_records.internal import BLOCK_BYTES, CLOSING_KEY, LineSplitter, closing_of
-
-END_OF_RUN_SUMMARY_MAX_BYTES = 64 * 1024 * 1024
-"""Export files larger than this get no summary at the end of ``traceml run``.
-
-The summary reads every line; on a long run that would hold the prompt back for
-minutes after training ended. ``traceml summary RUN_FOLDER`` gives it on demand."""
 
 
 def _print_short_summary(run_dir: Path, export_dir: Path) -> None:

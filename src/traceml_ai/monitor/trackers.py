@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 import orjson
 
+from traceml_ai._limits import END_OF_RUN_SUMMARY_MAX_BYTES
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._state import WINDOW_STEPS, LiveState, StepSeen
 from traceml_ai.run_summary import percentile
@@ -191,11 +192,6 @@ BACKENDS: Mapping[str, Backend] = {
 assert tuple(BACKENDS) == TRACKER_NAMES
 
 
-SUMMARY_MAX_BYTES = 64 * 1024 * 1024
-"""Export files larger than this give the trackers no summary: reading every line
-would hold the aggregator's finalization back (``traceml summary`` gives it)."""
-
-
 class EndSummary:
     """The run summary for the trackers, read once from the closed export files by
     the first sink that asks (each tracker's thread asks at the end)."""
@@ -208,7 +204,7 @@ class EndSummary:
 
     def get(self) -> tuple[dict[str, float | str], bytes] | None:
         """(fields, summary JSON), or None without JSONL export files (another
-        exporter, or none) or above :data:`SUMMARY_MAX_BYTES`; raises what the reader
+        exporter, or none) or above :data:`END_OF_RUN_SUMMARY_MAX_BYTES`; raises what the reader
         raised otherwise (each asker gets it)."""
         with self._lock:
             if not self._read:
@@ -221,7 +217,7 @@ class EndSummary:
 
         try:
             export, _ = export_folder_of(self._run_dir)
-            if sum(f.stat().st_size for f in export.glob("*.jsonl")) > SUMMARY_MAX_BYTES:
+            if sum(f.stat().st_size for f in export.glob("*.jsonl")) > END_OF_RUN_SUMMARY_MAX_BYTES:
                 return None
             summary = summarize_run(self._run_dir)
         except SummaryError:
