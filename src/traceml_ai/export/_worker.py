@@ -50,9 +50,10 @@ _log = logging.getLogger("traceml_ai.export")
 DEFAULT_MAX_QUEUE_BATCHES = 65_536
 """Bounds the per-batch overhead (about 100 bytes each beyond ``nbytes``: ~6.5 MB at most).
 
-The byte bound is the one that bounds memory. The batch bound used to be 10,000, which
-a thousand ranks (about 8,700 batches/s at 10 steps/s) fill in 1.2 s: a short stall
-of the worker dropped batches while the queue held 14 MiB of its 64 MiB.
+The byte bound is the one that bounds memory; the batch bound is set well above what a
+stall fills: a thousand ranks at 10 steps/s send about 8,700 batches a second, so a
+bound of 10,000 would drop batches after a 1.2 s stall of the worker while the queue
+held 14 MiB of its 64 MiB.
 """
 DEFAULT_MAX_QUEUE_BYTES = 64 * 1024 * 1024
 
