@@ -1,6 +1,6 @@
 """The screenshots of docs/trackers.md: TraceML's figures in TensorBoard and in MLflow.
 
-    python scripts/tracker_screenshots.py            # writes docs/images/trackers-*.png
+    python -m scripts.tracker_screenshots            # writes docs/images/trackers-*.png
 
 Runs a small real ``traceml run --tracker tensorboard --tracker mlflow
 --tracker-every-steps 10`` of ``tests/scripts/straggler_train.py`` (2 ranks, gloo on
@@ -30,11 +30,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a file: the repository's bench package
-    sys.path.insert(0, str(REPO))
+from bench.mlflow_server import mlflow_server, server_env
 
-from bench.mlflow_server import mlflow_server, server_env  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page, ViewportSize
