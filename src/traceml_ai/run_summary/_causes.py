@@ -112,6 +112,24 @@ class Groups:
             members.setdefault(at, []).append(i)
         self.members = members
         """position -> the rank indices at it (one per replica)."""
+        self.cells = self._cells()
+        """replica x stage x k: the rank indices of each replica's stage (its tensor
+        positions), when every cell has as many; None otherwise."""
+
+    def _cells(self) -> NDArray[np.int64] | None:
+        import numpy as np
+
+        stages = sorted(set(self.stage)) if self.stage is not None else [0]
+        at = {s: j for j, s in enumerate(stages)}
+        cells: list[list[list[int]]] = [[[] for _ in stages] for _ in range(self.replicas)]
+        for i, q in enumerate(self.replica):
+            s = self.stage[i] if self.stage is not None else 0
+            cells[q][at[s]].append(i)
+        sizes = {len(c) for row in cells for c in row}
+        if len(sizes) != 1 or 0 in sizes:
+            return None
+        out: NDArray[np.int64] = np.asarray(cells, dtype=np.int64)
+        return out
 
     @classmethod
     def of(cls, ranks: Sequence[int], layout: Layout | None) -> Groups | None:
@@ -145,10 +163,39 @@ def peer_excess(own: NDArray[np.float64], groups: Groups) -> NDArray[np.float64]
     import numpy as np
 
     out = np.full_like(own, np.nan)
-    for i in range(own.shape[0]):
-        peers = groups.peers(i)
-        if peers:
-            out[i] = own[i] - np.median(own[peers], axis=0)
+    for members in groups.members.values():
+        if len(members) > 1:
+            out[members] = own[members] - _others_median(own[members])
+        else:  # one replica: its stage's other ranks, when it has any
+            (i,) = members
+            peers = groups.peers(i)
+            if peers:
+                out[i] = own[i] - np.median(own[peers], axis=0)
+    return out
+
+
+def _others_median(values: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Per row and column, the median of the column's other rows (``np.median``'s
+    figure), from one sort per column: the others' sorted values are the column's with
+    that row's taken out, so each median is one or two of its neighbours."""
+    import numpy as np
+
+    m = values.shape[0]
+    order = np.argsort(values, axis=0, kind="stable")
+    ordered = np.take_along_axis(values, order, axis=0)
+    place = np.empty_like(order)
+    np.put_along_axis(place, order, np.arange(m)[:, None], axis=0)
+    k = m - 1  # the others
+    lo, hi = (k - 1) // 2, k // 2
+
+    def nth(t: int) -> NDArray[np.float64]:
+        # The others' t-th smallest: the column's t-th, or its (t+1)-th from that row on.
+        below = ordered[t][None, :]
+        above = ordered[min(t + 1, m - 1)][None, :]
+        picked: NDArray[np.float64] = np.where(t < place, below, above)
+        return picked
+
+    out: NDArray[np.float64] = (nth(lo) + nth(hi)) / 2.0
     return out
 
 
@@ -386,6 +433,12 @@ def _replica_time(
     if groups is None:
         out: NDArray[np.float64] = own.max(axis=0)
         return out
+    if groups.cells is not None:
+        # One gather: replica x stage x steps, each stage its slowest tensor position.
+        w = own[groups.cells].max(axis=2)
+        top = w.max(axis=1)
+        grid: NDArray[np.float64] = (top + share * (w.sum(axis=1) - top)).max(axis=0)
+        return grid
     stage = np.asarray(groups.stage) if groups.stage is not None else np.zeros(own.shape[0])
     replica = np.asarray(groups.replica)
     times = []

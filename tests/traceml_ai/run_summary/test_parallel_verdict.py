@@ -190,3 +190,15 @@ def test_one_dimension_answers_as_before(tmp_path: Path) -> None:
     line = StragglerView.from_json(view).line()
     assert "[" not in line and "slowdown" not in line, line  # the line of a DP job
     assert _close(view["slowdown"]["factor"], truth.slowdown)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 9])
+def test_each_ranks_peers_median_is_numpys_median_of_the_others(m: int) -> None:
+    """The peers' median of every rank of a position comes from one sort (ties too)."""
+    import numpy as np
+
+    from traceml_ai.run_summary._causes import _others_median
+
+    values = np.random.default_rng(m).integers(0, 5, (m, 40)).astype(float)
+    expected = np.vstack([np.median(np.delete(values, i, axis=0), axis=0) for i in range(m)])
+    assert np.array_equal(_others_median(values), expected)
