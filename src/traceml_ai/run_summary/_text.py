@@ -9,7 +9,7 @@ At most :data:`MAX_LISTED` problems and notes are listed; the JSON form has them
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from traceml_ai.run_summary._model import ProcessFigures, RunSummary
 from traceml_ai.run_summary._phases import percentile
@@ -322,11 +322,11 @@ def format_summary(summary: RunSummary, full: bool = True, ranks: bool = False) 
 
 
 def _short_steps(summary: RunSummary, out: list[str]) -> None:
+    """``--short``'s step and phase lines (the end of ``traceml run``)."""
     ranks = summary.ranks
-    steps: Mapping[str, object] = summary.step_time or {}
     figures = summary.step_time or {}
     phases = summary.phases or {}
-    p50 = [figures[str(r)].p50_ms for r in ranks if str(r) in steps]
+    p50 = [figures[str(r)].p50_ms for r in ranks]
     spread = f"{p50[0]:.2f} ms" if min(p50) == max(p50) else f"{min(p50):.2f} to {max(p50):.2f} ms"
     out.append(f"step time: p50 {spread}; {_steps_text([figures[str(r)].steps for r in ranks])}")
     # The largest phase on average, the quickest pointer to where time goes.
