@@ -113,3 +113,29 @@ def test_the_page_shows_stages_and_distributions_not_a_row_per_rank(tmp_path: Pa
     assert page["straggler"]["verdict"] == "slow_stage"
     assert page["straggler"]["line"].startswith("slow stage: stage 3")
     assert page["straggler"]["cost"] is None  # the line says each cause's cost itself
+
+
+def test_a_hostile_layout_or_group_is_no_layout_and_no_new_key() -> None:
+    """What a rank may send that no layout is: too many dimensions, a coordinate past
+    its size, not an object; a group name of any length is not made a wait key."""
+    state = LiveState()
+    me = {"global_rank": 0, "local_rank": 0, "world_size": 2, "local_world_size": 2}
+    for parallel in (
+        {f"d{i}": {"rank": 0, "size": 2} for i in range(1000)},
+        {"pp": {"rank": 5, "size": 2}},
+        "pp=2",
+        [1, 2],
+    ):
+        state.add_environment({**me, "node_rank": 0}, [{"parallel": parallel}])
+        assert state.layout() == {}
+    timing = {"cpu_ms": 5.0, "duration_ms": 5.0, "gpu_ms": None, "is_gpu": False, "n_calls": 1}
+    events = {"_traceml_internal:step_time": {"cpu": timing}}
+    state.add_steps({**me, "node_rank": 0}, [{"step": 1, "timestamp_unix_ns": 1, "events": events}])
+    state.add_collectives(
+        {**me, "node_rank": 0},
+        [{"step": 1, "phase": "_traceml_internal:forward_time", "op": "all_reduce",
+          "wait_ms": 1.0, "group": "x" * 10_000}],
+    )  # fmt: skip
+    (row,) = state.recent_rows()[0].values()
+    assert row["_cw:forward"] == 1.0  # the wait counts, under its operation alone
+    assert "_cwop:forward:all_reduce" in row and not any("x" * 17 in k for k in row)
