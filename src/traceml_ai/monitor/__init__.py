@@ -18,36 +18,21 @@ from traceml_ai._lazy_names import lazy_getattr
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from traceml_ai.monitor._factories import otlp_sink, prometheus_sink
     from traceml_ai.monitor._feed import STRAGGLER_PERIOD_S, STRAGGLER_STEPS
-    from traceml_ai.monitor._service import (
-        LiveSink,
-        Monitoring,
-        RunInfo,
-        SinkFactory,
-        SinkStartError,
-        extra_required,
-        otlp_sink,
-        prometheus_sink,
-        start_monitoring,
-    )
+    from traceml_ai.monitor._service import Monitoring, SinkFactory, start_monitoring
+    from traceml_ai.monitor._sink import LiveSink, RunInfo, SinkStartError, extra_required
     from traceml_ai.monitor._state import WINDOW_STEPS, LiveState, StepSeen
     from traceml_ai.monitor.trackers import tracker_sink
 
 _LAZY = {
     **dict.fromkeys(
-        (
-            "LiveSink",
-            "Monitoring",
-            "RunInfo",
-            "SinkFactory",
-            "SinkStartError",
-            "extra_required",
-            "otlp_sink",
-            "prometheus_sink",
-            "start_monitoring",
-        ),
-        "traceml_ai.monitor._service",
+        ("Monitoring", "SinkFactory", "start_monitoring"), "traceml_ai.monitor._service"
     ),
+    **dict.fromkeys(
+        ("LiveSink", "RunInfo", "SinkStartError", "extra_required"), "traceml_ai.monitor._sink"
+    ),
+    **dict.fromkeys(("otlp_sink", "prometheus_sink"), "traceml_ai.monitor._factories"),
     **dict.fromkeys(("WINDOW_STEPS", "LiveState", "StepSeen"), "traceml_ai.monitor._state"),
     **dict.fromkeys(("STRAGGLER_PERIOD_S", "STRAGGLER_STEPS"), "traceml_ai.monitor._feed"),
     "tracker_sink": "traceml_ai.monitor.trackers",

@@ -16,7 +16,7 @@ from typing import TypeVar
 from opentelemetry.sdk.metrics.export import MetricExporter
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from traceml_ai.monitor._service import SinkStartError
+from traceml_ai.monitor._sink import SinkStartError
 
 __all__ = [
     "DEFAULT_METRIC_INTERVAL_MS",

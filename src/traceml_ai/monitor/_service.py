@@ -2,114 +2,41 @@
 
 :func:`start_monitoring` starts the sinks its caller hands it, by name: each a
 :data:`SinkFactory` that imports its libraries only when called, so that a default
-install never imports opentelemetry or the web server. This
-package offers its own two (:func:`prometheus_sink`, :func:`otlp_sink`); the
-aggregator adds the dashboard's and chooses from what
-:class:`~traceml_ai.settings.MonitorSettings` asks for. A sink that cannot start (its
-extra is not installed, its port is taken, a bad OTEL_* variable) is reported in one
-``traceml:`` line and the others, the files and training go on. :meth:`Monitoring.close` stops them within a budget
-and returns what they lost, for ``stats.json`` and ``finalization_warning.json``.
+install never imports opentelemetry or the web server. This module imports no sink:
+the package's own factories are in ``_factories`` (:func:`prometheus_sink`,
+:func:`otlp_sink`) and ``trackers``; the aggregator adds the dashboard's and chooses
+from what :class:`~traceml_ai.settings.MonitorSettings` asks for. A sink that cannot
+start (its extra is not installed, its port is taken, a bad OTEL_* variable) is
+reported in one ``traceml:`` line and the others, the files and training go on.
+:meth:`Monitoring.close` stops them within a budget and returns what they lost, for
+``stats.json`` and ``finalization_warning.json``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
-from typing import Protocol
+from collections.abc import Callable, Mapping
 
 import attrs
 
 from traceml_ai.monitor._feed import LiveFeed
-from traceml_ai.monitor._state import LiveState, StepSeen
+from traceml_ai.monitor._sink import LiveSink, RunInfo, SinkStartError, report_to_stderr
+from traceml_ai.monitor._state import LiveState
 from traceml_ai.monitor.metrics import Family, Health, collect
 from traceml_ai.settings import MonitorSettings
 from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import MonitoringLoss
 
-__all__ = [
-    "LiveSink",
-    "Monitoring",
-    "RunInfo",
-    "SinkFactory",
-    "SinkStartError",
-    "extra_required",
-    "otlp_sink",
-    "prometheus_sink",
-    "start_monitoring",
-]
+__all__ = ["Monitoring", "SinkFactory", "start_monitoring"]
 
 _log = logging.getLogger("traceml_ai.monitor")
-
-
-class SinkStartError(Exception):
-    """A sink could not start; the message is the one line the user sees."""
-
-
-@attrs.frozen(kw_only=True)
-class RunInfo:
-    """What the live views know of the run itself."""
-
-    run_dir: Path
-    run_name: str
-    host: str
-
-
-class LiveSink(Protocol):
-    """One place the live figures go (Prometheus, OTLP, the dashboard)."""
-
-    name: str
-    """Short name for messages and loss counts (``prometheus``, ``otlp``, ``dashboard``)."""
-
-    def on_steps(self, steps: Sequence[StepSeen]) -> None:
-        """New steps (feed thread): must return quickly and never block."""
-
-    def close(self, timeout_s: float) -> Mapping[str, int]:
-        """Flush and stop within ``timeout_s``; returns what was lost, by name (empty
-        when nothing was)."""
-        ...
 
 
 SinkFactory = Callable[["Monitoring"], LiveSink]
 """Starts one sink for a :class:`Monitoring` (raises :class:`SinkStartError`, one line,
 when it cannot); imports its libraries when called, never before."""
-
-
-def report_to_stderr(line: str) -> None:
-    with contextlib.suppress(Exception):
-        print(line, file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def extra_required(extra: str) -> Iterator[None]:
-    """Around a sink's imports: a library that is not installed becomes the one line
-    that names the extra to install (a :class:`SinkStartError`)."""
-    try:
-        yield
-    except ImportError as exc:
-        missing = exc.name or str(exc)
-        raise SinkStartError(
-            f"needs the '{extra}' extra ({missing} is not installed): "
-            f"pip install 'traceml-ai[{extra}]'"
-        ) from None
-
-
-def prometheus_sink(monitoring: Monitoring) -> LiveSink:
-    """The ``/metrics`` endpoint (the standard library's HTTP server; no extra)."""
-    from traceml_ai.monitor.prometheus import start_prometheus
-
-    return start_prometheus(monitoring)
-
-
-def otlp_sink(monitoring: Monitoring) -> LiveSink:
-    """The OTLP export (the ``otel`` extra, imported only here)."""
-    with extra_required("otel"):
-        from traceml_ai.monitor.otlp import start_otlp
-    return start_otlp(monitoring)
 
 
 class Monitoring:

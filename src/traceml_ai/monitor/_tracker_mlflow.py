@@ -32,7 +32,7 @@ from traceml_ai.monitor.tracker_metrics import SUMMARY_ARTIFACT
 if TYPE_CHECKING:
     from mlflow.entities import RunTag
 
-    from traceml_ai.monitor._service import RunInfo
+    from traceml_ai.monitor._sink import RunInfo
 
 __all__ = ["CLIENT_DEFAULTS", "RUN_DIR_TAG", "MlflowTracker", "open_mlflow"]
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from traceml_ai.monitor.tracker_metrics import SUMMARY_ARTIFACT
 
 if TYPE_CHECKING:
-    from traceml_ai.monitor._service import RunInfo
+    from traceml_ai.monitor._sink import RunInfo
 
 __all__ = ["LOG_DIR_PARTS", "SUMMARY_TAG", "TensorBoardTracker", "open_tensorboard"]
 

@@ -47,7 +47,7 @@ from traceml_ai.monitor.tracker_metrics import SUMMARY_ARTIFACT
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
-    from traceml_ai.monitor._service import RunInfo
+    from traceml_ai.monitor._sink import RunInfo
 
 __all__ = [
     "CLIENT_DEFAULTS",

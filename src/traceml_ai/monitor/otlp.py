@@ -62,7 +62,7 @@ from traceml_ai.monitor._otlp_traces import (
     layout_phases,
     span_count,
 )
-from traceml_ai.monitor._service import SinkStartError
+from traceml_ai.monitor._sink import SinkStartError
 from traceml_ai.monitor._state import StepSeen
 from traceml_ai.monitor.metrics import traceml_version
 

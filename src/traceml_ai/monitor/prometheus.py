@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from traceml_ai._loopback import host_allowed, is_loopback
-from traceml_ai.monitor._service import SinkStartError
+from traceml_ai.monitor._sink import SinkStartError
 from traceml_ai.monitor._state import StepSeen
 from traceml_ai.monitor.metrics import Family
 

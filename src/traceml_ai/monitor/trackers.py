@@ -51,12 +51,14 @@ import orjson
 
 from traceml_ai._limits import END_OF_RUN_SUMMARY_MAX_BYTES
 from traceml_ai.monitor import tracker_metrics as tm
+from traceml_ai.monitor._sink import extra_required
 from traceml_ai.monitor._state import WINDOW_STEPS, LiveState, StepSeen
 from traceml_ai.run_summary import percentile
 from traceml_ai.settings import TRACKER_NAMES
 
 if TYPE_CHECKING:
-    from traceml_ai.monitor._service import LiveSink, Monitoring, RunInfo
+    from traceml_ai.monitor._service import Monitoring
+    from traceml_ai.monitor._sink import LiveSink, RunInfo
     from traceml_ai.run_summary import RunSummary, StragglerView
 
 __all__ = [
@@ -270,8 +272,6 @@ _END_SUMMARIES: weakref.WeakKeyDictionary[LiveState, EndSummary] = weakref.WeakK
 def tracker_sink(name: str) -> Callable[[Monitoring], LiveSink]:
     """The sink factory of tracker ``name``: refuses (one line naming the extra) when
     its library is not installed, else starts the sink, whose thread opens the run."""
-    from traceml_ai.monitor._service import extra_required
-
     backend = BACKENDS[name]
 
     def start(monitoring: Monitoring) -> LiveSink:

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.custom_exporters import process_item, step_memory_item, system_item
 from tests.e2e_helpers import PY, REPO, clean_env
+from traceml_ai.monitor import Monitoring, RunInfo, prometheus_sink, start_monitoring
 from traceml_ai.monitor._feed import LiveFeed
-from traceml_ai.monitor._service import Monitoring, RunInfo, prometheus_sink, start_monitoring
 from traceml_ai.monitor._state import (
     MAX_USER_PHASES,
     OTHER_PHASE,
