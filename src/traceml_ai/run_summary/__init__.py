@@ -9,8 +9,10 @@ One engine behind ``traceml summary`` (text, ``--json``, ``--short``, ``--follow
 - ``_straggler``: the straggler analysis (docs/reading-the-files.md gives the rule);
 - ``_model``: the summary as one typed value (:class:`RunSummary`, attrs; ``to_json``
   is ``--json``), which every view reads;
-- ``_report``: :func:`summarize_run` (the files to a :class:`RunSummary`) and the step
-  figures of any step rows (:func:`step_figures`);
+- ``_report``: :class:`RunReader` and :func:`summarize_run` (the files to a
+  :class:`RunSummary`);
+- ``_figures``: each stream's figures, and the step figures of any step rows
+  (:func:`step_figures`); ``_loss``: what the files say about their completeness;
 - ``_causes``: the causes of a job with several parallel dimensions and their cost;
 - ``_text``: the text (:func:`format_summary`);
 - ``live``: the ``--follow`` terminal view; ``plot``: the ``--plot`` figure.
@@ -20,6 +22,8 @@ Light to import: orjson only (never torch, never pyarrow).
 
 from traceml_ai.run_summary._causes import Coordinates, Layout, layout_of
 from traceml_ai.run_summary._columns import RankColumns, StepColumns
+from traceml_ai.run_summary._figures import step_figures, step_series
+from traceml_ai.run_summary._loss import WARNING_FILE
 from traceml_ai.run_summary._model import (
     DevicePeak,
     Environment,
@@ -52,12 +56,9 @@ from traceml_ai.run_summary._phases import (
 )
 from traceml_ai.run_summary._report import (
     STREAM_FILES,
-    WARNING_FILE,
     RunReader,
     SummaryError,
     export_folder_of,
-    step_figures,
-    step_series,
     summarize_run,
 )
 from traceml_ai.run_summary._straggler import (

@@ -21,9 +21,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from traceml_ai.run_summary._figures import step_figures
 from traceml_ai.run_summary._model import RunSummary, StepFigures, StepRows
 from traceml_ai.run_summary._phases import rounded, step_row
-from traceml_ai.run_summary._report import step_figures, summarize_run
+from traceml_ai.run_summary._report import summarize_run
 from traceml_ai.run_summary._text import format_summary
 from traceml_records.internal import LineKind, LineSplitter, classify_line
 

@@ -1,0 +1,346 @@
+"""The figures of each stream of a run, from what the reader kept of its lines: step
+figures and the phase breakdown per rank (of step columns), the collectives' waits
+merged into the step columns, peak memory, process and node figures.
+
+Light to import: numpy and the package's own modules (never torch, never pyarrow).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from traceml_ai.run_summary._causes import Layout
+from traceml_ai.run_summary._columns import (
+    STEP_KEY,
+    TS_KEY,
+    StepColumns,
+    columns_of_rows,
+    is_columns,
+)
+from traceml_ai.run_summary._model import (
+    DevicePeak,
+    GpuFigures,
+    NodeFigures,
+    PhaseFigures,
+    ProcessFigures,
+    RankSteps,
+    RunSummary,
+    StepFigures,
+    StepRows,
+)
+from traceml_ai.run_summary._phases import (
+    OP_WAIT_PREFIX,
+    WAIT_PREFIX,
+    mean,
+    op_label,
+    percentiles,
+    phase_breakdown,
+    phase_names,
+    rounded,
+    wait_component,
+    waits_measured,
+)
+from traceml_ai.run_summary._straggler import StragglerView
+from traceml_ai.run_summary._straggler import analyze as analyze_stragglers
+
+MAX_PLAUSIBLE_CORES = 8192
+"""Logical cores assumed when a process line does not say its host's: Linux's largest
+``NR_CPUS``, so only a ``cpu_percent`` no Linux host can reach is left out."""
+
+
+def step_figures(rows: StepRows | StepColumns) -> StepFigures:
+    """Per-rank step figures, per-rank phase breakdown and the phase names, in order, of
+    step columns or dict rows (rank -> step -> row)."""
+    columns: StepColumns = rows if is_columns(rows) else columns_of_rows(rows)  # type: ignore[assignment,arg-type]
+    with np.errstate(all="ignore"):
+        return _step_figures(columns)
+
+
+def _step_figures(columns: StepColumns) -> StepFigures:
+    names = phase_names([c.values for c in columns.values()])
+    per_rank: dict[str, RankSteps] = {}
+    phases: dict[str, dict[str, PhaseFigures]] = {}
+    for rank in sorted(columns):
+        c = columns[rank]
+        if not len(c):
+            continue
+        times = c.values[STEP_KEY]
+        ts = c.column(TS_KEY)
+        stamps = ts[ts > 0]
+        span_s = float(stamps.max() - stamps.min()) / 1e9 if len(stamps) >= 2 else 0.0
+        average = float(times.sum() / len(times))
+        # Steps per second over the wall time between the first and last step ends
+        # (includes time between steps); from the mean step time when that is unknown.
+        if span_s > 0:
+            rate = (len(stamps) - 1) / span_s
+        else:
+            rate = 1000.0 / average if average > 0 else 0.0
+        p50, p90, p99 = percentiles(times, (50.0, 90.0, 99.0))
+        per_rank[str(rank)] = RankSteps(
+            steps=len(times),
+            first_step=int(c.steps[0]),
+            last_step=int(c.steps[-1]),
+            p50_ms=rounded(p50),
+            p90_ms=rounded(p90),
+            p99_ms=rounded(p99),
+            max_ms=rounded(float(times.max())),
+            mean_ms=rounded(average),
+            steps_per_s=rounded(rate),
+        )
+        phases[str(rank)] = {
+            name: PhaseFigures(**figures) for name, figures in phase_breakdown(c, names).items()
+        }
+    return StepFigures(step_time=per_rank, phases=phases, phase_names=names)
+
+
+def straggler_view(
+    columns: StepColumns, strategy: str | None, collectives: bool, layout: Layout | None
+) -> StragglerView:
+    """The straggler analysis (:mod:`traceml_ai.run_summary._straggler`) of the step rows."""
+    nodes = {rank: c.node for rank, c in columns.items() if c.node is not None}
+    return analyze_stragglers(columns, strategy, nodes, collectives, layout)
+
+
+class WaitColumns:
+    """The collectives lines' waits as they are read: per rank, one entry per line and
+    wait key (``_cw:<component>`` and ``_cwop:<component>:<op>``), kept as columns."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, array[int]] = {}
+        self.keys: dict[int, array[int]] = {}
+        self.waits: dict[int, array[float]] = {}
+        self.names: dict[str, int] = {}
+        self.unmeasured: set[int] = set()
+        self._ids: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def add(self, obj: Mapping[str, Any]) -> None:
+        rank = obj["global_rank"]
+        steps = self.steps.get(rank)
+        if steps is None:
+            steps = self.steps[rank] = array("q")
+            self.keys[rank] = array("q")
+            self.waits[rank] = array("d")
+        wait = obj.get("wait_ms")
+        if wait is None:
+            self.unmeasured.add(rank)
+            return
+        component = wait_component(obj["phase"])
+        if component is None:
+            return
+        op = op_label(obj["op"], obj.get("group"))
+        ids = self._ids.get((component, op))
+        if ids is None:
+            ids = self._ids[(component, op)] = (
+                self._id(WAIT_PREFIX + component),
+                self._id(f"{OP_WAIT_PREFIX}{component}:{op}"),
+            )
+        step = obj["step"]
+        steps.extend((step, step))
+        self.keys[rank].extend(ids)
+        self.waits[rank].extend((float(wait), float(wait)))
+
+    def _id(self, key: str) -> int:
+        found = self.names.get(key)
+        if found is None:
+            found = self.names[key] = len(self.names)
+        return found
+
+
+def merge_waits(columns: StepColumns, waits: WaitColumns, notes: list[str]) -> bool:
+    """Add the collectives file's waits to the step columns; whether every rank's were
+    measured (the straggler analysis then uses them)."""
+    names = {i: key for key, i in waits.names.items()}
+    for rank, steps in waits.steps.items():
+        mine = columns.get(rank)
+        if mine is None or not steps:
+            continue
+        at = np.frombuffer(steps, dtype=np.int64)
+        keys = np.frombuffer(waits.keys[rank], dtype=np.int64)
+        values = np.frombuffer(waits.waits[rank], dtype=np.float64)
+        pos = np.searchsorted(mine.steps, at)
+        found = pos < len(mine.steps)
+        found[found] = mine.steps[pos[found]] == at[found]
+        for i in np.unique(keys[found]):
+            pick = found & (keys == i)
+            total = np.zeros(len(mine.steps), dtype=np.float64)
+            np.add.at(total, pos[pick], values[pick])
+            had = np.zeros(len(mine.steps), dtype=np.bool_)
+            had[pos[pick]] = True
+            key = names[int(i)]
+            mine.values[key] = total
+            mine.present[key] = had
+    unseen = sorted(r for r in columns if r not in waits.steps)
+    if len(columns) > 1 and unseen:
+        shown = ", ".join(map(str, unseen[:10])) + (", ..." if len(unseen) > 10 else "")
+        notes.append(
+            f"collectives: none seen on rank(s) {shown} (an engine that bypasses "
+            "torch.distributed's Python functions, or a built-in DDP hook registered "
+            "before the first forward); the wait is inferred from phase times"
+        )
+    if waits.unmeasured:
+        shown = ", ".join(map(str, sorted(waits.unmeasured)[:10]))
+        notes.append(
+            f"collectives: wait not measured on rank(s) {shown} (NCCL without "
+            "TORCH_NCCL_ENABLE_TIMING=1); the wait is inferred from phase times"
+        )
+    return waits_measured(columns, waits.steps, waits.unmeasured)
+
+
+class MemoryPeaks:
+    """rank -> device -> peaks of the step_memory lines, as they are read."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[int, dict[str, dict[str, int | None]]] = {}
+        self.any_figure = False
+
+    def add(self, obj: Mapping[str, Any]) -> None:
+        rank, device = obj.get("global_rank"), obj.get("device")
+        if not isinstance(rank, int) or not isinstance(device, str):
+            return
+        slot = self.peaks.setdefault(rank, {}).setdefault(
+            device, {"peak_allocated_bytes": None, "peak_reserved_bytes": None}
+        )
+        for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+            v = obj.get(key)
+            if isinstance(v, int):
+                self.any_figure = True
+                old = slot[key]
+                slot[key] = v if old is None else max(old, v)
+
+    def section(self) -> dict[str, dict[str, DevicePeak]]:
+        return {
+            str(r): {device: DevicePeak(**figures) for device, figures in self.peaks[r].items()}
+            for r in sorted(self.peaks)
+        }
+
+
+def process_figures(objs: Iterable[dict[str, Any]]) -> dict[str, ProcessFigures]:
+    """Per rank: CPU, RSS and GPU memory figures. A ``cpu_percent`` above 100 % per
+    logical core of the host cannot be (older samplers wrote such values): it is left
+    out of the figures and counted in ``cpu_percent_impossible_samples``."""
+    lines = list(objs)
+    # The host's cores: the line's own figure, else what another line of the node said.
+    node_cores: dict[Any, int] = {}
+    for obj in lines:
+        cores = obj.get("cpu_logical_cores")
+        if isinstance(cores, int):
+            node = obj.get("node_rank")
+            node_cores[node] = max(node_cores.get(node, 0), cores)
+    acc: dict[int, dict[str, Any]] = {}
+    for obj in lines:
+        rank = obj.get("global_rank")
+        if not isinstance(rank, int):
+            continue
+        a = acc.setdefault(
+            rank,
+            {"cpu": [], "ram": [], "gpu_used": [], "gpu_reserved": [], "bad": 0, "cores": None},
+        )
+        cores = obj.get("cpu_logical_cores")
+        if not isinstance(cores, int):
+            cores = node_cores.get(obj.get("node_rank"))
+        if cores is not None:
+            a["cores"] = max(a["cores"] or 0, cores)
+        cpu = obj.get("cpu_percent")
+        if isinstance(cpu, (int, float)):
+            if cpu > 100.0 * (cores or MAX_PLAUSIBLE_CORES):
+                a["bad"] += 1
+            else:
+                a["cpu"].append(float(cpu))
+        for key, field in (
+            ("ram", "ram_used_bytes"),
+            ("gpu_used", "gpu_memory_used_bytes"),
+            ("gpu_reserved", "gpu_memory_reserved_bytes"),
+        ):
+            v = obj.get(field)
+            if isinstance(v, (int, float)):
+                a[key].append(float(v))
+    out: dict[str, ProcessFigures] = {}
+    for rank in sorted(acc):
+        a = acc[rank]
+        out[str(rank)] = ProcessFigures(
+            samples=len(a["ram"]),
+            cpu_percent_mean=rounded(mean(a["cpu"]), 1) if a["cpu"] else None,
+            cpu_percent_max=rounded(max(a["cpu"]), 1) if a["cpu"] else None,
+            cpu_percent_impossible_samples=a["bad"],
+            cpu_logical_cores=a["cores"],
+            ram_used_bytes_max=int(max(a["ram"], default=0)),
+            gpu_memory_used_bytes_max=int(max(a["gpu_used"])) if a["gpu_used"] else None,
+            gpu_memory_reserved_bytes_max=(
+                int(max(a["gpu_reserved"])) if a["gpu_reserved"] else None
+            ),
+        )
+    return out
+
+
+def node_figures(
+    sys_objs: Iterable[dict[str, Any]], gpu_objs: Iterable[dict[str, Any]] | None
+) -> dict[str, NodeFigures]:
+    nodes: dict[int, dict[str, Any]] = {}
+    for obj in sys_objs:
+        node = obj.get("node_rank")
+        if not isinstance(node, int):
+            continue
+        n = nodes.setdefault(node, {"cpu": [], "ram": [], "ram_total": 0, "gpu_count": 0})
+        cpu, ram = obj.get("cpu_percent"), obj.get("ram_used_bytes")
+        if isinstance(cpu, (int, float)):
+            n["cpu"].append(float(cpu))
+        if isinstance(ram, int):
+            n["ram"].append(ram)
+        total, count = obj.get("ram_total_bytes"), obj.get("gpu_count")
+        if isinstance(total, int):
+            n["ram_total"] = max(n["ram_total"], total)
+        if isinstance(count, int):
+            n["gpu_count"] = max(n["gpu_count"], count)
+    gpus: dict[int, dict[int, dict[str, list[float]]]] = {}
+    for obj in gpu_objs or ():
+        node, index = obj.get("node_rank"), obj.get("gpu_index")
+        if not isinstance(node, int) or not isinstance(index, int):
+            continue
+        g = gpus.setdefault(node, {}).setdefault(
+            index, {"util": [], "mem": [], "mem_total": [], "temp": [], "power": []}
+        )
+        for key, field in (
+            ("util", "utilization_percent"),
+            ("mem", "memory_used_bytes"),
+            ("mem_total", "memory_total_bytes"),
+            ("temp", "temperature_c"),
+            ("power", "power_usage_w"),
+        ):
+            v = obj.get(field)
+            if isinstance(v, (int, float)):
+                g[key].append(float(v))
+    out: dict[str, NodeFigures] = {}
+    for node in sorted(set(nodes) | set(gpus)):
+        n = nodes.get(node, {"cpu": [], "ram": [], "ram_total": 0, "gpu_count": 0})
+        out[str(node)] = NodeFigures(
+            samples=len(n["cpu"]),
+            cpu_percent_mean=rounded(mean(n["cpu"]), 1),
+            cpu_percent_max=rounded(max(n["cpu"], default=0.0), 1),
+            ram_used_bytes_max=int(max(n["ram"], default=0)),
+            ram_total_bytes=int(n["ram_total"]),
+            gpu_count=int(n["gpu_count"]),
+            gpus={
+                str(index): GpuFigures(
+                    utilization_percent_mean=rounded(mean(g["util"]), 1) if g["util"] else None,
+                    memory_used_bytes_max=int(max(g["mem"])) if g["mem"] else None,
+                    memory_total_bytes=int(max(g["mem_total"])) if g["mem_total"] else None,
+                    temperature_c_max=rounded(max(g["temp"]), 1) if g["temp"] else None,
+                    power_usage_w_max=rounded(max(g["power"]), 1) if g["power"] else None,
+                )
+                for index, g in sorted(gpus.get(node, {}).items())
+            },
+        )
+    return out
+
+
+def step_series(summary: RunSummary) -> dict[int, list[tuple[int, float]]]:
+    """rank -> [(step, step time in ms)] in step order, for plots; {} without steps."""
+    rows = summary.rows
+    return {
+        r: list(zip(c.steps.tolist(), c.values[STEP_KEY].tolist(), strict=True))
+        for r, c in sorted(rows.items())
+    }
