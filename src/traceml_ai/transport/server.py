@@ -9,8 +9,8 @@ input is counted and never reaches the callbacks.
 Connections are ``asyncio.Protocol`` objects that cut frames out of each chunk the
 transport reads (one ``recv`` of at most 256 KiB), rather than a coroutine per
 connection awaiting ``readexactly`` twice per frame: with a thousand ranks sending a
-few frames a second each, the per-frame cost of the coroutine machinery was a large
-share of the aggregator's CPU. Each chunk is handled whole before the loop moves on,
+few frames a second each, the per-frame cost of that coroutine machinery would be a
+large share of the aggregator's CPU. Each chunk is handled whole before the loop moves on,
 so one busy rank cannot starve the others, and a connection holds at most one
 partial frame plus one chunk.
 
