@@ -278,7 +278,7 @@ def observed(name: str, found: dict[str, Any], cwd: Path) -> object:
     if name == "interval":
         return float(found["interval"])
     assert name == "finalize_timeout_sec"
-    return float(config["finalize_timeout_s"])
+    return float(config["finalize_timeout_sec"])
 
 
 PRECEDENCE = [

@@ -41,7 +41,7 @@ def _config(**changes: Any) -> dict[str, Any]:
 def test_config_round_trips() -> None:
     config = AggregatorLaunchConfig.from_json(orjson.dumps(_config()).decode())
     assert AggregatorLaunchConfig.from_json(config.to_json()) == config
-    assert orjson.loads(config.to_json())["finalize_timeout_s"] == 10.0
+    assert orjson.loads(config.to_json())["finalize_timeout_sec"] == 10.0
 
 
 def test_config_defaults_fill_what_the_launcher_leaves_out() -> None:
@@ -64,8 +64,8 @@ def test_config_defaults_fill_what_the_launcher_leaves_out() -> None:
             "expected a boolean, got str 'false' at $.export.exporter_hostname",
         ),
         (
-            {"finalize_timeout_s": None},
-            "expected a number, got NoneType None at $.finalize_timeout_s",
+            {"finalize_timeout_sec": None},
+            "expected a number, got NoneType None at $.finalize_timeout_sec",
         ),
     ],
 )

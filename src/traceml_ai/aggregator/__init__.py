@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from traceml_ai.aggregator._process import tune_gc_for_aggregator
     from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
     from traceml_ai.aggregator._service import (
-        DEFAULT_FINALIZE_TIMEOUT_S,
         Aggregator,
         AggregatorConfig,
         FinalizeResult,
@@ -25,7 +24,6 @@ _LAZY = {
     "tune_gc_for_aggregator": "traceml_ai.aggregator._process",
     "install_stop_handlers": "traceml_ai.aggregator._runner",
     "run_until_done": "traceml_ai.aggregator._runner",
-    "DEFAULT_FINALIZE_TIMEOUT_S": "traceml_ai.aggregator._service",
     "Aggregator": "traceml_ai.aggregator._service",
     "AggregatorConfig": "traceml_ai.aggregator._service",
     "FinalizeResult": "traceml_ai.aggregator._service",
@@ -36,7 +34,6 @@ __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 __all__ = [
-    "DEFAULT_FINALIZE_TIMEOUT_S",
     "Aggregator",
     "AggregatorConfig",
     "FinalizeResult",

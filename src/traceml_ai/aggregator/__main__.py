@@ -1,7 +1,7 @@
 """The aggregator process that ``traceml run`` starts: ``python -m traceml_ai.aggregator CONFIG``.
 
 CONFIG is an :class:`AggregatorLaunchConfig` as JSON (run_dir, settings, bind_host,
-port, expected_world_size, finalize_timeout_s, parent_pid); the run token comes from
+port, expected_world_size, finalize_timeout_sec, parent_pid); the run token comes from
 ``TRACEML_RUN_TOKEN`` so it never shows in a process listing. It prints one event line
 when it listens (:class:`ReadyEvent`, or :class:`FailedEvent`) and one when it has
 finalized (:class:`FinalizedEvent`), and exits 0; SIGTERM or SIGINT make it finalize.
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
         bind_host=raw.bind_host,
         port=raw.port,
         expected_world_size=raw.expected_world_size,
-        finalize_timeout_s=raw.finalize_timeout_s,
+        finalize_timeout_sec=raw.finalize_timeout_sec,
         monitor=raw.monitor,
     )
     aggregator = Aggregator(config)

@@ -33,7 +33,7 @@ from traceml_ai.export import (
     start_export,
     write_finalization_warning,
 )
-from traceml_ai.settings import ExportSettings, MonitorSettings
+from traceml_ai.settings import DEFAULT_FINALIZE_TIMEOUT_SEC, ExportSettings, MonitorSettings
 from traceml_ai.transport.server import AggregatorServer
 from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import ExportLoss, MonitoringLoss
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from traceml_ai.monitor import Monitoring, SinkFactory
     from traceml_ai.monitor.metrics import Health
 
-DEFAULT_FINALIZE_TIMEOUT_S = 10.0
 MONITOR_CLOSE_BUDGET_S = 5.0
 """Longest wait at finalization for the live views to send their last figures."""
 
@@ -82,7 +81,7 @@ class AggregatorConfig:
     port: int = 0
     expected_world_size: int | None = None
     """Ranks the job should have; ``None`` takes the world size the first rank reports."""
-    finalize_timeout_s: float = DEFAULT_FINALIZE_TIMEOUT_S
+    finalize_timeout_sec: float = DEFAULT_FINALIZE_TIMEOUT_SEC
     max_queue_batches: int | None = None
     max_queue_bytes: int | None = None
     monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
@@ -395,7 +394,7 @@ class Aggregator:
                 self._pipeline.set_rank_dropped_batches(
                     self._rank_dropped_batches() + self._unseen_batches()
                 )
-            stats = self._pipeline.finalize(self.config.finalize_timeout_s)
+            stats = self._pipeline.finalize(self.config.finalize_timeout_sec)
             loss = self._pipeline.loss()
         with self._lock:
             expected = self.expected_world_size or len(self._seen_ranks)
@@ -451,7 +450,7 @@ class Aggregator:
             )
         )
         loss = monitoring.close(
-            max(1.0, min(MONITOR_CLOSE_BUDGET_S, self.config.finalize_timeout_s))
+            max(1.0, min(MONITOR_CLOSE_BUDGET_S, self.config.finalize_timeout_sec))
         )
         # A view that did not start was said when it failed; drops are told here.
         if monitoring_lost(attrs.evolve(loss, not_started={})):

@@ -17,7 +17,7 @@ import attrs
 import orjson
 
 from traceml_ai._converter import StructureError, dumps, loads, structure
-from traceml_ai.settings import ExportSettings, MonitorSettings
+from traceml_ai.settings import DEFAULT_FINALIZE_TIMEOUT_SEC, ExportSettings, MonitorSettings
 from traceml_records import MonitoringLoss
 
 __all__ = [
@@ -47,7 +47,7 @@ class AggregatorLaunchConfig:
     bind_host: str = "127.0.0.1"
     port: int = 0
     expected_world_size: int | None = None
-    finalize_timeout_s: float = 10.0
+    finalize_timeout_sec: float = DEFAULT_FINALIZE_TIMEOUT_SEC
     monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
     """The live views the aggregator serves (Prometheus, OTLP, the dashboard)."""
     parent_pid: int | None = None

@@ -7,8 +7,10 @@ environment variable and no ``traceml.yaml``: a config is the whole story, so
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,33 +21,16 @@ from traceml_ai._converter import structure, unstructure
 from traceml_ai.launch.run_folder import run_name_problem
 from traceml_ai.rank import build_config, warn_once
 from traceml_ai.settings import (
-    AGGREGATOR_BIND_HOST,
-    AGGREGATOR_PORT,
-    DASHBOARD_BIND_HOST,
-    DASHBOARD_PORT,
-    EXPORT_STREAMS,
-    EXPORTER,
-    EXPORTER_HOSTNAME,
     FINALIZE_TIMEOUT_SEC,
-    INTERVAL,
-    LOGS_DIR,
-    OTLP,
-    OTLP_TRACE_SAMPLE,
-    PARALLEL,
-    PROMETHEUS_BIND_HOST,
-    PROMETHEUS_PORT,
-    RANK_HISTOGRAMS_MAX_RANKS,
+    FROM_TABLE,
     RAY_CONFIG_SOURCE,
-    RUN_NAME,
-    TRACKER_EVERY_STEPS,
-    TRACKERS,
     ExportSettings,
     MonitorSettings,
     ResolvedExportSettings,
-    parse_parallel,
-    parse_trackers,
-    ray_field,
+    check_code_value,
+    ray_fields,
     settings_from_values,
+    table_settings,
 )
 
 __all__ = ["CONFIG_SOURCE", "TraceMLRayConfig"]
@@ -57,33 +42,6 @@ CONFIG_SOURCE = RAY_CONFIG_SOURCE
 def _fspath(value: Any) -> Any:
     # Accept a pathlib.Path for logs_dir; anything else is left for the validator.
     return os.fspath(value) if isinstance(value, os.PathLike) else value
-
-
-def _trackers(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    # Empty text is a valid value here (no tracker), which the table's str check refuses.
-    del instance
-    if not isinstance(value, str):
-        raise ValueError(
-            f"{CONFIG_SOURCE}.{attribute.name}: expected {TRACKERS.expected}, got {value!r}"
-        )
-    try:
-        parse_trackers(value)
-    except ValueError as exc:
-        raise ValueError(f"{CONFIG_SOURCE}.{attribute.name}: {exc}") from None
-
-
-def _parallel(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    # Empty text is a valid value here (no declared layout), which the table's str check
-    # refuses.
-    del instance
-    if not isinstance(value, str):
-        raise ValueError(
-            f"{CONFIG_SOURCE}.{attribute.name}: expected {PARALLEL.expected}, got {value!r}"
-        )
-    try:
-        parse_parallel(value)
-    except ValueError as exc:
-        raise ValueError(f"{CONFIG_SOURCE}.{attribute.name}: {exc}") from None
 
 
 def _session_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -150,21 +108,45 @@ def _retention(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> No
 def _notice(field: str, value: Any, why: str) -> None:
     """One ``TraceMLWarning`` per field and process, blamed on the line that made the
     config (past this module and attrs' generated ``__init__``)."""
+    warn_once(
+        f"ray_config:{field}",
+        f"traceml: {CONFIG_SOURCE}({field}={value!r}) has no effect here: {why}",
+        stacklevel=_caller_level() + 1,
+    )
+
+
+def _caller_level() -> int:
+    """How many frames above its caller the line that made the config is (past this
+    module and attrs' generated ``__init__``)."""
     level = 1
-    frame = sys._getframe(1)
+    frame = sys._getframe(2)
     while frame.f_back is not None and (
         frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith("<attrs")
     ):
         frame = frame.f_back
         level += 1
-    warn_once(
-        f"ray_config:{field}",
-        f"traceml: {CONFIG_SOURCE}({field}={value!r}) has no effect here: {why}",
-        stacklevel=level + 1,
+    return level
+
+
+def _deprecated_stop_timeout_sec(value: object) -> None:
+    """One ``DeprecationWarning`` per process for ``stop_timeout_sec``, blamed on the
+    line that made the config."""
+    global _warned_stop_timeout_sec
+    if _warned_stop_timeout_sec:
+        return
+    _warned_stop_timeout_sec = True
+    warnings.warn(
+        f"traceml: {CONFIG_SOURCE}(stop_timeout_sec={value!r}) is deprecated: the field is "
+        f"finalize_timeout_sec, as traceml run's --finalize-timeout-sec",
+        DeprecationWarning,
+        stacklevel=_caller_level() + 1,
     )
 
 
-@attrs.frozen(kw_only=True)
+_warned_stop_timeout_sec = False
+
+
+@attrs.frozen(kw_only=True, field_transformer=ray_fields)
 class TraceMLRayConfig:
     """TraceML settings of a Ray Train job run by ``TraceMLTorchTrainer``.
 
@@ -185,8 +167,11 @@ class TraceMLRayConfig:
       cluster; use ``0.0.0.0`` on a multi-node cluster (workers then connect to the
       driver node's IP as Ray knows it).
     - ``port``: the aggregator's TCP port; ``0`` picks a free one.
-    - ``stop_timeout_sec``: after training, how long to wait for the workers' last
-      telemetry, and then how long the export may take to drain.
+    - ``finalize_timeout_sec``: after training, how long to wait for the workers' last
+      telemetry, and then how long the export may take to drain (``traceml run``'s
+      ``--finalize-timeout-sec``). ``stop_timeout_sec``, its former name, is still taken
+      and says so once with a ``DeprecationWarning``; giving both with different values
+      is an error.
     - ``prometheus_port``, ``prometheus_bind_host``, ``rank_histograms_max_ranks``,
       ``otlp``, ``otlp_trace_sample``: the live views, as ``traceml run``'s flags of the
       same names (docs/monitoring.md); the aggregator actor serves ``/metrics`` on the
@@ -218,29 +203,30 @@ class TraceMLRayConfig:
       nothing: it is what a Ray job does).
     """
 
-    # The launcher's settings (traceml_ai.settings.SETTINGS): each field's default and
-    # checks are its setting's; the three export settings are checked together, with
-    # traceml run's messages, in __attrs_post_init__.
-    exporter: str = ray_field(EXPORTER, validator=())
-    export_streams: str = ray_field(EXPORT_STREAMS, validator=())
-    exporter_hostname: bool = ray_field(EXPORTER_HOSTNAME, validator=())
-    logs_dir: str = ray_field(LOGS_DIR, converter=_fspath)
-    session_id: str = ray_field(RUN_NAME, validator=_session_id)
-    sampler_interval_sec: float = ray_field(INTERVAL)
-    bind_host: str = ray_field(AGGREGATOR_BIND_HOST)
-    port: int = ray_field(AGGREGATOR_PORT)
-    stop_timeout_sec: float = ray_field(FINALIZE_TIMEOUT_SEC)
+    # The launcher's settings (traceml_ai.settings.SETTINGS): each field declared
+    # FROM_TABLE is the setting whose `ray` names it, with its default and checks; the
+    # three export settings are checked together, with traceml run's messages, in
+    # __attrs_post_init__.
+    exporter: str = attrs.field(default=FROM_TABLE, validator=())
+    export_streams: str = attrs.field(default=FROM_TABLE, validator=())
+    exporter_hostname: bool = attrs.field(default=FROM_TABLE, validator=())
+    logs_dir: str = attrs.field(default=FROM_TABLE, converter=_fspath)
+    session_id: str = attrs.field(default=FROM_TABLE, validator=_session_id)
+    sampler_interval_sec: float = FROM_TABLE
+    bind_host: str = FROM_TABLE
+    port: int = FROM_TABLE
+    finalize_timeout_sec: float = FROM_TABLE
     # The live views (docs/monitoring.md), served by the aggregator actor.
-    prometheus_port: int | None = ray_field(PROMETHEUS_PORT)
-    prometheus_bind_host: str = ray_field(PROMETHEUS_BIND_HOST)
-    rank_histograms_max_ranks: int = ray_field(RANK_HISTOGRAMS_MAX_RANKS)
-    otlp: bool = ray_field(OTLP)
-    otlp_trace_sample: int = ray_field(OTLP_TRACE_SAMPLE)
-    dashboard_port: int = ray_field(DASHBOARD_PORT)
-    dashboard_bind_host: str = ray_field(DASHBOARD_BIND_HOST)
-    trackers: str = ray_field(TRACKERS, validator=_trackers)
-    tracker_every_steps: int = ray_field(TRACKER_EVERY_STEPS)
-    parallel: str = ray_field(PARALLEL, validator=_parallel)
+    prometheus_port: int | None = FROM_TABLE
+    prometheus_bind_host: str = FROM_TABLE
+    rank_histograms_max_ranks: int = FROM_TABLE
+    otlp: bool = FROM_TABLE
+    otlp_trace_sample: int = FROM_TABLE
+    dashboard_port: int = FROM_TABLE
+    dashboard_bind_host: str = FROM_TABLE
+    trackers: str = FROM_TABLE
+    tracker_every_steps: int = FROM_TABLE
+    parallel: str = FROM_TABLE
     # TraceML 0.5.0's fields.
     mode: str | None = attrs.field(default=None, validator=_one_of(RAY_MODES))
     profile: str | None = attrs.field(default=None, validator=_one_of(PROFILES))
@@ -251,11 +237,17 @@ class TraceMLRayConfig:
     patch_h2d: bool | None = attrs.field(default=None, validator=_optional_bool)
     summary_window_rows: int | None = attrs.field(default=None, validator=_rows)
     history_retention: float | str | None = attrs.field(default=None, validator=_retention)
+    _stop_timeout_sec: float | None = attrs.field(default=None, repr=False, eq=False)
+    """``stop_timeout_sec``: ``finalize_timeout_sec``'s former name, still taken (with a
+    ``DeprecationWarning``); it sets ``finalize_timeout_sec`` and is None after."""
 
     def __attrs_post_init__(self) -> None:
+        if self._stop_timeout_sec is not None:
+            self._take_stop_timeout_sec(self._stop_timeout_sec)
         # Same checks and messages as `traceml run`, with TraceMLRayConfig.<field>
-        # in place of the flag; no environment variable or traceml.yaml is read.
-        self.resolved_settings()
+        # in place of the flag; no environment variable or traceml.yaml is read. Parsed
+        # once, here: the properties below hand out these values.
+        _ = self._export, self._monitor
         try:
             build_config(self.init_mode, **self.init_patches())
         except ValueError as exc:
@@ -290,15 +282,37 @@ class TraceMLRayConfig:
         value of the wrong kind is named the same way (``"8"`` is no port); the rest is
         checked as when the config is made in code.
         """
-        return structure(dict(data), cls, what=CONFIG_SOURCE)
+        plain = dict(data)
+        if "stop_timeout_sec" in plain:
+            plain["_stop_timeout_sec"] = plain.pop("stop_timeout_sec")
+        return structure(plain, cls, what=CONFIG_SOURCE)
 
     def to_mapping(self) -> dict[str, Any]:
         """The config as plain data; :meth:`from_mapping` reads it back."""
         data: dict[str, Any] = unstructure(self)
+        del data["_stop_timeout_sec"]  # None once made: its value is finalize_timeout_sec
         return data
 
-    def resolved_settings(self) -> ResolvedExportSettings:
-        """The validated export settings, with the selected stream names."""
+    def _take_stop_timeout_sec(self, value: object) -> None:
+        """``stop_timeout_sec=``: checked as ``finalize_timeout_sec``, then its value."""
+        default = FINALIZE_TIMEOUT_SEC.default
+        if self.finalize_timeout_sec != default and self.finalize_timeout_sec != value:
+            raise ValueError(
+                f"{CONFIG_SOURCE}: stop_timeout_sec is finalize_timeout_sec's former name; "
+                "give finalize_timeout_sec only"
+            )
+        check_code_value(FINALIZE_TIMEOUT_SEC, value, f"{CONFIG_SOURCE}.stop_timeout_sec")
+        _deprecated_stop_timeout_sec(value)
+        object.__setattr__(self, "finalize_timeout_sec", value)
+        object.__setattr__(self, "_stop_timeout_sec", None)
+
+    @property
+    def stop_timeout_sec(self) -> float:
+        """``finalize_timeout_sec`` by its former name."""
+        return self.finalize_timeout_sec
+
+    @functools.cached_property
+    def _export(self) -> ResolvedExportSettings:
         return settings_from_values(
             exporter=self.exporter or ("jsonl" if self.mode in ("summary", "dashboard") else ""),
             export_streams=self.export_streams,
@@ -306,26 +320,30 @@ class TraceMLRayConfig:
             source=CONFIG_SOURCE,
         )
 
+    @functools.cached_property
+    def _monitor(self) -> MonitorSettings:
+        # Each live view's setting from its Ray field (a text one, trackers, parsed by
+        # the table); the dashboard is served with mode="dashboard".
+        values: dict[str, Any] = {"dashboard": self.mode == "dashboard"}
+        for setting in table_settings(MonitorSettings):
+            if setting.ray is not None:
+                value = getattr(self, setting.ray)
+                values[setting.name] = setting.read(value) if setting.kind is str else value
+        return MonitorSettings(**values)
+
+    def resolved_settings(self) -> ResolvedExportSettings:
+        """The validated export settings, with the selected stream names."""
+        return self._export
+
     @property
     def monitor_settings(self) -> MonitorSettings:
         """The live views the aggregator actor serves."""
-        return MonitorSettings(
-            prometheus_port=self.prometheus_port,
-            prometheus_bind_host=self.prometheus_bind_host,
-            rank_histograms_max_ranks=self.rank_histograms_max_ranks,
-            otlp=self.otlp,
-            otlp_trace_sample=self.otlp_trace_sample,
-            dashboard=self.mode == "dashboard",
-            dashboard_port=self.dashboard_port,
-            dashboard_bind_host=self.dashboard_bind_host,
-            trackers=parse_trackers(self.trackers),
-            tracker_every_steps=self.tracker_every_steps,
-        )
+        return self._monitor
 
     @property
     def export_settings(self) -> ExportSettings:
         """The normalized settings the aggregator runs with."""
-        return self.resolved_settings().settings
+        return self._export.settings
 
     @property
     def export_enabled(self) -> bool:

@@ -105,7 +105,7 @@ class _AggregatorActor:
         bind_host: str,
         port: int,
         expected_world_size: int | None,
-        finalize_timeout_s: float,
+        finalize_timeout_sec: float,
         monitor: MonitorSettings | None = None,
     ) -> None:
         tune_gc_for_aggregator()  # the actor's process hosts the aggregator alone
@@ -117,7 +117,7 @@ class _AggregatorActor:
                 bind_host=bind_host,
                 port=port,
                 expected_world_size=expected_world_size,
-                finalize_timeout_s=finalize_timeout_s,
+                finalize_timeout_sec=finalize_timeout_sec,
                 monitor=monitor or MonitorSettings(),
             )
         )
@@ -454,7 +454,7 @@ class TraceMLTorchTrainer:
                     config.bind_host,
                     config.port,
                     self._expected_world_size(),
-                    config.stop_timeout_sec,
+                    config.finalize_timeout_sec,
                     config.monitor_settings,
                 )
             )
@@ -485,8 +485,8 @@ class TraceMLTorchTrainer:
                 self.traceml_run = run = attrs.evolve(run, address=(str(host), int(port)))
             try:
                 summary = ray.get(
-                    actor.stop.remote(config.stop_timeout_sec),
-                    timeout=2 * config.stop_timeout_sec + _ACTOR_CALL_MARGIN_S,
+                    actor.stop.remote(config.finalize_timeout_sec),
+                    timeout=2 * config.finalize_timeout_sec + _ACTOR_CALL_MARGIN_S,
                 )
             except Exception as exc:
                 _say(

@@ -46,14 +46,14 @@ class AggregatorProcess:
             bind_host=p.bind_host,
             port=p.port,
             expected_world_size=p.world_size,
-            finalize_timeout_s=options.finalize_timeout_s,
+            finalize_timeout_sec=options.finalize_timeout_sec,
             monitor=options.monitor,
             # Lets it finalize on its own if we die without asking it to.
             parent_pid=os.getpid(),
         )
         env = dict(os.environ)
         env[ENV_RUN_TOKEN] = p.token
-        self.finalize_timeout_s = options.finalize_timeout_s
+        self.finalize_timeout_sec = options.finalize_timeout_sec
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "traceml_ai.aggregator", config.to_json()],
             stdout=subprocess.PIPE,
@@ -187,11 +187,11 @@ class AggregatorProcess:
                 told = True
                 say(
                     "finishing the export (at most "
-                    f"{self.finalize_timeout_s + 15.0:.0f} s); press Ctrl-C again to stop it now"
+                    f"{self.finalize_timeout_sec + 15.0:.0f} s); press Ctrl-C again to stop it now"
                 )
             return signals.count > seen + 1
 
-        event = self._read_event(self.finalize_timeout_s + 15.0, give_up)
+        event = self._read_event(self.finalize_timeout_sec + 15.0, give_up)
         if isinstance(event, FinalizedEvent):
             try:
                 self.proc.wait(timeout=5.0)
@@ -208,5 +208,5 @@ class AggregatorProcess:
         if interrupted:
             return None, "was stopped by a second Ctrl-C while it finalized"
         if still_running:
-            return None, f"did not finalize within {self.finalize_timeout_s + 15.0:.0f} s"
+            return None, f"did not finalize within {self.finalize_timeout_sec + 15.0:.0f} s"
         return None, f"{exit_description(self.proc.returncode)} while it finalized"

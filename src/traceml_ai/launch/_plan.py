@@ -43,7 +43,7 @@ class RunOptions:
     aggregator_host: str | None
     aggregator_port: int | None
     interval: float
-    finalize_timeout_s: float
+    finalize_timeout_sec: float
     export: ResolvedExportSettings
     monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
     trace_max_steps: int | None = None
@@ -116,9 +116,9 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> Run
         raise LaunchError(f"--node-rank must be in [0, {options.nnodes}), got {options.node_rank}")
     if not options.interval > 0:
         raise LaunchError(f"--interval must be positive, got {options.interval}")
-    if not options.finalize_timeout_s > 0:
+    if not options.finalize_timeout_sec > 0:
         raise LaunchError(
-            f"--finalize-timeout-sec must be positive, got {options.finalize_timeout_s}"
+            f"--finalize-timeout-sec must be positive, got {options.finalize_timeout_sec}"
         )
     check_script(options.script)
     port = options.aggregator_port

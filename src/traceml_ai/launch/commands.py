@@ -440,7 +440,7 @@ def run(
         aggregator_host=settings.aggregator_host,
         aggregator_port=settings.aggregator_port,
         interval=settings.interval,
-        finalize_timeout_s=settings.finalize_timeout_sec,
+        finalize_timeout_sec=settings.finalize_timeout_sec,
         export=settings.export,
         monitor=attrs.evolve(settings.monitor, dashboard=dashboard),
         trace_max_steps=trace_max_steps,
@@ -515,7 +515,7 @@ def serve(**cli: Any) -> None:
             bind_host=aggregator_bind_host,
             port=aggregator_port,
             expected_world_size=expected,
-            finalize_timeout_s=finalize_timeout_sec,
+            finalize_timeout_sec=finalize_timeout_sec,
             monitor=settings.monitor,
         )
     )

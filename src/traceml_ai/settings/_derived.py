@@ -1,16 +1,15 @@
 """What is derived from the settings table: the click options of each command, the
-``TraceMLRayConfig`` fields and the docs' table."""
+fields of the typed settings objects and of ``TraceMLRayConfig``, and the docs' table."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
 
 from traceml_ai.settings._parse import Command
-from traceml_ai.settings._table import SETTINGS, Setting
+from traceml_ai.settings._table import SETTINGS, SETTINGS_BY_NAME, Setting
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -61,68 +60,114 @@ def click_options(command: Command) -> Callable[[_F], _F]:
     return decorate
 
 
-# --- TraceMLRayConfig's fields -----------------------------------------------------------
+# --- the typed objects' fields ---------------------------------------------------------------
 
 
-def _ray_refusal(attribute: attrs.Attribute[Any], expected: str, value: object) -> ValueError:
-    return ValueError(f"{RAY_CONFIG_SOURCE}.{attribute.name}: expected {expected}, got {value!r}")
+class _FromTable:
+    """:data:`FROM_TABLE`'s type."""
+
+    def __repr__(self) -> str:
+        return "FROM_TABLE"
+
+
+FROM_TABLE: Any = _FromTable()
+"""The default a field of a typed settings object or of ``TraceMLRayConfig`` is
+declared with (``interval: float = FROM_TABLE``): the object's ``field_transformer``
+(:func:`settings_fields`, :func:`ray_fields`) puts the setting's default and checks in.
+The field's name and type are written in the class, everything else in the table."""
+
+
+def _with_setting(field: attrs.Attribute[Any], setting: Setting[object], default: object) -> Any:
+    return field.evolve(default=default, metadata={**field.metadata, "setting": setting.name})
+
+
+def settings_fields(cls: type, fields: list[attrs.Attribute[Any]]) -> list[attrs.Attribute[Any]]:
+    """The ``field_transformer`` of a typed settings object: each field declared with
+    :data:`FROM_TABLE` is the setting of its name, with the table's default."""
+    out = []
+    for field in fields:
+        if field.default is FROM_TABLE:
+            if field.name not in SETTINGS_BY_NAME:
+                raise TypeError(f"{cls.__name__}.{field.name}: no setting has this name")
+            setting = SETTINGS_BY_NAME[field.name]
+            field = _with_setting(field, setting, setting.default)
+        out.append(field)
+    return out
+
+
+def table_settings(cls: type) -> tuple[Setting[object], ...]:
+    """The settings ``cls`` (a typed settings object or ``TraceMLRayConfig``) has a
+    field for, in the order of its fields."""
+    return tuple(
+        SETTINGS_BY_NAME[f.metadata["setting"]]
+        for f in attrs.fields(cls)
+        if "setting" in f.metadata
+    )
+
+
+def check_code_value(setting: Setting[object], value: object, where: str) -> None:
+    """A value given in code (a ``TraceMLRayConfig`` field): of the setting's ``kind``
+    (a bool is no number), then the table's parser (a text) or bounds (a number);
+    ``None`` only where the Ray default is ``None``. Raises ``ValueError`` starting
+    with ``where`` (``TraceMLRayConfig.<field>``)."""
+    if value is None and setting.ray_field_default is None:
+        return
+    if setting.kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected a boolean, got {value!r}")
+        return
+    if setting.kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: expected a string, {setting.expected}; got {value!r}")
+        try:
+            setting.read(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        return
+    assert setting.bounds is not None, f"{setting.name}: a number setting has bounds"
+    numbers = (int, float) if setting.kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, numbers):
+        raise ValueError(f"{where}: expected {setting.expected}, got {value!r}")
+    try:
+        setting.bounds.check(value, value)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _ray_validator(setting: Setting[object]) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    """A value given in code: of the setting's ``kind`` (a bool is no number), then
-    the table's parser on its text; a ``None`` default makes ``None`` allowed."""
-    optional = setting.ray_field_default is None
-
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         del instance
-        if value is None and optional:
-            return
-        if setting.kind is bool:
-            if not isinstance(value, bool):
-                raise _ray_refusal(attribute, "a boolean", value)
-            return
-        if setting.kind is str:
-            if not isinstance(value, str) or not value.strip():
-                raise _ray_refusal(attribute, "a non-empty string", value)
-            try:
-                setting.parse(value)
-            except ValueError as exc:
-                raise ValueError(f"{RAY_CONFIG_SOURCE}.{attribute.name}: {exc}") from None
-            return
-        numbers = (int, float) if setting.kind is float else (int,)
-        ok = not isinstance(value, bool) and isinstance(value, numbers)
-        if ok and isinstance(value, float) and not math.isfinite(value):
-            ok = False
-        if ok:
-            try:
-                setting.parse(str(value))
-            except ValueError:
-                ok = False
-        if not ok:
-            raise _ray_refusal(attribute, setting.expected, value)
+        check_code_value(setting, value, f"{RAY_CONFIG_SOURCE}.{attribute.name}")
 
     return check
-
-
-def ray_field(setting: Setting[object], *, validator: Any = None, **field_args: Any) -> Any:
-    """The ``TraceMLRayConfig`` field of ``setting``: the table's Ray default and the
-    table's checks (``validator`` replaces them where Ray reads a value its own way).
-
-    Declared as ``sampler_interval_sec: float = ray_field(INTERVAL)``: the field's name
-    and type are Ray's, everything else is the table's.
-    """
-    assert setting.ray is not None, f"{setting.name} has no Ray field"
-    return attrs.field(
-        default=setting.ray_field_default,
-        validator=_ray_validator(setting) if validator is None else validator,
-        metadata={"setting": setting.name},
-        **field_args,
-    )
 
 
 def ray_settings() -> tuple[Setting[object], ...]:
     """The settings that have a ``TraceMLRayConfig`` field, in the table's order."""
     return tuple(s for s in SETTINGS if s.ray is not None)
+
+
+def ray_fields(cls: type, fields: list[attrs.Attribute[Any]]) -> list[attrs.Attribute[Any]]:
+    """The ``field_transformer`` of ``TraceMLRayConfig``: each field declared with
+    :data:`FROM_TABLE` is the setting whose ``ray`` names it, with the table's Ray
+    default and checks (:func:`check_code_value`; a ``validator`` the field declares
+    replaces them, where Ray reads a value its own way). Every setting with a Ray
+    field must have one, and no other field may be declared so."""
+    by_ray = {s.ray: s for s in ray_settings() if s.ray is not None}
+    out = []
+    for field in fields:
+        if field.default is FROM_TABLE:
+            setting = by_ray.pop(field.name, None)
+            if setting is None:
+                raise TypeError(f"{cls.__name__}.{field.name}: no setting's ray field")
+            validator = _ray_validator(setting) if field.validator is None else field.validator
+            field = _with_setting(field, setting, setting.ray_field_default).evolve(
+                validator=validator
+            )
+        out.append(field)
+    if by_ray:
+        raise TypeError(f"{cls.__name__} lacks the fields {', '.join(sorted(by_ray))}")
+    return out
 
 
 # --- the docs ------------------------------------------------------------------------------

@@ -7,39 +7,17 @@ import difflib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import yaml
 
-from traceml_ai.settings._parse import Command, ExportStreams, SettingsError
+from traceml_ai.settings._derived import table_settings
+from traceml_ai.settings._parse import Command, OutOfBounds, SettingsError
 from traceml_ai.settings._table import (
-    AGGREGATOR_BIND_HOST,
-    AGGREGATOR_HOST,
-    AGGREGATOR_PORT,
-    DASHBOARD,
-    DASHBOARD_BIND_HOST,
-    DASHBOARD_PORT,
-    EXPORT_STREAMS,
-    EXPORTER,
-    EXPORTER_HOSTNAME,
-    FINALIZE_TIMEOUT_SEC,
-    INTERVAL,
     KNOWN_YAML_KEYS,
-    LOGS_DIR,
-    NNODES,
-    NPROC_PER_NODE,
-    OTLP,
-    OTLP_TRACE_SAMPLE,
-    PARALLEL,
-    PROMETHEUS_BIND_HOST,
-    PROMETHEUS_PORT,
-    RANK_HISTOGRAMS_MAX_RANKS,
-    RUN_NAME,
     RUN_TORCHRUN_OPTIONS,
     SETTINGS,
-    TRACKER_EVERY_STEPS,
-    TRACKERS,
     Setting,
 )
 from traceml_ai.settings._values import (
@@ -173,14 +151,13 @@ def _parse_value(setting: Setting[T], value: object, label: str) -> T:
     if text is None:
         raise SettingsError(f"{label}: expected {setting.expected}, got {_describe(value)}")
     try:
-        return setting.parse(text)
+        return setting.read(text)
     except ValueError as exc:
         if isinstance(value, str):
             raise SettingsError(f"{label}: {exc}") from exc
         # Say what YAML read (a boolean True), not the text it was turned into.
-        raise SettingsError(
-            f"{label}: expected {setting.expected}, got {_describe(value)}"
-        ) from exc
+        expected = exc.expected if isinstance(exc, OutOfBounds) else setting.expected
+        raise SettingsError(f"{label}: expected {expected}, got {_describe(value)}") from exc
 
 
 @attrs.frozen(slots=True)
@@ -219,19 +196,13 @@ def _resolve_one(setting: Setting[T], cli_value: object, layers: _Layers) -> tup
     return setting.default, SOURCE_DEFAULT
 
 
-def _export_result(
-    exporter: tuple[str | None, str],
-    streams: tuple[ExportStreams | None, str],
-    hostname: tuple[bool | None, str],
-) -> ResolvedExportSettings:
-    settings = ExportSettings(
-        _given(exporter[0], EXPORTER),
-        _given(streams[0], EXPORT_STREAMS),
-        _given(hostname[0], EXPORTER_HOSTNAME),
-    )
+def _export_result(values: Mapping[str, Any], sources: Mapping[str, str]) -> ResolvedExportSettings:
+    """The export settings of the resolved ``values`` (setting name -> value, every
+    export setting's), with where each came from."""
+    names = [s.name for s in table_settings(ExportSettings)]
     return ResolvedExportSettings(
-        settings=settings,
-        sources=SettingSources(exporter[1], streams[1], hostname[1]),
+        settings=ExportSettings(**{name: values[name] for name in names}),
+        sources=SettingSources(**{name: sources[name] for name in names}),
     )
 
 
@@ -257,11 +228,15 @@ def resolve_export_settings(
     Raises :class:`SettingsError` whose message starts with the value's source.
     """
     layers = _load_layers(environ, yaml_path)
-    return _export_result(
-        _resolve_one(EXPORTER, cli_exporter, layers),
-        _resolve_one(EXPORT_STREAMS, cli_export_streams, layers),
-        _resolve_one(EXPORTER_HOSTNAME, cli_exporter_hostname, layers),
-    )
+    cli: dict[str, object] = {"exporter": cli_exporter, "export_streams": cli_export_streams}
+    cli["exporter_hostname"] = cli_exporter_hostname
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for setting in table_settings(ExportSettings):
+        values[setting.name], sources[setting.name] = _resolve_one(
+            setting, cli[setting.name], layers
+        )
+    return _export_result(values, sources)
 
 
 def resolve_launch_settings(
@@ -280,65 +255,26 @@ def resolve_launch_settings(
     positive number of seconds, got 'x'``.
     """
     layers = _load_layers(environ, yaml_path)
+    values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    for setting in SETTINGS:
+        if command in setting.commands:
+            value, source = _resolve_one(setting, cli.get(setting.name), layers)
+        else:
+            value, source = setting.default, SOURCE_DEFAULT
+        values[setting.name], sources[setting.name] = value, source
 
-    def get(setting: Setting[T]) -> T | None:
-        if command not in setting.commands:
-            sources[setting.name] = SOURCE_DEFAULT
-            return setting.default
-        value, source = _resolve_one(setting, cli.get(setting.name), layers)
-        sources[setting.name] = source
-        return value
+    def fields_of(cls: type) -> dict[str, Any]:
+        return {s.name: values[s.name] for s in table_settings(cls)}
 
-    export = _export_result(
-        (get(EXPORTER), sources[EXPORTER.name]),
-        (get(EXPORT_STREAMS), sources[EXPORT_STREAMS.name]),
-        (get(EXPORTER_HOSTNAME), sources[EXPORTER_HOSTNAME.name]),
-    )
-    logs_dir = get(LOGS_DIR)
-    interval = get(INTERVAL)
-    finalize_timeout_sec = get(FINALIZE_TIMEOUT_SEC)
-    bind_host = get(AGGREGATOR_BIND_HOST)
-    # These four have a default, so only a parser bug could leave them unset.
-    assert logs_dir is not None and interval is not None
-    assert finalize_timeout_sec is not None and bind_host is not None
     return LaunchSettings(
         command=command,
-        logs_dir=logs_dir,
-        run_name=get(RUN_NAME),
-        interval=interval,
-        finalize_timeout_sec=finalize_timeout_sec,
-        aggregator_host=get(AGGREGATOR_HOST),
-        aggregator_port=get(AGGREGATOR_PORT),
-        aggregator_bind_host=bind_host,
-        nnodes=get(NNODES),
-        nproc_per_node=get(NPROC_PER_NODE),
-        export=export,
+        export=_export_result(values, sources),
         sources=sources,
-        monitor=MonitorSettings(
-            prometheus_port=get(PROMETHEUS_PORT),
-            prometheus_bind_host=_given(get(PROMETHEUS_BIND_HOST), PROMETHEUS_BIND_HOST),
-            rank_histograms_max_ranks=_given(
-                get(RANK_HISTOGRAMS_MAX_RANKS), RANK_HISTOGRAMS_MAX_RANKS
-            ),
-            otlp=_given(get(OTLP), OTLP),
-            otlp_trace_sample=_given(get(OTLP_TRACE_SAMPLE), OTLP_TRACE_SAMPLE),
-            dashboard=_given(get(DASHBOARD), DASHBOARD),
-            dashboard_port=_given(get(DASHBOARD_PORT), DASHBOARD_PORT),
-            dashboard_bind_host=_given(get(DASHBOARD_BIND_HOST), DASHBOARD_BIND_HOST),
-            trackers=_given(get(TRACKERS), TRACKERS),
-            tracker_every_steps=_given(get(TRACKER_EVERY_STEPS), TRACKER_EVERY_STEPS),
-        ),
+        monitor=MonitorSettings(**fields_of(MonitorSettings)),
         warnings=tuple(_ignored_torchrun_settings(command, layers)),
-        parallel=_given(get(PARALLEL), PARALLEL),
+        **fields_of(LaunchSettings),
     )
-
-
-def _given(value: T | None, setting: Setting[T]) -> T:
-    """A setting with a default always resolves to a value."""
-    result = setting.default if value is None else value
-    assert result is not None
-    return result
 
 
 def _ignored_torchrun_settings(command: Command, layers: _Layers) -> Iterable[str]:
@@ -374,18 +310,13 @@ def settings_from_values(
     ``export_streams`` must be strings and ``exporter_hostname`` a real ``bool``
     here: code has types, so no text stands in for them.
     """
-    for setting, value, kind in (
-        (EXPORTER, exporter, str),
-        (EXPORT_STREAMS, export_streams, str),
-        (EXPORTER_HOSTNAME, exporter_hostname, bool),
-    ):
-        if not isinstance(value, kind):
-            expected = "a boolean," if kind is bool else f"a string, {setting.expected};"
-            raise SettingsError(
-                f"{source}.{setting.name}: expected {expected} got {_describe(value)}"
-            )
-    return _export_result(
-        (_parse_value(EXPORTER, exporter, f"{source}.exporter"), source),
-        (_parse_value(EXPORT_STREAMS, export_streams, f"{source}.export_streams"), source),
-        (_parse_value(EXPORTER_HOSTNAME, exporter_hostname, f"{source}.exporter_hostname"), source),
-    )
+    given = {"exporter": exporter, "export_streams": export_streams}
+    given["exporter_hostname"] = exporter_hostname
+    values: dict[str, Any] = {}
+    for setting in table_settings(ExportSettings):
+        value, where = given[setting.name], f"{source}.{setting.name}"
+        if not isinstance(value, setting.kind):
+            expected = "a boolean," if setting.kind is bool else f"a string, {setting.expected};"
+            raise SettingsError(f"{where}: expected {expected} got {_describe(value)}")
+        values[setting.name] = _parse_value(setting, value, where)
+    return _export_result(values, dict.fromkeys(given, source))

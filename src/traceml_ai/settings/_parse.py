@@ -14,7 +14,6 @@ from traceml_records import parse_export_streams
 
 EXPORTER_FORMS = "'' (off), 'jsonl', or 'module.path:factory'"
 BOOL_FORMS = "one of 1/0, true/false, yes/no, on/off"
-PORT_FORMS = "an integer in [0, 65535] (0 picks a free port)"
 
 TRACKER_NAMES: tuple[str, ...] = ("tensorboard", "mlflow", "wandb")
 """The experiment trackers the aggregator can log to (docs/trackers.md); each has its
@@ -136,46 +135,70 @@ MAX_COUNT = 2**31 - 1
 JSON the launcher hands its processes, and no count means more."""
 
 
-def parse_seconds(text: str) -> float:
-    """A positive, finite number of seconds, at most :data:`MAX_SECONDS`."""
-    try:
-        value = float(text.strip())
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"expected a positive number of seconds, got {text!r}")
-    if value > MAX_SECONDS:
-        raise ValueError(
-            f"expected a positive number of seconds up to a year ({MAX_SECONDS}), got {text!r}"
-        )
-    return value
+class OutOfBounds(ValueError):
+    """A value a bounded setting refuses; ``expected`` says what it takes (the message
+    adds the value given: its text, or the value given in code)."""
+
+    def __init__(self, expected: str, given: object) -> None:
+        super().__init__(f"expected {expected}, got {given!r}")
+        self.expected = expected
 
 
-def _parse_int(text: str, low: int, high: int | None, forms: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise ValueError(f"expected {forms}, got {text!r}") from None
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"expected {forms}, got {text!r}")
-    if value > MAX_COUNT:
-        raise ValueError(f"expected a whole number from {low} to {MAX_COUNT}, got {text!r}")
-    return value
+@attrs.frozen
+class Bounds:
+    """The range a number setting takes, written in its table entry and checked by
+    :meth:`check` only.
+
+    A ``whole`` range takes integers from ``low`` to ``high``; otherwise the setting is
+    a number of seconds, more than ``low`` (0) and at most ``high``. ``note`` follows
+    what the messages say a value must be (``0 picks a free port``).
+    """
+
+    low: int
+    high: int = MAX_COUNT
+    whole: bool = True
+    note: str = ""
+
+    @property
+    def expected(self) -> str:
+        """What the setting takes, as the docs and a malformed value's message say it."""
+        if not self.whole:
+            text = "a positive number of seconds"
+        elif self.high == MAX_COUNT:
+            text = f"a whole number of at least {self.low}"
+        else:
+            text = f"an integer in [{self.low}, {self.high}]"
+        return f"{text} ({self.note})" if self.note else text
+
+    @property
+    def expected_in_full(self) -> str:
+        """What the setting takes, naming the top of the range too (said for a value
+        above it)."""
+        if not self.whole:
+            text = f"a positive number of seconds up to a year ({self.high})"
+        elif self.high == MAX_COUNT:
+            text = f"a whole number from {self.low} to {self.high}"
+        else:
+            return self.expected
+        return f"{text} ({self.note})" if self.note else text
+
+    def check(self, value: float, given: object) -> None:
+        """Refuse ``value`` (``given`` is how the message shows it) outside the range:
+        :class:`OutOfBounds` naming the top when it is above, else what is expected."""
+        if not math.isfinite(value) or value < self.low or (value == self.low and not self.whole):
+            raise OutOfBounds(self.expected, given)
+        if value > self.high:
+            raise OutOfBounds(self.expected_in_full, given)
 
 
-def parse_port(text: str) -> int:
-    """A TCP port; 0 picks a free one."""
-    return _parse_int(text, 0, 65535, PORT_FORMS)
+def parse_whole(text: str) -> int:
+    """A whole number (trimmed); its setting's :class:`Bounds` check the range."""
+    return int(text.strip())
 
 
-def parse_count(text: str) -> int:
-    """A whole number of at least 1."""
-    return _parse_int(text, 1, None, "a whole number of at least 1")
-
-
-def parse_bound(text: str) -> int:
-    """A whole number of at least 0 (a bound where 0 means none)."""
-    return _parse_int(text, 0, None, "a whole number of at least 0")
+def parse_number(text: str) -> float:
+    """A number (trimmed); its setting's :class:`Bounds` check the range."""
+    return float(text.strip())
 
 
 def parse_host(text: str) -> str:

@@ -18,22 +18,22 @@ from traceml_ai._ports import DEFAULT_DASHBOARD_PORT, DEFAULT_SERVE_PORT, LOOPBA
 from traceml_ai.settings._parse import (
     BOOL_FORMS,
     EXPORTER_FORMS,
+    MAX_SECONDS,
     PARALLEL_FORMS,
-    PORT_FORMS,
     TRACKERS_FORMS,
+    Bounds,
     Command,
     ExportStreams,
+    OutOfBounds,
     parse_bool_value,
-    parse_bound,
-    parse_count,
     parse_exporter_value,
     parse_folder,
     parse_host,
+    parse_number,
     parse_parallel,
-    parse_port,
     parse_run_name,
-    parse_seconds,
     parse_trackers,
+    parse_whole,
 )
 from traceml_records import DEFAULT_EXPORT_STREAMS as _CONTRACT_DEFAULT_STREAMS
 from traceml_records import SELECTION_NAMES
@@ -59,6 +59,8 @@ class Setting(Generic[T_co]):
     ``name`` is the ``traceml.yaml`` key; the flag is ``--`` plus the name with dashes
     and the environment variable ``TRACEML_`` plus the name in capitals. ``parse``
     takes the text of any layer and raises ``ValueError`` for a malformed value.
+    A number setting's ``bounds`` say its range, checked after ``parse`` in
+    :meth:`read`, the one place a value is read.
     ``default`` ``None`` means the command decides (``default_doc`` says how; without
     one the docs show the default itself). ``kind`` is the type a value given in code
     has (a ``TraceMLRayConfig`` field). ``ray`` names the ``TraceMLRayConfig`` field
@@ -71,16 +73,39 @@ class Setting(Generic[T_co]):
     name: str
     parse: Callable[[str], T_co]
     default: T_co | None
-    expected: str
     help: str
     metavar: str
     commands: tuple[Command, ...]
     kind: type
+    forms: str = ""
+    """What the setting takes, as a message says it (a bounded one's comes from
+    ``bounds``)."""
+    bounds: Bounds | None = None
+    """The range of a number setting, checked by :meth:`read`."""
     default_doc: str = ""
     ray: str | None = None
     ray_default: object = SAME
     repeatable: bool = False
     """The flag may be given several times (its values join as a comma list)."""
+
+    @property
+    def expected(self) -> str:
+        """What the setting takes, as the docs and the messages say it."""
+        return self.bounds.expected if self.bounds is not None else self.forms
+
+    def read(self, text: str) -> T_co:
+        """The value ``text`` holds: parsed, and checked against the setting's bounds.
+        Raises ``ValueError`` (:class:`OutOfBounds` for a number) whose message says
+        what was expected and what was got."""
+        if self.bounds is None:
+            return self.parse(text)
+        try:
+            value = self.parse(text)
+        except ValueError:
+            raise OutOfBounds(self.bounds.expected, text) from None
+        assert isinstance(value, int | float)
+        self.bounds.check(value, text)
+        return value
 
     @property
     def flag(self) -> str:
@@ -127,12 +152,22 @@ def default_of(setting: Setting[T]) -> T:
 
 _BOTH: tuple[Command, ...] = ("run", "serve")
 
+# The ranges of the number settings.
+SECONDS = Bounds(0, MAX_SECONDS, whole=False)
+"""A wait or an interval: more than 0 seconds, at most a year."""
+COUNT = Bounds(1)
+"""A whole number of at least 1 (at most ``MAX_COUNT``)."""
+BOUND = Bounds(0)
+"""A whole number of at least 0: a bound where 0 means none."""
+PORT = Bounds(0, 65535, note="0 picks a free port")
+"""A TCP port."""
+
 EXPORTER: Setting[str] = Setting(
     name="exporter",
     parse=parse_exporter_value,
     default="",
     default_doc="off",
-    expected=EXPORTER_FORMS,
+    forms=EXPORTER_FORMS,
     help="Exporter: '' or off, 'jsonl', or 'module.path:factory'.",
     metavar="EXPORTER",
     commands=_BOTH,
@@ -143,7 +178,7 @@ EXPORT_STREAMS: Setting[ExportStreams] = Setting(
     name="export_streams",
     parse=ExportStreams.parse,
     default=ExportStreams.parse(_CONTRACT_DEFAULT_STREAMS),
-    expected="comma-separated stream names from " + ", ".join(SELECTION_NAMES),
+    forms="comma-separated stream names from " + ", ".join(SELECTION_NAMES),
     help="Streams to export, comma-separated: " + ", ".join(SELECTION_NAMES) + ".",
     metavar="NAMES",
     commands=_BOTH,
@@ -155,7 +190,7 @@ EXPORTER_HOSTNAME: Setting[bool] = Setting(
     name="exporter_hostname",
     parse=parse_bool_value,
     default=False,
-    expected=BOOL_FORMS,
+    forms=BOOL_FORMS,
     help="Include hostname on the lines that carry it.",
     metavar="",
     commands=_BOTH,
@@ -166,7 +201,7 @@ LOGS_DIR: Setting[Path] = Setting(
     name="logs_dir",
     parse=parse_folder,
     default=Path("logs"),
-    expected="a folder path",
+    forms="a folder path",
     help="Where run folders are created.",
     metavar="DIR",
     commands=_BOTH,
@@ -179,7 +214,7 @@ RUN_NAME: Setting[str] = Setting(
     parse=parse_run_name,
     default=None,
     default_doc="UTC timestamp plus a random suffix",
-    expected="a folder name",
+    forms="a folder name",
     help="Run folder name.",
     metavar="NAME",
     commands=_BOTH,
@@ -189,9 +224,9 @@ RUN_NAME: Setting[str] = Setting(
 )
 INTERVAL: Setting[float] = Setting(
     name="interval",
-    parse=parse_seconds,
+    parse=parse_number,
     default=2.0,
-    expected="a positive number of seconds",
+    bounds=SECONDS,
     help="Seconds between process/system samples.",
     metavar="SECONDS",
     commands=("run",),
@@ -200,21 +235,21 @@ INTERVAL: Setting[float] = Setting(
 )
 FINALIZE_TIMEOUT_SEC: Setting[float] = Setting(
     name="finalize_timeout_sec",
-    parse=parse_seconds,
+    parse=parse_number,
     default=10.0,
-    expected="a positive number of seconds",
+    bounds=SECONDS,
     help="Longest wait for pending records at shutdown.",
     metavar="SECONDS",
     commands=_BOTH,
     kind=float,
-    ray="stop_timeout_sec",
+    ray="finalize_timeout_sec",
 )
 AGGREGATOR_HOST: Setting[str] = Setting(
     name="aggregator_host",
     parse=parse_host,
     default=None,
     default_doc="start one on node 0",
-    expected="a host name or an IP address",
+    forms="a host name or an IP address",
     help="Send to an aggregator already running there (e.g. `traceml serve`) "
     "instead of starting one on node 0.",
     metavar="HOST",
@@ -223,11 +258,11 @@ AGGREGATOR_HOST: Setting[str] = Setting(
 )
 AGGREGATOR_PORT: Setting[int] = Setting(
     name="aggregator_port",
-    parse=parse_port,
+    parse=parse_whole,
     default=None,
     default_doc=f"run: a free port on one node, {DEFAULT_SERVE_PORT} across nodes; "
     f"serve: {DEFAULT_SERVE_PORT}",
-    expected=PORT_FORMS,
+    bounds=PORT,
     help="Aggregator port (0 picks a free one).",
     metavar="PORT",
     commands=_BOTH,
@@ -239,7 +274,7 @@ AGGREGATOR_BIND_HOST: Setting[str] = Setting(
     name="aggregator_bind_host",
     parse=parse_host,
     default=LOOPBACK,
-    expected="a host name or an IP address",
+    forms="a host name or an IP address",
     help="Address to listen on (0.0.0.0 for ranks on other hosts).",
     metavar="HOST",
     commands=("serve",),
@@ -248,10 +283,10 @@ AGGREGATOR_BIND_HOST: Setting[str] = Setting(
 )
 NNODES: Setting[int] = Setting(
     name="nnodes",
-    parse=parse_count,
+    parse=parse_whole,
     default=None,
     default_doc="1 with --nproc-per-node",
-    expected="a whole number of at least 1",
+    bounds=COUNT,
     help="Nodes in the job (with --nproc-per-node gives the world size).",
     metavar="N",
     commands=("serve",),
@@ -259,10 +294,10 @@ NNODES: Setting[int] = Setting(
 )
 NPROC_PER_NODE: Setting[int] = Setting(
     name="nproc_per_node",
-    parse=parse_count,
+    parse=parse_whole,
     default=None,
     default_doc="the world size the first rank reports",
-    expected="a whole number of at least 1",
+    bounds=COUNT,
     help="Ranks per node; without it, the world size the first rank reports is expected.",
     metavar="N",
     commands=("serve",),
@@ -270,10 +305,10 @@ NPROC_PER_NODE: Setting[int] = Setting(
 )
 PROMETHEUS_PORT: Setting[int] = Setting(
     name="prometheus_port",
-    parse=parse_port,
+    parse=parse_whole,
     default=None,
     default_doc="off",
-    expected=PORT_FORMS,
+    bounds=PORT,
     help="Serve Prometheus metrics at http://HOST:PORT/metrics from the aggregator "
     "(0 picks a free port).",
     metavar="PORT",
@@ -285,7 +320,7 @@ PROMETHEUS_BIND_HOST: Setting[str] = Setting(
     name="prometheus_bind_host",
     parse=parse_host,
     default=LOOPBACK,
-    expected="a host name or an IP address",
+    forms="a host name or an IP address",
     help="Address the /metrics endpoint listens on (0.0.0.0 to be scraped from other hosts).",
     metavar="HOST",
     commands=_BOTH,
@@ -294,9 +329,9 @@ PROMETHEUS_BIND_HOST: Setting[str] = Setting(
 )
 RANK_HISTOGRAMS_MAX_RANKS: Setting[int] = Setting(
     name="rank_histograms_max_ranks",
-    parse=parse_bound,
+    parse=parse_whole,
     default=64,
-    expected="a whole number of at least 0",
+    bounds=BOUND,
     help="Serve each rank's own step and phase histograms (Prometheus and OTLP) while the "
     "run has at most N ranks; above it, the job's histograms and per-rank gauges only "
     "(0: never).",
@@ -309,7 +344,7 @@ OTLP: Setting[bool] = Setting(
     name="otlp",
     parse=parse_bool_value,
     default=False,
-    expected=BOOL_FORMS,
+    forms=BOOL_FORMS,
     help="Export metrics and step traces with OpenTelemetry (OTLP) from the aggregator, "
     "to where the OTEL_EXPORTER_OTLP_* variables say (needs the 'otel' extra).",
     metavar="",
@@ -319,9 +354,9 @@ OTLP: Setting[bool] = Setting(
 )
 OTLP_TRACE_SAMPLE: Setting[int] = Setting(
     name="otlp_trace_sample",
-    parse=parse_count,
+    parse=parse_whole,
     default=100,
-    expected="a whole number of at least 1",
+    bounds=COUNT,
     help="Trace one step in N per rank (plus every step far above its rank's recent "
     "median); 1 traces every step.",
     metavar="N",
@@ -333,7 +368,7 @@ DASHBOARD: Setting[bool] = Setting(
     name="dashboard",
     parse=parse_bool_value,
     default=False,
-    expected=BOOL_FORMS,
+    forms=BOOL_FORMS,
     help="Serve the live dashboard from the aggregator (needs the 'dashboard' extra); "
     "traceml run --mode dashboard sets it.",
     metavar="",
@@ -342,9 +377,9 @@ DASHBOARD: Setting[bool] = Setting(
 )
 DASHBOARD_PORT: Setting[int] = Setting(
     name="dashboard_port",
-    parse=parse_port,
+    parse=parse_whole,
     default=DEFAULT_DASHBOARD_PORT,
-    expected=PORT_FORMS,
+    bounds=PORT,
     help="Port of the live dashboard (--mode dashboard; 0 picks a free port).",
     metavar="PORT",
     commands=_BOTH,
@@ -355,7 +390,7 @@ DASHBOARD_BIND_HOST: Setting[str] = Setting(
     name="dashboard_bind_host",
     parse=parse_host,
     default=LOOPBACK,
-    expected="a host name or an IP address",
+    forms="a host name or an IP address",
     help="Address the dashboard listens on.",
     metavar="HOST",
     commands=_BOTH,
@@ -367,7 +402,7 @@ TRACKERS: Setting[tuple[str, ...]] = Setting(
     parse=parse_trackers,
     default=(),
     default_doc="off",
-    expected=TRACKERS_FORMS,
+    forms=TRACKERS_FORMS,
     help="Log TraceML's figures to these experiment trackers from the aggregator "
     "(docs/trackers.md; each needs its extra): repeat the flag or give a comma list.",
     metavar="NAME",
@@ -379,13 +414,13 @@ TRACKERS: Setting[tuple[str, ...]] = Setting(
 )
 TRACKER_EVERY_STEPS: Setting[int] = Setting(
     name="tracker_every_steps",
-    parse=parse_count,
+    parse=parse_whole,
     # One point per 100 steps: at 1,024 ranks a point is one pass over the ranks'
     # latest steps (medians, the maximum) and one write of a bounded set of values,
     # so the aggregator's cost stays far below the export's and a tracker's chart
     # still gets hundreds of points over a run of tens of thousands of steps.
     default=100,
-    expected="a whole number of at least 1",
+    bounds=COUNT,
     help="Log to the trackers every N training steps (the step all ranks have reached).",
     metavar="N",
     commands=_BOTH,
@@ -397,7 +432,7 @@ PARALLEL: Setting[str] = Setting(
     parse=parse_parallel,
     default="",
     default_doc="none (found from the script's DeviceMesh, pipelining, Megatron, DeepSpeed)",
-    expected=PARALLEL_FORMS,
+    forms=PARALLEL_FORMS,
     help="The job's parallel layout, e.g. tp=4,cp=1,dp=8,pp=4 (Megatron's order: the first "
     "dimension varies fastest with the rank); each rank's place in it is exported, and "
     "each collective's group named by it. A layout the script makes (a DeviceMesh, "
@@ -453,3 +488,4 @@ CLI_EXPORTER_HOSTNAME = EXPORTER_HOSTNAME.flag
 DEFAULT_EXPORTER = default_of(EXPORTER)
 DEFAULT_EXPORT_STREAMS = default_of(EXPORT_STREAMS)
 DEFAULT_EXPORTER_HOSTNAME = default_of(EXPORTER_HOSTNAME)
+DEFAULT_FINALIZE_TIMEOUT_SEC = default_of(FINALIZE_TIMEOUT_SEC)

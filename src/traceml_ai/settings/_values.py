@@ -1,5 +1,6 @@
 """The typed settings objects: what resolution hands the launcher, the aggregator and
-Ray. Their defaults are the table's."""
+Ray. Each field declared ``= FROM_TABLE`` is the setting of its name: its default is
+the table's, and resolution fills it (``settings_fields``, ``table_settings``)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,9 @@ from pathlib import Path
 import attrs
 
 from traceml_ai._converter import CONVERTER
+from traceml_ai.settings._derived import FROM_TABLE, settings_fields
 from traceml_ai.settings._parse import Command, ExporterKind, ExportStreams, exporter_kind
-from traceml_ai.settings._table import (
-    DASHBOARD,
-    DASHBOARD_BIND_HOST,
-    DASHBOARD_PORT,
-    DEFAULT_EXPORT_STREAMS,
-    DEFAULT_EXPORTER,
-    DEFAULT_EXPORTER_HOSTNAME,
-    ENV_EXPORT_STREAMS,
-    ENV_EXPORTER,
-    ENV_EXPORTER_HOSTNAME,
-    OTLP,
-    OTLP_TRACE_SAMPLE,
-    PARALLEL,
-    PROMETHEUS_BIND_HOST,
-    PROMETHEUS_PORT,
-    RANK_HISTOGRAMS_MAX_RANKS,
-    TRACKER_EVERY_STEPS,
-    TRACKERS,
-    default_of,
-)
+from traceml_ai.settings._table import ENV_EXPORT_STREAMS, ENV_EXPORTER, ENV_EXPORTER_HOSTNAME
 
 YAML_FILENAME = "traceml.yaml"
 SOURCE_DEFAULT = "default"
@@ -39,7 +22,7 @@ def _export_streams(value: str | ExportStreams) -> ExportStreams:
     return ExportStreams.of(value)
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, field_transformer=settings_fields)
 class ExportSettings:
     """The validated export settings of one run.
 
@@ -48,11 +31,9 @@ class ExportSettings:
     here). The aggregator protocol carries this object whole.
     """
 
-    exporter: str = DEFAULT_EXPORTER
-    export_streams: ExportStreams = attrs.field(
-        default=DEFAULT_EXPORT_STREAMS, converter=_export_streams
-    )
-    exporter_hostname: bool = DEFAULT_EXPORTER_HOSTNAME
+    exporter: str = FROM_TABLE
+    export_streams: ExportStreams = attrs.field(default=FROM_TABLE, converter=_export_streams)
+    exporter_hostname: bool = FROM_TABLE
 
     @property
     def exporter_kind(self) -> ExporterKind:
@@ -86,7 +67,7 @@ def _names(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, field_transformer=settings_fields)
 class MonitorSettings:
     """Where the aggregator shows the run live, besides (or instead of) the files.
 
@@ -95,16 +76,16 @@ class MonitorSettings:
     ``trackers`` empty logs to no experiment tracker.
     """
 
-    prometheus_port: int | None = PROMETHEUS_PORT.default
-    prometheus_bind_host: str = default_of(PROMETHEUS_BIND_HOST)
-    rank_histograms_max_ranks: int = default_of(RANK_HISTOGRAMS_MAX_RANKS)
-    otlp: bool = default_of(OTLP)
-    otlp_trace_sample: int = default_of(OTLP_TRACE_SAMPLE)
-    dashboard: bool = default_of(DASHBOARD)
-    dashboard_port: int = default_of(DASHBOARD_PORT)
-    dashboard_bind_host: str = default_of(DASHBOARD_BIND_HOST)
-    trackers: tuple[str, ...] = attrs.field(default=default_of(TRACKERS), converter=_names)
-    tracker_every_steps: int = default_of(TRACKER_EVERY_STEPS)
+    prometheus_port: int | None = FROM_TABLE
+    prometheus_bind_host: str = FROM_TABLE
+    rank_histograms_max_ranks: int = FROM_TABLE
+    otlp: bool = FROM_TABLE
+    otlp_trace_sample: int = FROM_TABLE
+    dashboard: bool = FROM_TABLE
+    dashboard_port: int = FROM_TABLE
+    dashboard_bind_host: str = FROM_TABLE
+    trackers: tuple[str, ...] = attrs.field(default=FROM_TABLE, converter=_names)
+    tracker_every_steps: int = FROM_TABLE
 
     @property
     def any_on(self) -> bool:
@@ -142,7 +123,7 @@ class ResolvedExportSettings:
         return self.settings.export_streams.selected
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, field_transformer=settings_fields)
 class LaunchSettings:
     """Every setting of one ``traceml run`` / ``traceml serve``, resolved and checked.
 
@@ -152,21 +133,21 @@ class LaunchSettings:
     """
 
     command: Command
-    logs_dir: Path
-    run_name: str | None
-    interval: float
-    finalize_timeout_sec: float
-    aggregator_host: str | None
-    aggregator_port: int | None
-    aggregator_bind_host: str
-    nnodes: int | None
-    nproc_per_node: int | None
     export: ResolvedExportSettings
     sources: Mapping[str, str]
     monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
     """The live views; ``dashboard`` is set by the command (``--mode dashboard``)."""
     warnings: tuple[str, ...] = ()
-    parallel: str = default_of(PARALLEL)
+    logs_dir: Path = FROM_TABLE
+    run_name: str | None = FROM_TABLE
+    interval: float = FROM_TABLE
+    finalize_timeout_sec: float = FROM_TABLE
+    aggregator_host: str | None = FROM_TABLE
+    aggregator_port: int | None = FROM_TABLE
+    aggregator_bind_host: str = FROM_TABLE
+    nnodes: int | None = FROM_TABLE
+    nproc_per_node: int | None = FROM_TABLE
+    parallel: str = FROM_TABLE
     """The declared parallel layout (``tp=4,dp=8``), normalized; ``""`` none. The ranks
     read it from ``TRACEML_PARALLEL``."""
 

@@ -77,7 +77,7 @@ def _start(tmp_path: Path, streams: str = "step_time", world: int = 1) -> Aggreg
             settings=ExportSettings("jsonl", streams, False),
             token=TOKEN,
             expected_world_size=world,
-            finalize_timeout_s=5.0,
+            finalize_timeout_sec=5.0,
         )
     )
     agg.start()

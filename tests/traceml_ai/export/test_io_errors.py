@@ -105,7 +105,7 @@ def test_aggregator_on_a_failing_disk_reports_without_traceback(
         "bind_host": "127.0.0.1",
         "port": 0,
         "expected_world_size": 1,
-        "finalize_timeout_s": 5.0,
+        "finalize_timeout_sec": 5.0,
     }
     overlay: Path | None = None
     proc = subprocess.Popen(
@@ -196,7 +196,7 @@ def test_warning_that_cannot_be_written_is_printed_as_one_line(
             settings=ExportSettings("jsonl", "step_time", False),
             token=TOKEN,
             expected_world_size=2,
-            finalize_timeout_s=2.0,
+            finalize_timeout_sec=2.0,
         )
     )
     agg.start()

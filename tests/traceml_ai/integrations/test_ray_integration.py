@@ -150,6 +150,7 @@ def assert_actor_gone(session_id: str) -> None:
         ({"exporter_hostname": "yes"}, "TraceMLRayConfig.exporter_hostname"),
         ({"sampler_interval_sec": 0}, "TraceMLRayConfig.sampler_interval_sec"),
         ({"sampler_interval_sec": float("nan")}, "TraceMLRayConfig.sampler_interval_sec"),
+        ({"finalize_timeout_sec": -1.0}, "TraceMLRayConfig.finalize_timeout_sec"),
         ({"stop_timeout_sec": -1.0}, "TraceMLRayConfig.stop_timeout_sec"),
         ({"port": 70000}, "TraceMLRayConfig.port"),
         ({"port": True}, "TraceMLRayConfig.port"),

@@ -82,7 +82,7 @@ def test_the_launcher_puts_them_in_the_ranks_environment_only(tmp_path: Path) ->
         aggregator_host=None,
         aggregator_port=None,
         interval=1.0,
-        finalize_timeout_s=5.0,
+        finalize_timeout_sec=5.0,
         export=settings_from_values(
             exporter="", export_streams="step_time", exporter_hostname=False, source="test"
         ),

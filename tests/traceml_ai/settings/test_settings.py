@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -771,6 +774,20 @@ def test_run_warns_about_serve_world_size_settings(tmp_path: Path) -> None:
         (
             {},
             {},
+            "tracker_every_steps: 99999999999999999999999\n",
+            "{yaml}: tracker_every_steps: expected a whole number from 1 to 2147483647, "
+            "got an integer 99999999999999999999999",
+        ),
+        (
+            {},
+            {},
+            "finalize_timeout_sec: 1.0e+300\n",
+            "{yaml}: finalize_timeout_sec: expected a positive number of seconds up to a year "
+            "(31536000), got a number 1e+300",
+        ),
+        (
+            {},
+            {},
             "finalize_timeout_sec: .inf\n",
             "{yaml}: finalize_timeout_sec: expected a positive number of seconds, got a number inf",
         ),
@@ -866,3 +883,94 @@ def test_launch_settings_label_names_the_layer(tmp_path: Path) -> None:
     assert launch.label("run_name") == "TRACEML_RUN_NAME"
     assert launch.label("logs_dir") == f"{yaml_source(path)}: logs_dir"
     assert launch.label("finalize_timeout_sec") == "--finalize-timeout-sec"
+
+
+# --- bounds: in the table, checked in one place --------------------------------------------
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "yaml_text", "bound"),
+    [
+        (["run", "--tracker-every-steps", "99999999999999999999999"], {}, None, "2147483647"),
+        (["run"], {"TRACEML_TRACKER_EVERY_STEPS": "99999999999999999999999"}, None, "2147483647"),
+        (["run"], {}, "tracker_every_steps: 99999999999999999999999\n", "2147483647"),
+        (["run", "--finalize-timeout-sec", "1e300"], {}, None, "a year (31536000)"),
+        (["serve", "--finalize-timeout-sec", "1e300"], {}, None, "a year (31536000)"),
+        (["serve", "--aggregator-port", "65536"], {}, None, "[0, 65535]"),
+    ],
+)
+def test_a_value_past_its_bound_is_one_error_line_naming_the_bound(
+    tmp_path: Path, args: list[str], env: dict[str, str], yaml_text: str | None, bound: str
+) -> None:
+    """The real command: one ``traceml: error:`` line that names the bound, no traceback,
+    and nothing started."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    if yaml_text is not None:
+        (tmp_path / "traceml.yaml").write_text(yaml_text, encoding="utf-8")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TRACEML_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "traceml_ai", *args, *([str(script)] if args[0] == "run" else [])],
+        cwd=tmp_path,
+        env={**clean, "PYTHONPATH": str(REPO / "src"), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("traceml: error: "), lines[0]
+    assert bound in lines[0], lines[0]
+    assert "must not run" not in proc.stderr + proc.stdout
+
+
+def test_every_number_setting_has_its_bounds_in_the_table() -> None:
+    for setting in settings.SETTINGS:
+        is_number = setting.kind in (int, float)
+        assert (setting.bounds is not None) == is_number, setting.name
+        if setting.bounds is not None:
+            assert setting.expected == setting.bounds.expected
+            assert not setting.forms, f"{setting.name}: its bounds say what it takes"
+
+
+@pytest.mark.parametrize("setting", settings.SETTINGS, ids=lambda s: s.name)
+def test_a_bounded_setting_takes_its_bounds_and_nothing_past_them(
+    setting: settings.Setting[object],
+) -> None:
+    bounds = setting.bounds
+    if bounds is None:
+        return
+    low = bounds.low if bounds.whole else 0.001
+    assert setting.read(str(low)) == low
+    assert setting.read(str(bounds.high)) == bounds.high
+    for text in (str(bounds.high + 1), str(bounds.low - 1), "x", "nan", "inf"):
+        with pytest.raises(settings.OutOfBounds) as info:
+            setting.read(text)
+        named = bounds.expected_in_full if text == str(bounds.high + 1) else bounds.expected
+        assert info.value.expected == named, text
+
+
+def test_every_setting_is_a_field_of_one_typed_object() -> None:
+    """Resolution fills each typed object from the table by field name: every setting
+    has one field, in one of them."""
+    from traceml_ai.settings import LaunchSettings, MonitorSettings
+
+    names = [
+        s.name
+        for cls in (ExportSettings, MonitorSettings, LaunchSettings)
+        for s in settings.table_settings(cls)
+    ]
+    assert sorted(names) == sorted(settings.SETTINGS_BY_NAME)
+
+
+def test_a_typed_field_no_setting_has_is_refused_when_the_class_is_made() -> None:
+    import attrs
+
+    with pytest.raises(TypeError, match="no setting has this name"):
+
+        @attrs.frozen(field_transformer=settings.settings_fields)
+        class Typo:
+            intervall: float = settings.FROM_TABLE

@@ -188,7 +188,7 @@ def test_every_ray_field_of_a_setting_is_in_the_table() -> None:
 RAY_BAD: dict[str, tuple[object, object]] = {
     "logs_dir": ("", 3),
     "sampler_interval_sec": (0.0, "2"),
-    "stop_timeout_sec": (float("inf"), True),
+    "finalize_timeout_sec": (float("inf"), True),
     "bind_host": ("a b", None),
     "port": (70000, 1.5),
     "prometheus_port": (-1, "9100"),
@@ -223,6 +223,85 @@ def test_ray_fields_keep_their_messages() -> None:
     with pytest.raises(ValueError) as info:
         TraceMLRayConfig(otlp="yes")  # type: ignore[arg-type]
     assert str(info.value) == "TraceMLRayConfig.otlp: expected a boolean, got 'yes'"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "tracker_every_steps",
+            99999999999999999999999,
+            "expected a whole number from 1 to 2147483647, got 99999999999999999999999",
+        ),
+        (
+            "finalize_timeout_sec",
+            1e300,
+            "expected a positive number of seconds up to a year (31536000), got 1e+300",
+        ),
+        (
+            "sampler_interval_sec",
+            float("nan"),
+            "expected a positive number of seconds, got nan",
+        ),
+    ],
+)
+def test_a_ray_value_past_its_bound_is_one_error_naming_it(
+    field: str, value: object, message: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        TraceMLRayConfig(**{field: value})
+    assert str(info.value) == f"TraceMLRayConfig.{field}: {message}"
+
+
+def test_the_ray_config_parses_its_settings_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceml_ai.settings import _parse
+
+    calls: list[object] = []
+    parse = _parse.parse_export_streams
+
+    def counting(text: object) -> tuple[str, ...]:
+        calls.append(text)
+        return parse(text)
+
+    monkeypatch.setattr(_parse, "parse_export_streams", counting)
+    config = TraceMLRayConfig(exporter="jsonl", export_streams="step_time,process")
+    made = len(calls)
+    assert made >= 1
+    for _ in range(3):
+        assert config.export_settings.export_streams.selected == ("step_time", "process")
+        assert config.export_enabled
+        assert config.resolved_settings().selected_streams == ("step_time", "process")
+        assert config.monitor_settings.tracker_every_steps == 100
+    assert len(calls) == made
+    assert config.monitor_settings is config.monitor_settings
+
+
+def test_stop_timeout_sec_is_finalize_timeout_secs_former_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import warnings
+
+    from traceml_ai.integrations import _ray_config
+
+    monkeypatch.setattr(_ray_config, "_warned_stop_timeout_sec", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = TraceMLRayConfig(stop_timeout_sec=5.0)  # type: ignore[call-arg]
+        again = TraceMLRayConfig(stop_timeout_sec=5.0)  # type: ignore[call-arg]
+    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(deprecations) == 1, [str(w.message) for w in caught]
+    assert "finalize_timeout_sec" in str(deprecations[0].message)
+    assert deprecations[0].filename == __file__
+    assert config.finalize_timeout_sec == 5.0 == config.stop_timeout_sec
+    assert config == again == TraceMLRayConfig(finalize_timeout_sec=5.0)
+    assert "stop_timeout_sec" not in config.to_mapping()
+    assert "_stop_timeout_sec" not in config.to_mapping()
+    assert config.to_mapping()["finalize_timeout_sec"] == 5.0
+    assert TraceMLRayConfig.from_mapping({"stop_timeout_sec": 3.0}).finalize_timeout_sec == 3.0
+    with pytest.raises(ValueError, match=r"^TraceMLRayConfig.stop_timeout_sec: expected a pos"):
+        TraceMLRayConfig(stop_timeout_sec=-1.0)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="give finalize_timeout_sec only"):
+        TraceMLRayConfig(finalize_timeout_sec=3.0, stop_timeout_sec=5.0)  # type: ignore[call-arg]
 
 
 # --- one default dashboard port -------------------------------------------------------------
