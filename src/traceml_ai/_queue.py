@@ -1,19 +1,22 @@
-"""One bounded queue of whole batches, for the aggregator's consumers.
+"""One bounded queue, for every consumer in the aggregator that must not hold up its
+producer.
 
 The aggregator's receive loop hands every batch to the export worker and, when a live
 view is on, to the live feed; each keeps its own :class:`BoundedBatchQueue` and one
-thread that takes from it. ``put`` must never slow the receive loop down: it never
-blocks (beyond a briefly held lock) and never raises; whatever it cannot take counts
-one dropped item.
+thread that takes from it. The live sinks that send (OTLP, each tracker) queue their
+items in one too, through the sink worker (``monitor/_sink_worker.py``). ``put`` must
+never slow its caller down: it never blocks (beyond a briefly held lock) and never
+raises; whatever it cannot take counts one dropped item (and its size).
 
 The rank's sender keeps its own queues apart on purpose (the training thread's hot
-path; see "Three bounded queues, two classes" in docs/dev/architecture.md).
+path; see "Bounded queues: one policy, two classes" in docs/dev/architecture.md).
 
 Locking: ``put`` takes the queue's lock itself. Every other method that changes the
-queue (``take``, ``take_all``, ``clear``, ``close``) is called with :attr:`cond` held,
-so that a consumer changes its own state in the same critical section (the export
-worker pops a batch and records that it is building it, atomically). The read-only
-figures are read without the lock: single values, possibly a moment stale.
+queue (``take``, ``take_batch``, ``take_all``, ``clear``, ``close``) is called with
+:attr:`cond` held, so that a consumer changes its own state in the same critical
+section (the export worker pops a batch and records that it is building it,
+atomically). The read-only figures are read without the lock: single values, possibly
+a moment stale.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ __all__ = ["BoundedBatchQueue", "HasNbytes"]
 
 class HasNbytes(Protocol):
     """What the queue needs of an item: its size, an ``int >= 0`` that does not change
-    while the item is queued (``ReceivedBatch.nbytes``: the wire bytes it holds)."""
+    while the item is queued (``ReceivedBatch.nbytes``: the wire bytes it holds; a sink
+    worker's entry: its size in the sink's unit)."""
 
     @property
     def nbytes(self) -> int: ...
@@ -42,7 +46,8 @@ class BoundedBatchQueue(Generic[T]):
     ``put`` drops the newest: an item that would pass either bound, an item whose
     ``nbytes`` is not an ``int >= 0`` (or cannot be read), and any item after
     :meth:`close` count one drop each and are not queued. The counters (``dropped``,
-    the high-water marks) only grow, until :meth:`after_fork_in_child`.
+    ``dropped_nbytes``, the high-water marks) only grow, until
+    :meth:`after_fork_in_child`.
     """
 
     def __init__(self, *, max_items: int, max_bytes: int) -> None:
@@ -57,6 +62,7 @@ class BoundedBatchQueue(Generic[T]):
         self._nbytes = 0
         self._closed = False
         self._dropped = 0
+        self._dropped_nbytes = 0
         self._hw_items = 0
         self._hw_bytes = 0
 
@@ -71,12 +77,13 @@ class BoundedBatchQueue(Generic[T]):
             nbytes = None
         with self.cond:
             items = self._items
-            if type(nbytes) is not int or nbytes < 0 or self._closed:
+            if type(nbytes) is not int or nbytes < 0:
                 self._dropped += 1
                 return False
             queued = self._nbytes + nbytes
-            if len(items) >= self._max_items or queued > self._max_bytes:
+            if self._closed or len(items) >= self._max_items or queued > self._max_bytes:
                 self._dropped += 1
+                self._dropped_nbytes += nbytes
                 return False
             items.append(item)
             self._nbytes = queued
@@ -101,6 +108,21 @@ class BoundedBatchQueue(Generic[T]):
         self._nbytes -= item.nbytes
         return item
 
+    def take_batch(self, max_nbytes: int) -> list[T]:
+        """The oldest items, removed, as many as fit in ``max_nbytes`` together (the
+        oldest one always, whatever its size); empty when the queue is."""
+        items = self._items
+        taken: list[T] = []
+        total = 0
+        while items:
+            size = items[0].nbytes
+            if taken and total + size > max_nbytes:
+                break
+            taken.append(items.popleft())
+            total += size
+        self._nbytes -= total
+        return taken
+
     def take_all(self) -> list[T]:
         """Every queued item, oldest first; the queue is left empty."""
         taken = list(self._items)
@@ -113,8 +135,9 @@ class BoundedBatchQueue(Generic[T]):
         ``dropped``)."""
         n = len(self._items)
         self._items.clear()
-        self._nbytes = 0
         self._dropped += n
+        self._dropped_nbytes += self._nbytes
+        self._nbytes = 0
         return n
 
     def close(self) -> None:
@@ -155,6 +178,12 @@ class BoundedBatchQueue(Generic[T]):
         return self._dropped
 
     @property
+    def dropped_nbytes(self) -> int:
+        """The sizes of the items counted in ``dropped`` (an item whose size could not
+        be read adds nothing)."""
+        return self._dropped_nbytes
+
+    @property
     def high_water_items(self) -> int:
         """Most items queued at once."""
         return self._hw_items
@@ -188,5 +217,6 @@ class BoundedBatchQueue(Generic[T]):
         self._nbytes = 0
         self._closed = True
         self._dropped = 0
+        self._dropped_nbytes = 0
         self._hw_items = 0
         self._hw_bytes = 0

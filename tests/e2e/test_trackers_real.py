@@ -28,6 +28,7 @@ from tests.e2e_helpers import REPO, data_lines, free_port, run_cli, warning_file
 from tests.receivers.mlflow_server import mlflow_server, server_env
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._tracker_tensorboard import SUMMARY_TAG
+from traceml_ai.run_summary import in_process as summary_keys
 
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
 FRAMEWORKS = REPO / "tests" / "scripts" / "tracker_frameworks.py"
@@ -168,8 +169,8 @@ def test_a_plain_loop_gets_a_run_of_traceml_s_own_in_each_tracker(tmp_path: Path
     # The run summary at the end: a text entry, and the JSON beside the event files.
     (text,) = reader.Tensors(SUMMARY_TAG)
     table = text.tensor_proto.string_val[0].decode()
-    assert f"| {tm.SUMMARY_VERDICT.name} | straggler |" in table
-    assert f"| {tm.SUMMARY_STRAGGLER_RANK.name} | 1 |" in table
+    assert f"| {summary_keys.SUMMARY_VERDICT.name} | straggler |" in table
+    assert f"| {summary_keys.SUMMARY_STRAGGLER_RANK.name} | 1 |" in table
     summary = json.loads((folder / "tensorboard" / tm.SUMMARY_ARTIFACT).read_text())
     assert summary["straggler"]["stragglers"][0]["rank"] == 1
     assert summary["ranks"] == [0, 1]
@@ -193,10 +194,10 @@ def test_a_plain_loop_gets_a_run_of_traceml_s_own_in_each_tracker(tmp_path: Path
         for step, value in history_ml.items():
             assert value == pytest.approx(expected[step][name], rel=1e-9), (name, step)
     tags = run.data.tags
-    assert tags[tm.SUMMARY_VERDICT.name] == "straggler"
-    assert tags[tm.SUMMARY_STRAGGLER_RANK.name] == "1"
-    assert tags[tm.SUMMARY_RANKS.name] == "2"
-    assert tags[tm.SUMMARY_STEPS.name] == str(STEPS)
+    assert tags[summary_keys.SUMMARY_VERDICT.name] == "straggler"
+    assert tags[summary_keys.SUMMARY_STRAGGLER_RANK.name] == "1"
+    assert tags[tm.RANKS.name] == "2"
+    assert tags[summary_keys.SUMMARY_STEPS.name] == str(STEPS)
     assert artifact["straggler"]["stragglers"][0]["rank"] == 1
 
 
@@ -280,7 +281,7 @@ def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_run
         assert sorted(history_ml) == due
         for step, value in history_ml.items():
             assert value == pytest.approx(expected[step], rel=1e-9), step
-        assert run.data.tags[tm.SUMMARY_RANKS.name] == "2"
+        assert run.data.tags[tm.RANKS.name] == "2"
         assert _artifact_json(client, run_id, tmp_path)["ranks"] == [0, 1]
     # W&B: the script's offline run and TraceML's, which names it.
     by_name = {}

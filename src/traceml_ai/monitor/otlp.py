@@ -13,12 +13,13 @@ are built the same way: a sampled step becomes finished ``ReadableSpan`` objects
 step and its phases, at their measured times) and goes to the span exporter in
 batches.
 
-One thread does all the exporting. The feed thread only samples and queues
-(:meth:`OtlpSink.on_steps`); a full queue drops the newest steps and counts their
-spans. A receiver that is down, slow or gone costs counted losses: the exporters'
-retries run on this module's thread, :meth:`OtlpSink.close` abandons that thread when
-its budget is spent, and the SDK's log messages are kept from the terminal (the user
-sees one ``traceml: otlp:`` line the first time an export fails).
+One thread does all the exporting: the sink is an exporter of the live views' one
+sink worker (:mod:`~traceml_ai.monitor._sink_worker`). The feed thread only samples
+and queues (:meth:`OtlpSink.on_steps`); a full queue drops the newest steps and counts
+their spans. A receiver that is down, slow or gone costs counted losses: the
+exporters' retries run on the worker's thread, :meth:`OtlpSink.close` abandons that
+thread when its budget is spent, and the SDK's log messages are kept from the terminal
+(the user sees one ``traceml: otlp:`` line the first time an export fails).
 
 This module is the sink and its lifecycle; its parts live beside it: ``_otlp_config``
 (the ``OTEL_*`` variables and the SDK's exporters), ``_otlp_traces`` (which steps are
@@ -29,11 +30,9 @@ log messages, why an export failed).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -63,6 +62,7 @@ from traceml_ai.monitor._otlp_traces import (
     span_count,
 )
 from traceml_ai.monitor._sink import SinkStartError
+from traceml_ai.monitor._sink_worker import SENT, Outcome, SinkWorker
 from traceml_ai.monitor._state import StepSeen
 from traceml_ai.monitor.metrics import traceml_version
 
@@ -92,9 +92,17 @@ _SCOPE_NAME = "traceml_ai"
 
 # -- the sink ----------------------------------------------------------------------
 
+SampledStep = tuple[StepSeen, str]
+"""A sampled step and why it was picked (``periodic`` or ``slow``)."""
+
+
+def _spans_of(sampled: SampledStep) -> int:
+    return span_count(sampled[0])
+
 
 class OtlpSink:
-    """The running OTLP export: a queue of sampled steps and one export thread."""
+    """The running OTLP export: a :class:`~traceml_ai.monitor._sink_worker.SinkWorker`
+    of sampled steps (their spans in batches) whose interval work is the metric export."""
 
     name = "otlp"
 
@@ -111,7 +119,6 @@ class OtlpSink:
         self._monitoring = monitoring
         self._span_exporter = span_exporter
         self._metric_exporter = metric_exporter
-        self._metric_interval_s = metric_interval_s
         self.sampler = StepSampler(sample_every)
         self._sdk_log = sdk_log or quiet_sdk_logs()
         run = monitoring.run
@@ -124,27 +131,25 @@ class OtlpSink:
         self._scope = InstrumentationScope(_SCOPE_NAME, traceml_version())
         self._builder = SpanBuilder(self._scope)
         self._start_ns = int(monitoring.state.started_unix_s * 1e9)
-
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._pending: deque[tuple[StepSeen, str]] = deque()
-        self._pending_spans = 0
-        self._in_flight_spans = 0
-        self._metrics_in_flight = False
+        self._failure_said = False
         self._final_metrics_done = metric_exporter is None
-        self._stopping = False
-        self._giving_up = False
-        self._abandoned = False
-        self._failure_reported = False
-        self.spans_exported = 0
-        self.spans_dropped = 0
-        self.spans_failed = 0
         self.metric_exports = 0
         self.metric_exports_failed = 0
-        self._thread = threading.Thread(target=self._run, name="traceml-otlp", daemon=True)
+        self.worker: SinkWorker[SampledStep] = SinkWorker(
+            "otlp",
+            self,
+            max_items=MAX_QUEUED_SPANS,
+            max_size=MAX_QUEUED_SPANS,
+            batch_size=MAX_BATCH_SPANS,
+            flush_s=TRACE_FLUSH_S,
+            interval_s=metric_interval_s if metric_exporter is not None else None,
+            size_of=_spans_of,
+            report_failure=self._say_failure,
+        )
 
     def start(self) -> None:
-        self._thread.start()
+        self.worker.start()
 
     # -- the feed thread ---------------------------------------------------------------
 
@@ -152,20 +157,8 @@ class OtlpSink:
         """Sample ``steps`` and queue the picked ones; never waits on the exports."""
         if self._span_exporter is None:
             return
-        picked = self.sampler.pick(steps)
-        if not picked:
-            return
-        with self._lock:
-            was_empty = not self._pending
-            for step, reason in picked:
-                n = span_count(step)
-                if self._stopping or self._pending_spans + n > MAX_QUEUED_SPANS:
-                    self.spans_dropped += n
-                    continue
-                self._pending.append((step, reason))
-                self._pending_spans += n
-            if self._pending and (was_empty or self._pending_spans >= MAX_BATCH_SPANS):
-                self._wake.notify()
+        for sampled in self.sampler.pick(steps):
+            self.worker.put(sampled)
 
     # -- stopping ----------------------------------------------------------------------
 
@@ -173,34 +166,61 @@ class OtlpSink:
         """Send what is queued and the final metrics within ``timeout_s``; what could
         not be sent by then is counted (the export thread is left behind if an export is
         stuck in the receiver)."""
-        started = time.monotonic()
-        margin = min(0.5, timeout_s * 0.2)
+        counts = self.worker.close(timeout_s)
         with self._lock:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join(max(0.0, timeout_s - margin))
-        if self._thread.is_alive():
-            with self._lock:
-                self._giving_up = True
-            # Ends the exporters' retry waits, so the thread can return soon.
-            self._shutdown_exporters()
-            self._thread.join(max(0.0, min(margin / 2, timeout_s - (time.monotonic() - started))))
-        else:
-            self._shutdown_exporters()
-        with self._lock:
-            self._abandoned = True
-            self.spans_dropped += self._pending_spans + self._in_flight_spans
-            self._pending.clear()
-            self._pending_spans = self._in_flight_spans = 0
             if not self._final_metrics_done:
                 self.metric_exports_failed += 1
                 self._final_metrics_done = True
             losses = {
-                "spans_dropped": self.spans_dropped,
-                "spans_failed": self.spans_failed,
+                "spans_dropped": counts.dropped + counts.abandoned,
+                "spans_failed": counts.failed,
                 "metric_exports_failed": self.metric_exports_failed,
             }
         return {what: n for what, n in losses.items() if n}
+
+    # -- the exporter, on the worker's thread --------------------------------------------
+
+    def begin(self) -> None:
+        """Nothing to prepare: the SDK's exporters were made at start."""
+
+    def ready(self, final: bool) -> bool:
+        """Sampled steps go as soon as a batch is due."""
+        return True
+
+    def export(self, batch: Sequence[SampledStep]) -> Outcome:
+        """One request of the sampled steps' spans."""
+        exporter = self._span_exporter
+        assert exporter is not None
+        resource = self._resource()
+        spans: list[ReadableSpan] = []
+        for step, reason in batch:
+            spans.extend(self._builder.spans(step, reason, resource))
+        self._sdk_log.messages.clear()
+        try:
+            ok = exporter.export(spans) == SpanExportResult.SUCCESS
+        except Exception:
+            _log.debug("otlp: span export raised", exc_info=True)
+            ok = False
+        if ok:
+            return SENT
+        failed = sum(span_count(step) for step, _ in batch)
+        return Outcome(failed, self._failure(list(self._sdk_log.messages), exporter))
+
+    def on_interval(self, final: bool) -> Sequence[SampledStep]:
+        """One metric export (the final one with ``final``)."""
+        if self._metric_exporter is not None and self._send_metrics() and final:
+            with self._lock:
+                self._final_metrics_done = True
+        return ()
+
+    def finish(self) -> None:
+        """Shut the SDK's exporters down (they flush nothing of ours: every export was
+        one synchronous request)."""
+        self._shutdown_exporters()
+
+    def abort(self) -> None:
+        """Ends the exporters' retry waits, so that the thread can return soon."""
+        self._shutdown_exporters()
 
     def _shutdown_exporters(self) -> None:
         for exporter in (self._span_exporter, self._metric_exporter):
@@ -210,55 +230,6 @@ class OtlpSink:
                 exporter.shutdown()
             except Exception:
                 _log.debug("otlp: exporter shutdown failed", exc_info=True)
-
-    # -- the export thread ---------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except Exception as exc:
-            # A bug, not the receiver: the SDK's exporters report failures as results.
-            _log.debug("otlp: the export thread failed", exc_info=True)
-            self._report_failure(f"the export thread stopped: {type(exc).__name__}: {exc}")
-
-    def _loop(self) -> None:
-        now = time.monotonic()
-        next_metrics = now + self._metric_interval_s if self._metric_exporter else math.inf
-        next_traces = now + TRACE_FLUSH_S
-        while True:
-            with self._lock:
-                while not self._stopping:
-                    now = time.monotonic()
-                    due = next_metrics
-                    if self._pending:
-                        if self._pending_spans >= MAX_BATCH_SPANS:
-                            break
-                        due = min(due, next_traces)
-                    if now >= due:
-                        break
-                    self._wake.wait(None if math.isinf(due) else due - now)
-                stopping = self._stopping
-                pending = len(self._pending)
-            now = time.monotonic()
-            if pending and (stopping or now >= next_traces or self._full_batch_ready()):
-                self._send_spans(None if stopping else pending)
-                next_traces = time.monotonic() + TRACE_FLUSH_S
-            if stopping:
-                break
-            if time.monotonic() >= next_metrics:
-                self._send_metrics()
-                next_metrics = time.monotonic() + self._metric_interval_s
-        if self._metric_exporter is not None:
-            with self._lock:
-                if self._giving_up:
-                    return
-            if self._send_metrics():
-                with self._lock:
-                    self._final_metrics_done = True
-
-    def _full_batch_ready(self) -> bool:
-        with self._lock:
-            return self._pending_spans >= MAX_BATCH_SPANS
 
     def _resource(self) -> Resource:
         """The run's resource: ``traceml`` defaults, then what ``OTEL_SERVICE_NAME`` and
@@ -275,50 +246,6 @@ class OtlpSink:
         self._resource_for = (world, resource)
         return resource
 
-    def _send_spans(self, steps: int | None) -> None:
-        """Export the first ``steps`` queued steps (all with None) in batches."""
-        exporter = self._span_exporter
-        assert exporter is not None
-        left = steps
-        while left is None or left > 0:
-            batch: list[tuple[StepSeen, str]] = []
-            n_spans = 0
-            with self._lock:
-                if self._giving_up or self._abandoned:
-                    return
-                while self._pending and (left is None or left > 0):
-                    n = span_count(self._pending[0][0])
-                    if batch and n_spans + n > MAX_BATCH_SPANS:
-                        break
-                    batch.append(self._pending.popleft())
-                    n_spans += n
-                    if left is not None:
-                        left -= 1
-                if not batch:
-                    return
-                self._pending_spans -= n_spans
-                self._in_flight_spans = n_spans
-            resource = self._resource()
-            spans: list[ReadableSpan] = []
-            for step, reason in batch:
-                spans.extend(self._builder.spans(step, reason, resource))
-            self._sdk_log.messages.clear()
-            try:
-                ok = exporter.export(spans) == SpanExportResult.SUCCESS
-            except Exception:
-                _log.debug("otlp: span export raised", exc_info=True)
-                ok = False
-            with self._lock:
-                if self._abandoned:
-                    return
-                self._in_flight_spans = 0
-                if ok:
-                    self.spans_exported += n_spans
-                else:
-                    self.spans_failed += n_spans
-            if not ok:
-                self._report_failure(list(self._sdk_log.messages), exporter)
-
     def _send_metrics(self) -> bool:
         exporter = self._metric_exporter
         assert exporter is not None
@@ -330,10 +257,6 @@ class OtlpSink:
             self._start_ns,
             time.time_ns(),
         )
-        with self._lock:
-            if self._giving_up or self._abandoned:
-                return False
-            self._metrics_in_flight = True
         self._sdk_log.messages.clear()
         try:
             ok = exporter.export(data) == MetricExportResult.SUCCESS
@@ -341,33 +264,28 @@ class OtlpSink:
             _log.debug("otlp: metric export raised", exc_info=True)
             ok = False
         with self._lock:
-            if self._abandoned:
-                return False
-            self._metrics_in_flight = False
             if ok:
                 self.metric_exports += 1
             else:
                 self.metric_exports_failed += 1
         if not ok:
-            self._report_failure(list(self._sdk_log.messages), exporter)
+            self._say_failure(self._failure(list(self._sdk_log.messages), exporter))
         return ok
 
-    def _report_failure(
-        self, messages: Sequence[str] | str, exporter: object | None = None
-    ) -> None:
+    def _failure(self, messages: Sequence[str], exporter: object) -> str:
+        """Why an export to ``exporter`` failed, with where it went."""
+        reason = failure_reason(messages, getattr(exporter, "_endpoint", None))
+        return f"export to {endpoint_of(exporter)} failed ({reason})"
+
+    def _say_failure(self, what: str) -> None:
         """Say once, in one line, that exports fail and why."""
         with self._lock:
-            if self._failure_reported:
+            if self._failure_said:
                 return
-            self._failure_reported = True
-        where = endpoint_of(exporter) if exporter is not None else "the OTLP endpoint"
-        if isinstance(messages, str):
-            reason = messages
-        else:
-            reason = failure_reason(messages, getattr(exporter, "_endpoint", None))
+            self._failure_said = True
         self._monitoring.report(
-            f"traceml: otlp: export to {where} failed ({reason}); training and the files "
-            "go on, and what the live export loses is counted in aggregator/stats.json"
+            f"traceml: otlp: {what}; training and the files go on, and what the live "
+            "export loses is counted in aggregator/stats.json"
         )
 
 

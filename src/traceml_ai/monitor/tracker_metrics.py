@@ -1,10 +1,14 @@
 """Every figure the aggregator logs to an experiment tracker, named once.
 
-The names are stable (users build charts and alerts on them): each is declared here
-and nowhere else, the tracker sink (``trackers.py``) builds its points with these
-values, and the table of ``docs/trackers.md`` is :func:`tracker_metrics_markdown`
+The names are stable (users build charts and alerts on them): each is declared once,
+the tracker sink (``trackers.py``) builds its points with these values, and the table
+of ``docs/trackers.md`` is :func:`tracker_metrics_markdown`
 (``python -m traceml_ai.monitor.tracker_metrics --check`` fails when it is stale).
-Light on purpose: no tracker library, no state.
+The run summary's figures (:data:`SUMMARY_FIELDS`) and :data:`RANKS`, which a point
+shares with them, are declared in ``run_summary.in_process``: one key set for the
+summary each tracker run gets at the end and for ``traceml.summary()``'s flat dict,
+which the rank builds without this package. Light on purpose: no tracker library, no
+state.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import attrs
+from traceml_ai.run_summary.in_process import RANKS, SUMMARY_FIELDS, TrackerMetric
 
 __all__ = [
     "MAX_STAGES",
@@ -45,23 +49,6 @@ TRACKER_MAX_RANKS = 16
 """Ranks whose own step time is logged (the straggler analysis' ranks first, then
 the lowest rank numbers): a tracker's chart stays readable and a point's size stays
 bounded whatever the world size."""
-
-
-@attrs.frozen
-class TrackerMetric:
-    """One logged figure: its name (``<phase>`` or ``<rank>`` stand for a value), its
-    unit and what it is."""
-
-    name: str
-    unit: str
-    help: str
-
-    def format(self, **values: object) -> str:
-        """The name with its placeholders filled (``phase=``, ``rank=``)."""
-        name = self.name
-        for key, value in values.items():
-            name = name.replace(f"<{key}>", str(value))
-        return name
 
 
 STEP_TIME_MEDIAN = TrackerMetric(
@@ -128,9 +115,6 @@ SLOW_STAGE = TrackerMetric(
     "stage",
     "The pipeline stage the live analysis finds slow (the largest excess); -1 when none.",
 )
-RANKS = TrackerMetric(
-    "traceml/ranks", "ranks", "Ranks whose time of the logged step the figures cover."
-)
 RANK_STEP_TIME_MS = TrackerMetric(
     "traceml/rank/<rank>/step_time_ms",
     "ms",
@@ -158,87 +142,6 @@ TRACKER_METRICS: tuple[TrackerMetric, ...] = (
 """Every logged figure, in the docs' order."""
 
 
-SUMMARY_VERDICT = TrackerMetric(
-    "traceml/summary/verdict",
-    "text",
-    "The straggler verdict of the run summary: straggler, intermittent, slow_stage, "
-    "data_imbalance, none or n/a.",
-)
-SUMMARY_SLOWDOWN = TrackerMetric(
-    "traceml/summary/slowdown",
-    "ratio",
-    "What the verdict's cause costs: the step time over the step time without it "
-    "(replayed); left out when the verdict names none.",
-)
-SUMMARY_SLOW_STAGE = TrackerMetric(
-    "traceml/summary/slow_stage",
-    "stage",
-    "The slow pipeline stage the verdict (or its `also`) names first; -1 when none.",
-)
-SUMMARY_STRAGGLER_RANK = TrackerMetric(
-    "traceml/summary/straggler_rank",
-    "rank",
-    "The rank the verdict names first (the largest excess); -1 when it names none.",
-)
-SUMMARY_STRAGGLER_EXCESS_MS = TrackerMetric(
-    "traceml/summary/straggler_excess_ms",
-    "ms",
-    "How much longer that rank's own work takes per step than the other ranks'; 0 "
-    "when the verdict names none.",
-)
-SUMMARY_STRAGGLER_PHASE = TrackerMetric(
-    "traceml/summary/straggler_phase",
-    "text",
-    "Where that rank's extra time sits (a phase name); left out when the verdict names none.",
-)
-SUMMARY_RANKS = TrackerMetric("traceml/summary/ranks", "ranks", "Ranks with steps in the files.")
-SUMMARY_STEPS = TrackerMetric(
-    "traceml/summary/steps", "steps", "The most steps any rank has in the files."
-)
-SUMMARY_STEP_TIME_MEDIAN = TrackerMetric(
-    "traceml/summary/step_time_ms/median",
-    "ms",
-    "Median over ranks of each rank's median step time.",
-)
-SUMMARY_STEP_TIME_P99 = TrackerMetric(
-    "traceml/summary/step_time_ms/p99",
-    "ms",
-    "The highest of the ranks' 99th percentile step times.",
-)
-SUMMARY_STEPS_PER_S = TrackerMetric(
-    "traceml/summary/steps_per_s",
-    "steps/s",
-    "Median over ranks of each rank's steps per second over the run.",
-)
-SUMMARY_PEAK_ALLOCATED = TrackerMetric(
-    "traceml/summary/peak_allocated_bytes",
-    "bytes",
-    "The highest peak allocated device memory of any rank and device; left out "
-    "without step_memory.",
-)
-SUMMARY_FILES = TrackerMetric(
-    "traceml/summary/files",
-    "text",
-    "What the files say about loss: complete, or the status the summary gives.",
-)
-
-SUMMARY_FIELDS: tuple[TrackerMetric, ...] = (
-    SUMMARY_VERDICT,
-    SUMMARY_SLOWDOWN,
-    SUMMARY_SLOW_STAGE,
-    SUMMARY_STRAGGLER_RANK,
-    SUMMARY_STRAGGLER_EXCESS_MS,
-    SUMMARY_STRAGGLER_PHASE,
-    SUMMARY_RANKS,
-    SUMMARY_STEPS,
-    SUMMARY_STEP_TIME_MEDIAN,
-    SUMMARY_STEP_TIME_P99,
-    SUMMARY_STEPS_PER_S,
-    SUMMARY_PEAK_ALLOCATED,
-    SUMMARY_FILES,
-)
-"""The run summary's figures each tracker run gets once, at the end."""
-
 SUMMARY_ARTIFACT = "traceml_summary.json"
 """The file name of the summary JSON (``traceml summary --json``) given to each run."""
 
@@ -255,8 +158,10 @@ def tracker_metrics_markdown() -> str:
         *_table(TRACKER_METRICS),
         "",
         "At the end of the run, once the export files are closed, each run also gets the "
-        f"run summary's figures (as W&B summary fields, MLflow tags, a TensorBoard text "
-        f"entry) and the summary JSON as `{SUMMARY_ARTIFACT}`:",
+        "run summary's figures (as W&B summary fields, MLflow tags, a TensorBoard text "
+        f"entry) and the summary JSON as `{SUMMARY_ARTIFACT}`. `traceml.summary()` names "
+        "its figures the same way (0.5.0's `traceml/step_time/...` keys among them), "
+        "with `traceml/complete`:",
         "",
         *_table(SUMMARY_FIELDS),
     ]

@@ -1,16 +1,18 @@
 """The experiment trackers' sink: TraceML's figures in TensorBoard, MLflow or W&B
 (docs/trackers.md).
 
-One sink per tracker, each with its own thread, so that a slow or failing tracker
-holds up nothing: the feed thread only notes the highest step it saw
-(:meth:`TrackerSink.on_steps`), the sink's thread imports the tracker's library,
-builds a point from the live state every ``tracker_every_steps`` steps and writes it.
+One sink per tracker, each an exporter of its own sink worker
+(:mod:`~traceml_ai.monitor._sink_worker`: a bounded queue of points and one thread),
+so that a slow or failing tracker holds up nothing: the feed thread only notes the
+highest step it saw (:meth:`TrackerSink.on_steps`), the sink's thread imports the
+tracker's library, builds a point from the live state every ``tracker_every_steps``
+steps (:meth:`TrackerSink.on_interval`) and writes it (:meth:`TrackerSink.export`).
 
 **Which run.** The run is opened when the first point is due and rank 0 has told the
 runs its script has open (it does after its first step; after :data:`JOIN_WAIT_S`
 without its word the point is logged anyway): the script's run when rank 0 told one
 (``LiveState.tracker_run``, from ``rank._tracker_runs``), else a run of TraceML's
-own. Points wait in :attr:`TrackerSink._pending` meanwhile. A script's run told later
+own. Points wait in the worker's queue meanwhile (:data:`MAX_PENDING_POINTS`). A script's run told later
 (training began after TraceML's first point) takes the points from then on; one
 that cannot be joined leaves them in TraceML's own run, said in one line.
 
@@ -19,7 +21,7 @@ closed export files, :class:`EndSummary`) goes to each run as fields and an arti
 (:meth:`TrackerBackend.log_summary`), and TraceML's own run is ended (the script's
 own run is the script's to end). A point is
 logged at step S once every rank has reported S (or, with a rank far behind, with
-the ranks that have: :meth:`TrackerSink._log_due`); points that came due while the tracker was busy
+the ranks that have: :meth:`TrackerSink.on_interval`); points that came due while the tracker was busy
 are logged when it is free, as long as their steps are still in the live state's
 window of recent steps, else skipped and counted (``points_skipped``); one the tracker refused
 is counted (``points_failed``), and a tracker that could not be opened counts every
@@ -52,14 +54,15 @@ import orjson
 from traceml_ai._limits import END_OF_RUN_SUMMARY_MAX_BYTES
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._sink import extra_required
+from traceml_ai.monitor._sink_worker import Outcome, SinkWorker
 from traceml_ai.monitor._state import WINDOW_STEPS, LiveState, StepSeen
 from traceml_ai.run_summary import percentile
+from traceml_ai.run_summary.in_process import slow_stage, summary_fields
 from traceml_ai.settings import TRACKER_NAMES
 
 if TYPE_CHECKING:
     from traceml_ai.monitor._service import Monitoring
     from traceml_ai.monitor._sink import LiveSink, RunInfo
-    from traceml_ai.run_summary import RunSummary, StragglerView
 
 __all__ = [
     "BACKENDS",
@@ -69,7 +72,6 @@ __all__ = [
     "TrackerSink",
     "UserRun",
     "point_figures",
-    "summary_fields",
     "tracker_sink",
 ]
 
@@ -89,7 +91,8 @@ STRAGGLER_MAX_AGE_S = 1.0
 one analysis)."""
 
 MAX_PENDING_POINTS = 1000
-"""Points kept while no run is open yet; older ones are skipped (counted)."""
+"""Points waiting to be logged (while no run is open yet, or the tracker is busy);
+beyond it the newest are skipped (counted)."""
 
 POLL_S = 1.0
 """How often the sink's thread looks for a due point when the feed has not woken it
@@ -227,44 +230,6 @@ class EndSummary:
         return summary_fields(summary), orjson.dumps(summary.to_json())
 
 
-def summary_fields(summary: RunSummary) -> dict[str, float | str]:
-    """The run summary's figures by :data:`tracker_metrics.SUMMARY_FIELDS` name (a
-    figure the summary has not is left out)."""
-    fields: dict[str, float | str] = {}
-    view = summary.straggler
-    if view is not None:
-        fields[tm.SUMMARY_VERDICT.name] = view.verdict
-        if view.stragglers:
-            first = max(view.stragglers, key=lambda s: s.excess_ms)
-            fields[tm.SUMMARY_STRAGGLER_RANK.name] = float(first.rank)
-            fields[tm.SUMMARY_STRAGGLER_EXCESS_MS.name] = first.excess_ms
-            fields[tm.SUMMARY_STRAGGLER_PHASE.name] = first.phase
-        elif view.applicable:
-            fields[tm.SUMMARY_STRAGGLER_RANK.name] = -1.0
-            fields[tm.SUMMARY_STRAGGLER_EXCESS_MS.name] = 0.0
-        if view.slowdown is not None:
-            fields[tm.SUMMARY_SLOWDOWN.name] = view.slowdown.factor
-        if view.applicable:
-            fields[tm.SUMMARY_SLOW_STAGE.name] = float(_slow_stage(view))
-    fields[tm.SUMMARY_RANKS.name] = float(len(summary.ranks))
-    ranks = list((summary.step_time or {}).values())
-    if ranks:
-        fields[tm.SUMMARY_STEPS.name] = float(max(r.steps for r in ranks))
-        fields[tm.SUMMARY_STEP_TIME_MEDIAN.name] = _median([r.p50_ms for r in ranks])
-        fields[tm.SUMMARY_STEP_TIME_P99.name] = max(r.p99_ms for r in ranks)
-        fields[tm.SUMMARY_STEPS_PER_S.name] = _median([r.steps_per_s for r in ranks])
-    peaks = [
-        peak.peak_allocated_bytes
-        for devices in (summary.memory or {}).values()
-        for peak in devices.values()
-        if peak.peak_allocated_bytes is not None
-    ]
-    if peaks:
-        fields[tm.SUMMARY_PEAK_ALLOCATED.name] = float(max(peaks))
-    fields[tm.SUMMARY_FILES.name] = summary.loss.status
-    return {k: v for k, v in fields.items() if isinstance(v, str) or math.isfinite(v)}
-
-
 _END_SUMMARIES: weakref.WeakKeyDictionary[LiveState, EndSummary] = weakref.WeakKeyDictionary()
 """One :class:`EndSummary` per aggregator (by its live state), shared by its trackers."""
 
@@ -295,14 +260,6 @@ def tracker_sink(name: str) -> Callable[[Monitoring], LiveSink]:
         return sink
 
     return start
-
-
-def _slow_stage(view: StragglerView) -> int:
-    """The slow stage the view names first (its verdict's, else its ``also``'s); -1."""
-    for cause in view.causes():
-        if cause.stages:
-            return max(cause.stages, key=lambda s: s.excess_ms).stage
-    return -1
 
 
 def _median(values: list[float]) -> float:
@@ -365,7 +322,7 @@ def point_figures(state: LiveState, step: int, previous: int | None) -> dict[str
         figures[tm.STRAGGLER_EXCESS_MS.name] = ranked[0].excess_ms if ranked else 0.0
         figures[tm.STRAGGLER_RANK.name] = float(ranked[0].rank) if ranked else -1.0
         figures[tm.SLOWDOWN.name] = view.slowdown.factor if view.slowdown else 1.0
-        figures[tm.SLOW_STAGE.name] = float(_slow_stage(view))
+        figures[tm.SLOW_STAGE.name] = float(slow_stage(view))
     chosen = [r for r in named if r in at][: tm.TRACKER_MAX_RANKS]
     for rank in sorted(at):
         if len(chosen) >= tm.TRACKER_MAX_RANKS:
@@ -388,8 +345,14 @@ def _quiet(loggers: Sequence[str]) -> None:
         warnings.filterwarnings("ignore", module=rf"{name}(\.|$)")
 
 
+Point = tuple[int, dict[str, float]]
+"""A point: its step and its figures by :mod:`tracker_metrics` name."""
+
+
 class TrackerSink:
-    """One tracker's sink (see the module's docstring)."""
+    """One tracker's sink (see the module's docstring): an exporter of the live views'
+    one sink worker (:mod:`~traceml_ai.monitor._sink_worker`), whose interval work
+    builds the points that came due and whose batches are points to log."""
 
     straggler_on_demand = True
     """It asks for the straggler view when it builds a point (``refresh_straggler``):
@@ -413,8 +376,6 @@ class TrackerSink:
         self._run = run
         self._every = every
         self._report = report
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
         self._seen_step = 0
         self._next_due = every
         self._logged: int | None = None
@@ -425,21 +386,26 @@ class TrackerSink:
         self._own_failed = False
         self._tried: UserRun | None = None
         """The script's run last tried (each is tried once)."""
-        self._pending: list[tuple[int, dict[str, float]]] = []
         self._lead_step = 0
         self._lead_at = 0.0
         """When the leading rank was first seen at the next due step (the wait for the
         ranks behind it starts then)."""
         self._waiting_since: float | None = None
         self._said: set[str] = set()
-        self.lost: dict[str, int] = {"points_skipped": 0, "points_failed": 0}
+        self.lost: dict[str, int] = {"points_skipped": 0}
         self.logged_points = 0
-        self._thread = threading.Thread(
-            target=self._run_thread, name=f"traceml-{name}", daemon=True
+        self.worker: SinkWorker[Point] = SinkWorker(
+            name,
+            self,
+            max_items=MAX_PENDING_POINTS,
+            max_size=MAX_PENDING_POINTS,
+            batch_size=1,
+            interval_s=POLL_S,
+            report_failure=lambda what: self._say("log", what),
         )
 
     def start(self) -> None:
-        self._thread.start()
+        self.worker.start()
 
     # -- the feed thread -------------------------------------------------------------
 
@@ -449,9 +415,9 @@ class TrackerSink:
         if high > self._seen_step:
             self._seen_step = high
             if high >= self._next_due:
-                self._wake.set()
+                self.worker.wake()
 
-    # -- the sink's thread -----------------------------------------------------------
+    # -- the exporter, on the worker's thread ------------------------------------------
 
     def _say(self, kind: str, line: str) -> None:
         """One line per tracker for the whole run (its first fault); what follows is
@@ -460,9 +426,10 @@ class TrackerSink:
             self._said.add(kind)
             self._report(f"traceml: {self.name}: {line}; training and the files go on")
 
-    def _load(self) -> None:
-        # At start, not with the first point: MLflow's import alone takes seconds. Its
-        # own handlers, set when imported, are replaced before any run is opened.
+    def begin(self) -> None:
+        """Import the tracker's library (at start, not with the first point: MLflow's
+        import alone takes seconds); its own handlers, set when imported, are replaced
+        before any run is opened."""
         try:
             self._backend.load()
             _quiet(self._backend.library_loggers)
@@ -526,15 +493,16 @@ class TrackerSink:
                 "summary", f"the run summary was not logged ({type(exc).__name__}: {_short(exc)})"
             )
 
-    def _log_due(self, final: bool) -> None:
-        """Log each point that is due now: every multiple of ``every`` that all ranks
-        have reached, or that the leading rank reached :data:`LAGGARD_WAIT_S` ago or
-        passed by half the live state's window (a rank behind does not hold the others'
-        points back: the point holds the ranks that have it), and at the end the step
-        all ranks reached."""
+    def on_interval(self, final: bool) -> list[Point]:
+        """The points due now: every multiple of ``every`` that all ranks have reached,
+        or that the leading rank reached :data:`LAGGARD_WAIT_S` ago or passed by half
+        the live state's window (a rank behind does not hold the others' points back:
+        the point holds the ranks that have it), and at the end the step all ranks
+        reached."""
+        points: list[Point] = []
         last = self._state.last_steps()
         if not last:
-            return
+            return points
         low, high = min(last.values()), max(last.values())
         world = self._state.world_size
         if not final and world is not None and len(last) < world:
@@ -551,13 +519,13 @@ class TrackerSink:
             elif now - self._lead_at >= LAGGARD_WAIT_S:
                 reached = high
         while self._next_due <= reached:
-            self._log_point(self._next_due)
+            self._point(self._next_due, points)
             self._next_due += every
         if final and low > 0 and (self._logged is None or low > self._logged):
-            self._log_point(low)  # the run's last figures, where they stand
-        self._flush(final)
+            self._point(low, points)  # the run's last figures, where they stand
+        return points
 
-    def _log_point(self, step: int) -> None:
+    def _point(self, step: int, points: list[Point]) -> None:
         if self._refresh_straggler is not None:
             self._refresh_straggler()
         figures = point_figures(self._state, step, self._logged)
@@ -566,13 +534,10 @@ class TrackerSink:
             self.lost["points_skipped"] += 1
             return
         self._logged = step
-        self._pending.append((step, figures))
-        if len(self._pending) > MAX_PENDING_POINTS:
-            del self._pending[0]
-            self.lost["points_skipped"] += 1
+        points.append((step, figures))
 
-    def _ready(self, final: bool) -> bool:
-        """Whether the pending points may go to a run now (see the module's docstring)."""
+    def ready(self, final: bool) -> bool:
+        """Whether the waiting points may go to a run now (see the module's docstring)."""
         if final or self._tracker is not None or self._state.tracker_runs_told:
             return True
         now = time.monotonic()
@@ -580,59 +545,50 @@ class TrackerSink:
             self._waiting_since = now
         return now - self._waiting_since >= JOIN_WAIT_S
 
-    def _flush(self, final: bool) -> None:
-        """Log the pending points, into the run :meth:`_ensure_open` chooses."""
-        if not self._pending or not self._ready(final):
-            return
+    def export(self, batch: Sequence[Point]) -> Outcome:
+        """Log ``batch`` into the run :meth:`_ensure_open` chooses."""
         self._ensure_open()
-        pending = self._pending
-        while pending:
-            # Taken off once written: a point the tracker hangs on is still pending
-            # when the close budget runs out, and counted then.
-            step, figures = pending[0]
+        failed = 0
+        why: str | None = None
+        for step, figures in batch:
             tracker = self._tracker
             if tracker is None:
                 self.lost["points_not_logged"] = self.lost.get("points_not_logged", 0) + 1
-            else:
-                try:
-                    tracker.log(figures, step)
-                    self.logged_points += 1
-                except Exception as exc:
-                    self.lost["points_failed"] += 1
-                    _log.debug("tracker %s failed to log", self.name, exc_info=True)
-                    why = f"{type(exc).__name__}: {_short(exc)}"
-                    self._say("log", f"a point was not logged ({why})")
-            del pending[0]
+                continue
+            try:
+                tracker.log(figures, step)
+                self.logged_points += 1
+            except Exception as exc:
+                failed += 1
+                _log.debug("tracker %s failed to log", self.name, exc_info=True)
+                why = why or f"a point was not logged ({type(exc).__name__}: {_short(exc)})"
+        return Outcome(failed, why)
 
-    def _run_thread(self) -> None:
-        try:
-            self._load()
-            while not self._stopping.is_set():
-                self._wake.wait(POLL_S)
-                self._wake.clear()
-                if not self._stopping.is_set():
-                    self._log_due(final=False)
-            self._log_due(final=True)
-            tracker = self._tracker
-            if tracker is not None:
-                self._log_summary(tracker)
-                self._close(tracker)
-        except Exception:  # a bug of ours: said once, never raised into the aggregator
-            _log.exception("traceml: %s: the tracker sink failed", self.name)
-            self.lost["sink_failed"] = 1
+    def finish(self) -> None:
+        """The run summary into the run, then the run ended (TraceML's own)."""
+        tracker = self._tracker
+        if tracker is not None:
+            self._log_summary(tracker)
+            self._close(tracker)
+
+    def abort(self) -> None:
+        """Nothing ends a tracker library's wait from outside: its thread is left behind."""
+
+    # -- stopping --------------------------------------------------------------------
 
     def close(self, timeout_s: float) -> Mapping[str, int]:
         """Log the last point, end the run, within ``timeout_s``; what was lost."""
-        self._stopping.set()
-        self._wake.set()
-        self._thread.join(timeout_s)
+        counts = self.worker.close(timeout_s)
         lost = dict(self.lost)
-        if self._thread.is_alive():
+        lost["points_skipped"] += counts.dropped
+        lost["points_failed"] = counts.failed
+        if counts.timed_out:
             lost["close_timed_out"] = 1
-            # The points it would still have logged: those waiting, and those due
-            # since (its thread hangs in the tracker, so they were never counted).
+            # The points it would still have logged: the one it hangs on, those waiting,
+            # and those due since (its thread hangs in the tracker, so they were never
+            # counted).
             lost["points_not_logged"] = (
-                lost.get("points_not_logged", 0) + len(self._pending) + self._not_yet_due()
+                lost.get("points_not_logged", 0) + counts.abandoned + self._not_yet_due()
             )
             self._say("close", f"still busy after {timeout_s:.1f} s; its last points are lost")
             self._said.add("closed")  # nothing more from its thread, whatever it does

@@ -16,27 +16,171 @@ Light: never imports torch.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from traceml_ai.run_summary._figures import step_figures
 from traceml_ai.run_summary._model import RunSummary, StepFigures, StepRows
 from traceml_ai.run_summary._phases import rounded, step_row
 from traceml_ai.run_summary._report import summarize_run
+from traceml_ai.run_summary._straggler import StragglerView
 from traceml_ai.run_summary._text import format_summary
 from traceml_records.internal import LineKind, LineSplitter, classify_line
 
-# 0.5.0's compact keys (traceml/step_time/<metric>) for the phases this project measures.
-_COMPACT_PHASES = (
-    ("dataloader_wait", "input_wait_ms"),
-    ("h2d", "h2d_ms"),
-    ("forward", "forward_ms"),
-    ("backward", "backward_ms"),
-    ("optimizer", "optimizer_ms"),
-    ("rest", "residual_ms"),
+# -- the summary figures' names: one key set, for traceml.summary() and the trackers ----
+
+
+@attrs.frozen
+class TrackerMetric:
+    """One figure logged to an experiment tracker: its name (``<phase>`` or ``<rank>``
+    stand for a value), its unit and what it is."""
+
+    name: str
+    unit: str
+    help: str
+
+    def format(self, **values: object) -> str:
+        """The name with its placeholders filled (``phase=``, ``rank=``)."""
+        name = self.name
+        for key, value in values.items():
+            name = name.replace(f"<{key}>", str(value))
+        return name
+
+
+# The run summary's figures under one key set: the flat dict of ``traceml.summary()``
+# (:func:`compact`) and the summary each tracker run gets at the end
+# (``monitor.trackers``) use these names, built by :func:`summary_fields`. The step
+# figures keep 0.5.0's names (``traceml/step_time/...``); the docs' table is
+# ``monitor.tracker_metrics``'s.
+SUMMARY_SOURCE = TrackerMetric(
+    "traceml/source",
+    "text",
+    "Where the figures come from: export (the export files; every tracker run) or "
+    "in_process (the rank's own recent steps: `traceml.summary()` with export off).",
 )
+SUMMARY_COMPLETE = TrackerMetric(
+    "traceml/complete",
+    "bool",
+    "`traceml.summary()` only: whether the figures are the run's final ones.",
+)
+RANKS = TrackerMetric(
+    "traceml/ranks",
+    "ranks",
+    "Ranks the figures cover: those with the logged step (a point), those with steps "
+    "(the summary).",
+)
+SUMMARY_STEPS = TrackerMetric("traceml/steps", "steps", "The most steps any rank has.")
+SUMMARY_STEP_TIME_MEAN = TrackerMetric(
+    "traceml/step_time/step_time_ms",
+    "ms",
+    "Mean over ranks of each rank's mean step time.",
+)
+SUMMARY_STEP_TIME_P50 = TrackerMetric(
+    "traceml/step_time/step_time_p50_ms",
+    "ms",
+    "Mean over ranks of each rank's median step time.",
+)
+SUMMARY_STEP_TIME_P99 = TrackerMetric(
+    "traceml/step_time/step_time_p99_ms",
+    "ms",
+    "The highest of the ranks' 99th percentile step times.",
+)
+SUMMARY_STEP_TIME_MAX = TrackerMetric(
+    "traceml/step_time/step_time_max_ms", "ms", "The longest step of any rank."
+)
+SUMMARY_STEPS_PER_S = TrackerMetric(
+    "traceml/step_time/steps_per_s",
+    "steps/s",
+    "Mean over ranks of each rank's steps per second over the run.",
+)
+SUMMARY_PHASE_MS = TrackerMetric(
+    "traceml/step_time/<phase>_ms",
+    "ms",
+    "Mean over ranks of each rank's mean time per step in the phase, by 0.5.0's names: "
+    "input_wait (dataloader_wait), h2d, forward, backward, optimizer, residual (the "
+    "rest of the step).",
+)
+SUMMARY_VERDICT = TrackerMetric(
+    "traceml/summary/verdict",
+    "text",
+    "The straggler verdict of the run summary: straggler, intermittent, slow_stage, "
+    "data_imbalance, none or n/a.",
+)
+SUMMARY_SLOWDOWN = TrackerMetric(
+    "traceml/summary/slowdown",
+    "ratio",
+    "What the verdict's cause costs: the step time over the step time without it "
+    "(replayed); left out when the verdict names none.",
+)
+SUMMARY_SLOW_STAGE = TrackerMetric(
+    "traceml/summary/slow_stage",
+    "stage",
+    "The slow pipeline stage the verdict (or its `also`) names first; -1 when none.",
+)
+SUMMARY_STRAGGLER_RANK = TrackerMetric(
+    "traceml/summary/straggler_rank",
+    "rank",
+    "The rank the verdict names first (the largest excess); -1 when it names none.",
+)
+SUMMARY_STRAGGLER_EXCESS_MS = TrackerMetric(
+    "traceml/summary/straggler_excess_ms",
+    "ms",
+    "How much longer that rank's own work takes per step than the other ranks'; 0 "
+    "when the verdict names none.",
+)
+SUMMARY_STRAGGLER_PHASE = TrackerMetric(
+    "traceml/summary/straggler_phase",
+    "text",
+    "Where that rank's extra time sits (a phase name); left out when the verdict names none.",
+)
+SUMMARY_PEAK_ALLOCATED = TrackerMetric(
+    "traceml/summary/peak_allocated_bytes",
+    "bytes",
+    "The highest peak allocated device memory of any rank and device; left out "
+    "without step_memory.",
+)
+SUMMARY_FILES = TrackerMetric(
+    "traceml/summary/files",
+    "text",
+    "What the files say about loss: complete, or the status the summary gives.",
+)
+
+SUMMARY_FIELDS: tuple[TrackerMetric, ...] = (
+    SUMMARY_SOURCE,
+    SUMMARY_COMPLETE,
+    RANKS,
+    SUMMARY_STEPS,
+    SUMMARY_STEP_TIME_MEAN,
+    SUMMARY_STEP_TIME_P50,
+    SUMMARY_STEP_TIME_P99,
+    SUMMARY_STEP_TIME_MAX,
+    SUMMARY_STEPS_PER_S,
+    SUMMARY_PHASE_MS,
+    SUMMARY_VERDICT,
+    SUMMARY_SLOWDOWN,
+    SUMMARY_SLOW_STAGE,
+    SUMMARY_STRAGGLER_RANK,
+    SUMMARY_STRAGGLER_EXCESS_MS,
+    SUMMARY_STRAGGLER_PHASE,
+    SUMMARY_PEAK_ALLOCATED,
+    SUMMARY_FILES,
+)
+"""The run summary's figures, in the docs' order."""
+
+SUMMARY_PHASES = (
+    ("dataloader_wait", "input_wait"),
+    ("h2d", "h2d"),
+    ("forward", "forward"),
+    ("backward", "backward"),
+    ("optimizer", "optimizer"),
+    ("rest", "residual"),
+)
+"""The summary's phase names and their ``<phase>`` in :data:`SUMMARY_PHASE_MS` (0.5.0's)."""
 
 Events = Mapping[str, Any]
 _API_KEYS = ("source", "complete", "file")
@@ -84,41 +228,105 @@ def build_summary(
     return out
 
 
-def compact(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """A flat dict for experiment trackers (``traceml/...`` keys, as 0.5.0's ``summary()``).
-
-    Step-time figures are the mean over ranks of each rank's mean.
-    """
-    if summary is None:
-        return None
-    out: dict[str, Any] = {}
-    for key in ("source", "complete"):
-        value = summary.get(key)
-        if isinstance(value, (str, bool)):
-            out[f"traceml/{key}"] = value
-    per_rank = summary.get("step_time")
-    phases = summary.get("phases")
-    if not isinstance(per_rank, Mapping) or not per_rank:
-        return out
-    ranks = list(per_rank.values())
-    out["traceml/ranks"] = len(ranks)
-    out["traceml/steps"] = max(int(r.get("steps", 0)) for r in ranks)
+def step_fields(
+    step_time: Mapping[str, Mapping[str, Any]] | None,
+    phases: Mapping[str, Mapping[str, Any]] | None,
+) -> dict[str, float]:
+    """The step figures of :data:`SUMMARY_FIELDS` from a summary's ``step_time`` and
+    ``phases`` (their JSON form: rank -> figures); empty without steps."""
+    ranks = [r for r in (step_time or {}).values() if isinstance(r, Mapping)]
+    if not ranks:
+        return {}
 
     def mean_of(values: list[float]) -> float:
         return rounded(sum(values) / len(values))
 
-    out["traceml/step_time/step_time_ms"] = mean_of([float(r["mean_ms"]) for r in ranks])
-    out["traceml/step_time/step_time_p50_ms"] = mean_of([float(r["p50_ms"]) for r in ranks])
-    out["traceml/step_time/step_time_max_ms"] = rounded(max(float(r["max_ms"]) for r in ranks))
+    out: dict[str, float] = {
+        RANKS.name: len(ranks),
+        SUMMARY_STEPS.name: max(int(r.get("steps", 0)) for r in ranks),
+        SUMMARY_STEP_TIME_MEAN.name: mean_of([float(r["mean_ms"]) for r in ranks]),
+        SUMMARY_STEP_TIME_P50.name: mean_of([float(r["p50_ms"]) for r in ranks]),
+    }
+    if all("p99_ms" in r for r in ranks):
+        out[SUMMARY_STEP_TIME_P99.name] = rounded(max(float(r["p99_ms"]) for r in ranks))
+    out[SUMMARY_STEP_TIME_MAX.name] = rounded(max(float(r["max_ms"]) for r in ranks))
+    if all("steps_per_s" in r for r in ranks):
+        out[SUMMARY_STEPS_PER_S.name] = mean_of([float(r["steps_per_s"]) for r in ranks])
     if isinstance(phases, Mapping):
-        for name, key in _COMPACT_PHASES:
+        for name, key in SUMMARY_PHASES:
             values = [
                 float(p[name]["mean_ms"])
                 for p in phases.values()
                 if isinstance(p, Mapping) and isinstance(p.get(name), Mapping)
             ]
             if values:
-                out[f"traceml/step_time/{key}"] = mean_of(values)
+                out[SUMMARY_PHASE_MS.format(phase=key)] = mean_of(values)
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def summary_fields(summary: RunSummary) -> dict[str, float | str]:
+    """The run summary's figures by :data:`SUMMARY_FIELDS` name (a figure the summary
+    has not is left out): what each tracker run gets at the end, and what
+    ``traceml.summary()`` gives from the export files."""
+    fields: dict[str, float | str] = {SUMMARY_SOURCE.name: "export"}
+    json = summary.to_json()
+    fields.update(step_fields(json.get("step_time"), json.get("phases")))
+    fields[RANKS.name] = len(summary.ranks)
+    view = summary.straggler
+    if view is not None:
+        fields[SUMMARY_VERDICT.name] = view.verdict
+        if view.stragglers:
+            first = max(view.stragglers, key=lambda s: s.excess_ms)
+            fields[SUMMARY_STRAGGLER_RANK.name] = first.rank
+            fields[SUMMARY_STRAGGLER_EXCESS_MS.name] = first.excess_ms
+            fields[SUMMARY_STRAGGLER_PHASE.name] = first.phase
+        elif view.applicable:
+            fields[SUMMARY_STRAGGLER_RANK.name] = -1
+            fields[SUMMARY_STRAGGLER_EXCESS_MS.name] = 0.0
+        if view.slowdown is not None:
+            fields[SUMMARY_SLOWDOWN.name] = view.slowdown.factor
+        if view.applicable:
+            fields[SUMMARY_SLOW_STAGE.name] = slow_stage(view)
+    peaks = [
+        peak.peak_allocated_bytes
+        for devices in (summary.memory or {}).values()
+        for peak in devices.values()
+        if peak.peak_allocated_bytes is not None
+    ]
+    if peaks:
+        fields[SUMMARY_PEAK_ALLOCATED.name] = max(peaks)
+    fields[SUMMARY_FILES.name] = summary.loss.status
+    return {k: v for k, v in fields.items() if isinstance(v, str) or math.isfinite(v)}
+
+
+def slow_stage(view: StragglerView) -> int:
+    """The slow stage the view names first (its verdict's, else its ``also``'s); -1."""
+    for cause in view.causes():
+        if cause.stages:
+            stage: int = max(cause.stages, key=lambda s: s.excess_ms).stage
+            return stage
+    return -1
+
+
+def compact(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A flat dict for experiment trackers: the figures of :data:`SUMMARY_FIELDS` the
+    summary has (0.5.0's ``summary()`` keys among them), with ``traceml/source`` and
+    ``traceml/complete``."""
+    if summary is None:
+        return None
+    out: dict[str, Any] = {}
+    if "export_folder" in summary:
+        try:
+            own = {k: v for k, v in summary.items() if k not in _API_KEYS}
+            out.update(summary_fields(RunSummary.from_json(own)))
+        except Exception:
+            out.clear()  # the step figures below need only the step rows
+    if not out:
+        out.update(step_fields(summary.get("step_time"), summary.get("phases")))
+    for field in (SUMMARY_SOURCE, SUMMARY_COMPLETE):
+        value = summary.get(field.name.removeprefix("traceml/"))
+        if isinstance(value, (str, bool)):
+            out[field.name] = value
     return out
 
 

@@ -24,6 +24,7 @@ from traceml_ai.monitor._state import LiveState
 from traceml_ai.monitor.metrics import Health
 from traceml_ai.monitor.trackers import BACKENDS, Backend, point_figures
 from traceml_ai.run_summary import StragglerView
+from traceml_ai.run_summary import in_process as summary_keys
 from traceml_ai.settings import TRACKER_NAMES, MonitorSettings
 
 FWD = "_traceml_internal:forward_time"
@@ -569,9 +570,9 @@ def test_each_run_gets_the_summary_of_the_closed_files(tmp_path: Path) -> None:
     reader.Reload()
     (text,) = reader.Tensors("traceml/summary")
     table = text.tensor_proto.string_val[0].decode()
-    assert f"| {tm.SUMMARY_RANKS.name} | 2 |" in table
-    assert f"| {tm.SUMMARY_STEPS.name} | 12 |" in table
-    assert f"| {tm.SUMMARY_FILES.name} | complete |" in table
+    assert f"| {tm.RANKS.name} | 2 |" in table
+    assert f"| {summary_keys.SUMMARY_STEPS.name} | 12 |" in table
+    assert f"| {summary_keys.SUMMARY_FILES.name} | complete |" in table
 
 
 def test_with_trackers_only_the_straggler_view_is_made_when_a_point_needs_it(
@@ -689,3 +690,32 @@ def test_a_log_dir_not_on_this_machine_is_refused_before_anything_is_written(
     joined = open_tensorboard(run, {"log_dir": str(tmp_path)})
     joined.close()
     assert joined.path.parent == tmp_path and joined.path.name.endswith(".traceml")
+
+
+def test_traceml_summary_and_the_trackers_name_the_summary_figures_alike(tmp_path: Path) -> None:
+    """One key set: ``traceml.summary()``'s flat dict of a run's files and the fields
+    each tracker run gets at the end hold the same figures under the same names, every
+    name one of ``SUMMARY_FIELDS`` (0.5.0's step keys among them)."""
+    from bench.bigfile import write_step_time
+    from traceml_ai.run_summary import summarize_run
+
+    export = tmp_path / "aggregator" / "export"
+    export.mkdir(parents=True)
+    write_step_time(export / "step_time.jsonl", 24, world=2, ranks_per_node=2)
+    summary = summarize_run(tmp_path)
+    fields = summary_keys.summary_fields(summary)
+    flat = summary_keys.compact(
+        {"source": "export", "complete": True, "file": "x", **summary.to_json()}
+    )
+    assert flat is not None
+    assert flat == {**fields, "traceml/complete": True}
+    phase = summary_keys.SUMMARY_PHASE_MS.name.split("<")[0]
+    names = {f.name for f in summary_keys.SUMMARY_FIELDS}
+    assert all(k in names or k.startswith(phase) for k in flat), set(flat) - names
+    for key in ("step_time_ms", "forward_ms", "backward_ms", "optimizer_ms"):
+        assert isinstance(flat[f"traceml/step_time/{key}"], float), key  # 0.5.0's keys
+    assert flat[tm.RANKS.name] == 2 and flat[summary_keys.SUMMARY_STEPS.name] == 12
+    assert not any(k.startswith("traceml/summary/step_time") for k in flat)
+    # In process (export off): the step figures only, by the same names.
+    own = summary_keys.build_summary({0: {1: {}, 2: {}}}, source="in_process", complete=False)
+    assert set(summary_keys.compact(own) or {}) <= names | {"traceml/source"}
