@@ -24,10 +24,14 @@ __all__ = [
     "ENV_RUN_TOKEN",
     "ENV_SAMPLER_INTERVAL",
     "FRAME_HEADER",
+    "MESSAGES",
     "MESSAGE_TYPES",
+    "TRACKER_RUNS_BOUNDS",
     "WIRE_VERSION",
     "FrameError",
     "ReceivedBatch",
+    "TrackerRunsBounds",
+    "WireMessage",
     "batch_envelope",
     "batch_prefix",
     "decode_batch_body",
@@ -51,13 +55,75 @@ ENV_SAMPLER_INTERVAL = _environ.SAMPLER_INTERVAL
 # BATCH_STREAMS (generated from the schemas' x-traceml-wire): streams a rank can send;
 # ``system_gpu`` records are split out of ``system`` items.
 
-MESSAGE_TYPES = ("batch", "finished", "tracker_runs")
 
-TRACKER_RUNS_MAX_TRACKERS = 8
-TRACKER_RUNS_MAX_FIELDS = 8
-TRACKER_RUNS_MAX_CHARS = 4096
-"""Bounds of a ``tracker_runs`` message: trackers, fields per tracker, characters per
-name or value (a path or a URI fits; a message never grows without bound)."""
+@attrs.frozen(kw_only=True)
+class WireMessage:
+    """One message type, declared once: the keys it carries after ``v``, ``token`` and
+    ``type``, in the order senders write them (``optional`` ones may be left out).
+    The builders (``make_*_message``) write these keys in this order; ``decode_message``
+    checks them (docs/dev/wire-format.md)."""
+
+    type: str
+    keys: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class TrackerRunsBounds:
+    """How much a ``tracker_runs`` message may carry: trackers, fields per tracker, and
+    characters per tracker name, field name or value (a path or a URI fits; a message
+    never grows without bound)."""
+
+    max_trackers: int
+    max_fields: int
+    max_chars: int
+
+    def holds(self, runs: object) -> bool:
+        """Whether ``runs`` is a map of tracker name -> map of field -> string, within
+        these bounds."""
+        if type(runs) is not dict or len(runs) > self.max_trackers:
+            return False
+        for name, fields in runs.items():
+            if len(name) > self.max_chars or type(fields) is not dict:
+                return False
+            if len(fields) > self.max_fields:
+                return False
+            for key, value in fields.items():
+                if type(value) is not str or max(len(key), len(value)) > self.max_chars:
+                    return False
+        return True
+
+
+TRACKER_RUNS_BOUNDS = TrackerRunsBounds(max_trackers=8, max_fields=8, max_chars=4096)
+"""The bounds of every ``tracker_runs`` message (checked by ``decode_message``)."""
+
+MESSAGES: dict[str, WireMessage] = {
+    message.type: message
+    for message in (
+        WireMessage(type="batch", keys=("stream", "identity", "items")),
+        WireMessage(
+            type="finished",
+            keys=("identity", "sent_batches", "dropped_batches", "dropped_batches_by_stream"),
+            optional=("dropped_batches_by_stream",),
+        ),
+        WireMessage(type="tracker_runs", keys=("identity", "runs")),
+    )
+}
+"""Every message type of the wire, by ``type``."""
+
+MESSAGE_TYPES = tuple(MESSAGES)
+
+
+def _message(kind: str, token: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """A message of type ``kind``: the envelope, then its declared keys in their order
+    (an optional one only when ``values`` has it)."""
+    message: dict[str, Any] = {"v": WIRE_VERSION, "token": token, "type": kind}
+    spec = MESSAGES[kind]
+    for key in spec.keys:
+        if key in values or key not in spec.optional:
+            message[key] = values[key]
+    return message
+
 
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
 
@@ -109,14 +175,7 @@ def make_batch_message(
     """Build a ``batch`` message carrying ``items`` of one ``stream``."""
     # Key order matters: the aggregator recognises a batch by its encoded prefix
     # (see ``batch_prefix``) and reads the stream name without parsing the body.
-    return {
-        "v": WIRE_VERSION,
-        "token": token,
-        "type": "batch",
-        "stream": stream,
-        "identity": identity,
-        "items": items,
-    }
+    return _message("batch", token, {"stream": stream, "identity": identity, "items": items})
 
 
 def encode_item(item: Mapping[str, Any]) -> bytes:
@@ -164,17 +223,14 @@ def make_finished_message(
     may be left out) lets the aggregator count only the drops of selected streams;
     ``dropped_batches`` stays the total, which also covers items of no known stream.
     """
-    message: dict[str, Any] = {
-        "v": WIRE_VERSION,
-        "token": token,
-        "type": "finished",
+    values: dict[str, Any] = {
         "identity": identity,
         "sent_batches": sent_batches,
         "dropped_batches": dropped_batches,
     }
     if dropped_batches_by_stream is not None:
-        message["dropped_batches_by_stream"] = dict(dropped_batches_by_stream)
-    return message
+        values["dropped_batches_by_stream"] = dict(dropped_batches_by_stream)
+    return _message("finished", token, values)
 
 
 def make_tracker_runs_message(
@@ -182,30 +238,10 @@ def make_tracker_runs_message(
 ) -> dict[str, Any]:
     """Build a ``tracker_runs`` message: the experiment-tracker runs the training script
     has open (tracker name -> its fields: an MLflow run id, a W&B run id, a TensorBoard
-    log dir; ``traceml_ai.rank._tracker_runs``), sent when they change, so that the
+    log dir; ``traceml_ai.rank._runtime.tracker_runs``), sent when they change, so that the
     aggregator logs into the user's own run. Not exported: it only chooses the run."""
-    return {
-        "v": WIRE_VERSION,
-        "token": token,
-        "type": "tracker_runs",
-        "identity": identity,
-        "runs": {name: dict(fields) for name, fields in runs.items()},
-    }
-
-
-def _valid_tracker_runs(runs: object) -> bool:
-    """A ``tracker_runs`` message's runs: a bounded map of bounded maps of strings."""
-    if type(runs) is not dict or len(runs) > TRACKER_RUNS_MAX_TRACKERS:
-        return False
-    for name, fields in runs.items():
-        if len(name) > TRACKER_RUNS_MAX_CHARS or type(fields) is not dict:
-            return False
-        if len(fields) > TRACKER_RUNS_MAX_FIELDS:
-            return False
-        for key, value in fields.items():
-            if type(value) is not str or max(len(key), len(value)) > TRACKER_RUNS_MAX_CHARS:
-                return False
-    return True
+    runs_copy = {name: dict(fields) for name, fields in runs.items()}
+    return _message("tracker_runs", token, {"identity": identity, "runs": runs_copy})
 
 
 def batch_prefix(token: str) -> bytes:
@@ -289,7 +325,7 @@ def decode_message(data: bytes, token: str) -> dict[str, Any]:
         if not isinstance(message.get("items"), list):
             raise FrameError("items not a list")
     elif kind == "tracker_runs":
-        if not _valid_tracker_runs(message.get("runs")):
+        if not TRACKER_RUNS_BOUNDS.holds(message.get("runs")):
             raise FrameError("bad tracker runs")
     elif not _valid_counts(message):
         raise FrameError("bad counts")

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -24,9 +25,8 @@ from traceml_ai.transport.wire import (
     BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
-    TRACKER_RUNS_MAX_CHARS,
-    TRACKER_RUNS_MAX_FIELDS,
-    TRACKER_RUNS_MAX_TRACKERS,
+    MESSAGES,
+    TRACKER_RUNS_BOUNDS,
     WIRE_VERSION,
     FrameError,
     ReceivedBatch,
@@ -1036,7 +1036,7 @@ def test_tracker_runs_decode_within_their_bounds() -> None:
     runs = {"mlflow": {"run_id": "abc", "tracking_uri": "http://127.0.0.1:5000"}}
     assert decode_message(_tracker_runs_body(runs), TOKEN)["runs"] == runs
     assert decode_message(_tracker_runs_body({}), TOKEN)["runs"] == {}
-    long = "x" * (TRACKER_RUNS_MAX_CHARS + 1)
+    long = "x" * (TRACKER_RUNS_BOUNDS.max_chars + 1)
     for bad in (
         None,
         [],
@@ -1045,11 +1045,39 @@ def test_tracker_runs_decode_within_their_bounds() -> None:
         {"mlflow": {"run_id": long}},
         {"mlflow": {long: "a"}},
         {long: {}},
-        {f"t{i}": {} for i in range(TRACKER_RUNS_MAX_TRACKERS + 1)},
-        {"mlflow": {f"k{i}": "v" for i in range(TRACKER_RUNS_MAX_FIELDS + 1)}},
+        {f"t{i}": {} for i in range(TRACKER_RUNS_BOUNDS.max_trackers + 1)},
+        {"mlflow": {f"k{i}": "v" for i in range(TRACKER_RUNS_BOUNDS.max_fields + 1)}},
     ):
         with pytest.raises(FrameError, match="bad tracker runs"):
             decode_message(_tracker_runs_body(bad), TOKEN)
+
+
+def test_every_message_is_built_with_its_declared_keys_in_order() -> None:
+    built = {
+        "batch": make_batch_message(TOKEN, identity(0), "step_time", []),
+        "finished": make_finished_message(TOKEN, identity(0), 3, 1, {"step_time": 1}),
+        "tracker_runs": make_tracker_runs_message(TOKEN, identity(0), {"wandb": {"id": "x"}}),
+    }
+    assert set(built) == set(MESSAGES)
+    for kind, message in built.items():
+        assert list(message) == ["v", "token", "type", *MESSAGES[kind].keys], kind
+        assert decode_message(orjson.dumps(message), TOKEN)["type"] == kind
+    short = make_finished_message(TOKEN, identity(0), 3, 1)
+    assert "dropped_batches_by_stream" not in short
+
+
+def test_wire_format_md_documents_every_message_and_the_tracker_runs_bounds() -> None:
+    """docs/dev/wire-format.md says what the declaration says: each message's keys and
+    the bounds of tracker_runs."""
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "dev" / "wire-format.md").read_text()
+    for kind, spec in MESSAGES.items():
+        assert f'"type":"{kind}"' in doc, kind
+        for key in spec.keys:
+            assert f'"{key}"' in doc, (kind, key)
+    bounds = TRACKER_RUNS_BOUNDS
+    assert f"at most {bounds.max_trackers} trackers" in doc
+    assert f"at most {bounds.max_fields} fields" in doc
+    assert f"at most {bounds.max_chars} characters" in doc
 
 
 def test_tracker_runs_reach_their_callback_once_per_change_and_say_nothing_of_the_end(
