@@ -59,8 +59,13 @@ class BoundedBatchQueue(Generic[T]):
         """The queue's lock; consumers wait on it (``put`` wakes one waiter when the
         queue stops being empty; ``close`` wakes them all) and hold it to take."""
         self._items: deque[T] = deque()
+        self._empty(closed=False)
+
+    def _empty(self, *, closed: bool) -> None:
+        """Nothing queued, every counter zero."""
+        self._items = deque()
         self._nbytes = 0
-        self._closed = False
+        self._closed = closed
         self._dropped = 0
         self._dropped_nbytes = 0
         self._hw_items = 0
@@ -213,10 +218,4 @@ class BoundedBatchQueue(Generic[T]):
         with :mod:`traceml_ai._fork`).
         """
         self.cond = threading.Condition(threading.Lock())
-        self._items = deque()
-        self._nbytes = 0
-        self._closed = True
-        self._dropped = 0
-        self._dropped_nbytes = 0
-        self._hw_items = 0
-        self._hw_bytes = 0
+        self._empty(closed=True)
