@@ -9,35 +9,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from traceml_ai._lazy_names import lazy_getattr
+from traceml_ai._lazy_names import lazy_surface
 
-if TYPE_CHECKING:
-    from traceml_ai.aggregator._process import tune_gc_for_aggregator
-    from traceml_ai.aggregator._runner import install_stop_handlers, run_until_done
-    from traceml_ai.aggregator._service import (
-        Aggregator,
-        AggregatorConfig,
-        FinalizeResult,
-    )
+if TYPE_CHECKING:  # the names of _LAZY, for mypy and editors (tests/traceml_ai/test_surfaces.py)
+    from traceml_ai.aggregator._process import tune_gc_for_aggregator as tune_gc_for_aggregator
+    from traceml_ai.aggregator._runner import install_stop_handlers as install_stop_handlers
+    from traceml_ai.aggregator._runner import run_until_done as run_until_done
+    from traceml_ai.aggregator._service import Aggregator as Aggregator
+    from traceml_ai.aggregator._service import AggregatorConfig as AggregatorConfig
+    from traceml_ai.aggregator._service import FinalizeResult as FinalizeResult
 
 _LAZY = {
-    "tune_gc_for_aggregator": "traceml_ai.aggregator._process",
-    "install_stop_handlers": "traceml_ai.aggregator._runner",
-    "run_until_done": "traceml_ai.aggregator._runner",
-    "Aggregator": "traceml_ai.aggregator._service",
-    "AggregatorConfig": "traceml_ai.aggregator._service",
-    "FinalizeResult": "traceml_ai.aggregator._service",
+    "traceml_ai.aggregator._process": ("tune_gc_for_aggregator",),
+    "traceml_ai.aggregator._runner": ("install_stop_handlers", "run_until_done"),
+    "traceml_ai.aggregator._service": ("Aggregator", "AggregatorConfig", "FinalizeResult"),
 }
 
-
-__getattr__ = lazy_getattr(__name__, _LAZY, globals())
-
-
-__all__ = [
-    "Aggregator",
-    "AggregatorConfig",
-    "FinalizeResult",
-    "install_stop_handlers",
-    "run_until_done",
-    "tune_gc_for_aggregator",
-]
+__all__, __getattr__, __dir__ = lazy_surface(__name__, _LAZY, globals())

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from traceml_ai._lazy_names import lazy_getattr
+from traceml_ai._lazy_names import lazy_surface
 
-if TYPE_CHECKING:
-    from traceml_ai.transport.sender import RankSender
-    from traceml_ai.transport.server import AggregatorServer
+if TYPE_CHECKING:  # the names of _LAZY, for mypy and editors (tests/traceml_ai/test_surfaces.py)
+    from traceml_ai.transport.sender import RankSender as RankSender
+    from traceml_ai.transport.server import AggregatorServer as AggregatorServer
 
 _LAZY = {
-    "RankSender": "traceml_ai.transport.sender",
-    "AggregatorServer": "traceml_ai.transport.server",
+    "traceml_ai.transport.sender": ("RankSender",),
+    "traceml_ai.transport.server": ("AggregatorServer",),
 }
 
-
-__getattr__ = lazy_getattr(__name__, _LAZY, globals())
-
-
-__all__ = ["AggregatorServer", "RankSender"]
+__all__, __getattr__, __dir__ = lazy_surface(__name__, _LAZY, globals())
