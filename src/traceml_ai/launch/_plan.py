@@ -17,7 +17,15 @@ from traceml_ai.launch.run_folder import (
     check_run_name,
     existing_folder_message,
 )
-from traceml_ai.settings import DEFAULT_SERVE_PORT, MonitorSettings, ResolvedExportSettings
+from traceml_ai.settings import (
+    AGGREGATOR_PORT,
+    DEFAULT_SERVE_PORT,
+    FINALIZE_TIMEOUT_SEC,
+    INTERVAL,
+    MonitorSettings,
+    ResolvedExportSettings,
+    check_code_value,
+)
 from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
 DEFAULT_MULTI_NODE_AGGREGATOR_PORT = DEFAULT_SERVE_PORT
@@ -114,16 +122,19 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> Run
         raise LaunchError(f"--nnodes must be at least 1, got {options.nnodes}")
     if not 0 <= options.node_rank < options.nnodes:
         raise LaunchError(f"--node-rank must be in [0, {options.nnodes}), got {options.node_rank}")
-    if not options.interval > 0:
-        raise LaunchError(f"--interval must be positive, got {options.interval}")
-    if not options.finalize_timeout_sec > 0:
-        raise LaunchError(
-            f"--finalize-timeout-sec must be positive, got {options.finalize_timeout_sec}"
-        )
+    # The settings' bounds, from the table (options made in code skip the resolution).
+    for setting, value in (
+        (INTERVAL, options.interval),
+        (FINALIZE_TIMEOUT_SEC, options.finalize_timeout_sec),
+        (AGGREGATOR_PORT, options.aggregator_port),
+    ):
+        if value is not None:
+            try:
+                check_code_value(setting, value, setting.flag)
+            except ValueError as exc:
+                raise LaunchError(str(exc)) from None
     check_script(options.script)
     port = options.aggregator_port
-    if port is not None and not 0 <= port <= 65535:
-        raise LaunchError(f"--aggregator-port must be in [0, 65535], got {port}")
     multi_node = options.nnodes > 1
     external = options.aggregator_host is not None
     if port is None:
