@@ -227,7 +227,10 @@ class EndSummary:
             summary = summarize_run(self._run_dir)
         except SummaryError:
             return None
-        return summary_fields(summary), orjson.dumps(summary.to_json())
+        fields = {  # the backends take numbers as floats
+            k: v if isinstance(v, str) else float(v) for k, v in summary_fields(summary).items()
+        }
+        return fields, orjson.dumps(summary.to_json())
 
 
 _END_SUMMARIES: weakref.WeakKeyDictionary[LiveState, EndSummary] = weakref.WeakKeyDictionary()
