@@ -2,7 +2,7 @@
 
 ``optional=True``: without a C compiler the install still succeeds, and each has a
 pure-Python path that behaves the same: ``traceml_records._speedups`` (the line and
-item encoders, a rank's step encoder), ``traceml_ai.rank._hotpath`` (the step
+item encoders, a rank's step encoder), ``traceml_ai.rank._timing.hotpath`` (the step
 timer's per-call methods) and ``traceml_ai.transport._nowait`` (a rank sender's
 non-blocking socket calls) and ``traceml_ai.run_summary._rowscan`` (the files
 reader's per-line checks and step row).
@@ -21,8 +21,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "traceml_ai.rank._hotpath",
-            sources=["src/traceml_ai/rank/_hotpath.c"],
+            "traceml_ai.rank._timing.hotpath",
+            sources=["src/traceml_ai/rank/_timing/hotpath.c"],
             optional=True,
         ),
         Extension(

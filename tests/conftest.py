@@ -65,7 +65,7 @@ def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     C encoder's own edge cases.
     """
     from traceml_ai.export import _builder, _jsonl
-    from traceml_ai.rank import _step_timer
+    from traceml_ai.rank._timing import step_timer
     from traceml_ai.testing import _capture
     from traceml_records import _codec
 
@@ -82,8 +82,8 @@ def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(_builder, "encode_items", None)
     monkeypatch.setattr(_builder, "encode_batch", None)
     monkeypatch.setattr(_builder, "split_batch", None)
-    monkeypatch.setattr(_step_timer, "_encode_host_step", None)
-    monkeypatch.setattr(_step_timer, "_encode_host_steps", None)
+    monkeypatch.setattr(step_timer, "_encode_host_step", None)
+    monkeypatch.setattr(step_timer, "_encode_host_steps", None)
     for module in (_codec, traceml_records, _jsonl, _capture):
         if hasattr(module, "dumps_line"):
             monkeypatch.setattr(module, "dumps_line", pure)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from traceml_ai.rank import _event_names, _step_timer
+from traceml_ai.rank._timing import event_names, step_timer
 from traceml_ai.rank.sink import RecordingSink
 
 ENV_VARS = (
@@ -51,9 +51,9 @@ class TensorlessModel:
         return iter(())
 
 
-def timer_steps(timer: _step_timer.StepTimer, n: int, model: object) -> None:
+def timer_steps(timer: step_timer.StepTimer, n: int, model: object) -> None:
     """``n`` steps of a timer driven by hand, each with one DataLoader wait before it."""
     for _ in range(n):
-        timer.add_host(_event_names.DATALOADER_NEXT, 1000)
+        timer.add_host(event_names.DATALOADER_NEXT, 1000)
         timer.begin(model)
         timer.end()

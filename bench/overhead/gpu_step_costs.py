@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import traceml_ai as traceml
-from traceml_ai.rank import _sdk
+from traceml_ai.rank._runtime import sdk
 from traceml_ai.rank.gpu import TorchCudaBackend
 
 
@@ -137,7 +137,7 @@ def main() -> int:
 
     # Where a traced step's cost goes: the same pairs with one part taken out, each
     # variant in three rounds taking turns (drift hits all alike), median of rounds.
-    timer = _sdk._runtime.timer  # type: ignore[union-attr]
+    timer = sdk._runtime.timer  # type: ignore[union-attr]
     timed = timer._cuda
     record, release, get_stream = (
         timed.record_event,

@@ -42,18 +42,19 @@ from collections.abc import Callable, Sequence
 import orjson
 import torch
 
-from traceml_ai.rank import _event_names, _step_timer, _torch_patches
-from traceml_ai.rank._step_recorder import StepHistory, StepRecorder
+from traceml_ai.rank._patches import phase_hooks
+from traceml_ai.rank._timing import event_names, step_timer
+from traceml_ai.rank._timing.step_recorder import StepHistory, StepRecorder
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 from traceml_ai.transport.sender import RankSender
 
-FORWARD, BACKWARD = _event_names.FORWARD, _event_names.BACKWARD
-OPTIMIZER, DATALOADER = _event_names.OPTIMIZER_STEP, _event_names.DATALOADER_NEXT
+FORWARD, BACKWARD = event_names.FORWARD, event_names.BACKWARD
+OPTIMIZER, DATALOADER = event_names.OPTIMIZER_STEP, event_names.DATALOADER_NEXT
 
 
-def _timer() -> _step_timer.StepTimer:
-    timer = _step_timer.StepTimer(RecordingSink(), FakeCuda(available=False), _quiet, _quiet)
+def _timer() -> step_timer.StepTimer:
+    timer = step_timer.StepTimer(RecordingSink(), FakeCuda(available=False), _quiet, _quiet)
     timer.defer = True
     timer.bracket = True
     return timer
@@ -64,7 +65,7 @@ def _quiet(_: object) -> None:
 
 
 def _update(
-    timer: _step_timer.StepTimer, model: torch.nn.Module
+    timer: step_timer.StepTimer, model: torch.nn.Module
 ) -> list[tuple[str, Callable[[], None]]]:
     """One Lightning update's calls, by name, in order."""
     return [
@@ -86,7 +87,7 @@ def entry_points(evict_kib: int, calls: int) -> dict[str, float]:
     """Median ns per call of each kind (opens, closes, ... pooled), ``evict_kib`` KiB
     copied before each call (0: nothing evicted)."""
     timer = _timer()
-    _torch_patches.activate(timer)
+    phase_hooks.activate(timer)
     try:
         model = torch.nn.Linear(4, 4)
         source, target = bytearray(evict_kib << 10), bytearray(evict_kib << 10)
@@ -105,7 +106,7 @@ def entry_points(evict_kib: int, calls: int) -> dict[str, float]:
         skip = calls // 10
         return {name: statistics.median(v[skip * len(v) // calls :]) for name, v in times.items()}
     finally:
-        _torch_patches.activate(None)
+        phase_hooks.activate(None)
 
 
 class _NoSink:
@@ -113,18 +114,18 @@ class _NoSink:
         pass
 
 
-def _ended_steps(steps: int, encoded_sink: object) -> _step_timer.StepTimer:
+def _ended_steps(steps: int, encoded_sink: object) -> step_timer.StepTimer:
     timer = _timer()
     timer.encoded_sink = encoded_sink  # type: ignore[assignment]
     timer._max_ended = timer._wake_at = steps + 1
     model = torch.nn.Linear(4, 4)
-    _torch_patches.activate(timer)
+    phase_hooks.activate(timer)
     try:
         for _ in range(steps):
             for _, call in _update(timer, model)[:-1]:
                 call()
     finally:
-        _torch_patches.activate(None)
+        phase_hooks.activate(None)
     return timer
 
 
@@ -157,7 +158,7 @@ def sender_per_step(steps: int, rounds: int = 5) -> dict[str, float]:
             timer.build_ended()
             out[kind].append((clock() - t0) / steps)
         acc = timer._spare_acc[0]
-        encode = _step_timer._encode_host_step
+        encode = step_timer._encode_host_step
         if encode is not None:
             t0 = clock()
             for i in range(steps):

@@ -73,7 +73,7 @@ LANES = ("default", "pure")
 ``TRACEML_PURE_PYTHON=1``."""
 EXTENSIONS = (
     "traceml_records._speedups",
-    "traceml_ai.rank._hotpath",
+    "traceml_ai.rank._timing.hotpath",
     "traceml_ai.transport._nowait",
 )
 """The C extensions of setup.py, each of which the default lane must load."""

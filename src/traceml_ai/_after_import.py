@@ -3,7 +3,7 @@ is: the one import hook of a TraceML process.
 
 ``traceml run``'s bootstrap attaches TraceML to the training frameworks this way
 (``launch.bootstrap``), and rank 0 notes the folder of each TensorBoard
-``SummaryWriter`` (``rank._tracker_runs``). One finder, first on ``sys.meta_path``,
+``SummaryWriter`` (``rank._runtime.tracker_runs``). One finder, first on ``sys.meta_path``,
 finds nothing itself: for a module some function waits for, it asks the other finders
 and wraps the loader they found, so that the module executes as it would, then the
 functions run. A function that raises is the caller's to report: the import goes on.

@@ -42,4 +42,4 @@ PARALLEL = "TRACEML_PARALLEL"
 """The declared parallel layout (the ``parallel`` setting's variable, as
 ``traceml_ai.settings.PARALLEL.env`` names it): ``traceml run`` and Ray set it for the
 ranks from the flag, ``traceml.yaml`` or the config; the rank reads it
-(``rank._parallel``)."""
+(``rank._collectives.parallel_layout``)."""

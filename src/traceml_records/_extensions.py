@@ -1,7 +1,7 @@
 """The one place that chooses a C extension or its pure-Python twin.
 
 Every optional C extension of the two packages (``traceml_records._speedups``,
-``traceml_ai.rank._hotpath``, ``traceml_ai.transport._nowait``,
+``traceml_ai.rank._timing.hotpath``, ``traceml_ai.transport._nowait``,
 ``traceml_ai.run_summary._rowscan``) is loaded through
 :func:`load`: the module when it was built, else None, and then its caller takes
 the pure-Python path that behaves the same. ``TRACEML_PURE_PYTHON`` set (to anything

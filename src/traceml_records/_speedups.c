@@ -2031,7 +2031,7 @@ static PyObject *configure(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ---- a rank's host-timed step (traceml_ai.rank._step_timer) ------------------------
+/* ---- a rank's host-timed step (traceml_ai.rank._timing.step_timer) ----------------
  *
  * encode_host_step writes the step_memory and step_time items of one step timed on
  * the host (off CUDA) straight from its phases, the bytes wire.encode_item gives for

@@ -20,7 +20,7 @@ def _src(tmp: Path) -> Path:
         "def run():\n    count = updates(loop)\n    result = original(*args)\n"
         "    return _timed(timer, lambda: original_to(*args))\n    originals = 1\n"
     )
-    gate = tmp / "traceml_ai" / "rank" / "_hotpath.c"
+    gate = tmp / "traceml_ai" / "rank" / "_timing" / "hotpath.c"
     gate.parent.mkdir(parents=True)
     gate.write_text("x;\nx;\nresult = gate_call(gate->original, args);\nx;\nx;\nx;\nx;\n")
     return tmp
@@ -37,8 +37,8 @@ def test_passing_the_call_on_is_told_by_the_source_line(tmp_path: Path) -> None:
     assert passes_on("<lambda> (traceml_ai/integrations/lightning.py:4)", src)
     assert not passes_on("run (traceml_ai/integrations/lightning.py:5)", src)
     # A C frame's line is the statement after its call: the lines before count.
-    assert passes_on("gate_backward (traceml_ai/rank/_hotpath.c:4)", src)
-    assert not passes_on("gate_backward (traceml_ai/rank/_hotpath.c:7)", src)
+    assert passes_on("gate_backward (traceml_ai/rank/_timing/hotpath.c:4)", src)
+    assert not passes_on("gate_backward (traceml_ai/rank/_timing/hotpath.c:7)", src)
     assert not passes_on("forward (torch/nn/modules/module.py:10)", src)
 
 
@@ -57,7 +57,7 @@ def test_only_the_training_loops_own_traceml_samples_count(tmp_path: Path) -> No
             LOOP,
             wrapper_passing,
             "backward (torch/x.py:1)",
-            "gate_backward (traceml_ai/rank/_hotpath.c:7)",
+            "gate_backward (traceml_ai/rank/_timing/hotpath.c:7)",
             count=2,
         ),
         _line(RANK, "MainThread", LOOP, "step (torch/optim/sgd.py:9)", count=5),

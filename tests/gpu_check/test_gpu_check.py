@@ -218,9 +218,12 @@ def test_each_lane_runs_its_own_extensions() -> None:
     assert judge.extension_problems(partial, driver.EXTENSIONS, build) == [
         "the rank did not load the C extension traceml_ai.transport._nowait"
     ]
-    elsewhere = {**mine, "traceml_ai.rank._hotpath": "/site/traceml_ai/rank/_hotpath.so"}
+    elsewhere = {
+        **mine,
+        "traceml_ai.rank._timing.hotpath": "/site/traceml_ai/rank/_timing/hotpath.so",
+    }
     assert judge.extension_problems(elsewhere, driver.EXTENSIONS, "/tmp/w/build/src") == [
-        "the rank loaded traceml_ai.rank._hotpath from /site/traceml_ai/rank/_hotpath.so, "
+        "the rank loaded traceml_ai.rank._timing.hotpath from /site/traceml_ai/rank/_timing/hotpath.so, "
         "not from the lane's build"
     ]
     assert judge.extension_problems({}, driver.EXTENSIONS, None) == []

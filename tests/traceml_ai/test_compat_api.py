@@ -20,7 +20,8 @@ import torch
 
 import traceml_ai as traceml
 from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
-from traceml_ai.rank import _sdk, _torch_patches, _wrappers
+from traceml_ai.rank._patches import phase_hooks, wrappers
+from traceml_ai.rank._runtime import sdk
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 
@@ -84,9 +85,9 @@ def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         "TRACEML_AGGREGATOR_UNAVAILABLE",
     ):
         monkeypatch.delenv(name, raising=False)
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     yield
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
 
 
 def ours(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -251,7 +252,7 @@ def test_a_bad_wrapper_argument_is_one_notice_and_returned_unchanged() -> None:
 
 def test_h2d_copies_in_a_step_are_timed_with_gpu_time(monkeypatch: pytest.MonkeyPatch) -> None:
     # No accelerator in CI: "meta" stands in for one, CUDA events come from the fake.
-    monkeypatch.setattr(_wrappers, "_ACCELERATORS", frozenset({"meta"}))
+    monkeypatch.setattr(wrappers, "_ACCELERATORS", frozenset({"meta"}))
     sink = RecordingSink()
     traceml.init(
         sink=sink, sampler_interval=60, cuda_backend=FakeCuda(model_device=0, auto_complete=True)
@@ -277,7 +278,7 @@ def test_h2d_copies_in_a_step_are_timed_with_gpu_time(monkeypatch: pytest.Monkey
 
 
 def test_wrap_h2d_times_the_copy_in_manual_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_wrappers, "_ACCELERATORS", frozenset({"meta"}))
+    monkeypatch.setattr(wrappers, "_ACCELERATORS", frozenset({"meta"}))
     sink = RecordingSink()
     traceml.init(mode="manual", sink=sink, sampler_interval=60)
     model = make_model()
@@ -297,21 +298,21 @@ def test_h2d_rules(installed: bool) -> None:
     """The same answers before the patch knows torch's classes and after (its fast
     path for a ``torch.device`` or ``torch.dtype`` target)."""
     if installed:
-        _wrappers.install_h2d_patch(torch)
-        assert _wrappers._device_class is torch.device
+        wrappers.install_h2d_patch(torch)
+        assert wrappers._device_class is torch.device
     else:
-        assert _wrappers._device_class in (None, torch.device)
+        assert wrappers._device_class in (None, torch.device)
     x, p = torch.randn(2), torch.nn.Parameter(torch.randn(2))
-    assert _wrappers.copies_to_accelerator(x, (torch.device("cuda", 1),), {})
-    assert not _wrappers.copies_to_accelerator(x, (torch.device("cpu"),), {})
-    assert not _wrappers.copies_to_accelerator(p, (torch.device("cuda"),), {})
-    assert not _wrappers.copies_to_accelerator(x, (torch.device("cpu"), torch.float16), {})
-    assert _wrappers.copies_to_accelerator(x, ("cuda:1",), {})
-    assert _wrappers.copies_to_accelerator(x, (0,), {})
-    assert _wrappers.copies_to_accelerator(x, (), {"device": torch.device("cuda")})
-    assert not _wrappers.copies_to_accelerator(x, ("cpu",), {})
-    assert not _wrappers.copies_to_accelerator(x, (torch.float16,), {})
-    assert not _wrappers.copies_to_accelerator(p, ("cuda",), {})
+    assert wrappers.copies_to_accelerator(x, (torch.device("cuda", 1),), {})
+    assert not wrappers.copies_to_accelerator(x, (torch.device("cpu"),), {})
+    assert not wrappers.copies_to_accelerator(p, (torch.device("cuda"),), {})
+    assert not wrappers.copies_to_accelerator(x, (torch.device("cpu"), torch.float16), {})
+    assert wrappers.copies_to_accelerator(x, ("cuda:1",), {})
+    assert wrappers.copies_to_accelerator(x, (0,), {})
+    assert wrappers.copies_to_accelerator(x, (), {"device": torch.device("cuda")})
+    assert not wrappers.copies_to_accelerator(x, ("cpu",), {})
+    assert not wrappers.copies_to_accelerator(x, (torch.float16,), {})
+    assert not wrappers.copies_to_accelerator(p, ("cuda",), {})
 
 
 # -- a step that raises -------------------------------------------------------------
@@ -346,7 +347,7 @@ def test_traceml_disabled_turns_everything_off(monkeypatch: pytest.MonkeyPatch) 
             model(torch.randn(2, 8))
         assert traceml.final_summary() is None
     assert cfg.disabled and not cfg.patch_forward
-    assert _sdk._runtime is None and _torch_patches.active() is None
+    assert sdk._runtime is None and phase_hooks.active() is None
     assert len(model._forward_pre_hooks) == 0
     assert ours(caught) == [
         "traceml: summary(): TraceML is disabled (disabled=True or TRACEML_DISABLED=1); "
@@ -378,18 +379,18 @@ def test_keywords_without_a_feature_here_are_one_notice_each() -> None:
         "traceml: init(session_id='s1') is ignored: the run name is set by "
         "`traceml run --run-name` (or --session-id)",
     ]
-    runtime = _sdk._runtime
+    runtime = sdk._runtime
     assert runtime is not None and runtime.interval == 30.0
 
 
 def test_on_missing_aggregator(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="not launched by `traceml run`"):
         traceml.init(on_missing_aggregator="raise")
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     monkeypatch.setenv("TRACEML_ON_MISSING_AGGREGATOR", "raise")
     with pytest.raises(RuntimeError):
         traceml.start()
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     with pytest.warns(traceml.TraceMLWarning, match="not launched"):
         cfg = traceml.init(on_missing_aggregator="warn")
     assert cfg.disabled
@@ -400,10 +401,10 @@ def test_aggregator_host_and_port_name_a_traceml_serve(monkeypatch: pytest.Monke
     with pytest.warns(traceml.TraceMLWarning, match="TRACEML_RUN_TOKEN is not set"):
         cfg = traceml.init(aggregator_host="127.0.0.1", aggregator_port=1)
     assert cfg.disabled
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     monkeypatch.setenv("TRACEML_RUN_TOKEN", "t")
     cfg = traceml.init(aggregator_host="127.0.0.1", aggregator_port=1, sampler_interval=60)
-    assert not cfg.disabled and _sdk._runtime is not None
+    assert not cfg.disabled and sdk._runtime is not None
     traceml.shutdown()
 
 
@@ -506,7 +507,7 @@ def test_summary_waits_for_its_last_step_in_the_export_file(
     assert full["step_time"]["0"]["steps"] == 2 and full["step_time"]["1"]["steps"] == 1
     assert full["phases"]["0"]["forward"]["mean_ms"] == 1.0
     # The figures come from the file: the rank kept no events of its own.
-    recorder = _sdk._history
+    recorder = sdk._history
     assert recorder is not None and not recorder.keep_events
     assert recorder.snapshot() == ([], 2) and recorder.last_step == 2
 

@@ -76,7 +76,7 @@ def _private_owner(name: str) -> str | None:
 def _may_import(package: str, owner: str) -> bool:
     """A private module is private to the package that holds it and the packages
     below it: the top-level ``_converter``, ``_environ``, ``_fork``, ``_lazy_names``,
-    ``_loopback`` and ``_queue`` serve every subpackage; ``rank._sdk`` serves ``rank`` only."""
+    ``_loopback`` and ``_queue`` serve every subpackage; ``rank._runtime.sdk`` serves ``rank`` only."""
     return package == owner or package.startswith(owner + ".")
 
 
@@ -108,13 +108,13 @@ def _cross_private_imports() -> set[str]:
 
 def test_no_module_imports_a_private_module_of_another_subpackage() -> None:
     """Each subpackage's ``__init__`` (or public module) is its surface: ``from
-    traceml_ai.rank import StepTimer``, never ``from traceml_ai.rank._step_timer ...``."""
+    traceml_ai.rank import StepTimer``, never ``from traceml_ai.rank._timing.step_timer ...``."""
     found = _cross_private_imports()
     assert sorted(found) == [], "import these through their package's surface"
 
 
 def test_the_check_sees_a_cross_import() -> None:
-    assert _private_owner("traceml_ai.rank._sdk.init") == "traceml_ai.rank"
+    assert _private_owner("traceml_ai.rank._runtime.sdk.init") == "traceml_ai.rank"
     assert _private_owner("traceml_ai._fork") == "traceml_ai"
     assert _private_owner("traceml_ai.monitor.otlp") is None
     assert not _may_import("traceml_ai.integrations", "traceml_ai.rank")

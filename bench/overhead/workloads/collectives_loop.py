@@ -27,7 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 import traceml_ai as traceml
-from traceml_ai.rank import _collectives
+from traceml_ai.rank._collectives import recorder as collective_recorder
+from traceml_ai.rank._patches import distributed
+from traceml_ai.rank._timing import event_names
 
 
 def _model() -> nn.Module:
@@ -56,36 +58,36 @@ def direct(out: str) -> None:
 
     traceml.init(sink=Null(), sampler_interval=60)  # type: ignore[arg-type]
     dist.init_process_group("gloo", rank=0, world_size=1)
-    recorder = _collectives.active()
+    recorder = distributed.active()
     assert recorder is not None
 
     def bare(*args: object, **kwargs: object) -> None:
         return None
 
-    patched = _collectives._timed("all_reduce", bare)
+    patched = distributed._timed("all_reduce", bare)
     tensor = torch.ones(1)
     model = nn.Linear(1, 1)
     patched(tensor)  # the backend, learned once
     n, best = 100_000, 5
     with traceml.trace_step(model):
-        _collectives.activate(None)
+        distributed.activate(None)
         passed = min(timeit.repeat(lambda: patched(tensor), number=n, repeat=best)) / n
-        _collectives.activate(recorder)
+        distributed.activate(recorder)
         clear = recorder._calls.clear
         timed = min(timeit.repeat(lambda: (patched(tensor), clear()), number=n, repeat=best)) / n
         plain = min(timeit.repeat(lambda: (bare(tensor), clear()), number=n, repeat=best)) / n
     calls = [
         [
             7,
-            _collectives.FORWARD,
+            event_names.FORWARD,
             "all_gather",
-            _collectives.SOURCE_DIST,
+            collective_recorder.SOURCE_DIST,
             time.time_ns(),
             1000,
             0,
             None,
             # group, peer, bytes (where the recorder has them)
-            *[None, None, 4][: getattr(_collectives, "BYTES", 7) - 7],
+            *[None, None, 4][: getattr(collective_recorder, "BYTES", 7) - 7],
         ]
         for _ in range(64)
     ]
@@ -117,16 +119,16 @@ def main() -> None:
     traceml.init()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    recorder = _collectives.active()
+    recorder = distributed.active()
     assert recorder is not None, "TraceML's collective timing is not active"
     x, y = torch.randn(32, 64), torch.randn(32, 1)
     # variant -> (model, timing on)
     variants: dict[str, tuple[nn.Module, bool]]
     if strategy == "ddp":
-        _collectives.activate(None)
+        distributed.activate(None)
         builtin = nn.parallel.DistributedDataParallel(_model())
         builtin(x)  # no hook: DDP's own all-reduce
-        _collectives.activate(recorder)
+        distributed.activate(recorder)
         hooked = nn.parallel.DistributedDataParallel(_model())
         hooked(x)  # the first forward gives it TraceML's hook
         variants = {
@@ -149,7 +151,7 @@ def main() -> None:
 
     def step(name: str) -> tuple[float, float]:
         model, on = variants[name]
-        _collectives.activate(recorder if on else None)
+        distributed.activate(recorder if on else None)
         opt = opts[id(model)]
         t0 = time.perf_counter_ns()
         c0 = time.thread_time_ns()

@@ -19,7 +19,8 @@ from typing import Any
 sys.modules["torch"] = None  # type: ignore[assignment]
 
 import traceml_ai as traceml  # noqa: E402
-from traceml_ai.rank import _event_names, _torch_patches  # noqa: E402
+from traceml_ai.rank._patches import phase_hooks  # noqa: E402
+from traceml_ai.rank._timing import event_names  # noqa: E402
 from traceml_ai.transport.sender import RankSender  # noqa: E402
 
 
@@ -45,27 +46,27 @@ def main() -> None:
     # emptied every 256 steps, as the sender thread would.
     sender = RankSender(("127.0.0.1", 1), "t", {"rank": 0}, max_pending_items=10**8)
     traceml.init(sink=sender, sampler_interval=3600)
-    timer = _torch_patches.active()
+    timer = phase_hooks.active()
     assert timer is not None
     # A sink given to init builds inline; init's own sender would set this.
     timer.defer = not inline
-    autograd_backward = _torch_patches._timed_backward(_autograd_backward)
+    autograd_backward = phase_hooks._timed_backward(_autograd_backward)
     if hasattr(timer, "_spare_acc"):
         # Tensor.backward itself is not wrapped: it calls torch.autograd.backward.
         tensor_backward: Any = lambda: autograd_backward()  # noqa: E731
     else:  # a tree from before: both were wrapped
-        tensor_backward = _torch_patches._timed_backward(lambda: autograd_backward())
+        tensor_backward = phase_hooks._timed_backward(lambda: autograd_backward())
     queues = [queue for _, queue in sender._streams]
 
     def hooks() -> None:
-        _torch_patches._forward_pre_hook(model, ())
-        _torch_patches._forward_hook(model, (), None)
+        phase_hooks._forward_pre_hook(model, ())
+        phase_hooks._forward_hook(model, (), None)
         tensor_backward()
-        _torch_patches._optimizer_pre_hook(None, (), {})
-        _torch_patches._optimizer_post_hook(None, (), {})
+        phase_hooks._optimizer_pre_hook(None, (), {})
+        phase_hooks._optimizer_post_hook(None, (), {})
 
     for i in range(steps):
-        timer.add_host(_event_names.DATALOADER_NEXT, 1000)  # the DataLoader patch's call
+        timer.add_host(event_names.DATALOADER_NEXT, 1000)  # the DataLoader patch's call
         if kind == "traced":
             with traceml.trace_step(model):
                 hooks()

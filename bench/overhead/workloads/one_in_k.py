@@ -19,7 +19,7 @@ def trace_one_in(k: int) -> None:
     if k < 2:
         return
     from traceml_ai.integrations._common import StepDriver
-    from traceml_ai.rank import _torch_patches
+    from traceml_ai.rank._patches import phase_hooks
 
     if getattr(StepDriver, "_bench_one_in", None) is not None:
         StepDriver._bench_one_in = k  # type: ignore[attr-defined]
@@ -44,8 +44,8 @@ def trace_one_in(k: int) -> None:
         s = state(driver)
         s["untraced"], s["left"] = False, 0
         timer, s["paused"] = s["paused"], None
-        if timer is not None and timer.enabled and _torch_patches._ACTIVE is None:
-            _torch_patches.activate(timer)
+        if timer is not None and timer.enabled and phase_hooks._ACTIVE is None:
+            phase_hooks.activate(timer)
 
     def begin(self: Any, model: object | None) -> bool:
         s = state(self)
@@ -69,10 +69,10 @@ def trace_one_in(k: int) -> None:
         if closing:
             # The next updates (their DataLoader fetches included) run with hooks off.
             s["left"] = StepDriver._bench_one_in - 1  # type: ignore[attr-defined]
-            timer = _torch_patches._ACTIVE
+            timer = phase_hooks._ACTIVE
             if timer is not None:
                 s["paused"] = timer
-                _torch_patches.activate(None)
+                phase_hooks.activate(None)
 
     def abandon(self: Any) -> None:
         traced_abandon(self)

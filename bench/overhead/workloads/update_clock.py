@@ -62,9 +62,9 @@ class StartClock:
     time, and whether TraceML traces that update."""
 
     def __init__(self, starts_update: Callable[..., Any]) -> None:
-        from traceml_ai.rank import _torch_patches
+        from traceml_ai.rank._patches import phase_hooks
 
-        self._active = _torch_patches.active
+        self._active = phase_hooks.active
         self._call = starts_update
         self.ends: list[float] = []
         self.cpu_ends: list[float] = []

@@ -25,7 +25,6 @@ from traceml_ai.rank.sink import ItemSink, RecordingSink
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from traceml_ai.rank._event_names import BACKWARD, DATALOADER_NEXT, FORWARD, OPTIMIZER_STEP
     from traceml_ai.rank._init_config import (
         ENV_DISABLED,
         TraceMLInitConfig,
@@ -34,7 +33,21 @@ if TYPE_CHECKING:
         env_disabled,
         warn_once,
     )
-    from traceml_ai.rank._sdk import (
+    from traceml_ai.rank._patches.phase_hooks import (
+        activate,
+        active,
+        forward_timed_elsewhere,
+        resume_optimizer_hooks,
+        suspend_optimizer_hooks,
+    )
+    from traceml_ai.rank._patches.wrappers import (
+        wrap_backward,
+        wrap_dataloader_fetch,
+        wrap_forward,
+        wrap_h2d,
+        wrap_optimizer,
+    )
+    from traceml_ai.rank._runtime.sdk import (
         init,
         is_running,
         record_tokens,
@@ -44,27 +57,19 @@ if TYPE_CHECKING:
         trace_phase,
         trace_step,
     )
-    from traceml_ai.rank._step_timer import StepContext, StepTimer
-    from traceml_ai.rank._summaries import final_summary, summary
-    from traceml_ai.rank._torch_patches import (
-        activate,
-        active,
-        forward_timed_elsewhere,
-        resume_optimizer_hooks,
-        suspend_optimizer_hooks,
+    from traceml_ai.rank._runtime.summaries import final_summary, summary
+    from traceml_ai.rank._timing.event_names import (
+        BACKWARD,
+        DATALOADER_NEXT,
+        FORWARD,
+        OPTIMIZER_STEP,
     )
-    from traceml_ai.rank._wrappers import (
-        wrap_backward,
-        wrap_dataloader_fetch,
-        wrap_forward,
-        wrap_h2d,
-        wrap_optimizer,
-    )
+    from traceml_ai.rank._timing.step_timer import StepContext, StepTimer
 
 _LAZY = {
     **dict.fromkeys(
         ("BACKWARD", "DATALOADER_NEXT", "FORWARD", "OPTIMIZER_STEP"),
-        "traceml_ai.rank._event_names",
+        "traceml_ai.rank._timing.event_names",
     ),
     **dict.fromkeys(
         (
@@ -88,10 +93,10 @@ _LAZY = {
             "trace_phase",
             "trace_step",
         ),
-        "traceml_ai.rank._sdk",
+        "traceml_ai.rank._runtime.sdk",
     ),
-    **dict.fromkeys(("StepContext", "StepTimer"), "traceml_ai.rank._step_timer"),
-    **dict.fromkeys(("final_summary", "summary"), "traceml_ai.rank._summaries"),
+    **dict.fromkeys(("StepContext", "StepTimer"), "traceml_ai.rank._timing.step_timer"),
+    **dict.fromkeys(("final_summary", "summary"), "traceml_ai.rank._runtime.summaries"),
     **dict.fromkeys(
         (
             "activate",
@@ -100,7 +105,7 @@ _LAZY = {
             "resume_optimizer_hooks",
             "suspend_optimizer_hooks",
         ),
-        "traceml_ai.rank._torch_patches",
+        "traceml_ai.rank._patches.phase_hooks",
     ),
     **dict.fromkeys(
         (
@@ -110,7 +115,7 @@ _LAZY = {
             "wrap_h2d",
             "wrap_optimizer",
         ),
-        "traceml_ai.rank._wrappers",
+        "traceml_ai.rank._patches.wrappers",
     ),
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 from typing import Any
 
-from traceml_ai.rank import _parallel
+from traceml_ai.rank._collectives import parallel_layout
 from traceml_ai.rank._lazy import torch_or_none
 from traceml_ai.rank.identity import RankIdentity
 from traceml_records.internal import RuntimeEnvironmentItem
@@ -82,7 +82,7 @@ def runtime_environment_item(
     else:
         # Several ranks but torch.distributed not (yet) up and no wrapper seen.
         strategy, source, confidence = "distributed_unknown", "topology", "low"
-    layout = _parallel.current_layout()
+    layout = parallel_layout.current_layout()
     return {
         "timestamp_unix_ns": timestamp_unix_ns,
         "seq": seq,
@@ -94,7 +94,7 @@ def runtime_environment_item(
         "strategy_confidence": confidence,
         "torch_version": torch_version(),
         "python_version": platform.python_version(),
-        # This rank's place in the parallel layout (rank._parallel): null when unknown.
+        # This rank's place in the parallel layout (rank._collectives.parallel_layout): null when unknown.
         "parallel": layout.item() if layout is not None else None,
         "parallel_source": layout.source if layout is not None else None,
     }

@@ -11,8 +11,8 @@ import pytest
 import traceml_ai as traceml
 from tests.rank_helpers import ENV_VARS, make_model, step_items
 from traceml_ai.integrations._common import StepDriver
-from traceml_ai.rank import _sdk
-from traceml_ai.rank._event_names import STEP_TIME
+from traceml_ai.rank._runtime import sdk
+from traceml_ai.rank._timing.event_names import STEP_TIME
 from traceml_ai.rank.sink import RecordingSink
 
 
@@ -20,9 +20,9 @@ from traceml_ai.rank.sink import RecordingSink
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in (*ENV_VARS, "TRACEML_DISABLED", "TRACEML_SUMMARY_STEP_TIME_FILE"):
         monkeypatch.delenv(name, raising=False)
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     yield
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
 
 
 def _step(driver: StepDriver, model: object) -> object:
@@ -108,14 +108,14 @@ def test_an_evaluation_inside_an_open_step_is_left_out_of_its_time(
 def test_a_step_begun_while_the_hooks_were_paused_keeps_its_whole_time() -> None:
     """resume() leaves the pause out of the step pause() found open only: one that
     ended meanwhile, and a step begun after it, are not shifted."""
-    from traceml_ai.rank import _torch_patches
+    from traceml_ai.rank._patches import phase_hooks
 
     sink = RecordingSink()
     traceml.init(sink=sink, sampler_interval=60)
     model = make_model()
     driver = StepDriver()
     driver.begin(model)
-    timer = _torch_patches.active()
+    timer = phase_hooks.active()
     assert timer is not None
     evaluation = StepDriver()
     evaluation.pause()

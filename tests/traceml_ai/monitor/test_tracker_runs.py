@@ -1,5 +1,5 @@
 """What rank 0 tells the aggregator about the tracker runs its script has open
-(``rank._tracker_runs``), read from the real libraries in a fresh process: an MLflow
+(``rank._runtime.tracker_runs``), read from the real libraries in a fresh process: an MLflow
 run active in the main thread (read from another thread, as the sampler thread does),
 an offline W&B run, and the folders of ``SummaryWriter``s made before and after
 watching began (torch's and tensorboardX's)."""
@@ -17,7 +17,7 @@ from tests.e2e_helpers import clean_env
 
 PROBE = """
 import json, threading
-from traceml_ai.rank._tracker_runs import TrackerRuns, watch_summary_writers
+from traceml_ai.rank._runtime.tracker_runs import TrackerRuns, watch_summary_writers
 from torch.utils.tensorboard import SummaryWriter
 kept = SummaryWriter("tb_before")  # made before TraceML started watching
 watch_summary_writers()
@@ -87,7 +87,7 @@ def test_the_runs_a_script_has_open_are_found(tmp_path: Path) -> None:
 def test_a_local_tracking_uri_is_made_absolute(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from traceml_ai.rank._tracker_runs import _local_uri
+    from traceml_ai.rank._runtime.tracker_runs import _local_uri
 
     monkeypatch.chdir(tmp_path)
     assert _local_uri("sqlite:///m.db") == f"sqlite:///{tmp_path}/m.db"

@@ -7,7 +7,9 @@ import os
 import pytest
 
 from traceml_ai.integrations import _common
-from traceml_ai.rank import _hotpath_py, _sdk, _step_timer, _timer_core
+from traceml_ai.rank._runtime import sdk
+from traceml_ai.rank._timing import hotpath_py, step_timer
+from traceml_ai.rank._timing import timer_core as timer_core_module
 from traceml_records.internal import PURE_PYTHON_ENV
 
 CORE_METHODS = ("begin", "end", "open", "close", "restart", "add_host", "_add_host")
@@ -20,23 +22,23 @@ built: CI builds them, and a silent fallback would leave the C path untested).""
 
 @pytest.fixture(params=["c", "python"], autouse=True)
 def timer_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """``c``: StepTimer as built (``_hotpath.TimerCore`` under its Python methods) and
-    ``_hotpath.StepContext``; ``python``: its per-step and per-call methods, in-flight
-    phases and step context the pure-Python twins (``_hotpath_py``) and the patches'
-    Python wrappers (no ``_hotpath.FastPatch``), as without the extension.
+    """``c``: StepTimer as built (``hotpath.TimerCore`` under its Python methods) and
+    ``hotpath.StepContext``; ``python``: its per-step and per-call methods, in-flight
+    phases and step context the pure-Python twins (``hotpath_py``) and the patches'
+    Python wrappers (no ``hotpath.FastPatch``), as without the extension.
     Under ``TRACEML_PURE_PYTHON=1`` only the ``python`` run takes place."""
-    hotpath = _timer_core.HOTPATH
+    hotpath = timer_core_module.HOTPATH
     if request.param == "c":
         if hotpath is None:
             if PURE_PYTHON:
                 pytest.skip(f"{PURE_PYTHON_ENV} is set: the pure-Python run only")
-            pytest.fail("traceml_ai.rank._hotpath was not built")
+            pytest.fail("traceml_ai.rank._timing.hotpath was not built")
         return "c"
     for name in CORE_METHODS:
-        monkeypatch.setattr(_step_timer.StepTimer, name, getattr(_hotpath_py.TimerCore, name))
-    monkeypatch.setattr(_step_timer, "Slot", _hotpath_py.Slot)
-    for module in (_step_timer, _sdk, _common):
-        monkeypatch.setattr(module, "StepContext", _hotpath_py.StepContext)
+        monkeypatch.setattr(step_timer.StepTimer, name, getattr(hotpath_py.TimerCore, name))
+    monkeypatch.setattr(step_timer, "Slot", hotpath_py.Slot)
+    for module in (step_timer, sdk, _common):
+        monkeypatch.setattr(module, "StepContext", hotpath_py.StepContext)
     if hotpath is not None:
         # The fast patches hand every call to their Python wrappers.
         hotpath.set_fast_patches(False)

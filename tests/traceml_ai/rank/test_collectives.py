@@ -15,7 +15,11 @@ from torch import nn
 
 import traceml_ai as traceml
 from tests.e2e_helpers import free_port, run_cli
-from traceml_ai.rank import _collectives, _sdk
+from traceml_ai.rank import StepTimer
+from traceml_ai.rank._collectives import recorder as collective_recorder
+from traceml_ai.rank._patches import ddp as ddp_patches
+from traceml_ai.rank._patches import distributed
+from traceml_ai.rank._runtime import sdk
 from traceml_ai.rank.sink import RecordingSink
 from traceml_records.internal import WIRE_STREAMS
 
@@ -36,7 +40,7 @@ def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _start() -> RecordingSink:
-    _sdk.reset_for_tests()  # step numbers from 1
+    sdk.reset_for_tests()  # step numbers from 1
     sink = RecordingSink()
     traceml.init(sink=sink, sampler_interval=60)
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -89,7 +93,7 @@ def test_calls_are_attributed_to_their_phase_and_step(world_of_one: None) -> Non
 def test_a_blocking_call_counts_its_time_and_arrival(world_of_one: None) -> None:
     sink = _start()
     model = nn.Linear(4, 4)
-    original = _collectives.OP_OF_FUNCTION  # the functions are patched on dist itself
+    original = distributed.OP_OF_FUNCTION  # the functions are patched on dist itself
     assert getattr(dist.all_reduce, "__traceml_collective__", False), original
     with traceml.trace_step(model):
         time.sleep(0.02)
@@ -165,18 +169,18 @@ def test_a_discarded_step_drops_its_collectives(world_of_one: None) -> None:
 def test_without_traceml_the_patches_pass_through(world_of_one: None) -> None:
     _start()
     traceml.shutdown()
-    assert _collectives.active() is None
+    assert distributed.active() is None
     t = torch.ones(2)
     dist.all_reduce(t)
     assert t.tolist() == [1.0, 1.0]
 
 
-def _nccl_recorder() -> tuple[RecordingSink, _collectives.CollectiveRecorder]:
+def _nccl_recorder() -> tuple[RecordingSink, collective_recorder.CollectiveRecorder]:
     """TraceML started, its collective timing told the backend is NCCL."""
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     sink = RecordingSink()
     traceml.init(sink=sink, sampler_interval=60)
-    recorder = _collectives.active()
+    recorder = distributed.active()
     assert recorder is not None
     recorder._backend_known = True
     recorder._backend = "nccl"
@@ -218,7 +222,7 @@ def test_nccl_path_reads_work_durations_once_completed() -> None:
             seen.append({"async_op": async_op})
             return works[len(seen) - 1] if async_op else None
 
-        timed = _collectives._timed("all_reduce", fake_all_reduce)
+        timed = distributed._timed("all_reduce", fake_all_reduce)
         model = nn.Linear(2, 2)
         with traceml.trace_step(model):
             assert timed(torch.ones(1)) is None  # synchronous for the caller
@@ -241,7 +245,7 @@ def test_nccl_items_wait_for_their_works() -> None:
     sink, recorder = _nccl_recorder()
     try:
         work = _FakeNcclWork(2.25)
-        timed = _collectives._timed(
+        timed = distributed._timed(
             "all_reduce", lambda tensor, op=None, group=None, async_op=False: work
         )
         model = nn.Linear(2, 2)
@@ -314,14 +318,14 @@ def test_an_internal_error_stops_the_timing_and_never_the_collective(
     def broken(self: Any) -> tuple[int, str]:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(_collectives.CollectiveRecorder, "_where", broken)
+    monkeypatch.setattr(StepTimer, "phase_now", broken)
     model = nn.Linear(2, 2)
     t = torch.ones(3)
     failed = r"collective timing failed .*boom.*training continue"
     with pytest.warns(Warning, match=failed), traceml.trace_step(model):
         dist.all_reduce(t)  # the first call learns the backend: the slow path
     assert t.tolist() == [1.0, 1.0, 1.0]
-    recorder = _collectives.active()
+    recorder = distributed.active()
     assert recorder is not None and recorder.enabled is False
     with traceml.trace_step(model):
         dist.all_reduce(t)
@@ -336,13 +340,13 @@ def test_collectives_with_no_step_ending_are_bounded_and_said_once(
 ) -> None:
     """A loop of collectives outside any traced step keeps the newest few, and says so
     once, instead of holding every one until a step ends."""
-    monkeypatch.setattr(_collectives, "MAX_OPEN_CALLS", 4)
+    monkeypatch.setattr(collective_recorder, "MAX_OPEN_CALLS", 4)
     sink = _start()
     t = torch.ones(1)
     with pytest.warns(Warning, match="more than 4 collectives issued while no traced step"):
         for _ in range(10):
             dist.all_reduce(t)
-    recorder = _collectives.active()
+    recorder = distributed.active()
     assert recorder is not None and recorder.dropped == 6
     with traceml.trace_step(nn.Linear(1, 1)):
         pass
@@ -358,7 +362,7 @@ def test_fake_nccl_work_names_what_torch_work_has() -> None:
 
     fake = {name for name in vars(_FakeNcclWork) if not name.startswith("__")} - {"ms"}
     assert fake <= set(dir(dist.Work)), fake - set(dir(dist.Work))
-    assert _collectives._device_ms(_completed_fake(2.5)) == 2.5
+    assert collective_recorder._device_ms(_completed_fake(2.5)) == 2.5
 
 
 def _completed_fake(ms: float) -> _FakeNcclWork:
@@ -377,7 +381,7 @@ def _bucket_hook_on_another_thread(model: nn.Module) -> list[Any]:
         fut.set_result(torch.ones(1))
         return fut if result is None else result.get_future()
 
-    traced = _collectives._wrap_hook(hook)
+    traced = ddp_patches._wrap_hook(hook)
     done: list[Any] = []
 
     def on_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -438,8 +442,8 @@ def test_nccl_call_without_a_work_counts_host_time() -> None:
         def fake_broadcast_coalesced(group: Any, tensors: Any, size: int, src: int = 0) -> None:
             time.sleep(0.005)
 
-        reduce = _collectives._timed("all_reduce", fake_all_reduce)
-        coalesced = _collectives._timed("_broadcast_coalesced", fake_broadcast_coalesced)
+        reduce = distributed._timed("all_reduce", fake_all_reduce)
+        coalesced = distributed._timed("_broadcast_coalesced", fake_broadcast_coalesced)
         model = nn.Linear(2, 2)
         with traceml.trace_step(model):
             coalesced(None, [], 1)

@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e_helpers import data_lines, export_dir, run_cli, warning_file
 from tests.rank_helpers import TensorlessModel, timer_steps
-from traceml_ai.rank import _event_names, _step_timer
+from traceml_ai.rank._timing import event_names, step_timer
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 
@@ -33,12 +33,12 @@ def step_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     if request.param != "dicts":
         monkeypatch.setitem(globals(), "_ENCODED", True)
     if request.param == "encoded-python":
-        monkeypatch.setattr(_step_timer, "_encode_host_step", None)
+        monkeypatch.setattr(step_timer, "_encode_host_step", None)
 
 
-def _timer(sink: RecordingSink, cuda: Any = None) -> _step_timer.StepTimer:
+def _timer(sink: RecordingSink, cuda: Any = None) -> step_timer.StepTimer:
     backend = cuda if cuda is not None else FakeCuda(available=False)
-    timer = _step_timer.StepTimer(sink, backend, lambda model: None, lambda exc: None)
+    timer = step_timer.StepTimer(sink, backend, lambda model: None, lambda exc: None)
     timer.defer = True
     if _ENCODED:
         timer.encoded_sink = sink
@@ -62,7 +62,7 @@ def test_items_wait_for_the_builder_then_come_in_order() -> None:
     timer.build_ended()
     _check_in_order(sink, [1, 2, 3, 4, 5])
     line = sink.items("step_time")[0]
-    assert line["events"][_event_names.DATALOADER_NEXT]["cpu"]["n_calls"] == 1
+    assert line["events"][event_names.DATALOADER_NEXT]["cpu"]["n_calls"] == 1
     assert sink.items("step_memory")[0]["peak_allocated_bytes"] is None
     # The phase dicts go back, zeroed, once built, and are reused with their phases.
     spares = list(timer._spare_acc)
@@ -72,12 +72,12 @@ def test_items_wait_for_the_builder_then_come_in_order() -> None:
     assert len(timer._spare_acc) == 4  # the step's end took one for the next step
     reused = timer._acc
     assert any(reused is acc for acc in spares)
-    phase = reused[_event_names.DATALOADER_NEXT]
+    phase = reused[event_names.DATALOADER_NEXT]
     timer_steps(timer, 1, model)  # this step's calls go into the reused phases
     timer.poll()  # the sampler thread's call builds too
     _check_in_order(sink, [1, 2, 3, 4, 5, 6, 7])
     assert phase.n_calls == 0  # zeroed again once built
-    assert sink.items("step_time")[6]["events"][_event_names.DATALOADER_NEXT]["cpu"]["n_calls"] == 1
+    assert sink.items("step_time")[6]["events"][event_names.DATALOADER_NEXT]["cpu"]["n_calls"] == 1
 
 
 @pytest.mark.usefixtures("step_path")
@@ -97,8 +97,8 @@ def test_a_reused_phase_the_step_did_not_call_is_left_out() -> None:
     timer.build_ended()
     events = [item["events"] for item in sink.items("step_time")]
     assert "wait_for_weights" in events[0]
-    assert all(set(e) == {_event_names.STEP_TIME} for e in events[1:])
-    assert all(e[_event_names.STEP_TIME]["cpu"]["n_calls"] == 1 for e in events)
+    assert all(set(e) == {event_names.STEP_TIME} for e in events[1:])
+    assert all(e[event_names.STEP_TIME]["cpu"]["n_calls"] == 1 for e in events)
 
 
 @pytest.mark.usefixtures("step_path")
@@ -116,15 +116,15 @@ def test_the_builder_is_woken_once_at_the_threshold() -> None:
     timer = _timer(sink)
     wakes: list[int] = []
     timer.wake_builder = lambda: wakes.append(len(timer._ended))
-    timer_steps(timer, _step_timer.ENDED_WAKE_AT + 3, TensorlessModel())
-    assert wakes == [_step_timer.ENDED_WAKE_AT]
+    timer_steps(timer, step_timer.ENDED_WAKE_AT + 3, TensorlessModel())
+    assert wakes == [step_timer.ENDED_WAKE_AT]
 
 
 @pytest.mark.usefixtures("step_path")
 def test_a_builder_that_does_not_keep_up_leaves_the_building_to_the_training_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_step_timer, "MAX_ENDED_STEPS", 4)
+    monkeypatch.setattr(step_timer, "MAX_ENDED_STEPS", 4)
     sink = RecordingSink()
     timer = _timer(sink)
     timer_steps(timer, 4, TensorlessModel())
@@ -165,21 +165,21 @@ def test_a_cuda_step_in_a_reused_phase_dict_has_its_gpu_time() -> None:
     def step() -> None:
         timer.begin(model)
         timer.open(timer.opt)
-        timer.close(timer.opt, _event_names.OPTIMIZER_STEP)
+        timer.close(timer.opt, event_names.OPTIMIZER_STEP)
         timer.end()
 
     for _ in range(3):
         step()
     timer.build_ended()
     step()  # its end takes a reused dict for the next step
-    assert timer._spare_acc and _event_names.OPTIMIZER_STEP in timer._acc  # reused
+    assert timer._spare_acc and event_names.OPTIMIZER_STEP in timer._acc  # reused
     cuda.model_device = 0
     timer._model_ref = None
     step()
     timer.drain(sync=True)
     cpu_line, cuda_line = sink.items("step_time")[3:]
-    assert cpu_line["events"][_event_names.OPTIMIZER_STEP]["cpu"]["gpu_ms"] is None
-    optimizer = cuda_line["events"][_event_names.OPTIMIZER_STEP]["cuda:0"]
+    assert cpu_line["events"][event_names.OPTIMIZER_STEP]["cpu"]["gpu_ms"] is None
+    optimizer = cuda_line["events"][event_names.OPTIMIZER_STEP]["cuda:0"]
     assert optimizer["is_gpu"] and optimizer["gpu_ms"] is not None and optimizer["n_calls"] == 1
 
 
@@ -207,10 +207,11 @@ def test_a_thread_building_while_steps_end_loses_and_reorders_nothing() -> None:
 _FAIL_SCRIPT = textwrap.dedent(
     """
     import traceml_ai as traceml
-    from traceml_ai.rank import _event_names, _step_timer, _torch_patches
+    from traceml_ai.rank._patches import phase_hooks
+    from traceml_ai.rank._timing import event_names, step_timer
 
     traceml.init()
-    timer = _torch_patches.active()
+    timer = phase_hooks.active()
     assert timer is not None and timer.defer, "steps off CUDA are built by the sender"
     for _ in range(300):
         with traceml.trace_step():
@@ -246,10 +247,11 @@ _BUILDER_BUG_SCRIPT = textwrap.dedent(
     """
     import time
     import traceml_ai as traceml
-    from traceml_ai.rank import _event_names, _step_timer, _torch_patches
+    from traceml_ai.rank._patches import phase_hooks
+    from traceml_ai.rank._timing import event_names, step_timer
 
     traceml.init()
-    timer = _torch_patches.active()
+    timer = phase_hooks.active()
 
     def broken(*args):
         raise RuntimeError("builder bug")

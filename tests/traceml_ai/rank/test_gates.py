@@ -1,4 +1,4 @@
-"""The torch patches' fast path (``_hotpath.FastPatch``): each does its patch's common
+"""The torch patches' fast path (``hotpath.FastPatch``): each does its patch's common
 case in C and hands every other call to the patch's Python wrapper, which defines the
 behaviour. Runs over both timer cores (conftest): with ``python``, fast patches are off
 and every call goes to the wrapper, so each behavioural test here holds the two paths to
@@ -14,30 +14,32 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.traceml_ai.rank.conftest import needs_c
-from traceml_ai.rank import _event_names, _step_timer, _timer_core, _torch_patches
+from traceml_ai.rank._patches import phase_hooks
+from traceml_ai.rank._timing import event_names, step_timer
+from traceml_ai.rank._timing import timer_core as timer_core_module
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 
 
 @pytest.fixture
-def timer() -> Iterator[_step_timer.StepTimer]:
-    _torch_patches.install_patches(torch)
-    timer = _step_timer.StepTimer(RecordingSink(), FakeCuda(available=False), print, print)
-    _torch_patches.activate(timer)
+def timer() -> Iterator[step_timer.StepTimer]:
+    phase_hooks.install_patches(torch)
+    timer = step_timer.StepTimer(RecordingSink(), FakeCuda(available=False), print, print)
+    phase_hooks.activate(timer)
     yield timer
-    _torch_patches.activate(None)
+    phase_hooks.activate(None)
 
 
-def _events(timer: _step_timer.StepTimer) -> list[dict[str, Any]]:
+def _events(timer: step_timer.StepTimer) -> list[dict[str, Any]]:
     return [item["events"] for item in timer._sink.items("step_time")]  # type: ignore[attr-defined]
 
 
 @needs_c
 def test_the_patches_are_gates_over_their_python_wrappers() -> None:
-    _torch_patches.install_patches(torch)
-    from traceml_ai.rank import _wrappers
+    phase_hooks.install_patches(torch)
+    from traceml_ai.rank._patches import wrappers
 
-    _wrappers.install_h2d_patch(torch)
+    wrappers.install_h2d_patch(torch)
     loader_iter = torch.utils.data.dataloader._BaseDataLoaderIter
     for patched, name in (
         (torch.autograd.backward, "backward"),
@@ -45,7 +47,7 @@ def test_the_patches_are_gates_over_their_python_wrappers() -> None:
         (torch.Tensor.__dict__["to"], "to"),
         (torch.Tensor.__dict__["cuda"], "cuda"),
     ):
-        assert type(patched) is _timer_core.HOTPATH.FastPatch, name
+        assert type(patched) is timer_core_module.HOTPATH.FastPatch, name
         assert patched.__name__ == name
         assert callable(patched.slow) and patched.slow is not patched.original
         assert patched.__wrapped__ is patched.original
@@ -53,10 +55,10 @@ def test_the_patches_are_gates_over_their_python_wrappers() -> None:
 
 
 def test_a_gate_is_a_method_of_its_class() -> None:
-    _torch_patches.install_patches(torch)
-    from traceml_ai.rank import _wrappers
+    phase_hooks.install_patches(torch)
+    from traceml_ai.rank._patches import wrappers
 
-    _wrappers.install_h2d_patch(torch)
+    wrappers.install_h2d_patch(torch)
     t = torch.zeros(2)
     bound = t.to
     assert bound.__self__ is t
@@ -68,7 +70,7 @@ def test_a_gate_is_a_method_of_its_class() -> None:
 
 
 @needs_c
-def test_dispatch_of_a_gate(timer: _step_timer.StepTimer, timer_core: str) -> None:
+def test_dispatch_of_a_gate(timer: step_timer.StepTimer, timer_core: str) -> None:
     calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
 
     def original(*args: Any, **kwargs: Any) -> str:
@@ -79,20 +81,20 @@ def test_dispatch_of_a_gate(timer: _step_timer.StepTimer, timer_core: str) -> No
         calls.append(("slow", args, kwargs))
         return "slow"
 
-    gate = _timer_core.fast_patch(_timer_core.PATCH_OUTSIDE_STEP, original, slow)
+    gate = timer_core_module.fast_patch(timer_core_module.PATCH_OUTSIDE_STEP, original, slow)
     assert gate(1, 2, key=3) == ("slow" if timer_core == "python" else "original")
     assert calls[-1][1:] == ((1, 2), {"key": 3})  # passed on as they came
     timer.begin(None)
     assert gate(4) == "slow"  # inside a step: the wrapper decides
     timer.end()
-    _torch_patches.activate(None)
+    phase_hooks.activate(None)
     assert gate() == ("slow" if timer_core == "python" else "original")
     with pytest.raises(ValueError):
-        _timer_core.HOTPATH.FastPatch(7, original, slow)
+        timer_core_module.HOTPATH.FastPatch(7, original, slow)
 
 
 def test_dataloader_waits_are_timed_and_the_end_of_an_epoch_is_not(
-    timer: _step_timer.StepTimer,
+    timer: step_timer.StepTimer,
 ) -> None:
     loader = DataLoader(TensorDataset(torch.zeros(3, 2)), batch_size=2)
     fetched = 0
@@ -105,16 +107,16 @@ def test_dataloader_waits_are_timed_and_the_end_of_an_epoch_is_not(
     timer.begin(None)
     timer.end()
     (events,) = _events(timer)
-    assert events[_event_names.DATALOADER_NEXT]["cpu"]["n_calls"] == 2
+    assert events[event_names.DATALOADER_NEXT]["cpu"]["n_calls"] == 2
     timer.auto_dataloader = False
     next(iter(loader))
     timer.begin(None)
     timer.end()
-    assert _event_names.DATALOADER_NEXT not in _events(timer)[1]
+    assert event_names.DATALOADER_NEXT not in _events(timer)[1]
 
 
 def test_backward_is_timed_in_steps_only_and_its_errors_propagate(
-    timer: _step_timer.StepTimer,
+    timer: step_timer.StepTimer,
 ) -> None:
     w = torch.ones(2, requires_grad=True)
     (w * 2).sum().backward()  # outside a step: untimed
@@ -125,37 +127,37 @@ def test_backward_is_timed_in_steps_only_and_its_errors_propagate(
         torch.zeros(1).backward()  # no grad_fn: torch's own error, unchanged
     timer.end()
     (events,) = _events(timer)
-    assert events[_event_names.BACKWARD]["cpu"]["n_calls"] == 3
+    assert events[event_names.BACKWARD]["cpu"]["n_calls"] == 3
     assert timer.bwd.depth == 0
     timer.auto_backward = False
     timer.begin(None)
     (w * 2).sum().backward()
     timer.end()
-    assert _event_names.BACKWARD not in _events(timer)[1]
+    assert event_names.BACKWARD not in _events(timer)[1]
 
 
 def test_the_backward_wrapper_steps_aside_while_compiling(
-    timer: _step_timer.StepTimer, monkeypatch: pytest.MonkeyPatch
+    timer: step_timer.StepTimer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What torch.compile's tracer runs: the Python wrapper (it cannot trace into the
     C gate, which therefore only ever runs eagerly)."""
-    monkeypatch.setattr(_torch_patches, "_is_compiling", lambda: True)
+    monkeypatch.setattr(phase_hooks, "_is_compiling", lambda: True)
     wrapper = getattr(torch.autograd.backward, "slow", torch.autograd.backward)
     w = torch.ones(2, requires_grad=True)
     timer.begin(None)
     wrapper((w * 2).sum())
     timer.end()
-    assert _event_names.BACKWARD not in _events(timer)[0]
+    assert event_names.BACKWARD not in _events(timer)[0]
 
 
-def test_h2d_on_cpu_adds_no_phase(timer: _step_timer.StepTimer) -> None:
-    from traceml_ai.rank import _wrappers
+def test_h2d_on_cpu_adds_no_phase(timer: step_timer.StepTimer) -> None:
+    from traceml_ai.rank._patches import wrappers
 
-    _wrappers.install_h2d_patch(torch)
+    wrappers.install_h2d_patch(torch)
     t = torch.zeros(2)
     timer.begin(None)
     assert t.to(torch.device("cpu")) is t
     assert t.to("cpu", non_blocking=True) is t
     assert t.to(torch.float64).dtype == torch.float64
     timer.end()
-    assert _event_names.H2D not in _events(timer)[0]
+    assert event_names.H2D not in _events(timer)[0]

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.rank_helpers import TensorlessModel
-from traceml_ai.rank import _event_names, _step_timer
-from traceml_ai.rank._step_recorder import StepRecorder
+from traceml_ai.rank._timing import event_names, step_timer
+from traceml_ai.rank._timing.step_recorder import StepRecorder
 from traceml_ai.testing import FakeCuda
 from traceml_ai.transport import RankSender
 
@@ -40,16 +40,16 @@ def _tracked_growth(sender: RankSender, defer: bool, cuda: bool) -> tuple[int, i
     recorder = StepRecorder(sender, encoded=sender)
     # "cuda" is faked (no GPU here): every phase records events that complete at once.
     backend = FakeCuda(model_device=0, auto_complete=True) if cuda else FakeCuda(available=False)
-    timer = _step_timer.StepTimer(recorder, backend, lambda model: None, lambda exc: None)
+    timer = step_timer.StepTimer(recorder, backend, lambda model: None, lambda exc: None)
     timer.defer = defer
     model = TensorlessModel()
 
     def steps(n: int) -> None:
         for _ in range(n):
-            timer.add_host(_event_names.DATALOADER_NEXT, 1000)
+            timer.add_host(event_names.DATALOADER_NEXT, 1000)
             timer.begin(model)
             timer.open(timer.opt)  # a pair of CUDA events on "cuda"
-            timer.close(timer.opt, _event_names.OPTIMIZER_STEP)
+            timer.close(timer.opt, event_names.OPTIMIZER_STEP)
             timer.end()
         timer.build_ended()
 

@@ -25,7 +25,10 @@ import torch
 
 import traceml_ai as traceml
 from tests import e2e_helpers as e2e
-from traceml_ai.rank import _hotpath_py, _sdk, _step_timer, _torch_patches, gpu
+from traceml_ai.rank import gpu
+from traceml_ai.rank._patches import phase_hooks
+from traceml_ai.rank._runtime import sdk
+from traceml_ai.rank._timing import hotpath_py, step_timer
 from traceml_ai.rank.gpu import GpuReading, TorchCudaBackend, normalize_uuid
 from traceml_ai.rank.samplers import ProcessSampler
 from traceml_ai.rank.sink import RecordingSink
@@ -49,9 +52,9 @@ ENV_VARS = (
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     yield
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
 
 
 def _device(kind: str, index: int | None = None) -> SimpleNamespace:
@@ -98,7 +101,7 @@ def one_step(model: object | None, cuda: FakeCuda) -> None:
 def test_shutdown_polls_one_deadline_and_never_synchronizes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_step_timer, "SHUTDOWN_GPU_WAIT_S", 0.3)
+    monkeypatch.setattr(step_timer, "SHUTDOWN_GPU_WAIT_S", 0.3)
     sink = RecordingSink()
     cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
@@ -160,19 +163,19 @@ def test_trace_phase_outside_steps_keeps_a_bounded_number_of_events() -> None:
     cuda = FakeCuda(devices=2)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     one_step(FakeModel(_device("cuda", 0)), cuda)  # the device is known from here on
-    timer = _torch_patches.active()
+    timer = phase_hooks.active()
     assert timer is not None
-    for _ in range(_hotpath_py.MAX_OUTSIDE_PAIRS * 3):
+    for _ in range(hotpath_py.MAX_OUTSIDE_PAIRS * 3):
         with traceml.trace_phase("eval"):
             pass
     phase = timer._acc["eval"]
     assert len(phase.pairs) == 0 and phase.missing
-    assert phase.n_calls == _hotpath_py.MAX_OUTSIDE_PAIRS * 3
+    assert phase.n_calls == hotpath_py.MAX_OUTSIDE_PAIRS * 3
     cuda.finish_all()
     one_step(FakeModel(_device("cuda", 0)), cuda)
     traceml.shutdown()
     evals = step_items(sink)[-1]["events"]["eval"]["cuda:0"]
-    assert evals["n_calls"] == _hotpath_py.MAX_OUTSIDE_PAIRS * 3 and evals["gpu_ms"] is None
+    assert evals["n_calls"] == hotpath_py.MAX_OUTSIDE_PAIRS * 3 and evals["gpu_ms"] is None
 
 
 def test_no_events_inside_a_cuda_graph_capture() -> None:

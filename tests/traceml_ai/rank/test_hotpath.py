@@ -1,7 +1,7 @@
-"""The step timer's C core (``traceml_ai.rank._hotpath``) against its Python methods.
+"""The step timer's C core (``traceml_ai.rank._timing.hotpath``) against its Python methods.
 
 ``TimerCore`` does the common case of ``open``/``close``/``restart``/``add_host`` in C
-and hands every other case to ``_hotpath_py.TimerCore``, which defines the behaviour.
+and hands every other case to ``hotpath_py.TimerCore``, which defines the behaviour.
 Here both take the same calls and must end in the same state; the rest of the rank
 suites run over both (conftest.py).
 """
@@ -24,7 +24,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.traceml_ai.rank.conftest import CORE_METHODS, PURE_PYTHON
-from traceml_ai.rank import _event_names, _hotpath_py, _step_timer, _timer_core
+from traceml_ai.rank._timing import event_names, hotpath_py, step_timer
+from traceml_ai.rank._timing import timer_core as timer_core_module
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 
@@ -37,22 +38,22 @@ def timer_core() -> str:
     return "c"
 
 
-class _PythonTimer(_step_timer.StepTimer):
+class _PythonTimer(step_timer.StepTimer):
     """A StepTimer on the pure-Python methods and phases, as without the extension."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.fwd, self.bwd, self.opt, self.h2d = (_hotpath_py.Slot() for _ in range(4))
+        self.fwd, self.bwd, self.opt, self.h2d = (hotpath_py.Slot() for _ in range(4))
         self.hooked = (self.fwd, self.opt)
 
 
 for _name in CORE_METHODS:
-    setattr(_PythonTimer, _name, getattr(_hotpath_py.TimerCore, _name))
+    setattr(_PythonTimer, _name, getattr(hotpath_py.TimerCore, _name))
 
 
-def _pair(cuda: Any = None, defer: bool = False) -> list[_step_timer.StepTimer]:
-    timers: list[_step_timer.StepTimer] = []
-    for cls in (_step_timer.StepTimer, _PythonTimer):
+def _pair(cuda: Any = None, defer: bool = False) -> list[step_timer.StepTimer]:
+    timers: list[step_timer.StepTimer] = []
+    for cls in (step_timer.StepTimer, _PythonTimer):
         backend = cuda() if cuda is not None else FakeCuda(available=False)
         timer = cls(RecordingSink(), backend, lambda m: None, lambda e: None)
         timer.defer = defer
@@ -88,8 +89,8 @@ def _models() -> list[Any]:
 def test_the_core_is_built_and_used() -> None:
     timer = _pair()[0]
     assert type(timer.fwd).__name__ == "Slot"
-    assert _step_timer.StepTimer.open is not _hotpath_py.TimerCore.open
-    slot = _step_timer.Slot()
+    assert step_timer.StepTimer.open is not hotpath_py.TimerCore.open
+    slot = step_timer.Slot()
     assert (slot.depth, slot.t0, slot.ev0, slot.auto) == (0, 0, None, True)
     with pytest.raises(TypeError):
         slot.auto = 1  # type: ignore[assignment]  # a bool, as the timer's setters give
@@ -97,7 +98,7 @@ def test_the_core_is_built_and_used() -> None:
     assert timer.fwd.auto is False
 
 
-def _state(timer: _step_timer.StepTimer) -> tuple[Any, ...]:
+def _state(timer: step_timer.StepTimer) -> tuple[Any, ...]:
     phases = {name: (p.n_calls, p.missing, len(p.pairs)) for name, p in timer._acc.items()}
     depths = tuple(s.depth for s in (timer.fwd, timer.bwd, timer.opt, timer.h2d))
     ended = [(step, device) for step, _, device in timer._ended_at]
@@ -107,7 +108,7 @@ def _state(timer: _step_timer.StepTimer) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def _items(timer: _step_timer.StepTimer) -> list[Any]:
+def _items(timer: step_timer.StepTimer) -> list[Any]:
     sink = timer._sink
     assert isinstance(sink, RecordingSink)
     out = []
@@ -135,7 +136,7 @@ OPS = st.lists(
         st.tuples(st.just("close"), st.integers(0, 3), st.sampled_from(["a", "b", "fwd"])),
         st.tuples(
             st.just("add_host"),
-            st.sampled_from(["a", "dl", _event_names.STEP_TIME]),
+            st.sampled_from(["a", "dl", event_names.STEP_TIME]),
             st.one_of(st.integers(0, 10**6), st.just(2**64), st.just(-5)),
         ),
         st.tuples(st.just("other_thread"), st.integers(0, 3)),
@@ -144,7 +145,7 @@ OPS = st.lists(
 )
 
 
-def _apply(timer: _step_timer.StepTimer, op: tuple[Any, ...], models: list[Any]) -> None:
+def _apply(timer: step_timer.StepTimer, op: tuple[Any, ...], models: list[Any]) -> None:
     slots = (timer.fwd, timer.bwd, timer.opt, timer.h2d)
     kind = op[0]
     if kind == "begin":
@@ -236,7 +237,7 @@ def test_counts_past_64_bits_go_on_in_python() -> None:
 def test_a_timer_in_a_reference_cycle_is_collected() -> None:
     timer = _pair()[0]
     timer.cycle = timer  # type: ignore[attr-defined]
-    timer._acc["a"] = _hotpath_py.Phase()
+    timer._acc["a"] = hotpath_py.Phase()
     ref = weakref.ref(timer)
     del timer
     gc.collect()
@@ -245,7 +246,7 @@ def test_a_timer_in_a_reference_cycle_is_collected() -> None:
 
 def test_without_the_extension_the_timer_is_pure_python() -> None:
     code = (
-        "from traceml_ai.rank import _hotpath_py as py, _step_timer as t, _timer_core as c;"
+        "from traceml_ai.rank._timing import hotpath_py as py, step_timer as t, timer_core as c;"
         "assert c.HOTPATH is None and c.fast_patch(0, len, print) is print;"
         "assert t.StepTimer.__mro__[1] is py.TimerCore and t.Slot is py.Slot;"
         "assert t.StepContext is py.StepContext and t._encode_host_step is None;"
@@ -262,10 +263,10 @@ def test_without_the_extension_the_timer_is_pure_python() -> None:
         text=True,
         check=True,
     )
-    assert out.stdout.strip() == str(sorted(["f", _event_names.STEP_TIME]))
+    assert out.stdout.strip() == str(sorted(["f", event_names.STEP_TIME]))
 
 
-CONTEXTS = [_step_timer.StepContext, _hotpath_py.StepContext]
+CONTEXTS = [step_timer.StepContext, hotpath_py.StepContext]
 
 
 @pytest.mark.parametrize("context", CONTEXTS, ids=["c", "python"])
@@ -340,13 +341,13 @@ def test_an_extension_built_from_other_sources_leaves_everything_in_python(
         def configure(*args: Any) -> None:
             raise TypeError("the phase class has no slot cpu_ns")
 
-    monkeypatch.setattr(_timer_core._records, "load_extension", lambda name="": Stale)
-    assert _timer_core._load_hotpath() is None
+    monkeypatch.setattr(timer_core_module._records, "load_extension", lambda name="": Stale)
+    assert timer_core_module._load_hotpath() is None
 
 
 def _stub_classes() -> dict[str, set[str]]:
-    """Each class of ``_hotpath.pyi`` and the public methods it declares."""
-    tree = ast.parse((Path(_timer_core.__file__).parent / "_hotpath.pyi").read_text())
+    """Each class of ``hotpath.pyi`` and the public methods it declares."""
+    tree = ast.parse((Path(timer_core_module.__file__).parent / "hotpath.pyi").read_text())
     return {
         node.name: {
             item.name
@@ -360,14 +361,14 @@ def _stub_classes() -> dict[str, set[str]]:
 
 
 def test_the_pure_twin_and_the_c_core_offer_the_methods_of_the_stub() -> None:
-    """``_hotpath.pyi`` is the interface of both: every class it declares that the twin
-    defines has the same public methods in C and in ``_hotpath_py`` (in Python a
+    """``hotpath.pyi`` is the interface of both: every class it declares that the twin
+    defines has the same public methods in C and in ``hotpath_py`` (in Python a
     ``FastPatch`` is its slow wrapper itself, so the twin has no such class)."""
     stubs = _stub_classes()
     assert {"TimerCore", "Slot", "StepContext", "FastPatch"} <= set(stubs)
-    hotpath = _timer_core.HOTPATH
-    assert hotpath is not None, "traceml_ai.rank._hotpath was not built"
-    twins = {name for name in stubs if hasattr(_hotpath_py, name)}
+    hotpath = timer_core_module.HOTPATH
+    assert hotpath is not None, "traceml_ai.rank._timing.hotpath was not built"
+    twins = {name for name in stubs if hasattr(hotpath_py, name)}
     assert twins == set(stubs) - {"FastPatch"}
     for name, methods in stubs.items():
         built = getattr(hotpath, name)
@@ -376,7 +377,7 @@ def test_the_pure_twin_and_the_c_core_offer_the_methods_of_the_stub() -> None:
         assert all(callable(getattr(built, m)) for m in methods), name
         if name not in twins:
             continue
-        twin = getattr(_hotpath_py, name)
+        twin = getattr(hotpath_py, name)
         defined = {
             m
             for m, value in vars(twin).items()

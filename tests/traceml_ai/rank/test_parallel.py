@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from tests.e2e_helpers import free_port
-from traceml_ai.rank import _parallel
+from traceml_ai.rank._collectives import parallel_layout
 from traceml_ai.rank._init_config import forget_warnings
+from traceml_ai.rank._patches import layout_hooks
 from traceml_ai.settings import SettingsError, parse_parallel, resolve_launch_settings
 
 WORKER = Path(__file__).with_name("_parallel_worker.py")
@@ -127,7 +128,7 @@ def test_declared_layout_coordinates_follow_megatrons_order() -> None:
     world = 4 * 1 * 8 * 4
     seen = set()
     for g in range(world):
-        layout = _parallel.parse_declared("tp=4,cp=1,dp=8,pp=4", world, g)
+        layout = parallel_layout.parse_declared("tp=4,cp=1,dp=8,pp=4", world, g)
         assert layout is not None
         c = layout.item()
         assert c["tp"]["rank"] == g % 4 and c["cp"]["rank"] == 0
@@ -135,12 +136,12 @@ def test_declared_layout_coordinates_follow_megatrons_order() -> None:
         assert [c[d]["size"] for d in ("tp", "cp", "dp", "pp")] == [4, 1, 8, 4]
         seen.add((c["tp"]["rank"], c["dp"]["rank"], c["pp"]["rank"]))
     assert len(seen) == world
-    layout = _parallel.parse_declared("tp=2,dp=2", 4, 0)
+    layout = parallel_layout.parse_declared("tp=2,dp=2", 4, 0)
     assert layout is not None
     assert layout.dim_spanned([0, 1]) == "tp" and layout.dim_spanned([1, 3]) == "dp"
     assert layout.dim_spanned([0, 3]) is None
     with pytest.raises(ValueError, match="describes 4 ranks"):
-        _parallel.parse_declared("tp=2,dp=2", 8, 0)
+        parallel_layout.parse_declared("tp=2,dp=2", 8, 0)
 
 
 @pytest.mark.parametrize(
@@ -211,10 +212,10 @@ def test_the_ray_config_checks_the_layout() -> None:
 @pytest.fixture
 def clean_layout(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("TRACEML_PARALLEL", raising=False)
-    _parallel.reset()
+    parallel_layout.reset()
     forget_warnings()
     yield
-    _parallel.reset()
+    parallel_layout.reset()
 
 
 def _megatron_stand_in(tp: int, cp: int, dp: int, pp: int, g: int) -> types.ModuleType:
@@ -239,7 +240,7 @@ def test_megatron_parallel_state(monkeypatch: pytest.MonkeyPatch, clean_layout: 
     monkeypatch.setitem(
         sys.modules, "megatron.core.parallel_state", _megatron_stand_in(2, 1, 4, 2, 13)
     )
-    layout = _parallel.find_layout()
+    layout = parallel_layout.find_layout()
     assert layout is not None and layout.source == "megatron"
     assert layout.item() == {
         "cp": {"rank": 0, "size": 1}, "dp": {"rank": 2, "size": 4},
@@ -287,9 +288,9 @@ def test_deepspeed_pipeline_grid(monkeypatch: pytest.MonkeyPatch, clean_layout: 
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.pipe.topology", topology)
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "5")
-    _parallel._on_deepspeed_topology(topology)
+    layout_hooks._on_deepspeed_topology(topology)
     grid = PipelineParallelGrid(_Topology(["pipe", "data", "model"], [2, 2, 2]))
-    layout = _parallel.find_layout()
+    layout = parallel_layout.find_layout()
     assert layout is not None and layout.source == "deepspeed"
     assert layout.item() == {
         "dp": {"rank": 0, "size": 2}, "pp": {"rank": 1, "size": 2}, "tp": {"rank": 1, "size": 2},
@@ -310,13 +311,16 @@ def test_a_broken_source_costs_one_warning_and_no_layout(
     ps.get_tensor_model_parallel_world_size = broken  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", ps)
     with pytest.warns(Warning, match="could not be read from megatron"):
-        assert _parallel.find_layout() is None
+        assert parallel_layout.find_layout() is None
 
 
 def test_group_labels() -> None:
     assert (
-        _parallel.label_of_dim("dp_shard") == "dp"
-        and _parallel.label_of_dim("dp_replicate") == "dp"
+        parallel_layout.label_of_dim("dp_shard") == "dp"
+        and parallel_layout.label_of_dim("dp_replicate") == "dp"
     )
-    assert _parallel.label_of_dim("tp") == "tp" and _parallel.label_of_dim("dim0") == "other"
-    assert _parallel.group_label(None, None) == "world"
+    assert (
+        parallel_layout.label_of_dim("tp") == "tp"
+        and parallel_layout.label_of_dim("dim0") == "other"
+    )
+    assert parallel_layout.group_label(None, None) == "world"

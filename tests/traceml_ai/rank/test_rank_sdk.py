@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import traceml_ai as traceml
 from tests.e2e_helpers import REPO
 from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
-from traceml_ai.rank import _connect, _sdk, _step_timer, _torch_patches
+from traceml_ai.rank._patches import phase_hooks
+from traceml_ai.rank._runtime import connect, sdk
+from traceml_ai.rank._timing import step_timer
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.rank.runtime_env import model_strategy, runtime_environment_item, topology_of
 from traceml_ai.rank.sink import RecordingSink
@@ -70,9 +72,9 @@ RUNTIME_ENV_KEYS, _ = wire_keys("runtime_environment")
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     yield
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
 
 
 def train(model: torch.nn.Module, steps: int, *, phase: bool = True) -> None:
@@ -204,13 +206,13 @@ def test_a_forked_child_turns_traceml_off_in_itself() -> None:
     traceml.init(sink=sink, sampler_interval=60)
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code only
-        ok = _sdk._runtime is None and _torch_patches.active() is None
+        ok = sdk._runtime is None and phase_hooks.active() is None
         with traceml.trace_step(None):
             pass
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert _torch_patches.active() is not None  # the parent is unaffected
+    assert phase_hooks.active() is not None  # the parent is unaffected
 
 
 def test_user_phase_outside_a_step_counts_toward_the_next_step() -> None:
@@ -349,7 +351,7 @@ def test_internal_failure_warns_once_disables_timing_and_training_goes_on() -> N
     assert "step timing failed" in str(ours[0].message)
     # The failing put came after step 1's step_memory; nothing after that.
     assert [m["step"] for m in sink.items("step_memory")] == [1]
-    assert _torch_patches.active() is None
+    assert phase_hooks.active() is None
 
 
 # -- DDP on a one-process gloo group ---------------------------------------------
@@ -542,7 +544,7 @@ def test_fake_cuda_backlog_is_bounded() -> None:
     cuda = fake_cuda(gpu_keeps_up=False)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
     model = make_model()
-    total = _step_timer.MAX_PENDING_STEPS + 5
+    total = step_timer.MAX_PENDING_STEPS + 5
     for _ in range(total):
         with traceml.trace_step(model):
             model(torch.randn(2, 8))
@@ -573,8 +575,8 @@ def test_without_launcher_init_warns_once_and_every_call_is_a_no_op() -> None:
     ours = [w for w in caught if issubclass(w.category, traceml.TraceMLWarning)]
     assert len(ours) == 1
     assert "not launched by `traceml run`" in str(ours[0].message)
-    assert _sdk._runtime is None
-    assert _torch_patches.active() is None
+    assert sdk._runtime is None
+    assert phase_hooks.active() is None
     assert len(model._forward_pre_hooks) == 0
 
 
@@ -585,7 +587,7 @@ def test_mode_off_is_silent_and_bad_mode_is_rejected() -> None:
         with traceml.trace_step(None):
             pass
     assert not [w for w in caught if issubclass(w.category, traceml.TraceMLWarning)]
-    assert _sdk._runtime is None
+    assert sdk._runtime is None
     with pytest.raises(ValueError):
         traceml.init("sometimes")
 
@@ -675,17 +677,17 @@ def test_bad_aggregator_address_turns_export_off_with_a_warning(
     monkeypatch.setenv("TRACEML_AGGREGATOR_ADDR", "no-port-here")
     with pytest.warns(traceml.TraceMLWarning, match="could not start"):
         traceml.init()
-    assert _sdk._runtime is None
+    assert sdk._runtime is None
     with traceml.trace_step(None):
         pass
 
 
 def test_parse_address() -> None:
-    assert _connect.parse_address("127.0.0.1:5000") == ("127.0.0.1", 5000)
-    assert _connect.parse_address("[::1]:7") == ("::1", 7)
+    assert connect.parse_address("127.0.0.1:5000") == ("127.0.0.1", 5000)
+    assert connect.parse_address("[::1]:7") == ("::1", 7)
     for bad in ("host", ":80", "h:0", "h:70000", "h:x"):
         with pytest.raises(ValueError):
-            _connect.parse_address(bad)
+            connect.parse_address(bad)
 
 
 # -- identity and runtime environment ---------------------------------------------

@@ -20,7 +20,7 @@ from tests.e2e_helpers import (
     traceml_cmd,
     warning_file,
 )
-from traceml_ai.rank import _sdk
+from traceml_ai.rank._runtime import sdk
 
 pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
 
@@ -101,7 +101,7 @@ class _ListSink:
 
 
 def test_counters_continue_in_process() -> None:
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     try:
         first, second = _ListSink(), _ListSink()
         traceml.init(sink=first, sampler_interval=60)
@@ -121,4 +121,4 @@ def test_counters_continue_in_process() -> None:
         assert [i["step"] for s, i in second.items if s == "step_time"] == [3]
         assert orjson.dumps([i for _, i in second.items])
     finally:
-        _sdk.reset_for_tests()
+        sdk.reset_for_tests()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import traceml_ai as traceml
 from tests.e2e_helpers import REPO
-from traceml_ai.rank import _sdk
+from traceml_ai.rank._runtime import sdk
 from traceml_ai.rank.gpu import GpuReading, PynvmlBackend, TorchCudaBackend
 from traceml_ai.rank.samplers import (
     DEFAULT_SAMPLER_INTERVAL,
@@ -65,9 +65,9 @@ def wire_keys(stream: str) -> tuple[set[str], set[str]]:
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
     yield
-    _sdk.reset_for_tests()
+    sdk.reset_for_tests()
 
 
 def cpu_only_cuda(available: bool | None = False) -> FakeCuda:

@@ -19,13 +19,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.traceml_ai.rank.conftest import needs_c
-from traceml_ai.rank import _event_names, _hotpath_py, _step_timer
-from traceml_ai.rank._step_recorder import StepHistory, StepRecorder
+from traceml_ai.rank._timing import event_names, hotpath_py, step_timer
+from traceml_ai.rank._timing.step_recorder import StepHistory, StepRecorder
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
 from traceml_ai.transport.wire import encode_item
 
-encode = _step_timer._encode_host_step
+encode = step_timer._encode_host_step
 
 
 @needs_c
@@ -48,7 +48,7 @@ def _python_items(
     acc: dict[str, Any], step: int, ts: int, device: str, seq: tuple[int, int]
 ) -> list[tuple[str, bytes]]:
     sink = _Items()
-    timer = _step_timer.StepTimer(sink, FakeCuda(available=False), lambda m: None, lambda e: None)
+    timer = step_timer.StepTimer(sink, FakeCuda(available=False), lambda m: None, lambda e: None)
     timer.continue_counts(0, seq[0], seq[1])
     timer._send_host(step, ts, device, acc)
     return sink.data
@@ -59,7 +59,7 @@ def _state(acc: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
 
 
 def _phase(cpu_ns: int, n_calls: int, missing: bool) -> Any:
-    phase = _hotpath_py.Phase()
+    phase = hotpath_py.Phase()
     phase.cpu_ns, phase.n_calls, phase.missing = cpu_ns, n_calls, missing
     if not missing:
         phase.pairs = [(object(), object())]  # an earlier CUDA step's events
@@ -67,9 +67,7 @@ def _phase(cpu_ns: int, n_calls: int, missing: bool) -> Any:
 
 
 phase_names = st.one_of(
-    st.sampled_from(
-        [_event_names.FORWARD, _event_names.BACKWARD, _event_names.STEP_TIME, "a", "b\n"]
-    ),
+    st.sampled_from([event_names.FORWARD, event_names.BACKWARD, event_names.STEP_TIME, "a", "b\n"]),
     st.text(max_size=12),
 )
 phases = st.builds(
@@ -115,12 +113,12 @@ def test_c_writes_the_bytes_python_writes_and_zeroes_the_phases_alike(
 @needs_c
 def test_the_cases_it_hands_back_to_python() -> None:
     assert encode is not None
-    good = {_event_names.FORWARD: _phase(1_000, 1, True)}
+    good = {event_names.FORWARD: _phase(1_000, 1, True)}
     assert encode(good, 1, 2, "cpu", 0, 0) is not None
     for acc, step, device in [
-        ({_event_names.FORWARD: object()}, 1, "cpu"),  # not a phase
+        ({event_names.FORWARD: object()}, 1, "cpu"),  # not a phase
         ({1: _phase(1, 1, True)}, 1, "cpu"),  # a name that is not a str
-        ({_event_names.FORWARD: _phase(10**400, 1, True)}, 1, "cpu"),  # beyond a double
+        ({event_names.FORWARD: _phase(10**400, 1, True)}, 1, "cpu"),  # beyond a double
         (good, 2**70, "cpu"),  # an int beyond 64 bits
         (good, 1, "\ud800"),  # a lone surrogate
         ({str(i): _phase(1, 1, True) for i in range(70)}, 1, "cpu"),  # many phases
@@ -147,12 +145,12 @@ def test_a_timer_sends_encoded_steps_through_the_recorder_to_the_sender() -> Non
 
     sender = Sender()
     recorder = StepRecorder(sender, 2, history=StepHistory(keep_events=True), encoded=sender)
-    timer = _step_timer.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
+    timer = step_timer.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
     timer.defer = True
     timer.encoded_sink = recorder
     for _ in range(3):
         timer.begin(None)
-        timer.add_host(_event_names.DATALOADER_NEXT, 2_000_000)
+        timer.add_host(event_names.DATALOADER_NEXT, 2_000_000)
         timer.end()
     timer.build_ended()
     # One call per stream for the steps built together; step 3 cut.
@@ -160,7 +158,7 @@ def test_a_timer_sends_encoded_steps_through_the_recorder_to_the_sender() -> Non
     recent, total = recorder.history.snapshot()
     assert total == 2
     assert [step for step, _ in recent] == [1, 2]
-    assert recent[0][1][_event_names.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 2.0
+    assert recent[0][1][event_names.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 2.0
     assert b'"seq":1,"step":2,' in sent[3][1]
 
 
@@ -177,9 +175,9 @@ class _BatchSink(RecordingSink):
             self.put(stream, orjson.loads(data))
 
 
-def _deferred_timer(sink: Any, max_steps: int | None = None) -> _step_timer.StepTimer:
+def _deferred_timer(sink: Any, max_steps: int | None = None) -> step_timer.StepTimer:
     recorder = StepRecorder(sink, max_steps, history=StepHistory(keep_events=True), encoded=sink)
-    timer = _step_timer.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
+    timer = step_timer.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
     timer.defer = True
     timer.encoded_sink = recorder
     return timer
@@ -228,7 +226,7 @@ def test_steps_built_before_a_failing_one_are_still_handed_over(
         timer.begin(None)
         timer.end()
     calls: list[int] = []
-    real = _step_timer._encode_host_step
+    real = step_timer._encode_host_step
     assert real is not None
 
     def failing_second(*args: Any) -> Any:
@@ -237,7 +235,7 @@ def test_steps_built_before_a_failing_one_are_still_handed_over(
             raise RuntimeError("encoder bug")
         return real(*args)
 
-    monkeypatch.setattr(_step_timer, "_encode_host_step", failing_second)
+    monkeypatch.setattr(step_timer, "_encode_host_step", failing_second)
     with pytest.raises(RuntimeError, match="encoder bug"):
         timer.build_ended()
     assert [item["step"] for item in sink.items("step_time")] == [1]
@@ -248,7 +246,7 @@ def test_steps_built_before_a_failing_one_are_still_handed_over(
 def test_a_sink_without_put_encoded_gets_the_items_decoded() -> None:
     sink = RecordingSink()
     recorder = StepRecorder(sink, history=StepHistory(keep_events=False))
-    timer = _step_timer.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
+    timer = step_timer.StepTimer(recorder, FakeCuda(available=False), lambda m: None, print)
     timer.encoded_sink = recorder
     timer.begin(None)
     timer.end()
@@ -263,7 +261,7 @@ def test_the_runtime_encodes_steps_only_for_its_own_sender(
     """init's own sender gets steps encoded; a sink given to init gets dicts, even one
     that takes encoded items too."""
     import traceml_ai as traceml
-    from traceml_ai.rank import _sdk
+    from traceml_ai.rank._runtime import sdk
     from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR
 
     class Sender(RecordingSink):
@@ -288,13 +286,13 @@ def test_the_runtime_encodes_steps_only_for_its_own_sender(
 
     sink = Sender()
     if own_sender:
-        monkeypatch.setattr(_sdk, "build_sender", lambda *args: sink)
+        monkeypatch.setattr(sdk, "build_sender", lambda *args: sink)
         monkeypatch.setenv(ENV_AGGREGATOR_ADDR, "127.0.0.1:9")
         traceml.init(sampler_interval=60.0)
     else:
         traceml.init(sink=sink, sampler_interval=60.0)
     try:
-        runtime = _sdk._runtime
+        runtime = sdk._runtime
         assert runtime is not None
         assert (runtime.timer.encoded_sink is not None) is own_sender
         with traceml.trace_step(None):
@@ -308,14 +306,14 @@ def test_the_runtime_encodes_steps_only_for_its_own_sender(
 
 # -- the builder's loop in C (_speedups.encode_host_steps) ------------------------------
 
-encode_run = _step_timer._encode_host_steps
+encode_run = step_timer._encode_host_steps
 
 
 def _ended(steps: int) -> tuple[Any, Any]:
     from collections import deque
 
     accs = deque(
-        {_event_names.DATALOADER_NEXT: _phase(1_000 * (i + 1), 1, True)} for i in range(steps)
+        {event_names.DATALOADER_NEXT: _phase(1_000 * (i + 1), 1, True)} for i in range(steps)
     )
     ats = deque((i + 1, 1_700_000_000_000_000_000 + i, "cpu") for i in range(steps))
     return accs, ats
@@ -332,7 +330,7 @@ def test_the_loop_encodes_every_step_in_order_and_hands_the_phases_back() -> Non
     assert not accs and not ats and spare == originals
     assert [orjson.loads(m)["seq"] for m in memories] == [3, 4, 5]
     assert [orjson.loads(t)["seq"] for t in times] == [7, 8, 9]
-    assert orjson.loads(times[1])["events"][_event_names.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 0.002
+    assert orjson.loads(times[1])["events"][event_names.DATALOADER_NEXT]["cpu"]["cpu_ms"] == 0.002
 
 
 @needs_c

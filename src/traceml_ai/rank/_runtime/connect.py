@@ -11,7 +11,7 @@ from typing import Any
 
 from traceml_ai import _environ
 from traceml_ai._ports import DEFAULT_SERVE_PORT
-from traceml_ai.rank._runtime import Sender
+from traceml_ai.rank._runtime.runtime import Sender
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.transport.wire import ENV_AGGREGATOR_ADDR, ENV_RUN_TOKEN
 

@@ -6,8 +6,11 @@ hooks) and the DataLoader wait (``_BaseDataLoaderIter.__next__``) are measured b
 hooks and patches installed once per process. They report to the module-level
 ``_ACTIVE`` timer (:func:`activate`), so when TraceML is off or disabled each costs
 one global lookup. With the C extension, the backward and DataLoader patches are
-``_hotpath.FastPatch`` objects, which read ``_ACTIVE`` from this module's globals
-(``_timer_core.read_active_timer_from``).
+``hotpath.FastPatch`` objects, which read ``_ACTIVE`` from this module's globals
+(``timer_core.read_active_timer_from``).
+
+The timer does not import this module: :func:`activate` hands it :data:`HOOKS`, its
+way to the hooks (a new model's forward hooked, itself released after an error).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from traceml_ai.rank._event_names import BACKWARD, DATALOADER_NEXT, FORWARD, OPTIMIZER_STEP
-from traceml_ai.rank._timer_core import (
+from traceml_ai.rank._timing.event_names import BACKWARD, DATALOADER_NEXT, FORWARD, OPTIMIZER_STEP
+from traceml_ai.rank._timing.timer_core import (
     PATCH_BACKWARD,
     PATCH_DATALOADER,
     fast_patch,
@@ -30,7 +33,7 @@ from traceml_ai.rank._timer_core import (
 )
 
 if TYPE_CHECKING:
-    from traceml_ai.rank._step_timer import StepTimer
+    from traceml_ai.rank._timing.step_timer import StepTimer
 
 _get_ident = threading.get_ident
 _perf_ns = time.perf_counter_ns
@@ -259,9 +262,26 @@ def resume_optimizer_hooks() -> None:
         _register_optimizer_hooks(optim)
 
 
+class _Hooks:
+    """These hooks as a timer sees them (``step_timer.TimerHooks``)."""
+
+    def hook_model(self, model: object) -> None:
+        install_model_hooks(model)
+
+    def release(self, timer: object) -> None:
+        if _ACTIVE is timer:
+            activate(None)
+
+
+HOOKS = _Hooks()
+"""What :func:`activate` hands the timer: its way to these hooks."""
+
+
 def activate(timer: StepTimer | None) -> None:
     """Make ``timer`` the one hooks report to (``None``: hooks do nothing)."""
     global _ACTIVE
+    if timer is not None:
+        timer.hooks = HOOKS
     _ACTIVE = timer
 
 

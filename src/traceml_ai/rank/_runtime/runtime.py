@@ -2,7 +2,7 @@
 together by :func:`make_runtime`, and what the next runtime of the process continues
 from (:class:`Carried`).
 
-``traceml_ai.rank._sdk`` owns the process-wide state and makes one of these per
+``traceml_ai.rank._runtime.sdk`` owns the process-wide state and makes one of these per
 ``init``; nothing here reads that state.
 """
 
@@ -16,13 +16,15 @@ from typing import Protocol
 
 import attrs
 
-from traceml_ai.rank import _collectives, _parallel, _wrappers
+from traceml_ai.rank._collectives import parallel_layout
+from traceml_ai.rank._collectives.recorder import CollectiveRecorder
 from traceml_ai.rank._init_config import TraceMLInitConfig, warn_once
 from traceml_ai.rank._lazy import torch_or_none
-from traceml_ai.rank._step_recorder import StepHistory, StepRecorder
-from traceml_ai.rank._step_timer import StepTimer
-from traceml_ai.rank._torch_patches import activate, active, install_patches
-from traceml_ai.rank._tracker_runs import TrackerRuns, watch_summary_writers
+from traceml_ai.rank._patches import ddp, distributed, layout_hooks, wrappers
+from traceml_ai.rank._patches.phase_hooks import activate, active, install_patches
+from traceml_ai.rank._runtime.tracker_runs import TrackerRuns, watch_summary_writers
+from traceml_ai.rank._timing.step_recorder import StepHistory, StepRecorder
+from traceml_ai.rank._timing.step_timer import StepTimer
 from traceml_ai.rank.gpu import CudaBackend, NvmlBackend, PynvmlBackend
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.rank.runtime_env import (
@@ -156,7 +158,7 @@ class EnvironmentReporter:
         last = self._last
         if last is None:
             return
-        layout = _parallel.current_layout()
+        layout = parallel_layout.current_layout()
         if layout is None:
             return
         if last.get("parallel_source") == layout.source and last.get("parallel") == layout.item():
@@ -186,6 +188,7 @@ class Runtime:
         sink: ItemSink,
         sender: Sender | None,
         timer: StepTimer,
+        collectives: CollectiveRecorder,
         environment: EnvironmentReporter,
         process: ProcessSampler,
         system: SystemSampler | None,
@@ -201,6 +204,9 @@ class Runtime:
         # init's own sender (None: a sink given to init), closed with the runtime.
         self.sender = sender
         self.timer = timer
+        # The collectives of each step: told of the timer's steps (timer.collectives),
+        # reported to by the torch.distributed patches while this runtime runs.
+        self.collectives = collectives
         self.environment = environment
         self._process = process
         # Only local rank 0 reports the host, so a node's snapshot is sent once.
@@ -230,10 +236,10 @@ class Runtime:
                 dataloader=config.patch_dataloader,
             )
             if config.patch_h2d:
-                _wrappers.install_h2d_patch(torch)
+                wrappers.install_h2d_patch(torch)
             self._guard.run("collectives", self._install_collectives)
-            self._guard.run("parallel", _parallel.install_layout_hooks)
-        _wrappers.set_auto_h2d(config.patch_h2d)
+            self._guard.run("parallel", layout_hooks.install)
+        wrappers.set_auto_h2d(config.patch_h2d)
         if self._tracker_runs is not None:
             self._guard.run("tracker_runs", watch_summary_writers)
         if self.sender is not None:
@@ -243,14 +249,15 @@ class Runtime:
         # then the script has set up torch.distributed and wrapped its model, so a
         # rank usually sends exactly one line (see EnvironmentReporter.report).
         activate(self.timer)
-        _collectives.activate(self.timer.collectives)
+        distributed.activate(self.collectives)
         self._thread.start()
 
     def _install_collectives(self) -> None:
         import torch.distributed as dist
 
         if dist.is_available():
-            _collectives.install(dist)
+            distributed.install(dist)
+            ddp.install()
 
     # -- samplers -------------------------------------------------------------
 
@@ -332,9 +339,7 @@ class Runtime:
                 self._system.next_seq if self._system is not None else self._carried_seq_system
             ),
             seq_runtime_environment=self.environment.next_seq,
-            seq_collectives=(
-                self.timer.collectives.next_seq if self.timer.collectives is not None else 0
-            ),
+            seq_collectives=self.collectives.next_seq,
             sender=self.sender,
         )
 
@@ -342,8 +347,8 @@ class Runtime:
         """Flush pending steps, take final samples and close the sender."""
         if active() is self.timer:
             activate(None)
-        if _collectives.active() is self.timer.collectives:
-            _collectives.activate(None)
+        if distributed.active() is self.collectives:
+            distributed.activate(None)
         timer = self.timer
         if timer.enabled:
             try:
@@ -354,9 +359,8 @@ class Runtime:
                 timer.fail(exc)
         else:
             self._build_steps()
-        if timer.collectives is not None:
-            with contextlib.suppress(Exception):
-                timer.collectives.flush()
+        with contextlib.suppress(Exception):
+            self.collectives.flush()
         timer.enabled = False
         if self._thread.stop(timeout=max(2.0, self.interval)):
             # One more sample so that even a short run has process/system lines;
@@ -416,13 +420,14 @@ def make_runtime(
         seq_time=carried.seq_step_time,
         seq_mem=carried.seq_step_memory,
     )
-    timer.collectives = _collectives.CollectiveRecorder(
+    collectives = CollectiveRecorder(
         timer,
         recorder,
         first_seq=carried.seq_collectives,
         on_error=_on_collectives_error,
         on_drop=lambda line: _warn_once("collectives_dropped", line),
     )
+    timer.collectives = collectives
     process = ProcessSampler(
         cuda,
         lambda: timer.cuda_index,
@@ -436,6 +441,7 @@ def make_runtime(
         sink=sink,
         sender=sender,
         timer=timer,
+        collectives=collectives,
         environment=environment,
         process=process,
         system=system,

@@ -1,10 +1,10 @@
-"""The pure-Python twin of ``_hotpath.c``: the step timer's per-step and per-call
+"""The pure-Python twin of ``hotpath.c``: the step timer's per-step and per-call
 work, and what the C extension does the same.
 
-``_hotpath`` (C, its interface in ``_hotpath.pyi``) defines ``TimerCore``, ``Slot`` and
+``hotpath`` (C, its interface in ``hotpath.pyi``) defines ``TimerCore``, ``Slot`` and
 ``StepContext``; this module defines the same names in Python. The C ``TimerCore``
 does the common case of each method without a Python frame and hands every other case
-to the methods here, so these define the behaviour either way. ``_timer_core`` is the
+to the methods here, so these define the behaviour either way. ``timer_core`` is the
 one place that chooses between the two (``TRACEML_PURE_PYTHON=1``: these alone);
 tests/traceml_ai/rank/test_hotpath.py holds them to each other.
 """
@@ -18,11 +18,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from traceml_ai.rank._event_names import STEP_TIME
+from traceml_ai.rank._timing.event_names import STEP_TIME
 from traceml_ai.rank.gpu import CudaBackend, CudaEvent
-
-if TYPE_CHECKING:
-    from traceml_ai.rank._step_timer import StepTimer
 
 # Event pairs one phase may collect outside a step (trace_phase in a loop no step
 # follows); past this, the phase keeps host time only (gpu_ms null), so the
@@ -71,8 +68,8 @@ class PendingStep:
         self.done = False
 
 
-def where(tensor: Any) -> object:
-    """Where a tensor is, cheaply: ``get_device()`` (-1 on CPU, else the CUDA index)
+def device_of(tensor: Any) -> object:
+    """The device a tensor is on, cheaply: ``get_device()`` (-1 on CPU, else the CUDA index)
     builds nothing, where ``tensor.device`` builds a new ``torch.device`` each time."""
     try:
         return tensor.get_device()
@@ -85,7 +82,7 @@ class TimerCore:
     """The step timer's per-step and per-call methods in Python, and what they define.
 
     ``begin``, ``end``, ``open``, ``close``, ``restart`` and ``add_host`` run in every
-    traced step. With the C extension built, StepTimer's base is ``_hotpath.TimerCore``
+    traced step. With the C extension built, StepTimer's base is ``hotpath.TimerCore``
     over this class: it does their common case in C (a step off CUDA whose model stayed
     where it was, on the training thread, a phase the step already has, its numbers
     left to the sender's thread) and hands every other case to these methods, so this
@@ -93,6 +90,7 @@ class TimerCore:
     """
 
     # Set by StepTimer.__init__ (in C fields with the extension).
+    enabled: bool
     in_step: bool
     thread: int
     cuda_index: int | None
@@ -123,6 +121,7 @@ class TimerCore:
     if TYPE_CHECKING:
         # StepTimer's, used here.
         def fail(self, exc: BaseException) -> None: ...
+        def discard(self) -> None: ...
         def _adopt(self, model: object) -> None: ...
         def _locate(self, model: object) -> None: ...
         def _current_device(self) -> None: ...
@@ -248,7 +247,7 @@ class TimerCore:
                     try:
                         now: object = probe.get_device()
                     except Exception:
-                        now = where(probe)
+                        now = device_of(probe)
                     if now != self._probe_at:
                         self._locate(model)
         else:
@@ -319,12 +318,12 @@ class StepContext:
 
     __slots__ = ("_live", "_model", "_timer")
 
-    def __init__(self, timer: StepTimer, model: object | None) -> None:
+    def __init__(self, timer: TimerCore, model: object | None) -> None:
         self._timer = timer
         self._model = model
         self._live = False
 
-    def reusable_for(self, timer: StepTimer | None, model: object | None) -> bool:
+    def reusable_for(self, timer: TimerCore | None, model: object | None) -> bool:
         """Whether entering this context again is ``trace_step(model)`` now: it is not
         in use, and was made for ``model`` and for ``timer``, the running timer (None
         while hooks are off: never reused then, it could be a stale runtime's)."""

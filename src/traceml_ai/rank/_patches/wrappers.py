@@ -22,11 +22,17 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from traceml_ai.rank import _torch_patches
-from traceml_ai.rank._event_names import BACKWARD, DATALOADER_NEXT, FORWARD, H2D, OPTIMIZER_STEP
 from traceml_ai.rank._init_config import env_disabled, warn_once
-from traceml_ai.rank._step_timer import StepTimer
-from traceml_ai.rank._timer_core import PATCH_OUTSIDE_STEP, fast_patch
+from traceml_ai.rank._patches import phase_hooks
+from traceml_ai.rank._timing.event_names import (
+    BACKWARD,
+    DATALOADER_NEXT,
+    FORWARD,
+    H2D,
+    OPTIMIZER_STEP,
+)
+from traceml_ai.rank._timing.step_timer import StepTimer
+from traceml_ai.rank._timing.timer_core import PATCH_OUTSIDE_STEP, fast_patch
 
 _perf_ns = time.perf_counter_ns
 
@@ -114,7 +120,7 @@ def install_h2d_patch(torch: Any) -> None:
         @functools.wraps(original_to)
         def to(*args: Any, **kwargs: Any) -> Any:
             # (tensor, ...) taken as one tuple: the call passes it on as it came.
-            timer = _torch_patches._ACTIVE
+            timer = phase_hooks._ACTIVE
             if timer is None or not timer.in_step or not _auto_h2d:
                 return original_to(*args, **kwargs)
             if len(args) > 1 and not kwargs:
@@ -132,7 +138,7 @@ def install_h2d_patch(torch: Any) -> None:
 
         @functools.wraps(original_cuda)
         def cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
-            timer = _torch_patches._ACTIVE
+            timer = phase_hooks._ACTIVE
             if timer is None or not timer.in_step or not _auto_h2d or not _is_host_tensor(self):
                 return original_cuda(self, *args, **kwargs)
             return _timed(timer, lambda: original_cuda(self, *args, **kwargs))
@@ -178,10 +184,10 @@ class _FetchIterator:
         return self
 
     def __next__(self) -> Any:
-        timer = _torch_patches._ACTIVE
+        timer = phase_hooks._ACTIVE
         if timer is None or (
             # Already timed by the automatic DataLoader patch: not twice.
-            self._torch and timer.auto_dataloader and "dataloader" in _torch_patches._patched
+            self._torch and timer.auto_dataloader and "dataloader" in phase_hooks._patched
         ):
             return next(self._iterator)
         t0 = _perf_ns()
@@ -239,7 +245,7 @@ def _wrap_method(obj: Any, attr: str, name: str, slot_of: Callable[[Any], Any]) 
     original = getattr(obj, attr)
 
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        timer = _torch_patches._ACTIVE
+        timer = phase_hooks._ACTIVE
         if timer is None or not timer.in_step:
             return original(*args, **kwargs)
         slot = slot_of(timer)
@@ -312,7 +318,7 @@ class _BackwardProxy:
         self._loss = loss
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        timer = _torch_patches._ACTIVE
+        timer = phase_hooks._ACTIVE
         if timer is None or not timer.in_step:
             return self._loss.backward(*args, **kwargs)
         slot = timer.bwd
@@ -350,7 +356,7 @@ class _H2DProxy:
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         obj = self._obj
-        timer = _torch_patches._ACTIVE
+        timer = phase_hooks._ACTIVE
         if timer is None or not timer.in_step:
             return obj.to(*args, **kwargs)
         is_tensor = hasattr(obj, "device")

@@ -12,6 +12,7 @@ BACKWARD = _events.BACKWARD_TIME
 OPTIMIZER_STEP = _events.OPTIMIZER_STEP
 H2D = _events.H2D_TIME
 STEP_TIME = _events.STEP_TIME
+BETWEEN_STEPS = _events.BETWEEN_STEPS
 
 HOST_ONLY = frozenset({DATALOADER_NEXT, STEP_TIME})
 """Phases that always report host time (spec: the step and the DataLoader wait)."""

@@ -1,10 +1,11 @@
-"""Collectives on this rank: per step, phase and operation, how many, how long the
-rank waited in them, and when it arrived at the first and the last.
+"""The recorder of this rank's collectives: per step, phase and operation, how many,
+how long the rank waited in them, and when it arrived at the first and the last.
 
 What the straggler analysis needs to see through a synchronizing collective: the rank
 that arrives last waits least, so a rank's *own work* is its iteration less its wait.
 
-Seen here:
+Seen through the patches of ``rank._patches`` (``distributed``, ``ddp``), which hand
+each call to the active recorder (``distributed.activate``):
 
 - ``torch.distributed``'s collective functions (``all_reduce``, ``all_gather*``,
   ``reduce_scatter*``, ``broadcast``, ``barrier``, ``send``/``recv``, ...), patched on
@@ -34,70 +35,32 @@ What ``wait_ms`` is, by backend:
 
 A call on another thread than the training thread, and collectives an engine issues
 without these functions (a C++ ``ProcessGroup`` call, a built-in C++ hook registered
-before the first forward, compiled functional collectives), are not seen; the summary says when a distributed
-run's rank showed none.
+before the first forward, compiled functional collectives), are not seen; the summary
+says when a distributed run's rank showed none.
+
+The recorder reads the step timer through :class:`StepClock` alone (whether it is on,
+its training thread, the step and phase a call made now belongs to), and the timer
+tells it of ended steps through ``step_timer.StepsObserver``: neither imports the other.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
-import sys
 import threading
 import time
-import weakref
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from traceml_ai.rank import _parallel
+from traceml_ai.rank._collectives import parallel_layout
 from traceml_records import events as _events
 
 if TYPE_CHECKING:
-    from traceml_ai.rank._step_timer import StepTimer
     from traceml_ai.rank.sink import ItemSink
 
-FORWARD = _events.FORWARD_TIME
-BACKWARD = _events.BACKWARD_TIME
-OPTIMIZER = _events.OPTIMIZER_STEP
-H2D = _events.H2D_TIME
-IN_STEP = STEP_TIME_EVENT = _events.STEP_TIME
+STEP_TIME = _events.STEP_TIME
 BETWEEN_STEPS = _events.BETWEEN_STEPS
-
-OP_OF_FUNCTION: dict[str, str] = {
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_gather": "all_gather",
-    "all_gather_single": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "_all_gather_base": "all_gather",
-    "all_gather_coalesced": "all_gather",
-    "all_gather_object": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "reduce_scatter_single": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter",
-    "broadcast": "broadcast",
-    "broadcast_object_list": "broadcast",
-    "_broadcast_coalesced": "broadcast",
-    "barrier": "barrier",
-    "monitored_barrier": "barrier",
-    "send": "send",
-    "isend": "send",
-    "send_object_list": "send",
-    "recv": "recv",
-    "irecv": "recv",
-    "recv_object_list": "recv",
-    "all_to_all": "all_to_all",
-    "all_to_all_single": "all_to_all",
-    "reduce": "reduce",
-    "gather": "gather",
-    "gather_object": "gather",
-    "scatter": "scatter",
-    "scatter_object_list": "scatter",
-}
-"""The torch.distributed functions timed, and the operation each one is."""
 
 PAYLOAD_OF_FUNCTION: dict[str, str] = {
     "all_reduce": "tensor",
@@ -149,7 +112,6 @@ MAX_ASYNC_WORKS = 1024
 """Async works whose Python ``wait()`` is still awaited; past it, the oldest are
 forgotten (their wait counts 0)."""
 
-_perf_ns = time.perf_counter_ns
 _wall_ns = time.time_ns
 _get_ident = threading.get_ident
 
@@ -169,9 +131,23 @@ GROUP_PEER = "group_peer"
 """A peer named by its rank in the call's group (``group_dst``/``group_src``)."""
 
 
-class _Spec:
+class StepClock(Protocol):
+    """The step timer as the recorder reads it."""
+
+    enabled: bool
+    """False after the timer's internal error: nothing is measured."""
+    thread: int
+    """The training thread's ident."""
+
+    def phase_now(self) -> tuple[int, str]:
+        """The step and phase a call made now on the training thread belongs to."""
+        ...
+
+
+class CallSpec:
     """Where a timed function's arguments are: ``async_op``, ``group``, the tensor(s)
-    it moves and, point-to-point, its peer (positions from its signature)."""
+    it moves and, point-to-point, its peer (positions from its signature); one per
+    patched function."""
 
     __slots__ = (
         "async_index",
@@ -215,7 +191,7 @@ def _nbytes(payload: Any) -> int | None:
 
 
 def _details(
-    spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]
+    spec: CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Any, int | None]:
     """A call's process group, peer and tensor bytes, from its arguments."""
     n = len(args)
@@ -258,7 +234,7 @@ class CollectiveRecorder:
 
     def __init__(
         self,
-        timer: StepTimer,
+        timer: StepClock,
         sink: ItemSink,
         *,
         first_seq: int = 0,
@@ -288,20 +264,10 @@ class CollectiveRecorder:
 
     # -- the training thread ------------------------------------------------------
 
-    def _where(self) -> tuple[int, str]:
-        timer = self._timer
-        if not timer.in_step:
-            return timer.step + 1, BETWEEN_STEPS
-        if timer.opt.depth:
-            return timer.step, OPTIMIZER
-        if timer.bwd.depth:
-            return timer.step, BACKWARD
-        if timer.fwd.depth:
-            return timer.step, FORWARD
-        if timer.h2d.depth:
-            return timer.step, H2D
-        phases = timer.user_phases
-        return timer.step, phases[-1] if phases else IN_STEP
+    @property
+    def times_on_device(self) -> bool:
+        """Whether collectives are timed from their Works (NCCL)."""
+        return self._device_timing
 
     def _learn_backend(self) -> None:
         self._backend_known = True
@@ -331,7 +297,7 @@ class CollectiveRecorder:
         try:
             if not self._backend_known:
                 self._learn_backend()
-            step, phase = self._where()
+            step, phase = timer.phase_now()
         except Exception as exc:
             self.fail(exc)
             return None
@@ -368,7 +334,7 @@ class CollectiveRecorder:
         self,
         original: Callable[..., Any],
         op: str,
-        spec: _Spec,
+        spec: CallSpec,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
@@ -384,28 +350,18 @@ class CollectiveRecorder:
             or _get_ident() != timer.thread
         ):
             return self._call(original, op, spec, args, kwargs)
-        # The common case (a host backend, the training thread) without a call:
-        # _where() and begin() inlined (a method call each would add a fifth to what a
-        # collective costs here; bench/overhead/collectives.py).
-        if not timer.in_step:
-            step, phase = timer.step + 1, BETWEEN_STEPS
-        else:
-            step = timer.step
-            if timer.opt.depth:
-                phase = OPTIMIZER
-            elif timer.bwd.depth:
-                phase = BACKWARD
-            elif timer.fwd.depth:
-                phase = FORWARD
-            elif timer.h2d.depth:
-                phase = H2D
-            else:
-                phases = timer.user_phases
-                phase = phases[-1] if phases else IN_STEP
+        # The common case (a host backend, the training thread): begin() inlined (a
+        # method call would add a fifth to what a collective costs here;
+        # bench/overhead/collectives.py).
+        try:
+            step, phase = timer.phase_now()
+            group, peer, nbytes = _details(spec, args, kwargs)
+        except Exception as exc:
+            self.fail(exc)
+            return original(*args, **kwargs)
         calls = self._calls
         if len(calls) >= MAX_OPEN_CALLS:
             self._drop_oldest()
-        group, peer, nbytes = _details(spec, args, kwargs)
         self._busy = True
         t0 = _wall_ns()
         try:
@@ -436,7 +392,7 @@ class CollectiveRecorder:
         self,
         original: Callable[..., Any],
         op: str,
-        spec: _Spec,
+        spec: CallSpec,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
@@ -536,15 +492,52 @@ class CollectiveRecorder:
                 self._await(work, calls[0])
         return result
 
+    def awaits_waits(self) -> bool:
+        """Whether a ``Work.wait()`` called now is timed: an asynchronous call on the
+        host waits for it, and it is not one made inside a collective."""
+        return not self._busy and bool(self._async)
+
     def waited(self, work: Any, dt_ns: int) -> None:
-        """``Work.wait()`` returned after ``dt_ns`` on this thread."""
+        """``Work.wait()`` returned after ``dt_ns`` (counted on the training thread)."""
+        if _get_ident() != self._timer.thread:
+            return
         call = self._async.pop(id(work), None)
         if call is not None:
             call[WAIT] += dt_ns
 
-    def bucket_done(self, call: Call) -> None:
-        """A DDP bucket's all-reduce completed (any thread)."""
-        call[DONE] = _wall_ns()
+    def bucket(self, hook: Callable[..., Any], state: Any, bucket: Any, group: Any) -> Any:
+        """Run DDP's communication hook ``hook`` on ``bucket`` (``group``: the model's
+        process group, None for the default one) and time its all-reduce: on NCCL the
+        hook's own torch.distributed call, from its Work; on a host backend from the
+        bucket's issue to its future's completion."""
+        if self._device_timing:
+            self._ddp_source = True
+            try:
+                return hook(state, bucket)
+            finally:
+                self._ddp_source = False
+        call = self.begin("all_reduce", SOURCE_DDP)
+        if call is not None:
+            call[GROUP] = group
+            try:
+                call[BYTES] = _nbytes(bucket.buffer())
+            except Exception:
+                call[BYTES] = None
+        try:
+            future = hook(state, bucket)
+        finally:
+            if call is not None:
+                self._busy = False
+        if call is None:
+            return future
+
+        def done(fut: Any) -> Any:
+            # Chained, not a done-callback: DDP waits for this future, so the
+            # completion is noted before backward returns.
+            call[DONE] = _wall_ns()
+            return fut.value()
+
+        return future.then(done)
 
     def discard(self, step: int) -> None:
         """A step whose body raised is dropped: so are its collectives."""
@@ -553,7 +546,9 @@ class CollectiveRecorder:
 
     # -- the builder's thread -----------------------------------------------------
 
-    def steps_ended(self, ended: Any, ended_at: Any) -> None:
+    def steps_ended(
+        self, ended: Sequence[dict[str, Any]], ended_at: Sequence[tuple[int, int, str]]
+    ) -> None:
         """:meth:`step_ended` of each step the timer builds now (``ended``: their phases,
         ``ended_at``: their (step, end, device)); one test when no collective waits,
         as in every step of a single-process run."""
@@ -565,7 +560,7 @@ class CollectiveRecorder:
                     self._last_end_ns = end_ns
             return
         for acc, (step, end_ns, _) in zip(ended, ended_at, strict=False):
-            phase = acc.get(STEP_TIME_EVENT)
+            phase = acc.get(STEP_TIME)
             self.step_ended(step, end_ns, phase.cpu_ns if phase is not None else 0)
 
     def step_ended(self, step: int, end_ns: int, step_ns: int) -> None:
@@ -603,7 +598,7 @@ class CollectiveRecorder:
     ) -> None:
         groups: dict[tuple[str, str, str, str, int | None], _Group] = {}
         ddp_done: dict[tuple[str, str, str, str, int | None], tuple[int, int]] = {}
-        layout = _parallel.current_layout() if calls else None
+        layout = parallel_layout.current_layout() if calls else None
         has_pp = layout is not None and "pp" in layout.dims
         # Between steps, arrivals count from the previous step's end (the first step:
         # from its first collective).
@@ -613,13 +608,13 @@ class CollectiveRecorder:
         for (
             _step, phase, op, source, arrival, wait_ns, done_ns, work, pg, peer, nbytes
         ) in calls:  # fmt: skip
-            label = _parallel.group_label(pg, layout)
+            label = parallel_layout.group_label(pg, layout)
             if peer is not None:
                 peer = _global_peer(pg, peer)
                 if label == "world" and peer is not None:
                     # A send or receive on the default group runs over the dimension
                     # in which this rank and its peer differ (a pipeline's next stage).
-                    label = _parallel.pair_label(layout, peer)
+                    label = parallel_layout.pair_label(layout, peer)
             key = (phase, op, source, label, peer)
             group = groups.get(key)
             if group is None:
@@ -747,273 +742,3 @@ def _device_ms(work: Any) -> float | None:
 
 def _is_work(value: object) -> bool:
     return value is not None and hasattr(value, "wait") and hasattr(value, "is_completed")
-
-
-# --------------------------------------------------------------------------- patches
-
-_active: CollectiveRecorder | None = None
-_installed = False
-
-
-def activate(recorder: CollectiveRecorder | None) -> None:
-    """Make ``recorder`` the one the patches report to (None: they only pass through)."""
-    global _active
-    _active = recorder
-
-
-def active() -> CollectiveRecorder | None:
-    """The recorder the patches report to."""
-    return _active
-
-
-def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    op = OP_OF_FUNCTION[name]
-    spec = _Spec(name, original)
-
-    def collective(*args: Any, **kwargs: Any) -> Any:
-        recorder = _active
-        if recorder is None:
-            return original(*args, **kwargs)
-        return recorder.call(original, op, spec, args, kwargs)
-
-    collective.__wrapped__ = original  # type: ignore[attr-defined]
-    collective.__name__ = getattr(original, "__name__", name)
-    collective.__qualname__ = getattr(original, "__qualname__", name)
-    collective.__doc__ = getattr(original, "__doc__", None)
-    collective.__traceml_collective__ = True  # type: ignore[attr-defined]
-    return collective
-
-
-def _timed_batch(original: Callable[..., Any]) -> Callable[..., Any]:
-    def batch_isend_irecv(*args: Any, **kwargs: Any) -> Any:
-        recorder = _active
-        if recorder is None:
-            return original(*args, **kwargs)
-        return recorder.batch(original, args, kwargs)
-
-    functools.update_wrapper(batch_isend_irecv, original)
-    batch_isend_irecv.__traceml_collective__ = True  # type: ignore[attr-defined]
-    return batch_isend_irecv
-
-
-def _timed_wait(original: Callable[..., Any]) -> Callable[..., Any]:
-    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-        recorder = _active
-        if recorder is None or recorder._busy or not recorder._async:
-            return original(self, *args, **kwargs)
-        t0 = _perf_ns()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            if _get_ident() == recorder._timer.thread:
-                recorder.waited(self, _perf_ns() - t0)
-
-    wait.__wrapped__ = original  # type: ignore[attr-defined]
-    wait.__traceml_collective__ = True  # type: ignore[attr-defined]
-    return wait
-
-
-def install(dist: Any) -> None:
-    """Patch ``torch.distributed``'s collectives, ``Work.wait`` and DDP's hook
-    registration (once per process; the patches pass through without a recorder)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    # One wrapper per function, whichever module names it: torch compares them by
-    # identity (``P2POp(dist.isend, ...)`` against distributed_c10d's ``isend``).
-    made: dict[int, Callable[..., Any]] = {}
-    for module in (dist, c10d):
-        if module is None:
-            continue
-        for name in (*OP_OF_FUNCTION, "batch_isend_irecv"):
-            original = getattr(module, name, None)
-            if original is None or getattr(original, "__traceml_collective__", False):
-                continue
-            with contextlib.suppress(Exception):
-                wrapper = made.get(id(original))
-                if wrapper is None:
-                    if name == "batch_isend_irecv":
-                        wrapper = _timed_batch(original)
-                    else:
-                        wrapper = _timed(name, original)
-                    made[id(original)] = wrapper
-                setattr(module, name, wrapper)
-    work_class = getattr(dist, "Work", None)
-    if work_class is not None and not getattr(work_class.wait, "__traceml_collective__", False):
-        with contextlib.suppress(Exception):
-            work_class.wait = _timed_wait(work_class.wait)
-    with contextlib.suppress(Exception):
-        from torch.nn.parallel import DistributedDataParallel
-
-        _patch_ddp(DistributedDataParallel)
-
-
-# --------------------------------------------------------------------------- DDP
-
-
-def _wrap_hook(hook: Callable[..., Any], group: Any = None) -> Callable[..., Any]:
-    """A DDP communication hook that reports each bucket, around ``hook`` (``group``:
-    the DDP model's process group, None for the default one)."""
-
-    def traced_hook(state: Any, bucket: Any) -> Any:
-        recorder = _active
-        if recorder is None:
-            return hook(state, bucket)
-        if recorder._device_timing:
-            # NCCL: the hook's own torch.distributed call is timed from its Work.
-            recorder._ddp_source = True
-            try:
-                return hook(state, bucket)
-            finally:
-                recorder._ddp_source = False
-        call = recorder.begin("all_reduce", SOURCE_DDP)
-        if call is not None:
-            call[GROUP] = group
-            try:
-                call[BYTES] = _nbytes(bucket.buffer())
-            except Exception:
-                call[BYTES] = None
-        try:
-            future = hook(state, bucket)
-        finally:
-            if call is not None:
-                recorder._busy = False
-        if call is None:
-            return future
-
-        def done(fut: Any) -> Any:
-            # Chained, not a done-callback: DDP waits for this future, so the
-            # completion is noted before backward returns.
-            recorder.bucket_done(call)
-            return fut.value()
-
-        return future.then(done)
-
-    # DDP checks a hook's annotations against dist.GradBucket and Future; none is
-    # what it accepts from any hook.
-    traced_hook.__annotations__ = {}
-    traced_hook.__traceml_collective__ = True  # type: ignore[attr-defined]
-    return traced_hook
-
-
-def _default_hook(process_group: Any, bucket: Any) -> Any:
-    """DDP's default reduction as a Python hook: divide by the world size, then sum."""
-    import torch.distributed as dist
-
-    group: Any = process_group if process_group is not None else dist.group.WORLD
-    tensor = bucket.buffer()
-    tensor.div_(group.size())
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-_default_hook.__annotations__ = {}
-
-
-def _patch_ddp(ddp_class: Any) -> None:
-    original = ddp_class.register_comm_hook
-    if getattr(original, "__traceml_collective__", False):
-        return
-
-    def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
-        if self.__dict__.get("_traceml_hooked"):
-            # TraceML's hook went in at the first forward: it runs this one from now on
-            # (DDP takes one hook per model, and it was taken).
-            self.__dict__["_traceml_user_hook"] = (state, hook)
-            return
-        if not getattr(hook, "__traceml_collective__", False):
-            hook = _wrap_hook(hook, getattr(self, "process_group", None))
-        original(self, state, hook)
-
-    register_comm_hook.__wrapped__ = original  # type: ignore[attr-defined]
-    register_comm_hook.__traceml_collective__ = True  # type: ignore[attr-defined]
-    register_comm_hook.__doc__ = original.__doc__
-    ddp_class.register_comm_hook = register_comm_hook
-
-    builtin = getattr(ddp_class, "_register_builtin_comm_hook", None)
-    if builtin is not None:
-
-        def register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
-            if self.__dict__.get("_traceml_hooked"):
-                replacement = _python_twin(self, comm_hook_type)
-                if replacement is not None:
-                    self.__dict__["_traceml_user_hook"] = replacement
-                    return
-            builtin(self, comm_hook_type)
-
-        register_builtin_comm_hook.__wrapped__ = builtin  # type: ignore[attr-defined]
-        register_builtin_comm_hook.__doc__ = builtin.__doc__
-        ddp_class._register_builtin_comm_hook = register_builtin_comm_hook
-
-    forward = ddp_class.forward
-
-    def traced_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Before DDP's first backward: the buckets of a model without a hook of its
-        # own are then timed (DDP takes a hook until its first iteration).
-        if _active is not None and "_traceml_seen" not in self.__dict__:
-            self.__dict__["_traceml_seen"] = True
-            adopt_model(self)
-        return forward(self, *args, **kwargs)
-
-    traced_forward.__wrapped__ = forward  # type: ignore[attr-defined]
-    traced_forward.__traceml_collective__ = True  # type: ignore[attr-defined]
-    traced_forward.__doc__ = forward.__doc__
-    ddp_class.forward = traced_forward
-
-
-def adopt_model(model: object) -> None:
-    """A traced step met ``model``: a DDP model with no communication hook gets DDP's
-    default all-reduce as a timed Python hook (a built-in C++ hook is left alone, and
-    its buckets are not seen)."""
-    if _active is None:
-        return
-    ddp_class = _ddp_class()
-    if ddp_class is None or not isinstance(model, ddp_class):
-        return
-    if getattr(model, "_comm_hooks", None):
-        return  # the user's hook, wrapped when it was registered
-    if getattr(model, "reducer", None) is None or getattr(model, "_traceml_hooked", False):
-        return
-    with contextlib.suppress(Exception):
-        model.register_comm_hook(getattr(model, "process_group", None), _ModelHook(model))
-        model._traceml_hooked = True
-
-
-class _ModelHook:
-    """The hook TraceML gives a DDP model without one: DDP's default all-reduce, or the
-    hook the user registers later (``register_comm_hook`` after the first forward,
-    which DDP alone would refuse)."""
-
-    def __init__(self, model: object) -> None:
-        self._model = weakref.ref(model)
-
-    def __call__(self, state: Any, bucket: Any) -> Any:
-        model = self._model()
-        user = model.__dict__.get("_traceml_user_hook") if model is not None else None
-        if user is not None:
-            return user[1](user[0], bucket)
-        return _default_hook(state, bucket)
-
-
-def _python_twin(model: Any, comm_hook_type: Any) -> tuple[Any, Callable[..., Any]] | None:
-    """A built-in C++ hook as its Python twin from torch (None: none known)."""
-    try:
-        import torch.distributed as dist
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        kinds: Any = getattr(dist, "BuiltinCommHookType")  # noqa: B009 (not in its stubs)
-        group = getattr(model, "process_group", None)
-        if comm_hook_type == kinds.ALLREDUCE:
-            return (group, _default_hook)
-        if comm_hook_type == kinds.FP16_COMPRESS:
-            return (group, default_hooks.fp16_compress_hook)
-    except Exception:
-        return None
-    return None
-
-
-def _ddp_class() -> Any:
-    module = sys.modules.get("torch.nn.parallel.distributed")
-    return getattr(module, "DistributedDataParallel", None) if module is not None else None

@@ -1,7 +1,7 @@
-"""traceml_ai.rank._hotpath, the C extension built from _hotpath.c: its interface.
+"""traceml_ai.rank._timing.hotpath, the C extension built from hotpath.c: its interface.
 
-_hotpath_py.py defines the same classes in Python (the behaviour: the C methods hand
-every case but the common one to it); _timer_core.py chooses between the two.
+hotpath_py.py defines the same classes in Python (the behaviour: the C methods hand
+every case but the common one to it); timer_core.py chooses between the two.
 tests/traceml_ai/rank/test_hotpath.py reads this file to hold the two to the same
 public methods.
 """

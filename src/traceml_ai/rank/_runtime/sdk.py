@@ -7,9 +7,9 @@ warns once and every call is a no-op. Calling ``trace_step``/``trace_phase`` bef
 before the first step is then missed, because it happened before TraceML was
 installed. ``init`` takes TraceML 0.5.0's keywords too (docs/compat-0.5.md).
 
-The rest of the SDK lives beside it: the runtime one ``init`` starts (``_runtime``),
-where a rank sends (``_connect``), 0.5.0's arguments (``_init_config``), the
-end-of-run summaries (``_summaries``) and the ``wrap_*`` helpers (``_wrappers``).
+The rest of the SDK lives beside it: the runtime one ``init`` starts (``runtime``),
+where a rank sends (``connect``), the end-of-run summaries (``summaries``); 0.5.0's
+arguments are ``rank._init_config``, the ``wrap_*`` helpers ``rank._patches.wrappers``.
 """
 
 from __future__ import annotations
@@ -23,16 +23,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from traceml_ai import _environ, _fork
-from traceml_ai.rank import _collectives
-from traceml_ai.rank._connect import (
-    ENV_RANK_PID,
-    aggregator_address,
-    build_sender,
-    child_of_a_rank,
-    mark_rank_process,
-    off_message,
-)
-from traceml_ai.rank._event_names import INTERNAL_PREFIX
 from traceml_ai.rank._init_config import (
     TraceMLInitConfig,
     build_config,
@@ -45,10 +35,20 @@ from traceml_ai.rank._init_config import (
     trace_max_steps_from_env,
     warn_once,
 )
-from traceml_ai.rank._runtime import Carried, Runtime, Sender, make_runtime
-from traceml_ai.rank._step_recorder import StepHistory
-from traceml_ai.rank._step_timer import PhaseContext, StepContext, StepTimer
-from traceml_ai.rank._torch_patches import activate
+from traceml_ai.rank._patches import distributed
+from traceml_ai.rank._patches.phase_hooks import activate
+from traceml_ai.rank._runtime.connect import (
+    ENV_RANK_PID,
+    aggregator_address,
+    build_sender,
+    child_of_a_rank,
+    mark_rank_process,
+    off_message,
+)
+from traceml_ai.rank._runtime.runtime import Carried, Runtime, Sender, make_runtime
+from traceml_ai.rank._timing.event_names import INTERNAL_PREFIX
+from traceml_ai.rank._timing.step_recorder import StepHistory
+from traceml_ai.rank._timing.step_timer import PhaseContext, StepContext, StepTimer
 from traceml_ai.rank.gpu import CudaBackend, NvmlBackend, PynvmlBackend, TorchCudaBackend
 from traceml_ai.rank.identity import RankIdentity
 from traceml_ai.rank.samplers import sampler_interval_from_env
@@ -93,7 +93,7 @@ def _after_fork_in_child() -> None:
     _runtime = None
     _state = "closed"
     activate(None)
-    _collectives.activate(None)
+    distributed.activate(None)
 
 
 def _install_process_hooks() -> None:

@@ -1,8 +1,11 @@
 """The step timer: the phases of each traced step, and its step_time/step_memory items.
 
-:class:`StepTimer` is what the torch patches (``_torch_patches``) and the framework
-integrations report to; its per-step and per-call methods come from ``_timer_core``
-(the C extension's, over the pure-Python ones of ``_hotpath_py``).
+:class:`StepTimer` is what the torch patches (``rank._patches``) and the framework
+integrations report to; its per-step and per-call methods come from ``timer_core``
+(the C extension's, over the pure-Python ones of ``hotpath_py``). It imports neither
+the patches nor the collectives' recorder: each reaches it through the small interface
+it is given here (:class:`TimerHooks`, :class:`StepsObserver`), and reads it through
+public attributes and :meth:`StepTimer.phase_now`.
 
 On CUDA every timed call also records a pair of CUDA events. The events are read
 later, when they have completed (checked with ``query()`` at the end of later
@@ -24,25 +27,32 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
-from traceml_ai.rank import _collectives, _torch_patches
-from traceml_ai.rank._event_names import HOST_ONLY
-from traceml_ai.rank._hotpath_py import PendingStep, Phase, where
-from traceml_ai.rank._timer_core import (
+from traceml_ai.rank._timing.event_names import (
+    BACKWARD,
+    BETWEEN_STEPS,
+    FORWARD,
+    H2D,
+    HOST_ONLY,
+    OPTIMIZER_STEP,
+    STEP_TIME,
+)
+from traceml_ai.rank._timing.hotpath_py import PendingStep, Phase, device_of
+from traceml_ai.rank._timing.timer_core import (
     Slot,
     StepContext,
     TimerCore,
 )
-from traceml_ai.rank._timer_core import encode_host_step as _encode_host_step
-from traceml_ai.rank._timer_core import encode_host_steps as _encode_host_steps
+from traceml_ai.rank._timing.timer_core import encode_host_step as _encode_host_step
+from traceml_ai.rank._timing.timer_core import encode_host_steps as _encode_host_steps
 from traceml_ai.rank.gpu import CudaBackend, CudaEvent
 from traceml_ai.rank.sink import EncodedItemSink, ItemSink
 from traceml_records.internal import PhaseTimingItem, StepMemoryItem, StepTimeItem
 
-__all__ = ["PhaseContext", "StepContext", "StepTimer"]
+__all__ = ["PhaseContext", "StepContext", "StepTimer", "StepsObserver", "TimerHooks"]
 
 _get_ident = threading.get_ident
 _perf_ns = time.perf_counter_ns
@@ -121,6 +131,33 @@ def _probe_tensor(model: object) -> Any:
         except Exception:
             continue
     return first
+
+
+class TimerHooks(Protocol):
+    """The torch hooks a timer reports to, as the timer sees them: handed to it when it
+    is made the one they report to (``rank._patches.phase_hooks.activate``)."""
+
+    def hook_model(self, model: object) -> None:
+        """Time ``model``'s forward (a model a step meets for the first time)."""
+
+    def release(self, timer: object) -> None:
+        """Report to ``timer`` no more (its internal error turned it off)."""
+
+
+class StepsObserver(Protocol):
+    """What follows the timer's steps (the collectives' recorder): told as each step's
+    items are built, as a step is discarded, and when the last steps were sent."""
+
+    def steps_ended(
+        self, ended: Sequence[dict[str, Phase]], ended_at: Sequence[tuple[int, int, str]]
+    ) -> None:
+        """Steps whose items are built now: their phases, and their (step, end, device)."""
+
+    def discard(self, step: int) -> None:
+        """Step ``step`` is dropped (its body raised)."""
+
+    def flush(self) -> None:
+        """Every pending step was sent (shutdown, summary)."""
 
 
 def _device_key(device: Any) -> str:
@@ -256,7 +293,9 @@ class StepTimer(TimerCore):
         self._wake_at = ENDED_WAKE_AT
         # The collectives of each step, told when a step's items are built (init's
         # runtime gives one; a timer made on its own has none).
-        self.collectives: _collectives.CollectiveRecorder | None = None
+        self.collectives: StepsObserver | None = None
+        # The torch hooks that report to this timer (given by their ``activate``).
+        self.hooks: TimerHooks | None = None
         # The user phases open now (trace_phase), innermost last: where a collective
         # issued outside the built-in phases is attributed.
         self.user_phases: list[str] = []
@@ -357,9 +396,29 @@ class StepTimer(TimerCore):
         """Stop measuring after an internal error; training goes on."""
         self.enabled = False
         self.in_step = False
-        if _torch_patches.active() is self:
-            _torch_patches.activate(None)
+        if self.hooks is not None:
+            self.hooks.release(self)
         self._on_error(exc)
+
+    # -- where a call made now belongs ------------------------------------------
+
+    def phase_now(self) -> tuple[int, str]:
+        """The step and the phase a call made now on the training thread belongs to:
+        the innermost open phase (optimizer, backward, forward, host-to-device, then the
+        user's), the step itself, or between steps (counted with the next step)."""
+        if not self.in_step:
+            return self.step + 1, BETWEEN_STEPS
+        step = self.step
+        if self.opt.depth:
+            return step, OPTIMIZER_STEP
+        if self.bwd.depth:
+            return step, BACKWARD
+        if self.fwd.depth:
+            return step, FORWARD
+        if self.h2d.depth:
+            return step, H2D
+        phases = self.user_phases
+        return step, phases[-1] if phases else STEP_TIME
 
     # -- phases ---------------------------------------------------------------
 
@@ -392,8 +451,8 @@ class StepTimer(TimerCore):
         except TypeError:
             ref = functools.partial(lambda m: m, model)
         self._model_ref = ref
-        if self.auto_forward:
-            _torch_patches.install_model_hooks(model)
+        if self.auto_forward and self.hooks is not None:
+            self.hooks.hook_model(model)
         self._locate(model)
         self._on_new_model(model)
 
@@ -413,7 +472,7 @@ class StepTimer(TimerCore):
                 self._probe = weakref.ref(probe)
             except TypeError:
                 self._probe = functools.partial(lambda t: t, probe)
-            self._probe_at = where(probe)
+            self._probe_at = device_of(probe)
         self._device_known = True
 
     def _current_device(self) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from traceml_ai import _environ
-from traceml_ai.rank import _sdk
 from traceml_ai.rank._init_config import warn_once
-from traceml_ai.rank._runtime import Runtime
-from traceml_ai.rank._step_timer import SHUTDOWN_GPU_WAIT_S
+from traceml_ai.rank._runtime import sdk
+from traceml_ai.rank._runtime.runtime import Runtime
+from traceml_ai.rank._timing.step_timer import SHUTDOWN_GPU_WAIT_S
 from traceml_ai.rank.identity import RankIdentity
 
 __all__ = ["final_summary", "summary"]
@@ -26,7 +26,7 @@ _ENV_SUMMARY_FILE = _environ.SUMMARY_FILE
 def _flush_for_summary(runtime: Runtime, deadline: float) -> None:
     """Send this rank's finished steps now: resolve pending CUDA events, empty the sender."""
     timer = runtime.timer
-    with _sdk._lock:
+    with sdk._lock:
         if timer.enabled and not timer.in_step:
             try:
                 timer.drain(
@@ -63,15 +63,15 @@ def final_summary(
     Never raises for a missing aggregator or file: it says so once and returns what
     it has.
     """
-    runtime = _sdk._runtime
+    runtime = sdk._runtime
     identity = runtime.identity if runtime is not None else RankIdentity.from_env()
     if rank0_only and identity.global_rank != 0:
         return None
-    history = _sdk._history
+    history = sdk._history
     if history is None or (runtime is None and history.total_steps == 0):
         why = (
             "TraceML is disabled (disabled=True or TRACEML_DISABLED=1)"
-            if _sdk._state == "disabled"
+            if sdk._state == "disabled"
             else "TraceML did not run in this process"
         )
         _warn_once("summary_off", f"traceml: summary(): {why}; there is no summary")

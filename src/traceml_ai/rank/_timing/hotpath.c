@@ -1,10 +1,10 @@
 /*
- * traceml_ai.rank._hotpath: the step timer's per-step and per-call work in C.
+ * traceml_ai.rank._timing.hotpath: the step timer's per-step and per-call work in C.
  *
- * Its interface is _hotpath.pyi; its pure-Python twin, _hotpath_py.py, defines the same
- * names and the behaviour; _timer_core.py chooses between the two.
+ * Its interface is hotpath.pyi; its pure-Python twin, hotpath_py.py, defines the same
+ * names and the behaviour; timer_core.py chooses between the two.
  *
- * TimerCore is the base of _step_timer.StepTimer, Slot its in-flight phase and
+ * TimerCore is the base of step_timer.StepTimer, Slot its in-flight phase and
  * StepContext the `with trace_step(model)` context. begin, end, open, close, restart
  * and add_host run in every traced step, called by torch's hooks and the framework
  * brackets. Inside a framework's loop TraceML's objects are cold, and each Python
@@ -12,7 +12,7 @@
  * case runs here without a frame, its state in C fields: a step off CUDA whose model
  * stayed where it was, on the training thread, adding to a phase the step's (reused)
  * phase dict already has, its numbers left to the sender's thread. Every other case is
- * handed, untouched, to the methods of _hotpath_py.TimerCore (configure()), which
+ * handed, untouched, to the methods of hotpath_py.TimerCore (configure()), which
  * define the behaviour; tests run the timer's suites over both.
  *
  * FastPatch is what the patches of torch put in place (the DataLoader wait, backward,
@@ -85,7 +85,7 @@ static PyMemberDef slot_members[] = {
 
 static PyTypeObject SlotType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "traceml_ai.rank._hotpath.Slot",
+    .tp_name = "traceml_ai.rank._timing.hotpath.Slot",
     .tp_doc = "An in-flight hook-timed phase; depth keeps nested calls from counting twice.",
     .tp_basicsize = sizeof(SlotObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -323,7 +323,7 @@ static inline int is_slot(PyObject *obj) { return Py_IS_TYPE(obj, &SlotType); }
 
 static int not_configured(void) {
     if (py_open != NULL) return 0;
-    PyErr_SetString(PyExc_RuntimeError, "traceml_ai.rank._hotpath is not configured");
+    PyErr_SetString(PyExc_RuntimeError, "traceml_ai.rank._timing.hotpath is not configured");
     return 1;
 }
 
@@ -607,7 +607,7 @@ static PyMemberDef core_members[] = {
 
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "traceml_ai.rank._hotpath.TimerCore",
+    .tp_name = "traceml_ai.rank._timing.hotpath.TimerCore",
     .tp_doc = "The step timer's per-call methods in C (the base of StepTimer).",
     .tp_basicsize = sizeof(CoreObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
@@ -621,7 +621,7 @@ static PyTypeObject CoreType = {
 
 /* ---- StepContext ------------------------------------------------------------
  *
- * ``with trace_step(model):`` (_hotpath_py.StepContext is the same in Python): its
+ * ``with trace_step(model):`` (hotpath_py.StepContext is the same in Python): its
  * __enter__ and __exit__ run every traced step, and call the timer's begin and end
  * (its methods, whichever class defines them). An Exception from them stops the
  * timer (timer.fail) and never reaches training; a step whose body raised is
@@ -755,7 +755,7 @@ static PyMemberDef context_members[] = {
 
 static PyTypeObject ContextType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "traceml_ai.rank._hotpath.StepContext",
+    .tp_name = "traceml_ai.rank._timing.hotpath.StepContext",
     .tp_doc = "with trace_step(model): one traced step; exceptions propagate unchanged.",
     .tp_basicsize = sizeof(ContextObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -773,11 +773,11 @@ static PyTypeObject ContextType = {
  * What install_patches and install_h2d_patch put in place of a torch function or
  * method: Tensor.to and .cuda (OUTSIDE_STEP), the DataLoader iterator's __next__
  * (DATALOADER) and torch.autograd.backward (BACKWARD). `slow` is the Python wrapper
- * that defines what the patch does (_torch_patches, _wrappers); the patch does its common
+ * that defines what the patch does (phase_hooks, wrappers); the patch does its common
  * case here, without a Python frame or a repacking of the call's arguments, and
  * hands every other case to `slow` with the arguments as they came:
  *
- * - no timer active (_torch_patches._ACTIVE is None): the original, untouched;
+ * - no timer active (phase_hooks._ACTIVE is None): the original, untouched;
  * - OUTSIDE_STEP: outside a traced step, the original; inside one, `slow`;
  * - DATALOADER: auto_dataloader off, the original; else the fetch timed and added to
  *   the DataLoader phase (timer.add_host) when it returned a batch;
@@ -804,7 +804,7 @@ typedef struct {
     vectorcallfunc vectorcall;
 } FastPatchObject;
 
-static PyObject *active_namespace = NULL; /* _torch_patches' module dict: _ACTIVE */
+static PyObject *active_namespace = NULL; /* phase_hooks' module dict: _ACTIVE */
 static PyObject *str_active = NULL;
 static PyObject *dataloader_name = NULL, *forward_name = NULL, *backward_name = NULL;
 static int fast_patches_on = 1;
@@ -992,7 +992,7 @@ static PyGetSetDef patch_getset[] = {
 
 static PyTypeObject FastPatchType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "traceml_ai.rank._hotpath.FastPatch",
+    .tp_name = "traceml_ai.rank._timing.hotpath.FastPatch",
     .tp_doc = "FastPatch(kind, original, slow): a patch's common case in C, the rest to slow.",
     .tp_basicsize = sizeof(FastPatchObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
@@ -1049,11 +1049,11 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_hotpath", "The step timer's per-call work in C (see _hotpath.pyi, _hotpath_py).", -1,
+    PyModuleDef_HEAD_INIT, "hotpath", "The step timer's per-call work in C (see hotpath.pyi, hotpath_py).", -1,
     module_methods,
 };
 
-PyMODINIT_FUNC PyInit__hotpath(void) {
+PyMODINIT_FUNC PyInit_hotpath(void) {
     str_fail = PyUnicode_InternFromString("fail");
     str_get_device = PyUnicode_InternFromString("get_device");
     str_begin = PyUnicode_InternFromString("begin");

@@ -4,8 +4,8 @@ group spans.
 Sources, the first found wins:
 
 1. a torch ``DeviceMesh`` the script made (``init_device_mesh``, DTensor, FSDP2, TP):
-   noted as it is made (``DeviceMesh.__init__``, patched through the process's one
-   import hook); the largest one is the job's. Its dims keep their names (HSDP's
+   noted as it is made (``note_mesh``, from ``rank._patches.layout_hooks``); the
+   largest one is the job's. Its dims keep their names (HSDP's
    ``dp_replicate``/``dp_shard``); ``mesh.mesh`` gives every global rank's place;
 2. ``torch.distributed.pipelining`` stages (``PipelineStage``): ``pp`` is the rank's
    place in the stage's group; ``dp`` follows from the pp group's ranks when the layout
@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from traceml_ai import _environ
-from traceml_ai._after_import import when_imported
 from traceml_ai.rank._init_config import warn_once
 from traceml_ai.settings import parse_parallel_layout
 
@@ -43,8 +42,10 @@ __all__ = [
     "Layout",
     "current_layout",
     "group_label",
-    "install_layout_hooks",
     "layout_changed",
+    "note_grid",
+    "note_mesh",
+    "note_stage",
     "parse_declared",
     "reset",
 ]
@@ -228,6 +229,21 @@ def _note(where: list[weakref.ref[Any]], obj: object) -> None:
         where.append(ref)
         del where[:-64]  # the newest; a script that makes thousands keeps memory flat
         _generation += 1
+
+
+def note_mesh(mesh: object) -> None:
+    """A torch ``DeviceMesh`` the script made."""
+    _note(_meshes, mesh)
+
+
+def note_stage(stage: object) -> None:
+    """A ``torch.distributed.pipelining`` stage the script made."""
+    _note(_stages, stage)
+
+
+def note_grid(grid: object) -> None:
+    """A DeepSpeed ``PipelineParallelGrid`` the script made."""
+    _note(_grids, grid)
 
 
 def _alive(where: list[weakref.ref[Any]]) -> list[Any]:
@@ -559,54 +575,3 @@ def reset() -> None:
         _generation += 1
     _cached, _cached_generation = None, -1
     _labels.clear()
-
-
-# --------------------------------------------------------------------------- hooks
-
-_hooks_installed = False
-
-
-def _patch_init(cls: Any, where: list[weakref.ref[Any]]) -> None:
-    original = cls.__init__
-    if getattr(original, "__traceml_parallel__", False):
-        return
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        with contextlib.suppress(Exception):
-            _note(where, self)
-
-    __init__.__wrapped__ = original  # type: ignore[attr-defined]
-    __init__.__traceml_parallel__ = True  # type: ignore[attr-defined]
-    __init__.__doc__ = original.__doc__
-    cls.__init__ = __init__
-
-
-def _on_device_mesh(module: Any) -> None:
-    cls = getattr(module, "DeviceMesh", None)
-    if isinstance(cls, type):
-        _patch_init(cls, _meshes)
-
-
-def _on_pipelining_stage(module: Any) -> None:
-    cls = getattr(module, "_PipelineStageBase", None) or getattr(module, "PipelineStage", None)
-    if isinstance(cls, type):
-        _patch_init(cls, _stages)
-
-
-def _on_deepspeed_topology(module: Any) -> None:
-    cls = getattr(module, "PipelineParallelGrid", None)
-    if isinstance(cls, type):
-        _patch_init(cls, _grids)
-
-
-def install_layout_hooks() -> None:
-    """Note meshes, pipeline stages and DeepSpeed grids as the script makes them (once
-    per process; at once for modules already imported)."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    when_imported("torch.distributed.device_mesh", _on_device_mesh)
-    when_imported("torch.distributed.pipelining.stage", _on_pipelining_stage)
-    when_imported("deepspeed.runtime.pipe.topology", _on_deepspeed_topology)

@@ -3,12 +3,12 @@
 Two C extensions serve the rank's hot path, each loaded through
 ``traceml_records.internal.load_extension`` (``TRACEML_PURE_PYTHON=1`` refuses them):
 
-- ``traceml_ai.rank._hotpath`` (``_hotpath.c``, interface ``_hotpath.pyi``): the step
+- ``traceml_ai.rank._timing.hotpath`` (``hotpath.c``, interface ``hotpath.pyi``): the step
   timer's per-call methods (``TimerCore``), its in-flight phases (``Slot``), the step
   context (``StepContext``) and the torch patches' common case (``FastPatch``). Its
-  pure-Python twin is ``_hotpath_py``, which defines the behaviour.
+  pure-Python twin is ``hotpath_py``, which defines the behaviour.
 - ``traceml_records._speedups``: the encoder of a host-timed step's two wire items,
-  which :class:`~traceml_ai.rank._step_timer.StepTimer` otherwise builds as dicts.
+  which :class:`~traceml_ai.rank._timing.step_timer.StepTimer` otherwise builds as dicts.
 
 An extension that is not built, or built from other sources than these modules (its
 ``configure`` refuses them), leaves everything in Python.
@@ -23,19 +23,19 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from traceml_ai.rank import _hotpath_py
-from traceml_ai.rank._event_names import BACKWARD, DATALOADER_NEXT, FORWARD, STEP_TIME
+from traceml_ai.rank._timing import hotpath_py
+from traceml_ai.rank._timing.event_names import BACKWARD, DATALOADER_NEXT, FORWARD, STEP_TIME
 from traceml_records import internal as _records
 
 
 def _load_hotpath() -> ModuleType | None:
-    """``traceml_ai.rank._hotpath``, configured, or None: not built, disabled, or built
-    from other sources than ``_hotpath_py`` (then everything runs in Python)."""
-    hotpath = _records.load_extension("traceml_ai.rank._hotpath")
+    """``traceml_ai.rank._timing.hotpath``, configured, or None: not built, disabled, or built
+    from other sources than ``hotpath_py`` (then everything runs in Python)."""
+    hotpath = _records.load_extension("traceml_ai.rank._timing.hotpath")
     if hotpath is None:
         return None
     try:
-        hotpath.configure(_hotpath_py.TimerCore, _hotpath_py.Phase, STEP_TIME)
+        hotpath.configure(hotpath_py.TimerCore, hotpath_py.Phase, STEP_TIME)
         for name in ("TimerCore", "Slot", "StepContext", "FastPatch"):
             getattr(hotpath, name)
     except Exception:
@@ -47,18 +47,18 @@ HOTPATH = _load_hotpath()
 """The C extension, configured, or None (the pure-Python twin alone)."""
 
 
-def _chosen_classes() -> tuple[type[_hotpath_py.TimerCore], type[Any], type[Any]]:
+def _chosen_classes() -> tuple[type[hotpath_py.TimerCore], type[Any], type[Any]]:
     if HOTPATH is None:
-        return _hotpath_py.TimerCore, _hotpath_py.Slot, _hotpath_py.StepContext
+        return hotpath_py.TimerCore, hotpath_py.Slot, hotpath_py.StepContext
     # The C methods first; the Python ones are what they hand other cases to.
-    core = type("TimerCore", (HOTPATH.TimerCore, _hotpath_py.TimerCore), {})
+    core = type("TimerCore", (HOTPATH.TimerCore, hotpath_py.TimerCore), {})
     return core, HOTPATH.Slot, HOTPATH.StepContext
 
 
 if TYPE_CHECKING:
-    TimerCore = _hotpath_py.TimerCore
-    Slot = _hotpath_py.Slot
-    StepContext = _hotpath_py.StepContext
+    TimerCore = hotpath_py.TimerCore
+    Slot = hotpath_py.Slot
+    StepContext = hotpath_py.StepContext
 else:
     TimerCore, Slot, StepContext = _chosen_classes()
 
@@ -66,7 +66,7 @@ else:
 # -- the torch patches' common case ------------------------------------------------
 
 # The kinds of FastPatch: what a patch does in C before it hands a call to its Python
-# wrapper (see _hotpath.c).
+# wrapper (see hotpath.c).
 PATCH_OUTSIDE_STEP = 0
 PATCH_DATALOADER = 1
 PATCH_BACKWARD = 2
@@ -90,7 +90,7 @@ def read_active_timer_from(namespace: dict[str, Any]) -> None:
 
 def fast_patch(kind: int, original: Callable[..., Any], slow: Callable[..., Any]) -> Any:
     """What a patch puts in place of ``original``: ``slow``, its Python wrapper, which
-    defines what it does; with the extension, a ``_hotpath.FastPatch`` that does the
+    defines what it does; with the extension, a ``hotpath.FastPatch`` that does the
     common case of ``kind`` in C (no frame, the call's arguments passed on as they
     came) and hands every other call to ``slow``. A method of the class it is put in,
     as ``original`` was."""
@@ -113,7 +113,7 @@ def _load_host_step_encoders() -> tuple[Callable[..., Any] | None, Callable[...,
     if speedups is None:
         return None, None
     try:
-        speedups.configure_host_step(_hotpath_py.Phase, orjson.dumps)
+        speedups.configure_host_step(hotpath_py.Phase, orjson.dumps)
         encode: Callable[..., Any] = speedups.encode_host_step
         encode_run: Callable[..., Any] = speedups.encode_host_steps
     except Exception:  # an extension built from other sources: Python's path
