@@ -62,8 +62,7 @@ class Setting(Generic[T_co]):
     A number setting's ``bounds`` say its range, checked after ``parse`` in
     :meth:`read`, the one place a value is read.
     ``default`` ``None`` means the command decides (``default_doc`` says how; without
-    one the docs show the default itself). ``kind`` is the type a value given in code
-    has (a ``TraceMLRayConfig`` field). ``ray`` names the ``TraceMLRayConfig`` field
+    one the docs show the default itself). ``ray`` names the ``TraceMLRayConfig`` field
     of the setting (None: Ray has none); its default is ``default`` unless
     ``ray_default`` says otherwise (a Ray job decides differently). A ``repeatable``
     setting's flag may be given several times, and names one value (its name without
@@ -76,7 +75,6 @@ class Setting(Generic[T_co]):
     help: str
     metavar: str
     commands: tuple[Command, ...]
-    kind: type
     forms: str = ""
     """What the setting takes, as a message says it (a bounded one's comes from
     ``bounds``)."""
@@ -87,6 +85,17 @@ class Setting(Generic[T_co]):
     ray_default: object = SAME
     repeatable: bool = False
     """The flag may be given several times (its values join as a comma list)."""
+
+    @property
+    def kind(self) -> type:
+        """The type of a value given in code (a ``TraceMLRayConfig`` field): a switch's
+        is ``bool``, a number's ``int`` or ``float`` (its bounds say which), any other
+        setting's its text, ``str``."""
+        if self.is_switch:
+            return bool
+        if self.bounds is not None:
+            return int if self.bounds.whole else float
+        return str
 
     @property
     def expected(self) -> str:
@@ -171,7 +180,6 @@ EXPORTER: Setting[str] = Setting(
     help="Exporter: '' or off, 'jsonl', or 'module.path:factory'.",
     metavar="EXPORTER",
     commands=_BOTH,
-    kind=str,
     ray="exporter",
 )
 EXPORT_STREAMS: Setting[ExportStreams] = Setting(
@@ -182,7 +190,6 @@ EXPORT_STREAMS: Setting[ExportStreams] = Setting(
     help="Streams to export, comma-separated: " + ", ".join(SELECTION_NAMES) + ".",
     metavar="NAMES",
     commands=_BOTH,
-    kind=str,
     ray="export_streams",
     ray_default=_CONTRACT_DEFAULT_STREAMS,  # the field holds the text; the config parses it
 )
@@ -194,7 +201,6 @@ EXPORTER_HOSTNAME: Setting[bool] = Setting(
     help="Include hostname on the lines that carry it.",
     metavar="",
     commands=_BOTH,
-    kind=bool,
     ray="exporter_hostname",
 )
 LOGS_DIR: Setting[Path] = Setting(
@@ -205,7 +211,6 @@ LOGS_DIR: Setting[Path] = Setting(
     help="Where run folders are created.",
     metavar="DIR",
     commands=_BOTH,
-    kind=str,
     ray="logs_dir",
     ray_default="./logs",
 )
@@ -218,7 +223,6 @@ RUN_NAME: Setting[str] = Setting(
     help="Run folder name.",
     metavar="NAME",
     commands=_BOTH,
-    kind=str,
     ray="session_id",
     ray_default="",  # a fresh id for every fit()
 )
@@ -230,7 +234,6 @@ INTERVAL: Setting[float] = Setting(
     help="Seconds between process/system samples.",
     metavar="SECONDS",
     commands=("run",),
-    kind=float,
     ray="sampler_interval_sec",
 )
 FINALIZE_TIMEOUT_SEC: Setting[float] = Setting(
@@ -241,7 +244,6 @@ FINALIZE_TIMEOUT_SEC: Setting[float] = Setting(
     help="Longest wait for pending records at shutdown.",
     metavar="SECONDS",
     commands=_BOTH,
-    kind=float,
     ray="finalize_timeout_sec",
 )
 AGGREGATOR_HOST: Setting[str] = Setting(
@@ -254,7 +256,6 @@ AGGREGATOR_HOST: Setting[str] = Setting(
     "instead of starting one on node 0.",
     metavar="HOST",
     commands=("run",),
-    kind=str,
 )
 AGGREGATOR_PORT: Setting[int] = Setting(
     name="aggregator_port",
@@ -266,7 +267,6 @@ AGGREGATOR_PORT: Setting[int] = Setting(
     help="Aggregator port (0 picks a free one).",
     metavar="PORT",
     commands=_BOTH,
-    kind=int,
     ray="port",
     ray_default=0,  # a free port on the driver's node
 )
@@ -278,7 +278,6 @@ AGGREGATOR_BIND_HOST: Setting[str] = Setting(
     help="Address to listen on (0.0.0.0 for ranks on other hosts).",
     metavar="HOST",
     commands=("serve",),
-    kind=str,
     ray="bind_host",
 )
 NNODES: Setting[int] = Setting(
@@ -290,7 +289,6 @@ NNODES: Setting[int] = Setting(
     help="Nodes in the job (with --nproc-per-node gives the world size).",
     metavar="N",
     commands=("serve",),
-    kind=int,
 )
 NPROC_PER_NODE: Setting[int] = Setting(
     name="nproc_per_node",
@@ -301,7 +299,6 @@ NPROC_PER_NODE: Setting[int] = Setting(
     help="Ranks per node; without it, the world size the first rank reports is expected.",
     metavar="N",
     commands=("serve",),
-    kind=int,
 )
 PROMETHEUS_PORT: Setting[int] = Setting(
     name="prometheus_port",
@@ -313,7 +310,6 @@ PROMETHEUS_PORT: Setting[int] = Setting(
     "(0 picks a free port).",
     metavar="PORT",
     commands=_BOTH,
-    kind=int,
     ray="prometheus_port",
 )
 PROMETHEUS_BIND_HOST: Setting[str] = Setting(
@@ -324,7 +320,6 @@ PROMETHEUS_BIND_HOST: Setting[str] = Setting(
     help="Address the /metrics endpoint listens on (0.0.0.0 to be scraped from other hosts).",
     metavar="HOST",
     commands=_BOTH,
-    kind=str,
     ray="prometheus_bind_host",
 )
 RANK_HISTOGRAMS_MAX_RANKS: Setting[int] = Setting(
@@ -337,7 +332,6 @@ RANK_HISTOGRAMS_MAX_RANKS: Setting[int] = Setting(
     "(0: never).",
     metavar="N",
     commands=_BOTH,
-    kind=int,
     ray="rank_histograms_max_ranks",
 )
 OTLP: Setting[bool] = Setting(
@@ -349,7 +343,6 @@ OTLP: Setting[bool] = Setting(
     "to where the OTEL_EXPORTER_OTLP_* variables say (needs the 'otel' extra).",
     metavar="",
     commands=_BOTH,
-    kind=bool,
     ray="otlp",
 )
 OTLP_TRACE_SAMPLE: Setting[int] = Setting(
@@ -361,7 +354,6 @@ OTLP_TRACE_SAMPLE: Setting[int] = Setting(
     "median); 1 traces every step.",
     metavar="N",
     commands=_BOTH,
-    kind=int,
     ray="otlp_trace_sample",
 )
 DASHBOARD: Setting[bool] = Setting(
@@ -373,7 +365,6 @@ DASHBOARD: Setting[bool] = Setting(
     "traceml run --mode dashboard sets it.",
     metavar="",
     commands=_BOTH,
-    kind=bool,
 )
 DASHBOARD_PORT: Setting[int] = Setting(
     name="dashboard_port",
@@ -383,7 +374,6 @@ DASHBOARD_PORT: Setting[int] = Setting(
     help="Port of the live dashboard (--mode dashboard; 0 picks a free port).",
     metavar="PORT",
     commands=_BOTH,
-    kind=int,
     ray="dashboard_port",
 )
 DASHBOARD_BIND_HOST: Setting[str] = Setting(
@@ -394,7 +384,6 @@ DASHBOARD_BIND_HOST: Setting[str] = Setting(
     help="Address the dashboard listens on.",
     metavar="HOST",
     commands=_BOTH,
-    kind=str,
     ray="dashboard_bind_host",
 )
 TRACKERS: Setting[tuple[str, ...]] = Setting(
@@ -407,7 +396,6 @@ TRACKERS: Setting[tuple[str, ...]] = Setting(
     "(docs/trackers.md; each needs its extra): repeat the flag or give a comma list.",
     metavar="NAME",
     commands=_BOTH,
-    kind=str,
     ray="trackers",
     ray_default="",  # the field holds the text; the config parses it
     repeatable=True,
@@ -424,7 +412,6 @@ TRACKER_EVERY_STEPS: Setting[int] = Setting(
     help="Log to the trackers every N training steps (the step all ranks have reached).",
     metavar="N",
     commands=_BOTH,
-    kind=int,
     ray="tracker_every_steps",
 )
 PARALLEL: Setting[str] = Setting(
@@ -439,7 +426,6 @@ PARALLEL: Setting[str] = Setting(
     "torch pipelining, Megatron, DeepSpeed) wins.",
     metavar="LAYOUT",
     commands=_BOTH,
-    kind=str,
     ray="parallel",
 )
 

@@ -928,8 +928,13 @@ def test_a_value_past_its_bound_is_one_error_line_naming_the_bound(
 
 
 def test_every_number_setting_has_its_bounds_in_the_table() -> None:
+    from traceml_ai.settings._parse import parse_number, parse_whole
+
     for setting in settings.SETTINGS:
-        is_number = setting.kind in (int, float)
+        is_number = setting.parse in (parse_whole, parse_number)
+        default = setting.default
+        if isinstance(default, int | float) and not isinstance(default, bool):
+            assert is_number, setting.name
         assert (setting.bounds is not None) == is_number, setting.name
         if setting.bounds is not None:
             assert setting.expected == setting.bounds.expected
