@@ -167,6 +167,10 @@ class OtlpSink:
         not be sent by then is counted (the export thread is left behind if an export is
         stuck in the receiver)."""
         counts = self.worker.close(timeout_s)
+        if counts.timed_out:
+            self._say_failure(
+                f"an export was still waiting on the receiver after {timeout_s:.1f} s"
+            )
         with self._lock:
             if not self._final_metrics_done:
                 self.metric_exports_failed += 1

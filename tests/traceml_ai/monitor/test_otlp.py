@@ -441,6 +441,11 @@ def test_slow_receiver_and_a_full_queue(monkeypatch: pytest.MonkeyPatch) -> None
         lost = sink.close(1.0)
         assert time.monotonic() - started < 1.5
     assert lost == {"spans_dropped": (n_steps + 1) * per_step}
+    assert reports[1:] == [
+        "traceml: otlp: an export was still waiting on the receiver after 1.0 s; training "
+        "and the files go on, and what the live export loses is counted in "
+        "aggregator/stats.json"
+    ]
 
 
 def test_receiver_killed_mid_run(monkeypatch: pytest.MonkeyPatch) -> None:
