@@ -448,6 +448,53 @@ def test_slow_receiver_and_a_full_queue(monkeypatch: pytest.MonkeyPatch) -> None
     ]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_of_the_aggregator_sends_nothing_of_the_parents(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real fork while sampled steps wait in the sink worker's queue: the child's
+    worker is empty with a fresh, unstarted thread, its close sends nothing and loses
+    nothing; the parent's steps reach the receiver once."""
+    with OtlpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+        monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+        monkeypatch.setattr(otlp, "TRACE_FLUSH_S", 600.0)  # the steps stay queued
+        sink = start_otlp(_monitoring())
+        try:
+            time.sleep(0.2)  # the worker waits on its flush time
+            sink.on_steps([_step(0, s, 5.0, forward=2.0) for s in (1, 2, 3)])
+            assert len(sink.worker) == 3
+            parent_thread = sink.worker.thread
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    started = time.monotonic()
+                    seen = {
+                        "queued": len(sink.worker),
+                        "fresh": sink.worker.thread is not parent_thread,
+                        "alive": sink.worker.thread.is_alive(),
+                        "lost": dict(sink.close(2.0)),
+                        "close_s": time.monotonic() - started,
+                    }
+                    os.write(write_end, orjson.dumps(seen))
+                finally:
+                    os._exit(0)
+            os.close(write_end)
+            with os.fdopen(read_end, "rb") as child_out:
+                seen = orjson.loads(child_out.read())
+            os.waitpid(pid, 0)
+            assert seen["queued"] == 0 and seen["fresh"] and not seen["alive"]
+            assert seen["lost"] == {} and seen["close_s"] < 0.5
+            assert receiver.spans() == []
+        finally:
+            lost = sink.close(5.0)
+    assert lost == {}
+    assert sorted(
+        sp.attributes["traceml.step"] for sp in receiver.spans() if sp.name == "traceml.step"
+    ) == [1, 2, 3]
+
+
 def test_receiver_killed_mid_run(monkeypatch: pytest.MonkeyPatch) -> None:
     receiver = OtlpReceiver().start()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
