@@ -6,6 +6,7 @@ from pathlib import Path
 
 from codegen._model import load_schemas
 from codegen._render_arrow import render_arrow_tables, render_tables_reference
+from codegen._render_checks import render_checks
 from codegen._render_docs import render_reference, render_stream_keys
 from codegen._render_events import render_events
 from codegen._render_python import render_plan_header, render_records, render_registry
@@ -29,6 +30,7 @@ def generate(root: Path) -> dict[Path, bytes]:
         Path("docs/reference/export-records.md"): render_reference(schema_set).encode(),
         Path("docs/reference/stream-keys.md"): render_stream_keys(schema_set).encode(),
         PACKAGE / "_generated" / "tables.py": render_arrow_tables(schema_set).encode(),
+        PACKAGE / "_generated" / "checks.py": render_checks(schema_set).encode(),
         Path("docs/reference/tables.md"): render_tables_reference(schema_set).encode(),
     }
     events = render_events(schema_set)

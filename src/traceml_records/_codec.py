@@ -28,6 +28,7 @@ import orjson
 
 from traceml_records import _extensions
 from traceml_records._errors import Path, RecordError, describe
+from traceml_records._generated.checks import CHECKS, WARNING_CHECK
 from traceml_records._generated.records import (
     DUMPERS,
     ENCODER_PLANS,
@@ -48,12 +49,7 @@ from traceml_records._generated.records import (
 )
 from traceml_records._generated.registry import STREAMS
 from traceml_records._rules import LineCheck, line_checks, line_findings
-from traceml_records._schemas import (
-    WARNING_SCHEMA_FILE,
-    rs_validators,
-    schema_documents,
-    schema_errors,
-)
+from traceml_records._schemas import WARNING_SCHEMA_FILE, rs_validators, schema_errors
 
 StreamRecord: TypeAlias = (
     StepTimeRecord
@@ -341,7 +337,7 @@ _LINE_FORMS = {
     spec.name: _LineForm(
         spec.record_class,
         spec.rules,
-        set(schema_documents()[spec.schema_file]["required"]),
+        set(CHECKS[spec.name].required),
     )
     for spec in STREAMS
 }
@@ -380,8 +376,8 @@ _WARNING_ORDER = tuple(field[0] for field in ENCODER_PLANS[FinalizationWarning])
 
 @functools.cache
 def _warning_checks() -> tuple[LineCheck, ...]:
-    # The schema names its rules; read once, when a warning is first checked.
-    return line_checks(tuple(schema_documents()[WARNING_SCHEMA_FILE]["x-traceml-rules"]))
+    # The check plan names its rules; read once, when a warning is first checked.
+    return line_checks(WARNING_CHECK.rules)
 
 
 def _warning_problems(obj: dict[str, Any]) -> list[tuple[Path, str]]:

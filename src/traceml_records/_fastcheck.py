@@ -1,15 +1,16 @@
 """The fast path of ``traceml validate``: lines accepted without the full check, when
 they are certainly valid.
 
-:func:`plan_for` derives, from a stream's JSON Schema (and the fast forms of its
-line rules in :mod:`traceml_records._rules`), what a line must look like to be
-accepted unseen by the full path: every key in schema order, every value of its
-schema type and within its bounds, integers written as integers, every constrained
-string accepted by that string's own sub-schema (compiled by jsonschema_rs, the
-validator of the full path, verdicts cached), the schema's if/then type conditions,
-sorted maps, and the line rules. A schema keyword the plan does not know makes the
-stream's lines all go the full way (no plan), so the plan can only be stricter than
-the schema, never looser.
+:func:`plan_for` compiles, from a stream's generated check plan
+(``_generated/checks.py``: its schema's kinds and bounds, ``$ref`` followed by
+codegen) and the fast forms of its line rules in :mod:`traceml_records._rules`, what a
+line must look like to be accepted unseen by the full path: every key in schema
+order, every value of its schema type and within its bounds, integers written as
+integers, every constrained string accepted by that string's own schema (compiled by
+jsonschema_rs, the validator of the full path, verdicts cached), the schema's if/then
+type conditions, sorted maps, and the line rules. A check the fast check cannot compile makes the
+stream's lines all go the full way (no plan), and codegen refuses any schema keyword
+it does not read, so the plan can only be stricter than the schema, never looser.
 
 A :class:`Checker` (``_speedups.Checker``, in C) runs a plan over the whole lines of
 a block, without building a Python object for a line it accepts; a :class:`Tracker`
@@ -31,19 +32,25 @@ from __future__ import annotations
 import functools
 from array import array
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from traceml_records import _extensions
-from traceml_records._generated.records import ENCODER_PLANS
-from traceml_records._generated.registry import STREAMS
+from traceml_records._checkplan import (
+    BOOLEAN,
+    INTEGER,
+    MAP,
+    NUMBER,
+    OBJECT,
+    STRING,
+    ConditionCheck,
+    FieldCheck,
+    ValueCheck,
+)
+from traceml_records._generated.checks import CHECKS
 from traceml_records._generated.tables import LONG_TABLES, TABLE_STREAM, TABLES
 from traceml_records._rules import RULES
-from traceml_records._schemas import schema_documents
 
-_ANNOTATIONS = frozenset(
-    {"description", "title", "$comment", "examples", "default", "$schema", "$id", "$defs"}
-)
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _CROSS_LINE_RULES = frozenset(
     {"closing-line-last", "unique-key", "last-line-wins", "seq-never-decreases",
@@ -67,130 +74,75 @@ unique keys)."""
 
 
 class _NoPlan(Exception):
-    """The schema says something the plan cannot: its lines go the full way."""
+    """The check plan says something the fast check cannot: its lines go the full way."""
 
 
 # --------------------------------------------------------------------------- plans
 
 
-def _resolve(node: Mapping[str, Any], root: Mapping[str, Any]) -> tuple[Any, Any]:
-    while "$ref" in node:
-        uri, _, fragment = node["$ref"].partition("#")
-        if uri:
-            root = next(d for d in schema_documents().values() if d["$id"] == uri)
-        target: Any = root
-        for part in fragment.strip("/").split("/"):
-            if part:
-                target = target[part]
-        if set(node) - _ANNOTATIONS - {"$ref"} - {k for k in node if k.startswith("x-")}:
-            raise _NoPlan("$ref beside other keywords")
-        node = target
-    return node, root
-
-
-def _keywords(node: Mapping[str, Any]) -> set[str]:
-    return {k for k in node if k not in _ANNOTATIONS and not k.startswith("x-")}
-
-
-def _types(node: Mapping[str, Any]) -> tuple[str, ...]:
-    kind = node.get("type")
-    if kind is None:
-        values = [node["const"]] if "const" in node else list(node.get("enum", [None]))
-        if all(type(v) is str for v in values):
-            return ("string",)
-        raise _NoPlan("an untyped value that is not a string constant")
-    return (kind,) if isinstance(kind, str) else tuple(kind)
-
-
-@functools.cache
-def _registry() -> Any:
+def _verdict(schema: dict[str, Any]) -> Callable[[str], bool]:
+    """The full path's own validator of one string's schema, as a predicate."""
     import jsonschema_rs
 
-    docs = schema_documents()
-    return jsonschema_rs.Registry([(doc["$id"], doc) for doc in docs.values()])
+    verdict: Callable[[str], bool] = jsonschema_rs.validator_for(schema).is_valid
+    return verdict
 
 
-def _verdict(node: Mapping[str, Any]) -> Callable[[str], bool]:
-    """The full path's own validator of one string's sub-schema, as a predicate."""
-    import jsonschema_rs
-
-    validator = jsonschema_rs.validator_for(dict(node), registry=_registry())
-    return validator.is_valid
-
-
-def _node(raw: Mapping[str, Any], root: Mapping[str, Any]) -> Node:
-    """The plan node of one schema node (``$ref``s followed from ``root``)."""
-    node, root = _resolve(raw, root)
-    types = _types(node)
-    if not set(types) <= set(_TYPE_NAMES):
-        raise _NoPlan(f"type {types}")
-    nullable = "null" in types
-    kinds = [t for t in types if t != "null"]
-    if len(kinds) != 1:
-        raise _NoPlan(f"type {types}")
-    kind = kinds[0]
-    words = _keywords(node) - {"type"}
-    if kind == "string":
-        # Every keyword of a string (const, enum, pattern, minLength, if/then on
-        # the text) is left to the schema's validator, run on the string alone.
-        return ("string", nullable, _verdict(node) if words else None)
-    if kind == "integer":
-        if words - {"minimum", "maximum", "const"}:
-            raise _NoPlan(f"integer keywords {words}")
-        low, high = node.get("minimum", _INT64_MIN), node.get("maximum", _INT64_MAX)
-        if not all(type(v) is int for v in (low, high, node.get("const", 0))):
+def _node(check: ValueCheck) -> Node:
+    """The C checker's node of one value's check plan."""
+    kind, nullable = check.kind, check.nullable
+    if kind == STRING:
+        # Every constraint of a string (const, enum, pattern, minLength, format) is
+        # left to the schema's validator, run on the string alone.
+        return ("string", nullable, _verdict(check.schema) if check.schema else None)
+    if kind == INTEGER:
+        low = _INT64_MIN if check.minimum is None else check.minimum
+        high = _INT64_MAX if check.maximum is None else check.maximum
+        if not all(type(v) is int for v in (low, high, check.const if check.has_const else 0)):
             raise _NoPlan("integer bounds that are not integers")
-        if "const" in node:
-            if not low <= node["const"] <= high:
+        if check.has_const:
+            if not low <= check.const <= high:
                 raise _NoPlan("a constant out of its bounds")
-            low = high = node["const"]
+            low = high = check.const
         return ("integer", nullable, max(low, _INT64_MIN), min(high, _INT64_MAX))
-    if kind == "number":
-        if words - {"minimum", "maximum"}:
-            raise _NoPlan(f"number keywords {words}")
-        low, high = node.get("minimum"), node.get("maximum")
-        return ("number", nullable, _float(low), _float(high))
-    if kind == "boolean":
-        if words - {"const"}:
-            raise _NoPlan(f"boolean keywords {words}")
-        const = node.get("const")
+    if kind == NUMBER:
+        if check.has_const:
+            raise _NoPlan("a number constant")
+        return ("number", nullable, _float(check.minimum), _float(check.maximum))
+    if kind == BOOLEAN:
+        const = check.const if check.has_const else None
         if const is not None and type(const) is not bool:
             raise _NoPlan("a boolean constant that is not a boolean")
         return ("boolean", nullable, const)
-    if "properties" in node:
-        return _object(node, root, nullable)
-    return _map(node, root, nullable)
+    if kind == OBJECT:
+        return _object(check.fields, check.conditions, nullable)
+    if kind == MAP:
+        assert check.value is not None
+        return (
+            "map",
+            nullable,
+            _verdict(check.schema) if check.schema else None,
+            _node(check.value),
+            check.min_count,
+            tuple(k.encode() for k in check.required_keys),
+        )
+    raise _NoPlan(f"a value of kind {kind}")
 
 
-def _object(node: Mapping[str, Any], root: Mapping[str, Any], nullable: bool) -> Node:
-    words = _keywords(node) - {"type", "properties", "required", "if", "then", "else"}
-    if words != {"additionalProperties"} or node["additionalProperties"] is not False:
-        raise _NoPlan(f"object keywords {words}")
-    props: dict[str, Any] = node["properties"]
-    names = list(props)
-    required = set(node.get("required", ()))
-    if not required <= set(names):
-        raise _NoPlan("a required key that is no property")
-    fields = tuple(
-        (name.encode(), _node(sub, root), name in required) for name, sub in props.items()
-    )
-    conds: tuple[Any, ...] = ()
-    if "if" in node:
-        conds = (_condition(node, names),)
-    elif "then" in node or "else" in node:
-        raise _NoPlan("then or else without if")
-    return ("object", nullable, fields, conds, ())
+def _object(
+    fields: tuple[FieldCheck, ...], conditions: tuple[ConditionCheck, ...], nullable: bool
+) -> Node:
+    names = [f.name for f in fields]
+    out = tuple((f.name.encode(), _node(f.check), f.required) for f in fields)
+    return ("object", nullable, out, tuple(_condition(c, names) for c in conditions), ())
 
 
-def _condition(node: Mapping[str, Any], names: list[str]) -> tuple[Any, ...]:
+def _condition(cond: ConditionCheck, names: list[str]) -> tuple[Any, ...]:
     """``if: {properties: {k: {const: v}}}`` with branches that only name types."""
-    test = node["if"]
-    if _keywords(test) != {"properties"} or len(test["properties"]) != 1:
+    if cond.when is None or len(cond.when) != 1 or not cond.when[0].has_const:
         raise _NoPlan("an if other than one property's constant")
-    ((name, sub),) = test["properties"].items()
-    if _keywords(sub) != {"const"} or name not in names:
-        raise _NoPlan("an if other than one property's constant")
-    value = sub["const"]
+    test = cond.when[0]
+    value = test.const
     if type(value) is str:
         value = value.encode()
         if not value.isascii():
@@ -198,37 +150,14 @@ def _condition(node: Mapping[str, Any], names: list[str]) -> tuple[Any, ...]:
     elif value is not None and type(value) not in (bool, int):
         raise _NoPlan("a constant the scan does not compare")
     branches = []
-    for which in ("then", "else"):
-        branch = node.get(which, {"properties": {}})
-        if _keywords(branch) != {"properties"}:
-            raise _NoPlan(f"a {which} other than property types")
+    for branch in (cond.then, cond.otherwise):
         pairs = []
-        for key, types in branch["properties"].items():
-            if _keywords(types) != {"type"} or key not in names:
-                raise _NoPlan(f"a {which} other than property types")
-            if not set(_types(types)) <= set(_TYPE_NAMES):
-                raise _NoPlan(f"a {which} naming a type the scan does not tell")
-            pairs.append((names.index(key), _types(types)))
+        for t in branch:
+            if t.has_const or t.type is None or t.type not in _TYPE_NAMES:
+                raise _NoPlan("a branch other than property types")
+            pairs.append((names.index(t.field), (t.type,)))
         branches.append(tuple(pairs))
-    return (names.index(name), value, branches[0], branches[1])
-
-
-def _map(node: Mapping[str, Any], root: Mapping[str, Any], nullable: bool) -> Node:
-    words = _keywords(node) - {"type", "propertyNames", "minProperties", "required"}
-    value = node.get("additionalProperties")
-    if words != {"additionalProperties"} or not isinstance(value, dict):
-        raise _NoPlan(f"map keywords {words}")
-    names = node.get("propertyNames")
-    verdict = _verdict(names) if names is not None else None
-    required = tuple(k.encode() for k in node.get("required", ()))
-    return (
-        "map",
-        nullable,
-        verdict,
-        _node(value, root),
-        node.get("minProperties", 0),
-        required,
-    )
+    return (names.index(test.field), value, branches[0], branches[1])
 
 
 def _float(value: Any) -> float | None:
@@ -282,71 +211,40 @@ def _with_rule(root: Node, form: tuple[str, ...]) -> Node:
 @functools.cache
 def plan_for(stream: str) -> Plan | None:
     """The fast check of ``stream``'s lines, or None when they all go the full way."""
-    spec = next(s for s in STREAMS if s.name == stream)
-    schema = schema_documents()[spec.schema_file]
+    check = CHECKS[stream]
     try:
-        for name in spec.rules:
+        for name in check.rules:
             rule = RULES[name]
             if rule.check is None and name not in _CROSS_LINE_RULES:
                 raise _NoPlan(f"cross-line rule {name}")
             if rule.check is not None and rule.fast is None:
                 raise _NoPlan(f"line rule {name}")
-        root = _node(schema, schema)
-        if root[0] != "object":
-            raise _NoPlan("a line is an object")
-        # The top-level key order is a line rule: a key may be absent only where the
-        # schema and the line's key orders (the encoder plan's optional keys) both
-        # allow it (any key the schema leaves optional: lines written before it existed
-        # lack it), and a key the encoder leaves out when unknown is null only where its
-        # type allows.
-        plan_fields = ENCODER_PLANS[spec.record_class]
-        if [f[0] for f in plan_fields] != [f[0].decode() for f in root[2]]:
-            raise _NoPlan("the schema's key order is not the encoder's")
-        fields = tuple(
-            (
-                key,
-                node if flag != 2 or value.nullable else (node[0], False, *node[2:]),
-                required,
-            )
-            for (key, node, required), (_, value, flag) in zip(root[2], plan_fields, strict=True)
-        )
-        root = (*root[:2], fields, *root[3:])
-        for name in spec.rules:
+        root = _object(check.fields, check.conditions, False)
+        for name in check.rules:
             form = RULES[name].fast
             if form is not None:
                 root = _with_rule(root, form)
+        fields = root[2]
         # A key field may be optional or null (collectives' group, peer_rank): the
         # trackers give a missing or null component a value of its own.
-        keys = tuple(_field(fields, k, ("integer", "string"), True) for k in spec.key_fields)
+        keys = tuple(_field(fields, k, ("integer", "string"), True) for k in check.key_fields)
         names = [f[0] for f in fields]
-        if spec.carries_hostname and b"hostname" not in names:
+        if check.carries_hostname and b"hostname" not in names:
             raise _NoPlan("a stream that carries hostname without the field")
-        hostname = names.index(b"hostname") if spec.carries_hostname else -1
+        hostname = names.index(b"hostname") if check.carries_hostname else -1
         rank = _field(fields, "rank", ("integer",))
         seq = _field(fields, "seq", ("integer",))
     except _NoPlan:
         return None
-    unique = "unique-key" in spec.rules
-    return (root, keys, rank, seq, hostname, unique)
+    return (root, keys, rank, seq, hostname, check.unique_keys)
 
 
 def key_shape(stream: str) -> str:
     """A tracker's key shape for ``stream``: per key field, ``i`` (an integer), ``n`` (an
     integer that may be null or missing) or ``s`` (a string, or null or missing where the
-    schema allows), as its schema types it. The last ``i`` is the component a tracker
+    schema allows), as its check plan says. The last ``i`` is the component a tracker
     keeps in sorted arrays per group of the others, so a nullable integer is never it."""
-    spec = next(s for s in STREAMS if s.name == stream)
-    schema = schema_documents()[spec.schema_file]
-    props = schema["properties"]
-    required = set(schema.get("required", ()))
-
-    def letter(name: str) -> str:
-        types = _types(_resolve(props[name], schema)[0])
-        if "string" in types:
-            return "s"
-        return "n" if "null" in types or name not in required else "i"
-
-    return "".join(letter(k) for k in spec.key_fields)
+    return CHECKS[stream].key_shape
 
 
 # ------------------------------------------------------------- checker and tracker

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from traceml_records._errors import Path
-from traceml_records._generated.registry import SCHEMA_FILES, STREAMS
+from traceml_records._generated.registry import SCHEMA_FILES
 
 CLOSING_SCHEMA_FILE = "closing.schema.json"
 WARNING_SCHEMA_FILE = "finalization_warning.schema.json"
@@ -27,14 +27,6 @@ def schema_documents() -> Mapping[str, dict[str, Any]]:
     """Schema file name → parsed schema, read from the package data."""
     folder = importlib.resources.files("traceml_records") / "schemas"
     return {name: orjson.loads(folder.joinpath(name).read_bytes()) for name in SCHEMA_FILES}
-
-
-def stream_schema_file(stream: str) -> str:
-    """The schema file of ``stream`` (KeyError for an unknown stream)."""
-    for spec in STREAMS:
-        if spec.name == stream:
-            return spec.schema_file
-    raise KeyError(stream)
 
 
 @functools.cache

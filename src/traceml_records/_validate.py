@@ -39,9 +39,11 @@ from typing import Any
 import attrs
 import orjson
 
+from traceml_records._checkplan import ARRAY, INTEGER, MAP, OBJECT, CheckPlan, ValueCheck
 from traceml_records._codec import line_problems
 from traceml_records._errors import Path, describe, json_pointer
-from traceml_records._fastcheck import Checker, Tracker, checker_for, key_shape, tracker_for
+from traceml_records._fastcheck import Checker, Tracker, checker_for, tracker_for
+from traceml_records._generated.checks import CHECKS, CLOSING_CHECK, WARNING_CHECK
 from traceml_records._generated.registry import STREAMS
 from traceml_records._generated.wire import WIRE_STREAMS
 from traceml_records._lines import is_closing
@@ -49,7 +51,6 @@ from traceml_records._schemas import (
     CLOSING_SCHEMA_FILE,
     WARNING_SCHEMA_FILE,
     rs_validators,
-    schema_documents,
     schema_errors,
 )
 
@@ -137,46 +138,35 @@ class ValidationReport:
         return all(f.problems == 0 for f in self.files)
 
 
-# --------------------------------------------------------------------------- schemas
+# --------------------------------------------------------------------------- plans
 
 
-def _resolve(node: dict[str, Any], root: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Follow ``$ref``s (URN of a shipped schema, or local) to the node and its document."""
-    while "$ref" in node:
-        uri, _, fragment = node["$ref"].partition("#")
-        if uri:
-            root = next(d for d in schema_documents().values() if d["$id"] == uri)
-        target: Any = root
-        for part in fragment.strip("/").split("/"):
-            if part:
-                target = target[part]
-        node = target
-    return node, root
-
-
-def _is_int_schema(node: dict[str, Any], root: dict[str, Any]) -> bool:
-    kind = _resolve(node, root)[0].get("type")
-    return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
-
-
-def _float_ints(
-    value: Any, node: dict[str, Any], root: dict[str, Any], path: Path, out: _Found
-) -> None:
-    """Report floats where the schema wants integers (JSON Schema accepts ``1.0``)."""
-    node, root = _resolve(node, root)
+def _float_ints(value: Any, check: ValueCheck, path: Path, out: _Found) -> None:
+    """Report floats where the check plan wants integers (JSON Schema accepts ``1.0``)."""
     if type(value) is float:
-        if _is_int_schema(node, root):
+        if check.kind == INTEGER:
             out.append((json_pointer(path), f"{_NOT_INT} {describe(value)}"))
     elif type(value) is dict:
-        props = node.get("properties", {})
-        extra = node.get("additionalProperties")
-        for key, item in value.items():
-            sub = props.get(key, extra)
-            if isinstance(sub, dict):
-                _float_ints(item, sub, root, (*path, key), out)
-    elif type(value) is list and isinstance(node.get("items"), dict):
+        if check.kind == OBJECT:
+            fields = {f.name: f.check for f in check.fields}
+            for key, item in value.items():
+                sub = fields.get(key)
+                if sub is not None:
+                    _float_ints(item, sub, (*path, key), out)
+        elif check.kind == MAP and check.value is not None:
+            for key, item in value.items():
+                _float_ints(item, check.value, (*path, key), out)
+    elif type(value) is list and check.kind == ARRAY and check.value is not None:
         for index, item in enumerate(value):
-            _float_ints(item, node["items"], root, (*path, index), out)
+            _float_ints(item, check.value, (*path, index), out)
+
+
+def _as_object(plan: CheckPlan) -> ValueCheck:
+    return ValueCheck(kind=OBJECT, fields=plan.fields)
+
+
+_CLOSING_OBJECT = _as_object(CLOSING_CHECK)
+_WARNING_OBJECT = _as_object(WARNING_CHECK)
 
 
 def _schema_problems(validator: Any, obj: Any) -> _Found:
@@ -231,48 +221,44 @@ class _Kind:
 @functools.cache
 def _kinds() -> dict[str, _Kind]:
     validators = rs_validators()
-    docs = schema_documents()
     kinds = {}
     for spec in STREAMS:
-        schema = docs[spec.schema_file]
-        props: dict[str, Any] = schema["properties"]
-        order = tuple(props)
+        plan = CHECKS[spec.name]
+        order = plan.names
         kinds[spec.name] = _Kind(
             stream=spec.name,
             validator=validators[spec.schema_file],
             order=order,
             order_without_hostname=tuple(k for k in order if k != "hostname"),
-            int_keys=tuple(k for k, v in props.items() if _is_int_schema(v, schema)),
-            key_fields=spec.key_fields,
-            key_shape=key_shape(spec.name),
+            int_keys=tuple(f.name for f in plan.fields if f.check.kind == INTEGER),
+            key_fields=plan.key_fields,
+            key_shape=plan.key_shape,
             # A stream without it (runtime_environment: last-line-wins) may repeat a key.
-            unique_keys="unique-key" in spec.rules,
-            carries_hostname=spec.carries_hostname,
+            unique_keys=plan.unique_keys,
+            carries_hostname=plan.carries_hostname,
         )
     return kinds
 
 
 def _check_closing(d: dict[str, Any]) -> _Found:
-    schema = schema_documents()[CLOSING_SCHEMA_FILE]
     validator = rs_validators()[CLOSING_SCHEMA_FILE]
     if not validator.is_valid(d):
         return _schema_problems(validator, d)
     out: _Found = []
-    if tuple(d) != tuple(schema["properties"]):
-        out.append(("", f"keys are not in schema order ({', '.join(schema['properties'])})"))
-    _float_ints(d, schema, schema, (), out)
+    if tuple(d) != CLOSING_CHECK.names:
+        out.append(("", f"keys are not in schema order ({', '.join(CLOSING_CHECK.names)})"))
+    _float_ints(d, _CLOSING_OBJECT, (), out)
     return out
 
 
 def _check_warning(d: Any) -> _Found:
     """Schema, integers written as integers, then key order and the named rules
     (``line_problems``, as strict loading and finalize check them)."""
-    schema = schema_documents()[WARNING_SCHEMA_FILE]
     validator = rs_validators()[WARNING_SCHEMA_FILE]
     if not validator.is_valid(d):
         return _schema_problems(validator, d)
     out: _Found = []
-    _float_ints(d, schema, schema, (), out)
+    _float_ints(d, _WARNING_OBJECT, (), out)
     out.extend((json_pointer(path), message) for path, message in line_problems(d))
     return out
 

@@ -61,11 +61,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "traceml_records.frames needs pyarrow: pip install 'traceml-ai[frames]'"
     ) from exc
 
+from traceml_records._checkplan import BOOLEAN, INTEGER, NUMBER, ValueCheck
 from traceml_records._fastcheck import Column, extractor_for, key_shape, tracker_for
-from traceml_records._generated.registry import STREAMS
+from traceml_records._generated.checks import CHECKS, CLOSING_CHECK
 from traceml_records._generated.tables import LONG_TABLES, NESTED_FIELDS, TABLE_STREAM, TABLES
 from traceml_records._lines import closing_of
-from traceml_records._schemas import CLOSING_SCHEMA_FILE, schema_documents
 
 __all__ = [
     "TABLE_NAMES",
@@ -356,37 +356,17 @@ class _Bounds:
     pattern: str | None = None
 
 
-def _resolve(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
-    """Follow ``$ref``s (URN of a shipped schema, or local) to the node."""
-    docs = _schema_docs()
-    while "$ref" in node:
-        uri, _, fragment = node["$ref"].partition("#")
-        if uri:
-            root = next(d for d in docs.values() if d.get("$id") == uri)
-        target: Any = root
-        for part in fragment.strip("/").split("/"):
-            if part:
-                target = target[part]
-        node = target
-    return node
-
-
-@functools.cache
-def _schema_docs() -> dict[str, dict[str, Any]]:
-    return dict(schema_documents())
-
-
-def _bounds(name: str, kind: str, nullable: bool, node: dict[str, Any]) -> _Bounds:
-    maximum = node.get("maximum")
+def _bounds(name: str, kind: str, nullable: bool, check: ValueCheck) -> _Bounds:
+    maximum = check.maximum
     return _Bounds(
         name=name,
         kind=kind,
         nullable=nullable,
-        minimum=node.get("minimum"),
+        minimum=check.minimum,
         maximum=None if maximum is not None and maximum >= _INT64_MAX else maximum,
-        const=node.get("const"),
-        enum=tuple(node["enum"]) if "enum" in node else None,
-        pattern=node.get("pattern"),
+        const=check.const if check.has_const else None,
+        enum=check.enum,
+        pattern=check.pattern,
     )
 
 
@@ -396,57 +376,41 @@ class _StreamChecks:
     rules: frozenset[str]
     key_fields: tuple[str, ...]
     unique_keys: bool
-    events: dict[str, Any] | None
-    """step_time's ``events`` schema node (resolved), None for other streams."""
+    events: ValueCheck | None
+    """step_time's ``events`` map, None for other streams."""
     timing: tuple[_Bounds, ...]
     """The phase timing's leaves."""
 
 
+_ARROW_KIND = {INTEGER: "int64", NUMBER: "float64", BOOLEAN: "bool"}
+
+
 @functools.cache
 def _checks(stream: str) -> _StreamChecks:
-    spec = next(s for s in STREAMS if s.name == stream)
-    root = _schema_docs()[spec.schema_file]
-    props: dict[str, Any] = root["properties"]
-    columns = tuple(_bounds(n, t, null, _resolve(props[n], root)) for n, t, null in TABLES[stream])
+    plan = CHECKS[stream]
+    columns = tuple(_bounds(n, t, null, plan.field(n).check) for n, t, null in TABLES[stream])
     events = None
     timing: tuple[_Bounds, ...] = ()
     if "events" in NESTED_FIELDS[stream]:
-        events = _resolve(props["events"], root)
-        leaf_node = _resolve(events["additionalProperties"]["additionalProperties"], root)
-        required = set(leaf_node.get("required", ()))
+        events = plan.field("events").check
+        assert events.value is not None and events.value.value is not None
         timing = tuple(
             _bounds(
-                n,
-                _leaf_kind(_resolve(v, leaf_node)),
-                n not in required or "null" in _types_of(_resolve(v, leaf_node)),
-                _resolve(v, leaf_node),
+                f.name,
+                _ARROW_KIND.get(f.check.kind, "string"),
+                not f.required or f.check.nullable,
+                f.check,
             )
-            for n, v in leaf_node["properties"].items()
+            for f in events.value.value.fields
         )
     return _StreamChecks(
         columns=columns,
-        rules=frozenset(spec.rules),
-        key_fields=spec.key_fields,
-        unique_keys="unique-key" in spec.rules,
+        rules=frozenset(plan.rules),
+        key_fields=plan.key_fields,
+        unique_keys=plan.unique_keys,
         events=events,
         timing=timing,
     )
-
-
-def _types_of(node: dict[str, Any]) -> tuple[str, ...]:
-    kind = node.get("type", ())
-    return (kind,) if isinstance(kind, str) else tuple(kind)
-
-
-def _leaf_kind(node: dict[str, Any]) -> str:
-    kinds = _types_of(node)
-    if "integer" in kinds:
-        return "int64"
-    if "number" in kinds:
-        return "float64"
-    if "boolean" in kinds:
-        return "bool"
-    return "string"
 
 
 class _Findings:
@@ -663,12 +627,11 @@ def _check_events(f: _Findings, events: Any, checks: _StreamChecks) -> None:
     Column-wise over the whole file: pyarrow gives the map one struct type for every
     block (the union of the names), null where a line lacks the entry.
     """
-    schema = checks.events or {}
-    names_rule = schema.get("propertyNames", {})
-    reserved = re.compile(names_rule.get("if", {}).get("pattern", "(?!)"))
-    allowed = set(names_rule.get("then", {}).get("enum", ()))
-    device_rule = schema.get("additionalProperties", {}).get("propertyNames", {})
-    device_pattern = re.compile(device_rule.get("pattern", ".*"))
+    schema = checks.events
+    assert schema is not None and schema.value is not None
+    reserved = re.compile(schema.reserved_key_pattern or "(?!)")
+    allowed = set(schema.reserved_keys)
+    device_pattern = re.compile(schema.value.key_pattern or ".*")
     timing = {b.name: b for b in checks.timing}
     duration_rule = "duration-matches-timing" in checks.rules
     n = len(events)
@@ -681,7 +644,7 @@ def _check_events(f: _Findings, events: Any, checks: _StreamChecks) -> None:
         return
     names = [fld.name for fld in events.type]
     children = events.flatten()  # merges each parent's nulls into its children
-    for name in schema.get("required", ()):
+    for name in schema.required_keys:
         missing = present
         if name in names:
             missing = pc.and_(present, pc.is_null(children[names.index(name)]))
@@ -803,7 +766,7 @@ def _empty(stream: str) -> dict[str, Any]:
 
 def _closing_row(raw: Any, row: int) -> dict[str, Any]:
     """A closing line as its keys (in the schema's order) from the parsed columns."""
-    order = tuple(_schema_docs()[CLOSING_SCHEMA_FILE]["properties"])
+    order = CLOSING_CHECK.names
     out: dict[str, Any] = {}
     for key in order:
         value = True if key == "closing" else raw.column(key)[row].as_py()
@@ -855,9 +818,8 @@ def _load_fast(file: _File, stream: str) -> Loaded | None:
     body = last if closing is not None else end
     if closing is not None and (closing.get("stream") != stream or validate_line(data[last:end])):
         return None
-    spec = next(s for s in STREAMS if s.name == stream)
     hostname = -1
-    if spec.carries_hostname:
+    if CHECKS[stream].carries_hostname:
         first = data[: data.find(b"\n", 0, end) + 1]
         hostname = int(b'"hostname":' in first)
     tracker = tracker_for(key_shape(stream))
@@ -877,7 +839,7 @@ def _load_fast(file: _File, stream: str) -> Loaded | None:
         if TABLE_STREAM[name] == stream:
             tables[name] = _table(arrow_schema(name), [rows for _, rows in chunks if rows])
     if closing is not None:
-        order = tuple(_schema_docs()[CLOSING_SCHEMA_FILE]["properties"])
+        order = CLOSING_CHECK.names
         closing = {k: closing[k] for k in order if closing.get(k) is not None}
     return Loaded(file.path, stream, tables, closing, file.partial, data_lines=lines)
 

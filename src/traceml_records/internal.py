@@ -13,7 +13,8 @@ promise to other users — they have ``traceml_records``'s public names).
 - the one line scanner of the export files (``scan_lines``, ``LineSplitter``,
   ``classify_line``, ``closing_of``, ``is_closing``: complete lines, the partial last
   line, closing and bad lines);
-- schemas as data, and :func:`load_extension`, the one place that chooses a C
+- the check plans (``CHECKS``, generated: each stream's fields, kinds, bounds, key and
+  rules), and :func:`load_extension`, the one place that chooses a C
   extension or its pure-Python twin (``TRACEML_PURE_PYTHON``).
 """
 
@@ -27,6 +28,7 @@ from traceml_records._codec import (
 from traceml_records._errors import Path as FieldPath
 from traceml_records._extensions import PURE_PYTHON_ENV
 from traceml_records._extensions import load as load_extension
+from traceml_records._generated.checks import CHECKS
 from traceml_records._generated.records import (
     ENCODER_CONDITIONS,
     ENCODER_PLANS,
@@ -72,12 +74,12 @@ from traceml_records._rules import (
     parallel_source_ok,
     topology_of,
 )
-from traceml_records._schemas import schema_documents, stream_schema_file
 from traceml_records._wire_spec import FanOut, WireStream
 
 __all__ = [
     "BATCH_STREAMS",
     "BLOCK_BYTES",
+    "CHECKS",
     "CLOSING_KEY",
     "ENCODER_CONDITIONS",
     "ENCODER_PLANS",
@@ -121,8 +123,6 @@ __all__ = [
     "parallel_ok",
     "parallel_source_ok",
     "scan_lines",
-    "schema_documents",
     "split_batch",
-    "stream_schema_file",
     "topology_of",
 ]

@@ -22,6 +22,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from bench.bigfile import write_step_time
+from tests.e2e_helpers import REPO
 from tests.strategies import as_written, consistent_json
 from traceml_records import STREAMS, _fastcheck, _validate, validate_line, validate_paths
 from traceml_records._extensions import load as load_extension
@@ -437,15 +438,37 @@ def test_keys_out_of_order_are_still_found() -> None:
         assert t.add((1, 3), 0)
 
 
-def test_the_plan_follows_the_schema_keyword_it_does_not_know(
+def test_a_keyword_the_check_plans_do_not_know_is_refused(tmp_path: Path) -> None:
+    # The check plans come from codegen, which refuses any keyword it does not read:
+    # a plan is never looser than its schema.
+    import shutil
+
+    from codegen._model import SchemaError, load_schemas
+
+    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
+    path = tmp_path / "schemas" / "step_time.schema.json"
+    schema = orjson.loads(path.read_bytes())
+    schema["properties"]["step"] = {"type": "integer", "minimum": 1, "multipleOf": 2}
+    path.write_bytes(orjson.dumps(schema))
+    with pytest.raises(SchemaError, match="multipleOf"):
+        load_schemas(tmp_path / "schemas")
+
+
+def test_a_check_the_fast_check_cannot_compile_means_no_plan(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A keyword the plan cannot check means no plan, never a looser one.
-    docs = dict(_fastcheck.schema_documents())
-    schema = orjson.loads(orjson.dumps(docs["step_time.schema.json"]))
-    schema["properties"]["step"] = {"type": "integer", "minimum": 1, "multipleOf": 2}
-    docs["step_time.schema.json"] = schema
-    monkeypatch.setattr(_fastcheck, "schema_documents", lambda: docs)
+    import attrs
+
+    from traceml_records._checkplan import ValueCheck
+
+    plan = _fastcheck.CHECKS["step_time"]
+    fields = tuple(
+        attrs.evolve(f, check=ValueCheck(kind="number", has_const=True, const=2.0))
+        if f.name == "step"
+        else f
+        for f in plan.fields
+    )
+    monkeypatch.setitem(_fastcheck.CHECKS, "step_time", attrs.evolve(plan, fields=fields))
     assert _fastcheck.plan_for.__wrapped__("step_time") is None
 
 

@@ -33,7 +33,7 @@ import orjson
 from traceml_ai.run_summary._columns import ColumnsBuilder
 from traceml_ai.run_summary._phases import STEP_EVENT, phase_name, step_row, timing_problem
 from traceml_records import STREAMS
-from traceml_records.internal import BLOCK_BYTES, LineSplitter, is_closing
+from traceml_records.internal import BLOCK_BYTES, CHECKS, LineSplitter, is_closing
 
 _FLOAT_MAX = 1.7976931348623157e308
 _INT_MAX = (1 << 63) - 1
@@ -322,38 +322,23 @@ def _data_line(obj: Any, number: int, info: FileRead) -> bool:
     return True
 
 
+_KINDS = {"integer": _INT, "number": _NUMBER, "string": _STRING, "boolean": _BOOL}
+
+
 @functools.cache
 def _checks(stream: str) -> tuple[_Check, ...]:
-    """The scalar fields of ``stream``'s schema with their types and bounds."""
-    from traceml_records.internal import schema_documents, stream_schema_file
-
-    docs = schema_documents()
-    common = docs["common.schema.json"]["$defs"]
-    schema = docs[stream_schema_file(stream)]
-    required = set(schema.get("required", ()))
+    """The scalar fields of ``stream``'s check plan with their kinds and bounds."""
     out: list[_Check] = []
-    for name, node in schema["properties"].items():
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            node = common[ref.rsplit("/", 1)[-1]]
-        types = node.get("type")
-        names = types if isinstance(types, list) else [types]
-        nullable = "null" in names
-        if "integer" in names:
-            kind = _INT
-        elif "number" in names:
-            kind = _NUMBER
-        elif "string" in names:
-            kind = _STRING
-        elif "boolean" in names:
-            kind = _BOOL
-        else:
+    for f in CHECKS[stream].fields:
+        kind = _KINDS.get(f.check.kind)
+        if kind is None:
             continue  # objects (events) are checked by their reader
         # Integer bounds stay integers: 2**63 - 1 is not a float.
         num = int if kind == _INT else float
-        low = num(node.get("minimum", -_INT_MAX - 1 if kind == _INT else -_FLOAT_MAX))
-        high = num(node.get("maximum", _INT_MAX if kind == _INT else _FLOAT_MAX))
-        out.append((name, kind, low, high, nullable, name in required))
+        low, high = f.check.minimum, f.check.maximum
+        low = num(low if low is not None else (-_INT_MAX - 1 if kind == _INT else -_FLOAT_MAX))
+        high = num(high if high is not None else (_INT_MAX if kind == _INT else _FLOAT_MAX))
+        out.append((f.name, kind, low, high, f.check.nullable, f.required))
     return tuple(out)
 
 
@@ -395,39 +380,9 @@ def check_fields(obj: dict[str, Any], checks: tuple[_Check, ...]) -> str | None:
 
 @functools.cache
 def _fast_check(stream: str) -> Callable[[dict[str, Any]], bool]:
-    """``obj -> ok`` doing :func:`check_fields`'s test of ``stream`` in one flat function.
-
-    A generic loop over the fields costs more than parsing the line; this function is
-    built from the same schema bounds as straight-line code (nothing but field names
-    and numbers goes into it), and :func:`check_fields` says what is wrong when it
-    says no.
-    """
-    kinds = {_INT: "int", _NUMBER: "float", _STRING: "str", _BOOL: "bool"}
-    body = ["def ok(obj):", "    get = obj.get"]
-    for name, kind, low, high, nullable, required in _checks(stream):
-        body.append(f"    v = get({name!r})")
-        absent = f"{name!r} not in obj" if not nullable or required else "False"
-        if kind == _INT:
-            test = f"type(v) is not int or not {low!r} <= v <= {high!r}"
-        elif kind == _NUMBER:
-            test = f"(type(v) is not float and type(v) is not int) or not {low!r} <= v <= {high!r}"
-        else:
-            test = f"type(v) is not {kinds[kind]}"
-        if nullable:
-            body.append(f"    if v is None:\n        if {absent}: return False")
-            body.append(f"    elif {test}: return False")
-        elif required:
-            body.append(f"    if {test}: return False")
-        else:
-            body.append(f"    if v is not None and ({test}): return False")
-            body.append(f"    if v is None and {name!r} in obj: return False")
-    body.append('    if "world_size" in obj and not get("global_rank", 0) < obj["world_size"]:')
-    body.append("        return False")
-    body.append("    return True")
-    scope: dict[str, Any] = {}
-    exec("\n".join(body), scope)  # built above from the schema's names and numbers only
-    fn: Callable[[dict[str, Any]], bool] = scope["ok"]
-    return fn
+    """``obj -> ok``: :func:`check_fields` of ``stream``'s checks found nothing."""
+    checks = _checks(stream)
+    return lambda obj: check_fields(obj, checks) is None
 
 
 class DataLines:
