@@ -189,7 +189,7 @@ class SinkWorker(Generic[T]):
         size = self._size(item)
         if self._stopping:
             with self._queue.cond:
-                self._late_dropped += size
+                self._late_dropped += max(size, 0)
             return False
         return self._queue.put(_Entry(item, size))
 
