@@ -11,6 +11,12 @@ Two sources, said in the result's ``source``:
 * ``in_process``: with export off there are no files; the figures are this rank's
   own recent steps (``_step_recorder.StepHistory``, kept in the process).
 
+The summary figures' names for experiment trackers are declared here once
+(:data:`SUMMARY_FIELDS`, built by :func:`summary_fields` and :func:`step_fields`):
+``traceml.summary()``'s flat dict (:func:`compact`) and the summary each tracker run
+gets at the end (``monitor.trackers``) use them; here, because the rank builds its
+dict without the monitor package.
+
 Light: never imports torch.
 """
 
