@@ -11,7 +11,7 @@ steps (:meth:`TrackerSink.on_interval`) and writes it (:meth:`TrackerSink.export
 **Which run.** The run is opened when the first point is due and rank 0 has told the
 runs its script has open (it does after its first step; after :data:`JOIN_WAIT_S`
 without its word the point is logged anyway): the script's run when rank 0 told one
-(``LiveState.tracker_run``, from ``rank._tracker_runs``), else a run of TraceML's
+(``LiveState.tracker_run``, from ``rank._runtime.tracker_runs``), else a run of TraceML's
 own. Points wait in the worker's queue meanwhile (:data:`MAX_PENDING_POINTS`). A script's run told later
 (training began after TraceML's first point) takes the points from then on; one
 that cannot be joined leaves them in TraceML's own run, said in one line.
@@ -101,7 +101,7 @@ POLL_S = 1.0
 
 UserRun = Mapping[str, str]
 """The run of one tracker the training script has open, as rank 0 told it
-(``rank._tracker_runs``: an MLflow ``run_id`` and ``tracking_uri``, a W&B ``id``,
+(``rank._runtime.tracker_runs``: an MLflow ``run_id`` and ``tracking_uri``, a W&B ``id``,
 ``project``, ``entity``, ``mode`` and ``dir``, a TensorBoard ``log_dir``)."""
 
 

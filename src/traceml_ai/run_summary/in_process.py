@@ -9,7 +9,7 @@ Two sources, said in the result's ``source``:
   ``timeout_sec``): figures of other ranks cover what they had sent by then, and
   the final figures of a run come with the closing lines, after the run.
 * ``in_process``: with export off there are no files; the figures are this rank's
-  own recent steps (``_step_recorder.StepHistory``, kept in the process).
+  own recent steps (``rank._timing.step_recorder.StepHistory``, kept in the process).
 
 The summary figures' names for experiment trackers are declared here once
 (:data:`SUMMARY_FIELDS`, built by :func:`summary_fields` and :func:`step_fields`):
