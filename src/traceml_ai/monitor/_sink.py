@@ -57,13 +57,20 @@ def report_to_stderr(line: str) -> None:
 
 @contextlib.contextmanager
 def extra_required(extra: str) -> Iterator[None]:
-    """Around a sink's imports: a library that is not installed becomes the one line
-    that names the extra to install (a :class:`SinkStartError`)."""
+    """Around a sink's imports: a library that cannot be imported becomes the one line
+    that names the extra to install (a :class:`SinkStartError`). A module not found
+    (``ModuleNotFoundError`` with its name) is said as not installed; any other
+    ``ImportError`` (one that names no module, or a name a module does not have) as
+    the error itself, on one line."""
     try:
         yield
     except ImportError as exc:
-        missing = exc.name or str(exc)
+        if isinstance(exc, ModuleNotFoundError) and exc.name:
+            why = f"{exc.name} is not installed"
+        else:
+            text = " ".join(str(exc).split())
+            text = text if len(text) <= 200 else text[:197] + "..."
+            why = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
         raise SinkStartError(
-            f"needs the '{extra}' extra ({missing} is not installed): "
-            f"pip install 'traceml-ai[{extra}]'"
+            f"needs the '{extra}' extra ({why}): pip install 'traceml-ai[{extra}]'"
         ) from None

@@ -245,7 +245,7 @@ def tracker_sink(name: str) -> Callable[[Monitoring], LiveSink]:
     def start(monitoring: Monitoring) -> LiveSink:
         with extra_required(backend.extra):
             if importlib.util.find_spec(backend.module) is None:
-                raise ImportError(name=backend.module)
+                raise ModuleNotFoundError(name=backend.module)
         end_summary = _END_SUMMARIES.get(monitoring.state)
         if end_summary is None:
             end_summary = _END_SUMMARIES[monitoring.state] = EndSummary(monitoring.run.run_dir)
