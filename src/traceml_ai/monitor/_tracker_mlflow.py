@@ -107,6 +107,17 @@ class MlflowTracker:
             text = str(int(value)) if value.is_integer() else f"{value:.6g}"
         return RunTag(key, text)
 
+    def ended_ns(self) -> int | None:
+        """When the script ended its run (unix ns, its end time: the script's clock,
+        the one rank 0 stamps its steps with), or None while it runs (and for
+        TraceML's own run, which TraceML ends)."""
+        if self.owned:
+            return None
+        info = self._client.get_run(self.run_id).info
+        if info.status == "RUNNING" or not info.end_time:
+            return None
+        return int(info.end_time) * 1_000_000
+
     def close(self) -> None:
         if self.owned:
             self._client.set_terminated(self.run_id)

@@ -39,6 +39,7 @@ import inspect
 import os
 import secrets
 import string
+import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -158,16 +159,20 @@ class WandbTracker:
 
         self.joined = False
         """Whether the figures go into the training script's own run."""
+        self.notice: str | None = None
+        """A line for the user about the run that opened (its files not where asked)."""
         config: dict[str, object] = {RUN_DIR_KEY: str(run.run_dir)}
         mode = (user_run or {}).get("mode", "disabled")
+        folder: str | None = None  # where the run's files are asked to go (None: W&B's choice)
         if user_run is not None and mode in ("online", "shared"):
             _need_login("online")
             self.joined = True
+            folder = user_run.get("dir") or None
             self._run: Run = wandb.init(
                 id=user_run["id"],
                 project=user_run.get("project") or None,
                 entity=user_run.get("entity") or None,
-                dir=user_run.get("dir") or None,
+                dir=folder,
                 config=config,
                 settings=_settings(
                     mode="shared", x_primary=False, x_label=LABEL, x_update_finish_state=False
@@ -175,12 +180,13 @@ class WandbTracker:
             )
         elif user_run is not None and mode in ("offline", "dryrun"):
             config[USER_RUN_KEY] = user_run["id"]
+            folder = user_run.get("dir") or None
             self._run = wandb.init(
                 id=_new_id(),
                 name=run.run_name,
                 project=user_run.get("project") or DEFAULT_PROJECT,
                 entity=user_run.get("entity") or None,
-                dir=user_run.get("dir") or None,
+                dir=folder,
                 config=config,
                 resume="never",
                 settings=_settings(mode="offline"),
@@ -198,6 +204,8 @@ class WandbTracker:
             )
         self._run.define_metric(STEP_METRIC, hidden=True)
         self._run.define_metric("traceml/*", step_metric=STEP_METRIC)
+        with contextlib.suppress(Exception):  # a line about the run, never its failure
+            self.notice = _moved(folder, str(self._run.settings.root_dir), self.run_dir)
 
     @property
     def run_id(self) -> str:
@@ -232,6 +240,28 @@ class WandbTracker:
         # Ends W&B's service process now, rather than in its exit hook: nothing of
         # W&B's outlives the run.
         wandb.teardown()
+
+
+def _moved(folder: str | None, root: str, run_dir: str) -> str | None:
+    """The line that says W&B put the run's files elsewhere than asked: W&B puts them
+    in the system's temporary folder when the folder asked for (``folder``, the
+    script's; else ``WANDB_DIR``, a settings file's or the working directory) cannot be
+    made or written, and says so only in its own output, which is off. None when
+    ``root``, the run's folder, is the one asked for."""
+    import wandb
+
+    asked = folder or str(wandb.setup().settings.root_dir or "")
+    if not asked or os.path.abspath(asked) == os.path.abspath(root):
+        return None
+    if root != tempfile.gettempdir():
+        return None  # not W&B's fallback: a folder W&B chose itself
+    if folder is not None:
+        what = f"the training script's W&B folder {asked!r}"
+    elif os.environ.get("WANDB_DIR"):
+        what = f"WANDB_DIR {asked!r}"
+    else:
+        what = repr(asked)
+    return f"W&B cannot write {what}: the run's files are in {run_dir!r}"
 
 
 def _project_set() -> bool:

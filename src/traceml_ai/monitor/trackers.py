@@ -14,7 +14,10 @@ without its word the point is logged anyway): the script's run when rank 0 told 
 (``LiveState.tracker_run``, from ``rank._runtime.tracker_runs``), else a run of TraceML's
 own. Points wait in the worker's queue meanwhile (:data:`MAX_PENDING_POINTS`). A script's run told later
 (training began after TraceML's first point) takes the points from then on; one
-that cannot be joined leaves them in TraceML's own run, said in one line.
+that cannot be joined leaves them in TraceML's own run, said in one line. A point
+whose step came after the script ended its run (MLflow says when) waits for the run
+the script opens next (:meth:`TrackerSink._run_for`), so that the ended run gets no
+point of the steps after its end while rank 0's word of the next one is on its way.
 
 **At the end** the last point is logged, then the run summary (read once from the
 closed export files, :class:`EndSummary`) goes to each run as fields and an artifact
@@ -94,6 +97,9 @@ MAX_PENDING_POINTS = 1000
 """Points waiting to be logged (while no run is open yet, or the tracker is busy);
 beyond it the newest are skipped (counted)."""
 
+NEXT_RUN_POLL_S = 0.05
+"""How often a point that waits for the script's next run looks for it."""
+
 POLL_S = 1.0
 """How often the sink's thread looks for a due point when the feed has not woken it
 (a rank that stopped leaves the others' point due by their lead)."""
@@ -119,6 +125,11 @@ class TrackerBackend(Protocol):
 
     def close(self) -> None:
         """Flush, and end the run if it is TraceML's own."""
+
+    # Read with getattr, when a backend has them:
+    # ``notice``: a line for the user about the run just opened (W&B put its files
+    # elsewhere than asked), said once as it opens.
+    # ``ended_ns()``: when the script ended its run (unix ns; None while it is open).
 
 
 @attrs.frozen
@@ -348,8 +359,9 @@ def _quiet(loggers: Sequence[str]) -> None:
         warnings.filterwarnings("ignore", module=rf"{name}(\.|$)")
 
 
-Point = tuple[int, dict[str, float]]
-"""A point: its step and its figures by :mod:`tracker_metrics` name."""
+Point = tuple[int, dict[str, float], int | None]
+"""A point: its step, its figures by :mod:`tracker_metrics` name, and when its step
+ended (unix ns: rank 0's, else the earliest rank's; None when unknown)."""
 
 
 class TrackerSink:
@@ -389,6 +401,9 @@ class TrackerSink:
         self._own_failed = False
         self._tried: UserRun | None = None
         """The script's run last tried (each is tried once)."""
+        self._waited_on: TrackerBackend | None = None
+        """The script's ended run whose next run was waited for (once per run)."""
+        self._closing = False
         self._lead_step = 0
         self._lead_at = 0.0
         """When the leading rank was first seen at the next due step (the wait for the
@@ -443,7 +458,11 @@ class TrackerSink:
 
     def _open(self, user: UserRun | None) -> TrackerBackend | None:
         try:
-            return self._backend.open(self._run, user)
+            tracker = self._backend.open(self._run, user)
+            notice = getattr(tracker, "notice", None)
+            if isinstance(notice, str) and notice:
+                self._report(f"traceml: {self.name}: {notice}")
+            return tracker
         except Exception as exc:
             _log.debug("tracker %s failed to open", self.name, exc_info=True)
             why = f"{type(exc).__name__}: {_short(exc)}"
@@ -537,7 +556,17 @@ class TrackerSink:
             self.lost["points_skipped"] += 1
             return
         self._logged = step
-        points.append((step, figures))
+        points.append((step, figures, self._ended_ns(step)))
+
+    def _ended_ns(self, step: int) -> int | None:
+        """When ``step`` ended: on rank 0 (whose script has the runs), else on the
+        earliest rank that has it."""
+        found = self._state.steps_at([step])
+        zero = found.get(0, [None])[0]
+        if zero is not None:
+            return zero.end_ns
+        ends = [seen[0].end_ns for seen in found.values() if seen[0] is not None]
+        return min(ends, default=None)
 
     def ready(self, final: bool) -> bool:
         """Whether the waiting points may go to a run now (see the module's docstring)."""
@@ -548,13 +577,46 @@ class TrackerSink:
             self._waiting_since = now
         return now - self._waiting_since >= JOIN_WAIT_S
 
-    def export(self, batch: Sequence[Point]) -> Outcome:
-        """Log ``batch`` into the run :meth:`_ensure_open` chooses."""
+    def _run_for(self, ended_ns: int | None) -> TrackerBackend | None:
+        """The run a point whose step ended at ``ended_ns`` goes to: the one
+        :meth:`_ensure_open` chooses, unless the script ended that run before the
+        step (a backend that can tell, ``ended_ns()``): then the run the script opens
+        next, which rank 0 tells a sampling interval later; the point waits
+        :data:`JOIN_WAIT_S` for it (once per ended run, never while closing), and
+        stays in the ended run when none comes (a script that trains on after ending
+        its run). A point of a step before the end stays in that run: HF ends its run
+        after its last step, before TraceML's last point and the summary."""
         self._ensure_open()
+        tracker = self._tracker
+        ended = getattr(tracker, "ended_ns", None)
+        if tracker is None or ended is None or ended_ns is None or self._closing:
+            return tracker
+        if tracker is self._waited_on:
+            return tracker
+        try:
+            end = ended()
+        except Exception:
+            _log.debug("tracker %s: whether its run ended is unknown", self.name, exc_info=True)
+            return tracker
+        if not isinstance(end, int) or ended_ns <= end:
+            return tracker
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while not self._closing and time.monotonic() < deadline:
+            told = self._state.tracker_run(self.name)
+            if told is not None and told != self._tried:
+                self._ensure_open()
+                break
+            time.sleep(NEXT_RUN_POLL_S)
+        if self._tracker is tracker:
+            self._waited_on = tracker
+        return self._tracker
+
+    def export(self, batch: Sequence[Point]) -> Outcome:
+        """Log ``batch``, each point into the run :meth:`_run_for` chooses."""
         failed = 0
         why: str | None = None
-        for step, figures in batch:
-            tracker = self._tracker
+        for step, figures, ended_ns in batch:
+            tracker = self._run_for(ended_ns)
             if tracker is None:
                 self.lost["points_not_logged"] = self.lost.get("points_not_logged", 0) + 1
                 continue
@@ -581,6 +643,7 @@ class TrackerSink:
 
     def close(self, timeout_s: float) -> Mapping[str, int]:
         """Log the last point, end the run, within ``timeout_s``; what was lost."""
+        self._closing = True  # no point waits for a next run any more
         counts = self.worker.close(timeout_s)
         lost = dict(self.lost)
         lost["points_skipped"] += counts.dropped
