@@ -54,7 +54,7 @@ aggregator = Aggregator(AggregatorConfig(
     settings=ExportSettings(exporter="jsonl", export_streams=cfg["streams"], exporter_hostname=False),
     token=os.environ["TRACEML_RUN_TOKEN"],
     expected_world_size=cfg["ranks"],
-    finalize_timeout_s=60.0,
+    finalize_timeout_sec=60.0,
     monitor=MonitorSettings(dashboard=cfg["port"] is not None, dashboard_port=cfg["port"] or 0),
 ))
 host, port = aggregator.start()

@@ -155,7 +155,7 @@ aggregator = Aggregator(AggregatorConfig(
     settings=ExportSettings(exporter="jsonl", export_streams=cfg["streams"], exporter_hostname=False),
     token=os.environ[ENV_RUN_TOKEN],
     expected_world_size=cfg["ranks"],
-    finalize_timeout_s=60.0,
+    finalize_timeout_sec=60.0,
     max_queue_batches=cfg["batches"],
     max_queue_bytes=cfg["bytes"],
 ))
