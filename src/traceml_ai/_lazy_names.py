@@ -55,17 +55,3 @@ def lazy_surface(
         return sorted({*namespace, *public})
 
     return public, __getattr__, __dir__
-
-
-def lazy_getattr(
-    package: str,
-    modules: Mapping[str, str],
-    namespace: MutableMapping[str, Any],
-    computed: Mapping[str, Callable[[], Any]] | None = None,
-) -> Callable[[str], Any]:
-    """The module ``__getattr__`` of a package whose table maps each name to its module
-    (name -> module), for the packages not yet on :func:`lazy_surface`."""
-    by_module: dict[str, tuple[str, ...]] = {}
-    for name, module in modules.items():
-        by_module[module] = (*by_module.get(module, ()), name)
-    return lazy_surface(package, by_module, namespace, computed=computed)[1]
