@@ -1,7 +1,7 @@
 """``traceml run`` on two nodes (two network namespaces), two ranks each, export of every stream.
 
-Node 0 hosts the aggregator, bound on the master address; node 1's ranks send to
-it across the veth pair. One set of files on node 0, none on node 1; every rank's
+Node 0 hosts the aggregator, bound on the master address; each node's ranks send to
+their node's relay, which forwards to it (node 1's across the veth pair). One set of files on node 0, none on node 1; every rank's
 steps, system lines from local rank 0 of each node only, identity right everywhere.
 
 Needs root and iproute2 (``ip netns``); it fails, not skips, where they are missing.
@@ -129,6 +129,11 @@ def test_two_nodes_two_ranks_each(nodes: tuple[Node, Node], tmp_path: Path) -> N
     assert {p.name for p in export.iterdir()} == EXPECTED_FILES
     warnings = list(tmp_path.rglob("finalization_warning.json"))
     assert not warnings, f"{warnings[0]}: {warnings[0].read_text()}"
+
+    # Each node's ranks sent through its relay: one connection per node reached the
+    # aggregator, not one per rank, and the accounting above is exact all the same.
+    stats = json.loads((run_dir / "aggregator" / "stats.json").read_text())
+    assert stats["connections_total"] < WORLD, stats
 
     validation = validate_paths([run_dir])
     assert validation.ok, "\n".join(str(p) for p in validation.problems)

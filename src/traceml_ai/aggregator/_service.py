@@ -110,6 +110,8 @@ class Aggregator:
         self._finished_ranks: set[int] = set()
         # What each rank's sender reported losing, per rank (see ``_note_rank_drops``).
         self._rank_drops: dict[int, _RankDrops] = {}
+        # What each relay reported dropping: relay id -> rank -> batch stream -> count.
+        self._relay_drops: dict[str, dict[int, dict[str, int]]] = {}
         self._selected_wire = batch_streams_for(self._selected)
         self._reported_world_size: int | None = None
         self._all_finished = threading.Event()
@@ -177,6 +179,8 @@ class Aggregator:
             on_batch=self._on_batch,
             on_finished=self._on_finished,
             on_tracker_runs=self._on_tracker_runs,
+            on_relay=self._on_relay,
+            expected_connections=self.config.expected_world_size,
         )
         try:
             address = self._server.start()
@@ -288,6 +292,30 @@ class Aggregator:
             ):
                 self._all_finished.set()
 
+    def _on_relay(self, message: dict[str, Any]) -> None:
+        """A relay's report: the batches it dropped so far, per rank and stream. Its
+        counts only grow, so the largest of each is kept (a report that comes again on a
+        new connection repeats them)."""
+        with self._lock:
+            drops = self._relay_drops.setdefault(message["relay"], {})
+            for key, by_stream in message["dropped"].items():
+                mine = drops.setdefault(int(key), {})
+                for stream, count in by_stream.items():
+                    if count > mine.get(stream, 0):
+                        mine[stream] = count
+            if self._pipeline is not None:
+                self._pipeline.set_rank_dropped_batches(self._rank_dropped_batches())
+
+    def _relay_dropped(self) -> dict[int, dict[str, int]]:
+        """The relays' drops per rank and stream, summed over relays (call with the lock)."""
+        total: dict[int, dict[str, int]] = {}
+        for drops in self._relay_drops.values():
+            for rank, by_stream in drops.items():
+                mine = total.setdefault(rank, {})
+                for stream, count in by_stream.items():
+                    mine[stream] = mine.get(stream, 0) + count
+        return total
+
     def _on_tracker_runs(self, message: dict[str, Any]) -> None:
         monitoring = self._monitoring
         identity = message.get("identity")
@@ -324,13 +352,21 @@ class Aggregator:
         """Batches the ranks lost that could have held records of a selected stream.
 
         Drops of streams the run does not export are no loss (their records are never
-        built); a rank that did not split its drops by stream is counted in full.
+        built); a rank that did not split its drops by stream is counted in full. The
+        relays' drops (``relay`` messages) are counted alike.
         """
         selected = self._selected_wire
-        return sum(
+        by_ranks = sum(
             sum(n for s, n in d.by_stream.items() if s in selected) if d.split else d.total
             for d in self._rank_drops.values()
         )
+        by_relays = sum(
+            n
+            for by_stream in self._relay_dropped().values()
+            for s, n in by_stream.items()
+            if s in selected
+        )
+        return by_ranks + by_relays
 
     def _unseen_batches(self) -> int:
         """Batches the finished ranks wrote to their sockets that never arrived here.
@@ -344,7 +380,13 @@ class Aggregator:
         if self._server is None:
             return 0
         received = self._server.received_batches_by_rank()
-        return sum(max(0, d.sent - received.get(rank, 0)) for rank, d in self._rank_drops.items())
+        # Batches a relay reported dropping never arrived either; they are counted (by
+        # stream) in _rank_dropped_batches.
+        relayed = {rank: sum(c.values()) for rank, c in self._relay_dropped().items()}
+        return sum(
+            max(0, d.sent - received.get(rank, 0) - relayed.get(rank, 0))
+            for rank, d in self._rank_drops.items()
+        )
 
     def _note_identity(self, identity: Any) -> int | None:
         rank = _rank_of(identity)

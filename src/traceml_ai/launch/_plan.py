@@ -60,6 +60,8 @@ class RunOptions:
     """``--on-missing-aggregator``: ``warn`` or ``raise`` in the ranks' ``traceml.init()``."""
     parallel: str = ""
     """``--parallel``: the declared layout (normalized), for the ranks' environment."""
+    node_relay: bool = True
+    """``--node-relay``: on a job of several nodes, this node's ranks send through a relay."""
 
 
 def default_run_name() -> str:

@@ -446,6 +446,7 @@ def run(
         trace_max_steps=trace_max_steps,
         on_missing_aggregator=on_missing_aggregator,
         parallel=settings.parallel,
+        node_relay=settings.node_relay,
     )
     try:
         code = launch(options)
@@ -478,6 +479,8 @@ def serve(**cli: Any) -> None:
     from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
     settings = _resolve("serve", cli)
+    if settings.relay is not None:
+        sys.exit(_serve_relay(settings))
     resolved = settings.export
     logs_dir = settings.logs_dir
     run_name = settings.run_name
@@ -558,3 +561,57 @@ def serve(**cli: Any) -> None:
             f"traceml: {lost_what(result.warning_path)}; see {result.warning_path}", err=True
         )
     click.echo(f"traceml: run folder {run_dir}", err=True)
+
+
+def _serve_relay(settings: LaunchSettings) -> int:
+    """``traceml serve --relay HOST:PORT``: relay the ranks (or relays) that send here to
+    the aggregator at HOST:PORT until Ctrl-C / SIGTERM; the exit code."""
+    from traceml_ai.aggregator import install_stop_handlers
+    from traceml_ai.launch._relay_process import split_address
+    from traceml_ai.transport.relay import Relay
+    from traceml_ai.transport.wire import ENV_RUN_TOKEN
+
+    assert settings.relay is not None
+    token = os.environ.get(ENV_RUN_TOKEN, "").strip()
+    if not token:
+        click.echo(
+            f"traceml: error: --relay needs the run token of that aggregator in {ENV_RUN_TOKEN} "
+            "(`traceml serve` prints it)",
+            err=True,
+        )
+        return 2
+    bind_host = settings.aggregator_bind_host
+    port = DEFAULT_SERVE_PORT if settings.aggregator_port is None else settings.aggregator_port
+    relay = Relay(
+        split_address(settings.relay),
+        token,
+        host=bind_host,
+        port=port,
+        on_event=lambda line: click.echo(f"traceml: relay {line}", err=True),
+    )
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    try:
+        host, bound = relay.start()
+    except OSError as exc:
+        click.echo(f"traceml: error: cannot listen on {bind_host}:{port}: {exc}", err=True)
+        return 1
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    click.echo(
+        f"traceml: relay listening on {host}:{bound}, forwarding to {settings.relay}", err=True
+    )
+    click.echo("traceml: start the ranks with:", err=True)
+    address = shlex.quote(f"{connect_host}:{bound}")
+    click.echo(f"export TRACEML_AGGREGATOR_ADDR={address} TRACEML_RUN_TOKEN={shlex.quote(token)}")
+    sys.stdout.flush()
+    while not stop.wait(0.5):
+        pass
+    stats = relay.stop(settings.finalize_timeout_sec)
+    lost = ""
+    if stats.dropped_batches or stats.dropped_messages:
+        lost = (
+            f"; dropped {stats.dropped_batches} batches and {stats.dropped_messages} other "
+            "messages (the aggregator counts them in its finalization_warning.json)"
+        )
+    click.echo(f"traceml: relay stopped: {stats.forwarded_frames} frames forwarded{lost}", err=True)
+    return 0

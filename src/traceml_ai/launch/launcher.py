@@ -32,6 +32,7 @@ from traceml_ai.launch._ranks import (
     run_ranks,
     single_process_environment,
 )
+from traceml_ai.launch._relay_process import RelayProcess
 from traceml_ai.launch._report import (
     count_data_lines,
     export_tally,
@@ -105,6 +106,21 @@ def run(options: RunOptions) -> int:
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 
 
+def _start_relay(
+    upstream: str, token: str, stop_timeout_s: float
+) -> tuple[RelayProcess, str] | None:
+    """This node's relay, watched while the ranks train, and the address its ranks send
+    to; None (one line said why) when it cannot start: the ranks then send to the
+    aggregator themselves."""
+    relay = RelayProcess(upstream, token, stop_timeout_s)
+    started = relay.start()
+    if isinstance(started, str):
+        say(f"{started}; this node's ranks send to the aggregator themselves")
+        return None
+    relay.watch()
+    return relay, f"127.0.0.1:{started}"
+
+
 def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
     aggregator: AggregatorProcess | None = None
     not_started: str | None = None
@@ -153,6 +169,11 @@ def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
         env[ENV_RUN_TOKEN] = p.token
     if p.run_dir is not None:
         say(f"run folder {p.run_dir}")
+    relay = None
+    if options.nnodes > 1 and options.node_relay and ENV_AGGREGATOR_ADDR in env:
+        relay = _start_relay(env[ENV_AGGREGATOR_ADDR], p.token, options.finalize_timeout_sec)
+        if relay is not None:
+            env[ENV_AGGREGATOR_ADDR] = relay[1]
 
     interrupted_early = bool(signals.received)
     if interrupted_early:
@@ -163,6 +184,9 @@ def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
     else:
         ends = run_ranks(options, env, signals)
         exit_code = ends.exit_code
+    if relay is not None:
+        # Before the aggregator finalizes: what the relay holds goes first.
+        relay[0].stop()
 
     if not_started is not None and export_on:
         assert p.run_dir is not None

@@ -300,6 +300,43 @@ NPROC_PER_NODE: Setting[int] = Setting(
     metavar="N",
     commands=("serve",),
 )
+NODE_RELAY: Setting[bool] = Setting(
+    name="node_relay",
+    parse=parse_bool_value,
+    default=True,
+    forms=BOOL_FORMS,
+    help="On a job of several nodes, the ranks of each node send through one relay on "
+    "their node, which forwards their batches over one connection to the aggregator "
+    "(--no-node-relay: each rank connects to the aggregator itself). One node: no relay.",
+    metavar="",
+    commands=("run",),
+)
+
+
+def parse_relay_upstream(text: str) -> str:
+    """``HOST:PORT`` of the aggregator (or relay) a relay forwards to, normalized; else
+    ``ValueError``."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    number = parse_whole(port)
+    if not 1 <= number <= 65535:
+        raise ValueError(f"expected a port from 1 to 65535, got {port!r}")
+    return f"{parse_host(host)}:{number}"
+
+
+RELAY: Setting[str] = Setting(
+    name="relay",
+    parse=parse_relay_upstream,
+    default=None,
+    default_doc="off (serve the run)",
+    forms="HOST:PORT",
+    help="Run a relay instead of an aggregator: ranks (or relays) send to it, and it "
+    "forwards their batches as they are over one connection to the aggregator (or relay) "
+    "at HOST:PORT, with the run token of TRACEML_RUN_TOKEN.",
+    metavar="HOST:PORT",
+    commands=("serve",),
+)
 PROMETHEUS_PORT: Setting[int] = Setting(
     name="prometheus_port",
     parse=parse_whole,
@@ -442,6 +479,8 @@ SETTINGS: tuple[Setting[object], ...] = (
     AGGREGATOR_BIND_HOST,
     NNODES,
     NPROC_PER_NODE,
+    NODE_RELAY,
+    RELAY,
     PROMETHEUS_PORT,
     PROMETHEUS_BIND_HOST,
     RANK_HISTOGRAMS_MAX_RANKS,

@@ -147,6 +147,9 @@ class LaunchSettings:
     aggregator_bind_host: str = FROM_TABLE
     nnodes: int | None = FROM_TABLE
     nproc_per_node: int | None = FROM_TABLE
+    node_relay: bool = FROM_TABLE
+    relay: str | None = FROM_TABLE
+    """``traceml serve --relay HOST:PORT``: relay to there instead of serving the run."""
     parallel: str = FROM_TABLE
     """The declared parallel layout (``tp=4,dp=8``), normalized; ``""`` none. The ranks
     read it from ``TRACEML_PARALLEL``."""

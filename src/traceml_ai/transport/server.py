@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import hmac
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -59,10 +60,11 @@ from traceml_ai.transport.wire import (
     batch_prefix,
     decode_message,
     make_finished_message,
+    make_relay_message,
     make_tracker_runs_message,
 )
 
-__all__ = ["AggregatorServer"]
+__all__ = ["AggregatorServer", "connection_limits", "raise_file_limit"]
 
 _T = TypeVar("_T")
 
@@ -81,19 +83,64 @@ HOLD_MAX_S = 10.0
 # Limits for connections (see the module docstring). Module attributes, read when used,
 # so tests can shrink them.
 
-MAX_CONNECTIONS = 4096
-"""Open connections at most; a connection beyond it is closed at once.
+MIN_CONNECTIONS = 4096
+"""The least limit on open connections; a connection beyond the limit is closed at once.
 
-Four times the largest job we plan for (1,024 ranks), which leaves room for each rank's
-reconnection while its old connection drains, and for the unproven ones below."""
+The limit itself comes from the job (:func:`connection_limits`): a server never caps a
+job below its size."""
 
-MAX_UNPROVEN_CONNECTIONS = 2048
-"""Open connections that have not yet had a first frame accepted, at most.
+MIN_UNPROVEN_CONNECTIONS = 2048
+"""The least limit on open connections that have not yet had a first frame accepted.
 
-Above 1,024 ranks connecting at the same moment (each is unproven until its first
-frame is read, one loop turn later) with room to spare. A new connection beyond it
-closes the oldest unproven one whose token was not seen and that is older than
-``UNPROVEN_MIN_AGE_S``; if there is none, the new one is closed."""
+A new connection beyond the limit closes the oldest unproven one whose token was not
+seen and that is older than ``UNPROVEN_MIN_AGE_S``; if there is none, the new one is
+closed."""
+
+FILE_RESERVE = 256
+"""Descriptors of the process kept out of the connection limit: the export files, the
+live views' sockets, the run folder's files."""
+
+MAX_FILE_LIMIT = 1 << 20
+"""The highest open-file limit a server asks for (one descriptor per connection)."""
+
+
+def connection_limits(expected_connections: int | None) -> tuple[int, int]:
+    """(open connections at most, unproven connections at most) for a server that
+    expects ``expected_connections`` peers (a job's ranks, or its relays; None: unknown).
+
+    Every rank may hold two connections for a moment (a new one while its old one
+    drains after a send timeout), and all of them may connect at the same moment (each
+    is unproven until its first frame is read, one loop turn later), with a quarter
+    more for room. A job of unknown size gets the least limits; :meth:`AggregatorServer.start`
+    raises them to what the process's open-file limit holds.
+    """
+    peers = max(0, expected_connections or 0)
+    unproven = max(MIN_UNPROVEN_CONNECTIONS, peers + peers // 4)
+    return max(MIN_CONNECTIONS, 2 * peers + unproven), unproven
+
+
+def raise_file_limit(needed: int) -> tuple[int, int]:
+    """Raise the process's soft open-file limit (RLIMIT_NOFILE) to ``needed`` when it is
+    lower, as far as the hard limit allows; return (soft, hard) in force afterwards.
+    Never raises (a platform without the limit gives ``(needed, needed)``)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return needed, needed
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        unlimited = resource.RLIM_INFINITY
+        if soft != unlimited and soft < needed:
+            target = needed if hard == unlimited else min(needed, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        return (
+            needed if soft == unlimited else soft,
+            max(needed, soft) if hard == unlimited else hard,
+        )
+    except (OSError, ValueError):
+        return needed, needed
+
 
 UNPROVEN_MIN_AGE_S = 1.0
 """An unproven connection younger than this is never closed to make room: a real rank's
@@ -116,7 +163,7 @@ writes its first batch. Such a batch would be counted on the rank as sent; the
 aggregator would still count it as dropped from the difference between the rank's
 ``sent_batches`` and :meth:`AggregatorServer.received_batches_by_rank`. Silent
 connections cost only a descriptor, and their number is bounded by
-``MAX_UNPROVEN_CONNECTIONS``."""
+the unproven-connection limit."""
 
 SWEEP_INTERVAL_S = 0.5
 """How often the time bounds above are checked."""
@@ -142,20 +189,21 @@ class _PortGuard:
     access on the receive path gets slower (about 10% of the fast path, measured).
     """
 
-    def __init__(self, token: str, max_frame_bytes: int) -> None:
+    def __init__(self, token: str, max_frame_bytes: int, expected_connections: int | None) -> None:
         prefix = batch_prefix(token)
         token_json = orjson.dumps(token)
         head_end = prefix.index(token_json)
         token_end = head_end + len(token_json)
         tails = [prefix[token_end:]]
-        for other in (
-            orjson.dumps(make_finished_message(token, {}, 0, 0)),
-            orjson.dumps(make_tracker_runs_message(token, {}, {})),
+        for other, key in (
+            (orjson.dumps(make_finished_message(token, {}, 0, 0)), b'"identity":'),
+            (orjson.dumps(make_tracker_runs_message(token, {}, {})), b'"identity":'),
+            (orjson.dumps(make_relay_message(token, "-", {})), b'"relay":'),
         ):
             if other[:token_end] != prefix[:token_end]:
                 raise AssertionError("every message type must start alike")
-            identity_at = other.index(b'"identity":', token_end)
-            tails.append(other[token_end : identity_at + len(b'"identity":')])
+            key_at = other.index(key, token_end)
+            tails.append(other[token_end : key_at + len(key)])
         self.max_frame_bytes = max_frame_bytes
         self.head = prefix[:head_end]
         self.token_json = token_json
@@ -166,8 +214,12 @@ class _PortGuard:
         self.unproven: dict[_Connection, None] = {}
         # Connections the server closed, per reason.
         self.rejected: dict[str, int] = {}
-        # Batch frames accepted per global rank, from connections that have closed.
+        # Batch frames accepted per global rank: from rank connections that have closed,
+        # and every one a relay's connection carried.
         self.batches_by_rank: dict[int, int] = {}
+        self.expected_connections = expected_connections
+        self.max_connections, self.max_unproven = connection_limits(expected_connections)
+        self.on_relay: Callable[[dict[str, Any]], None] | None = None
 
     def check(self, data: bytes) -> str | None:
         """Check the start of a connection's first frame (its bytes so far).
@@ -222,13 +274,16 @@ class _Connection(asyncio.Protocol):
         self.first_byte_at: float | None = None
         self.last_identity: dict[str, Any] | None = None
         self.order = server._next_order()
-        # The global rank its first accepted frame named (None before it, or if none).
-        self.rank: int | None = None
+        # What its first accepted frame named (None before it, or if none): a global
+        # rank, or ``"relay:<id>"`` for a relay's connection, which carries many ranks.
+        self.rank: int | str | None = None
+        # How each frame after the first is handled: a rank's own connection or a relay's.
+        self.handle = server._frame
         # Batch frames accepted on it, added to its rank's tally when it closes.
         self.batches = 0
         # While held behind an older connection of the same rank: the unread bytes.
         self._held: bytes | None = None
-        self._held_rank = -1
+        self._held_rank: int | str = -1
         self._hold_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -298,7 +353,7 @@ class _Connection(asyncio.Protocol):
                 # The fast path: no per-frame check beyond _frame's (a try costs nothing
                 # until it raises).
                 try:
-                    server._frame(self, body, length, observed)
+                    self.handle(self, body, length, observed)
                 except FrameError as exc:
                     self.refuse_frame(exc.reason)
                     return
@@ -320,6 +375,8 @@ class _Connection(asyncio.Protocol):
                 self._hold(rank, data[pos:])
                 return True
             server._register(self, rank)
+            if type(rank) is str:
+                self.handle = server._relayed_frame
         try:
             server._frame(self, body, len(body), observed)
         except FrameError as exc:
@@ -329,7 +386,7 @@ class _Connection(asyncio.Protocol):
             self._prove()
         return False
 
-    def _hold(self, rank: int, data: bytes) -> None:
+    def _hold(self, rank: int | str, data: bytes) -> None:
         """Stop reading until the older connections of ``rank`` are gone (bounded)."""
         self._held = data
         self._held_rank = rank
@@ -353,6 +410,8 @@ class _Connection(asyncio.Protocol):
         if self in waiting:
             waiting.remove(self)
         server._register(self, self._held_rank)
+        if type(self._held_rank) is str:
+            self.handle = server._relayed_frame
         transport = self._transport
         if transport is not None and not transport.is_closing():
             transport.resume_reading()
@@ -405,7 +464,7 @@ class _Connection(asyncio.Protocol):
         server._gate.unproven.pop(self, None)
         server._connections_open -= 1
         if self.rank is not None:
-            if self.batches:
+            if self.batches and type(self.rank) is int:
                 tally = server._gate.batches_by_rank
                 tally[self.rank] = tally.get(self.rank, 0) + self.batches
                 self.batches = 0
@@ -450,6 +509,10 @@ class AggregatorServer:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         on_connection_lost: Callable[[dict[str, Any] | None], None] | None = None,
         on_tracker_runs: Callable[[dict[str, Any]], None] | None = None,
+        on_relay: Callable[[dict[str, Any]], None] | None = None,
+        expected_connections: int | None = None,
+        max_connections: int | None = None,
+        max_unproven_connections: int | None = None,
     ) -> None:
         self._host = host
         self._port = port
@@ -460,7 +523,16 @@ class AggregatorServer:
         self._on_tracker_runs = on_tracker_runs
         self._max_frame_bytes = max_frame_bytes
         self._batch_prefix = batch_prefix(token)
-        self._gate = _PortGuard(token, max_frame_bytes)
+        self._gate = _PortGuard(token, max_frame_bytes, expected_connections)
+        self._gate.on_relay = on_relay
+        if max_connections is not None or max_unproven_connections is not None:
+            # Limits given outright (tests, a relay told its node's size) are kept as given.
+            self._gate.expected_connections = self._gate.max_connections
+            if max_connections is not None:
+                self._gate.max_connections = max_connections
+                self._gate.expected_connections = max_connections
+            if max_unproven_connections is not None:
+                self._gate.max_unproven = max_unproven_connections
 
         self._lifecycle_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -472,8 +544,8 @@ class AggregatorServer:
         self._connections: set[_Connection] = set()
         # Per global rank: open connections that carried it, and connections held
         # behind them (see the module docstring). Loop thread only.
-        self._by_rank: dict[int, set[_Connection]] = {}
-        self._held: dict[int, list[_Connection]] = {}
+        self._by_rank: dict[int | str, set[_Connection]] = {}
+        self._held: dict[int | str, list[_Connection]] = {}
         self._orders = 0
         self._held_connections = 0
 
@@ -542,8 +614,9 @@ class AggregatorServer:
         """
         tally = dict(self._gate.batches_by_rank)
         for connection in list(self._connections):
-            if connection.rank is not None and connection.batches:
-                tally[connection.rank] = tally.get(connection.rank, 0) + connection.batches
+            rank = connection.rank
+            if type(rank) is int and connection.batches:
+                tally[rank] = tally.get(rank, 0) + connection.batches
         return tally
 
     @property
@@ -565,6 +638,7 @@ class AggregatorServer:
                 return self._address
             if self._stopped:
                 raise RuntimeError("AggregatorServer cannot be restarted after stop()")
+            self._fit_file_limit()
             ready = threading.Event()
             thread = threading.Thread(
                 target=self._run, args=(ready,), name="traceml-aggregator-server", daemon=True
@@ -604,6 +678,42 @@ class AggregatorServer:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(loop.stop)
         thread.join(max(0.1, deadline - time.monotonic()))
+
+    @property
+    def max_connections(self) -> int:
+        """Open connections at most (from the job's size and the open-file limit)."""
+        return self._gate.max_connections
+
+    @property
+    def max_unproven_connections(self) -> int:
+        """Open connections without an accepted first frame, at most."""
+        return self._gate.max_unproven
+
+    def _fit_file_limit(self) -> None:
+        """Raise the open-file limit to hold the connection limit (one descriptor each,
+        plus ``FILE_RESERVE``); where the hard limit is lower, hold what it allows and
+        say so in one line. A job of unknown size takes all the hard limit allows."""
+        gate = self._gate
+        expected = gate.expected_connections
+        wanted = gate.max_connections + FILE_RESERVE
+        soft, hard = raise_file_limit(wanted if expected else max(wanted, MAX_FILE_LIMIT))
+        room = soft - FILE_RESERVE
+        if expected is None:
+            gate.max_connections = max(gate.max_connections, room)
+            gate.max_unproven = max(gate.max_unproven, gate.max_connections // 4)
+            return
+        if room >= gate.max_connections:
+            return
+        gate.max_connections = max(room, 1)
+        gate.max_unproven = min(gate.max_unproven, gate.max_connections)
+        with contextlib.suppress(Exception):
+            print(
+                f"traceml: the open-file limit (soft {soft}, hard {hard}) holds "
+                f"{gate.max_connections} connections, fewer than the {wanted - FILE_RESERVE} "
+                "this job's ranks may open: raise it (ulimit -n) or send through relays",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _run(self, ready: threading.Event) -> None:
         loop = asyncio.new_event_loop()
@@ -672,6 +782,9 @@ class AggregatorServer:
             if self._on_tracker_runs is not None:
                 self._call(self._on_tracker_runs, message)
             return
+        if message["type"] == "relay":
+            self._relay_report(message)
+            return
         connection.last_identity = message["identity"]
         if message["type"] == "batch":
             self._accepted_batches += 1
@@ -681,12 +794,58 @@ class AggregatorServer:
             self._finished_messages += 1
             self._call(self._on_finished, message)
 
+    def _relayed_frame(
+        self, connection: _Connection, body: bytes, length: int, observed: int
+    ) -> None:
+        """Handle one frame of a relay's connection, which carries the frames of many
+        ranks as they sent them; raise ``FrameError`` if invalid.
+
+        As :meth:`_frame`, and each batch is tallied under the rank its identity names
+        (the connection has no one rank)."""
+        if body.startswith(self._batch_prefix) and _known_stream_follows(
+            body, len(self._batch_prefix)
+        ):
+            match = _GLOBAL_RANK.search(body, 0, 4096)
+            if match is None:
+                raise FrameError("missing identity")
+            self._accepted_batches += 1
+            tally = self._gate.batches_by_rank
+            rank = int(match.group(1))
+            tally[rank] = tally.get(rank, 0) + 1
+            self._call(self._on_batch, ReceivedBatch(observed, body, length))
+            return
+        message = decode_message(body, self._token)
+        kind = message["type"]
+        if kind == "batch":
+            rank = message["identity"].get("global_rank")
+            if type(rank) is not int or rank < 0:
+                raise FrameError("missing identity")
+            self._accepted_batches += 1
+            tally = self._gate.batches_by_rank
+            tally[rank] = tally.get(rank, 0) + 1
+            self._call(self._on_batch, ReceivedBatch(observed, message, length))
+        elif kind == "finished":
+            self._finished_messages += 1
+            self._call(self._on_finished, message)
+        elif kind == "tracker_runs":
+            if self._on_tracker_runs is not None:
+                self._call(self._on_tracker_runs, message)
+        else:
+            self._relay_report(message)
+
+    def _relay_report(self, message: dict[str, Any]) -> None:
+        """A relay's ``relay`` message: what it dropped, per rank (the callback's)."""
+        on_relay = self._gate.on_relay
+        if on_relay is not None:
+            self._call(on_relay, message)
+
     def _admit(self, connection: _Connection) -> str | None:
         """Make room for a new connection; the reason to refuse it if there is none."""
-        if self._connections_open > MAX_CONNECTIONS:
+        gate = self._gate
+        if self._connections_open > gate.max_connections:
             return "too many connections"
-        unproven = self._gate.unproven
-        if len(unproven) < MAX_UNPROVEN_CONNECTIONS:
+        unproven = gate.unproven
+        if len(unproven) < gate.max_unproven:
             return None
         # The oldest first: it has had the longest to prove itself.
         for candidate in unproven:
@@ -715,31 +874,34 @@ class AggregatorServer:
         self._orders += 1
         return self._orders
 
-    def _rank_of(self, body: bytes) -> int | None:
-        """The global rank a valid frame's identity names (first frames only)."""
+    def _rank_of(self, body: bytes) -> int | str | None:
+        """The global rank a valid frame's identity names, or ``"relay:<id>"`` for a
+        relay's ``relay`` message (first frames only)."""
         if body.startswith(self._batch_prefix) and _known_stream_follows(
             body, len(self._batch_prefix)
         ):
             match = _GLOBAL_RANK.search(body, 0, 4096)
             return int(match.group(1)) if match else None
         try:
-            identity = decode_message(body, self._token)["identity"]
+            message = decode_message(body, self._token)
         except FrameError:
             return None
-        rank = identity.get("global_rank")
+        if message["type"] == "relay":
+            return f"relay:{message['relay']}"
+        rank = message["identity"].get("global_rank")
         return rank if type(rank) is int and rank >= 0 else None
 
-    def _must_wait(self, connection: _Connection, rank: int) -> bool:
+    def _must_wait(self, connection: _Connection, rank: int | str) -> bool:
         order = connection.order
         return any(c.order < order for c in self._by_rank.get(rank, ())) or any(
             c.order < order for c in self._held.get(rank, ())
         )
 
-    def _register(self, connection: _Connection, rank: int) -> None:
+    def _register(self, connection: _Connection, rank: int | str) -> None:
         connection.rank = rank
         self._by_rank.setdefault(rank, set()).add(connection)
 
-    def _unregister(self, connection: _Connection, rank: int) -> None:
+    def _unregister(self, connection: _Connection, rank: int | str) -> None:
         carriers = self._by_rank.get(rank)
         if carriers is not None:
             carriers.discard(connection)

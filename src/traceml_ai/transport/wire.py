@@ -6,6 +6,7 @@ See ``docs/dev/wire-format.md``. This module never imports torch.
 from __future__ import annotations
 
 import hmac
+import re
 import secrets
 import struct
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "FRAME_HEADER",
     "MESSAGES",
     "MESSAGE_TYPES",
+    "RELAY_ID_MAX_CHARS",
     "TRACKER_RUNS_BOUNDS",
     "WIRE_VERSION",
     "FrameError",
@@ -41,6 +43,7 @@ __all__ = [
     "encode_item",
     "make_batch_message",
     "make_finished_message",
+    "make_relay_message",
     "make_tracker_runs_message",
     "new_run_token",
     "peek_batch_stream",
@@ -107,6 +110,7 @@ MESSAGES: dict[str, WireMessage] = {
             optional=("dropped_batches_by_stream",),
         ),
         WireMessage(type="tracker_runs", keys=("identity", "runs")),
+        WireMessage(type="relay", keys=("relay", "dropped")),
     )
 }
 """Every message type of the wire, by ``type``."""
@@ -244,6 +248,24 @@ def make_tracker_runs_message(
     return _message("tracker_runs", token, {"identity": identity, "runs": runs_copy})
 
 
+RELAY_ID_MAX_CHARS = 128
+"""The longest relay id a ``relay`` message may carry."""
+
+
+def make_relay_message(
+    token: str, relay_id: str, dropped: Mapping[int, Mapping[str, int]]
+) -> dict[str, Any]:
+    """Build a ``relay`` message: the first frame of each connection a relay opens to the
+    aggregator (or to the next relay), and again whenever its drops grow.
+
+    ``dropped`` maps a global rank to the batches of each stream the relay ``relay_id``
+    dropped of that rank since it started (counts only grow, so the receiver keeps the
+    largest it saw). Rank keys are written as decimal text (JSON object keys).
+    """
+    counts = {str(rank): dict(by_stream) for rank, by_stream in sorted(dropped.items())}
+    return _message("relay", token, {"relay": relay_id, "dropped": counts})
+
+
 def batch_prefix(token: str) -> bytes:
     """The first bytes of every ``batch`` frame body our senders write for ``token``.
 
@@ -316,6 +338,10 @@ def decode_message(data: bytes, token: str) -> dict[str, Any]:
     kind = message.get("type")
     if kind not in MESSAGE_TYPES:
         raise FrameError("unknown type")
+    if kind == "relay":
+        if not _valid_relay(message):
+            raise FrameError("bad relay report")
+        return message
     if not isinstance(message.get("identity"), dict):
         raise FrameError("missing identity")
     if kind == "batch":
@@ -330,6 +356,25 @@ def decode_message(data: bytes, token: str) -> dict[str, Any]:
     elif not _valid_counts(message):
         raise FrameError("bad counts")
     return message
+
+
+_RANK_KEY = re.compile(r"(0|[1-9][0-9]{0,18})")
+
+
+def _valid_relay(message: Mapping[str, Any]) -> bool:
+    """A ``relay`` message: a relay id, and batch drops per rank and known stream."""
+    relay_id = message.get("relay")
+    if type(relay_id) is not str or not 0 < len(relay_id) <= RELAY_ID_MAX_CHARS:
+        return False
+    dropped = message.get("dropped")
+    if type(dropped) is not dict:
+        return False
+    for rank, by_stream in dropped.items():
+        if _RANK_KEY.fullmatch(rank) is None or type(by_stream) is not dict:
+            return False
+        if not all(k in BATCH_STREAMS and _is_count(v) for k, v in by_stream.items()):
+            return False
+    return True
 
 
 def _valid_counts(message: Mapping[str, Any]) -> bool:

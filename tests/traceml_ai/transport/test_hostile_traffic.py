@@ -212,11 +212,12 @@ def test_bad_frame_after_good_ones_closes_the_connection(
 
 def test_half_open_connections_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     # Small limits so the test stays quick; the constants' defaults are checked below.
-    monkeypatch.setattr(server_module, "MAX_UNPROVEN_CONNECTIONS", 20)
     monkeypatch.setattr(server_module, "UNPROVEN_MIN_AGE_S", 0.0)
     monkeypatch.setattr(server_module, "IDLE_UNPROVEN_TIMEOUT_S", 1.0)
     received = Received()
-    server = AggregatorServer(LOOPBACK, 0, TOKEN, received.on_batch, received.on_finished)
+    server = AggregatorServer(
+        LOOPBACK, 0, TOKEN, received.on_batch, received.on_finished, max_unproven_connections=20
+    )
     address = server.start()
     socks: list[socket.socket] = []
     try:
@@ -252,10 +253,11 @@ def test_slow_first_frame_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
         server.stop()
 
 
-def test_connection_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 5)
+def test_connection_cap() -> None:
     received = Received()
-    server = AggregatorServer(LOOPBACK, 0, TOKEN, received.on_batch, received.on_finished)
+    server = AggregatorServer(
+        LOOPBACK, 0, TOKEN, received.on_batch, received.on_finished, max_connections=5
+    )
     address = server.start()
     socks: list[socket.socket] = []
     try:
@@ -277,9 +279,37 @@ def test_connection_cap(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_limits_fit_a_large_job() -> None:
-    assert server_module.MAX_CONNECTIONS >= 4096
-    assert server_module.MAX_UNPROVEN_CONNECTIONS >= 1024 + 64
+    assert server_module.connection_limits(None) == (4096, 2048)
+    # Every rank may reconnect while its old connection drains, and all may connect at once.
+    for ranks in (1024, 10_240, 16_384, 100_000):
+        total, unproven = server_module.connection_limits(ranks)
+        assert unproven >= ranks
+        assert total >= 2 * ranks + unproven
     assert 1.0 <= server_module.FIRST_FRAME_TIMEOUT_S <= 30.0
+
+
+def test_the_file_limit_is_raised_for_the_job() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ranks = 20_000
+    received = Received()
+    server = AggregatorServer(
+        LOOPBACK, 0, TOKEN, received.on_batch, received.on_finished, expected_connections=ranks
+    )
+    try:
+        server.start()
+        now, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = server_module.connection_limits(ranks)[0] + server_module.FILE_RESERVE
+        if hard == resource.RLIM_INFINITY or hard >= wanted:
+            assert now >= wanted
+            assert server.max_connections == server_module.connection_limits(ranks)[0]
+        else:
+            assert server.max_connections == now - server_module.FILE_RESERVE
+        real_rank_still_served(server, received)
+    finally:
+        server.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_token_is_not_guessable_byte_by_byte(served: tuple[AggregatorServer, Received]) -> None:

@@ -39,6 +39,7 @@ from traceml_ai.transport.wire import (
     encode_item,
     make_batch_message,
     make_finished_message,
+    make_relay_message,
     make_tracker_runs_message,
     new_run_token,
 )
@@ -1057,6 +1058,7 @@ def test_every_message_is_built_with_its_declared_keys_in_order() -> None:
         "batch": make_batch_message(TOKEN, identity(0), "step_time", []),
         "finished": make_finished_message(TOKEN, identity(0), 3, 1, {"step_time": 1}),
         "tracker_runs": make_tracker_runs_message(TOKEN, identity(0), {"wandb": {"id": "x"}}),
+        "relay": make_relay_message(TOKEN, "node-1", {3: {"step_time": 2}}),
     }
     assert set(built) == set(MESSAGES)
     for kind, message in built.items():

@@ -1,0 +1,239 @@
+"""The node's relay of a multi-node ``traceml run``, in a process of its own: started
+before the ranks, restarted on the same port if it dies while they train, stopped
+(forwarding what it holds) after they exit.
+
+The child is ``python -m traceml_ai.launch._relay_process CONFIG`` (JSON: upstream host
+and port, listen host and port, stop timeout, the launcher's pid); the run token comes
+from ``TRACEML_RUN_TOKEN`` so it never shows in a process listing. It prints one JSON
+line when it listens (``{"event": "ready", "port": N}`` or ``{"event": "failed", ...}``)
+and one when it stopped (``{"event": "stopped", ...}`` with its counts); SIGTERM or
+SIGINT make it stop. A relay of its own process: a relay killed or stuck never takes
+the launcher or the ranks with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from traceml_ai.launch._signals import exit_description, say
+from traceml_ai.transport.wire import ENV_RUN_TOKEN
+
+READY_TIMEOUT_S = 30.0
+"""Longest wait for a relay process to listen."""
+MAX_RESTARTS = 3
+"""Relay processes started again after one died during the run, at most."""
+WATCH_S = 0.2
+"""How often, while the ranks train, the launcher looks whether the relay died."""
+PARENT_POLL_S = 0.5
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as (host, port); ``ValueError`` if malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+class RelayProcess:
+    """The relay child process, seen from ``traceml run``."""
+
+    def __init__(self, upstream: str, token: str, stop_timeout_s: float) -> None:
+        self.upstream = upstream
+        self._token = token
+        self._stop_timeout_s = stop_timeout_s
+        self._port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buffer = b""
+        self._restarts = 0
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> int | str:
+        """Start it: the loopback port the ranks send to, or why it did not start."""
+        host, port = split_address(self.upstream)
+        config = {
+            "upstream": [host, port],
+            "port": self._port,
+            "stop_timeout_s": self._stop_timeout_s,
+            "parent_pid": os.getpid(),
+        }
+        env = dict(os.environ)
+        env[ENV_RUN_TOKEN] = self._token
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "traceml_ai.launch._relay_process", json.dumps(config)],
+                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            return f"the node's relay could not start ({exc.strerror or exc})"
+        self._proc = proc
+        self._buffer = b""
+        event = self._read_event(READY_TIMEOUT_S)
+        if event is None or event.get("event") != "ready" or type(event.get("port")) is not int:
+            self._kill()
+            why = event.get("error") if event else None
+            return f"the node's relay did not start{f' ({why})' if why else ''}"
+        self._port = event["port"]
+        return self._port
+
+    def _read_event(self, timeout: float) -> dict[str, Any] | None:
+        proc = self._proc
+        if proc is None or proc.stdout is None:
+            return None
+        deadline = time.monotonic() + timeout
+        fd = proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], min(left, 0.1))
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return None
+        return event if isinstance(event, dict) else None
+
+    def watch(self) -> None:
+        """While the ranks train, start it again on the same port if it dies (one line
+        each time; the ranks reconnect to it), at most ``MAX_RESTARTS`` times."""
+
+        def run() -> None:
+            while not self._watch_stop.wait(WATCH_S):
+                with self._lock:
+                    proc = self._proc
+                    code = proc.poll() if proc is not None else None
+                    if code is None or self._watch_stop.is_set():
+                        continue
+                    if self._restarts >= MAX_RESTARTS:
+                        say(
+                            f"the node's relay {exit_description(code)}; this node's ranks "
+                            "send nothing more (the end of the run says what was lost)"
+                        )
+                        self._proc = None
+                        return
+                    self._restarts += 1
+                    started = self.start()
+                    if isinstance(started, str):
+                        say(
+                            f"the node's relay {exit_description(code)} and {started}; this "
+                            "node's ranks send nothing more (the end of the run says what "
+                            "was lost)"
+                        )
+                        self._proc = None
+                        return
+                    say(
+                        f"the node's relay {exit_description(code)}; started again on port "
+                        f"{started} (what it held is lost, and the end of the run says how much)"
+                    )
+
+        self._watcher = threading.Thread(target=run, name="traceml-relay-watch", daemon=True)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        """Ask it to forward what it holds and stop; wait for that (bounded), then kill."""
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            event = self._read_event(self._stop_timeout_s + 5.0)
+            if event is not None and event.get("event") == "stopped":
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=2.0)
+        self._kill()
+
+    def _kill(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _emit(out: Any, event: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        out.write(json.dumps(event) + "\n")
+        out.flush()
+
+
+def main(argv: list[str]) -> int:
+    """Relay until SIGTERM/SIGINT (or the launcher is gone and no rank is connected)."""
+    from traceml_ai.transport.relay import Relay
+
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    try:
+        config = json.loads(argv[0])
+        host, port = config["upstream"]
+        relay = Relay(
+            (str(host), int(port)),
+            os.environ[ENV_RUN_TOKEN],
+            port=int(config.get("port", 0)),
+            on_event=lambda line: say(f"the node's relay {line}"),
+        )
+        stop_timeout = float(config.get("stop_timeout_s", 5.0))
+        parent = int(config.get("parent_pid", 0))
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        _emit(out, {"event": "failed", "error": f"bad relay config: {exc}"})
+        return 2
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        del signum, frame
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    try:
+        address = relay.start()
+    except OSError as exc:
+        _emit(out, {"event": "failed", "error": f"cannot listen: {exc.strerror or exc}"})
+        return 1
+    _emit(out, {"event": "ready", "port": address[1]})
+    while not stop.wait(PARENT_POLL_S):
+        if parent and os.getppid() != parent and relay.intake.connections_open == 0:
+            break  # the launcher is gone and so are the ranks
+    stats = relay.stop(stop_timeout)
+    _emit(
+        out,
+        {
+            "event": "stopped",
+            "forwarded_frames": stats.forwarded_frames,
+            "dropped_batches": stats.dropped_batches,
+            "dropped_messages": stats.dropped_messages,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,269 @@
+"""The relay over real loopback sockets: ranks' ``RankSender`` -> ``Relay`` (one or two
+chained) -> ``AggregatorServer``; exact per-rank accounting, drops counted per rank and
+stream (and, through a real ``Aggregator``, in ``finalization_warning.json``),
+reconnection after the aggregator restarts, garbage refused at the relay."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from traceml_ai.aggregator import Aggregator, AggregatorConfig
+from traceml_ai.settings import ExportSettings
+from traceml_ai.transport import AggregatorServer, RankSender, Relay
+from traceml_ai.transport.wire import FRAME_HEADER, ReceivedBatch, batch_prefix
+
+TOKEN = "relay-test-token"
+WAIT_S = 10.0
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.batches: list[ReceivedBatch] = []
+        self.finished: list[dict[str, Any]] = []
+        self.reports: list[dict[str, Any]] = []
+
+    def on_batch(self, batch: ReceivedBatch) -> None:
+        with self.lock:
+            self.batches.append(batch)
+
+    def on_finished(self, message: dict[str, Any]) -> None:
+        with self.lock:
+            self.finished.append(message)
+
+    def on_relay(self, message: dict[str, Any]) -> None:
+        with self.lock:
+            self.reports.append(message)
+
+    def serve(self, port: int = 0) -> AggregatorServer:
+        server = AggregatorServer(
+            "127.0.0.1", port, TOKEN, self.on_batch, self.on_finished, on_relay=self.on_relay
+        )
+        server.start()
+        return server
+
+
+def identity(rank: int) -> dict[str, object]:
+    return {
+        "global_rank": rank,
+        "local_rank": rank % 4,
+        "world_size": 8,
+        "local_world_size": 4,
+        "node_rank": rank // 4,
+        "hostname": "node",
+        "pid": 100 + rank,
+    }
+
+
+def sender(address: tuple[str, int], rank: int) -> RankSender:
+    s = RankSender(address, TOKEN, identity(rank), flush_interval_s=0.02)
+    s.start()
+    return s
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def stack() -> Iterator[list[Any]]:
+    things: list[Any] = []
+    yield things
+    for thing in reversed(things):
+        thing.stop()
+
+
+def test_relays_forward_every_rank_as_sent(stack: list[Any]) -> None:
+    collector = Collector()
+    server = collector.serve()
+    stack.append(server)
+    assert server.address is not None
+    relay = Relay(server.address, TOKEN)
+    stack.append(relay)
+    near = relay.start()
+    # A chain: ranks 4..7 send to a relay that sends to the first one.
+    outer = Relay(near, TOKEN)
+    stack.append(outer)
+    far = outer.start()
+    senders = [sender(near if rank < 4 else far, rank) for rank in range(8)]
+    for step in range(40):
+        for rank, s in enumerate(senders):
+            s.put("step_time", {"step": step, "rank": rank})
+        time.sleep(0.002)
+    for s in senders:
+        s.close(WAIT_S)
+    wait_until(lambda: len(collector.finished) == 8)
+    outer_stats = outer.stop(WAIT_S)
+    near_stats = relay.stop(WAIT_S)
+    server.stop()
+    sent = {rank: s.sent_batches for rank, s in enumerate(senders)}
+    assert all(sent.values())
+    assert server.received_batches_by_rank() == sent
+    assert sum(s.dropped_batches for s in senders) == 0
+    assert near_stats.dropped_batches == outer_stats.dropped_batches == 0
+    # Forwarded as they are: our senders' encoded batches, still undecoded.
+    prefix = batch_prefix(TOKEN)
+    assert all(
+        isinstance(b.payload, bytes) and b.payload.startswith(prefix) for b in collector.batches
+    )
+    # Each relay said who it is on its connection; both connections reached the server.
+    assert {m["relay"] for m in collector.reports} == {relay.relay_id, outer.relay_id}
+    assert all(m["dropped"] == {} for m in collector.reports)
+
+
+def test_drops_are_counted_per_rank_and_reported_once_it_connects(stack: list[Any]) -> None:
+    port = free_port()
+    # Nobody listens upstream yet: frames wait, and beyond the bound they are dropped.
+    relay = Relay(("127.0.0.1", port), TOKEN, max_pending_bytes=4096, report_interval_s=0.05)
+    stack.append(relay)
+    near = relay.start()
+    senders = [sender(near, rank) for rank in range(3)]
+    for step in range(60):
+        for s in senders:
+            s.put("step_time", {"step": step, "pad": "x" * 200})
+        time.sleep(0.003)
+    wait_until(
+        lambda: relay.stats().dropped_batches > 0 and not any(s.pending_items for s in senders)
+    )
+    collector = Collector()
+    server = collector.serve(port)
+    stack.append(server)
+    for s in senders:
+        s.close(WAIT_S)
+    wait_until(lambda: len(collector.finished) == 3)
+    stats = relay.stop(WAIT_S)
+    server.stop()
+    assert stats.dropped_batches > 0
+    # The relay's own count per rank: what each rank sent and never arrived.
+    received = server.received_batches_by_rank()
+    dropped = {rank: sum(c.values()) for rank, c in stats.dropped_by_rank.items()}
+    for rank, s in enumerate(senders):
+        assert received.get(rank, 0) + dropped.get(rank, 0) == s.sent_batches, rank
+    last = collector.reports[-1]
+    assert last["relay"] == relay.relay_id
+    assert {int(k): v for k, v in last["dropped"].items()} == stats.dropped_by_rank
+    assert all(set(c) == {"step_time"} for c in stats.dropped_by_rank.values())
+
+
+def test_the_relay_reconnects_to_a_restarted_aggregator(stack: list[Any]) -> None:
+    first = Collector()
+    server = first.serve()
+    assert server.address is not None
+    port = server.address[1]
+    relay = Relay(server.address, TOKEN)
+    stack.append(relay)
+    near = relay.start()
+    s = sender(near, 0)
+    s.put("step_time", {"step": 0})
+    wait_until(lambda: len(first.batches) == 1)
+    server.stop()
+    wait_until(lambda: not relay.connected)
+    second = Collector()
+    again = second.serve(port)
+    stack.append(again)
+    s.put("step_time", {"step": 1})
+    wait_until(lambda: len(second.batches) == 1)
+    s.close(WAIT_S)
+    wait_until(lambda: len(second.finished) == 1)
+    stats = relay.stop(WAIT_S)
+    assert stats.upstream_connections == 2
+    assert stats.dropped_batches == 0
+    assert second.reports and second.reports[0]["relay"] == relay.relay_id
+
+
+def test_garbage_at_the_relay_is_refused_and_the_ranks_go_on(stack: list[Any]) -> None:
+    collector = Collector()
+    server = collector.serve()
+    stack.append(server)
+    assert server.address is not None
+    relay = Relay(server.address, TOKEN)
+    stack.append(relay)
+    near = relay.start()
+    with socket.create_connection(near, timeout=WAIT_S) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(WAIT_S)
+        assert sock.recv(1) == b""
+    # A frame with our prefix but an unknown stream would close the relay's connection
+    # upstream (every rank of the node) if it were forwarded: the relay refuses it.
+    body = batch_prefix(TOKEN) + b'nope","identity":{"global_rank":1},"items":[]}'
+    with socket.create_connection(near, timeout=WAIT_S) as sock:
+        sock.sendall(FRAME_HEADER.pack(len(body)) + body)
+        sock.settimeout(WAIT_S)
+        assert sock.recv(1) == b""
+    s = sender(near, 2)
+    s.put("step_time", {"step": 0})
+    s.close(WAIT_S)
+    wait_until(lambda: len(collector.finished) == 1)
+    assert len(collector.batches) == 1
+    assert relay.intake.rejected_connections == 2
+    assert server.rejected_connections == 0
+    assert relay.stats().upstream_connections == 1
+
+
+def _step_item(i: int) -> dict[str, Any]:
+    timing = {"cpu_ms": 1.0, "duration_ms": 1.0, "gpu_ms": None, "is_gpu": False, "n_calls": 1}
+    return {
+        "timestamp_unix_ns": time.time_ns(),
+        "seq": i,
+        "step": i + 1,
+        "events": {"_traceml_internal:step_time": {"cpu": timing}},
+    }
+
+
+def test_the_relays_drops_of_selected_streams_reach_the_warning(
+    stack: list[Any], tmp_path: Path
+) -> None:
+    port = free_port()
+    relay = Relay(("127.0.0.1", port), TOKEN, max_pending_bytes=6000, report_interval_s=0.05)
+    stack.append(relay)
+    near = relay.start()
+    senders = [sender(near, rank) for rank in range(2)]
+    for i in range(40):
+        for s in senders:
+            s.put("step_time", _step_item(i))
+            # Not exported: its drops are no loss of the files.
+            s.put("process", {"seq": i, "pad": "x" * 100})
+        time.sleep(0.003)
+    wait_until(lambda: not any(s.pending_items for s in senders))
+    aggregator = Aggregator(
+        AggregatorConfig(
+            run_dir=tmp_path / "run",
+            settings=ExportSettings("jsonl", "step_time", False),
+            token=TOKEN,
+            port=port,
+            expected_world_size=2,
+            finalize_timeout_sec=5.0,
+        )
+    )
+    aggregator.start()
+    for s in senders:
+        s.close(WAIT_S)
+    assert aggregator.wait_all_finished(WAIT_S)
+    stats = relay.stop(WAIT_S)
+    result = aggregator.finalize()
+    dropped_steps = sum(c.get("step_time", 0) for c in stats.dropped_by_rank.values())
+    dropped_other = sum(c.get("process", 0) for c in stats.dropped_by_rank.values())
+    assert dropped_steps > 0 and dropped_other > 0
+    assert result.loss is not None
+    assert result.loss.dropped_batches == dropped_steps
+    warning = orjson.loads((tmp_path / "run" / "finalization_warning.json").read_bytes())
+    assert warning["export"]["dropped_batches"] == dropped_steps
+    lines = (tmp_path / "run" / "aggregator" / "export" / "step_time.jsonl").read_bytes()
+    assert warning["export"]["written_records"] == len(lines.splitlines()) - 1 > 0
