@@ -1,0 +1,100 @@
+"""A node's relay as ``traceml run`` starts it (its own process, watched), killed while
+real rank processes send through it: the launcher starts it again on the same port, the
+ranks reconnect and exit 0 without a traceback, and the aggregator's count of dropped
+batches is exactly what the ranks sent and it never received."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from traceml_ai.aggregator import Aggregator, AggregatorConfig
+from traceml_ai.launch._relay_process import RelayProcess
+from traceml_ai.settings import ExportSettings
+
+pytestmark = pytest.mark.slow  # real processes (docs/testing.md)
+
+TOKEN = "relay-process-token"
+RANKS = 3
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from traceml_ai.transport.sender import RankSender
+
+    rank, host, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    WORLD, TOKEN = int(sys.argv[4]), sys.argv[5]
+    identity = {"global_rank": rank, "local_rank": rank, "world_size": WORLD,
+                "local_world_size": WORLD, "node_rank": 0, "hostname": None, "pid": 1}
+    sender = RankSender((host, port), TOKEN, identity, flush_interval_s=0.05)
+    sender.start()
+    timing = {"cpu_ms": 1.0, "duration_ms": 1.0, "gpu_ms": None, "is_gpu": False, "n_calls": 1}
+    for i in range(60):
+        sender.put("step_time", {"timestamp_unix_ns": time.time_ns(), "seq": i, "step": i + 1,
+                                 "events": {"_traceml_internal:step_time": {"cpu": timing}}})
+        time.sleep(0.05)
+    sender.close(5.0)
+    print(sender.sent_batches, sender.dropped_batches)
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_killed_mid_run_is_restarted_and_its_loss_counted(tmp_path: Path) -> None:
+    aggregator = Aggregator(
+        AggregatorConfig(
+            run_dir=tmp_path / "run",
+            settings=ExportSettings("jsonl", "step_time", False),
+            token=TOKEN,
+            expected_world_size=RANKS,
+            finalize_timeout_sec=5.0,
+        )
+    )
+    host, port = aggregator.start()
+    relay = RelayProcess(f"{host}:{port}", TOKEN, 5.0)
+    started = relay.start()
+    assert isinstance(started, int), started
+    relay.watch()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), "127.0.0.1", str(started), str(RANKS), TOKEN],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(RANKS)
+    ]
+    time.sleep(1.0)
+    first = relay._proc
+    assert first is not None
+    os.kill(first.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20.0
+    while relay._proc is first or relay._proc is None:
+        assert time.monotonic() < deadline, "the relay was not started again"
+        time.sleep(0.05)
+    outputs = [proc.communicate(timeout=60) for proc in ranks]
+    relay.stop()
+    assert aggregator.wait_all_finished(10.0)
+    server = aggregator._server
+    assert server is not None
+    result = aggregator.finalize()
+    for proc, (_, err) in zip(ranks, outputs, strict=True):
+        assert proc.returncode == 0, err.decode()
+        assert b"Traceback" not in err
+    counts = [tuple(map(int, out.split())) for out, _ in outputs]
+    received = server.received_batches_by_rank()
+    unseen = sum(max(0, sent - received.get(rank, 0)) for rank, (sent, _) in enumerate(counts))
+    own = sum(dropped for _, dropped in counts)
+    assert result.ranks.missing_ranks == ()
+    assert result.stats is not None
+    assert result.stats.dropped_batches == unseen + own
+    warning = tmp_path / "run" / "finalization_warning.json"
+    assert warning.exists() == bool(unseen + own)
