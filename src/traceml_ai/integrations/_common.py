@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import traceml_ai as traceml
 from traceml_ai.rank import (
@@ -32,6 +32,15 @@ from traceml_ai.rank import (
 def say(message: str) -> None:
     """One ``traceml:`` line on stderr."""
     print(f"traceml: {message}", file=sys.stderr, flush=True)
+
+
+def not_installed(module: str, needs: str, extra: str, exc: ImportError | None) -> ImportError:
+    """The ImportError an integration module raises when its framework cannot be imported:
+    ``traceml_ai.integrations.<module>`` needs ``needs`` (why: ``exc``), from ``extra``."""
+    return ImportError(
+        f"traceml_ai.integrations.{module} needs {needs}, which is not installed "
+        f"({exc}). Install it with: pip install 'traceml-ai[{extra}]'"
+    )
 
 
 class HookGuard:
@@ -73,6 +82,29 @@ class HookGuard:
             self._on_failure()
         except Exception:
             self.errors += 1
+
+
+class GuardedCallback:
+    """What a framework's callback class takes first in its bases: one
+    :class:`StepDriver` (``_driver``) and its :class:`HookGuard` (``_guard``).
+
+    Every hook catches its own exceptions: the first is reported once as a
+    ``traceml:`` line, ``hook_errors`` counts them, and the callback is then off for
+    the run; training is never interrupted by it.
+    """
+
+    framework: ClassVar[str]
+    """The framework's name in the guard's line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._driver = StepDriver()
+        self._guard = HookGuard(self.framework, self._driver.abandon)
+
+    @property
+    def hook_errors(self) -> int:
+        """How many of this callback's hooks raised (each was caught)."""
+        return self._guard.errors
 
 
 class StepDriver:

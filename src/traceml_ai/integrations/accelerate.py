@@ -35,15 +35,12 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
+from traceml_ai.integrations._common import HookGuard, StepDriver, not_installed
+
 try:
     importlib.import_module("accelerate")
 except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "traceml_ai.integrations.accelerate needs accelerate, which is not installed "
-        f"({_exc}). Install it with: pip install 'traceml-ai[hf]'"
-    ) from _exc
-
-from traceml_ai.integrations._common import HookGuard, StepDriver
+    raise not_installed("accelerate", "accelerate", "hf", _exc) from _exc
 
 __all__ = ["accumulate", "evaluation", "hook_errors"]
 

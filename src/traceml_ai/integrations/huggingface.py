@@ -37,16 +37,20 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from traceml_ai.integrations._common import (
+    GuardedCallback,
+    HookGuard,
+    StepDriver,
+    not_installed,
+    record_batch_tokens,
+)
+
 try:
     TrainerCallback: Any = importlib.import_module("transformers.trainer_callback").TrainerCallback
 except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "traceml_ai.integrations.huggingface needs transformers, which is not installed "
-        f"({_exc}). Install it with: pip install 'traceml-ai[hf]'"
-    ) from _exc
+    raise not_installed("huggingface", "transformers", "hf", _exc) from _exc
 
 import traceml_ai as traceml
-from traceml_ai.integrations._common import HookGuard, StepDriver, record_batch_tokens
 from traceml_ai.rank import TraceMLInitConfig, active, env_disabled
 
 __all__ = ["TraceMLTrainer", "TraceMLTrainerCallback", "init"]
@@ -62,26 +66,17 @@ by the module's ``__getattr__``)."""
 FRAMEWORK = "Hugging Face Trainer"
 
 
-class TraceMLTrainerCallback(TrainerCallback):  # type: ignore[misc]
-    """Traces each optimizer update of ``Trainer.train()`` as one TraceML step.
+class TraceMLTrainerCallback(GuardedCallback, TrainerCallback):  # type: ignore[misc]
+    """Traces each optimizer update of ``Trainer.train()`` as one TraceML step; its
+    hooks are guarded (:class:`~traceml_ai.integrations._common.GuardedCallback`)."""
 
-    Every hook catches its own exceptions: the first is reported once as a
-    ``traceml:`` line, ``hook_errors`` counts them, and the callback is then off for
-    the run; training is never interrupted by it.
-    """
+    framework = FRAMEWORK
 
     def __init__(self) -> None:
         super().__init__()
-        self._driver = StepDriver()
-        self._guard = HookGuard(FRAMEWORK, self._driver.abandon)
         # Set when attached by `traceml run`: the trainer's wrapped (DDP) model is
         # then traced, so runtime_environment names the strategy.
         self._trainer: Callable[[], object | None] | None = None
-
-    @property
-    def hook_errors(self) -> int:
-        """How many of this callback's hooks raised (each was caught)."""
-        return self._guard.errors
 
     def _model(self, kwargs: dict[str, Any]) -> object | None:
         trainer = self._trainer() if self._trainer is not None else None

@@ -41,7 +41,13 @@ from collections.abc import Callable
 from typing import Any
 
 import traceml_ai as traceml
-from traceml_ai.integrations._common import HookGuard, StepDriver, record_batch_tokens
+from traceml_ai.integrations._common import (
+    GuardedCallback,
+    HookGuard,
+    StepDriver,
+    not_installed,
+    record_batch_tokens,
+)
 from traceml_ai.rank import (
     BACKWARD,
     FORWARD,
@@ -72,10 +78,7 @@ def _callback_base() -> Any:
             return importlib.import_module(f"{name}.callbacks.callback").Callback
         except ImportError as exc:
             error = error or exc
-    raise ImportError(
-        "traceml_ai.integrations.lightning needs Lightning, which is not installed "
-        f"({error}). Install it with: pip install 'traceml-ai[lightning]'"
-    )
+    raise not_installed("lightning", "Lightning", "lightning", error)
 
 
 Callback: Any = _callback_base()
@@ -102,27 +105,18 @@ def init() -> TraceMLInitConfig:
     return traceml.init(mode="auto")
 
 
-class TraceMLCallback(Callback):  # type: ignore[misc]
-    """Traces each optimizer update of ``Trainer.fit()`` as one TraceML step.
+class TraceMLCallback(GuardedCallback, Callback):  # type: ignore[misc]
+    """Traces each optimizer update of ``Trainer.fit()`` as one TraceML step; its
+    hooks are guarded (:class:`~traceml_ai.integrations._common.GuardedCallback`)."""
 
-    Every hook catches its own exceptions: the first is reported once as a
-    ``traceml:`` line, ``hook_errors`` counts them, and the callback is then off for
-    the run; training is never interrupted by it.
-    """
+    framework = FRAMEWORK
 
     def __init__(self) -> None:
         super().__init__()
-        self._driver = StepDriver()
-        self._guard = HookGuard(FRAMEWORK, self._driver.abandon)
         self._global_step = 0
         # The phases this callback opened itself (not timed automatically).
         self._own_backward = False
         self._own_optimizer = False
-
-    @property
-    def hook_errors(self) -> int:
-        """How many of this callback's hooks raised (each was caught)."""
-        return self._guard.errors
 
     # -- training ------------------------------------------------------------------
 

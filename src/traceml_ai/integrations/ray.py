@@ -39,6 +39,8 @@ from typing import Any
 
 import attrs
 
+from traceml_ai.integrations._common import not_installed
+
 # Ray is held as ``Any``: its bundled hints are partial under ``mypy --strict``, and a
 # checkout without the extra sees it as ``Any`` anyway, so both type-check alike.
 try:
@@ -50,10 +52,7 @@ try:
         "ray.util.scheduling_strategies"
     ).NodeAffinitySchedulingStrategy
 except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
-    raise ImportError(
-        "traceml_ai.integrations.ray needs Ray Train, which is not installed "
-        f"({_exc}). Install it with: pip install 'traceml-ai[ray]'"
-    ) from _exc
+    raise not_installed("ray", "Ray Train", "ray", _exc) from _exc
 
 import traceml_ai as traceml
 from traceml_ai import _environ
