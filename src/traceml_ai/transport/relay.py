@@ -47,19 +47,16 @@ from typing import Any
 
 import attrs
 
-from traceml_ai.transport.server import (
-    _GLOBAL_RANK,
-    AggregatorServer,
-    _Connection,
-    _known_stream_follows,
-)
+from traceml_ai.transport.server import AggregatorServer, Connection
 from traceml_ai.transport.wire import (
+    BATCH_GLOBAL_RANK,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
     FrameError,
     batch_prefix,
     decode_message,
     encode_frame,
+    known_stream_follows,
     make_relay_message,
     peek_batch_stream,
 )
@@ -109,12 +106,12 @@ class _Intake(AggregatorServer):
         super().__init__(host, port, token, _ignore, _ignore, **kwargs)
         self._relay = relay
 
-    def _frame(self, connection: _Connection, body: bytes, length: int, observed: int) -> None:
+    def _frame(self, connection: Connection, body: bytes, length: int, observed: int) -> None:
         # What the aggregator checks of a relay connection's frames is checked here too:
         # a frame it would refuse would close the connection of every rank of the node.
         prefix = self._batch_prefix
-        if body.startswith(prefix) and _known_stream_follows(body, len(prefix)):
-            if _GLOBAL_RANK.search(body, 0, 4096) is None:
+        if body.startswith(prefix) and known_stream_follows(body, len(prefix)):
+            if BATCH_GLOBAL_RANK.search(body, 0, 4096) is None:
                 raise FrameError("missing identity")
             self._accepted_batches += 1
             self._relay._put_batch(FRAME_HEADER.pack(length) + body)
@@ -299,7 +296,7 @@ class Relay:
     def _drop_batch(self, frame: bytes) -> None:
         """Count a batch frame (header included) the relay will not forward."""
         self._dropped_batches += 1
-        match = _GLOBAL_RANK.search(frame, FRAME_HEADER.size, self._batch_head + 4096)
+        match = BATCH_GLOBAL_RANK.search(frame, FRAME_HEADER.size, self._batch_head + 4096)
         stream = peek_batch_stream(frame[FRAME_HEADER.size : self._batch_head + 64])
         if match is not None and stream is not None:
             by_stream = self._dropped.setdefault(int(match.group(1)), {})

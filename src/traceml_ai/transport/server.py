@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import re
 import sys
 import threading
 import time
@@ -52,29 +51,25 @@ from typing import Any, TypeVar, cast
 import orjson
 
 from traceml_ai.transport.wire import (
-    BATCH_STREAMS,
+    BATCH_GLOBAL_RANK,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
     FrameError,
     ReceivedBatch,
     batch_prefix,
     decode_message,
+    known_stream_follows,
     make_finished_message,
     make_relay_message,
     make_tracker_runs_message,
 )
 
-__all__ = ["AggregatorServer", "connection_limits", "raise_file_limit"]
+__all__ = ["AggregatorServer", "Connection", "connection_limits", "raise_file_limit"]
 
 _T = TypeVar("_T")
 
-_KNOWN_STREAMS = tuple(f'{name}"'.encode() for name in BATCH_STREAMS)
 _HEADER_SIZE = FRAME_HEADER.size
 _unpack_header = FRAME_HEADER.unpack_from
-
-
-def _known_stream_follows(body: bytes, offset: int) -> bool:
-    return body.startswith(_KNOWN_STREAMS, offset)
 
 
 HOLD_MAX_S = 10.0
@@ -172,10 +167,6 @@ LISTEN_BACKLOG = 2048
 """Pending connections the kernel queues for us: a flood of connections (or a large
 job starting) must not fill the queue so that a real rank's connect times out."""
 
-# The identity precedes the items, and a key's opening quote cannot occur unescaped
-# inside a JSON string, so the first match is the identity's global_rank.
-_GLOBAL_RANK = re.compile(rb'"global_rank":(0|[1-9][0-9]{0,18})[,}]')
-
 
 class _PortGuard:
     """What guards the port: the first-frame check, the unproven connections, and the
@@ -211,7 +202,7 @@ class _PortGuard:
         self.tails = tuple(tails)
         self.screen_bytes = token_end + max(len(tail) for tail in self.tails)
         # Unproven open connections, oldest first (a dict keeps insertion order).
-        self.unproven: dict[_Connection, None] = {}
+        self.unproven: dict[Connection, None] = {}
         # Connections the server closed, per reason.
         self.rejected: dict[str, int] = {}
         # Batch frames accepted per global rank: from rank connections that have closed,
@@ -257,7 +248,7 @@ class _PortGuard:
         return None if wait else "bad prefix"
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One rank connection: frames are cut out of the received chunks as they complete."""
 
     def __init__(self, server: AggregatorServer) -> None:
@@ -541,11 +532,11 @@ class AggregatorServer:
         self._address: tuple[str, int] | None = None
         self._start_error: BaseException | None = None
         self._stopped = False
-        self._connections: set[_Connection] = set()
+        self._connections: set[Connection] = set()
         # Per global rank: open connections that carried it, and connections held
         # behind them (see the module docstring). Loop thread only.
-        self._by_rank: dict[int | str, set[_Connection]] = {}
-        self._held: dict[int | str, list[_Connection]] = {}
+        self._by_rank: dict[int | str, set[Connection]] = {}
+        self._held: dict[int | str, list[Connection]] = {}
         self._orders = 0
         self._held_connections = 0
 
@@ -722,7 +713,7 @@ class AggregatorServer:
             try:
                 server = loop.run_until_complete(
                     loop.create_server(
-                        lambda: _Connection(self), self._host, self._port, backlog=LISTEN_BACKLOG
+                        lambda: Connection(self), self._host, self._port, backlog=LISTEN_BACKLOG
                     )
                 )
             except BaseException as exc:
@@ -764,9 +755,9 @@ class AggregatorServer:
 
     # ---- connections -------------------------------------------------------------------
 
-    def _frame(self, connection: _Connection, body: bytes, length: int, observed: int) -> None:
+    def _frame(self, connection: Connection, body: bytes, length: int, observed: int) -> None:
         """Handle one complete frame body (on the loop thread); raise ``FrameError`` if invalid."""
-        if body.startswith(self._batch_prefix) and _known_stream_follows(
+        if body.startswith(self._batch_prefix) and known_stream_follows(
             body, len(self._batch_prefix)
         ):
             # Our senders' batches: right version, token and type. They are queued
@@ -795,17 +786,17 @@ class AggregatorServer:
             self._call(self._on_finished, message)
 
     def _relayed_frame(
-        self, connection: _Connection, body: bytes, length: int, observed: int
+        self, connection: Connection, body: bytes, length: int, observed: int
     ) -> None:
         """Handle one frame of a relay's connection, which carries the frames of many
         ranks as they sent them; raise ``FrameError`` if invalid.
 
         As :meth:`_frame`, and each batch is tallied under the rank its identity names
         (the connection has no one rank)."""
-        if body.startswith(self._batch_prefix) and _known_stream_follows(
+        if body.startswith(self._batch_prefix) and known_stream_follows(
             body, len(self._batch_prefix)
         ):
-            match = _GLOBAL_RANK.search(body, 0, 4096)
+            match = BATCH_GLOBAL_RANK.search(body, 0, 4096)
             if match is None:
                 raise FrameError("missing identity")
             self._accepted_batches += 1
@@ -839,7 +830,7 @@ class AggregatorServer:
         if on_relay is not None:
             self._call(on_relay, message)
 
-    def _admit(self, connection: _Connection) -> str | None:
+    def _admit(self, connection: Connection) -> str | None:
         """Make room for a new connection; the reason to refuse it if there is none."""
         gate = self._gate
         if self._connections_open > gate.max_connections:
@@ -877,10 +868,10 @@ class AggregatorServer:
     def _rank_of(self, body: bytes) -> int | str | None:
         """The global rank a valid frame's identity names, or ``"relay:<id>"`` for a
         relay's ``relay`` message (first frames only)."""
-        if body.startswith(self._batch_prefix) and _known_stream_follows(
+        if body.startswith(self._batch_prefix) and known_stream_follows(
             body, len(self._batch_prefix)
         ):
-            match = _GLOBAL_RANK.search(body, 0, 4096)
+            match = BATCH_GLOBAL_RANK.search(body, 0, 4096)
             return int(match.group(1)) if match else None
         try:
             message = decode_message(body, self._token)
@@ -891,17 +882,17 @@ class AggregatorServer:
         rank = message["identity"].get("global_rank")
         return rank if type(rank) is int and rank >= 0 else None
 
-    def _must_wait(self, connection: _Connection, rank: int | str) -> bool:
+    def _must_wait(self, connection: Connection, rank: int | str) -> bool:
         order = connection.order
         return any(c.order < order for c in self._by_rank.get(rank, ())) or any(
             c.order < order for c in self._held.get(rank, ())
         )
 
-    def _register(self, connection: _Connection, rank: int | str) -> None:
+    def _register(self, connection: Connection, rank: int | str) -> None:
         connection.rank = rank
         self._by_rank.setdefault(rank, set()).add(connection)
 
-    def _unregister(self, connection: _Connection, rank: int | str) -> None:
+    def _unregister(self, connection: Connection, rank: int | str) -> None:
         carriers = self._by_rank.get(rank)
         if carriers is not None:
             carriers.discard(connection)

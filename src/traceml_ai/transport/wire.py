@@ -19,6 +19,7 @@ from traceml_ai import _environ
 from traceml_records.internal import BATCH_STREAMS
 
 __all__ = [
+    "BATCH_GLOBAL_RANK",
     "BATCH_STREAMS",
     "DEFAULT_MAX_FRAME_BYTES",
     "ENV_AGGREGATOR_ADDR",
@@ -41,6 +42,7 @@ __all__ = [
     "encode_batch_frame",
     "encode_frame",
     "encode_item",
+    "known_stream_follows",
     "make_batch_message",
     "make_finished_message",
     "make_relay_message",
@@ -274,6 +276,20 @@ def batch_prefix(token: str) -> bytes:
     """
     return b'{"v":%d,"token":%s,"type":"batch","stream":"' % (WIRE_VERSION, orjson.dumps(token))
 
+
+_KNOWN_STREAMS = tuple(f'{name}"'.encode() for name in BATCH_STREAMS)
+
+
+def known_stream_follows(body: bytes, offset: int) -> bool:
+    """Whether a known batch stream's name and its closing quote start at ``offset``
+    (just after :func:`batch_prefix`)."""
+    return body.startswith(_KNOWN_STREAMS, offset)
+
+
+# The identity precedes the items, and a key's opening quote cannot occur unescaped
+# inside a JSON string, so the first match in a batch body is the identity's global_rank.
+BATCH_GLOBAL_RANK = re.compile(rb'"global_rank":(0|[1-9][0-9]{0,18})[,}]')
+"""The sending rank's ``global_rank`` in a batch body our senders wrote (group 1)."""
 
 _STREAM_MARKER = b'"type":"batch","stream":"'
 _STREAM_NAMES = {name.encode(): name for name in BATCH_STREAMS}
