@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from traceml_ai._listen import listen_first
 from traceml_ai._loopback import host_allowed, is_loopback
 from traceml_ai.dashboard._view import MAX_EXTRA_RANKS, RunData, build_view
 
@@ -205,26 +206,21 @@ def _app(views: Views, loopback_only: bool) -> Any:
     )
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _listening_socket(family: socket.AddressFamily, address: Any) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as exc:
-        raise DashboardError(f"cannot resolve {host!r}: {exc}") from None
-    last: OSError | None = None
-    for family, kind, proto, _, address in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-            sock.listen(128)
-        except OSError as exc:
-            sock.close()
-            last = exc
-            continue
-        sock.set_inheritable(False)
-        return sock
-    why = (last.strerror or str(last)) if last is not None else "no address"
-    raise DashboardError(f"cannot listen on {host}:{port}: {why}")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    return listen_first(host, port, _listening_socket, doing="cannot listen", error=DashboardError)
 
 
 class DashboardServer:

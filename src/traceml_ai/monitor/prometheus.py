@@ -26,6 +26,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from traceml_ai._listen import listen_first
 from traceml_ai._loopback import host_allowed, is_loopback
 from traceml_ai.monitor._sink import SinkStartError
 from traceml_ai.monitor._state import StepSeen
@@ -220,18 +221,13 @@ class PrometheusSink:
 
 
 def _bind(host: str, port: int, monitoring: Monitoring) -> _Server:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as exc:
-        raise SinkStartError(f"cannot resolve {host!r}: {exc.strerror or exc}") from None
-    last: OSError | None = None
-    for family, _, _, _, address in infos:
-        try:
-            return _Server(address, family, monitoring)
-        except OSError as exc:
-            last = exc
-    why = (last.strerror or str(last)) if last is not None else "no address"
-    raise SinkStartError(f"cannot serve {PATH} on {host}:{port}: {why}")
+    return listen_first(
+        host,
+        port,
+        lambda family, address: _Server(address, family, monitoring),
+        doing=f"cannot serve {PATH}",
+        error=SinkStartError,
+    )
 
 
 def start_prometheus(monitoring: Monitoring) -> PrometheusSink:
