@@ -9,6 +9,7 @@ import resource
 import selectors
 import socket
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -69,13 +70,22 @@ class _Rank:
 
 
 class _Generator:
-    """Simulates ranks ``[first, last)`` on one connection each, from one process."""
+    """Simulates ranks ``[first, last)`` on one connection each, from one process, to
+    ``addresses``: one for every rank, or one per node (its relay)."""
 
-    def __init__(self, spec: LoadSpec, token: str, address: tuple[str, int], ranks: range):
+    def __init__(
+        self,
+        spec: LoadSpec,
+        token: str,
+        addresses: Sequence[tuple[str, int]],
+        ranks: range,
+    ):
         self.spec = spec
         self.token = token
         self.ranks: list[_Rank] = []
+        per_node = len(addresses) > 1
         for rank in ranks:
+            address = addresses[rank // spec.ranks_per_node] if per_node else addresses[0]
             sock = socket.create_connection(address, timeout=30)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setblocking(False)
@@ -239,14 +249,14 @@ class _Generator:
 def generator_main(
     spec: LoadSpec,
     token: str,
-    address: tuple[str, int],
+    addresses: Sequence[tuple[str, int]],
     first: int,
     last: int,
     conn: Connection,
     out_path: str,
 ) -> None:
     try:
-        gen = _Generator(spec, token, address, range(first, last))
+        gen = _Generator(spec, token, addresses, range(first, last))
         conn.send("connected")
         t0 = conn.recv()
         gen.run(t0)

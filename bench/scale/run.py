@@ -9,7 +9,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -81,7 +81,13 @@ def run_once(
     before_load: Callable[[AggregatorProc], None] | None = None,
     quiet: bool = False,
     bounds: QueueBounds | None = None,
+    route: Callable[[tuple[str, int], str], Sequence[tuple[str, int]]] | None = None,
+    after_load: Callable[[], None] | None = None,
 ) -> RunResult:
+    """One run. ``route(aggregator address, token)`` gives where the ranks send instead
+    of the aggregator (relays in front of it): one address for all ranks, or one per
+    node; ``after_load`` runs once the generators are done, before the aggregator is
+    waited for (stopping those relays, which forwards what they hold)."""
     files = parse_export_streams(export_streams)
     token = f"scale-{os.getpid()}-{time.monotonic_ns()}"
     agg = start_aggregator(logs_dir, run_name, spec, export_streams, token, bounds)
@@ -89,6 +95,7 @@ def run_once(
     workdir = Path(tempfile.mkdtemp(prefix="scale-gen-"))
     gens: list[tuple[Any, Connection, Path]] = []
     try:
+        addresses = list(route(agg.address, token)) if route is not None else [agg.address]
         edges = np.linspace(0, spec.ranks, procs + 1).astype(int)
         for p in range(procs):
             parent, child = ctx.Pipe()
@@ -98,7 +105,7 @@ def run_once(
                 args=(
                     spec,
                     token,
-                    agg.address,
+                    addresses,
                     int(edges[p]),
                     int(edges[p + 1]),
                     child,
@@ -133,6 +140,8 @@ def run_once(
             proc.join(30)
             results.append(pickle.loads(out_path.read_bytes()))
         gen_done = time.monotonic()
+        if after_load is not None:
+            after_load()
         if not agg.wait(180):
             agg.popen.send_signal(signal.SIGTERM)
             agg.wait(90)

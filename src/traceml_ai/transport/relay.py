@@ -438,6 +438,11 @@ class Relay:
         with contextlib.suppress(OSError):
             sock.close()
         self._head_sent = 0
+        if not self._queue and self._intake.connections_open == 0:
+            # The ranks are gone and everything was forwarded: the aggregator closing
+            # now is the run's end (it finalizes once every rank finished). Nothing to
+            # say; a frame that still comes connects again.
+            return
         if not self._stopping:
             self._say(
                 f"lost its connection to the aggregator at {self._address_text()} ({why}); "

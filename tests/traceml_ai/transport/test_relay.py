@@ -188,6 +188,30 @@ def test_the_relay_reconnects_to_a_restarted_aggregator(stack: list[Any]) -> Non
     assert second.reports and second.reports[0]["relay"] == relay.relay_id
 
 
+def test_the_aggregator_closing_after_the_ranks_left_is_the_end_and_says_nothing(
+    stack: list[Any],
+) -> None:
+    collector = Collector()
+    server = collector.serve()
+    assert server.address is not None
+    events: list[str] = []
+    relay = Relay(server.address, TOKEN, on_event=events.append)
+    stack.append(relay)
+    s = sender(relay.start(), 0)
+    s.put("step_time", {"step": 0})
+    s.close(WAIT_S)
+    wait_until(lambda: len(collector.finished) == 1 and relay.intake.connections_open == 0)
+    wait_until(lambda: relay.stats().pending_frames == 0)
+    # What the aggregator does once every rank finished: it finalizes and closes.
+    server.stop()
+    wait_until(lambda: not relay.connected)
+    time.sleep(0.3)  # a retry would be due after 0.1 s
+    stats = relay.stop(WAIT_S)
+    assert events == []
+    assert stats.upstream_connections == 1
+    assert stats.dropped_batches == stats.dropped_messages == 0
+
+
 def test_garbage_at_the_relay_is_refused_and_the_ranks_go_on(stack: list[Any]) -> None:
     collector = Collector()
     server = collector.serve()
