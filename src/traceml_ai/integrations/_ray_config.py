@@ -186,6 +186,12 @@ class TraceMLRayConfig:
     - ``parallel``: the job's declared parallel layout (``"tp=4,dp=8"``; ``""`` none),
       as ``--parallel``: each worker's place in it is exported, and each collective's
       group named by it; a layout the script makes (a DeviceMesh ...) wins.
+    - ``node_relay`` (``True``): on a job whose workers span several nodes, the workers
+      of each node send through one relay on their node (an actor the aggregator
+      actor starts there when the node's first worker asks), which forwards their
+      batches over one connection to the aggregator, as ``traceml run``'s
+      ``--node-relay``; ``False``: every worker connects to the aggregator itself. A
+      job on one node has no relay.
 
     TraceML 0.5.0's fields (docs/compat-0.5.md):
 
@@ -227,6 +233,7 @@ class TraceMLRayConfig:
     trackers: str = FROM_TABLE
     tracker_every_steps: int = FROM_TABLE
     parallel: str = FROM_TABLE
+    node_relay: bool = FROM_TABLE
     # TraceML 0.5.0's fields.
     mode: str | None = attrs.field(default=None, validator=_one_of(RAY_MODES))
     profile: str | None = attrs.field(default=None, validator=_one_of(PROFILES))

@@ -13,7 +13,8 @@
     result = trainer.fit()
 
 ``fit()`` runs one TraceML aggregator for the job as a Ray actor on the driver's node,
-points every worker at it, wraps each worker's loop in ``traceml.init()`` /
+points every worker at it (on a job whose workers span several nodes, at a relay on
+their own node that forwards their batches over one connection), wraps each worker's loop in ``traceml.init()`` /
 ``traceml.shutdown()``, runs Ray's ``TorchTrainer`` and, whether training succeeded or
 not, finalizes the export (closing lines, ``finalization_warning.json``) and kills
 the actor. Settings come only from ``TraceMLRayConfig``: no ``TRACEML_*`` variable
@@ -63,6 +64,7 @@ from traceml_ai.aggregator.protocol import RayExportSummary
 from traceml_ai.integrations._ray_config import TraceMLRayConfig
 from traceml_ai.launch.launcher import default_run_name, report_export_off
 from traceml_ai.settings import ExportSettings, MonitorSettings, parse_parallel
+from traceml_ai.transport import Relay
 from traceml_ai.transport.wire import (
     ENV_AGGREGATOR_ADDR,
     ENV_RUN_TOKEN,
@@ -80,6 +82,10 @@ ACTOR_NAME_PREFIX = "traceml-aggregator-"
 
 AGGREGATOR_START_TIMEOUT_S = 60.0
 """How long a worker waits for the aggregator actor to listen before training without it."""
+
+RELAY_START_TIMEOUT_S = 30.0
+"""How long the aggregator actor waits for a node's relay actor to listen; past it, that
+node's workers send to the aggregator themselves."""
 
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 # Extra seconds, beyond the aggregator's own bounds, to wait for the actor to answer.
@@ -108,6 +114,11 @@ class _AggregatorActor:
         monitor: MonitorSettings | None = None,
     ) -> None:
         tune_gc_for_aggregator()  # the actor's process hosts the aggregator alone
+        self._token = token
+        self._address: tuple[str, int] | None = None
+        # The nodes' relay actors by node id, and why a node's did not start.
+        self._relays: dict[str, Any] = {}
+        self._relay_errors: dict[str, str] = {}
         self._aggregator = Aggregator(
             AggregatorConfig(
                 run_dir=Path(run_dir),
@@ -131,7 +142,57 @@ class _AggregatorActor:
         if host in _WILDCARD_HOSTS:
             # Listening everywhere: hand out this node's address as Ray knows it.
             host = ray.util.get_node_ip_address()
+        self._address = (host, port)
         return host, port
+
+    def node_relay(self, node_id: str) -> int:
+        """The loopback port of node ``node_id``'s relay: an actor pinned to that node,
+        started when the node's first worker asks (an actor runs its calls in order, so
+        a node gets one). ``RuntimeError`` saying why when it cannot start; a node whose
+        relay failed once is not tried again."""
+        why = self._relay_errors.get(node_id)
+        if why is not None:
+            raise RuntimeError(why)
+        relay = self._relays.get(node_id)
+        try:
+            if self._address is None:
+                raise RuntimeError("the aggregator is not listening")
+            if relay is None:
+                relay = (
+                    ray.remote(_RelayActor)
+                    .options(
+                        num_cpus=0,
+                        max_restarts=0,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                    )
+                    .remote(self._address, self._token)
+                )
+                self._relays[node_id] = relay
+            return int(ray.get(relay.start.remote(), timeout=RELAY_START_TIMEOUT_S))
+        except Exception as exc:
+            why = _reason(exc) or type(exc).__name__
+            self._relay_errors[node_id] = why
+            failed = self._relays.pop(node_id, None)
+            if failed is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(failed)
+            raise RuntimeError(why) from None
+
+    def stop_relays(self, timeout: float) -> int:
+        """Stop the nodes' relays (each forwards what it holds within ``timeout``
+        seconds), then kill their actors; how many nodes had one."""
+        relays, self._relays = self._relays, {}
+        refs = []
+        for relay in relays.values():
+            with contextlib.suppress(Exception):
+                refs.append(relay.stop.remote(timeout))
+        if refs:
+            with contextlib.suppress(Exception):
+                ray.wait(refs, num_returns=len(refs), timeout=timeout + _ACTOR_CALL_MARGIN_S)
+        for relay in relays.values():
+            with contextlib.suppress(Exception):
+                ray.kill(relay)
+        return len(relays)
 
     def dashboard_url(self) -> tuple[str | None, str | None]:
         """(the live dashboard's URL, why it did not start); (None, None) when it is off.
@@ -164,6 +225,31 @@ class _AggregatorActor:
         return result_dict
 
 
+class _RelayActor:
+    """One node's relay, in an actor pinned to that node: the node's workers send to it
+    on loopback, and it forwards their frames as they are over one connection to the
+    aggregator (docs/live-export.md, "Relays")."""
+
+    def __init__(self, upstream: tuple[str, int], token: str) -> None:
+        self._relay = Relay(upstream, token, on_event=lambda line: _say(f"the node's relay {line}"))
+        self._port: int | None = None
+
+    def start(self) -> int:
+        """Listen on loopback (once); the port."""
+        if self._port is None:
+            self._port = self._relay.start()[1]
+        return self._port
+
+    def stop(self, timeout: float) -> dict[str, int]:
+        """Forward what it holds within ``timeout`` seconds, then close; its counts."""
+        stats = self._relay.stop(timeout)
+        return {
+            "forwarded_frames": stats.forwarded_frames,
+            "dropped_batches": stats.dropped_batches,
+            "dropped_messages": stats.dropped_messages,
+        }
+
+
 @attrs.frozen(kw_only=True)
 class TraceMLRayRun:
     """What the last ``fit()`` did with TraceML (``TraceMLTorchTrainer.traceml_run``)."""
@@ -180,6 +266,9 @@ class TraceMLRayRun:
     """Counts from finalization, the fields of ``traceml_ai.aggregator.protocol.RayExportSummary``:
     ``written_records``, ``written_by_stream``, ``dropped_batches``, ``exporter_failed``,
     ``finished_ranks``, ``missing_ranks``, ``warning_path``."""
+    relays: int = 0
+    """Nodes whose workers sent through a relay on their node (0: one node, or
+    ``node_relay=False``)."""
 
 
 @attrs.frozen
@@ -211,6 +300,10 @@ class _WorkerPlan:
     init_patches: Mapping[str, bool | None] = attrs.field(factory=dict)
     parallel: str = ""
     """TraceMLRayConfig.parallel, normalized: the workers' ``TRACEML_PARALLEL``."""
+    aggregator: Any = None
+    """The aggregator actor's handle: a worker asks it for its node's relay."""
+    node_relay: bool = False
+    """TraceMLRayConfig.node_relay."""
 
 
 def _required_positional_params(fn: Callable[..., Any]) -> int:
@@ -241,8 +334,8 @@ def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = old
 
 
-def _aggregator_address(plan: _WorkerPlan) -> str | None:
-    """``host:port`` of the aggregator, or ``None`` (with a warning) when it did not start."""
+def _aggregator_address(plan: _WorkerPlan) -> tuple[str, int] | None:
+    """(host, port) of the aggregator, or ``None`` (with a warning) when it did not start."""
     try:
         host, port = ray.get(plan.address_ref, timeout=AGGREGATOR_START_TIMEOUT_S)
     except Exception as exc:
@@ -253,18 +346,50 @@ def _aggregator_address(plan: _WorkerPlan) -> str | None:
             stacklevel=2,
         )
         return None
-    return f"{_url_host(str(host))}:{int(port)}"
+    return str(host), int(port)
 
 
-def _worker_environ(plan: _WorkerPlan, address: str) -> dict[str, str]:
+def _uses_node_relay(node_relay: bool, world_size: int, local_world_size: int) -> bool:
+    """Whether a worker sends through a relay on its node: ``node_relay`` is on and the
+    job's workers span several nodes (fewer of them on this node than in the job)."""
+    return node_relay and 0 < local_world_size < world_size
+
+
+def _send_address(
+    plan: _WorkerPlan, upstream: tuple[str, int], world_size: int, local_world_size: int
+) -> tuple[str, int]:
+    """Where a worker sends: its node's relay on loopback on a job of several nodes,
+    else the aggregator. A relay that cannot start costs one line, and the worker sends
+    to the aggregator itself."""
+    if plan.aggregator is None or not _uses_node_relay(
+        plan.node_relay, world_size, local_world_size
+    ):
+        return upstream
+    try:
+        node_id = str(ray.get_runtime_context().get_node_id())
+        port = ray.get(
+            plan.aggregator.node_relay.remote(node_id),
+            timeout=RELAY_START_TIMEOUT_S + _ACTOR_CALL_MARGIN_S,
+        )
+        return "127.0.0.1", int(port)
+    except Exception as exc:
+        _say(
+            f"this node's relay did not start ({_reason(exc) or type(exc).__name__}); "
+            "this worker sends to the aggregator itself"
+        )
+        return upstream
+
+
+def _worker_environ(plan: _WorkerPlan, address: tuple[str, int]) -> dict[str, str]:
     context = ray.train.get_context()
+    host, port = address
     return {
         "RANK": str(context.get_world_rank()),
         "LOCAL_RANK": str(context.get_local_rank()),
         "WORLD_SIZE": str(context.get_world_size()),
         "LOCAL_WORLD_SIZE": str(context.get_local_world_size()),
         "GROUP_RANK": str(context.get_node_rank()),
-        ENV_AGGREGATOR_ADDR: address,
+        ENV_AGGREGATOR_ADDR: f"{_url_host(host)}:{port}",
         ENV_RUN_TOKEN: plan.token,
         ENV_SAMPLER_INTERVAL: repr(plan.sampler_interval),
         _environ.PARALLEL: plan.parallel,
@@ -293,6 +418,8 @@ def _run_traced(plan: _WorkerPlan | None, fn: Callable[..., Any], args: tuple[An
             return fn(*args)
         finally:
             _shutdown_quietly()
+    context = ray.train.get_context()
+    address = _send_address(plan, address, context.get_world_size(), context.get_local_world_size())
     with _patched_environ(_worker_environ(plan, address)):
         patches = plan.init_patches
         traceml.init(
@@ -420,6 +547,8 @@ class TraceMLTorchTrainer:
                 config.init_mode,
                 config.init_patches(),
                 parse_parallel(config.parallel),
+                aggregator=actor,
+                node_relay=config.node_relay,
             )
         try:
             return self._torch_trainer(plan).fit()
@@ -482,6 +611,17 @@ class TraceMLTorchTrainer:
             run = self.traceml_run
             if run is not None:
                 self.traceml_run = run = attrs.evolve(run, address=(str(host), int(port)))
+            # The nodes' relays first: what they hold reaches the aggregator before it
+            # finalizes.
+            try:
+                relays = ray.get(
+                    actor.stop_relays.remote(config.finalize_timeout_sec),
+                    timeout=config.finalize_timeout_sec + 2 * _ACTOR_CALL_MARGIN_S,
+                )
+                if run is not None and relays:
+                    self.traceml_run = run = attrs.evolve(run, relays=int(relays))
+            except Exception as exc:
+                _say(f"the nodes' relays did not stop ({_reason(exc)}); finalizing without them")
             try:
                 summary = ray.get(
                     actor.stop.remote(config.finalize_timeout_sec),

@@ -310,6 +310,7 @@ NODE_RELAY: Setting[bool] = Setting(
     "(--no-node-relay: each rank connects to the aggregator itself). One node: no relay.",
     metavar="",
     commands=("run",),
+    ray="node_relay",
 )
 
 

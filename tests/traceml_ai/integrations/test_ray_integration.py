@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import orjson
 import pytest
 import ray  # the [ray] extra; CI installs it
@@ -29,7 +30,12 @@ from ray.train import RunConfig, ScalingConfig
 
 import traceml_ai as traceml
 from tests.e2e_helpers import REPO, free_port
+from traceml_ai.integrations import ray as traceml_ray
 from traceml_ai.integrations.ray import ACTOR_NAME_PREFIX, TraceMLRayConfig, TraceMLTorchTrainer
+from traceml_ai.settings import ExportSettings
+from traceml_ai.testing import make_item, make_phase
+from traceml_ai.transport import RankSender
+from traceml_ai.transport.wire import new_run_token
 from traceml_records import read_jsonl, validate_paths
 
 pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
@@ -347,6 +353,8 @@ def test_jsonl_export_from_two_workers(
     records = list(read_jsonl(export_dir / "step_time.jsonl"))
     assert len(records) == NUM_WORKERS * STEPS + 1
     assert_actor_gone(run.session_id)
+    # One node: every worker sent to the aggregator itself.
+    assert run.relays == 0
 
 
 def test_exporter_off_ignores_env_and_yaml(
@@ -450,3 +458,98 @@ def test_aggregator_that_cannot_start_never_fails_training(
     assert warning["reason"] == "export_incomplete"
     assert warning["export"]["exporter_failed"] is True
     assert f"cannot listen on 127.0.0.1:{port}" in warning["message"]
+
+
+# -- a relay per node ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("node_relay", "world_size", "local_world_size", "expected"),
+    [(True, 2, 2, False), (True, 1, 1, False), (True, 16, 8, True), (False, 16, 8, False)],
+)
+def test_only_a_job_of_several_nodes_sends_through_relays(
+    node_relay: bool, world_size: int, local_world_size: int, expected: bool
+) -> None:
+    assert traceml_ray._uses_node_relay(node_relay, world_size, local_world_size) is expected
+
+
+def _step_item(step: int) -> dict[str, Any]:
+    events = {"_traceml_internal:step_time": {"cpu": make_phase(1.5)}}
+    return make_item("step_time", step, step=step + 1, events=events)
+
+
+def test_the_workers_of_a_node_share_its_relay_and_every_batch_arrives(
+    ray_cluster: None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Two workers of a job of two nodes, each told it is alone on its node (local
+    world size 1 of 2); both nodes being this one, both get the one relay actor."""
+    token = new_run_token()
+    actor = (
+        ray.remote(traceml_ray._AggregatorActor)
+        .options(num_cpus=0)
+        .remote(
+            str(tmp_path / "run"),
+            ExportSettings(exporter="jsonl", export_streams="step_time", exporter_hostname=False),
+            token,
+            "127.0.0.1",
+            0,
+            2,
+            5.0,
+        )
+    )
+    try:
+        upstream = tuple(ray.get(actor.start.remote(), timeout=60))
+        plan = traceml_ray._WorkerPlan(None, token, 1.0, aggregator=actor, node_relay=True)
+        addresses = [traceml_ray._send_address(plan, upstream, 2, 1) for _ in range(2)]
+        assert addresses[0] == addresses[1] and addresses[0] != upstream
+        assert addresses[0][0] == "127.0.0.1"
+        # node_relay=False, or one node: straight to the aggregator.
+        off = attrs.evolve(plan, node_relay=False)
+        assert traceml_ray._send_address(off, upstream, 2, 1) == upstream
+        assert traceml_ray._send_address(plan, upstream, 2, 2) == upstream
+        senders = []
+        for rank in range(2):
+            identity = {
+                "global_rank": rank,
+                "local_rank": 0,
+                "world_size": 2,
+                "local_world_size": 1,
+                "node_rank": rank,
+                "hostname": None,
+                "pid": os.getpid(),
+            }
+            sender = RankSender(addresses[rank], token, identity, flush_interval_s=0.02)
+            sender.start()
+            senders.append(sender)
+        for step in range(STEPS):
+            for sender in senders:
+                sender.put("step_time", _step_item(step))
+        for sender in senders:
+            sender.close(10)
+        assert ray.get(actor.stop_relays.remote(5.0), timeout=60) == 1
+        summary = ray.get(actor.stop.remote(5.0), timeout=60)
+    finally:
+        ray.kill(actor)
+    assert summary["written_records"] == 2 * STEPS
+    assert summary["dropped_batches"] == 0
+    assert summary["finished_ranks"] == [0, 1]
+    assert "relay" not in capfd.readouterr().err
+
+
+def test_a_relay_that_cannot_start_costs_one_line_and_the_worker_sends_itself(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    class Refusing:
+        class node_relay:  # an actor method's shape: .remote(...)
+            @staticmethod
+            def remote(node_id: str) -> Any:
+                raise RuntimeError("no room on that node")
+
+    plan = traceml_ray._WorkerPlan(None, "t", 1.0, aggregator=Refusing(), node_relay=True)
+    upstream = ("10.0.0.1", 4000)
+    assert traceml_ray._send_address(plan, upstream, 16, 8) == upstream
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [
+        "traceml: this node's relay did not start (no room on that node); this worker "
+        "sends to the aggregator itself"
+    ]
