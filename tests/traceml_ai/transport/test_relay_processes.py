@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
@@ -98,3 +99,79 @@ def test_a_relay_killed_mid_run_is_restarted_and_its_loss_counted(tmp_path: Path
     assert result.stats.dropped_batches == unseen + own
     warning = tmp_path / "run" / "finalization_warning.json"
     assert warning.exists() == bool(unseen + own)
+
+
+def _step_keys(run_dir: Path) -> list[tuple[int, int]]:
+    path = run_dir / "aggregator" / "export" / "step_time.jsonl"
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    return [(x["global_rank"], x["step"]) for x in lines if not x.get("closing")]
+
+
+@pytest.mark.timeout(90)
+def test_an_aggregator_restarted_mid_run_gets_the_rest_through_the_relay(tmp_path: Path) -> None:
+    """The aggregator finalizes while real ranks send through a node's relay process, and
+    a new one listens on the same port: the relay reconnects (the same process), the
+    ranks exit 0 without a traceback, no step is written twice across the two runs, and
+    the second aggregator's dropped count is exactly what the ranks sent and it never
+    received."""
+
+    def aggregator(name: str, port: int) -> Aggregator:
+        return Aggregator(
+            AggregatorConfig(
+                run_dir=tmp_path / name,
+                settings=ExportSettings("jsonl", "step_time", False),
+                token=TOKEN,
+                port=port,
+                expected_world_size=RANKS,
+                finalize_timeout_sec=5.0,
+            )
+        )
+
+    first = aggregator("run1", 0)
+    host, port = first.start()
+    relay = RelayProcess(f"{host}:{port}", TOKEN, 5.0)
+    started = relay.start()
+    assert isinstance(started, int), started
+    relay.watch()
+    process = relay._proc
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), "127.0.0.1", str(started), str(RANKS), TOKEN],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(RANKS)
+    ]
+    time.sleep(1.0)
+    server = first._server
+    assert server is not None
+    first.finalize()
+    received_first = server.received_batches_by_rank()
+    second = aggregator("run2", port)
+    second.start()
+    outputs = [proc.communicate(timeout=60) for proc in ranks]
+    relay.stop()
+    assert second.wait_all_finished(10.0)
+    server = second._server
+    assert server is not None
+    result = second.finalize()
+    for proc, (_, err) in zip(ranks, outputs, strict=True):
+        assert proc.returncode == 0, err.decode()
+        assert b"Traceback" not in err
+    assert relay._proc is None or relay._proc is process  # reconnected, never restarted
+    counts = [tuple(map(int, out.split())) for out, _ in outputs]
+    received = server.received_batches_by_rank()
+    assert all(received_first.get(rank) for rank in range(RANKS))
+    assert all(received.get(rank) for rank in range(RANKS))
+    unseen = sum(max(0, sent - received.get(rank, 0)) for rank, (sent, _) in enumerate(counts))
+    own = sum(dropped for _, dropped in counts)
+    assert result.ranks.missing_ranks == ()
+    assert result.stats is not None
+    assert result.stats.dropped_batches == unseen + own
+    # What reached either aggregator was written once, and no more than was sent.
+    keys = _step_keys(tmp_path / "run1") + _step_keys(tmp_path / "run2")
+    assert len(keys) == len(set(keys))
+    for rank, (sent, _) in enumerate(counts):
+        assert received_first.get(rank, 0) + received.get(rank, 0) <= sent
