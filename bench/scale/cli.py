@@ -17,6 +17,11 @@ Modes (one per run):
     python -m bench.scale --ranks 1024 --steps-per-s 250 --seconds 30 --overload
     python -m bench.scale --ranks 1024 --steps-per-s 10 --soak     # 10 minutes
     python -m bench.scale --pause --ranks 8 --steps-per-s 100 --seconds 20
+    python -m bench.scale --ranks 1024 --steps-per-s 1 --relays 128   # through relays
+
+``--relays N`` puts N relays (the relay's own code, ``--relay-procs`` processes holding
+them) between the ranks and the aggregator: the ranks of node ``i`` send to relay
+``i % N``, and the aggregator holds N connections.
 
 Accounting (exact, also with drops): every item of a (rank, wire stream) has its own
 ``seq`` (0, 1, 2, ...), and the generator logs each batch as (first seq, item count,
@@ -51,6 +56,7 @@ from .items import WIRE_ORDER, LoadSpec
 from .modes import find_max, overload, soak
 from .pause import pause
 from .pyspy import print_profile, py_spy, summarize_profile
+from .relays import RelayHosts
 from .run import final_line, run_once
 
 
@@ -76,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         "--py-spy", type=Path, default=None, help="profile the aggregator into this raw file"
     )
     parser.add_argument("--summarize", type=Path, default=None, help="print a raw profile")
+    parser.add_argument("--relays", type=int, default=0, help="relays between ranks and aggregator")
+    parser.add_argument("--relay-procs", type=int, default=2, help="processes holding them")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--find-max", action="store_true")
     mode.add_argument("--overload", action="store_true", help="check memory vs queue bound")
@@ -130,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.pause:
             pause(args, spec, logs_dir)
         else:
+            hosts = RelayHosts(args.relays, args.relay_procs) if args.relays else None
             r = run_once(
                 spec,
                 args.streams,
@@ -139,9 +148,17 @@ def main(argv: list[str] | None = None) -> None:
                 bounds=args.bounds,
                 do_validate=not args.no_validate,
                 during=py_spy(args.py_spy, spec.seconds) if args.py_spy else None,
+                route=(
+                    (lambda address, token: hosts.route(address, token, spec.nodes))
+                    if hosts is not None
+                    else None
+                ),
+                after_load=hosts.stop if hosts is not None else None,
             )
             if args.py_spy:
                 summarize_profile(args.py_spy)
+            if hosts is not None:
+                print(f"relays: {args.relays} in {hosts.procs} processes: {hosts.totals}")
             print(final_line(r, r.records_per_s if r.sustained else 0))
     finally:
         print(f"machine: load average {os.getloadavg()[0]:.2f} at end")
