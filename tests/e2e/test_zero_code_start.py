@@ -308,6 +308,12 @@ def test_ctrl_c_while_traceml_starts_has_no_traceback(tmp_path: Path, delay_s: f
     time.sleep(delay_s)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
+    if err.startswith("Fatal Python error: init_import_site"):
+        # On a loaded machine the signal can land while the interpreter itself still
+        # imports `site`, before any line of TraceML runs: CPython's own report, the same
+        # under `python train.py`. Nothing of TraceML's may be in it.
+        assert "traceml" not in err.lower(), err
+        return
     # Once the script runs, its own KeyboardInterrupt traceback is python's to print
     # (as under `python train.py`); no frame of TraceML's or of an import in progress.
     frames = [line for line in err.splitlines() if line.strip().startswith('File "')]
