@@ -2,10 +2,9 @@
 
 ``optional=True``: without a C compiler the install still succeeds, and each has a
 pure-Python path that behaves the same: ``traceml_records._speedups`` (the line and
-item encoders, a rank's step encoder), ``traceml_ai.rank._timing.hotpath`` (the step
-timer's per-call methods) and ``traceml_ai.transport._nowait`` (a rank sender's
-non-blocking socket calls) and ``traceml_ai.run_summary._rowscan`` (the files
-reader's per-line checks and step row).
+item encoders, a rank's step encoder, the core of the scan that reads the export
+files), ``traceml_ai.rank._timing.hotpath`` (the step timer's per-call methods) and
+``traceml_ai.transport._nowait`` (a rank sender's non-blocking socket calls).
 """
 
 from setuptools import Extension, setup
@@ -23,11 +22,6 @@ setup(
         Extension(
             "traceml_ai.rank._timing.hotpath",
             sources=["src/traceml_ai/rank/_timing/hotpath.c"],
-            optional=True,
-        ),
-        Extension(
-            "traceml_ai.run_summary._rowscan",
-            sources=["src/traceml_ai/run_summary/_rowscan.c"],
             optional=True,
         ),
         Extension(

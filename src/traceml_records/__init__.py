@@ -28,6 +28,7 @@ from traceml_records._generated.records import (
     SystemRecord,
 )
 from traceml_records._generated.registry import SELECTION_NAMES, STREAMS
+from traceml_records._linecheck import Problem, validate_line
 from traceml_records._reader import LineError, read_jsonl
 from traceml_records._registry import (
     DEFAULT_EXPORT_STREAMS,
@@ -37,13 +38,7 @@ from traceml_records._registry import (
     streams_selected_by,
 )
 from traceml_records._stream_spec import StreamSpec
-from traceml_records._validate import (
-    FileSummary,
-    Problem,
-    ValidationReport,
-    validate_line,
-    validate_paths,
-)
+from traceml_records._validate import FileSummary, ValidationReport, validate_paths
 
 SCHEMA_VERSION = 1
 """``schema_version`` of every line this release writes."""

@@ -362,13 +362,27 @@ def line_problems(obj: dict[str, Any]) -> list[tuple[Path, str]]:
     found: list[tuple[Path, str]] = []
     if tuple(obj) not in form.orders:
         found.append(((), f"keys are not in schema order ({', '.join(form.order)})"))
-    for key, json_type in form.not_null:
-        if key in obj and obj[key] is None:
-            found.append(((key,), f'null is not of type "{json_type}"'))
+    found.extend(_null_where_left_out(form, obj))
     if form.sorted_map is not None:
         found.extend(_unsorted(obj[form.sorted_map], form.sorted_map))
     found.extend(line_findings(form.checks, obj))
     return found
+
+
+def value_problems(obj: dict[str, Any]) -> list[tuple[Path, str]]:
+    """The problems of :func:`line_problems` that are of a data line's values, not of
+    how it is written (key order, maps' order): a null where the key is left out, the
+    named rules."""
+    form = _LINE_FORMS.get(obj.get("stream"))  # type: ignore[arg-type]
+    if form is None:
+        return []
+    return [*_null_where_left_out(form, obj), *line_findings(form.checks, obj)]
+
+
+def _null_where_left_out(form: _LineForm, obj: dict[str, Any]) -> Iterator[tuple[Path, str]]:
+    for key, json_type in form.not_null:
+        if key in obj and obj[key] is None:
+            yield (key,), f'null is not of type "{json_type}"'
 
 
 _WARNING_ORDER = tuple(field[0] for field in ENCODER_PLANS[FinalizationWarning])

@@ -1,41 +1,37 @@
-"""The fast path of ``traceml validate``: lines accepted without the full check, when
-they are certainly valid.
+"""The scan's C core, compiled from the check plans: what a line must be to be taken
+without the full check, and which columns its values go to.
 
 :func:`plan_for` compiles, from a stream's generated check plan
 (``_generated/checks.py``: its schema's kinds and bounds, ``$ref`` followed by
 codegen) and the fast forms of its line rules in :mod:`traceml_records._rules`, what a
-line must look like to be accepted unseen by the full path: every key in schema
-order, every value of its schema type and within its bounds, integers written as
-integers, every constrained string accepted by that string's own schema (compiled by
+line must look like to be taken unseen by the full path: every key in schema order,
+every value of its schema type and within its bounds, integers written as integers,
+every constrained string accepted by that string's own schema (compiled by
 jsonschema_rs, the validator of the full path, verdicts cached), the schema's if/then
-type conditions, sorted maps, and the line rules. A check the fast check cannot compile makes the
-stream's lines all go the full way (no plan), and codegen refuses any schema keyword
-it does not read, so the plan can only be stricter than the schema, never looser.
+type conditions, sorted maps, and the line rules. A check the C core cannot compile
+makes the stream's lines all go to the pure-Python twin (no plan), and codegen refuses
+any schema keyword it does not read, so the plan can only be stricter than the
+schema, never looser.
 
-A :class:`Checker` (``_speedups.Checker``, in C) runs a plan over the whole lines of
-a block, without building a Python object for a line it accepts; a :class:`Tracker`
-(``_speedups.Tracker``, or :class:`PyTracker` without the extension) holds the keys
-and seqs of one file for the cross-line rules. ``scan`` accepts lines up to the first
-one it cannot vouch for (anything wrong, or only unusual: an escape in a string,
-white space, keys out of order in a nested object, ``1`` where a rule compares it with
-``1.0``) and returns where it stopped; the caller checks that line the full way,
-recording its key and seq in the same tracker, and scans on.
-tests/traceml_records/test_fastcheck.py holds the checker to the full path: it never
-accepts a line that path rejects, and a file's report is the same either way.
-
-Without the C extension there is no fast check: every line takes the full path. A
-check in Python would cost more than that path, whose schema check runs in Rust.
+:func:`core_for` gives the core of one stream (``_speedups.Checker``, in C, or
+``_scan_py.Checker``, its pure-Python twin; ``_extensions.load`` chooses), which takes
+the whole lines of a block up to the first one it cannot vouch for (anything wrong, or
+only unusual: an escape in a string, white space, keys out of order in a nested
+object, ``1`` where a rule compares it with ``1.0``); the scan (``_scan``) sorts that
+line itself and goes on. :func:`keys_for` gives the keys and seqs of one file
+(``_speedups.KeysAndSeqs`` or its twin), :func:`frames_layout` the columns of a
+stream's Arrow tables. tests/traceml_records/test_fastcheck.py holds the C core to the
+full path: it never takes a line that path rejects, and a file's report is the same
+either way.
 """
 
 from __future__ import annotations
 
 import functools
-from array import array
-from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from traceml_records import _extensions
+from traceml_records import _extensions, _scan_py
 from traceml_records._checkplan import (
     BOOLEAN,
     INTEGER,
@@ -50,6 +46,7 @@ from traceml_records._checkplan import (
 from traceml_records._generated.checks import CHECKS
 from traceml_records._generated.tables import LONG_TABLES, TABLE_STREAM, TABLES
 from traceml_records._rules import RULES
+from traceml_records._scan_py import LINE, Column, Layout, RowsLayout
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _CROSS_LINE_RULES = frozenset(
@@ -239,19 +236,12 @@ def plan_for(stream: str) -> Plan | None:
     return (root, keys, rank, seq, hostname, check.unique_keys)
 
 
-def key_shape(stream: str) -> str:
-    """A tracker's key shape for ``stream``: per key field, ``i`` (an integer), ``n`` (an
-    integer that may be null or missing) or ``s`` (a string, or null or missing where the
-    schema allows), as its check plan says. The last ``i`` is the component a tracker
-    keeps in sorted arrays per group of the others, so a nullable integer is never it."""
-    return CHECKS[stream].key_shape
+# ------------------------------------------------------------------ the scan's core
 
 
-# ------------------------------------------------------------- checker and tracker
-
-
-class Tracker(Protocol):
-    """The keys and seqs of one file's lines (``_speedups.Tracker`` or :class:`PyTracker`)."""
+class KeysAndSeqs(Protocol):
+    """The keys and each rank's last seq of one file's lines
+    (``_speedups.KeysAndSeqs`` or its twin ``_scan_py.KeysAndSeqs``)."""
 
     def add(self, key: tuple[Any, ...], line: int, /) -> bool: ...
     def seq(self, rank: Any, seq: Any, /) -> Any: ...
@@ -261,117 +251,75 @@ class Tracker(Protocol):
     def nbytes(self) -> int: ...
 
 
-class Checker(Protocol):
-    """One stream's fast check (``_speedups.Checker``)."""
+class Core(Protocol):
+    """One stream's scan core (``_speedups.Checker`` or its twin ``_scan_py.Checker``)."""
 
     def scan(
-        self, data: bytes | bytearray, pos: int, end: int, tracker: Any, hostname: int, /
+        self, data: bytes | bytearray, pos: int, end: int, keys: Any, hostname: int, /
     ) -> tuple[int, int]:
-        """The lines of ``data[pos:end]`` (whole lines) accepted from ``pos`` on:
-        ``(pos, lines)``, ``pos`` where the first line left to the full path starts (or
-        ``end``). ``hostname``: whether lines carry it (0, 1), -1 when the stream has
-        none. Accepted lines' keys and seqs are recorded in ``tracker``."""
+        """The lines of ``data[pos:end]`` (whole lines) taken from ``pos`` on:
+        ``(pos, lines)``, ``pos`` where the first line not taken starts (or ``end``).
+        ``hostname``: whether lines carry it (0, 1), -1 when the stream has none. The
+        taken lines' keys and seqs are recorded in ``keys``."""
         ...
 
-
-class PyTracker:
-    """The pure-Python twin of ``_speedups.Tracker``, for the full path without the C
-    extension: per key prefix, a sorted array of the last integer component of the
-    keys that came in order (8 bytes a key), a set for the rest."""
-
-    def __init__(self, shape: str) -> None:
-        if not (1 <= len(shape) <= 6 and set(shape) <= {"i", "n", "s"} and "i" in shape):
-            raise ValueError("the key's shape: 1 to 6 of 'i', 'n' and 's', one 'i' at least")
-        self._last = shape.rindex("i")
-        self._groups: dict[tuple[Any, ...], array[int]] = {}
-        self._extra: set[tuple[tuple[Any, ...], int]] = set()
-        self._seqs: dict[Any, Any] = {}
-        self._watch: set[tuple[tuple[Any, ...], int]] = set()
-        self._found: dict[tuple[Any, ...], int] = {}
-
-    def _split(self, key: tuple[Any, ...]) -> tuple[tuple[Any, ...], int]:
-        return key[: self._last] + key[self._last + 1 :], int(key[self._last])
-
-    def add(self, key: tuple[Any, ...], line: int) -> bool:
-        """True when the key is new (then recorded); ``line`` is where it is."""
-        prefix, last = self._split(key)
-        values = self._groups.get(prefix)
-        if values is None:
-            values = self._groups[prefix] = array("q")
-        if values and last <= values[-1]:
-            at = bisect_left(values, last)
-            if (at < len(values) and values[at] == last) or (prefix, last) in self._extra:
-                return False
-        if (prefix, last) in self._watch:
-            self._found[key] = line
-        if not values or last > values[-1]:
-            values.append(last)
-        else:
-            self._extra.add((prefix, last))
-        return True
-
-    def seq(self, rank: Any, seq: Any) -> Any:
-        """The rank's previous seq, or None; ``seq`` becomes its last."""
-        previous = self._seqs.get(rank)
-        self._seqs[rank] = seq
-        return previous
-
-    def watch(self, keys: Iterable[tuple[Any, ...]]) -> None:
-        """Note the line where each of these keys is first added."""
-        self._watch.update(self._split(k) for k in keys)
-
-    def found(self) -> dict[tuple[Any, ...], int]:
-        """Watched key -> the line where it was first added."""
-        return dict(self._found)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(8 * len(v) for v in self._groups.values()) + 100 * len(self._extra)
+    def extract(
+        self, data: bytes | bytearray, pos: int, end: int, keys: Any, hostname: int, /
+    ) -> tuple[int, int, tuple[Column, ...], tuple[Column, ...] | None]:
+        """As :meth:`scan`, and the taken lines' values: the layout's columns of the
+        stream table and of its long table (or None)."""
+        ...
 
 
 _speedups = _extensions.load()
 
 
+def _c_layout(stream: str, layout: Layout) -> tuple[Any, ...]:
+    """A layout as the C core reads it: fields as their indexes in the check plan."""
+    names = list(CHECKS[stream].names)
+    top = tuple((names.index(name), kind) for name, kind in layout.top)
+    rows = layout.rows
+    if rows is None:
+        return (top, None)
+    timing = CHECKS[stream].field(rows.field).check
+    assert timing.value is not None and timing.value.value is not None
+    leaf_names = [f.name for f in timing.value.value.fields]
+    keys = tuple((-1 if name is LINE else names.index(name), kind) for name, kind in rows.keys)
+    leaves = tuple((leaf_names.index(name), kind) for name, kind in rows.leaves)
+    return (top, (names.index(rows.field), keys, rows.map_keys, leaves))
+
+
 @functools.cache
-def checker_for(stream: str) -> Checker | None:
-    """The fast check of ``stream``, or None: no plan, or no C extension (then every
-    line takes the full path; a check in Python would be slower than that path, whose
-    schema check runs in Rust)."""
+def core_for(stream: str, layout: Layout | None = None) -> Core:
+    """The scan's core for ``stream``'s lines (``layout``: the columns ``extract``
+    fills): the C checker when the extension is there (not ``TRACEML_PURE_PYTHON``)
+    and the stream has a plan, else the pure-Python twin."""
     plan = plan_for(stream)
     if plan is None or _speedups is None:
-        return None
-    return _speedups.Checker(plan)  # type: ignore[no-any-return]
+        return _scan_py.Checker(stream, layout)
+    if layout is None:
+        return _speedups.Checker(plan)  # type: ignore[no-any-return]
+    return _speedups.Checker(plan, _c_layout(stream, layout))  # type: ignore[no-any-return]
 
 
-Column = tuple[bytes | None, bytes, bytes | None, int, int]
-"""One column of :meth:`Extractor.extract`: (validity bitmap or None, values, string
-offsets or None, length, nulls), the buffers of an Arrow array."""
+def keys_for(stream: str) -> KeysAndSeqs:
+    """Fresh keys and seqs for one file of ``stream`` (the C core's or the twin's)."""
+    shape = CHECKS[stream].key_shape
+    if _speedups is not None and plan_for(stream) is not None:
+        return _speedups.KeysAndSeqs(shape)  # type: ignore[no-any-return]
+    return _scan_py.KeysAndSeqs(shape)
 
 
-class Extractor(Checker, Protocol):
-    """A fast check that also reads the lines it accepts into the stream's tables."""
-
-    def extract(
-        self, data: bytes | bytearray, pos: int, end: int, tracker: Any, hostname: int, /
-    ) -> tuple[int, int, tuple[Column, ...], tuple[Column, ...] | None]:
-        """As :meth:`Checker.scan`, and the accepted lines' values: the stream table's
-        columns (``TABLES[stream]``) and its long table's (or None)."""
-        ...
-
-
-def layout_for(stream: str) -> tuple[Any, ...] | None:
-    """Where each column of ``stream``'s tables comes from in a line, for
-    :class:`Extractor`, or None when the extractor cannot fill them."""
-    plan = plan_for(stream)
-    if plan is None:
-        return None
-    fields = [f[0].decode() for f in plan[0][2]]
+def frames_layout(stream: str) -> Layout | None:
+    """The columns of ``stream``'s tables (``TABLES``: the stream table and its long
+    table), or None when the scan cannot fill them (a long table that is not a map of
+    maps of objects)."""
     if any(t not in ("int64", "float64", "bool", "string") for _, t, _ in TABLES[stream]):
         return None
-    top = tuple((fields.index(name), t) for name, t, _ in TABLES[stream])
+    top = tuple((name, t) for name, t, _ in TABLES[stream])
     longs = [name for name in LONG_TABLES if TABLE_STREAM[name] == stream]
     if not longs:
-        return (top, None)
+        return Layout(top=top)
     if len(longs) > 1:
         return None
     source, key_names = LONG_TABLES[longs[0]]
@@ -380,24 +328,15 @@ def layout_for(stream: str) -> tuple[Any, ...] | None:
     at = names.index(key_names[0])
     if len(key_names) != 2 or names[at : at + 2] != list(key_names):
         return None
-    timing = plan[0][2][fields.index(source)][1][3][3]
-    leaf_names = [f[0].decode() for f in timing[2]]
-    keys = tuple((fields.index(name), t) for name, t, _ in columns[:at])
-    leaves = tuple((leaf_names.index(name), t) for name, t, _ in columns[at + 2 :])
-    return (top, (fields.index(source), keys, leaves))
-
-
-@functools.cache
-def extractor_for(stream: str) -> Extractor | None:
-    """The fast check of ``stream`` that reads lines into its tables (frames), or None."""
-    layout = layout_for(stream)
-    if layout is None or _speedups is None:
+    outer = CHECKS[stream].field(source).check
+    if outer.value is None or outer.value.kind != MAP or outer.value.value is None:
         return None
-    return _speedups.Checker(plan_for(stream), layout)  # type: ignore[no-any-return]
-
-
-def tracker_for(shape: str) -> Tracker:
-    """A fresh tracker for the keys of one file (``shape``: see :func:`key_shape`)."""
-    if _speedups is not None:
-        return _speedups.Tracker(shape)  # type: ignore[no-any-return]
-    return PyTracker(shape)
+    if outer.value.value.kind != OBJECT:
+        return None
+    rows = RowsLayout(
+        field=source,
+        keys=tuple((name, t) for name, t, _ in columns[:at]),
+        map_keys=("string", "string"),
+        leaves=tuple((name, t) for name, t, _ in columns[at + 2 :]),
+    )
+    return Layout(top=top, rows=rows)

@@ -230,7 +230,7 @@ def _warning_message_not_blank(d: Mapping[str, Any]) -> Iterator[Finding]:
 
 
 FastForm = tuple[str, ...]
-"""A line rule as the validator's fast check (``_fastcheck``) tests it, as data:
+"""A line rule as the scan's C core (compiled by ``_fastcheck``) tests it, as data:
 ``(op, left, right)`` with op ``==``, ``<`` or ``<=`` compares two integer fields;
 ``("duration", map_field, is_gpu, cpu_ms, duration_ms, gpu_ms)`` is
 duration-matches-timing on every timing of a map of maps; ``("no-newline", field)``
@@ -239,7 +239,7 @@ says a string field holds no newline."""
 
 class Rule:
     """One named rule: its text for the docs and, for a line rule, its check (and the
-    form the validator's fast check tests, when it has one)."""
+    form the scan's C core tests, when it has one)."""
 
     __slots__ = ("check", "fast", "name", "text")
 

@@ -1,6 +1,7 @@
 /*
  * traceml_records._speedups: the line encoder in C (and, further down, a rank's step
- * encoder, encode_host_step, and the validator's fast check, Checker and Tracker).
+ * encoder, encode_host_step, and the core of the one scan of the export files, Checker
+ * and KeysAndSeqs).
  *
  * The generated ENCODER_PLANS (codegen, from the schemas) say, per record class,
  * which attributes to write, in which order and as which JSON kind. This module
@@ -2321,26 +2322,28 @@ error:
     return NULL;
 }
 
-/* ---- the validator's fast check (traceml_records._fastcheck) ------------------------
+/* ---- the core of the one scan (traceml_records._scan, _fastcheck) ------------------
  *
- * traceml validate parses each line and checks it against its JSON Schema, then the
- * rules a schema cannot state. This is its fast path: a Checker, compiled from a plan
- * that _fastcheck derives from the schemas, walks the bytes of complete lines and
- * accepts a line only when it is certainly valid, with nothing to report: exact
- * schema order at the top, no white space, no escape in any string (valid UTF-8, so
- * its bytes are the string's), integers written as integers within their bounds, numbers in
+ * Every reader of the export files reads them with one scan, which takes the lines that
+ * hold a valid line's values (its JSON Schema, then the rules a schema cannot state)
+ * and sorts the others. This is its core: a Checker, compiled from a plan that
+ * _fastcheck makes of the generated check plans, walks the bytes of complete lines and
+ * takes a line only when it is certainly valid, with nothing to report: exact schema
+ * order at the top, no white space, no escape in any string (valid UTF-8, so its bytes
+ * are the string's), integers written as integers within their bounds, numbers in
  * range, every string the schema constrains accepted by the schema's own validator
  * (jsonschema_rs on that sub-schema, its verdicts cached), the schema's if/then type
- * conditions, sorted maps, the stream's line rules, and the cross-line rules against
- * a Tracker (a new key, seq not going back, hostname as the folder has it). It stops
- * at the first line it cannot vouch for and hands it to the full Python path, which
- * reports exactly what is wrong, if anything. No Python object is built for an
- * accepted line.
+ * conditions, sorted maps, the stream's line rules, and the cross-line rules against a
+ * KeysAndSeqs (a new key, seq not going back, hostname as the folder has it). With a
+ * layout (extract), it puts the values of the lines it takes into Arrow-shaped columns.
+ * It stops at the first line it cannot vouch for and hands it to the scan's own step,
+ * in Python, which says what that line is. No Python object is built for a line taken.
+ * Its pure-Python twin is traceml_records/_scan_py.py (one .pyi, _speedups.pyi).
  *
- * A Tracker holds what the cross-line rules need of every line of one file: the keys
+ * A KeysAndSeqs holds what the cross-line rules need of every line of one file: the keys
  * seen (per key prefix, e.g. rank, a sorted array of the last integer component, e.g.
  * step: 8 bytes a key when keys arrive in order, a hash set for those that do not)
- * and each rank's last seq. The Python path records its lines in the same Tracker.
+ * and each rank's last seq. The scan's step records its lines in the same KeysAndSeqs.
  */
 
 enum { N_INT, N_NUM, N_BOOL, N_STR, N_OBJ, N_MAP };
@@ -2826,7 +2829,7 @@ static int scan_value(Cur *c, CNode *node, Val *out) {
     }
 }
 
-/* -- the Tracker: keys and seq of one file ---------------------------------------- */
+/* -- KeysAndSeqs: the keys and each rank's last seq of one file ------------------------ */
 
 /* The last component of the keys of one group that came in order, sorted, in chunks
  * of CHUNK (one allocation size, which the heap reuses as it is freed, so memory
@@ -2870,7 +2873,7 @@ typedef struct {
     Table watch;         /* (group, component) of keys whose first line is asked for */
     PyObject *found;     /* key tuple -> line, for watched keys */
     Py_ssize_t n_keys;
-} Tracker;
+} KeysAndSeqs;
 
 static uint64_t slot_hash(const int64_t *k, int n) {
     uint64_t h = 0x12345678ULL;
@@ -2934,7 +2937,7 @@ static void table_free(Table *t) {
 #define NULL_INT INT64_MIN
 
 /* The id of a key string (made when new), or -1 with an error set. */
-static int64_t string_id(Tracker *t, const char *s, Py_ssize_t n) {
+static int64_t string_id(KeysAndSeqs *t, const char *s, Py_ssize_t n) {
     int64_t k[1] = {(int64_t)hash_bytes(s, n)};
     /* chained by probing the hash: ids of strings sharing a hash follow each other */
     for (int64_t salt = 0;; salt++) {
@@ -2967,7 +2970,7 @@ static int64_t string_id(Tracker *t, const char *s, Py_ssize_t n) {
 }
 
 /* The group of a key prefix (made when new), or -1 with an error set. */
-static Py_ssize_t group_of(Tracker *t, const int64_t *prefix, int n) {
+static Py_ssize_t group_of(KeysAndSeqs *t, const int64_t *prefix, int n) {
     Slot *slot = table_slot(&t->groups, prefix, n);
     if (slot == NULL) return -1;
     if (slot->used) return (Py_ssize_t)slot->value;
@@ -2989,7 +2992,7 @@ static inline int64_t group_max(const Group *g) {
     return g->chunks[g->n_chunks - 1][g->last_n - 1];
 }
 
-static int key_seen(Tracker *t, Py_ssize_t gi, int64_t last) {
+static int key_seen(KeysAndSeqs *t, Py_ssize_t gi, int64_t last) {
     Group *g = &t->g[gi];
     if (g->n_chunks == 0 || last > group_max(g)) return 0;
     /* the first chunk whose largest key is not below ``last`` */
@@ -3013,7 +3016,7 @@ static int key_seen(Tracker *t, Py_ssize_t gi, int64_t last) {
     return s != NULL && s->used;
 }
 
-static int key_add(Tracker *t, Py_ssize_t gi, int64_t last) {
+static int key_add(KeysAndSeqs *t, Py_ssize_t gi, int64_t last) {
     Group *g = &t->g[gi];
     t->n_keys++;
     if (g->n_chunks == 0 || last > group_max(g)) {
@@ -3050,7 +3053,7 @@ static int key_add(Tracker *t, Py_ssize_t gi, int64_t last) {
     return 0;
 }
 
-static int watched(Tracker *t, Py_ssize_t gi, int64_t last) {
+static int watched(KeysAndSeqs *t, Py_ssize_t gi, int64_t last) {
     if (t->watch.n == 0) return 0;
     int64_t pair[2] = {(int64_t)gi, last};
     Slot *s = table_find(&t->watch, pair, 2);
@@ -3058,7 +3061,7 @@ static int watched(Tracker *t, Py_ssize_t gi, int64_t last) {
 }
 
 /* A Python key's components as int64 (strings as ids); -1: error, 0: not a key here. */
-static int key_from_tuple(Tracker *t, PyObject *key, int64_t *comps) {
+static int key_from_tuple(KeysAndSeqs *t, PyObject *key, int64_t *comps) {
     if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != t->n_comp) {
         PyErr_SetString(PyExc_TypeError, "a key is a tuple of its stream's key fields");
         return -1;
@@ -3105,7 +3108,7 @@ static int key_from_tuple(Tracker *t, PyObject *key, int64_t *comps) {
 }
 
 /* The group of a key's components (all but the last integer) and that integer. */
-static Py_ssize_t key_group(Tracker *t, const int64_t *comps, int64_t *last) {
+static Py_ssize_t key_group(KeysAndSeqs *t, const int64_t *comps, int64_t *last) {
     int64_t prefix[MAX_KEY];
     int n = 0;
     for (int j = 0; j < t->n_comp; j++) {
@@ -3115,7 +3118,7 @@ static Py_ssize_t key_group(Tracker *t, const int64_t *comps, int64_t *last) {
     return group_of(t, prefix, n);
 }
 
-static void tracker_dealloc(Tracker *t) {
+static void keys_dealloc(KeysAndSeqs *t) {
     for (Py_ssize_t i = 0; i < t->n_groups; i++) {
         for (Py_ssize_t k = 0; k < t->g[i].n_chunks; k++) PyMem_Free(t->g[i].chunks[k]);
         PyMem_Free(t->g[i].chunks);
@@ -3133,7 +3136,7 @@ static void tracker_dealloc(Tracker *t) {
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
-static int tracker_init(Tracker *t, PyObject *args, PyObject *kwds) {
+static int keys_init(KeysAndSeqs *t, PyObject *args, PyObject *kwds) {
     const char *shape;
     if (!PyArg_ParseTuple(args, "s", &shape)) return -1;
     size_t n = strlen(shape);
@@ -3154,7 +3157,7 @@ static int tracker_init(Tracker *t, PyObject *args, PyObject *kwds) {
 }
 
 /* Python: add(key, line) -> bool: True when the key is new (then recorded). */
-static PyObject *tracker_add(Tracker *t, PyObject *args) {
+static PyObject *keys_add(KeysAndSeqs *t, PyObject *args) {
     PyObject *key;
     Py_ssize_t line;
     if (!PyArg_ParseTuple(args, "On", &key, &line)) return NULL;
@@ -3177,7 +3180,7 @@ static PyObject *tracker_add(Tracker *t, PyObject *args) {
 }
 
 /* Python: seq(rank, seq) -> the rank's previous seq or None; seq becomes its last. */
-static PyObject *tracker_seq(Tracker *t, PyObject *args) {
+static PyObject *keys_seq(KeysAndSeqs *t, PyObject *args) {
     PyObject *rank_obj, *seq_obj;
     if (!PyArg_UnpackTuple(args, "seq", 2, 2, &rank_obj, &seq_obj)) return NULL;
     PyObject *tup = PyTuple_Pack(2, rank_obj, seq_obj);
@@ -3224,7 +3227,7 @@ static PyObject *tracker_seq(Tracker *t, PyObject *args) {
 }
 
 /* Python: watch(keys): add() notes the line where each of these keys first comes. */
-static PyObject *tracker_watch(Tracker *t, PyObject *keys) {
+static PyObject *keys_watch(KeysAndSeqs *t, PyObject *keys) {
     PyObject *it = PyObject_GetIter(keys);
     if (it == NULL) return NULL;
     PyObject *key;
@@ -3243,11 +3246,11 @@ static PyObject *tracker_watch(Tracker *t, PyObject *keys) {
     Py_RETURN_NONE;
 }
 
-static PyObject *tracker_found(Tracker *t, PyObject *unused) {
+static PyObject *keys_found(KeysAndSeqs *t, PyObject *unused) {
     return PyDict_Copy(t->found);
 }
 
-static PyObject *tracker_nbytes(Tracker *t, void *unused) {
+static PyObject *keys_nbytes(KeysAndSeqs *t, void *unused) {
     Py_ssize_t n = (t->extra.cap + t->groups.cap + t->seqs.cap + t->str_ids.cap + t->watch.cap) *
                    (Py_ssize_t)sizeof(Slot);
     n += t->cap_groups * (Py_ssize_t)sizeof(Group);
@@ -3260,55 +3263,63 @@ static PyObject *tracker_nbytes(Tracker *t, void *unused) {
     return PyLong_FromSsize_t(n);
 }
 
-static PyObject *tracker_keys(Tracker *t, void *unused) {
+static PyObject *keys_keys(KeysAndSeqs *t, void *unused) {
     return PyLong_FromSsize_t(t->n_keys);
 }
 
-static PyMethodDef tracker_methods[] = {
-    {"add", (PyCFunction)tracker_add, METH_VARARGS,
+static PyMethodDef keys_methods[] = {
+    {"add", (PyCFunction)keys_add, METH_VARARGS,
      "add(key, line) -> bool: True when the key is new (it is recorded)."},
-    {"seq", (PyCFunction)tracker_seq, METH_VARARGS,
+    {"seq", (PyCFunction)keys_seq, METH_VARARGS,
      "seq(rank, seq) -> the rank's previous seq, or None; seq becomes its last."},
-    {"watch", (PyCFunction)tracker_watch, METH_O,
+    {"watch", (PyCFunction)keys_watch, METH_O,
      "watch(keys): note the line where each of these keys is first added."},
-    {"found", (PyCFunction)tracker_found, METH_NOARGS,
+    {"found", (PyCFunction)keys_found, METH_NOARGS,
      "found() -> {key: line} of the watched keys added so far."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyGetSetDef tracker_getset[] = {
-    {"nbytes", (getter)tracker_nbytes, NULL, "bytes held for the keys and seqs", NULL},
-    {"keys", (getter)tracker_keys, NULL, "keys recorded", NULL},
+static PyGetSetDef keys_getset[] = {
+    {"nbytes", (getter)keys_nbytes, NULL, "bytes held for the keys and seqs", NULL},
+    {"keys", (getter)keys_keys, NULL, "keys recorded", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject TrackerType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traceml_records._speedups.Tracker",
-    .tp_basicsize = sizeof(Tracker),
-    .tp_dealloc = (destructor)tracker_dealloc,
+static PyTypeObject KeysAndSeqsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traceml_records._speedups.KeysAndSeqs",
+    .tp_basicsize = sizeof(KeysAndSeqs),
+    .tp_dealloc = (destructor)keys_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Tracker(shape): the keys and seqs of one file's lines (the cross-line rules).",
-    .tp_methods = tracker_methods,
-    .tp_getset = tracker_getset,
-    .tp_init = (initproc)tracker_init,
+    .tp_doc = "KeysAndSeqs(shape): the keys and each rank's last seq of one file's lines.",
+    .tp_methods = keys_methods,
+    .tp_getset = keys_getset,
+    .tp_init = (initproc)keys_init,
     .tp_new = PyType_GenericNew,
 };
 
-/* -- reading accepted lines into columns (Checker.extract, for frames) -------------
+/* -- reading accepted lines into columns (Checker.extract: frames, the run summary) --
  *
  * A Checker built with a layout also puts the values of the lines it accepts into
  * Arrow-shaped columns: the stream table's (top-level fields) and, for a map of maps
- * of objects (step_time's events), a long table with a row per inner object: the
- * stream key fields, the two map keys, the object's fields. A line's rows are added
- * as its map is scanned and taken back when the line is not accepted after all.
+ * of objects (step_time's events), a long table with a row per inner object: fields
+ * of the line (or the line's ordinal in the chunk), each map level's key kept (as a
+ * string, or as a code into the column's own dictionary of strings), the object's
+ * fields. A line's rows are added as its map is scanned and taken back when the line
+ * is not accepted after all.
  */
 
-enum { C_I64, C_F64, C_BOOL, C_STR };
+enum { C_I64, C_F64, C_BOOL, C_STR, C_CODE };
+#define LINE_FIELD (-1) /* a row column's field: the ordinal of its line in the chunk */
 
 static int plan_error(const char *what) {
     PyErr_Format(PyExc_ValueError, "fast check plan: %s", what);
     return -1;
 }
+
+typedef struct {
+    char *s;
+    Py_ssize_t n;
+} Name;
 
 typedef struct {
     int kind;
@@ -3320,14 +3331,23 @@ typedef struct {
     uint8_t *valid;       /* one bit a row */
     Py_ssize_t vcap;
     Py_ssize_t rows, nulls;
+    /* C_CODE: the strings' dictionary, in order of first appearance; data holds int32
+     * codes. names_kept: the names of the lines accepted so far (a dropped line's new
+     * names are taken back). */
+    Name *names;
+    Py_ssize_t n_names, names_cap, names_kept;
+    int32_t *index;       /* open addressing: code + 1, 0 empty */
+    Py_ssize_t index_cap;
 } Col;
 
 struct Sink {
     Py_ssize_t n_top;
     Col *top;
     Py_ssize_t n_keys;   /* the long table's first columns: top-level fields, per row */
-    Py_ssize_t n_row;    /* the long table's columns: keys, the two map keys, fields */
+    Py_ssize_t n_row;    /* the long table's columns: keys, the map keys kept, fields */
     Col *row;
+    Py_ssize_t key_col[2]; /* the column of each map level's key, -1 when not kept */
+    Py_ssize_t first_leaf; /* the first of the fields' columns */
     const char *key[2];
     Py_ssize_t key_len[2];
     const char *last_text; /* the last number parsed in this row, and its value */
@@ -3378,6 +3398,48 @@ static double text_to_double(const char *s, Py_ssize_t n) {
     return v;
 }
 
+/* The dictionary's index rebuilt for its names (after a dropped line's were taken back,
+ * or to grow it); -1 on error. */
+static int code_index(Col *c, Py_ssize_t cap) {
+    int32_t *index = PyMem_Calloc((size_t)cap, sizeof(int32_t));
+    if (index == NULL) return PyErr_NoMemory(), -1;
+    PyMem_Free(c->index);
+    c->index = index;
+    c->index_cap = cap;
+    for (Py_ssize_t code = 0; code < c->n_names; code++) {
+        Py_ssize_t k = (Py_ssize_t)(hash_bytes(c->names[code].s, c->names[code].n) & (uint64_t)(cap - 1));
+        while (index[k] != 0) k = (k + 1) & (cap - 1);
+        index[k] = (int32_t)(code + 1);
+    }
+    return 0;
+}
+
+/* The code of a string in a C_CODE column's dictionary (added when new); -1 on error. */
+static int32_t code_of(Col *c, const char *s, Py_ssize_t n) {
+    if (2 * (c->n_names + 1) > c->index_cap &&
+        code_index(c, c->index_cap ? 2 * c->index_cap : 64) < 0)
+        return -1;
+    Py_ssize_t mask = c->index_cap - 1;
+    Py_ssize_t k = (Py_ssize_t)(hash_bytes(s, n) & (uint64_t)mask);
+    for (; c->index[k] != 0; k = (k + 1) & mask) {
+        Py_ssize_t code = c->index[k] - 1;
+        if (c->names[code].n == n && memcmp(c->names[code].s, s, (size_t)n) == 0)
+            return (int32_t)code;
+    }
+    if (c->n_names >= INT32_MAX - 1) {
+        PyErr_SetString(PyExc_OverflowError, "too many distinct strings in one column");
+        return -1;
+    }
+    if (grow((void **)&c->names, &c->names_cap, c->n_names + 1, sizeof(Name)) < 0) return -1;
+    char *copy = PyMem_Malloc(n ? (size_t)n : 1);
+    if (copy == NULL) return PyErr_NoMemory(), -1;
+    memcpy(copy, s, (size_t)n);
+    c->names[c->n_names].s = copy;
+    c->names[c->n_names].n = n;
+    c->index[k] = (int32_t)(c->n_names + 1);
+    return (int32_t)c->n_names++;
+}
+
 static int col_push(Col *c, const Val *v, Sink *memo) {
     Py_ssize_t bit = c->rows;
     if (grow((void **)&c->valid, &c->vcap, bit / 8 + 1, 1) < 0) return -1;
@@ -3426,6 +3488,15 @@ static int col_push(Col *c, const Val *v, Sink *memo) {
         if (grow((void **)&c->data, &c->cap, c->len + 1, 1) < 0) return -1;
         c->data[c->len++] = (char)(present && v->i);
         break;
+    case C_CODE: {
+        if (present && v->tag != J_STR) return 0;
+        int32_t code = 0;
+        if (present && (code = code_of(c, v->s, v->n)) < 0) return -1;
+        if (grow((void **)&c->data, &c->cap, c->len + 4, 1) < 0) return -1;
+        memcpy(c->data + c->len, &code, 4);
+        c->len += 4;
+        break;
+    }
     default: {
         if (present && v->tag != J_STR) return 0;
         Py_ssize_t n = present ? v->n : 0;
@@ -3448,13 +3519,30 @@ static void col_truncate(Col *c, Py_ssize_t rows) {
         if (!(c->valid[r / 8] >> (r % 8) & 1)) c->nulls--;
     }
     c->rows = rows;
-    c->len = c->kind == C_STR ? (rows ? c->offsets[rows] : 0) : c->kind == C_BOOL ? rows : 8 * rows;
+    c->len = c->kind == C_STR    ? (rows ? c->offsets[rows] : 0)
+             : c->kind == C_BOOL ? rows
+             : c->kind == C_CODE ? 4 * rows
+                                 : 8 * rows;
+}
+
+/* A C_CODE column's names back to those of the accepted lines (the index is made
+ * again when next needed). */
+static void names_truncate(Col *c) {
+    if (c->n_names == c->names_kept) return;
+    for (Py_ssize_t k = c->names_kept; k < c->n_names; k++) PyMem_Free(c->names[k].s);
+    c->n_names = c->names_kept;
+    PyMem_Free(c->index);
+    c->index = NULL;
+    c->index_cap = 0;
 }
 
 static void col_free(Col *c) {
     PyMem_Free(c->data);
     PyMem_Free(c->offsets);
     PyMem_Free(c->valid);
+    for (Py_ssize_t k = 0; k < c->n_names; k++) PyMem_Free(c->names[k].s);
+    PyMem_Free(c->names);
+    PyMem_Free(c->index);
 }
 
 /* A column's memory handed to Python as it is (no copy): a read-only buffer that
@@ -3521,7 +3609,14 @@ static PyObject *col_take(Col *c) {
     } else {
         data = owned(&c->data, c->len);
     }
-    if (c->kind == C_STR) {
+    if (c->kind == C_CODE) {
+        offsets = PyTuple_New(c->n_names);
+        for (Py_ssize_t k = 0; offsets != NULL && k < c->n_names; k++) {
+            PyObject *name = PyBytes_FromStringAndSize(c->names[k].s, c->names[k].n);
+            if (name == NULL) Py_CLEAR(offsets);
+            else PyTuple_SET_ITEM(offsets, k, name);
+        }
+    } else if (c->kind == C_STR) {
         if (c->rows == 0 && grow((void **)&c->offsets, &c->ocap, 1, sizeof(int32_t)) == 0) {
             c->offsets[0] = 0;
         }
@@ -3546,20 +3641,18 @@ static void sink_key(Sink *sink, int slot, const char *s, Py_ssize_t n) {
 }
 
 static int sink_row(Sink *sink, const Val *vals) {
-    for (Py_ssize_t j = sink->n_keys; j < sink->n_row; j++) {
-        Col *c = &sink->row[j];
+    for (int slot = 0; slot < 2; slot++) {
+        if (sink->key_col[slot] < 0) continue;
         Val key;
-        const Val *v;
-        if (j < sink->n_keys + 2) {
-            int slot = (int)(j - sink->n_keys);
-            key.tag = J_STR;
-            key.s = sink->key[slot];
-            key.n = sink->key_len[slot];
-            v = &key;
-        } else {
-            v = &vals[c->field];
-        }
-        int r = col_push(c, v, sink);
+        key.tag = J_STR;
+        key.s = sink->key[slot];
+        key.n = sink->key_len[slot];
+        int r = col_push(&sink->row[sink->key_col[slot]], &key, NULL);
+        if (r != 1) return r;
+    }
+    for (Py_ssize_t j = sink->first_leaf; j < sink->n_row; j++) {
+        Col *c = &sink->row[j];
+        int r = col_push(c, &vals[c->field], sink);
         if (r != 1) return r; /* 0: a value of another type than its column's */
     }
     sink->line_rows++;
@@ -3573,12 +3666,19 @@ static int sink_line(Sink *sink, const Val *vals) {
         int r = col_push(&sink->top[j], &vals[sink->top[j].field], NULL);
         if (r != 1) return r < 0 ? -1 : 0;
     }
+    Val line;
+    line.tag = J_INT;
+    line.i = sink->lines;
     for (Py_ssize_t j = 0; j < sink->n_keys; j++) {
+        Col *c = &sink->row[j];
+        const Val *v = c->field == LINE_FIELD ? &line : &vals[c->field];
         for (Py_ssize_t k = 0; k < sink->line_rows; k++) {
-            int r = col_push(&sink->row[j], &vals[sink->row[j].field], NULL);
+            int r = col_push(c, v, NULL);
             if (r != 1) return r < 0 ? -1 : 0;
         }
     }
+    for (Py_ssize_t j = 0; j < sink->n_top; j++) sink->top[j].names_kept = sink->top[j].n_names;
+    for (Py_ssize_t j = 0; j < sink->n_row; j++) sink->row[j].names_kept = sink->row[j].n_names;
     sink->rows += sink->line_rows;
     sink->line_rows = 0;
     sink->lines++;
@@ -3587,8 +3687,14 @@ static int sink_line(Sink *sink, const Val *vals) {
 
 /* The line is not accepted: whatever of it went into the columns is taken back. */
 static void sink_drop(Sink *sink) {
-    for (Py_ssize_t j = 0; j < sink->n_top; j++) col_truncate(&sink->top[j], sink->lines);
-    for (Py_ssize_t j = 0; j < sink->n_row; j++) col_truncate(&sink->row[j], sink->rows);
+    for (Py_ssize_t j = 0; j < sink->n_top; j++) {
+        col_truncate(&sink->top[j], sink->lines);
+        names_truncate(&sink->top[j]);
+    }
+    for (Py_ssize_t j = 0; j < sink->n_row; j++) {
+        col_truncate(&sink->row[j], sink->rows);
+        names_truncate(&sink->row[j]);
+    }
     sink->line_rows = 0;
 }
 
@@ -3600,8 +3706,8 @@ static void sink_free(Sink *sink) {
 }
 
 static int col_kind(const char *name, int *kind) {
-    static const char *names[] = {"int64", "float64", "bool", "string"};
-    for (int k = 0; k < 4; k++) {
+    static const char *names[] = {"int64", "float64", "bool", "string", "code"};
+    for (int k = 0; k < 5; k++) {
         if (strcmp(name, names[k]) == 0) {
             *kind = k;
             return 0;
@@ -3790,6 +3896,7 @@ static int build_object(CNode *node, PyObject *desc) {
 static int build_node(PyObject *desc, CNode **out) {
     CNode *node = PyMem_Calloc(1, sizeof(CNode));
     if (node == NULL) return PyErr_NoMemory(), -1;
+    node->key_slot = -1;
     *out = node;
     if (!PyTuple_Check(desc) || PyTuple_GET_SIZE(desc) < 2) return plan_error("a node is a tuple");
     const char *kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(desc, 0));
@@ -3879,30 +3986,46 @@ static int build_layout(Checker *c, PyObject *layout) {
         if (l->top[j].field < 0 || l->top[j].field >= c->root->n_fields)
             return plan_error("a column's field");
     }
+    l->key_col[0] = l->key_col[1] = -1;
     if (rows != Py_None) {
         int map_field;
-        PyObject *keys, *leaves;
-        if (!PyArg_ParseTuple(rows, "iO!O!", &map_field, &PyTuple_Type, &keys, &PyTuple_Type,
-                              &leaves))
+        PyObject *keys, *map_keys, *leaves;
+        if (!PyArg_ParseTuple(rows, "iO!O!O!", &map_field, &PyTuple_Type, &keys, &PyTuple_Type,
+                              &map_keys, &PyTuple_Type, &leaves))
             return -1;
         if (map_field < 0 || map_field >= c->root->n_fields) return plan_error("the map field");
         CNode *outer = c->root->fields[map_field].node;
         CNode *inner = outer->kind == N_MAP ? outer->value : NULL;
         CNode *obj = inner != NULL && inner->kind == N_MAP ? inner->value : NULL;
         if (obj == NULL || obj->kind != N_OBJ) return plan_error("rows come from a map of maps of objects");
+        if (PyTuple_GET_SIZE(map_keys) != 2) return plan_error("a kind (or None) per map level");
         outer->key_slot = 0;
         inner->key_slot = 1;
         obj->row_sink = 1;
         l->n_keys = PyTuple_GET_SIZE(keys);
-        if (cols_from(leaves, &l->row, &l->n_row, l->n_keys + 2) < 0) return -1;
+        Py_ssize_t kept = 0;
+        int kinds[2];
+        for (int slot = 0; slot < 2; slot++) {
+            PyObject *kind = PyTuple_GET_ITEM(map_keys, slot);
+            if (kind == Py_None) continue;
+            const char *name = PyUnicode_AsUTF8(kind);
+            if (name == NULL || col_kind(name, &kinds[slot]) < 0) return -1;
+            if (kinds[slot] != C_STR && kinds[slot] != C_CODE) return plan_error("a map key is a string");
+            l->key_col[slot] = l->n_keys + kept++;
+        }
+        l->first_leaf = l->n_keys + kept;
+        if (cols_from(leaves, &l->row, &l->n_row, l->first_leaf) < 0) return -1;
         for (Py_ssize_t j = 0; j < l->n_keys; j++) {
             if (col_set(&l->row[j], PyTuple_GET_ITEM(keys, j)) < 0) return -1;
-            if (l->row[j].field < 0 || l->row[j].field >= c->root->n_fields)
+            int field = l->row[j].field;
+            if (field == LINE_FIELD ? l->row[j].kind != C_I64 : field < 0 || field >= c->root->n_fields)
                 return plan_error("a key column's field");
         }
-        l->row[l->n_keys].kind = l->row[l->n_keys + 1].kind = C_STR;
-        for (Py_ssize_t j = l->n_keys + 2; j < l->n_row; j++) {
-            if (col_set(&l->row[j], PyTuple_GET_ITEM(leaves, j - l->n_keys - 2)) < 0) return -1;
+        for (int slot = 0; slot < 2; slot++) {
+            if (l->key_col[slot] >= 0) l->row[l->key_col[slot]].kind = kinds[slot];
+        }
+        for (Py_ssize_t j = l->first_leaf; j < l->n_row; j++) {
+            if (col_set(&l->row[j], PyTuple_GET_ITEM(leaves, j - l->first_leaf)) < 0) return -1;
             if (l->row[j].field < 0 || l->row[j].field >= obj->n_fields)
                 return plan_error("a row column's field");
         }
@@ -3939,7 +4062,7 @@ static int checker_init(Checker *c, PyObject *args, PyObject *kwds) {
 
 /* One whole line [p, nl): 1 when accepted (its key and seq then recorded, its values
  * in the sink), 0 when left to the full path, -1 on a Python error. */
-static int take_line(Checker *c, Tracker *t, const char *p, const char *nl, int hostname,
+static int take_line(Checker *c, KeysAndSeqs *t, const char *p, const char *nl, int hostname,
                      Sink *sink) {
     Val vals[MAX_FIELDS];
     Cur cur = {p, nl, sink};
@@ -3990,7 +4113,7 @@ static int take_line(Checker *c, Tracker *t, const char *p, const char *nl, int 
 }
 
 /* The lines of data[pos:end] accepted from pos on; -1 on a Python error. */
-static Py_ssize_t take_lines(Checker *c, Tracker *t, const char *data, Py_ssize_t pos,
+static Py_ssize_t take_lines(Checker *c, KeysAndSeqs *t, const char *data, Py_ssize_t pos,
                              Py_ssize_t end, int hostname, Sink *sink, Py_ssize_t *lines) {
     *lines = 0;
     while (pos < end) {
@@ -4009,8 +4132,8 @@ static Py_ssize_t take_lines(Checker *c, Tracker *t, const char *data, Py_ssize_
 }
 
 static int scan_args(Checker *c, PyObject *args, Py_buffer *buf, Py_ssize_t *pos,
-                     Py_ssize_t *end, Tracker **t, int *hostname) {
-    if (!PyArg_ParseTuple(args, "y*nnO!i", buf, pos, end, &TrackerType, t, hostname)) return -1;
+                     Py_ssize_t *end, KeysAndSeqs **t, int *hostname) {
+    if (!PyArg_ParseTuple(args, "y*nnO!i", buf, pos, end, &KeysAndSeqsType, t, hostname)) return -1;
     if (*pos < 0 || *end > buf->len || *pos > *end) {
         PyBuffer_Release(buf);
         PyErr_SetString(PyExc_ValueError, "pos and end must lie within data");
@@ -4018,20 +4141,20 @@ static int scan_args(Checker *c, PyObject *args, Py_buffer *buf, Py_ssize_t *pos
     }
     if ((*t)->n_comp != c->n_key) {
         PyBuffer_Release(buf);
-        PyErr_SetString(PyExc_ValueError, "the tracker's key shape is not this stream's");
+        PyErr_SetString(PyExc_ValueError, "the keys' shape is not this stream's");
         return -1;
     }
     return 0;
 }
 
-/* scan(data, pos, end, tracker, hostname) -> (pos, lines): the lines of data[pos:end]
+/* scan(data, pos, end, keys, hostname) -> (pos, lines): the lines of data[pos:end]
  * (whole lines) accepted from pos on, up to the first one left to the full path (then
  * pos is its start) or end. hostname: whether lines carry it (0, 1; -1 when the
  * stream has no hostname). */
 static PyObject *checker_scan(Checker *c, PyObject *args) {
     Py_buffer buf;
     Py_ssize_t pos, end, lines;
-    Tracker *t;
+    KeysAndSeqs *t;
     int hostname;
     if (scan_args(c, args, &buf, &pos, &end, &t, &hostname) < 0) return NULL;
     pos = take_lines(c, t, buf.buf, pos, end, hostname, NULL, &lines);
@@ -4040,7 +4163,7 @@ static PyObject *checker_scan(Checker *c, PyObject *args) {
     return Py_BuildValue("nn", pos, lines);
 }
 
-/* extract(data, pos, end, tracker, hostname) -> (pos, lines, table, rows): as scan,
+/* extract(data, pos, end, keys, hostname) -> (pos, lines, table, rows): as scan,
  * and the accepted lines' values: a column per layout column, each (validity or None,
  * values, offsets or None, length, nulls), for the stream table and the long table
  * (None without one). */
@@ -4051,7 +4174,7 @@ static PyObject *checker_extract(Checker *c, PyObject *args) {
     }
     Py_buffer buf;
     Py_ssize_t pos, end, lines;
-    Tracker *t;
+    KeysAndSeqs *t;
     int hostname;
     if (scan_args(c, args, &buf, &pos, &end, &t, &hostname) < 0) return NULL;
     Sink sink;
@@ -4060,6 +4183,9 @@ static PyObject *checker_extract(Checker *c, PyObject *args) {
     sink.n_top = c->layout.n_top;
     sink.n_keys = c->layout.n_keys;
     sink.n_row = c->layout.n_row;
+    sink.key_col[0] = c->layout.key_col[0];
+    sink.key_col[1] = c->layout.key_col[1];
+    sink.first_leaf = c->layout.first_leaf;
     sink.top = PyMem_Calloc((size_t)sink.n_top + 1, sizeof(Col));
     sink.row = PyMem_Calloc((size_t)sink.n_row + 1, sizeof(Col));
     PyObject *result = NULL, *top = NULL, *rows = NULL;
@@ -4106,10 +4232,10 @@ done:
 
 static PyMethodDef checker_methods[] = {
     {"scan", (PyCFunction)checker_scan, METH_VARARGS,
-     "scan(data, pos, end, tracker, hostname) -> (pos, lines): the lines"
+     "scan(data, pos, end, keys, hostname) -> (pos, lines): the lines"
      " accepted from pos on, up to the first left to the full path."},
     {"extract", (PyCFunction)checker_extract, METH_VARARGS,
-     "extract(data, pos, end, tracker, hostname) -> (pos, lines, table, rows): as scan,"
+     "extract(data, pos, end, keys, hostname) -> (pos, lines, table, rows): as scan,"
      " with the accepted lines' values as columns (a checker built with a layout)."},
     {NULL, NULL, 0, NULL},
 };
@@ -4156,7 +4282,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_speedups", "The line encoder (see _codec), a rank's step encoder and the validator's fast check in C.", -1,
+    PyModuleDef_HEAD_INIT, "_speedups", "The line encoder (see _codec), a rank's step encoder and the core of the one scan of the export files, in C.", -1,
     methods,
 };
 
@@ -4165,12 +4291,12 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (kw_include_hostname == NULL) return NULL;
     str_popleft = PyUnicode_InternFromString("popleft");
     if (str_popleft == NULL) return NULL;
-    if (PyType_Ready(&TrackerType) < 0 || PyType_Ready(&CheckerType) < 0 ||
+    if (PyType_Ready(&KeysAndSeqsType) < 0 || PyType_Ready(&CheckerType) < 0 ||
         PyType_Ready(&OwnedType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) return NULL;
-    if (PyModule_AddObjectRef(module, "Tracker", (PyObject *)&TrackerType) < 0 ||
+    if (PyModule_AddObjectRef(module, "KeysAndSeqs", (PyObject *)&KeysAndSeqsType) < 0 ||
         PyModule_AddObjectRef(module, "Checker", (PyObject *)&CheckerType) < 0) {
         Py_DECREF(module);
         return NULL;

@@ -1,4 +1,4 @@
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 def configure(
@@ -47,3 +47,32 @@ def encode_batch(
     conditions: tuple[Any, ...] | None,
     /,
 ) -> tuple[bytes, int] | None: ...
+
+# The core of the one scan of the export files (traceml_records._scan); its pure-Python
+# twin, traceml_records._scan_py, has the same classes with the same signatures.
+
+Column = tuple[Any, bytes | Any, Any, int, int]
+
+class KeysAndSeqs:
+    """The keys and each rank's last seq of one file's lines."""
+
+    def __init__(self, shape: str, /) -> None: ...
+    def add(self, key: tuple[Any, ...], line: int, /) -> bool: ...
+    def seq(self, rank: Any, seq: Any, /) -> Any: ...
+    def watch(self, keys: Iterable[tuple[Any, ...]], /) -> None: ...
+    def found(self) -> dict[tuple[Any, ...], int]: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def keys(self) -> int: ...
+
+class Checker:
+    """One stream's scan core: the lines it can vouch for, taken."""
+
+    def __init__(self, plan: tuple[Any, ...], layout: tuple[Any, ...] | None = ..., /) -> None: ...
+    def scan(
+        self, data: bytes | bytearray, pos: int, end: int, keys: KeysAndSeqs, hostname: int, /
+    ) -> tuple[int, int]: ...
+    def extract(
+        self, data: bytes | bytearray, pos: int, end: int, keys: KeysAndSeqs, hostname: int, /
+    ) -> tuple[int, int, tuple[Column, ...], tuple[Column, ...] | None]: ...

@@ -1,22 +1,17 @@
 """``traceml validate``: export files checked against the schemas and the spec's rules.
 
-Each line is parsed with orjson and checked against its JSON Schema with a compiled
-``jsonschema_rs`` validator (``is_valid``; the error list is built only for a bad
-line). A schema-valid line then gets the checks a schema cannot express: keys in
-schema order, integers written as integers, sorted maps, the cross-field rules of the
-Export Records page. Whole files and folders get the cross-line rules: one closing
-line, last, with the right stream and count; one ``dropped_batches`` per folder;
-unique keys; ``seq`` never decreasing; system_gpu lines matching their snapshot;
-``hostname`` on every line or none.
-
-That is the full path. Files are read in blocks, and the lines of a stream with a
-fast check (``_fastcheck``: derived from its schema, in C when built) are first
-scanned by it: it accepts the lines it can vouch for, with nothing to report, and
-stops at any other, which then takes the full path. Both record each line's key and
-seq in one tracker per file (the keys compactly: an int64 a key), so the cross-line
-rules see every line either way. A repeated key is reported with the line of its
-first occurrence, which the tracker does not keep: a file with repeats is scanned a
-second time, for those keys only.
+Each file is read by the one scan (``_scan.FileScan``), told every problem it finds:
+a line that is no JSON object, a line its own checks reject (``_linecheck``: its JSON
+Schema through a compiled ``jsonschema_rs`` validator, then what a schema cannot say:
+keys in schema order, integers written as integers, sorted maps, the cross-field rules
+of the Export Records page), a repeated key, a seq going back, ``hostname`` on some
+lines of the folder only, a second closing line. Most lines never leave the scan's C
+core, which takes the lines it can vouch for with nothing to report. Whole files and
+folders then get the rest of the cross-line rules: one closing line, last, with the
+right stream and count; one ``dropped_batches`` per folder; system_gpu lines matching
+their snapshot. A repeated key is reported with the line of its first occurrence,
+which the scan's keys do not keep: a file with repeats is scanned a second time, for
+those keys only.
 
 A run folder's ``finalization_warning.json`` is compared with its export files,
 except when the warning says its run's exporter failed and wrote nothing
@@ -28,10 +23,8 @@ earlier run's. They are still checked on their own and their summaries say so.
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Iterable, Iterator
-from io import BufferedReader
+from collections.abc import Callable, Iterable
 from operator import itemgetter
 from pathlib import Path as FsPath
 from typing import Any
@@ -39,20 +32,11 @@ from typing import Any
 import attrs
 import orjson
 
-from traceml_records._checkplan import ARRAY, INTEGER, MAP, OBJECT, CheckPlan, ValueCheck
-from traceml_records._codec import line_problems
-from traceml_records._errors import Path, describe, json_pointer
-from traceml_records._fastcheck import Checker, Tracker, checker_for, tracker_for
-from traceml_records._generated.checks import CHECKS, CLOSING_CHECK, WARNING_CHECK
+from traceml_records._errors import describe
 from traceml_records._generated.registry import STREAMS
 from traceml_records._generated.wire import WIRE_STREAMS
-from traceml_records._lines import is_closing
-from traceml_records._schemas import (
-    CLOSING_SCHEMA_FILE,
-    WARNING_SCHEMA_FILE,
-    rs_validators,
-    schema_errors,
-)
+from traceml_records._linecheck import Problem, check_warning
+from traceml_records._scan import FileScan, Hostname
 
 WARNING_FILE_NAME = "finalization_warning.json"
 """Name of the warning file in a run folder."""
@@ -69,30 +53,6 @@ _IDENTITY = (
 """What each system_gpu line of a snapshot copies from its system item, as the wire
 registry declares it (hostname apart: it may be absent on every line)."""
 _SNAPSHOT_KEY = itemgetter("node_rank", "seq")
-_NOT_INT = "expected an integer written without fraction or exponent, got"
-_BLOCK_BYTES = 1 << 20
-"""Bytes read at a time: the fast check's per-block cost is nothing at this size, and
-the memory it takes stays small whatever the file's size."""
-
-# (pointer, message) pairs: what the per-line checks produce before a file and a
-# line number are attached.
-_Found = list[tuple[str, str]]
-
-
-@attrs.frozen
-class Problem:
-    """One thing wrong: where (file, line, JSON pointer) and what."""
-
-    file: str | None
-    line: int | None
-    pointer: str
-    message: str
-
-    def __str__(self) -> str:
-        where = ""
-        if self.file is not None:
-            where = f"{self.file}:{self.line}: " if self.line is not None else f"{self.file}: "
-        return f"{where}{self.pointer or '/'}: {self.message}"
 
 
 @attrs.frozen
@@ -136,174 +96,6 @@ class ValidationReport:
     def ok(self) -> bool:
         """True when no file has a problem."""
         return all(f.problems == 0 for f in self.files)
-
-
-# --------------------------------------------------------------------------- plans
-
-
-def _float_ints(value: Any, check: ValueCheck, path: Path, out: _Found) -> None:
-    """Report floats where the check plan wants integers (JSON Schema accepts ``1.0``)."""
-    if type(value) is float:
-        if check.kind == INTEGER:
-            out.append((json_pointer(path), f"{_NOT_INT} {describe(value)}"))
-    elif type(value) is dict:
-        if check.kind == OBJECT:
-            fields = {f.name: f.check for f in check.fields}
-            for key, item in value.items():
-                sub = fields.get(key)
-                if sub is not None:
-                    _float_ints(item, sub, (*path, key), out)
-        elif check.kind == MAP and check.value is not None:
-            for key, item in value.items():
-                _float_ints(item, check.value, (*path, key), out)
-    elif type(value) is list and check.kind == ARRAY and check.value is not None:
-        for index, item in enumerate(value):
-            _float_ints(item, check.value, (*path, index), out)
-
-
-def _as_object(plan: CheckPlan) -> ValueCheck:
-    return ValueCheck(kind=OBJECT, fields=plan.fields)
-
-
-_CLOSING_OBJECT = _as_object(CLOSING_CHECK)
-_WARNING_OBJECT = _as_object(WARNING_CHECK)
-
-
-def _schema_problems(validator: Any, obj: Any) -> _Found:
-    return [(json_pointer(path), message) for path, message in schema_errors(validator, obj)]
-
-
-# ------------------------------------------------------------------ per-line checks
-# A schema-valid line then gets what the schema cannot say, from the one place that
-# says it for the codec too (``line_problems``: key order, sorted maps and the named
-# rules of ``traceml_records._rules``), so ``traceml validate`` and strict
-# ``loads_line`` report the same lines.
-
-
-def _event_int_floats(d: dict[str, Any], out: _Found) -> None:
-    """``n_calls`` written as a float (JSON Schema's integer accepts ``1.0``)."""
-    for name, devices in d["events"].items():
-        for device, t in devices.items():
-            if type(t["n_calls"]) is float:
-                at = json_pointer(("events", name, device, "n_calls"))
-                out.append((at, f"{_NOT_INT} {describe(t['n_calls'])}"))
-
-
-@attrs.frozen
-class _Kind:
-    """What the per-line checks of one stream need, derived from its schema once."""
-
-    stream: str
-    validator: Any
-    order: tuple[str, ...]
-    order_without_hostname: tuple[str, ...]
-    int_keys: tuple[str, ...]
-    key_fields: tuple[str, ...]
-    key_shape: str
-    """Per key field, ``i`` (an integer) or ``s`` (a string): the tracker's keys."""
-    unique_keys: bool
-    carries_hostname: bool
-
-    def check(self, d: dict[str, Any]) -> tuple[bool, _Found]:
-        """Whether the line passes its schema, and its problems (schema, then the rest)."""
-        if not self.validator.is_valid(d):
-            return False, _schema_problems(self.validator, d)
-        out: _Found = []
-        for key in self.int_keys:
-            if type(d.get(key)) is float:
-                out.append((f"/{key}", f"{_NOT_INT} {describe(d[key])}"))
-        if "events" in d:
-            _event_int_floats(d, out)
-        out.extend((json_pointer(path), message) for path, message in line_problems(d))
-        return True, out
-
-
-@functools.cache
-def _kinds() -> dict[str, _Kind]:
-    validators = rs_validators()
-    kinds = {}
-    for spec in STREAMS:
-        plan = CHECKS[spec.name]
-        order = plan.names
-        kinds[spec.name] = _Kind(
-            stream=spec.name,
-            validator=validators[spec.schema_file],
-            order=order,
-            order_without_hostname=tuple(k for k in order if k != "hostname"),
-            int_keys=tuple(f.name for f in plan.fields if f.check.kind == INTEGER),
-            key_fields=plan.key_fields,
-            key_shape=plan.key_shape,
-            # A stream without it (runtime_environment: last-line-wins) may repeat a key.
-            unique_keys=plan.unique_keys,
-            carries_hostname=plan.carries_hostname,
-        )
-    return kinds
-
-
-def _check_closing(d: dict[str, Any]) -> _Found:
-    validator = rs_validators()[CLOSING_SCHEMA_FILE]
-    if not validator.is_valid(d):
-        return _schema_problems(validator, d)
-    out: _Found = []
-    if tuple(d) != CLOSING_CHECK.names:
-        out.append(("", f"keys are not in schema order ({', '.join(CLOSING_CHECK.names)})"))
-    _float_ints(d, _CLOSING_OBJECT, (), out)
-    return out
-
-
-def _check_warning(d: Any) -> _Found:
-    """Schema, integers written as integers, then key order and the named rules
-    (``line_problems``, as strict loading and finalize check them)."""
-    validator = rs_validators()[WARNING_SCHEMA_FILE]
-    if not validator.is_valid(d):
-        return _schema_problems(validator, d)
-    out: _Found = []
-    _float_ints(d, _WARNING_OBJECT, (), out)
-    out.extend((json_pointer(path), message) for path, message in line_problems(d))
-    return out
-
-
-def validate_line(data: bytes | str) -> list[Problem]:
-    """Problems of one line on its own: JSON, schema and cross-field rules.
-
-    The line may be a data line of any stream, a closing line or the warning object.
-    Cross-line rules need the whole file; see :func:`validate_paths`.
-    """
-    try:
-        d = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        return [Problem(None, None, "", f"invalid JSON: {exc}")]
-    return [Problem(None, None, p, m) for p, m in _check_object(d)]
-
-
-def _check_object(d: Any) -> _Found:
-    if type(d) is not dict:
-        return [("", f"expected object, got {describe(d)}")]
-    if "closing" in d:
-        if d["closing"] is not True:
-            return [_closing_not_true(d)]
-        return _check_closing(d)
-    if "status" in d:
-        return _check_warning(d)
-    stream = d.get("stream")
-    kind = _kinds().get(stream) if type(stream) is str else None
-    if kind is None:
-        return [_unknown_stream(d)]
-    return kind.check(d)[1]
-
-
-def _closing_not_true(d: dict[str, Any]) -> tuple[str, str]:
-    return (
-        "/closing",
-        f"expected true (data lines never carry closing), got {describe(d['closing'])}",
-    )
-
-
-def _unknown_stream(d: dict[str, Any]) -> tuple[str, str]:
-    if "stream" not in d:
-        return ("/stream", "required key is missing")
-    names = ", ".join(spec.name for spec in STREAMS)
-    return ("/stream", f"unknown stream {describe(d['stream'])}; expected one of {names}")
 
 
 # ------------------------------------------------------------------ files and folders
@@ -350,12 +142,41 @@ class _FileState:
             self.display, self.stream, self.data_lines, self.closed, self.count, self.earlier_run
         )
 
+    # What the scan tells (``_scan.Report``).
+
+    def problem(self, line: int, pointer: str, message: str) -> None:
+        self.add(line, pointer, message)
+
+    def repeat(self, line: int, key: tuple[Any, ...], shown: str) -> None:
+        self.add_repeat(line, key, shown)
+
+    def data(self, d: dict[str, Any], line: int) -> None:
+        """A data line that passes its schema: system snapshots and their GPU lines."""
+        stream = d["stream"]
+        if stream == "system":
+            self.snapshots.setdefault(_SNAPSHOT_KEY(d), (line, d["gpu_count"], _identity_of(d)))
+        elif stream == "system_gpu":
+            group = self.gpu_groups.get(_SNAPSHOT_KEY(d))
+            if group is None:
+                self.gpu_groups[_SNAPSHOT_KEY(d)] = [1, line, _identity_of(d)]
+            else:
+                group[0] += 1
+                if _identity_of(d) != group[2]:
+                    self.add(
+                        line, "", f"identity differs from line {group[1]} of the same snapshot"
+                    )
+
 
 @attrs.define
 class _Folder:
     """State shared by the files of one export folder (the cross-file rules)."""
 
-    hostname: tuple[bool, str] | None = None
+    hostname: Hostname = attrs.Factory(Hostname)
+
+    def copy(self) -> _Folder:
+        folder = _Folder()
+        folder.hostname.value = self.hostname.value
+        return folder
 
 
 def _identity_of(d: dict[str, Any]) -> tuple[Any, ...]:
@@ -368,218 +189,43 @@ def _scan_file(
     folder: _Folder,
     progress: Callable[[int], None] | None,
     watch: Iterable[tuple[Any, ...]] = (),
-) -> Tracker | None:
-    """Check every line of one file; returns the tracker of its stream's lines, if
-    any reached one (``watch``: keys whose first line the tracker notes)."""
-    kinds = _kinds()
-    trackers: dict[str, Tracker] = {}
-    number = 0
-
-    def tracker(stream: str) -> Tracker:
-        found = trackers.get(stream)
-        if found is None:
-            found = trackers[stream] = tracker_for(kinds[stream].key_shape)
-            found.watch(watch)
-        return found
-
+) -> Any:
+    """Check every line of one file; returns the keys of its stream's lines (None when
+    no line named a stream; ``watch``: keys whose first line they note)."""
+    scan = FileScan(
+        state.stream, hostname=folder.hostname, report=state, display=state.display, watch=watch
+    )
     with open(path, "rb") as f:
-        blocks = _Blocks(f)
-        for end in blocks:
-            data = blocks.buffer
-            pos = 0
-            while pos < end:
-                fast = _fast_path(state, folder, kinds)
-                if fast is not None:
-                    checker, hostname = fast
-                    pos, n = checker.scan(data, pos, end, tracker(state.stream or ""), hostname)
-                    if n:
-                        number += n
-                        state.lines = number
-                        state.data_lines += n
-                    if pos >= end:
-                        break
-                nl = data.index(b"\n", pos, end)
-                number += 1
-                state.lines = number
-                raw = bytes(memoryview(data)[pos : nl + 1])
-                _check_line(raw, number, state, folder, kinds, tracker)
-                pos = nl + 1
-            if progress is not None:
-                progress(f.tell())
-        if blocks.partial:
-            state.add(
-                number + 1, "", "last line has no newline (still being written, or truncated)"
-            )
+        scan.read(f, progress)
+    st = scan.state
+    state.stream = st.stream
+    state.lines = st.lines
+    state.data_lines = st.written_lines
+    state.closing_line = st.closing_line
+    state.closing = st.closing if st.closing_ok else None
+    if st.partial_last_line:
+        state.add(st.lines + 1, "", "last line has no newline (still being written, or truncated)")
     if progress is not None:
         progress(os.path.getsize(path))
     _finish_file(state)
-    return trackers.get(state.stream or "")
-
-
-class _Blocks:
-    """The complete lines of a file, a block at a time, in one buffer reused for every
-    block (no fresh memory per block): iterating gives ``end``, the lines being
-    ``buffer[:end]``; what follows the last newline is kept for the next block."""
-
-    def __init__(self, f: BufferedReader) -> None:
-        self._f = f
-        self.buffer = bytearray(_BLOCK_BYTES)
-        self._kept = 0
-
-    def __iter__(self) -> Iterator[int]:
-        buffer = self.buffer
-        while True:
-            with memoryview(buffer) as view:
-                n = self._f.readinto(view[self._kept :])
-            if not n:
-                return
-            size = self._kept + n
-            end = buffer.rfind(b"\n", 0, size) + 1
-            yield end
-            self._kept = size - end
-            buffer[: self._kept] = buffer[end:size]
-            if self._kept == len(buffer):  # a line longer than the buffer
-                buffer.extend(bytes(len(buffer)))
-
-    @property
-    def partial(self) -> bool:
-        """Whether the file ended inside a line (one still being written)."""
-        return self._kept > 0
-
-
-def _fast_path(
-    state: _FileState, folder: _Folder, kinds: dict[str, _Kind]
-) -> tuple[Checker, int] | None:
-    """The fast check for the next lines and what it takes of hostname, or None:
-    the next line goes the full way (the file's stream or the folder's hostname
-    not known yet, or no fast check for the stream)."""
-    if state.stream is None:
-        return None
-    checker = checker_for(state.stream)
-    if checker is None:
-        return None
-    if not kinds[state.stream].carries_hostname:
-        return checker, -1
-    if folder.hostname is None:
-        return None
-    return checker, int(folder.hostname[0])
-
-
-def _check_line(
-    raw: bytes,
-    number: int,
-    state: _FileState,
-    folder: _Folder,
-    kinds: dict[str, _Kind],
-    tracker: Callable[[str], Tracker],
-) -> None:
-    """The full path of one complete line (``raw`` ends with its newline)."""
-    add = state.add
-    try:
-        d = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        state.data_lines += 1
-        add(number, "", f"invalid JSON: {exc}")
-        return
-    if is_closing(d):
-        _closing_line(state, number, d)
-        return
-    state.data_lines += 1
-    if type(d) is not dict:
-        add(number, "", f"expected object, got {describe(d)}")
-        return
-    if "closing" in d:
-        add(number, *_closing_not_true(d))
-        return
-    stream = d.get("stream")
-    kind = kinds.get(stream) if type(stream) is str else None
-    if kind is None:
-        if "status" in d:
-            add(number, "", "a finalization warning object is not an export line")
-        else:
-            add(number, *_unknown_stream(d))
-        return
-    if state.stream is None:
-        state.stream = stream
-    elif stream != state.stream:
-        add(number, "/stream", f"a {stream} line in a {state.stream} file")
-        return
-    valid, found = kind.check(d)
-    for pointer, message in found:
-        add(number, pointer, message)
-    if not valid:
-        return  # values may have any type: no cross-line checks
-    _cross_line(state, folder, kind, d, number, tracker(kind.stream))
+    return scan.keys
 
 
 def _first_lines(path: FsPath, state: _FileState, folder: _Folder, stream: str | None) -> None:
     """Give each duplicate-key problem the line of the key's first occurrence: the
     file scanned again from its first state (``stream``: the one its name gives), its
-    problems dropped, its tracker noting where those keys first come (the same lines
-    reach it in the same order)."""
+    problems dropped, its keys noting where those keys first come (the same lines
+    reach them in the same order)."""
     again = _FileState(state.display, stream, 0)
     keys = [key for _, key, _ in state.repeats]
-    tracker = _scan_file(path, again, attrs.evolve(folder), None, watch=keys)
-    found = tracker.found() if tracker is not None else {}
+    found_keys = _scan_file(path, again, folder.copy(), None, watch=keys)
+    found = found_keys.found() if found_keys is not None else {}
     for index, key, shown in state.repeats:
         first = found.get(key)
         if index is not None and first is not None:  # always found: the same lines
             message = f"duplicate key {shown} (first on line {first})"
             state.problems[index] = attrs.evolve(state.problems[index], message=message)
     state.repeats.clear()
-
-
-def _closing_line(state: _FileState, number: int, d: dict[str, Any]) -> None:
-    if state.closing_line is not None:
-        state.add(
-            number, "", f"more than one closing line (the first is line {state.closing_line})"
-        )
-        return
-    state.closing_line = number
-    for pointer, message in _check_closing(d):
-        state.add(number, pointer, message)
-    if rs_validators()[CLOSING_SCHEMA_FILE].is_valid(d):
-        state.closing = d
-
-
-def _cross_line(
-    state: _FileState,
-    folder: _Folder,
-    kind: _Kind,
-    d: dict[str, Any],
-    number: int,
-    tracker: Tracker,
-) -> None:
-    if kind.unique_keys:
-        key = tuple(d.get(f) for f in kind.key_fields)  # an optional key field: None
-        if not tracker.add(key, number):
-            shown = ", ".join(f"{f}={d.get(f)!r}" for f in kind.key_fields)
-            state.add_repeat(number, key, shown)
-    rank, seq = d["rank"], d["seq"]
-    previous = tracker.seq(rank, seq)
-    if previous is not None and seq < previous:
-        state.add(number, "/seq", f"seq {seq} decreases (was {previous} for rank {rank})")
-    if kind.carries_hostname:
-        has = "hostname" in d
-        if folder.hostname is None:
-            folder.hostname = (has, f"{state.display}:{number}")
-        elif folder.hostname[0] is not has:
-            other = "absent" if has else "present"
-            state.add(
-                number,
-                "/hostname",
-                f"hostname must be on every line or none; it is {other} on {folder.hostname[1]}",
-            )
-    if kind.stream == "system":
-        state.snapshots.setdefault(_SNAPSHOT_KEY(d), (number, d["gpu_count"], _identity_of(d)))
-    elif kind.stream == "system_gpu":
-        group = state.gpu_groups.get(_SNAPSHOT_KEY(d))
-        if group is None:
-            state.gpu_groups[_SNAPSHOT_KEY(d)] = [1, number, _identity_of(d)]
-        else:
-            group[0] += 1
-            if _identity_of(d) != group[2]:
-                state.add(number, "", f"identity differs from line {group[1]} of the same snapshot")
 
 
 def _finish_file(state: _FileState) -> None:
@@ -697,7 +343,7 @@ def _scan_warning(path: FsPath, state: _FileState) -> Any:
     if type(d) is not dict:
         state.add(1, "", f"expected object, got {describe(d)}")
         return None
-    found = _check_warning(d)
+    found = check_warning(d)
     for pointer, message in found:
         state.add(_line_of(data, pointer), pointer, message)
     state.closed = True

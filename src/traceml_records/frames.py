@@ -62,10 +62,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from traceml_records._checkplan import BOOLEAN, INTEGER, NUMBER, ValueCheck
-from traceml_records._fastcheck import Column, extractor_for, key_shape, tracker_for
+from traceml_records._fastcheck import frames_layout
 from traceml_records._generated.checks import CHECKS, CLOSING_CHECK
 from traceml_records._generated.tables import LONG_TABLES, NESTED_FIELDS, TABLE_STREAM, TABLES
+from traceml_records._linecheck import check_closing
 from traceml_records._lines import closing_of
+from traceml_records._scan import FileScan
+from traceml_records._scan_py import Column
 
 __all__ = [
     "TABLE_NAMES",
@@ -103,9 +106,6 @@ _MAX_PROBLEMS = 10
 _CLOSING_FIELDS = ("closing", "written_records", "dropped_batches")
 """Closing-line keys parsed with every file, to tell closing lines from data lines."""
 _INT64_MAX = (1 << 63) - 1
-_FAST_BLOCK = 64 << 20
-"""Bytes of lines the fast reader turns into one chunk of columns (so that a string
-column's 32-bit offsets never overflow)."""
 
 
 class FramesError(ValueError):
@@ -727,7 +727,7 @@ def _check_timing(
 def _validate(path: Path, data: bytes, end: int) -> None:
     """Check every complete line as ``traceml validate`` checks it on its own, and that
     a closing line is only the last line; raises FramesError naming ``file:line``."""
-    from traceml_records._validate import validate_line
+    from traceml_records._linecheck import validate_line
 
     lines = data[:end].split(b"\n")[:-1]
     problems: list[str] = []
@@ -804,44 +804,37 @@ def load(
 
 
 def _load_fast(file: _File, stream: str) -> Loaded | None:
-    """The tables straight from the fast check's columns, when every data line is one
-    it accepts (then every line is valid and no key repeats) and the only closing line,
-    if any, is the last and counts them; None: the general way loads the file."""
-    extractor = extractor_for(stream)
-    data, end = file.data, file.end
-    if extractor is None or end == 0:
+    """The tables straight from the scan's columns, when every line is one it takes as
+    the exporter writes it (then every line is valid and no key repeats) and the only
+    closing line, if any, is the last, clean, and counts them; None: the general way
+    loads the file."""
+    layout = frames_layout(stream)
+    if layout is None or file.end == 0:
         return None
-    from traceml_records._validate import validate_line
-
-    last = data.rfind(b"\n", 0, end - 1) + 1
-    closing = closing_of(data[last:end])
-    body = last if closing is not None else end
-    if closing is not None and (closing.get("stream") != stream or validate_line(data[last:end])):
+    scan = FileScan(stream, layout=layout)
+    try:
+        chunks = scan.read_bytes(file.data)
+    except OverflowError:  # a string column past its 32-bit offsets: a line of 2 GiB
         return None
-    hostname = -1
-    if CHECKS[stream].carries_hostname:
-        first = data[: data.find(b"\n", 0, end) + 1]
-        hostname = int(b'"hostname":' in first)
-    tracker = tracker_for(key_shape(stream))
-    chunks: list[tuple[tuple[Column, ...], tuple[Column, ...] | None]] = []
-    lines = pos = 0
-    while pos < body:
-        stop = data.find(b"\n", min(pos + _FAST_BLOCK, body) - 1, body) + 1
-        pos, n, top, rows = extractor.extract(data, pos, stop, tracker, hostname)
-        if pos != stop:
-            return None
-        lines += n
-        chunks.append((top, rows))
-    if not chunks or (closing is not None and closing["written_records"] != lines):
+    st = scan.state
+    closing = st.closing
+    if st.bad or st.taken == 0 or st.written_otherwise:
+        return None
+    if closing is not None and (
+        st.closing_lines != 1
+        or st.closing_line != st.lines
+        or closing.get("stream") != stream
+        or check_closing(closing)
+        or closing["written_records"] != st.taken
+    ):
         return None
     tables = {stream: _table(arrow_schema(stream), [top for top, _ in chunks])}
     for name in LONG_TABLES:
         if TABLE_STREAM[name] == stream:
             tables[name] = _table(arrow_schema(name), [rows for _, rows in chunks if rows])
     if closing is not None:
-        order = CLOSING_CHECK.names
-        closing = {k: closing[k] for k in order if closing.get(k) is not None}
-    return Loaded(file.path, stream, tables, closing, file.partial, data_lines=lines)
+        closing = {k: closing[k] for k in CLOSING_CHECK.names if closing.get(k) is not None}
+    return Loaded(file.path, stream, tables, closing, file.partial, data_lines=st.taken)
 
 
 def _table(schema: Any, chunks: list[tuple[Column, ...]]) -> Any:

@@ -10,9 +10,12 @@ promise to other users — they have ``traceml_records``'s public names).
 - record building: the loaders and encoder plans per record class (generated), the
   line and batch encoders, the stream of a record class;
 - checks: the rules a line must satisfy beyond its types (``_rules``);
-- the one line scanner of the export files (``scan_lines``, ``LineSplitter``,
-  ``classify_line``, ``closing_of``, ``is_closing``: complete lines, the partial last
-  line, closing and bad lines);
+- the one scan of the export files (``FileScan``: a file, from where the last read
+  stopped, to the columns or objects of its valid lines and one ``FileState``; the
+  ``REASONS`` a line is not taken, the one vocabulary of every report; ``Layout``,
+  ``RowsLayout`` and ``LINE``: which columns), and the line primitives under it
+  (``scan_lines``, ``LineSplitter``, ``classify_line``, ``closing_of``, ``is_closing``:
+  complete lines, the partial last line, closing lines);
 - the check plans (``CHECKS``, generated: each stream's fields, kinds, bounds, key and
   rules), and :func:`load_extension`, the one place that chooses a C
   extension or its pure-Python twin (``TRACEML_PURE_PYTHON``).
@@ -74,6 +77,8 @@ from traceml_records._rules import (
     parallel_source_ok,
     topology_of,
 )
+from traceml_records._scan import REASONS, FileScan, FileState
+from traceml_records._scan_py import LINE, Layout, RowsLayout
 from traceml_records._wire_spec import FanOut, WireStream
 
 __all__ = [
@@ -86,20 +91,26 @@ __all__ = [
     "FILE_STREAMS_OF_BATCH",
     "IDENTITY_RULES",
     "ITEM_LOADERS",
+    "LINE",
     "LOADERS",
     "PURE_PYTHON_ENV",
+    "REASONS",
     "STREAM_BY_CLASS",
     "WIRE_STREAMS",
     "CollectivesItem",
     "FanOut",
     "FieldPath",
+    "FileScan",
+    "FileState",
     "Flag",
+    "Layout",
     "LineCheck",
     "LineKind",
     "LineSplitter",
     "ParallelCoordinateItem",
     "PhaseTimingItem",
     "ProcessItem",
+    "RowsLayout",
     "RuntimeEnvironmentItem",
     "StdoutStderrItem",
     "StepMemoryItem",

@@ -1,10 +1,10 @@
-"""The validator's fast check (``_fastcheck``, ``_speedups.Checker``) against the full path.
+"""The scan's C core (``_fastcheck``, ``_speedups.Checker``) against the full path.
 
 The fast check may leave any line to the full path, but must never accept a line the
 full path rejects: it is run on valid lines and on lines mutated to break a type, a
 bound, a key, a rule, the JSON itself or its bytes, and whatever it accepts must pass
 ``validate_line``. Whole files then give the very same report with the fast path,
-without it, and without the C extension (the full path and the pure-Python tracker).
+without it, and without the C extension (the full path and the pure-Python keys).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from hypothesis import strategies as st
 from bench.bigfile import write_step_time
 from tests.e2e_helpers import REPO
 from tests.strategies import as_written, consistent_json
-from traceml_records import STREAMS, _fastcheck, _validate, validate_line, validate_paths
+from traceml_records import STREAMS, _fastcheck, _scan, _scan_py, validate_line, validate_paths
 from traceml_records._extensions import load as load_extension
-from traceml_records._fastcheck import PyTracker, key_shape, plan_for
+from traceml_records._fastcheck import plan_for
+from traceml_records._generated.checks import CHECKS
+from traceml_records._scan_py import KeysAndSeqs as PyKeysAndSeqs
 
 _speedups = load_extension()
 FAST_STREAMS = [s.name for s in STREAMS if plan_for(s.name) is not None]
@@ -41,8 +43,8 @@ def checker(stream: str) -> Any:
 
 def accepts(stream: str, raw: bytes, hostname: int) -> bool:
     assert _speedups is not None
-    tracker = _speedups.Tracker(key_shape(stream))
-    pos, lines = checker(stream).scan(raw, 0, len(raw), tracker, hostname)
+    keys = _speedups.KeysAndSeqs(CHECKS[stream].key_shape)
+    pos, lines = checker(stream).scan(raw, 0, len(raw), keys, hostname)
     assert (pos, lines) in ((0, 0), (len(raw), 1))
     return lines == 1
 
@@ -61,7 +63,7 @@ def test_a_realistic_export_is_accepted_line_by_line(tmp_path: Path) -> None:
     plan = plan_for("step_time")
     assert plan is not None
     assert _speedups is not None
-    pos, lines = checker("step_time").scan(data, 0, end, _speedups.Tracker("ii"), 0)
+    pos, lines = checker("step_time").scan(data, 0, end, _speedups.KeysAndSeqs("ii"), 0)
     assert (pos, lines) == (end, 2000)
 
 
@@ -303,13 +305,13 @@ def _numbers(raw: bytes) -> bytes:
 
 @contextmanager
 def path_taken(how: str) -> Iterator[None]:
-    """validate_paths with the fast check ("c"), without it ("none"), or as without
-    the C extension ("pure": the full path, the pure-Python tracker)."""
+    """validate_paths with the C core ("c"), without it ("none"), or as without the C
+    extension ("pure": the full path, the pure-Python keys)."""
     with pytest.MonkeyPatch.context() as mp:
         if how in ("none", "pure"):
-            mp.setattr(_validate, "checker_for", lambda stream: None)
+            mp.setattr(_scan, "core_for", lambda stream, layout=None: _scan_py.Checker(stream))
         if how == "pure":
-            mp.setattr(_validate, "tracker_for", PyTracker)
+            mp.setattr(_scan, "keys_for", lambda stream: PyKeysAndSeqs(CHECKS[stream].key_shape))
         yield
 
 
@@ -389,7 +391,7 @@ def test_a_repeat_of_a_fast_line_names_its_first_line(tmp_path: Path) -> None:
         assert report.files[0].problems == capped.files[0].problems == 2
 
 
-# ------------------------------------------------------------------ trackers
+# ------------------------------------------------------------------ keys and seqs
 
 
 @given(
@@ -399,11 +401,11 @@ def test_a_repeat_of_a_fast_line_names_its_first_line(tmp_path: Path) -> None:
         max_size=60,
     ),
 )
-def test_both_trackers_keep_the_same_keys_and_seqs(
+def test_both_keys_and_seqs_keep_the_same_keys_and_seqs(
     shape: str, ops: list[tuple[bool, list[int]]]
 ) -> None:
     assert _speedups is not None
-    c, py = _speedups.Tracker(shape), PyTracker(shape)
+    c, py = _speedups.KeysAndSeqs(shape), PyKeysAndSeqs(shape)
     c.watch([_key(shape, [1, 2, 3, 4])])
     py.watch([_key(shape, [1, 2, 3, 4])])
     for line, (is_seq, values) in enumerate(ops, 1):
@@ -422,7 +424,7 @@ def _key(shape: str, values: list[int]) -> tuple[Any, ...]:
 
 def test_a_float_seq_is_remembered_as_written() -> None:
     assert _speedups is not None
-    for t in (_speedups.Tracker("ii"), PyTracker("ii")):
+    for t in (_speedups.KeysAndSeqs("ii"), PyKeysAndSeqs("ii")):
         assert t.seq(0, 5.0) is None
         assert t.seq(0.0, 4) == 5.0 and repr(t.seq(0, 6)) == "4"
         assert t.add((1, 2.0), 1) and not t.add((1.0, 2), 2)
@@ -430,7 +432,7 @@ def test_a_float_seq_is_remembered_as_written() -> None:
 
 def test_keys_out_of_order_are_still_found() -> None:
     assert _speedups is not None
-    for t in (_speedups.Tracker("ii"), PyTracker("ii")):
+    for t in (_speedups.KeysAndSeqs("ii"), PyKeysAndSeqs("ii")):
         steps = [5, 9, 3, 7, 1, 9, 3, 100, 2]
         assert [t.add((0, s), i) for i, s in enumerate(steps)] == [
             True, True, True, True, True, False, False, True, True,
@@ -483,7 +485,7 @@ def test_lines_across_blocks_or_longer_than_one(
     path.write_bytes(b"".join([*lines[:5], broken, *lines[5:-1], lines[-1], lines[3][:50]]))
     expected = validate_paths([path])
     assert [p.line for p in expected.problems] == [6, 42, 43]
-    monkeypatch.setattr(_validate, "_BLOCK_BYTES", block)
+    monkeypatch.setattr(_scan, "BLOCK_BYTES", block)
     assert validate_paths([path]) == expected
 
 
@@ -492,12 +494,12 @@ def test_a_value_of_another_type_than_its_column_leaves_the_line(where: str) -> 
     # The layout comes from the same schemas as the plan, so this cannot happen with
     # the shipped tables; the extractor must still never return columns of unequal
     # lengths (or a line it did not read whole).
-    from traceml_records._fastcheck import layout_for
+    from traceml_records._fastcheck import _c_layout, frames_layout
 
     assert _speedups is not None
-    layout = layout_for("step_time")
+    layout = frames_layout("step_time")
     assert layout is not None
-    top, (source, keys, leaves) = layout
+    top, (source, keys, map_keys, leaves) = _c_layout("step_time", layout)
     if where == "table":
         from traceml_records._generated.tables import TABLES
 
@@ -505,8 +507,8 @@ def test_a_value_of_another_type_than_its_column_leaves_the_line(where: str) -> 
         top = (*top[:at], (top[at][0], "string"), *top[at + 1 :])  # step: an integer
     else:
         leaves = (*leaves[:-1], (leaves[-1][0], "bool"))  # n_calls: an integer
-    extractor = _speedups.Checker(plan_for("step_time"), (top, (source, keys, leaves)))
+    extractor = _speedups.Checker(plan_for("step_time"), (top, (source, keys, map_keys, leaves)))
     data = _LINE * 3
-    pos, lines, table, rows = extractor.extract(data, 0, len(data), _speedups.Tracker("ii"), 0)
+    pos, lines, table, rows = extractor.extract(data, 0, len(data), _speedups.KeysAndSeqs("ii"), 0)
     assert (pos, lines) == (0, 0)
     assert {c[3] for c in table} == {0} and {c[3] for c in rows} == {0}

@@ -28,7 +28,8 @@ from traceml_records import (
     validate_line,
 )
 from traceml_records._codec import _py_dumps_line
-from traceml_records._fastcheck import checker_for, key_shape, tracker_for
+from traceml_records._fastcheck import core_for, keys_for
+from traceml_records._generated.checks import CHECKS
 from traceml_records._generated.records import CollectivesRecord
 
 pytestmark = pytest.mark.unit
@@ -217,27 +218,26 @@ def test_values_out_of_the_schema_are_refused(key: str, value: Any) -> None:
 def test_collectives_keys_include_group_and_peer_rank() -> None:
     """Two lines differing only in peer_rank (or group) are two keys; the same key twice
     is a duplicate, also where both lines lack the new keys (old files)."""
-    assert key_shape("collectives") == "iisssn"
+    assert CHECKS["collectives"].key_shape == "iisssn"
     send = [
         _collective(group="pp", peer_rank=p, peer_stage=p, bytes=8, op="send", seq=p)
         for p in (0, 2)
     ]
     assert all(validate_line(_raw(d)) == [] for d in send)
-    checker = checker_for("collectives")
-    assert checker is not None
+    core = core_for("collectives")
     data = b"".join(_raw(d) for d in send)
-    tracker = tracker_for(key_shape("collectives"))
-    assert checker.scan(data, 0, len(data), tracker, 0) == (len(data), 2)
+    keys = keys_for("collectives")
+    assert core.scan(data, 0, len(data), keys, 0) == (len(data), 2)
     again = _raw(send[0] | {"seq": 5})
-    pos, lines = checker.scan(again, 0, len(again), tracker, 0)
-    assert (pos, lines) == (0, 0)  # a repeated key: left to the full path
+    pos, lines = core.scan(again, 0, len(again), keys, 0)
+    assert (pos, lines) == (0, 0)  # a repeated key: left to the scan's own step
 
 
-def test_the_trackers_agree_on_null_key_components() -> None:
-    from traceml_records._fastcheck import PyTracker
+def test_both_keys_and_seqs_agree_on_null_key_components() -> None:
+    from traceml_records._scan_py import KeysAndSeqs
 
-    shape = key_shape("collectives")
-    for tracker in (tracker_for(shape), PyTracker(shape)):
+    shape = CHECKS["collectives"].key_shape
+    for tracker in (keys_for("collectives"), KeysAndSeqs(shape)):
         assert tracker.add((0, 1, "p", "all_reduce", "dp", None), 1)
         assert tracker.add((0, 1, "p", "all_reduce", None, None), 2)
         assert tracker.add((0, 1, "p", "send", "pp", 3), 3)

@@ -19,7 +19,7 @@ from traceml_ai.aggregator.protocol import (
 from traceml_ai.launch._plan import RunOptions, RunPlan
 from traceml_ai.launch._ranks import RankEnds
 from traceml_ai.launch._signals import exit_description, say, signal_name
-from traceml_records.internal import BLOCK_BYTES, CLOSING_KEY, LineSplitter, closing_of
+from traceml_records.internal import FileScan
 
 
 def _print_short_summary(run_dir: Path, export_dir: Path) -> None:
@@ -130,38 +130,30 @@ def _why_no_rank(options: RunOptions, ends: RankEnds) -> str:
 
 def count_data_lines(export_dir: Path) -> int:
     """Data lines in the ``*.jsonl`` files of ``export_dir``: complete lines that are
-    not a closing line (the export files' one line scanner, ``traceml_records``)."""
+    not a closing line (as the one scan of the export files, ``traceml_records``, counts
+    them)."""
     return export_tally(export_dir)[0]
 
 
 def export_tally(export_dir: Path) -> tuple[int, bool]:
     """(data lines in the ``*.jsonl`` files of ``export_dir``, whether there is at least
-    one file and every file ends with its closing line)."""
+    one file and every file ends with its closing line). The scan only tells data lines
+    from closing lines here: a line that may be a closing line is the only one parsed."""
     total = 0
     closed = True
     files = 0
     for path in sorted(export_dir.glob("*.jsonl")):
         files += 1
-        lines = LineSplitter()
-        last_closing = False
+        scan = FileScan(None, check=False)
         try:
             with open(path, "rb") as fh:
-                while block := fh.read(BLOCK_BYTES):
-                    # Only a closing line holds CLOSING_KEY: lines completed by a block
-                    # without it (nor in the line it continues) count whole, unparsed.
-                    edge = lines.pending + block[: len(CLOSING_KEY) - 1]
-                    has_key = CLOSING_KEY in block or CLOSING_KEY in edge
-                    complete = lines.feed(block)
-                    total += len(complete)
-                    if complete:
-                        last_closing = False
-                    if has_key:
-                        total -= sum(1 for raw in complete if closing_of(raw) is not None)
-                        last_closing = bool(complete) and closing_of(complete[-1]) is not None
+                scan.read(fh)
         except OSError:
             closed = False
             continue
-        if not last_closing or lines.pending:
+        state = scan.state
+        total += state.written_lines
+        if not state.last_closing or state.partial_last_line:
             closed = False
     return total, closed and files > 0
 

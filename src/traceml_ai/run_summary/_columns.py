@@ -91,8 +91,7 @@ class _RankBuilder:
     ``bytearray``s (8 bytes a value), appended per row.
 
     ``keys`` and ``key_columns`` (the columns in ``keys``' order) serve the common case
-    of a row with every column, in the same order, and a step after the last: the C
-    reader (``_rowscan.step_line``) appends such a row itself.
+    of a row with every column, in the same order, and a step after the last.
     """
 
     __slots__ = (

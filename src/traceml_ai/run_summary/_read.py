@@ -1,50 +1,56 @@
-"""The one reader behind ``traceml summary``: every export file, whatever its size.
+"""The run summary's reader of the export files: the one scan of ``traceml_records``
+(``FileScan``), per file, as it grows.
 
 A file is opened only when it is a regular file: a FIFO, a folder, a socket or a
 symbolic link to nothing is reported as a problem and never read (a FIFO would block
-the reader). A regular file is read in blocks and split into lines; each line is
-parsed whole with orjson, and a data line is used only when every value is one a
-valid line can hold: the types and ranges of its stream's schema (no negative
-duration, no step 0, no rank outside the world...), which rules out NaN and Infinity
-too (orjson does not parse them). What is left out is counted per file, never
-averaged:
+the reader). A regular file is read by the scan from where the last read stopped: a
+line is used only when it is a valid line of its stream (what ``traceml validate``
+finds nothing wrong with on its own: the types and ranges of its schema, no negative
+duration, no step 0, no rank outside the world, which rules out NaN and Infinity
+too), its key new and the closing line not yet read. What is left out is counted per
+file under the scan's reasons, never averaged:
 
-* ``unreadable_lines``: not a JSON object (a blank line, broken JSON, NaN);
-* ``impossible_lines``: a JSON object with a value no valid line has;
-* ``duplicate_keys``: a line whose key (``(global_rank, step)`` for step_time) an
-  earlier line already had; the first line of a key counts;
-* ``lines_after_closing`` and ``closing_lines``: data lines after the closing line,
-  or a second closing line: two runs in one file; only the first is read.
+* ``unreadable_lines`` (``not_json``): not a JSON object (a blank line, broken JSON,
+  NaN);
+* ``impossible_lines`` (``invalid``): a JSON object with a value no valid line has;
+* ``duplicate_keys`` (``repeated_key``): a line whose key (``(global_rank, step)``
+  for step_time) an earlier line already had; the first line of a key counts;
+* ``lines_after_closing`` (``after_closing``) and ``closing_lines``: data lines after
+  the closing line, or a second closing line: two runs in one file; only the first is
+  read.
 
-Light to import: orjson and the schemas' bounds (never pyarrow).
+step_time lines come as columns (rank, step, world, node, end of step, tokens; each
+event's longest device), made into each rank's step columns in numpy
+(:class:`StepLines`), by :func:`~traceml_ai.run_summary._phases.step_row`'s rule; the
+other streams' lines come as objects.
+
+Light to import: orjson, numpy and the check plans (never pyarrow).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import stat
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import orjson
+from traceml_ai.run_summary._columns import STEP_KEY, TS_KEY, USED_KEY, RankColumns, StepColumns
+from traceml_ai.run_summary._phases import STEP_EVENT, phase_name
+from traceml_records.internal import LINE, REASONS, FileScan, FileState, Layout, RowsLayout
 
-from traceml_ai.run_summary._columns import ColumnsBuilder
-from traceml_ai.run_summary._phases import STEP_EVENT, phase_name, step_row, timing_problem
-from traceml_records import STREAMS
-from traceml_records.internal import BLOCK_BYTES, CHECKS, LineSplitter, is_closing
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
 
-_FLOAT_MAX = 1.7976931348623157e308
-_INT_MAX = (1 << 63) - 1
 
-_INT, _NUMBER, _STRING, _BOOL = 0, 1, 2, 3
-_Check = tuple[str, int, float, float, bool, bool]
-"""One scalar field: name, kind, minimum, maximum, nullable, required."""
+TOKENS_KEY = "_tokens"
+"""A row's tokens (``_straggler.TOKENS_KEY``)."""
 
 
 class FileRead:
-    """What reading one export file found besides its data lines."""
+    """What reading one export file found besides its data lines (the scan's state,
+    in the summary's words)."""
 
     def __init__(self, stream: str, path: Path) -> None:
         self.stream = stream
@@ -52,62 +58,82 @@ class FileRead:
         self.problem: str | None = None
         """Why the file could not be read at all (not a regular file, an I/O error)."""
         self.size = 0
-        self.data_lines = 0
-        """Data lines before the (first) closing line, used or not."""
-        self.closing: dict[str, Any] | None = None
-        self.closing_lines = 0
-        self.lines_after_closing = 0
-        self.first_line_after_closing: int | None = None
-        self.partial_last_line = False
-        self.unreadable_lines = 0
-        self.first_unreadable: int | None = None
-        self.impossible_lines = 0
-        self.first_impossible: tuple[int, str] | None = None
-        self.duplicate_keys = 0
-        self.first_duplicate: tuple[int, str] | None = None
-        self.line = 0
-        """The number of the line being read (1 for the first line of the file)."""
+        self.state = FileState(stream=stream)
+        """The scan's state of the file."""
 
     @property
     def name(self) -> str:
         return self.path.name
 
-    def impossible(self, why: str) -> None:
-        self.impossible_lines += 1
-        if self.first_impossible is None:
-            self.first_impossible = (self.line, why)
+    @property
+    def data_lines(self) -> int:
+        """Data lines before the (first) closing line, used or not."""
+        return self.state.data_lines
 
-    def duplicate(self, key: str) -> None:
-        self.duplicate_keys += 1
-        if self.first_duplicate is None:
-            self.first_duplicate = (self.line, key)
+    @property
+    def closing(self) -> dict[str, Any] | None:
+        return self.state.closing
+
+    @property
+    def closing_lines(self) -> int:
+        return self.state.closing_lines
+
+    @property
+    def partial_last_line(self) -> bool:
+        return self.state.partial_last_line
+
+    @property
+    def unreadable_lines(self) -> int:
+        return self.state.bad.get("not_json", 0)
+
+    @property
+    def impossible_lines(self) -> int:
+        return self.state.bad.get("invalid", 0)
+
+    @property
+    def duplicate_keys(self) -> int:
+        return self.state.bad.get("repeated_key", 0)
+
+    @property
+    def lines_after_closing(self) -> int:
+        return self.state.bad.get("after_closing", 0)
+
+    @property
+    def first_line_after_closing(self) -> int | None:
+        lines = [
+            self.state.first[r][0]
+            for r in ("after_closing", "extra_closing")
+            if r in self.state.first
+        ]
+        return min(lines) if lines else None
 
     def problems(self) -> list[str]:
         """One line per kind of damage found in this file (empty when none)."""
         out: list[str] = []
         if self.problem is not None:
             return [f"{self.name}: {self.problem}"]
+        first = self.state.first
         if self.unreadable_lines:
             out.append(
                 f"{self.name}: {self.unreadable_lines} unreadable line(s), not counted "
-                f"(not a JSON object; first on line {self.first_unreadable})"
+                f"({REASONS['not_json']}; first on line {first['not_json'][0]})"
             )
-        if self.first_impossible is not None:
-            line, why = self.first_impossible
+        if self.impossible_lines:
+            line, message, _ = first["invalid"]
             out.append(
-                f"{self.name}: {self.impossible_lines} line(s) with impossible values, "
-                f"not counted (line {line}: {why})"
+                f"{self.name}: {self.impossible_lines} line(s) with {REASONS['invalid']}, "
+                f"not counted (line {line}: {message})"
             )
-        if self.first_duplicate is not None:
-            line, key = self.first_duplicate
+        if self.duplicate_keys:
+            line, key, _ = first["repeated_key"]
             out.append(
-                f"{self.name}: {self.duplicate_keys} line(s) repeat the key of an earlier "
-                f"line, not counted (line {line}: {key})"
+                f"{self.name}: {self.duplicate_keys} line(s) {REASONS['repeated_key']}, "
+                f"not counted (line {line}: {key})"
             )
         if self.closing_lines > 1 or self.lines_after_closing:
             out.append(
                 f"{self.name}: two runs in one file? {self.closing_lines} closing line(s) and "
-                f"{self.lines_after_closing} data line(s) after the first closing line "
+                f"{self.lines_after_closing} data line(s) {REASONS['after_closing']} "
                 f"(line {self.first_line_after_closing}); only the lines before it are counted"
             )
         if self.closing is not None:
@@ -196,9 +222,11 @@ _HEAD_BYTES = 256
 
 class Tail:
     """One export file read as it grows: each :meth:`read` reads only the bytes appended
-    since the last one. A file replaced (another inode), truncated (shorter than what
-    was read) or rewritten (its first bytes changed) is read again from the start,
-    with a fresh ``info`` and a fresh ``sink`` (from ``make_sink``)."""
+    since the last one (the scan goes on from its offset). A file replaced (another
+    inode), truncated (shorter than what was read) or rewritten (its first bytes
+    changed) is read again from the start, with a fresh ``info`` and a fresh ``sink``
+    (from ``make_sink``): a :class:`StepLines` takes the scan's columns, any other sink
+    the objects of the lines taken."""
 
     def __init__(self, stream: str, path: Path, make_sink: Callable[[], _Sink]) -> None:
         self.stream = stream
@@ -211,8 +239,9 @@ class Tail:
     def _start(self) -> None:
         self.info = FileRead(self.stream, self.path)
         self.sink = self._make_sink()
-        self._lines = LineSplitter()
-        self._offset = 0
+        layout = getattr(self.sink, "layout", None)
+        self._scan = FileScan(self.stream, layout=layout, objects=layout is None)
+        self.info.state = self._scan.state
         self._identity: tuple[int, int] | None = None
         self._head = b""
         self.identity: tuple[int, int, int] | None = None
@@ -236,7 +265,7 @@ class Tail:
                 restarted = False
                 if self._identity is not None and (
                     identity != self._identity
-                    or st.st_size < self._offset
+                    or st.st_size < self._scan.state.offset
                     or (self._head and fh.read(len(self._head)) != self._head)
                 ):
                     self.restarts += 1
@@ -248,328 +277,327 @@ class Tail:
                 if self.info.problem is not None:
                     self._start()
                 self._identity = identity
-                fh.seek(self._offset)
-                self.info.size = self._offset
-                reader = getattr(self.sink, "read", None)
-                if reader is not None:
-                    reader(fh, self.info, self._lines)
-                else:
-                    self.sink(_objects(fh, self.info, self._lines), self.info)
-                self._offset = self.info.size - len(self._lines.pending)
-                # The partial last line is read again next time (it may have grown).
-                self._lines.pending = b""
-                if len(self._head) < _HEAD_BYTES and self._offset:
+                self.sink(self._scan.read(fh), self.info)
+                self.info.size = max(fh.tell(), self._scan.state.offset)
+                offset = self._scan.state.offset
+                if len(self._head) < _HEAD_BYTES and offset:
                     fh.seek(0)
-                    self._head = fh.read(min(_HEAD_BYTES, self._offset))
+                    self._head = fh.read(min(_HEAD_BYTES, offset))
             except OSError as exc:
                 self._start()
                 self.info.problem = f"cannot read it ({exc.strerror or exc}); not counted"
         return True
 
 
-_Sink = Callable[[Iterator[dict[str, Any]], FileRead], object]
-"""What takes a file's new data lines (and counts into its ``FileRead``)."""
+_Sink = Callable[[list[Any], FileRead], object]
+"""What takes a file's new lines (objects, or a :class:`StepLines`' columns)."""
 
 
 # --------------------------------------------------------------------------- lines
 
 
-def _objects(fh: BinaryIO, info: FileRead, lines: LineSplitter) -> Iterator[dict[str, Any]]:
-    """The data lines (dicts) before the closing line, from where ``fh`` stands; the rest
-    is counted in ``info`` (lines, the partial last line and closing lines as the one
-    line scanner, ``traceml_records``, defines them). ``lines`` carries the line
-    numbers and a partial last line over from an earlier read of the same file."""
-    loads = orjson.loads
-    while True:
-        block = fh.read(BLOCK_BYTES)
-        if not block:
-            break
-        info.size += len(block)
-        complete = lines.feed(block)
-        for number, raw in enumerate(complete, lines.number - len(complete) + 1):
-            try:
-                obj = loads(raw)
-            except orjson.JSONDecodeError:
-                obj = None
-            if _data_line(obj, number, info):
-                yield obj
-    # No final newline: the exporter is still writing this line.
-    info.partial_last_line = lines.partial_last_line
-
-
-def _data_line(obj: Any, number: int, info: FileRead) -> bool:
-    """Whether line ``number``'s parsed ``obj`` (None: no JSON) is a data line to use;
-    counts it in ``info`` either way."""
-    if type(obj) is not dict:
-        info.unreadable_lines += 1
-        if info.first_unreadable is None:
-            info.first_unreadable = number
-        return False
-    if obj.get("closing") is not None and is_closing(obj):
-        info.closing_lines += 1
-        if info.closing is None:
-            info.closing = obj
-        elif info.first_line_after_closing is None:
-            info.first_line_after_closing = number
-        return False
-    if info.closing is not None:
-        info.lines_after_closing += 1
-        if info.first_line_after_closing is None:
-            info.first_line_after_closing = number
-        return False
-    info.data_lines += 1
-    info.line = number
-    return True
-
-
-_KINDS = {"integer": _INT, "number": _NUMBER, "string": _STRING, "boolean": _BOOL}
-
-
-@functools.cache
-def _checks(stream: str) -> tuple[_Check, ...]:
-    """The scalar fields of ``stream``'s check plan with their kinds and bounds."""
-    out: list[_Check] = []
-    for f in CHECKS[stream].fields:
-        kind = _KINDS.get(f.check.kind)
-        if kind is None:
-            continue  # objects (events) are checked by their reader
-        # Integer bounds stay integers: 2**63 - 1 is not a float.
-        num = int if kind == _INT else float
-        low, high = f.check.minimum, f.check.maximum
-        low = num(low if low is not None else (-_INT_MAX - 1 if kind == _INT else -_FLOAT_MAX))
-        high = num(high if high is not None else (_INT_MAX if kind == _INT else _FLOAT_MAX))
-        out.append((f.name, kind, low, high, f.check.nullable, f.required))
-    return tuple(out)
-
-
-def check_fields(obj: dict[str, Any], checks: tuple[_Check, ...]) -> str | None:
-    """Why ``obj`` cannot be a valid line (the first wrong scalar field), or None."""
-    for name, kind, low, high, nullable, required in checks:
-        v = obj.get(name)
-        if v is None:
-            if nullable and name in obj:
-                continue
-            if name not in obj:
-                if required:
-                    return f"{name} missing"
-                continue
-            return f"{name} is null"
-        t = type(v)
-        if kind == _STRING:
-            if t is not str:
-                return f"{name} {v!r} is not a string"
-            continue
-        if kind == _BOOL:
-            if t is not bool:
-                return f"{name} {v!r} is not true or false"
-            continue
-        if t is not int and (t is not float or kind == _INT):
-            return f"{name} {v!r} is not {'an integer' if kind == _INT else 'a number'}"
-        if not low <= v <= high:
-            if v < low:
-                return f"{name} {v!r} is below {low:g}"
-            if v > high:
-                return f"{name} {v!r} is above {high:g}"
-            return f"{name} {v!r} is not finite"
-    if "world_size" in obj and not obj.get("global_rank", 0) < obj["world_size"]:
-        return (
-            f"global_rank {obj.get('global_rank')!r} is not below world_size {obj['world_size']!r}"
-        )
-    return None
-
-
-@functools.cache
-def _fast_check(stream: str) -> Callable[[dict[str, Any]], bool]:
-    """``obj -> ok``: :func:`check_fields` of ``stream``'s checks found nothing."""
-    checks = _checks(stream)
-    return lambda obj: check_fields(obj, checks) is None
-
-
 class DataLines:
-    """The usable data lines of one (non step_time) file as it grows: checked, first of
-    each key (the keys seen stay between reads), each handed to ``keep``."""
+    """The usable data lines of one (non step_time) file as it grows, each handed to
+    ``keep`` (the scan has checked them and kept the first line of each key)."""
 
     def __init__(self, stream: str, keep: Callable[[dict[str, Any]], object]) -> None:
         self._keep = keep
-        spec = next(s for s in STREAMS if s.name == stream)
-        self._checks = _checks(stream)
-        self._ok = _fast_check(stream)
-        self._unique = "unique-key" in spec.rules
-        self._fields = spec.key_fields
-        self._seen: set[tuple[Any, ...]] = set()
 
     def __call__(self, objs: Iterable[dict[str, Any]], info: FileRead) -> None:
         keep = self._keep
-        ok, checks, unique, fields, seen = (
-            self._ok,
-            self._checks,
-            self._unique,
-            self._fields,
-            self._seen,
-        )
         for obj in objs:
-            if not ok(obj):
-                info.impossible(check_fields(obj, checks) or "a value out of range")
-                continue
-            if unique:
-                key = tuple(obj.get(f) for f in fields)
-                if key in seen:
-                    info.duplicate(
-                        ", ".join(f"{f}={v!r}" for f, v in zip(fields, key, strict=True))
-                    )
-                    continue
-                seen.add(key)
             keep(obj)
 
 
 # --------------------------------------------------------------------------- step_time
 
 
-def _step_problem(events: Any) -> str:
-    """Why :func:`step_row` took no row of a line's events."""
-    if type(events) is not dict or STEP_EVENT not in events:
-        return f"events without {STEP_EVENT}"
-    for event, devices in events.items():
-        problem = timing_problem(event, devices)
-        if problem is not None:
-            return problem
-    return "events: bad timing"
-
-
-_BAD_FIELDS, _BAD_EVENTS = 1, 2
-
-
-def step_line(
-    obj: dict[str, Any],
-    checks: tuple[_Check, ...],
-    step_event: str,
-    name_of: Callable[[str], str | None],
-    cache: dict[str, str | None],
-    ranks: object = None,
-    worlds: object = None,
-) -> tuple[int, int, int, int, dict[str, float]] | int | None:
-    """One step_time line's ``(global_rank, step, world_size, node_rank, row)`` (the row
-    with ``_ts``, the step's end, and ``_tokens`` when the line has tokens), or 1 when a scalar field cannot be a valid line's, 2
-    when its events cannot (:func:`check_fields` and :func:`_step_problem` say why).
-    The pure-Python twin of ``_rowscan.step_line``, which also appends the common row to
-    its rank's builder in ``ranks`` itself (and then returns None); this one leaves
-    every row to the caller."""
-    if not _fast_check("step_time")(obj):
-        return _BAD_FIELDS
-    row = step_row(obj.get("events"), name_of, cache)
-    if row is None:
-        return _BAD_EVENTS
-    row["_ts"] = float(obj["timestamp_unix_ns"])
-    tokens = obj.get("tokens")
-    if tokens is not None:  # the step's tokens, when the line has them
-        row["_tokens"] = float(tokens)
-    return obj["global_rank"], obj["step"], obj["world_size"], obj["node_rank"], row
-
-
-def _step_line() -> Callable[..., tuple[int, int, int, int, dict[str, float]] | int | None]:
-    """The C ``step_line`` when built (and not turned off), else the Python twin."""
-    module = _rowscan()
-    found: Callable[..., tuple[int, int, int, int, dict[str, float]] | int | None] = (
-        module.step_line if module is not None else step_line
-    )
-    return found
+_STEP_FIELDS = ("global_rank", "step", "world_size", "node_rank", "timestamp_unix_ns", "tokens")
+STEP_LAYOUT = Layout(
+    top=tuple((name, "int64") for name in _STEP_FIELDS),
+    rows=RowsLayout(
+        field="events",
+        keys=((LINE, "int64"),),
+        map_keys=("code", None),
+        leaves=(("duration_ms", "float64"),),
+    ),
+)
+"""What the summary reads of a step_time line: its key, world, node, end and tokens,
+and per event and device its duration (the event as a code)."""
 
 
 class StepLines:
-    """The step rows of one step_time file as it grows, kept as columns, and the world
-    sizes its lines name.
+    """The step rows of one step_time file as it grows, kept as the scan's columns and
+    made into each rank's step columns when asked (:attr:`columns`), and the world
+    sizes its lines name."""
 
-    Minimal work per line: the scalar fields against the schema, every phase timing
-    (finite, not negative, at least one call), the key; a row per usable line.
-    """
+    layout = STEP_LAYOUT
 
     def __init__(self) -> None:
-        self.columns = ColumnsBuilder()
-        self.worlds: set[int] = set()
-        self._names: dict[str, str | None] = {}
+        self.columns = _Steps()
         self.lines = 0
         """Rows taken so far (a caller sees whether anything changed)."""
 
-    def __call__(self, objs: Iterable[dict[str, Any]], info: FileRead) -> None:
-        checks = _checks("step_time")
-        scan = _step_line()
-        names = self._names
-        ranks = self.columns.ranks
-        worlds = self.worlds
-        for obj in objs:
-            found = scan(obj, checks, STEP_EVENT, phase_name, names, ranks, worlds)
-            self._take(found, obj, info, checks)
+    @property
+    def worlds(self) -> set[int]:
+        return self.columns.worlds()
 
-    def _take(self, found: Any, obj: dict[str, Any], info: FileRead, checks: Any) -> None:
-        """Count or add what ``step_line`` found of ``obj``."""
-        if found is None:  # appended by the C reader
-            self.lines += 1
-            return
-        if type(found) is int:
-            if found == _BAD_FIELDS:
-                info.impossible(check_fields(obj, checks) or "a value out of range")
-            else:
-                info.impossible(_step_problem(obj.get("events")))
-            return
-        rank, step, world, node, row = found
-        columns = self.columns
-        mine = columns.ranks.get(rank)
-        if mine is None:
-            columns.add(rank, step, row)
-            mine = columns.ranks[rank]
-        elif not mine.add(step, row):
-            info.duplicate(f"global_rank={rank}, step={step}")
-            return
-        mine.node = node
-        self.worlds.add(world)
-        self.lines += 1
+    def __call__(self, chunks: list[Any], info: FileRead) -> None:
+        for chunk in chunks:
+            self.lines += self.columns.add(chunk)
 
-    def read(self, fh: BinaryIO, info: FileRead, lines: LineSplitter) -> None:
-        """Read ``fh`` from where it stands (as ``self(_objects(fh, info, lines), info)``):
-        with the C reader, a block's usual lines are parsed and appended in one call,
-        and only the others come back here one by one."""
-        module = _rowscan()
-        if module is None:
-            self(_objects(fh, info, lines), info)
-            return
-        scan_lines, step_line = module.scan_lines, module.step_line
-        loads = orjson.loads
-        checks = _checks("step_time")
-        names, ranks, worlds = self._names, self.columns.ranks, self.worlds
-        while block := fh.read(BLOCK_BYTES):
-            info.size += len(block)
-            complete = lines.feed(block)
-            first = lines.number - len(complete) + 1
-            i, end = 0, len(complete)
-            while i < end:
-                if info.closing is not None:
-                    j, obj = i, _parsed(complete[i])  # after the closing line: counted
+
+class _Steps:
+    """The scan's step_time columns, made into each rank's :class:`RankColumns` with
+    :func:`~traceml_ai.run_summary._phases.step_row`'s rule: a row is ``step`` (the step
+    event's time), each named event's time under its name (``phase_name``; events it
+    names None are left out) and ``_used``, their sum in the line's order; each event's
+    time is its longest device. The reader's own keys follow: ``_ts`` (the step's end)
+    and ``_tokens`` (when the line has them).
+
+    Chunks wait until :meth:`build`, which makes only them into columns and appends
+    those to each rank's columns of the earlier builds: following a growing file costs
+    what its new lines cost."""
+
+    def __init__(self) -> None:
+        self._names: dict[bytes, int] = {}
+        self._built: StepColumns = {}
+        self._worlds: set[int] = set()
+        self._lines = 0
+        self._start()
+
+    def _start(self) -> None:
+        self._top: list[list[Any]] = [[] for _ in _STEP_FIELDS]
+        self._tokens_valid: list[Any] = []
+        self._line: list[Any] = []
+        self._code: list[Any] = []
+        self._duration: list[Any] = []
+        self._pending = 0
+
+    def __bool__(self) -> bool:
+        return self._lines > 0
+
+    def add(self, chunk: Any) -> int:
+        """Take one chunk of the scan's columns; the lines it holds."""
+        import numpy as np
+
+        top, rows = chunk
+        n = top[0][3]
+        if n == 0:
+            return 0
+        for column, out in zip(top, self._top, strict=True):
+            out.append(np.frombuffer(column[1], dtype=np.int64))
+        self._worlds.update(np.unique(self._top[2][-1]).tolist())
+        valid = top[-1][0]
+        self._tokens_valid.append(
+            np.ones(n, dtype=np.bool_) if valid is None else _unpack(valid, n)
+        )
+        line, event, duration = rows
+        names = event[2]
+        remap = np.array([self._code_of(name) for name in names], dtype=np.int64)
+        codes = np.frombuffer(event[1], dtype=np.int32)
+        self._code.append(remap[codes] if len(codes) else codes.astype(np.int64))
+        self._line.append(np.frombuffer(line[1], dtype=np.int64) + self._pending)
+        self._duration.append(np.frombuffer(duration[1], dtype=np.float64))
+        self._pending += n
+        self._lines += n
+        return int(n)
+
+    def _code_of(self, name: bytes) -> int:
+        code = self._names.get(name)
+        if code is None:
+            code = self._names[name] = len(self._names)
+        return code
+
+    def worlds(self) -> set[int]:
+        return set(self._worlds)
+
+    def build(self) -> StepColumns:
+        """Each rank's step columns, of every line taken so far."""
+        if self._pending:
+            fresh = self._build_pending()
+            built = dict(self._built)
+            for rank, columns in fresh.items():
+                earlier = built.get(rank)
+                built[rank] = columns if earlier is None else _appended(earlier, columns)
+            self._built = {r: built[r] for r in sorted(built)}
+            self._start()
+        return self._built
+
+    def _build_pending(self) -> StepColumns:
+        import numpy as np
+
+        rank, step, _, node, ts, tokens = (np.concatenate(c) for c in self._top)
+        has_tokens = np.concatenate(self._tokens_valid)
+        with np.errstate(over="ignore"):  # a sum past the largest float: inf, as in Python
+            values, present, order = _rows(
+                np.concatenate(self._line),
+                np.concatenate(self._code),
+                np.concatenate(self._duration),
+                [name.decode() for name in self._names],
+                self._pending,
+            )
+        values[TS_KEY] = ts.astype(np.float64)
+        present[TS_KEY] = present[USED_KEY]
+        values[TOKENS_KEY] = np.where(has_tokens, tokens, 0).astype(np.float64)
+        present[TOKENS_KEY] = has_tokens
+        order[TS_KEY] = order[USED_KEY] + 1
+        order[TOKENS_KEY] = order[USED_KEY] + 2
+        return _by_rank(rank, step, node, values, present, order)
+
+
+def _appended(earlier: RankColumns, later: RankColumns) -> RankColumns:
+    """One rank's columns of earlier lines and of later ones as one: the keys in the
+    order they first appear (the earlier lines' first), steps ascending (a rank's steps
+    never repeat: the scan takes the first line of each key), the node of its last
+    line."""
+    import numpy as np
+
+    n_a, n_b = len(earlier), len(later)
+    steps = np.concatenate([earlier.steps, later.steps])
+    keys = [*earlier.values, *(k for k in later.values if k not in earlier.values)]
+    values: dict[str, Any] = {}
+    masks: dict[str, Any] = {}
+    for key in keys:
+        a, b = earlier.values.get(key), later.values.get(key)
+        a_has, b_has = earlier.present.get(key), later.present.get(key)
+        if a is not None and b is not None and a_has is None and b_has is None:
+            values[key] = np.concatenate((a, b))  # the usual key: on every row of both
+            continue
+        values[key] = np.concatenate(
+            (
+                a if a is not None else np.zeros(n_a, dtype=np.float64),
+                b if b is not None else np.zeros(n_b, dtype=np.float64),
+            )
+        )
+        masks[key] = np.concatenate(
+            (
+                _has(a is not None, a_has, n_a),
+                _has(b is not None, b_has, n_b),
+            )
+        )
+    if n_a and n_b and not bool(later.steps[0] > earlier.steps[-1]):
+        order = np.argsort(steps, kind="stable")
+        steps = steps[order]
+        values = {k: v[order] for k, v in values.items()}
+        masks = {k: m[order] for k, m in masks.items()}
+    node = later.node if later.node is not None else earlier.node
+    return RankColumns(steps, values, masks, node)
+
+
+def _has(column: bool, mask: Any, n: int) -> NDArray[np.bool_]:
+    """Which of ``n`` rows have a key: its mask, all (a column without one), or none."""
+    import numpy as np
+
+    if mask is not None:
+        return mask  # type: ignore[no-any-return]
+    return np.ones(n, dtype=np.bool_) if column else np.zeros(n, dtype=np.bool_)
+
+
+def _unpack(bitmap: bytes, n: int) -> NDArray[np.bool_]:
+    import numpy as np
+
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")
+    return bits[:n].astype(np.bool_)
+
+
+def _rows(
+    line: NDArray[np.int64],
+    code: NDArray[np.int64],
+    duration: NDArray[np.float64],
+    names: list[str],
+    lines: int,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Every line's row as columns: key -> values, key -> which lines have it, key ->
+    its place in each line's row (for the order of first appearance)."""
+    import numpy as np
+
+    values: dict[str, Any] = {}
+    present: dict[str, Any] = {}
+    order: dict[str, Any] = {}
+    used = np.zeros(lines, dtype=np.float64)
+    if len(line):
+        # Each event's time: its longest device (a line's rows come event by event).
+        start = np.ones(len(line), dtype=np.bool_)
+        start[1:] = (line[1:] != line[:-1]) | (code[1:] != code[:-1])
+        at = np.flatnonzero(start)
+        best = np.maximum.reduceat(duration, at)
+        g_line, g_code = line[at], code[at]
+        # Each event's place in its line, and the lines' events one place at a time:
+        # ``_used`` is added up in the line's order, as step_row adds it.
+        first = np.ones(len(at), dtype=np.bool_)
+        first[1:] = g_line[1:] != g_line[:-1]
+        begin = np.maximum.accumulate(np.where(first, np.arange(len(at)), 0))
+        place = np.arange(len(at)) - begin
+        keys = [STEP_KEY if name == STEP_EVENT else phase_name(name) for name in names]
+        for p in range(int(place.max()) + 1):
+            here = place == p
+            for c in np.unique(g_code[here]).tolist():
+                key = keys[c]
+                if key is None:
+                    continue  # a name the summary does not know: left out
+                sel = here & (g_code == c)
+                rows, time = g_line[sel], best[sel]
+                if key not in values:
+                    values[key] = np.zeros(lines, dtype=np.float64)
+                    present[key] = np.zeros(lines, dtype=np.bool_)
+                    order[key] = np.full(lines, 1 << 30, dtype=np.int64)
+                if key == STEP_KEY:
+                    values[key][rows] = time
                 else:
-                    j, obj = scan_lines(
-                        complete, i, loads, checks, STEP_EVENT, phase_name, names, ranks, worlds
-                    )
-                    if j > i:
-                        info.data_lines += j - i
-                        info.line = first + j - 1
-                        self.lines += j - i
-                    if j == end:
-                        break
-                if _data_line(obj, first + j, info):
-                    found = step_line(obj, checks, STEP_EVENT, phase_name, names, ranks, worlds)
-                    self._take(found, obj, info, checks)
-                i = j + 1
-        info.partial_last_line = lines.partial_last_line
+                    values[key][rows] = values[key][rows] + time
+                    used[rows] += time
+                fresh = ~present[key][rows]
+                order[key][rows[fresh]] = p
+                present[key][rows] = True
+    values[USED_KEY] = used
+    present[USED_KEY] = np.ones(lines, dtype=np.bool_)
+    order[USED_KEY] = np.full(lines, 1 << 20, dtype=np.int64)  # after the events
+    return values, present, order
 
 
-def _parsed(raw: bytes) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
+def _by_rank(
+    rank: NDArray[np.int64],
+    step: NDArray[np.int64],
+    node: NDArray[np.int64],
+    values: dict[str, Any],
+    present: dict[str, Any],
+    order: dict[str, Any],
+) -> StepColumns:
+    """Each rank's :class:`RankColumns`: its lines sorted by step (a rank's steps never
+    repeat); its keys in the order they first appear in its rows (file order, then
+    their place in the row). Every key is sorted once; a rank's columns are slices."""
+    import numpy as np
 
-
-def _rowscan() -> Any:
-    """The C reader module when built (and not turned off), else None."""
-    from traceml_records.internal import load_extension
-
-    return load_extension("traceml_ai.run_summary._rowscan")
+    n = len(rank)
+    by_rank = np.lexsort((step, rank))
+    ranks, starts = np.unique(rank[by_rank], return_index=True)
+    ends = [*starts[1:].tolist(), n]
+    keys = list(present)
+    # Per key and rank: the first line that has it (n: none), the key's place in that
+    # line's row, and whether every line of the rank has it.
+    firsts: list[list[int]] = []
+    places: list[list[int]] = []
+    everywhere: list[list[bool]] = []
+    sorted_values: list[Any] = []
+    sorted_present: list[Any] = []
+    for key in keys:
+        has = present[key][by_rank]
+        first = np.minimum.reduceat(np.where(has, by_rank, n), starts)
+        firsts.append(first.tolist())
+        places.append(order[key][np.minimum(first, n - 1)].tolist())
+        everywhere.append(np.logical_and.reduceat(has, starts).tolist())
+        sorted_values.append(values[key][by_rank])
+        sorted_present.append(has)
+    last = np.maximum.reduceat(by_rank, starts)
+    nodes = node[last].tolist()
+    steps = step[by_rank]
+    out: StepColumns = {}
+    for i, (r, a, b) in enumerate(zip(ranks.tolist(), starts.tolist(), ends, strict=True)):
+        found = sorted(
+            (firsts[k][i], places[k][i], key, k) for k, key in enumerate(keys) if firsts[k][i] < n
+        )
+        cols = {key: sorted_values[k][a:b] for _, _, key, k in found}
+        masks = {key: sorted_present[k][a:b] for _, _, key, k in found if not everywhere[k][i]}
+        out[int(r)] = RankColumns(steps[a:b], cols, masks, int(nodes[i]))
+    return out

@@ -14,7 +14,7 @@ and in docs/reading-the-files.md).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,7 @@ _KEPT_LINES = ("runtime_environment", "process", "system", "system_gpu")
 kept as figures (step_time, collectives, step_memory) or only counted."""
 
 
-def _sink_for(name: str) -> tuple[Callable[[Iterator[dict[str, Any]], FileRead], object], Any]:
+def _sink_for(name: str) -> tuple[Callable[[list[Any], FileRead], object], Any]:
     """(the sink that reads ``name``'s new lines, what it keeps)."""
     if name == "step_time":
         steps = StepLines()

@@ -36,7 +36,7 @@ from traceml_ai.run_summary._phases import rounded, step_row
 from traceml_ai.run_summary._report import summarize_run
 from traceml_ai.run_summary._straggler import StragglerView
 from traceml_ai.run_summary._text import format_summary
-from traceml_records.internal import LineKind, LineSplitter, classify_line
+from traceml_records.internal import FileScan
 
 # -- the summary figures' names: one key set, for traceml.summary() and the trackers ----
 
@@ -391,32 +391,29 @@ def text(summary: Mapping[str, Any]) -> str:
 
 
 class StepTimeFile:
-    """Reads a growing ``step_time.jsonl`` incrementally (a partial last line waits)."""
+    """Reads a growing ``step_time.jsonl`` incrementally with the one scan of the export
+    files (a partial last line waits; only valid lines, the first of each key, before
+    the closing line, are taken)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._offset = 0
-        self._lines = LineSplitter()
+        self._scan = FileScan("step_time", objects=True)
         self.steps: dict[int, dict[int, Events]] = {}
-        self.closed = False
+
+    @property
+    def closed(self) -> bool:
+        """The closing line has been read."""
+        return self._scan.state.closing_line is not None
 
     def read_new(self) -> None:
         """Take the lines written since the last call; a missing file is no line yet."""
         try:
             with open(self.path, "rb") as fh:
-                fh.seek(self._offset)
-                data = fh.read()
+                objs = self._scan.read(fh)
         except OSError:
             return
-        self._offset += len(data)
-        for raw in self._lines.feed(data):
-            kind, obj = classify_line(raw)
-            if kind is LineKind.CLOSING:
-                self.closed = True
-            elif obj is not None:
-                rank, step, events = obj.get("global_rank"), obj.get("step"), obj.get("events")
-                if isinstance(rank, int) and isinstance(step, int) and isinstance(events, dict):
-                    self.steps.setdefault(rank, {})[step] = events
+        for obj in objs:
+            self.steps.setdefault(obj["global_rank"], {})[obj["step"]] = obj["events"]
 
     def has(self, rank: int, step: int) -> bool:
         """Whether ``rank``'s step ``step`` (or a later one) is in the file."""

@@ -6,14 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from traceml_ai.launch import _report, launcher
+from traceml_ai.launch import launcher
+from traceml_records import _scan
 
 
 @pytest.mark.parametrize("block", [5, 9, 13, 64, 1 << 20])
 def test_closing_lines_are_not_counted_wherever_blocks_cut_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
-    monkeypatch.setattr(_report, "BLOCK_BYTES", block)
+    monkeypatch.setattr(_scan, "BLOCK_BYTES", block)
     lines = b"".join(b'{"a":%d}\n' % i for i in range(100))
     (tmp_path / "a.jsonl").write_bytes(lines + b'{"stream":"x","closing":true}\n')
     # A string "closing" is data; the unfinished last line is not a line yet.
@@ -44,7 +45,7 @@ def test_tally_says_whether_every_file_is_closed(
     closed: bool,
     block: int,
 ) -> None:
-    monkeypatch.setattr(_report, "BLOCK_BYTES", block)
+    monkeypatch.setattr(_scan, "BLOCK_BYTES", block)
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     assert launcher.export_tally(tmp_path)[1] is closed

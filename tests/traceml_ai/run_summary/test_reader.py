@@ -1,12 +1,14 @@
-"""The files reader as columns, its C twin, and reading a run as it grows.
+"""The files reader as columns, its step rows, and reading a run as it grows.
 
-The C reader (``_rowscan``) and the Python one take and refuse the same lines and give
-the same rows; a file read in pieces (``RunReader``) gives the summary of the same file
-read at once; a file replaced, truncated or deleted while followed is said.
+The step columns made from the scan's columns are what ``step_row`` and
+``ColumnsBuilder`` make of the same lines, with the scan's C core and with its
+pure-Python twin; a file read in pieces (``RunReader``) gives the summary of the same
+file read at once; a file replaced, truncated or deleted while followed is said.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -19,15 +21,16 @@ from hypothesis import strategies as st
 
 from tests.traceml_ai.run_summary.test_summary import closing, run_folder, step_line, write
 from traceml_ai.run_summary import RunReader, RunSummary, summarize_run
-from traceml_ai.run_summary._columns import ColumnsBuilder, columns_of_rows
-from traceml_ai.run_summary._phases import STEP_EVENT, phase_name
-from traceml_ai.run_summary._read import _checks
-from traceml_ai.run_summary._read import step_line as py_step_line
-from traceml_records.internal import PURE_PYTHON_ENV, load_extension
+from traceml_ai.run_summary._columns import ColumnsBuilder, StepColumns, columns_of_rows
+from traceml_ai.run_summary._phases import phase_name, step_row
+from traceml_ai.run_summary._read import StepLines
+from traceml_records import _fastcheck, validate_line
+from traceml_records._linecheck import NOT_INT
+from traceml_records.internal import PURE_PYTHON_ENV, FileScan, load_extension
 
 P = "_traceml_internal:"
-_rowscan = load_extension("traceml_ai.run_summary._rowscan")
-needs_c = pytest.mark.skipif(_rowscan is None, reason="the C reader was not built")
+_speedups = load_extension()
+needs_c = pytest.mark.skipif(_speedups is None, reason="the scan's C core was not built")
 
 
 def _rows_of(summary: RunSummary) -> dict[int, list[tuple[int, dict[str, float]]]]:
@@ -110,50 +113,119 @@ def _bend_timing(draw: st.DrawFn, obj: dict[str, Any]) -> None:
         devices[device].pop(key, None)
 
 
-@needs_c
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+def _dumps(obj: Any) -> bytes:
+    """A line's bytes; an integer past 64 bits (which orjson does not write) as the
+    standard library writes it."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _step_columns(data: bytes, *, pure: bool) -> StepColumns:
+    """The summary's step columns of a step_time file's bytes, read by the scan with its
+    C core or with its pure-Python twin."""
+    with pytest.MonkeyPatch.context() as mp:
+        if pure:
+            mp.setattr(_fastcheck, "_speedups", None)
+        _fastcheck.core_for.cache_clear()
+        try:
+            sink = StepLines()
+            scan = FileScan("step_time", layout=sink.layout)
+            sink(scan.read_bytes(data), None)  # type: ignore[arg-type]
+            return sink.columns.build()
+        finally:
+            _fastcheck.core_for.cache_clear()
+
+
+def _step_rows_of(lines: list[bytes]) -> StepColumns:
+    """What ``step_row`` and ``ColumnsBuilder`` make of the valid lines, first of each
+    key (the lines given never repeat the key of a line that is not valid)."""
+    builder = ColumnsBuilder()
+    seen: set[tuple[int, int]] = set()
+    cache: dict[str, str | None] = {}
+    for raw in lines:
+        if validate_line(raw):
+            continue
+        d = orjson.loads(raw)
+        key = (d["global_rank"], d["step"])
+        if key in seen:
+            continue
+        seen.add(key)
+        row = step_row(d["events"], phase_name, cache)
+        assert row is not None
+        row["_ts"] = float(d["timestamp_unix_ns"])
+        if d.get("tokens") is not None:
+            row["_tokens"] = float(d["tokens"])
+        builder.add(d["global_rank"], d["step"], row)
+        builder.set_node(d["global_rank"], d["node_rank"])
+    return builder.build()
+
+
+def _same_columns(got: StepColumns, want: StepColumns) -> None:
+    import numpy as np
+
+    assert list(got) == list(want)
+    for r, c in want.items():
+        g = got[r]
+        assert g.node == c.node, r
+        assert g.steps.tolist() == c.steps.tolist(), r
+        assert list(g.values) == list(c.values), r  # the same keys, in the same order
+        for key, col in c.values.items():
+            assert np.array_equal(g.values[key], col), (r, key)
+        assert sorted(g.present) == sorted(c.present), r
+        for key, mask in c.present.items():
+            assert np.array_equal(g.present[key], mask), (r, key)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_the_c_reader_takes_and_refuses_the_lines_the_python_one_does(
-    data: st.DataObject,
-) -> None:
-    """Valid step_time lines, one scalar bent, or one timing bent: the C ``step_line``
-    says what the Python twin says (the same row, or the same refusal)."""
-    from tests.strategies import consistent_json
+def test_the_step_columns_are_what_step_row_makes_of_the_lines(data: st.DataObject) -> None:
+    """Valid step_time lines of a few ranks, steps out of order and repeated, user phases
+    now and then, some lines with one scalar or one timing bent: the summary's step
+    columns (from the scan's columns, in numpy) are ``step_row`` and ``ColumnsBuilder``
+    line by line, with the C core and with its twin."""
+    from tests.strategies import as_written, consistent_json
 
-    assert _rowscan is not None
-    obj = dict(data.draw(consistent_json("step_time")))
-    obj["events"] = orjson.loads(orjson.dumps(obj.get("events")))
-    choice = data.draw(st.sampled_from(["as is", "scalar", "timing", "user phases"]))
-    if choice == "scalar":
-        field = data.draw(st.sampled_from(sorted(obj)))
-        bent = st.one_of(
-            st.none(),
-            st.booleans(),
-            st.integers(-(2**64), 2**64),
-            st.floats(allow_nan=False),
-            st.text(max_size=3),
-        )
-        if data.draw(st.booleans()):
-            obj[field] = data.draw(bent)
-        else:
-            del obj[field]
-    elif choice == "timing":
-        _bend_timing(data.draw, obj)
-    elif choice == "user phases" and isinstance(obj.get("events"), dict):
-        timing = {"cpu": {"duration_ms": 1.5, "cpu_ms": 1.5, "gpu_ms": None, "n_calls": 2}}
-        for name in data.draw(st.lists(st.text(min_size=1, max_size=4), max_size=4)):
-            obj["events"][name] = timing
-    checks = _checks("step_time")
-    # A name_of that folds names together, as the live views do.
-    fold = data.draw(st.booleans())
-
-    def name_of(event: str) -> str | None:
-        name = phase_name(event)
-        return "other" if fold and name is not None and name.startswith("user:") else name
-
-    want = py_step_line(obj, checks, STEP_EVENT, name_of, {})
-    got = _rowscan.step_line(obj, checks, STEP_EVENT, name_of, {}, {}, set())
-    assert got == want
+    lines: list[bytes] = []
+    for i in range(data.draw(st.integers(0, 14))):
+        obj = dict(data.draw(consistent_json("step_time")))
+        rank = data.draw(st.integers(0, 2))
+        obj.update(rank=rank, global_rank=rank, local_rank=rank, world_size=3, local_world_size=3)
+        obj["seq"] = i
+        obj["step"] = data.draw(st.integers(1, 6))
+        if data.draw(st.integers(0, 4)) == 0:
+            timing = {
+                "cpu_ms": 1.5,
+                "duration_ms": 1.5,
+                "gpu_ms": None,
+                "is_gpu": False,
+                "n_calls": 2,
+            }
+            for name in data.draw(st.lists(st.text("abc_", min_size=1, max_size=3), max_size=3)):
+                obj["events"][name] = {"cpu": timing}
+            obj["events"] = dict(sorted(obj["events"].items()))
+        choice = data.draw(st.sampled_from(["as is", "as is", "scalar", "timing"]))
+        if choice != "as is":
+            obj["step"] = 1000 + i  # a key of its own: a bad line's key is never reused
+            if choice == "scalar":
+                field = data.draw(st.sampled_from(sorted(obj)))
+                obj[field] = data.draw(
+                    st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=2))
+                )
+            else:
+                _bend_timing(data.draw, obj)
+        plain = as_written(obj)
+        raw = _dumps(plain if validate_line(_dumps(plain)) == [] else obj)
+        problems = validate_line(raw)
+        if problems and all(p.message.startswith(NOT_INT) for p in problems):
+            continue  # valid values written otherwise (``1.0`` for 1): taken, not a step row
+        lines.append(raw)
+    body = b"".join(raw + b"\n" for raw in lines)
+    want = _step_rows_of(lines)
+    _same_columns(_step_columns(body, pure=True), want)
+    if _speedups is not None:
+        _same_columns(_step_columns(body, pure=False), want)
 
 
 def _messy_lines(seed: int) -> list[bytes]:

@@ -548,7 +548,9 @@ def test_one_rule_for_a_steps_phases_in_the_files_the_live_views_and_a_ranks_own
     summary = summarize_run(run_folder(tmp_path, [*good, bad]))
     assert summary.step_time is not None and summary.step_time["0"].steps == 2
     assert summary.loss.files["step_time"].impossible_lines == 1
-    assert any("user_a cpu: n_calls 0" in p for p in summary.problems)
+    assert any(
+        "/events/user_a/cpu/n_calls: 0 is less than the minimum" in p for p in summary.problems
+    )
 
     state = LiveState()
     identity = {k: bad[k] for k in ("rank", "global_rank", "local_rank", "world_size",

@@ -1,21 +1,18 @@
 """step_time's ``tokens`` in the run summary's step rows: ``_tokens`` (a float) when the
-line has tokens, none when it lacks them or has null, the same through the C reader
-(``_rowscan``) and its Python twin."""
+line has tokens, none when it lacks them or has null, the same through the scan's C
+core and its pure-Python twin."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 
-from traceml_ai.run_summary._phases import STEP_EVENT, phase_name
-from traceml_ai.run_summary._read import _checks
-from traceml_ai.run_summary._read import step_line as py_step_line
-from traceml_records.internal import load_extension
+from tests.traceml_ai.run_summary.test_reader import _step_columns
+from traceml_ai.run_summary._phases import STEP_EVENT
 
 pytestmark = pytest.mark.unit
-
-_rowscan = load_extension("traceml_ai.run_summary._rowscan")
 
 
 def _line(**extra: Any) -> dict[str, Any]:
@@ -38,31 +35,14 @@ def _line(**extra: Any) -> dict[str, Any]:
     }
 
 
-def _readers() -> list[Any]:
-    readers: list[Any] = [
-        lambda obj: py_step_line(obj, _checks("step_time"), STEP_EVENT, phase_name, {})
-    ]
-    if _rowscan is not None:
-        readers.append(
-            lambda obj: _rowscan.step_line(
-                obj, _checks("step_time"), STEP_EVENT, phase_name, {}, {}, set()
-            )
-        )
-    return readers
-
-
-@pytest.mark.parametrize("reader", range(2))
+@pytest.mark.parametrize("pure", [False, True])
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [({"tokens": 2048}, 2048.0), ({"tokens": 0}, 0.0), ({"tokens": None}, None), ({}, None)],
 )
-def test_tokens_reach_the_step_row(reader: int, extra: dict[str, Any], expected: Any) -> None:
-    readers = _readers()
-    if reader >= len(readers):
-        pytest.skip("the C reader was not built")
-    found = readers[reader](_line(**extra))
-    assert isinstance(found, tuple)
-    row = found[4]
+def test_tokens_reach_the_step_row(pure: bool, extra: dict[str, Any], expected: Any) -> None:
+    columns = _step_columns(orjson.dumps(_line(**extra)) + b"\n", pure=pure)
+    row = columns[0].row(0)
     assert row.get("_tokens") == expected
     if expected is not None:
         assert type(row["_tokens"]) is float
@@ -70,6 +50,5 @@ def test_tokens_reach_the_step_row(reader: int, extra: dict[str, Any], expected:
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "12", True])
 def test_bad_tokens_are_refused_alike(bad: Any) -> None:
-    results = [read(_line(tokens=bad)) for read in _readers()]
-    assert results[0] == 1  # a scalar field is wrong
-    assert all(r == results[0] for r in results)
+    data = orjson.dumps(_line(tokens=bad)) + b"\n"
+    assert _step_columns(data, pure=False) == _step_columns(data, pure=True) == {}
