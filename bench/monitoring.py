@@ -13,14 +13,15 @@ First, in process: the live state of a 1,024-rank job (8 ranks and 8 GPUs per no
 each rank's last 120 steps with the scale benchmark's phases, jittered, its memory
 and process figures, each node's system sample) and the ``/metrics`` text a scrape
 builds from it (``Monitoring.families`` and the exposition, as the endpoint does,
-before gzip), the default against each rank's histograms served, in the same run.
-``--rounds 0`` measures only that.
+before gzip), the default against each rank's series served, in the same run; then
+the default (bounded) scrape of a 10,240-rank job of the same shape.
+``--rounds 0`` measures only these.
 
 Prints each run's aggregator CPU per 1,000 records, the dropped batches, the scrape's
 series, size and build time, and the last line ``monitoring_cpu_ratio=<median of
 on/off> dropped_batches=<with the views on> scrape_series_1024=<n>
 scrape_build_s_1024=<median build> scrape_build_ratio_1024=<default over each rank's
-histograms>`` (``monitoring_cpu_ratio=nan`` with ``--rounds 0``).
+series> scrape_series_10240=<n> scrape_build_s_10240=<median build>`` (``monitoring_cpu_ratio=nan`` with ``--rounds 0``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ from .scale.run import RunResult, run_once
 
 SCRAPE_RANKS = 1024
 """The job the scrape is measured on (the last line's ``_1024`` fields)."""
+LARGE_RANKS = 10240
+"""The large job whose bounded scrape is measured (the last line's ``_10240`` fields)."""
 
 
 class _Sink(http.server.BaseHTTPRequestHandler):
@@ -214,7 +217,7 @@ class ScrapeCost:
 
 
 def _build(monitoring: Monitoring, max_ranks: int) -> tuple[bytes, float]:
-    monitoring.settings = MonitorSettings(prometheus_port=0, rank_histograms_max_ranks=max_ranks)
+    monitoring.settings = MonitorSettings(prometheus_port=0, rank_series_max_ranks=max_ranks)
     started = time.thread_time()
     body = exposition(monitoring.families()).encode("utf-8", "replace")
     return body, time.thread_time() - started
@@ -261,7 +264,7 @@ def scrape_costs(repeat: int = 9) -> tuple[ScrapeCost, ScrapeCost, str]:
     monitoring = _job_monitoring(SCRAPE_RANKS)
     bodies: dict[int, bytes] = {}
     times: dict[int, list[float]] = {
-        MonitorSettings().rank_histograms_max_ranks: [],
+        MonitorSettings().rank_series_max_ranks: [],
         SCRAPE_RANKS: [],
     }
     for _ in range(repeat):
@@ -271,6 +274,17 @@ def scrape_costs(repeat: int = 9) -> tuple[ScrapeCost, ScrapeCost, str]:
     default, detailed = (_cost(bodies[b], t) for b, t in times.items())
     monitoring.settings = MonitorSettings(prometheus_port=0)
     return default, detailed, _otlp_export_cost(monitoring, repeat)
+
+
+def large_scrape_cost(repeat: int = 5) -> ScrapeCost:
+    """The default (bounded) scrape at :data:`LARGE_RANKS` ranks, same state shape."""
+    monitoring = _job_monitoring(LARGE_RANKS)
+    bound = MonitorSettings().rank_series_max_ranks
+    body, times = b"", []
+    for _ in range(repeat):
+        body, spent = _build(monitoring, bound)
+        times.append(spent)
+    return _cost(body, times)
 
 
 def _describe(cost: ScrapeCost) -> str:
@@ -298,6 +312,8 @@ def main() -> None:
         f"histograms {_describe(detailed)}; ratio {scrape_ratio:.2f}"
     )
     print(otlp)
+    large = large_scrape_cost()
+    print(f"one scrape at {LARGE_RANKS:,} ranks (same shape), median of 5: {_describe(large)}")
     spec = LoadSpec(ranks=args.ranks, steps_per_s=args.steps_per_s, seconds=args.seconds)
     logs = Path(tempfile.mkdtemp(prefix="bench-monitoring-"))
     ratios: list[float] = []
@@ -328,7 +344,9 @@ def main() -> None:
         f"monitoring_cpu_ratio={cpu_ratio:.2f} dropped_batches={dropped_on} "
         f"scrape_series_{SCRAPE_RANKS}={default.series} "
         f"scrape_build_s_{SCRAPE_RANKS}={default.build_s:.4f} "
-        f"scrape_build_ratio_{SCRAPE_RANKS}={scrape_ratio:.3f}"
+        f"scrape_build_ratio_{SCRAPE_RANKS}={scrape_ratio:.3f} "
+        f"scrape_series_{LARGE_RANKS}={large.series} "
+        f"scrape_build_s_{LARGE_RANKS}={large.build_s:.4f}"
     )
 
 

@@ -28,7 +28,7 @@ import yaml
 
 from tests.e2e_helpers import REPO, clean_env, closing_line, data_lines, free_port, traceml_cmd
 from tests.receivers.prometheus_server import PrometheusServer, prometheus_server
-from tests.traceml_ai.monitor.test_monitor import families_of, job_state
+from tests.traceml_ai.monitor.test_monitor import families_of, identity, job_state
 from traceml_ai.monitor._state import WINDOW_STEPS
 from traceml_ai.monitor.metrics import METRICS, Health, traceml_version
 from traceml_ai.monitor.prometheus import exposition
@@ -317,6 +317,9 @@ def _served_names() -> set[str]:
     """The sample names the endpoint serves for a run with every figure: steps, memory,
     process and system samples, a straggler named, the export's counts."""
     state = job_state(8, per_node=4)
+    for rank in range(8):  # two pipeline stages, one per node
+        ident = identity(rank, world=8, node=rank // 4)
+        state.add_environment(ident, [{"parallel": {"pp": {"rank": rank // 4, "size": 2}}}])
     straggler = Straggler(
         rank=1, own_work_ms=40.0, others_own_work_ms=10.0, excess_ms=30.0, excess_pct=300.0,
         phase="forward", phase_excess_ms=30.0, phase_description="", slow_steps=3,

@@ -172,7 +172,7 @@ class TraceMLRayConfig:
       ``--finalize-timeout-sec``). ``stop_timeout_sec``, its former name, is still taken
       and says so once with a ``DeprecationWarning``; giving both with different values
       is an error.
-    - ``prometheus_port``, ``prometheus_bind_host``, ``rank_histograms_max_ranks``,
+    - ``prometheus_port``, ``prometheus_bind_host``, ``rank_series_max_ranks``,
       ``otlp``, ``otlp_trace_sample``: the live views, as ``traceml run``'s flags of the
       same names (docs/monitoring.md); the aggregator actor serves ``/metrics`` on the
       driver's node.
@@ -225,7 +225,7 @@ class TraceMLRayConfig:
     # The live views (docs/monitoring.md), served by the aggregator actor.
     prometheus_port: int | None = FROM_TABLE
     prometheus_bind_host: str = FROM_TABLE
-    rank_histograms_max_ranks: int = FROM_TABLE
+    rank_series_max_ranks: int = FROM_TABLE
     otlp: bool = FROM_TABLE
     otlp_trace_sample: int = FROM_TABLE
     dashboard_port: int = FROM_TABLE

@@ -81,7 +81,7 @@ class Monitoring:
             self.state,
             self.health(),
             run_name=self.run.run_name,
-            rank_histograms_max_ranks=self.settings.rank_histograms_max_ranks,
+            rank_series_max_ranks=self.settings.rank_series_max_ranks,
         )
 
     def submit(self, batch: ReceivedBatch) -> None:

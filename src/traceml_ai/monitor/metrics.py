@@ -14,17 +14,25 @@ with the unit in the data (UCUM: ``s``, ``By``, ``1`` for ratios, ``{step}``-sty
 annotations for counts, which OTLP-to-Prometheus translation leaves out of the name),
 so that a backend that converts OTLP to Prometheus names arrives at the same series.
 
-Series are bounded for large jobs: the step and phase histograms are the job's (every
-rank's steps in one), each rank has a handful of gauges (its median step time among
-them), and each rank's own histograms (:data:`RANK_HISTOGRAMS`, most of the series:
-one per rank and phase) are served only while the run has at most
-``rank_histograms_max_ranks`` ranks. Phases are the five built-in ones plus at most
-``MAX_USER_PHASES`` user names (the rest are ``other``), devices at most 16 per rank,
-GPUs at most 64 per node. :func:`series_estimate` gives the count for a run's shape.
+Series are bounded at any rank count. The step and phase histograms are the job's
+(every rank's steps in one), and every run has the distribution across ranks of each
+rank's figures (:data:`RANK_DISTRIBUTIONS`: min, p50, p90 and max as a ``stat``
+label), across nodes and GPUs of the system figures (:data:`NODE_DISTRIBUTIONS`), each
+node's and each pipeline stage's median step time, and the straggler analysis. Each
+rank's own series (its gauges and histograms, per node its system and GPU figures) are
+served for every rank while the run has at most ``rank_series_max_ranks`` ranks (64 by
+default); above it, the per-rank gauges only for the :data:`TOP_K` slowest ranks and
+at most :data:`MAX_NAMED` ranks the straggler analysis names, no rank's histograms, and
+no per-node system series. Per-node and per-stage series are capped too
+(:data:`MAX_NODE_SERIES`, :data:`MAX_STAGE_SERIES`: the slowest are kept). Phases are
+the five built-in ones plus at most ``MAX_USER_PHASES`` user names (the rest are
+``other``), devices at most 16 per rank, GPUs at most 64 per node.
+:func:`series_estimate` gives the count for a run's shape.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
@@ -37,12 +45,22 @@ from traceml_ai.monitor._state import (
     WINDOW_STEPS,
     Histogram,
     LiveState,
+    NodeLive,
+    RankFigures,
 )
-from traceml_ai.run_summary import BUILT_IN_PHASES, StragglerView
+from traceml_ai.run_summary import BUILT_IN_PHASES, Coordinates, StragglerView, percentile
+from traceml_ai.settings import RANK_SERIES_MAX_RANKS
 
 __all__ = [
+    "MAX_NAMED",
+    "MAX_NODE_SERIES",
+    "MAX_STAGE_SERIES",
     "METRICS",
+    "NODE_DISTRIBUTIONS",
+    "QUANTILES",
+    "RANK_DISTRIBUTIONS",
     "RANK_HISTOGRAMS",
+    "TOP_K",
     "Family",
     "Health",
     "MetricDef",
@@ -81,7 +99,34 @@ _PHASES_HELP = (
     "dataloader_wait, h2d, forward, backward, optimizer, "
     f"user:NAME (at most {MAX_USER_PHASES} names per run; later ones count as other)"
 )
-_RANK_DETAIL = "Served while the run has at most --rank-histograms-max-ranks ranks."
+TOP_K = 8
+"""Above ``rank_series_max_ranks`` ranks, the slowest ranks (by their median step time)
+whose gauges are served."""
+MAX_NAMED = 16
+"""Above ``rank_series_max_ranks`` ranks, the most ranks the straggler analysis names
+whose series are served (those with the largest excess)."""
+MAX_NODE_SERIES = 1280
+"""Nodes with a step time series (the slowest when there are more): every node of a
+10,240-rank job of 8-rank nodes."""
+MAX_STAGE_SERIES = 32
+"""Pipeline stages with a series of their own (the slowest when there are more), as the
+trackers' ``traceml/stage/<stage>/step_time_ms``."""
+QUANTILES: tuple[tuple[str, float], ...] = (
+    ("min", 0.0),
+    ("p50", 50.0),
+    ("p90", 90.0),
+    ("max", 100.0),
+)
+"""The distributions' ``stat`` label values and their percentiles (linear
+interpolation between the closest values, numpy's default). Not Prometheus'
+``quantile`` label, which is for summaries only."""
+
+_RANK_DETAIL = "Served while the run has at most --rank-series-max-ranks ranks."
+_RANK_SOME = (
+    "Every rank while the run has at most --rank-series-max-ranks ranks; above, the "
+    f"{TOP_K} slowest and the ranks the straggler analysis names."
+)
+_NODE_SOME = "Served while the run has at most --rank-series-max-ranks ranks."
 
 RUN_INFO = _m(
     "traceml_run_info", "gauge", "1", ("run", "version"),
@@ -99,7 +144,7 @@ JOB_PHASE_TIME = _m(
 )  # fmt: skip
 RANK_STEP_TIME = _m(
     "traceml_rank_step_time_median_seconds", "gauge", "s", ("rank", "node"),
-    f"Median duration of the rank's recent steps (its last {WINDOW_STEPS}).", "step_time",
+    f"Median duration of the rank's recent steps (its last {WINDOW_STEPS}). {_RANK_SOME}", "step_time",
 )  # fmt: skip
 STEP_TIME = _m(
     "traceml_step_time_seconds", "histogram", "s", ("rank", "node"),
@@ -110,48 +155,56 @@ PHASE_TIME = _m(
     f"Time of each phase in each step of the rank: {_PHASES_HELP}. {_RANK_DETAIL}",
     "step_time",
 )  # fmt: skip
-STEPS = _m("traceml_steps_total", "counter", "{step}", ("rank",), "Steps received.", "step_time")
-LAST_STEP = _m("traceml_last_step", "gauge", "{step}", ("rank",), "The rank's latest step number.", "step_time")  # fmt: skip
+STEPS = _m(
+    "traceml_steps_total",
+    "counter",
+    "{step}",
+    ("rank",),
+    f"Steps received. {_RANK_SOME}",
+    "step_time",
+)
+LAST_STEP = _m("traceml_last_step", "gauge", "{step}", ("rank",), f"The rank's latest step number. {_RANK_SOME}", "step_time")  # fmt: skip
 LAST_STEP_TIME = _m(
     "traceml_last_step_timestamp_seconds", "gauge", "s", ("rank",),
-    "When the rank's latest step ended (Unix time).", "step_time",
+    f"When the rank's latest step ended (Unix time). {_RANK_SOME}", "step_time",
 )  # fmt: skip
 PEAK_ALLOCATED = _m(
     "traceml_step_peak_allocated_bytes", "gauge", "By", ("rank", "device"),
-    "Peak tensor memory allocated during the rank's latest step on the device.", "step_memory",
+    f"Peak tensor memory allocated during the rank's latest step on the device. "
+    f"{_RANK_SOME}", "step_memory",
 )  # fmt: skip
 PEAK_RESERVED = _m(
     "traceml_step_peak_reserved_bytes", "gauge", "By", ("rank", "device"),
-    "Peak memory reserved by the caching allocator during the latest step.", "step_memory",
+    f"Peak memory reserved by the caching allocator during the latest step. {_RANK_SOME}", "step_memory",
 )  # fmt: skip
 PROCESS_CPU = _m(
     "traceml_process_cpu_cores", "gauge", "{core}", ("rank",),
-    "CPU the training process uses, in cores (1.5 = one and a half cores).", "process",
+    f"CPU the training process uses, in cores (1.5 = one and a half cores). {_RANK_SOME}", "process",
 )  # fmt: skip
 PROCESS_RSS = _m(
     "traceml_process_resident_memory_bytes", "gauge", "By", ("rank",),
-    "Resident memory of the training process.", "process",
+    f"Resident memory of the training process. {_RANK_SOME}", "process",
 )  # fmt: skip
 PROCESS_GPU_USED = _m(
     "traceml_process_gpu_memory_used_bytes", "gauge", "By", ("rank",),
-    "GPU memory the rank's process has allocated on its GPU.", "process",
+    f"GPU memory the rank's process has allocated on its GPU. {_RANK_SOME}", "process",
 )  # fmt: skip
 PROCESS_GPU_RESERVED = _m(
     "traceml_process_gpu_memory_reserved_bytes", "gauge", "By", ("rank",),
-    "GPU memory the rank's allocator has reserved on its GPU.", "process",
+    f"GPU memory the rank's allocator has reserved on its GPU. {_RANK_SOME}", "process",
 )  # fmt: skip
 SYSTEM_CPU = _m(
     "traceml_system_cpu_ratio", "gauge", "1", ("node",),
-    "Host-wide CPU use, 0 to 1.", "system",
+    f"Host-wide CPU use, 0 to 1. {_NODE_SOME}", "system",
 )  # fmt: skip
-SYSTEM_RAM_USED = _m("traceml_system_memory_used_bytes", "gauge", "By", ("node",), "Host RAM in use.", "system")  # fmt: skip
-SYSTEM_RAM_TOTAL = _m("traceml_system_memory_total_bytes", "gauge", "By", ("node",), "Host RAM.", "system")  # fmt: skip
-GPU_UTIL = _m("traceml_gpu_utilization_ratio", "gauge", "1", ("node", "gpu"), "GPU utilisation, 0 to 1.", "system")  # fmt: skip
-GPU_MEM_USED = _m("traceml_gpu_memory_used_bytes", "gauge", "By", ("node", "gpu"), "GPU memory in use.", "system")  # fmt: skip
-GPU_MEM_TOTAL = _m("traceml_gpu_memory_total_bytes", "gauge", "By", ("node", "gpu"), "GPU memory.", "system")  # fmt: skip
-GPU_TEMP = _m("traceml_gpu_temperature_celsius", "gauge", "Cel", ("node", "gpu"), "GPU temperature.", "system")  # fmt: skip
-GPU_POWER = _m("traceml_gpu_power_watts", "gauge", "W", ("node", "gpu"), "GPU power draw.", "system")  # fmt: skip
-GPU_POWER_LIMIT = _m("traceml_gpu_power_limit_watts", "gauge", "W", ("node", "gpu"), "GPU power limit.", "system")  # fmt: skip
+SYSTEM_RAM_USED = _m("traceml_system_memory_used_bytes", "gauge", "By", ("node",), f"Host RAM in use. {_NODE_SOME}", "system")  # fmt: skip
+SYSTEM_RAM_TOTAL = _m("traceml_system_memory_total_bytes", "gauge", "By", ("node",), f"Host RAM. {_NODE_SOME}", "system")  # fmt: skip
+GPU_UTIL = _m("traceml_gpu_utilization_ratio", "gauge", "1", ("node", "gpu"), f"GPU utilisation, 0 to 1. {_NODE_SOME}", "system")  # fmt: skip
+GPU_MEM_USED = _m("traceml_gpu_memory_used_bytes", "gauge", "By", ("node", "gpu"), f"GPU memory in use. {_NODE_SOME}", "system")  # fmt: skip
+GPU_MEM_TOTAL = _m("traceml_gpu_memory_total_bytes", "gauge", "By", ("node", "gpu"), f"GPU memory. {_NODE_SOME}", "system")  # fmt: skip
+GPU_TEMP = _m("traceml_gpu_temperature_celsius", "gauge", "Cel", ("node", "gpu"), f"GPU temperature. {_NODE_SOME}", "system")  # fmt: skip
+GPU_POWER = _m("traceml_gpu_power_watts", "gauge", "W", ("node", "gpu"), f"GPU power draw. {_NODE_SOME}", "system")  # fmt: skip
+GPU_POWER_LIMIT = _m("traceml_gpu_power_limit_watts", "gauge", "W", ("node", "gpu"), f"GPU power limit. {_NODE_SOME}", "system")  # fmt: skip
 STRAGGLERS = _m(
     "traceml_stragglers", "gauge", "{rank}", ("verdict",),
     "Ranks the straggler analysis names now (over each rank's recent steps), with its "
@@ -213,12 +266,72 @@ LIVE_DROPPED = _m(
     "aggregator",
 )  # fmt: skip
 
+NODE_STEP_TIME = _m(
+    "traceml_node_step_time_median_seconds", "gauge", "s", ("node",),
+    "Median over the node's ranks of their median step time (their recent steps); at "
+    f"most {MAX_NODE_SERIES:,} nodes (the slowest).",
+    "step_time",
+)  # fmt: skip
+STAGE_STEP_TIME = _m(
+    "traceml_stage_step_time_median_seconds", "gauge", "s", ("stage",),
+    "Median over a pipeline stage's ranks of their median step time, when the ranks "
+    f"said their place in the layout and it has several stages; at most "
+    f"{MAX_STAGE_SERIES} stages (the slowest).",
+    "step_time",
+)  # fmt: skip
+
+
+def _across(name: str, of: MetricDef, over: str) -> MetricDef:
+    """The distribution of ``of``'s values across ``over``: one gauge per :data:`QUANTILES`."""
+    return MetricDef(
+        name,
+        "gauge",
+        of.unit,
+        ("stat",),
+        f"`{of.name}` across {over}, with the label `stat`: min, p50, p90 or max.",
+        of.source,
+    )
+
+
+RANK_DISTRIBUTIONS: tuple[tuple[MetricDef, MetricDef], ...] = tuple(
+    (_across(name, of, "every rank (every device of every rank for memory)"), of)
+    for name, of in (
+        ("traceml_ranks_step_time_median_seconds", RANK_STEP_TIME),
+        ("traceml_ranks_steps", STEPS),
+        ("traceml_ranks_last_step", LAST_STEP),
+        ("traceml_ranks_last_step_timestamp_seconds", LAST_STEP_TIME),
+        ("traceml_ranks_step_peak_allocated_bytes", PEAK_ALLOCATED),
+        ("traceml_ranks_step_peak_reserved_bytes", PEAK_RESERVED),
+        ("traceml_ranks_process_cpu_cores", PROCESS_CPU),
+        ("traceml_ranks_process_resident_memory_bytes", PROCESS_RSS),
+        ("traceml_ranks_process_gpu_memory_used_bytes", PROCESS_GPU_USED),
+        ("traceml_ranks_process_gpu_memory_reserved_bytes", PROCESS_GPU_RESERVED),
+    )
+)
+"""(distribution, the per-rank metric it is of): served at any rank count."""
+NODE_DISTRIBUTIONS: tuple[tuple[MetricDef, MetricDef], ...] = tuple(
+    (_across(name, of, over), of)
+    for name, of, over in (
+        ("traceml_nodes_system_cpu_ratio", SYSTEM_CPU, "every node"),
+        ("traceml_nodes_system_memory_used_bytes", SYSTEM_RAM_USED, "every node"),
+        ("traceml_nodes_system_memory_total_bytes", SYSTEM_RAM_TOTAL, "every node"),
+        ("traceml_gpus_utilization_ratio", GPU_UTIL, "every GPU of every node"),
+        ("traceml_gpus_memory_used_bytes", GPU_MEM_USED, "every GPU of every node"),
+        ("traceml_gpus_memory_total_bytes", GPU_MEM_TOTAL, "every GPU of every node"),
+        ("traceml_gpus_temperature_celsius", GPU_TEMP, "every GPU of every node"),
+        ("traceml_gpus_power_watts", GPU_POWER, "every GPU of every node"),
+        ("traceml_gpus_power_limit_watts", GPU_POWER_LIMIT, "every GPU of every node"),
+    )
+)
+"""(distribution, the per-node or per-GPU metric it is of): served at any rank count."""
+
 METRICS: tuple[MetricDef, ...] = (
-    RUN_INFO, JOB_STEP_TIME, JOB_PHASE_TIME, RANK_STEP_TIME, STEP_TIME, PHASE_TIME,
-    STEPS, LAST_STEP, LAST_STEP_TIME, PEAK_ALLOCATED, PEAK_RESERVED,
+    RUN_INFO, JOB_STEP_TIME, JOB_PHASE_TIME, RANK_STEP_TIME, NODE_STEP_TIME, STAGE_STEP_TIME,
+    STEP_TIME, PHASE_TIME, STEPS, LAST_STEP, LAST_STEP_TIME, PEAK_ALLOCATED, PEAK_RESERVED,
     PROCESS_CPU, PROCESS_RSS, PROCESS_GPU_USED, PROCESS_GPU_RESERVED,
     SYSTEM_CPU, SYSTEM_RAM_USED, SYSTEM_RAM_TOTAL,
     GPU_UTIL, GPU_MEM_USED, GPU_MEM_TOTAL, GPU_TEMP, GPU_POWER, GPU_POWER_LIMIT,
+    *(d for d, _ in RANK_DISTRIBUTIONS), *(d for d, _ in NODE_DISTRIBUTIONS),
     STRAGGLERS, STRAGGLER_EXCESS, SLOWDOWN, SLOW_STAGE_EXCESS, IMBALANCE_SPREAD,
     EXPORT_RECORDS, EXPORT_FAILED, EXPORT_DROPPED, REJECTED_CONNECTIONS,
     RANKS_EXPECTED, RANKS_REPORTING, RANKS_FINISHED, RANKS_MISSING, LIVE_DROPPED,
@@ -227,7 +340,7 @@ METRICS: tuple[MetricDef, ...] = (
 
 RANK_HISTOGRAMS: tuple[MetricDef, ...] = (STEP_TIME, PHASE_TIME)
 """Each rank's own histograms: served only while the run has at most
-``rank_histograms_max_ranks`` ranks (most of the series otherwise)."""
+``rank_series_max_ranks`` ranks (most of the series otherwise)."""
 
 BUCKETS: Mapping[str, tuple[float, ...]] = {
     JOB_STEP_TIME.name: STEP_BUCKETS_S,
@@ -296,35 +409,104 @@ def traceml_version() -> str:
 
 
 def collect(
-    state: LiveState, health: Health, *, run_name: str, rank_histograms_max_ranks: int
+    state: LiveState, health: Health, *, run_name: str, rank_series_max_ranks: int
 ) -> list[Family]:
-    """Every metric's series now, in :data:`METRICS` order (empty families included);
-    :data:`RANK_HISTOGRAMS` only while the run has at most ``rank_histograms_max_ranks``
-    ranks."""
+    """Every metric's series now, in :data:`METRICS` order (empty families included).
+
+    Each rank's own series, and each node's system and GPU series, only while the run
+    has at most ``rank_series_max_ranks`` ranks; above it, the gauges of the
+    :data:`TOP_K` slowest ranks and of at most :data:`MAX_NAMED` named stragglers. The
+    distributions, the per-node and per-stage step times and the job's histograms are
+    served at any rank count."""
     out: dict[str, list[Sample]] = {m.name: [] for m in METRICS}
 
     def add(metric: MetricDef, labels: tuple[str, ...], value: float) -> None:
         out[metric.name].append(Sample(labels, value))
 
     add(RUN_INFO, (run_name, traceml_version()), 1)
-    figures = state.metric_figures(rank_histograms_max_ranks)
+    figures = state.metric_figures(rank_series_max_ranks)
+    every_rank = figures.rank_count <= rank_series_max_ranks
     out[JOB_STEP_TIME.name].append(Sample((), histogram=figures.job_step))
     for phase, hist in figures.job_phases.items():
         out[JOB_PHASE_TIME.name].append(Sample((phase,), histogram=hist))
+    view = state.straggler
+    verdict, named = _straggler_figures(view)
+    if not every_rank and len(named) > MAX_NAMED:
+        named = heapq.nlargest(MAX_NAMED, named, key=lambda n: n[2])
+    ranks = figures.ranks
+    shown = ranks if every_rank else _slowest_and_named(ranks, {n[0] for n in named})
+    _rank_series(out, shown)
+    _rank_distributions(out, ranks)
+    _group_step_times(out, ranks, state.layout())
+    _node_series(out, state.nodes(), every_node=every_rank)
+    add(STRAGGLERS, (verdict,), len(named))
+    for slow_rank, phase, excess_ms in named:
+        add(STRAGGLER_EXCESS, (str(slow_rank), phase), excess_ms / 1000.0)
+    stages: list[tuple[int, float]] = []
+    for cause in view.causes() if view is not None else ():
+        if cause.slowdown is not None:
+            add(SLOWDOWN, (cause.verdict,), cause.slowdown.factor)
+        stages.extend((stage.stage, stage.excess_ms) for stage in cause.stages)
+        if cause.imbalance is not None:
+            add(IMBALANCE_SPREAD, (), cause.imbalance.spread_ms / 1000.0)
+    if not every_rank and len(stages) > MAX_STAGE_SERIES:
+        stages = heapq.nlargest(MAX_STAGE_SERIES, stages, key=lambda s: s[1])
+    for stage_no, excess_ms in stages:
+        add(SLOW_STAGE_EXCESS, (str(stage_no),), excess_ms / 1000.0)
+    for stream, n_written in sorted(health.written_records.items()):
+        add(EXPORT_RECORDS, (stream,), n_written)
+    for stream, n_failed in sorted(health.failed_records.items()):
+        add(EXPORT_FAILED, (stream,), n_failed)
+    add(EXPORT_DROPPED, (), health.dropped_batches)
+    add(REJECTED_CONNECTIONS, (), health.rejected_connections)
+    if health.expected_ranks is not None:
+        add(RANKS_EXPECTED, (), health.expected_ranks)
+    add(RANKS_REPORTING, (), health.reporting_ranks)
+    add(RANKS_FINISHED, (), health.finished_ranks)
+    add(RANKS_MISSING, (), health.missing_ranks)
+    add(LIVE_DROPPED, (), health.live_dropped_batches)
+    return [Family(m, out[m.name]) for m in METRICS]
+
+
+def _slowest_and_named(ranks: Sequence[RankFigures], named: set[int]) -> list[RankFigures]:
+    """The :data:`TOP_K` ranks with the longest median step time (the lower rank first
+    on a tie) and the ``named`` ones, in rank order."""
+    timed = (r for r in ranks if r.recent_median_ms is not None)
+    slowest = heapq.nlargest(TOP_K, timed, key=lambda r: (r.recent_median_ms, -r.rank))
+    keep = named | {r.rank for r in slowest}
+    return [r for r in ranks if r.rank in keep]
+
+
+_PROCESS_KEYS: tuple[tuple[MetricDef, str, float], ...] = (
+    (PROCESS_CPU, "cpu_percent", 0.01),
+    (PROCESS_RSS, "ram_used_bytes", 1.0),
+    (PROCESS_GPU_USED, "gpu_memory_used_bytes", 1.0),
+    (PROCESS_GPU_RESERVED, "gpu_memory_reserved_bytes", 1.0),
+)
+_SYSTEM_KEYS: tuple[tuple[MetricDef, str, float], ...] = (
+    (SYSTEM_CPU, "cpu_percent", 0.01),
+    (SYSTEM_RAM_USED, "ram_used_bytes", 1.0),
+    (SYSTEM_RAM_TOTAL, "ram_total_bytes", 1.0),
+)
+_GPU_KEYS: tuple[tuple[MetricDef, str, float], ...] = (
+    (GPU_UTIL, "utilization_percent", 0.01),
+    (GPU_MEM_USED, "memory_used_bytes", 1.0),
+    (GPU_MEM_TOTAL, "memory_total_bytes", 1.0),
+    (GPU_TEMP, "temperature_c", 1.0),
+    (GPU_POWER, "power_usage_w", 1.0),
+    (GPU_POWER_LIMIT, "power_limit_w", 1.0),
+)
+
+
+def _rank_series(out: dict[str, list[Sample]], ranks: Sequence[RankFigures]) -> None:
+    """Each of ``ranks``' own series: its gauges, and its histograms when the state
+    copied them."""
     rank_step = out[RANK_STEP_TIME.name]
     steps, last_step, last_time = out[STEPS.name], out[LAST_STEP.name], out[LAST_STEP_TIME.name]
     step_hists, phase_hists = out[STEP_TIME.name], out[PHASE_TIME.name]
     peak_allocated, peak_reserved = out[PEAK_ALLOCATED.name], out[PEAK_RESERVED.name]
-    process = [
-        (out[metric.name], key, scale)
-        for metric, key, scale in (
-            (PROCESS_CPU, "cpu_percent", 0.01),
-            (PROCESS_RSS, "ram_used_bytes", 1.0),
-            (PROCESS_GPU_USED, "gpu_memory_used_bytes", 1.0),
-            (PROCESS_GPU_RESERVED, "gpu_memory_reserved_bytes", 1.0),
-        )
-    ]
-    for r in figures.ranks:
+    process = [(out[metric.name], key, scale) for metric, key, scale in _PROCESS_KEYS]
+    for r in ranks:
         rank = str(r.rank)
         by_rank, rank_node = (rank,), (rank, str(r.node))
         if r.step_hist is not None:
@@ -347,60 +529,108 @@ def collect(
         for samples, key, scale in process:
             if key in p:
                 samples.append(Sample(by_rank, p[key] * scale))
-    system = [
-        (out[metric.name], key, scale)
-        for metric, key, scale in (
-            (SYSTEM_CPU, "cpu_percent", 0.01),
-            (SYSTEM_RAM_USED, "ram_used_bytes", 1.0),
-            (SYSTEM_RAM_TOTAL, "ram_total_bytes", 1.0),
-        )
-    ]
-    gpus = [
-        (out[metric.name], key, scale)
-        for metric, key, scale in (
-            (GPU_UTIL, "utilization_percent", 0.01),
-            (GPU_MEM_USED, "memory_used_bytes", 1.0),
-            (GPU_MEM_TOTAL, "memory_total_bytes", 1.0),
-            (GPU_TEMP, "temperature_c", 1.0),
-            (GPU_POWER, "power_usage_w", 1.0),
-            (GPU_POWER_LIMIT, "power_limit_w", 1.0),
-        )
-    ]
-    for n in state.nodes():
-        node = (str(n.node),)
-        for samples, key, scale in system:
+
+
+def _quantiles(out: dict[str, list[Sample]], metric: MetricDef, values: list[float]) -> None:
+    """``metric``'s series: one per :data:`QUANTILES` of ``values`` (none when empty)."""
+    if not values:
+        return
+    values.sort()
+    out[metric.name].extend(Sample((label,), percentile(values, q)) for label, q in QUANTILES)
+
+
+def _rank_distributions(out: dict[str, list[Sample]], ranks: Sequence[RankFigures]) -> None:
+    """The distributions across every rank of :data:`RANK_DISTRIBUTIONS`."""
+    medians = [r.recent_median_ms / 1000.0 for r in ranks if r.recent_median_ms is not None]
+    reported = [r for r in ranks if r.steps]
+    figures: dict[MetricDef, list[float]] = {
+        RANK_STEP_TIME: medians,
+        STEPS: [float(r.steps) for r in ranks],
+        LAST_STEP: [float(r.last_step) for r in reported],
+        LAST_STEP_TIME: [r.last_end_ns / 1e9 for r in reported],
+    }
+    allocated = figures[PEAK_ALLOCATED] = []
+    reserved = figures[PEAK_RESERVED] = []
+    process = [(figures.setdefault(m, []), key, scale) for m, key, scale in _PROCESS_KEYS]
+    for r in ranks:
+        for a, b in r.peak_memory.values():
+            if a is not None:
+                allocated.append(a)
+            if b is not None:
+                reserved.append(b)
+        p = r.process
+        if p:
+            for values, key, scale in process:
+                if key in p:
+                    values.append(p[key] * scale)
+    for distribution, of in RANK_DISTRIBUTIONS:
+        _quantiles(out, distribution, figures[of])
+
+
+def _median(values: list[float]) -> float:
+    values.sort()
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2.0
+
+
+def _group_step_times(
+    out: dict[str, list[Sample]], ranks: Sequence[RankFigures], layout: Mapping[int, Coordinates]
+) -> None:
+    """Each node's and each pipeline stage's median over its ranks of their median step
+    time (the slowest :data:`MAX_NODE_SERIES` nodes and :data:`MAX_STAGE_SERIES` stages)."""
+    by_node: dict[int, list[float]] = {}
+    by_stage: dict[int, list[float]] = {}
+    for r in ranks:
+        ms = r.recent_median_ms
+        if ms is None:
+            continue
+        by_node.setdefault(r.node, []).append(ms)
+        place = layout.get(r.rank, {}).get("pp")
+        if place is not None:
+            by_stage.setdefault(place[0], []).append(ms)
+    groups = (
+        (NODE_STEP_TIME, by_node, MAX_NODE_SERIES),
+        (STAGE_STEP_TIME, by_stage, MAX_STAGE_SERIES),
+    )
+    for metric, by_group, most in groups:
+        if metric is STAGE_STEP_TIME and len(by_group) < 2:
+            continue  # no pipeline: the job's figures say it all
+        medians = [(group, _median(values)) for group, values in by_group.items()]
+        if len(medians) > most:
+            medians = heapq.nlargest(most, medians, key=lambda g: (g[1], -g[0]))
+        out[metric.name].extend(Sample((str(group),), ms / 1000.0) for group, ms in sorted(medians))
+
+
+def _node_series(
+    out: dict[str, list[Sample]], nodes: Sequence[NodeLive], *, every_node: bool
+) -> None:
+    """The nodes' system and GPU figures: their distributions across every node and
+    GPU, and with ``every_node`` each node's and each GPU's own series."""
+    # (its per-node samples, its key, its scale, every node's or GPU's values), in
+    # NODE_DISTRIBUTIONS' order: lists, not dicts keyed by metric, on this hot loop.
+    Figure = tuple[list[Sample], str, float, list[float]]
+    system: list[Figure] = [(out[m.name], key, scale, []) for m, key, scale in _SYSTEM_KEYS]
+    gpus: list[Figure] = [(out[m.name], key, scale, []) for m, key, scale in _GPU_KEYS]
+    for n in nodes:
+        node = str(n.node)
+        for samples, key, scale, across in system:
             if key in n.system:
-                samples.append(Sample(node, n.system[key] * scale))
+                value = n.system[key] * scale
+                across.append(value)
+                if every_node:
+                    samples.append(Sample((node,), value))
         for index, gpu in sorted(n.gpus.items()):
-            labels = (node[0], str(index))
-            for samples, key, scale in gpus:
+            labels = (node, str(index))
+            for samples, key, scale, across in gpus:
                 if key in gpu:
-                    samples.append(Sample(labels, gpu[key] * scale))
-    view = state.straggler
-    verdict, named = _straggler_figures(view)
-    add(STRAGGLERS, (verdict,), len(named))
-    for slow_rank, phase, excess_ms in named:
-        add(STRAGGLER_EXCESS, (str(slow_rank), phase), excess_ms / 1000.0)
-    for cause in view.causes() if view is not None else ():
-        if cause.slowdown is not None:
-            add(SLOWDOWN, (cause.verdict,), cause.slowdown.factor)
-        for stage in cause.stages:
-            add(SLOW_STAGE_EXCESS, (str(stage.stage),), stage.excess_ms / 1000.0)
-        if cause.imbalance is not None:
-            add(IMBALANCE_SPREAD, (), cause.imbalance.spread_ms / 1000.0)
-    for stream, n_written in sorted(health.written_records.items()):
-        add(EXPORT_RECORDS, (stream,), n_written)
-    for stream, n_failed in sorted(health.failed_records.items()):
-        add(EXPORT_FAILED, (stream,), n_failed)
-    add(EXPORT_DROPPED, (), health.dropped_batches)
-    add(REJECTED_CONNECTIONS, (), health.rejected_connections)
-    if health.expected_ranks is not None:
-        add(RANKS_EXPECTED, (), health.expected_ranks)
-    add(RANKS_REPORTING, (), health.reporting_ranks)
-    add(RANKS_FINISHED, (), health.finished_ranks)
-    add(RANKS_MISSING, (), health.missing_ranks)
-    add(LIVE_DROPPED, (), health.live_dropped_batches)
-    return [Family(m, out[m.name]) for m in METRICS]
+                    value = gpu[key] * scale
+                    across.append(value)
+                    if every_node:
+                        samples.append(Sample(labels, value))
+    for (distribution, _), (_, _, _, across) in zip(
+        NODE_DISTRIBUTIONS, (*system, *gpus), strict=True
+    ):
+        _quantiles(out, distribution, across)
 
 
 def _straggler_figures(view: StragglerView | None) -> tuple[str, list[tuple[int, str, float]]]:
@@ -414,38 +644,57 @@ def _histogram_series(bounds: tuple[float, ...]) -> int:
     return len(bounds) + 3  # the buckets, +Inf, _sum and _count
 
 
+DEFAULT_RANK_SERIES_MAX_RANKS: int = RANK_SERIES_MAX_RANKS.default or 0
+"""``rank_series_max_ranks``' default: every rank's own series up to this many ranks."""
+
+
 def series_estimate(
     ranks: int,
     nodes: int,
     user_phases: int = 0,
     gpus_per_node: int = 0,
     *,
-    rank_histograms: bool = False,
+    max_ranks: int = DEFAULT_RANK_SERIES_MAX_RANKS,
+    stages: int = 0,
 ) -> int:
-    """Series the endpoint serves for a run of this shape (one device per rank, no
-    straggler named, every stream exported); ``rank_histograms``: each rank's own
-    histograms included."""
+    """Series the endpoint serves for a run of this shape (one device per rank, every
+    rank's figures reported, ``stages`` pipeline stages, no straggler named, every
+    stream exported) with ``rank_series_max_ranks`` at ``max_ranks``."""
     phases = len(BUILT_IN_PHASES) + user_phases
     step, phase = _histogram_series(STEP_BUCKETS_S), _histogram_series(PHASE_BUCKETS_S)
+    every_rank = ranks <= max_ranks
     per_rank = len(_PER_RANK) + len(_PER_DEVICE)
-    if rank_histograms:
+    per_node = 0
+    if every_rank:
         per_rank += step + phase * phases
-    per_node = len(_PER_NODE) + len(_PER_GPU) * gpus_per_node
+        per_node = len(_PER_NODE) + len(_PER_GPU) * gpus_per_node
+    shown = ranks if every_rank else min(ranks, TOP_K)
+    groups = min(nodes, MAX_NODE_SERIES) + (min(stages, MAX_STAGE_SERIES) if stages > 1 else 0)
+    across = len(RANK_DISTRIBUTIONS) + len(_PER_NODE) + (len(_PER_GPU) if gpus_per_node else 0)
     job_histograms = step + phase * phases  # JOB_STEP_TIME, JOB_PHASE_TIME
     # The rest: one series each (STRAGGLERS its one verdict, the export's one stream).
     counted = {*_PER_RANK, *_PER_DEVICE, *_PER_NODE, *_PER_GPU, *RANK_HISTOGRAMS}
-    counted |= {JOB_STEP_TIME, JOB_PHASE_TIME, STRAGGLER_EXCESS}  # (none named here)
-    counted |= {SLOWDOWN, SLOW_STAGE_EXCESS, IMBALANCE_SPREAD}  # (no cause found here)
+    counted |= {d for d, _ in (*RANK_DISTRIBUTIONS, *NODE_DISTRIBUTIONS)}
+    counted |= {JOB_STEP_TIME, JOB_PHASE_TIME, NODE_STEP_TIME, STAGE_STEP_TIME}
+    counted |= {STRAGGLER_EXCESS, SLOWDOWN, SLOW_STAGE_EXCESS, IMBALANCE_SPREAD}  # none here
     per_job = sum(1 for m in METRICS if m not in counted)
-    return ranks * per_rank + nodes * per_node + job_histograms + per_job
+    return (
+        shown * per_rank
+        + nodes * per_node
+        + groups
+        + across * len(QUANTILES)
+        + job_histograms
+        + per_job
+    )
 
 
 SERIES_SHAPES: tuple[tuple[str, int, int, int, int], ...] = (
     ("8 ranks, 1 node, 8 GPUs", 8, 1, 0, 8),
     ("64 ranks, 8 nodes, 8 GPUs each", 64, 8, 0, 8),
-    ("1,024 ranks, 128 nodes", 1024, 128, 0, 0),
     ("1,024 ranks, 128 nodes, 8 GPUs each", 1024, 128, 0, 8),
     ("1,024 ranks, 128 nodes, 8 GPUs each, 8 user phases", 1024, 128, 8, 8),
+    ("10,240 ranks, 1,280 nodes, 8 GPUs each", 10240, 1280, 0, 8),
+    ("10,240 ranks, 1,280 nodes, 8 GPUs each, 8 user phases", 10240, 1280, 8, 8),
 )
 """The run shapes of the docs' series table: (words, ranks, nodes, user phases, GPUs
 per node)."""
@@ -454,12 +703,12 @@ per node)."""
 def series_table_markdown() -> str:
     """The series table of docs/monitoring.md, from :func:`series_estimate`."""
     rows = [
-        "| run | series | with each rank's histograms |",
+        "| run | series | with every rank's own series (`--rank-series-max-ranks` at its ranks) |",
         "|---|---|---|",
     ]
     for words, ranks, nodes, user_phases, gpus in SERIES_SHAPES:
         bounded = series_estimate(ranks, nodes, user_phases, gpus)
-        detailed = series_estimate(ranks, nodes, user_phases, gpus, rank_histograms=True)
+        detailed = series_estimate(ranks, nodes, user_phases, gpus, max_ranks=ranks)
         rows.append(f"| {words} | {bounded:,} | {detailed:,} |")
     return "\n".join(rows) + "\n"
 

@@ -360,17 +360,19 @@ PROMETHEUS_BIND_HOST: Setting[str] = Setting(
     commands=_BOTH,
     ray="prometheus_bind_host",
 )
-RANK_HISTOGRAMS_MAX_RANKS: Setting[int] = Setting(
-    name="rank_histograms_max_ranks",
+RANK_SERIES_MAX_RANKS: Setting[int] = Setting(
+    name="rank_series_max_ranks",
     parse=parse_whole,
     default=64,
     bounds=BOUND,
-    help="Serve each rank's own step and phase histograms (Prometheus and OTLP) while the "
-    "run has at most N ranks; above it, the job's histograms and per-rank gauges only "
-    "(0: never).",
+    help="Serve every rank's own series (its gauges, step and phase histograms; each node's "
+    "system and GPU figures) on Prometheus and OTLP while the run has at most N ranks; "
+    "above it, a bounded set: the distributions across ranks, nodes and GPUs, each node's "
+    "and stage's step time, the 8 slowest ranks and the named stragglers (0: always the "
+    "bounded set).",
     metavar="N",
     commands=_BOTH,
-    ray="rank_histograms_max_ranks",
+    ray="rank_series_max_ranks",
 )
 OTLP: Setting[bool] = Setting(
     name="otlp",
@@ -484,7 +486,7 @@ SETTINGS: tuple[Setting[object], ...] = (
     RELAY,
     PROMETHEUS_PORT,
     PROMETHEUS_BIND_HOST,
-    RANK_HISTOGRAMS_MAX_RANKS,
+    RANK_SERIES_MAX_RANKS,
     OTLP,
     OTLP_TRACE_SAMPLE,
     DASHBOARD,

@@ -78,7 +78,7 @@ class MonitorSettings:
 
     prometheus_port: int | None = FROM_TABLE
     prometheus_bind_host: str = FROM_TABLE
-    rank_histograms_max_ranks: int = FROM_TABLE
+    rank_series_max_ranks: int = FROM_TABLE
     otlp: bool = FROM_TABLE
     otlp_trace_sample: int = FROM_TABLE
     dashboard: bool = FROM_TABLE

@@ -57,7 +57,7 @@ def identity(rank: int, world: int = 2, node: int = 0) -> dict[str, Any]:
 def families_of(
     state: LiveState, health: Health | None = None, *, max_ranks: int = 64
 ) -> dict[str, Family]:
-    found = collect(state, health or Health(), run_name="r", rank_histograms_max_ranks=max_ranks)
+    found = collect(state, health or Health(), run_name="r", rank_series_max_ranks=max_ranks)
     return {f.metric.name: f for f in found}
 
 
@@ -385,11 +385,10 @@ def test_series_at_1024_ranks_are_the_estimate_and_bounded() -> None:
     assert all(not bounded[m.name].samples for m in RANK_HISTOGRAMS)
     assert _series(bounded) == series_estimate(1024, 128, gpus_per_node=8)
     detailed = families_of(state, HEALTH_1024, max_ranks=1024)
-    assert _series(detailed) == series_estimate(1024, 128, gpus_per_node=8, rank_histograms=True)
-    # Each rank adds a few gauges, not its histograms.
-    assert (
-        series_estimate(2048, 128, gpus_per_node=8) - series_estimate(1024, 128, gpus_per_node=8)
-        == 1024 * 10
+    assert _series(detailed) == series_estimate(1024, 128, gpus_per_node=8, max_ranks=1024)
+    # Above the bound, more ranks on the same nodes add no series.
+    assert series_estimate(2048, 128, gpus_per_node=8) == series_estimate(
+        1024, 128, gpus_per_node=8
     )
 
 

@@ -51,7 +51,7 @@ def _live(truth: GroundTruth) -> LiveState:
 
 
 def _families(state: LiveState) -> dict[str, Any]:
-    found = collect(state, Health(), run_name="r", rank_histograms_max_ranks=64)
+    found = collect(state, Health(), run_name="r", rank_series_max_ranks=64)
     return {f.metric.name: f for f in found}
 
 
