@@ -343,8 +343,17 @@ class StepLines:
         return self.columns.worlds()
 
     def __call__(self, chunks: list[Any], info: FileRead) -> None:
-        for chunk in chunks:
-            self.lines += self.columns.add(chunk)
+        chunks.reverse()
+        while chunks:
+            # Each chunk let go once taken, and made into step columns a batch at a time:
+            # a big file never has its scan's columns and their working arrays all at once.
+            self.lines += self.columns.add(chunks.pop())
+            if self.columns.pending >= _BUILD_LINES:
+                self.columns.build()
+
+
+_BUILD_LINES = 1 << 17
+"""Lines made into step columns at a time (their working arrays: about 100 MB)."""
 
 
 class _Steps:
@@ -411,6 +420,11 @@ class _Steps:
 
     def worlds(self) -> set[int]:
         return set(self._worlds)
+
+    @property
+    def pending(self) -> int:
+        """Lines taken and not yet made into step columns."""
+        return self._pending
 
     def build(self) -> StepColumns:
         """Each rank's step columns, of every line taken so far."""

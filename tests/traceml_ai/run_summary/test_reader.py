@@ -405,3 +405,20 @@ def test_the_page_bins_step_columns_as_it_bins_step_tuples(data: st.DataObject) 
         RunData(source="files", finished=True, status="", series=tuples), highlight, []
     )
     assert as_columns == as_tuples
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_step_columns_made_a_batch_at_a_time_are_those_made_at_once(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big read is made into step columns a few lines at a time, each batch appended
+    to the columns of the earlier ones: the same columns as made at once."""
+    from traceml_ai.run_summary import _read
+    from traceml_records import _scan
+
+    body = b"".join(raw + b"\n" for raw in _messy_lines(seed))
+    whole = _step_columns(body, pure=False)
+    monkeypatch.setattr(_read, "_BUILD_LINES", 3)
+    monkeypatch.setattr(_scan, "CHUNK_BYTES", 4000)  # a chunk of columns every few lines
+    _same_columns(_step_columns(body, pure=False), whole)
+    _same_columns(_step_columns(body, pure=True), whole)
