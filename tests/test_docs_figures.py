@@ -131,7 +131,7 @@ def test_the_scrape_figure_is_in_benchmarks_md() -> None:
     # The figure the other docs link to is still where they send the reader.
     text = BENCHMARKS.read_text(encoding="utf-8")
     assert figures_in(text), "benchmarks.md holds no figure: did the patterns break?"
-    assert re.search(r"\d MB of text", text)
+    assert re.search(r"\d series, [\d.]+ MB \(\d+ kB gzipped\)", text)
     assert "what-one-scrape-and-one-otlp-export-cost" in anchors(BENCHMARKS)
 
 
