@@ -4,7 +4,7 @@ A check plan says what a valid line of one stream is, as data: its fields in lin
 order, each value's kind and bounds (``$ref`` already followed: codegen resolves the
 schemas, nobody else does), the stream's key and the names of its rules. Every reader
 that needs a kind or a bound (the scan's C core, compiled by ``_fastcheck``, and its
-pure-Python twin; frames; ``traceml validate``) reads it here instead of interpreting
+pure-Python twin; ``traceml validate``) reads it here instead of interpreting
 the JSON Schemas at run time.
 """
 

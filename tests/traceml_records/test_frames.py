@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tests.e2e_helpers import REPO
 from tests.strategies import consistent_json
 from traceml_records import STREAMS, frames
+from traceml_records._extensions import load as load_extension
 from traceml_records._generated.tables import TABLES
 
 P = "_traceml_internal:"
@@ -124,6 +125,28 @@ def _expected_phases(lines: list[dict[str, Any]]) -> Counter[tuple[Any, ...]]:
     )
 
 
+def _exported(data: st.DataObject, stream: str, most: int) -> list[dict[str, Any]]:
+    """Valid lines of ``stream`` as the exporter writes them: keys in schema order,
+    plain values, keys unique, seq growing, hostname on all or none."""
+    from tests.strategies import as_written
+    from traceml_records import validate_line
+    from traceml_records._generated.checks import CHECKS
+
+    host = data.draw(st.sampled_from([None, "node-1", ...]))
+    order = CHECKS[stream].names
+    lines = []
+    for i, d in enumerate(data.draw(st.lists(consistent_json(stream), max_size=most))):
+        d.update(seq=i, **({"step": i + 1} if "step" in d else {}))
+        if "hostname" in order:
+            d.pop("hostname", None)
+            if host is not ...:
+                d["hostname"] = host
+        d = {k: d[k] for k in order if k in d}
+        plain = as_written(d)
+        lines.append(plain if validate_line(orjson.dumps(plain)) == [] else d)
+    return lines
+
+
 def _rows_of(table: Any) -> Counter[tuple[Any, ...]]:
     return Counter(tuple(r.values()) for r in table.to_pylist())
 
@@ -133,7 +156,7 @@ def _rows_of(table: Any) -> Counter[tuple[Any, ...]]:
 def test_hypothesis_files_load_typed(
     tmp_path_factory: pytest.TempPathFactory, data: st.DataObject, stream: str, close: bool
 ) -> None:
-    lines = data.draw(st.lists(consistent_json(stream), max_size=12), label="lines")
+    lines = _exported(data, stream, 12)
     body = [*lines, _closing(stream, len(lines))] if close else lines
     path = _write(tmp_path_factory.mktemp("f") / f"{stream}.jsonl", body, tail=b'{"str')
     loaded = frames.load(path, stream, validate=True)
@@ -271,33 +294,45 @@ def _lines(objs: list[dict[str, Any] | bytes]) -> bytes:
 
 
 def test_closing_line_in_the_middle_is_never_a_row(tmp_path: Path) -> None:
-    """Two runs in one file: both closing lines are left out, and reported."""
+    """Two runs in one file: the rows are the first run's, the lines after its closing
+    line are left out and counted under the scan's reasons."""
     run = [_step(0, 1, EV), _step(1, 1, EV)]
     later = [_step(0, 2, EV), _step(1, 2, EV), _step(0, 3, EV)]
     path = tmp_path / "step_time.jsonl"
     path.write_bytes(_lines([*run, _closing("step_time", 2), *later, _closing("step_time", 3)]))
     loaded = frames.load(path)
     table = loaded.tables["step_time"]
-    assert table.num_rows == 5
-    assert table.column("stream").to_pylist() == ["step_time"] * 5
-    assert table.column("step").to_pylist() == [1, 1, 2, 2, 3]
-    assert loaded.tables["step_time_phases"].num_rows == 10
-    assert loaded.closing == _closing("step_time", 3)
+    assert table.num_rows == 2
+    assert table.column("stream").to_pylist() == ["step_time"] * 2
+    assert table.column("step").to_pylist() == [1, 1]
+    assert loaded.tables["step_time_phases"].num_rows == 4
+    assert loaded.closing == _closing("step_time", 2)
+    assert loaded.bad == {"after_closing": 3, "extra_closing": 1} and loaded.bad_lines == 4
     assert loaded.runs_concatenated is True
     assert loaded.earlier_closings == ({"line": 3, "closing": _closing("step_time", 2)},)
-    assert loaded.data_lines == 5 and loaded.bad_lines == 0
-    assert any(":3: a closing line before the last line" in p for p in loaded.problems)
+    assert loaded.data_lines == 2
+    after = frames.REASONS["after_closing"]
+    assert (
+        f"{path}:4: a data line after the closing line (first of 3 line(s) left out: {after})"
+        in loaded.problems
+    )
+    extra = frames.REASONS["extra_closing"]
+    assert (
+        f"{path}:7: the first is line 3 (first of 1 line(s) left out: {extra})" in loaded.problems
+    )
     attrs = frames.to_pandas(path, "step_time").attrs["traceml"]
     assert attrs["runs_concatenated"] is True and attrs["earlier_closings"][0]["line"] == 3
+    assert attrs["bad"] == {"after_closing": 3, "extra_closing": 1}
     arrow = frames.load_arrow(path)
     assert orjson.loads(arrow.schema.metadata[b"traceml.info"])["runs_concatenated"] is True
-    with pytest.raises(frames.FramesError, match=rf"{path}:3: a closing line before the last"):
+    with pytest.raises(frames.FramesError, match=rf"{path}:3: /: closing line is not the last"):
         frames.load(path, validate=True)
     # A closing line followed by data lines while a run is still writing: the same.
     path.write_bytes(_lines([*run, _closing("step_time", 2), _step(0, 2, EV)]))
     live = frames.load(path)
-    assert live.tables["step_time"].num_rows == 3 and live.closing is None
+    assert live.tables["step_time"].num_rows == 2 and live.closing == _closing("step_time", 2)
     assert live.runs_concatenated and live.earlier_closings[0]["line"] == 3
+    assert live.bad == {"after_closing": 1}
 
 
 @pytest.mark.parametrize(
@@ -310,19 +345,23 @@ def test_closing_line_in_the_middle_is_never_a_row(tmp_path: Path) -> None:
         (b'"node_rank":0', b'"node_rank":0,"hostname":"\xed\xa0\x80"'),  # a surrogate
     ],
 )
-def test_bytes_that_are_not_utf8_raise_frames_error(tmp_path: Path, old: bytes, new: bytes) -> None:
+def test_bytes_that_are_not_utf8_are_lines_left_out(tmp_path: Path, old: bytes, new: bytes) -> None:
     path = tmp_path / "step_time.jsonl"
     line = orjson.dumps(_step(0, 1, EV))
     assert old in line
     path.write_bytes(_lines([_step(0, 2, EV), line.replace(old, new) + b"\n"]))
-    with pytest.raises(frames.FramesError, match=rf"^{path}:2: not UTF-8 \(byte 0x"):
-        frames.load(path)
+    loaded = frames.load(path)
+    assert loaded.tables["step_time"].column("step").to_pylist() == [2]
+    assert loaded.bad == {"not_json": 1}
+    assert loaded.problems[0].startswith(f"{path}:2: invalid JSON: ")
+    assert loaded.problems[0].endswith(f"left out: {frames.REASONS['not_json']})")
     with pytest.raises(frames.FramesError, match=rf"^{path}:2: "):
         frames.load(path, validate=True)
     # The exporter may have written half of a character of the last line: no error.
     path.write_bytes(_lines([_step(0, 2, EV)]) + line[:40] + b"\xc3")
     loaded = frames.load(path)
     assert loaded.tables["step_time"].num_rows == 1 and loaded.partial_last_line
+    assert loaded.bad == {}
 
 
 _REWRITER = """
@@ -378,8 +417,8 @@ def test_file_rewritten_while_loading_never_kills_the_process(tmp_path: Path) ->
     assert loads >= 5
 
 
-def test_line_longer_than_a_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A valid line of more than 16 MB loads; past the reader's limit, one FramesError."""
+def test_line_longer_than_a_block(tmp_path: Path) -> None:
+    """A valid line of more than the scan's block loads."""
     big = _step(0, 2, EV)
     big["hostname"] = "h" * (17 << 20)
     small = _step(0, 1, EV)
@@ -391,10 +430,6 @@ def test_line_longer_than_a_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert table.column("step").to_pylist() == [1, 2]
     assert len(table.column("hostname")[1].as_py()) == 17 << 20
     assert loaded.closing == _closing("step_time", 2) and loaded.bad_lines == 0
-    monkeypatch.setattr(frames, "_MAX_BLOCK_SIZE", 1 << 20)
-    monkeypatch.setattr(frames, "_BLOCK_SIZE", 1 << 16)
-    with pytest.raises(frames.FramesError, match=rf"^{path}:2: a line of \d+ bytes, longer"):
-        frames.load(path)
 
 
 def _bad_step_lines() -> list[dict[str, Any] | bytes]:
@@ -449,15 +484,20 @@ def test_bad_values_are_the_lines_the_validator_rejects(tmp_path: Path) -> None:
     rejected = {p.line for p in report.problems}
     assert rejected == set(range(2, 20, 2)), report.problems
     loaded = frames.load(path)
-    assert loaded.data_lines == 19 and loaded.bad_lines == len(rejected)
+    assert loaded.bad_lines == len(rejected)
+    # NaN and Infinity are not JSON (orjson, as validate, does not parse them).
+    assert loaded.bad == {"invalid": 7, "not_json": 2}
+    assert loaded.data_lines == 17  # JSON objects before the closing line
     assert loaded.tables["step_time"].column("step").to_pylist() == list(range(1, 20, 2))
     assert set(loaded.tables["step_time_phases"].column("step").to_pylist()) == set(range(1, 20, 2))
     assert loaded.closing == _closing("step_time", 19)
-    shown = "\n".join(loaded.problems)
-    assert f"{path}:2: /events/{P}step_time/cpu/cpu_ms: -1.0 is less than the minimum of 0" in shown
-    assert f"{path}:4: /events/{P}forward_time/cpu/n_calls: 0 is less than" in shown
-    assert f"{path}:6: /events/{P}forward_time/cpu/cpu_ms: NaN is not a finite number" in shown
-    assert f"{path}:8: /events/{P}step_time/cpu/duration_ms: Infinity is not a finite" in shown
+    invalid, not_json = frames.REASONS["invalid"], frames.REASONS["not_json"]
+    assert loaded.problems[:2] == (
+        f"{path}:6: invalid JSON: unexpected character, expected a JSON value: line 1 "
+        f"column 267 (char 266) (first of 2 line(s) left out: {not_json})",
+        f"{path}:2: /events/{P}step_time/cpu/cpu_ms: -1.0 is less than the minimum of 0 "
+        f"(first of 7 line(s) left out: {invalid})",
+    )
     df = frames.to_pandas(path, "step_time")
     assert df.attrs["traceml"]["bad_lines"] == 9 and len(df) == 10
     with pytest.raises(frames.FramesError, match=rf"^{path}:2: "):
@@ -565,35 +605,67 @@ def test_bad_values_of_other_streams(
     assert loaded.tables[stream].column("seq").to_pylist() == [0, len(lines) - 1]
 
 
-def test_duplicate_keys_are_reported_never_merged(tmp_path: Path) -> None:
+def test_repeated_keys_are_left_out_and_counted(tmp_path: Path) -> None:
+    """A line whose key an earlier line has is left out (the first is the row), as
+    validate and the run summary count it."""
     lines = [_step(0, 1, EV), _step(1, 1, EV), _step(0, 2, EV), _step(0, 1, EV), _step(0, 1, EV)]
     path = tmp_path / "step_time.jsonl"
     path.write_bytes(_lines([*lines, _closing("step_time", 5)]))
     loaded = frames.load(path)
-    assert loaded.tables["step_time"].num_rows == 5
-    assert loaded.duplicate_keys == 2 and loaded.bad_lines == 0
-    assert any("duplicate key global_rank=0, step=1 on 3 lines" in p for p in loaded.problems)
+    assert loaded.tables["step_time"].column("global_rank").to_pylist() == [0, 1, 0]
+    assert loaded.bad == {"repeated_key": 2} and loaded.duplicate_keys == 2
+    assert loaded.data_lines == 5 and loaded.problems == (
+        f"{path}:4: global_rank=0, step=1 (first of 2 line(s) left out: "
+        f"{frames.REASONS['repeated_key']})",
+    )
     assert frames.to_pandas(path).attrs["traceml"]["duplicate_keys"] == 2
+    with pytest.raises(frames.FramesError, match=rf"{path}:4: /: duplicate key global_rank=0"):
+        frames.load(path, validate=True)
+
+
+def test_hostile_lines_are_counted_under_the_scans_reasons(tmp_path: Path) -> None:
+    """Lines that are not JSON objects, impossible values, repeated keys, a line after
+    the closing line and a second closing line: the rows are the good lines before the
+    closing line, the rest counted in the words of validate and the run summary."""
+    good = [_step(0, s, EV) for s in (1, 2, 3)]
+    impossible = _step(0, 4, EV)
+    impossible["world_size"] = 0
+    path = tmp_path / "step_time.jsonl"
+    hostile = [b"\n", b"[1, 2]\n", b'{"stream": \n']
+    body = [good[0], *hostile, good[1], impossible, good[0], good[2], _closing("step_time", 5)]
+    body += [_step(0, 9, EV), _closing("step_time", 1)]
+    path.write_bytes(_lines(body) + b'{"stream":"step_ti')
+    loaded = frames.load(path)
+    assert loaded.tables["step_time"].column("step").to_pylist() == [1, 2, 3]
+    assert loaded.bad == {
+        "not_json": 3, "invalid": 1, "repeated_key": 1, "after_closing": 1, "extra_closing": 1
+    }  # fmt: skip
+    assert loaded.bad_lines == 7 and loaded.duplicate_keys == 1 and loaded.partial_last_line
+    assert loaded.data_lines == 5 and loaded.closing == _closing("step_time", 5)
+    text = "\n".join(loaded.problems)
+    for reason, phrase in frames.REASONS.items():
+        n = loaded.bad[reason]
+        assert f"(first of {n} line(s) left out: {phrase})" in text, reason
+    assert f"{path}:2: invalid JSON: input data is empty" in text
+    assert f"{path}:11: the first is line 9" in text
+    assert f"{path}:6: /world_size: 0 is less than the minimum of 1" in text
+    assert f"{path}:7: global_rank=0, step=1" in text
+    assert loaded.tables["step_time_phases"].num_rows == 6
+    with pytest.raises(frames.FramesError, match=rf"^{path}:2: /: invalid JSON"):
+        frames.load(path, validate=True)
 
 
 # ---------------------------------------------------------------- the fast reader
 
-needs_fast_reader = pytest.mark.skipif(
-    frames.frames_layout("step_time") is None,
-    reason="the fast reader cannot fill the step_time tables",
+needs_c = pytest.mark.skipif(
+    load_extension() is None, reason="traceml_records._speedups is not built"
 )
 
 
-def _both_ways(path: Path, stream: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, bool]:
-    """(loaded with the fast reader, loaded the general way, whether the fast reader
-    took the file); a FramesError is returned as its message."""
-    taken: list[bool] = []
-    real = frames._load_fast
-
-    def spy(file: Any, name: str) -> Any:
-        loaded = real(file, name)
-        taken.append(loaded is not None)
-        return loaded
+def _both_cores(path: Path, stream: str) -> tuple[Any, Any]:
+    """(loaded with the scan's C core, loaded with its pure-Python twin); a FramesError
+    is returned as its message."""
+    from tests.traceml_records.test_scan import core
 
     def load() -> Any:
         try:
@@ -601,12 +673,11 @@ def _both_ways(path: Path, stream: str, monkeypatch: pytest.MonkeyPatch) -> tupl
         except frames.FramesError as exc:
             return str(exc)
 
-    monkeypatch.setattr(frames, "_load_fast", spy)
-    fast = load()
-    monkeypatch.setattr(frames, "_load_fast", lambda file, name: None)
-    general = load()
-    monkeypatch.undo()
-    return fast, general, any(taken)
+    with core(pure=False):
+        fast = load()
+    with core(pure=True):
+        twin = load()
+    return fast, twin
 
 
 def _same_load(fast: Any, general: Any) -> None:
@@ -619,25 +690,19 @@ def _same_load(fast: Any, general: Any) -> None:
     for name, table in fast.tables.items():
         other = general.tables[name]
         assert table.schema == other.schema, name
-        if name in TABLES and name not in frames.LONG_TABLES:
-            assert table.to_pylist() == other.to_pylist(), name
-        else:
-            assert _rows_of(table) == _rows_of(other), name
+        assert table.to_pylist() == other.to_pylist(), name
 
 
-@needs_fast_reader
-def test_a_realistic_export_is_read_by_the_fast_reader(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@needs_c
+def test_a_realistic_export_is_read_alike_by_both_cores(tmp_path: Path) -> None:
     from bench.bigfile import write_step_time
 
     path = tmp_path / "step_time.jsonl"
     write_step_time(path, 3000, world=64)
     with open(path, "ab") as fh:
         fh.write(b'{"stream":"step_ti')  # and the exporter is writing the next line
-    fast, general, taken = _both_ways(path, "step_time", monkeypatch)
-    assert taken
-    _same_load(fast, general)
+    fast, twin = _both_cores(path, "step_time")
+    _same_load(fast, twin)
     assert fast.tables["step_time_phases"].num_rows == 8 * 3000
     assert fast.partial_last_line and fast.closing == _closing("step_time", 3000)
     steps = fast.tables["step_time"].column("step").to_pylist()
@@ -650,28 +715,13 @@ def test_a_realistic_export_is_read_by_the_fast_reader(
     stream=st.sampled_from([s.name for s in STREAMS]),
     close=st.sampled_from(["right", "wrong", "none", "middle"]),
 )
-def test_the_fast_reader_gives_what_the_general_way_gives(
+def test_both_cores_give_the_same_load(
     tmp_path_factory: pytest.TempPathFactory,
     data: st.DataObject,
     stream: str,
     close: str,
 ) -> None:
-    from tests.strategies import as_written
-    from traceml_records import validate_line
-
-    host = data.draw(st.sampled_from([None, "node-1", ...]))
-    order = [c[0] for c in TABLES[stream]] + ["events"]
-    lines = []
-    for i, d in enumerate(data.draw(st.lists(consistent_json(stream), max_size=10))):
-        # As exported: plain values, keys unique, seq growing, hostname on all or none.
-        d.update(seq=i, **({"step": i + 1} if "step" in d else {}))
-        if "hostname" in order:
-            d.pop("hostname", None)
-            if host is not ...:
-                d["hostname"] = host
-        d = {k: d[k] for k in order if k in d}
-        plain = as_written(d)
-        lines.append(plain if validate_line(orjson.dumps(plain)) == [] else d)
+    lines = _exported(data, stream, 10)
     body: list[dict[str, Any]] = list(lines)
     if close == "right":
         body.append(_closing(stream, len(lines)))
@@ -680,11 +730,23 @@ def test_the_fast_reader_gives_what_the_general_way_gives(
     elif close == "middle" and lines:
         body.insert(len(lines) // 2, _closing(stream, len(lines) // 2))
     path = _write(tmp_path_factory.mktemp("f") / f"{stream}.jsonl", body)
-    with pytest.MonkeyPatch.context() as mp:
-        fast, general, taken = _both_ways(path, stream, mp)
-    _same_load(fast, general)
-    if taken:
-        assert not isinstance(fast, str)
+    fast, twin = _both_cores(path, stream)
+    _same_load(fast, twin)
+    assert not isinstance(fast, str)
+
+
+@needs_c
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), stream=st.sampled_from([s.name for s in STREAMS]))
+def test_both_cores_give_the_same_load_of_a_hostile_file(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject, stream: str
+) -> None:
+    from tests.traceml_records.test_scan import hostile_file
+
+    path = tmp_path_factory.mktemp("f") / f"{stream}.jsonl"
+    path.write_bytes(data.draw(hostile_file(stream)))
+    fast, twin = _both_cores(path, stream)
+    _same_load(fast, twin)
 
 
 def _identity(rank: int, step: int, **extra: Any) -> dict[str, Any]:
@@ -696,10 +758,10 @@ def _identity(rank: int, step: int, **extra: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-@needs_fast_reader
+@needs_c
 @pytest.mark.parametrize("hostname", [{}, {"hostname": "node-7"}, {"hostname": None}])
 def test_step_memory_and_collectives_are_read_fast(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hostname: dict[str, Any]
+    tmp_path: Path, hostname: dict[str, Any]
 ) -> None:
     memory = [
         {"stream": "step_memory", **_identity(r, s, **hostname), "device": device,
@@ -716,7 +778,7 @@ def test_step_memory_and_collectives_are_read_fast(
     ]  # fmt: skip
     for stream, lines in (("step_memory", memory), ("collectives", collectives)):
         path = _write(tmp_path / f"{stream}.jsonl", [*lines, _closing(stream, len(lines))])
-        fast, general, taken = _both_ways(path, stream, monkeypatch)
-        assert taken, stream
-        _same_load(fast, general)
+        fast, twin = _both_cores(path, stream)
+        _same_load(fast, twin)
+        assert fast.bad == {}, stream
         assert fast.tables[stream].num_rows == len(lines)
