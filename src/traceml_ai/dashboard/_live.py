@@ -15,6 +15,7 @@ from traceml_ai.monitor import STRAGGLER_PERIOD_S, STRAGGLER_STEPS, WINDOW_STEPS
 from traceml_ai.run_summary import (
     PhaseFigures,
     RankSteps,
+    StepRow,
     StepRows,
     StragglerView,
     median,
@@ -37,12 +38,9 @@ def _shown_rows(recent: dict[int, list[StepSeen]], straggler: StragglerView | No
         shown = sorted([*named, *(r for r in by_median if r not in named)][:MAX_TABLE_ROWS])
     rows: StepRows = {}
     for r in shown:
-        mine: dict[int, dict[str, float]] = {}
-        for s in recent[r]:
-            row = {"step": s.step_ms, "_ts": float(s.end_ns)}
-            row.update(s.phases)
-            mine[s.step] = row
-        rows[r] = mine
+        rows[r] = {
+            s.step: StepRow(s.step_ms, dict(s.phases), end_ns=float(s.end_ns)) for s in recent[r]
+        }
     return rows
 
 

@@ -204,9 +204,9 @@ def _column_bins(
     """:func:`_rank_bins` of one rank's step columns, by numpy (the same sums, in the
     same order)."""
     bins = np.searchsorted(np.asarray(all_steps), c.steps) // size
-    sums = np.bincount(bins, weights=c.values["step"], minlength=n)
+    sums = np.bincount(bins, weights=c.step_ms, minlength=n)
     counts = np.bincount(bins, minlength=n)
-    ts = c.column("_ts")
+    ts = c.ends()
     follows = np.zeros(len(c), dtype=np.bool_)
     follows[1:] = c.steps[1:] == c.steps[:-1] + 1
     gap = np.zeros(len(c), dtype=np.float64)

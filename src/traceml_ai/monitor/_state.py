@@ -26,8 +26,8 @@ import attrs
 from traceml_ai.run_summary import (
     MAX_USER_PHASES,
     OTHER_PHASE,
-    TOKENS_KEY,
     Coordinates,
+    StepRow,
     StragglerView,
     UserPhaseFold,
     add_wait,
@@ -69,8 +69,9 @@ because there are several phases per rank (series = ranks x phases x buckets).""
 MAX_DIMS = 16
 """Parallel dimensions a rank's layout may have; a larger one is not a layout."""
 MAX_WAIT_KEYS = 64
-"""Wait keys one step of one rank may hold in the live state (phases x operations);
-items past it are ignored and counted, whatever a rank sends."""
+"""Waits one step of one rank may hold in the live state (per component and per
+component and operation, together); items past it are ignored and counted, whatever
+a rank sends."""
 
 MAX_RANKS = 65536
 """Ranks the live views track; a batch claiming a higher rank is ignored (and counted)."""
@@ -148,6 +149,19 @@ class StepSeen(NamedTuple):
 
 
 @attrs.define(slots=True)
+class StepWaits:
+    """One step's measured collectives waits so far (a :class:`StepRow`'s ``waits``
+    and ``op_waits``)."""
+
+    waits: dict[str, float] = attrs.field(factory=dict)
+    op_waits: dict[tuple[str, str], float] = attrs.field(factory=dict)
+
+    def __len__(self) -> int:
+        """The waits held, per component and per operation together (the bound's count)."""
+        return len(self.waits) + len(self.op_waits)
+
+
+@attrs.define(slots=True)
 class RankLive:
     """One rank's live figures."""
 
@@ -165,8 +179,8 @@ class RankLive:
     """device -> (peak allocated, peak reserved) bytes of the last step that reported it."""
     process: dict[str, float] = attrs.field(factory=dict)
     strategy: str | None = None
-    waits: dict[int, dict[str, float]] = attrs.field(factory=dict)
-    """step -> its wait keys (``run_summary._phases.add_wait``), the recent steps only."""
+    waits: dict[int, StepWaits] = attrs.field(factory=dict)
+    """step -> its waits (``run_summary.add_wait``), the recent steps only."""
     waits_unmeasured: bool = False
     """A collectives line of this rank had no measured wait (NCCL without timing)."""
     tokens: dict[int, float] = attrs.field(factory=dict)
@@ -323,9 +337,8 @@ class LiveState:
         row = step_row(events, self._phase_label, self._labels)
         if row is None:
             return None
-        step_ms = row.pop("step")
-        del row["_used"]
-        phases = row  # the phases' names, folded: user phases past the limit are "other"
+        step_ms = row.step_ms
+        phases = row.phases  # the phases' names, folded: user phases past the limit are "other"
         live.steps += 1
         if step >= live.last_step:
             live.last_step = step
@@ -471,7 +484,8 @@ class LiveState:
                     continue
                 if wait is None:
                     live.waits_unmeasured = True
-                    waits.setdefault(step, {})
+                    if step not in waits:
+                        waits[step] = StepWaits()
                     continue
                 ms = _number(wait)
                 if ms is None or ms < 0.0:
@@ -484,11 +498,13 @@ class LiveState:
                     if phase.startswith(_RESERVED)
                     else self._phase_label(phase)
                 )
-                row = waits.setdefault(step, {})
-                if component is None or len(row) >= MAX_WAIT_KEYS:
+                mine = waits.get(step)
+                if mine is None:
+                    mine = waits[step] = StepWaits()
+                if component is None or len(mine) >= MAX_WAIT_KEYS:
                     self.ignored_items += 1
                     continue
-                add_wait(row, component, op_label(op, item.get("group")), ms)
+                add_wait(mine.waits, mine.op_waits, component, op_label(op, item.get("group")), ms)
             while len(waits) > 2 * WINDOW_STEPS:
                 del waits[next(iter(waits))]
 
@@ -638,25 +654,22 @@ class LiveState:
                     return live.strategy
         return None
 
-    def recent_rows(self, last: int | None = None) -> dict[int, dict[int, dict[str, float]]]:
+    def recent_rows(self, last: int | None = None) -> dict[int, dict[int, StepRow]]:
         """The recent steps as the straggler analysis takes them: rank -> step -> row."""
-        rows: dict[int, dict[int, dict[str, float]]] = {}
+        rows: dict[int, dict[int, StepRow]] = {}
         with self._lock:
             waits = {rank: dict(live.waits) for rank, live in self._ranks.items()}
             tokens = {rank: dict(live.tokens) for rank, live in self._ranks.items()}
         for rank, steps in self.recent_steps(last).items():
-            mine: dict[int, dict[str, float]] = {}
+            mine: dict[int, StepRow] = {}
             theirs = waits.get(rank, {})
             said = tokens.get(rank, {})
             for s in steps:
-                row = {"step": s.step_ms, "_ts": float(s.end_ns)}
-                row.update(s.phases)
+                row = StepRow(s.step_ms, dict(s.phases), end_ns=float(s.end_ns))
                 step_waits = theirs.get(s.step)
-                if step_waits:
-                    row.update(step_waits)
-                step_tokens = said.get(s.step)
-                if step_tokens is not None:
-                    row[TOKENS_KEY] = step_tokens
+                if step_waits is not None:
+                    row.waits, row.op_waits = dict(step_waits.waits), dict(step_waits.op_waits)
+                row.tokens = said.get(s.step)
                 mine[s.step] = row
             rows[rank] = mine
         return rows

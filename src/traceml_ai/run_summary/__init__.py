@@ -44,6 +44,7 @@ from traceml_ai.run_summary._phases import (
     OTHER_PHASE,
     PHASES,
     STEP_EVENT,
+    StepRow,
     UserPhaseFold,
     add_wait,
     median,
@@ -62,7 +63,6 @@ from traceml_ai.run_summary._report import (
     summarize_run,
 )
 from traceml_ai.run_summary._straggler import (
-    TOKENS_KEY,
     Cause,
     Coordinate,
     ExcessSoFar,
@@ -87,7 +87,6 @@ __all__ = [
     "PHASES",
     "STEP_EVENT",
     "STREAM_FILES",
-    "TOKENS_KEY",
     "WARNING_FILE",
     "Cause",
     "Coordinate",
@@ -112,6 +111,7 @@ __all__ = [
     "Slowdown",
     "StepColumns",
     "StepFigures",
+    "StepRow",
     "StepRows",
     "Stopped",
     "Straggler",

@@ -1,267 +1,242 @@
 """Step rows as columns: what the summary keeps of a step_time file, whatever its size.
 
-A row (:func:`~traceml_ai.run_summary._phases.step_row`: ``{"step": ms, phase: ms,
-..., "_used": ms}`` plus the reader's ``_ts``, the step's end in ns) is kept as one
-float64 per key in per-rank columns (numpy arrays): about 8 bytes per key per step
-line, never a dict per line. A key a row does not have reads 0.0, as ``row.get(key,
-0.0)`` did, and ``present`` says which rows had it where that matters (a phase seen
-in some steps only).
+A rank's rows (:class:`~traceml_ai.run_summary._phases.StepRow`) are kept as one typed
+:class:`RankColumns`: a float64 column per field (the step time, each phase, the
+phases' sum, the step's end, the tokens, each collectives wait), about 8 bytes per
+value per step line, never an object per line. A value a row does not have reads
+0.0, and a :class:`Column`'s ``present`` says which rows had it where some did not (a
+phase seen in some steps only).
 
-:class:`ColumnsBuilder` takes rows one by one (the files' reader, appending as a file
-grows); :func:`columns_of_rows` turns dict rows (the live views', a rank's own) into
-the same columns, so every view runs the one analysis.
+:func:`rank_columns` makes the files' reader's columns (keyed by its field names and
+the phases' names) typed; :func:`columns_of_rows` turns rows (a rank's own, the
+dashboard's live window) and :func:`rank_columns_of` the live state's steps into the
+same columns, so every view runs the one analysis.
 """
 
 from __future__ import annotations
 
-import struct
-from array import array
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from traceml_ai.run_summary._phases import StepRow
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
 STEP_KEY = "step"
+"""The files' reader's column of the step time (:func:`rank_columns`' keys)..."""
 TS_KEY = "_ts"
+"""...of the step's end (ns)..."""
 USED_KEY = "_used"
-_BASE = (STEP_KEY, TS_KEY, USED_KEY)
+"""...of the phases' sum..."""
+TOKENS_KEY = "_tokens"
+"""...and of the step's tokens; every other key of its rows is a phase's name."""
+_FIELDS = (STEP_KEY, TS_KEY, USED_KEY, TOKENS_KEY)
+
+
+class Column:
+    """One value per step (0.0 where the step's row did not have it)."""
+
+    __slots__ = ("present", "values")
+
+    def __init__(self, values: NDArray[np.float64], present: NDArray[np.bool_] | None) -> None:
+        self.values = values
+        self.present = present
+        """Which steps' rows had it; None: every one."""
+
+    def had(self, i: int) -> bool:
+        """Whether row ``i`` had it."""
+        return self.present is None or bool(self.present[i])
 
 
 class RankColumns:
-    """One rank's steps, ascending, and a float64 column per row key."""
+    """One rank's steps, ascending, and their rows' fields as columns."""
 
-    __slots__ = ("node", "present", "steps", "values")
+    __slots__ = (
+        "end_ns",
+        "node",
+        "op_waits",
+        "phases",
+        "step_ms",
+        "steps",
+        "tokens",
+        "used_ms",
+        "waits",
+    )
 
     def __init__(
         self,
         steps: NDArray[np.int64],
-        values: dict[str, NDArray[np.float64]],
-        present: dict[str, NDArray[np.bool_]],
-        node: int | None,
+        step_ms: NDArray[np.float64],
+        phases: dict[str, Column],
+        *,
+        used_ms: Column | None = None,
+        end_ns: Column | None = None,
+        tokens: Column | None = None,
+        waits: dict[str, Column] | None = None,
+        op_waits: dict[tuple[str, str], Column] | None = None,
+        node: int | None = None,
     ) -> None:
         self.steps = steps
-        self.values = values
-        """key -> one value per step (0.0 where the row did not have the key)."""
-        self.present = present
-        """key -> which steps' rows had it; only for keys some row lacked."""
+        self.step_ms = step_ms
+        """Each step's time (ms)."""
+        self.phases = phases
+        """Phase name -> its times, in the order the phases first appear in the rows
+        (user phases by their summary names, ``user:NAME``)."""
+        self.used_ms = used_ms
+        """The phases' sum as the reader added it (None: no row had it)."""
+        self.end_ns = end_ns
+        """The steps' ends, ns (None: no row said it)."""
+        self.tokens = tokens
+        """The steps' tokens (None: no row said them)."""
+        self.waits = waits if waits is not None else {}
+        """Iteration component -> the measured collectives wait in it (ms)."""
+        self.op_waits = op_waits if op_waits is not None else {}
+        """(component, operation) -> the measured wait in that operation there (ms)."""
         self.node = node
         """The node the rank ran on (its last line's ``node_rank``), when known."""
 
     def __len__(self) -> int:
         return int(self.steps.shape[0])
 
-    def column(self, key: str) -> NDArray[np.float64]:
-        """The key's values (zeros when no row had it)."""
+    def zeros(self) -> NDArray[np.float64]:
         import numpy as np
 
-        found = self.values.get(key)
-        return found if found is not None else np.zeros(len(self), dtype=np.float64)
+        return np.zeros(len(self), dtype=np.float64)
 
-    def has(self, key: str) -> NDArray[np.bool_]:
-        """Which rows had ``key``."""
-        import numpy as np
+    def phase(self, name: str) -> NDArray[np.float64]:
+        """The phase's times (zeros when no row had it)."""
+        found = self.phases.get(name)
+        return found.values if found is not None else self.zeros()
 
-        if key not in self.values:
-            return np.zeros(len(self), dtype=np.bool_)
-        mask = self.present.get(key)
-        return mask if mask is not None else np.ones(len(self), dtype=np.bool_)
+    def ends(self) -> NDArray[np.float64]:
+        """The steps' ends, ns (0.0 where not known)."""
+        return self.end_ns.values if self.end_ns is not None else self.zeros()
 
-    def row(self, i: int) -> dict[str, float]:
-        """Row ``i`` as a dict (the keys it had)."""
-        out: dict[str, float] = {}
-        for key, col in self.values.items():
-            mask = self.present.get(key)
-            if mask is None or mask[i]:
-                out[key] = float(col[i])
-        return out
+    def row(self, i: int) -> StepRow:
+        """Row ``i`` (the fields it had)."""
+
+        def one(c: Column | None) -> float | None:
+            return float(c.values[i]) if c is not None and c.had(i) else None
+
+        def some(cols: Mapping[Any, Column]) -> dict[Any, float]:
+            return {k: float(c.values[i]) for k, c in cols.items() if c.had(i)}
+
+        return StepRow(
+            float(self.step_ms[i]),
+            some(self.phases),
+            used_ms=one(self.used_ms),
+            end_ns=one(self.end_ns),
+            tokens=one(self.tokens),
+            waits=some(self.waits),
+            op_waits=some(self.op_waits),
+        )
 
 
 StepColumns = dict[int, RankColumns]
 """rank -> its step columns."""
 
 
-_INT64 = struct.Struct("=q")
-_FLOAT64 = struct.Struct("=d")
+def rank_columns(
+    steps: NDArray[np.int64],
+    values: Mapping[str, NDArray[np.float64]],
+    present: Mapping[str, NDArray[np.bool_]],
+    node: int | None,
+) -> RankColumns:
+    """The files' reader's columns of one rank as :class:`RankColumns`: ``values`` keyed
+    as its rows are (:data:`STEP_KEY`, :data:`USED_KEY`, :data:`TS_KEY`,
+    :data:`TOKENS_KEY`, every other key a phase's name, in the order the keys first
+    appear), ``present`` for the keys some row lacked."""
 
+    def column(key: str) -> Column | None:
+        found = values.get(key)
+        return None if found is None else Column(found, present.get(key))
 
-class _RankBuilder:
-    """One rank's columns while they grow: native int64 and float64 values in
-    ``bytearray``s (8 bytes a value), appended per row.
+    import numpy as np
 
-    ``keys`` and ``key_columns`` (the columns in ``keys``' order) serve the common case
-    of a row with every column, in the same order, and a step after the last.
-    """
-
-    __slots__ = (
-        "absent",
-        "columns",
-        "key_columns",
-        "keys",
-        "last",
-        "node",
-        "ordered",
-        "seen",
-        "steps",
+    step = values.get(STEP_KEY)
+    phases = {k: Column(v, present.get(k)) for k, v in values.items() if k not in _FIELDS}
+    return RankColumns(
+        steps,
+        step if step is not None else np.zeros(len(steps), dtype=np.float64),
+        phases,
+        used_ms=column(USED_KEY),
+        end_ns=column(TS_KEY),
+        tokens=column(TOKENS_KEY),
+        node=node,
     )
 
-    def __init__(self) -> None:
-        self.steps = bytearray()
-        self.columns: dict[str, bytearray] = {}
-        self.absent: dict[str, array[int]] = {}
-        """key -> the row indices that lacked it (kept only for keys some row lacked)."""
-        self.keys: tuple[str, ...] = ()
-        """The key order of the last row that had every column (empty: none yet)."""
-        self.key_columns: list[bytearray] = []
-        self.last = -(1 << 63)
-        self.ordered = True
-        self.seen: set[int] | None = None
-        """The steps, as a set, once a step came out of order (else none is needed)."""
-        self.node: int | None = None
 
-    def add(self, step: int, row: Mapping[str, float]) -> bool:
-        """Append one row; False (nothing added) when the rank has the step already."""
-        if step <= self.last:
-            if self.seen is None:
-                with memoryview(self.steps) as view, view.cast("q") as steps:
-                    self.seen = set(steps)
-            if step in self.seen:
-                return False
-            self.ordered = False
-        if self.seen is not None:
-            self.seen.add(step)
-        self.last = max(self.last, step)
-        n = len(self.steps) // 8
-        self.steps += _INT64.pack(step)
-        columns = self.columns
-        pack = _FLOAT64.pack
-        keys = tuple(row)
-        if keys == self.keys:  # every column, in the same order
-            for column, value in zip(self.key_columns, row.values(), strict=True):
-                column += pack(value)
-            return True
-        for key, value in row.items():
-            col: bytearray | None = columns.get(key)
-            if col is None:
-                col = columns[key] = bytearray(8 * n)
-                if n:
-                    self.absent[key] = array("q", range(n))
-            col += pack(value)
-        if len(row) < len(columns):
-            for key, col in columns.items():
-                if len(col) == 8 * n:  # not in this row
-                    col += pack(0.0)
-                    missing = self.absent.get(key)
-                    if missing is None:
-                        missing = self.absent[key] = array("q")
-                    missing.append(n)
-        # The fast path above is for a row with every column.
-        if len(keys) == len(columns):
-            self.keys, self.key_columns = keys, [columns[k] for k in keys]
-        else:
-            self.keys, self.key_columns = (), []
-        return True
-
-    def build(self, copy: bool) -> RankColumns:
-        """The columns; ``copy``: not views of the builder's memory (which may then grow)."""
-        import numpy as np
-
-        def ints(b: bytearray) -> NDArray[np.int64]:
-            out = np.frombuffer(b, dtype=np.int64)
-            return out.copy() if copy else out
-
-        def floats(b: bytearray) -> NDArray[np.float64]:
-            out = np.frombuffer(b, dtype=np.float64)
-            return out.copy() if copy else out
-
-        steps = ints(self.steps)
-        values = {k: floats(c) for k, c in self.columns.items()}
-        present: dict[str, NDArray[np.bool_]] = {}
-        for key, missing in self.absent.items():
-            mask = np.ones(len(steps), dtype=np.bool_)
-            if missing:
-                mask[np.frombuffer(missing, dtype=np.int64)] = False
-            present[key] = mask
-        if not self.ordered:
-            order = np.argsort(steps, kind="stable")
-            steps = steps[order]
-            values = {k: v[order] for k, v in values.items()}
-            present = {k: m[order] for k, m in present.items()}
-        return RankColumns(steps, values, present, self.node)
+_K = TypeVar("_K")
 
 
-def _empty_int() -> NDArray[np.int64]:
+def _gather(maps: Sequence[Mapping[_K, float]]) -> dict[_K, Column]:
+    """Per key of ``maps`` (in the order the keys first appear): its column."""
     import numpy as np
 
-    return np.zeros(0, dtype=np.int64)
+    keys: dict[_K, object] = {}
+    for m in maps:
+        keys.update(m)  # C speed, first appearance kept
+    out: dict[_K, Column] = {}
+    for key in keys:
+        values = np.array([m.get(key, 0.0) for m in maps], dtype=np.float64)
+        had = [key in m for m in maps]
+        out[key] = Column(values, None if all(had) else np.array(had, dtype=np.bool_))
+    return out
 
 
-def _empty_float() -> NDArray[np.float64]:
+def _optional(rows: Sequence[StepRow], field: Callable[[StepRow], float | None]) -> Column | None:
+    """The column of an optional field of ``rows`` (None when no row has it)."""
     import numpy as np
 
-    return np.zeros(0, dtype=np.float64)
+    found = [field(r) for r in rows]
+    if all(v is None for v in found):
+        return None
+    values = np.array([0.0 if v is None else v for v in found], dtype=np.float64)
+    had = [v is not None for v in found]
+    return Column(values, None if all(had) else np.array(had, dtype=np.bool_))
 
 
-class ColumnsBuilder:
-    """Step rows appended one by one (first of each (rank, step) wins), columns out.
+def columns_of_rows(rows: Mapping[int, Mapping[int, StepRow]]) -> StepColumns:
+    """The columns of rows (rank -> step -> row), steps in order; a rank without rows
+    has none."""
+    import numpy as np
 
-    :meth:`build` may be called again after more rows (a growing file): reading costs
-    the new rows only.
-    """
-
-    def __init__(self) -> None:
-        self.ranks: dict[int, _RankBuilder] = {}
-        self.worlds: set[int] = set()
-
-    def add(self, rank: int, step: int, row: Mapping[str, float]) -> bool:
-        """Append a row; False when the rank has that step already (a repeated key)."""
-        mine = self.ranks.get(rank)
-        if mine is None:
-            mine = self.ranks[rank] = _RankBuilder()
-        return mine.add(step, row)
-
-    def set_node(self, rank: int, node: int) -> None:
-        self.ranks[rank].node = node
-
-    def __bool__(self) -> bool:
-        return bool(self.ranks)
-
-    def build(self, copy: bool = True) -> StepColumns:
-        """The columns of every rank. ``copy=False`` hands out views of the builder's
-        memory (no copy of a big file's columns), after which it must take no more rows
-        (a ``bytearray`` with a view cannot grow)."""
-        return {r: self.ranks[r].build(copy) for r in sorted(self.ranks)}
-
-
-def columns_of_rows(rows: Mapping[int, Mapping[int, Mapping[str, float]]]) -> StepColumns:
-    """The columns of dict rows (rank -> step -> row), steps in order."""
-    builder = ColumnsBuilder()
+    out: StepColumns = {}
     for rank in sorted(rows):
         steps = rows[rank]
-        node: Any = None
-        for step in sorted(steps):
-            row = steps[step]
-            shown = {k: float(v) for k, v in row.items() if k != "_node"}
-            builder.add(rank, step, shown)
-            node = row.get("_node", node)
-        if rank in builder.ranks and node is not None:
-            builder.set_node(rank, int(node))
-    return builder.build()
+        if not steps:
+            continue
+        order = sorted(steps)
+        kept = [steps[s] for s in order]
+        out[rank] = RankColumns(
+            np.array(order, dtype=np.int64),
+            np.array([r.step_ms for r in kept], dtype=np.float64),
+            _gather([r.phases for r in kept]),
+            used_ms=_optional(kept, lambda r: r.used_ms),
+            end_ns=_optional(kept, lambda r: r.end_ns),
+            tokens=_optional(kept, lambda r: r.tokens),
+            waits=_gather([r.waits for r in kept]),
+            op_waits=_gather([r.op_waits for r in kept]),
+        )
+    return out
 
 
 def is_columns(rows: Mapping[int, Any]) -> bool:
-    """Whether ``rows`` are columns (else dict rows)."""
+    """Whether ``rows`` are columns (else rows)."""
     return all(isinstance(v, RankColumns) for v in rows.values())
 
 
 __all__ = [
     "STEP_KEY",
+    "TOKENS_KEY",
     "TS_KEY",
     "USED_KEY",
-    "ColumnsBuilder",
+    "Column",
     "RankColumns",
     "StepColumns",
     "columns_of_rows",
     "is_columns",
+    "rank_columns",
 ]

@@ -15,8 +15,7 @@ import numpy as np
 
 from traceml_ai.run_summary._causes import Layout
 from traceml_ai.run_summary._columns import (
-    STEP_KEY,
-    TS_KEY,
+    Column,
     StepColumns,
     columns_of_rows,
     is_columns,
@@ -33,8 +32,6 @@ from traceml_ai.run_summary._model import (
     StepRows,
 )
 from traceml_ai.run_summary._phases import (
-    OP_WAIT_PREFIX,
-    WAIT_PREFIX,
     mean,
     op_label,
     percentiles,
@@ -54,22 +51,22 @@ MAX_PLAUSIBLE_CORES = 8192
 
 def step_figures(rows: StepRows | StepColumns) -> StepFigures:
     """Per-rank step figures, per-rank phase breakdown and the phase names, in order, of
-    step columns or dict rows (rank -> step -> row)."""
+    step columns or rows (rank -> step -> :class:`StepRow`)."""
     columns: StepColumns = rows if is_columns(rows) else columns_of_rows(rows)  # type: ignore[assignment,arg-type]
     with np.errstate(all="ignore"):
         return _step_figures(columns)
 
 
 def _step_figures(columns: StepColumns) -> StepFigures:
-    names = phase_names([c.values for c in columns.values()])
+    names = phase_names([c.phases for c in columns.values()])
     per_rank: dict[str, RankSteps] = {}
     phases: dict[str, dict[str, PhaseFigures]] = {}
     for rank in sorted(columns):
         c = columns[rank]
         if not len(c):
             continue
-        times = c.values[STEP_KEY]
-        ts = c.column(TS_KEY)
+        times = c.step_ms
+        ts = c.ends()
         stamps = ts[ts > 0]
         span_s = float(stamps.max() - stamps.min()) / 1e9 if len(stamps) >= 2 else 0.0
         average = float(times.sum() / len(times))
@@ -107,13 +104,14 @@ def straggler_view(
 
 class WaitColumns:
     """The collectives lines' waits as they are read: per rank, one entry per line and
-    wait key (``_cw:<component>`` and ``_cwop:<component>:<op>``), kept as columns."""
+    wait (the component's, and the component's operation's), kept as columns."""
 
     def __init__(self) -> None:
         self.steps: dict[int, array[int]] = {}
         self.keys: dict[int, array[int]] = {}
         self.waits: dict[int, array[float]] = {}
-        self.names: dict[str, int] = {}
+        self.names: dict[tuple[str, str | None], int] = {}
+        """(component, operation; None for the component's total) -> its id."""
         self.unmeasured: set[int] = set()
         self._ids: dict[tuple[str, str], tuple[int, int]] = {}
 
@@ -135,15 +133,15 @@ class WaitColumns:
         ids = self._ids.get((component, op))
         if ids is None:
             ids = self._ids[(component, op)] = (
-                self._id(WAIT_PREFIX + component),
-                self._id(f"{OP_WAIT_PREFIX}{component}:{op}"),
+                self._id((component, None)),
+                self._id((component, op)),
             )
         step = obj["step"]
         steps.extend((step, step))
         self.keys[rank].extend(ids)
         self.waits[rank].extend((float(wait), float(wait)))
 
-    def _id(self, key: str) -> int:
+    def _id(self, key: tuple[str, str | None]) -> int:
         found = self.names.get(key)
         if found is None:
             found = self.names[key] = len(self.names)
@@ -170,9 +168,11 @@ def merge_waits(columns: StepColumns, waits: WaitColumns, notes: list[str]) -> b
             np.add.at(total, pos[pick], values[pick])
             had = np.zeros(len(mine.steps), dtype=np.bool_)
             had[pos[pick]] = True
-            key = names[int(i)]
-            mine.values[key] = total
-            mine.present[key] = had
+            component, op = names[int(i)]
+            if op is None:
+                mine.waits[component] = Column(total, had)
+            else:
+                mine.op_waits[(component, op)] = Column(total, had)
     unseen = sorted(r for r in columns if r not in waits.steps)
     if len(columns) > 1 and unseen:
         shown = ", ".join(map(str, unseen[:10])) + (", ..." if len(unseen) > 10 else "")
@@ -341,6 +341,6 @@ def step_series(summary: RunSummary) -> dict[int, list[tuple[int, float]]]:
     """rank -> [(step, step time in ms)] in step order, for plots; {} without steps."""
     rows = summary.rows
     return {
-        r: list(zip(c.steps.tolist(), c.values[STEP_KEY].tolist(), strict=True))
+        r: list(zip(c.steps.tolist(), c.step_ms.tolist(), strict=True))
         for r, c in sorted(rows.items())
     }

@@ -18,11 +18,11 @@ from typing import Any, Literal
 import attrs
 
 from traceml_ai.run_summary._columns import StepColumns
+from traceml_ai.run_summary._phases import StepRow
 from traceml_ai.run_summary._straggler import Coordinate, StragglerView
 
-StepRows = dict[int, dict[int, dict[str, float]]]
-"""rank -> step -> {"step": ms, phase name: ms, ...} (keys starting ``_`` are the
-reader's: end of the step, node, waits)."""
+StepRows = dict[int, dict[int, StepRow]]
+"""rank -> step -> its row."""
 
 LossStatus = Literal["complete", "in_progress", "lost", "damaged"]
 

@@ -1,9 +1,10 @@
 """Step rows and the phase breakdown, shared by ``traceml summary`` and ``traceml.summary()``.
 
-A step_time line's ``events`` become a *row*: ``{"step": ms, "<phase>": ms, ...}``,
-each figure the phase's longest device (devices run side by side), built-in phases
-under their short names (``forward``, ``dataloader_wait``, ...), user phases as
-``user:<name>``. Light: imported on the rank side, so nothing heavy here.
+A step_time line's ``events`` become a *row*, a :class:`StepRow`: the step's time and
+each phase's, each figure the phase's longest device (devices run side by side),
+built-in phases under their short names (``forward``, ``dataloader_wait``, ...), user
+phases as ``user:<name>`` (the name every view shows). Light: imported on the rank
+side, so nothing heavy here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from traceml_records import events
 
@@ -37,12 +40,10 @@ REST = "rest_of_step"
 """The component of a step outside its timed phases."""
 BETWEEN_EVENT = events.BETWEEN_STEPS
 """The collectives stream's phase for a collective issued outside any step."""
-WAIT_PREFIX = "_cw:"
-"""A row's key for the time it waited in collectives in one component (ms)."""
-OP_WAIT_PREFIX = "_cwop:"
-"""...and per component and operation: ``_cwop:<component>:<op>``."""
 USER_PREFIX = "user:"
-"""The summary's names of user phases: ``user:<event name>``."""
+"""The summary's names of user phases: ``user:<event name>``, the name the summary's
+text and JSON, the Prometheus ``phase`` label, OTLP spans, the trackers and the
+dashboard show (:func:`is_user_phase` tells them apart)."""
 MAX_USER_PHASES = 8
 """User phases the live views and the dashboard keep under their own names."""
 OTHER_PHASE = "other"
@@ -58,6 +59,35 @@ def phase_name(event: str) -> str | None:
     if name is None and not event.startswith(PREFIX):
         name = USER_PREFIX + event
     return name
+
+
+def is_user_phase(name: str) -> bool:
+    """Whether a phase (a summary name, :func:`phase_name`'s) is a user phase."""
+    return name.startswith(USER_PREFIX)
+
+
+@attrs.define(slots=True)
+class StepRow:
+    """One step's row: what :func:`step_row` makes of a step_time line's events, and
+    what a reader knows besides (the step's end, its tokens, its collectives' waits)."""
+
+    step_ms: float
+    """The step's time (``step_time``'s longest device)."""
+    phases: dict[str, float]
+    """Phase (its summary name: ``forward``, ``user:NAME``, ``other`` in the live
+    views) -> ms, in the order of the step's events."""
+    used_ms: float | None = None
+    """The phases' sum, added in that order; None when not summed (then
+    :func:`rest` adds ``phases`` itself)."""
+    end_ns: float | None = None
+    """The step's end (``timestamp_unix_ns``), when the reader knows it."""
+    tokens: float | None = None
+    """The step's tokens, when the rank said them."""
+    waits: dict[str, float] = attrs.field(factory=dict)
+    """Iteration component (a phase, ``between_steps``, ``rest_of_step``) -> ms waited
+    in collectives there (measured; empty without the collectives stream)."""
+    op_waits: dict[tuple[str, str], float] = attrs.field(factory=dict)
+    """(component, operation :func:`op_label`) -> ms waited there in that operation."""
 
 
 class UserPhaseFold:
@@ -78,7 +108,7 @@ class UserPhaseFold:
         self._kept: set[str] = set()
 
     def __call__(self, name: str) -> str:
-        if not name.startswith(USER_PREFIX) or name in self._kept:
+        if not is_user_phase(name) or name in self._kept:
             return name
         if len(self._kept) < MAX_USER_PHASES:
             self._kept.add(name)
@@ -97,11 +127,11 @@ def wait_component(phase: str) -> str | None:
 
 
 GROUP_SEP = "@"
-"""Between an operation and its group in a wait key: ``_cwop:backward:all_reduce@dp``."""
+"""Between an operation and its group in an operation's label: ``all_reduce@dp``."""
 
 
 def op_label(op: str, group: object) -> str:
-    """A collectives line's operation as the wait keys name it: with its group
+    """A collectives line's operation as the waits name it: with its group
     (``all_reduce@dp``) when the line says one, so that pipeline traffic and
     data-parallel reductions never merge."""
     if type(group) is str and group and len(group) <= 16:
@@ -109,14 +139,19 @@ def op_label(op: str, group: object) -> str:
     return op
 
 
-def add_wait(waits: dict[str, float], component: str, op: str, wait_ms: float) -> None:
-    """Add one collectives line's wait to ``waits`` (a row's wait keys); ``component``
-    is its phase's (:func:`wait_component`, or the live views' folded label); ``op`` is
-    :func:`op_label`'s."""
-    key = WAIT_PREFIX + component
-    waits[key] = waits.get(key, 0.0) + wait_ms
-    key = f"{OP_WAIT_PREFIX}{component}:{op}"
-    waits[key] = waits.get(key, 0.0) + wait_ms
+def add_wait(
+    waits: dict[str, float],
+    op_waits: dict[tuple[str, str], float],
+    component: str,
+    op: str,
+    wait_ms: float,
+) -> None:
+    """Add one collectives line's wait to a step's ``waits`` and ``op_waits`` (a
+    :class:`StepRow`'s); ``component`` is its phase's (:func:`wait_component`, or the
+    live views' folded label); ``op`` is :func:`op_label`'s."""
+    waits[component] = waits.get(component, 0.0) + wait_ms
+    key = (component, op)
+    op_waits[key] = op_waits.get(key, 0.0) + wait_ms
 
 
 def waits_measured(ranks: Iterable[int], seen: Container[int], unmeasured: Container[int]) -> bool:
@@ -136,12 +171,12 @@ def step_row(
     events: object,
     name_of: Callable[[str], str | None] = phase_name,
     cache: dict[str, str | None] | None = None,
-) -> dict[str, float] | None:
-    """The one rule from a step's events to its row: ``{"step": ms, name: ms, ...,
-    "_used": the phases' sum}``, each event's time its longest device (devices run side
-    by side), named by ``name_of`` (the summary's names; the live views fold late user
-    phases into ``other``, and names that fold together add up). An event ``name_of``
-    names None is left out.
+) -> StepRow | None:
+    """The one rule from a step's events to its row: the step's time, each phase's
+    (``phases``, name -> ms) and ``used_ms``, the phases' sum; each event's time its
+    longest device (devices run side by side), named by ``name_of`` (the summary's
+    names; the live views fold late user phases into ``other``, and names that fold
+    together add up). An event ``name_of`` names None is left out.
 
     None when the step cannot be read: no events object, no step time, or any timing
     that is not one (every device's ``duration_ms``, ``cpu_ms``, ``gpu_ms`` finite and
@@ -154,6 +189,7 @@ def step_row(
     names = cache if cache is not None else {}
     inf = _FLOAT_MAX
     row: dict[str, float] = {}
+    step_ms = 0.0
     used = 0.0
     for event, devices in events.items():
         best = -1.0
@@ -184,7 +220,7 @@ def step_row(
         if best < 0.0:
             return None  # no device timing
         if event == STEP_EVENT:
-            row["step"] = float(best)
+            step_ms = float(best)
             continue
         if event in names:
             key = names[event]
@@ -195,8 +231,7 @@ def step_row(
         if key is not None:
             row[key] = row.get(key, 0.0) + best
             used += best
-    row["_used"] = used  # the sum of the phases, in row order (see rest)
-    return row
+    return StepRow(step_ms, row, used)  # used: the phases' sum, in row order (see rest)
 
 
 def timing_problem(event: str, devices: Any) -> str | None:
@@ -261,7 +296,7 @@ def rounded(x: float, digits: int = 3) -> float:
     return round(float(x), digits)
 
 
-def iteration(row: Mapping[str, float]) -> float:
+def iteration(row: StepRow) -> float:
     """The time of one training iteration: the step, plus the DataLoader wait when it
     was fetched before the step opened.
 
@@ -271,37 +306,36 @@ def iteration(row: Mapping[str, float]) -> float:
     built-in phases (which never nest in each other) do not fit inside the step, the wait
     was outside it.
     """
-    step = row["step"]
-    if sum(map(row.get, BUILT_IN_PHASES, _ZEROS)) <= step * 1.000001:
+    step = row.step_ms
+    phases = row.phases
+    if sum(map(phases.get, BUILT_IN_PHASES, _ZEROS)) <= step * 1.000001:
         return step
-    return step + row.get("dataloader_wait", 0.0)
+    return step + phases.get("dataloader_wait", 0.0)
 
 
-def rest(row: Mapping[str, float]) -> float:
+def rest(row: StepRow) -> float:
     """The iteration's time outside every measured phase (never below 0: phases may nest,
     a user phase inside forward)."""
     return max(0.0, iteration(row) - _used(row))
 
 
-def _used(row: Mapping[str, float]) -> float:
-    """The sum of a row's phases (every key but ``step`` and the reader's bookkeeping
-    under ``_``-keys, a timestamp); a reader may have summed them already, in the same
-    order, under ``"_used"``."""
-    used = row.get("_used")
-    if used is not None:
-        return used
+def _used(row: StepRow) -> float:
+    """The sum of a row's phases: ``used_ms`` when a reader summed them already, in the
+    same order."""
+    if row.used_ms is not None:
+        return row.used_ms
     total = 0.0  # added one by one, as the reader does (sum() compensates from 3.12)
-    for k, v in row.items():
-        if k != "step" and k[:1] != "_":
-            total += v
+    for v in row.phases.values():
+        total += v
     return total
 
 
 def phase_names(rows: Iterable[Mapping[str, object]]) -> list[str]:
     """The breakdown's phases in step order: the core ones always, h2d and user phases
-    when some row (or some rank's columns: their keys) has them (in the order they
-    first appear in ``rows``: the order :class:`UserPhaseFold` keeps them by),
-    :data:`OTHER_PHASE` when some row has it (the live views' rows), then ``rest``."""
+    when some row's phases (or some rank's phase columns: their names) have them (in
+    the order they first appear in ``rows``: the order :class:`UserPhaseFold` keeps
+    them by), :data:`OTHER_PHASE` when some row has it (the live views' rows), then
+    ``rest``. ``rows``: each a mapping keyed by phase names."""
     keys: dict[str, object] = {}
     for row in rows:
         keys.update(row)  # C speed, first appearance kept; the filter runs once per key
@@ -311,17 +345,17 @@ def phase_names(rows: Iterable[Mapping[str, object]]) -> list[str]:
         "forward",
         "backward",
         "optimizer",
-        *(k for k in keys if k.startswith(USER_PREFIX)),
+        *(k for k in keys if is_user_phase(k)),
         *([OTHER_PHASE] if OTHER_PHASE in keys else []),
         "rest",
     ]
 
 
 def phase_breakdown(
-    rows: RankColumns | Sequence[Mapping[str, float]], names: Sequence[str]
+    rows: RankColumns | Sequence[StepRow], names: Sequence[str]
 ) -> dict[str, dict[str, float]]:
     """Per phase of ``names``: mean and median ms over ``rows`` (one rank's steps, as
-    columns or dict rows, not empty), and the mean's share of the mean iteration."""
+    columns or rows, not empty), and the mean's share of the mean iteration."""
     import numpy as np
 
     from traceml_ai.run_summary._columns import RankColumns, columns_of_rows
@@ -336,20 +370,20 @@ def phase_breakdown(
 def _breakdown(c: RankColumns, names: Sequence[str]) -> dict[str, dict[str, float]]:
     import numpy as np
 
-    step = c.column("step")
+    step = c.step_ms
     # iteration(): the step, plus the DataLoader wait when the built-in phases (which
     # never nest) do not fit in it; added one by one, as sum() does.
     built_in: Any = 0.0
     for name in BUILT_IN_PHASES:
-        built_in = built_in + c.column(name)
+        built_in = built_in + c.phase(name)
     outside = built_in > step * 1.000001
-    iterations = np.where(outside, step + c.column("dataloader_wait"), step)
+    iterations = np.where(outside, step + c.phase("dataloader_wait"), step)
     count = len(step)
     mean_iteration = float(iterations.sum()) / count
     out: dict[str, dict[str, float]] = {}
     for name in names:
         rest = name == "rest"
-        values = np.fmax(0.0, iterations - _used_column(c)) if rest else c.column(name)
+        values = np.fmax(0.0, iterations - _used_column(c)) if rest else c.phase(name)
         average = float(values.sum()) / count
         out[name] = {
             "mean_ms": round(average, 3),
@@ -360,14 +394,15 @@ def _breakdown(c: RankColumns, names: Sequence[str]) -> dict[str, dict[str, floa
 
 
 def _used_column(c: RankColumns) -> Any:
-    """Each row's sum of phases: ``_used`` where the reader kept it, else the phases
-    added one by one in key order (:func:`_used`)."""
+    """Each row's sum of phases: ``used_ms`` where the reader kept it, else the phases
+    added one by one in their order (:func:`_used`)."""
     import numpy as np
 
     total: Any = np.zeros(len(c), dtype=np.float64)
-    for key in c.values:
-        if key != "step" and key[:1] != "_":
-            total = total + c.column(key)
-    if "_used" not in c.values:
+    for column in c.phases.values():
+        total = total + column.values
+    if c.used_ms is None:
         return total
-    return np.where(c.has("_used"), c.column("_used"), total)
+    if c.used_ms.present is None:
+        return c.used_ms.values
+    return np.where(c.used_ms.present, c.used_ms.values, total)

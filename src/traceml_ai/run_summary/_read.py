@@ -35,17 +35,21 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from traceml_ai.run_summary._columns import STEP_KEY, TS_KEY, USED_KEY, RankColumns, StepColumns
+from traceml_ai.run_summary._columns import (
+    STEP_KEY,
+    TOKENS_KEY,
+    TS_KEY,
+    USED_KEY,
+    RankColumns,
+    StepColumns,
+    rank_columns,
+)
 from traceml_ai.run_summary._phases import STEP_EVENT, phase_name
 from traceml_records.internal import LINE, REASONS, FileScan, FileState, Layout, RowsLayout
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
-
-
-TOKENS_KEY = "_tokens"
-"""A row's tokens (``_straggler.TOKENS_KEY``)."""
 
 
 class FileRead:
@@ -349,11 +353,40 @@ class StepLines:
             # a big file never has its scan's columns and their working arrays all at once.
             self.lines += self.columns.add(chunks.pop())
             if self.columns.pending >= _BUILD_LINES:
-                self.columns.build()
+                self.columns.merge()
 
 
 _BUILD_LINES = 1 << 17
 """Lines made into step columns at a time (their working arrays: about 100 MB)."""
+
+
+class _Keyed:
+    """One rank's step columns as the reader makes them, keyed: :data:`STEP_KEY` (the
+    step event's time), each named event's time under its phase name, :data:`USED_KEY`
+    (their sum), :data:`TS_KEY` (the step's end), :data:`TOKENS_KEY` (when the line has
+    them); :meth:`typed` is the :class:`RankColumns` every view reads."""
+
+    __slots__ = ("node", "present", "steps", "values")
+
+    def __init__(
+        self,
+        steps: NDArray[np.int64],
+        values: dict[str, NDArray[np.float64]],
+        present: dict[str, NDArray[np.bool_]],
+        node: int | None,
+    ) -> None:
+        self.steps = steps
+        self.values = values
+        """key -> one value per step (0.0 where the row did not have the key)."""
+        self.present = present
+        """key -> which steps' rows had it; only for keys some row lacked."""
+        self.node = node
+
+    def __len__(self) -> int:
+        return int(self.steps.shape[0])
+
+    def typed(self) -> RankColumns:
+        return rank_columns(self.steps, self.values, self.present, self.node)
 
 
 class _Steps:
@@ -362,7 +395,8 @@ class _Steps:
     event's time), each named event's time under its name (``phase_name``; events it
     names None are left out) and ``_used``, their sum in the line's order; each event's
     time is its longest device. The reader's own keys follow: ``_ts`` (the step's end)
-    and ``_tokens`` (when the line has them).
+    and ``_tokens`` (when the line has them) (:class:`_Keyed`, made typed by
+    :func:`~traceml_ai.run_summary._columns.rank_columns`).
 
     Chunks wait until :meth:`build`, which makes only them into columns and appends
     those to each rank's columns of the earlier builds: following a growing file costs
@@ -370,7 +404,7 @@ class _Steps:
 
     def __init__(self) -> None:
         self._names: dict[bytes, int] = {}
-        self._built: StepColumns = {}
+        self._built: dict[int, _Keyed] = {}
         self._worlds: set[int] = set()
         self._lines = 0
         self._start()
@@ -428,6 +462,12 @@ class _Steps:
 
     def build(self) -> StepColumns:
         """Each rank's step columns, of every line taken so far."""
+        self.merge()
+        return {rank: keyed.typed() for rank, keyed in self._built.items()}
+
+    def merge(self) -> None:
+        """Make the lines taken since the last merge into columns, appended to each
+        rank's."""
         if self._pending:
             fresh = self._build_pending()
             built = dict(self._built)
@@ -436,9 +476,8 @@ class _Steps:
                 built[rank] = columns if earlier is None else _appended(earlier, columns)
             self._built = {r: built[r] for r in sorted(built)}
             self._start()
-        return self._built
 
-    def _build_pending(self) -> StepColumns:
+    def _build_pending(self) -> dict[int, _Keyed]:
         import numpy as np
 
         rank, step, _, node, ts, tokens = (np.concatenate(c) for c in self._top)
@@ -460,7 +499,7 @@ class _Steps:
         return _by_rank(rank, step, node, values, present, order)
 
 
-def _appended(earlier: RankColumns, later: RankColumns) -> RankColumns:
+def _appended(earlier: _Keyed, later: _Keyed) -> _Keyed:
     """One rank's columns of earlier lines and of later ones as one: the keys in the
     order they first appear (the earlier lines' first), steps ascending (a rank's steps
     never repeat: the scan takes the first line of each key), the node of its last
@@ -496,7 +535,7 @@ def _appended(earlier: RankColumns, later: RankColumns) -> RankColumns:
         values = {k: v[order] for k, v in values.items()}
         masks = {k: m[order] for k, m in masks.items()}
     node = later.node if later.node is not None else earlier.node
-    return RankColumns(steps, values, masks, node)
+    return _Keyed(steps, values, masks, node)
 
 
 def _has(column: bool, mask: Any, n: int) -> NDArray[np.bool_]:
@@ -577,8 +616,8 @@ def _by_rank(
     values: dict[str, Any],
     present: dict[str, Any],
     order: dict[str, Any],
-) -> StepColumns:
-    """Each rank's :class:`RankColumns`: its lines sorted by step (a rank's steps never
+) -> dict[int, _Keyed]:
+    """Each rank's columns: its lines sorted by step (a rank's steps never
     repeat); its keys in the order they first appear in its rows (file order, then
     their place in the row). Every key is sorted once; a rank's columns are slices."""
     import numpy as np
@@ -606,12 +645,12 @@ def _by_rank(
     last = np.maximum.reduceat(by_rank, starts)
     nodes = node[last].tolist()
     steps = step[by_rank]
-    out: StepColumns = {}
+    out: dict[int, _Keyed] = {}
     for i, (r, a, b) in enumerate(zip(ranks.tolist(), starts.tolist(), ends, strict=True)):
         found = sorted(
             (firsts[k][i], places[k][i], key, k) for k, key in enumerate(keys) if firsts[k][i] < n
         )
         cols = {key: sorted_values[k][a:b] for _, _, key, k in found}
         masks = {key: sorted_present[k][a:b] for _, _, key, k in found if not everywhere[k][i]}
-        out[int(r)] = RankColumns(steps[a:b], cols, masks, int(nodes[i]))
+        out[int(r)] = _Keyed(steps[a:b], cols, masks, int(nodes[i]))
     return out

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
@@ -49,8 +49,7 @@ from traceml_ai.run_summary._causes import (
     tokens_confirm,
 )
 from traceml_ai.run_summary._columns import (
-    STEP_KEY,
-    TS_KEY,
+    Column,
     RankColumns,
     StepColumns,
     columns_of_rows,
@@ -60,9 +59,8 @@ from traceml_ai.run_summary._phases import (
     BETWEEN,
     BUILT_IN_PHASES,
     GROUP_SEP,
-    OP_WAIT_PREFIX,
     REST,
-    WAIT_PREFIX,
+    StepRow,
     median,
     rounded,
 )
@@ -99,8 +97,6 @@ buffers, at the start of forward); FSDP and ZeRO gather and reduce in all three.
 _DEFAULT_SYNC = ("backward", "forward", "optimizer")
 
 DATALOADER = "dataloader_wait"
-TOKENS_KEY = "_tokens"
-"""A step row's tokens (the step_time line's ``tokens``), when the rank said them."""
 
 DEFINITION = (
     "per step, a rank's own work is its iteration (step plus time outside it) minus its "
@@ -118,7 +114,7 @@ DEFINITION_COLLECTIVES = (
     f"step-to-step noise, in at least {int(CONSISTENT_SHARE * 100)} % of steps"
 )
 
-Rows = Mapping[int, Mapping[int, Mapping[str, float]]]
+Rows = Mapping[int, Mapping[int, StepRow]]
 
 
 @attrs.frozen(kw_only=True)
@@ -357,11 +353,15 @@ class ExcessSoFar:
         return attrs.evolve(view, stragglers=tuple(named))
 
 
+_Key = TypeVar("_Key", str, tuple[str, str])
+
+
 class _Table:
-    """The compared iterations of every rank as matrices (ranks x steps) per component:
-    the phases, ``between_steps``, ``rest_of_step``, ``_iter`` (the whole iteration),
-    ``_dl_outside`` (1.0 when the DataLoader wait was before the step), ``_wait`` and
-    the measured waits' keys. A component a rank's row did not have reads 0.0."""
+    """The compared iterations of every rank as matrices (ranks x steps): per component
+    (``m``: the phases, ``between_steps``, ``rest_of_step``), the whole iteration,
+    whether the DataLoader wait was before the step, the measured waits (their sum, per
+    component, per component and operation) and the tokens. A component a rank's row
+    did not have reads 0.0."""
 
     def __init__(self, columns: StepColumns, ranks: Sequence[int]) -> None:
         import numpy as np
@@ -370,30 +370,47 @@ class _Table:
         usable: NDArray[np.int64] | None = None
         for r in ranks:
             c = columns[r]
-            timed = c.steps[c.column(TS_KEY) > 0]  # ascending, unique
+            timed = c.steps[c.ends() > 0]  # ascending, unique
             mine = timed[_among(timed - 1, timed)]
             usable = mine if usable is None else usable[_among(usable, mine)]
         self.steps = usable if usable is not None else np.zeros(0, dtype=np.int64)
         n = len(self.steps)
         self.n = n
-        parts = [_components(columns[r], self.steps) for r in ranks]
-        keys = sorted({k for values, _ in parts for k in values})
+        parts = [_Components(columns[r], self.steps) for r in ranks]
         zeros = np.zeros(n, dtype=np.float64)
-        self.m: dict[str, NDArray[np.float64]] = {
-            k: np.vstack([values.get(k, zeros) for values, _ in parts]) for k in keys
-        }
-        present = set().union(*(seen for _, seen in parts)) if parts else set()
-        self.names = sorted(k for k in present if not k.startswith("_"))
-        """The components some compared row had (phases, between, rest, waited ones)."""
-        self.tokens_everywhere = all(TOKENS_KEY in seen for _, seen in parts) and bool(parts)
-        """Whether every compared row said its tokens."""
-        self.wait_keys = sorted(k for k in present if k.startswith(WAIT_PREFIX))
-        self.op_keys = sorted(k for k in present if k.startswith(OP_WAIT_PREFIX))
 
-    def get(self, key: str) -> NDArray[np.float64]:
+        def matrix(rows: list[NDArray[np.float64]]) -> NDArray[np.float64]:
+            return np.vstack(rows) if rows else np.zeros((0, n))
+
+        def stack(found: list[dict[_Key, NDArray[np.float64]]]) -> dict[_Key, NDArray[np.float64]]:
+            keys = sorted({k for mine in found for k in mine})
+            return {k: matrix([mine.get(k, zeros) for mine in found]) for k in keys}
+
+        self.m: dict[str, NDArray[np.float64]] = stack([p.components for p in parts])
+        self.iterations = matrix([p.iteration for p in parts])
+        self.dl_outside = matrix([p.dl_outside for p in parts])
+        """1.0 where the DataLoader wait was before the step."""
+        self.wait = matrix([p.wait for p in parts])
+        """Each row's measured wait, all components together."""
+        self.waits: dict[str, NDArray[np.float64]] = stack([p.waits for p in parts])
+        self.op_waits: dict[tuple[str, str], NDArray[np.float64]] = stack(
+            [p.op_waits for p in parts]
+        )
+        self.names = sorted(set().union(*(p.seen for p in parts)) if parts else set())
+        """The components some compared row had (phases, between, rest, waited ones)."""
+        tokens = [p.tokens for p in parts if p.tokens is not None]
+        self.tokens = matrix(tokens) if parts and len(tokens) == len(parts) else None
+        """Tokens per rank and step, when every compared row said them."""
+        self.wait_keys = sorted(set().union(*(p.seen_waits for p in parts)) if parts else set())
+        """The components with a measured wait in some compared row."""
+        self.op_keys = sorted(set().union(*(p.seen_ops for p in parts)) if parts else set())
+        """The (component, operation)s with a measured wait in some compared row."""
+
+    def get(self, name: str) -> NDArray[np.float64]:
+        """A component's matrix (zeros when no compared row had it)."""
         import numpy as np
 
-        found = self.m.get(key)
+        found = self.m.get(name)
         return found if found is not None else np.zeros((len(self.ranks), self.n))
 
 
@@ -408,69 +425,66 @@ def _among(values: NDArray[np.int64], ascending: NDArray[np.int64]) -> NDArray[n
     return found
 
 
-def _components(
-    c: RankColumns, compared: NDArray[np.int64]
-) -> tuple[dict[str, NDArray[np.float64]], set[str]]:
+class _Components:
     """One rank's compared iterations split into components (ms, never negative), and
-    the keys some of those rows had."""
-    import numpy as np
+    what of them some of those rows had."""
 
-    p = np.searchsorted(c.steps, compared)
-    q = np.searchsorted(c.steps, compared - 1)
-    n = len(compared)
-    zeros = np.zeros(n, dtype=np.float64)
+    def __init__(self, c: RankColumns, compared: NDArray[np.int64]) -> None:
+        import numpy as np
 
-    def at(key: str) -> NDArray[np.float64]:
-        col = c.values.get(key)
-        return col[p] if col is not None else zeros
+        p = np.searchsorted(c.steps, compared)
+        q = np.searchsorted(c.steps, compared - 1)
+        n = len(compared)
+        zeros = np.zeros(n, dtype=np.float64)
 
-    def had(key: str) -> bool:
-        if key not in c.values or not n:
-            return False
-        mask = c.present.get(key)
-        return mask is None or bool(mask[p].any())
+        def had(col: Column) -> bool:
+            return bool(n) and (col.present is None or bool(col.present[p].any()))
 
-    step = at(STEP_KEY)
-    ts = c.column(TS_KEY)
-    gap = np.fmax(0.0, (ts[p] - ts[q]) / 1e6 - step)
-    out = {k: at(k) for k in c.values if k != STEP_KEY and not k.startswith("_")}
-    seen = {k for k in out if had(k)}
-    built_in: NDArray[np.float64] | float = 0.0
-    for name in BUILT_IN_PHASES:
-        built_in = built_in + at(name)
-    dataloader = at(DATALOADER)
-    # Built-in phases never nest; when they do not fit in the step, the batch was
-    # fetched before the step opened and its wait is part of the gap.
-    outside = built_in > step * 1.000001
-    out[BETWEEN] = np.where(outside, np.fmax(0.0, gap - dataloader), gap)
-    in_step = np.where(outside, built_in - dataloader, built_in)
-    out[REST] = np.fmax(0.0, step - in_step)
-    seen.update((BETWEEN, REST))
-    out["_iter"] = step + gap
-    out["_dl_outside"] = outside.astype(np.float64)
-    # Measured collectives: each component keeps its own work, and the wait is said
-    # per component ("_cw:<component>") and per operation ("_cwop:<component>:<op>").
-    wait = zeros
-    for key in c.values:
-        if key.startswith(WAIT_PREFIX):
-            value = at(key)
-            name = key[len(WAIT_PREFIX) :]
+        step = c.step_ms[p]
+        ts = c.ends()
+        gap = np.fmax(0.0, (ts[p] - ts[q]) / 1e6 - step)
+        out = {k: col.values[p] for k, col in c.phases.items()}
+        seen = {k for k, col in c.phases.items() if had(col)}
+        built_in: NDArray[np.float64] | float = 0.0
+        for name in BUILT_IN_PHASES:
+            built_in = built_in + out.get(name, zeros)
+        dataloader = out.get(DATALOADER, zeros)
+        # Built-in phases never nest; when they do not fit in the step, the batch was
+        # fetched before the step opened and its wait is part of the gap.
+        outside = built_in > step * 1.000001
+        out[BETWEEN] = np.where(outside, np.fmax(0.0, gap - dataloader), gap)
+        in_step = np.where(outside, built_in - dataloader, built_in)
+        out[REST] = np.fmax(0.0, step - in_step)
+        seen.update((BETWEEN, REST))
+        self.iteration = step + gap
+        self.dl_outside = outside.astype(np.float64)
+        # Measured collectives: each component keeps its own work, and the wait is said
+        # per component and per operation.
+        wait = zeros
+        self.waits: dict[str, NDArray[np.float64]] = {}
+        self.seen_waits: set[str] = set()
+        for name, col in c.waits.items():
+            value = col.values[p]
             out[name] = np.fmax(0.0, out.get(name, zeros) - value)
-            out[key] = value
+            self.waits[name] = value
             wait = wait + value
-            if had(key):
-                seen.update((name, key))
-        elif key.startswith(OP_WAIT_PREFIX):
-            out[key] = at(key)
-            if had(key):
-                seen.add(key)
-    out["_wait"] = wait
-    if TOKENS_KEY in c.values:
-        out[TOKENS_KEY] = at(TOKENS_KEY)
-        mask = c.present.get(TOKENS_KEY)
-        if n and (mask is None or bool(mask[p].all())):
-            seen.add(TOKENS_KEY)
-    return out, seen
+            if had(col):
+                seen.add(name)
+                self.seen_waits.add(name)
+        self.op_waits = {key: col.values[p] for key, col in c.op_waits.items()}
+        self.seen_ops = {key for key, col in c.op_waits.items() if had(col)}
+        self.wait = wait
+        self.components = out
+        self.seen = seen
+        tokens = c.tokens
+        self.tokens = (
+            tokens.values[p]
+            if tokens is not None
+            and n
+            and (tokens.present is None or bool(tokens.present[p].all()))
+            else None
+        )
+        """The rows' tokens, when every compared row said them."""
 
 
 def _sorted_median(ordered: NDArray[np.float64], axis: int) -> NDArray[np.float64]:
@@ -602,8 +616,8 @@ def _analyze(
     layout: Layout | None,
 ) -> dict[str, Any]:
     """The straggler view of a run, as its JSON form: ``columns`` hold each rank's step
-    rows (``step_row``'s figures plus ``_ts``, the step's end in ns, and with
-    ``collectives`` the waits of :data:`WAIT_PREFIX` and :data:`OP_WAIT_PREFIX`);
+    rows (``step_row``'s figures plus the step's end, and with ``collectives`` the
+    measured waits per component and operation);
     ``nodes`` is rank -> node when known. ``collectives``: every rank's collectives
     were measured (the collectives stream), so waits are measured, not inferred from
     phase times."""
@@ -642,7 +656,7 @@ def _analyze(
         return view
     view["applicable"] = True
     n = len(steps)
-    iteration = _median1(table.get("_iter"))
+    iteration = _median1(table.iterations)
     view["iteration_ms"] = rounded(iteration)
 
     # Per step and component, the shortest time of any rank: what a rank spends
@@ -660,7 +674,7 @@ def _analyze(
     if collectives:
         # Measured: a rank's own work is its iteration less its time in collectives
         # (the last to arrive at a synchronizing collective waits least).
-        own = table.get("_iter") - table.get("_wait")
+        own = table.iterations - table.wait
     else:
         for name in candidates:
             if name not in floor:
@@ -669,7 +683,7 @@ def _analyze(
             if mean_wait > max(ABS_MS, REL * iteration):
                 wait_phase = name
                 break
-        own = table.get("_iter") - (excess(wait_phase) if wait_phase else 0.0)
+        own = table.iterations - (excess(wait_phase) if wait_phase else 0.0)
     view["wait_phase"] = wait_phase
     own_median = _medians(own, axis=1)
     view["own_work_ms"] = {str(r): rounded(float(own_median[i])) for i, r in enumerate(ranks)}
@@ -729,7 +743,7 @@ def _analyze(
             others = [j for j in range(len(ranks)) if j not in slow_at]
             level = _medians(own[others], axis=0) if others else own[i]
             without[i, at] = np.fmin(own[i, at], level[at])
-        view["slowdown"] = replay(table.get("_iter"), own, without)
+        view["slowdown"] = replay(table.iterations, own, without)
 
     view["slow_node"] = _slow_node([s["rank"] for s in view["stragglers"]], ranks, nodes)
     if view["stragglers"] and collectives:
@@ -781,7 +795,7 @@ def _layout_verdict(
     view["noise_ms"] = rounded(noise)
     threshold = max(base, NOISE_FACTOR * noise)
     view["threshold_ms"] = rounded(threshold)
-    iterations = table.get("_iter")
+    iterations = table.iterations
     causes: list[dict[str, Any]] = []
 
     # One slow worker: its own work beyond its peers' in most steps.
@@ -889,10 +903,7 @@ def _layout_verdict(
 
 def _tokens(table: _Table) -> NDArray[np.float64] | None:
     """Tokens per rank and step, when every compared rank said them in every step."""
-    found = table.m.get(TOKENS_KEY)
-    if found is None or not table.tokens_everywhere:
-        return None
-    return found
+    return table.tokens
 
 
 def _waiting_for(
@@ -932,7 +943,7 @@ def _explain_peers(
             level = np.median(m[peers], axis=0) if peers else m[i]
             by_component[name] = _median1(m[i] - level)
         where = max(by_component, key=lambda k: by_component[k]) if by_component else REST
-        dl_outside = _median1(table.get("_dl_outside")[i, indices]) >= 0.5
+        dl_outside = _median1(table.dl_outside[i, indices]) >= 0.5
         out.append(
             _entry(
                 table.ranks[i],
@@ -962,23 +973,20 @@ def _measured_wait(
         return None
     n = table.n
 
-    def surplus(key: str) -> float:
-        m = table.get(key)
+    def surplus(m: NDArray[np.float64]) -> float:
         theirs = _mean1(m[waiting].sum(axis=1) / n)
         mine = _mean1(m[named].sum(axis=1) / n)
         return theirs - mine
 
-    key = max(table.wait_keys, key=surplus)
-    if surplus(key) <= 0.0:
+    component = max(table.wait_keys, key=lambda k: surplus(table.waits[k]))
+    if surplus(table.waits[component]) <= 0.0:
         return None
-    component = key[len(WAIT_PREFIX) :]
-    op_prefix = f"{OP_WAIT_PREFIX}{component}:"
-    op_keys = [k for k in table.op_keys if k.startswith(op_prefix)]
-    op = max(op_keys, key=surplus)[len(op_prefix) :] if op_keys else None
+    op_keys = [k for k in table.op_keys if k[0] == component]
+    op = max(op_keys, key=lambda k: surplus(table.op_waits[k]))[1] if op_keys else None
     group: str | None = None
     if op is not None and GROUP_SEP in op:
         op, group = op.split(GROUP_SEP, 1)
-    m = table.get(key)
+    m = table.waits[component]
     beyond = m - m.min(axis=0)
     return {
         "phase": component,
@@ -1101,7 +1109,7 @@ def _explain(
         extra = _median1(mine - theirs)
         by_component = {name: _median1(m[r] - med) for name, (m, med) in by_name.items()}
         where = max(by_component, key=lambda k: by_component[k])
-        dl_outside = _median1(table.get("_dl_outside")[r, indices]) >= 0.5
+        dl_outside = _median1(table.dl_outside[r, indices]) >= 0.5
         out.append(
             _entry(
                 table.ranks[r],

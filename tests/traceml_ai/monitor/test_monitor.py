@@ -97,7 +97,8 @@ def test_state_takes_steps_into_histograms_and_keeps_a_window() -> None:
     assert rank.step_hist.counts[STEP_BUCKETS_S.index(0.025)] == 5
     assert rank.phase_hist["forward"].n == 5
     assert state.world_size == 4
-    assert list(state.recent_rows()[1][5]) == ["step", "_ts", "forward"]
+    row = state.recent_rows()[1][5]
+    assert list(row.phases) == ["forward"] and row.end_ns is not None and row.used_ms is None
 
 
 @pytest.mark.parametrize(

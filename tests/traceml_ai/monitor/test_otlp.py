@@ -192,8 +192,8 @@ def _assert_step_span(root: Any, children: Sequence[Any], line: Mapping[str, Any
     assert row is not None
     start_ns, end_ns = root[1], root[2]
     assert end_ns == line["timestamp_unix_ns"]
-    assert (end_ns - start_ns) / 1e6 == pytest.approx(row["step"], abs=1e-5)
-    phases = {k: v for k, v in row.items() if not k.startswith("_") and k != "step"}
+    assert (end_ns - start_ns) / 1e6 == pytest.approx(row.step_ms, abs=1e-5)
+    phases = row.phases
     got = {name: (s, e) for name, s, e in children}
     assert set(got) == set(phases), (got, phases)
     for name, ms in phases.items():
@@ -203,7 +203,7 @@ def _assert_step_span(root: Any, children: Sequence[Any], line: Mapping[str, Any
     # built-in phases add up to more than the step.
     before = (
         "dataloader_wait" in phases
-        and sum(phases[p] for p in BUILT_IN if p in phases) > row["step"]
+        and sum(phases[p] for p in BUILT_IN if p in phases) > row.step_ms
     )
     cursor = start_ns
     for name in [p for p in BUILT_IN if p in phases]:
@@ -598,8 +598,8 @@ def _env(values: Mapping[str, str]) -> Iterator[None]:
 
 def _spans(run_dir: Path) -> int:
     """Spans of every step of the run: the step and each of its phases."""
-    rows = [step_row(line["events"]) or {} for line in _file_steps(run_dir).values()]
-    return sum(len([k for k in row if not k.startswith("_")]) for row in rows)
+    rows = [step_row(line["events"]) for line in _file_steps(run_dir).values()]
+    return sum(1 + len(row.phases) for row in rows if row is not None)
 
 
 def _assert_files_complete(tmp_path: Path, run_dir: Path, steps: int) -> None:
@@ -754,7 +754,7 @@ def test_run_traces_in_mlflow_with_the_metrics_receiver_down(
         line = lines[key]
         row = step_row(line["events"])
         assert row is not None
-        seen = StepSeen(key[0], 0, key[1], line["timestamp_unix_ns"], row["step"], {})
+        seen = StepSeen(key[0], 0, key[1], line["timestamp_unix_ns"], row.step_ms, {})
         for step, why in sampler.pick([seen]):
             expected[(step.rank, step.step)] = why
     assert {(r, s) for r, s in expected if expected[(r, s)] == "periodic"} == {

@@ -1,8 +1,7 @@
 """The files reader as columns, its step rows, and reading a run as it grows.
 
-The step columns made from the scan's columns are what ``step_row`` and
-``ColumnsBuilder`` make of the same lines, with the scan's C core and with its
-pure-Python twin; a file read in pieces (``RunReader``) gives the summary of the same
+The step columns made from the scan's columns are what ``step_row`` makes of the same
+lines, with the scan's C core and with its pure-Python twin; a file read in pieces (``RunReader``) gives the summary of the same
 file read at once; a file replaced, truncated or deleted while followed is said.
 """
 
@@ -21,10 +20,16 @@ from hypothesis import strategies as st
 
 from tests.traceml_ai.run_summary.test_summary import closing, run_folder, step_line, write
 from traceml_ai.run_summary import RunReader, RunSummary, summarize_run
-from traceml_ai.run_summary._columns import ColumnsBuilder, StepColumns, columns_of_rows
-from traceml_ai.run_summary._phases import phase_name, step_row
+from traceml_ai.run_summary._columns import (
+    Column,
+    StepColumns,
+    columns_of_rows,
+    rank_columns,
+)
+from traceml_ai.run_summary._phases import STEP_EVENT, StepRow, is_user_phase, phase_name, step_row
 from traceml_ai.run_summary._read import StepLines
 from traceml_records import _fastcheck, validate_line
+from traceml_records import events as events_of
 from traceml_records._linecheck import NOT_INT
 from traceml_records.internal import PURE_PYTHON_ENV, FileScan, load_extension
 
@@ -33,50 +38,112 @@ _speedups = load_extension()
 needs_c = pytest.mark.skipif(_speedups is None, reason="the scan's C core was not built")
 
 
-def _rows_of(summary: RunSummary) -> dict[int, list[tuple[int, dict[str, float]]]]:
+def _rows_of(summary: RunSummary) -> dict[int, list[tuple[int, StepRow]]]:
     return {r: [(int(s), c.row(i)) for i, s in enumerate(c.steps)] for r, c in summary.rows.items()}
 
 
 # --------------------------------------------------------------------------- columns
 
 
-@settings(max_examples=80, deadline=None)
-@given(data=st.data())
-def test_columns_hold_exactly_the_rows_given(data: st.DataObject) -> None:
-    """Rows with changing key sets, steps out of order and repeated: the columns hold
-    each (rank, step)'s first row, its keys and nothing else, steps ascending."""
-    keys = ["step", "forward", "backward", "user:a", "user:b", "_used", "_ts"]
-    rows = data.draw(
-        st.lists(
-            st.tuples(
-                st.integers(0, 2),
-                st.integers(1, 12),
-                st.dictionaries(
-                    st.sampled_from(keys), st.floats(0, 1e6, allow_nan=False), min_size=1
-                ),
-            ),
-            max_size=60,
-        )
+def _typed(row: dict[str, float]) -> StepRow:
+    """A row keyed as the files' reader keeps it, as the :class:`StepRow` it stands for."""
+    fields = ("step", "_used", "_ts", "_tokens")
+    return StepRow(
+        row["step"],
+        {k: v for k, v in row.items() if k not in fields},
+        used_ms=row.get("_used"),
+        end_ns=row.get("_ts"),
+        tokens=row.get("_tokens"),
     )
-    builder = ColumnsBuilder()
-    expected: dict[int, dict[int, dict[str, float]]] = {}
-    for rank, step, row in rows:
-        added = builder.add(rank, step, row)
-        mine = expected.setdefault(rank, {})
-        assert added == (step not in mine)
-        mine.setdefault(step, row)
-    built = builder.build()
-    assert sorted(built) == sorted(expected)
-    for rank, cols in built.items():
-        assert [int(s) for s in cols.steps] == sorted(expected[rank])
-        for i, s in enumerate(cols.steps):
-            assert cols.row(i) == expected[rank][int(s)]
-    # The same from dict rows.
-    again = columns_of_rows(expected)
-    for rank, cols in again.items():
+
+
+def test_the_readers_keyed_columns_become_typed() -> None:
+    """The files' reader's columns (keyed by its field names and the phases' names)
+    as :class:`RankColumns`: each key to its field, the phases in their order, which
+    rows had a key kept."""
+    import numpy as np
+
+    def f(*v: float) -> Any:
+        return np.array(v, dtype=np.float64)
+
+    values = {
+        "step": f(10.0, 20.0),
+        "user:b": f(1.0, 0.0),
+        "forward": f(4.0, 5.0),
+        "_used": f(5.0, 5.0),
+        "_ts": f(1e9, 2e9),
+        "_tokens": f(0.0, 64.0),
+    }
+    present = {"user:b": np.array([True, False]), "_tokens": np.array([False, True])}
+    c = rank_columns(np.array([3, 4], dtype=np.int64), values, present, 7)
+    assert (c.node, c.steps.tolist(), c.step_ms.tolist()) == (7, [3, 4], [10.0, 20.0])
+    assert list(c.phases) == ["user:b", "forward"] and (c.waits, c.op_waits) == ({}, {})
+    assert c.row(0) == _typed({k: float(v[0]) for k, v in values.items() if k != "_tokens"})
+    assert c.row(1) == StepRow(20.0, {"forward": 5.0}, used_ms=5.0, end_ns=2e9, tokens=64.0)
+    assert c.phase("h2d").tolist() == [0.0, 0.0] and c.ends().tolist() == [1e9, 2e9]
+
+
+_names = st.sampled_from(["forward", "backward", "user:a", "user:b:c", "other"])
+_ms = st.floats(0, 1e6, allow_nan=False)
+_rows = st.builds(
+    StepRow,
+    _ms,
+    st.dictionaries(_names, _ms),
+    used_ms=st.none() | _ms,
+    end_ns=st.none() | st.floats(0, 2e18),
+    tokens=st.none() | st.integers(0, 1 << 40).map(float),
+    waits=st.dictionaries(st.sampled_from(["forward", "between_steps", "user:b"]), _ms),
+    op_waits=st.dictionaries(
+        st.tuples(st.sampled_from(["forward", "user:a"]), st.sampled_from(["all_reduce", "x@dp"])),
+        _ms,
+    ),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.dictionaries(st.integers(0, 3), st.dictionaries(st.integers(1, 30), _rows)))
+def test_typed_rows_round_trip_through_columns(rows: dict[int, dict[int, StepRow]]) -> None:
+    """Rows with any mix of fields (phases, waits per component and per operation,
+    tokens, ends, sums) in columns: each row comes back as it went in; a field some
+    rows lack reads 0.0 there, and a rank without rows has no columns."""
+    columns = columns_of_rows(rows)
+    assert sorted(columns) == sorted(r for r, steps in rows.items() if steps)
+    for rank, cols in columns.items():
+        assert cols.steps.tolist() == sorted(rows[rank])
         assert [cols.row(i) for i in range(len(cols))] == [
-            expected[rank][s] for s in sorted(expected[rank])
+            rows[rank][s] for s in sorted(rows[rank])
         ]
+        for name, column in cols.phases.items():
+            assert column.values.tolist() == [
+                rows[rank][s].phases.get(name, 0.0) for s in sorted(rows[rank])
+            ]
+        for key, column in cols.op_waits.items():
+            had = [key in rows[rank][s].op_waits for s in sorted(rows[rank])]
+            assert (column.present is None) == all(had)
+            if column.present is not None:
+                assert column.present.tolist() == had
+        if cols.tokens is None:
+            assert all(r.tokens is None for r in rows[rank].values())
+
+
+def test_a_step_row_is_typed() -> None:
+    """step_row's row: the step, the phases by their summary names (user phases as
+    ``user:NAME``, in the events' order), their sum; nothing a reader adds."""
+
+    def timing(ms: float) -> dict[str, Any]:
+        return {"cuda:0": {"duration_ms": ms, "cpu_ms": ms, "gpu_ms": None, "n_calls": 1}}
+
+    events = {
+        "loss": timing(1.5),
+        STEP_EVENT: timing(10.0),
+        events_of.FORWARD_TIME: timing(4.0),
+    }
+    row = step_row(events)
+    assert row == StepRow(10.0, {"user:loss": 1.5, "forward": 4.0}, used_ms=5.5)
+    assert list(row.phases) == ["user:loss", "forward"]
+    assert (row.end_ns, row.tokens, row.waits, row.op_waits) == (None, None, {}, {})
+    assert is_user_phase("user:loss") and not is_user_phase("forward")
+    assert not hasattr(row, "__dict__")  # slotted
 
 
 # --------------------------------------------------------------------------- C twin
@@ -139,27 +206,44 @@ def _step_columns(data: bytes, *, pure: bool) -> StepColumns:
 
 
 def _step_rows_of(lines: list[bytes]) -> StepColumns:
-    """What ``step_row`` and ``ColumnsBuilder`` make of the valid lines, first of each
-    key (the lines given never repeat the key of a line that is not valid)."""
-    builder = ColumnsBuilder()
-    seen: set[tuple[int, int]] = set()
+    """What ``step_row`` makes of the valid lines, first of each key (the lines given
+    never repeat the key of a line that is not valid), as columns."""
+    rows: dict[int, dict[int, StepRow]] = {}
+    nodes: dict[int, int] = {}
+    phases: dict[int, dict[str, None]] = {}  # each rank's, in the order the file has them
     cache: dict[str, str | None] = {}
     for raw in lines:
         if validate_line(raw):
             continue
         d = orjson.loads(raw)
-        key = (d["global_rank"], d["step"])
-        if key in seen:
+        mine = rows.setdefault(d["global_rank"], {})
+        if d["step"] in mine:
             continue
-        seen.add(key)
         row = step_row(d["events"], phase_name, cache)
         assert row is not None
-        row["_ts"] = float(d["timestamp_unix_ns"])
+        row.end_ns = float(d["timestamp_unix_ns"])
         if d.get("tokens") is not None:
-            row["_tokens"] = float(d["tokens"])
-        builder.add(d["global_rank"], d["step"], row)
-        builder.set_node(d["global_rank"], d["node_rank"])
-    return builder.build()
+            row.tokens = float(d["tokens"])
+        mine[d["step"]] = row
+        nodes[d["global_rank"]] = d["node_rank"]
+        phases.setdefault(d["global_rank"], {}).update(dict.fromkeys(row.phases))
+    columns = columns_of_rows(rows)
+    for r, c in columns.items():
+        c.node = nodes[r]
+        c.phases = {name: c.phases[name] for name in phases[r]}
+    return columns
+
+
+def _same_column(got: Column | None, want: Column | None, where: object) -> None:
+    import numpy as np
+
+    assert (got is None) == (want is None), where
+    if got is None or want is None:
+        return
+    assert np.array_equal(got.values, want.values), where
+    assert (got.present is None) == (want.present is None), where
+    if got.present is not None:
+        assert np.array_equal(got.present, want.present), where
 
 
 def _same_columns(got: StepColumns, want: StepColumns) -> None:
@@ -170,12 +254,14 @@ def _same_columns(got: StepColumns, want: StepColumns) -> None:
         g = got[r]
         assert g.node == c.node, r
         assert g.steps.tolist() == c.steps.tolist(), r
-        assert list(g.values) == list(c.values), r  # the same keys, in the same order
-        for key, col in c.values.items():
-            assert np.array_equal(g.values[key], col), (r, key)
-        assert sorted(g.present) == sorted(c.present), r
-        for key, mask in c.present.items():
-            assert np.array_equal(g.present[key], mask), (r, key)
+        assert np.array_equal(g.step_ms, c.step_ms), r
+        assert list(g.phases) == list(c.phases), r  # the same phases, in the same order
+        for name, col in c.phases.items():
+            _same_column(g.phases[name], col, (r, name))
+        _same_column(g.used_ms, c.used_ms, (r, "used"))
+        _same_column(g.end_ns, c.end_ns, (r, "end"))
+        _same_column(g.tokens, c.tokens, (r, "tokens"))
+        assert (g.waits, g.op_waits) == ({}, {}), r
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -183,8 +269,8 @@ def _same_columns(got: StepColumns, want: StepColumns) -> None:
 def test_the_step_columns_are_what_step_row_makes_of_the_lines(data: st.DataObject) -> None:
     """Valid step_time lines of a few ranks, steps out of order and repeated, user phases
     now and then, some lines with one scalar or one timing bent: the summary's step
-    columns (from the scan's columns, in numpy) are ``step_row`` and ``ColumnsBuilder``
-    line by line, with the C core and with its twin."""
+    columns (from the scan's columns, in numpy) are ``step_row``'s rows line by line,
+    with the C core and with its twin."""
     from tests.strategies import as_written, consistent_json
 
     lines: list[bytes] = []
@@ -382,7 +468,7 @@ def test_the_page_bins_step_columns_as_it_bins_step_tuples(data: st.DataObject) 
     from traceml_ai.dashboard._view import MAX_POINTS, RunData, _series
 
     ranks = data.draw(st.integers(1, 4))
-    rows: dict[int, dict[int, dict[str, float]]] = {}
+    rows: dict[int, dict[int, StepRow]] = {}
     for r in range(ranks):
         steps = data.draw(
             st.lists(st.integers(1, 3 * MAX_POINTS), min_size=1, max_size=60, unique=True)
@@ -391,11 +477,11 @@ def test_the_page_bins_step_columns_as_it_bins_step_tuples(data: st.DataObject) 
         mine = {}
         for s in sorted(steps):
             ts += data.draw(st.floats(0, 5e7, allow_nan=False))
-            mine[s] = {"step": data.draw(st.floats(0, 100, allow_nan=False)), "_ts": ts}
+            mine[s] = StepRow(data.draw(st.floats(0, 100, allow_nan=False)), {}, end_ns=ts)
         rows[r] = mine
     columns = columns_of_rows(rows)
     tuples = {
-        r: [(s, row["step"], row["_ts"]) for s, row in sorted(m.items())] for r, m in rows.items()
+        r: [(s, row.step_ms, row.end_ns) for s, row in sorted(m.items())] for r, m in rows.items()
     }
     highlight = list(range(ranks))
     as_columns = _series(

@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e_helpers import REPO, free_port, run_cli
 from tests.summary_helpers import format_json, summarize_json
-from traceml_ai.run_summary import StragglerView
+from traceml_ai.run_summary import StepRow, StragglerView
 from traceml_ai.run_summary._straggler import analyze
 
 P = "_traceml_internal:"
@@ -200,8 +200,8 @@ def test_simulated_fsdp_like_wait_in_forward(tmp_path: Path) -> None:
 
 
 def test_one_rank_and_too_few_steps() -> None:
-    assert analyze({0: {1: {"step": 1.0, "_ts": 1.0}}}).applicable is False
-    rows = {r: {s: {"step": 1.0, "_ts": float(s * 10**6)} for s in (1, 2)} for r in (0, 1)}
+    assert analyze({0: {1: StepRow(1.0, {}, end_ns=1.0)}}).applicable is False
+    rows = {r: {s: StepRow(1.0, {}, end_ns=float(s * 10**6)) for s in (1, 2)} for r in (0, 1)}
     view = analyze(rows)
     assert view.applicable is False and view.verdict == "n/a"
     assert view.reason is not None and "step(s)" in view.reason

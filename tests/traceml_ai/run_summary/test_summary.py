@@ -471,13 +471,15 @@ def test_end_of_run_summary_skips_big_exports(
 def test_phase_shares_count_a_wait_before_the_step_once() -> None:
     # The usual loop fetches the batch before `with trace_step(...)`: step_time leaves
     # the wait out, so shares of the step alone would add up past 100 %.
+    from traceml_ai.run_summary._phases import StepRow
     from traceml_ai.run_summary._phases import iteration as _iteration
     from traceml_ai.run_summary._phases import rest as _rest
 
-    outside = {"step": 1.0, "dataloader_wait": 3.0, "forward": 0.4, "backward": 0.5}
+    phases = {"dataloader_wait": 3.0, "forward": 0.4, "backward": 0.5}
+    outside = StepRow(1.0, phases)
     assert _iteration(outside) == 4.0
     assert abs(_rest(outside) - 0.1) < 1e-9
-    inside = {"step": 4.0, "dataloader_wait": 3.0, "forward": 0.4, "backward": 0.5}
+    inside = StepRow(4.0, phases)
     assert _iteration(inside) == 4.0
     assert abs(_rest(inside) - 0.1) < 1e-9
 

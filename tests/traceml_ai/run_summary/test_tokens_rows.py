@@ -1,4 +1,4 @@
-"""step_time's ``tokens`` in the run summary's step rows: ``_tokens`` (a float) when the
+"""step_time's ``tokens`` in the run summary's step rows: ``tokens`` (a float) when the
 line has tokens, none when it lacks them or has null, the same through the scan's C
 core and its pure-Python twin."""
 
@@ -43,9 +43,9 @@ def _line(**extra: Any) -> dict[str, Any]:
 def test_tokens_reach_the_step_row(pure: bool, extra: dict[str, Any], expected: Any) -> None:
     columns = _step_columns(orjson.dumps(_line(**extra)) + b"\n", pure=pure)
     row = columns[0].row(0)
-    assert row.get("_tokens") == expected
+    assert row.tokens == expected
     if expected is not None:
-        assert type(row["_tokens"]) is float
+        assert type(row.tokens) is float
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "12", True])
