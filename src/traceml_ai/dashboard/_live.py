@@ -38,9 +38,7 @@ def _shown_rows(recent: dict[int, list[StepSeen]], straggler: StragglerView | No
         shown = sorted([*named, *(r for r in by_median if r not in named)][:MAX_TABLE_ROWS])
     rows: StepRows = {}
     for r in shown:
-        rows[r] = {
-            s.step: StepRow(s.step_ms, dict(s.phases), end_ns=float(s.end_ns)) for s in recent[r]
-        }
+        rows[r] = {s.step: StepRow(s.step_ms, s.phases, end_ns=float(s.end_ns)) for s in recent[r]}
     return rows
 
 

@@ -260,11 +260,12 @@ class LiveFeed:
     def _analyze_straggler(self) -> None:
         started = time.monotonic()
         try:
-            rows = self.state.recent_rows(STRAGGLER_STEPS)
-            nodes = self.state.rank_nodes()
+            columns = self.state.recent_columns(STRAGGLER_STEPS)
+            nodes = self.state.rank_nodes()  # every rank heard from, with steps or not
             measured = self.state.collectives_measured()
             layout = self.state.layout()
-            view = analyze(rows, self.state.strategy(), nodes, measured, layout) if rows else None
+            strategy = self.state.strategy()
+            view = analyze(columns, strategy, nodes, measured, layout) if nodes else None
             view = self._excess_so_far(view)
         except Exception:
             _log.exception("traceml: live views: the straggler analysis failed")

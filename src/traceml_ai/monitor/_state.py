@@ -27,13 +27,14 @@ from traceml_ai.run_summary import (
     MAX_USER_PHASES,
     OTHER_PHASE,
     Coordinates,
-    StepRow,
+    StepColumns,
     StragglerView,
     UserPhaseFold,
     add_wait,
     layout_of,
     op_label,
     phase_name,
+    rank_columns_of,
     step_row,
     wait_component,
     waits_measured,
@@ -148,17 +149,11 @@ class StepSeen(NamedTuple):
     """Phase name (``forward``, ``dataloader_wait``, ``user:NAME`` ...) -> ms."""
 
 
-@attrs.define(slots=True)
-class StepWaits:
-    """One step's measured collectives waits so far (a :class:`StepRow`'s ``waits``
-    and ``op_waits``)."""
-
-    waits: dict[str, float] = attrs.field(factory=dict)
-    op_waits: dict[tuple[str, str], float] = attrs.field(factory=dict)
-
-    def __len__(self) -> int:
-        """The waits held, per component and per operation together (the bound's count)."""
-        return len(self.waits) + len(self.op_waits)
+_MAX_WAIT_KEY_OBJECTS = 4096
+"""(component, operation) key objects kept for reuse at most (whatever ranks send)."""
+_NO_WAITS: dict[str, float] = {}
+_NO_OP_WAITS: dict[tuple[str, str], float] = {}
+"""A step's waits when it has none (read, never changed)."""
 
 
 @attrs.define(slots=True)
@@ -179,8 +174,11 @@ class RankLive:
     """device -> (peak allocated, peak reserved) bytes of the last step that reported it."""
     process: dict[str, float] = attrs.field(factory=dict)
     strategy: str | None = None
-    waits: dict[int, StepWaits] = attrs.field(factory=dict)
-    """step -> its waits (``run_summary.add_wait``), the recent steps only."""
+    waits: dict[int, dict[str, float]] = attrs.field(factory=dict)
+    """step -> its measured waits per component (``run_summary.add_wait``), the
+    recent steps only..."""
+    op_waits: dict[int, dict[tuple[str, str], float]] = attrs.field(factory=dict)
+    """...and per (component, operation); the same steps."""
     waits_unmeasured: bool = False
     """A collectives line of this rank had no measured wait (NCCL without timing)."""
     tokens: dict[int, float] = attrs.field(factory=dict)
@@ -252,7 +250,7 @@ class LiveState:
     """The run as the aggregator sees it now; thread-safe (one lock, short holds).
 
     The feed thread calls the ``add_*`` methods; readers take copies with
-    :meth:`ranks`, :meth:`nodes` and :meth:`recent_rows`.
+    :meth:`ranks`, :meth:`nodes` and :meth:`recent_columns`.
     """
 
     def __init__(self) -> None:
@@ -261,6 +259,8 @@ class LiveState:
         self._nodes: dict[int, NodeLive] = {}
         self._fold = UserPhaseFold()
         self._labels: dict[str, str | None] = {}
+        self._wait_keys: dict[tuple[str, str], tuple[str, str]] = {}
+        """(component, operation) -> the one key object of it the waits use."""
         """event name -> its label (None: a reserved name this release does not write)."""
         self.world_size: int | None = None
         self.started_unix_s = time.time()
@@ -467,7 +467,8 @@ class LiveState:
             if live is None:
                 self.ignored_items += len(items)
                 return
-            waits = live.waits
+            waits, op_waits = live.waits, live.op_waits
+            keys = self._wait_keys
             for item in items:
                 if type(item) is not dict:
                     self.ignored_items += 1
@@ -485,7 +486,7 @@ class LiveState:
                 if wait is None:
                     live.waits_unmeasured = True
                     if step not in waits:
-                        waits[step] = StepWaits()
+                        waits[step], op_waits[step] = {}, {}
                     continue
                 ms = _number(wait)
                 if ms is None or ms < 0.0:
@@ -498,15 +499,28 @@ class LiveState:
                     if phase.startswith(_RESERVED)
                     else self._phase_label(phase)
                 )
-                mine = waits.get(step)
-                if mine is None:
-                    mine = waits[step] = StepWaits()
-                if component is None or len(mine) >= MAX_WAIT_KEYS:
+                by_component = waits.get(step)
+                if by_component is None:
+                    by_component = waits[step] = {}
+                    by_op = op_waits[step] = {}
+                else:
+                    by_op = op_waits[step]
+                if component is None or len(by_component) + len(by_op) >= MAX_WAIT_KEYS:
                     self.ignored_items += 1
                     continue
-                add_wait(mine.waits, mine.op_waits, component, op_label(op, item.get("group")), ms)
+                label = op_label(op, item.get("group"))
+                # One key object per (component, operation) seen, not one per item:
+                # the collectives of every step of every rank pass here.
+                key = keys.get((component, label))
+                if key is None:
+                    key = (component, label)
+                    if len(keys) < _MAX_WAIT_KEY_OBJECTS:
+                        keys[key] = key
+                add_wait(by_component, by_op, key, ms)
             while len(waits) > 2 * WINDOW_STEPS:
-                del waits[next(iter(waits))]
+                oldest = next(iter(waits))
+                del waits[oldest]
+                op_waits.pop(oldest, None)
 
     def collectives_measured(self) -> bool:
         """Whether every rank's collectives were measured (``waits_measured``)."""
@@ -654,22 +668,31 @@ class LiveState:
                     return live.strategy
         return None
 
-    def recent_rows(self, last: int | None = None) -> dict[int, dict[int, StepRow]]:
-        """The recent steps as the straggler analysis takes them: rank -> step -> row."""
-        rows: dict[int, dict[int, StepRow]] = {}
+    def recent_columns(self, last: int | None = None) -> StepColumns:
+        """The recent steps as the straggler analysis takes them: rank -> its steps'
+        columns (the latest of a step number; a rank without steps has none)."""
+        columns: StepColumns = {}
         with self._lock:
-            waits = {rank: dict(live.waits) for rank, live in self._ranks.items()}
+            waits = {
+                rank: (dict(live.waits), dict(live.op_waits)) for rank, live in self._ranks.items()
+            }
             tokens = {rank: dict(live.tokens) for rank, live in self._ranks.items()}
-        for rank, steps in self.recent_steps(last).items():
-            mine: dict[int, StepRow] = {}
-            theirs = waits.get(rank, {})
+        for rank, steps in sorted(self.recent_steps(last).items()):
+            if not steps:
+                continue
+            by_step = {s.step: s for s in steps}
+            order = sorted(by_step)
+            seen = [by_step[step] for step in order]
+            theirs, their_ops = waits.get(rank, ({}, {}))
             said = tokens.get(rank, {})
-            for s in steps:
-                row = StepRow(s.step_ms, dict(s.phases), end_ns=float(s.end_ns))
-                step_waits = theirs.get(s.step)
-                if step_waits is not None:
-                    row.waits, row.op_waits = dict(step_waits.waits), dict(step_waits.op_waits)
-                row.tokens = said.get(s.step)
-                mine[s.step] = row
-            rows[rank] = mine
-        return rows
+
+            columns[rank] = rank_columns_of(
+                order,
+                [s.step_ms for s in seen],
+                [s.phases for s in seen],
+                end_ns=[float(s.end_ns) for s in seen],
+                tokens=[said.get(step) for step in order],
+                waits=[theirs.get(step, _NO_WAITS) for step in order],
+                op_waits=[their_ops.get(step, _NO_OP_WAITS) for step in order],
+            )
+        return columns

@@ -21,7 +21,7 @@ Light to import: orjson only (never torch, never pyarrow).
 """
 
 from traceml_ai.run_summary._causes import Coordinates, Layout, layout_of
-from traceml_ai.run_summary._columns import RankColumns, StepColumns
+from traceml_ai.run_summary._columns import RankColumns, StepColumns, rank_columns_of
 from traceml_ai.run_summary._figures import step_figures, step_series
 from traceml_ai.run_summary._loss import WARNING_FILE
 from traceml_ai.run_summary._model import (
@@ -129,6 +129,7 @@ __all__ = [
     "op_label",
     "percentile",
     "phase_name",
+    "rank_columns_of",
     "step_figures",
     "step_row",
     "step_series",

@@ -15,7 +15,7 @@ same columns, so every view runs the one analysis.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from traceml_ai.run_summary._phases import StepRow
@@ -186,11 +186,10 @@ def _gather(maps: Sequence[Mapping[_K, float]]) -> dict[_K, Column]:
     return out
 
 
-def _optional(rows: Sequence[StepRow], field: Callable[[StepRow], float | None]) -> Column | None:
-    """The column of an optional field of ``rows`` (None when no row has it)."""
+def _optional(found: Sequence[float | None]) -> Column | None:
+    """The column of an optional field (None when no row has it)."""
     import numpy as np
 
-    found = [field(r) for r in rows]
     if all(v is None for v in found):
         return None
     values = np.array([0.0 if v is None else v for v in found], dtype=np.float64)
@@ -198,11 +197,38 @@ def _optional(rows: Sequence[StepRow], field: Callable[[StepRow], float | None])
     return Column(values, None if all(had) else np.array(had, dtype=np.bool_))
 
 
+def rank_columns_of(
+    steps: Sequence[int],
+    step_ms: Sequence[float],
+    phases: Sequence[Mapping[str, float]],
+    *,
+    used_ms: Sequence[float | None] = (),
+    end_ns: Sequence[float | None] = (),
+    tokens: Sequence[float | None] = (),
+    waits: Sequence[Mapping[str, float]] = (),
+    op_waits: Sequence[Mapping[tuple[str, str], float]] = (),
+) -> RankColumns:
+    """One rank's columns of its rows' fields, one entry per row (``steps`` ascending,
+    unique; an empty sequence: no row has that field): what :func:`columns_of_rows`
+    makes of :class:`StepRow`s, and the live state of the steps it keeps, without a
+    row object per step."""
+    import numpy as np
+
+    return RankColumns(
+        np.array(steps, dtype=np.int64),
+        np.array(step_ms, dtype=np.float64),
+        _gather(phases),
+        used_ms=_optional(used_ms) if used_ms else None,
+        end_ns=_optional(end_ns) if end_ns else None,
+        tokens=_optional(tokens) if tokens else None,
+        waits=_gather(waits),
+        op_waits=_gather(op_waits),
+    )
+
+
 def columns_of_rows(rows: Mapping[int, Mapping[int, StepRow]]) -> StepColumns:
     """The columns of rows (rank -> step -> row), steps in order; a rank without rows
     has none."""
-    import numpy as np
-
     out: StepColumns = {}
     for rank in sorted(rows):
         steps = rows[rank]
@@ -210,15 +236,15 @@ def columns_of_rows(rows: Mapping[int, Mapping[int, StepRow]]) -> StepColumns:
             continue
         order = sorted(steps)
         kept = [steps[s] for s in order]
-        out[rank] = RankColumns(
-            np.array(order, dtype=np.int64),
-            np.array([r.step_ms for r in kept], dtype=np.float64),
-            _gather([r.phases for r in kept]),
-            used_ms=_optional(kept, lambda r: r.used_ms),
-            end_ns=_optional(kept, lambda r: r.end_ns),
-            tokens=_optional(kept, lambda r: r.tokens),
-            waits=_gather([r.waits for r in kept]),
-            op_waits=_gather([r.op_waits for r in kept]),
+        out[rank] = rank_columns_of(
+            order,
+            [r.step_ms for r in kept],
+            [r.phases for r in kept],
+            used_ms=[r.used_ms for r in kept],
+            end_ns=[r.end_ns for r in kept],
+            tokens=[r.tokens for r in kept],
+            waits=[r.waits for r in kept],
+            op_waits=[r.op_waits for r in kept],
         )
     return out
 
@@ -239,4 +265,5 @@ __all__ = [
     "columns_of_rows",
     "is_columns",
     "rank_columns",
+    "rank_columns_of",
 ]

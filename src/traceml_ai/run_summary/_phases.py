@@ -10,6 +10,7 @@ side, so nothing heavy here.
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -66,14 +67,19 @@ def is_user_phase(name: str) -> bool:
     return name.startswith(USER_PREFIX)
 
 
+_NONE: Mapping[Any, float] = types.MappingProxyType({})
+"""No waits: the default of every row without them (read-only, so shared)."""
+
+
 @attrs.define(slots=True)
 class StepRow:
     """One step's row: what :func:`step_row` makes of a step_time line's events, and
-    what a reader knows besides (the step's end, its tokens, its collectives' waits)."""
+    what a reader knows besides (the step's end, its tokens, its collectives' waits).
+    Its mappings are read, never changed: rows may share them."""
 
     step_ms: float
     """The step's time (``step_time``'s longest device)."""
-    phases: dict[str, float]
+    phases: Mapping[str, float]
     """Phase (its summary name: ``forward``, ``user:NAME``, ``other`` in the live
     views) -> ms, in the order of the step's events."""
     used_ms: float | None = None
@@ -83,10 +89,10 @@ class StepRow:
     """The step's end (``timestamp_unix_ns``), when the reader knows it."""
     tokens: float | None = None
     """The step's tokens, when the rank said them."""
-    waits: dict[str, float] = attrs.field(factory=dict)
+    waits: Mapping[str, float] = _NONE
     """Iteration component (a phase, ``between_steps``, ``rest_of_step``) -> ms waited
     in collectives there (measured; empty without the collectives stream)."""
-    op_waits: dict[tuple[str, str], float] = attrs.field(factory=dict)
+    op_waits: Mapping[tuple[str, str], float] = _NONE
     """(component, operation :func:`op_label`) -> ms waited there in that operation."""
 
 
@@ -142,15 +148,15 @@ def op_label(op: str, group: object) -> str:
 def add_wait(
     waits: dict[str, float],
     op_waits: dict[tuple[str, str], float],
-    component: str,
-    op: str,
+    key: tuple[str, str],
     wait_ms: float,
 ) -> None:
     """Add one collectives line's wait to a step's ``waits`` and ``op_waits`` (a
-    :class:`StepRow`'s); ``component`` is its phase's (:func:`wait_component`, or the
-    live views' folded label); ``op`` is :func:`op_label`'s."""
+    :class:`StepRow`'s); ``key`` is ``(component, op)``: its phase's component
+    (:func:`wait_component`, or the live views' folded label) and :func:`op_label`'s
+    operation."""
+    component = key[0]
     waits[component] = waits.get(component, 0.0) + wait_ms
-    key = (component, op)
     op_waits[key] = op_waits.get(key, 0.0) + wait_ms
 
 

@@ -97,7 +97,9 @@ def test_state_takes_steps_into_histograms_and_keeps_a_window() -> None:
     assert rank.step_hist.counts[STEP_BUCKETS_S.index(0.025)] == 5
     assert rank.phase_hist["forward"].n == 5
     assert state.world_size == 4
-    row = state.recent_rows()[1][5]
+    columns = state.recent_columns()[1]
+    assert columns.steps.tolist() == [1, 2, 3, 4, 5]
+    row = columns.row(4)
     assert list(row.phases) == ["forward"] and row.end_ns is not None and row.used_ms is None
 
 
@@ -256,7 +258,7 @@ def test_the_live_straggler_percentage_is_over_the_run_so_far() -> None:
                 )  # fmt: skip
         for rank in (0, 1):
             state.add_steps(identity(rank), items[rank])
-        alone = analyze(state.recent_rows(STRAGGLER_STEPS))
+        alone = analyze(state.recent_columns(STRAGGLER_STEPS))
         (mine,) = alone.stragglers
         window.append(mine.excess_pct or 0.0)
         totals[0] += mine.excess_ms
@@ -282,8 +284,9 @@ def test_collectives_items_are_checked_and_bounded() -> None:
     hostile = [{**item, "op": f"op{i}"} for i in range(500)]
     bad = [{**item, "op": "all_reduce", "wait_ms": -1.0}, {**item, "op": 3}, "x"]
     state.add_collectives(identity(0), [*hostile, *bad])
-    (row,) = state._ranks[0].waits.values()
-    assert len(row) <= MAX_WAIT_KEYS
+    live = state._ranks[0]
+    ((step, waits),) = live.waits.items()
+    assert len(waits) + len(live.op_waits[step]) == MAX_WAIT_KEYS
     assert state.ignored_items == 500 - (MAX_WAIT_KEYS - 1) + 3
 
 

@@ -69,7 +69,7 @@ def test_live_views_name_the_slow_stage_and_the_imbalance(tmp_path: Path) -> Non
     layout = state.layout()
     assert len(layout) == 32 and layout[31] == {"tp": (1, 2), "dp": (3, 4), "pp": (3, 4)}
     view = analyze(
-        state.recent_rows(), None, state.rank_nodes(), state.collectives_measured(), layout
+        state.recent_columns(), None, state.rank_nodes(), state.collectives_measured(), layout
     )
     # The live answer is the files' answer.
     files = summarize_run(truth.folder).straggler
@@ -136,6 +136,6 @@ def test_a_hostile_layout_or_group_is_no_layout_and_no_new_key() -> None:
         [{"step": 1, "phase": "_traceml_internal:forward_time", "op": "all_reduce",
           "wait_ms": 1.0, "group": "x" * 10_000}],
     )  # fmt: skip
-    (row,) = state.recent_rows()[0].values()
+    row = state.recent_columns()[0].row(0)
     assert row.waits["forward"] == 1.0  # the wait counts, under its operation alone
     assert list(row.op_waits) == [("forward", "all_reduce")]
