@@ -21,7 +21,7 @@ Light to import: orjson only (never torch, never pyarrow).
 """
 
 from traceml_ai.run_summary._causes import Coordinates, Layout, layout_of
-from traceml_ai.run_summary._columns import RankColumns, StepColumns, rank_columns_of
+from traceml_ai.run_summary._columns import RankColumns, StepColumns, StepRow, rank_columns_of
 from traceml_ai.run_summary._figures import step_figures, step_series
 from traceml_ai.run_summary._loss import WARNING_FILE
 from traceml_ai.run_summary._model import (
@@ -44,7 +44,6 @@ from traceml_ai.run_summary._phases import (
     OTHER_PHASE,
     PHASES,
     STEP_EVENT,
-    StepRow,
     UserPhaseFold,
     add_wait,
     median,

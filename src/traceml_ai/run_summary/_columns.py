@@ -1,6 +1,6 @@
 """Step rows as columns: what the summary keeps of a step_time file, whatever its size.
 
-A rank's rows (:class:`~traceml_ai.run_summary._phases.StepRow`) are kept as one typed
+A rank's rows (:class:`StepRow`) are kept as one typed
 :class:`RankColumns`: a float64 column per field (the step time, each phase, the
 phases' sum, the step's end, the tokens, each collectives wait), about 8 bytes per
 value per step line, never an object per line. A value a row does not have reads
@@ -15,10 +15,11 @@ same columns, so every view runs the one analysis.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from traceml_ai.run_summary._phases import StepRow
+import attrs
 
 if TYPE_CHECKING:
     import numpy as np
@@ -33,6 +34,34 @@ USED_KEY = "_used"
 TOKENS_KEY = "_tokens"
 """...and of the step's tokens; every other key of its rows is a phase's name."""
 _FIELDS = (STEP_KEY, TS_KEY, USED_KEY, TOKENS_KEY)
+
+_NONE: Mapping[Any, float] = types.MappingProxyType({})
+"""No waits: the default of every row without them (read-only, so shared)."""
+
+
+@attrs.define(slots=True)
+class StepRow:
+    """One step's row: what :func:`~traceml_ai.run_summary._phases.step_row` makes of a step_time line's events, and
+    what a reader knows besides (the step's end, its tokens, its collectives' waits).
+    Its mappings are read, never changed: rows may share them."""
+
+    step_ms: float
+    """The step's time (``step_time``'s longest device)."""
+    phases: Mapping[str, float]
+    """Phase (its summary name: ``forward``, ``user:NAME``, ``other`` in the live
+    views) -> ms, in the order of the step's events."""
+    used_ms: float | None = None
+    """The phases' sum, added in that order; None when not summed (then
+    :func:`~traceml_ai.run_summary._phases.rest` adds ``phases`` itself)."""
+    end_ns: float | None = None
+    """The step's end (``timestamp_unix_ns``), when the reader knows it."""
+    tokens: float | None = None
+    """The step's tokens, when the rank said them."""
+    waits: Mapping[str, float] = _NONE
+    """Iteration component (a phase, ``between_steps``, ``rest_of_step``) -> ms waited
+    in collectives there (measured; empty without the collectives stream)."""
+    op_waits: Mapping[tuple[str, str], float] = _NONE
+    """(component, operation :func:`~traceml_ai.run_summary._phases.op_label`) -> ms waited there in that operation."""
 
 
 class Column:

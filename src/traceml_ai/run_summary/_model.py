@@ -17,8 +17,7 @@ from typing import Any, Literal
 
 import attrs
 
-from traceml_ai.run_summary._columns import StepColumns
-from traceml_ai.run_summary._phases import StepRow
+from traceml_ai.run_summary._columns import StepColumns, StepRow
 from traceml_ai.run_summary._straggler import Coordinate, StragglerView
 
 StepRows = dict[int, dict[int, StepRow]]

@@ -10,19 +10,16 @@ side, so nothing heavy here.
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
+from traceml_ai.run_summary._columns import RankColumns, StepRow, columns_of_rows
 from traceml_records import events
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-    from traceml_ai.run_summary._columns import RankColumns
 
 PREFIX = events.RESERVED_PREFIX
 STEP_EVENT = events.STEP_TIME
@@ -65,35 +62,6 @@ def phase_name(event: str) -> str | None:
 def is_user_phase(name: str) -> bool:
     """Whether a phase (a summary name, :func:`phase_name`'s) is a user phase."""
     return name.startswith(USER_PREFIX)
-
-
-_NONE: Mapping[Any, float] = types.MappingProxyType({})
-"""No waits: the default of every row without them (read-only, so shared)."""
-
-
-@attrs.define(slots=True)
-class StepRow:
-    """One step's row: what :func:`step_row` makes of a step_time line's events, and
-    what a reader knows besides (the step's end, its tokens, its collectives' waits).
-    Its mappings are read, never changed: rows may share them."""
-
-    step_ms: float
-    """The step's time (``step_time``'s longest device)."""
-    phases: Mapping[str, float]
-    """Phase (its summary name: ``forward``, ``user:NAME``, ``other`` in the live
-    views) -> ms, in the order of the step's events."""
-    used_ms: float | None = None
-    """The phases' sum, added in that order; None when not summed (then
-    :func:`rest` adds ``phases`` itself)."""
-    end_ns: float | None = None
-    """The step's end (``timestamp_unix_ns``), when the reader knows it."""
-    tokens: float | None = None
-    """The step's tokens, when the rank said them."""
-    waits: Mapping[str, float] = _NONE
-    """Iteration component (a phase, ``between_steps``, ``rest_of_step``) -> ms waited
-    in collectives there (measured; empty without the collectives stream)."""
-    op_waits: Mapping[tuple[str, str], float] = _NONE
-    """(component, operation :func:`op_label`) -> ms waited there in that operation."""
 
 
 class UserPhaseFold:
@@ -363,8 +331,6 @@ def phase_breakdown(
     """Per phase of ``names``: mean and median ms over ``rows`` (one rank's steps, as
     columns or rows, not empty), and the mean's share of the mean iteration."""
     import numpy as np
-
-    from traceml_ai.run_summary._columns import RankColumns, columns_of_rows
 
     if not isinstance(rows, RankColumns):
         rows = columns_of_rows({0: dict(enumerate(rows))})[0]

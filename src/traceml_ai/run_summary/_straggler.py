@@ -52,6 +52,7 @@ from traceml_ai.run_summary._columns import (
     Column,
     RankColumns,
     StepColumns,
+    StepRow,
     columns_of_rows,
     is_columns,
 )
@@ -60,7 +61,6 @@ from traceml_ai.run_summary._phases import (
     BUILT_IN_PHASES,
     GROUP_SEP,
     REST,
-    StepRow,
     median,
     rounded,
 )

@@ -23,10 +23,11 @@ from traceml_ai.run_summary import RunReader, RunSummary, summarize_run
 from traceml_ai.run_summary._columns import (
     Column,
     StepColumns,
+    StepRow,
     columns_of_rows,
     rank_columns,
 )
-from traceml_ai.run_summary._phases import STEP_EVENT, StepRow, is_user_phase, phase_name, step_row
+from traceml_ai.run_summary._phases import STEP_EVENT, is_user_phase, phase_name, step_row
 from traceml_ai.run_summary._read import StepLines
 from traceml_records import _fastcheck, validate_line
 from traceml_records import events as events_of

@@ -471,7 +471,7 @@ def test_end_of_run_summary_skips_big_exports(
 def test_phase_shares_count_a_wait_before_the_step_once() -> None:
     # The usual loop fetches the batch before `with trace_step(...)`: step_time leaves
     # the wait out, so shares of the step alone would add up past 100 %.
-    from traceml_ai.run_summary._phases import StepRow
+    from traceml_ai.run_summary._columns import StepRow
     from traceml_ai.run_summary._phases import iteration as _iteration
     from traceml_ai.run_summary._phases import rest as _rest
 
