@@ -66,7 +66,7 @@ def _child_parse(path: Path) -> dict[str, Any]:
 
 
 def _child_summary(run: Path) -> dict[str, Any]:
-    from traceml_ai.run_summary import summarize_run
+    from traceml_ai.analysis import summarize_run
 
     start = _usage()["cpu_s"]
     t0 = time.perf_counter()
@@ -85,7 +85,7 @@ def _child_summary(run: Path) -> dict[str, Any]:
 def _child_idle() -> dict[str, Any]:
     import numpy  # noqa: F401  (what the summary imports)
 
-    import traceml_ai.run_summary  # noqa: F401
+    import traceml_ai.analysis  # noqa: F401
 
     return {}
 

@@ -10,7 +10,7 @@ much less). The readers:
 
 * ``validate``: ``traceml_records.validate_paths`` on a step_time file of ``--lines``
   lines of a 64-rank run (``bench.bigfile``, as ``bench.validate`` reads);
-* ``summary``: ``traceml_ai.run_summary.summarize_run`` on a run folder holding it;
+* ``summary``: ``traceml_ai.analysis.summarize_run`` on a run folder holding it;
 * ``frames``: ``traceml_records.frames.load`` on it (the typed table and its phases);
 * ``follow``: a ``RunReader`` on a run folder of ``--follow-lines`` lines without
   its closing line, its first summary, then ``--append`` more lines appended and one
@@ -58,7 +58,7 @@ def _child(reader: str, path: Path, more: Path | None) -> None:
             raise SystemExit(f"bench.trees: {path} is not valid: {report.problems[:3]}")
         where = validate_paths.__module__
     elif reader == "summary":
-        from traceml_ai.run_summary import summarize_run
+        from traceml_ai.analysis import summarize_run
 
         start = _cpu()
         summary = summarize_run(path)
@@ -75,7 +75,7 @@ def _child(reader: str, path: Path, more: Path | None) -> None:
         where = frames.__name__
         del loaded
     else:
-        from traceml_ai.run_summary import RunReader
+        from traceml_ai.analysis import RunReader
 
         assert more is not None
         reader_ = RunReader(path)

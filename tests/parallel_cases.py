@@ -21,7 +21,7 @@ Timing model (ms), per step:
 
 - Every rank starts the step after its own ``between_ms`` and ``dataloader_ms``
   (the DataLoader wait is reported as ``dataloader_next`` but lies before the step,
-  as in ``simulate()`` of tests/traceml_ai/run_summary/test_straggler.py).
+  as in ``simulate()`` of tests/traceml_ai/analysis/test_straggler.py).
 - Compute: each microbatch's forward on stage s takes ``forward_ms[s]``, its backward
   ``backward_ms[s]``, each spread over ``tp_layers`` layers. ``stage_extra_ms[s]`` is
   added per microbatch on every replica, split between forward and backward in the

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from traceml_ai.run_summary import RunSummary, format_summary, summarize_run
+from traceml_ai.analysis import RunSummary, format_summary, summarize_run
 
 
 def summarize_json(path: str | os.PathLike[str]) -> dict[str, Any]:

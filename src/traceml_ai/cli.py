@@ -199,11 +199,11 @@ def summary(
     """
     import orjson
 
-    from traceml_ai.run_summary import SummaryError, format_summary, summarize_run
+    from traceml_ai.analysis import SummaryError, format_summary, summarize_run
 
     target: str | None = None
     if plot_path is not None:
-        from traceml_ai.run_summary.plot import PlotUnavailable, plot_target
+        from traceml_ai.analysis.plot import PlotUnavailable, plot_target
 
         try:  # an unusable --plot is said before a long run is read
             target, _ = plot_target(plot_path)
@@ -212,7 +212,7 @@ def summary(
             sys.exit(1)
     try:
         if follow:
-            from traceml_ai.run_summary.live import follow as follow_view
+            from traceml_ai.analysis.follow_files import follow as follow_view
 
             # With --json, stdout holds the JSON alone: the live view goes to stderr.
             result = follow_view(path, interval, short=short, stderr=as_json)
@@ -229,7 +229,7 @@ def summary(
     elif not follow:
         click.echo(format_summary(result, full=not short, ranks=per_rank))
     if plot_path is not None:
-        from traceml_ai.run_summary.plot import PlotUnavailable, plot_summary
+        from traceml_ai.analysis.plot import PlotUnavailable, plot_summary
 
         try:
             target = plot_summary(path, plot_path, result)

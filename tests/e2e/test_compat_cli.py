@@ -336,7 +336,7 @@ def test_an_unknown_option_in_the_args_form_is_an_error(tmp_path: Path) -> None:
     assert "ARGV" not in res.stdout
 
 
-def test_mode_summary_prints_the_run_summary_and_exports_step_time(tmp_path: Path) -> None:
+def test_mode_summary_prints_the_analysis_and_exports_step_time(tmp_path: Path) -> None:
     script = write(tmp_path, "s.py", SUMMARY_SCRIPT)
     logs = tmp_path / "logs"
     res = run_cli(

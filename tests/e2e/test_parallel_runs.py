@@ -7,7 +7,7 @@ turns (sequence lengths drawn per step). tests/scripts/mesh_train.py: a 2-D Devi
 (dp x tp) with tensor parallelism and FSDP2, one rank slowed.
 
 The expected verdicts are those of the multi-dimensional analysis
-(traceml_ai.run_summary._causes); the synthetic counterparts with exact answers are in
+(traceml_ai.analysis._causes); the synthetic counterparts with exact answers are in
 tests/parallel_cases.py. Each run is about 15-20 s on two busy cores.
 """
 

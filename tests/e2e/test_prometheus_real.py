@@ -29,10 +29,10 @@ import yaml
 from tests.e2e_helpers import REPO, clean_env, closing_line, data_lines, free_port, traceml_cmd
 from tests.receivers.prometheus_server import PrometheusServer, prometheus_server
 from tests.traceml_ai.monitor.test_monitor import families_of, identity, job_state
+from traceml_ai.analysis import Cause, Imbalance, Slowdown, SlowStage, Straggler, StragglerView
 from traceml_ai.monitor._state import WINDOW_STEPS
 from traceml_ai.monitor.metrics import METRICS, Health, traceml_version
 from traceml_ai.monitor.prometheus import exposition
-from traceml_ai.run_summary import Cause, Imbalance, Slowdown, SlowStage, Straggler, StragglerView
 
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
 DASHBOARD = REPO / "docs" / "grafana" / "traceml-dashboard.json"

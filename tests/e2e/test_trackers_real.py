@@ -26,9 +26,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from bench.wandb_files import history, of_type, records, run_folders, wandb_env
 from tests.e2e_helpers import REPO, data_lines, free_port, run_cli, warning_file
 from tests.receivers.mlflow_server import mlflow_server, server_env
+from traceml_ai.analysis import in_process as summary_keys
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._tracker_tensorboard import SUMMARY_TAG
-from traceml_ai.run_summary import in_process as summary_keys
 
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
 FRAMEWORKS = REPO / "tests" / "scripts" / "tracker_frameworks.py"

@@ -1,6 +1,6 @@
 """A tiny DDP run (gloo, CPU) where chosen ranks are slowed in one chosen place.
 
-The straggler tests (tests/traceml_ai/run_summary/test_straggler.py) run it under ``traceml run``
+The straggler tests (tests/traceml_ai/analysis/test_straggler.py) run it under ``traceml run``
 and check that the summary names the slowed ranks, the place and where the others wait.
 
 Usage: straggler_train.py --where WHERE [--slow-ranks 1,3] [--every N] [--sleep-ms MS]

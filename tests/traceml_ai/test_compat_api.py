@@ -553,8 +553,8 @@ def test_summary_stays_a_function_after_every_module_is_imported() -> None:
 
 
 def test_final_summary_phases_are_figured_as_traceml_summary_figures_them() -> None:
-    from traceml_ai.run_summary import _phases as _step_phases
-    from traceml_ai.run_summary import in_process
+    from traceml_ai.analysis import _phases as _step_phases
+    from traceml_ai.analysis import in_process
 
     def timing(ms: float) -> dict[str, dict[str, object]]:
         return {

@@ -44,7 +44,7 @@ def test_no_subpackage_shadows_a_public_name() -> None:
     public = set(traceml_ai.__all__)
     for info in pkgutil.iter_modules(traceml_ai.__path__):
         assert info.name not in public, info.name
-    importlib.import_module("traceml_ai.run_summary")
+    importlib.import_module("traceml_ai.analysis")
     assert callable(traceml_ai.summary)
 
 

@@ -56,8 +56,8 @@ def test_every_reader_sees_the_same_closing_lines(tmp_path: Any) -> None:
     value, or "closing": 1, is no closing line to any of them."""
     import orjson
 
+    from traceml_ai.analysis import summarize_run
     from traceml_ai.launch._report import export_tally
-    from traceml_ai.run_summary import summarize_run
     from traceml_records import validate_paths
     from traceml_records.internal import closing_of, is_closing
 

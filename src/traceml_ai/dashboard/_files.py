@@ -1,7 +1,7 @@
 """The files source: a run's export files as a :class:`~traceml_ai.dashboard._view.RunData`.
 
 It reads with the run summary's one reader, as ``traceml summary --follow`` does:
-a :class:`~traceml_ai.run_summary.RunReader` gives the typed summary, with every
+a :class:`~traceml_ai.analysis.RunReader` gives the typed summary, with every
 figure, the straggler view, the loss report (closing lines,
 ``finalization_warning.json``) and the step columns behind the lines over steps.
 Each refresh (at most every :data:`MIN_AGE_S`) reads only what was appended since the
@@ -15,8 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from traceml_ai.analysis import RunReader, RunSummary, SummaryError
 from traceml_ai.dashboard._view import RunData
-from traceml_ai.run_summary import RunReader, RunSummary, SummaryError
 
 __all__ = ["MIN_AGE_S", "FilesSource", "check_folder"]
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData, files_command
-from traceml_ai.monitor import STRAGGLER_PERIOD_S, STRAGGLER_STEPS, WINDOW_STEPS
-from traceml_ai.run_summary import (
+from traceml_ai.analysis import (
     PhaseFigures,
     RankSteps,
     StepRow,
@@ -21,6 +19,8 @@ from traceml_ai.run_summary import (
     median,
     step_figures,
 )
+from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData, files_command
+from traceml_ai.monitor import STRAGGLER_PERIOD_S, STRAGGLER_STEPS, WINDOW_STEPS
 
 if TYPE_CHECKING:
     from traceml_ai.monitor import Monitoring, StepSeen

@@ -3,8 +3,8 @@
 Both sources — the aggregator's live state (``traceml run --mode dashboard``) and a
 run's export files (``traceml dashboard FOLDER``) — are first turned into a
 :class:`RunData` in the run summary's own typed values (per-rank step figures and phase
-breakdown from :func:`traceml_ai.run_summary.step_figures`, the straggler view of
-:func:`traceml_ai.run_summary.analyze`, said with its ``verdict_line``),
+breakdown from :func:`traceml_ai.analysis.step_figures`, the straggler view of
+:func:`traceml_ai.analysis.analyze`, said with its ``verdict_line``),
 and :func:`build_view` makes the page's JSON from it. So both commands show the same
 page, in the words of ``traceml summary``.
 
@@ -25,7 +25,7 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from traceml_ai.run_summary import (
+from traceml_ai.analysis import (
     OTHER_PHASE,
     Coordinates,
     PhaseFigures,
@@ -311,7 +311,7 @@ Folded = tuple[list[str], dict[str, dict[str, tuple[float, float]]]]
 
 def _folded_phases(data: RunData) -> Folded:
     """The phases as the page draws them: folded by the live views' one rule
-    (:class:`~traceml_ai.run_summary.UserPhaseFold`), so that the page from files keeps
+    (:class:`~traceml_ai.analysis.UserPhaseFold`), so that the page from files keeps
     the phases the live page kept and ``other`` holds the rest, summed: each rank's bars
     still add up to its iteration."""
     fold = UserPhaseFold()

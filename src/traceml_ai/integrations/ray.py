@@ -640,13 +640,13 @@ class TraceMLTorchTrainer:
             if summary.get("warning_path"):
                 _say(f"something was lost; see {summary['warning_path']}")
             if config.mode == "summary" and run is not None and run.run_dir is not None:
-                _print_run_summary(run.run_dir)
+                _print_analysis(run.run_dir)
         finally:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
 
 
-def _print_run_summary(run_dir: Path) -> None:
+def _print_analysis(run_dir: Path) -> None:
     """The run's summary on stderr (``mode="summary"``); never fails or stalls ``fit()``."""
     try:
         export_dir = run_dir / "aggregator" / "export"
@@ -657,7 +657,7 @@ def _print_run_summary(run_dir: Path) -> None:
             command = shlex.join(["traceml", "summary", str(run_dir)])
             _say(f"summary: {size / 2**20:.0f} MiB of export files; `{command}`")
             return
-        from traceml_ai.run_summary import format_summary, summarize_run
+        from traceml_ai.analysis import format_summary, summarize_run
 
         print(format_summary(summarize_run(run_dir)), file=sys.stderr, flush=True)
     except Exception as exc:

@@ -32,7 +32,7 @@ def _print_short_summary(run_dir: Path, export_dir: Path) -> None:
                 f"`{shlex.join(['traceml', 'summary', str(run_dir)])}` gives it"
             )
             return
-        from traceml_ai.run_summary import format_summary, summarize_run
+        from traceml_ai.analysis import format_summary, summarize_run
 
         text = format_summary(summarize_run(run_dir), full=False)
         print(text, file=sys.stderr, flush=True)

@@ -258,9 +258,9 @@ def _run_untouched(
     return code if code >= 0 else 128 + (-code)
 
 
-def _print_run_summary(run_dir: Path) -> None:
+def _print_analysis(run_dir: Path) -> None:
     """``--mode summary``: the run's step figures from its step_time.jsonl."""
-    from traceml_ai.run_summary import in_process
+    from traceml_ai.analysis import in_process
 
     path = run_dir / "aggregator" / "export" / "step_time.jsonl"
     if not path.is_file():
@@ -268,7 +268,7 @@ def _print_run_summary(run_dir: Path) -> None:
         return
     reader = in_process.StepTimeFile(path)
     reader.read_new()
-    summary = in_process.full_run_summary(path, complete=reader.closed, notes=())
+    summary = in_process.full_analysis(path, complete=reader.closed, notes=())
     if summary is None:
         summary = in_process.build_summary(
             reader.steps, source="export", complete=reader.closed, file=str(path)
@@ -456,7 +456,7 @@ def run(
     # The run folder is on node 0, where the aggregator ran.
     here = settings.aggregator_host is None and node_rank == 0
     if mode == "summary" and here and settings.run_name is not None:
-        _print_run_summary(settings.logs_dir / settings.run_name)
+        _print_analysis(settings.logs_dir / settings.run_name)
     sys.exit(code)
 
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from traceml_ai._queue import BoundedBatchQueue
+from traceml_ai.analysis import ExcessSoFar, analyze
 from traceml_ai.monitor._state import MAX_USER_PHASES, OTHER_PHASE, LiveState, StepSeen
-from traceml_ai.run_summary import ExcessSoFar, analyze
 from traceml_ai.transport.wire import (
     FrameError,
     ReceivedBatch,

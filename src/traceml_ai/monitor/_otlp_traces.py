@@ -15,8 +15,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.util.types import AttributeValue
 
+from traceml_ai.analysis import BUILT_IN_PHASES
 from traceml_ai.monitor._state import OTHER_PHASE, StepSeen
-from traceml_ai.run_summary import BUILT_IN_PHASES
 
 __all__ = ["PhaseSpan", "SpanBuilder", "StepSampler", "layout_phases", "span_count"]
 

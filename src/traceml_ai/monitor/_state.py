@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from traceml_ai.run_summary import (
+from traceml_ai.analysis import (
     MAX_USER_PHASES,
     OTHER_PHASE,
     Coordinates,
@@ -175,7 +175,7 @@ class RankLive:
     process: dict[str, float] = attrs.field(factory=dict)
     strategy: str | None = None
     waits: dict[int, dict[str, float]] = attrs.field(factory=dict)
-    """step -> its measured waits per component (``run_summary.add_wait``), the
+    """step -> its measured waits per component (``analysis.add_wait``), the
     recent steps only..."""
     op_waits: dict[int, dict[tuple[str, str], float]] = attrs.field(factory=dict)
     """...and per (component, operation); the same steps."""
@@ -269,7 +269,7 @@ class LiveState:
         self.folded_phase_names: set[str] = set()
         """User phase names counted as ``other`` (bounded: only the first few are kept)."""
         self.straggler: StragglerView | None = None
-        """The latest straggler view (``run_summary._straggler.analyze``), when computed."""
+        """The latest straggler view (``analysis._straggler.analyze``), when computed."""
         self._tracker_runs: dict[str, tuple[int, dict[str, str]]] = {}
         """tracker -> (rank, its fields): the run the lowest rank that told one has open."""
         self.tracker_runs_told = False
@@ -299,7 +299,7 @@ class LiveState:
 
     def _phase_label(self, event: str) -> str | None:
         """An event's label: the summary's name, folded by the one rule
-        (:class:`~traceml_ai.run_summary.UserPhaseFold`); None for no phase."""
+        (:class:`~traceml_ai.analysis.UserPhaseFold`); None for no phase."""
         name = phase_name(event) if event else None
         if name is None:
             return None

@@ -38,6 +38,7 @@ from typing import Literal, NamedTuple
 
 import attrs
 
+from traceml_ai.analysis import BUILT_IN_PHASES, Coordinates, StragglerView, percentile
 from traceml_ai.monitor._state import (
     MAX_USER_PHASES,
     PHASE_BUCKETS_S,
@@ -48,7 +49,6 @@ from traceml_ai.monitor._state import (
     NodeLive,
     RankFigures,
 )
-from traceml_ai.run_summary import BUILT_IN_PHASES, Coordinates, StragglerView, percentile
 from traceml_ai.settings import RANK_SERIES_MAX_RANKS
 
 __all__ = [

@@ -5,7 +5,7 @@ the tracker sink (``trackers.py``) builds its points with these values, and the 
 of ``docs/trackers.md`` is :func:`tracker_metrics_markdown`
 (``python -m traceml_ai.monitor.tracker_metrics --check`` fails when it is stale).
 The run summary's figures (:data:`SUMMARY_FIELDS`) and :data:`RANKS`, which a point
-shares with them, are declared in ``run_summary.in_process``: one key set for the
+shares with them, are declared in ``analysis.in_process``: one key set for the
 summary each tracker run gets at the end and for ``traceml.summary()``'s flat dict,
 which the rank builds without this package. Light on purpose: no tracker library, no
 state.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from traceml_ai.run_summary.in_process import RANKS, SUMMARY_FIELDS, TrackerMetric
+from traceml_ai.analysis.in_process import RANKS, SUMMARY_FIELDS, TrackerMetric
 
 __all__ = [
     "MAX_STAGES",

@@ -55,12 +55,12 @@ import attrs
 import orjson
 
 from traceml_ai._limits import END_OF_RUN_SUMMARY_MAX_BYTES
+from traceml_ai.analysis import percentile
+from traceml_ai.analysis.in_process import slow_stage, summary_fields
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._sink import extra_required
 from traceml_ai.monitor._sink_worker import Outcome, SinkWorker
 from traceml_ai.monitor._state import WINDOW_STEPS, LiveState, StepSeen
-from traceml_ai.run_summary import percentile
-from traceml_ai.run_summary.in_process import slow_stage, summary_fields
 from traceml_ai.settings import TRACKER_NAMES
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ class EndSummary:
             return self._value
 
     def _summary(self) -> tuple[dict[str, float | str], bytes] | None:
-        from traceml_ai.run_summary import SummaryError, export_folder_of, summarize_run
+        from traceml_ai.analysis import SummaryError, export_folder_of, summarize_run
 
         try:
             export, _ = export_folder_of(self._run_dir)

@@ -16,13 +16,13 @@ import orjson
 import pytest
 from playwright.sync_api import Page, expect
 
+from traceml_ai.analysis import PhaseFigures, RankSteps
 from traceml_ai.dashboard import start_live_dashboard
 from traceml_ai.dashboard._files import FilesSource
 from traceml_ai.dashboard._server import DashboardServer, Views, start_server
 from traceml_ai.dashboard._view import RunData
 from traceml_ai.monitor import Monitoring, RunInfo, start_monitoring
 from traceml_ai.monitor.metrics import Health
-from traceml_ai.run_summary import PhaseFigures, RankSteps
 from traceml_ai.settings import MonitorSettings
 from traceml_ai.transport.wire import ReceivedBatch
 

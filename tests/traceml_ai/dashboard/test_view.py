@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from traceml_ai.analysis import BUILT_IN_PHASES, MAX_USER_PHASES, OTHER_PHASE
 from traceml_ai.dashboard._view import PHASE_COLOURS, USER_PHASE_COLOURS
-from traceml_ai.run_summary import BUILT_IN_PHASES, MAX_USER_PHASES, OTHER_PHASE
 
 
 def test_every_phase_the_page_draws_has_a_colour_of_its_own() -> None:

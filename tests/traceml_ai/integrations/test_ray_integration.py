@@ -255,7 +255,7 @@ def test_a_big_export_names_a_summary_command_a_shell_can_run(
     export_dir.mkdir(parents=True)
     (export_dir / "step_time.jsonl").write_bytes(b"x" * 4096)
     monkeypatch.setattr(traceml_ray, "END_OF_RUN_SUMMARY_MAX_BYTES", 1024)
-    traceml_ray._print_run_summary(run_dir)
+    traceml_ray._print_analysis(run_dir)
     (line,) = capsys.readouterr().err.splitlines()
     assert shlex.split(line.split("`")[1]) == ["traceml", "summary", str(run_dir)], line
 

@@ -9,6 +9,7 @@ import pytest
 
 from tests.custom_exporters import process_item, system_item
 from tests.traceml_ai.monitor.test_monitor import _series, families_of, identity, step
+from traceml_ai.analysis import Straggler, StragglerView
 from traceml_ai.monitor._state import LiveState
 from traceml_ai.monitor.metrics import (
     MAX_NAMED,
@@ -20,7 +21,6 @@ from traceml_ai.monitor.metrics import (
     Health,
     series_estimate,
 )
-from traceml_ai.run_summary import Straggler, StragglerView
 
 RANKS, PER_NODE, STAGES = 10_240, 8, 4
 SLOW = {5000 + i: 200.0 + i for i in range(12)}

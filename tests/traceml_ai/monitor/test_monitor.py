@@ -234,8 +234,8 @@ def test_the_live_straggler_percentage_is_over_the_run_so_far() -> None:
     """Rank 1 works 30 ms more every step while the others' own work (the percentage's
     base) is 20 ms in one window and 10 ms in the next: each window alone says +150 %,
     then +300 %; the live view's percentage is over every verdict so far, and steady."""
+    from traceml_ai.analysis import analyze
     from traceml_ai.monitor._feed import STRAGGLER_STEPS
-    from traceml_ai.run_summary import analyze
 
     state = LiveState()
     feed = LiveFeed(state)

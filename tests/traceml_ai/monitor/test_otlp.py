@@ -36,11 +36,11 @@ from tests.e2e_helpers import (
 )
 from tests.receivers.mlflow_server import MlflowServer, server_env, start_mlflow_server
 from tests.receivers.otlp_sink import OtlpReceiver, ReceivedSpan
+from traceml_ai.analysis._phases import step_row
 from traceml_ai.monitor import Monitoring, RunInfo, SinkStartError, otlp, otlp_sink
 from traceml_ai.monitor._state import StepSeen
 from traceml_ai.monitor.metrics import Health
 from traceml_ai.monitor.otlp import StepSampler, layout_phases, start_otlp
-from traceml_ai.run_summary._phases import step_row
 from traceml_ai.settings import MonitorSettings
 from traceml_ai.transport.wire import ReceivedBatch
 

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from tests.parallel_cases import GroundTruth, generate
+from traceml_ai.analysis import analyze, summarize_run
 from traceml_ai.dashboard._files import from_summary
 from traceml_ai.dashboard._view import MAX_TABLE_ROWS, build_view
 from traceml_ai.monitor import tracker_metrics as tm
@@ -24,7 +25,6 @@ from traceml_ai.monitor.metrics import (
     collect,
 )
 from traceml_ai.monitor.trackers import point_figures
-from traceml_ai.run_summary import analyze, summarize_run
 
 
 def _lines(truth: GroundTruth, stream: str) -> list[dict[str, Any]]:

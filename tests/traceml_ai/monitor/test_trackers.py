@@ -18,13 +18,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.custom_exporters import step_memory_item
 from tests.e2e_helpers import PY, REPO, clean_env
 from tests.traceml_ai.monitor.test_monitor import encoded, identity, step
+from traceml_ai.analysis import StragglerView
+from traceml_ai.analysis import in_process as summary_keys
 from traceml_ai.monitor import Monitoring, RunInfo, tracker_sink
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._state import LiveState
 from traceml_ai.monitor.metrics import Health
 from traceml_ai.monitor.trackers import BACKENDS, Backend, point_figures
-from traceml_ai.run_summary import StragglerView
-from traceml_ai.run_summary import in_process as summary_keys
 from traceml_ai.settings import TRACKER_NAMES, MonitorSettings
 
 FWD = "_traceml_internal:forward_time"
@@ -553,7 +553,7 @@ def test_each_run_gets_the_summary_of_the_closed_files(tmp_path: Path) -> None:
     summary's figures as a text entry and the summary JSON beside the event files,
     the same JSON `traceml summary --json` prints."""
     from bench.bigfile import write_step_time
-    from traceml_ai.run_summary import summarize_run
+    from traceml_ai.analysis import summarize_run
 
     export = tmp_path / "aggregator" / "export"
     export.mkdir(parents=True)
@@ -697,7 +697,7 @@ def test_traceml_summary_and_the_trackers_name_the_summary_figures_alike(tmp_pat
     each tracker run gets at the end hold the same figures under the same names, every
     name one of ``SUMMARY_FIELDS`` (0.5.0's step keys among them)."""
     from bench.bigfile import write_step_time
-    from traceml_ai.run_summary import summarize_run
+    from traceml_ai.analysis import summarize_run
 
     export = tmp_path / "aggregator" / "export"
     export.mkdir(parents=True)

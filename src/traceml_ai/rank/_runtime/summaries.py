@@ -80,7 +80,7 @@ def final_summary(
     if runtime is not None:
         _flush_for_summary(runtime, deadline)
     # The summary engine loads here, not with the rank SDK: most runs never ask.
-    from traceml_ai.run_summary import in_process
+    from traceml_ai.analysis import in_process
 
     recent, total = history.snapshot()
     file_text = os.environ.get(_ENV_SUMMARY_FILE, "").strip()
@@ -99,7 +99,7 @@ def final_summary(
                 f"step {history.last_step} in {file_text}; figures cover the steps written"
             )
             _warn_once("summary_timeout", f"traceml: summary(): {notes[-1]}")
-        result = in_process.full_run_summary(Path(file_text), complete=reader.closed, notes=notes)
+        result = in_process.full_analysis(Path(file_text), complete=reader.closed, notes=notes)
         if result is None:
             result = in_process.build_summary(
                 reader.steps,
@@ -136,7 +136,7 @@ def summary(
     ...): each is the mean over ranks of each rank's mean per step. ``None`` where
     :func:`final_summary` is ``None``.
     """
-    from traceml_ai.run_summary import in_process
+    from traceml_ai.analysis import in_process
 
     return in_process.compact(
         final_summary(

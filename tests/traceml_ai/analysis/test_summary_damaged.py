@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from tests.e2e_helpers import clean_env, run_cli, traceml_cmd
 from tests.summary_helpers import format_json, summarize_json
-from tests.traceml_ai.run_summary.test_summary import closing, run_folder, step_line, write
-from traceml_ai.run_summary import RunSummary, SummaryError
+from tests.traceml_ai.analysis.test_summary import closing, run_folder, step_line, write
+from traceml_ai.analysis import RunSummary, SummaryError
 
 P = "_traceml_internal:"
 
@@ -393,7 +393,7 @@ def test_live_view_fits_80_columns() -> None:
 
     from rich.console import Console
 
-    from traceml_ai.run_summary.live import _render
+    from traceml_ai.analysis.follow_files import _render
 
     steps = {str(r): {"steps": 123456, "first_step": 1, "last_step": 123456, "p50_ms": 12345.67,
                       "p90_ms": 1.0, "p99_ms": 99999.99, "max_ms": 123456.78, "mean_ms": 1.0,

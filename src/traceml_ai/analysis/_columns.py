@@ -41,7 +41,7 @@ _NONE: Mapping[Any, float] = types.MappingProxyType({})
 
 @attrs.define(slots=True)
 class StepRow:
-    """One step's row: what :func:`~traceml_ai.run_summary._phases.step_row` makes of a step_time line's events, and
+    """One step's row: what :func:`~traceml_ai.analysis._phases.step_row` makes of a step_time line's events, and
     what a reader knows besides (the step's end, its tokens, its collectives' waits).
     Its mappings are read, never changed: rows may share them."""
 
@@ -52,7 +52,7 @@ class StepRow:
     views) -> ms, in the order of the step's events."""
     used_ms: float | None = None
     """The phases' sum, added in that order; None when not summed (then
-    :func:`~traceml_ai.run_summary._phases.rest` adds ``phases`` itself)."""
+    :func:`~traceml_ai.analysis._phases.rest` adds ``phases`` itself)."""
     end_ns: float | None = None
     """The step's end (``timestamp_unix_ns``), when the reader knows it."""
     tokens: float | None = None
@@ -61,7 +61,7 @@ class StepRow:
     """Iteration component (a phase, ``between_steps``, ``rest_of_step``) -> ms waited
     in collectives there (measured; empty without the collectives stream)."""
     op_waits: Mapping[tuple[str, str], float] = _NONE
-    """(component, operation :func:`~traceml_ai.run_summary._phases.op_label`) -> ms waited there in that operation."""
+    """(component, operation :func:`~traceml_ai.analysis._phases.op_label`) -> ms waited there in that operation."""
 
 
 class Column:

@@ -7,7 +7,7 @@ still being written and is ignored; a file without its closing line is reported 
 unfinished. Light to import: orjson only (never torch, never pyarrow), because
 ``traceml run`` calls it at the end of every run with export on.
 
-The straggler analysis is :mod:`traceml_ai.run_summary._straggler` (the rule is in its docstring
+The straggler analysis is :mod:`traceml_ai.analysis._straggler` (the rule is in its docstring
 and in docs/reading-the-files.md).
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from traceml_ai.run_summary._causes import Coordinates, layout_of
-from traceml_ai.run_summary._columns import StepColumns
-from traceml_ai.run_summary._figures import (
+from traceml_ai.analysis._causes import Coordinates, layout_of
+from traceml_ai.analysis._columns import StepColumns
+from traceml_ai.analysis._figures import (
     MemoryPeaks,
     WaitColumns,
     merge_waits,
@@ -29,8 +29,8 @@ from traceml_ai.run_summary._figures import (
     step_figures,
     straggler_view,
 )
-from traceml_ai.run_summary._loss import WARNING_FILE, loss_report
-from traceml_ai.run_summary._model import (
+from traceml_ai.analysis._loss import WARNING_FILE, loss_report
+from traceml_ai.analysis._model import (
     DevicePeak,
     Environment,
     NodeFigures,
@@ -38,8 +38,8 @@ from traceml_ai.run_summary._model import (
     RunSummary,
     StepFigures,
 )
-from traceml_ai.run_summary._read import DataLines, FileRead, StepLines, Tail, exists
-from traceml_ai.run_summary._straggler import Coordinate, StragglerView
+from traceml_ai.analysis._read import DataLines, FileRead, StepLines, Tail, exists
+from traceml_ai.analysis._straggler import Coordinate, StragglerView
 from traceml_records import STREAMS
 
 STREAM_FILES = tuple(spec.name for spec in STREAMS)

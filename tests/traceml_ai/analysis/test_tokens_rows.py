@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.traceml_ai.run_summary.test_reader import _step_columns
-from traceml_ai.run_summary._phases import STEP_EVENT
+from tests.traceml_ai.analysis.test_reader import _step_columns
+from traceml_ai.analysis._phases import STEP_EVENT
 
 pytestmark = pytest.mark.unit
 

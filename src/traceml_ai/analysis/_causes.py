@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-from traceml_ai.run_summary._phases import rounded
+from traceml_ai.analysis._phases import rounded
 
 Coordinates = Mapping[str, tuple[int, int]]
 """One rank's place: dimension -> (its coordinate, the dimension's size)."""

@@ -1,5 +1,7 @@
-"""The run summary (``traceml_ai.run_summary``; not ``traceml_ai.summary``, which is
-the 0.5.0 function ``traceml.summary()``): read a run's export files and say what happened.
+"""Reading a run back (``traceml_ai.analysis``; not ``traceml_ai.summary``, which is
+the 0.5.0 function ``traceml.summary()``): the analysis core every view shares (step
+rows and columns, phases, the straggler analysis, figures) and the run summary built on
+it: read a run's export files and say what happened.
 
 One engine behind ``traceml summary`` (text, ``--json``, ``--short``, ``--follow``,
 ``--plot``), ``traceml.summary()`` and the short form at the end of ``traceml run``:
@@ -9,22 +11,22 @@ One engine behind ``traceml summary`` (text, ``--json``, ``--short``, ``--follow
 - ``_straggler``: the straggler analysis (docs/reading-the-files.md gives the rule);
 - ``_model``: the summary as one typed value (:class:`RunSummary`, attrs; ``to_json``
   is ``--json``), which every view reads;
-- ``_report``: :class:`RunReader` and :func:`summarize_run` (the files to a
+- ``_summarize``: :class:`RunReader` and :func:`summarize_run` (the files to a
   :class:`RunSummary`);
 - ``_figures``: each stream's figures, and the step figures of any step rows
   (:func:`step_figures`); ``_loss``: what the files say about their completeness;
 - ``_causes``: the causes of a job with several parallel dimensions and their cost;
 - ``_text``: the text (:func:`format_summary`);
-- ``live``: the ``--follow`` terminal view; ``plot``: the ``--plot`` figure.
+- ``follow_files``: the ``--follow`` terminal view of the files as they grow; ``plot``: the ``--plot`` figure.
 
 Light to import: orjson only (never torch, never pyarrow).
 """
 
-from traceml_ai.run_summary._causes import Coordinates, Layout, layout_of
-from traceml_ai.run_summary._columns import RankColumns, StepColumns, StepRow, rank_columns_of
-from traceml_ai.run_summary._figures import step_figures, step_series
-from traceml_ai.run_summary._loss import WARNING_FILE
-from traceml_ai.run_summary._model import (
+from traceml_ai.analysis._causes import Coordinates, Layout, layout_of
+from traceml_ai.analysis._columns import RankColumns, StepColumns, StepRow, rank_columns_of
+from traceml_ai.analysis._figures import step_figures, step_series
+from traceml_ai.analysis._loss import WARNING_FILE
+from traceml_ai.analysis._model import (
     DevicePeak,
     Environment,
     FileState,
@@ -38,7 +40,7 @@ from traceml_ai.run_summary._model import (
     StepFigures,
     StepRows,
 )
-from traceml_ai.run_summary._phases import (
+from traceml_ai.analysis._phases import (
     BUILT_IN_PHASES,
     MAX_USER_PHASES,
     OTHER_PHASE,
@@ -54,14 +56,7 @@ from traceml_ai.run_summary._phases import (
     wait_component,
     waits_measured,
 )
-from traceml_ai.run_summary._report import (
-    STREAM_FILES,
-    RunReader,
-    SummaryError,
-    export_folder_of,
-    summarize_run,
-)
-from traceml_ai.run_summary._straggler import (
+from traceml_ai.analysis._straggler import (
     Cause,
     Coordinate,
     ExcessSoFar,
@@ -77,7 +72,14 @@ from traceml_ai.run_summary._straggler import (
     cost_line,
     verdict_line,
 )
-from traceml_ai.run_summary._text import format_summary
+from traceml_ai.analysis._summarize import (
+    STREAM_FILES,
+    RunReader,
+    SummaryError,
+    export_folder_of,
+    summarize_run,
+)
+from traceml_ai.analysis._text import format_summary
 
 __all__ = [
     "BUILT_IN_PHASES",

@@ -1,4 +1,4 @@
-"""The straggler analysis (traceml_ai.run_summary._straggler): real DDP runs with a rank slowed in
+"""The straggler analysis (traceml_ai.analysis._straggler): real DDP runs with a rank slowed in
 each place a rank can be slow, and simulated synchronous runs for what a CPU cannot
 show (a slow node, 1,024 ranks, noise)."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from tests.e2e_helpers import REPO, free_port, run_cli
 from tests.summary_helpers import format_json, summarize_json
-from traceml_ai.run_summary import StepRow, StragglerView
-from traceml_ai.run_summary._straggler import analyze
+from traceml_ai.analysis import StepRow, StragglerView
+from traceml_ai.analysis._straggler import analyze
 
 P = "_traceml_internal:"
 EVENTS = {
@@ -534,7 +534,7 @@ def test_unseen_collectives_fall_back_to_phase_times_and_say_so(
 def test_a_blip_neither_hides_nor_joins_a_rhythm() -> None:
     """A rank slow by 30 ms every 5th step, with two 3 ms blips of its own and one of
     another rank (a busy machine): its slow steps are the five of the rhythm."""
-    from traceml_ai.run_summary import _straggler
+    from traceml_ai.analysis import _straggler
 
     steps = list(range(2, 26))
     own = {r: [1.0] * len(steps) for r in range(4)}
@@ -559,7 +559,7 @@ def test_real_runs_on_a_busy_machine() -> None:
     slowed, the scheduler delayed rank 0 by 3-4 ms in 4 of 24 steps, which is no
     straggler; with rank 3's collate_fn sleeping 30 ms every
     5th step, rank 3 is intermittent, every 5th step, in the DataLoader."""
-    from traceml_ai.run_summary import summarize_run
+    from traceml_ai.analysis import summarize_run
 
     quiet = summarize_run(FIXTURES / "busy_four_ranks_no_straggler").straggler
     assert quiet is not None and quiet.verdict == "none", quiet and quiet.line()

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from traceml_ai.run_summary._figures import step_series
-from traceml_ai.run_summary._model import RunSummary
-from traceml_ai.run_summary._report import summarize_run
+from traceml_ai.analysis._figures import step_series
+from traceml_ai.analysis._model import RunSummary
+from traceml_ai.analysis._summarize import summarize_run
 
 _MAX_LABELLED_RANKS = 16
 """Above this many ranks the legend would hide the plot; the title says the count."""

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-from traceml_ai.run_summary._causes import (
+from traceml_ai.analysis._causes import (
     Groups,
     Layout,
     balanced,
@@ -48,7 +48,7 @@ from traceml_ai.run_summary._causes import (
     slow_stages,
     tokens_confirm,
 )
-from traceml_ai.run_summary._columns import (
+from traceml_ai.analysis._columns import (
     Column,
     RankColumns,
     StepColumns,
@@ -56,7 +56,7 @@ from traceml_ai.run_summary._columns import (
     columns_of_rows,
     is_columns,
 )
-from traceml_ai.run_summary._phases import (
+from traceml_ai.analysis._phases import (
     BETWEEN,
     BUILT_IN_PHASES,
     GROUP_SEP,

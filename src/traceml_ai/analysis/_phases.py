@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from traceml_ai.run_summary._columns import RankColumns, StepRow, columns_of_rows
+from traceml_ai.analysis._columns import RankColumns, StepRow, columns_of_rows
 from traceml_records import events
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ file under the scan's reasons, never averaged:
 
 step_time lines come as columns (rank, step, world, node, end of step, tokens; each
 event's longest device), made into each rank's step columns in numpy
-(:class:`StepLines`), by :func:`~traceml_ai.run_summary._phases.step_row`'s rule; the
+(:class:`StepLines`), by :func:`~traceml_ai.analysis._phases.step_row`'s rule; the
 other streams' lines come as objects.
 
 Light to import: orjson, numpy and the check plans (never pyarrow).
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from traceml_ai.run_summary._columns import (
+from traceml_ai.analysis._columns import (
     STEP_KEY,
     TOKENS_KEY,
     TS_KEY,
@@ -44,7 +44,7 @@ from traceml_ai.run_summary._columns import (
     StepColumns,
     rank_columns,
 )
-from traceml_ai.run_summary._phases import STEP_EVENT, phase_name
+from traceml_ai.analysis._phases import STEP_EVENT, phase_name
 from traceml_records.internal import LINE, REASONS, FileScan, FileState, Layout, RowsLayout
 
 if TYPE_CHECKING:
@@ -391,12 +391,12 @@ class _Keyed:
 
 class _Steps:
     """The scan's step_time columns, made into each rank's :class:`RankColumns` with
-    :func:`~traceml_ai.run_summary._phases.step_row`'s rule: a row is ``step`` (the step
+    :func:`~traceml_ai.analysis._phases.step_row`'s rule: a row is ``step`` (the step
     event's time), each named event's time under its name (``phase_name``; events it
     names None are left out) and ``_used``, their sum in the line's order; each event's
     time is its longest device. The reader's own keys follow: ``_ts`` (the step's end)
     and ``_tokens`` (when the line has them) (:class:`_Keyed`, made typed by
-    :func:`~traceml_ai.run_summary._columns.rank_columns`).
+    :func:`~traceml_ai.analysis._columns.rank_columns`).
 
     Chunks wait until :meth:`build`, which makes only them into columns and appends
     those to each rank's columns of the earlier builds: following a growing file costs

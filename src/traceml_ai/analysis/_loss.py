@@ -13,8 +13,8 @@ from typing import Any
 import attrs
 import orjson
 
-from traceml_ai.run_summary._model import FileState, LossReport, LossStatus, RunSummary
-from traceml_ai.run_summary._read import FileRead, exists, read_bytes
+from traceml_ai.analysis._model import FileState, LossReport, LossStatus, RunSummary
+from traceml_ai.analysis._read import FileRead, exists, read_bytes
 
 WARNING_FILE = "finalization_warning.json"
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.parallel_cases import GroundTruth, generate
 from tests.summary_helpers import format_json, summarize_json
-from traceml_ai.run_summary import StragglerView
+from traceml_ai.analysis import StragglerView
 
 REPLAY_TOLERANCE = 0.06
 """The replayed slowdown within this fraction of the generator's (which re-simulates
@@ -197,7 +197,7 @@ def test_each_ranks_peers_median_is_numpys_median_of_the_others(m: int) -> None:
     """The peers' median of every rank of a position comes from one sort (ties too)."""
     import numpy as np
 
-    from traceml_ai.run_summary._causes import _others_median
+    from traceml_ai.analysis._causes import _others_median
 
     values = np.random.default_rng(m).integers(0, 5, (m, 40)).astype(float)
     expected = np.vstack([np.median(np.delete(values, i, axis=0), axis=0) for i in range(m)])

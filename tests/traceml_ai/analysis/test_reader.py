@@ -18,17 +18,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.traceml_ai.run_summary.test_summary import closing, run_folder, step_line, write
-from traceml_ai.run_summary import RunReader, RunSummary, summarize_run
-from traceml_ai.run_summary._columns import (
+from tests.traceml_ai.analysis.test_summary import closing, run_folder, step_line, write
+from traceml_ai.analysis import RunReader, RunSummary, summarize_run
+from traceml_ai.analysis._columns import (
     Column,
     StepColumns,
     StepRow,
     columns_of_rows,
     rank_columns,
 )
-from traceml_ai.run_summary._phases import STEP_EVENT, is_user_phase, phase_name, step_row
-from traceml_ai.run_summary._read import StepLines
+from traceml_ai.analysis._phases import STEP_EVENT, is_user_phase, phase_name, step_row
+from traceml_ai.analysis._read import StepLines
 from traceml_records import _fastcheck, validate_line
 from traceml_records import events as events_of
 from traceml_records._linecheck import NOT_INT
@@ -500,7 +500,7 @@ def test_step_columns_made_a_batch_at_a_time_are_those_made_at_once(
 ) -> None:
     """A big read is made into step columns a few lines at a time, each batch appended
     to the columns of the earlier ones: the same columns as made at once."""
-    from traceml_ai.run_summary import _read
+    from traceml_ai.analysis import _read
     from traceml_records import _scan
 
     body = b"".join(raw + b"\n" for raw in _messy_lines(seed))

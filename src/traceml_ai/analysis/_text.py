@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from traceml_ai.run_summary._model import ProcessFigures, RunSummary
-from traceml_ai.run_summary._phases import percentile
-from traceml_ai.run_summary._straggler import cost_line, verdict_line
+from traceml_ai.analysis._model import ProcessFigures, RunSummary
+from traceml_ai.analysis._phases import percentile
+from traceml_ai.analysis._straggler import cost_line, verdict_line
 
 MAX_LISTED = 6
 """Problems, notes and named ranks the default text lists (then how many more)."""

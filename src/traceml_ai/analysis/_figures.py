@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from traceml_ai.run_summary._causes import Layout
-from traceml_ai.run_summary._columns import (
+from traceml_ai.analysis._causes import Layout
+from traceml_ai.analysis._columns import (
     Column,
     StepColumns,
     columns_of_rows,
     is_columns,
 )
-from traceml_ai.run_summary._model import (
+from traceml_ai.analysis._model import (
     DevicePeak,
     GpuFigures,
     NodeFigures,
@@ -31,7 +31,7 @@ from traceml_ai.run_summary._model import (
     StepFigures,
     StepRows,
 )
-from traceml_ai.run_summary._phases import (
+from traceml_ai.analysis._phases import (
     mean,
     op_label,
     percentiles,
@@ -41,8 +41,8 @@ from traceml_ai.run_summary._phases import (
     wait_component,
     waits_measured,
 )
-from traceml_ai.run_summary._straggler import StragglerView
-from traceml_ai.run_summary._straggler import analyze as analyze_stragglers
+from traceml_ai.analysis._straggler import StragglerView
+from traceml_ai.analysis._straggler import analyze as analyze_stragglers
 
 MAX_PLAUSIBLE_CORES = 8192
 """Logical cores assumed when a process line does not say its host's: Linux's largest
@@ -97,7 +97,7 @@ def _step_figures(columns: StepColumns) -> StepFigures:
 def straggler_view(
     columns: StepColumns, strategy: str | None, collectives: bool, layout: Layout | None
 ) -> StragglerView:
-    """The straggler analysis (:mod:`traceml_ai.run_summary._straggler`) of the step rows."""
+    """The straggler analysis (:mod:`traceml_ai.analysis._straggler`) of the step rows."""
     nodes = {rank: c.node for rank, c in columns.items() if c.node is not None}
     return analyze_stragglers(columns, strategy, nodes, collectives, layout)
 

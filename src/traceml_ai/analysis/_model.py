@@ -1,4 +1,4 @@
-"""The run summary as one typed value: what :func:`~traceml_ai.run_summary.summarize_run`
+"""The run summary as one typed value: what :func:`~traceml_ai.analysis.summarize_run`
 returns and every view reads (``traceml summary``'s text, ``--json``, ``--follow``,
 ``--plot``, ``traceml.summary()``, the dashboard from files, the end of ``traceml run``).
 
@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import attrs
 
-from traceml_ai.run_summary._columns import StepColumns, StepRow
-from traceml_ai.run_summary._straggler import Coordinate, StragglerView
+from traceml_ai.analysis._columns import StepColumns, StepRow
+from traceml_ai.analysis._straggler import Coordinate, StragglerView
 
 StepRows = dict[int, dict[int, StepRow]]
 """rank -> step -> its row."""
@@ -55,7 +55,7 @@ class PhaseFigures:
 @attrs.frozen(kw_only=True)
 class StepFigures:
     """Step and phase figures of a set of step rows (files, the live window, a rank's
-    own steps): one engine, :func:`~traceml_ai.run_summary.step_figures`."""
+    own steps): one engine, :func:`~traceml_ai.analysis.step_figures`."""
 
     step_time: dict[str, RankSteps]
     phases: dict[str, dict[str, PhaseFigures]]

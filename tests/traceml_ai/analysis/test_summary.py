@@ -1,4 +1,4 @@
-"""traceml_ai.run_summary on folders made here: stragglers, DDP wait, live files, loss."""
+"""traceml_ai.analysis on folders made here: stragglers, DDP wait, live files, loss."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.summary_helpers import format_json, summarize_json
-from traceml_ai.run_summary import SummaryError
+from traceml_ai.analysis import SummaryError
 
 P = "_traceml_internal:"
 
@@ -402,7 +402,7 @@ def test_one_reader_for_every_size(tmp_path: Path) -> None:
     assert (big / "aggregator" / "export" / "step_time.jsonl").stat().st_size > 8 << 20
     small = summarize_json(run_folder(tmp_path / "small", lines(3)))
     code = (
-        "import sys, orjson; from traceml_ai.run_summary import summarize_run;"
+        "import sys, orjson; from traceml_ai.analysis import summarize_run;"
         f"s = summarize_run({str(big)!r}).to_json();"
         "print(orjson.dumps([s['phases'], 'pyarrow' in sys.modules]).decode())"
     )
@@ -417,8 +417,8 @@ def test_one_reader_for_every_size(tmp_path: Path) -> None:
 def test_live_view_with_many_ranks_shows_the_straggler(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from traceml_ai.run_summary import summarize_run
-    from traceml_ai.run_summary.live import _render
+    from traceml_ai.analysis import summarize_run
+    from traceml_ai.analysis.follow_files import _render
 
     lines = [
         step_line(r, s, 40, {"step": 30.0 if r == 7 else 10.0 + r * 0.01})
@@ -451,7 +451,7 @@ def test_short_form_names_the_warning_file(tmp_path: Path) -> None:
     )
 
 
-def test_end_of_run_summary_skips_big_exports(
+def test_end_of_analysis_skips_big_exports(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A long run's files would hold the prompt back for minutes: the launcher points
@@ -471,9 +471,9 @@ def test_end_of_run_summary_skips_big_exports(
 def test_phase_shares_count_a_wait_before_the_step_once() -> None:
     # The usual loop fetches the batch before `with trace_step(...)`: step_time leaves
     # the wait out, so shares of the step alone would add up past 100 %.
-    from traceml_ai.run_summary._columns import StepRow
-    from traceml_ai.run_summary._phases import iteration as _iteration
-    from traceml_ai.run_summary._phases import rest as _rest
+    from traceml_ai.analysis._columns import StepRow
+    from traceml_ai.analysis._phases import iteration as _iteration
+    from traceml_ai.analysis._phases import rest as _rest
 
     phases = {"dataloader_wait": 3.0, "forward": 0.4, "backward": 0.5}
     outside = StepRow(1.0, phases)
@@ -506,7 +506,7 @@ def test_a_run_with_no_step_yet_counts_no_ranks_in_its_head(
 
 def test_the_summary_is_one_typed_value_whose_json_has_every_key(tmp_path: Path) -> None:
     from traceml_ai._converter import StructureError
-    from traceml_ai.run_summary import RunSummary, summarize_run
+    from traceml_ai.analysis import RunSummary, summarize_run
 
     lines = [
         step_line(r, s, 2, {"step": 10.0, "forward_time": 4.0}) for s in (1, 2) for r in (0, 1)
@@ -541,8 +541,8 @@ def test_one_rule_for_a_steps_phases_in_the_files_the_live_views_and_a_ranks_own
     """A step whose one phase timing is impossible (no call) is left out whole by every
     reader: the summary counts it, the live state ignores it, a rank's own figures skip
     it; the good steps give the same figures everywhere."""
+    from traceml_ai.analysis import in_process, summarize_run
     from traceml_ai.monitor import LiveState
-    from traceml_ai.run_summary import in_process, summarize_run
 
     good = [step_line(0, s, 1, {"step": 10.0, "forward_time": 4.0, "user_a": 1.0}) for s in (1, 2)]
     bad = step_line(0, 3, 1, {"step": 10.0, "forward_time": 4.0, "user_a": 1.0})

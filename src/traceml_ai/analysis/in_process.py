@@ -30,12 +30,12 @@ from typing import Any
 
 import attrs
 
-from traceml_ai.run_summary._figures import step_figures
-from traceml_ai.run_summary._model import RunSummary, StepFigures, StepRows
-from traceml_ai.run_summary._phases import rounded, step_row
-from traceml_ai.run_summary._report import summarize_run
-from traceml_ai.run_summary._straggler import StragglerView
-from traceml_ai.run_summary._text import format_summary
+from traceml_ai.analysis._figures import step_figures
+from traceml_ai.analysis._model import RunSummary, StepFigures, StepRows
+from traceml_ai.analysis._phases import rounded, step_row
+from traceml_ai.analysis._straggler import StragglerView
+from traceml_ai.analysis._summarize import summarize_run
+from traceml_ai.analysis._text import format_summary
 from traceml_records.internal import FileScan
 
 # -- the summary figures' names: one key set, for traceml.summary() and the trackers ----
@@ -198,7 +198,7 @@ _API_KEYS = ("source", "complete", "file")
 
 def figures(steps_by_rank: Mapping[int, Mapping[int, Events]]) -> StepFigures:
     """The same figures as ``traceml summary``'s
-    (:func:`~traceml_ai.run_summary.step_figures`) of each rank's step events."""
+    (:func:`~traceml_ai.analysis.step_figures`) of each rank's step events."""
     rows: StepRows = {}
     for rank, steps in steps_by_rank.items():
         kept = {s: r for s in sorted(steps) if (r := step_row(steps[s])) is not None}
@@ -336,7 +336,7 @@ def compact(summary: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
-def full_run_summary(
+def full_analysis(
     step_time_file: Path, *, complete: bool, notes: Sequence[str]
 ) -> dict[str, Any] | None:
     """The run's full summary (``traceml summary``'s) from its export folder, or None.

@@ -19,10 +19,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from traceml_ai.run_summary._model import PhaseFigures, RunSummary
-from traceml_ai.run_summary._report import RunReader, SummaryError
-from traceml_ai.run_summary._straggler import verdict_line
-from traceml_ai.run_summary._text import format_summary
+from traceml_ai.analysis._model import PhaseFigures, RunSummary
+from traceml_ai.analysis._straggler import verdict_line
+from traceml_ai.analysis._summarize import RunReader, SummaryError
+from traceml_ai.analysis._text import format_summary
 
 _MAX_ROWS = 32
 """Rows of the live table; more ranks show the stragglers and the slowest."""
