@@ -154,8 +154,8 @@ def step_row(
 
     None when the step cannot be read: no events object, no step time, or any timing
     that is not one (every device's ``duration_ms``, ``cpu_ms``, ``gpu_ms`` finite and
-    not negative, ``n_calls`` at least 1); :func:`timing_problem` says why. Every reader
-    (the files, the live views, a rank's own steps) takes the step whole or not at all.
+    not negative, ``n_calls`` at least 1). Every reader (the files, the live views, a
+    rank's own steps) takes the step whole or not at all.
     ``cache`` (event -> name) spares ``name_of`` on the hot path.
     """
     if type(events) is not dict or STEP_EVENT not in events:
@@ -177,7 +177,7 @@ def step_row(
                     t.get("gpu_ms"),
                     t.get("n_calls"),
                 )
-                # One test for the usual timing; timing_problem says what is wrong.
+                # One test for the usual timing (a line's own check plan words what is wrong).
                 if not (
                     (type(d) is float or type(d) is int)
                     and (type(c) is float or type(c) is int)
@@ -206,25 +206,6 @@ def step_row(
             row[key] = row.get(key, 0.0) + best
             used += best
     return StepRow(step_ms, row, used)  # used: the phases' sum, in row order (see rest)
-
-
-def timing_problem(event: str, devices: Any) -> str | None:
-    """Why one event's device timings cannot be valid (:func:`step_row`), or None."""
-    if type(devices) is not dict or not devices:
-        return f"{event}: no device timing"
-    for device, t in devices.items():
-        if type(t) is not dict:
-            return f"{event} {device}: not a timing object"
-        for key in ("duration_ms", "cpu_ms", "gpu_ms"):
-            v = t.get(key)
-            if v is None and key == "gpu_ms":
-                continue
-            if (type(v) is not float and type(v) is not int) or not 0.0 <= v <= _FLOAT_MAX:
-                return f"{event} {device}: {key} {v!r}"
-        n = t.get("n_calls")
-        if type(n) is not int or n < 1:
-            return f"{event} {device}: n_calls {n!r}"
-    return None
 
 
 def percentile(sorted_values: Sequence[float] | NDArray[np.float64], q: float) -> float:
