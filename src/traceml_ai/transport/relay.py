@@ -52,11 +52,8 @@ from traceml_ai.transport.wire import (
     BATCH_GLOBAL_RANK,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
-    FrameError,
     batch_prefix,
-    decode_message,
     encode_frame,
-    known_stream_follows,
     make_relay_message,
     peek_batch_stream,
 )
@@ -109,22 +106,13 @@ class _Intake(AggregatorServer):
     def _frame(self, connection: Connection, body: bytes, length: int, observed: int) -> None:
         # What the aggregator checks of a relay connection's frames is checked here too:
         # a frame it would refuse would close the connection of every rank of the node.
-        prefix = self._batch_prefix
-        if body.startswith(prefix) and known_stream_follows(body, len(prefix)):
-            if BATCH_GLOBAL_RANK.search(body, 0, 4096) is None:
-                raise FrameError("missing identity")
+        rank, message = self._read_frame(body)
+        if rank is not None:
             self._accepted_batches += 1
             self._relay._put_batch(FRAME_HEADER.pack(length) + body)
             return
-        message = decode_message(body, self._token)
+        assert message is not None
         kind = message["type"]
-        if kind == "batch":
-            rank = message["identity"].get("global_rank")
-            if type(rank) is not int or rank < 0:
-                raise FrameError("missing identity")
-            self._accepted_batches += 1
-            self._relay._put_batch(FRAME_HEADER.pack(length) + body)
-            return
         if kind == "finished":
             self._finished_messages += 1
         self._relay._put_message(FRAME_HEADER.pack(length) + body)

@@ -793,29 +793,17 @@ class AggregatorServer:
 
         As :meth:`_frame`, and each batch is tallied under the rank its identity names
         (the connection has no one rank)."""
-        if body.startswith(self._batch_prefix) and known_stream_follows(
-            body, len(self._batch_prefix)
-        ):
-            match = BATCH_GLOBAL_RANK.search(body, 0, 4096)
-            if match is None:
-                raise FrameError("missing identity")
+        rank, message = self._read_frame(body)
+        if rank is not None:
             self._accepted_batches += 1
             tally = self._gate.batches_by_rank
-            rank = int(match.group(1))
             tally[rank] = tally.get(rank, 0) + 1
-            self._call(self._on_batch, ReceivedBatch(observed, body, length))
+            item = body if message is None else message
+            self._call(self._on_batch, ReceivedBatch(observed, item, length))
             return
-        message = decode_message(body, self._token)
+        assert message is not None
         kind = message["type"]
-        if kind == "batch":
-            rank = message["identity"].get("global_rank")
-            if type(rank) is not int or rank < 0:
-                raise FrameError("missing identity")
-            self._accepted_batches += 1
-            tally = self._gate.batches_by_rank
-            tally[rank] = tally.get(rank, 0) + 1
-            self._call(self._on_batch, ReceivedBatch(observed, message, length))
-        elif kind == "finished":
+        if kind == "finished":
             self._finished_messages += 1
             self._call(self._on_finished, message)
         elif kind == "tracker_runs":
@@ -864,6 +852,26 @@ class AggregatorServer:
     def _next_order(self) -> int:
         self._orders += 1
         return self._orders
+
+    def _read_frame(self, body: bytes) -> tuple[int | None, dict[str, Any] | None]:
+        """What a frame of a relay's connection is: ``(rank, None)`` for a batch in our
+        senders' plain form (left encoded), ``(rank, message)`` for a batch written
+        otherwise, ``(None, message)`` for any other message; ``FrameError`` when it is
+        not a valid frame (a batch without a rank among them)."""
+        if body.startswith(self._batch_prefix) and known_stream_follows(
+            body, len(self._batch_prefix)
+        ):
+            match = BATCH_GLOBAL_RANK.search(body, 0, 4096)
+            if match is None:
+                raise FrameError("missing identity")
+            return int(match.group(1)), None
+        message = decode_message(body, self._token)
+        if message["type"] != "batch":
+            return None, message
+        rank = message["identity"].get("global_rank")
+        if type(rank) is not int or rank < 0:
+            raise FrameError("missing identity")
+        return rank, message
 
     def _rank_of(self, body: bytes) -> int | str | None:
         """The global rank a valid frame's identity names, or ``"relay:<id>"`` for a
