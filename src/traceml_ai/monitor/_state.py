@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 
@@ -39,6 +39,9 @@ from traceml_ai.analysis import (
     wait_component,
     waits_measured,
 )
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 __all__ = [
     "MAX_RANKS",
@@ -92,12 +95,20 @@ def _number(value: object) -> float | None:
     return None
 
 
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    values.sort()
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2.0
+def _medians(rows: NDArray[Any], counts: Sequence[int]) -> list[float | None]:
+    """Each row's median of its ``counts[i]`` values (None of none): the middle value,
+    or the mean of the two middle values. The rest of a row holds +inf, so one sort of
+    every row puts its values first, in order."""
+    import numpy as np
+
+    ordered = np.sort(rows, axis=1)
+    n = np.asarray(counts, dtype=np.intp)
+    lines = np.arange(len(n))
+    lo = ordered[lines, np.maximum(n - 1, 0) // 2]
+    hi = ordered[lines, n // 2]
+    # An odd count takes its middle value as is ((a + a) / 2 would overflow near max).
+    mids = np.where(n % 2 == 1, lo, (lo + hi) / 2.0).tolist()
+    return [mid if count else None for mid, count in zip(mids, counts, strict=True)]
 
 
 def _count(value: object) -> int | None:
@@ -168,8 +179,8 @@ class RankLive:
     step_hist: Histogram = attrs.field(factory=lambda: Histogram.empty(STEP_BUCKETS_S))
     phase_hist: dict[str, Histogram] = attrs.field(factory=dict)
     recent: deque[StepSeen] = attrs.field(factory=lambda: deque(maxlen=WINDOW_STEPS))
-    recent_ms: deque[float] = attrs.field(factory=lambda: deque(maxlen=WINDOW_STEPS))
-    """The step times of ``recent``, alone: a scrape's medians copy floats, not steps."""
+    slot: int = -1
+    """Its row of the state's recent step times (-1 in copies, which have none)."""
     peak_memory: dict[str, tuple[float | None, float | None]] = attrs.field(factory=dict)
     """device -> (peak allocated, peak reserved) bytes of the last step that reported it."""
     process: dict[str, float] = attrs.field(factory=dict)
@@ -246,6 +257,13 @@ _GPU_FIELDS = (
 )
 
 
+def _empty_rows(n: int) -> NDArray[Any]:
+    """``n`` ranks' rows of recent step times, none used yet."""
+    import numpy as np
+
+    return np.full((n, WINDOW_STEPS), np.inf)
+
+
 class LiveState:
     """The run as the aggregator sees it now; thread-safe (one lock, short holds).
 
@@ -260,6 +278,10 @@ class LiveState:
         self._fold = UserPhaseFold()
         self._labels: dict[str, str | None] = {}
         self._wait_keys: dict[tuple[str, str], tuple[str, str]] = {}
+        self._recent_ms: NDArray[Any] = _empty_rows(64)
+        """Row ``RankLive.slot``: the step times of that rank's ``recent`` steps, in a
+        ring (step ``k`` of the rank at ``(k - 1) % WINDOW_STEPS``; unused cells +inf):
+        a scrape's medians copy one array and sort it in numpy, not a list per rank."""
         """(component, operation) -> the one key object of it the waits use."""
         """event name -> its label (None: a reserved name this release does not write)."""
         self.world_size: int | None = None
@@ -292,7 +314,12 @@ class LiveState:
             self.world_size = world
         live = self._ranks.get(rank)
         if live is None:
-            live = self._ranks[rank] = RankLive(rank)
+            slot = len(self._ranks)
+            if slot == len(self._recent_ms):
+                grown = _empty_rows(2 * slot)
+                grown[:slot] = self._recent_ms
+                self._recent_ms = grown
+            live = self._ranks[rank] = RankLive(rank, slot=slot)
         if type(node) is int and 0 <= node < MAX_RANKS:
             live.node = node
         return live
@@ -357,7 +384,7 @@ class LiveState:
             if len(live.tokens) > 2 * WINDOW_STEPS:
                 del live.tokens[next(iter(live.tokens))]
         live.recent.append(seen)
-        live.recent_ms.append(step_ms)
+        self._recent_ms[live.slot, (live.steps - 1) % WINDOW_STEPS] = step_ms
         return seen
 
     def add_memory(self, identity: Mapping[str, Any], items: Iterable[Any]) -> None:
@@ -574,10 +601,10 @@ class LiveState:
                 label: Histogram.merged(PHASE_BUCKETS_S, hists)
                 for label, hists in sorted(by_phase.items())
             }
+            recent_ms = self._recent_ms[[r.slot for r in live]]  # a copy
             copied = [
                 (
                     (r.rank, r.node, r.steps, r.last_step, r.last_end_ns),
-                    list(r.recent_ms),
                     dict(r.peak_memory),
                     r.process,  # replaced whole by add_process, never changed in place
                     r.step_hist.copy() if detail else None,
@@ -586,9 +613,12 @@ class LiveState:
                 for r in live
             ]
         # The medians outside the lock: the feed thread waits only for the copies.
+        medians = _medians(recent_ms, [min(c[2], WINDOW_STEPS) for c, *_ in copied])
         ranks = [
-            RankFigures(*counts, _median(recent), memory, process, step_hist, phases)
-            for counts, recent, memory, process, step_hist, phases in copied
+            RankFigures(*counts, median, memory, process, step_hist, phases)
+            for (counts, memory, process, step_hist, phases), median in zip(
+                copied, medians, strict=True
+            )
         ]
         return MetricFigures(ranks, rank_count, detail, job_step, job_phases)
 
