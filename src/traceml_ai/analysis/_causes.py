@@ -148,6 +148,17 @@ class Groups:
             return None  # two ranks at one place: not a layout
         return cls(ranks, layout)
 
+    def tensor_mates(self, i: int) -> list[int]:
+        """The other ranks of rank ``i``'s replica and stage (its tensor-parallel
+        group, with any other position dimension): they meet in the collectives
+        inside each layer."""
+        stage = self.stage
+        return [
+            j
+            for j, q in enumerate(self.replica)
+            if j != i and q == self.replica[i] and (stage is None or stage[j] == stage[i])
+        ]
+
     def peers(self, i: int) -> list[int]:
         """The ranks that do rank ``i``'s work, itself left out: its position's other
         ranks; without any (one replica), its stage's other ranks."""

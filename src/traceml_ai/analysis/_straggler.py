@@ -798,21 +798,26 @@ def _layout_verdict(
     iterations = table.iterations
     causes: list[dict[str, Any]] = []
 
-    # One slow worker: its own work beyond its peers' in most steps.
+    # One slow worker: its own work beyond its peers' by the bar in a median step, and
+    # beyond them at all (by the noise-free bar) in most steps. One step against the
+    # noise bar would ask a step to be 4x the noise above: a busy machine's noise
+    # would then hide a rank slow by less than that in every step.
     peer_median = _medians(filled, axis=1)
+    above = filled > base
     named = [
         i
         for i in range(len(ranks))
         if has_peers[i]
         and peer_median[i] > threshold
-        and np.count_nonzero(filled[i] > threshold) >= CONSISTENT_SHARE * n
+        and np.count_nonzero(above[i]) >= CONSISTENT_SHARE * n
     ]
+    named = _with_tensor_mates(named, own, groups, has_peers, peer_median, above, base, threshold)
     imbalance = data_imbalance(own, groups, base, CONSISTENT_SHARE, _tokens(table))
     if named:
         entries = _explain_peers(named, table, own, groups, np.arange(n), wait_phase)
         without = own.copy()
         for i, entry in zip(named, entries, strict=True):
-            entry["slow_steps"] = int(np.count_nonzero(filled[i] > threshold))
+            entry["slow_steps"] = int(np.count_nonzero(above[i]))
             entry["slow_share"] = rounded(entry["slow_steps"] / n, 3)
             entry["parallel"] = _coordinates(layout, ranks[i])
             without[i] = np.fmin(own[i], peer_level(own, groups, i))
@@ -899,6 +904,40 @@ def _layout_verdict(
     if first["waiting"]:
         view["wait_phase"] = first["waiting"]["phase"]
     view["also"] = rest
+
+
+def _with_tensor_mates(
+    named: Sequence[int],
+    own: NDArray[np.float64],
+    groups: Groups,
+    has_peers: NDArray[np.bool_],
+    peer_median: NDArray[np.float64],
+    above: NDArray[np.bool_],
+    base: float,
+    threshold: float,
+) -> list[int]:
+    """The named rank indices, each with the other ranks of its replica's stage (its
+    tensor-parallel group) that the evidence cannot tell from it: above their own peers
+    (by ``base`` in a median step and in most steps) and not below the named rank by
+    the bar (``threshold``) in a median step.
+
+    A wait inside a tensor-parallel group that is not measured (DTensor's functional
+    collectives) is own work on the ranks that wait: the group's fast ranks then look
+    as slow as its slow one, each by that one's extra plus its own noise. Which of them
+    clears the bar is then chance; the group is what the evidence names."""
+    import numpy as np
+
+    n = own.shape[1]
+    out = set(named)
+    for i in named:
+        for j in groups.tensor_mates(i):
+            if j in out or not has_peers[j]:
+                continue
+            if peer_median[j] <= base or np.count_nonzero(above[j]) < CONSISTENT_SHARE * n:
+                continue
+            if _median1(own[i] - own[j]) <= threshold:
+                out.add(j)
+    return sorted(out)
 
 
 def _tokens(table: _Table) -> NDArray[np.float64] | None:

@@ -7,6 +7,7 @@ without the cause."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ import pytest
 
 from tests.parallel_cases import GroundTruth, generate
 from tests.summary_helpers import format_json, summarize_json
-from traceml_ai.analysis import StragglerView
+from traceml_ai.analysis import StepRow, StragglerView
+from traceml_ai.analysis._straggler import analyze
 
 REPLAY_TOLERANCE = 0.06
 """The replayed slowdown within this fraction of the generator's (which re-simulates
@@ -202,3 +204,69 @@ def test_each_ranks_peers_median_is_numpys_median_of_the_others(m: int) -> None:
     values = np.random.default_rng(m).integers(0, 5, (m, 40)).astype(float)
     expected = np.vstack([np.median(np.delete(values, i, axis=0), axis=0) for i in range(m)])
     assert np.array_equal(_others_median(values), expected)
+
+
+def _mesh_rows(
+    extra: tuple[float, float], jitter: float, seed: int, steps: int = 20
+) -> dict[int, dict[int, StepRow]]:
+    """A dp=2 x tp=2 DeviceMesh run (rank g: dp g // 2, tp g % 2) whose tp waits are not
+    measured: ranks 0 and 1 (replica 0's tp group) do ``extra`` ms more own work each,
+    with ``jitter`` ms of noise per step (a busy machine); every rank's iteration is the
+    step's longest own work, the rest measured as a wait in backward's all_gather over
+    dp. Rank 0's extra is rank 1's slowness, waited for inside the unmeasured tp
+    all-reduce, plus its own noise."""
+    rnd = random.Random(seed)
+    rows: dict[int, dict[int, StepRow]] = {r: {} for r in range(4)}
+    end = 0.0
+    for step in range(1, steps + 1):
+        own = [30.0 + extra[r] + rnd.uniform(-jitter, jitter) for r in range(2)]
+        own += [30.0 + rnd.uniform(-3.0, 3.0) for _ in range(2)]
+        iteration = max(own) + 2.0
+        end += iteration * 1e6
+        for r in range(4):
+            wait = iteration - own[r]
+            phases = {"forward": own[r] - 15.0, "backward": 15.0 + wait}
+            rows[r][step] = StepRow(
+                iteration,
+                phases,
+                end_ns=end,
+                waits={"backward": wait},
+                op_waits={("backward", "all_gather@dp"): wait},
+            )
+    return rows
+
+
+MESH_LAYOUT = {g: {"dp": (g // 2, 2), "tp": (g % 2, 2)} for g in range(4)}
+
+
+@pytest.mark.parametrize(
+    ("extra", "jitter", "seed"),
+    [
+        # The evidence of a failed real run: rank 0 clears the noise bar in most steps,
+        # rank 1 (the slowed one) falls under it in more than a quarter of them.
+        ((55.0, 42.0), 15.0, 2),
+        # Noise near the extra itself: no step-by-step bar of 4x the noise is met in
+        # most steps by either rank, though both are above their peers in every step.
+        ((70.0, 50.0), 25.0, 2),
+        ((60.0, 60.0), 5.0, 0),
+    ],
+)
+def test_a_tensor_group_with_unmeasured_waits_is_named_whole(
+    extra: tuple[float, float], jitter: float, seed: int
+) -> None:
+    view = analyze(
+        _mesh_rows(extra, jitter, seed), strategy="fsdp", collectives=True, layout=MESH_LAYOUT
+    )
+    assert view.verdict == "straggler", view.line()
+    assert [s.rank for s in view.stragglers] == [0, 1], view.line()
+    assert "(one tensor-parallel group)" in view.line()
+    assert view.waiting is not None and view.waiting.group == "dp"
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_one_slow_rank_of_a_tensor_group_with_measured_waits_is_named_alone(slow: int) -> None:
+    # Its tp peer's waits measured: that peer's own work is its peers', not the group's.
+    extra = (60.0, 0.0) if slow == 0 else (0.0, 60.0)
+    view = analyze(_mesh_rows(extra, 5.0, 0), strategy="fsdp", collectives=True, layout=MESH_LAYOUT)
+    assert view.verdict == "straggler", view.line()
+    assert [s.rank for s in view.stragglers] == [slow], view.line()
