@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 from traceml_ai._converter import StructureError
@@ -23,14 +21,13 @@ from traceml_ai.aggregator.protocol import (
     ReadyEvent,
     parse_event,
 )
+from traceml_ai.launch._child_lines import ChildLines
 from traceml_ai.launch._plan import RunOptions, RunPlan
 from traceml_ai.launch._signals import Signals, exit_description, say
 from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
 AGGREGATOR_READY_TIMEOUT_S = 60.0
 
-_READ_SLICE_S = 0.1
-"""How often a wait for an aggregator event looks at the signals that came meanwhile."""
 WATCH_S = 0.2
 """How often, while the ranks train, the launcher looks whether the aggregator died."""
 
@@ -61,7 +58,7 @@ class AggregatorProcess:
             env=env,
             start_new_session=True,
         )
-        self._buffer = b""
+        self._lines = ChildLines()
         self._stop_sent = False
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -71,22 +68,9 @@ class AggregatorProcess:
     ) -> AggregatorEvent | None:
         """The next event; None on timeout, end of stream, a bad line or ``give_up()``."""
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            if give_up is not None and give_up():
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready, _, _ = select.select([fd], [], [], min(left, _READ_SLICE_S))
-            if not ready:
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
+        line = self._lines.next_line(self.proc.stdout.fileno(), timeout, give_up)
+        if line is None:
+            return None
         try:
             return parse_event(line)
         except StructureError:

@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Any
 
+from traceml_ai.launch._child_lines import ChildLines
 from traceml_ai.launch._signals import exit_description, say
 from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
@@ -53,7 +52,7 @@ class RelayProcess:
         self._stop_timeout_s = stop_timeout_s
         self._port = 0
         self._proc: subprocess.Popen[bytes] | None = None
-        self._buffer = b""
+        self._lines = ChildLines()
         self._restarts = 0
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -81,7 +80,7 @@ class RelayProcess:
         except OSError as exc:
             return f"the node's relay could not start ({exc.strerror or exc})"
         self._proc = proc
-        self._buffer = b""
+        self._lines.reset()
         event = self._read_event(READY_TIMEOUT_S)
         if event is None or event.get("event") != "ready" or type(event.get("port")) is not int:
             self._kill()
@@ -94,20 +93,9 @@ class RelayProcess:
         proc = self._proc
         if proc is None or proc.stdout is None:
             return None
-        deadline = time.monotonic() + timeout
-        fd = proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready, _, _ = select.select([fd], [], [], min(left, 0.1))
-            if not ready:
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
+        line = self._lines.next_line(proc.stdout.fileno(), timeout)
+        if line is None:
+            return None
         try:
             event = json.loads(line)
         except ValueError:
