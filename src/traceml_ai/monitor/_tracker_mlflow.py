@@ -3,7 +3,8 @@
 
 **The script's own run**, when rank 0 told one (its ``run_id`` and ``tracking_uri``):
 TraceML's figures go into it beside the script's own metrics, tagged with the
-TraceML run folder; the script ends it, not TraceML.
+TraceML run folder; the script ends it, not TraceML. Deleted while TraceML logs into
+it (``gone``), the points from then on go to a run of TraceML's own.
 
 **Else a run of TraceML's own**, chosen by MLflow's standard variables, as a training script's
 ``mlflow.start_run()`` would: the tracking server ``MLFLOW_TRACKING_URI``, the
@@ -117,6 +118,16 @@ class MlflowTracker:
         if info.status == "RUNNING" or not info.end_time:
             return None
         return int(info.end_time) * 1_000_000
+
+    def gone(self) -> bool:
+        """Whether the script's run was deleted (or is no longer on its server)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            info = self._client.get_run(self.run_id).info
+        except MlflowException as exc:
+            return bool(exc.error_code == "RESOURCE_DOES_NOT_EXIST")
+        return bool(info.lifecycle_stage == "deleted")
 
     def close(self) -> None:
         if self.owned:

@@ -130,6 +130,8 @@ class TrackerBackend(Protocol):
     # ``notice``: a line for the user about the run just opened (W&B put its files
     # elsewhere than asked), said once as it opens.
     # ``ended_ns()``: when the script ended its run (unix ns; None while it is open).
+    # ``gone()``: whether the script's run no longer takes points (deleted), asked
+    # after a point it refused.
 
 
 @attrs.frozen
@@ -621,13 +623,42 @@ class TrackerSink:
                 self.lost["points_not_logged"] = self.lost.get("points_not_logged", 0) + 1
                 continue
             try:
-                tracker.log(figures, step)
+                try:
+                    tracker.log(figures, step)
+                except Exception as exc:
+                    own = self._instead_of_gone(tracker, exc)
+                    if own is None:
+                        raise
+                    own.log(figures, step)
                 self.logged_points += 1
             except Exception as exc:
                 failed += 1
                 _log.debug("tracker %s failed to log", self.name, exc_info=True)
                 why = why or f"a point was not logged ({type(exc).__name__}: {_short(exc)})"
         return Outcome(failed, why)
+
+    def _instead_of_gone(self, tracker: TrackerBackend, exc: Exception) -> TrackerBackend | None:
+        """TraceML's own run, opened now, when ``tracker`` (the script's run) refused a
+        point because it is gone (deleted while the script trains): one line, and the
+        points from then on and the summary go there. None when the run is not gone
+        (a refusal of another kind is counted as such)."""
+        gone = getattr(tracker, "gone", None)
+        if tracker is not self._tracker or gone is None:
+            return None
+        try:
+            if not gone():
+                return None
+        except Exception:
+            _log.debug("tracker %s: whether its run is gone is unknown", self.name, exc_info=True)
+            return None
+        self._say(
+            "join",
+            f"the run the training script has open is gone ({type(exc).__name__}: "
+            f"{_short(exc)}); its figures go to a run of TraceML's own",
+        )
+        self._tracker = None
+        self._ensure_open()  # the script's run was tried: TraceML's own opens
+        return self._tracker
 
     def finish(self) -> None:
         """The run summary into the run, then the run ended (TraceML's own)."""

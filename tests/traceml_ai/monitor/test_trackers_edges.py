@@ -1,6 +1,6 @@
 """The trackers where a script or a machine does what TraceML did not plan for, each
 against the real receiver: a script that ends its MLflow run and opens the next one,
-a script's MLflow run that is gone (a real ``mlflow server`` on sqlite, read back with
+a script's MLflow run that is gone before or after TraceML joined it (a real ``mlflow server`` on sqlite, read back with
 ``MlflowClient``), a ``WANDB_DIR`` W&B cannot write (W&B offline, read back with
 ``wandb leet inspect``), and an import that fails without naming a module. Each case
 runs in a process of its own: the tracker libraries keep their settings per process."""
@@ -259,3 +259,53 @@ def test_an_import_that_fails_without_naming_a_missing_module_is_said_as_it_is(
     assert result.stderr.strip().splitlines() == [
         f"traceml: wandb: {said}; training and the files go on without it"
     ]
+
+
+_DELETED_AFTER_JOINING = """
+from mlflow.tracking import MlflowClient
+client = MlflowClient()
+experiment = client.create_experiment(sys.argv[2])
+m = Monitoring(MonitorSettings(trackers=("mlflow",), tracker_every_steps=2),
+               RunInfo(run_dir=Path(sys.argv[1]), run_name="traceml-after", host="h"), Health)
+m.start_sinks({"mlflow": tracker_sink("mlflow")})
+m.feed.start()
+
+def steps(first, last):
+    for i in range(first, last + 1):
+        m.submit(encoded("step_time", identity(0, world=1), [step(i, 10.0, time.time_ns())]))
+        time.sleep(0.02)
+
+def logged(run_id):
+    return sorted(p.step for p in client.get_metric_history(run_id, "traceml/ranks"))
+
+script = client.create_run(experiment, run_name="script").info.run_id
+m.state.note_tracker_runs(identity(0), {"mlflow": {"run_id": script, "tracking_uri": client.tracking_uri}})
+steps(1, 4)
+deadline = time.monotonic() + 60
+while logged(script) != [2, 4] and time.monotonic() < deadline:
+    time.sleep(0.1)
+client.delete_run(script)  # someone deletes the script's run while it trains
+steps(5, 8)
+loss = m.close(30.0)
+own = [r for r in client.search_runs([experiment]) if r.info.run_id != script]
+print(json.dumps({"own": [(r.info.run_name, r.info.status, r.data.tags.get("traceml.run_dir"),
+                           logged(r.info.run_id)) for r in own],
+                  "by_sink": dict(loss.by_sink)}))
+"""
+
+
+def test_a_scripts_run_deleted_after_joining_sends_the_later_points_to_traceml_s_own(
+    tmp_path: Path, server: MlflowServer
+) -> None:
+    """The script's run is deleted while TraceML logs into it: one line, and the points
+    from then on (and the summary) go to a run of TraceML's own, none lost."""
+    experiment = f"deleted-{tmp_path.name}"
+    env = _mlflow_env(server, experiment)
+    result = _python(_DELETED_AFTER_JOINING, env, str(tmp_path / "run"), experiment)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("traceml: mlflow: the run the training script has open is gone (")
+    out = _last_json(result.stdout)
+    assert out["own"] == [["traceml-after", "FINISHED", str(tmp_path / "run"), [6, 8]]]
+    assert out["by_sink"] == {}
