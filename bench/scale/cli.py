@@ -4,8 +4,9 @@ Prints figures and checks the files; never passes or fails on time. The aggregat
 a real ``traceml serve`` subprocess (``--exporter jsonl --export-streams <streams>
 --aggregator-port 0 --nnodes N/8 --nproc-per-node 8``); the ranks are simulated by a
 few generator processes, each holding one TCP connection per rank and sending what a
-``RankSender`` would: every ``1/--flush-hz`` s per rank, one ``step_time`` and one
-``step_memory`` batch with the steps done since the last flush, a ``process`` item
+``RankSender`` would: every ``1/--flush-hz`` s per rank, one ``step_time``, one
+``step_memory`` and one ``collectives`` batch (a DDP rank's all-reduces, a line per step)
+with the steps done since the last flush, a ``process`` item
 every ``--sampler-interval`` s, a ``system`` snapshot with ``--gpus`` GPUs from local
 rank 0 of each node, one ``runtime_environment`` item at the start and ``finished``
 at the end. Frames are encoded with the real ``make_batch_message``/``encode_frame``.

@@ -1,6 +1,7 @@
 """``--relays N``: the simulated ranks send through N relays (``traceml_ai.transport.Relay``,
-the relay's own code), one per node, many per process: a machine that cannot hold a
-process per node still runs every node's relay."""
+the relay's own code), one per node, many per process on one event loop (a shared
+``LoopRunner``: one thread per process): a machine that cannot hold a process per node
+still runs every node's relay."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from traceml_ai.transport import Relay
+from traceml_ai.transport.server import LoopRunner
 
 
 def _host_main(upstream: tuple[str, int], token: str, count: int, conn: Connection) -> None:
-    relays = [Relay(upstream, token, expected_connections=64) for _ in range(count)]
+    runner = LoopRunner("scale-relays")
+    relays = [
+        Relay(upstream, token, expected_connections=64, loop_runner=runner) for _ in range(count)
+    ]
     try:
         conn.send([relay.start() for relay in relays])
     except BaseException as exc:
@@ -25,6 +30,7 @@ def _host_main(upstream: tuple[str, int], token: str, count: int, conn: Connecti
         totals["forwarded_frames"] += stats.forwarded_frames
         totals["dropped_batches"] += stats.dropped_batches
         totals["dropped_messages"] += stats.dropped_messages
+    runner.stop()
     conn.send(totals)
 
 

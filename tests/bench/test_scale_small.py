@@ -29,8 +29,9 @@ def test_small_load_through_traceml_serve_is_written_exactly_once(tmp_path: Path
     check = result.check
     assert check.exact, check
     assert result.dropped == 0 and check.missing_batches == 0
-    # Every step of every rank, twice (step_time and step_memory), plus the samplers.
-    steps = SPEC.ranks * SPEC.total_steps * 2
+    # Every step of every rank, three times (step_time, step_memory, collectives), plus
+    # the samplers.
+    steps = SPEC.ranks * SPEC.total_steps * 3
     samples = SPEC.total_samples * (SPEC.ranks + SPEC.nodes * (1 + SPEC.gpus))
     assert check.written_records == check.generated_records == steps + samples + SPEC.ranks
     assert result.valid is not None and result.valid[0], result.valid
