@@ -1,14 +1,20 @@
 """``--relays N``: the simulated ranks send through N relays (``traceml_ai.transport.Relay``,
 the relay's own code), one per node, many per process on one event loop (a shared
 ``LoopRunner``: one thread per process): a machine that cannot hold a process per node
-still runs every node's relay."""
+still runs every node's relay.
+
+``--relay-processes``: one real relay process per node instead
+(``python -m traceml_ai.launch._relay_process``, started and stopped by
+``RelayProcess`` as ``traceml run`` does on each node)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from traceml_ai.launch._relay_process import RelayProcess
 from traceml_ai.transport import Relay
 from traceml_ai.transport.server import LoopRunner
 
@@ -73,3 +79,47 @@ class RelayHosts:
                 for key, value in conn.recv().items():
                     self.totals[key] += value
             proc.join(10)
+
+
+class RelayProcesses:
+    """One real relay process per node (what ``traceml run`` starts on each node), with
+    :class:`RelayHosts`'s ``route``/``stop``/``totals``."""
+
+    def __init__(self, stop_timeout_s: float = 60.0) -> None:
+        self._stop_timeout_s = stop_timeout_s
+        self._procs: list[RelayProcess] = []
+        self.totals: dict[str, int] = {}
+
+    @property
+    def relays(self) -> int:
+        return len(self._procs)
+
+    def route(self, upstream: tuple[str, int], token: str, nodes: int) -> list[tuple[str, int]]:
+        host, port = upstream
+        self._procs = [
+            RelayProcess(f"{host}:{port}", token, self._stop_timeout_s) for _ in range(nodes)
+        ]
+        # Started side by side: each is an interpreter starting up.
+        with ThreadPoolExecutor(8) as pool:
+            ports = list(pool.map(lambda relay: relay.start(), self._procs))
+        for started in ports:
+            if isinstance(started, str):
+                self.stop()
+                raise RuntimeError(started)
+        return [("127.0.0.1", int(p)) for p in ports]
+
+    def stop(self) -> None:
+        with ThreadPoolExecutor(8) as pool:
+            events = list(pool.map(lambda relay: relay.stop(), self._procs))
+        self.totals = {
+            "forwarded_frames": 0,
+            "dropped_batches": 0,
+            "dropped_messages": 0,
+            "stopped_without_counts": 0,
+        }
+        for event in events:
+            if event is None:
+                self.totals["stopped_without_counts"] += 1
+                continue
+            for key in ("forwarded_frames", "dropped_batches", "dropped_messages"):
+                self.totals[key] += int(event.get(key, 0))
