@@ -9,10 +9,14 @@ still runs every node's relay.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import resource
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
+
+import psutil
 
 from traceml_ai.launch._relay_process import RelayProcess
 from traceml_ai.transport import Relay
@@ -31,13 +35,15 @@ def _host_main(upstream: tuple[str, int], token: str, count: int, conn: Connecti
         raise
     conn.recv()  # stop
     totals = {"forwarded_frames": 0, "dropped_batches": 0, "dropped_messages": 0}
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = usage.ru_utime + usage.ru_stime
     for relay in relays:
         stats = relay.stop(60.0)
         totals["forwarded_frames"] += stats.forwarded_frames
         totals["dropped_batches"] += stats.dropped_batches
         totals["dropped_messages"] += stats.dropped_messages
     runner.stop()
-    conn.send(totals)
+    conn.send({**totals, "cpu_ms": round(cpu_s * 1000)})
 
 
 class RelayHosts:
@@ -72,7 +78,7 @@ class RelayHosts:
     def stop(self) -> None:
         for _, conn in self._hosts:
             conn.send("stop")
-        for key in ("forwarded_frames", "dropped_batches", "dropped_messages"):
+        for key in ("forwarded_frames", "dropped_batches", "dropped_messages", "cpu_ms"):
             self.totals[key] = 0
         for proc, conn in self._hosts:
             if conn.poll(120):
@@ -109,6 +115,14 @@ class RelayProcesses:
         return [("127.0.0.1", int(p)) for p in ports]
 
     def stop(self) -> None:
+        # CPU of the relay processes over the load (before their stop's own work).
+        cpu_s = 0.0
+        for relay in self._procs:
+            proc = relay._proc
+            if proc is not None:
+                with contextlib.suppress(psutil.Error):
+                    times = psutil.Process(proc.pid).cpu_times()
+                    cpu_s += times.user + times.system
         with ThreadPoolExecutor(8) as pool:
             events = list(pool.map(lambda relay: relay.stop(), self._procs))
         self.totals = {
@@ -116,6 +130,7 @@ class RelayProcesses:
             "dropped_batches": 0,
             "dropped_messages": 0,
             "stopped_without_counts": 0,
+            "cpu_ms": round(cpu_s * 1000),
         }
         for event in events:
             if event is None:
