@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--relays", type=int, default=0, help="relays between ranks and aggregator")
     parser.add_argument("--relay-procs", type=int, default=2, help="processes holding them")
     parser.add_argument(
+        "--relay-threads",
+        action="store_true",
+        help="each relay on a thread and loop of its own (Relay's default) instead of one loop per process",
+    )
+    parser.add_argument(
         "--relay-processes", action="store_true", help="one real relay process per node"
     )
     mode = parser.add_mutually_exclusive_group()
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.relay_processes:
                 hosts = RelayProcesses()
             elif args.relays:
-                hosts = RelayHosts(args.relays, args.relay_procs)
+                hosts = RelayHosts(args.relays, args.relay_procs, not args.relay_threads)
             r = run_once(
                 spec,
                 args.streams,
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.py_spy:
                 summarize_profile(args.py_spy)
             if isinstance(hosts, RelayHosts):
-                print(f"relays: {args.relays} in {hosts.procs} processes: {hosts.totals}")
+                how = "a thread each" if args.relay_threads else "one loop per process"
+                print(f"relays: {args.relays} in {hosts.procs} processes ({how}): {hosts.totals}")
             elif hosts is not None:
                 print(f"relays: {hosts.relays} relay processes, one per node: {hosts.totals}")
             print(final_line(r, r.records_per_s if r.sustained else 0))

@@ -23,10 +23,13 @@ from traceml_ai.transport import Relay
 from traceml_ai.transport.server import LoopRunner
 
 
-def _host_main(upstream: tuple[str, int], token: str, count: int, conn: Connection) -> None:
+def _host_main(
+    upstream: tuple[str, int], token: str, count: int, shared: bool, conn: Connection
+) -> None:
     runner = LoopRunner("scale-relays")
     relays = [
-        Relay(upstream, token, expected_connections=64, loop_runner=runner) for _ in range(count)
+        Relay(upstream, token, expected_connections=64, loop_runner=runner if shared else None)
+        for _ in range(count)
     ]
     try:
         conn.send([relay.start() for relay in relays])
@@ -47,12 +50,14 @@ def _host_main(upstream: tuple[str, int], token: str, count: int, conn: Connecti
 
 
 class RelayHosts:
-    """``relays`` relays in ``procs`` processes; :meth:`route` is ``run_once``'s hook
-    (one address per node, node ``i`` on relay ``i % relays``), :meth:`stop` its
+    """``relays`` relays in ``procs`` processes, on one loop per process (``shared``) or
+    each on a thread and loop of its own; :meth:`route` is ``run_once``'s hook (one
+    address per node, node ``i`` on relay ``i % relays``), :meth:`stop` its
     ``after_load``."""
 
-    def __init__(self, relays: int, procs: int) -> None:
+    def __init__(self, relays: int, procs: int, shared: bool = True) -> None:
         self.relays = relays
+        self.shared = shared
         self.procs = max(1, min(procs, relays))
         self._hosts: list[tuple[Any, Connection]] = []
         self.totals: dict[str, int] = {}
@@ -65,7 +70,9 @@ class RelayHosts:
         ]
         for count in share:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_host_main, args=(upstream, token, count, child), daemon=True)
+            proc = ctx.Process(
+                target=_host_main, args=(upstream, token, count, self.shared, child), daemon=True
+            )
             proc.start()
             self._hosts.append((proc, parent))
         for _, conn in self._hosts:
