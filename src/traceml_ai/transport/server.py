@@ -739,7 +739,10 @@ class AggregatorServer:
                 self._address = runner.run(self._open())
             except BaseException:
                 if self._own_runner:
+                    # A start that failed (the port taken) may be tried again.
                     runner.stop()
+                    self._runner = LoopRunner(runner._name)
+                    self._loop = self._thread = None
                 raise
             return self._address
 
@@ -875,10 +878,10 @@ class AggregatorServer:
             match = _find_rank(body, len(prefix), 4096)
             if match is None:
                 raise FrameError("missing identity")
-            rank = int(match.group(1))
+            sender = int(match.group(1))
             self._accepted_batches += 1
-            tally = self._gate.batches_by_rank
-            tally[rank] = tally.get(rank, 0) + 1
+            counts = self._gate.batches_by_rank
+            counts[sender] = counts.get(sender, 0) + 1
             try:
                 self._on_batch(ReceivedBatch(observed, body, length))
             except Exception:
