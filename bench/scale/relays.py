@@ -41,7 +41,7 @@ def _host_main(
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu_s = usage.ru_utime + usage.ru_stime
     for relay in relays:
-        stats = relay.stop(60.0)
+        stats = relay.stop(300.0)
         totals["forwarded_frames"] += stats.forwarded_frames
         totals["dropped_batches"] += stats.dropped_batches
         totals["dropped_messages"] += stats.dropped_messages
@@ -88,7 +88,8 @@ class RelayHosts:
         for key in ("forwarded_frames", "dropped_batches", "dropped_messages", "cpu_ms"):
             self.totals[key] = 0
         for proc, conn in self._hosts:
-            if conn.poll(120):
+            # Each relay forwards all it holds first (a starved run's backlog).
+            if conn.poll(600):
                 for key, value in conn.recv().items():
                     self.totals[key] += value
             proc.join(10)
