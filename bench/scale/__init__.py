@@ -8,13 +8,25 @@ its modes and accounting. Modules:
 - ``aggregator``: the ``traceml serve`` subprocess under load, and its queue bounds;
 - ``check``: exact accounting of every record in the files, ``traceml validate``;
 - ``run``: one run end to end and its report; ``modes``: --find-max, --soak,
-  --overload; ``pause``: --pause with real ``RankSender``s; ``pyspy``: profiles.
+  --overload; ``pause``: --pause with real ``RankSender``s; ``pyspy``: profiles;
+- ``relays``: --relays (many relays per process) and --relay-processes (one real relay
+  process per node).
 """
 
 from .aggregator import QueueBounds
 from .cli import main
 from .items import LoadSpec
 from .pause import run_pause
+from .relays import RelayHosts, RelayProcesses
 from .run import RunResult, run_once
 
-__all__ = ["LoadSpec", "QueueBounds", "RunResult", "main", "run_once", "run_pause"]
+__all__ = [
+    "LoadSpec",
+    "QueueBounds",
+    "RelayHosts",
+    "RelayProcesses",
+    "RunResult",
+    "main",
+    "run_once",
+    "run_pause",
+]

@@ -119,7 +119,7 @@ def check_files(
         seq = np.asarray(cols[1], dtype=np.int64)
         if stream in ("system", "system_gpu"):
             a = a * spec.ranks_per_node  # node_rank -> its local rank 0
-        steps_ok = stream not in ("step_time", "step_memory") or np.array_equal(
+        steps_ok = stream not in ("step_time", "step_memory", "collectives") or np.array_equal(
             np.asarray(cols[-1], dtype=np.int64), seq + 1
         )
         if not steps_ok:

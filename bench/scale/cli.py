@@ -4,8 +4,9 @@ Prints figures and checks the files; never passes or fails on time. The aggregat
 a real ``traceml serve`` subprocess (``--exporter jsonl --export-streams <streams>
 --aggregator-port 0 --nnodes N/8 --nproc-per-node 8``); the ranks are simulated by a
 few generator processes, each holding one TCP connection per rank and sending what a
-``RankSender`` would: every ``1/--flush-hz`` s per rank, one ``step_time`` and one
-``step_memory`` batch with the steps done since the last flush, a ``process`` item
+``RankSender`` would: every ``1/--flush-hz`` s per rank, one ``step_time``, one
+``step_memory`` and one ``collectives`` batch (a DDP rank's all-reduces, a line per step)
+with the steps done since the last flush, a ``process`` item
 every ``--sampler-interval`` s, a ``system`` snapshot with ``--gpus`` GPUs from local
 rank 0 of each node, one ``runtime_environment`` item at the start and ``finished``
 at the end. Frames are encoded with the real ``make_batch_message``/``encode_frame``.
@@ -18,10 +19,13 @@ Modes (one per run):
     python -m bench.scale --ranks 1024 --steps-per-s 10 --soak     # 10 minutes
     python -m bench.scale --pause --ranks 8 --steps-per-s 100 --seconds 20
     python -m bench.scale --ranks 1024 --steps-per-s 1 --relays 128   # through relays
+    python -m bench.scale --ranks 256 --steps-per-s 1 --relay-processes  # a process per node
 
 ``--relays N`` puts N relays (the relay's own code, ``--relay-procs`` processes holding
 them) between the ranks and the aggregator: the ranks of node ``i`` send to relay
-``i % N``, and the aggregator holds N connections.
+``i % N``, and the aggregator holds N connections. ``--relay-processes`` starts one real
+relay process per node instead (``python -m traceml_ai.launch._relay_process``, as
+``traceml run`` does on each node of a multi-node job).
 
 Accounting (exact, also with drops): every item of a (rank, wire stream) has its own
 ``seq`` (0, 1, 2, ...), and the generator logs each batch as (first seq, item count,
@@ -56,7 +60,7 @@ from .items import WIRE_ORDER, LoadSpec
 from .modes import find_max, overload, soak
 from .pause import pause
 from .pyspy import print_profile, py_spy, summarize_profile
-from .relays import RelayHosts
+from .relays import RelayHosts, RelayProcesses
 from .run import final_line, run_once
 
 
@@ -84,6 +88,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--summarize", type=Path, default=None, help="print a raw profile")
     parser.add_argument("--relays", type=int, default=0, help="relays between ranks and aggregator")
     parser.add_argument("--relay-procs", type=int, default=2, help="processes holding them")
+    parser.add_argument(
+        "--relay-threads",
+        action="store_true",
+        help="each relay on a thread and loop of its own (Relay's default) instead of one loop per process",
+    )
+    parser.add_argument(
+        "--relay-processes", action="store_true", help="one real relay process per node"
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--find-max", action="store_true")
     mode.add_argument("--overload", action="store_true", help="check memory vs queue bound")
@@ -138,7 +150,11 @@ def main(argv: list[str] | None = None) -> None:
         elif args.pause:
             pause(args, spec, logs_dir)
         else:
-            hosts = RelayHosts(args.relays, args.relay_procs) if args.relays else None
+            hosts: RelayHosts | RelayProcesses | None = None
+            if args.relay_processes:
+                hosts = RelayProcesses()
+            elif args.relays:
+                hosts = RelayHosts(args.relays, args.relay_procs, not args.relay_threads)
             r = run_once(
                 spec,
                 args.streams,
@@ -157,8 +173,11 @@ def main(argv: list[str] | None = None) -> None:
             )
             if args.py_spy:
                 summarize_profile(args.py_spy)
-            if hosts is not None:
-                print(f"relays: {args.relays} in {hosts.procs} processes: {hosts.totals}")
+            if isinstance(hosts, RelayHosts):
+                how = "a thread each" if args.relay_threads else "one loop per process"
+                print(f"relays: {args.relays} in {hosts.procs} processes ({how}): {hosts.totals}")
+            elif hosts is not None:
+                print(f"relays: {hosts.relays} relay processes, one per node: {hosts.totals}")
             print(final_line(r, r.records_per_s if r.sustained else 0))
     finally:
         print(f"machine: load average {os.getloadavg()[0]:.2f} at end")

@@ -16,7 +16,14 @@ from typing import Any
 
 from traceml_ai.transport.wire import encode_frame, make_batch_message, make_finished_message
 
-from .items import LoadSpec, process_item, runtime_item, step_events, system_item
+from .items import (
+    LoadSpec,
+    collectives_item,
+    process_item,
+    runtime_item,
+    step_events,
+    system_item,
+)
 
 # -- generator processes ----------------------------------------------------------------
 
@@ -157,6 +164,9 @@ class _Generator:
                     for k in range(a, steps)
                 ]
                 self._batch(r, "step_memory", a, items)
+            if "collectives" in streams:
+                items = [collectives_item(k, ts) for k in range(a, steps)]
+                self._batch(r, "collectives", a, items)
         samples = (
             spec.total_samples
             if final

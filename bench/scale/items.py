@@ -8,7 +8,14 @@ from typing import Any
 
 from traceml_ai.testing import make_gpu_entry, make_identity, make_item, make_phase
 
-WIRE_ORDER = ("runtime_environment", "step_time", "step_memory", "process", "system")
+WIRE_ORDER = (
+    "runtime_environment",
+    "step_time",
+    "step_memory",
+    "collectives",
+    "process",
+    "system",
+)
 
 
 # -- what a rank sends ------------------------------------------------------------------
@@ -26,6 +33,29 @@ def step_events(device: str) -> dict[str, Any]:
         "_traceml_internal:backward_time": {device: _gpu_timing(15.316009521484375)},
         "_traceml_internal:optimizer_step": {device: _gpu_timing(0.5419254302978516)},
         "_traceml_internal:step_time": {device: _gpu_timing(27.03070640563965)},
+    }
+
+
+def collectives_item(seq: int, ts: int) -> dict[str, Any]:
+    """A DDP rank's collectives line for step ``seq + 1``, as ``rank/_collectives``
+    records it: its gradient buckets' all-reduces in backward, timed on the device."""
+    return {
+        "timestamp_unix_ns": ts,
+        "seq": seq,
+        "step": seq + 1,
+        "phase": "_traceml_internal:backward_time",
+        "op": "all_reduce",
+        "source": "ddp_comm_hook",
+        "backend": "nccl",
+        "n_calls": 4,
+        "wait_ms": 6.123779296875,
+        "wait_measure": "device",
+        "first_arrival_ms": 4.0218505859375,
+        "last_arrival_ms": 14.876220703125,
+        "group": "dp",
+        "peer_rank": None,
+        "peer_stage": None,
+        "bytes": 102_228_128,
     }
 
 

@@ -142,7 +142,8 @@ def run_once(
         gen_done = time.monotonic()
         if after_load is not None:
             after_load()
-        if not agg.wait(180):
+        # A backlog (a starved machine) takes longer to drain the more ranks sent it.
+        if not agg.wait(max(180.0, spec.ranks / 40)):
             agg.popen.send_signal(signal.SIGTERM)
             agg.wait(90)
             raise RuntimeError("aggregator did not finalize on its own")

@@ -29,8 +29,9 @@ def test_small_load_through_traceml_serve_is_written_exactly_once(tmp_path: Path
     check = result.check
     assert check.exact, check
     assert result.dropped == 0 and check.missing_batches == 0
-    # Every step of every rank, twice (step_time and step_memory), plus the samplers.
-    steps = SPEC.ranks * SPEC.total_steps * 2
+    # Every step of every rank, three times (step_time, step_memory, collectives), plus
+    # the samplers.
+    steps = SPEC.ranks * SPEC.total_steps * 3
     samples = SPEC.total_samples * (SPEC.ranks + SPEC.nodes * (1 + SPEC.gpus))
     assert check.written_records == check.generated_records == steps + samples + SPEC.ranks
     assert result.valid is not None and result.valid[0], result.valid
@@ -88,3 +89,34 @@ def test_paused_aggregator_real_senders_reconnect_and_files_stay_valid(tmp_path:
     assert r["written"] + r["missing_items"] == sum(
         x["put"]["step_time"] + x["put"]["step_memory"] for x in r["results"]
     )
+
+
+def test_ranks_through_real_relay_processes_are_accounted_for_exactly(tmp_path: Path) -> None:
+    """4 nodes x 2 ranks, each node's ranks through a real relay process (what ``traceml
+    run`` starts per node): every record once, the relays forwarded every frame and
+    dropped none, and the aggregator held one connection per relay."""
+    spec = scale.LoadSpec(ranks=8, steps_per_s=20.0, seconds=3.0, ranks_per_node=2)
+    relays = scale.RelayProcesses(stop_timeout_s=10.0)
+    result = scale.run_once(
+        spec,
+        "all",
+        logs_dir=tmp_path,
+        run_name="relayed",
+        procs=1,
+        do_validate=True,
+        quiet=True,
+        route=lambda address, token: relays.route(address, token, spec.nodes),
+        after_load=relays.stop,
+    )
+    check = result.check
+    assert check.exact, check
+    assert result.dropped == 0 and check.missing_batches == 0
+    assert check.written_records == check.generated_records > 0
+    assert relays.relays == spec.nodes == 4
+    assert relays.totals["stopped_without_counts"] == 0, relays.totals
+    assert relays.totals["dropped_batches"] == relays.totals["dropped_messages"] == 0
+    # Every batch and finished message of every rank, and at least one relay message each.
+    stats = orjson.loads((tmp_path / "relayed" / "aggregator" / "stats.json").read_bytes())
+    assert relays.totals["forwarded_frames"] >= stats["accepted_batches"] + spec.ranks + 4
+    assert stats["connections_total"] == spec.nodes and stats["finished_ranks"] == spec.ranks
+    assert result.valid is not None and result.valid[0], result.valid

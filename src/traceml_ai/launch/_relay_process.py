@@ -138,22 +138,29 @@ class RelayProcess:
         self._watcher = threading.Thread(target=run, name="traceml-relay-watch", daemon=True)
         self._watcher.start()
 
-    def stop(self) -> None:
-        """Ask it to forward what it holds and stop; wait for that (bounded), then kill."""
+    def stop(self) -> dict[str, Any] | None:
+        """Ask it to forward what it holds and stop; wait for that (bounded), then kill.
+
+        Its ``stopped`` line (``forwarded_frames``, ``dropped_batches``,
+        ``dropped_messages``), or None when it stopped without one (it was gone, or
+        out of time)."""
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.join()
         proc = self._proc
         if proc is None:
-            return
+            return None
+        stopped = None
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
             event = self._read_event(self._stop_timeout_s + 5.0)
             if event is not None and event.get("event") == "stopped":
+                stopped = event
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=2.0)
         self._kill()
+        return stopped
 
     def _kill(self) -> None:
         proc = self._proc

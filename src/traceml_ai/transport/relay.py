@@ -47,7 +47,7 @@ from typing import Any
 
 import attrs
 
-from traceml_ai.transport.server import AggregatorServer, Connection
+from traceml_ai.transport.server import AggregatorServer, Connection, LoopRunner
 from traceml_ai.transport.wire import (
     BATCH_GLOBAL_RANK,
     DEFAULT_MAX_FRAME_BYTES,
@@ -149,9 +149,12 @@ class Relay:
         report_interval_s: float = 0.5,
         expected_connections: int | None = None,
         on_event: Callable[[str], None] | None = None,
+        loop_runner: LoopRunner | None = None,
     ) -> None:
         """``on_event`` gets a line for each change of the upstream connection worth
-        telling (lost, back); it is called on the relay's loop thread."""
+        telling (lost, back); it is called on the relay's loop thread. ``loop_runner``:
+        the loop to run on, shared with other relays of the process (default: a thread
+        and loop of its own)."""
         if max_pending_bytes < 1 or connect_timeout_s <= 0 or report_interval_s <= 0:
             raise ValueError("bounds and timeouts must be positive")
         self.relay_id = relay_id or new_relay_id()
@@ -169,6 +172,7 @@ class Relay:
             token,
             max_frame_bytes=max_frame_bytes,
             expected_connections=expected_connections,
+            loop_runner=loop_runner,
         )
         # Loop thread only from start() on.
         self._queue: deque[bytes] = deque()
@@ -183,6 +187,7 @@ class Relay:
         self._report_due: asyncio.TimerHandle | None = None
         self._report_dirty = False
         self._stopping = False
+        self._closed = False  # stop() closed the upstream side: no connection after it
         self._flushed: asyncio.Event | None = None
         self._was_connected = False
         self._dropped: dict[int, dict[str, int]] = {}
@@ -228,9 +233,15 @@ class Relay:
                 until = min(deadline, time.monotonic() + _RANKS_GRACE_S)
                 while self._intake.connections_open and time.monotonic() < until:
                     time.sleep(0.02)
-                with contextlib.suppress(Exception):
-                    future = asyncio.run_coroutine_threadsafe(self._drain(deadline), loop)
+                future = asyncio.run_coroutine_threadsafe(self._drain(deadline), loop)
+                try:
                     future.result(max(0.1, deadline - time.monotonic() + 2 * _FINAL_GRACE_S))
+                except Exception:
+                    future.cancel()
+                # On the loop: a loop shared with other relays goes on, and must not keep
+                # this relay's socket or timers.
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(self._close_on_loop(), loop).result(1.0)
             self._intake.stop()
             self._close_upstream()
             self._stats = self.stats()
@@ -309,7 +320,12 @@ class Relay:
 
     def _connect_soon(self) -> None:
         self._retry = None
-        if self._sock is None and not self._connecting and not self._intake._stopped:
+        if (
+            self._sock is None
+            and not self._connecting
+            and not self._intake._stopped
+            and not self._closed
+        ):
             self._connecting = True
             asyncio.get_running_loop().create_task(self._connect())
 
@@ -334,7 +350,7 @@ class Relay:
             self._schedule_retry()
             return
         self._connecting = False
-        if self._intake._stopped and not self._stopping:
+        if self._closed or (self._intake._stopped and not self._stopping):
             sock.close()
             return
         self._sock = sock
@@ -353,7 +369,7 @@ class Relay:
         self._pump()
 
     def _schedule_retry(self) -> None:
-        if self._retry is None and not self._intake._stopped:
+        if self._retry is None and not self._intake._stopped and not self._closed:
             loop = asyncio.get_running_loop()
             self._retry = loop.call_later(self._backoff_s, self._connect_soon)
             self._backoff_s = min(self._backoff_s * 2, _MAX_BACKOFF_S)
@@ -437,6 +453,26 @@ class Relay:
                 "reconnecting, frames wait meanwhile"
             )
         self._schedule_retry()
+
+    async def _close_on_loop(self) -> None:
+        """stop(), on the loop: cancel the timers, close the upstream socket."""
+        self._closed = True
+        self._stopping = True
+        for timer in (self._retry, self._report_due):
+            if timer is not None:
+                timer.cancel()
+        self._retry = self._report_due = None
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(Exception):
+                loop.remove_reader(sock)
+            with contextlib.suppress(Exception):
+                loop.remove_writer(sock)
+            self._writing = False
+            # close() still sends what the kernel holds (no SO_LINGER of zero).
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def _close_upstream(self) -> None:
         sock, self._sock = self._sock, None

@@ -1,4 +1,6 @@
-"""Aggregator side of the transport: an asyncio TCP server in its own daemon thread.
+"""Aggregator side of the transport: an asyncio TCP server on an event loop running in a
+daemon thread: its own by default, or a :class:`LoopRunner`'s shared by many servers of
+one process (the relays of a ``bench.scale`` host).
 
 One event loop holds every rank connection. Each frame is length-checked, stamped with
 ``observed_timestamp_unix_ns`` on receipt, decoded with ``decode_message`` (or, for our
@@ -45,7 +47,7 @@ import hmac
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 import orjson
@@ -64,12 +66,19 @@ from traceml_ai.transport.wire import (
     make_tracker_runs_message,
 )
 
-__all__ = ["AggregatorServer", "Connection", "connection_limits", "raise_file_limit"]
+__all__ = [
+    "AggregatorServer",
+    "Connection",
+    "LoopRunner",
+    "connection_limits",
+    "raise_file_limit",
+]
 
 _T = TypeVar("_T")
 
 _HEADER_SIZE = FRAME_HEADER.size
 _unpack_header = FRAME_HEADER.unpack_from
+_find_rank = BATCH_GLOBAL_RANK.search
 
 
 HOLD_MAX_S = 10.0
@@ -166,6 +175,91 @@ SWEEP_INTERVAL_S = 0.5
 LISTEN_BACKLOG = 2048
 """Pending connections the kernel queues for us: a flood of connections (or a large
 job starting) must not fill the queue so that a real rank's connect times out."""
+
+
+class LoopRunner:
+    """An asyncio event loop running on its own daemon thread, for servers to share.
+
+    A server given none makes its own (one thread per server, the default); many
+    servers of one process (a host of relays, ``bench.scale --relays``) can share one
+    runner, so that a thousand relays cost one thread and one loop rather than a
+    thousand. :meth:`start` starts the thread (idempotent); :meth:`stop` stops the loop,
+    cancels what still runs on it and joins the thread. The servers on it are stopped
+    one by one with their own ``stop``, which leaves the loop running for the others.
+    """
+
+    def __init__(self, name: str = "traceml-loop") -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop, once started."""
+        return self._loop
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The thread running the loop, once started."""
+        return self._thread
+
+    def start(self) -> asyncio.AbstractEventLoop:
+        """Start the loop's thread if it is not running; the loop. ``RuntimeError`` once
+        stopped."""
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("LoopRunner cannot be restarted after stop()")
+            if self._loop is not None:
+                return self._loop
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+            thread = threading.Thread(
+                target=self._run, args=(loop, ready), name=self._name, daemon=True
+            )
+            self._loop, self._thread = loop, thread
+            thread.start()
+            ready.wait()
+            return loop
+
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        """Run ``coro`` on the loop and wait for its result (not from the loop's thread)."""
+        loop = self.start()
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the loop and join its thread (within ``timeout``). Idempotent; from the
+        loop's own thread it only asks the loop to stop."""
+        with self._lock:
+            self._stopped = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        # RuntimeError: the loop already closed.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(loop.stop)
+        if threading.current_thread() is not thread:
+            thread.join(max(0.0, timeout))
+
+    @staticmethod
+    def _run(loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(ready.set)
+        try:
+            loop.run_forever()
+        finally:
+            ready.set()
+            try:
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            except Exception:
+                pass
+            finally:
+                loop.close()
 
 
 class _PortGuard:
@@ -504,6 +598,7 @@ class AggregatorServer:
         expected_connections: int | None = None,
         max_connections: int | None = None,
         max_unproven_connections: int | None = None,
+        loop_runner: LoopRunner | None = None,
     ) -> None:
         self._host = host
         self._port = port
@@ -526,11 +621,15 @@ class AggregatorServer:
                 self._gate.max_unproven = max_unproven_connections
 
         self._lifecycle_lock = threading.Lock()
+        # Whether the runner is this server's own (stopped with it) or shared.
+        self._own_runner = loop_runner is None
+        self._runner = (
+            loop_runner if loop_runner is not None else LoopRunner("traceml-aggregator-server")
+        )
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None
-        self._start_error: BaseException | None = None
         self._stopped = False
         self._connections: set[Connection] = set()
         # Per global rank: open connections that carried it, and connections held
@@ -623,28 +722,34 @@ class AggregatorServer:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> tuple[str, int]:
-        """Bind and start serving; return the bound address. Raises ``OSError`` if bind fails."""
+        """Bind and start serving; return the bound address. Raises ``OSError`` if bind fails.
+
+        Serves on the loop runner it was given (not to be called from that runner's
+        thread), else on a thread of its own."""
         with self._lifecycle_lock:
             if self._address is not None:
                 return self._address
             if self._stopped:
                 raise RuntimeError("AggregatorServer cannot be restarted after stop()")
             self._fit_file_limit()
-            ready = threading.Event()
-            thread = threading.Thread(
-                target=self._run, args=(ready,), name="traceml-aggregator-server", daemon=True
-            )
-            self._thread = thread
-            thread.start()
-            ready.wait()
-            if self._address is None:
-                thread.join()
-                error = self._start_error
-                raise error if error is not None else RuntimeError("server failed to start")
+            runner = self._runner
+            self._loop = runner.start()
+            self._thread = runner.thread
+            try:
+                self._address = runner.run(self._open())
+            except BaseException:
+                if self._own_runner:
+                    # A start that failed (the port taken) may be tried again.
+                    runner.stop()
+                    self._runner = LoopRunner(runner._name)
+                    self._loop = self._thread = None
+                raise
             return self._address
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Close the listener and every connection, then join the loop thread. Idempotent.
+        """Close the listener and every connection, then (its own runner) stop the loop
+        and join its thread; a shared runner's loop goes on for its other servers.
+        Idempotent.
 
         Called from a callback (the loop thread itself), it schedules the shutdown and
         returns at once, since waiting there would wait on itself.
@@ -656,19 +761,17 @@ class AggregatorServer:
             loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive():
             return
+        runner = self._runner
         if threading.current_thread() is thread:
-            loop.create_task(self._shutdown()).add_done_callback(lambda _: loop.stop())
+            task = loop.create_task(self._shutdown())
+            if self._own_runner:
+                task.add_done_callback(lambda _: runner.stop())
             return
         deadline = time.monotonic() + max(0.0, timeout)
-        try:
-            future = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
-            future.result(max(0.0, timeout))
-        except Exception:
-            pass
-        # RuntimeError: the loop already closed on its own.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(loop.stop)
-        thread.join(max(0.1, deadline - time.monotonic()))
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(max(0.0, timeout))
+        if self._own_runner:
+            runner.stop(max(0.1, deadline - time.monotonic()))
 
     @property
     def max_connections(self) -> int:
@@ -706,41 +809,16 @@ class AggregatorServer:
                 flush=True,
             )
 
-    def _run(self, ready: threading.Event) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            try:
-                server = loop.run_until_complete(
-                    loop.create_server(
-                        lambda: Connection(self), self._host, self._port, backlog=LISTEN_BACKLOG
-                    )
-                )
-            except BaseException as exc:
-                self._start_error = exc
-                return
-            self._server = server
-            sockname = server.sockets[0].getsockname()
-            self._address = (str(sockname[0]), int(sockname[1]))
-            ready.set()
-            loop.call_later(SWEEP_INTERVAL_S, self._sweep)
-            loop.run_forever()
-        finally:
-            ready.set()
-            self._close_loop(loop)
-
-    @staticmethod
-    def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        except Exception:
-            pass
-        finally:
-            loop.close()
+    async def _open(self) -> tuple[str, int]:
+        """Bind the listener on the running loop and start the sweep; the bound address."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: Connection(self), self._host, self._port, backlog=LISTEN_BACKLOG
+        )
+        self._server = server
+        sockname = server.sockets[0].getsockname()
+        loop.call_later(SWEEP_INTERVAL_S, self._sweep)
+        return str(sockname[0]), int(sockname[1])
 
     async def _shutdown(self) -> None:
         if self._server is not None:
@@ -793,6 +871,22 @@ class AggregatorServer:
 
         As :meth:`_frame`, and each batch is tallied under the rank its identity names
         (the connection has no one rank)."""
+        prefix = self._batch_prefix
+        if body.startswith(prefix) and known_stream_follows(body, len(prefix)):
+            # Our senders' batches, nearly every frame: as _read_frame reads them, inline
+            # (with a thousand relays' frames a second, each call saved counts).
+            match = _find_rank(body, len(prefix), 4096)
+            if match is None:
+                raise FrameError("missing identity")
+            sender = int(match.group(1))
+            self._accepted_batches += 1
+            counts = self._gate.batches_by_rank
+            counts[sender] = counts.get(sender, 0) + 1
+            try:
+                self._on_batch(ReceivedBatch(observed, body, length))
+            except Exception:
+                self._callback_errors += 1
+            return
         rank, message = self._read_frame(body)
         if rank is not None:
             self._accepted_batches += 1
