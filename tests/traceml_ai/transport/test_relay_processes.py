@@ -144,9 +144,15 @@ def test_an_aggregator_restarted_mid_run_gets_the_rest_through_the_relay(tmp_pat
         )
         for rank in range(RANKS)
     ]
-    time.sleep(1.0)
     server = first._server
     assert server is not None
+    # Mid-run: once every rank's batches reach the first aggregator (a rank's interpreter
+    # takes a while to start on a loaded machine), not after a fixed time.
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline and not all(
+        server.received_batches_by_rank().get(rank) for rank in range(RANKS)
+    ):
+        time.sleep(0.05)
     first.finalize()
     received_first = server.received_batches_by_rank()
     second = aggregator("run2", port)
