@@ -22,7 +22,8 @@ server from :class:`~traceml_ai.dashboard._live.LiveSource`. Each load is cold: 
 server (so the view is built for it) and a new browser context (nothing cached). First
 paint is ``window.tracemlFirstPaintMs``: ``performance.now()`` (ms since navigation
 started) in the frame after the page rendered its first view, when it sets
-``<html data-ready="1">``. Also printed: the view's build time (the source's
+``<html data-ready="1">``; the charts follow when Plotly has loaded
+(``window.tracemlChartsMs``, printed with the load's other timings). Also printed: the view's build time (the source's
 ``RunData`` and ``build_view``, thread CPU time, median) and the ``/api/view`` JSON's
 size. Last line: ``first_paint_s_1024=<median> view_bytes_1024=<n>
 view_build_s_1024=<median> first_paint_s_10240=... view_bytes_10240=...
@@ -254,6 +255,7 @@ _TIMINGS = """() => {
     }
   }
   at["first paint"] = window.tracemlFirstPaintMs;
+  at["charts drawn"] = window.tracemlChartsMs;
   return at;
 }"""
 """Performance timings of the load, ms since navigation started."""
@@ -281,6 +283,8 @@ def paint_cost(browser: Any, ranks: int, loads: int) -> PaintCost:
             page.wait_for_function("() => document.documentElement.dataset.ready === '1'",
                                    timeout=120_000)  # fmt: skip
             painted.append(float(page.evaluate("() => window.tracemlFirstPaintMs")) / 1000)
+            page.wait_for_function("() => document.documentElement.dataset.charts === '1'",
+                                   timeout=120_000)  # fmt: skip
             timings.append(page.evaluate(_TIMINGS))
         finally:
             context.close()
@@ -290,9 +294,9 @@ def paint_cost(browser: Any, ranks: int, loads: int) -> PaintCost:
         f"(median {statistics.median(painted):.2f} s); /api/view {nbytes / 1e3:,.0f} kB, "
         f"built in {build_s:.3f} s CPU (median of 3)"
     )
-    for name in timings[0]:
-        values = [t[name] / 1000 for t in timings]
-        print(f"  {name}: {', '.join(f'{v:.2f}' for v in values)} s")
+    for name in dict.fromkeys(k for t in timings for k in t):
+        values = [f"{t[name] / 1000:.2f}" if t.get(name) is not None else "-" for t in timings]
+        print(f"  {name}: {', '.join(values)} s")
     return PaintCost(painted, nbytes, build_s)
 
 
