@@ -23,11 +23,12 @@ server (so the view is built for it) and a new browser context (nothing cached).
 paint is ``window.tracemlFirstPaintMs``: ``performance.now()`` (ms since navigation
 started) in the frame after the page rendered its first view, when it sets
 ``<html data-ready="1">``; the charts follow when Plotly has loaded
-(``window.tracemlChartsMs``, printed with the load's other timings). Also printed: the view's build time (the source's
-``RunData`` and ``build_view``, thread CPU time, median) and the ``/api/view`` JSON's
-size. Last line: ``first_paint_s_1024=<median> view_bytes_1024=<n>
-view_build_s_1024=<median> first_paint_s_10240=... view_bytes_10240=...
-view_build_s_10240=...``.
+(``window.tracemlChartsMs``, printed with the load's other timings). Also printed: the
+view's build time (the source's ``RunData``, ``build_view`` and the JSON, thread CPU
+time, median of 3) and the ``/api/view`` JSON's size, of the full view and of the
+page's first view (``?charts=0``: no lines over steps, which wait for Plotly anyway).
+Last line: ``first_paint_s_1024=<median> view_bytes_1024=<n> view_build_s_1024=<median>
+first_view_build_s_1024=<median>``, then the same for 10,240.
 
     python -m bench.dashboard --paint              # 3 loads per size
 """
@@ -230,14 +231,15 @@ class PaintCost:
     first_paint_s: list[float]
     view_bytes: int
     view_build_s: float
+    first_view_build_s: float
 
 
-def _view_cost(source: Callable[[], RunData], repeat: int) -> tuple[int, float]:
+def _view_cost(source: Callable[[], RunData], repeat: int, charts: bool) -> tuple[int, float]:
     """(the view's JSON bytes, the median thread CPU time of the source and the view)."""
     times, body = [], b""
     for _ in range(repeat):
         started = time.thread_time()
-        body = orjson.dumps(build_view(source()))
+        body = orjson.dumps(build_view(source(), charts=charts))
         times.append(time.thread_time() - started)
     return len(body), statistics.median(times)
 
@@ -271,7 +273,8 @@ def paint_cost(browser: Any, ranks: int, loads: int) -> PaintCost:
     monitoring = _job_monitoring(ranks)
     print(f"{ranks:,} ranks: live state built in {time.monotonic() - started:.1f} s")
     source = LiveSource(monitoring)
-    nbytes, build_s = _view_cost(source, 3)
+    nbytes, build_s = _view_cost(source, 3, charts=True)
+    first_bytes, first_s = _view_cost(source, 3, charts=False)
     painted: list[float] = []
     timings: list[dict[str, float]] = []
     for _ in range(loads):
@@ -292,12 +295,13 @@ def paint_cost(browser: Any, ranks: int, loads: int) -> PaintCost:
     print(
         f"{ranks:,} ranks: first paint {', '.join(f'{s:.2f}' for s in painted)} s "
         f"(median {statistics.median(painted):.2f} s); /api/view {nbytes / 1e3:,.0f} kB, "
-        f"built in {build_s:.3f} s CPU (median of 3)"
+        f"built in {build_s:.3f} s CPU (median of 3); the first view (?charts=0) "
+        f"{first_bytes / 1e3:,.0f} kB, built in {first_s:.3f} s CPU"
     )
     for name in dict.fromkeys(k for t in timings for k in t):
         values = [f"{t[name] / 1000:.2f}" if t.get(name) is not None else "-" for t in timings]
         print(f"  {name}: {', '.join(values)} s")
-    return PaintCost(painted, nbytes, build_s)
+    return PaintCost(painted, nbytes, build_s, first_s)
 
 
 def paint_main(loads: int, sizes: tuple[int, ...]) -> None:
@@ -316,7 +320,8 @@ def paint_main(loads: int, sizes: tuple[int, ...]) -> None:
     print(
         " ".join(
             f"first_paint_s_{n}={statistics.median(c.first_paint_s):.3f} "
-            f"view_bytes_{n}={c.view_bytes} view_build_s_{n}={c.view_build_s:.4f}"
+            f"view_bytes_{n}={c.view_bytes} view_build_s_{n}={c.view_build_s:.4f} "
+            f"first_view_build_s_{n}={c.first_view_build_s:.4f}"
             for n, c in costs.items()
         )
     )

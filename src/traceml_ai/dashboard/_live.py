@@ -22,11 +22,11 @@ from traceml_ai.analysis import (
     step_figures,
 )
 from traceml_ai.dashboard._view import (
+    LazySeries,
     RunData,
     StepSeries,
     files_command,
     outlier_ranks,
-    rank_medians,
 )
 from traceml_ai.monitor import STRAGGLER_PERIOD_S, STRAGGLER_STEPS, WINDOW_STEPS
 
@@ -82,15 +82,20 @@ class LiveSource:
         state = m.state
         finished = m.finished.is_set()
         health = m.health()
-        live_ranks = state.ranks()
+        # Each rank's figures without its histograms, and the median of its recent steps
+        # (one numpy sort in the state): no Python step per step and rank.
+        live_ranks = state.metric_figures(0).ranks
         recent = {r: steps for r, steps in state.recent_steps().items() if steps}
         notes: list[str] = []
         step_time: dict[str, RankSteps] | None = None
         phases: dict[str, dict[str, PhaseFigures]] | None = None
         names: list[str] = []
         straggler = state.straggler
-        series = _step_series(recent)
-        p50 = rank_medians(series)
+        p50 = {
+            r.rank: r.recent_median_ms
+            for r in live_ranks
+            if r.recent_median_ms is not None and r.rank in recent
+        }
         if recent:
             # The summary's figures of the ranks the page's tables show (all, up to the
             # table's rows; else the stragglers and the slowest), which bounds the cost.
@@ -209,7 +214,7 @@ class LiveSource:
             phases=phases,
             phase_names=names,
             straggler=straggler,
-            series=series,
+            series=LazySeries(lambda: _step_series(recent)),
             rank_p50_ms=p50,
             memory=memory,
             memory_basis="the peak of each rank's latest step",

@@ -26,8 +26,9 @@ from __future__ import annotations
 import heapq
 import math
 import shlex
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -60,6 +61,7 @@ __all__ = [
     "PHASE_COLOURS",
     "USER_PHASE_COLOURS",
     "VIEW_VERSION",
+    "LazySeries",
     "RunData",
     "StepSeries",
     "build_view",
@@ -182,6 +184,23 @@ class StepSeries:
         return steps, np.searchsorted(steps, self.step)
 
 
+class LazySeries:
+    """Step columns made when first asked for, then kept: the live source's (reading
+    every rank's recent steps is most of a large view's cost, and the page's first
+    view, drawn before Plotly has loaded, has no chart to draw)."""
+
+    def __init__(self, make: Callable[[], StepSeries]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._made: StepSeries | None = None
+
+    def get(self) -> StepSeries:
+        with self._lock:
+            if self._made is None:
+                self._made = self._make()
+            return self._made
+
+
 def rank_medians(series: StepSeries) -> dict[int, float]:
     """rank -> the median of its rows' step times (every rank, by one numpy sort)."""
     if not len(series.rank):
@@ -270,7 +289,7 @@ class RunData:
     """rank (str) -> phase -> its figures."""
     phase_names: Sequence[str] = ()
     straggler: StragglerView | None = None
-    series: Series | StepSeries = attrs.field(factory=dict)
+    series: Series | StepSeries | LazySeries = attrs.field(factory=dict)
     rank_p50_ms: Mapping[int, float] | None = None
     """rank -> its median step time, every rank (None: ``step_time``'s, which then
     holds every rank)."""
@@ -708,8 +727,19 @@ def _p50s(data: RunData) -> dict[int, float]:
     return {int(r): s.p50_ms for r, s in (data.step_time or {}).items() if s.steps}
 
 
-def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]:
-    """The page's JSON for ``data``; ``extra_ranks`` get their own step-time line."""
+def _step_series(data: RunData) -> StepSeries:
+    series = data.series
+    if isinstance(series, LazySeries):
+        return series.get()
+    return series if isinstance(series, StepSeries) else StepSeries.of(series)
+
+
+def build_view(
+    data: RunData, extra_ranks: Sequence[int] = (), *, charts: bool = True
+) -> dict[str, Any]:
+    """The page's JSON for ``data``; ``extra_ranks`` get their own step-time line.
+    Without ``charts``, the lines over steps are left out (``step_time.deferred``):
+    the page's first view, drawn before its charts can be."""
     ranks = list(data.ranks)
     stragglers = _straggler_ranks(data.straggler)
     p50 = _p50s(data)
@@ -721,10 +751,15 @@ def build_view(data: RunData, extra_ranks: Sequence[int] = ()) -> dict[str, Any]
         slowest = heapq.nsmallest(HIGHLIGHT, ranks, key=lambda r: (-p50.get(r, 0.0), r))
         highlight = [*stragglers, *(r for r in slowest if r not in stragglers)][:HIGHLIGHT]
         highlight = sorted(set(highlight) | set(stragglers))
-    series = data.series if isinstance(data.series, StepSeries) else StepSeries.of(data.series)
-    in_series = set(series.ranks()) if extra_ranks else set()
-    extra = [r for r in extra_ranks if r in in_series]
-    step_chart, throughput = _series(data, series, highlight, extra)
+    if charts:
+        series = _step_series(data)
+        in_series = set(series.ranks()) if extra_ranks else set()
+        extra = [r for r in extra_ranks if r in in_series]
+        step_chart, throughput = _series(data, series, highlight, extra)
+    else:
+        step_chart = {"steps": [], "lines": [], "band": len(ranks) > ALL_LINES_UP_TO,
+                      "deferred": True}  # fmt: skip
+        throughput = {"steps": [], "steps_per_s": []}
     folded = _folded_phases(data)
     groups = _groups(data, p50, stragglers, shown) if len(ranks) >= GROUPS_FROM else []
     system, system_spread, system_note = _system(data, groups)

@@ -3,12 +3,16 @@ a large job: bounded by groups, never a row per rank."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import attrs
 import orjson
+import pytest
 
 from tests.traceml_ai.dashboard.big_runs import BASE_MS, big_run, layout_of
 from traceml_ai.analysis import BUILT_IN_PHASES, MAX_USER_PHASES, OTHER_PHASE, percentile
+from traceml_ai.dashboard._live import LiveSource
 from traceml_ai.dashboard._view import (
     GROUPS_FROM,
     HIGHLIGHT,
@@ -16,11 +20,15 @@ from traceml_ai.dashboard._view import (
     MAX_TABLE_ROWS,
     PHASE_COLOURS,
     USER_PHASE_COLOURS,
+    LazySeries,
     StepSeries,
     build_view,
     outlier_ranks,
     rank_medians,
 )
+from traceml_ai.monitor import Monitoring, RunInfo
+from traceml_ai.monitor.metrics import Health
+from traceml_ai.settings import MonitorSettings
 
 
 def test_every_phase_the_page_draws_has_a_colour_of_its_own() -> None:
@@ -146,3 +154,66 @@ def test_the_series_columns_and_medians_match_the_summary_percentile() -> None:
     assert rank_medians(series) == {4: percentile([1.0, 2.0, 3.0, 5.0], 50.0), 9: 7.0}
     steps, index = series.step_index()
     assert steps.tolist() == [1, 2, 3, 5] and index.tolist() == [0, 1, 2, 3, 0]
+
+
+def test_the_first_view_leaves_the_lines_out_and_reads_no_step() -> None:
+    """``charts=False`` (the page's first view): the same groups and tables, no lines
+    over steps, and the lazy step columns never made; a full view makes them once."""
+    data = big_run(10240)
+
+    def refuse() -> StepSeries:
+        raise AssertionError("the first view read every rank's steps")
+
+    first = build_view(attrs.evolve(data, series=LazySeries(refuse)), charts=False)
+    full = build_view(data)
+    assert first["step_time"]["deferred"] and first["step_time"]["steps"] == []
+    assert first["throughput"]["steps_per_s"] == []
+    assert first["groups"] == full["groups"] and first["ranks"] == full["ranks"]
+    made: list[int] = []
+
+    def make() -> StepSeries:
+        made.append(1)
+        assert isinstance(data.series, StepSeries)
+        return data.series
+
+    lazy = attrs.evolve(data, series=LazySeries(make))
+    assert [build_view(lazy)["step_time"] for _ in range(2)] == [full["step_time"]] * 2
+    assert made == [1]
+
+
+def _timing(ms: float) -> dict[str, Any]:
+    return {"cpu": {"cpu_ms": ms, "duration_ms": ms, "gpu_ms": None, "is_gpu": False,
+                    "n_calls": 1}}  # fmt: skip
+
+
+def test_the_live_source_groups_a_slower_node_by_the_states_medians() -> None:
+    """72 ranks (9 nodes of 8) fed to a real live state, node 4's ranks twice as slow:
+    the live view's node table puts node 4 first by p50, and each table rank's p50
+    (the summary's figures) is the state's median the groups use."""
+    monitoring = Monitoring(
+        MonitorSettings(prometheus_port=0),
+        RunInfo(run_dir=Path("."), run_name="live", host="h"),
+        Health,
+    )
+    state = monitoring.state
+    for rank in range(72):
+        identity = {"global_rank": rank, "local_rank": rank % 8, "world_size": 72,
+                    "local_world_size": 8, "node_rank": rank // 8}  # fmt: skip
+        slow = 2.0 if rank // 8 == 4 else 1.0
+        items = [
+            {"seq": n, "step": n, "timestamp_unix_ns": 10**18 + n * 10**8,
+             "events": {"_traceml_internal:step_time": _timing(slow * (20.0 + (rank + n) % 5))}}
+            for n in range(1, 41)
+        ]  # fmt: skip
+        state.add_steps(identity, items)
+    data = LiveSource(monitoring)()
+    view = build_view(data)
+    (nodes,) = view["groups"]
+    assert nodes["count"] == 9
+    top = max(nodes["rows"], key=lambda row: row["p50_ms"])
+    assert top["group"] == 4 and top["p50_ms"] > 1.8 * min(r["p50_ms"] for r in nodes["rows"])
+    assert data.rank_p50_ms is not None and len(data.rank_p50_ms) == 72
+    for row in view["ranks"]:
+        assert row["p50_ms"] == pytest.approx(data.rank_p50_ms[row["rank"]])
+    assert {row["rank"] for row in view["ranks"]} >= set(range(32, 40))
+    assert view["step_time"]["band"] and len(view["step_time"]["median"]) == 40

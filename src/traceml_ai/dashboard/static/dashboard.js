@@ -327,8 +327,14 @@
     }, 0));
   }
 
+  // The first view leaves the lines over steps out (?charts=0): the charts wait for
+  // Plotly anyway, and those lines are most of a large run's view to make.
+  let firstShown = false;
   async function poll() {
-    const query = extraRanks.size ? `?ranks=${[...extraRanks].join(",")}` : "";
+    const params = [];
+    if (extraRanks.size) params.push(`ranks=${[...extraRanks].join(",")}`);
+    if (!firstShown) params.push("charts=0");
+    const query = params.length ? `?${params.join("&")}` : "";
     const abort = new AbortController();
     const timer = setTimeout(() => abort.abort(), ANSWER_WITHIN_MS);
     try {
@@ -348,6 +354,7 @@
       showError(null);
       render(body);
       markReady();
+      firstShown = true;
     } catch (err) {
       failures += 1;
       if (lastView && lastView.source === "live" && lastView.finished) {
