@@ -342,8 +342,73 @@ def _finite_list(values: NDArray[np.float64]) -> list[float | None]:
     return [v if math.isfinite(v) else None for v in rounded.tolist()]
 
 
+Grids = tuple[NDArray[np.int64], NDArray[np.int64], int, NDArray[np.float64], NDArray[np.float64]]
+"""(the ranks, every step present, steps per bin, each rank's mean step ms per bin, each
+rank's mean ms between consecutive step ends per bin): a row per rank."""
+
+
+def _bin_means(
+    cell: NDArray[np.int64],
+    cells: int,
+    ranks: NDArray[np.int64] | None,
+    steps: NDArray[np.int64],
+    ms: NDArray[np.float64],
+    ends: NDArray[np.float64],
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Per cell, the mean step time and the mean time between a step's end and the end
+    of the step before it (where that is the row before, of the same rank)."""
+    counts = np.bincount(cell, minlength=cells)
+    sums = np.bincount(cell, weights=ms, minlength=cells)
+    follows = np.zeros(len(cell), dtype=np.bool_)
+    follows[1:] = steps[1:] == steps[:-1] + 1
+    if ranks is not None:
+        follows[1:] &= ranks[1:] == ranks[:-1]
+    gap = np.zeros(len(cell))
+    gap[1:] = (ends[1:] - ends[:-1]) / 1e6
+    counted = follows & (gap > 0)
+    gap_counts = np.bincount(cell[counted], minlength=cells)
+    gap_sums = np.bincount(cell[counted], weights=gap[counted], minlength=cells)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (
+            np.where(counts > 0, sums / counts, np.nan),
+            np.where(gap_counts > 0, gap_sums / gap_counts, np.nan),
+        )
+
+
+def _grids(series: StepSeries | Mapping[int, RankColumns]) -> Grids | None:
+    """The ranks x bins grids of ``series``: the flat columns at once; the files' step
+    columns rank by rank (a long run's columns are not copied into one)."""
+    if isinstance(series, StepSeries):
+        if not len(series.step):
+            return None
+        all_steps, step_index = series.step_index()
+        size = _bins(len(all_steps))
+        n = math.ceil(len(all_steps) / size)
+        ids, rank_row, _ = series.runs()
+        cell = rank_row * n + step_index // size
+        means, gaps = _bin_means(
+            cell, len(ids) * n, series.rank, series.step, series.step_ms, series.end_ns
+        )
+        return ids, all_steps, size, means.reshape(len(ids), n), gaps.reshape(len(ids), n)
+    columns = {r: c for r, c in series.items() if len(c)}
+    if not columns:
+        return None
+    all_steps = np.unique(np.concatenate([c.steps for c in columns.values()]))
+    size = _bins(len(all_steps))
+    n = math.ceil(len(all_steps) / size)
+    means = np.full((len(columns), n), np.nan)
+    gaps = np.full((len(columns), n), np.nan)
+    for i, c in enumerate(columns.values()):
+        cell = np.searchsorted(all_steps, c.steps) // size
+        means[i], gaps[i] = _bin_means(cell, n, None, c.steps, c.step_ms, c.ends())
+    return np.array(list(columns), dtype=np.int64), all_steps, size, means, gaps
+
+
 def _series(
-    data: RunData, series: StepSeries, highlight: Sequence[int], extra: Sequence[int]
+    data: RunData,
+    series: StepSeries | Mapping[int, RankColumns],
+    highlight: Sequence[int],
+    extra: Sequence[int],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(step time over steps, throughput over steps).
 
@@ -351,27 +416,10 @@ def _series(
     10th/90th percentiles of those over ranks; and the job's steps per second: 1000
     over the median (over ranks) of each rank's mean time between consecutive steps'
     ends in the bin. All ranks at once by numpy: a grid of ranks x bins."""
-    if not len(series.step):
+    found = _grids(series)
+    if found is None:
         return {"steps": [], "lines": []}, {"steps": [], "steps_per_s": []}
-    all_steps, step_index = series.step_index()
-    size = _bins(len(all_steps))
-    n = math.ceil(len(all_steps) / size)
-    ids, rank_row, _ = series.runs()
-    cell = rank_row * n + step_index // size
-    cells = len(ids) * n
-    counts = np.bincount(cell, minlength=cells)
-    sums = np.bincount(cell, weights=series.step_ms, minlength=cells)
-    # A step's time since the step before it ends, where that step is the one before.
-    follows = np.zeros(len(cell), dtype=np.bool_)
-    follows[1:] = (series.rank[1:] == series.rank[:-1]) & (series.step[1:] == series.step[:-1] + 1)
-    gap = np.zeros(len(cell))
-    gap[1:] = (series.end_ns[1:] - series.end_ns[:-1]) / 1e6
-    counted = follows & (gap > 0)
-    gap_counts = np.bincount(cell[counted], minlength=cells)
-    gap_sums = np.bincount(cell[counted], weights=gap[counted], minlength=cells)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        means = np.where(counts > 0, sums / counts, np.nan).reshape(len(ids), n)
-        gaps = np.where(gap_counts > 0, gap_sums / gap_counts, np.nan).reshape(len(ids), n)
+    ids, all_steps, size, means, gaps = found
     low, median, high = _row_percentiles(means.T, (10.0, 50.0, 90.0))
     (mid,) = _row_percentiles(gaps.T, (50.0,))
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -727,11 +775,17 @@ def _p50s(data: RunData) -> dict[int, float]:
     return {int(r): s.p50_ms for r, s in (data.step_time or {}).items() if s.steps}
 
 
-def _step_series(data: RunData) -> StepSeries:
+def _step_series(data: RunData) -> StepSeries | Mapping[int, RankColumns]:
+    """The run's steps as :func:`_series` takes them: the files' step columns as they
+    are, anything else as flat columns."""
     series = data.series
     if isinstance(series, LazySeries):
         return series.get()
-    return series if isinstance(series, StepSeries) else StepSeries.of(series)
+    if isinstance(series, StepSeries):
+        return series
+    if all(isinstance(c, RankColumns) for c in series.values()):
+        return series  # type: ignore[return-value]
+    return StepSeries.of(series)
 
 
 def build_view(
@@ -753,7 +807,11 @@ def build_view(
         highlight = sorted(set(highlight) | set(stragglers))
     if charts:
         series = _step_series(data)
-        in_series = set(series.ranks()) if extra_ranks else set()
+        in_series = (
+            set(series.ranks() if isinstance(series, StepSeries) else series)
+            if extra_ranks
+            else set()
+        )
         extra = [r for r in extra_ranks if r in in_series]
         step_chart, throughput = _series(data, series, highlight, extra)
     else:
