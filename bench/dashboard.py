@@ -14,6 +14,23 @@ for reference.
 
 Last line: ``dashboard_cpu_ratio=<median of watched/unwatched> view_ms=<median time to
 answer /api/view> dropped_batches=<with the page open>``.
+
+``--paint``: the page's first paint in Chromium instead, at 1,024 ranks (the baseline)
+and 10,240 ranks, in process: the live state of ``bench.monitoring``'s job builder (8
+ranks and 8 GPUs per node, each rank's last 120 steps) served by the real dashboard
+server from :class:`~traceml_ai.dashboard._live.LiveSource`. Each load is cold: a new
+server (so the view is built for it) and a new browser context (nothing cached). First
+paint is ``window.tracemlFirstPaintMs``: ``performance.now()`` (ms since navigation
+started) in the frame after the page rendered its first view, when it sets
+``<html data-ready="1">``; the charts follow when Plotly has loaded
+(``window.tracemlChartsMs``, printed with the load's other timings). Also printed: the
+view's build time (the source's ``RunData``, ``build_view`` and the JSON, thread CPU
+time, median of 3) and the ``/api/view`` JSON's size, of the full view and of the
+page's first view (``?charts=0``: no lines over steps, which wait for Plotly anyway).
+Last line: ``first_paint_s_1024=<median> view_bytes_1024=<n> view_build_s_1024=<median>
+first_view_build_s_1024=<median>``, then the same for 10,240.
+
+    python -m bench.dashboard --paint              # 3 loads per size
 """
 
 from __future__ import annotations
@@ -29,10 +46,14 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
+from traceml_ai.dashboard._view import RunData, build_view
 from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
 from .scale import run as scale_run
@@ -155,7 +176,13 @@ def main() -> None:
     parser.add_argument("--steps-per-s", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--paint", action="store_true", help="first paint in Chromium")
+    parser.add_argument("--loads", type=int, default=3, help="--paint: page loads per size")
+    parser.add_argument("--paint-ranks", type=int, nargs="*", help="--paint: the sizes")
     args = parser.parse_args()
+    if args.paint:
+        paint_main(args.loads, tuple(args.paint_ranks or PAINT_RANKS))
+        return
     spec = LoadSpec(ranks=args.ranks, steps_per_s=args.steps_per_s, seconds=args.seconds)
     logs = Path(tempfile.mkdtemp(prefix="bench-dashboard-"))
     ratios: list[float] = []
@@ -188,6 +215,115 @@ def main() -> None:
     print(
         f"dashboard_cpu_ratio={statistics.median(ratios):.2f} view_ms={view_ms:.1f} "
         f"dropped_batches={dropped}"
+    )
+
+
+# -- first paint in Chromium ---------------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+"""Debian's chromium, driven by Playwright (as the page's tests drive it)."""
+PAINT_RANKS = (1024, 10240)
+"""The baseline size, then the size the first paint is asked of (``first_paint_s_10240``)."""
+
+
+@dataclass(frozen=True)
+class PaintCost:
+    first_paint_s: list[float]
+    view_bytes: int
+    view_build_s: float
+    first_view_build_s: float
+
+
+def _view_cost(source: Callable[[], RunData], repeat: int, charts: bool) -> tuple[int, float]:
+    """(the view's JSON bytes, the median thread CPU time of the source and the view)."""
+    times, body = [], b""
+    for _ in range(repeat):
+        started = time.thread_time()
+        body = orjson.dumps(build_view(source(), charts=charts))
+        times.append(time.thread_time() - started)
+    return len(body), statistics.median(times)
+
+
+_TIMINGS = """() => {
+  const at = {};
+  const nav = performance.getEntriesByType("navigation")[0];
+  at["page HTML received"] = nav.responseEnd;
+  for (const r of performance.getEntriesByType("resource")) {
+    const name = r.name.split("/").pop();
+    if (name === "plotly.min.js") at["plotly.min.js received"] = r.responseEnd;
+    if (name.startsWith("view") && !("first /api/view asked" in at)) {
+      at["first /api/view asked"] = r.startTime;
+      at["first /api/view received"] = r.responseEnd;
+    }
+  }
+  at["first paint"] = window.tracemlFirstPaintMs;
+  at["charts drawn"] = window.tracemlChartsMs;
+  return at;
+}"""
+"""Performance timings of the load, ms since navigation started."""
+
+
+def paint_cost(browser: Any, ranks: int, loads: int) -> PaintCost:
+    from traceml_ai.dashboard._live import LiveSource
+    from traceml_ai.dashboard._server import Views, start_server
+
+    from .monitoring import _job_monitoring
+
+    started = time.monotonic()
+    monitoring = _job_monitoring(ranks)
+    print(f"{ranks:,} ranks: live state built in {time.monotonic() - started:.1f} s")
+    source = LiveSource(monitoring)
+    nbytes, build_s = _view_cost(source, 3, charts=True)
+    first_bytes, first_s = _view_cost(source, 3, charts=False)
+    painted: list[float] = []
+    timings: list[dict[str, float]] = []
+    for _ in range(loads):
+        server = start_server(Views(source, final=lambda: False), "127.0.0.1", 0)
+        context = browser.new_context(viewport={"width": 1400, "height": 1500})
+        try:
+            page = context.new_page()
+            page.goto(server.url)
+            page.wait_for_function("() => document.documentElement.dataset.ready === '1'",
+                                   timeout=120_000)  # fmt: skip
+            painted.append(float(page.evaluate("() => window.tracemlFirstPaintMs")) / 1000)
+            page.wait_for_function("() => document.documentElement.dataset.charts === '1'",
+                                   timeout=120_000)  # fmt: skip
+            timings.append(page.evaluate(_TIMINGS))
+        finally:
+            context.close()
+            server.stop(2.0)
+    print(
+        f"{ranks:,} ranks: first paint {', '.join(f'{s:.2f}' for s in painted)} s "
+        f"(median {statistics.median(painted):.2f} s); /api/view {nbytes / 1e3:,.0f} kB, "
+        f"built in {build_s:.3f} s CPU (median of 3); the first view (?charts=0) "
+        f"{first_bytes / 1e3:,.0f} kB, built in {first_s:.3f} s CPU"
+    )
+    for name in dict.fromkeys(k for t in timings for k in t):
+        values = [f"{t[name] / 1000:.2f}" if t.get(name) is not None else "-" for t in timings]
+        print(f"  {name}: {', '.join(values)} s")
+    return PaintCost(painted, nbytes, build_s, first_s)
+
+
+def paint_main(loads: int, sizes: tuple[int, ...]) -> None:
+    from playwright.sync_api import sync_playwright
+
+    costs: dict[int, PaintCost] = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            for ranks in sizes:
+                costs[ranks] = paint_cost(browser, ranks, loads)
+        finally:
+            browser.close()
+    print(
+        " ".join(
+            f"first_paint_s_{n}={statistics.median(c.first_paint_s):.3f} "
+            f"view_bytes_{n}={c.view_bytes} view_build_s_{n}={c.view_build_s:.4f} "
+            f"first_view_build_s_{n}={c.first_view_build_s:.4f}"
+            for n, c in costs.items()
+        )
     )
 
 

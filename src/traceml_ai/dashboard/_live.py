@@ -8,18 +8,26 @@ asked of the ranks. How often it is built is :class:`~._server.Views`' choice.
 
 from __future__ import annotations
 
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from traceml_ai.analysis import (
     PhaseFigures,
     RankSteps,
     StepRow,
     StepRows,
-    StragglerView,
-    median,
     step_figures,
 )
-from traceml_ai.dashboard._view import MAX_TABLE_ROWS, RunData, files_command
+from traceml_ai.dashboard._view import (
+    LazySeries,
+    RunData,
+    StepSeries,
+    files_command,
+    outlier_ranks,
+)
 from traceml_ai.monitor import STRAGGLER_PERIOD_S, STRAGGLER_STEPS, WINDOW_STEPS
 
 if TYPE_CHECKING:
@@ -28,14 +36,28 @@ if TYPE_CHECKING:
 __all__ = ["LiveSource"]
 
 
-def _shown_rows(recent: dict[int, list[StepSeen]], straggler: StragglerView | None) -> StepRows:
-    """The step rows (as the summary reads them) of the ranks the page's tables show:
-    every rank up to MAX_TABLE_ROWS, else the stragglers, then the slowest by median."""
-    shown = sorted(recent)
-    if len(shown) > MAX_TABLE_ROWS:
-        named = [r for r in (straggler.named_ranks if straggler else ()) if r in recent]
-        by_median = sorted(recent, key=lambda r: -median(s.step_ms for s in recent[r]))
-        shown = sorted([*named, *(r for r in by_median if r not in named)][:MAX_TABLE_ROWS])
+_STEP = attrgetter("step")
+_STEP_MS = attrgetter("step_ms")
+_END_NS = attrgetter("end_ns")
+
+
+def _step_series(recent: dict[int, list[StepSeen]]) -> StepSeries:
+    """Every rank's recent steps as the view's flat columns (each column read by one
+    ``map`` in C, not a Python step per step)."""
+    order = sorted(recent)
+    flat = list(chain.from_iterable(recent[r] for r in order))
+    if not flat:
+        return StepSeries.empty()
+    return StepSeries(
+        rank=np.repeat(np.array(order, dtype=np.int64), [len(recent[r]) for r in order]),
+        step=np.fromiter(map(_STEP, flat), dtype=np.int64, count=len(flat)),
+        step_ms=np.fromiter(map(_STEP_MS, flat), dtype=np.float64, count=len(flat)),
+        end_ns=np.fromiter(map(_END_NS, flat), dtype=np.float64, count=len(flat)),
+    )
+
+
+def _shown_rows(recent: dict[int, list[StepSeen]], shown: list[int]) -> StepRows:
+    """The step rows (as the summary reads them) of the ranks the page's tables show."""
     rows: StepRows = {}
     for r in shown:
         rows[r] = {s.step: StepRow(s.step_ms, s.phases, end_ns=float(s.end_ns)) for s in recent[r]}
@@ -60,17 +82,26 @@ class LiveSource:
         state = m.state
         finished = m.finished.is_set()
         health = m.health()
-        live_ranks = state.ranks()
+        # Each rank's figures without its histograms, and the median of its recent steps
+        # (one numpy sort in the state): no Python step per step and rank.
+        live_ranks = state.metric_figures(0).ranks
         recent = {r: steps for r, steps in state.recent_steps().items() if steps}
         notes: list[str] = []
         step_time: dict[str, RankSteps] | None = None
         phases: dict[str, dict[str, PhaseFigures]] | None = None
         names: list[str] = []
         straggler = state.straggler
+        p50 = {
+            r.rank: r.recent_median_ms
+            for r in live_ranks
+            if r.recent_median_ms is not None and r.rank in recent
+        }
         if recent:
-            # The summary's figures of the ranks the page shows (all, up to the table's
-            # rows; else the stragglers and the slowest), which bounds the cost.
-            figures = step_figures(_shown_rows(recent, straggler))
+            # The summary's figures of the ranks the page's tables show (all, up to the
+            # table's rows; else the stragglers and the slowest), which bounds the cost.
+            named = straggler.named_ranks if straggler else []
+            shown = outlier_ranks(sorted(recent), named, p50)
+            figures = step_figures(_shown_rows(recent, shown))
             step_time, phases, names = figures.step_time, figures.phases, figures.phase_names
         else:
             notes.append("step times: no step received yet")
@@ -183,10 +214,8 @@ class LiveSource:
             phases=phases,
             phase_names=names,
             straggler=straggler,
-            series={
-                r: [(s.step, s.step_ms, float(s.end_ns)) for s in steps]
-                for r, steps in recent.items()
-            },
+            series=LazySeries(lambda: _step_series(recent)),
+            rank_p50_ms=p50,
             memory=memory,
             memory_basis="the peak of each rank's latest step",
             process=process,

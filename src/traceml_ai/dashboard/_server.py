@@ -5,7 +5,8 @@ Routes: ``/`` (the page), ``/static/dashboard.js``, ``/static/dashboard.css``,
 a browser asks for by itself, the JSON view opened alone), ``/static/plotly.min.js``
 (read at run time from the installed ``plotly`` Python package, never copied into
 this project nor fetched from a CDN) and ``/api/view`` (the view's JSON;
-``?ranks=3,17`` adds those ranks' own lines).
+``?ranks=3,17`` adds those ranks' own lines; ``?charts=0`` leaves the lines over steps out:
+the page's first view, drawn before Plotly has loaded).
 
 The socket is bound before the server starts, so a taken port is said at once (as
 :class:`DashboardError`). On a loopback address only requests naming a loopback host
@@ -59,14 +60,14 @@ class Views:
         self._source = source
         self._final = final
         self._lock = threading.Lock()
-        self._built: dict[tuple[int, ...], tuple[RunData, bytes, float]] = {}
+        self._built: dict[tuple[tuple[int, ...], bool], tuple[RunData, bytes, float]] = {}
         self._data: RunData | None = None
         self._data_until = 0.0
         self.served = 0
         """Views served (the live sink waits for one after the run finalized)."""
         self.last_served = 0.0
 
-    def json(self, extra: tuple[int, ...] = ()) -> bytes:
+    def json(self, extra: tuple[int, ...] = (), *, charts: bool = True) -> bytes:
         with self._lock:
             now = time.monotonic()
             if self._data is None or now >= self._data_until or self._final():
@@ -76,18 +77,18 @@ class Views:
                     MIN_AGE_S, COST_FACTOR * (time.monotonic() - started)
                 )
             data = self._data
-            hit = self._built.get(extra)
+            hit = self._built.get((extra, charts))
             if hit is not None and hit[0] is data:
                 body = hit[1]
             else:
                 started = time.monotonic()
-                body = orjson.dumps(build_view(data, extra))
+                body = orjson.dumps(build_view(data, extra, charts=charts))
                 took = time.monotonic() - started
                 # The view's own making counts against the same budget.
                 self._data_until += COST_FACTOR * took
                 if len(self._built) >= _CACHED_VIEWS:
                     self._built.clear()
-                self._built[extra] = (data, body, took)
+                self._built[(extra, charts)] = (data, body, took)
             self.served += 1
             self.last_served = time.monotonic()
             return body
@@ -188,7 +189,8 @@ def _app(views: Views, loopback_only: bool) -> Any:
             if part.isdigit() and len(extra) < MAX_EXTRA_RANKS:
                 extra.append(int(part))
         try:
-            body = views.json(tuple(sorted(set(extra))))
+            charts = request.query_params.get("charts") != "0"
+            body = views.json(tuple(sorted(set(extra))), charts=charts)
         except Exception as exc:  # a bug shows on the page; the server and the run go on
             _log.debug("the dashboard view failed", exc_info=True)
             return JSONResponse(

@@ -16,11 +16,12 @@ import orjson
 import pytest
 from playwright.sync_api import Page, expect
 
+from tests.traceml_ai.dashboard.big_runs import big_run
 from traceml_ai.analysis import PhaseFigures, RankSteps
 from traceml_ai.dashboard import start_live_dashboard
 from traceml_ai.dashboard._files import FilesSource
 from traceml_ai.dashboard._server import DashboardServer, Views, start_server
-from traceml_ai.dashboard._view import RunData
+from traceml_ai.dashboard._view import MAX_GROUP_ROWS, MAX_TABLE_ROWS, RunData
 from traceml_ai.monitor import Monitoring, RunInfo, start_monitoring
 from traceml_ai.monitor.metrics import Health
 from traceml_ai.settings import MonitorSettings
@@ -328,3 +329,41 @@ def test_the_stopped_page_names_a_command_that_works_in_a_shell(page: Page) -> N
     text = error.inner_text()
     command = text[text.index("traceml dashboard") :].removesuffix(" shows it from its files.")
     assert shlex.split(command) == ["traceml", "dashboard", folder], text
+
+
+# --------------------------------------------------------------------------- many ranks
+
+
+def test_the_page_of_10240_ranks_shows_nodes_and_outliers_not_a_row_per_rank(
+    page: Page,
+) -> None:
+    """10,240 ranks on 1,280 nodes, node 77's ranks slower and rank 4242 (node 530)
+    much slower: the page's first paint has the node table (those two nodes in it)
+    and the outlier ranks (4242 among them), bounded; the node chart then draws every
+    node once Plotly has loaded."""
+    slower = {r: 1.5 for r in range(77 * 8, 78 * 8)}
+    slower[4242] = 3.0
+    data = big_run(10240, slower=slower)
+    with served(lambda: data) as server:
+        page.goto(server.url)
+        page.wait_for_function(
+            "() => document.documentElement.dataset.ready === '1'", timeout=WAIT_MS
+        )
+        assert page.evaluate("() => window.tracemlFirstPaintMs") > 0
+        expect(page.get_by_test_id("groups")).to_be_visible()
+        nodes = page.locator("#groups table[data-by='node'] tbody tr")
+        expect(nodes).to_have_count(MAX_GROUP_ROWS)
+        first_cells = nodes.locator("td:first-child").all_text_contents()
+        assert {"77", "530"} <= set(first_cells), first_cells
+        expect(page.locator("#group-node h3")).to_contain_text("1,280 nodes")
+        expect(page.locator("#ranks-table tbody tr")).to_have_count(MAX_TABLE_ROWS)
+        expect(page.locator("#ranks-table tr[data-rank='4242']")).to_be_visible()
+        expect(page.locator("#identity")).to_contain_text("1,280 node(s)")
+        expect(page.locator("#system-caption")).to_contain_text("of 1,280 nodes")
+        # Tables of 16 rows (the GPUs of 16 nodes: 128), never a row per rank or node.
+        assert page.locator("tr").count() < 400
+        page.wait_for_function(
+            "() => { const d = document.getElementById('chart-group-node').data;"
+            " return d && d.length === 3 && d[0].x.length === 1280; }",
+            timeout=WAIT_MS,
+        )

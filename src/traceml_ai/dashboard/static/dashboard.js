@@ -1,4 +1,7 @@
 // TraceML dashboard: polls /api/view every second and redraws; no reload, no CDN.
+// The text (verdict, groups, tables) is drawn from the first view at once; Plotly is
+// loaded after that first paint (its parse takes seconds on a busy machine) and the
+// charts are drawn when it is there.
 "use strict";
 (function () {
   const REFRESH_MS = 1000;
@@ -60,6 +63,74 @@
       paper_bgcolor: "#fff", plot_bgcolor: "#fff",
       xaxis: { gridcolor: "#eee" }, yaxis: { gridcolor: "#eee", rangemode: "tozero" },
     }, extra || {});
+  }
+
+  function charts() { return typeof window.Plotly !== "undefined"; }
+  let plotlyAsked = false;
+  function loadPlotly() {
+    if (plotlyAsked) return;
+    plotlyAsked = true;
+    const script = document.createElement("script");
+    script.src = "/static/plotly.min.js";
+    script.onload = () => {
+      if (lastView) drawCharts(lastView);
+      // When the charts were first drawn (ms since navigation started), for the bench.
+      requestAnimationFrame(() => setTimeout(() => {
+        window.tracemlChartsMs = performance.now();
+        document.documentElement.dataset.charts = "1";
+      }, 0));
+    };
+    document.body.appendChild(script);
+  }
+
+  // One box per grouping (node, stage, data-parallel group), kept from view to view so
+  // that its chart is updated in place, not made again each second.
+  function drawGroups(view) {
+    const groups = view.groups || [];
+    $("groups-box").hidden = !groups.length;
+    const holder = $("groups");
+    const wanted = new Set(groups.map((g) => `group-${g.by}`));
+    [...holder.children].forEach((child) => { if (!wanted.has(child.id)) child.remove(); });
+    groups.forEach((g) => {
+      let box = $(`group-${g.by}`);
+      if (!box) {
+        box = el("div", "group");
+        box.id = `group-${g.by}`;
+        box.appendChild(el("h3"));
+        const chart = el("div", "chart group-chart");
+        chart.id = `chart-group-${g.by}`;
+        box.appendChild(chart);
+        box.appendChild(el("div", "group-table"));
+        holder.appendChild(box);
+      }
+      const title = box.querySelector("h3");
+      title.replaceChildren(document.createTextNode(`By ${g.word} `),
+        el("span", "muted", `(${g.count.toLocaleString()} ${g.word}s${g.rows_note ? `; ${g.rows_note}` : ""})`));
+      box.querySelector(".group-chart").hidden = !g.chart;
+      const t = table([g.word, "ranks", "p50 ms", "p90 ms", "max ms", "slowest rank", "named ranks"],
+        g.rows.map((r) => [r.group, r.ranks, fmt(r.p50_ms), fmt(r.p90_ms), fmt(r.max_ms), r.slowest_rank,
+          r.named_count ? `${r.named.join(", ")}${r.named_count > r.named.length ? ` (+${r.named_count - r.named.length})` : ""}` : ""]),
+        (i) => (g.rows[i].named_count ? "straggler" : null));
+      t.dataset.by = g.by;
+      box.querySelector(".group-table").replaceChildren(t);
+    });
+  }
+
+  function drawGroupCharts(view) {
+    for (const g of view.groups || []) {
+      if (!g.chart || !$(`chart-group-${g.by}`)) continue; // more groups than the chart draws
+      const c = g.chart;
+      Plotly.react(`chart-group-${g.by}`, [
+        { x: c.group, y: c.p50_ms, mode: "lines", name: "p50 of its ranks", line: { color: "#1d232b", width: 1.5 } },
+        { x: c.group, y: c.p90_ms, mode: "lines", name: "p90", line: { color: "#667085", width: 1 } },
+        { x: c.group, y: c.max_ms, mode: "markers", name: "max (its slowest rank)", marker: { color: "#c4320a", size: 4 } },
+      ], layout({ xaxis: { title: { text: g.word }, gridcolor: "#eee" }, yaxis: { title: { text: "ms" }, gridcolor: "#eee", rangemode: "tozero" } }), PLOT_CONFIG);
+    }
+  }
+
+  function drawCharts(view) {
+    if (!charts()) return;
+    drawSteps(view); drawPhases(view); drawThroughput(view); drawGroupCharts(view);
   }
 
   function drawSteps(view) {
@@ -146,7 +217,13 @@
   }
 
   function drawSystem(view) {
-    text("system-caption", view.system_basis ? `(${view.system_basis})` : "");
+    text("system-caption", [view.system_basis ? `(${view.system_basis})` : "", view.system_note || ""].filter(Boolean).join(" · "));
+    const spread = view.system_spread || [];
+    const bytesRow = (r) => r.figure.includes("bytes");
+    replace("system-spread", spread.length
+      ? table(["across nodes", "min", "p50", "p90", "max"], spread.map((r) => [r.figure,
+        ...[r.min, r.p50, r.p90, r.max].map((v) => (bytesRow(r) ? bytes(v) : fmt(v, 1)))]))
+      : el("span"));
     if (view.system == null) { replace("system", el("p", "muted", "not available (system not exported)")); return; }
     if (!view.system.length) { replace("system", el("p", "muted", "no sample yet")); return; }
     const box = el("div");
@@ -185,7 +262,7 @@
     const parts = [];
     if (id.world_size != null) parts.push(`world size ${id.world_size}`);
     parts.push(`${id.ranks_reporting} rank(s) with steps`);
-    if (id.nodes.length) parts.push(`${id.nodes.length} node(s)`);
+    if (id.node_count) parts.push(`${id.node_count.toLocaleString()} node(s)`);
     if (id.strategy) parts.push(`strategy ${id.strategy}`);
     if (id.host) parts.push(`aggregator on ${id.host}`);
     if (id.run_folder) parts.push(id.run_folder);
@@ -200,7 +277,7 @@
     const notes = view.notes || [];
     $("notes-box").hidden = !notes.length;
     $("notes").replaceChildren(...notes.map((n) => el("li", null, n)));
-    drawSteps(view); drawPhases(view); drawThroughput(view);
+    drawGroups(view); drawCharts(view);
     drawSpread(view); drawRanks(view); drawMemory(view); drawProcess(view); drawSystem(view); drawLoss(view);
     text("rank-picked", extraRanks.size ? `also shown: ${[...extraRanks].sort((a, b) => a - b).join(", ")}` : "");
   }
@@ -236,8 +313,28 @@
     );
   }
 
+  // The page's first meaningful paint: the first view rendered and then painted (the
+  // frame after it). <html data-ready="1"> then, and performance.now() at that moment
+  // (ms since navigation started) in window.tracemlFirstPaintMs, which the tests and
+  // bench.dashboard --paint read.
+  function markReady() {
+    if (document.documentElement.dataset.ready) return;
+    requestAnimationFrame(() => setTimeout(() => {
+      if (document.documentElement.dataset.ready) return;
+      window.tracemlFirstPaintMs = performance.now();
+      document.documentElement.dataset.ready = "1";
+      loadPlotly();
+    }, 0));
+  }
+
+  // The first view leaves the lines over steps out (?charts=0): the charts wait for
+  // Plotly anyway, and those lines are most of a large run's view to make.
+  let firstShown = false;
   async function poll() {
-    const query = extraRanks.size ? `?ranks=${[...extraRanks].join(",")}` : "";
+    const params = [];
+    if (extraRanks.size) params.push(`ranks=${[...extraRanks].join(",")}`);
+    if (!firstShown) params.push("charts=0");
+    const query = params.length ? `?${params.join("&")}` : "";
     const abort = new AbortController();
     const timer = setTimeout(() => abort.abort(), ANSWER_WITHIN_MS);
     try {
@@ -256,6 +353,8 @@
       delete $("status").dataset.gone;
       showError(null);
       render(body);
+      markReady();
+      firstShown = true;
     } catch (err) {
       failures += 1;
       if (lastView && lastView.source === "live" && lastView.finished) {
