@@ -207,9 +207,12 @@ def _details(
     else:
         name = spec.payload_name
         payload = kwargs.get(name) if name else None
-    nbytes = getattr(payload, "nbytes", None)
-    if type(nbytes) is not int:
-        nbytes = _nbytes(payload)
+    if payload is None:
+        nbytes = None
+    else:
+        nbytes = getattr(payload, "nbytes", None)
+        if type(nbytes) is not int:
+            nbytes = _nbytes(payload)
     name = spec.peer_name
     if name is None:
         return group, None, nbytes
