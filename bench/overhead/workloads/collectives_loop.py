@@ -61,7 +61,11 @@ def direct(out: str) -> None:
     recorder = distributed.active()
     assert recorder is not None
 
-    def bare(*args: object, **kwargs: object) -> None:
+    # all_reduce's parameters, so that the recorder finds the tensor and the group
+    # where it finds them in a real call.
+    def bare(
+        tensor: torch.Tensor, op: object = None, group: object = None, async_op: bool = False
+    ) -> None:
         return None
 
     patched = distributed._timed("all_reduce", bare)

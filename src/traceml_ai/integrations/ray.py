@@ -87,6 +87,14 @@ RELAY_START_TIMEOUT_S = 30.0
 """How long the aggregator actor waits for a node's relay actor to listen; past it, that
 node's workers send to the aggregator themselves."""
 
+RELAY_MAX_RESTARTS = 3
+"""Times Ray restarts a node's relay actor that died (its process killed or crashed):
+the new one listens on the port its node's workers already send to, so they reconnect
+on their own. What the dead one held is lost and reported from the ranks' counts."""
+
+RELAY_PORT_ASK_TIMEOUT_S = 30.0
+"""How long a restarted relay actor waits for the aggregator actor to name its port."""
+
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 # Extra seconds, beyond the aggregator's own bounds, to wait for the actor to answer.
 _ACTOR_CALL_MARGIN_S = 30.0
@@ -116,8 +124,9 @@ class _AggregatorActor:
         tune_gc_for_aggregator()  # the actor's process hosts the aggregator alone
         self._token = token
         self._address: tuple[str, int] | None = None
-        # The nodes' relay actors by node id, and why a node's did not start.
+        # The nodes' relay actors by node id, their ports, and why a node's did not start.
         self._relays: dict[str, Any] = {}
+        self._relay_ports: dict[str, int] = {}
         self._relay_errors: dict[str, str] = {}
         self._aggregator = Aggregator(
             AggregatorConfig(
@@ -149,10 +158,16 @@ class _AggregatorActor:
         """The loopback port of node ``node_id``'s relay: an actor pinned to that node,
         started when the node's first worker asks (an actor runs its calls in order, so
         a node gets one). ``RuntimeError`` saying why when it cannot start; a node whose
-        relay failed once is not tried again."""
+        relay failed once is not tried again.
+
+        Ray restarts a relay actor that dies (up to ``RELAY_MAX_RESTARTS`` times); the
+        restarted one asks :meth:`relay_port` for the port its workers send to."""
         why = self._relay_errors.get(node_id)
         if why is not None:
             raise RuntimeError(why)
+        port = self._relay_ports.get(node_id)
+        if port is not None:
+            return port
         relay = self._relays.get(node_id)
         try:
             if self._address is None:
@@ -162,13 +177,20 @@ class _AggregatorActor:
                     ray.remote(_RelayActor)
                     .options(
                         num_cpus=0,
-                        max_restarts=0,
+                        max_restarts=RELAY_MAX_RESTARTS,
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                     )
-                    .remote(self._address, self._token)
+                    .remote(
+                        self._address,
+                        self._token,
+                        node_id,
+                        ray.get_runtime_context().current_actor,
+                    )
                 )
                 self._relays[node_id] = relay
-            return int(ray.get(relay.start.remote(), timeout=RELAY_START_TIMEOUT_S))
+            port = int(ray.get(relay.start.remote(), timeout=RELAY_START_TIMEOUT_S))
+            self._relay_ports[node_id] = port
+            return port
         except Exception as exc:
             why = _reason(exc) or type(exc).__name__
             self._relay_errors[node_id] = why
@@ -178,10 +200,21 @@ class _AggregatorActor:
                     ray.kill(failed)
             raise RuntimeError(why) from None
 
+    def relay_port(self, node_id: str) -> int | None:
+        """The port node ``node_id``'s relay listens on for its workers (None: none
+        started); what a restarted relay actor binds again."""
+        return self._relay_ports.get(node_id)
+
+    def relay_actor(self, node_id: str) -> Any:
+        """Node ``node_id``'s relay actor handle (None: none started), for a look at it
+        from outside (tests kill it to see it restarted)."""
+        return self._relays.get(node_id)
+
     def stop_relays(self, timeout: float) -> int:
         """Stop the nodes' relays (each forwards what it holds within ``timeout``
         seconds), then kill their actors; how many nodes had one."""
         relays, self._relays = self._relays, {}
+        self._relay_ports = {}
         refs = []
         for relay in relays.values():
             with contextlib.suppress(Exception):
@@ -228,20 +261,63 @@ class _AggregatorActor:
 class _RelayActor:
     """One node's relay, in an actor pinned to that node: the node's workers send to it
     on loopback, and it forwards their frames as they are over one connection to the
-    aggregator (docs/live-export.md, "Relays")."""
+    aggregator (docs/live-export.md, "Relays").
 
-    def __init__(self, upstream: tuple[str, int], token: str) -> None:
-        self._relay = Relay(upstream, token, on_event=lambda line: _say(f"the node's relay {line}"))
+    Restarted by Ray after it died (``RELAY_MAX_RESTARTS``), it listens at once on the
+    port the first one had, which ``aggregator`` (the aggregator actor) names: the
+    node's workers' senders reconnect to it with their usual backoff. The frames the
+    dead one held are lost; each rank's ``sent_batches`` counts them, so the aggregator
+    reports them as dropped."""
+
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        token: str,
+        node_id: str | None = None,
+        aggregator: Any = None,
+    ) -> None:
+        self._upstream = upstream
+        self._token = token
+        self._relay: Relay | None = None
         self._port: int | None = None
+        if aggregator is None or not ray.get_runtime_context().was_current_actor_reconstructed:
+            return
+        try:
+            port = ray.get(aggregator.relay_port.remote(node_id), timeout=RELAY_PORT_ASK_TIMEOUT_S)
+        except Exception as exc:
+            _say(f"the node's relay restarted but cannot learn its port ({_reason(exc)})")
+            return
+        if port is None:
+            return  # it died before it first listened: start() will be called
+        try:
+            self._port = self._listen(int(port))
+        except OSError as exc:
+            _say(f"the node's relay restarted but cannot listen on port {port} ({exc})")
+            return
+        _say(f"the node's relay restarted on port {port}; the node's workers reconnect to it")
+
+    def _listen(self, port: int) -> int:
+        relay = Relay(
+            self._upstream,
+            self._token,
+            port=port,
+            on_event=lambda line: _say(f"the node's relay {line}"),
+        )
+        bound = relay.start()[1]
+        self._relay = relay
+        return bound
 
     def start(self) -> int:
         """Listen on loopback (once); the port."""
         if self._port is None:
-            self._port = self._relay.start()[1]
+            self._port = self._listen(0)
         return self._port
 
     def stop(self, timeout: float) -> dict[str, int]:
-        """Forward what it holds within ``timeout`` seconds, then close; its counts."""
+        """Forward what it holds within ``timeout`` seconds, then close; its counts
+        (those of this incarnation of the actor)."""
+        if self._relay is None:
+            return {"forwarded_frames": 0, "dropped_batches": 0, "dropped_messages": 0}
         stats = self._relay.stop(timeout)
         return {
             "forwarded_frames": stats.forwarded_frames,

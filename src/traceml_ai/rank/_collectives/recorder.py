@@ -193,25 +193,36 @@ def _nbytes(payload: Any) -> int | None:
 def _details(
     spec: CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Any, int | None]:
-    """A call's process group, peer and tensor bytes, from its arguments."""
+    """A call's process group, peer and tensor bytes, from its arguments.
+
+    On the training thread at every collective: one tensor (the usual payload) takes
+    one attribute read, and only a list of tensors or anything else goes through
+    :func:`_nbytes`; the peer is looked for only for point-to-point functions."""
     n = len(args)
     index = spec.group_index
     group = args[index] if index is not None and index < n else kwargs.get("group")
     index = spec.payload_index
-    name = spec.payload_name
-    payload = (
-        args[index] if index is not None and index < n else (kwargs.get(name) if name else None)
-    )
-    peer: Any = None
+    if index is not None and index < n:
+        payload = args[index]
+    else:
+        name = spec.payload_name
+        payload = kwargs.get(name) if name else None
+    if payload is None:
+        nbytes = None
+    else:
+        nbytes = getattr(payload, "nbytes", None)
+        if type(nbytes) is not int:
+            nbytes = _nbytes(payload)
     name = spec.peer_name
-    if name is not None:
-        index = spec.peer_index
-        peer = args[index] if index is not None and index < n else kwargs.get(name)
-        if peer is None:
-            local = kwargs.get(spec.group_peer_name or "")
-            if local is not None:
-                peer = (GROUP_PEER, local)
-    return group, peer, _nbytes(payload)
+    if name is None:
+        return group, None, nbytes
+    index = spec.peer_index
+    peer = args[index] if index is not None and index < n else kwargs.get(name)
+    if peer is None:
+        local = kwargs.get(spec.group_peer_name or "")
+        if local is not None:
+            peer = (GROUP_PEER, local)
+    return group, peer, nbytes
 
 
 class _Group:
