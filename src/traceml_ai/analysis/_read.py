@@ -21,8 +21,10 @@ file under the scan's reasons, never averaged:
 
 step_time lines come as columns (rank, step, world, node, end of step, tokens; each
 event's longest device), made into each rank's step columns in numpy
-(:class:`StepLines`), by :func:`~traceml_ai.analysis._phases.step_row`'s rule; the
-other streams' lines come as objects.
+(:class:`StepLines`), by :func:`~traceml_ai.analysis._phases.step_row`'s rule, a block
+at a time; each rank keeps at most its window of steps (:data:`MIN_WINDOW`), then a
+sample of them and the exact totals of all (:class:`RankTotals`), so memory does not
+grow with the file. The other streams' lines come as objects.
 
 Light to import: orjson, numpy and the check plans (never pyarrow).
 """
