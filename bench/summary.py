@@ -1,9 +1,9 @@
 """``traceml summary`` and the dashboard on a big step_time export, against parsing it.
 
-Writes a realistic export of ``--lines`` step_time lines (``bench.bigfile``: 64 ranks,
-6 built-in and 2 user phases, ~1.4 kB a line) and measures, each in a process of its
-own (CPU seconds and peak RSS from the process itself, so a busy machine moves the
-ratios little):
+Writes a realistic export of ``--lines`` step_time lines (``bench.bigfile``:
+``--ranks`` ranks, 64 unless told, 6 built-in and 2 user phases, ~1.4 kB a line) and
+measures, each in a process of its own (CPU seconds and peak RSS from the process
+itself, so a busy machine moves the ratios little):
 
 * ``parse``: reading the file in blocks and ``orjson.loads`` on every line, nothing
   else: the floor any reader of JSON lines pays;
@@ -14,7 +14,8 @@ ratios little):
   closing line): its first view, then ``--append`` more lines written and one refresh
   (the reader, the page data and the page's JSON).
 
-    python -m bench.summary [--lines 1000000] [--append 640] [--keep FOLDER] [--no-follow]
+    python -m bench.summary [--lines 1000000] [--ranks 64] [--append 640] [--keep FOLDER]
+        [--no-follow]
 
 Prints figures, never pass/fail; the last line is machine-readable:
 ``summary_vs_parse=<x> summary_rss_mb_per_million=<m> follow_refresh_s=<t>
@@ -155,19 +156,21 @@ def _run(kind: str, *paths: Path) -> dict[str, Any]:
     return out
 
 
-def _prepare(folder: Path, lines: int, append: int, grow: bool) -> tuple[Path, Path, Path]:
+def _prepare(
+    folder: Path, lines: int, append: int, grow: bool, ranks: int
+) -> tuple[Path, Path, Path]:
     """(whole run, growing run, the lines to append), written unless already there."""
     whole, growing = folder / "whole", folder / "growing"
     more = folder / "more.jsonl"
     if not (whole / _EXPORT).exists():
         (whole / _EXPORT).parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        write_step_time(whole / _EXPORT, lines)
+        write_step_time(whole / _EXPORT, lines, world=ranks)
         print(f"wrote {lines:,} lines in {time.perf_counter() - t0:.1f} s", flush=True)
     if grow and not (growing / _EXPORT).exists():
         (growing / _EXPORT).parent.mkdir(parents=True, exist_ok=True)
         longer = folder / "longer.jsonl"
-        write_step_time(longer, lines + append)
+        write_step_time(longer, lines + append, world=ranks)
         with open(longer, "rb") as src, open(growing / _EXPORT, "wb") as dst:
             left = lines
             rest = b""
@@ -195,6 +198,7 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--lines", type=int, default=1_000_000)
+    ap.add_argument("--ranks", type=int, default=64, help="ranks of the run (a multiple of 8)")
     ap.add_argument("--append", type=int, default=640, help="lines appended for the follow figures")
     ap.add_argument("--keep", type=Path, default=None, help="folder to write (or reuse)")
     ap.add_argument(
@@ -206,9 +210,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        whole, growing, more = _prepare(folder, args.lines, args.append, not args.no_follow)
+        whole, growing, more = _prepare(
+            folder, args.lines, args.append, not args.no_follow, args.ranks
+        )
         size = (whole / _EXPORT).stat().st_size
-        print(f"file: {size / 1e6:,.0f} MB, {args.lines:,} step_time lines (64 ranks)")
+        print(f"file: {size / 1e6:,.0f} MB, {args.lines:,} step_time lines ({args.ranks:,} ranks)")
         idle = _run("idle")
         parse = _run("parse", whole / _EXPORT)
         summary = _run("summary", whole)

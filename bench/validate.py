@@ -1,8 +1,8 @@
 """``traceml validate`` on a big, realistic step_time export, against parsing its lines.
 
-On one file of ``--lines`` step_time lines of a 64-rank run (``bench.bigfile``: 8
-phases a line, user phases among them, plus the closing line), each reader runs in a
-subprocess of its own, so that its peak RSS is its own (``VmHWM``, the high-water
+On one file of ``--lines`` step_time lines of a ``--ranks``-rank run (64 unless told;
+``bench.bigfile``: 8 phases a line, user phases among them, plus the closing line),
+each reader runs in a subprocess of its own, so that its peak RSS is its own (``VmHWM``, the high-water
 mark of the process's own memory since its ``exec``; ``ru_maxrss`` would start at
 the parent's size, which it inherits at the fork):
 
@@ -12,7 +12,7 @@ the parent's size, which it inherits at the fork):
 * ``parse``: ``orjson.loads`` over every line (``for line in file``), the baseline;
 * ``validate``: ``validate_paths`` on the file (it must find it valid).
 
-    python -m bench.validate [--lines 1000000] [--keep FILE] [--pure]
+    python -m bench.validate [--lines 1000000] [--ranks 64] [--keep FILE] [--pure]
 
 ``--keep`` writes the file there, or reuses it when it is already there (with as
 many lines); ``--pure`` validates with ``TRACEML_PURE_PYTHON=1`` (no C extension).
@@ -99,6 +99,7 @@ def _lines_of(path: Path) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=1_000_000)
+    parser.add_argument("--ranks", type=int, default=64, help="ranks of the run (a multiple of 8)")
     parser.add_argument("--keep", type=Path, default=None, help="write (or reuse) the file here")
     parser.add_argument("--pure", action="store_true", help="validate without the C extension")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "FILE"), help=argparse.SUPPRESS)
@@ -113,13 +114,15 @@ def main() -> None:
             print(f"reusing {path}")
         else:
             start = time.perf_counter()
-            write_step_time(path, args.lines)
+            write_step_time(path, args.lines, world=args.ranks)
             print(f"wrote {args.lines:,} lines in {time.perf_counter() - start:.1f} s: {path}")
         size = path.stat().st_size
-        print(f"file: {size / 1e6:,.0f} MB, {size / args.lines:.0f} bytes a line, 64 ranks")
+        print(
+            f"file: {size / 1e6:,.0f} MB, {size / args.lines:.0f} bytes a line, {args.ranks:,} ranks"
+        )
         small = Path(tmp) / "small" / "step_time.jsonl"
         small.parent.mkdir()
-        write_step_time(small, 1000)
+        write_step_time(small, 1000, world=args.ranks)
         _, base_rss = _run("base", small)
         with open(path, "rb") as fh:  # read once, so that both readers find it cached
             while fh.read(16 << 20):

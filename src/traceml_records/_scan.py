@@ -198,9 +198,16 @@ class FileScan:
 
     # ------------------------------------------------------------------ reading
 
-    def read(self, fh: BinaryIO, progress: Callable[[int], None] | None = None) -> list[Any]:
+    def read(
+        self,
+        fh: BinaryIO,
+        progress: Callable[[int], None] | None = None,
+        each: Callable[[list[Any]], object] | None = None,
+    ) -> list[Any]:
         """Read ``fh`` from ``state.offset`` to its end: the chunks of columns (a
-        layout) or the objects (``objects``) of the lines taken by this read."""
+        layout) or the objects (``objects``) of the lines taken by this read. With
+        ``each``, they are handed to it a block at a time as they are made (a big file
+        is never all in memory at once), and what is returned is empty."""
         st = self.state
         fh.seek(st.offset)
         # Columns come a chunk per block: with a layout, bigger blocks, fewer chunks. A
@@ -228,9 +235,18 @@ class FileScan:
                 buffer.extend(bytes(len(buffer)))
             if progress is not None:
                 progress(st.offset)
+            if each is not None:
+                self._flush()
+                if self._out:
+                    out, self._out = self._out, []
+                    each(out)
         st.partial_last_line = kept > 0
         self._flush()
         out, self._out = self._out, []
+        if each is not None:
+            if out:
+                each(out)
+            return []
         return out
 
     def read_bytes(self, data: bytes) -> list[Any]:

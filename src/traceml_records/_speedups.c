@@ -2341,8 +2341,9 @@ error:
  * Its pure-Python twin is traceml_records/_scan_py.py (one .pyi, _speedups.pyi).
  *
  * A KeysAndSeqs holds what the cross-line rules need of every line of one file: the keys
- * seen (per key prefix, e.g. rank, a sorted array of the last integer component, e.g.
- * step: 8 bytes a key when keys arrive in order, a hash set for those that do not)
+ * seen (per key prefix, e.g. rank, sorted runs of consecutive values of the last integer
+ * component, e.g. step: a run per rank when steps arrive in order, a hash set for keys
+ * that do not)
  * and each rank's last seq. The scan's step records its lines in the same KeysAndSeqs.
  */
 
@@ -2831,10 +2832,11 @@ static int scan_value(Cur *c, CNode *node, Val *out) {
 
 /* -- KeysAndSeqs: the keys and each rank's last seq of one file ------------------------ */
 
-/* The last component of the keys of one group that came in order, sorted, in chunks
- * of CHUNK (one allocation size, which the heap reuses as it is freed, so memory
- * stays the keys' 8 bytes each): every chunk full but the last; a group's first
- * chunk starts small. */
+/* The last component of the keys of one group that came in order, sorted, as runs of
+ * consecutive integers (first, last: two int64 slots; a rank's steps 1, 2, 3, ... are
+ * one run, so a file's keys take a few bytes per rank whatever its length), in chunks
+ * of CHUNK slots (one allocation size, which the heap reuses as it is freed): every
+ * chunk full but the last; a group's first chunk starts small. */
 #define CHUNK 4096
 
 typedef struct {
@@ -2987,15 +2989,16 @@ static Py_ssize_t group_of(KeysAndSeqs *t, const int64_t *prefix, int n) {
     return t->n_groups++;
 }
 
-/* 1 when (group, last) is a key already seen, 0 when not. */
+/* The largest key of a group that came in order (its last run's last). */
 static inline int64_t group_max(const Group *g) {
     return g->chunks[g->n_chunks - 1][g->last_n - 1];
 }
 
+/* 1 when (group, last) is a key already seen, 0 when not. */
 static int key_seen(KeysAndSeqs *t, Py_ssize_t gi, int64_t last) {
     Group *g = &t->g[gi];
     if (g->n_chunks == 0 || last > group_max(g)) return 0;
-    /* the first chunk whose largest key is not below ``last`` */
+    /* the first chunk whose last run does not end below ``last`` */
     Py_ssize_t lo = 0, hi = g->n_chunks - 1;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
@@ -3003,14 +3006,14 @@ static int key_seen(KeysAndSeqs *t, Py_ssize_t gi, int64_t last) {
         else hi = mid;
     }
     const int64_t *v = g->chunks[lo];
-    Py_ssize_t n = lo == g->n_chunks - 1 ? g->last_n : CHUNK;
-    Py_ssize_t a = 0, b = n;
-    while (a < b) {
+    Py_ssize_t runs = (lo == g->n_chunks - 1 ? g->last_n : CHUNK) / 2;
+    Py_ssize_t a = 0, b = runs;
+    while (a < b) { /* the first run that does not end below ``last`` */
         Py_ssize_t mid = (a + b) / 2;
-        if (v[mid] < last) a = mid + 1;
+        if (v[2 * mid + 1] < last) a = mid + 1;
         else b = mid;
     }
-    if (a < n && v[a] == last) return 1;
+    if (a < runs && v[2 * a] <= last) return 1;
     int64_t pair[2] = {(int64_t)gi, last};
     Slot *s = table_find(&t->extra, pair, 2);
     return s != NULL && s->used;
@@ -3019,7 +3022,12 @@ static int key_seen(KeysAndSeqs *t, Py_ssize_t gi, int64_t last) {
 static int key_add(KeysAndSeqs *t, Py_ssize_t gi, int64_t last) {
     Group *g = &t->g[gi];
     t->n_keys++;
+    if (g->n_chunks > 0 && last > group_max(g) && last - 1 == group_max(g)) {
+        g->chunks[g->n_chunks - 1][g->last_n - 1] = last; /* the next of its run */
+        return 0;
+    }
     if (g->n_chunks == 0 || last > group_max(g)) {
+        /* a new run: two slots (every capacity is even) */
         if (g->n_chunks == 0 || g->last_n == g->last_cap) {
             if (g->n_chunks == 1 && g->last_cap < CHUNK) {
                 Py_ssize_t cap = 4 * g->last_cap < CHUNK ? 4 * g->last_cap : CHUNK;
@@ -3043,6 +3051,7 @@ static int key_add(KeysAndSeqs *t, Py_ssize_t gi, int64_t last) {
                 g->last_cap = cap;
             }
         }
+        g->chunks[g->n_chunks - 1][g->last_n++] = last;
         g->chunks[g->n_chunks - 1][g->last_n++] = last;
         return 0;
     }

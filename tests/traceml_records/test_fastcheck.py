@@ -10,6 +10,7 @@ without it, and without the C extension (the full path and the pure-Python keys)
 from __future__ import annotations
 
 import copy
+import random
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -438,6 +439,33 @@ def test_keys_out_of_order_are_still_found() -> None:
             True, True, True, True, True, False, False, True, True,
         ]  # fmt: skip
         assert t.add((1, 3), 0)
+
+
+def test_keys_in_runs_find_every_repeat_and_take_little_memory() -> None:
+    """In-order keys are kept as runs of consecutive steps: a repeat inside a run, at
+    its ends, in a gap or out of order is found as the Python twin finds it, over more
+    runs than one chunk holds; a rank's steps 1..N take a run, not N keys."""
+    assert _speedups is not None
+    rnd = random.Random(3)
+    c, py = _speedups.KeysAndSeqs("ii"), PyKeysAndSeqs("ii")
+    step, line = 0, 0
+    for _ in range(6000):  # runs of 1-4 steps with gaps: past one chunk of runs
+        step += rnd.randrange(2, 4)
+        for s in range(step, step + rnd.randrange(1, 5)):
+            line += 1
+            assert c.add((0, s), line) == py.add((0, s), line)
+        step = s
+        probe = rnd.randrange(0, step + 3)  # anywhere: inside a run, a gap, the end
+        line += 1
+        assert c.add((0, probe), line) == py.add((0, probe), line)
+    assert c.found() == py.found()
+    long = _speedups.KeysAndSeqs("ii")
+    for s in range(1, 100_001):
+        for rank in range(4):
+            assert long.add((rank, s), s)
+    assert long.nbytes < 20_000  # 400,000 keys, four runs
+    assert not long.add((2, 50_000), 0) and not long.add((3, 1), 0)
+    assert not long.add((0, 100_000), 0) and long.add((0, 100_002), 0)
 
 
 def test_a_keyword_the_check_plans_do_not_know_is_refused(tmp_path: Path) -> None:

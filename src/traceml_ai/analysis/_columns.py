@@ -79,8 +79,76 @@ class Column:
         return self.present is None or bool(self.present[i])
 
 
+class RankTotals:
+    """Exact figures of every step a rank wrote, kept as the lines are read, when its
+    columns hold only a sample of its steps (the files' reader past its window)."""
+
+    __slots__ = (
+        "ends",
+        "first_end",
+        "first_step",
+        "iteration_sum",
+        "last_end",
+        "last_step",
+        "max_ms",
+        "phase_sums",
+        "rest_sum",
+        "step_sum",
+        "steps",
+    )
+
+    def __init__(self) -> None:
+        self.steps = 0
+        """Steps (lines) of the rank."""
+        self.first_step = 0
+        self.last_step = 0
+        self.step_sum = 0.0
+        """The step times' sum (ms)."""
+        self.max_ms = 0.0
+        """The longest step time (ms)."""
+        self.ends = 0
+        """Steps whose end is known."""
+        self.first_end = 0.0
+        self.last_end = 0.0
+        """The earliest and latest step end (ns)."""
+        self.phase_sums: dict[str, float] = {}
+        """Phase name -> its times' sum (ms), in the order the phases first appear."""
+        self.iteration_sum = 0.0
+        """The iterations' sum (:func:`~traceml_ai.analysis._phases.iteration`, ms)."""
+        self.rest_sum = 0.0
+        """The sum of each iteration's time outside its phases (ms)."""
+
+    def add(self, other: RankTotals) -> None:
+        """Add the figures of later steps."""
+        if not other.steps:
+            return
+        if not self.steps:
+            self.first_step, self.last_step = other.first_step, other.last_step
+            self.max_ms = other.max_ms
+        else:
+            self.first_step = min(self.first_step, other.first_step)
+            self.last_step = max(self.last_step, other.last_step)
+            self.max_ms = max(self.max_ms, other.max_ms)
+        if other.ends:
+            if self.ends:
+                self.first_end = min(self.first_end, other.first_end)
+                self.last_end = max(self.last_end, other.last_end)
+            else:
+                self.first_end, self.last_end = other.first_end, other.last_end
+        self.steps += other.steps
+        self.ends += other.ends
+        self.step_sum += other.step_sum
+        self.iteration_sum += other.iteration_sum
+        self.rest_sum += other.rest_sum
+        sums = self.phase_sums
+        for name, value in other.phase_sums.items():
+            sums[name] = sums.get(name, 0.0) + value
+
+
 class RankColumns:
-    """One rank's steps, ascending, and their rows' fields as columns."""
+    """One rank's steps, ascending, and their rows' fields as columns: every step the
+    rank wrote, or (``totals`` set, :attr:`sampled`) a sample of them, the same step
+    numbers on every rank, with the exact figures of all of them in ``totals``."""
 
     __slots__ = (
         "end_ns",
@@ -90,6 +158,7 @@ class RankColumns:
         "step_ms",
         "steps",
         "tokens",
+        "totals",
         "used_ms",
         "waits",
     )
@@ -106,6 +175,7 @@ class RankColumns:
         waits: dict[str, Column] | None = None,
         op_waits: dict[tuple[str, str], Column] | None = None,
         node: int | None = None,
+        totals: RankTotals | None = None,
     ) -> None:
         self.steps = steps
         self.step_ms = step_ms
@@ -125,6 +195,26 @@ class RankColumns:
         """(component, operation) -> the measured wait in that operation there (ms)."""
         self.node = node
         """The node the rank ran on (its last line's ``node_rank``), when known."""
+        self.totals = totals
+        """The exact figures of every step the rank wrote (None: the columns hold
+        every step, and are their own totals)."""
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the columns hold only some of the rank's steps."""
+        return self.totals is not None and self.totals.steps > len(self)
+
+    @property
+    def step_count(self) -> int:
+        """How many steps the rank wrote (its columns may hold a sample of them)."""
+        return self.totals.steps if self.totals is not None else len(self)
+
+    @property
+    def last_step(self) -> int | None:
+        """The rank's last step (None: none)."""
+        if self.totals is not None and self.totals.steps:
+            return self.totals.last_step
+        return int(self.steps[-1]) if len(self) else None
 
     def __len__(self) -> int:
         return int(self.steps.shape[0])
@@ -172,6 +262,7 @@ def rank_columns(
     values: Mapping[str, NDArray[np.float64]],
     present: Mapping[str, NDArray[np.bool_]],
     node: int | None,
+    totals: RankTotals | None = None,
 ) -> RankColumns:
     """The files' reader's columns of one rank as :class:`RankColumns`: ``values`` keyed
     as its rows are (:data:`STEP_KEY`, :data:`USED_KEY`, :data:`TS_KEY`,
@@ -194,6 +285,7 @@ def rank_columns(
         end_ns=column(TS_KEY),
         tokens=column(TOKENS_KEY),
         node=node,
+        totals=totals,
     )
 
 
@@ -290,6 +382,7 @@ __all__ = [
     "USED_KEY",
     "Column",
     "RankColumns",
+    "RankTotals",
     "StepColumns",
     "columns_of_rows",
     "is_columns",

@@ -58,33 +58,52 @@ def step_figures(rows: StepRows | StepColumns) -> StepFigures:
 
 
 def _step_figures(columns: StepColumns) -> StepFigures:
-    names = phase_names([c.phases for c in columns.values()])
+    names = phase_names(
+        [c.phases for c in columns.values()]
+        + [c.totals.phase_sums for c in columns.values() if c.totals is not None]
+    )
     per_rank: dict[str, RankSteps] = {}
     phases: dict[str, dict[str, PhaseFigures]] = {}
     for rank in sorted(columns):
         c = columns[rank]
-        if not len(c):
+        t = c.totals
+        if t is not None and t.steps:
+            # A sample of the rank's steps: the exact figures from its totals, the
+            # percentiles from the sample (the mean where the sample holds none).
+            count, first, last = t.steps, t.first_step, t.last_step
+            average = t.step_sum / count
+            longest = t.max_ms
+            span_s = (t.last_end - t.first_end) / 1e9 if t.ends >= 2 else 0.0
+            stamped = t.ends
+            p50, p90, p99 = percentiles(c.step_ms, (50.0, 90.0, 99.0)) if len(c) else [average] * 3
+        elif len(c):
+            times = c.step_ms
+            count, first, last = len(times), int(c.steps[0]), int(c.steps[-1])
+            ts = c.ends()
+            stamps = ts[ts > 0]
+            span_s = float(stamps.max() - stamps.min()) / 1e9 if len(stamps) >= 2 else 0.0
+            stamped = len(stamps)
+            average = float(times.sum() / len(times))
+            longest = float(times.max())
+            p50, p90, p99 = percentiles(times, (50.0, 90.0, 99.0))
+        else:
             continue
-        times = c.step_ms
-        ts = c.ends()
-        stamps = ts[ts > 0]
-        span_s = float(stamps.max() - stamps.min()) / 1e9 if len(stamps) >= 2 else 0.0
-        average = float(times.sum() / len(times))
         # Steps per second over the wall time between the first and last step ends
         # (includes time between steps); from the mean step time when that is unknown.
         if span_s > 0:
-            rate = (len(stamps) - 1) / span_s
+            rate = (stamped - 1) / span_s
+        elif average > 0:
+            rate = 1000.0 / average
         else:
-            rate = 1000.0 / average if average > 0 else 0.0
-        p50, p90, p99 = percentiles(times, (50.0, 90.0, 99.0))
+            rate = 0.0
         per_rank[str(rank)] = RankSteps(
-            steps=len(times),
-            first_step=int(c.steps[0]),
-            last_step=int(c.steps[-1]),
+            steps=count,
+            first_step=first,
+            last_step=last,
             p50_ms=rounded(p50),
             p90_ms=rounded(p90),
             p99_ms=rounded(p99),
-            max_ms=rounded(float(times.max())),
+            max_ms=rounded(longest),
             mean_ms=rounded(average),
             steps_per_s=rounded(rate),
         )

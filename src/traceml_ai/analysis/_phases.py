@@ -331,16 +331,27 @@ def _breakdown(c: RankColumns, names: Sequence[str]) -> dict[str, dict[str, floa
         built_in = built_in + c.phase(name)
     outside = built_in > step * 1.000001
     iterations = np.where(outside, step + c.phase("dataloader_wait"), step)
-    count = len(step)
-    mean_iteration = float(iterations.sum()) / count
+    t = c.totals
+    sampled = len(step) > 0
+    if t is not None and t.steps:
+        # The means from every step's totals, the medians from the sample the rank keeps.
+        count = t.steps
+        mean_iteration = t.iteration_sum / count
+    else:
+        count = len(step)
+        mean_iteration = float(iterations.sum()) / count
     out: dict[str, dict[str, float]] = {}
     for name in names:
         rest = name == "rest"
         values = np.fmax(0.0, iterations - _used_column(c)) if rest else c.phase(name)
-        average = float(values.sum()) / count
+        if t is not None and t.steps:
+            total = t.rest_sum if rest else t.phase_sums.get(name, 0.0)
+        else:
+            total = float(values.sum())
+        average = total / count
         out[name] = {
             "mean_ms": round(average, 3),
-            "p50_ms": round(percentiles(values, (50.0,))[0], 3),
+            "p50_ms": round(percentiles(values, (50.0,))[0] if sampled else average, 3),
             "share": round(average / mean_iteration if mean_iteration > 0 else 0.0, 4),
         }
     return out

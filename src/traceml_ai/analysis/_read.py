@@ -21,8 +21,10 @@ file under the scan's reasons, never averaged:
 
 step_time lines come as columns (rank, step, world, node, end of step, tokens; each
 event's longest device), made into each rank's step columns in numpy
-(:class:`StepLines`), by :func:`~traceml_ai.analysis._phases.step_row`'s rule; the
-other streams' lines come as objects.
+(:class:`StepLines`), by :func:`~traceml_ai.analysis._phases.step_row`'s rule, a block
+at a time; each rank keeps at most its window of steps (:data:`MIN_WINDOW`), then a
+sample of them and the exact totals of all (:class:`RankTotals`), so memory does not
+grow with the file. The other streams' lines come as objects.
 
 Light to import: orjson, numpy and the check plans (never pyarrow).
 """
@@ -41,10 +43,11 @@ from traceml_ai.analysis._columns import (
     TS_KEY,
     USED_KEY,
     RankColumns,
+    RankTotals,
     StepColumns,
     rank_columns,
 )
-from traceml_ai.analysis._phases import STEP_EVENT, phase_name
+from traceml_ai.analysis._phases import BUILT_IN_PHASES, STEP_EVENT, phase_name
 from traceml_records.internal import LINE, REASONS, FileScan, FileState, Layout, RowsLayout
 
 if TYPE_CHECKING:
@@ -281,7 +284,8 @@ class Tail:
                 if self.info.problem is not None:
                     self._start()
                 self._identity = identity
-                self.sink(self._scan.read(fh), self.info)
+                info, sink = self.info, self.sink
+                self._scan.read(fh, each=lambda found: sink(found, info))
                 self.info.size = max(fh.tell(), self._scan.state.offset)
                 offset = self._scan.state.offset
                 if len(self._head) < _HEAD_BYTES and offset:
@@ -359,6 +363,45 @@ class StepLines:
 _BUILD_LINES = 1 << 17
 """Lines made into step columns at a time (their working arrays: about 100 MB)."""
 
+STEP_ROWS = 1 << 20
+"""The step rows the reader keeps of a step_time file, all ranks together (about 100
+bytes each), unless that leaves a rank fewer than :data:`MIN_WINDOW`..."""
+MIN_WINDOW = 1024
+"""...steps: each rank keeps at most ``max(MIN_WINDOW, STEP_ROWS // ranks)`` steps (its
+window). Past it, the reader keeps a sample of the steps, the same step numbers on
+every rank (:func:`kept_steps`), halved each time a rank passes its window again, and
+the exact figures of every step besides (:class:`RankTotals`)."""
+
+
+def _mix(steps: NDArray[np.int64]) -> NDArray[np.uint64]:
+    """A well-mixed 64-bit hash of each step number (splitmix64's finalizer)."""
+    import numpy as np
+
+    z = steps.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: NDArray[np.uint64] = z ^ (z >> np.uint64(31))
+    return out
+
+
+def kept_steps(steps: NDArray[np.int64], stride: int) -> NDArray[np.bool_]:
+    """Which of ``steps`` a sample of one in ``stride`` (a power of two) keeps: a step
+    chosen by its number's hash (so every rank keeps the same steps, none in a pattern a
+    periodic slow step could hide in, and a sample of ``2 * stride`` is part of this
+    one), and the step before each chosen one (an iteration is the time from one step's
+    end to the next's)."""
+    import numpy as np
+
+    if stride <= 1:
+        return np.ones(len(steps), dtype=np.bool_)
+    low = np.uint64(stride - 1)
+    zero = np.uint64(0)
+    with np.errstate(over="ignore"):
+        chosen: NDArray[np.bool_] = ((_mix(steps) & low) == zero) | (
+            (_mix(steps + 1) & low) == zero
+        )
+    return chosen
+
 
 class _Keyed:
     """One rank's step columns as the reader makes them, keyed: :data:`STEP_KEY` (the
@@ -407,6 +450,11 @@ class _Steps:
         self._built: dict[int, _Keyed] = {}
         self._worlds: set[int] = set()
         self._lines = 0
+        self._rows = STEP_ROWS
+        self._min_window = MIN_WINDOW
+        self.stride = 1
+        """The rows kept: the steps :func:`kept_steps` keeps at this stride."""
+        self._totals = _Totals()
         self._start()
 
     def _start(self) -> None:
@@ -460,14 +508,31 @@ class _Steps:
         """Lines taken and not yet made into step columns."""
         return self._pending
 
+    @property
+    def window(self) -> int:
+        """The most steps each rank keeps (:data:`MIN_WINDOW`)."""
+        return max(self._min_window, self._rows // max(1, len(self._totals.index)))
+
     def build(self) -> StepColumns:
-        """Each rank's step columns, of every line taken so far."""
+        """Each rank's step columns, of every line taken so far (a sample of them, with
+        the exact totals, once a rank passed its window)."""
         self.merge()
-        return {rank: keyed.typed() for rank, keyed in self._built.items()}
+        if self.stride == 1:
+            return {rank: keyed.typed() for rank, keyed in self._built.items()}
+        import numpy as np
+
+        out: StepColumns = {}
+        for rank in sorted(self._totals.index):
+            totals, node = self._totals.of(rank)
+            keyed = self._built.get(rank)
+            if keyed is None:
+                keyed = _Keyed(np.zeros(0, dtype=np.int64), {}, {}, node)
+            out[rank] = rank_columns(keyed.steps, keyed.values, keyed.present, node, totals)
+        return out
 
     def merge(self) -> None:
         """Make the lines taken since the last merge into columns, appended to each
-        rank's."""
+        rank's; past the window, halve the sample."""
         if self._pending:
             fresh = self._build_pending()
             built = dict(self._built)
@@ -476,6 +541,10 @@ class _Steps:
                 built[rank] = columns if earlier is None else _appended(earlier, columns)
             self._built = {r: built[r] for r in sorted(built)}
             self._start()
+            window = self.window
+            while self._built and max(map(len, self._built.values())) > window:
+                self.stride *= 2
+                self._built = {r: _thinned(k, self.stride) for r, k in self._built.items()}
 
     def _build_pending(self) -> dict[int, _Keyed]:
         import numpy as np
@@ -496,7 +565,153 @@ class _Steps:
         present[TOKENS_KEY] = has_tokens
         order[TS_KEY] = order[USED_KEY] + 1
         order[TOKENS_KEY] = order[USED_KEY] + 2
+        with np.errstate(all="ignore"):  # inf sums as above
+            self._totals.add(rank, step, node, values, present)
+        if self.stride > 1:
+            keep = kept_steps(step, self.stride)
+            rank, step, node = rank[keep], step[keep], node[keep]
+            values = {k: v[keep] for k, v in values.items()}
+            present = {k: v[keep] for k, v in present.items()}
+            order = {k: v[keep] for k, v in order.items()}
+            if not len(rank):
+                return {}
         return _by_rank(rank, step, node, values, present, order)
+
+
+class _Totals:
+    """The exact figures of every step_time line taken, per rank, as arrays (one entry
+    per rank, in the order ranks first appear), added to a batch of lines at a time."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.index: dict[int, int] = {}
+        """rank -> its entry."""
+        self._ints = np.zeros((0, 5), dtype=np.int64)
+        """steps, first step, last step, steps with an end, the node of the last line"""
+        self._floats = np.zeros((0, 6), dtype=np.float64)
+        """step sum, longest step, first end, last end, iteration sum, rest sum"""
+        self._phases: dict[str, Any] = {}
+        """phase -> (its sum per rank, the lines per rank that had it)"""
+
+    def add(
+        self,
+        rank: NDArray[np.int64],
+        step: NDArray[np.int64],
+        node: NDArray[np.int64],
+        values: dict[str, Any],
+        present: dict[str, Any],
+    ) -> None:
+        import numpy as np
+
+        n = len(rank)
+        if not n:
+            return
+        ranks, inv = np.unique(rank, return_inverse=True)
+        k = len(ranks)
+        for r in ranks.tolist():
+            if r not in self.index:
+                self.index[r] = len(self.index)
+        grow = len(self.index) - len(self._ints)
+        if grow > 0:
+            self._ints = np.vstack((self._ints, np.zeros((grow, 5), dtype=np.int64)))
+            self._floats = np.vstack((self._floats, np.zeros((grow, 6), dtype=np.float64)))
+            for sums, counts in self._phases.values():
+                sums.resize(len(self.index), refcheck=False)
+                counts.resize(len(self.index), refcheck=False)
+        at = np.array([self.index[r] for r in ranks.tolist()], dtype=np.int64)
+        zeros = np.zeros(n, dtype=np.float64)
+        step_ms = values.get(STEP_KEY, zeros)
+        count = np.bincount(inv, minlength=k)
+        first = np.full(k, np.iinfo(np.int64).max, dtype=np.int64)
+        last = np.full(k, np.iinfo(np.int64).min, dtype=np.int64)
+        np.minimum.at(first, inv, step)
+        np.maximum.at(last, inv, step)
+        longest = np.full(k, -np.inf)
+        np.maximum.at(longest, inv, step_ms)
+        where = np.full(k, -1, dtype=np.int64)
+        np.maximum.at(where, inv, np.arange(n))
+        ts = values[TS_KEY]
+        has_end = ts > 0
+        ends = np.bincount(inv[has_end], minlength=k)
+        first_end = np.full(k, np.inf)
+        last_end = np.full(k, -np.inf)
+        np.minimum.at(first_end, inv[has_end], ts[has_end])
+        np.maximum.at(last_end, inv[has_end], ts[has_end])
+        # iteration() and rest() of _phases, line by line, as phase_breakdown adds them.
+        built_in: Any = 0.0
+        for name in BUILT_IN_PHASES:
+            built_in = built_in + values.get(name, zeros)
+        outside = built_in > step_ms * 1.000001
+        iterations = np.where(outside, step_ms + values.get("dataloader_wait", zeros), step_ms)
+        rest = np.fmax(0.0, iterations - values[USED_KEY])
+
+        ints, floats = self._ints, self._floats
+        old = ints[at, 0] > 0
+        ints[at, 1] = np.where(old, np.minimum(ints[at, 1], first), first)
+        ints[at, 2] = np.where(old, np.maximum(ints[at, 2], last), last)
+        ints[at, 0] += count
+        old_end = ints[at, 3] > 0
+        new_end = ends > 0
+        floats[at, 2] = np.where(
+            old_end & new_end,
+            np.minimum(floats[at, 2], first_end),
+            np.where(old_end, floats[at, 2], first_end),
+        )
+        floats[at, 3] = np.where(
+            old_end & new_end,
+            np.maximum(floats[at, 3], last_end),
+            np.where(old_end, floats[at, 3], last_end),
+        )
+        ints[at, 3] += ends
+        ints[at, 4] = node[where]
+        floats[at, 0] += np.bincount(inv, weights=step_ms, minlength=k)
+        floats[at, 1] = np.where(old, np.maximum(floats[at, 1], longest), longest)
+        floats[at, 4] += np.bincount(inv, weights=iterations, minlength=k)
+        floats[at, 5] += np.bincount(inv, weights=rest, minlength=k)
+        for key, column in values.items():
+            if key in _FIELD_KEYS:
+                continue
+            found = self._phases.get(key)
+            if found is None:
+                found = self._phases[key] = (
+                    np.zeros(len(self.index), dtype=np.float64),
+                    np.zeros(len(self.index), dtype=np.int64),
+                )
+            sums, counts = found
+            sums[at] += np.bincount(inv, weights=column, minlength=k)
+            counts[at] += np.bincount(inv, weights=present[key], minlength=k).astype(np.int64)
+
+    def of(self, rank: int) -> tuple[RankTotals, int]:
+        """(the rank's totals, the node of its last line)."""
+        i = self.index[rank]
+        steps, first, last, ends, node = self._ints[i].tolist()
+        step_sum, longest, first_end, last_end, iterations, rest = self._floats[i].tolist()
+        t = RankTotals()
+        t.steps, t.first_step, t.last_step, t.ends = steps, first, last, ends
+        t.step_sum, t.max_ms, t.iteration_sum, t.rest_sum = step_sum, longest, iterations, rest
+        if ends:
+            t.first_end, t.last_end = first_end, last_end
+        t.phase_sums = {
+            key: float(sums[i]) for key, (sums, counts) in self._phases.items() if counts[i]
+        }
+        return t, int(node)
+
+
+_FIELD_KEYS = frozenset((STEP_KEY, TS_KEY, USED_KEY, TOKENS_KEY))
+
+
+def _thinned(keyed: _Keyed, stride: int) -> _Keyed:
+    """A rank's columns with only the steps a sample of one in ``stride`` keeps."""
+    keep = kept_steps(keyed.steps, stride)
+    if bool(keep.all()):
+        return keyed
+    return _Keyed(
+        keyed.steps[keep],
+        {k: v[keep] for k, v in keyed.values.items()},
+        {k: m[keep] for k, m in keyed.present.items()},
+        keyed.node,
+    )
 
 
 def _appended(earlier: _Keyed, later: _Keyed) -> _Keyed:

@@ -590,7 +590,8 @@ def _layout_sizes(layout: Layout | None, ranks: Sequence[int]) -> dict[str, int]
 
 def _stopped(columns: StepColumns, ranks: Sequence[int], layout: Layout | None) -> list[Any]:
     """Ranks whose last step is well before the others' (a crash, an early exit)."""
-    last = {r: int(columns[r].steps[-1]) for r in ranks if len(columns[r])}
+    found = {r: columns[r].last_step for r in ranks}
+    last = {r: s for r, s in found.items() if s is not None}
     if len(last) < 2:
         return []
     top = max(last.values())

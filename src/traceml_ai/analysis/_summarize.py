@@ -261,6 +261,15 @@ def _summary_of(
         figures = step_figures(rows)
         measured = "collectives" in reads and merge_waits(rows, kept["collectives"], notes)
         straggler = straggler_view(rows, strategy, measured, layout)
+        if any(c.sampled for c in rows.values()):
+            held = sum(len(c) for c in rows.values())
+            total = sum(c.step_count for c in rows.values())
+            notes.append(
+                f"step analysis: from {held:,} of {total:,} steps (each rank keeps at most "
+                f"{steps.columns.window:,} steps, the same ones on every rank; the straggler "
+                "analysis and the percentiles are of those, the step counts, means, shares "
+                "and the longest step of every step)"
+            )
         if world:
             # Count rather than list every rank: a world may be very large.
             missing = max(world) - len([r for r in rows if r < max(world)])

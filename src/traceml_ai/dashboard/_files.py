@@ -162,7 +162,7 @@ def from_summary(summary: RunSummary) -> RunData:
             int(r): {n: (c.rank, c.size) for n, c in coordinates.items()}
             for r, coordinates in (summary.coordinates or {}).items()
         },
-        total_steps={r: len(rows[r]) if r in rows else 0 for r in ranks},
+        total_steps={r: rows[r].step_count if r in rows else 0 for r in ranks},
         step_time=summary.step_time,
         phases=summary.phases,
         phase_names=summary.phase_names,

@@ -509,3 +509,100 @@ def test_step_columns_made_a_batch_at_a_time_are_those_made_at_once(
     monkeypatch.setattr(_scan, "CHUNK_BYTES", 4000)  # a chunk of columns every few lines
     _same_columns(_step_columns(body, pure=False), whole)
     _same_columns(_step_columns(body, pure=True), whole)
+
+
+# --------------------------------------------------------------------------- the window
+
+
+def _long_run(ranks: int, steps: int, seed: int) -> list[dict[str, Any]]:
+    """Step lines whose times are multiples of 1/8 ms (sums exact in any order), rank
+    2 slower on every step, a user phase on some steps only."""
+    rnd = random.Random(seed)
+    out = []
+    for s in range(1, steps + 1):
+        for r in range(ranks):
+            phases = {
+                "step": (60.0 if r == 2 else 40.0) + rnd.randrange(16) / 8,
+                "forward_time": 10.0 + rnd.randrange(16) / 8,
+                "backward_time": 12.0 + rnd.randrange(16) / 8,
+                "dataloader_next": 1.0 + rnd.randrange(8) / 8,
+            }
+            if s % 7 == 0:
+                phases["user_clip"] = 0.5
+            out.append(step_line(r, s, ranks, phases))
+    return out
+
+
+def test_past_its_window_the_reader_keeps_a_sample_and_exact_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank keeps at most its window of steps however many it wrote (a sample, the
+    same steps on every rank, each with the step before it); the step counts, first and
+    last steps, means, shares, the longest step and the rate stay those of every step,
+    and the summary says it saw a sample."""
+    from traceml_ai.analysis import _read
+
+    ranks, steps = 4, 900
+    lines = _long_run(ranks, steps, seed=1)
+    whole = summarize_run(run_folder(tmp_path / "whole", lines))  # the default window
+    assert not any(c.sampled for c in whole.rows.values())
+
+    monkeypatch.setattr(_read, "STEP_ROWS", 64)  # 16 steps per rank...
+    monkeypatch.setattr(_read, "MIN_WINDOW", 8)
+    monkeypatch.setattr(_read, "_BUILD_LINES", 37)  # ...and many batches
+    run = run_folder(tmp_path / "grown", lines[:200], close=False)
+    path = run / "aggregator" / "export" / "step_time.jsonl"
+    reader = RunReader(run)
+    held = []
+    for end in (200, 1000, 2400, len(lines)):
+        write(path, lines[:end] if end < len(lines) else [*lines, closing("step_time", end)])
+        summary = reader.summary()
+        counts = {len(c) for c in summary.rows.values()}
+        held.append(max(counts))
+        assert max(counts) <= 16, counts
+        kept = [c.steps.tolist() for c in summary.rows.values()]
+        assert all(k == kept[0] for k in kept)  # the same steps on every rank
+        chosen = set(kept[0])
+        for s in kept[0]:
+            assert s - 1 in chosen or s + 1 in chosen  # pairs: an iteration each
+        assert summary.step_time is not None
+        assert {f.steps for f in summary.step_time.values()} == {end // ranks}
+    assert held[-1] < steps  # a sample past the window
+    final = summary
+    assert all(c.sampled for c in final.rows.values())
+    assert final.step_time is not None and whole.step_time is not None
+    exact = ("steps", "first_step", "last_step", "mean_ms", "max_ms", "steps_per_s")
+    for rank, figures in final.step_time.items():
+        mine = whole.step_time[rank]
+        assert {k: getattr(figures, k) for k in exact} == {k: getattr(mine, k) for k in exact}
+    assert final.phases is not None and whole.phases is not None
+    assert final.phase_names == whole.phase_names
+    for rank, phases in final.phases.items():
+        for name, figures in phases.items():
+            mine = whole.phases[rank][name]
+            assert (figures.mean_ms, figures.share) == (mine.mean_ms, mine.share), (rank, name)
+    note = next(n for n in final.notes if n.startswith("step analysis: from "))
+    assert f"of {ranks * steps:,} steps" in note
+    assert final.loss.status == whole.loss.status == "complete"
+    # The straggler analysis of the sample names the rank every step names.
+    assert final.straggler is not None and whole.straggler is not None
+    assert [s.rank for s in final.straggler.stragglers] == [2]
+    assert [s.rank for s in whole.straggler.stragglers] == [2]
+
+
+def test_the_sample_of_a_larger_stride_is_part_of_the_smaller_ones() -> None:
+    """Halving the sample drops steps and never takes new ones; every stride keeps
+    about 2 steps in ``stride`` (a chosen step and the one before it, one chosen in
+    ``stride`` at random: ``2 - 1 / stride`` on average)."""
+    import numpy as np
+
+    from traceml_ai.analysis._read import kept_steps
+
+    steps = np.arange(1, 1_000_001, dtype=np.int64)
+    before = np.ones(len(steps), dtype=np.bool_)
+    for stride in (2, 4, 8, 64, 256):
+        kept = kept_steps(steps, stride)
+        assert not bool((kept & ~before).any())
+        share = kept.mean() * stride
+        assert abs(share - (2 - 1 / stride)) < 0.1, (stride, share)
+        before = kept
