@@ -87,6 +87,19 @@ PROCESS_COLUMNS: tuple[str, ...] = (
     "gpu_memory_reserved_bytes",
 )
 """The ``process`` figures :attr:`MetricFigures.process_table` holds, in its order."""
+MAX_GPUS = 64
+"""GPUs of one node whose figures the live state keeps."""
+SYSTEM_COLUMNS: tuple[str, ...] = ("cpu_percent", "ram_used_bytes", "ram_total_bytes")
+"""A node's system figures, in the order of :meth:`LiveState.node_tables`' first."""
+GPU_COLUMNS: tuple[str, ...] = (
+    "utilization_percent",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "temperature_c",
+    "power_usage_w",
+    "power_limit_w",
+)
+"""A GPU's figures, in the order of :meth:`LiveState.node_tables`' second."""
 MAX_DIMS = 16
 """Parallel dimensions a rank's layout may have; a larger one is not a layout."""
 MAX_WAIT_KEYS = 64
@@ -121,16 +134,14 @@ def _number(value: object) -> float | None:
 def _medians(rows: NDArray[Any], counts: Sequence[int]) -> list[float | None]:
     """Each row's median of its ``counts[i]`` values (None of none): the middle value,
     or the mean of the two middle values. The rest of a row holds +inf, so one sort of
-    every row puts its values first, in order. A full row (the steady state) needs only
-    its two middle values in place: a partition, not a sort."""
+    every row puts its values first, in order. ``rows`` is sorted in place (the
+    caller's own copy). A sort, not a partition: numpy's row-wise partition takes
+    several times as long as its sort of short rows."""
     import numpy as np
 
     n = np.asarray(counts, dtype=np.intp)
-    width = rows.shape[1]
-    if len(n) and (n == width).all():
-        ordered = np.partition(rows, [(width - 1) // 2, width // 2], axis=1)
-    else:
-        ordered = np.sort(rows, axis=1)
+    rows.sort(axis=1)
+    ordered = rows
     lines = np.arange(len(n))
     lo = ordered[lines, np.maximum(n - 1, 0) // 2]
     hi = ordered[lines, n // 2]
@@ -324,6 +335,8 @@ class NodeLive:
     node: int
     system: dict[str, float] = attrs.field(factory=dict)
     gpus: dict[int, dict[str, float]] = attrs.field(factory=dict)
+    slot: int = -1
+    """Its row of the state's node tables (-1 in copies, which have none)."""
 
 
 _PROCESS_FIELDS = (
@@ -395,6 +408,12 @@ class LiveState:
         self._process_table: NDArray[Any] = _nan_table(64, len(PROCESS_COLUMNS))
         """Row ``RankLive.slot``: that rank's ``process`` figures of
         :data:`PROCESS_COLUMNS` (NaN: not reported)..."""
+        self._system_table: NDArray[Any] = _nan_table(16, len(SYSTEM_COLUMNS))
+        """Row ``NodeLive.slot``: that node's system figures of :data:`SYSTEM_COLUMNS`
+        (NaN: not reported)..."""
+        self._gpu_table: NDArray[Any] = _nan_table(16, MAX_GPUS, len(GPU_COLUMNS))
+        """...and its GPUs' figures of :data:`GPU_COLUMNS` (a row per GPU, NaN after
+        the last): the distributions across nodes and GPUs read columns."""
         self._peak_table: NDArray[Any] = _nan_table(64, MAX_DEVICES, 2)
         """...and its devices' (peak allocated, peak reserved) bytes, in ``peak_memory``'s
         order: a distribution across 10,240 ranks is a column, not 10,240 dict reads."""
@@ -563,12 +582,16 @@ class LiveState:
         with self._lock:
             live = self._nodes.get(node)
             if live is None:
-                live = self._nodes[node] = NodeLive(node)
+                slot = len(self._nodes)
+                if slot == len(self._system_table):
+                    self._system_table = _grown(self._system_table, math.nan)
+                    self._gpu_table = _grown(self._gpu_table, math.nan)
+                live = self._nodes[node] = NodeLive(node, slot=slot)
             live.system = {k: v for k in _SYSTEM_FIELDS if (v := _number(item.get(k))) is not None}
             gpus: dict[int, dict[str, float]] = {}
             entries = item.get("gpus")
             if type(entries) is list:
-                for gpu in entries[:64]:
+                for gpu in entries[:MAX_GPUS]:
                     if type(gpu) is not dict:
                         continue
                     index = _count(gpu.get("gpu_index"))
@@ -584,6 +607,12 @@ class LiveState:
                         figures["temperature_c"] = float(temperature)
                     gpus[index] = figures
             live.gpus = gpus
+            nan = math.nan
+            self._system_table[live.slot] = [live.system.get(k, nan) for k in SYSTEM_COLUMNS]
+            table = self._gpu_table[live.slot]
+            table.fill(nan)
+            if gpus:
+                table[: len(gpus)] = [[g.get(k, nan) for k in GPU_COLUMNS] for g in gpus.values()]
 
     def add_environment(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
         with self._lock:
@@ -772,6 +801,14 @@ class LiveState:
         state replaces them whole): what a scrape reads, without a copy per GPU."""
         with self._lock:
             return [NodeLive(n.node, n.system, n.gpus) for _, n in sorted(self._nodes.items())]
+
+    def node_tables(self) -> tuple[NDArray[Any], NDArray[Any]]:
+        """Copies of every node's latest system figures (nodes x :data:`SYSTEM_COLUMNS`)
+        and its GPUs' (nodes x :data:`MAX_GPUS` x :data:`GPU_COLUMNS`); NaN where none
+        was reported. Rows in no particular order: for the distributions."""
+        with self._lock:
+            n = len(self._nodes)
+            return self._system_table[:n].copy(), self._gpu_table[:n].copy()
 
     def recent_steps(self, last: int | None = None) -> dict[int, list[StepSeen]]:
         """rank -> its most recent steps, oldest first (at most ``last`` of each)."""

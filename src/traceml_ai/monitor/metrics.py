@@ -41,10 +41,12 @@ import attrs
 
 from traceml_ai.analysis import BUILT_IN_PHASES, Coordinates, StragglerView, percentile
 from traceml_ai.monitor._state import (
+    GPU_COLUMNS,
     MAX_USER_PHASES,
     PHASE_BUCKETS_S,
     PROCESS_COLUMNS,
     STEP_BUCKETS_S,
+    SYSTEM_COLUMNS,
     WINDOW_STEPS,
     Histogram,
     LiveState,
@@ -445,7 +447,10 @@ def collect(
     _rank_series(out, shown)
     _rank_distributions(out, figures)
     _group_step_times(out, figures, state.layout())
-    _node_series(out, state.node_figures(), every_node=every_rank)
+    if every_rank:
+        _node_series(out, state.node_figures())
+    else:
+        _node_distributions(out, *state.node_tables())
     add(STRAGGLERS, (verdict,), len(named))
     for slow_rank, phase, excess_ms in named:
         add(STRAGGLER_EXCESS, (str(slow_rank), phase), excess_ms / 1000.0)
@@ -638,25 +643,28 @@ def _group_step_times(
         out[metric.name].extend(Sample((str(group),), ms / 1000.0) for group, ms in sorted(medians))
 
 
-def _node_series(
-    out: dict[str, list[Sample]], nodes: Sequence[NodeLive], *, every_node: bool
+def _node_distributions(
+    out: dict[str, list[Sample]], system: NDArray[Any], gpus: NDArray[Any]
 ) -> None:
-    """The nodes' system and GPU figures: their distributions across every node and
-    GPU, and with ``every_node`` each node's and each GPU's own series."""
+    """The distributions across every node and GPU of :data:`NODE_DISTRIBUTIONS`, from
+    the state's node tables (a column per figure; NaN: not reported)."""
+    import numpy as np
+
+    columns = [system[:, SYSTEM_COLUMNS.index(key)] * scale for _, key, scale in _SYSTEM_KEYS]
+    columns += [gpus[:, :, GPU_COLUMNS.index(key)] * scale for _, key, scale in _GPU_KEYS]
+    for (distribution, _), column in zip(NODE_DISTRIBUTIONS, columns, strict=True):
+        _quantiles(out, distribution, column[~np.isnan(column)])
+
+
+def _node_series(out: dict[str, list[Sample]], nodes: Sequence[NodeLive]) -> None:
+    """The nodes' system and GPU figures: each node's and each GPU's own series, and
+    their distributions across every node and GPU."""
     # (its per-node samples, its key, its scale, every node's or GPU's values), in
     # NODE_DISTRIBUTIONS' order: lists, not dicts keyed by metric, on this hot loop.
     Figure = tuple[list[Sample], str, float, list[float]]
     system: list[Figure] = [(out[m.name], key, scale, []) for m, key, scale in _SYSTEM_KEYS]
     gpus: list[Figure] = [(out[m.name], key, scale, []) for m, key, scale in _GPU_KEYS]
-    if not every_node:
-        # The distributions only: one list per figure (their order does not matter).
-        for reported, figures in (
-            ([n.system for n in nodes if n.system], system),
-            ([gpu for n in nodes for gpu in n.gpus.values()], gpus),
-        ):
-            for _, key, scale, across in figures:
-                across.extend([f[key] * scale for f in reported if key in f])
-    for n in nodes if every_node else ():
+    for n in nodes:
         node = str(n.node)
         for samples, key, scale, across in system:
             if key in n.system:
