@@ -21,7 +21,9 @@ Prints each run's aggregator CPU per 1,000 records, the dropped batches, the scr
 series, size and build time, and the last line ``monitoring_cpu_ratio=<median of
 on/off> dropped_batches=<with the views on> scrape_series_1024=<n>
 scrape_build_s_1024=<median build> scrape_build_ratio_1024=<default over each rank's
-series> scrape_series_10240=<n> scrape_build_s_10240=<median build>`` (``monitoring_cpu_ratio=nan`` with ``--rounds 0``).
+series> scrape_series_10240=<n> scrape_build_s_10240=<median build>`` (``monitoring_cpu_ratio=nan`` with ``--rounds 0``),
+and with ``--baseline PATH`` (another checkout, e.g. ``/work/main``: its aggregator
+runs the same rounds, the two trees taking turns) ``baseline_monitoring_cpu_ratio=``.
 """
 
 from __future__ import annotations
@@ -89,6 +91,25 @@ def otlp_sink() -> Iterator[int]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+HERE = Path(__file__).resolve().parents[1]
+"""This checkout: its aggregator is the one measured (``--baseline`` names another)."""
+
+
+@contextmanager
+def _tree(root: Path) -> Iterator[None]:
+    """The aggregator (and the load's processes) started meanwhile import ``root``'s
+    tree: its ``src`` and itself on ``PYTHONPATH``."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = f"{root}/src{os.pathsep}{root}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def _free_port() -> int:
@@ -303,6 +324,12 @@ def main() -> None:
     parser.add_argument("--scrape-s", type=float, default=15.0, help="Prometheus' default")
     parser.add_argument("--otlp-interval-s", type=float, default=15.0)
     parser.add_argument("--views", choices=("both", "prometheus", "otlp"), default="both")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout (e.g. /work/main): its aggregator runs too, in alternation",
+    )
     args = parser.parse_args()
     default, detailed, otlp = scrape_costs()
     scrape_ratio = default.build_s / detailed.build_s
@@ -317,26 +344,37 @@ def main() -> None:
     spec = LoadSpec(ranks=args.ranks, steps_per_s=args.steps_per_s, seconds=args.seconds)
     logs = Path(tempfile.mkdtemp(prefix="bench-monitoring-"))
     ratios: list[float] = []
+    baseline_ratios: list[float] = []
     dropped_on = 0
     try:
         with otlp_sink() as otlp_port:
             os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{otlp_port}"
             os.environ["OTEL_METRIC_EXPORT_INTERVAL"] = str(int(args.otlp_interval_s * 1000))
+            trees = [("", HERE)] + ([("baseline ", args.baseline)] if args.baseline else [])
             for i in range(args.rounds):
-                off = one_run(spec, logs, f"off{i}", views=False, scrape_s=args.scrape_s)
-                on = one_run(
-                    spec, logs, f"on{i}", views=True, scrape_s=args.scrape_s, which=args.views
-                )
-                dropped_on += on.dropped
-                ratio = on.cpu_s_per_1k / off.cpu_s_per_1k if off.cpu_s_per_1k > 0 else float("nan")
-                ratios.append(ratio)
-                print(
-                    f"round {i + 1}: JSONL alone {off.cpu_s_per_1k:.4f} CPU s per 1,000 records "
-                    f"(dropped {off.dropped}); with Prometheus + OTLP {on.cpu_s_per_1k:.4f} "
-                    f"(dropped {on.agg_dropped_batches} by the aggregator, "
-                    f"{on.sender_dropped_batches} by the senders, exact {on.check.exact}); "
-                    f"ratio {ratio:.2f}"
-                )
+                # With a baseline, the two trees take turns first, round by round.
+                for label, tree in trees if i % 2 == 0 else trees[::-1]:
+                    with _tree(tree):
+                        off = one_run(
+                            spec, logs, f"{label}off{i}", views=False, scrape_s=args.scrape_s
+                        )
+                        on = one_run(
+                            spec, logs, f"{label}on{i}", views=True, scrape_s=args.scrape_s,
+                            which=args.views,
+                        )  # fmt: skip
+                    ratio = on.cpu_s_per_1k / off.cpu_s_per_1k if off.cpu_s_per_1k > 0 else math.nan
+                    if label:
+                        baseline_ratios.append(ratio)
+                    else:
+                        dropped_on += on.dropped
+                        ratios.append(ratio)
+                    print(
+                        f"round {i + 1}: {label}JSONL alone {off.cpu_s_per_1k:.4f} CPU s per 1,000 records "
+                        f"(dropped {off.dropped}); with Prometheus + OTLP {on.cpu_s_per_1k:.4f} "
+                        f"(dropped {on.agg_dropped_batches} by the aggregator, "
+                        f"{on.sender_dropped_batches} by the senders, exact {on.check.exact}); "
+                        f"ratio {ratio:.2f}"
+                    )
     finally:
         shutil.rmtree(logs, ignore_errors=True)
     cpu_ratio = statistics.median(ratios) if ratios else math.nan
@@ -347,6 +385,11 @@ def main() -> None:
         f"scrape_build_ratio_{SCRAPE_RANKS}={scrape_ratio:.3f} "
         f"scrape_series_{LARGE_RANKS}={large.series} "
         f"scrape_build_s_{LARGE_RANKS}={large.build_s:.4f}"
+        + (
+            f" baseline_monitoring_cpu_ratio={statistics.median(baseline_ratios):.2f}"
+            if baseline_ratios
+            else ""
+        )
     )
 
 

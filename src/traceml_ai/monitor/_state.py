@@ -2,9 +2,13 @@
 
 One :class:`LiveState` per aggregator, fed by :class:`~traceml_ai.monitor._feed.LiveFeed`
 (its one writer thread) and read by the Prometheus endpoint, the OTLP exporter and
-the dashboard. Everything is bounded: a window of recent steps per rank, histogram
-bucket counts per rank and phase, the latest sample of each gauge, a fixed number of
-user phase names (the rest fold into ``other``).
+the dashboard. Everything is bounded, and by the run's ranks, not its length: a
+window of recent steps per rank (its last :data:`WINDOW_STEPS`, and their tokens and
+collective waits: at most :data:`HELD_ROWS_PER_RANK` rows per rank, counted by
+:meth:`LiveState.held_rows`), histogram bucket counts per rank and phase and the job's
+(summed as steps arrive), the latest sample of each gauge, a fixed number of user
+phase names (the rest fold into ``other``). Memory is O(ranks x window); the live
+straggler analysis reads each rank's last ``STRAGGLER_STEPS`` of that window.
 
 Values come from rank batches the aggregator has not validated yet (the export
 validates its own copy), so every value is checked here: a field of the wrong type,
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import threading
 import time
 from collections import deque
@@ -44,10 +49,13 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 __all__ = [
+    "HELD_ROWS_PER_RANK",
+    "MAX_DEVICES",
     "MAX_RANKS",
     "MAX_USER_PHASES",
     "OTHER_PHASE",
     "PHASE_BUCKETS_S",
+    "PROCESS_COLUMNS",
     "STEP_BUCKETS_S",
     "WINDOW_STEPS",
     "Histogram",
@@ -70,6 +78,28 @@ PHASE_BUCKETS_S: tuple[float, ...] = (
 """Upper bounds (seconds) of the phase histograms: fewer buckets than the step's,
 because there are several phases per rank (series = ranks x phases x buckets)."""
 
+MAX_DEVICES = 16
+"""Devices of one rank whose peak memory the live state keeps."""
+PROCESS_COLUMNS: tuple[str, ...] = (
+    "cpu_percent",
+    "ram_used_bytes",
+    "gpu_memory_used_bytes",
+    "gpu_memory_reserved_bytes",
+)
+"""The ``process`` figures :attr:`MetricFigures.process_table` holds, in its order."""
+MAX_GPUS = 64
+"""GPUs of one node whose figures the live state keeps."""
+SYSTEM_COLUMNS: tuple[str, ...] = ("cpu_percent", "ram_used_bytes", "ram_total_bytes")
+"""A node's system figures, in the order of :meth:`LiveState.node_tables`' first."""
+GPU_COLUMNS: tuple[str, ...] = (
+    "utilization_percent",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "temperature_c",
+    "power_usage_w",
+    "power_limit_w",
+)
+"""A GPU's figures, in the order of :meth:`LiveState.node_tables`' second."""
 MAX_DIMS = 16
 """Parallel dimensions a rank's layout may have; a larger one is not a layout."""
 MAX_WAIT_KEYS = 64
@@ -82,6 +112,12 @@ MAX_RANKS = 65536
 
 WINDOW_STEPS = 120
 """Recent steps kept per rank (for the straggler analysis, the dashboard, outliers)."""
+
+HELD_ROWS_PER_RANK = 7 * WINDOW_STEPS
+"""Rows of steps the state holds per rank at most, whatever the run's length: its
+recent steps (``WINDOW_STEPS``), and keyed by step number (they may come before or
+after the step's own line) tokens, waits per component and waits per operation
+(``2 * WINDOW_STEPS`` each)."""
 
 _RESERVED = "_traceml_internal:"
 
@@ -98,11 +134,14 @@ def _number(value: object) -> float | None:
 def _medians(rows: NDArray[Any], counts: Sequence[int]) -> list[float | None]:
     """Each row's median of its ``counts[i]`` values (None of none): the middle value,
     or the mean of the two middle values. The rest of a row holds +inf, so one sort of
-    every row puts its values first, in order."""
+    every row puts its values first, in order. ``rows`` is sorted in place (the
+    caller's own copy). A sort, not a partition: numpy's row-wise partition takes
+    several times as long as its sort of short rows."""
     import numpy as np
 
-    ordered = np.sort(rows, axis=1)
     n = np.asarray(counts, dtype=np.intp)
+    rows.sort(axis=1)
+    ordered = rows
     lines = np.arange(len(n))
     lo = ordered[lines, np.maximum(n - 1, 0) // 2]
     hi = ordered[lines, n // 2]
@@ -132,6 +171,17 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
         self.n += 1
+
+    def observe_twice(self, also: Histogram, value: float) -> None:
+        """Observe ``value`` here and in ``also`` (same bounds): one bucket search for
+        a rank's histogram and the job's."""
+        index = bisect.bisect_left(self.bounds, value)
+        self.counts[index] += 1
+        self.total += value
+        self.n += 1
+        also.counts[index] += 1
+        also.total += value
+        also.n += 1
 
     def copy(self) -> Histogram:
         return Histogram(self.bounds, list(self.counts), self.total, self.n)
@@ -217,9 +267,30 @@ class RankFigures(NamedTuple):
 
 @attrs.frozen
 class MetricFigures:
-    """What the metrics read from the state at one scrape or export."""
+    """What the metrics read from the state at one scrape or export: each rank's
+    figures as columns (one list per figure, the ranks in order; copies taken under
+    the lock), so that a figure across 10,240 ranks is one list, not 10,240 reads."""
 
-    ranks: list[RankFigures]
+    rank: list[int]
+    node: list[int]
+    steps: list[int]
+    last_step: list[int]
+    last_end_ns: list[int]
+    recent_median_ms: list[float | None]
+    """The median time of each rank's recent steps (at most ``WINDOW_STEPS``)."""
+    peak_memory: list[dict[str, tuple[float | None, float | None]]]
+    """Each rank's devices' peaks (shared with the state, which replaces them whole)."""
+    process: list[dict[str, float]]
+    """Each rank's process figures (shared, replaced whole too)."""
+    step_hist: list[Histogram] | None
+    """Each rank's own histograms (copies): None unless ``rank_histograms``."""
+    phase_hist: list[dict[str, Histogram]] | None
+    process_table: NDArray[Any]
+    """Each rank's ``process`` figures as a row of :data:`PROCESS_COLUMNS` (NaN: not
+    reported)."""
+    peak_table: NDArray[Any]
+    """Each rank's devices' (peak allocated, peak reserved) bytes: ranks x
+    :data:`MAX_DEVICES` x 2 (NaN: no such device, or not reported)."""
     rank_count: int
     """The run's ranks: the world size the ranks report, or the ranks heard from if more."""
     rank_histograms: bool
@@ -230,6 +301,32 @@ class MetricFigures:
     job_phases: dict[str, Histogram]
     """Every rank's times of each phase, one histogram per phase (sorted by name)."""
 
+    def rank_figures(self, indices: Iterable[int] | None = None) -> list[RankFigures]:
+        """The ranks at ``indices`` (positions in the columns; every rank by default),
+        one :class:`RankFigures` each."""
+        positions = range(len(self.rank)) if indices is None else indices
+        hists, phases = self.step_hist, self.phase_hist
+        return [
+            RankFigures(
+                self.rank[i],
+                self.node[i],
+                self.steps[i],
+                self.last_step[i],
+                self.last_end_ns[i],
+                self.recent_median_ms[i],
+                self.peak_memory[i],
+                self.process[i],
+                hists[i] if hists is not None else None,
+                phases[i] if phases is not None else None,
+            )
+            for i in positions
+        ]
+
+    @property
+    def ranks(self) -> list[RankFigures]:
+        """Every rank's figures, in rank order."""
+        return self.rank_figures()
+
 
 @attrs.define(slots=True)
 class NodeLive:
@@ -238,6 +335,8 @@ class NodeLive:
     node: int
     system: dict[str, float] = attrs.field(factory=dict)
     gpus: dict[int, dict[str, float]] = attrs.field(factory=dict)
+    slot: int = -1
+    """Its row of the state's node tables (-1 in copies, which have none)."""
 
 
 _PROCESS_FIELDS = (
@@ -257,6 +356,27 @@ _GPU_FIELDS = (
 )
 
 
+_FIGURES = operator.attrgetter(
+    "rank", "node", "steps", "last_step", "last_end_ns", "peak_memory", "process"
+)
+"""A rank's figures the metrics read as columns (``MetricFigures``' first seven)."""
+
+
+def _nan_table(*shape: int) -> NDArray[Any]:
+    import numpy as np
+
+    return np.full(shape, np.nan)
+
+
+def _grown(table: NDArray[Any], unused: float) -> NDArray[Any]:
+    """``table`` with twice the rows, the new ones filled with ``unused``."""
+    import numpy as np
+
+    grown = np.full((2 * len(table), *table.shape[1:]), unused)
+    grown[: len(table)] = table
+    return grown
+
+
 def _empty_rows(n: int) -> NDArray[Any]:
     """``n`` ranks' rows of recent step times, none used yet."""
     import numpy as np
@@ -274,11 +394,29 @@ class LiveState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[int, RankLive] = {}
+        self._order: tuple[list[RankLive], list[int]] | None = None
+        """The ranks in rank order and their slots, made again when a rank is added."""
         self._nodes: dict[int, NodeLive] = {}
         self._fold = UserPhaseFold()
         self._labels: dict[str, str | None] = {}
         self._wait_keys: dict[tuple[str, str], tuple[str, str]] = {}
+        self._job_step = Histogram.empty(STEP_BUCKETS_S)
+        self._job_phases: dict[str, Histogram] = {}
+        """Every rank's step and phase times, kept as the steps arrive (the sum of the
+        ranks' own histograms): a scrape copies these, not a merge of every rank's."""
         self._recent_ms: NDArray[Any] = _empty_rows(64)
+        self._process_table: NDArray[Any] = _nan_table(64, len(PROCESS_COLUMNS))
+        """Row ``RankLive.slot``: that rank's ``process`` figures of
+        :data:`PROCESS_COLUMNS` (NaN: not reported)..."""
+        self._system_table: NDArray[Any] = _nan_table(16, len(SYSTEM_COLUMNS))
+        """Row ``NodeLive.slot``: that node's system figures of :data:`SYSTEM_COLUMNS`
+        (NaN: not reported)..."""
+        self._gpu_table: NDArray[Any] = _nan_table(16, MAX_GPUS, len(GPU_COLUMNS))
+        """...and its GPUs' figures of :data:`GPU_COLUMNS` (a row per GPU, NaN after
+        the last): the distributions across nodes and GPUs read columns."""
+        self._peak_table: NDArray[Any] = _nan_table(64, MAX_DEVICES, 2)
+        """...and its devices' (peak allocated, peak reserved) bytes, in ``peak_memory``'s
+        order: a distribution across 10,240 ranks is a column, not 10,240 dict reads."""
         """Row ``RankLive.slot``: the step times of that rank's ``recent`` steps, in a
         ring (step ``k`` of the rank at ``(k - 1) % WINDOW_STEPS``; unused cells +inf):
         a scrape's medians copy one array and sort it in numpy, not a list per rank."""
@@ -316,9 +454,9 @@ class LiveState:
         if live is None:
             slot = len(self._ranks)
             if slot == len(self._recent_ms):
-                grown = _empty_rows(2 * slot)
-                grown[:slot] = self._recent_ms
-                self._recent_ms = grown
+                self._recent_ms = _grown(self._recent_ms, math.inf)
+                self._process_table = _grown(self._process_table, math.nan)
+                self._peak_table = _grown(self._peak_table, math.nan)
             live = self._ranks[rank] = RankLive(rank, slot=slot)
         if type(node) is int and 0 <= node < MAX_RANKS:
             live.node = node
@@ -370,13 +508,15 @@ class LiveState:
         if step >= live.last_step:
             live.last_step = step
             live.last_end_ns = end_ns
-        live.step_hist.observe(step_ms / 1000.0)
-        hists = live.phase_hist
+        live.step_hist.observe_twice(self._job_step, step_ms / 1000.0)
+        hists, job = live.phase_hist, self._job_phases
         for label, ms in phases.items():
             hist = hists.get(label)
             if hist is None:
                 hist = hists[label] = Histogram.empty(PHASE_BUCKETS_S)
-            hist.observe(ms / 1000.0)
+                if label not in job:
+                    job[label] = Histogram.empty(PHASE_BUCKETS_S)
+            hist.observe_twice(job[label], ms / 1000.0)
         seen = StepSeen(live.rank, live.node, step, end_ns, step_ms, phases)
         tokens = item.get("tokens")
         if type(tokens) is int and tokens >= 0:
@@ -392,16 +532,26 @@ class LiveState:
             live = self._rank(identity)
             if live is None:
                 return
+            # A new dict, never one a reader holds changed: the scrape shares it.
+            peaks = dict(live.peak_memory)
             for item in items:
                 if type(item) is not dict or type(item.get("device")) is not str:
                     self.ignored_items += 1
                     continue
                 device = item["device"][:32]
-                if device not in live.peak_memory and len(live.peak_memory) >= 16:
+                if device not in peaks and len(peaks) >= MAX_DEVICES:
                     continue
-                live.peak_memory[device] = (
+                peaks[device] = (
                     _number(item.get("peak_allocated_bytes")),
                     _number(item.get("peak_reserved_bytes")),
+                )
+            live.peak_memory = peaks
+            table = self._peak_table[live.slot]
+            table.fill(math.nan)
+            for row, (allocated, reserved) in enumerate(peaks.values()):
+                table[row] = (
+                    math.nan if allocated is None else allocated,
+                    math.nan if reserved is None else reserved,
                 )
 
     def add_process(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
@@ -419,6 +569,8 @@ class LiveState:
                 # As the sampler clamps: a process cannot use more than every core.
                 figures["cpu_percent"] = min(figures["cpu_percent"], 100.0 * cores)
             live.process = figures
+            nan = math.nan
+            self._process_table[live.slot] = [figures.get(k, nan) for k in PROCESS_COLUMNS]
 
     def add_system(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
         node = identity.get("node_rank")
@@ -430,12 +582,16 @@ class LiveState:
         with self._lock:
             live = self._nodes.get(node)
             if live is None:
-                live = self._nodes[node] = NodeLive(node)
+                slot = len(self._nodes)
+                if slot == len(self._system_table):
+                    self._system_table = _grown(self._system_table, math.nan)
+                    self._gpu_table = _grown(self._gpu_table, math.nan)
+                live = self._nodes[node] = NodeLive(node, slot=slot)
             live.system = {k: v for k in _SYSTEM_FIELDS if (v := _number(item.get(k))) is not None}
             gpus: dict[int, dict[str, float]] = {}
             entries = item.get("gpus")
             if type(entries) is list:
-                for gpu in entries[:64]:
+                for gpu in entries[:MAX_GPUS]:
                     if type(gpu) is not dict:
                         continue
                     index = _count(gpu.get("gpu_index"))
@@ -451,6 +607,12 @@ class LiveState:
                         figures["temperature_c"] = float(temperature)
                     gpus[index] = figures
             live.gpus = gpus
+            nan = math.nan
+            self._system_table[live.slot] = [live.system.get(k, nan) for k in SYSTEM_COLUMNS]
+            table = self._gpu_table[live.slot]
+            table.fill(nan)
+            if gpus:
+                table[: len(gpus)] = [[g.get(k, nan) for k in GPU_COLUMNS] for g in gpus.values()]
 
     def add_environment(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
         with self._lock:
@@ -559,6 +721,15 @@ class LiveState:
             {r.rank for r in ranks if r.waits_unmeasured},
         )
 
+    def held_rows(self) -> dict[int, int]:
+        """rank -> the rows of steps the state holds for it now (recent steps, tokens,
+        waits per component and per operation): at most :data:`HELD_ROWS_PER_RANK`."""
+        with self._lock:
+            return {
+                rank: len(r.recent) + len(r.tokens) + len(r.waits) + len(r.op_waits)
+                for rank, r in self._ranks.items()
+            }
+
     def set_straggler(self, view: StragglerView | None) -> None:
         with self._lock:
             self.straggler = view
@@ -589,38 +760,33 @@ class LiveState:
         each rank's own histograms while the run has at most
         ``rank_histograms_max_ranks`` ranks. Only copies are made under the lock."""
         with self._lock:
-            live = [r for _, r in sorted(self._ranks.items())]
+            order = self._order
+            if order is None or len(order[0]) != len(self._ranks):
+                live = [r for _, r in sorted(self._ranks.items())]
+                order = self._order = (live, [r.slot for r in live])
+            live, slots = order
             rank_count = max(self.world_size or 0, len(live))
             detail = rank_count <= rank_histograms_max_ranks
-            job_step = Histogram.merged(STEP_BUCKETS_S, [r.step_hist for r in live])
-            by_phase: dict[str, list[Histogram]] = {}
-            for r in live:
-                for label, hist in r.phase_hist.items():
-                    by_phase.setdefault(label, []).append(hist)
-            job_phases = {
-                label: Histogram.merged(PHASE_BUCKETS_S, hists)
-                for label, hists in sorted(by_phase.items())
-            }
-            recent_ms = self._recent_ms[[r.slot for r in live]]  # a copy
-            copied = [
-                (
-                    (r.rank, r.node, r.steps, r.last_step, r.last_end_ns),
-                    dict(r.peak_memory),
-                    r.process,  # replaced whole by add_process, never changed in place
-                    r.step_hist.copy() if detail else None,
-                    {k: h.copy() for k, h in r.phase_hist.items()} if detail else None,
-                )
-                for r in live
-            ]
-        # The medians outside the lock: the feed thread waits only for the copies.
-        medians = _medians(recent_ms, [min(c[2], WINDOW_STEPS) for c, *_ in copied])
-        ranks = [
-            RankFigures(*counts, median, memory, process, step_hist, phases)
-            for (counts, memory, process, step_hist, phases), median in zip(
-                copied, medians, strict=True
+            job_step = self._job_step.copy()
+            job_phases = {label: h.copy() for label, h in sorted(self._job_phases.items())}
+            recent_ms = self._recent_ms[slots]  # copies
+            process_table = self._process_table[slots]
+            peak_table = self._peak_table[slots]
+            # One pass over the ranks, then transposed: a tuple of scalars and of the
+            # dicts the state replaces whole (never changes in place) per rank.
+            columns = list(zip(*map(_FIGURES, live), strict=True)) or [()] * 7
+            step_hist = [r.step_hist.copy() for r in live] if detail else None
+            phase_hist = (
+                [{k: h.copy() for k, h in r.phase_hist.items()} for r in live] if detail else None
             )
-        ]
-        return MetricFigures(ranks, rank_count, detail, job_step, job_phases)
+        rank, node, steps, last_step, last_end_ns, peak_memory, process = map(list, columns)
+        # The medians outside the lock: the feed thread waits only for the copies.
+        medians = _medians(recent_ms, [min(n, WINDOW_STEPS) for n in steps])
+        return MetricFigures(
+            rank, node, steps, last_step, last_end_ns, medians, peak_memory, process,
+            step_hist, phase_hist, process_table, peak_table, rank_count, detail, job_step,
+            job_phases,
+        )  # fmt: skip
 
     def nodes(self) -> list[NodeLive]:
         """A copy of every node's latest system sample."""
@@ -629,6 +795,20 @@ class LiveState:
                 NodeLive(n.node, dict(n.system), {i: dict(g) for i, g in n.gpus.items()})
                 for _, n in sorted(self._nodes.items())
             ]
+
+    def node_figures(self) -> list[NodeLive]:
+        """Every node's latest system sample, sharing the state's dicts (read only: the
+        state replaces them whole): what a scrape reads, without a copy per GPU."""
+        with self._lock:
+            return [NodeLive(n.node, n.system, n.gpus) for _, n in sorted(self._nodes.items())]
+
+    def node_tables(self) -> tuple[NDArray[Any], NDArray[Any]]:
+        """Copies of every node's latest system figures (nodes x :data:`SYSTEM_COLUMNS`)
+        and its GPUs' (nodes x :data:`MAX_GPUS` x :data:`GPU_COLUMNS`); NaN where none
+        was reported. Rows in no particular order: for the distributions."""
+        with self._lock:
+            n = len(self._nodes)
+            return self._system_table[:n].copy(), self._gpu_table[:n].copy()
 
     def recent_steps(self, last: int | None = None) -> dict[int, list[StepSeen]]:
         """rank -> its most recent steps, oldest first (at most ``last`` of each)."""

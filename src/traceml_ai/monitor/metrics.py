@@ -33,23 +33,31 @@ the five built-in ones plus at most ``MAX_USER_PHASES`` user names (the rest are
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping, Sequence
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import attrs
 
 from traceml_ai.analysis import BUILT_IN_PHASES, Coordinates, StragglerView, percentile
 from traceml_ai.monitor._state import (
+    GPU_COLUMNS,
     MAX_USER_PHASES,
     PHASE_BUCKETS_S,
+    PROCESS_COLUMNS,
     STEP_BUCKETS_S,
+    SYSTEM_COLUMNS,
     WINDOW_STEPS,
     Histogram,
     LiveState,
+    MetricFigures,
     NodeLive,
     RankFigures,
 )
 from traceml_ai.settings import RANK_SERIES_MAX_RANKS
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 __all__ = [
     "MAX_NAMED",
@@ -433,12 +441,16 @@ def collect(
     verdict, named = _straggler_figures(view)
     if not every_rank and len(named) > MAX_NAMED:
         named = heapq.nlargest(MAX_NAMED, named, key=lambda n: n[2])
-    ranks = figures.ranks
-    shown = ranks if every_rank else _slowest_and_named(ranks, {n[0] for n in named})
+    shown = figures.rank_figures(
+        None if every_rank else _slowest_and_named(figures, {n[0] for n in named})
+    )
     _rank_series(out, shown)
-    _rank_distributions(out, ranks)
-    _group_step_times(out, ranks, state.layout())
-    _node_series(out, state.nodes(), every_node=every_rank)
+    _rank_distributions(out, figures)
+    _group_step_times(out, figures, state.layout())
+    if every_rank:
+        _node_series(out, state.node_figures())
+    else:
+        _node_distributions(out, *state.node_tables())
     add(STRAGGLERS, (verdict,), len(named))
     for slow_rank, phase, excess_ms in named:
         add(STRAGGLER_EXCESS, (str(slow_rank), phase), excess_ms / 1000.0)
@@ -468,13 +480,17 @@ def collect(
     return [Family(m, out[m.name]) for m in METRICS]
 
 
-def _slowest_and_named(ranks: Sequence[RankFigures], named: set[int]) -> list[RankFigures]:
-    """The :data:`TOP_K` ranks with the longest median step time (the lower rank first
-    on a tie) and the ``named`` ones, in rank order."""
-    timed = (r for r in ranks if r.recent_median_ms is not None)
-    slowest = heapq.nlargest(TOP_K, timed, key=lambda r: (r.recent_median_ms, -r.rank))
-    keep = named | {r.rank for r in slowest}
-    return [r for r in ranks if r.rank in keep]
+def _slowest_and_named(figures: MetricFigures, named: set[int]) -> list[int]:
+    """The positions of the :data:`TOP_K` ranks with the longest median step time (the
+    lower rank first on a tie) and of the ``named`` ones, in rank order."""
+    timed = [
+        (ms, -rank, i)
+        for i, (ms, rank) in enumerate(zip(figures.recent_median_ms, figures.rank, strict=True))
+        if ms is not None
+    ]
+    keep = {i for _, _, i in heapq.nlargest(TOP_K, timed)}
+    keep.update(i for i, rank in enumerate(figures.rank) if rank in named)
+    return sorted(keep)
 
 
 _PROCESS_KEYS: tuple[tuple[MetricDef, str, float], ...] = (
@@ -531,40 +547,62 @@ def _rank_series(out: dict[str, list[Sample]], ranks: Sequence[RankFigures]) -> 
                 samples.append(Sample(by_rank, p[key] * scale))
 
 
-def _quantiles(out: dict[str, list[Sample]], metric: MetricDef, values: list[float]) -> None:
+def _quantiles(
+    out: dict[str, list[Sample]], metric: MetricDef, values: list[float] | NDArray[Any]
+) -> None:
     """``metric``'s series: one per :data:`QUANTILES` of ``values`` (none when empty)."""
-    if not values:
+    if len(values) < _PARTITION_FROM:
+        if len(values):
+            values = sorted(values.tolist() if not isinstance(values, list) else values)
+            out[metric.name].extend(
+                Sample((label,), percentile(values, q)) for label, q in QUANTILES
+            )
         return
-    values.sort()
-    out[metric.name].extend(Sample((label,), percentile(values, q)) for label, q in QUANTILES)
+    import numpy as np
+
+    # ``percentile``'s figures (its arithmetic on the same two closest values), with the
+    # few positions it reads put in place by one partition instead of a sort.
+    n = len(values)
+    spots = []
+    for label, q in QUANTILES:
+        pos = (n - 1) * q / 100.0
+        lo = math.floor(pos)
+        spots.append((label, lo, min(lo + 1, n - 1), pos - lo))
+    kth = sorted({i for _, lo, hi, _ in spots for i in (lo, hi)})
+    part = np.partition(np.asarray(values, dtype=np.float64), kth).tolist()
+    out[metric.name].extend(
+        Sample((label,), part[lo] + (part[hi] - part[lo]) * frac) for label, lo, hi, frac in spots
+    )
 
 
-def _rank_distributions(out: dict[str, list[Sample]], ranks: Sequence[RankFigures]) -> None:
+_PARTITION_FROM = 64
+"""Values from which a distribution's quantiles come from a partition, not a sort."""
+
+
+def _rank_distributions(out: dict[str, list[Sample]], figures: MetricFigures) -> None:
     """The distributions across every rank of :data:`RANK_DISTRIBUTIONS`."""
-    medians = [r.recent_median_ms / 1000.0 for r in ranks if r.recent_median_ms is not None]
-    reported = [r for r in ranks if r.steps]
-    figures: dict[MetricDef, list[float]] = {
-        RANK_STEP_TIME: medians,
-        STEPS: [float(r.steps) for r in ranks],
-        LAST_STEP: [float(r.last_step) for r in reported],
-        LAST_STEP_TIME: [r.last_end_ns / 1e9 for r in reported],
+    import numpy as np
+
+    reported = [i for i, n in enumerate(figures.steps) if n]
+    last_step, last_end_ns = figures.last_step, figures.last_end_ns
+    values: dict[MetricDef, list[float] | NDArray[Any]] = {
+        RANK_STEP_TIME: [ms / 1000.0 for ms in figures.recent_median_ms if ms is not None],
+        STEPS: [float(n) for n in figures.steps],
+        LAST_STEP: [float(last_step[i]) for i in reported],
+        LAST_STEP_TIME: [last_end_ns[i] / 1e9 for i in reported],
     }
-    allocated = figures[PEAK_ALLOCATED] = []
-    reserved = figures[PEAK_RESERVED] = []
-    process = [(figures.setdefault(m, []), key, scale) for m, key, scale in _PROCESS_KEYS]
-    for r in ranks:
-        for a, b in r.peak_memory.values():
-            if a is not None:
-                allocated.append(a)
-            if b is not None:
-                reserved.append(b)
-        p = r.process
-        if p:
-            for values, key, scale in process:
-                if key in p:
-                    values.append(p[key] * scale)
+    # The dict-valued figures from the state's tables: a column per figure (NaN: none).
+    for metric, column in (
+        (PEAK_ALLOCATED, figures.peak_table[:, :, 0]),
+        (PEAK_RESERVED, figures.peak_table[:, :, 1]),
+        *(
+            (metric, figures.process_table[:, PROCESS_COLUMNS.index(key)] * scale)
+            for metric, key, scale in _PROCESS_KEYS
+        ),
+    ):
+        values[metric] = column[~np.isnan(column)]
     for distribution, of in RANK_DISTRIBUTIONS:
-        _quantiles(out, distribution, figures[of])
+        _quantiles(out, distribution, values[of])
 
 
 def _median(values: list[float]) -> float:
@@ -574,20 +612,24 @@ def _median(values: list[float]) -> float:
 
 
 def _group_step_times(
-    out: dict[str, list[Sample]], ranks: Sequence[RankFigures], layout: Mapping[int, Coordinates]
+    out: dict[str, list[Sample]], figures: MetricFigures, layout: Mapping[int, Coordinates]
 ) -> None:
     """Each node's and each pipeline stage's median over its ranks of their median step
     time (the slowest :data:`MAX_NODE_SERIES` nodes and :data:`MAX_STAGE_SERIES` stages)."""
     by_node: dict[int, list[float]] = {}
     by_stage: dict[int, list[float]] = {}
-    for r in ranks:
-        ms = r.recent_median_ms
+    for rank, node, ms in zip(figures.rank, figures.node, figures.recent_median_ms, strict=True):
         if ms is None:
             continue
-        by_node.setdefault(r.node, []).append(ms)
-        place = layout.get(r.rank, {}).get("pp")
-        if place is not None:
-            by_stage.setdefault(place[0], []).append(ms)
+        group = by_node.get(node)
+        if group is None:
+            by_node[node] = [ms]
+        else:
+            group.append(ms)
+        if layout:
+            place = layout.get(rank, {}).get("pp")
+            if place is not None:
+                by_stage.setdefault(place[0], []).append(ms)
     groups = (
         (NODE_STEP_TIME, by_node, MAX_NODE_SERIES),
         (STAGE_STEP_TIME, by_stage, MAX_STAGE_SERIES),
@@ -601,11 +643,22 @@ def _group_step_times(
         out[metric.name].extend(Sample((str(group),), ms / 1000.0) for group, ms in sorted(medians))
 
 
-def _node_series(
-    out: dict[str, list[Sample]], nodes: Sequence[NodeLive], *, every_node: bool
+def _node_distributions(
+    out: dict[str, list[Sample]], system: NDArray[Any], gpus: NDArray[Any]
 ) -> None:
-    """The nodes' system and GPU figures: their distributions across every node and
-    GPU, and with ``every_node`` each node's and each GPU's own series."""
+    """The distributions across every node and GPU of :data:`NODE_DISTRIBUTIONS`, from
+    the state's node tables (a column per figure; NaN: not reported)."""
+    import numpy as np
+
+    columns = [system[:, SYSTEM_COLUMNS.index(key)] * scale for _, key, scale in _SYSTEM_KEYS]
+    columns += [gpus[:, :, GPU_COLUMNS.index(key)] * scale for _, key, scale in _GPU_KEYS]
+    for (distribution, _), column in zip(NODE_DISTRIBUTIONS, columns, strict=True):
+        _quantiles(out, distribution, column[~np.isnan(column)])
+
+
+def _node_series(out: dict[str, list[Sample]], nodes: Sequence[NodeLive]) -> None:
+    """The nodes' system and GPU figures: each node's and each GPU's own series, and
+    their distributions across every node and GPU."""
     # (its per-node samples, its key, its scale, every node's or GPU's values), in
     # NODE_DISTRIBUTIONS' order: lists, not dicts keyed by metric, on this hot loop.
     Figure = tuple[list[Sample], str, float, list[float]]
@@ -617,16 +670,14 @@ def _node_series(
             if key in n.system:
                 value = n.system[key] * scale
                 across.append(value)
-                if every_node:
-                    samples.append(Sample((node,), value))
+                samples.append(Sample((node,), value))
         for index, gpu in sorted(n.gpus.items()):
             labels = (node, str(index))
             for samples, key, scale, across in gpus:
                 if key in gpu:
                     value = gpu[key] * scale
                     across.append(value)
-                    if every_node:
-                        samples.append(Sample(labels, value))
+                    samples.append(Sample(labels, value))
     for (distribution, _), (_, _, _, across) in zip(
         NODE_DISTRIBUTIONS, (*system, *gpus), strict=True
     ):
