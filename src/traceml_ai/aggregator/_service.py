@@ -200,20 +200,14 @@ class Aggregator:
             if self._monitoring is not None:
                 self._monitoring.close(1.0)
             raise
-        monitoring = self._monitoring
-        if pipeline is not None and monitoring is not None:
+        if pipeline is not None and self._monitoring is not None:
             worker = pipeline.worker
-            monitoring.feed.export_backlog = lambda: worker.backlog
-            # Each batch is decoded once, by the export worker, which hands the live
-            # views the decoded message (their bounded queue: neither waits for the other).
-            worker.on_built = monitoring.submit
+            self._monitoring.feed.export_backlog = lambda: worker.backlog
         with self._lock:
             self._pipeline = pipeline
-            for batch in self._early_batches:
-                if pipeline is not None:
+            if pipeline is not None:
+                for batch in self._early_batches:
                     pipeline.submit(batch)
-                elif monitoring is not None:
-                    monitoring.submit(batch)
             self._early_batches.clear()
             self._export_started = True
         return address
@@ -269,9 +263,10 @@ class Aggregator:
     # Runs on the server's event-loop thread: must stay quick and never block. The
     # batch is usually still encoded (the export worker parses it), so ranks are
     # tracked from their ``finished`` messages and open connections, not from here.
-    # With export on, the export worker hands each batch to the live views once it has
-    # decoded it; with export off, the live views take it here and decode it themselves.
     def _on_batch(self, batch: ReceivedBatch) -> None:
+        monitoring = self._monitoring
+        if monitoring is not None:
+            monitoring.submit(batch)
         if not self._export_started:
             with self._lock:
                 if not self._export_started:
@@ -279,8 +274,6 @@ class Aggregator:
                     return
         if self._pipeline is not None:
             self._pipeline.submit(batch)
-        elif self._monitoring is not None:
-            self._monitoring.submit(batch)
 
     def _on_finished(self, message: dict[str, Any]) -> None:
         rank = self._note_identity(message.get("identity"))

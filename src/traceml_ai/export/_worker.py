@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -34,23 +34,18 @@ from traceml_ai.export._protocol import (
     ExportSummary,
     export_input_of,
 )
-from traceml_ai.transport.wire import FrameError, ReceivedBatch, decode_batch_body
+from traceml_ai.transport.wire import ReceivedBatch
 from traceml_records import ExportLoss
 
 __all__ = [
     "CLOSE_GRACE_S",
     "DEFAULT_MAX_QUEUE_BATCHES",
     "DEFAULT_MAX_QUEUE_BYTES",
-    "SHARE_DECODE_UP_TO",
     "ExportStats",
     "ExportWorker",
 ]
 
 _log = logging.getLogger("traceml_ai.export")
-
-SHARE_DECODE_UP_TO = 0.25
-"""With the live views on (``ExportWorker.on_built``), the worker decodes a batch for
-both while its queue is at most this full; above, it builds from the bytes alone."""
 
 DEFAULT_MAX_QUEUE_BATCHES = 65_536
 """Bounds the per-batch overhead (about 100 bytes each beyond ``nbytes``: ~6.5 MB at most).
@@ -195,13 +190,6 @@ class ExportWorker:
         self._forked_child = False
         self._final: ExportStats | None = None
         self._shutdown_lock = threading.Lock()
-        self.on_built: Callable[[ReceivedBatch], None] | None = None
-        """Set by the aggregator while the live views run (before the first batch): each
-        batch the worker takes is decoded here once, built from the decoded message,
-        then handed to this (it never blocks: the live views' own bounded queue), so the
-        live views need not decode their own copy. While the queue is more than
-        :data:`SHARE_DECODE_UP_TO` full, and unset, the worker builds from the bytes as
-        they came (and hands those)."""
         _fork.track(self)
 
     # -- public API -----------------------------------------------------------------
@@ -417,9 +405,6 @@ class ExportWorker:
 
     def _process(self, batch: ReceivedBatch) -> bool:
         """Build and export one batch; False when shutdown gave up on this thread."""
-        hand = self.on_built
-        if hand is not None:
-            batch = self._decoded(batch)
         try:
             result = self._builder.build(batch)
         except Exception:
@@ -431,12 +416,6 @@ class ExportWorker:
                 self._dropped += 1
                 self._phase = "idle"
             return True
-        if hand is not None:
-            # Before the records are written: the live views wait on no write.
-            try:
-                hand(batch)
-            except Exception:  # a bug in the live views never costs the files a batch
-                _log.exception("traceml: export: handing a batch to the live views failed")
         groups = [(stream, records) for stream, records in result.records.items() if records]
         with self._queue.cond:
             if self._abandoned:
@@ -455,25 +434,6 @@ class ExportWorker:
         with self._queue.cond:
             self._phase = "idle"
         return True
-
-    def _decoded(self, batch: ReceivedBatch) -> ReceivedBatch:
-        """``batch`` with its body parsed, when it is of a selected stream and the queue
-        is at most :data:`SHARE_DECODE_UP_TO` full; as it is otherwise, or when the body
-        does not parse (the builder counts that loss)."""
-        body = batch.payload
-        if type(body) is not bytes or self._queue.backlog > SHARE_DECODE_UP_TO:
-            # Behind: the files come first. Built from the bytes (the C encoder reads
-            # them without a Python object per item), the batch costs the export less
-            # than a decode and a build from objects; the live views, which wait while
-            # the export is behind, parse it themselves if they get to it.
-            return batch
-        if not self._builder.wants(batch):
-            return batch
-        try:
-            message = decode_batch_body(body)
-        except FrameError:
-            return batch
-        return ReceivedBatch(batch.observed_timestamp_unix_ns, message, batch.nbytes)
 
     def _export(self, records: Sequence[Any]) -> tuple[int, int]:
         """Hand one group to the exporter; return (written, failed) record counts.

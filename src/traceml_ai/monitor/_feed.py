@@ -1,14 +1,11 @@
 """The live views' own copy of the batches: a bounded queue and one thread.
 
-Every batch comes to :meth:`LiveFeed.submit` once: with export on, from the export
-worker, which decodes each batch once, builds its records from the decoded message
-and hands that message here before writing them (``ExportWorker.on_built``); with
-export off, from the aggregator's receive loop, still encoded, and the feed thread
-parses it. ``submit`` never blocks (a full queue drops the batch and counts it: a
-:class:`~traceml_ai._queue.BoundedBatchQueue`, where a decoded batch counts
-:data:`DECODED_WEIGHT` times its wire size), so neither the export nor the receive
-loop waits for the live views. The feed thread updates the :class:`LiveState` and
-gives the new steps to the sinks that want them (the OTLP traces). Every few seconds it runs the summary's straggler analysis on each rank's
+The aggregator's receive loop hands every batch to :meth:`LiveFeed.submit` as it
+hands it to the export; ``submit`` never blocks (a full queue drops the batch and
+counts it: the export worker's :class:`~traceml_ai._queue.BoundedBatchQueue`). The feed thread parses the batch itself (the export parses its own copy,
+so neither waits for the other, and the live views work with export off), updates the
+:class:`LiveState` and gives the new steps to the sinks that want them (the OTLP
+traces). Every few seconds it runs the summary's straggler analysis on each rank's
 recent steps, so the live views name the straggler in the summary's words.
 """
 
@@ -17,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 
 from traceml_ai._queue import BoundedBatchQueue
 from traceml_ai.analysis import ExcessSoFar, analyze
@@ -30,7 +27,6 @@ from traceml_ai.transport.wire import (
 )
 
 __all__ = [
-    "DECODED_WEIGHT",
     "DEFAULT_MAX_BATCHES",
     "DEFAULT_MAX_BYTES",
     "STRAGGLER_PERIOD_S",
@@ -54,11 +50,6 @@ BACKLOG_YIELD = 0.25
 the files come first, and the live views' own queue drops (and counts) instead."""
 _YIELD_S = 0.02
 
-DECODED_WEIGHT = 2
-"""A decoded batch's weight against the queue's byte bound, per byte of its wire size:
-about what its parsed objects take in memory (a step_time batch's 1.7 times), so the
-queue holds about as much memory as its bound says."""
-
 StepListener = Callable[[Sequence[StepSeen]], None]
 
 
@@ -67,16 +58,10 @@ _IDENTITY = b'"identity":'
 _ITEMS = b',"items":'
 
 
-def _gauge_key(batch: ReceivedBatch) -> Hashable | None:
-    """(stream, identity) of a batch of a stream whose latest sample is all the live
-    views keep; None for step_time and anything not read cheaply."""
+def _gauge_key(batch: ReceivedBatch) -> bytes | None:
+    """(stream, identity) of an encoded batch of a stream whose latest sample is all the
+    live views keep; None for step_time and anything not read cheaply."""
     body = batch.payload
-    if type(body) is dict:
-        stream, identity = body.get("stream"), body.get("identity")
-        if stream not in _GAUGE_STREAMS or type(identity) is not dict:
-            return None
-        rank, node = identity.get("global_rank"), identity.get("node_rank")
-        return (stream, rank, node) if type(rank) is int and type(node) is int else None
     if type(body) is not bytes:
         return None
     stream = peek_batch_stream(body)
@@ -149,10 +134,6 @@ class LiveFeed:
     def submit(self, batch: ReceivedBatch) -> None:
         """Queue a batch; never blocks, never raises (a full queue, a batch without a
         usable ``nbytes`` or a submit after stop drops and counts it)."""
-        if type(batch.payload) is dict and type(batch.nbytes) is int:
-            batch = ReceivedBatch(
-                batch.observed_timestamp_unix_ns, batch.payload, batch.nbytes * DECODED_WEIGHT
-            )
         self._queue.put(batch)
 
     def stop(self, timeout_s: float) -> None:
