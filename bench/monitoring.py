@@ -22,7 +22,7 @@ series, size and build time, and the last line ``monitoring_cpu_ratio=<median of
 on/off> dropped_batches=<with the views on> scrape_series_1024=<n>
 scrape_build_s_1024=<median build> scrape_build_ratio_1024=<default over each rank's
 series> scrape_series_10240=<n> scrape_build_s_10240=<median build>`` (``monitoring_cpu_ratio=nan`` with ``--rounds 0``),
-and with ``--baseline PATH`` (another checkout, e.g. ``/work/main``: its aggregator
+and with ``--baseline PATH`` (another checkout, e.g. ``../before``: its aggregator
 runs the same rounds, the two trees taking turns) ``baseline_monitoring_cpu_ratio=``.
 """
 
@@ -328,7 +328,7 @@ def main() -> None:
         "--baseline",
         type=Path,
         default=None,
-        help="another checkout (e.g. /work/main): its aggregator runs too, in alternation",
+        help="another checkout (e.g. ../before): its aggregator runs too, in alternation",
     )
     args = parser.parse_args()
     default, detailed, otlp = scrape_costs()
