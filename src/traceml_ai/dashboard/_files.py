@@ -155,7 +155,11 @@ def from_summary(summary: RunSummary) -> RunData:
         export_folder=summary.export_folder,
         world_size=world,
         strategy=strategy if isinstance(strategy, str) else None,
-        window="every step written",
+        window=(
+            "a sample of the steps written, the same steps on every rank"
+            if any(row.sampled for row in rows.values())
+            else "every step written"
+        ),
         ranks=ranks,
         rank_nodes=nodes,
         layout={

@@ -583,6 +583,13 @@ def test_past_its_window_the_reader_keeps_a_sample_and_exact_figures(
             assert (figures.mean_ms, figures.share) == (mine.mean_ms, mine.share), (rank, name)
     note = next(n for n in final.notes if n.startswith("step analysis: from "))
     assert f"of {ranks * steps:,} steps" in note
+    # The dashboard from files says so too, and counts every step.
+    from traceml_ai.dashboard._files import from_summary
+
+    page, whole_page = from_summary(final), from_summary(whole)
+    assert page.window.startswith("a sample of the steps written")
+    assert whole_page.window == "every step written"
+    assert page.total_steps == whole_page.total_steps == dict.fromkeys(range(ranks), steps)
     assert final.loss.status == whole.loss.status == "complete"
     # The straggler analysis of the sample names the rank every step names.
     assert final.straggler is not None and whole.straggler is not None
