@@ -11,10 +11,15 @@ The bytes are the real encoder's (``dumps_line``): a pool of records is encoded 
 and each line splices its own timestamps, ``seq`` and ``step`` into one of them, so
 writing costs about a string join per line, and the disk's write speed bounds it.
 
+With ``collectives``, a collectives file alongside: one line per step of each rank,
+DDP's gradient all-reduce in backward (``ddp_comm_hook``, NCCL, the wait measured on
+the device), the step's end and sequence spliced in as the step_time line's.
+
     from bench.bigfile import write_step_time
     size = write_step_time(path, 1_000_000)  # 64 ranks, 6 built-in + 2 user phases
+    write_step_time(path, 1_000_000, collectives=path.with_name("collectives.jsonl"))
 
-    python -m bench.bigfile OUT.jsonl [--lines N] [--world 64]
+    python -m bench.bigfile OUT.jsonl [--lines N] [--world 64] [--collectives FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from traceml_records import ClosingLine, PhaseTiming, StepTimeRecord, dumps_line
+from traceml_records._generated.records import CollectivesRecord
 
 _P = "_traceml_internal:"
 
@@ -123,6 +129,47 @@ def _templates(
     return heads, tails
 
 
+_WAIT_POOL = 4099  # wait values (a prime, so they never line up with the steps)
+
+
+def _collectives_heads(world: int, ranks_per_node: int) -> list[list[bytes]]:
+    """Per rank: a collectives line cut at its four varying fields (the sentinels) and
+    its wait."""
+    heads: list[list[bytes]] = []
+    wait_sentinel = 7_555.555_5
+    for rank in range(world):
+        line = dumps_line(
+            CollectivesRecord(
+                observed_timestamp_unix_ns=_SENTINELS[0],
+                rank=rank,
+                global_rank=rank,
+                local_rank=rank % ranks_per_node,
+                world_size=world,
+                local_world_size=ranks_per_node,
+                node_rank=rank // ranks_per_node,
+                timestamp_unix_ns=_SENTINELS[1],
+                seq=_SENTINELS[2],
+                step=_SENTINELS[3],
+                phase=_P + "backward_time",
+                op="all_reduce",
+                source="ddp_comm_hook",
+                backend="nccl",
+                n_calls=25,
+                wait_ms=wait_sentinel,
+                wait_measure="device",
+                first_arrival_ms=0.41,
+                last_arrival_ms=27.9,
+            )
+        )
+        parts: list[bytes] = []
+        for sentinel in (*_SENTINELS, wait_sentinel):
+            before, line = line.split(str(sentinel).encode())
+            parts.append(before)
+        parts.append(line)
+        heads.append(parts)
+    return heads
+
+
 def write_step_time(
     path: Path,
     lines: int,
@@ -131,12 +178,15 @@ def write_step_time(
     ranks_per_node: int = 8,
     user_phases: Sequence[str] = USER_PHASES,
     seed: int = 0,
+    collectives: Path | None = None,
 ) -> int:
     """Write ``lines`` step_time lines of a ``world``-rank run, then its closing line.
 
     Rank ``r`` is ``local_rank = r % ranks_per_node`` on node ``r // ranks_per_node``;
     steps go round the ranks in batches of a few steps each, so every (rank, step) is
-    written once and the file passes ``traceml validate``. Returns the file's size.
+    written once and the file passes ``traceml validate``. With ``collectives``, that
+    file gets one collectives line per step line (the same rank, step, end and
+    sequence; a wait of 1 to 9 ms). Returns the step_time file's size.
     """
     if world % ranks_per_node:
         raise ValueError(f"world {world} is not a multiple of ranks_per_node {ranks_per_node}")
@@ -146,6 +196,10 @@ def write_step_time(
     t0 = 1_796_073_447_453_688_073
     block = world * _BATCH_STEPS
     written = 0
+    coll_heads = _collectives_heads(world, ranks_per_node) if collectives is not None else []
+    waits = [f"{rnd.uniform(1.0, 9.0):.6f}".encode() for _ in range(_WAIT_POOL)]
+    coll_fh = open(collectives, "wb") if collectives is not None else None  # noqa: SIM115
+    coll: list[bytes] = []
     with open(path, "wb") as fh:
         out: list[bytes] = []
         for start in range(0, lines, block):
@@ -173,12 +227,35 @@ def write_step_time(
                         h4,
                         pool[picks[i % 4099]],
                     )
+                    if coll_heads:
+                        c0, c1, c2, c3, c4, c5 = coll_heads[rank]
+                        coll += (
+                            c0,
+                            str(observed).encode(),
+                            c1,
+                            str(ts).encode(),
+                            c2,
+                            str(step - 1).encode(),
+                            c3,
+                            str(step).encode(),
+                            c4,
+                            waits[i % _WAIT_POOL],
+                            c5,
+                        )
             if len(out) > 100_000:
                 written += fh.write(b"".join(out))
                 out.clear()
+            if coll_fh is not None and len(coll) > 100_000:
+                coll_fh.write(b"".join(coll))
+                coll.clear()
         closing = ClosingLine(stream="step_time", written_records=lines, dropped_batches=0)
         out.append(dumps_line(closing))
         written += fh.write(b"".join(out))
+    if coll_fh is not None:
+        with coll_fh:
+            closing = ClosingLine(stream="collectives", written_records=lines, dropped_batches=0)
+            coll.append(dumps_line(closing))
+            coll_fh.write(b"".join(coll))
     return written
 
 
@@ -187,9 +264,12 @@ def main() -> None:
     parser.add_argument("path", type=Path)
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--world", type=int, default=64)
+    parser.add_argument(
+        "--collectives", type=Path, default=None, help="also write this collectives file"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
-    size = write_step_time(args.path, args.lines, world=args.world)
+    size = write_step_time(args.path, args.lines, world=args.world, collectives=args.collectives)
     took = time.perf_counter() - start
     print(
         f"wrote {args.lines:,} lines, {size / 1e6:,.0f} MB ({size / max(args.lines, 1):.0f} "

@@ -5,6 +5,10 @@ Writes a realistic export of ``--lines`` step_time lines (``bench.bigfile``:
 measures, each in a process of its own (CPU seconds and peak RSS from the process
 itself, so a busy machine moves the ratios little):
 
+With ``--collectives``, the run also has a collectives file: one line per step line
+(``bench.bigfile``: DDP's all-reduce in backward, the wait measured), which the summary
+joins to the steps (the follow figures stay those of step_time alone).
+
 * ``parse``: reading the file in blocks and ``orjson.loads`` on every line, nothing
   else: the floor any reader of JSON lines pays;
 * ``summary``: ``summarize_run`` on the run folder (what ``traceml summary`` prints:
@@ -15,7 +19,7 @@ itself, so a busy machine moves the ratios little):
   (the reader, the page data and the page's JSON).
 
     python -m bench.summary [--lines 1000000] [--ranks 64] [--append 640] [--keep FOLDER]
-        [--no-follow]
+        [--no-follow] [--collectives]
 
 Prints figures, never pass/fail; the last line is machine-readable:
 ``summary_vs_parse=<x> summary_rss_mb_per_million=<m> follow_refresh_s=<t>
@@ -42,6 +46,7 @@ from typing import Any
 from bench.bigfile import write_step_time
 
 _EXPORT = Path("aggregator") / "export" / "step_time.jsonl"
+_COLLECTIVES = _EXPORT.with_name("collectives.jsonl")
 
 
 def _usage() -> dict[str, float]:
@@ -157,15 +162,21 @@ def _run(kind: str, *paths: Path) -> dict[str, Any]:
 
 
 def _prepare(
-    folder: Path, lines: int, append: int, grow: bool, ranks: int
+    folder: Path, lines: int, append: int, grow: bool, ranks: int, collectives: bool
 ) -> tuple[Path, Path, Path]:
     """(whole run, growing run, the lines to append), written unless already there."""
-    whole, growing = folder / "whole", folder / "growing"
+    whole = folder / ("whole-collectives" if collectives else "whole")
+    growing = folder / "growing"
     more = folder / "more.jsonl"
     if not (whole / _EXPORT).exists():
         (whole / _EXPORT).parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        write_step_time(whole / _EXPORT, lines, world=ranks)
+        write_step_time(
+            whole / _EXPORT,
+            lines,
+            world=ranks,
+            collectives=whole / _COLLECTIVES if collectives else None,
+        )
         print(f"wrote {lines:,} lines in {time.perf_counter() - t0:.1f} s", flush=True)
     if grow and not (growing / _EXPORT).exists():
         (growing / _EXPORT).parent.mkdir(parents=True, exist_ok=True)
@@ -206,15 +217,23 @@ def main() -> None:
         action="store_true",
         help="skip the follow figures (and the second copy of the file they need)",
     )
+    ap.add_argument(
+        "--collectives",
+        action="store_true",
+        help="the run has a collectives file too (one line per step line)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         whole, growing, more = _prepare(
-            folder, args.lines, args.append, not args.no_follow, args.ranks
+            folder, args.lines, args.append, not args.no_follow, args.ranks, args.collectives
         )
         size = (whole / _EXPORT).stat().st_size
         print(f"file: {size / 1e6:,.0f} MB, {args.lines:,} step_time lines ({args.ranks:,} ranks)")
+        if args.collectives:
+            size = (whole / _COLLECTIVES).stat().st_size
+            print(f"file: {size / 1e6:,.0f} MB, {args.lines:,} collectives lines")
         idle = _run("idle")
         parse = _run("parse", whole / _EXPORT)
         summary = _run("summary", whole)
