@@ -7,7 +7,6 @@ Light to import: numpy and the package's own modules (never torch, never pyarrow
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -33,14 +32,13 @@ from traceml_ai.analysis._model import (
 )
 from traceml_ai.analysis._phases import (
     mean,
-    op_label,
     percentiles,
     phase_breakdown,
     phase_names,
     rounded,
-    wait_component,
     waits_measured,
 )
+from traceml_ai.analysis._read import WaitLines
 from traceml_ai.analysis._straggler import StragglerView
 from traceml_ai.analysis._straggler import analyze as analyze_stragglers
 
@@ -121,63 +119,14 @@ def straggler_view(
     return analyze_stragglers(columns, strategy, nodes, collectives, layout)
 
 
-class WaitColumns:
-    """The collectives lines' waits as they are read: per rank, one entry per line and
-    wait (the component's, and the component's operation's), kept as columns."""
-
-    def __init__(self) -> None:
-        self.steps: dict[int, array[int]] = {}
-        self.keys: dict[int, array[int]] = {}
-        self.waits: dict[int, array[float]] = {}
-        self.names: dict[tuple[str, str | None], int] = {}
-        """(component, operation; None for the component's total) -> its id."""
-        self.unmeasured: set[int] = set()
-        self._ids: dict[tuple[str, str], tuple[int, int]] = {}
-
-    def add(self, obj: Mapping[str, Any]) -> None:
-        rank = obj["global_rank"]
-        steps = self.steps.get(rank)
-        if steps is None:
-            steps = self.steps[rank] = array("q")
-            self.keys[rank] = array("q")
-            self.waits[rank] = array("d")
-        wait = obj.get("wait_ms")
-        if wait is None:
-            self.unmeasured.add(rank)
-            return
-        component = wait_component(obj["phase"])
-        if component is None:
-            return
-        op = op_label(obj["op"], obj.get("group"))
-        ids = self._ids.get((component, op))
-        if ids is None:
-            ids = self._ids[(component, op)] = (
-                self._id((component, None)),
-                self._id((component, op)),
-            )
-        step = obj["step"]
-        steps.extend((step, step))
-        self.keys[rank].extend(ids)
-        self.waits[rank].extend((float(wait), float(wait)))
-
-    def _id(self, key: tuple[str, str | None]) -> int:
-        found = self.names.get(key)
-        if found is None:
-            found = self.names[key] = len(self.names)
-        return found
-
-
-def merge_waits(columns: StepColumns, waits: WaitColumns, notes: list[str]) -> bool:
-    """Add the collectives file's waits to the step columns; whether every rank's were
-    measured (the straggler analysis then uses them)."""
+def merge_waits(columns: StepColumns, waits: WaitLines, notes: list[str]) -> bool:
+    """Add the collectives file's waits to the step columns (those of the steps they
+    hold); whether every rank's were measured (the straggler analysis then uses them)."""
     names = {i: key for key, i in waits.names.items()}
-    for rank, steps in waits.steps.items():
+    for rank, (at, keys, values) in waits.by_rank().items():
         mine = columns.get(rank)
-        if mine is None or not steps:
+        if mine is None or not len(at):
             continue
-        at = np.frombuffer(steps, dtype=np.int64)
-        keys = np.frombuffer(waits.keys[rank], dtype=np.int64)
-        values = np.frombuffer(waits.waits[rank], dtype=np.float64)
         pos = np.searchsorted(mine.steps, at)
         found = pos < len(mine.steps)
         found[found] = mine.steps[pos[found]] == at[found]
@@ -192,7 +141,7 @@ def merge_waits(columns: StepColumns, waits: WaitColumns, notes: list[str]) -> b
                 mine.waits[component] = Column(total, had)
             else:
                 mine.op_waits[(component, op)] = Column(total, had)
-    unseen = sorted(r for r in columns if r not in waits.steps)
+    unseen = sorted(r for r in columns if r not in waits.seen)
     if len(columns) > 1 and unseen:
         shown = ", ".join(map(str, unseen[:10])) + (", ..." if len(unseen) > 10 else "")
         notes.append(
@@ -206,7 +155,7 @@ def merge_waits(columns: StepColumns, waits: WaitColumns, notes: list[str]) -> b
             f"collectives: wait not measured on rank(s) {shown} (NCCL without "
             "TORCH_NCCL_ENABLE_TIMING=1); the wait is inferred from phase times"
         )
-    return waits_measured(columns, waits.steps, waits.unmeasured)
+    return waits_measured(columns, waits.seen, waits.unmeasured)
 
 
 class MemoryPeaks:

@@ -24,7 +24,9 @@ event's longest device), made into each rank's step columns in numpy
 (:class:`StepLines`), by :func:`~traceml_ai.analysis._phases.step_row`'s rule, a block
 at a time; each rank keeps at most its window of steps (:data:`MIN_WINDOW`), then a
 sample of them and the exact totals of all (:class:`RankTotals`), so memory does not
-grow with the file. The other streams' lines come as objects.
+grow with the file. The collectives lines' waits are kept for the same steps
+(:class:`WaitLines`: past the window, only the steps of step_time's sample), so they
+do not grow with the file either. The other streams' lines come as objects.
 
 Light to import: orjson, numpy and the check plans (never pyarrow).
 """
@@ -33,7 +35,8 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -47,7 +50,13 @@ from traceml_ai.analysis._columns import (
     StepColumns,
     rank_columns,
 )
-from traceml_ai.analysis._phases import BUILT_IN_PHASES, STEP_EVENT, phase_name
+from traceml_ai.analysis._phases import (
+    BUILT_IN_PHASES,
+    STEP_EVENT,
+    op_label,
+    phase_name,
+    wait_component,
+)
 from traceml_records.internal import LINE, REASONS, FileScan, FileState, Layout, RowsLayout
 
 if TYPE_CHECKING:
@@ -315,6 +324,167 @@ class DataLines:
         keep = self._keep
         for obj in objs:
             keep(obj)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+class WaitLines:
+    """The collectives lines' waits as they are read, kept for the steps step_time's
+    sample keeps: per line, its rank, step, ``(component, operation)`` and wait, as
+    columns. Once the step_time reader keeps a sample (``stride``, read from
+    ``step_stride`` at each merge), only the waits of the steps :func:`kept_steps`
+    keeps at its stride are kept; and whatever step_time does, a rank never keeps the
+    waits of more than twice its window of steps (past it, a sample of its own, of the
+    same kind, so a step kept by step_time's sample at the same stride is kept here
+    too). The join (``merge_waits``) uses the waits of the steps the step columns hold.
+    """
+
+    def __init__(self, step_stride: Callable[[], int] | None = None) -> None:
+        import numpy as np
+
+        self._step_stride = step_stride
+        self.names: dict[tuple[str, str | None], int] = {}
+        """(component, operation; None for the component's total) -> its id."""
+        self.seen: dict[int, None] = {}
+        """Ranks with a collectives line, measured or not (in the order first seen)."""
+        self.unmeasured: set[int] = set()
+        """Ranks with a line whose wait was not measured."""
+        self._ids: dict[tuple[str, str], tuple[int, int]] = {}
+        self._rows = STEP_ROWS
+        self._min_window = MIN_WINDOW
+        self._batch = _BUILD_LINES
+        self.stride = 1
+        """The waits kept: those of the steps :func:`kept_steps` keeps at this stride."""
+        self._rank = np.zeros(0, dtype=np.int64)
+        self._step = np.zeros(0, dtype=np.int64)
+        self._key = np.zeros(0, dtype=np.int64)
+        self._wait = np.zeros(0, dtype=np.float64)
+        self._start()
+
+    def _start(self) -> None:
+        self._p_rank: array[int] = array("q")
+        self._p_step: array[int] = array("q")
+        self._p_key: array[int] = array("q")
+        self._p_wait: array[float] = array("d")
+
+    @property
+    def window(self) -> int:
+        """The most steps each rank keeps the waits of: twice step_time's window, so
+        that step_time's sample, the same steps, always fits."""
+        return 2 * max(self._min_window, self._rows // max(1, len(self.seen)))
+
+    @property
+    def held(self) -> int:
+        """Waits kept (each a line's), pending ones included."""
+        return len(self._rank) + len(self._p_rank)
+
+    def add(self, obj: Mapping[str, Any]) -> None:
+        rank = obj["global_rank"]
+        if rank not in self.seen:
+            self.seen[rank] = None
+        wait = obj.get("wait_ms")
+        if wait is None:
+            self.unmeasured.add(rank)
+            return
+        component = wait_component(obj["phase"])
+        if component is None:
+            return
+        op = op_label(obj["op"], obj.get("group"))
+        ids = self._ids.get((component, op))
+        if ids is None:
+            ids = self._ids[(component, op)] = (
+                self._id((component, None)),
+                self._id((component, op)),
+            )
+        self._p_rank.append(rank)
+        self._p_step.append(obj["step"])
+        self._p_key.append(ids[1])
+        self._p_wait.append(float(wait))
+        if len(self._p_rank) >= self._batch:
+            self.merge()
+
+    def _id(self, key: tuple[str, str | None]) -> int:
+        found = self.names.get(key)
+        if found is None:
+            found = self.names[key] = len(self.names)
+        return found
+
+    def merge(self) -> None:
+        """Add the pending waits to those kept (only those of steps kept at the
+        stride); thin them to step_time's stride, and further while a rank holds the
+        waits of more than its window of steps."""
+        import numpy as np
+
+        stride = max(self.stride, self._step_stride() if self._step_stride is not None else 1)
+        if stride > self.stride:
+            self._keep(kept_steps(self._step, stride))
+            self.stride = stride
+        if len(self._p_rank):
+            rank = np.frombuffer(self._p_rank, np.int64)
+            step = np.frombuffer(self._p_step, np.int64)
+            key = np.frombuffer(self._p_key, np.int64)
+            wait = np.frombuffer(self._p_wait, np.float64)
+            if stride > 1:
+                keep = kept_steps(step, stride)
+                rank, step, key, wait = rank[keep], step[keep], key[keep], wait[keep]
+            self._rank = np.concatenate((self._rank, rank))
+            self._step = np.concatenate((self._step, step))
+            self._key = np.concatenate((self._key, key))
+            self._wait = np.concatenate((self._wait, wait))
+            self._start()
+        window = self.window
+        while len(self._rank) > window and _past_window(self._rank, self._step, window):
+            self.stride *= 2
+            self._keep(kept_steps(self._step, self.stride))
+
+    def _keep(self, keep: NDArray[np.bool_]) -> None:
+        if bool(keep.all()):
+            return
+        self._rank, self._step = self._rank[keep], self._step[keep]
+        self._key, self._wait = self._key[keep], self._wait[keep]
+
+    def by_rank(self) -> dict[int, tuple[Any, Any, Any]]:
+        """Every rank seen: (steps, ids, waits) of its waits kept, each wait twice: under
+        its ``(component, operation)`` and under ``(component, None)``."""
+        import numpy as np
+
+        self.merge()
+        empty = np.zeros(0, dtype=np.int64)
+        out: dict[int, tuple[Any, Any, Any]] = {r: (empty, empty, empty) for r in self.seen}
+        if not len(self._rank):
+            return out
+        total = np.zeros(len(self.names), dtype=np.int64)
+        for whole, one in self._ids.values():
+            total[one] = whole
+        order = np.argsort(self._rank, kind="stable")
+        rank = self._rank[order]
+        ranks, starts = np.unique(rank, return_index=True)
+        ends = [*starts[1:].tolist(), len(rank)]
+        for r, a, b in zip(ranks.tolist(), starts.tolist(), ends, strict=True):
+            at = order[a:b]
+            steps, keys, waits = self._step[at], self._key[at], self._wait[at]
+            out[int(r)] = (
+                np.concatenate((steps, steps)),
+                np.concatenate((keys, total[keys])),
+                np.concatenate((waits, waits)),
+            )
+        return out
+
+
+def _past_window(rank: NDArray[np.int64], step: NDArray[np.int64], window: int) -> bool:
+    """Whether any one rank has the waits of more than ``window`` distinct steps."""
+    import numpy as np
+
+    _, counts = np.unique(rank, return_counts=True)
+    if int(counts.max()) <= window:
+        return False  # not even that many waits
+    order = np.lexsort((step, rank))
+    r, s = rank[order], step[order]
+    new = np.ones(len(r), dtype=np.bool_)
+    new[1:] = (r[1:] != r[:-1]) | (s[1:] != s[:-1])
+    _, counts = np.unique(r[new], return_counts=True)
+    return int(counts.max()) > window
 
 
 # --------------------------------------------------------------------------- step_time

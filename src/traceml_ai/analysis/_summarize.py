@@ -22,7 +22,6 @@ from traceml_ai.analysis._causes import Coordinates, layout_of
 from traceml_ai.analysis._columns import StepColumns
 from traceml_ai.analysis._figures import (
     MemoryPeaks,
-    WaitColumns,
     merge_waits,
     node_figures,
     process_figures,
@@ -38,7 +37,7 @@ from traceml_ai.analysis._model import (
     RunSummary,
     StepFigures,
 )
-from traceml_ai.analysis._read import DataLines, FileRead, StepLines, Tail, exists
+from traceml_ai.analysis._read import DataLines, FileRead, StepLines, Tail, WaitLines, exists
 from traceml_ai.analysis._straggler import Coordinate, StragglerView
 from traceml_records import STREAMS
 
@@ -80,13 +79,16 @@ _KEPT_LINES = ("runtime_environment", "process", "system", "system_gpu")
 kept as figures (step_time, collectives, step_memory) or only counted."""
 
 
-def _sink_for(name: str) -> tuple[Callable[[list[Any], FileRead], object], Any]:
-    """(the sink that reads ``name``'s new lines, what it keeps)."""
+def _sink_for(
+    name: str, step_stride: Callable[[], int] | None = None
+) -> tuple[Callable[[list[Any], FileRead], object], Any]:
+    """(the sink that reads ``name``'s new lines, what it keeps); the collectives'
+    waits are kept for the steps step_time's sample keeps (``step_stride``)."""
     if name == "step_time":
         steps = StepLines()
         return steps, steps
     if name == "collectives":
-        waits = WaitColumns()
+        waits = WaitLines(step_stride)
         return DataLines(name, waits.add), waits
     if name == "step_memory":
         peaks = MemoryPeaks()
@@ -125,11 +127,16 @@ class RunReader:
 
     def _make(self, name: str) -> Callable[[], Callable[..., object]]:
         def make() -> Callable[..., object]:
-            sink, kept = _sink_for(name)
+            sink, kept = _sink_for(name, self._step_stride)
             self._kept[name] = kept
             return sink
 
         return make
+
+    def _step_stride(self) -> int:
+        """The stride of step_time's sample (1: every step kept, or no step_time)."""
+        steps = self._kept.get("step_time")
+        return steps.columns.stride if isinstance(steps, StepLines) else 1
 
     def summary(self) -> RunSummary:
         """The run summary of the files as they are now."""

@@ -466,7 +466,7 @@ def test_the_dashboard_from_files_says_a_deleted_step_time(tmp_path: Path) -> No
 def test_the_page_bins_step_columns_as_it_bins_step_tuples(data: st.DataObject) -> None:
     """The dashboard from files hands the page its step columns (numpy bins them); the
     live window hands it (step, ms, end) tuples: the same steps give the same chart."""
-    from traceml_ai.dashboard._view import MAX_POINTS, RunData, _series
+    from traceml_ai.dashboard._view import MAX_POINTS, RunData, _series, _step_series
 
     ranks = data.draw(st.integers(1, 4))
     rows: dict[int, dict[int, StepRow]] = {}
@@ -485,12 +485,10 @@ def test_the_page_bins_step_columns_as_it_bins_step_tuples(data: st.DataObject) 
         r: [(s, row.step_ms, row.end_ns) for s, row in sorted(m.items())] for r, m in rows.items()
     }
     highlight = list(range(ranks))
-    as_columns = _series(
-        RunData(source="files", finished=True, status="", series=dict(columns)), highlight, []
-    )
-    as_tuples = _series(
-        RunData(source="files", finished=True, status="", series=tuples), highlight, []
-    )
+    by_columns = RunData(source="files", finished=True, status="", series=dict(columns))
+    by_tuples = RunData(source="files", finished=True, status="", series=tuples)
+    as_columns = _series(by_columns, _step_series(by_columns), highlight, [])
+    as_tuples = _series(by_tuples, _step_series(by_tuples), highlight, [])
     assert as_columns == as_tuples
 
 
@@ -613,3 +611,112 @@ def test_the_sample_of_a_larger_stride_is_part_of_the_smaller_ones() -> None:
         share = kept.mean() * stride
         assert abs(share - (2 - 1 / stride)) < 0.1, (stride, share)
         before = kept
+
+
+def _waits_run(ranks: int, steps: int, seed: int) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(step lines, collectives lines) of a DDP run whose phase times are alike on
+    every rank, but rank 2 computes 20 ms longer in backward, where the others wait as
+    long for it in the all-reduce (only the waits show it); a broadcast between steps on
+    every third step (two waits in those steps)."""
+    rnd = random.Random(seed)
+    steps_out: list[dict[str, Any]] = []
+    waits: list[Any] = []
+    for s in range(1, steps + 1):
+        for r in range(ranks):
+            phases = {
+                "step": 60.0 + rnd.randrange(16) / 8,
+                "forward_time": 10.0 + rnd.randrange(16) / 8,
+                "backward_time": 32.0 + rnd.randrange(16) / 8,
+            }
+            steps_out.append(step_line(r, s, ranks, phases))
+            wait = (0.5 if r == 2 else 20.5) + rnd.randrange(8) / 8
+            line = _collectives_line(r, s, ranks, "backward_time", "all_reduce", wait)
+            waits.append(line)
+            if s % 3 == 0:
+                waits.append(_collectives_line(r, s, ranks, "between_steps", "broadcast", 0.25))
+    return steps_out, waits
+
+
+def _collectives_line(
+    rank: int, step: int, world: int, phase: str, op: str, wait: float
+) -> dict[str, Any]:
+    return {
+        "stream": "collectives",
+        "schema_version": 1,
+        "observed_timestamp_unix_ns": 10**18 + step * 10**7,
+        "rank": rank,
+        "global_rank": rank,
+        "local_rank": rank,
+        "world_size": world,
+        "local_world_size": world,
+        "node_rank": 0,
+        "timestamp_unix_ns": 10**18 + step * 10**7,
+        "seq": step,
+        "step": step,
+        "phase": "_traceml_internal:" + phase,
+        "op": op,
+        "source": "ddp_comm_hook",
+        "backend": "gloo",
+        "n_calls": 1,
+        "wait_ms": wait,
+        "wait_measure": "host",
+        "first_arrival_ms": 1.0,
+        "last_arrival_ms": 1.0,
+    }
+
+
+def test_past_its_window_the_reader_keeps_the_waits_of_the_sampled_steps_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The collectives' waits are kept for the steps step_time's sample keeps (at most
+    twice the window of steps per rank, however many lines were written, the file
+    followed as it grows), and the straggler found in the waits is the one every step's
+    waits name."""
+    from traceml_ai.analysis import _read
+
+    ranks, steps = 4, 600
+    step_lines, wait_lines = _waits_run(ranks, steps, seed=3)
+
+    def files(folder: Path, end: int, close: bool) -> Path:
+        waits = [w for w in wait_lines if w["step"] <= end // ranks]
+        run = run_folder(folder, step_lines[:end], close=close)
+        export = run / "aggregator" / "export"
+        write(
+            export / "collectives.jsonl",
+            [*waits, closing("collectives", len(waits))][: len(waits) + close],
+        )
+        return run
+
+    whole = summarize_run(files(tmp_path / "whole", len(step_lines), True))
+    assert not any(c.sampled for c in whole.rows.values())
+    assert whole.straggler is not None and whole.straggler.basis == "collectives"
+    assert [s.rank for s in whole.straggler.stragglers] == [2]
+
+    monkeypatch.setattr(_read, "STEP_ROWS", 64)  # 16 steps per rank...
+    monkeypatch.setattr(_read, "MIN_WINDOW", 8)
+    monkeypatch.setattr(_read, "_BUILD_LINES", 37)  # ...and many batches
+    run = files(tmp_path / "grown", 200, False)
+    reader = RunReader(run)
+    for end in (200, 1000, 2400):
+        if end > 200:
+            files(tmp_path / "grown", end, end == len(step_lines))
+        summary = reader.summary()
+        held: _read.WaitLines = reader._kept["collectives"]
+        assert held.window == 32
+        per_rank = {r: len(set(s.tolist())) for r, (s, _, _) in held.by_rank().items()}
+        assert set(per_rank) == set(range(ranks))
+        assert max(per_rank.values()) <= held.window, per_rank
+        assert held.held <= ranks * held.window * 2  # at most two lines a step here
+        # Every step the step columns keep has its waits.
+        for rank, c in summary.rows.items():
+            assert bool(c.waits["backward"].present.all()), rank
+    final = summary
+    assert all(c.sampled for c in final.rows.values())
+    assert held.held < len(wait_lines) / 4  # a sample of the waits, not every line
+    assert final.straggler is not None
+    for field in ("basis", "verdict", "wait_phase"):
+        assert getattr(final.straggler, field) == getattr(whole.straggler, field), field
+    assert [s.rank for s in final.straggler.stragglers] == [2]
+    assert final.straggler.waiting is not None and whole.straggler.waiting is not None
+    assert final.straggler.waiting.collective == whole.straggler.waiting.collective
+    assert not any(n.startswith("collectives:") for n in final.notes), final.notes
