@@ -5,7 +5,9 @@ ranks at ``--steps-per-s`` steps a second, flushing 4 times a second (2 or 3 ste
 ``step_time``, ``step_memory`` and ``collectives`` batch; ``process`` and ``system``
 every 2 s), for ``--seconds`` seconds, and feeds them to a fresh
 :class:`~traceml_ai.monitor._feed.LiveFeed` (its ``_take``, on this thread: the feed's
-work without its queue and sleeps). Prints per step (µs):
+work without its queue and sleeps), ``--repeat`` times in one process (the least
+of each part is kept: CPU time, so the machine's other processes count little).
+Prints per step (µs):
 
 - ``parse``: decoding the batches (``decode_batch_body``);
 - ``step_row``: the step rule (``analysis.step_row``) over the decoded step items;
@@ -18,7 +20,9 @@ work without its queue and sleeps). Prints per step (µs):
 - ``otlp``: the traces' sampler and the spans of the sampled steps
   (``--trace-sample``, 1 in 100 by default);
 - ``straggler``: one straggler analysis of the state, spread over the steps of one
-  ``STRAGGLER_PERIOD_S`` (the feed runs it about that often).
+  ``STRAGGLER_PERIOD_S`` (the most often the feed runs it; with only Prometheus and
+  OTLP on, it runs only when a scrape or an export reads it, so as often as they
+  come, at most once a period).
 
 ``--baseline PATH`` (another checkout, e.g. a ``git worktree`` of the commit before)
 runs the same measurement with that tree's code, the two trees taking turns in
@@ -190,6 +194,7 @@ def _shape(args: argparse.Namespace) -> list[str]:
         f"--steps-per-s={args.steps_per_s}",
         f"--seconds={args.seconds}",
         f"--trace-sample={args.trace_sample}",
+        f"--repeat={args.repeat}",
     ]
 
 
@@ -210,10 +215,15 @@ def main() -> None:
     parser.add_argument("--trace-sample", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", type=Path, default=None)
+    parser.add_argument("--repeat", type=int, default=3, help="measurements per run (min of)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.ranks, args.steps_per_s, args.seconds, args.trace_sample)))
+        runs = [
+            measure(args.ranks, args.steps_per_s, args.seconds, args.trace_sample)
+            for _ in range(args.repeat)
+        ]
+        print(json.dumps({part: min(run[part] for run in runs) for part in runs[0]}))
         return
     here = Path(__file__).resolve().parent.parent
     trees = [("this", here)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
