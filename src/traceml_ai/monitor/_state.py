@@ -400,8 +400,14 @@ class LiveState:
     :meth:`ranks`, :meth:`nodes` and :meth:`recent_columns`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rank_histograms_max_ranks: int = MAX_RANKS) -> None:
         self._lock = threading.Lock()
+        self.rank_histograms_max_ranks = rank_histograms_max_ranks
+        """The most ranks a run may have for each rank's own histograms to be kept (the
+        metrics' ``rank_series_max_ranks``): past it no reader serves them, so the feed
+        keeps only the job's (the run's ranks never go down)."""
+        self._rank_hists = True
+        """Whether the run is still within ``rank_histograms_max_ranks``."""
         self._ranks: dict[int, RankLive] = {}
         self._order: tuple[list[RankLive], list[int]] | None = None
         """The ranks in rank order and their slots, made again when a rank is added."""
@@ -469,6 +475,10 @@ class LiveState:
                 self._process_table = _grown(self._process_table, math.nan)
                 self._peak_table = _grown(self._peak_table, math.nan)
             live = self._ranks[rank] = RankLive(rank, slot=slot)
+        if self._rank_hists and (
+            max(self.world_size or 0, len(self._ranks)) > self.rank_histograms_max_ranks
+        ):
+            self._rank_hists = False
         if type(node) is int and 0 <= node < MAX_RANKS:
             live.node = node
         return live
@@ -524,10 +534,13 @@ class LiveState:
         # every rank passes here).
         value = step_ms / 1000.0
         index = _bucket(STEP_BUCKETS_S, value)
+        # Past rank_histograms_max_ranks only the job's: no reader serves the rank's.
+        both = self._rank_hists
         hist, job = live.step_hist, self._job_step
-        hist.counts[index] += 1
-        hist.total += value
-        hist.n += 1
+        if both:
+            hist.counts[index] += 1
+            hist.total += value
+            hist.n += 1
         job.counts[index] += 1
         job.total += value
         job.n += 1
@@ -539,9 +552,10 @@ class LiveState:
             hist, job = pair
             value = ms / 1000.0
             index = _bucket(PHASE_BUCKETS_S, value)
-            hist.counts[index] += 1
-            hist.total += value
-            hist.n += 1
+            if both:
+                hist.counts[index] += 1
+                hist.total += value
+                hist.n += 1
             job.counts[index] += 1
             job.total += value
             job.n += 1
@@ -810,7 +824,9 @@ class LiveState:
     def metric_figures(self, rank_histograms_max_ranks: int) -> MetricFigures:
         """The figures the metrics serve: each rank's gauges, the job's histograms, and
         each rank's own histograms while the run has at most
-        ``rank_histograms_max_ranks`` ranks. Only copies are made under the lock."""
+        ``rank_histograms_max_ranks`` ranks (and at most the state's own
+        ``rank_histograms_max_ranks``, past which it keeps none). Only copies are made
+        under the lock."""
         with self._lock:
             order = self._order
             if order is None or len(order[0]) != len(self._ranks):
@@ -818,7 +834,8 @@ class LiveState:
                 order = self._order = (live, [r.slot for r in live])
             live, slots = order
             rank_count = max(self.world_size or 0, len(live))
-            detail = rank_count <= rank_histograms_max_ranks
+            # The ranks' own histograms are complete only within the state's bound.
+            detail = rank_count <= min(rank_histograms_max_ranks, self.rank_histograms_max_ranks)
             job_step = self._job_step.copy()
             job_phases = {label: h.copy() for label, h in sorted(self._job_phases.items())}
             recent_ms = self._recent_ms[slots]  # copies
