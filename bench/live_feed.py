@@ -115,6 +115,7 @@ def measure(ranks: int, steps_per_s: float, seconds: float, trace_sample: int) -
     from traceml_ai.monitor._feed import STRAGGLER_PERIOD_S, LiveFeed
     from traceml_ai.monitor._otlp_traces import SpanBuilder, StepSampler
     from traceml_ai.monitor._state import LiveState, StepSeen
+    from traceml_ai.monitor.metrics import DEFAULT_RANK_SERIES_MAX_RANKS
     from traceml_ai.transport.wire import decode_batch_body, peek_batch_stream
 
     batches, steps = _batches(ranks, steps_per_s, seconds)
@@ -142,7 +143,11 @@ def measure(ranks: int, steps_per_s: float, seconds: float, trace_sample: int) -
     # The streams one after the other (each rank's state is made by its first step
     # batch either way), so that each one's share is measured apart.
     seen: list[list[StepSeen]] = []
-    feed = LiveFeed(LiveState())
+    try:  # as Monitoring makes it: the default rank_series_max_ranks (64)
+        state = LiveState(rank_histograms_max_ranks=DEFAULT_RANK_SERIES_MAX_RANKS)
+    except TypeError:  # a tree whose state keeps every rank's histograms
+        state = LiveState()
+    feed = LiveFeed(state)
     feed.add_listener(lambda s: seen.append(list(s)))
     take: dict[str, float] = {}
     for part, group in groups.items():
@@ -219,11 +224,11 @@ def main() -> None:
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        runs = [
+        measured = [
             measure(args.ranks, args.steps_per_s, args.seconds, args.trace_sample)
             for _ in range(args.repeat)
         ]
-        print(json.dumps({part: min(run[part] for run in runs) for part in runs[0]}))
+        print(json.dumps({part: min(m[part] for m in measured) for part in measured[0]}))
         return
     here = Path(__file__).resolve().parent.parent
     trees = [("this", here)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
