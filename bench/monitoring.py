@@ -194,8 +194,10 @@ def _job_monitoring(ranks: int, per_node: int = 8) -> Monitoring:
         expected_ranks=ranks,
         reporting_ranks=ranks,
     )
+    # Every rank's histograms kept (the bound at the job's ranks): the scrapes swap the
+    # settings to serve the default (bounded) set and every rank's series from it.
     monitoring = Monitoring(
-        MonitorSettings(prometheus_port=0),
+        MonitorSettings(prometheus_port=0, rank_series_max_ranks=ranks),
         RunInfo(run_dir=Path("."), run_name="bench", host="bench"),
         lambda: health,
     )

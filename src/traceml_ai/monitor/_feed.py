@@ -6,7 +6,9 @@ counts it: the export worker's :class:`~traceml_ai._queue.BoundedBatchQueue`). T
 so neither waits for the other, and the live views work with export off), updates the
 :class:`LiveState` and gives the new steps to the sinks that want them (the OTLP
 traces). Every few seconds it runs the summary's straggler analysis on each rank's
-recent steps, so the live views name the straggler in the summary's words.
+recent steps, so the live views name the straggler in the summary's words; when every
+live view asks for it when it reads it (Prometheus, OTLP, the trackers, not the
+dashboard), it is made only then, at most as often as it would be every few seconds.
 """
 
 from __future__ import annotations
@@ -107,10 +109,14 @@ class LiveFeed:
         self._straggler_dirty = False
         self._straggler_lock = threading.Lock()
         self._straggler_at = 0.0
+        self._straggler_gap_s = straggler_period_s
+        """The least time between two analyses: the period, or 20 times the last
+        analysis's time when that is longer (at most about 5 % of a core)."""
         self.straggler_on_demand = False
         """Whether the straggler view is made only when asked (:meth:`straggler_now`),
         not every period: set when every sink asks for it when it needs it (the
-        trackers, once a point), so that no analysis runs that nothing reads."""
+        trackers, once a point; Prometheus at a scrape and OTLP at a metric export,
+        :meth:`straggler_for_read`), so that no analysis runs that nothing reads."""
         self._excess_so_far = ExcessSoFar()
         self.export_backlog = export_backlog
         """How full the export's queue is (0 to 1); None when export is off."""
@@ -251,6 +257,14 @@ class LiveFeed:
         if self._straggler_dirty and time.monotonic() - self._straggler_at >= max_age_s:
             self._update_straggler()
 
+    def straggler_for_read(self) -> None:
+        """A view about to read the straggler view (a scrape, an OTLP export): made
+        again, on the reader's thread, when it is older than the feed's period (or the
+        20-times budget) and steps came since; so a view that only these read is made
+        as often as it is read, not every period. The view a reader gets is at most
+        about as old as a periodic one would be."""
+        self.straggler_now(self._straggler_gap_s)
+
     def _update_straggler(self) -> None:
         """Recompute the straggler view; the next run waits at least 20 times as long as
         this one took, so a large world costs at most about 5 % of a core."""
@@ -274,4 +288,5 @@ class LiveFeed:
         took = time.monotonic() - started
         self._straggler_at = started
         self._straggler_dirty = False
-        self._next_straggler = time.monotonic() + max(self._straggler_period_s, 20 * took)
+        self._straggler_gap_s = max(self._straggler_period_s, 20 * took)
+        self._next_straggler = time.monotonic() + self._straggler_gap_s

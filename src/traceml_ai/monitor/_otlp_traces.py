@@ -4,6 +4,7 @@ finished ``ReadableSpan`` objects handed to the span exporter."""
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -44,31 +45,36 @@ class StepSampler:
     than ``SLOW_FACTOR`` times the median of its rank's previous ``SLOW_WINDOW`` steps
     (sampled or not), once ``SLOW_MIN_SEEN`` of them have been seen.
 
-    Runs on the feed thread; the cost per step is a modulo and, for steps not already
-    picked, the median of a short window.
+    Runs on the feed thread; the cost per step is a modulo and the window kept in
+    order (a bisection in, one out), whose median is then two reads.
     """
 
     def __init__(self, every: int) -> None:
         self.every = max(1, every)
-        self._recent: dict[int, deque[float]] = {}
+        self._recent: dict[int, tuple[deque[float], list[float]]] = {}
+        """rank -> its last ``SLOW_WINDOW`` step times as they came, and in order."""
 
     def pick(self, steps: Iterable[StepSeen]) -> list[tuple[StepSeen, str]]:
         """The steps to trace, each with why (``periodic`` or ``slow``)."""
         picked: list[tuple[StepSeen, str]] = []
         every = self.every
+        insort, bisect_left = bisect.insort, bisect.bisect_left
         for step in steps:
-            recent = self._recent.get(step.rank)
-            if recent is None:
-                recent = self._recent[step.rank] = deque(maxlen=SLOW_WINDOW)
+            window = self._recent.get(step.rank)
+            if window is None:
+                window = self._recent[step.rank] = (deque(), [])
+            recent, ordered = window
             if every == 1 or (step.step - 1) % every == 0:
                 picked.append((step, PERIODIC))
-            elif len(recent) >= SLOW_MIN_SEEN:
-                ordered = sorted(recent)
+            elif len(ordered) >= SLOW_MIN_SEEN:
                 n = len(ordered)
                 median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
                 if step.step_ms > SLOW_FACTOR * median:
                     picked.append((step, SLOW))
+            if len(recent) == SLOW_WINDOW:
+                del ordered[bisect_left(ordered, recent.popleft())]
             recent.append(step.step_ms)
+            insort(ordered, step.step_ms)
         return picked
 
 

@@ -52,7 +52,7 @@ class Monitoring:
     ) -> None:
         self.settings = settings
         self.run = run
-        self.state = LiveState()
+        self.state = LiveState(rank_histograms_max_ranks=settings.rank_series_max_ranks)
         self.feed = LiveFeed(self.state)
         self.feed.report = report
         self._health = health

@@ -150,6 +150,10 @@ def _medians(rows: NDArray[Any], counts: Sequence[int]) -> list[float | None]:
     return [mid if count else None for mid, count in zip(mids, counts, strict=True)]
 
 
+_bucket = bisect.bisect_left
+"""A value's bucket of a histogram's bounds (``Histogram.observe``'s search)."""
+
+
 def _count(value: object) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
@@ -212,6 +216,8 @@ class StepSeen(NamedTuple):
 
 _MAX_WAIT_KEY_OBJECTS = 4096
 """(component, operation) key objects kept for reuse at most (whatever ranks send)."""
+_NO_KEY: tuple[str, str] = ("", "")
+"""The wait key of a collectives line whose phase names no component (compared by id)."""
 _NO_WAITS: dict[str, float] = {}
 _NO_OP_WAITS: dict[tuple[str, str], float] = {}
 """A step's waits when it has none (read, never changed)."""
@@ -231,6 +237,9 @@ class RankLive:
     recent: deque[StepSeen] = attrs.field(factory=lambda: deque(maxlen=WINDOW_STEPS))
     slot: int = -1
     """Its row of the state's recent step times (-1 in copies, which have none)."""
+    phase_pairs: dict[str, tuple[Histogram, Histogram]] = attrs.field(factory=dict)
+    """label -> (its ``phase_hist``, the job's of the label): the feed's lookup (empty
+    in copies)."""
     peak_memory: dict[str, tuple[float | None, float | None]] = attrs.field(factory=dict)
     """device -> (peak allocated, peak reserved) bytes of the last step that reported it."""
     process: dict[str, float] = attrs.field(factory=dict)
@@ -391,8 +400,14 @@ class LiveState:
     :meth:`ranks`, :meth:`nodes` and :meth:`recent_columns`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rank_histograms_max_ranks: int = MAX_RANKS) -> None:
         self._lock = threading.Lock()
+        self.rank_histograms_max_ranks = rank_histograms_max_ranks
+        """The most ranks a run may have for each rank's own histograms to be kept (the
+        metrics' ``rank_series_max_ranks``): past it no reader serves them, so the feed
+        keeps only the job's (the run's ranks never go down)."""
+        self._rank_hists = True
+        """Whether the run is still within ``rank_histograms_max_ranks``."""
         self._ranks: dict[int, RankLive] = {}
         self._order: tuple[list[RankLive], list[int]] | None = None
         """The ranks in rank order and their slots, made again when a rank is added."""
@@ -400,6 +415,8 @@ class LiveState:
         self._fold = UserPhaseFold()
         self._labels: dict[str, str | None] = {}
         self._wait_keys: dict[tuple[str, str], tuple[str, str]] = {}
+        self._line_keys: dict[tuple[str, str, str | None], tuple[str, str]] = {}
+        """A collectives line's (phase, op, group) -> its wait key (``_NO_KEY``: none)."""
         self._job_step = Histogram.empty(STEP_BUCKETS_S)
         self._job_phases: dict[str, Histogram] = {}
         """Every rank's step and phase times, kept as the steps arrive (the sum of the
@@ -458,6 +475,10 @@ class LiveState:
                 self._process_table = _grown(self._process_table, math.nan)
                 self._peak_table = _grown(self._peak_table, math.nan)
             live = self._ranks[rank] = RankLive(rank, slot=slot)
+        if self._rank_hists and (
+            max(self.world_size or 0, len(self._ranks)) > self.rank_histograms_max_ranks
+        ):
+            self._rank_hists = False
         if type(node) is int and 0 <= node < MAX_RANKS:
             live.node = node
         return live
@@ -508,15 +529,36 @@ class LiveState:
         if step >= live.last_step:
             live.last_step = step
             live.last_end_ns = end_ns
-        live.step_hist.observe_twice(self._job_step, step_ms / 1000.0)
-        hists, job = live.phase_hist, self._job_phases
+        # Histogram.observe_twice written out: one bucket search per value for the
+        # rank's histogram and the job's, without a call per phase (every step of
+        # every rank passes here).
+        value = step_ms / 1000.0
+        index = _bucket(STEP_BUCKETS_S, value)
+        # Past rank_histograms_max_ranks only the job's: no reader serves the rank's.
+        both = self._rank_hists
+        hist, job = live.step_hist, self._job_step
+        if both:
+            hist.counts[index] += 1
+            hist.total += value
+            hist.n += 1
+        job.counts[index] += 1
+        job.total += value
+        job.n += 1
+        pairs = live.phase_pairs
         for label, ms in phases.items():
-            hist = hists.get(label)
-            if hist is None:
-                hist = hists[label] = Histogram.empty(PHASE_BUCKETS_S)
-                if label not in job:
-                    job[label] = Histogram.empty(PHASE_BUCKETS_S)
-            hist.observe_twice(job[label], ms / 1000.0)
+            pair = pairs.get(label)
+            if pair is None:
+                pair = pairs[label] = self._phase_pair(live, label)
+            hist, job = pair
+            value = ms / 1000.0
+            index = _bucket(PHASE_BUCKETS_S, value)
+            if both:
+                hist.counts[index] += 1
+                hist.total += value
+                hist.n += 1
+            job.counts[index] += 1
+            job.total += value
+            job.n += 1
         seen = StepSeen(live.rank, live.node, step, end_ns, step_ms, phases)
         tokens = item.get("tokens")
         if type(tokens) is int and tokens >= 0:
@@ -526,6 +568,16 @@ class LiveState:
         live.recent.append(seen)
         self._recent_ms[live.slot, (live.steps - 1) % WINDOW_STEPS] = step_ms
         return seen
+
+    def _phase_pair(self, live: RankLive, label: str) -> tuple[Histogram, Histogram]:
+        """The rank's histogram of phase ``label`` and the job's (made when new)."""
+        hist = live.phase_hist.get(label)
+        if hist is None:
+            hist = live.phase_hist[label] = Histogram.empty(PHASE_BUCKETS_S)
+        job = self._job_phases.get(label)
+        if job is None:
+            job = self._job_phases[label] = Histogram.empty(PHASE_BUCKETS_S)
+        return hist, job
 
     def add_memory(self, identity: Mapping[str, Any], items: Iterable[Any]) -> None:
         with self._lock:
@@ -657,7 +709,7 @@ class LiveState:
                 self.ignored_items += len(items)
                 return
             waits, op_waits = live.waits, live.op_waits
-            keys = self._wait_keys
+            line_keys = self._line_keys
             for item in items:
                 if type(item) is not dict:
                     self.ignored_items += 1
@@ -681,35 +733,49 @@ class LiveState:
                 if ms is None or ms < 0.0:
                     self.ignored_items += 1
                     continue
-                # A user phase folds as its step_time label does (``other`` past the
-                # bound), so a wait lands on the component the rows have.
-                component = (
-                    wait_component(phase)
-                    if phase.startswith(_RESERVED)
-                    else self._phase_label(phase)
-                )
+                group = item.get("group")
+                # The (component, operation) key of a line's (phase, op, group), looked
+                # up once: the collectives of every step of every rank pass here.
+                # (A group of another type names no group: op_label leaves it out.)
+                line = (phase, op, group if type(group) is str else None)
+                key = line_keys.get(line)
+                if key is None:
+                    key = self._wait_key(phase, op, group)
+                    if len(line_keys) < _MAX_WAIT_KEY_OBJECTS:
+                        line_keys[line] = key
                 by_component = waits.get(step)
                 if by_component is None:
                     by_component = waits[step] = {}
                     by_op = op_waits[step] = {}
                 else:
                     by_op = op_waits[step]
-                if component is None or len(by_component) + len(by_op) >= MAX_WAIT_KEYS:
+                if key is _NO_KEY or len(by_component) + len(by_op) >= MAX_WAIT_KEYS:
                     self.ignored_items += 1
                     continue
-                label = op_label(op, item.get("group"))
-                # One key object per (component, operation) seen, not one per item:
-                # the collectives of every step of every rank pass here.
-                key = keys.get((component, label))
-                if key is None:
-                    key = (component, label)
-                    if len(keys) < _MAX_WAIT_KEY_OBJECTS:
-                        keys[key] = key
                 add_wait(by_component, by_op, key, ms)
             while len(waits) > 2 * WINDOW_STEPS:
                 oldest = next(iter(waits))
                 del waits[oldest]
                 op_waits.pop(oldest, None)
+
+    def _wait_key(self, phase: str, op: str, group: object) -> tuple[str, str]:
+        """The (component, operation) key of a collectives line (``_NO_KEY``: a reserved
+        phase this release does not know); one key object per pair."""
+        # A user phase folds as its step_time label does (``other`` past the bound), so
+        # a wait lands on the component the rows have.
+        component = (
+            wait_component(phase) if phase.startswith(_RESERVED) else self._phase_label(phase)
+        )
+        if component is None:
+            return _NO_KEY
+        label = op_label(op, group)
+        keys = self._wait_keys
+        key = keys.get((component, label))
+        if key is None:
+            key = (component, label)
+            if len(keys) < _MAX_WAIT_KEY_OBJECTS:
+                keys[key] = key
+        return key
 
     def collectives_measured(self) -> bool:
         """Whether every rank's collectives were measured (``waits_measured``)."""
@@ -758,7 +824,9 @@ class LiveState:
     def metric_figures(self, rank_histograms_max_ranks: int) -> MetricFigures:
         """The figures the metrics serve: each rank's gauges, the job's histograms, and
         each rank's own histograms while the run has at most
-        ``rank_histograms_max_ranks`` ranks. Only copies are made under the lock."""
+        ``rank_histograms_max_ranks`` ranks (and at most the state's own
+        ``rank_histograms_max_ranks``, past which it keeps none). Only copies are made
+        under the lock."""
         with self._lock:
             order = self._order
             if order is None or len(order[0]) != len(self._ranks):
@@ -766,7 +834,8 @@ class LiveState:
                 order = self._order = (live, [r.slot for r in live])
             live, slots = order
             rank_count = max(self.world_size or 0, len(live))
-            detail = rank_count <= rank_histograms_max_ranks
+            # The ranks' own histograms are complete only within the state's bound.
+            detail = rank_count <= min(rank_histograms_max_ranks, self.rank_histograms_max_ranks)
             job_step = self._job_step.copy()
             job_phases = {label: h.copy() for label, h in sorted(self._job_phases.items())}
             recent_ms = self._recent_ms[slots]  # copies

@@ -105,6 +105,9 @@ class OtlpSink:
     of sampled steps (their spans in batches) whose interval work is the metric export."""
 
     name = "otlp"
+    straggler_on_demand = True
+    """A metric export has the straggler view made when it is older than the feed's
+    period."""
 
     def __init__(
         self,
@@ -254,6 +257,7 @@ class OtlpSink:
         exporter = self._metric_exporter
         assert exporter is not None
         monitoring = self._monitoring
+        monitoring.feed.straggler_for_read()
         data = build_metrics_data(
             monitoring.families(),
             self._resource(),

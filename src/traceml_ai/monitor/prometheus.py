@@ -145,6 +145,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._answer(404, b"traceml: not found; the metrics are at /metrics\n")
             return
         try:
+            self.server.monitoring.feed.straggler_for_read()
             body = exposition(self.server.monitoring.families()).encode("utf-8", "replace")
         except Exception:  # a bug answers 500; the server and the run go on
             _log.debug("building /metrics failed", exc_info=True)
@@ -194,6 +195,8 @@ class PrometheusSink:
     """The running endpoint."""
 
     name = "prometheus"
+    straggler_on_demand = True
+    """A scrape has the straggler view made when it is older than the feed's period."""
 
     def __init__(self, server: _Server, thread: threading.Thread, host: str, port: int) -> None:
         self._server = server

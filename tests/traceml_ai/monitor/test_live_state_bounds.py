@@ -107,3 +107,25 @@ def test_state_holds_a_window_per_rank_however_many_steps_arrive() -> None:
     figures = state.metric_figures(rank_histograms_max_ranks=ranks)
     assert figures.steps == [sent] * ranks
     assert figures.job_step.n == sent * ranks  # the histograms count every step
+
+
+def test_past_the_rank_series_bound_only_the_jobs_histograms_are_kept() -> None:
+    """A run above the bound keeps the job's histograms exactly as one within it
+    does (no reader serves each rank's there), and serves no rank's."""
+    from tests.traceml_ai.monitor.test_monitor import identity, step
+    from traceml_ai.monitor._state import LiveState
+
+    within, past = LiveState(), LiveState(rank_histograms_max_ranks=2)
+    for state in (within, past):
+        for rank in range(3):
+            items = [
+                step(i, 10.0 + rank + i / 7, i, **{"_traceml_internal:forward_time": 3.0 + i})
+                for i in range(1, 30)
+            ]
+            state.add_steps(identity(rank, world=3), items)
+    full, bounded = within.metric_figures(64), past.metric_figures(64)
+    assert full.rank_histograms and full.step_hist is not None
+    assert not bounded.rank_histograms and bounded.step_hist is None
+    assert bounded.job_step == full.job_step and bounded.job_step.n == 87
+    assert bounded.job_phases == full.job_phases
+    assert bounded.steps == full.steps == [29, 29, 29]

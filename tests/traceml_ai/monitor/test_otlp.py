@@ -241,6 +241,37 @@ def test_sampler_one_in_n_per_rank_plus_slow_steps() -> None:
     assert [(st.step, why) for st, why in every] == [(s, "periodic") for s in range(1, 11)]
 
 
+def test_sampler_slow_rule_is_the_median_of_the_last_window_steps() -> None:
+    """The window kept in order picks exactly what the plain rule does (the median of
+    the rank's last SLOW_WINDOW step times, sorted afresh), ties and repeats included."""
+    import random
+    from collections import deque
+
+    from traceml_ai.monitor._otlp_traces import SLOW_FACTOR, SLOW_MIN_SEEN, SLOW_WINDOW
+
+    rng = random.Random(3)
+    sampler = StepSampler(7)
+    recent: dict[int, deque[float]] = {}
+    expected: list[tuple[int, int, str]] = []
+    got: list[tuple[int, int, str]] = []
+    for s in range(1, 400):
+        batch = [_step(r, s, rng.choice([1.0, 2.0, 2.0, 5.0, rng.random() * 9])) for r in (0, 1)]
+        got += [(st.rank, st.step, why) for st, why in sampler.pick(batch)]
+        for st in batch:
+            window = recent.setdefault(st.rank, deque(maxlen=SLOW_WINDOW))
+            ordered = sorted(window)
+            n = len(ordered)
+            if (st.step - 1) % 7 == 0:
+                expected.append((st.rank, st.step, "periodic"))
+            elif n >= SLOW_MIN_SEEN and st.step_ms > SLOW_FACTOR * (
+                (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+            ):
+                expected.append((st.rank, st.step, "slow"))
+            window.append(st.step_ms)
+    assert got == expected
+    assert sum(why == "slow" for _, _, why in got) > 10
+
+
 def test_layout_in_step_order_and_dataloader_before_the_step() -> None:
     inside = _step(0, 1, 100.0, forward=30.0, backward=40.0, dataloader_wait=5.0, optimizer=10.0)
     inside = StepSeen(0, 0, 1, 10**18, 100.0, {**inside.phases, "user:loss": 4.0, "other": 1.0})

@@ -170,3 +170,28 @@ def test_a_failing_build_is_a_500_and_the_endpoint_goes_on(
         assert _get(port, "/metrics")[0] == 500
         monkeypatch.undo()
         assert _get(port, "/metrics")[0] == 200
+
+
+def test_a_scrape_has_the_straggler_view_made_and_no_period_makes_one(tmp_path: Path) -> None:
+    """With Prometheus the only live view, the feed runs no periodic analysis that
+    nothing reads: the scrape has it made (on its thread) and serves the straggler."""
+    with _endpoint(tmp_path) as (monitoring, port):
+        assert monitoring.feed.straggler_on_demand is True
+        for rank in (0, 1):
+            # Rank 1 spends 30 ms more in forward; rank 0 waits that long in backward.
+            fwd, bwd = (35.0, 5.0) if rank == 1 else (5.0, 35.0)
+            phases = {"_traceml_internal:forward_time": fwd, "_traceml_internal:backward_time": bwd}
+            items = [step(i, 45.0, 10**18 + i * 50_000_000, **phases) for i in range(1, 21)]
+            monitoring.submit(encoded("step_time", identity(rank), items))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and sum(r.steps for r in monitoring.state.ranks()) < 40:
+            time.sleep(0.02)
+        assert sum(r.steps for r in monitoring.state.ranks()) == 40
+        assert monitoring.state.straggler is None  # the feed made none by itself
+        status, _, body = _get(port, "/metrics")
+        view = monitoring.state.straggler
+    assert status == 200
+    assert view is not None and view.named_ranks == [1]
+    parsed = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    (excess,) = parsed["traceml_straggler_excess_seconds"].samples
+    assert excess.labels["rank"] == "1" and excess.value == pytest.approx(0.030, abs=0.002)
