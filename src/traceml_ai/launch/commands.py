@@ -605,7 +605,8 @@ def _serve_relay(settings: LaunchSettings) -> int:
     click.echo(f"export TRACEML_AGGREGATOR_ADDR={address} TRACEML_RUN_TOKEN={shlex.quote(token)}")
     sys.stdout.flush()
     while not stop.wait(0.5):
-        pass
+        if relay.loop_found:
+            break  # it said why in one line; relaying to itself forwards nothing
     stats = relay.stop(settings.finalize_timeout_sec)
     lost = ""
     if stats.dropped_batches or stats.dropped_messages:
@@ -614,4 +615,4 @@ def _serve_relay(settings: LaunchSettings) -> int:
             "messages (the aggregator counts them in its finalization_warning.json)"
         )
     click.echo(f"traceml: relay stopped: {stats.forwarded_frames} frames forwarded{lost}", err=True)
-    return 0
+    return 1 if relay.loop_found else 0

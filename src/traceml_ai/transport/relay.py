@@ -52,6 +52,7 @@ from traceml_ai.transport.wire import (
     BATCH_GLOBAL_RANK,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
+    FrameError,
     batch_prefix,
     encode_frame,
     make_relay_message,
@@ -115,6 +116,11 @@ class _Intake(AggregatorServer):
         kind = message["type"]
         if kind == "finished":
             self._finished_messages += 1
+        elif kind == "relay" and message.get("relay") == self._relay.relay_id:
+            # Its own connection came back to it: the upstream address leads here. Every
+            # frame would go round forever and none would reach the aggregator.
+            self._relay._looped()
+            raise FrameError("relay loop")
         self._relay._put_message(FRAME_HEADER.pack(length) + body)
 
     # A relay below this one: its frames are forwarded all the same.
@@ -188,6 +194,7 @@ class Relay:
         self._report_dirty = False
         self._stopping = False
         self._closed = False  # stop() closed the upstream side: no connection after it
+        self._loop_found = False  # the upstream address leads back to this relay
         self._flushed: asyncio.Event | None = None
         self._was_connected = False
         self._dropped: dict[int, dict[str, int]] = {}
@@ -258,6 +265,11 @@ class Relay:
             upstream_connections=self._connections,
             pending_frames=len(self._queue),
         )
+
+    @property
+    def loop_found(self) -> bool:
+        """Whether its upstream address led back to itself (it then forwards nothing)."""
+        return self._loop_found
 
     @property
     def connected(self) -> bool:
@@ -447,7 +459,7 @@ class Relay:
             # now is the run's end (it finalizes once every rank finished). Nothing to
             # say; a frame that still comes connects again.
             return
-        if not self._stopping:
+        if not self._stopping and not self._loop_found:
             self._say(
                 f"lost its connection to the aggregator at {self._address_text()} ({why}); "
                 "reconnecting, frames wait meanwhile"
@@ -485,6 +497,8 @@ class Relay:
         """stop(): no more ranks; forward what is pending until ``deadline``, then count
         the rest as dropped and send the final relay message (briefly)."""
         loop = asyncio.get_running_loop()
+        if self._loop_found:
+            deadline = time.monotonic()  # nowhere to forward to: count what it holds now
         intake = self._intake
         if intake._server is not None:
             intake._server.close()
@@ -536,6 +550,21 @@ class Relay:
             self._drop_batch(frame)
         else:
             self._dropped_messages += 1
+
+    def _looped(self) -> None:
+        """Its own connection arrived at its intake: connect upstream no more (frames
+        wait, within the bound, and are counted as dropped at the stop); say it once."""
+        if self._loop_found:
+            return
+        self._loop_found = True
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        self._say(
+            f"forwards to {self._address_text()}, which leads back to this relay: nothing "
+            "reaches the aggregator (give the aggregator's address)"
+        )
 
     def _address_text(self) -> str:
         host, port = self._upstream
