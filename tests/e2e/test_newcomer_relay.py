@@ -1,15 +1,30 @@
-"""``traceml serve --relay`` given wrong addresses, as a newcomer might: each gets one
-clear line and an exit code, never a traceback nor a relay that spins on itself."""
+"""``traceml serve --relay`` given wrong addresses, as a newcomer might: a malformed one
+or its own port gets one clear line and an exit code, one where nobody listens a line
+once ranks send and an honest count at the stop; never a traceback nor a relay that
+sends its frames round to itself."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.e2e_helpers import free_port, run_cli
+from tests.e2e_helpers import clean_env, free_port, run_cli, traceml_cmd
+from traceml_ai.transport import RankSender
 
 TIMEOUT_S = 60.0
+TOKEN = "newcomer-token"
+IDENTITY: dict[str, object] = {
+    "global_rank": 0,
+    "local_rank": 0,
+    "world_size": 1,
+    "local_world_size": 1,
+    "node_rank": 0,
+    "hostname": "node",
+    "pid": 100,
+}
 
 
 @pytest.mark.parametrize(
@@ -48,3 +63,49 @@ def test_a_relay_given_its_own_port_says_so_and_exits(tmp_path: Path, upstream_h
     assert "Traceback" not in done.stderr
     assert done.stderr.count("leads back to this relay") == 1, done.stderr
     assert "relay stopped" in done.stderr
+
+
+def test_a_relay_whose_aggregator_never_answers_says_so_and_what_it_dropped(
+    tmp_path: Path,
+) -> None:
+    upstream, port = free_port(), free_port()
+    relay = subprocess.Popen(
+        traceml_cmd(
+            "serve",
+            "--relay",
+            f"127.0.0.1:{upstream}",
+            "--aggregator-port",
+            str(port),
+            "--finalize-timeout-sec",
+            "1",
+        ),
+        cwd=tmp_path,
+        env=clean_env({"TRACEML_RUN_TOKEN": TOKEN}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert relay.stdout is not None
+        exported = relay.stdout.readline()
+        assert f"TRACEML_AGGREGATOR_ADDR=127.0.0.1:{port}" in exported
+        sender = RankSender(("127.0.0.1", port), TOKEN, IDENTITY, flush_interval_s=0.02)
+        sender.start()
+        for step in range(5):
+            sender.put("step_time", {"step": step})
+        sender.close(5.0)
+        relay.send_signal(signal.SIGINT)
+        _, err = relay.communicate(timeout=TIMEOUT_S)
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+    assert "Traceback" not in err
+    assert err.count("cannot reach the aggregator") == 1, err
+    stopped = [line for line in err.splitlines() if "relay stopped" in line]
+    assert len(stopped) == 1, err
+    # Nothing reached an aggregator: the line must not send the user to its files.
+    assert "finalization_warning" not in stopped[0]
+    assert f"the aggregator at 127.0.0.1:{upstream} was never reached" in stopped[0]
+    assert "dropped" in stopped[0]

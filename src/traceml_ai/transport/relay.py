@@ -197,6 +197,7 @@ class Relay:
         self._loop_found = False  # the upstream address leads back to this relay
         self._flushed: asyncio.Event | None = None
         self._was_connected = False
+        self._said_unreachable = False
         self._dropped: dict[int, dict[str, int]] = {}
         self._dropped_batches = 0
         self._dropped_messages = 0
@@ -355,10 +356,25 @@ class Relay:
             await asyncio.wait_for(loop.sock_connect(sock, address), self._connect_timeout_s)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (OSError, asyncio.TimeoutError, IndexError):
+        except (OSError, asyncio.TimeoutError, IndexError) as exc:
             if sock is not None:
                 sock.close()
             self._connecting = False
+            if self._queue and not self._was_connected and not self._said_unreachable:
+                # Ranks send and the aggregator was never reached: a wrong address, or
+                # one not up yet. Said once; the lost-connection line covers later losses.
+                self._said_unreachable = True
+                why = (
+                    "timed out"
+                    if isinstance(exc, asyncio.TimeoutError)
+                    else os.strerror(exc.errno)
+                    if isinstance(exc, OSError) and exc.errno
+                    else str(exc) or type(exc).__name__
+                )
+                self._say(
+                    f"cannot reach the aggregator at {self._address_text()} ({why}); "
+                    "frames wait meanwhile, and it keeps trying"
+                )
             self._schedule_retry()
             return
         self._connecting = False
@@ -368,7 +384,7 @@ class Relay:
         self._sock = sock
         self._connections += 1
         self._backoff_s = _INITIAL_BACKOFF_S
-        if self._was_connected:
+        if self._was_connected or self._said_unreachable:
             self._say(f"connection to the aggregator at {self._address_text()} is back")
         self._was_connected = True
         # Every connection starts with the relay message: it names the relay (the

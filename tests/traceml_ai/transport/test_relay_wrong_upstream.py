@@ -1,6 +1,9 @@
-"""A relay whose upstream address leads back to itself (its own port, or a chain that
-closes on itself): it says so in one line, stops connecting, and counts what it holds
-as dropped at its stop, instead of sending its frames round forever."""
+"""A relay given a wrong upstream address, over real loopback sockets.
+
+Leading back to itself (its own port, or a chain that closes on itself): it says so in
+one line, stops connecting, and counts what it holds as dropped at its stop, instead of
+sending its frames round forever. Where nobody listens: one line once ranks send, one
+when the aggregator comes up, and what waited is forwarded."""
 
 from __future__ import annotations
 
@@ -8,9 +11,9 @@ import socket
 import time
 from collections.abc import Callable
 
+from tests.traceml_ai.transport.test_relay import TOKEN, Collector
 from traceml_ai.transport import RankSender, Relay
 
-TOKEN = "relay-loop-token"
 WAIT_S = 10.0
 
 
@@ -79,3 +82,33 @@ def test_two_relays_forwarding_to_each_other_find_the_loop() -> None:
         b.stop(1.0)
     assert forwarded < 10, forwarded
     assert any("leads back to this relay" in line for line in lines), lines
+
+
+def test_an_unreachable_aggregator_is_said_once_and_what_waited_is_forwarded() -> None:
+    upstream = free_port()
+    lines: list[str] = []
+    relay = Relay(("127.0.0.1", upstream), TOKEN, on_event=lines.append)
+    address = relay.start()
+    collector = Collector()
+    server = None
+    try:
+        sender = RankSender(address, TOKEN, identity(0), flush_interval_s=0.02)
+        sender.start()
+        for step in range(5):
+            sender.put("step_time", {"step": step, "rank": 0})
+        wait_until(lambda: any("cannot reach" in line for line in lines))
+        # Several retries go by, and it is still said once.
+        time.sleep(0.5)
+        server = collector.serve(upstream)
+        sender.close(WAIT_S)
+        wait_until(lambda: len(collector.finished) == 1)
+    finally:
+        stats = relay.stop(2.0)
+        if server is not None:
+            server.stop()
+    unreachable = [line for line in lines if "cannot reach" in line]
+    assert len(unreachable) == 1, lines
+    assert f"127.0.0.1:{upstream}" in unreachable[0] and "Connection refused" in unreachable[0]
+    assert any(line.endswith("is back") for line in lines), lines
+    assert stats.dropped_batches == 0
+    assert len(collector.batches) == sender.sent_batches >= 1
