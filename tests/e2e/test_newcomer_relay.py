@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -94,9 +96,16 @@ def test_a_relay_whose_aggregator_never_answers_says_so_and_what_it_dropped(
         sender.start()
         for step in range(5):
             sender.put("step_time", {"step": step})
+        # Its line comes at its next try once frames wait (backoff of at most 2 s).
+        assert relay.stderr is not None
+        seen: list[str] = []
+        reader = threading.Thread(target=_read_until, args=(relay.stderr, seen), daemon=True)
+        reader.start()
+        reader.join(TIMEOUT_S)
         sender.close(5.0)
         relay.send_signal(signal.SIGINT)
-        _, err = relay.communicate(timeout=TIMEOUT_S)
+        _, rest = relay.communicate(timeout=TIMEOUT_S)
+        err = "".join(seen) + rest
     finally:
         if relay.poll() is None:
             relay.kill()
@@ -109,3 +118,10 @@ def test_a_relay_whose_aggregator_never_answers_says_so_and_what_it_dropped(
     assert "finalization_warning" not in stopped[0]
     assert f"the aggregator at 127.0.0.1:{upstream} was never reached" in stopped[0]
     assert "dropped" in stopped[0]
+
+
+def _read_until(stream: IO[str], seen: list[str]) -> None:
+    for line in stream:
+        seen.append(line)
+        if "cannot reach the aggregator" in line:
+            return

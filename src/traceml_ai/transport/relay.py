@@ -65,6 +65,10 @@ DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
 """Bytes of frames a relay holds for the aggregator at most (batches beyond are dropped)."""
 
 _INITIAL_BACKOFF_S = 0.1
+# The aggregator closing this many connections in a row, each within _QUICK_CLOSE_S of
+# its opening, is said once as a refusal rather than as lost-and-back lines.
+_QUICK_CLOSES_TOLD = 3
+_QUICK_CLOSE_S = 1.0
 _MAX_BACKOFF_S = 2.0
 # Buffers handed to one sendmsg (IOV_MAX is 1024 on Linux).
 _SENDMSG_BATCH = 512
@@ -198,6 +202,8 @@ class Relay:
         self._flushed: asyncio.Event | None = None
         self._was_connected = False
         self._said_unreachable = False
+        self._connected_at = 0.0
+        self._quick_closes = 0  # connections in a row the aggregator closed at once
         self._dropped: dict[int, dict[str, int]] = {}
         self._dropped_batches = 0
         self._dropped_messages = 0
@@ -383,8 +389,10 @@ class Relay:
             return
         self._sock = sock
         self._connections += 1
-        self._backoff_s = _INITIAL_BACKOFF_S
-        if self._was_connected or self._said_unreachable:
+        self._connected_at = time.monotonic()
+        if self._quick_closes >= _QUICK_CLOSES_TOLD:
+            pass  # refused again and again: said once, not at each try
+        elif self._was_connected or self._said_unreachable:
             self._say(f"connection to the aggregator at {self._address_text()} is back")
         self._was_connected = True
         # Every connection starts with the relay message: it names the relay (the
@@ -470,12 +478,27 @@ class Relay:
         with contextlib.suppress(OSError):
             sock.close()
         self._head_sent = 0
+        if time.monotonic() - self._connected_at < _QUICK_CLOSE_S:
+            # Closed as soon as opened: the aggregator refuses this relay (another run
+            # token, most often). Backing off keeps the tries from spinning.
+            self._quick_closes += 1
+        else:
+            self._quick_closes = 0
+            self._backoff_s = _INITIAL_BACKOFF_S
         if not self._queue and self._intake.connections_open == 0:
             # The ranks are gone and everything was forwarded: the aggregator closing
             # now is the run's end (it finalizes once every rank finished). Nothing to
             # say; a frame that still comes connects again.
             return
-        if not self._stopping and not self._loop_found:
+        if self._quick_closes == _QUICK_CLOSES_TOLD and not self._stopping:
+            self._say(
+                f"connections to the aggregator at {self._address_text()} are closed as "
+                "soon as they open: is TRACEML_RUN_TOKEN that aggregator's? It keeps "
+                "trying; frames wait meanwhile"
+            )
+        elif (
+            not self._stopping and not self._loop_found and self._quick_closes < _QUICK_CLOSES_TOLD
+        ):
             self._say(
                 f"lost its connection to the aggregator at {self._address_text()} ({why}); "
                 "reconnecting, frames wait meanwhile"

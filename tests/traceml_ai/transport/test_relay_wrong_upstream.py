@@ -112,3 +112,32 @@ def test_an_unreachable_aggregator_is_said_once_and_what_waited_is_forwarded() -
     assert any(line.endswith("is back") for line in lines), lines
     assert stats.dropped_batches == 0
     assert len(collector.batches) == sender.sent_batches >= 1
+
+
+def test_an_aggregator_refusing_the_relays_token_is_said_once_not_at_each_try() -> None:
+    collector = Collector()
+    server = collector.serve()
+    upstream = server.address
+    assert upstream is not None
+    lines: list[str] = []
+    relay = Relay(upstream, "not-the-aggregators-token", on_event=lines.append)
+    address = relay.start()
+    try:
+        sender = RankSender(
+            address, "not-the-aggregators-token", identity(0), flush_interval_s=0.02
+        )
+        sender.start()
+        for step in range(5):
+            sender.put("step_time", {"step": step, "rank": 0})
+        wait_until(lambda: any("closed as soon as they open" in line for line in lines))
+        # Further refusals go by without a line each.
+        time.sleep(1.5)
+        sender.close(1.0)
+    finally:
+        relay.stop(0.5)
+        server.stop()
+    told = [line for line in lines if "closed as soon as they open" in line]
+    assert len(told) == 1, lines
+    assert "TRACEML_RUN_TOKEN" in told[0]
+    assert len(lines) <= 6, lines  # a lost-and-back pair or two before it, then quiet
+    assert collector.batches == []
