@@ -605,13 +605,19 @@ def _serve_relay(settings: LaunchSettings) -> int:
     click.echo(f"export TRACEML_AGGREGATOR_ADDR={address} TRACEML_RUN_TOKEN={shlex.quote(token)}")
     sys.stdout.flush()
     while not stop.wait(0.5):
-        pass
+        if relay.loop_found:
+            break  # it said why in one line; relaying to itself forwards nothing
     stats = relay.stop(settings.finalize_timeout_sec)
     lost = ""
     if stats.dropped_batches or stats.dropped_messages:
+        where = (
+            "the aggregator counts them in its finalization_warning.json"
+            if stats.upstream_connections
+            else f"the aggregator at {settings.relay} was never reached"
+        )
         lost = (
             f"; dropped {stats.dropped_batches} batches and {stats.dropped_messages} other "
-            "messages (the aggregator counts them in its finalization_warning.json)"
+            f"messages ({where})"
         )
     click.echo(f"traceml: relay stopped: {stats.forwarded_frames} frames forwarded{lost}", err=True)
-    return 0
+    return 1 if relay.loop_found else 0

@@ -320,6 +320,8 @@ def parse_relay_upstream(text: str) -> str:
     host, sep, port = text.strip().rpartition(":")
     if not sep:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if not port.isdigit():
+        raise ValueError(f"expected a port from 1 to 65535, got {port!r}")
     number = parse_whole(port)
     if not 1 <= number <= 65535:
         raise ValueError(f"expected a port from 1 to 65535, got {port!r}")

@@ -52,6 +52,7 @@ from traceml_ai.transport.wire import (
     BATCH_GLOBAL_RANK,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
+    FrameError,
     batch_prefix,
     encode_frame,
     make_relay_message,
@@ -64,6 +65,10 @@ DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
 """Bytes of frames a relay holds for the aggregator at most (batches beyond are dropped)."""
 
 _INITIAL_BACKOFF_S = 0.1
+# The aggregator closing this many connections in a row, each within _QUICK_CLOSE_S of
+# its opening, is said once as a refusal rather than as lost-and-back lines.
+_QUICK_CLOSES_TOLD = 3
+_QUICK_CLOSE_S = 1.0
 _MAX_BACKOFF_S = 2.0
 # Buffers handed to one sendmsg (IOV_MAX is 1024 on Linux).
 _SENDMSG_BATCH = 512
@@ -115,6 +120,11 @@ class _Intake(AggregatorServer):
         kind = message["type"]
         if kind == "finished":
             self._finished_messages += 1
+        elif kind == "relay" and message.get("relay") == self._relay.relay_id:
+            # Its own connection came back to it: the upstream address leads here. Every
+            # frame would go round forever and none would reach the aggregator.
+            self._relay._looped()
+            raise FrameError("relay loop")
         self._relay._put_message(FRAME_HEADER.pack(length) + body)
 
     # A relay below this one: its frames are forwarded all the same.
@@ -188,8 +198,12 @@ class Relay:
         self._report_dirty = False
         self._stopping = False
         self._closed = False  # stop() closed the upstream side: no connection after it
+        self._loop_found = False  # the upstream address leads back to this relay
         self._flushed: asyncio.Event | None = None
         self._was_connected = False
+        self._said_unreachable = False
+        self._connected_at = 0.0
+        self._quick_closes = 0  # connections in a row the aggregator closed at once
         self._dropped: dict[int, dict[str, int]] = {}
         self._dropped_batches = 0
         self._dropped_messages = 0
@@ -258,6 +272,11 @@ class Relay:
             upstream_connections=self._connections,
             pending_frames=len(self._queue),
         )
+
+    @property
+    def loop_found(self) -> bool:
+        """Whether its upstream address led back to itself (it then forwards nothing)."""
+        return self._loop_found
 
     @property
     def connected(self) -> bool:
@@ -343,10 +362,25 @@ class Relay:
             await asyncio.wait_for(loop.sock_connect(sock, address), self._connect_timeout_s)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (OSError, asyncio.TimeoutError, IndexError):
+        except (OSError, asyncio.TimeoutError, IndexError) as exc:
             if sock is not None:
                 sock.close()
             self._connecting = False
+            if self._queue and not self._was_connected and not self._said_unreachable:
+                # Ranks send and the aggregator was never reached: a wrong address, or
+                # one not up yet. Said once; the lost-connection line covers later losses.
+                self._said_unreachable = True
+                why = (
+                    "timed out"
+                    if isinstance(exc, asyncio.TimeoutError)
+                    else os.strerror(exc.errno)
+                    if isinstance(exc, OSError) and exc.errno
+                    else str(exc) or type(exc).__name__
+                )
+                self._say(
+                    f"cannot reach the aggregator at {self._address_text()} ({why}); "
+                    "frames wait meanwhile, and it keeps trying"
+                )
             self._schedule_retry()
             return
         self._connecting = False
@@ -355,8 +389,10 @@ class Relay:
             return
         self._sock = sock
         self._connections += 1
-        self._backoff_s = _INITIAL_BACKOFF_S
-        if self._was_connected:
+        self._connected_at = time.monotonic()
+        if self._quick_closes >= _QUICK_CLOSES_TOLD:
+            pass  # refused again and again: said once, not at each try
+        elif self._was_connected or self._said_unreachable:
             self._say(f"connection to the aggregator at {self._address_text()} is back")
         self._was_connected = True
         # Every connection starts with the relay message: it names the relay (the
@@ -442,12 +478,27 @@ class Relay:
         with contextlib.suppress(OSError):
             sock.close()
         self._head_sent = 0
+        if time.monotonic() - self._connected_at < _QUICK_CLOSE_S:
+            # Closed as soon as opened: the aggregator refuses this relay (another run
+            # token, most often). Backing off keeps the tries from spinning.
+            self._quick_closes += 1
+        else:
+            self._quick_closes = 0
+            self._backoff_s = _INITIAL_BACKOFF_S
         if not self._queue and self._intake.connections_open == 0:
             # The ranks are gone and everything was forwarded: the aggregator closing
             # now is the run's end (it finalizes once every rank finished). Nothing to
             # say; a frame that still comes connects again.
             return
-        if not self._stopping:
+        if self._quick_closes == _QUICK_CLOSES_TOLD and not self._stopping:
+            self._say(
+                f"connections to the aggregator at {self._address_text()} are closed as "
+                "soon as they open: is TRACEML_RUN_TOKEN that aggregator's? It keeps "
+                "trying; frames wait meanwhile"
+            )
+        elif (
+            not self._stopping and not self._loop_found and self._quick_closes < _QUICK_CLOSES_TOLD
+        ):
             self._say(
                 f"lost its connection to the aggregator at {self._address_text()} ({why}); "
                 "reconnecting, frames wait meanwhile"
@@ -485,6 +536,8 @@ class Relay:
         """stop(): no more ranks; forward what is pending until ``deadline``, then count
         the rest as dropped and send the final relay message (briefly)."""
         loop = asyncio.get_running_loop()
+        if self._loop_found:
+            deadline = time.monotonic()  # nowhere to forward to: count what it holds now
         intake = self._intake
         if intake._server is not None:
             intake._server.close()
@@ -536,6 +589,21 @@ class Relay:
             self._drop_batch(frame)
         else:
             self._dropped_messages += 1
+
+    def _looped(self) -> None:
+        """Its own connection arrived at its intake: connect upstream no more (frames
+        wait, within the bound, and are counted as dropped at the stop); say it once."""
+        if self._loop_found:
+            return
+        self._loop_found = True
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        self._say(
+            f"forwards to {self._address_text()}, which leads back to this relay: nothing "
+            "reaches the aggregator (give the aggregator's address)"
+        )
 
     def _address_text(self) -> str:
         host, port = self._upstream

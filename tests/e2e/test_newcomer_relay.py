@@ -1,0 +1,127 @@
+"""``traceml serve --relay`` given wrong addresses, as a newcomer might: a malformed one
+or its own port gets one clear line and an exit code, one where nobody listens a line
+once ranks send and an honest count at the stop; never a traceback nor a relay that
+sends its frames round to itself."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from tests.e2e_helpers import clean_env, free_port, run_cli, traceml_cmd
+from traceml_ai.transport import RankSender
+
+TIMEOUT_S = 60.0
+TOKEN = "newcomer-token"
+IDENTITY: dict[str, object] = {
+    "global_rank": 0,
+    "local_rank": 0,
+    "world_size": 1,
+    "local_world_size": 1,
+    "node_rank": 0,
+    "hostname": "node",
+    "pid": 100,
+}
+
+
+@pytest.mark.parametrize(
+    ("address", "said"),
+    [
+        ("10.0.0.1", "expected HOST:PORT"),
+        ("10.0.0.1:notaport", "expected a port from 1 to 65535, got 'notaport'"),
+        ("127.0.0.1:99999", "expected a port from 1 to 65535"),
+        (":29600", "expected a host name or an IP address"),
+    ],
+)
+def test_a_malformed_relay_address_is_one_line(tmp_path: Path, address: str, said: str) -> None:
+    done = run_cli(
+        ["serve", "--relay", address, "--aggregator-port", str(free_port())],
+        cwd=tmp_path,
+        env={"TRACEML_RUN_TOKEN": "t"},
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert said in lines[0] and "--relay" in lines[0]
+
+
+@pytest.mark.parametrize("upstream_host", ["127.0.0.1", "localhost"])
+def test_a_relay_given_its_own_port_says_so_and_exits(tmp_path: Path, upstream_host: str) -> None:
+    port = free_port()
+    done = run_cli(
+        ["serve", "--relay", f"{upstream_host}:{port}", "--aggregator-port", str(port)],
+        cwd=tmp_path,
+        env={"TRACEML_RUN_TOKEN": "t"},
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count("leads back to this relay") == 1, done.stderr
+    assert "relay stopped" in done.stderr
+
+
+def test_a_relay_whose_aggregator_never_answers_says_so_and_what_it_dropped(
+    tmp_path: Path,
+) -> None:
+    upstream, port = free_port(), free_port()
+    relay = subprocess.Popen(
+        traceml_cmd(
+            "serve",
+            "--relay",
+            f"127.0.0.1:{upstream}",
+            "--aggregator-port",
+            str(port),
+            "--finalize-timeout-sec",
+            "1",
+        ),
+        cwd=tmp_path,
+        env=clean_env({"TRACEML_RUN_TOKEN": TOKEN}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert relay.stdout is not None
+        exported = relay.stdout.readline()
+        assert f"TRACEML_AGGREGATOR_ADDR=127.0.0.1:{port}" in exported
+        sender = RankSender(("127.0.0.1", port), TOKEN, IDENTITY, flush_interval_s=0.02)
+        sender.start()
+        for step in range(5):
+            sender.put("step_time", {"step": step})
+        # Its line comes at its next try once frames wait (backoff of at most 2 s).
+        assert relay.stderr is not None
+        seen: list[str] = []
+        reader = threading.Thread(target=_read_until, args=(relay.stderr, seen), daemon=True)
+        reader.start()
+        reader.join(TIMEOUT_S)
+        sender.close(5.0)
+        relay.send_signal(signal.SIGINT)
+        _, rest = relay.communicate(timeout=TIMEOUT_S)
+        err = "".join(seen) + rest
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+    assert "Traceback" not in err
+    assert err.count("cannot reach the aggregator") == 1, err
+    stopped = [line for line in err.splitlines() if "relay stopped" in line]
+    assert len(stopped) == 1, err
+    # Nothing reached an aggregator: the line must not send the user to its files.
+    assert "finalization_warning" not in stopped[0]
+    assert f"the aggregator at 127.0.0.1:{upstream} was never reached" in stopped[0]
+    assert "dropped" in stopped[0]
+
+
+def _read_until(stream: IO[str], seen: list[str]) -> None:
+    for line in stream:
+        seen.append(line)
+        if "cannot reach the aggregator" in line:
+            return
