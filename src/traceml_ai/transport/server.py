@@ -78,7 +78,6 @@ _T = TypeVar("_T")
 
 _HEADER_SIZE = FRAME_HEADER.size
 _unpack_header = FRAME_HEADER.unpack_from
-_find_rank = BATCH_GLOBAL_RANK.search
 
 
 HOLD_MAX_S = 10.0
@@ -871,22 +870,6 @@ class AggregatorServer:
 
         As :meth:`_frame`, and each batch is tallied under the rank its identity names
         (the connection has no one rank)."""
-        prefix = self._batch_prefix
-        if body.startswith(prefix) and known_stream_follows(body, len(prefix)):
-            # Our senders' batches, nearly every frame: as _read_frame reads them, inline
-            # (with a thousand relays' frames a second, each call saved counts).
-            match = _find_rank(body, len(prefix), 4096)
-            if match is None:
-                raise FrameError("missing identity")
-            sender = int(match.group(1))
-            self._accepted_batches += 1
-            counts = self._gate.batches_by_rank
-            counts[sender] = counts.get(sender, 0) + 1
-            try:
-                self._on_batch(ReceivedBatch(observed, body, length))
-            except Exception:
-                self._callback_errors += 1
-            return
         rank, message = self._read_frame(body)
         if rank is not None:
             self._accepted_batches += 1
