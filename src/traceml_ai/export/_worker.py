@@ -26,6 +26,7 @@ import attrs
 from traceml_ai import _fork
 from traceml_ai._queue import BoundedBatchQueue
 from traceml_ai.export._builder import RecordBuilder
+from traceml_ai.export._encoded import EncodedLines
 from traceml_ai.export._protocol import (
     Exporter,
     ExporterError,
@@ -65,6 +66,12 @@ _ABANDONED_CLOSE_WAIT_S = 0.25
 
 _LINGER_S = 0.002
 """How long the worker waits, once woken from an empty queue, before it starts."""
+
+_TAKE_MAX_BYTES = 256 * 1024
+"""Most wire bytes of queued batches the worker takes at once (always one batch at
+least). Their records go to the exporter as one group per stream, so a backlog of small
+batches (a large job at a low step rate sends one item per batch) costs one lock round
+and one write per stream per take, not per batch."""
 
 
 @attrs.frozen(kw_only=True)
@@ -187,6 +194,7 @@ class ExportWorker:
         # groups of the batch in hand (still to be counted if the worker is abandoned).
         self._phase = "idle"
         self._in_hand: list[tuple[str, int]] = []
+        self._building = 0  # batches taken from the queue and not built yet
         self._forked_child = False
         self._final: ExportStats | None = None
         self._shutdown_lock = threading.Lock()
@@ -324,7 +332,7 @@ class ExportWorker:
                 return self._snapshot()
             # Stuck in export (or still building): what is in hand failed, the rest is dropped.
             if self._phase == "build":
-                self._dropped += 1  # popped from the queue, records not built yet
+                self._dropped += self._building  # taken from the queue, not built yet
             for stream, count in self._in_hand:
                 self._failed[stream] = self._failed.get(stream, 0) + count
             self._in_hand = []
@@ -385,11 +393,12 @@ class ExportWorker:
                     return
                 if queue.closed and time.monotonic() >= self._drain_deadline:
                     break
-                batch = queue.take()
-                if batch is None:
+                batches = queue.take_batch(_TAKE_MAX_BYTES)
+                if not batches:
                     break
                 self._phase = "build"
-            if not self._process(batch):
+                self._building = len(batches)
+            if not self._process(batches):
                 return
         with cond:
             if self._abandoned:
@@ -403,24 +412,33 @@ class ExportWorker:
                 self._exporter_failed = True
             self._phase = "idle"
 
-    def _process(self, batch: ReceivedBatch) -> bool:
-        """Build and export one batch; False when shutdown gave up on this thread."""
-        try:
-            result = self._builder.build(batch)
-        except Exception:
-            # The builder is written never to raise; if it does, lose the batch, not the thread.
-            _log.exception("traceml: export: building records from a batch failed")
-            with self._queue.cond:
-                if self._abandoned:
-                    return False
-                self._dropped += 1
-                self._phase = "idle"
-            return True
-        groups = [(stream, records) for stream, records in result.records.items() if records]
+    def _process(self, batches: list[ReceivedBatch]) -> bool:
+        """Build the batches taken together and export their records, one group per
+        stream (in batch order); False when shutdown gave up on this thread."""
+        build = self._builder.build
+        parts: dict[str, list[Sequence[Any]]] = {}
+        skipped = 0
+        failed_builds = 0
+        for batch in batches:
+            try:
+                result = build(batch)
+            except Exception:
+                # The builder is written never to raise; if it does, lose the batch, not
+                # the thread.
+                _log.exception("traceml: export: building records from a batch failed")
+                failed_builds += 1
+                continue
+            skipped += result.skipped_items
+            for stream, records in result.records.items():
+                if records:
+                    parts.setdefault(stream, []).append(records)
+        groups = [group for stream, found in parts.items() for group in _joined(stream, found)]
         with self._queue.cond:
             if self._abandoned:
                 return False
-            self._skipped += result.skipped_items
+            self._dropped += failed_builds
+            self._skipped += skipped
+            self._building = 0
             self._in_hand = [(stream, len(records)) for stream, records in groups]
             self._phase = "export"
         for stream, records in groups:
@@ -429,7 +447,8 @@ class ExportWorker:
                 if self._abandoned:
                     return False
                 self._written[stream] = self._written.get(stream, 0) + written
-                self._failed[stream] = self._failed.get(stream, 0) + failed
+                if failed:
+                    self._failed[stream] = self._failed.get(stream, 0) + failed
                 self._in_hand.pop(0)
         with self._queue.cond:
             self._phase = "idle"
@@ -523,6 +542,7 @@ class ExportWorker:
         self._abandoned = False
         self._phase = "idle"
         self._in_hand = []
+        self._building = 0
         self._final = None
         self._written = dict.fromkeys(self._written, 0)
         self._failed = dict.fromkeys(self._failed, 0)
@@ -530,3 +550,34 @@ class ExportWorker:
         self._dropped = 0
         self._rank_dropped = 0
         self._counts_frozen = False
+
+
+def _joined(stream: str, found: list[Sequence[Any]]) -> list[tuple[str, Sequence[Any]]]:
+    """The groups of one stream from the batches taken together, joined where they are of
+    one kind: consecutive :class:`EncodedLines` into one, consecutive record lists into
+    one; the batch order stays."""
+    if len(found) == 1:
+        return [(stream, found[0])]
+    joined: list[tuple[str, Sequence[Any]]] = []
+    run: list[Sequence[Any]] = []
+    for group in found:
+        if run and (type(group) is EncodedLines) != (type(run[0]) is EncodedLines):
+            joined.append((stream, _join_run(stream, run)))
+            run = []
+        run.append(group)
+    joined.append((stream, _join_run(stream, run)))
+    return joined
+
+
+def _join_run(stream: str, run: list[Sequence[Any]]) -> Sequence[Any]:
+    if len(run) == 1:
+        return run[0]
+    if type(run[0]) is EncodedLines:
+        encoded: list[EncodedLines] = run  # type: ignore[assignment]
+        return EncodedLines(
+            stream, b"".join(g.data for g in encoded), sum(g.line_count for g in encoded)
+        )
+    records: list[Any] = []
+    for group in run:
+        records.extend(group)
+    return records

@@ -527,3 +527,39 @@ def test_the_c_encoder_keeps_its_own_pattern_matches() -> None:
     built = RecordBuilder(("step_time",), False, encode_lines=True).build(batch("step_time", [bad]))
     assert built.skipped_items == 1 and built.records.get("step_time") is None
     _modes([item, bad])
+
+
+@pytest.mark.parametrize("max_prefixes", [2, 65_536])
+def test_one_builder_reused_across_ranks_and_times(
+    max_prefixes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line mode keeps each identity block's line start (around the observed
+    timestamp) from one batch to the next: a builder that sees the same ranks again at
+    other times, a bad identity among them, and more identities than it keeps, writes
+    what a fresh record-mode build writes, batch by batch."""
+    from traceml_ai.export import _builder
+
+    monkeypatch.setattr(_builder, "_MAX_PREFIXES", max_prefixes)
+    identities = [
+        {**IDENTITY, "global_rank": rank, "local_rank": rank % 2, "hostname": f"n{rank}"}
+        for rank in range(4)
+    ] + [{**IDENTITY, "world_size": 0}, {**IDENTITY, "hostname": "\ud800"}]
+    for include_hostname in (False, True):
+        reused = RecordBuilder(LINE_STREAMS, include_hostname, encode_lines=True)
+        for round_ in range(3):
+            for n, identity in enumerate(identities):
+                for stream in LINE_STREAMS:
+                    items = [GOOD[stream](round_ * 10 + i) for i in range(2)]
+                    try:
+                        body = orjson.dumps(make_batch_message("t", identity, stream, items))
+                    except orjson.JSONEncodeError:
+                        continue
+                    observed = OBSERVED_NS + round_ * 1_000_003 + n
+                    received = ReceivedBatch(observed, body, len(body))
+                    by_lines = reused.build(received)
+                    by_records = RecordBuilder((stream,), include_hostname).build(received)
+                    assert by_lines.skipped_items == by_records.skipped_items
+                    assert _written(
+                        by_lines.records.get(stream), include_hostname, stream
+                    ) == _written(by_records.records.get(stream), include_hostname, stream)
+        assert len(reused._prefixes) <= max_prefixes

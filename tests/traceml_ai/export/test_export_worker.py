@@ -29,6 +29,8 @@ from traceml_ai.export import (
     capture_export,
     start_export,
 )
+from traceml_ai.export import _worker as export_worker
+from traceml_ai.export._encoded import EncodedLines
 from traceml_ai.settings import ExportSettings
 from traceml_records import ExportLoss
 
@@ -229,12 +231,14 @@ def test_empty_run_closes_once_with_zeros() -> None:
     assert stats.to_loss() is None and not stats.lost_anything
 
 
-def test_backlog_left_at_the_deadline_counts_as_dropped() -> None:
+def test_backlog_left_at_the_deadline_counts_as_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
     class Slow(InMemoryExporter):
         def export(self, records: Any) -> None:
             time.sleep(0.05)
             super().export(records)
 
+    # One batch per take, so the backlog is still queued when the deadline comes.
+    monkeypatch.setattr(export_worker, "_TAKE_MAX_BYTES", 1)
     exporter = Slow()
     worker = make_worker(exporter)
     for i in range(100):
@@ -251,6 +255,55 @@ def test_backlog_left_at_the_deadline_counts_as_dropped() -> None:
     assert exporter.closed_with.dropped_batches == stats.dropped_batches
 
 
+def test_a_backlog_goes_out_as_one_group_per_stream_in_batch_order() -> None:
+    """Batches queued while the worker was busy are taken together: their records reach
+    the exporter as one group per stream (the C encoder's lines joined, records lists
+    joined), in the order the batches came, and every count still adds up."""
+
+    class Groups:
+        export_input = "encoded_lines"
+
+        def __init__(self) -> None:
+            self.groups: list[Any] = []
+
+        def export(self, records: Any) -> None:
+            self.groups.append(records)
+
+        def close(self, summary: Any) -> None:
+            return None
+
+    exporter = Groups()
+    builder = RecordBuilder(LOAD_STREAMS, include_hostname=False, encode_lines=True)
+    worker = ExportWorker(exporter, builder)
+    for i in range(30):
+        for stream in LOAD_STREAMS:
+            worker.submit(batch(stream, [MAKERS[stream](i)]))
+    worker.start()
+    stats = worker.shutdown(timeout=10.0)
+    assert stats.written_records == dict.fromkeys(LOAD_STREAMS, 30)
+    assert stats.dropped_batches == 0 and stats.skipped_items == 0
+    assert len(exporter.groups) == len(LOAD_STREAMS)  # one group per stream
+    kinds = {type(next(iter(group))).__name__: group for group in exporter.groups}
+    assert type(kinds["StepTimeRecord"]) is EncodedLines
+    assert type(kinds["ProcessRecord"]) is list
+    for group in exporter.groups:
+        assert [record.seq for record in group] == list(range(30))
+
+
+def test_joined_groups_keep_the_order_where_lines_and_records_alternate() -> None:
+    lines = [
+        EncodedLines("step_time", b'{"a":%d}\n' % i, 1) for i in range(2)
+    ]  # only joined here, never parsed
+    joined = export_worker._joined("step_time", [lines[0], lines[1], ["r2", "r3"], ["r4"]])
+    assert [(stream, type(group).__name__, len(group)) for stream, group in joined] == [
+        ("step_time", "EncodedLines", 2),
+        ("step_time", "list", 3),
+    ]
+    first = joined[0][1]
+    assert isinstance(first, EncodedLines) and first.data == b'{"a":0}\n{"a":1}\n'
+    assert joined[1][1] == ["r2", "r3", "r4"]
+
+
 # -- hung exporters -----------------------------------------------------------------------
 
 
@@ -260,6 +313,8 @@ def test_exporter_hanging_in_export_cannot_hold_shutdown() -> None:
     worker.start()
     try:
         worker.submit(batch("step_time", [step_time_item(seq=0)]))
+        # Its own group (batches queued together would be exported as one).
+        wait_until(lambda: worker.stats().written_records["step_time"] == 1)
         worker.submit(batch("step_time", [step_time_item(seq=1), step_time_item(seq=2)]))
         assert exporter.entered.wait(10.0)
         for i in range(3, 8):
