@@ -479,6 +479,7 @@ class RecordBuilder:
         )
         self._encode_batch = encode_batch if self._encode_items is not None else None
         self._split_batch = split_batch if self._encode_items is not None else None
+        self._line_plans_by_name = {plan.wire_name: plan for plan in self._line_plans.values()}
         # (wire stream, identity block bytes) -> a line's start around the timestamp.
         self._prefixes: dict[tuple[bytes, bytes], tuple[bytes, bytes, str] | None] = {}
 
@@ -517,13 +518,18 @@ class RecordBuilder:
         """
         payload: Any = batch.payload
         if type(payload) is bytes:
+            if self._split_batch is not None:
+                # A stream the C encoder writes is known from the split alone.
+                parts = self._split_batch(payload)
+                line_plan = None if parts is None else self._line_plans_by_name.get(parts[0])
+                if line_plan is not None:
+                    assert parts is not None
+                    built = self._body_lines(line_plan, payload, batch, parts)
+                    if built is not None:
+                        return built
             peeked = peek_batch_stream(payload)
             if peeked is not None and peeked not in self._plans:
                 return _EMPTY  # an unselected stream is never parsed nor counted
-            if peeked is not None and peeked in self._line_plans:
-                built = self._body_lines(self._line_plans[peeked], payload, batch)
-                if built is not None:
-                    return built
             try:
                 payload = decode_batch_body(payload)
             except FrameError:
@@ -625,7 +631,11 @@ class RecordBuilder:
     # -- the C encoder's mode ----------------------------------------------------------
 
     def _body_lines(
-        self, line_plan: _LinePlan, body: bytes, batch: ReceivedBatch
+        self,
+        line_plan: _LinePlan,
+        body: bytes,
+        batch: ReceivedBatch,
+        parts: tuple[bytes, int, int, int],
     ) -> BuildResult | None:
         """The lines of an encoded batch read straight from its bytes, or None to parse it.
 
@@ -633,10 +643,7 @@ class RecordBuilder:
         else (an item for the strict loaders, a bad identity, a body not in the form our
         senders write) goes the parsed way, which counts and reports it.
         """
-        assert self._split_batch is not None and self._encode_batch is not None
-        parts = self._split_batch(body)
-        if parts is None or parts[0] != line_plan.wire_name:
-            return None
+        assert self._encode_batch is not None
         _, identity_start, identity_end, items_start = parts
         observed = batch.observed_timestamp_unix_ns
         if not _is_int(observed, 0):
