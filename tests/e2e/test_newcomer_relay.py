@@ -120,8 +120,74 @@ def test_a_relay_whose_aggregator_never_answers_says_so_and_what_it_dropped(
     assert "dropped" in stopped[0]
 
 
-def _read_until(stream: IO[str], seen: list[str]) -> None:
+def _read_until(
+    stream: IO[str], seen: list[str], until: str = "cannot reach the aggregator"
+) -> None:
     for line in stream:
         seen.append(line)
-        if "cannot reach the aggregator" in line:
+        if until in line:
             return
+
+
+def test_a_relay_refused_by_the_aggregator_calls_what_went_out_lost_not_forwarded(
+    tmp_path: Path,
+) -> None:
+    """The relay's token is not the aggregator's: every connection is closed as soon as it
+    opens. The stop line must not call the frames that went out on them forwarded."""
+    from tests.traceml_ai.transport.test_relay import Collector
+
+    collector = Collector()
+    aggregator = collector.serve()  # the test's own token, not TOKEN
+    assert aggregator.address is not None
+    port = free_port()
+    relay = subprocess.Popen(
+        traceml_cmd(
+            "serve",
+            "--relay",
+            f"127.0.0.1:{aggregator.address[1]}",
+            "--aggregator-port",
+            str(port),
+            "--finalize-timeout-sec",
+            "1",
+        ),
+        cwd=tmp_path,
+        env=clean_env({"TRACEML_RUN_TOKEN": TOKEN}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert relay.stdout is not None
+        assert f"127.0.0.1:{port}" in relay.stdout.readline()
+        sender = RankSender(("127.0.0.1", port), TOKEN, IDENTITY, flush_interval_s=0.02)
+        sender.start()
+        assert relay.stderr is not None
+        seen: list[str] = []
+        told = "closed as soon as they open"
+        reader = threading.Thread(target=_read_until, args=(relay.stderr, seen, told), daemon=True)
+        reader.start()
+        for step in range(50):
+            sender.put("step_time", {"step": step})
+            if not reader.is_alive():
+                break
+            threading.Event().wait(0.1)
+        reader.join(TIMEOUT_S)
+        relay.send_signal(signal.SIGINT)
+        _, rest = relay.communicate(timeout=TIMEOUT_S)
+        sender.close(1.0)
+        err = "".join(seen) + rest
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+        aggregator.stop()
+    assert "Traceback" not in err
+    assert collector.batches == []
+    stopped = [line for line in err.splitlines() if "relay stopped" in line]
+    assert len(stopped) == 1, err
+    assert "closed as soon as they opened" in stopped[0] and "lost" in stopped[0], stopped
+    assert "TRACEML_RUN_TOKEN" in stopped[0]
+    forwarded = int(stopped[0].split("relay stopped: ")[1].split(" frames forwarded")[0])
+    refused = int(stopped[0].split("; ")[-1].split(" frames went out")[0])
+    assert refused >= 1 and forwarded < refused, stopped[0]

@@ -225,6 +225,7 @@ def main(argv: list[str]) -> int:
             "forwarded_frames": stats.forwarded_frames,
             "dropped_batches": stats.dropped_batches,
             "dropped_messages": stats.dropped_messages,
+            "refused_frames": stats.refused_frames,
         },
     )
     return 0

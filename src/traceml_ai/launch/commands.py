@@ -619,5 +619,11 @@ def _serve_relay(settings: LaunchSettings) -> int:
             f"; dropped {stats.dropped_batches} batches and {stats.dropped_messages} other "
             f"messages ({where})"
         )
+    if stats.refused_frames:
+        lost += (
+            f"; {stats.refused_frames} frames went out on connections {settings.relay} "
+            "closed as soon as they opened (is TRACEML_RUN_TOKEN that aggregator's?): "
+            "they are lost"
+        )
     click.echo(f"traceml: relay stopped: {stats.forwarded_frames} frames forwarded{lost}", err=True)
     return 1 if relay.loop_found else 0

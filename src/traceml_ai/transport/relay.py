@@ -98,6 +98,10 @@ class RelayStats:
     upstream_connections: int
     """Connections it opened to the aggregator (more than one: it reconnected)."""
     pending_frames: int
+    refused_frames: int = 0
+    """Frames the kernel took on connections the aggregator closed as soon as they
+    opened (another run's token, most often): sent, but not forwarded (the aggregator
+    refuses such a connection's frames), so not in ``forwarded_frames``."""
 
 
 class _Intake(AggregatorServer):
@@ -203,6 +207,8 @@ class Relay:
         self._was_connected = False
         self._said_unreachable = False
         self._connected_at = 0.0
+        self._sent_on_connection = 0  # frames the kernel took on the current connection
+        self._refused = 0
         self._quick_closes = 0  # connections in a row the aggregator closed at once
         self._dropped: dict[int, dict[str, int]] = {}
         self._dropped_batches = 0
@@ -271,6 +277,7 @@ class Relay:
             dropped_messages=self._dropped_messages,
             upstream_connections=self._connections,
             pending_frames=len(self._queue),
+            refused_frames=self._refused,
         )
 
     @property
@@ -390,6 +397,7 @@ class Relay:
         self._sock = sock
         self._connections += 1
         self._connected_at = time.monotonic()
+        self._sent_on_connection = 0
         if self._quick_closes >= _QUICK_CLOSES_TOLD:
             pass  # refused again and again: said once, not at each try
         elif self._was_connected or self._said_unreachable:
@@ -446,6 +454,7 @@ class Relay:
                 sent -= len(frame)
                 self._queued_bytes -= len(frame)
                 self._forwarded += 1
+                self._sent_on_connection += 1
             self._head_sent = sent
             if full:
                 # The kernel's buffer is full: go on when it has room.
@@ -478,14 +487,21 @@ class Relay:
         with contextlib.suppress(OSError):
             sock.close()
         self._head_sent = 0
+        sent, self._sent_on_connection = self._sent_on_connection, 0
+        run_ended = not self._queue and self._intake.connections_open == 0
         if time.monotonic() - self._connected_at < _QUICK_CLOSE_S:
             # Closed as soon as opened: the aggregator refuses this relay (another run
-            # token, most often). Backing off keeps the tries from spinning.
+            # token, most often). Backing off keeps the tries from spinning. Unless the
+            # run ended (every rank gone, everything sent), what it took was refused,
+            # not forwarded.
             self._quick_closes += 1
+            if not run_ended:
+                self._forwarded -= sent
+                self._refused += sent
         else:
             self._quick_closes = 0
             self._backoff_s = _INITIAL_BACKOFF_S
-        if not self._queue and self._intake.connections_open == 0:
+        if run_ended:
             # The ranks are gone and everything was forwarded: the aggregator closing
             # now is the run's end (it finalizes once every rank finished). Nothing to
             # say; a frame that still comes connects again.

@@ -134,8 +134,11 @@ def test_an_aggregator_refusing_the_relays_token_is_said_once_not_at_each_try() 
         time.sleep(1.5)
         sender.close(1.0)
     finally:
-        relay.stop(0.5)
+        stats = relay.stop(0.5)
         server.stop()
+    # What went out on the refused connections is not called forwarded.
+    assert stats.refused_frames >= 1
+    assert stats.forwarded_frames < stats.refused_frames
     told = [line for line in lines if "closed as soon as they open" in line]
     assert len(told) == 1, lines
     assert "TRACEML_RUN_TOKEN" in told[0]
