@@ -442,8 +442,12 @@ class Aggregator:
             expected = self.expected_world_size or len(self._seen_ranks)
             finished = tuple(sorted(r for r in self._finished_ranks if r < expected))
             missing = tuple(r for r in range(expected) if r not in self._finished_ranks)
+        relayed = self._server.relayed_ranks if self._server is not None else frozenset()
         ranks = RankOutcome(
-            expected_world_size=max(expected, 1), finished_ranks=finished, missing_ranks=missing
+            expected_world_size=max(expected, 1),
+            finished_ranks=finished,
+            missing_ranks=missing,
+            relayed_missing_ranks=tuple(r for r in missing if r in relayed),
         )
         if self._monitoring is not None:
             self._monitoring_loss = self._close_monitoring(self._monitoring, stats, ranks)

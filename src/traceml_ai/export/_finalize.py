@@ -87,6 +87,10 @@ class RankOutcome:
     expected_world_size: int
     finished_ranks: tuple[int, ...] = attrs.field(converter=_rank_tuple)
     missing_ranks: tuple[int, ...] = attrs.field(converter=_rank_tuple, validator=_check_ranks)
+    relayed_missing_ranks: tuple[int, ...] = attrs.field(default=(), converter=_rank_tuple)
+    """The missing ranks that sent through a node's relay: its connection ended before
+    they finished, so the relay may have failed rather than the ranks (said so in the
+    message)."""
 
     @property
     def lost(self) -> bool:
@@ -122,9 +126,21 @@ def _export_clause(loss: ExportLoss) -> str:
 def _rank_clause(ranks: RankOutcome, reason: RankReason) -> str:
     missing = ", ".join(str(r) for r in ranks.missing_ranks)
     how = "before the timeout" if reason == "timeout" else "(disconnected)"
+    relayed = [r for r in ranks.relayed_missing_ranks if r in set(ranks.missing_ranks)]
+    through = ""
+    if relayed and reason != "timeout":
+        which = (
+            "all of them"
+            if len(relayed) == len(ranks.missing_ranks)
+            else f"rank{'s' if len(relayed) != 1 else ''} {', '.join(map(str, relayed))}"
+        )
+        through = (
+            f" ({which} sent through a node's relay, whose connection ended before they "
+            "finished: the relay may have stopped, not the ranks)"
+        )
     return (
         f"{len(ranks.missing_ranks)} of {ranks.expected_world_size} ranks did not finish "
-        f"{how}: missing rank{'s' if len(ranks.missing_ranks) != 1 else ''} {missing}"
+        f"{how}: missing rank{'s' if len(ranks.missing_ranks) != 1 else ''} {missing}{through}"
     )
 
 

@@ -640,6 +640,7 @@ class AggregatorServer:
 
         # Written on the loop thread only.
         self._accepted_batches = 0
+        self._relayed_ranks: set[int] = set()
         self._finished_messages = 0
         self._rejected_frames = 0
         self._rejected_by_reason: dict[str, int] = {}
@@ -658,6 +659,11 @@ class AggregatorServer:
     def accepted_batches(self) -> int:
         """Valid ``batch`` frames handed to ``on_batch``."""
         return self._accepted_batches
+
+    @property
+    def relayed_ranks(self) -> frozenset[int]:
+        """Ranks whose batches came through a relay's connection."""
+        return frozenset(self._relayed_ranks)
 
     @property
     def finished_messages(self) -> int:
@@ -873,6 +879,7 @@ class AggregatorServer:
         rank, message = self._read_frame(body)
         if rank is not None:
             self._accepted_batches += 1
+            self._relayed_ranks.add(rank)
             tally = self._gate.batches_by_rank
             tally[rank] = tally.get(rank, 0) + 1
             item = body if message is None else message

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
+from traceml_ai.launch import _relay_process as relay_process
 from traceml_ai.launch._relay_process import RelayProcess
 from traceml_ai.settings import ExportSettings
 
@@ -181,3 +182,52 @@ def test_an_aggregator_restarted_mid_run_gets_the_rest_through_the_relay(tmp_pat
     assert len(keys) == len(set(keys))
     for rank, (sent, _) in enumerate(counts):
         assert received_first.get(rank, 0) + received.get(rank, 0) <= sent
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_gone_for_good_is_named_in_the_warning_not_only_its_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed past its restarts, the node's relay stays gone: its ranks cannot finish. The
+    warning names them missing and says they sent through a relay whose connection
+    ended first, rather than only blaming the ranks."""
+    monkeypatch.setattr(relay_process, "MAX_RESTARTS", 0)
+    aggregator = Aggregator(
+        AggregatorConfig(
+            run_dir=tmp_path / "run",
+            settings=ExportSettings("jsonl", "step_time", False),
+            token=TOKEN,
+            expected_world_size=RANKS,
+            finalize_timeout_sec=2.0,
+        )
+    )
+    host, port = aggregator.start()
+    relay = RelayProcess(f"{host}:{port}", TOKEN, 5.0)
+    started = relay.start()
+    assert isinstance(started, int), started
+    relay.watch()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), "127.0.0.1", str(started), str(RANKS), TOKEN],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(RANKS)
+    ]
+    time.sleep(1.0)
+    first = relay._proc
+    assert first is not None
+    os.kill(first.pid, signal.SIGKILL)
+    outputs = [proc.communicate(timeout=60) for proc in ranks]
+    relay.stop()
+    result = aggregator.finalize()
+    for proc, (_, err) in zip(ranks, outputs, strict=True):
+        assert proc.returncode == 0, err.decode()
+        assert b"Traceback" not in err
+    assert result.ranks.missing_ranks == tuple(range(RANKS))
+    assert result.ranks.relayed_missing_ranks == tuple(range(RANKS))
+    warning = orjson.loads((tmp_path / "run" / "finalization_warning.json").read_bytes())
+    assert warning["reason"] == "ranks_disconnected"
+    assert "all of them sent through a node's relay" in warning["message"], warning
