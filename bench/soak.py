@@ -11,8 +11,12 @@ garbage at that port (127.0.0.1 only, bounded in rate and in connections):
 - a valid frame with the run's wire format but a wrong token, cut short;
 - a frame header that announces more (or fewer) bytes than follow, then close;
 - a header that announces a huge frame, then nothing;
+- an HTTP request; 100 kB of zero bytes (25,000 empty frame headers); a whole batch
+  frame with a wrong token;
 - a connect-and-hang: a connection that sends nothing and stays open until the run
   ends.
+
+(``Garbage`` is also the flood of ``tests/traceml_ai/transport/test_hostile_traffic.py``.)
 
 After each run it checks: exit status 0, no ``Traceback`` in the output, a cleanly
 closed ``step_time.jsonl`` (closing line last, ``written_records`` equal to its data
@@ -72,7 +76,18 @@ sys.argv = [train, *sys.argv[4:]]
 runpy.run_path(train, run_name="__main__")
 """
 
-KINDS = ("random", "truncated", "wrong_length", "huge_length", "hang")
+KINDS = (
+    "random",
+    "truncated",
+    "wrong_length",
+    "huge_length",
+    "http",
+    "zeros",
+    "wrong_token",
+    "hang",
+)
+_HTTP = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: curl/8\r\n\r\n"
+_ZEROS = bytes(100 * 1024)
 
 
 def _identity(rank: int) -> dict[str, object]:
@@ -104,18 +119,37 @@ def garbage(kind: str, rng: random.Random) -> bytes | None:
         return FRAME_HEADER.pack(max(0, announced)) + body
     if kind == "huge_length":
         return FRAME_HEADER.pack(rng.randrange(1 << 24, 1 << 32))
+    if kind == "http":
+        return _HTTP
+    if kind == "zeros":
+        return _ZEROS
+    if kind == "wrong_token":
+        return encode_frame(
+            make_batch_message("not-the-run-token", _identity(0), "step_time", [{"seq": 1}])
+        )
     return None
 
 
 class Garbage:
     """Garbage connections to one loopback port from ``threads`` threads, ``rate`` a
-    second in all, until :meth:`stop` (at most ``max_connections``)."""
+    second in all, until :meth:`stop`, ``max_seconds`` or ``max_connections``."""
 
-    def __init__(self, port: int, *, rate: float, threads: int, seed: int) -> None:
+    def __init__(
+        self,
+        port: int,
+        *,
+        rate: float,
+        threads: int,
+        seed: int,
+        max_connections: int = 20_000,
+        max_seconds: float = float("inf"),
+    ) -> None:
         self.port = port
         self.connections = 0
         self.by_kind: dict[str, int] = {kind: 0 for kind in KINDS}
-        self.max_connections = 20_000
+        self.max_connections = max_connections
+        self.started = self.ended = time.monotonic()
+        self._deadline = self.started + max_seconds
         self._interval = threads / rate
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -132,6 +166,11 @@ class Garbage:
         self._stop.set()
         for thread in self._threads:
             thread.join(30)
+        self.ended = time.monotonic()
+
+    def per_second(self) -> float:
+        """Connections a second, from the start to :meth:`stop`."""
+        return self.connections / max(self.ended - self.started, 1e-3)
 
     def _claim(self, kind: str) -> bool:
         with self._lock:
@@ -146,7 +185,7 @@ class Garbage:
         hanging: list[socket.socket] = []
         due = time.monotonic()
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and time.monotonic() < self._deadline:
                 due += self._interval
                 self._stop.wait(max(0.0, due - time.monotonic()))
                 kind = rng.choice(KINDS)
@@ -156,6 +195,7 @@ class Garbage:
                 try:
                     sock = socket.create_connection((LOOPBACK, self.port), timeout=1.0)
                 except OSError:
+                    time.sleep(0.01)
                     continue
                 if payload is None:
                     hanging.append(sock)

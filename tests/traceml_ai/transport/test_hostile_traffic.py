@@ -10,7 +10,6 @@ targets 127.0.0.1 only and is bounded in time and in connections.
 from __future__ import annotations
 
 import contextlib
-import random
 import socket
 import subprocess
 import textwrap
@@ -23,6 +22,7 @@ from typing import Any
 import orjson
 import pytest
 
+from bench.soak import Garbage
 from tests.e2e_helpers import (
     TRAIN,
     clean_env,
@@ -330,97 +330,6 @@ def test_token_is_not_guessable_byte_by_byte(served: tuple[AggregatorServer, Rec
 # ---- a flood during a real run ----------------------------------------------------------
 
 
-class Flood:
-    """Garbage connections at ``rate`` per second to one loopback port, bounded.
-
-    A few threads each open a connection, send one kind of garbage (or nothing: a
-    half-open connection kept for a while) and close it, until ``max_seconds`` pass,
-    ``max_connections`` were opened, or ``join`` is called.
-    """
-
-    def __init__(
-        self, port: int, *, rate: float, max_seconds: float, max_connections: int, threads: int
-    ) -> None:
-        self.port = port
-        self.max_connections = max_connections
-        self.connections = 0
-        self.started = time.monotonic()
-        self.ended = self.started
-        self._interval = threads / rate
-        self._deadline = time.monotonic() + max_seconds
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._run, args=(seed,), name=f"flood-{seed}", daemon=True)
-            for seed in range(threads)
-        ]
-
-    def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
-
-    def join(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(30)
-        self.ended = time.monotonic()
-
-    def per_second(self) -> float:
-        return self.connections / max(self.ended - self.started, 1e-3)
-
-    @staticmethod
-    def _payload(rng: random.Random) -> bytes | None:
-        kind = rng.randrange(7)
-        if kind == 0:
-            return rng.randbytes(rng.randrange(1, 4_000))
-        if kind == 1:
-            return HTTP
-        if kind == 2:
-            return ZEROS
-        if kind == 3:
-            return FRAME_HEADER.pack(rng.randrange(1 << 32)) + rng.randbytes(64)
-        if kind == 4:
-            return FRAME_HEADER.pack(rng.randrange(2_000)) + rng.randbytes(rng.randrange(2_000))
-        if kind == 5:
-            return batch_frame(token="not-the-run-token")
-        return None  # half-open: connect and never send
-
-    def _claim(self) -> bool:
-        with self._lock:
-            if self.connections >= self.max_connections:
-                return False
-            self.connections += 1
-            return True
-
-    def _run(self, seed: int) -> None:
-        rng = random.Random(seed)
-        half_open: list[socket.socket] = []
-        due = time.monotonic()
-        try:
-            while not self._stop.is_set() and time.monotonic() < self._deadline:
-                due += self._interval
-                self._stop.wait(max(0.0, due - time.monotonic()))
-                if not self._claim():
-                    return
-                payload = self._payload(rng)
-                try:
-                    sock = socket.create_connection((LOOPBACK, self.port), timeout=1.0)
-                except OSError:
-                    time.sleep(0.01)
-                    continue
-                if payload is None:
-                    half_open.append(sock)
-                    if len(half_open) > 100:
-                        half_open.pop(0).close()
-                    continue
-                with contextlib.suppress(OSError):
-                    sock.sendall(payload)
-                sock.close()
-        finally:
-            for sock in half_open:
-                sock.close()
-
-
 _RANK_SCRIPT = """
 import os, pathlib, runpy, sys, time
 addr_file, go_file, train = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -474,7 +383,7 @@ def test_flood_during_a_two_rank_run_loses_nothing(tmp_path: Path) -> None:
         stdin=subprocess.DEVNULL,
         text=True,
     )
-    flood: Flood | None = None
+    flood: Garbage | None = None
     try:
         end = time.monotonic() + 60
         while not addr_file.exists():
@@ -484,14 +393,16 @@ def test_flood_during_a_two_rank_run_loses_nothing(tmp_path: Path) -> None:
         host, port = addr_file.read_text().rsplit(":", 1)
         assert host == LOOPBACK
         # ~400 connections a second (15,000 at most, well inside the ephemeral ports).
-        flood = Flood(int(port), rate=400, max_seconds=40, max_connections=15_000, threads=4)
+        flood = Garbage(
+            int(port), rate=400, threads=4, seed=0, max_seconds=40, max_connections=15_000
+        )
         flood.start()
         time.sleep(1.0)  # the flood is on before training starts
         go_file.write_text("go")
         out, err = proc.communicate(timeout=120)
     finally:
         if flood is not None:
-            flood.join()
+            flood.stop()
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
