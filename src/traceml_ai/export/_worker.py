@@ -48,13 +48,14 @@ __all__ = [
 
 _log = logging.getLogger("traceml_ai.export")
 
-DEFAULT_MAX_QUEUE_BATCHES = 65_536
-"""Bounds the per-batch overhead (about 100 bytes each beyond ``nbytes``: ~6.5 MB at most).
+DEFAULT_MAX_QUEUE_BATCHES = 262_144
+"""Bounds the per-batch overhead (about 170 bytes each beyond ``nbytes``: ~45 MB at most).
 
-The byte bound is the one that bounds memory; the batch bound is set well above what a
-stall fills: a thousand ranks at 10 steps/s send about 8,700 batches a second, so a
-bound of 10,000 would drop batches after a 1.2 s stall of the worker while the queue
-held 14 MiB of its 64 MiB.
+The byte bound is the one that bounds memory, at any job size: this one only binds for
+batches under 256 bytes on average (the smallest a rank sends, one step_memory item, is
+about 400). A large job sends small batches: at 1 step/s each of 10,240 ranks sends one
+item per batch, about 37,000 batches a second, so a bound of 65,536 dropped batches after
+a 1.8 s stall of the worker while the queue held 43 MiB of its 64 MiB.
 """
 DEFAULT_MAX_QUEUE_BYTES = 64 * 1024 * 1024
 
