@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import heapq
 import pickle
+import re
 import resource
 import selectors
 import socket
@@ -14,7 +15,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from traceml_ai.transport.wire import encode_frame, make_batch_message, make_finished_message
+import orjson
+
+from traceml_ai.transport.wire import (
+    FRAME_HEADER,
+    encode_frame,
+    make_batch_message,
+    make_finished_message,
+)
 
 from .items import (
     LoadSpec,
@@ -26,6 +34,14 @@ from .items import (
 )
 
 # -- generator processes ----------------------------------------------------------------
+
+# A one-item batch's varying numbers, written in its template as these sentinels: the
+# timestamp, the seq k, the step k + 1 and step_memory's peak 20e9 + k.
+_SENT = (9_100_000_001, 9_100_000_000_000_000_001)  # (k, ts) as _item takes them
+_SENTINELS = re.compile(rb"(9100000000000000001|29100000001|9100000001|9100000002)")
+_SLOT_OF = {b"9100000000000000001": 0, b"9100000001": 1, b"9100000002": 2, b"29100000001": 3}
+Template = tuple[bytes, tuple[int, ...]]
+"""A one-item batch body as a ``%d`` format, and which number goes in each slot."""
 
 
 class _Log:
@@ -56,6 +72,7 @@ class _Rank:
         "rank",
         "sent_batches",
         "sock",
+        "templates",
     )
 
     def __init__(self, spec: LoadSpec, rank: int, sock: socket.socket) -> None:
@@ -74,6 +91,7 @@ class _Rank:
         self.dropped_batches = 0
         self.dropped_by_stream: dict[str, int] = {}
         self.logs = {stream: _Log() for stream in spec.wire_streams}
+        self.templates: dict[str, Template | tuple[()]] = {}
 
 
 class _Generator:
@@ -143,30 +161,9 @@ class _Generator:
         a = r.next_step
         if steps > a:
             r.next_step = steps
-            if "step_time" in streams:
-                ev = r.events
-                items = [
-                    {"timestamp_unix_ns": ts, "seq": k, "step": k + 1, "events": ev}
-                    for k in range(a, steps)
-                ]
-                self._batch(r, "step_time", a, items)
-            if "step_memory" in streams:
-                dev = r.device
-                items = [
-                    {
-                        "timestamp_unix_ns": ts,
-                        "seq": k,
-                        "step": k + 1,
-                        "device": dev,
-                        "peak_allocated_bytes": 20_000_000_000 + k,
-                        "peak_reserved_bytes": 24_000_000_000,
-                    }
-                    for k in range(a, steps)
-                ]
-                self._batch(r, "step_memory", a, items)
-            if "collectives" in streams:
-                items = [collectives_item(k, ts) for k in range(a, steps)]
-                self._batch(r, "collectives", a, items)
+            for stream in ("step_time", "step_memory", "collectives"):
+                if stream in streams:
+                    self._items(r, stream, a, steps, ts)
         samples = (
             spec.total_samples
             if final
@@ -174,20 +171,75 @@ class _Generator:
         )
         if "process" in streams and samples > r.next_proc:
             a, r.next_proc = r.next_proc, samples
-            items = [process_item(k, ts, r.local_rank) for k in range(a, samples)]
-            self._batch(r, "process", a, items)
+            self._items(r, "process", a, samples, ts)
         if "system" in streams and r.local_rank == 0 and samples > r.next_sys:
             a, r.next_sys = r.next_sys, samples
-            items = [system_item(k, ts, spec.gpus) for k in range(a, samples)]
-            self._batch(r, "system", a, items)
+            self._items(r, "system", a, samples, ts)
         self._send(r)
+
+    def _item(self, r: _Rank, stream: str, k: int, ts: int) -> dict[str, Any]:
+        """Item ``k`` of ``stream`` as the rank sends it."""
+        if stream == "step_time":
+            return {"timestamp_unix_ns": ts, "seq": k, "step": k + 1, "events": r.events}
+        if stream == "step_memory":
+            return {
+                "timestamp_unix_ns": ts,
+                "seq": k,
+                "step": k + 1,
+                "device": r.device,
+                "peak_allocated_bytes": 20_000_000_000 + k,
+                "peak_reserved_bytes": 24_000_000_000,
+            }
+        if stream == "collectives":
+            return collectives_item(k, ts)
+        if stream == "process":
+            return process_item(k, ts, r.local_rank)
+        return system_item(k, ts, self.spec.gpus)
+
+    def _items(self, r: _Rank, stream: str, a: int, b: int, ts: int) -> None:
+        """The batch of items ``a`` to ``b - 1``; a one-item batch from the rank's
+        template of the stream (the same bytes, without a dict and an orjson call)."""
+        if b - a == 1:
+            template = r.templates.get(stream)
+            if template is None:
+                template = r.templates[stream] = self._template(r, stream)
+            if template:
+                fmt, slots = template
+                numbers = (ts, a, a + 1, 20_000_000_000 + a)
+                body = fmt % tuple(numbers[slot] for slot in slots)
+                self._queue(r, stream, a, 1, FRAME_HEADER.pack(len(body)) + body)
+                return
+        self._batch(r, stream, a, [self._item(r, stream, k, ts) for k in range(a, b)])
+
+    def _template(self, r: _Rank, stream: str) -> Template | tuple[()]:
+        """The rank's one-item batch body of ``stream`` as a ``%d`` format (one slot per
+        place of the timestamp, the seq, the step and the memory peak), or nothing when
+        rendering it would not give orjson's bytes (checked once here): ``()`` then."""
+        body = orjson.dumps(
+            make_batch_message(self.token, r.identity, stream, [self._item(r, stream, *_SENT)])
+        )
+        pieces = _SENTINELS.split(body)
+        fmt = pieces[0].replace(b"%", b"%%")
+        slots = []
+        for found, rest in zip(pieces[1::2], pieces[2::2], strict=True):
+            slots.append(_SLOT_OF[found])
+            fmt += b"%d" + rest.replace(b"%", b"%%")
+        k, ts = 5, 1_700_000_000_123_456_789
+        real = orjson.dumps(
+            make_batch_message(self.token, r.identity, stream, [self._item(r, stream, k, ts)])
+        )
+        rendered = fmt % tuple((ts, k, k + 1, 20_000_000_000 + k)[slot] for slot in slots)
+        return (fmt, tuple(slots)) if rendered == real else ()
 
     def _batch(self, r: _Rank, stream: str, first: int, items: list[dict[str, Any]]) -> None:
         frame = encode_frame(make_batch_message(self.token, r.identity, stream, items))
+        self._queue(r, stream, first, len(items), frame)
+
+    def _queue(self, r: _Rank, stream: str, first: int, n: int, frame: bytes) -> None:
         log = r.logs[stream]
         log.starts.append(first)
-        log.sizes.append(len(items))
-        self.items += len(items)
+        log.sizes.append(n)
+        self.items += n
         if len(r.pending) + len(frame) > self.spec.sender_buffer_bytes:
             log.dropped.append(1)
             r.dropped_batches += 1
