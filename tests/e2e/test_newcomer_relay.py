@@ -71,23 +71,7 @@ def test_a_relay_whose_aggregator_never_answers_says_so_and_what_it_dropped(
     tmp_path: Path,
 ) -> None:
     upstream, port = free_port(), free_port()
-    relay = subprocess.Popen(
-        traceml_cmd(
-            "serve",
-            "--relay",
-            f"127.0.0.1:{upstream}",
-            "--aggregator-port",
-            str(port),
-            "--finalize-timeout-sec",
-            "1",
-        ),
-        cwd=tmp_path,
-        env=clean_env({"TRACEML_RUN_TOKEN": TOKEN}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
+    relay = _relay_cli(tmp_path, upstream, port)
     try:
         assert relay.stdout is not None
         exported = relay.stdout.readline()
@@ -120,6 +104,27 @@ def test_a_relay_whose_aggregator_never_answers_says_so_and_what_it_dropped(
     assert "dropped" in stopped[0]
 
 
+def _relay_cli(cwd: Path, upstream: int, port: int) -> subprocess.Popen[str]:
+    """``traceml serve --relay 127.0.0.1:UPSTREAM`` listening on ``port``, token TOKEN."""
+    return subprocess.Popen(
+        traceml_cmd(
+            "serve",
+            "--relay",
+            f"127.0.0.1:{upstream}",
+            "--aggregator-port",
+            str(port),
+            "--finalize-timeout-sec",
+            "1",
+        ),
+        cwd=cwd,
+        env=clean_env({"TRACEML_RUN_TOKEN": TOKEN}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+
+
 def _read_until(
     stream: IO[str], seen: list[str], until: str = "cannot reach the aggregator"
 ) -> None:
@@ -140,23 +145,7 @@ def test_a_relay_refused_by_the_aggregator_calls_what_went_out_lost_not_forwarde
     aggregator = collector.serve()  # the test's own token, not TOKEN
     assert aggregator.address is not None
     port = free_port()
-    relay = subprocess.Popen(
-        traceml_cmd(
-            "serve",
-            "--relay",
-            f"127.0.0.1:{aggregator.address[1]}",
-            "--aggregator-port",
-            str(port),
-            "--finalize-timeout-sec",
-            "1",
-        ),
-        cwd=tmp_path,
-        env=clean_env({"TRACEML_RUN_TOKEN": TOKEN}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
+    relay = _relay_cli(tmp_path, aggregator.address[1], port)
     try:
         assert relay.stdout is not None
         assert f"127.0.0.1:{port}" in relay.stdout.readline()

@@ -48,15 +48,18 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.timeout(90)
-def test_a_relay_killed_mid_run_is_restarted_and_its_loss_counted(tmp_path: Path) -> None:
+def _relayed_run(
+    tmp_path: Path, finalize_timeout_sec: float
+) -> tuple[Aggregator, RelayProcess, list[subprocess.Popen[bytes]]]:
+    """An aggregator, a node's relay process before it (watched) and RANKS real rank
+    processes sending through it."""
     aggregator = Aggregator(
         AggregatorConfig(
             run_dir=tmp_path / "run",
             settings=ExportSettings("jsonl", "step_time", False),
             token=TOKEN,
             expected_world_size=RANKS,
-            finalize_timeout_sec=5.0,
+            finalize_timeout_sec=finalize_timeout_sec,
         )
     )
     host, port = aggregator.start()
@@ -74,6 +77,12 @@ def test_a_relay_killed_mid_run_is_restarted_and_its_loss_counted(tmp_path: Path
         )
         for rank in range(RANKS)
     ]
+    return aggregator, relay, ranks
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_killed_mid_run_is_restarted_and_its_loss_counted(tmp_path: Path) -> None:
+    aggregator, relay, ranks = _relayed_run(tmp_path, 5.0)
     time.sleep(1.0)
     first = relay._proc
     assert first is not None
@@ -192,30 +201,7 @@ def test_a_relay_gone_for_good_is_named_in_the_warning_not_only_its_ranks(
     warning names them missing and says they sent through a relay whose connection
     ended first, rather than only blaming the ranks."""
     monkeypatch.setattr(relay_process, "MAX_RESTARTS", 0)
-    aggregator = Aggregator(
-        AggregatorConfig(
-            run_dir=tmp_path / "run",
-            settings=ExportSettings("jsonl", "step_time", False),
-            token=TOKEN,
-            expected_world_size=RANKS,
-            finalize_timeout_sec=2.0,
-        )
-    )
-    host, port = aggregator.start()
-    relay = RelayProcess(f"{host}:{port}", TOKEN, 5.0)
-    started = relay.start()
-    assert isinstance(started, int), started
-    relay.watch()
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), "127.0.0.1", str(started), str(RANKS), TOKEN],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(RANKS)
-    ]
+    aggregator, relay, ranks = _relayed_run(tmp_path, 2.0)
     time.sleep(1.0)
     first = relay._proc
     assert first is not None
