@@ -19,7 +19,13 @@ the device), the step's end and sequence spliced in as the step_time line's.
     size = write_step_time(path, 1_000_000)  # 64 ranks, 6 built-in + 2 user phases
     write_step_time(path, 1_000_000, collectives=path.with_name("collectives.jsonl"))
 
+``write_process`` writes the sampler streams of a run: process.jsonl (one line per
+rank every 2 s, the rate of the default sampler), and for each of those snapshots
+system.jsonl (one line per node) and system_gpu.jsonl (one line per GPU of each node);
+1,024 ranks write about 1.8 million process lines an hour.
+
     python -m bench.bigfile OUT.jsonl [--lines N] [--world 64] [--collectives FILE]
+        [--process N]   (N process lines, and their system files, beside OUT.jsonl)
 """
 
 from __future__ import annotations
@@ -32,7 +38,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from traceml_records import ClosingLine, PhaseTiming, StepTimeRecord, dumps_line
-from traceml_records._generated.records import CollectivesRecord
+from traceml_records._generated.records import (
+    CollectivesRecord,
+    ProcessRecord,
+    SystemGpuRecord,
+    SystemRecord,
+)
 
 _P = "_traceml_internal:"
 
@@ -259,6 +270,165 @@ def write_step_time(
     return written
 
 
+_SAMPLE_NS = 2_000_000_000  # one sampler snapshot every 2 s
+_CPU_SENTINEL, _HOST_SENTINEL = 7_555.555_5, 55.555_51
+_GPU_SENTINELS = (66.666_51, 61.123_4, 612.345_6)
+
+
+def _cut(line: bytes, sentinels: Sequence[object]) -> list[bytes]:
+    """``line`` cut at each sentinel, in order (the pieces between them)."""
+    parts: list[bytes] = []
+    for sentinel in sentinels:
+        before, line = line.split(str(sentinel).encode())
+        parts.append(before)
+    parts.append(line)
+    return parts
+
+
+def write_process(
+    folder: Path,
+    lines: int,
+    *,
+    world: int = 1024,
+    ranks_per_node: int = 8,
+    seed: int = 0,
+) -> dict[str, int]:
+    """Write ``lines`` process lines of a ``world``-rank run into ``folder`` (snapshot
+    after snapshot, every rank in each), and the system and system_gpu lines of as many
+    snapshots (one per node, one per GPU: ``ranks_per_node`` GPUs a node), each file
+    with its closing line. Returns each file's line count."""
+    if world % ranks_per_node:
+        raise ValueError(f"world {world} is not a multiple of ranks_per_node {ranks_per_node}")
+    rnd = random.Random(seed)
+    nodes = world // ranks_per_node
+    ident = (_SENTINELS[0], _SENTINELS[1], _SENTINELS[2])
+
+    def identity(rank: int) -> dict[str, object]:
+        return {
+            "observed_timestamp_unix_ns": _SENTINELS[0],
+            "rank": rank,
+            "global_rank": rank,
+            "local_rank": rank % ranks_per_node,
+            "world_size": world,
+            "local_world_size": ranks_per_node,
+            "node_rank": rank // ranks_per_node,
+            "hostname": f"node-{rank // ranks_per_node:03d}",
+            "timestamp_unix_ns": _SENTINELS[1],
+            "seq": _SENTINELS[2],
+        }
+
+    process = [
+        _cut(
+            dumps_line(
+                ProcessRecord(
+                    **identity(rank),  # type: ignore[arg-type]
+                    pid=10_000 + rank,
+                    cpu_percent=_CPU_SENTINEL,
+                    cpu_logical_cores=96,
+                    ram_used_bytes=_SENTINELS[3],
+                    ram_total_bytes=2 << 40,
+                    gpu_available=True,
+                    gpu_count=ranks_per_node,
+                    gpu_device_index=rank % ranks_per_node,
+                    gpu_memory_used_bytes=_SENTINELS[3] + 2,
+                    gpu_memory_reserved_bytes=_SENTINELS[3] + 4,
+                    gpu_memory_total_bytes=80 << 30,
+                )
+            ),
+            (*ident, _CPU_SENTINEL, _SENTINELS[3], _SENTINELS[3] + 2, _SENTINELS[3] + 4),
+        )
+        for rank in range(world)
+    ]
+    system = [
+        _cut(
+            dumps_line(
+                SystemRecord(
+                    **identity(node * ranks_per_node),  # type: ignore[arg-type]
+                    cpu_percent=_HOST_SENTINEL,
+                    ram_used_bytes=_SENTINELS[3],
+                    ram_total_bytes=2 << 40,
+                    gpu_available=True,
+                    gpu_count=ranks_per_node,
+                )
+            ),
+            (*ident, _HOST_SENTINEL, _SENTINELS[3]),
+        )
+        for node in range(nodes)
+    ]
+    gpus = [
+        [
+            _cut(
+                dumps_line(
+                    SystemGpuRecord(
+                        **identity(node * ranks_per_node),  # type: ignore[arg-type]
+                        gpu_index=index,
+                        utilization_percent=_GPU_SENTINELS[0],
+                        memory_used_bytes=_SENTINELS[3],
+                        memory_total_bytes=80 << 30,
+                        temperature_c=_GPU_SENTINELS[1],
+                        power_usage_w=_GPU_SENTINELS[2],
+                        power_limit_w=700.0,
+                    )
+                ),
+                (*ident, _GPU_SENTINELS[0], _SENTINELS[3], *_GPU_SENTINELS[1:]),
+            )
+            for index in range(ranks_per_node)
+        ]
+        for node in range(nodes)
+    ]
+    pool = 4099  # values in a prime cycle, so they never line up with the ranks
+    cpu = [f"{rnd.uniform(20.0, 400.0):.1f}".encode() for _ in range(pool)]
+    pct = [f"{rnd.uniform(0.0, 100.0):.1f}".encode() for _ in range(pool)]
+    ram = [str(rnd.randrange(4 << 30, 64 << 30)).encode() for _ in range(pool)]
+    gpu_mem = [str(rnd.randrange(8 << 30, 80 << 30)).encode() for _ in range(pool)]
+    temp = [f"{rnd.uniform(35.0, 85.0):.1f}".encode() for _ in range(pool)]
+    power = [f"{rnd.uniform(80.0, 700.0):.2f}".encode() for _ in range(pool)]
+    t0 = 1_796_073_447_453_688_073
+    counts = {"process": 0, "system": 0, "system_gpu": 0}
+    names = ("process", "system", "system_gpu")
+    files = [open(folder / f"{name}.jsonl", "wb") for name in names]  # noqa: SIM115
+    outs: list[list[bytes]] = [[], [], []]
+    i = 0
+    try:
+        for snap in range((lines + world - 1) // world):
+            seq = str(snap).encode()
+            out, sys_out, gpu_out = outs
+            for rank in range(min(world, lines - snap * world)):
+                ts = str(t0 + snap * _SAMPLE_NS + rank * 37_011).encode()
+                observed = str(t0 + snap * _SAMPLE_NS + rank * 37_011 + 90_000).encode()
+                p0, p1, p2, p3, p4, p5, p6, p7 = process[rank]
+                k = i % pool
+                out += (p0, observed, p1, ts, p2, seq, p3, cpu[k], p4, ram[k], p5)
+                out += (gpu_mem[k], p6, gpu_mem[(k + 7) % pool], p7)
+                i += 1
+            counts["process"] += min(world, lines - snap * world)
+            for node in range(nodes):
+                ts = str(t0 + snap * _SAMPLE_NS + node * 8_001).encode()
+                observed = str(t0 + snap * _SAMPLE_NS + node * 8_001 + 90_000).encode()
+                k = (i + node) % pool
+                s0, s1, s2, s3, s4, s5 = system[node]
+                sys_out += (s0, observed, s1, ts, s2, seq, s3, pct[k], s4, ram[k], s5)
+                for index in range(ranks_per_node):
+                    g0, g1, g2, g3, g4, g5, g6, g7 = gpus[node][index]
+                    k = (i + node * ranks_per_node + index) % pool
+                    gpu_out += (g0, observed, g1, ts, g2, seq, g3, pct[k], g4, gpu_mem[k])
+                    gpu_out += (g5, temp[k], g6, power[k], g7)
+            counts["system"] += nodes
+            counts["system_gpu"] += nodes * ranks_per_node
+            for fh, pending in zip(files, outs, strict=True):
+                if len(pending) > 100_000:
+                    fh.write(b"".join(pending))
+                    pending.clear()
+        for name, fh, pending in zip(names, files, outs, strict=True):
+            closing = ClosingLine(stream=name, written_records=counts[name], dropped_batches=0)
+            pending.append(dumps_line(closing))
+            fh.write(b"".join(pending))
+    finally:
+        for fh in files:
+            fh.close()
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path)
@@ -267,7 +437,18 @@ def main() -> None:
     parser.add_argument(
         "--collectives", type=Path, default=None, help="also write this collectives file"
     )
+    parser.add_argument(
+        "--process",
+        type=int,
+        default=0,
+        help="also write this many process lines (and their system files) beside the file",
+    )
     args = parser.parse_args()
+    if args.process:
+        start = time.perf_counter()
+        counts = write_process(args.path.parent, args.process, world=args.world)
+        shown = ", ".join(f"{n:,} {name}" for name, n in counts.items())
+        print(f"wrote {shown} lines in {time.perf_counter() - start:.1f} s")
     start = time.perf_counter()
     size = write_step_time(args.path, args.lines, world=args.world, collectives=args.collectives)
     took = time.perf_counter() - start

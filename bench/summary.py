@@ -9,6 +9,11 @@ With ``--collectives``, the run also has a collectives file: one line per step l
 (``bench.bigfile``: DDP's all-reduce in backward, the wait measured), which the summary
 joins to the steps (the follow figures stay those of step_time alone).
 
+With ``--process N``, the run also has the sampler files (``bench.bigfile``'s
+``write_process``): N process lines (one per rank every 2 s), and the system and
+system_gpu lines of as many snapshots (one per node, one per GPU); the summary reads
+them too (the follow figures stay those of step_time alone).
+
 * ``parse``: reading the file in blocks and ``orjson.loads`` on every line, nothing
   else: the floor any reader of JSON lines pays;
 * ``summary``: ``summarize_run`` on the run folder (what ``traceml summary`` prints:
@@ -19,7 +24,7 @@ joins to the steps (the follow figures stay those of step_time alone).
   (the reader, the page data and the page's JSON).
 
     python -m bench.summary [--lines 1000000] [--ranks 64] [--append 640] [--keep FOLDER]
-        [--no-follow] [--collectives]
+        [--no-follow] [--collectives] [--process N]
 
 Prints figures, never pass/fail; the last line is machine-readable:
 ``summary_vs_parse=<x> summary_rss_mb_per_million=<m> follow_refresh_s=<t>
@@ -43,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.bigfile import write_step_time
+from bench.bigfile import write_process, write_step_time
 
 _EXPORT = Path("aggregator") / "export" / "step_time.jsonl"
 _COLLECTIVES = _EXPORT.with_name("collectives.jsonl")
@@ -162,10 +167,24 @@ def _run(kind: str, *paths: Path) -> dict[str, Any]:
 
 
 def _prepare(
-    folder: Path, lines: int, append: int, grow: bool, ranks: int, collectives: bool
+    folder: Path,
+    lines: int,
+    append: int,
+    grow: bool,
+    ranks: int,
+    collectives: bool,
+    process: int = 0,
 ) -> tuple[Path, Path, Path]:
     """(whole run, growing run, the lines to append), written unless already there."""
     whole = folder / ("whole-collectives" if collectives else "whole")
+    if process:
+        whole = whole.with_name(f"{whole.name}-process-{process}")
+        if not (whole / _EXPORT.with_name("process.jsonl")).exists():
+            (whole / _EXPORT).parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            counts = write_process((whole / _EXPORT).parent, process, world=ranks)
+            shown = ", ".join(f"{n:,} {name}" for name, n in counts.items())
+            print(f"wrote {shown} lines in {time.perf_counter() - t0:.1f} s", flush=True)
     growing = folder / "growing"
     more = folder / "more.jsonl"
     if not (whole / _EXPORT).exists():
@@ -222,18 +241,34 @@ def main() -> None:
         action="store_true",
         help="the run has a collectives file too (one line per step line)",
     )
+    ap.add_argument(
+        "--process",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the run has N process lines too, and their system and system_gpu lines",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         whole, growing, more = _prepare(
-            folder, args.lines, args.append, not args.no_follow, args.ranks, args.collectives
+            folder,
+            args.lines,
+            args.append,
+            not args.no_follow,
+            args.ranks,
+            args.collectives,
+            args.process,
         )
         size = (whole / _EXPORT).stat().st_size
         print(f"file: {size / 1e6:,.0f} MB, {args.lines:,} step_time lines ({args.ranks:,} ranks)")
         if args.collectives:
             size = (whole / _COLLECTIVES).stat().st_size
             print(f"file: {size / 1e6:,.0f} MB, {args.lines:,} collectives lines")
+        for name in ("process", "system", "system_gpu") if args.process else ():
+            size = (whole / _EXPORT.with_name(f"{name}.jsonl")).stat().st_size
+            print(f"file: {size / 1e6:,.0f} MB of {name} lines")
         idle = _run("idle")
         parse = _run("parse", whole / _EXPORT)
         summary = _run("summary", whole)

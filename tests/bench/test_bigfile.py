@@ -34,3 +34,26 @@ def test_the_file_is_a_valid_export_of_every_rank(tmp_path: Path) -> None:
 
     closing = orjson.loads(path.read_bytes().splitlines()[-1])
     assert closing["closing"] is True and closing["written_records"] == lines
+
+
+def test_the_sampler_files_are_a_valid_export_of_every_rank_node_and_gpu(tmp_path: Path) -> None:
+    from bench.bigfile import write_process
+    from traceml_records._generated.records import ProcessRecord, SystemGpuRecord, SystemRecord
+
+    lines = 32 * 5 + 7  # five whole snapshots of 32 ranks and a partial one
+    counts = write_process(tmp_path, lines, world=32, ranks_per_node=8)
+    assert counts == {"process": lines, "system": 6 * 4, "system_gpu": 6 * 4 * 8}
+    paths = [tmp_path / f"{name}.jsonl" for name in counts]
+    report = validate_paths(paths)
+    assert report.ok, report.problems[:3]
+    process = [r for r in read_jsonl(paths[0]) if isinstance(r, ProcessRecord)]
+    system = [r for r in read_jsonl(paths[1]) if isinstance(r, SystemRecord)]
+    gpus = [r for r in read_jsonl(paths[2]) if isinstance(r, SystemGpuRecord)]
+    assert Counter(r.global_rank for r in process) == {r: 6 if r < 7 else 5 for r in range(32)}
+    assert {(r.node_rank, r.seq) for r in system} == {(n, s) for n in range(4) for s in range(6)}
+    assert {(r.node_rank, r.gpu_index) for r in gpus} == {
+        (n, i) for n in range(4) for i in range(8)
+    }
+    # the figures vary from line to line
+    assert len({r.cpu_percent for r in process}) > lines // 2
+    assert len({r.power_usage_w for r in gpus}) > len(gpus) // 2

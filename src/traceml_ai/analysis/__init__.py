@@ -14,7 +14,9 @@ One engine behind ``traceml summary`` (text, ``--json``, ``--short``, ``--follow
 - ``_summarize``: :class:`RunReader` and :func:`summarize_run` (the files to a
   :class:`RunSummary`);
 - ``_figures``: each stream's figures, and the step figures of any step rows
-  (:func:`step_figures`); ``_loss``: what the files say about their completeness;
+  (:func:`step_figures`); ``_running``: the process, system and system_gpu figures,
+  kept as running figures per rank, node and GPU; ``_loss``: what the files say about
+  their completeness;
 - ``_causes``: the causes of a job with several parallel dimensions and their cost;
 - ``_text``: the text (:func:`format_summary`);
 - ``follow_files``: the ``--follow`` terminal view of the files as they grow; ``plot``: the ``--plot`` figure.

@@ -1,13 +1,14 @@
 """The figures of each stream of a run, from what the reader kept of its lines: step
 figures and the phase breakdown per rank (of step columns), the collectives' waits
-merged into the step columns, peak memory, process and node figures.
+merged into the step columns, peak memory (the process and node figures are
+:mod:`._running`'s).
 
 Light to import: numpy and the package's own modules (never torch, never pyarrow).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -21,17 +22,13 @@ from traceml_ai.analysis._columns import (
 )
 from traceml_ai.analysis._model import (
     DevicePeak,
-    GpuFigures,
-    NodeFigures,
     PhaseFigures,
-    ProcessFigures,
     RankSteps,
     RunSummary,
     StepFigures,
     StepRows,
 )
 from traceml_ai.analysis._phases import (
-    mean,
     percentiles,
     phase_breakdown,
     phase_names,
@@ -41,10 +38,6 @@ from traceml_ai.analysis._phases import (
 from traceml_ai.analysis._read import WaitLines
 from traceml_ai.analysis._straggler import StragglerView
 from traceml_ai.analysis._straggler import analyze as analyze_stragglers
-
-MAX_PLAUSIBLE_CORES = 8192
-"""Logical cores assumed when a process line does not say its host's: Linux's largest
-``NR_CPUS``, so only a ``cpu_percent`` no Linux host can reach is left out."""
 
 
 def step_figures(rows: StepRows | StepColumns) -> StepFigures:
@@ -184,125 +177,6 @@ class MemoryPeaks:
             str(r): {device: DevicePeak(**figures) for device, figures in self.peaks[r].items()}
             for r in sorted(self.peaks)
         }
-
-
-def process_figures(objs: Iterable[dict[str, Any]]) -> dict[str, ProcessFigures]:
-    """Per rank: CPU, RSS and GPU memory figures. A ``cpu_percent`` above 100 % per
-    logical core of the host cannot be (older samplers wrote such values): it is left
-    out of the figures and counted in ``cpu_percent_impossible_samples``."""
-    lines = list(objs)
-    # The host's cores: the line's own figure, else what another line of the node said.
-    node_cores: dict[Any, int] = {}
-    for obj in lines:
-        cores = obj.get("cpu_logical_cores")
-        if isinstance(cores, int):
-            node = obj.get("node_rank")
-            node_cores[node] = max(node_cores.get(node, 0), cores)
-    acc: dict[int, dict[str, Any]] = {}
-    for obj in lines:
-        rank = obj.get("global_rank")
-        if not isinstance(rank, int):
-            continue
-        a = acc.setdefault(
-            rank,
-            {"cpu": [], "ram": [], "gpu_used": [], "gpu_reserved": [], "bad": 0, "cores": None},
-        )
-        cores = obj.get("cpu_logical_cores")
-        if not isinstance(cores, int):
-            cores = node_cores.get(obj.get("node_rank"))
-        if cores is not None:
-            a["cores"] = max(a["cores"] or 0, cores)
-        cpu = obj.get("cpu_percent")
-        if isinstance(cpu, (int, float)):
-            if cpu > 100.0 * (cores or MAX_PLAUSIBLE_CORES):
-                a["bad"] += 1
-            else:
-                a["cpu"].append(float(cpu))
-        for key, field in (
-            ("ram", "ram_used_bytes"),
-            ("gpu_used", "gpu_memory_used_bytes"),
-            ("gpu_reserved", "gpu_memory_reserved_bytes"),
-        ):
-            v = obj.get(field)
-            if isinstance(v, (int, float)):
-                a[key].append(float(v))
-    out: dict[str, ProcessFigures] = {}
-    for rank in sorted(acc):
-        a = acc[rank]
-        out[str(rank)] = ProcessFigures(
-            samples=len(a["ram"]),
-            cpu_percent_mean=rounded(mean(a["cpu"]), 1) if a["cpu"] else None,
-            cpu_percent_max=rounded(max(a["cpu"]), 1) if a["cpu"] else None,
-            cpu_percent_impossible_samples=a["bad"],
-            cpu_logical_cores=a["cores"],
-            ram_used_bytes_max=int(max(a["ram"], default=0)),
-            gpu_memory_used_bytes_max=int(max(a["gpu_used"])) if a["gpu_used"] else None,
-            gpu_memory_reserved_bytes_max=(
-                int(max(a["gpu_reserved"])) if a["gpu_reserved"] else None
-            ),
-        )
-    return out
-
-
-def node_figures(
-    sys_objs: Iterable[dict[str, Any]], gpu_objs: Iterable[dict[str, Any]] | None
-) -> dict[str, NodeFigures]:
-    nodes: dict[int, dict[str, Any]] = {}
-    for obj in sys_objs:
-        node = obj.get("node_rank")
-        if not isinstance(node, int):
-            continue
-        n = nodes.setdefault(node, {"cpu": [], "ram": [], "ram_total": 0, "gpu_count": 0})
-        cpu, ram = obj.get("cpu_percent"), obj.get("ram_used_bytes")
-        if isinstance(cpu, (int, float)):
-            n["cpu"].append(float(cpu))
-        if isinstance(ram, int):
-            n["ram"].append(ram)
-        total, count = obj.get("ram_total_bytes"), obj.get("gpu_count")
-        if isinstance(total, int):
-            n["ram_total"] = max(n["ram_total"], total)
-        if isinstance(count, int):
-            n["gpu_count"] = max(n["gpu_count"], count)
-    gpus: dict[int, dict[int, dict[str, list[float]]]] = {}
-    for obj in gpu_objs or ():
-        node, index = obj.get("node_rank"), obj.get("gpu_index")
-        if not isinstance(node, int) or not isinstance(index, int):
-            continue
-        g = gpus.setdefault(node, {}).setdefault(
-            index, {"util": [], "mem": [], "mem_total": [], "temp": [], "power": []}
-        )
-        for key, field in (
-            ("util", "utilization_percent"),
-            ("mem", "memory_used_bytes"),
-            ("mem_total", "memory_total_bytes"),
-            ("temp", "temperature_c"),
-            ("power", "power_usage_w"),
-        ):
-            v = obj.get(field)
-            if isinstance(v, (int, float)):
-                g[key].append(float(v))
-    out: dict[str, NodeFigures] = {}
-    for node in sorted(set(nodes) | set(gpus)):
-        n = nodes.get(node, {"cpu": [], "ram": [], "ram_total": 0, "gpu_count": 0})
-        out[str(node)] = NodeFigures(
-            samples=len(n["cpu"]),
-            cpu_percent_mean=rounded(mean(n["cpu"]), 1),
-            cpu_percent_max=rounded(max(n["cpu"], default=0.0), 1),
-            ram_used_bytes_max=int(max(n["ram"], default=0)),
-            ram_total_bytes=int(n["ram_total"]),
-            gpu_count=int(n["gpu_count"]),
-            gpus={
-                str(index): GpuFigures(
-                    utilization_percent_mean=rounded(mean(g["util"]), 1) if g["util"] else None,
-                    memory_used_bytes_max=int(max(g["mem"])) if g["mem"] else None,
-                    memory_total_bytes=int(max(g["mem_total"])) if g["mem_total"] else None,
-                    temperature_c_max=rounded(max(g["temp"]), 1) if g["temp"] else None,
-                    power_usage_w_max=rounded(max(g["power"]), 1) if g["power"] else None,
-                )
-                for index, g in sorted(gpus.get(node, {}).items())
-            },
-        )
-    return out
 
 
 def step_series(summary: RunSummary) -> dict[int, list[tuple[int, float]]]:

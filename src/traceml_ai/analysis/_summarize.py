@@ -23,8 +23,6 @@ from traceml_ai.analysis._columns import StepColumns
 from traceml_ai.analysis._figures import (
     MemoryPeaks,
     merge_waits,
-    node_figures,
-    process_figures,
     step_figures,
     straggler_view,
 )
@@ -38,6 +36,7 @@ from traceml_ai.analysis._model import (
     StepFigures,
 )
 from traceml_ai.analysis._read import DataLines, FileRead, StepLines, Tail, WaitLines, exists
+from traceml_ai.analysis._running import GpuTotals, ProcessTotals, SystemTotals, node_figures
 from traceml_ai.analysis._straggler import Coordinate, StragglerView
 from traceml_records import STREAMS
 
@@ -74,9 +73,17 @@ def export_folder_of(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
     return export, run
 
 
-_KEPT_LINES = ("runtime_environment", "process", "system", "system_gpu")
-"""The streams whose lines are kept whole (a few per rank a minute); the others are
-kept as figures (step_time, collectives, step_memory) or only counted."""
+_KEPT_LINES = ("runtime_environment",)
+"""The streams whose lines are kept whole (one per rank, again only when its values
+change); the others are kept as figures (step_time, collectives and step_memory as
+figures and a window of steps; process, system and system_gpu as running figures per
+rank, node and GPU: :mod:`._running`) or only counted."""
+
+_RUNNING: dict[str, type[ProcessTotals | SystemTotals | GpuTotals]] = {
+    "process": ProcessTotals,
+    "system": SystemTotals,
+    "system_gpu": GpuTotals,
+}
 
 
 def _sink_for(
@@ -93,6 +100,10 @@ def _sink_for(
     if name == "step_memory":
         peaks = MemoryPeaks()
         return DataLines(name, peaks.add), peaks
+    running = _RUNNING.get(name)
+    if running is not None:
+        totals = running()
+        return DataLines(name, totals.add), totals
     if name in _KEPT_LINES:
         kept: list[dict[str, Any]] = []
         return DataLines(name, kept.append), kept
@@ -299,7 +310,8 @@ def _summary_of(
 
     process: dict[str, ProcessFigures] | None = None
     if "process" in reads:
-        process = process_figures(objs["process"])
+        totals: ProcessTotals = kept["process"]
+        process = totals.figures()
         if process and all(p.gpu_memory_used_bytes_max is None for p in process.values()):
             notes.append("process GPU memory: none (no GPU used by the ranks)")
         impossible = {
@@ -318,7 +330,7 @@ def _summary_of(
         notes.append("process figures: process was not exported")
     system: dict[str, NodeFigures] | None = None
     if "system" in reads:
-        system = node_figures(objs["system"], objs.get("system_gpu"))
+        system = node_figures(kept["system"], kept.get("system_gpu"))
         if system and all(n.gpu_count == 0 for n in system.values()):
             notes.append("GPU figures: no GPU on the host(s)")
     else:
