@@ -303,8 +303,13 @@ def core_for(stream: str, layout: Layout | None = None) -> Core:
 
 
 def keys_for(stream: str) -> KeysAndSeqs:
-    """Fresh keys and seqs for one file of ``stream`` (the C core's or the twin's)."""
-    shape = CHECKS[stream].key_shape
+    """Fresh keys and seqs for one file of ``stream`` (the C core's or the twin's).
+
+    Keys are kept as runs of one integer component per group of the others: the
+    component that grows line after line, ``seq`` or ``step`` where the key has one
+    (marked ``I`` in the shape), else its last integer. system_gpu's key (node_rank,
+    seq, gpu_index) so keeps a group per node and GPU, not one per snapshot."""
+    shape = _run_marked(CHECKS[stream].key_fields, CHECKS[stream].key_shape)
     if _speedups is not None and plan_for(stream) is not None:
         return _speedups.KeysAndSeqs(shape)  # type: ignore[no-any-return]
     return _scan_py.KeysAndSeqs(shape)
@@ -340,3 +345,13 @@ def frames_layout(stream: str) -> Layout | None:
         leaves=tuple((name, t) for name, t, _ in columns[at + 2 :]),
     )
     return Layout(top=top, rows=rows)
+
+
+def _run_marked(fields: tuple[str, ...], shape: str) -> str:
+    """``shape`` with its ``seq`` (else ``step``) integer component marked ``I``."""
+    for name in ("seq", "step"):
+        if name in fields:
+            at = fields.index(name)
+            if shape[at] == "i":
+                return shape[:at] + "I" + shape[at + 1 :]
+    return shape

@@ -21,7 +21,7 @@ for the lines it takes itself, so that the columns are the same whichever took a
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Iterable
 from typing import Any
 
@@ -71,14 +71,23 @@ class Layout:
 
 class KeysAndSeqs:
     """The keys and each rank's last seq of one file's lines (the pure-Python twin of
-    ``_speedups.KeysAndSeqs``): per key prefix, a sorted array of the last integer
-    component of the keys that came in order (8 bytes a key), a set for the rest."""
+    ``_speedups.KeysAndSeqs``): per key prefix, the runs of consecutive values of the
+    key's running integer component that came in order (a start and an end: 16 bytes a
+    run), a set for the rest."""
 
     def __init__(self, shape: str) -> None:
-        if not (1 <= len(shape) <= 6 and set(shape) <= {"i", "n", "s"} and "i" in shape):
-            raise ValueError("the key's shape: 1 to 6 of 'i', 'n' and 's', one 'i' at least")
-        self._last = shape.rindex("i")
-        self._groups: dict[tuple[Any, ...], array[int]] = {}
+        if not (
+            1 <= len(shape) <= 6
+            and set(shape) <= {"i", "n", "s", "I"}
+            and ("i" in shape or "I" in shape)
+            and shape.count("I") <= 1
+        ):
+            raise ValueError(
+                "the key's shape: 1 to 6 of 'i', 'n' and 's', one 'i' at least; at most "
+                "one 'I' (the integer that runs, else the last 'i')"
+            )
+        self._last = shape.index("I") if "I" in shape else shape.rindex("i")
+        self._groups: dict[tuple[Any, ...], tuple[array[int], array[int]]] = {}
         self._extra: set[tuple[tuple[Any, ...], int]] = set()
         self._seqs: dict[Any, Any] = {}
         self._watch: set[tuple[tuple[Any, ...], int]] = set()
@@ -89,31 +98,41 @@ class KeysAndSeqs:
     def _split(self, key: tuple[Any, ...]) -> tuple[tuple[Any, ...], int]:
         return key[: self._last] + key[self._last + 1 :], int(key[self._last])
 
+    def _in_runs(self, prefix: tuple[Any, ...], last: int) -> bool | None:
+        """Whether ``last`` lies in the prefix's runs; None when past their end."""
+        runs = self._groups.get(prefix)
+        if runs is None or not runs[0] or last > runs[1][-1]:
+            return None
+        starts, ends = runs
+        at = bisect_right(starts, last) - 1
+        return at >= 0 and last <= ends[at]
+
     def seen(self, key: tuple[Any, ...]) -> bool:
         """Whether the key was recorded, or is watched (its first line asked for)."""
         prefix, last = self._split(key)
         if (prefix, last) in self._watch:
             return True
-        values = self._groups.get(prefix)
-        if values and last <= values[-1]:
-            at = bisect_left(values, last)
-            return (at < len(values) and values[at] == last) or (prefix, last) in self._extra
-        return False
+        inside = self._in_runs(prefix, last)
+        return inside is not None and (inside or (prefix, last) in self._extra)
 
     def add(self, key: tuple[Any, ...], line: int) -> bool:
         """True when the key is new (then recorded); ``line`` is where it is."""
         prefix, last = self._split(key)
-        values = self._groups.get(prefix)
-        if values is None:
-            values = self._groups[prefix] = array("q")
-        if values and last <= values[-1]:
-            at = bisect_left(values, last)
-            if (at < len(values) and values[at] == last) or (prefix, last) in self._extra:
-                return False
+        inside = self._in_runs(prefix, last)
+        if inside is not None and (inside or (prefix, last) in self._extra):
+            return False
         if (prefix, last) in self._watch:
             self._found[key] = line
-        if not values or last > values[-1]:
-            values.append(last)
+        if inside is None:
+            runs = self._groups.get(prefix)
+            if runs is None:
+                runs = self._groups[prefix] = (array("q"), array("q"))
+            starts, ends = runs
+            if ends and last == ends[-1] + 1:
+                ends[-1] = last
+            else:
+                starts.append(last)
+                ends.append(last)
         else:
             self._extra.add((prefix, last))
         self.keys += 1
@@ -139,7 +158,7 @@ class KeysAndSeqs:
 
     @property
     def nbytes(self) -> int:
-        return sum(8 * len(v) for v in self._groups.values()) + 100 * len(self._extra)
+        return sum(16 * len(starts) for starts, _ in self._groups.values()) + 100 * len(self._extra)
 
 
 # ---------------------------------------------------------------------- columns

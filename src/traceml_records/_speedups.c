@@ -3149,18 +3149,22 @@ static int keys_init(KeysAndSeqs *t, PyObject *args, PyObject *kwds) {
     const char *shape;
     if (!PyArg_ParseTuple(args, "s", &shape)) return -1;
     size_t n = strlen(shape);
-    if (n < 1 || n > MAX_KEY || strspn(shape, "isn") != n || strchr(shape, 'i') == NULL) {
+    const char *run = strchr(shape, 'I');
+    if (n < 1 || n > MAX_KEY || strspn(shape, "isnI") != n ||
+        (strchr(shape, 'i') == NULL && run == NULL) || (run && strchr(run + 1, 'I'))) {
         PyErr_SetString(PyExc_ValueError,
                         "the key's shape: 1 to 6 of 'i' (integer), 'n' (integer or null) and "
-                        "'s' (string or null), one 'i' at least");
+                        "'s' (string or null), one 'i' at least; at most one 'I' (the "
+                        "integer that runs, else the last 'i')");
         return -1;
     }
     t->n_comp = (int)n;
     for (size_t j = 0; j < n; j++) {
         t->comp_str[j] = shape[j] == 's';
         t->comp_null[j] = shape[j] == 'n';
-        if (shape[j] == 'i') t->last = (int)j;
+        if (shape[j] == 'i' && run == NULL) t->last = (int)j;
     }
+    if (run != NULL) t->last = (int)(run - shape);
     t->found = PyDict_New();
     return t->found == NULL ? -1 : 0;
 }

@@ -468,6 +468,42 @@ def test_keys_in_runs_find_every_repeat_and_take_little_memory() -> None:
     assert not long.add((0, 100_000), 0) and long.add((0, 100_002), 0)
 
 
+def test_system_gpu_keys_run_along_seq_per_node_and_gpu() -> None:
+    """system_gpu's key (node_rank, seq, gpu_index) runs along seq (its shape marks it),
+    so a long file keeps a group per node and GPU, not one per snapshot: memory stays
+    flat, and a repeat is still found, in the C core as in the Python twin."""
+    assert _speedups is not None
+    marked = _fastcheck._run_marked(CHECKS["system_gpu"].key_fields, CHECKS["system_gpu"].key_shape)
+    assert marked == "iIi"
+    sizes, py_sizes = [], []
+    for snapshots in (1_000, 10_000):
+        c, py = _speedups.KeysAndSeqs(marked), PyKeysAndSeqs(marked)
+        for seq in range(snapshots):
+            for node in range(4):
+                for gpu in range(8):
+                    key = (node, seq, gpu)
+                    assert c.add(key, seq) and py.add(key, seq)
+        for repeat in ((0, 5, 3), (3, snapshots - 1, 7), (2, 0, 0)):
+            assert not c.add(repeat, 0) and not py.add(repeat, 0)
+        assert c.add((1, snapshots + 1, 2), 0) and py.add((1, snapshots + 1, 2), 0)
+        sizes.append(c.nbytes)
+        py_sizes.append(py.nbytes)
+    assert sizes[1] == sizes[0] < 20_000, sizes  # 32 runs, at 32,000 and 320,000 keys
+    assert py_sizes[1] == py_sizes[0] < 20_000, py_sizes
+    unmarked, py_unmarked = _speedups.KeysAndSeqs("iii"), PyKeysAndSeqs("iii")
+    for seq in range(1_000):
+        for node in range(4):
+            for gpu in range(8):
+                unmarked.add((node, seq, gpu), seq)
+                py_unmarked.add((node, seq, gpu), seq)
+    # A group per snapshot: what the mark avoids.
+    assert unmarked.nbytes > 2 * sizes[0] and py_unmarked.nbytes > 2 * py_sizes[0]
+    with pytest.raises(ValueError):
+        _speedups.KeysAndSeqs("iII")
+    with pytest.raises(ValueError):
+        PyKeysAndSeqs("iII")
+
+
 def test_a_keyword_the_check_plans_do_not_know_is_refused(tmp_path: Path) -> None:
     # The check plans come from codegen, which refuses any keyword it does not read:
     # a plan is never looser than its schema.
