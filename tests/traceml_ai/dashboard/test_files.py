@@ -1,6 +1,7 @@
 """The dashboard from files (``traceml dashboard FOLDER``) over real HTTP on the loopback:
 the page's first view (``?charts=0``) holds every figure and table of the run summary,
-and the second request adds the lines over steps."""
+and the second request adds the lines over steps; the page data's phase breakdown,
+made only for the ranks the page shows."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from typing import Any
 import orjson
 
 from bench.bigfile import write_step_time
-from traceml_ai.analysis import summarize_run, verdict_line
+from traceml_ai.analysis import RunReader, summarize_run, verdict_line
 from traceml_ai.dashboard import serve_folder
-from traceml_ai.dashboard._view import HIGHLIGHT, MAX_TABLE_ROWS
+from traceml_ai.dashboard._files import RankPhases, from_summary
+from traceml_ai.dashboard._view import HIGHLIGHT, MAX_TABLE_ROWS, build_view
 
 RANKS = 72
 """9 nodes of 8: past the size where the page groups the ranks by node."""
@@ -152,3 +154,25 @@ def test_a_growing_run_first_view_then_charts_then_the_new_steps(tmp_path: Path)
         assert {row["steps"] for row in later["ranks"]} == {STEPS + 4}
         again = _get(f"{url}api/view?charts=0")
         assert again["step_time"]["steps"] == [] and again["ranks"] == later["ranks"]
+
+
+def test_the_phase_breakdown_is_made_for_the_ranks_asked_and_is_the_summarys(
+    tmp_path: Path,
+) -> None:
+    """The dashboard's reader leaves the per-rank phase breakdown out; the page data
+    makes a rank's when the view reads it (the tables' ranks only), the same figures as
+    ``traceml summary``'s, and the page is the one every rank's breakdown gives."""
+    run = _run(tmp_path)
+    whole = summarize_run(run)
+    assert whole.phases is not None and len(whole.phases) == RANKS
+    lean = RunReader(run, phases=False).summary()
+    assert lean.phases == {} and lean.step_time == whole.step_time
+    data = from_summary(lean)
+    assert isinstance(data.phases, RankPhases) and len(data.phases) == RANKS
+    view = build_view(data)
+    made = set(data.phases._made)
+    assert made == {str(row["rank"]) for row in view["ranks"]} and len(made) == MAX_TABLE_ROWS
+    assert dict(data.phases) == whole.phases
+    assert "72" not in data.phases and data.phases.get("72") is None
+    full = build_view(from_summary(whole))
+    assert {**view, "generated_unix_s": 0} == {**full, "generated_unix_s": 0}
