@@ -20,8 +20,11 @@ them too (the follow figures stay those of step_time alone).
   every value checked, the figures, the straggler analysis);
 * ``follow``: the dashboard from files (``FilesSource``, whose ``RunReader`` is what
   ``traceml summary --follow`` keeps) on a run still being written (the same lines, no
-  closing line): its first view, then ``--append`` more lines written and one refresh
-  (the reader, the page data and the page's JSON).
+  closing line), through the server's own ``Views``: its first view (the page's first
+  request, ``?charts=0``: the reader, the page data and the page's JSON, figures and
+  tables without the lines over steps), the second request (the same data, the lines
+  over steps added), then ``--append`` more lines written and one refresh (the reader,
+  the page data and the page's JSON).
 
     python -m bench.summary [--lines 1000000] [--ranks 64] [--append 640] [--keep FOLDER]
         [--no-follow] [--collectives] [--process N]
@@ -32,7 +35,8 @@ first_view_vs_summary=<v>``: parse CPU time over the summary's (above 1: faster 
 parsing), the summary's peak RSS beyond an idle interpreter's per million lines, the
 dashboard's refresh after the append (CPU seconds: on an idle machine its wall time,
 as the process waits for nothing; on a busy one the wall time, printed too, is the
-machine's), and its first view's CPU time over the summary's.
+machine's), and its first view's CPU time over the summary's. The second request's
+CPU time (the charts, after the first paint) is printed beside it.
 """
 
 from __future__ import annotations
@@ -102,18 +106,31 @@ def _child_idle() -> dict[str, Any]:
 
 
 def _child_follow(run: Path, more: Path) -> dict[str, Any]:
-    """The dashboard from files on a run being written: its first view, then, after
-    ``more`` is appended, one refresh (the reader's, the page data's and the page's
-    JSON). The file is cut back to its size afterwards, so ``--keep`` can reuse it."""
+    """The dashboard from files on a run being written, as the page asks for it: its
+    first view (``?charts=0``) and the second request (the charts), both the server's
+    ``Views`` answers; then, after ``more`` is appended, one refresh (the reader's, the
+    page data's and the page's JSON). The file is cut back to its size afterwards, so
+    ``--keep`` can reuse it."""
+    import orjson
+
     from traceml_ai.dashboard._files import FilesSource
+    from traceml_ai.dashboard._server import Views
     from traceml_ai.dashboard._view import build_view
 
     path = run / _EXPORT
     size = path.stat().st_size
     source = FilesSource(run)
+    views = Views(source, final=lambda: False)
     cpu0, t0 = _usage()["cpu_s"], time.perf_counter()
-    build_view(source())
+    first_body = views.json(charts=False)
     first = {"cpu_s": _usage()["cpu_s"] - cpu0, "wall_s": time.perf_counter() - t0}
+    cpu0, t0 = _usage()["cpu_s"], time.perf_counter()
+    charts_body = views.json()
+    charts = {"cpu_s": _usage()["cpu_s"] - cpu0, "wall_s": time.perf_counter() - t0}
+    first_view, charts_view = orjson.loads(first_body), orjson.loads(charts_body)
+    # The first view is the page without its lines over steps, the second fills them.
+    assert first_view["step_time"].get("deferred") and not first_view["step_time"]["steps"]
+    assert charts_view["step_time"]["steps"] and charts_view["ranks"] == first_view["ranks"]
     reader = source._reader
     assert reader is not None
     before = sum(s.steps for s in (reader.summary().step_time or {}).values())
@@ -130,6 +147,10 @@ def _child_follow(run: Path, more: Path) -> dict[str, Any]:
     return {
         "view_first_cpu_s": first["cpu_s"],
         "view_first_s": first["wall_s"],
+        "view_first_bytes": len(first_body),
+        "view_charts_cpu_s": charts["cpu_s"],
+        "view_charts_s": charts["wall_s"],
+        "view_charts_bytes": len(charts_body),
         "view_refresh_cpu_s": refresh["cpu_s"],
         "view_refresh_s": refresh["wall_s"],
         "steps_before": before,
@@ -286,8 +307,10 @@ def main() -> None:
     line = f"summary_vs_parse={ratio:.2f} summary_rss_mb_per_million={per_million:.0f}"
     if follow is not None:
         print(
-            f"dashboard from files: first view {follow['view_first_cpu_s']:.2f} CPU s "
-            f"({follow['view_first_s']:.2f} s wall); after {args.append} more lines one "
+            f"dashboard from files: first view (?charts=0, {follow['view_first_bytes']:,} "
+            f"B) {follow['view_first_cpu_s']:.2f} CPU s ({follow['view_first_s']:.2f} s "
+            f"wall); the charts (second request, {follow['view_charts_bytes']:,} B) "
+            f"{follow['view_charts_cpu_s']:.3f} CPU s; after {args.append} more lines one "
             f"refresh {follow['view_refresh_cpu_s']:.3f} CPU s ({follow['view_refresh_s']:.3f} "
             f"s wall), {follow['steps_before']:,} -> {follow['view_steps_after']:,} steps"
         )

@@ -302,16 +302,20 @@ def test_one_rank(page: Page, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- aggregator gone
 
 TINY = """\
-import sys, time
+import os, sys, time
 import traceml_ai as traceml
 
 traceml.init()
 for i in range(int(sys.argv[1])):
+    if os.path.exists(sys.argv[3]):
+        break
     with traceml.trace_step():
         time.sleep(0.05)
 open(sys.argv[2], "w").close()
 """
-"""A training script without torch (quick to start on a busy machine)."""
+"""A training script without torch (quick to start on a busy machine): ARGV[1] steps
+at most, ARGV[2] written at its end, and it ends early once ARGV[3] exists (the test
+has seen what it waited for while training went on)."""
 
 
 @pytest.mark.timeout(180)
@@ -322,8 +326,10 @@ def test_a_killed_aggregator_is_said_at_once_on_the_page_and_in_the_terminal(
 
     script = tmp_path / "tiny.py"
     script.write_text(TINY)
-    done = tmp_path / "done"
-    args = _dashboard_run(tmp_path / "logs", "gone", script=script, script_args=["400", str(done)])
+    done, stop = tmp_path / "done", tmp_path / "stop"
+    args = _dashboard_run(
+        tmp_path / "logs", "gone", script=script, script_args=["400", str(done), str(stop)]
+    )
     with _started(args, tmp_path, "run") as run:
         page.goto(run.url())
         expect(page.locator("#ranks-table tr[data-rank='0']")).to_be_visible(timeout=WAIT_MS)
@@ -349,6 +355,8 @@ def test_a_killed_aggregator_is_said_at_once_on_the_page_and_in_the_terminal(
             assert time.monotonic() < deadline, run.stderr
             time.sleep(0.1)
         assert not done.exists()
+        # Training went on after the kill: it may end now, and ends well.
+        stop.touch()
         assert run.wait() == 0, run.stderr
     assert done.exists()
 

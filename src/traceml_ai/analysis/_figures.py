@@ -8,7 +8,7 @@ Light to import: numpy and the package's own modules (never torch, never pyarrow
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ import numpy as np
 from traceml_ai.analysis._causes import Layout
 from traceml_ai.analysis._columns import (
     Column,
+    RankColumns,
     StepColumns,
     columns_of_rows,
     is_columns,
@@ -40,15 +41,22 @@ from traceml_ai.analysis._straggler import StragglerView
 from traceml_ai.analysis._straggler import analyze as analyze_stragglers
 
 
-def step_figures(rows: StepRows | StepColumns) -> StepFigures:
+def step_figures(rows: StepRows | StepColumns, *, phases: bool = True) -> StepFigures:
     """Per-rank step figures, per-rank phase breakdown and the phase names, in order, of
-    step columns or rows (rank -> step -> :class:`StepRow`)."""
+    step columns or rows (rank -> step -> :class:`StepRow`). Without ``phases`` the
+    breakdown is left empty (:func:`rank_phases` gives any rank's when asked)."""
     columns: StepColumns = rows if is_columns(rows) else columns_of_rows(rows)  # type: ignore[assignment,arg-type]
     with np.errstate(all="ignore"):
-        return _step_figures(columns)
+        return _step_figures(columns, phases)
 
 
-def _step_figures(columns: StepColumns) -> StepFigures:
+def rank_phases(columns: RankColumns, names: Sequence[str]) -> dict[str, PhaseFigures]:
+    """One rank's phase breakdown (phase -> its figures), as :func:`step_figures` gives it."""
+    with np.errstate(all="ignore"):
+        return {name: PhaseFigures(**f) for name, f in phase_breakdown(columns, names).items()}
+
+
+def _step_figures(columns: StepColumns, with_phases: bool = True) -> StepFigures:
     names = phase_names(
         [c.phases for c in columns.values()]
         + [c.totals.phase_sums for c in columns.values() if c.totals is not None]
@@ -98,9 +106,8 @@ def _step_figures(columns: StepColumns) -> StepFigures:
             mean_ms=rounded(average),
             steps_per_s=rounded(rate),
         )
-        phases[str(rank)] = {
-            name: PhaseFigures(**figures) for name, figures in phase_breakdown(c, names).items()
-        }
+        if with_phases:
+            phases[str(rank)] = rank_phases(c, names)
     return StepFigures(step_time=per_rank, phases=phases, phase_names=names)
 
 

@@ -123,11 +123,14 @@ class RunReader:
 
     ``traceml summary --follow`` and the dashboard from files keep one; a one-off
     :func:`summarize_run` uses one once. Raises :class:`SummaryError` (one line of
-    text) when ``path`` is missing or holds no export files.
+    text) when ``path`` is missing or holds no export files. Without ``phases`` the
+    summaries' per-rank phase breakdown is left empty (the dashboard from files makes
+    its tables' ranks' own with :func:`~traceml_ai.analysis._figures.rank_phases`).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, phases: bool = True) -> None:
         self.export_dir, self.run_dir = export_folder_of(path)
+        self.phases = phases
         self._tails: dict[str, Tail] = {}
         self._kept: dict[str, Any] = {}
         self._gone: set[str] = set()
@@ -276,7 +279,7 @@ def _summary_of(
                 "training strategy unknown (runtime_environment not exported); "
                 "the wait analysis does not assume DDP"
             )
-        figures = step_figures(rows)
+        figures = step_figures(rows, phases=reader.phases)
         measured = "collectives" in reads and merge_waits(rows, kept["collectives"], notes)
         straggler = straggler_view(rows, strategy, measured, layout)
         if any(c.sampled for c in rows.values()):

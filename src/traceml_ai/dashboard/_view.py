@@ -461,8 +461,9 @@ Folded = tuple[list[str], dict[str, dict[str, tuple[float, float]]]]
 """(the phases the page draws, in order; rank (str) -> phase -> (mean ms, share))."""
 
 
-def _folded_phases(data: RunData) -> Folded:
-    """The phases as the page draws them: folded by the live views' one rule
+def _folded_phases(data: RunData, ranks: Sequence[int]) -> Folded:
+    """The phases as the page draws them, for ``ranks`` (those of the per-rank tables;
+    no other rank's phases are read): folded by the live views' one rule
     (:class:`~traceml_ai.analysis.UserPhaseFold`), so that the page from files keeps
     the phases the live page kept and ``other`` holds the rest, summed: each rank's bars
     still add up to its iteration."""
@@ -470,7 +471,11 @@ def _folded_phases(data: RunData) -> Folded:
     label = {name: fold(name) for name in data.phase_names}
     names = list(dict.fromkeys(label.values()))
     per_rank: dict[str, dict[str, tuple[float, float]]] = {}
-    for rank, figures in (data.phases or {}).items():
+    phases = data.phases or {}
+    for rank in map(str, ranks):
+        figures = phases.get(rank)
+        if figures is None:
+            continue
         sums: dict[str, tuple[float, float]] = {}
         for name, f in figures.items():
             key = label.get(name) or fold(name)
@@ -818,7 +823,7 @@ def build_view(
         step_chart = {"steps": [], "lines": [], "band": len(ranks) > ALL_LINES_UP_TO,
                       "deferred": True}  # fmt: skip
         throughput = {"steps": [], "steps_per_s": []}
-    folded = _folded_phases(data)
+    folded = _folded_phases(data, shown)
     groups = _groups(data, p50, stragglers, shown) if len(ranks) >= GROUPS_FROM else []
     system, system_spread, system_note = _system(data, groups)
     nodes = set(data.rank_nodes.values())

@@ -367,3 +367,39 @@ def test_the_page_of_10240_ranks_shows_nodes_and_outliers_not_a_row_per_rank(
             " return d && d.length === 3 && d[0].x.length === 1280; }",
             timeout=WAIT_MS,
         )
+
+
+def test_the_page_from_files_paints_its_tables_then_draws_every_chart(
+    page: Page, tmp_path: Path
+) -> None:
+    """A 72-rank run folder (9 nodes) served from its files: the first paint has the
+    verdict, the node table, the outlier ranks and their phase bars' data; the step-time,
+    throughput and phase charts are then drawn, the step-time chart with every step."""
+    from bench.bigfile import write_step_time
+
+    steps = 16
+    run = tmp_path / "run"
+    export = run / "aggregator" / "export"
+    export.mkdir(parents=True)
+    write_step_time(export / "step_time.jsonl", 72 * steps, world=72)
+    views: list[str] = []
+    page.on("request", lambda r: views.append(r.url) if "/api/view" in r.url else None)
+    with served(FilesSource(run)) as server:
+        page.goto(server.url)
+        page.wait_for_function(
+            "() => document.documentElement.dataset.ready === '1'", timeout=WAIT_MS
+        )
+        expect(page.locator("#status")).to_contain_text("from files: files complete")
+        expect(page.get_by_test_id("verdict")).to_contain_text("straggler: none")
+        expect(page.locator("#groups table[data-by='node'] tbody tr")).to_have_count(9)
+        expect(page.locator("#ranks-table tbody tr")).to_have_count(MAX_TABLE_ROWS)
+        for chart in ("steps", "throughput", "phases"):
+            expect(page.locator(f"#chart-{chart} .main-svg").first).to_be_visible(timeout=WAIT_MS)
+        page.wait_for_function(
+            "() => { const d = document.getElementById('chart-steps').data;"
+            f" return d && d.some(t => t.x && t.x.length === {steps}); }}",
+            timeout=WAIT_MS,
+        )
+        bars = phase_bars(page, MAX_TABLE_ROWS)
+        assert {"forward", "backward"} <= {name for name, _ in bars}
+    assert views[0].endswith("?charts=0") and not views[1].endswith("charts=0"), views
