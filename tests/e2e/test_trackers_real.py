@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -156,25 +157,45 @@ def _step_medians(export: Path) -> dict[int, float]:
     return {step: statistics.median(times) for step, times in by_step.items() if len(times) == 2}
 
 
-def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(tmp_path: Path) -> None:
+Ran = dict[str, tuple[Path, Any]]
+
+
+@pytest.fixture(scope="module")
+def without_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """The two runs that need no MLflow server, together (each is mostly its processes'
+    start and imports; neither is read for its timings): name -> folder, result."""
+    lit, down = tmp_path_factory.mktemp("lit"), tmp_path_factory.mktemp("down")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        lit_run = pool.submit(
+            _framework_run,
+            lit,
+            "lit-run",
+            "tensorboard",
+            "lightning-tensorboard",
+            str(FRAMEWORK_STEPS),
+            str(lit / "tb"),
+        )
+        env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}  # nothing listens
+        down_run = pool.submit(
+            _run, down, "down", "--tracker", "mlflow,tensorboard", env=env, steps=DOWN_STEPS
+        )
+        return {"lit": (lit, lit_run.result()), "down": (down, down_run.result())}
+
+
+def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(
+    without_mlflow: Ran,
+) -> None:
     """Lightning's TensorBoardLogger writes on rank 0 into lit/version_0; TraceML's
     event file goes there too, so TensorBoard shows one run with both."""
-    res = _framework_run(
-        tmp_path,
-        "lit-run",
-        "tensorboard",
-        "lightning-tensorboard",
-        str(FRAMEWORK_STEPS),
-        str(tmp_path / "tb"),
-    )
+    folder, res = without_mlflow["lit"]
     assert res.returncode == 0, res.stderr
     assert "DONE" in res.stdout
-    log_dir = tmp_path / "tb" / "lit" / "version_0"
+    log_dir = folder / "tb" / "lit" / "version_0"
     reader = EventAccumulator(str(log_dir))
     reader.Reload()
     scalars = reader.Tags()["scalars"]
     assert "loss" in scalars  # Lightning's own
-    expected = _step_medians(tmp_path / "logs" / "lit-run" / "aggregator" / "export")
+    expected = _step_medians(folder / "logs" / "lit-run" / "aggregator" / "export")
     medians = {e.step: e.value for e in reader.Scalars(tm.STEP_TIME_MEDIAN.name)}
     assert sorted(medians) == list(range(FRAMEWORK_EVERY, FRAMEWORK_STEPS + 1, FRAMEWORK_EVERY))
     for step, value in medians.items():
@@ -182,24 +203,23 @@ def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(tmp_path
     assert reader.Tensors(SUMMARY_TAG)
     assert json.loads((log_dir / tm.SUMMARY_ARTIFACT).read_text())["ranks"] == [0, 1]
     # Nothing went to TraceML's own folder.
-    assert not (tmp_path / "logs" / "lit-run" / "aggregator" / "tensorboard").exists()
+    assert not (folder / "logs" / "lit-run" / "aggregator" / "tensorboard").exists()
 
 
-def test_a_tracker_that_is_down_costs_one_line_and_counted_points(tmp_path: Path) -> None:
-    env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}  # nothing listens
-    res = _run(tmp_path, "down", "--tracker", "mlflow,tensorboard", env=env, steps=DOWN_STEPS)
+def test_a_tracker_that_is_down_costs_one_line_and_counted_points(without_mlflow: Ran) -> None:
+    folder, res = without_mlflow["down"]  # MLflow's URI: a port nothing listens on
     assert res.returncode == 0, res.stderr
     lines = _tracker_lines(res.stderr, "mlflow")
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith("traceml: mlflow: could not open a run ("), res.stderr
     assert "Traceback" not in res.stderr
-    aggregator = tmp_path / "logs" / "down" / "aggregator"
+    aggregator = folder / "logs" / "down" / "aggregator"
     assert len(_expected(aggregator / "export")) == DOWN_STEPS  # the files are whole
     points = DOWN_STEPS // EVERY
     stats = json.loads((aggregator / "stats.json").read_text())
     assert stats["monitoring"]["by_sink"] == {"mlflow": {"points_not_logged": points}}
     assert f"mlflow: {points} points not logged" in res.stderr  # the end of run says it
-    warning = warning_file(tmp_path / "logs", "down")
+    warning = warning_file(folder / "logs", "down")
     assert warning is not None
     assert warning["reason"] == "monitoring_incomplete"
     assert warning["monitoring"]["by_sink"] == {"mlflow": {"points_not_logged": points}}
