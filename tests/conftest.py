@@ -1,4 +1,5 @@
-"""Shared test setup: the lanes, hypothesis profiles, the encoder fixtures.
+"""Shared test setup: the lanes, hypothesis profiles, the encoder fixtures, one MLflow
+server and one browser for the session.
 
 Lanes (docs/testing.md): every test is in exactly one of ``e2e`` (tests/e2e: the
 product through its commands), ``slow`` (marked in its module: real training runs,
@@ -11,13 +12,19 @@ variable is set; otherwise ``thorough``. ``HYPOTHESIS_PROFILE`` picks one explic
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import signal
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 import traceml_records
+
+if TYPE_CHECKING:
+    from tests.receivers.mlflow_server import MlflowServer
 
 settings.register_profile(
     "ci",
@@ -157,3 +164,50 @@ def page(browser: Any) -> Any:
         yield context.new_page()
     finally:
         context.close()
+
+
+# ------------------------------------------------------------------ one MLflow server
+
+_MLFLOW_MODULES = pytest.StashKey[set[str]]()
+
+
+@pytest.fixture(scope="session")
+def mlflow_started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """One real ``mlflow server`` (tests/receivers/mlflow_server.py) for every test of the
+    session that asks for :func:`mlflow`, started but maybe not ready yet: its start
+    (about 7 s) is paid once, not once per module or test. Tests share it through
+    experiments of their own (named after their ``tmp_path``)."""
+    from tests.receivers.mlflow_server import start_mlflow_server
+
+    server = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
+    try:
+        yield server
+    finally:
+        # Nothing reads its store after the session: killed outright, not the graceful
+        # stop (which waits seconds for uvicorn to wind down).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait(10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mlflow_early(request: pytest.FixtureRequest) -> None:
+    """Start the session's MLflow server when the first module with a test that uses it
+    starts, so that its slow start overlaps the tests before that test."""
+    modules = request.session.stash.get(_MLFLOW_MODULES, None)
+    if modules is None:
+        modules = {
+            str(item.path)
+            for item in request.session.items
+            if "mlflow" in getattr(item, "fixturenames", ())
+        }
+        request.session.stash[_MLFLOW_MODULES] = modules
+    if str(request.path) in modules:
+        request.getfixturevalue("mlflow_started")
+
+
+@pytest.fixture
+def mlflow(mlflow_started: MlflowServer) -> MlflowServer:
+    """The session's MLflow server, ready (``/health`` answers)."""
+    mlflow_started.wait_ready()
+    return mlflow_started

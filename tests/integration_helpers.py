@@ -2,7 +2,8 @@
 
 Each test writes a small training script into its folder and runs it under a real
 ``traceml run`` (the zero-code path needs the launcher's bootstrap), then reads the
-export files. Frameworks are slow to import, so each run checks several things.
+export files. Frameworks are slow to import, so each run checks several things, and a
+module's runs start two at a time (:func:`run_two_at_a_time`, from a module fixture).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import subprocess
 import textwrap
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tests.e2e_helpers import data_lines, export_dir, free_port, run_cli
 
@@ -79,6 +81,37 @@ def traceml_run(
     if nproc > 1:
         options += ["--nproc-per-node", str(nproc), "--master-port", str(free_port())]
     return run_cli([*options, script, *script_args], cwd=folder, env={**OFFLINE_ENV, **(env or {})})
+
+
+class RunSpec(NamedTuple):
+    """One ``traceml run`` of a test module: its script and how it is run."""
+
+    file: str
+    source: str
+    args: tuple[str, ...] = ()
+    nproc: int = 1
+    env: Mapping[str, str] | None = None
+
+
+Runs = dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
+"""A run's name -> its folder and ``traceml run``'s result."""
+
+
+def run_two_at_a_time(root: Path, specs: Mapping[str, RunSpec]) -> Runs:
+    """Run every spec under :func:`traceml_run`, each in its own folder under ``root``,
+    two at a time: a run is mostly a framework's import and the processes' start, so two
+    share the machine's cores well. Returns when all ended."""
+
+    def one(name: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+        spec = specs[name]
+        folder = root / name
+        folder.mkdir()
+        script = write_script(folder, spec.file, spec.source)
+        return folder, traceml_run(folder, script, *spec.args, nproc=spec.nproc, env=spec.env)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(one, name) for name in specs}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def steps_by_rank(folder: Path, run_name: str = "run") -> dict[int, list[dict[str, Any]]]:

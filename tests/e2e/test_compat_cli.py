@@ -1,11 +1,14 @@
 """TraceML 0.5.0 command lines and scripts, run as a user would: real ``traceml run``
-processes of tiny CPU scripts written for these tests (see docs/compat-0.5.md)."""
+processes of tiny CPU scripts written for these tests (see docs/compat-0.5.md). The runs
+of the scripts that train start two at a time (the ``script_runs`` fixture)."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import textwrap
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -246,13 +249,52 @@ def summary_of(res: Any) -> dict[str, Any]:
     raise AssertionError(res.stdout + res.stderr)
 
 
-def test_summary_in_a_script_reads_the_export_file(tmp_path: Path) -> None:
-    script = write(tmp_path, "s.py", SUMMARY_SCRIPT)
-    logs = tmp_path / "logs"
-    res = run_cli(
-        ["run", "--logs-dir", logs, "--run-name", "s", "--exporter", "jsonl", script],
-        cwd=tmp_path,
-    )
+ScriptRuns = dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory: pytest.TempPathFactory) -> ScriptRuns:
+    """name -> the run's logs folder and ``traceml run``'s result, for the runs of the
+    scripts above (they import torch and train), two at a time when the first test that
+    reads one starts: a run is mostly its processes' start and torch's import."""
+    root = tmp_path_factory.mktemp("script_runs")
+    # name: (script file, source, the traceml arguments given the script and logs folder)
+    Args = Callable[[Path, Path], list[str | Path]]
+    runs: dict[str, tuple[str, str, Args]] = {
+        "summary": ("s.py", SUMMARY_SCRIPT,
+                    lambda script, logs: ["run", "--logs-dir", logs, "--run-name", "s",
+                                          "--exporter", "jsonl", script]),
+        "summary_export_off": ("s.py", SUMMARY_SCRIPT,
+                               lambda script, logs: ["run", "--logs-dir", logs, script]),
+        # 0.5.0's form: options after the script, the script's arguments after --args.
+        "manual": ("m.py", MANUAL_SCRIPT,
+                   lambda script, logs: ["run", script, "--logs-dir", logs, "--run-name", "m",
+                                         "--exporter", "jsonl", "--args", "--lr", "0.1",
+                                         "--exporter"]),
+        "mode_summary": ("s.py", SUMMARY_SCRIPT,
+                         lambda script, logs: ["run", "--mode", "summary", "--logs-dir", logs,
+                                               "--session-id", "sid", script]),
+        "trace_max_steps": ("s.py", SUMMARY_SCRIPT,
+                            lambda script, logs: ["run", "--trace-max-steps", "2",
+                                                  "--on-missing-aggregator", "warn",
+                                                  "--logs-dir", logs, "--run-name", "t",
+                                                  "--exporter", "jsonl", script]),
+    }  # fmt: skip
+
+    def one(name: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+        file, source, args = runs[name]
+        folder = root / name
+        folder.mkdir()
+        logs = folder / "logs"
+        return logs, run_cli(args(write(folder, file, source), logs), cwd=folder)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(one, name) for name in runs}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_summary_in_a_script_reads_the_export_file(script_runs: ScriptRuns) -> None:
+    logs, res = script_runs["summary"]
     assert res.returncode == 0, res.stdout + res.stderr
     got = summary_of(res)
     full, flat = got["full"], got["summary"]
@@ -263,35 +305,15 @@ def test_summary_in_a_script_reads_the_export_file(tmp_path: Path) -> None:
     assert f"traceml: summary of {logs / 's'}" in res.stdout
 
 
-def test_summary_in_a_script_with_export_off_is_in_process(tmp_path: Path) -> None:
-    script = write(tmp_path, "s.py", SUMMARY_SCRIPT)
-    res = run_cli(["run", "--logs-dir", tmp_path / "logs", script], cwd=tmp_path)
+def test_summary_in_a_script_with_export_off_is_in_process(script_runs: ScriptRuns) -> None:
+    _, res = script_runs["summary_export_off"]
     assert res.returncode == 0, res.stdout + res.stderr
     full = summary_of(res)["full"]
     assert full["source"] == "in_process" and full["step_time"]["0"]["steps"] == 4
 
 
-def test_manual_mode_script_with_0_5_args_form(tmp_path: Path) -> None:
-    script = write(tmp_path, "m.py", MANUAL_SCRIPT)
-    logs = tmp_path / "logs"
-    # 0.5.0's form: options after the script, the script's arguments after --args.
-    res = run_cli(
-        [
-            "run",
-            script,
-            "--logs-dir",
-            logs,
-            "--run-name",
-            "m",
-            "--exporter",
-            "jsonl",
-            "--args",
-            "--lr",
-            "0.1",
-            "--exporter",
-        ],
-        cwd=tmp_path,
-    )
+def test_manual_mode_script_with_0_5_args_form(script_runs: ScriptRuns) -> None:
+    logs, res = script_runs["manual"]
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ARGV ['--lr', '0.1', '--exporter']" in res.stdout
     assert "warning" not in res.stderr
@@ -336,13 +358,8 @@ def test_an_unknown_option_in_the_args_form_is_an_error(tmp_path: Path) -> None:
     assert "ARGV" not in res.stdout
 
 
-def test_mode_summary_prints_the_analysis_and_exports_step_time(tmp_path: Path) -> None:
-    script = write(tmp_path, "s.py", SUMMARY_SCRIPT)
-    logs = tmp_path / "logs"
-    res = run_cli(
-        ["run", "--mode", "summary", "--logs-dir", logs, "--session-id", "sid", script],
-        cwd=tmp_path,
-    )
+def test_mode_summary_prints_the_analysis_and_exports_step_time(script_runs: ScriptRuns) -> None:
+    logs, res = script_runs["mode_summary"]
     assert res.returncode == 0, res.stdout + res.stderr
     assert (export_dir(logs, "sid") / "step_time.jsonl").is_file()
     # The full summary, after the launcher's own short one.
@@ -350,26 +367,8 @@ def test_mode_summary_prints_the_analysis_and_exports_step_time(tmp_path: Path) 
     assert "step time across ranks (ms, min/p50/p90/max" in res.stderr
 
 
-def test_trace_max_steps_and_on_missing_aggregator(tmp_path: Path) -> None:
-    script = write(tmp_path, "s.py", SUMMARY_SCRIPT)
-    logs = tmp_path / "logs"
-    res = run_cli(
-        [
-            "run",
-            "--trace-max-steps",
-            "2",
-            "--on-missing-aggregator",
-            "warn",
-            "--logs-dir",
-            logs,
-            "--run-name",
-            "t",
-            "--exporter",
-            "jsonl",
-            script,
-        ],
-        cwd=tmp_path,
-    )
+def test_trace_max_steps_and_on_missing_aggregator(script_runs: ScriptRuns) -> None:
+    logs, res = script_runs["trace_max_steps"]
     assert res.returncode == 0, res.stdout + res.stderr
     steps = data_lines(export_dir(logs, "t") / "step_time.jsonl")
     assert [s["step"] for s in steps] == [1, 2]

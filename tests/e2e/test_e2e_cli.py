@@ -4,7 +4,8 @@ Each test starts ``traceml run`` / ``traceml serve`` (and ``torchrun``) as
 subprocesses with an explicit environment (no inherited ``TRACEML_*``), in a
 temporary working directory, with logs under ``tmp_path``. Runs are kept short
 (a few steps, ``--interval 0.2``); nothing asserts on timing, and every process
-has a timeout.
+has a timeout. The plain runs of examples/train.py start two at a time when the module
+starts (the ``train_runs`` fixture), each read by its test.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import signal
 import socket
 import subprocess
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import orjson
 import psutil
@@ -69,10 +72,42 @@ def _check_step_time(lines: list[dict[str, object]], steps: int, ranks: int) -> 
 
 # --------------------------------------------------------------------------- runs
 
+TrainRuns = dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
 
-def test_one_rank_default_streams(tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
-    res = run_cli(train_run_args(logs, "one", "--exporter", "jsonl", steps=5), cwd=tmp_path)
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory: pytest.TempPathFactory) -> TrainRuns:
+    """run name -> its logs folder and ``traceml run``'s result: examples/train.py runs,
+    two at a time (a run is mostly its processes' start and torch's import)."""
+    root = tmp_path_factory.mktemp("train_runs")
+    options: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+        "one": (("--exporter", "jsonl"), {"steps": 5}),
+        "ddp": (
+            ("--nproc-per-node", "2", "--master-port", str(free_port()),
+             "--exporter", "jsonl", "--export-streams", "all"),
+            {"steps": 4},
+        ),
+        "host": (("--exporter", "jsonl", "--export-streams", "all", "--exporter-hostname"), {}),
+        "fail": (
+            ("--exporter", "jsonl", "--export-streams", "step_time,step_memory"),
+            {"steps": 6, "script_args": ["--fail-at-step", "3"]},
+        ),
+    }  # fmt: skip
+
+    def one(name: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+        folder = root / name
+        folder.mkdir()
+        flags, keywords = options[name]
+        logs = folder / "logs"
+        return logs, run_cli(train_run_args(logs, name, *flags, **keywords), cwd=folder)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(one, name) for name in options}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_one_rank_default_streams(train_runs: TrainRuns, tmp_path: Path) -> None:
+    logs, res = train_runs["one"]
     _ok(res)
     assert export_files(logs, "one") == {"step_time.jsonl"}
     path = export_dir(logs, "one") / "step_time.jsonl"
@@ -87,25 +122,9 @@ def test_one_rank_default_streams(tmp_path: Path) -> None:
     assert_valid(logs / "one", tmp_path)
 
 
-def test_two_ranks_ddp_all_streams(tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
+def test_two_ranks_ddp_all_streams(train_runs: TrainRuns, tmp_path: Path) -> None:
+    logs, res = train_runs["ddp"]
     steps = 4
-    res = run_cli(
-        train_run_args(
-            logs,
-            "ddp",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "--exporter",
-            "jsonl",
-            "--export-streams",
-            "all",
-            steps=steps,
-        ),
-        cwd=tmp_path,
-    )
     _ok(res)
     folder = export_dir(logs, "ddp")
     assert export_files(logs, "ddp") == ALL_JSONL
@@ -150,14 +169,10 @@ def test_two_ranks_ddp_all_streams(tmp_path: Path) -> None:
     assert_valid(logs / "ddp", tmp_path)
 
 
-def test_exporter_hostname_on_every_line_but_stdout_stderr(tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
-    res = run_cli(
-        train_run_args(
-            logs, "host", "--exporter", "jsonl", "--export-streams", "all", "--exporter-hostname"
-        ),
-        cwd=tmp_path,
-    )
+def test_exporter_hostname_on_every_line_but_stdout_stderr(
+    train_runs: TrainRuns, tmp_path: Path
+) -> None:
+    logs, res = train_runs["host"]
     _ok(res)
     folder = export_dir(logs, "host")
     assert export_files(logs, "host") == ALL_JSONL
@@ -179,21 +194,8 @@ def test_exporter_hostname_on_every_line_but_stdout_stderr(tmp_path: Path) -> No
     assert_valid(logs / "host", tmp_path)
 
 
-def test_script_failure_exit_code_and_closed_files(tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
-    res = run_cli(
-        train_run_args(
-            logs,
-            "fail",
-            "--exporter",
-            "jsonl",
-            "--export-streams",
-            "step_time,step_memory",
-            steps=6,
-            script_args=["--fail-at-step", "3"],
-        ),
-        cwd=tmp_path,
-    )
+def test_script_failure_exit_code_and_closed_files(train_runs: TrainRuns, tmp_path: Path) -> None:
+    logs, res = train_runs["fail"]
     _ok(res, 1)
     assert "failing on purpose at step 3" in res.stderr
     folder = export_dir(logs, "fail")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from bench.wandb_files import history, of_type, records, run_folders, wandb_env
 from tests.e2e_helpers import REPO, data_lines, free_port, run_cli, warning_file
-from tests.receivers.mlflow_server import mlflow_server, server_env
+from tests.receivers.mlflow_server import MlflowServer, server_env
 from traceml_ai.analysis import in_process as summary_keys
 from traceml_ai.monitor import tracker_metrics as tm
 from traceml_ai.monitor._tracker_tensorboard import SUMMARY_TAG
@@ -38,6 +39,9 @@ STEPS = 240
 """About 6 s of steps (rank 1 sleeps 20 ms in forward): the live straggler analysis
 (every 5 s) has run before the last points."""
 EVERY = 40
+DOWN_STEPS = 2 * EVERY
+"""The run with a tracker down: two points are enough to count (no straggler analysis
+is read), and a third of the steps."""
 STEP_EVENT = "_traceml_internal:step_time"
 FORWARD_EVENT = "_traceml_internal:forward_time"
 _CLIENT_VARIABLES = {"MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "NO_PROXY"}
@@ -48,7 +52,13 @@ def _ms(events: dict[str, Any], event: str) -> float:
     return max(float(t["duration_ms"]) for t in events[event].values())
 
 
-def _run(tmp_path: Path, run: str, *options: str, env: dict[str, str] | None = None) -> Any:
+def _run(
+    tmp_path: Path,
+    run: str,
+    *options: str,
+    env: dict[str, str] | None = None,
+    steps: int = STEPS,
+) -> Any:
     return run_cli(
         [
             "run",
@@ -73,7 +83,7 @@ def _run(tmp_path: Path, run: str, *options: str, env: dict[str, str] | None = N
             "--sleep-ms",
             "20",
             "--steps",
-            str(STEPS),
+            str(steps),
         ],
         cwd=tmp_path,
         env=env,
@@ -110,39 +120,151 @@ def _tracker_lines(stderr: str, name: str) -> list[str]:
     return [line for line in lines if line.startswith(f"traceml: {name}")]
 
 
-def test_a_plain_loop_gets_a_run_of_traceml_s_own_in_each_tracker(tmp_path: Path) -> None:
+def _framework_run(
+    tmp_path: Path, run: str, tracker: str, *script_args: str, env: dict[str, str] | None = None
+) -> Any:
+    return run_cli(
+        [
+            "run",
+            "--logs-dir",
+            tmp_path / "logs",
+            "--run-name",
+            run,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--exporter",
+            "jsonl",
+            "--tracker",
+            tracker,
+            "--tracker-every-steps",
+            str(FRAMEWORK_EVERY),
+            FRAMEWORKS,
+            *script_args,
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=240,
+    )
+
+
+def _step_medians(export: Path) -> dict[int, float]:
+    """step -> the median over both ranks of its step time, from step_time.jsonl."""
+    by_step: dict[int, list[float]] = {}
+    for line in data_lines(export / "step_time.jsonl"):
+        by_step.setdefault(line["step"], []).append(_ms(line["events"], STEP_EVENT))
+    return {step: statistics.median(times) for step, times in by_step.items() if len(times) == 2}
+
+
+Ran = dict[str, tuple[Path, Any]]
+
+
+@pytest.fixture(scope="module")
+def without_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """The two runs that need no MLflow server, together (each is mostly its processes'
+    start and imports; neither is read for its timings): name -> folder, result."""
+    lit, down = tmp_path_factory.mktemp("lit"), tmp_path_factory.mktemp("down")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        lit_run = pool.submit(
+            _framework_run,
+            lit,
+            "lit-run",
+            "tensorboard",
+            "lightning-tensorboard",
+            str(FRAMEWORK_STEPS),
+            str(lit / "tb"),
+        )
+        env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}  # nothing listens
+        down_run = pool.submit(
+            _run, down, "down", "--tracker", "mlflow,tensorboard", env=env, steps=DOWN_STEPS
+        )
+        return {"lit": (lit, lit_run.result()), "down": (down, down_run.result())}
+
+
+def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(
+    without_mlflow: Ran,
+) -> None:
+    """Lightning's TensorBoardLogger writes on rank 0 into lit/version_0; TraceML's
+    event file goes there too, so TensorBoard shows one run with both."""
+    folder, res = without_mlflow["lit"]
+    assert res.returncode == 0, res.stderr
+    assert "DONE" in res.stdout
+    log_dir = folder / "tb" / "lit" / "version_0"
+    reader = EventAccumulator(str(log_dir))
+    reader.Reload()
+    scalars = reader.Tags()["scalars"]
+    assert "loss" in scalars  # Lightning's own
+    expected = _step_medians(folder / "logs" / "lit-run" / "aggregator" / "export")
+    medians = {e.step: e.value for e in reader.Scalars(tm.STEP_TIME_MEDIAN.name)}
+    assert sorted(medians) == list(range(FRAMEWORK_EVERY, FRAMEWORK_STEPS + 1, FRAMEWORK_EVERY))
+    for step, value in medians.items():
+        assert value == pytest.approx(expected[step], rel=1e-6), step
+    assert reader.Tensors(SUMMARY_TAG)
+    assert json.loads((log_dir / tm.SUMMARY_ARTIFACT).read_text())["ranks"] == [0, 1]
+    # Nothing went to TraceML's own folder.
+    assert not (folder / "logs" / "lit-run" / "aggregator" / "tensorboard").exists()
+
+
+def test_a_tracker_that_is_down_costs_one_line_and_counted_points(without_mlflow: Ran) -> None:
+    folder, res = without_mlflow["down"]  # MLflow's URI: a port nothing listens on
+    assert res.returncode == 0, res.stderr
+    lines = _tracker_lines(res.stderr, "mlflow")
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("traceml: mlflow: could not open a run ("), res.stderr
+    assert "Traceback" not in res.stderr
+    aggregator = folder / "logs" / "down" / "aggregator"
+    assert len(_expected(aggregator / "export")) == DOWN_STEPS  # the files are whole
+    points = DOWN_STEPS // EVERY
+    stats = json.loads((aggregator / "stats.json").read_text())
+    assert stats["monitoring"]["by_sink"] == {"mlflow": {"points_not_logged": points}}
+    assert f"mlflow: {points} points not logged" in res.stderr  # the end of run says it
+    warning = warning_file(folder / "logs", "down")
+    assert warning is not None
+    assert warning["reason"] == "monitoring_incomplete"
+    assert warning["monitoring"]["by_sink"] == {"mlflow": {"points_not_logged": points}}
+    # The other tracker is not held back by the one that is down.
+    reader = EventAccumulator(str(aggregator / "tensorboard"))
+    reader.Reload()
+    assert len(reader.Scalars(tm.STEP_TIME_MEDIAN.name)) == points
+
+
+# -- MLflow (last: the session's server (tests/conftest.py) starts with the module) ----
+
+
+def test_a_plain_loop_gets_a_run_of_traceml_s_own_in_each_tracker(
+    tmp_path: Path, mlflow: MlflowServer
+) -> None:
     """No tracker run open in the script: TensorBoard's files in the run folder, a W&B
     offline run and an MLflow run named after the TraceML run, each with the same
     points as step_time.jsonl and the run summary at the end."""
     from mlflow.tracking import MlflowClient
 
-    store = tmp_path / "mlflow-store"
-    store.mkdir()
-    with mlflow_server(store) as server:
-        # W&B offline, its files under tmp_path, none of the machine's W&B settings;
-        # MLflow's own settings for the client (no telemetry, no proxy), not the rest
-        # of the test's environment: clean_env keeps this checkout first on the path.
-        env = wandb_env(tmp_path / "wb", WANDB_MODE="offline", WANDB_PROJECT="traceml-e2e")
-        env = {k: v for k, v in env.items() if k.startswith(("WANDB_", "HOME", "NETRC"))}
-        env.update({k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES})
-        env["MLFLOW_TRACKING_URI"] = server.url
-        env["MLFLOW_EXPERIMENT_NAME"] = "traceml-e2e"
-        res = _run(tmp_path, "tb", "--tracker", "tensorboard,wandb,mlflow", env=env)
-        assert res.returncode == 0, res.stderr
-        for name in ("tensorboard", "wandb", "mlflow"):
-            assert _tracker_lines(res.stderr, name) == [], res.stderr  # nothing of its own
-        assert "wandb:" not in res.stdout + res.stderr  # W&B's own lines stay off the terminal
-        client = MlflowClient(tracking_uri=server.url)
-        experiment = client.get_experiment_by_name("traceml-e2e")
-        assert experiment is not None
-        (run,) = client.search_runs(
-            [experiment.experiment_id], filter_string="attributes.run_name = 'tb'"
-        )
-        histories = {
-            name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
-            for name in (tm.STEP_TIME_MEDIAN.name, tm.RANK_STEP_TIME_MS.format(rank=1))
-        }
-        artifact = _artifact_json(client, run.info.run_id, tmp_path)
+    experiment_name = f"traceml-e2e-{tmp_path.name}"  # the session's server is shared
+    # W&B offline, its files under tmp_path, none of the machine's W&B settings;
+    # MLflow's own settings for the client (no telemetry, no proxy), not the rest
+    # of the test's environment: clean_env keeps this checkout first on the path.
+    env = wandb_env(tmp_path / "wb", WANDB_MODE="offline", WANDB_PROJECT="traceml-e2e")
+    env = {k: v for k, v in env.items() if k.startswith(("WANDB_", "HOME", "NETRC"))}
+    env.update({k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES})
+    env["MLFLOW_TRACKING_URI"] = mlflow.url
+    env["MLFLOW_EXPERIMENT_NAME"] = experiment_name
+    res = _run(tmp_path, "tb", "--tracker", "tensorboard,wandb,mlflow", env=env)
+    assert res.returncode == 0, res.stderr
+    for name in ("tensorboard", "wandb", "mlflow"):
+        assert _tracker_lines(res.stderr, name) == [], res.stderr  # nothing of its own
+    assert "wandb:" not in res.stdout + res.stderr  # W&B's own lines stay off the terminal
+    client = MlflowClient(tracking_uri=mlflow.url)
+    experiment = client.get_experiment_by_name(experiment_name)
+    assert experiment is not None
+    (run,) = client.search_runs(
+        [experiment.experiment_id], filter_string="attributes.run_name = 'tb'"
+    )
+    histories = {
+        name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+        for name in (tm.STEP_TIME_MEDIAN.name, tm.RANK_STEP_TIME_MS.format(rank=1))
+    }
+    artifact = _artifact_json(client, run.info.run_id, tmp_path)
     folder = tmp_path / "logs" / "tb" / "aggregator"
     expected = _expected(folder / "export")
     reader = EventAccumulator(str(folder / "tensorboard"))
@@ -207,45 +329,8 @@ def _artifact_json(client: Any, run_id: str, tmp_path: Path) -> Any:
     return json.loads(Path(local).read_text())
 
 
-def _framework_run(
-    tmp_path: Path, run: str, tracker: str, *script_args: str, env: dict[str, str] | None = None
-) -> Any:
-    return run_cli(
-        [
-            "run",
-            "--logs-dir",
-            tmp_path / "logs",
-            "--run-name",
-            run,
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "--exporter",
-            "jsonl",
-            "--tracker",
-            tracker,
-            "--tracker-every-steps",
-            str(FRAMEWORK_EVERY),
-            FRAMEWORKS,
-            *script_args,
-        ],
-        cwd=tmp_path,
-        env=env,
-        timeout=240,
-    )
-
-
-def _step_medians(export: Path) -> dict[int, float]:
-    """step -> the median over both ranks of its step time, from step_time.jsonl."""
-    by_step: dict[int, list[float]] = {}
-    for line in data_lines(export / "step_time.jsonl"):
-        by_step.setdefault(line["step"], []).append(_ms(line["events"], STEP_EVENT))
-    return {step: statistics.median(times) for step, times in by_step.items() if len(times) == 2}
-
-
 def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_runs(
-    tmp_path: Path,
+    tmp_path: Path, mlflow: MlflowServer
 ) -> None:
     """HF's MLflowCallback and WandbCallback open their runs on rank 0. TraceML logs
     into the MLflow run itself (no second run), beside the loss, and leaves ending it
@@ -253,36 +338,34 @@ def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_run
     names the script's."""
     from mlflow.tracking import MlflowClient
 
-    store = tmp_path / "mlflow-store"
-    store.mkdir()
-    with mlflow_server(store) as server:
-        env = {k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES}
-        env.update(wandb_env(tmp_path / "wb", WANDB_MODE="offline", WANDB_PROJECT="hf"))
-        env["MLFLOW_TRACKING_URI"] = server.url
-        env["MLFLOW_EXPERIMENT_NAME"] = "hf"
-        res = _framework_run(
-            tmp_path, "hf-run", "mlflow,wandb", "hf", str(FRAMEWORK_STEPS), "mlflow,wandb", env=env
-        )
-        assert res.returncode == 0, res.stderr
-        assert "DONE" in res.stdout
-        assert "Traceback" not in res.stderr
-        client = MlflowClient(tracking_uri=server.url)
-        experiment = client.get_experiment_by_name("hf")
-        assert experiment is not None
-        (run,) = client.search_runs([experiment.experiment_id])  # HF's, and no other
-        run_id = run.info.run_id
-        assert run.data.tags["traceml.run_dir"] == str(tmp_path / "logs" / "hf-run")
-        assert client.get_metric_history(run_id, "loss")  # HF's own metric
-        expected = _step_medians(tmp_path / "logs" / "hf-run" / "aggregator" / "export")
-        history_ml = {
-            m.step: m.value for m in client.get_metric_history(run_id, tm.STEP_TIME_MEDIAN.name)
-        }
-        due = list(range(FRAMEWORK_EVERY, FRAMEWORK_STEPS + 1, FRAMEWORK_EVERY))
-        assert sorted(history_ml) == due
-        for step, value in history_ml.items():
-            assert value == pytest.approx(expected[step], rel=1e-9), step
-        assert run.data.tags[tm.RANKS.name] == "2"
-        assert _artifact_json(client, run_id, tmp_path)["ranks"] == [0, 1]
+    experiment_name = f"hf-{tmp_path.name}"  # the session's server is shared
+    env = {k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES}
+    env.update(wandb_env(tmp_path / "wb", WANDB_MODE="offline", WANDB_PROJECT="hf"))
+    env["MLFLOW_TRACKING_URI"] = mlflow.url
+    env["MLFLOW_EXPERIMENT_NAME"] = experiment_name
+    res = _framework_run(
+        tmp_path, "hf-run", "mlflow,wandb", "hf", str(FRAMEWORK_STEPS), "mlflow,wandb", env=env
+    )
+    assert res.returncode == 0, res.stderr
+    assert "DONE" in res.stdout
+    assert "Traceback" not in res.stderr
+    client = MlflowClient(tracking_uri=mlflow.url)
+    experiment = client.get_experiment_by_name(experiment_name)
+    assert experiment is not None
+    (run,) = client.search_runs([experiment.experiment_id])  # HF's, and no other
+    run_id = run.info.run_id
+    assert run.data.tags["traceml.run_dir"] == str(tmp_path / "logs" / "hf-run")
+    assert client.get_metric_history(run_id, "loss")  # HF's own metric
+    expected = _step_medians(tmp_path / "logs" / "hf-run" / "aggregator" / "export")
+    history_ml = {
+        m.step: m.value for m in client.get_metric_history(run_id, tm.STEP_TIME_MEDIAN.name)
+    }
+    due = list(range(FRAMEWORK_EVERY, FRAMEWORK_STEPS + 1, FRAMEWORK_EVERY))
+    assert sorted(history_ml) == due
+    for step, value in history_ml.items():
+        assert value == pytest.approx(expected[step], rel=1e-9), step
+    assert run.data.tags[tm.RANKS.name] == "2"
+    assert _artifact_json(client, run_id, tmp_path)["ranks"] == [0, 1]
     # W&B: the script's offline run and TraceML's, which names it.
     by_name = {}
     for folder in run_folders(tmp_path / "wb"):
@@ -295,56 +378,3 @@ def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_run
     assert "loss" in history(script[1]) or "train/loss" in history(script[1])
     wb = history(found)
     assert [s for s, _ in wb[tm.STEP_TIME_MEDIAN.name]] == due
-
-
-def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(tmp_path: Path) -> None:
-    """Lightning's TensorBoardLogger writes on rank 0 into lit/version_0; TraceML's
-    event file goes there too, so TensorBoard shows one run with both."""
-    res = _framework_run(
-        tmp_path,
-        "lit-run",
-        "tensorboard",
-        "lightning-tensorboard",
-        str(FRAMEWORK_STEPS),
-        str(tmp_path / "tb"),
-    )
-    assert res.returncode == 0, res.stderr
-    assert "DONE" in res.stdout
-    log_dir = tmp_path / "tb" / "lit" / "version_0"
-    reader = EventAccumulator(str(log_dir))
-    reader.Reload()
-    scalars = reader.Tags()["scalars"]
-    assert "loss" in scalars  # Lightning's own
-    expected = _step_medians(tmp_path / "logs" / "lit-run" / "aggregator" / "export")
-    medians = {e.step: e.value for e in reader.Scalars(tm.STEP_TIME_MEDIAN.name)}
-    assert sorted(medians) == list(range(FRAMEWORK_EVERY, FRAMEWORK_STEPS + 1, FRAMEWORK_EVERY))
-    for step, value in medians.items():
-        assert value == pytest.approx(expected[step], rel=1e-6), step
-    assert reader.Tensors(SUMMARY_TAG)
-    assert json.loads((log_dir / tm.SUMMARY_ARTIFACT).read_text())["ranks"] == [0, 1]
-    # Nothing went to TraceML's own folder.
-    assert not (tmp_path / "logs" / "lit-run" / "aggregator" / "tensorboard").exists()
-
-
-def test_a_tracker_that_is_down_costs_one_line_and_counted_points(tmp_path: Path) -> None:
-    env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}  # nothing listens
-    res = _run(tmp_path, "down", "--tracker", "mlflow,tensorboard", env=env)
-    assert res.returncode == 0, res.stderr
-    lines = _tracker_lines(res.stderr, "mlflow")
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("traceml: mlflow: could not open a run ("), res.stderr
-    assert "Traceback" not in res.stderr
-    aggregator = tmp_path / "logs" / "down" / "aggregator"
-    assert len(_expected(aggregator / "export")) == STEPS  # the files are whole
-    points = STEPS // EVERY
-    stats = json.loads((aggregator / "stats.json").read_text())
-    assert stats["monitoring"]["by_sink"] == {"mlflow": {"points_not_logged": points}}
-    assert f"mlflow: {points} points not logged" in res.stderr  # the end of run says it
-    warning = warning_file(tmp_path / "logs", "down")
-    assert warning is not None
-    assert warning["reason"] == "monitoring_incomplete"
-    assert warning["monitoring"]["by_sink"] == {"mlflow": {"points_not_logged": points}}
-    # The other tracker is not held back by the one that is down.
-    reader = EventAccumulator(str(aggregator / "tensorboard"))
-    reader.Reload()
-    assert len(reader.Scalars(tm.STEP_TIME_MEDIAN.name)) == points

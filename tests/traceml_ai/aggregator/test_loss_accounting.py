@@ -271,10 +271,13 @@ _FAST_SCRIPT = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     import traceml_ai as traceml
+    from traceml_ai.rank._runtime import sdk
 
     stop, out = Path(sys.argv[1]), Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
     traceml.init()
+    sender = sdk._runtime.sender
+    dropped = out / f"dropped.{rank}"
     steps = 0
     deadline = time.monotonic() + 150
     while not stop.exists() and time.monotonic() < deadline:
@@ -282,6 +285,9 @@ _FAST_SCRIPT = textwrap.dedent(
             with traceml.trace_step():
                 pass
             steps += 1
+        # Tell the test once this rank's sender has dropped (the freeze did its work).
+        if not dropped.exists() and (sender.dropped_batches or sender.dropped_items):
+            dropped.touch()
     traceml.shutdown()
     (out / f"steps.{rank}").write_text(str(steps))
     """
@@ -337,8 +343,13 @@ def test_frozen_aggregator_rank_drops_are_reported(tmp_path: Path) -> None:
         wait_for(lambda: has_data_line(path), timeout=180, what="the first step_time line")
         aggregator = _aggregator_of(proc)
         aggregator.send_signal(signal.SIGSTOP)
-        # Longer than the sender's 2 s send timeout, several times over.
-        time.sleep(8.0)
+        # Frozen until both ranks' senders dropped (a send timed out after 2 s, or the
+        # queue was full), as each rank says: not a fixed wait.
+        wait_for(
+            lambda: all((tmp_path / f"dropped.{r}").exists() for r in range(2)),
+            timeout=120,
+            what="both ranks' senders to drop",
+        )
         aggregator.send_signal(signal.SIGCONT)
         aggregator = None
         stop.touch()

@@ -14,6 +14,8 @@ transformers is slow, so there are three runs, each checking several things:
 - explicit callback with the automatic attach off: a hook failure is reported
   once and training continues; evaluation's batches are dropped at ``on_evaluate``;
   the user's exception still propagates.
+
+The runs start two at a time when the module starts (the ``runs`` fixture).
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ from tests.integration_helpers import (
     FORWARD,
     OPTIMIZER,
     STEP,
+    Runs,
+    RunSpec,
     assert_all_streams_closed,
     calls,
     ddp_teardown,
     describe,
     integration_failures,
+    run_two_at_a_time,
     steps_by_rank,
     stream_lines,
-    traceml_run,
-    write_script,
 )
 
 pytest.importorskip("transformers")
@@ -150,15 +153,14 @@ finally:
 )
 
 
-def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "train_hf.py", ZERO_CODE)
-    res = traceml_run(tmp_path, script, "2", "4")
+def test_zero_code_one_process_accumulation_and_evaluation(runs: Runs) -> None:
+    folder, res = runs["zero_code"]
     assert res.returncode == 0, describe(res)
     assert "TRAINED True" in res.stdout, describe(res)
     assert not integration_failures(res.stderr), describe(res)
     assert "could not attach" not in res.stderr, describe(res)
 
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     # One line per optimizer update; the 2 micro-batches fold into it.
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     for line in lines:
@@ -176,58 +178,55 @@ def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> No
         # update's two micro-batches added up; evaluation's batches are not counted.
         assert line["tokens"] == 2 * 4 * 16, line
 
-    memory = stream_lines(tmp_path, "step_memory")
+    memory = stream_lines(folder, "step_memory")
     assert [m["step"] for m in memory] == [1, 2, 3, 4]
     assert {m["device"] for m in memory} == {"cpu"}
-    assert stream_lines(tmp_path, "process")
-    assert stream_lines(tmp_path, "runtime_environment")
-    assert_all_streams_closed(tmp_path)
-    assert_valid(export_dir(tmp_path / "logs", "run"), tmp_path)
+    assert stream_lines(folder, "process")
+    assert stream_lines(folder, "runtime_environment")
+    assert_all_streams_closed(folder)
+    assert_valid(export_dir(folder / "logs", "run"), folder)
 
 
-def test_zero_code_ddp_two_ranks(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "train_hf.py", ZERO_CODE)
-    res = traceml_run(tmp_path, script, "2", "3", nproc=2)
+def test_zero_code_ddp_two_ranks(runs: Runs) -> None:
+    folder, res = runs["ddp"]
     assert res.returncode == 0, describe(res)
     assert not integration_failures(res.stderr), describe(res)
     assert "could not attach" not in res.stderr, describe(res)
-    by_rank = steps_by_rank(tmp_path)
+    by_rank = steps_by_rank(folder)
     assert sorted(by_rank) == [0, 1]
     for lines in by_rank.values():
         assert [line["step"] for line in lines] == [1, 2, 3]
         for line in lines:
             assert calls(line, FORWARD) == 2 and calls(line, BACKWARD) == 2, line
             assert calls(line, OPTIMIZER) == 1, line
-    environments = stream_lines(tmp_path, "runtime_environment")
+    environments = stream_lines(folder, "runtime_environment")
     assert {e["global_rank"] for e in environments} == {0, 1}
     assert {e["world_size"] for e in environments} == {2}
     assert {e["training_strategy"] for e in environments} == {"ddp"}
-    memory = stream_lines(tmp_path, "step_memory")
+    memory = stream_lines(folder, "step_memory")
     assert sorted((m["global_rank"], m["step"]) for m in memory) == [
         (r, s) for r in (0, 1) for s in (1, 2, 3)
     ]
-    assert_all_streams_closed(tmp_path)
+    assert_all_streams_closed(folder)
 
 
-def test_zero_code_user_exception_propagates_and_run_is_finalized(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "train_hf_raises.py", ZERO_CODE_RAISES)
-    res = traceml_run(tmp_path, script)
+def test_zero_code_user_exception_propagates_and_run_is_finalized(runs: Runs) -> None:
+    folder, res = runs["raises"]
     assert res.returncode == 1, describe(res)
     assert "KeyError: 'user error at update 3'" in res.stderr, describe(res)
     assert not integration_failures(res.stderr), describe(res)
     assert "could not attach" not in res.stderr, describe(res)
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     # Updates 1 and 2 completed; the 3rd, which raised, ends as a raising
     # `with trace_step()` ends (recorded or dropped), never as a later step.
     assert [line["step"] for line in lines][:2] == [1, 2]
     assert len(lines) <= 3
-    assert_all_streams_closed(tmp_path)
-    assert not (tmp_path / "logs" / "run" / "finalization_warning.json").exists(), describe(res)
+    assert_all_streams_closed(folder)
+    assert not (folder / "logs" / "run" / "finalization_warning.json").exists(), describe(res)
 
 
-def test_explicit_callback_hook_fault_and_user_exception(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "train_hf_explicit.py", EXPLICIT)
-    res = traceml_run(tmp_path, script, env={"TRACEML_ZERO_CODE": "0"})
+def test_explicit_callback_hook_fault_and_user_exception(runs: Runs) -> None:
+    folder, res = runs["explicit"]
     # The user's exception propagates unchanged and fails the script...
     assert res.returncode == 1, describe(res)
     assert "ValueError: user error at update 5" in res.stderr, describe(res)
@@ -240,14 +239,14 @@ def test_explicit_callback_hook_fault_and_user_exception(tmp_path: Path) -> None
     ], describe(res)
     assert "HOOK_ERRORS 1" in res.stdout, describe(res)
     # Steps 1 and 2 were traced before the fault; the run was finalized.
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     assert [line["step"] for line in lines] == [1, 2]
     for line in lines:
         assert calls(line, FORWARD) == 2 and calls(line, OPTIMIZER) == 1, line
     # The evaluation after step 1 (3 batches) is dropped at on_evaluate, not in step 2.
     assert 1 <= calls(lines[1], DATALOADER) <= 3, lines[1]
-    assert_all_streams_closed(tmp_path)
-    assert not (tmp_path / "logs" / "run" / "finalization_warning.json").exists(), describe(res)
+    assert_all_streams_closed(folder)
+    assert not (folder / "logs" / "run" / "finalization_warning.json").exists(), describe(res)
 
 
 # The benches' switch (bench/overhead/workloads/one_in_k.py): every other update untraced.
@@ -266,13 +265,12 @@ sys.stdout.write("ALTERNATED\\n")
 )
 
 
-def test_alternate_switch_traces_every_other_update(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "alt_hf.py", ONE_IN_TWO)
-    res = traceml_run(tmp_path, script)
+def test_alternate_switch_traces_every_other_update(runs: Runs) -> None:
+    folder, res = runs["one_in_2"]
     assert res.returncode == 0, describe(res)
     assert "ALTERNATED" in res.stdout, describe(res)
     assert not integration_failures(res.stderr), describe(res)
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     # Updates 1 and 3 traced, 2 and 4 not: two steps, numbered on.
     assert [line["step"] for line in lines] == [1, 2]
     for line in lines:
@@ -280,4 +278,20 @@ def test_alternate_switch_traces_every_other_update(tmp_path: Path) -> None:
         assert calls(line, OPTIMIZER) == 1, line
         # The untraced update's fetches are not counted into the next traced step.
         assert 1 <= calls(line, DATALOADER) <= 3, line
-    assert_all_streams_closed(tmp_path)
+    assert_all_streams_closed(folder)
+
+
+# -- the runs ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every ``traceml run`` of this module, two at a time, each read by its test."""
+    specs = {
+        "zero_code": RunSpec("train_hf.py", ZERO_CODE, ("2", "4")),
+        "ddp": RunSpec("train_hf.py", ZERO_CODE, ("2", "3"), nproc=2),
+        "raises": RunSpec("train_hf_raises.py", ZERO_CODE_RAISES),
+        "explicit": RunSpec("train_hf_explicit.py", EXPLICIT, env={"TRACEML_ZERO_CODE": "0"}),
+        "one_in_2": RunSpec("alt_hf.py", ONE_IN_TWO),
+    }
+    return run_two_at_a_time(tmp_path_factory.mktemp("runs"), specs)

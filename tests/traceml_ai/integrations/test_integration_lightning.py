@@ -17,11 +17,15 @@ A small LightningModule trains on random data. Each run checks several things:
 - the benches' switch (bench/overhead/workloads/one_in_k.py): every other update traced;
 - in this process (no ``traceml run``): importing the integration wraps nothing, and
   the wraps install once and come off again.
+
+The runs start two at a time when the module starts (the ``runs`` fixture); a run read
+by several tests runs once.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_helpers import assert_valid, clean_env, export_dir
+from tests.e2e_helpers import REPO, assert_valid, clean_env, export_dir
 from tests.integration_helpers import (
     BACKWARD,
     DATALOADER,
@@ -37,11 +41,14 @@ from tests.integration_helpers import (
     OFFLINE_ENV,
     OPTIMIZER,
     STEP,
+    Runs,
+    RunSpec,
     assert_all_streams_closed,
     calls,
     ddp_teardown,
     describe,
     integration_failures,
+    run_two_at_a_time,
     steps_by_rank,
     stream_lines,
     traceml_run,
@@ -206,15 +213,14 @@ def test_validation_inside_an_accumulating_update_is_left_out_of_its_step(
         assert step["cpu_ms"] < 150, line
 
 
-def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
-    res = traceml_run(tmp_path, script, "2", "4", "-1")
+def test_zero_code_one_process_accumulation_and_evaluation(runs: Runs) -> None:
+    folder, res = runs["zero_code"]
     assert res.returncode == 0, describe(res)
     assert "TRAINED True" in res.stdout, describe(res)
     assert not integration_failures(res.stderr), describe(res)
     assert "could not attach" not in res.stderr, describe(res)
 
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     for line in lines:
         assert set(line["events"]) == {STEP, FORWARD, BACKWARD, OPTIMIZER, DATALOADER}, line
@@ -233,52 +239,49 @@ def test_zero_code_one_process_accumulation_and_evaluation(tmp_path: Path) -> No
         assert ms[FORWARD] + ms[BACKWARD] + ms[OPTIMIZER] <= ms[STEP], line
         # Tensor batches, no input_ids or attention_mask: no tokens said.
         assert "tokens" not in line, line
-    memory = stream_lines(tmp_path, "step_memory")
+    memory = stream_lines(folder, "step_memory")
     assert [m["step"] for m in memory] == [1, 2, 3, 4]
-    assert_all_streams_closed(tmp_path)
-    assert_valid(export_dir(tmp_path / "logs", "run"), tmp_path)
+    assert_all_streams_closed(folder)
+    assert_valid(export_dir(folder / "logs", "run"), folder)
 
 
-def test_zero_code_ddp_two_ranks(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
-    res = traceml_run(tmp_path, script, "2", "3", "-1", nproc=2)
+def test_zero_code_ddp_two_ranks(runs: Runs) -> None:
+    folder, res = runs["ddp"]
     assert res.returncode == 0, describe(res)
     assert not integration_failures(res.stderr), describe(res)
     assert "could not attach" not in res.stderr, describe(res)
-    by_rank = steps_by_rank(tmp_path)
+    by_rank = steps_by_rank(folder)
     assert sorted(by_rank) == [0, 1]
     for lines in by_rank.values():
         assert [line["step"] for line in lines] == [1, 2, 3]
         for line in lines:
             assert calls(line, FORWARD) == 2 and calls(line, BACKWARD) == 2, line
             assert calls(line, OPTIMIZER) == 1, line
-    environments = stream_lines(tmp_path, "runtime_environment")
+    environments = stream_lines(folder, "runtime_environment")
     assert {e["global_rank"] for e in environments} == {0, 1}
     assert {e["world_size"] for e in environments} == {2}
     assert "ddp" in {e["training_strategy"] for e in environments}
-    assert_all_streams_closed(tmp_path)
+    assert_all_streams_closed(folder)
 
 
-def test_zero_code_user_exception_propagates_and_run_is_finalized(tmp_path: Path) -> None:
+def test_zero_code_user_exception_propagates_and_run_is_finalized(runs: Runs) -> None:
     pytest.importorskip("pytorch_lightning")
-    script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
-    res = traceml_run(tmp_path, script, "1", "6", "2", env={"PL_PACKAGE": "pytorch_lightning"})
+    folder, res = runs["user_exception"]
     assert res.returncode == 1, describe(res)
     assert "'pytorch_lightning'" in res.stdout, describe(res)
     assert "'lightning'" not in res.stdout, describe(res)
     assert "KeyError: 'user error at update 3'" in res.stderr, describe(res)
     assert not integration_failures(res.stderr), describe(res)
     assert "could not attach" not in res.stderr, describe(res)
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     assert [line["step"] for line in lines][:2] == [1, 2]
     assert len(lines) <= 3
-    assert_all_streams_closed(tmp_path)
-    assert not (tmp_path / "logs" / "run" / "finalization_warning.json").exists(), describe(res)
+    assert_all_streams_closed(folder)
+    assert not (folder / "logs" / "run" / "finalization_warning.json").exists(), describe(res)
 
 
-def test_explicit_callback_hook_fault(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "train_pl_explicit.py", EXPLICIT)
-    res = traceml_run(tmp_path, script)
+def test_explicit_callback_hook_fault(runs: Runs) -> None:
+    folder, res = runs["explicit"]
     assert res.returncode == 0, describe(res)
     assert "STEPS 6 HOOK_ERRORS 1" in res.stdout, describe(res)
     assert "could not attach" not in res.stderr, describe(res)
@@ -287,9 +290,9 @@ def test_explicit_callback_hook_fault(tmp_path: Path) -> None:
         "(RuntimeError('injected hook fault')); TraceML stops tracing this run's steps "
         "and training continues"
     ], describe(res)
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     assert [line["step"] for line in lines] == [1, 2]
-    assert_all_streams_closed(tmp_path)
+    assert_all_streams_closed(folder)
 
 
 # Zero code, several fits in one process: the first raises inside fit() at its 2nd
@@ -356,18 +359,20 @@ sys.stdout.write(f"THIRD {third.global_step} HOOKS_AFTER_FAULT {hooks()}\\n")
 )
 
 
-def test_zero_code_is_no_callback_and_wraps_once(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "train_pl.py", ZERO_CODE)
-    res = traceml_run(tmp_path, script, "1", "2", "-1")
-    assert res.returncode == 0, describe(res)
-    assert "TRACEML_CALLBACKS []" in res.stdout, describe(res)
-    (lines,) = steps_by_rank(tmp_path).values()
-    assert [line["step"] for line in lines] == [1, 2]
+def test_zero_code_is_no_callback_and_wraps_once(runs: Runs) -> None:
+    # The one-process zero-code run (also read by the accumulation test); the
+    # two-rank run says the same on each rank.
+    for name in ("zero_code", "ddp"):
+        folder, res = runs[name]
+        assert res.returncode == 0, describe(res)
+        assert "TRACEML_CALLBACKS []" in res.stdout, describe(res)
+        assert "TRACEML_CALLBACKS ['" not in res.stdout, describe(res)  # on no rank
+        # ... and yet its updates are traced (each run's own test checks every step).
+        assert steps_by_rank(folder), describe(res)
 
 
-def test_zero_code_refit_after_exception_and_own_fault(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "refit_pl.py", REFIT)
-    res = traceml_run(tmp_path, script)
+def test_zero_code_refit_after_exception_and_own_fault(runs: Runs) -> None:
+    folder, res = runs["refit"]
     assert res.returncode == 0, describe(res)
     assert "CAUGHT 'user error at update 2'" in res.stdout, describe(res)
     assert "WRAPPED_ONCE True" in res.stdout, describe(res)
@@ -384,7 +389,7 @@ def test_zero_code_refit_after_exception_and_own_fault(tmp_path: Path) -> None:
         "(RuntimeError('injected fault')); TraceML stops tracing this run's steps "
         "and training continues"
     ], describe(res)
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     # First fit: update 1 (update 2 raised: discarded). Second fit: 3 updates. Third
     # fit: end() raised at its first update (fit's start called it once before); the
     # guard's clean-up closed that step; nothing is traced after it.
@@ -393,7 +398,7 @@ def test_zero_code_refit_after_exception_and_own_fault(tmp_path: Path) -> None:
         assert set(line["events"]) == {STEP, FORWARD, BACKWARD, OPTIMIZER, DATALOADER}, line
         assert calls(line, FORWARD) == 1 and calls(line, BACKWARD) == 1, line
         assert calls(line, OPTIMIZER) == 1, line
-    assert_all_streams_closed(tmp_path)
+    assert_all_streams_closed(folder)
 
 
 # Manual optimization, zero code: the user's training_step steps the optimizer every
@@ -428,33 +433,27 @@ sys.stdout.write(f"HOOKS_IN_FIT {sorted(hooks_in_fit)}\\n")
 )
 
 
-def test_zero_code_manual_optimization_times_the_optimizer_with_its_hooks(
-    tmp_path: Path,
-) -> None:
-    script = write_script(tmp_path, "manual_pl.py", MANUAL)
-    res = traceml_run(tmp_path, script)
+def test_zero_code_manual_optimization_times_the_optimizer_with_its_hooks(runs: Runs) -> None:
+    folder, res = runs["manual"]
     assert res.returncode == 0, describe(res)
     assert not integration_failures(res.stderr), describe(res)
     assert "HOOKS_IN_FIT [(1, 1)]" in res.stdout, describe(res)
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     # Two batches per update (the second steps the optimizer): 3 updates.
     assert [line["step"] for line in lines] == [1, 2, 3]
     for line in lines:
         assert calls(line, BACKWARD) == 2 and calls(line, OPTIMIZER) == 1, line
         ms = {name: line["events"][name]["cpu"]["cpu_ms"] for name in line["events"]}
         assert ms[BACKWARD] + ms[OPTIMIZER] <= ms[STEP], line
-    assert_all_streams_closed(tmp_path)
+    assert_all_streams_closed(folder)
 
 
 @pytest.mark.parametrize(("one_in", "traced"), [(2, 3), (4, 2)])
-def test_bench_switch_traces_one_update_in_k(tmp_path: Path, one_in: int, traced: int) -> None:
-    script = write_script(tmp_path, "alt_pl.py", REFIT)
-    workloads = Path(__file__).resolve().parents[3] / "bench" / "overhead" / "workloads"
-    env = {"TRACE_ONE_IN": str(one_in), "BENCH_WORKLOADS": str(workloads)}
-    res = traceml_run(tmp_path, script, env=env)
+def test_bench_switch_traces_one_update_in_k(runs: Runs, one_in: int, traced: int) -> None:
+    folder, res = runs[f"one_in_{one_in}"]
     assert res.returncode == 0, describe(res)
     assert "ALTERNATED" in res.stdout, describe(res)
-    (lines,) = steps_by_rank(tmp_path).values()
+    (lines,) = steps_by_rank(folder).values()
     # 6 updates: 1, 3, 5 traced (one in 2), or 1 and 5 (one in 4); numbered on.
     assert [line["step"] for line in lines] == list(range(1, traced + 1))
     for line in lines:
@@ -574,3 +573,32 @@ sys.stdout.write("TRAINED\\\\n")
     warned = [line for line in res.stderr.splitlines() if "TraceML export is off" in line]
     assert len(warned) == 1, describe(res)
     assert f"{script}:{fit_line + 1}: TraceMLWarning:" in warned[0], describe(res)
+
+
+# -- the runs ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every ``traceml run`` of this module that times nothing against a sleep, two at a
+    time, each read by its tests. The mid-update validation runs compare a step's time
+    with a validation's sleep, so they run alone in their test."""
+    workloads = REPO / "bench" / "overhead" / "workloads"
+    specs = {
+        "zero_code": RunSpec("train_pl.py", ZERO_CODE, ("2", "4", "-1")),
+        "ddp": RunSpec("train_pl.py", ZERO_CODE, ("2", "3", "-1"), nproc=2),
+        "explicit": RunSpec("train_pl_explicit.py", EXPLICIT),
+        "refit": RunSpec("refit_pl.py", REFIT),
+        "manual": RunSpec("manual_pl.py", MANUAL),
+        **{
+            f"one_in_{k}": RunSpec(
+                "alt_pl.py", REFIT, env={"TRACE_ONE_IN": str(k), "BENCH_WORKLOADS": str(workloads)}
+            )
+            for k in (2, 4)
+        },
+    }
+    if importlib.util.find_spec("pytorch_lightning") is not None:  # else its test skips
+        specs["user_exception"] = RunSpec(
+            "train_pl.py", ZERO_CODE, ("1", "6", "2"), env={"PL_PACKAGE": "pytorch_lightning"}
+        )
+    return run_two_at_a_time(tmp_path_factory.mktemp("runs"), specs)

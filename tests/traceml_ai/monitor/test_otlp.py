@@ -34,7 +34,7 @@ from tests.e2e_helpers import (
     traceml_cmd,
     warning_file,
 )
-from tests.receivers.mlflow_server import MlflowServer, server_env, start_mlflow_server
+from tests.receivers.mlflow_server import MlflowServer, server_env
 from tests.receivers.otlp_sink import OtlpReceiver, ReceivedSpan
 from traceml_ai.analysis._phases import step_row
 from traceml_ai.monitor import Monitoring, RunInfo, SinkStartError, otlp, otlp_sink
@@ -713,35 +713,7 @@ def test_run_with_traces_receiver_killed_and_metrics_receiver_slow(tmp_path: Pat
     assert warning["monitoring"]["by_sink"]["otlp"] == lost
 
 
-# -- MLflow (last: its server starts with the module) -----------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _mlflow_started(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[MlflowServer | None]:
-    """Start the MLflow server when the module starts (if a test of this module that
-    needs it was selected): its slow start overlaps the tests before it."""
-    wanted = any(
-        "mlflow" in getattr(item, "fixturenames", ())
-        and getattr(item, "module", None) is request.module
-        for item in request.session.items
-    )
-    if not wanted:
-        yield None
-        return
-    server = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def mlflow(_mlflow_started: MlflowServer | None) -> MlflowServer:
-    assert _mlflow_started is not None
-    _mlflow_started.wait_ready()
-    return _mlflow_started
+# -- MLflow (last: the session's server (tests/conftest.py) starts with the module) ----
 
 
 def test_run_traces_in_mlflow_with_the_metrics_receiver_down(

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import pytest
 
 from bench.wandb_files import history, of_type, records, run_folders, wandb_env
 from tests.e2e_helpers import PY, REPO, clean_env
-from tests.receivers.mlflow_server import MlflowServer, mlflow_server, server_env
+from tests.receivers.mlflow_server import MlflowServer, server_env
 from traceml_ai.monitor import tracker_metrics as tm
 
 pytestmark = pytest.mark.slow
@@ -48,15 +46,6 @@ def _python(code: str, env: dict[str, str], *args: str) -> subprocess.CompletedP
 
 def _last_json(stdout: str) -> Any:
     return json.loads(stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[MlflowServer]:
-    with (
-        tempfile.TemporaryDirectory(prefix="mlflow-") as folder,
-        mlflow_server(Path(folder)) as running,
-    ):
-        yield running
 
 
 def _mlflow_env(server: MlflowServer, experiment: str) -> dict[str, str]:
@@ -114,7 +103,7 @@ print(json.dumps({"a": logged(a), "b": logged(b), "by_sink": dict(loss.by_sink),
 
 
 def test_points_after_the_script_ended_its_run_go_to_the_run_it_opens_next(
-    tmp_path: Path, server: MlflowServer
+    tmp_path: Path, mlflow: MlflowServer
 ) -> None:
     """The script ends its MLflow run and opens another; rank 0 tells the new one a
     sampling interval later. The points of the steps after the end wait for it and go
@@ -122,7 +111,7 @@ def test_points_after_the_script_ended_its_run_go_to_the_run_it_opens_next(
     it keeps the points that come after its end (HF ends its run before TraceML's last
     point)."""
     experiment = f"next-{tmp_path.name}"
-    env = _mlflow_env(server, experiment)  # TraceML's own run would go there too
+    env = _mlflow_env(mlflow, experiment)  # TraceML's own run would go there too
     result = _python(_NEXT_RUN, env, str(tmp_path / "run"), experiment)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
@@ -160,12 +149,12 @@ print(json.dumps({"name": run.info.run_name, "tag": run.data.tags.get("mlflow.ru
 
 @pytest.mark.parametrize("gone", ["deleted", "0123456789abcdef0123456789abcdef"])
 def test_a_scripts_run_that_is_gone_leaves_the_points_in_a_run_named_after_traceml_s(
-    tmp_path: Path, server: MlflowServer, gone: str
+    tmp_path: Path, mlflow: MlflowServer, gone: str
 ) -> None:
     """The script's run was deleted, or was never on the server: one line, and TraceML's
     own run takes the points under the TraceML run's name, as docs/trackers.md says."""
     experiment = f"gone-{tmp_path.name}"
-    env = _mlflow_env(server, experiment)  # TraceML's own run goes there too
+    env = _mlflow_env(mlflow, experiment)  # TraceML's own run goes there too
     result = _python(_GONE, env, str(tmp_path / "run"), experiment, gone)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -295,12 +284,12 @@ print(json.dumps({"own": [(r.info.run_name, r.info.status, r.data.tags.get("trac
 
 
 def test_a_scripts_run_deleted_after_joining_sends_the_later_points_to_traceml_s_own(
-    tmp_path: Path, server: MlflowServer
+    tmp_path: Path, mlflow: MlflowServer
 ) -> None:
     """The script's run is deleted while TraceML logs into it: one line, and the points
     from then on (and the summary) go to a run of TraceML's own, none lost."""
     experiment = f"deleted-{tmp_path.name}"
-    env = _mlflow_env(server, experiment)
+    env = _mlflow_env(mlflow, experiment)
     result = _python(_DELETED_AFTER_JOINING, env, str(tmp_path / "run"), experiment)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
