@@ -26,7 +26,7 @@ Light to import: orjson only (never torch, never pyarrow).
 
 from traceml_ai.analysis._causes import Coordinates, Layout, layout_of
 from traceml_ai.analysis._columns import RankColumns, StepColumns, StepRow, rank_columns_of
-from traceml_ai.analysis._figures import step_figures, step_series
+from traceml_ai.analysis._figures import rank_phases, step_figures, step_series
 from traceml_ai.analysis._loss import WARNING_FILE
 from traceml_ai.analysis._model import (
     DevicePeak,
@@ -133,6 +133,7 @@ __all__ = [
     "percentile",
     "phase_name",
     "rank_columns_of",
+    "rank_phases",
     "step_figures",
     "step_row",
     "step_series",

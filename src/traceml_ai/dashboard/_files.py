@@ -18,8 +18,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from traceml_ai.analysis import PhaseFigures, RankColumns, RunReader, RunSummary, SummaryError
-from traceml_ai.analysis._figures import rank_phases
+from traceml_ai.analysis import (
+    PhaseFigures,
+    RankColumns,
+    RunReader,
+    RunSummary,
+    SummaryError,
+    rank_phases,
+)
 from traceml_ai.dashboard._view import RunData
 
 __all__ = ["MIN_AGE_S", "FilesSource", "RankPhases", "check_folder"]
@@ -42,7 +48,7 @@ class RankPhases(Mapping[str, Mapping[str, PhaseFigures]]):
     """rank (str) -> its phase breakdown, made from its step columns when first asked
     for, then kept: the page reads its tables' ranks' (at most ``MAX_TABLE_ROWS``), and
     a 1,024-rank breakdown is about 4 % of the summary's time. Any rank's is the
-    summary's own (:func:`~traceml_ai.analysis._figures.rank_phases`)."""
+    summary's own (:func:`~traceml_ai.analysis.rank_phases`)."""
 
     def __init__(
         self, rows: Mapping[int, RankColumns], names: Sequence[str], ranks: Sequence[str]
