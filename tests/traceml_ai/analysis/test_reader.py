@@ -265,7 +265,7 @@ def _same_columns(got: StepColumns, want: StepColumns) -> None:
         assert (g.waits, g.op_waits) == ({}, {}), r
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(deadline=None, suppress_health_check=list(HealthCheck))  # examples: the profile's
 @given(data=st.data())
 def test_the_step_columns_are_what_step_row_makes_of_the_lines(data: st.DataObject) -> None:
     """Valid step_time lines of a few ranks, steps out of order and repeated, user phases
