@@ -10,8 +10,8 @@ with the run's ranks, nodes and GPUs, never with its lines.
 * :class:`GpuTotals` (``system_gpu``), per node and GPU: utilization sum and count, the
   largest memory used and total, temperature and power.
 
-:func:`process_figures` and :func:`node_figures` make the summary's typed figures of
-them; each call sees everything added so far and changes nothing, so a followed run
+:meth:`ProcessTotals.figures` and :func:`node_figures` make the summary's typed
+figures of them; each call sees everything added so far and changes nothing, so a followed run
 can be summarized again after every read.
 
 Light to import: the package's own modules only.
@@ -112,7 +112,7 @@ class _Rank:
 
 
 class ProcessTotals:
-    """Per rank, the running figures of the process lines (:func:`process_figures`).
+    """Per rank, the running figures of the process lines (:meth:`figures`).
 
     A ``cpu_percent`` above 100 % per logical core of the host cannot be (older samplers
     wrote such values) and is left out. A line without ``cpu_logical_cores`` takes the
@@ -138,7 +138,7 @@ class ProcessTotals:
         if own:
             known = self._node_cores.get(node)
             if known is None or cores > known:
-                self._node_cores[node] = max(known or 0, cores)
+                self._node_cores[node] = cores
                 self._release(node)
         rank = obj.get("global_rank")
         if not isinstance(rank, int):
@@ -209,52 +209,42 @@ class ProcessTotals:
         return sum(len(by) for ranks in self._held.values() for by in ranks.values())
 
     def figures(self) -> dict[str, ProcessFigures]:
-        """See :func:`process_figures`."""
-        return _process_figures(self._ranks, self._node_cores, self._held)
-
-
-def process_figures(totals: ProcessTotals) -> dict[str, ProcessFigures]:
-    """Per rank: CPU (mean, max, the impossible samples left out), the host's cores,
-    the largest RSS and GPU memory."""
-    return totals.figures()
-
-
-def _process_figures(
-    ranks: dict[int, _Rank],
-    node_cores: dict[Hashable, int],
-    held_by_node: dict[Hashable, dict[int, dict[int, _Held]]],
-) -> dict[str, ProcessFigures]:
-    out: dict[str, ProcessFigures] = {}
-    for rank in sorted(ranks):
-        r = ranks[rank]
-        total, count, top, bad = r.cpu_sum, r.cpu_count, r.cpu_max, r.impossible
-        cores = r.cores
-        for node in sorted(r.nodes_without_cores, key=repr):
-            theirs = node_cores.get(node)
-            if theirs is not None:
-                cores = theirs if cores is None else max(cores, theirs)
-            limit = theirs or MAX_PLAUSIBLE_CORES
-            for need, held in sorted(held_by_node.get(node, {}).get(rank, {}).items()):
-                if need <= limit:
-                    total += held.total
-                    count += held.count
-                    if held.top is not None:
-                        top = _higher(top, held.top)
-                else:
-                    bad += held.count
-        out[str(rank)] = ProcessFigures(
-            samples=r.samples,
-            cpu_percent_mean=rounded(total / count, 1) if count else None,
-            cpu_percent_max=rounded(top, 1) if top is not None else None,
-            cpu_percent_impossible_samples=bad,
-            cpu_logical_cores=cores,
-            ram_used_bytes_max=int(r.ram_max) if r.ram_max is not None else 0,
-            gpu_memory_used_bytes_max=int(r.gpu_used_max) if r.gpu_used_max is not None else None,
-            gpu_memory_reserved_bytes_max=(
-                int(r.gpu_reserved_max) if r.gpu_reserved_max is not None else None
-            ),
-        )
-    return out
+        """Per rank: CPU (mean, max, the impossible samples left out), the host's cores,
+        the largest RSS and GPU memory."""
+        out: dict[str, ProcessFigures] = {}
+        for rank in sorted(self._ranks):
+            r = self._ranks[rank]
+            total, count, top, bad = r.cpu_sum, r.cpu_count, r.cpu_max, r.impossible
+            cores = r.cores
+            for node in sorted(r.nodes_without_cores, key=repr):
+                theirs = self._node_cores.get(node)
+                if theirs is not None:
+                    cores = theirs if cores is None else max(cores, theirs)
+                # Still held: above the node's count, or its node never said one.
+                limit = theirs or MAX_PLAUSIBLE_CORES
+                for need, held in sorted(self._held.get(node, {}).get(rank, {}).items()):
+                    if need <= limit:
+                        total += held.total
+                        count += held.count
+                        if held.top is not None:
+                            top = _higher(top, held.top)
+                    else:
+                        bad += held.count
+            out[str(rank)] = ProcessFigures(
+                samples=r.samples,
+                cpu_percent_mean=rounded(total / count, 1) if count else None,
+                cpu_percent_max=rounded(top, 1) if top is not None else None,
+                cpu_percent_impossible_samples=bad,
+                cpu_logical_cores=cores,
+                ram_used_bytes_max=int(r.ram_max) if r.ram_max is not None else 0,
+                gpu_memory_used_bytes_max=(
+                    int(r.gpu_used_max) if r.gpu_used_max is not None else None
+                ),
+                gpu_memory_reserved_bytes_max=(
+                    int(r.gpu_reserved_max) if r.gpu_reserved_max is not None else None
+                ),
+            )
+        return out
 
 
 class _Node:
