@@ -71,12 +71,15 @@ WHEELS_EXIT = 4
 LANES = ("default", "pure")
 """``default``: the C extensions built, as a default install runs TraceML; ``pure``:
 ``TRACEML_PURE_PYTHON=1``."""
-EXTENSIONS = (
+RANK_EXTENSIONS = (
     "traceml_records._speedups",
     "traceml_ai.rank._timing.hotpath",
     "traceml_ai.transport._nowait",
 )
-"""The C extensions of setup.py, each of which the default lane must load."""
+"""The C extensions a rank loads: each check's workload must have run with them."""
+EXTENSIONS = (*RANK_EXTENSIONS, "traceml_ai.transport._cut")
+"""The C extensions of setup.py, each of which the default lane must build and load (the
+aggregator's, such as ``_cut``, only there: a check's workload is a rank)."""
 
 _print_lock = threading.Lock()
 
@@ -278,7 +281,7 @@ def base_problems(ctx: Ctx, run: Run, need_result: bool = True) -> list[str]:
     problems += judge.warning_problems(run.log)
     if run.result is not None and "extensions" in run.result:
         build = None if ctx.build_src is None else str(ctx.build_src)
-        problems += judge.extension_problems(run.result["extensions"], EXTENSIONS, build)
+        problems += judge.extension_problems(run.result["extensions"], RANK_EXTENSIONS, build)
     return problems
 
 

@@ -102,6 +102,46 @@ class BoundedBatchQueue(Generic[T]):
                 self.cond.notify()
             return True
 
+    def put_many(self, items: list[T]) -> int:
+        """Queue ``items`` in order, each as :meth:`put` would, under one hold of the
+        lock (one wake-up of a waiting consumer); how many were queued."""
+        sizes: list[object] = []
+        for item in items:
+            try:
+                sizes.append(item.nbytes)
+            except Exception:
+                sizes.append(None)
+        queued_items = 0
+        with self.cond:
+            queue = self._items
+            was_empty = not queue
+            queued = self._nbytes
+            for item, nbytes in zip(items, sizes, strict=True):
+                if type(nbytes) is not int or nbytes < 0:
+                    self._dropped += 1
+                    continue
+                if (
+                    self._closed
+                    or len(queue) >= self._max_items
+                    or queued + nbytes > self._max_bytes
+                ):
+                    self._dropped += 1
+                    self._dropped_nbytes += nbytes
+                    continue
+                queue.append(item)
+                queued += nbytes
+                queued_items += 1
+            if queued_items:
+                self._nbytes = queued
+                n = len(queue)
+                if n > self._hw_items:
+                    self._hw_items = n
+                if queued > self._hw_bytes:
+                    self._hw_bytes = queued
+                if was_empty:
+                    self.cond.notify()
+        return queued_items
+
     # -- consumer (call with ``cond`` held) -----------------------------------------------
 
     def take(self) -> T | None:

@@ -8,9 +8,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from traceml_ai._queue import BoundedBatchQueue
 
@@ -205,6 +208,57 @@ def test_put_wakes_a_consumer_waiting_on_an_empty_queue_and_close_wakes_them_all
         t.join(max(0.0, deadline - time.monotonic()))
     assert not any(t.is_alive() for t in waiters)
     assert sorted(woke[1:]) == ["w0:closed", "w1:closed", "w2:closed"]
+
+
+def _figures(q: BoundedBatchQueue[Any]) -> tuple[Any, ...]:
+    with q.cond:
+        names = [getattr(item, "name", "?") for item in q.take_all()]
+    return (names, q.dropped, q.dropped_nbytes, q.high_water_items, q.high_water_bytes)
+
+
+_SIZES = st.one_of(st.integers(0, 40), st.sampled_from([-1, None, "3", 1.5, "broken"]))
+
+
+@given(
+    st.lists(st.lists(_SIZES, max_size=6), max_size=6),
+    st.integers(0, 5),
+    st.integers(1, 8),
+    st.integers(1, 90),
+)
+def test_put_many_is_put_of_each_in_order(
+    groups: list[list[Any]], close_after: int, max_items: int, max_bytes: int
+) -> None:
+    one, many = _queue(max_items, max_bytes), _queue(max_items, max_bytes)
+    for g, sizes in enumerate(groups):
+        if g == close_after:
+            for q in (one, many):
+                with q.cond:
+                    q.close()
+        items: list[Any] = [
+            _Broken() if size == "broken" else Item(f"g{g}i{k}", nbytes=size)
+            for k, size in enumerate(sizes)
+        ]
+        queued = many.put_many(items)
+        assert queued == sum(one.put(item) for item in items)
+    assert _figures(many) == _figures(one)
+
+
+def test_put_many_wakes_a_consumer_waiting_on_an_empty_queue() -> None:
+    q = _queue()
+    woke: list[list[str]] = []
+
+    def consume() -> None:
+        with q.cond:
+            while not q:
+                q.cond.wait(30.0)  # longer than the join below: only a wake-up helps
+            woke.append([item.name for item in q.take_all()])
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    time.sleep(0.05)
+    assert q.put_many([Item("a"), Item("b", nbytes=10**9), Item("c")]) == 2
+    consumer.join(5.0)
+    assert woke == [["a", "c"]] and q.dropped == 1
 
 
 # -- concurrency ---------------------------------------------------------------------------

@@ -177,6 +177,7 @@ class Aggregator:
             self.config.port,
             self.config.token,
             on_batch=self._on_batch,
+            on_batches=self._on_batches,
             on_finished=self._on_finished,
             on_tracker_runs=self._on_tracker_runs,
             on_relay=self._on_relay,
@@ -274,6 +275,21 @@ class Aggregator:
                     return
         if self._pipeline is not None:
             self._pipeline.submit(batch)
+
+    def _on_batches(self, batches: list[ReceivedBatch]) -> None:
+        """What one read of a connection brought: handed on together (one lock round
+        of the export's queue, not one per batch)."""
+        monitoring = self._monitoring
+        if monitoring is not None:
+            for batch in batches:
+                monitoring.submit(batch)
+        if not self._export_started:
+            with self._lock:
+                if not self._export_started:
+                    self._early_batches.extend(batches)
+                    return
+        if self._pipeline is not None:
+            self._pipeline.submit_many(batches)
 
     def _on_finished(self, message: dict[str, Any]) -> None:
         rank = self._note_identity(message.get("identity"))

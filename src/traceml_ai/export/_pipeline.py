@@ -83,6 +83,10 @@ class ExportPipeline:
         """Queue a received batch; never blocks, never raises (a full queue drops it)."""
         self._worker.submit(batch)
 
+    def submit_many(self, batches: list[ReceivedBatch]) -> None:
+        """Queue received batches in order (one lock round); as :meth:`submit` each."""
+        self._worker.submit_many(batches)
+
     def set_rank_dropped_batches(self, batches: int) -> None:
         """Batches the ranks reported dropping; they join ``dropped_batches`` (see
         :meth:`ExportWorker.set_rank_dropped_batches`). Call it before :meth:`finalize`."""

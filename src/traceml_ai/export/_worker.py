@@ -236,6 +236,10 @@ class ExportWorker:
         """
         self._queue.put(batch)
 
+    def submit_many(self, batches: list[ReceivedBatch]) -> None:
+        """Queue ``batches`` in order, each as :meth:`submit` would (one lock round)."""
+        self._queue.put_many(batches)
+
     @property
     def max_queue_batches(self) -> int:
         """The queue's bound in batches."""

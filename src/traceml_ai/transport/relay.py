@@ -50,6 +50,7 @@ import attrs
 from traceml_ai.transport.server import AggregatorServer, Connection, LoopRunner
 from traceml_ai.transport.wire import (
     BATCH_GLOBAL_RANK,
+    BATCH_RANK_SPAN,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
     FrameError,
@@ -133,6 +134,13 @@ class _Intake(AggregatorServer):
 
     # A relay below this one: its frames are forwarded all the same.
     _relayed_frame = _frame
+
+    def _take_relayed(self, batches: list[tuple[bytes, int, int]], observed: int) -> None:
+        # The plain batches of a relay below this one, cut out of its chunk together.
+        put = self._relay._put_batch
+        for body, length, _ in batches:
+            put(FRAME_HEADER.pack(length) + body)
+        self._accepted_batches += len(batches)
 
 
 def _ignore(_: Any) -> None:
@@ -321,7 +329,9 @@ class Relay:
     def _drop_batch(self, frame: bytes) -> None:
         """Count a batch frame (header included) the relay will not forward."""
         self._dropped_batches += 1
-        match = BATCH_GLOBAL_RANK.search(frame, FRAME_HEADER.size, self._batch_head + 4096)
+        match = BATCH_GLOBAL_RANK.search(
+            frame, FRAME_HEADER.size, self._batch_head + BATCH_RANK_SPAN
+        )
         stream = peek_batch_stream(frame[FRAME_HEADER.size : self._batch_head + 64])
         if match is not None and stream is not None:
             by_stream = self._dropped.setdefault(int(match.group(1)), {})

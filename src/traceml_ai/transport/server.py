@@ -52,8 +52,11 @@ from typing import Any, TypeVar, cast
 
 import orjson
 
+from traceml_ai.transport import _cut_py
 from traceml_ai.transport.wire import (
     BATCH_GLOBAL_RANK,
+    BATCH_RANK_SPAN,
+    BATCH_STREAM_TAILS,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
     FrameError,
@@ -65,6 +68,7 @@ from traceml_ai.transport.wire import (
     make_relay_message,
     make_tracker_runs_message,
 )
+from traceml_records.internal import load_extension
 
 __all__ = [
     "AggregatorServer",
@@ -77,6 +81,12 @@ __all__ = [
 _T = TypeVar("_T")
 
 _HEADER_SIZE = FRAME_HEADER.size
+# The one choice of the chunk cutter: _cut.c, or its pure-Python twin (the reference).
+_CUT: Any = load_extension("traceml_ai.transport._cut")
+_cut_batches: Callable[..., tuple[list[tuple[bytes, int, int]], int, int]] = (
+    _CUT.cut_batches if _CUT is not None else _cut_py.cut_batches
+)
+_CUT_NEED_MORE = _cut_py.NEED_MORE
 _unpack_header = FRAME_HEADER.unpack_from
 
 
@@ -363,6 +373,7 @@ class Connection(asyncio.Protocol):
         self.rank: int | str | None = None
         # How each frame after the first is handled: a rank's own connection or a relay's.
         self.handle = server._frame
+        self.relayed = False
         # Batch frames accepted on it, added to its rank's tally when it closes.
         self.batches = 0
         # While held behind an older connection of the same rank: the unread bytes.
@@ -417,10 +428,28 @@ class Connection(asyncio.Protocol):
                 return  # still inside the frame: no copy until it is complete
             data = bytes(pending)
             pending.clear()
+        try:
+            self._frames(data, server, pending)
+        finally:
+            if server._received:
+                server._hand_on()
+
+    def _frames(self, data: bytes, server: AggregatorServer, pending: bytearray) -> None:
+        """Handle the complete frames of ``data``; keep the rest in ``pending``."""
         size = len(data)
         pos = 0
         observed = time.time_ns()
         while size - pos >= _HEADER_SIZE:
+            if self.relayed:
+                # A relay's frames, many a chunk: the plain batches in one call; the
+                # frame it stops at (any other message, an invalid frame) goes below.
+                batches, pos, status = _cut_batches(
+                    data, pos, server._batch_prefix, BATCH_STREAM_TAILS, server._max_frame_bytes
+                )
+                if batches:
+                    server._take_relayed(batches, observed)
+                if status == _CUT_NEED_MORE:
+                    break
             (length,) = _unpack_header(data, pos)
             if length > server._max_frame_bytes:
                 # Its length header cannot be trusted to find the next frame.
@@ -461,6 +490,7 @@ class Connection(asyncio.Protocol):
             server._register(self, rank)
             if type(rank) is str:
                 self.handle = server._relayed_frame
+                self.relayed = True
         try:
             server._frame(self, body, len(body), observed)
         except FrameError as exc:
@@ -496,6 +526,7 @@ class Connection(asyncio.Protocol):
         server._register(self, self._held_rank)
         if type(self._held_rank) is str:
             self.handle = server._relayed_frame
+            self.relayed = True
         transport = self._transport
         if transport is not None and not transport.is_closing():
             transport.resume_reading()
@@ -590,6 +621,7 @@ class AggregatorServer:
         on_batch: Callable[[ReceivedBatch], None],
         on_finished: Callable[[dict[str, Any]], None],
         *,
+        on_batches: Callable[[list[ReceivedBatch]], None] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         on_connection_lost: Callable[[dict[str, Any] | None], None] | None = None,
         on_tracker_runs: Callable[[dict[str, Any]], None] | None = None,
@@ -603,6 +635,10 @@ class AggregatorServer:
         self._port = port
         self._token = token
         self._on_batch = on_batch
+        self._on_batches = on_batches
+        # The batches of the chunk being read, handed on together when it is done (or
+        # before any other message of it, so that order holds). Loop thread only.
+        self._received: list[ReceivedBatch] = []
         self._on_finished = on_finished
         self._on_connection_lost = on_connection_lost
         self._on_tracker_runs = on_tracker_runs
@@ -848,9 +884,11 @@ class AggregatorServer:
             # checks the rest of the envelope).
             self._accepted_batches += 1
             connection.batches += 1
-            self._call(self._on_batch, ReceivedBatch(observed, body, length))
+            self._received.append(ReceivedBatch(observed, body, length))
             return
         message = decode_message(body, self._token)
+        if message["type"] != "batch" and self._received:
+            self._hand_on()
         if message["type"] == "tracker_runs":
             # Not a batch nor a goodbye: it says nothing of how the connection ends.
             if self._on_tracker_runs is not None:
@@ -863,7 +901,7 @@ class AggregatorServer:
         if message["type"] == "batch":
             self._accepted_batches += 1
             connection.batches += 1
-            self._call(self._on_batch, ReceivedBatch(observed, message, length))
+            self._received.append(ReceivedBatch(observed, message, length))
         else:
             self._finished_messages += 1
             self._call(self._on_finished, message)
@@ -883,9 +921,11 @@ class AggregatorServer:
             tally = self._gate.batches_by_rank
             tally[rank] = tally.get(rank, 0) + 1
             item = body if message is None else message
-            self._call(self._on_batch, ReceivedBatch(observed, item, length))
+            self._received.append(ReceivedBatch(observed, item, length))
             return
         assert message is not None
+        if self._received:
+            self._hand_on()
         kind = message["type"]
         if kind == "finished":
             self._finished_messages += 1
@@ -895,6 +935,29 @@ class AggregatorServer:
                 self._call(self._on_tracker_runs, message)
         else:
             self._relay_report(message)
+
+    def _take_relayed(self, batches: list[tuple[bytes, int, int]], observed: int) -> None:
+        """The plain batches a relay's chunk held (``_cut_batches``'s): each tallied
+        under the rank its identity names, as :meth:`_relayed_frame` does."""
+        received = self._received
+        relayed = self._relayed_ranks
+        tally = self._gate.batches_by_rank
+        for body, length, rank in batches:
+            relayed.add(rank)
+            tally[rank] = tally.get(rank, 0) + 1
+            received.append(ReceivedBatch(observed, body, length))
+        self._accepted_batches += len(batches)
+
+    def _hand_on(self) -> None:
+        """Hand the batches received so far to ``on_batches`` (all at once) or
+        ``on_batch`` (one by one), in the order they came."""
+        batches = self._received
+        self._received = []
+        if self._on_batches is not None:
+            self._call(self._on_batches, batches)
+            return
+        for batch in batches:
+            self._call(self._on_batch, batch)
 
     def _relay_report(self, message: dict[str, Any]) -> None:
         """A relay's ``relay`` message: what it dropped, per rank (the callback's)."""
@@ -945,7 +1008,7 @@ class AggregatorServer:
         if body.startswith(self._batch_prefix) and known_stream_follows(
             body, len(self._batch_prefix)
         ):
-            match = BATCH_GLOBAL_RANK.search(body, 0, 4096)
+            match = BATCH_GLOBAL_RANK.search(body, 0, BATCH_RANK_SPAN)
             if match is None:
                 raise FrameError("missing identity")
             return int(match.group(1)), None
@@ -963,7 +1026,7 @@ class AggregatorServer:
         if body.startswith(self._batch_prefix) and known_stream_follows(
             body, len(self._batch_prefix)
         ):
-            match = BATCH_GLOBAL_RANK.search(body, 0, 4096)
+            match = BATCH_GLOBAL_RANK.search(body, 0, BATCH_RANK_SPAN)
             return int(match.group(1)) if match else None
         try:
             message = decode_message(body, self._token)

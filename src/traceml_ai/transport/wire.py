@@ -20,7 +20,9 @@ from traceml_records.internal import BATCH_STREAMS
 
 __all__ = [
     "BATCH_GLOBAL_RANK",
+    "BATCH_RANK_SPAN",
     "BATCH_STREAMS",
+    "BATCH_STREAM_TAILS",
     "DEFAULT_MAX_FRAME_BYTES",
     "ENV_AGGREGATOR_ADDR",
     "ENV_RUN_TOKEN",
@@ -277,19 +279,23 @@ def batch_prefix(token: str) -> bytes:
     return b'{"v":%d,"token":%s,"type":"batch","stream":"' % (WIRE_VERSION, orjson.dumps(token))
 
 
-_KNOWN_STREAMS = tuple(f'{name}"'.encode() for name in BATCH_STREAMS)
+BATCH_STREAM_TAILS = tuple(f'{name}"'.encode() for name in BATCH_STREAMS)
+"""Each batch stream's name and its closing quote: what follows :func:`batch_prefix`."""
 
 
 def known_stream_follows(body: bytes, offset: int) -> bool:
     """Whether a known batch stream's name and its closing quote start at ``offset``
     (just after :func:`batch_prefix`)."""
-    return body.startswith(_KNOWN_STREAMS, offset)
+    return body.startswith(BATCH_STREAM_TAILS, offset)
 
 
 # The identity precedes the items, and a key's opening quote cannot occur unescaped
 # inside a JSON string, so the first match in a batch body is the identity's global_rank.
 BATCH_GLOBAL_RANK = re.compile(rb'"global_rank":(0|[1-9][0-9]{0,18})[,}]')
-"""The sending rank's ``global_rank`` in a batch body our senders wrote (group 1)."""
+"""The sending rank's ``global_rank`` in a batch body our senders wrote (group 1),
+looked for in its first :data:`BATCH_RANK_SPAN` bytes."""
+BATCH_RANK_SPAN = 4096
+"""Where in a batch body its identity's ``global_rank`` is looked for."""
 
 _STREAM_MARKER = b'"type":"batch","stream":"'
 _STREAM_NAMES = {name.encode(): name for name in BATCH_STREAMS}
