@@ -40,6 +40,14 @@ class HasNbytes(Protocol):
 T = TypeVar("T", bound=HasNbytes)
 
 
+def _size(item: HasNbytes) -> object:
+    """An item's ``nbytes``, or None when it cannot be read."""
+    try:
+        return item.nbytes
+    except Exception:
+        return None
+
+
 class BoundedBatchQueue(Generic[T]):
     """A FIFO bounded in items and in bytes (the sum of the items' ``nbytes``).
 
@@ -76,71 +84,47 @@ class BoundedBatchQueue(Generic[T]):
     def put(self, item: T) -> bool:
         """Queue ``item``; True if queued, False if dropped (and counted). Never blocks
         on the consumer and never raises."""
-        try:
-            nbytes: object = item.nbytes
-        except Exception:
-            nbytes = None
+        nbytes = _size(item)
         with self.cond:
-            items = self._items
-            if type(nbytes) is not int or nbytes < 0:
-                self._dropped += 1
-                return False
-            queued = self._nbytes + nbytes
-            if self._closed or len(items) >= self._max_items or queued > self._max_bytes:
-                self._dropped += 1
-                self._dropped_nbytes += nbytes
-                return False
-            items.append(item)
-            self._nbytes = queued
-            n = len(items)
-            if n > self._hw_items:
-                self._hw_items = n
-            if queued > self._hw_bytes:
-                self._hw_bytes = queued
-            if n == 1:
+            was_empty = not self._items
+            queued = self._admit(item, nbytes)
+            if queued and was_empty:
                 # Consumers wait only while the queue is empty.
                 self.cond.notify()
-            return True
+            return queued
 
     def put_many(self, items: list[T]) -> int:
         """Queue ``items`` in order, each as :meth:`put` would, under one hold of the
         lock (one wake-up of a waiting consumer); how many were queued."""
-        sizes: list[object] = []
-        for item in items:
-            try:
-                sizes.append(item.nbytes)
-            except Exception:
-                sizes.append(None)
-        queued_items = 0
+        sizes = [_size(item) for item in items]
         with self.cond:
-            queue = self._items
-            was_empty = not queue
-            queued = self._nbytes
+            was_empty = not self._items
+            queued = 0
             for item, nbytes in zip(items, sizes, strict=True):
-                if type(nbytes) is not int or nbytes < 0:
-                    self._dropped += 1
-                    continue
-                if (
-                    self._closed
-                    or len(queue) >= self._max_items
-                    or queued + nbytes > self._max_bytes
-                ):
-                    self._dropped += 1
-                    self._dropped_nbytes += nbytes
-                    continue
-                queue.append(item)
-                queued += nbytes
-                queued_items += 1
-            if queued_items:
-                self._nbytes = queued
-                n = len(queue)
-                if n > self._hw_items:
-                    self._hw_items = n
-                if queued > self._hw_bytes:
-                    self._hw_bytes = queued
-                if was_empty:
-                    self.cond.notify()
-        return queued_items
+                queued += self._admit(item, nbytes)
+            if queued and was_empty:
+                self.cond.notify()
+            return queued
+
+    def _admit(self, item: T, nbytes: object) -> bool:
+        """Append ``item`` if it fits the bounds, else count its drop (``cond`` held)."""
+        if type(nbytes) is not int or nbytes < 0:
+            self._dropped += 1
+            return False
+        items = self._items
+        queued = self._nbytes + nbytes
+        if self._closed or len(items) >= self._max_items or queued > self._max_bytes:
+            self._dropped += 1
+            self._dropped_nbytes += nbytes
+            return False
+        items.append(item)
+        self._nbytes = queued
+        n = len(items)
+        if n > self._hw_items:
+            self._hw_items = n
+        if queued > self._hw_bytes:
+            self._hw_bytes = queued
+        return True
 
     # -- consumer (call with ``cond`` held) -----------------------------------------------
 

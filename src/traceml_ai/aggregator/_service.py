@@ -176,7 +176,7 @@ class Aggregator:
             self.config.bind_host,
             self.config.port,
             self.config.token,
-            on_batch=self._on_batch,
+            on_batch=lambda batch: self._on_batches([batch]),
             on_batches=self._on_batches,
             on_finished=self._on_finished,
             on_tracker_runs=self._on_tracker_runs,
@@ -264,18 +264,6 @@ class Aggregator:
     # Runs on the server's event-loop thread: must stay quick and never block. The
     # batch is usually still encoded (the export worker parses it), so ranks are
     # tracked from their ``finished`` messages and open connections, not from here.
-    def _on_batch(self, batch: ReceivedBatch) -> None:
-        monitoring = self._monitoring
-        if monitoring is not None:
-            monitoring.submit(batch)
-        if not self._export_started:
-            with self._lock:
-                if not self._export_started:
-                    self._early_batches.append(batch)
-                    return
-        if self._pipeline is not None:
-            self._pipeline.submit(batch)
-
     def _on_batches(self, batches: list[ReceivedBatch]) -> None:
         """What one read of a connection brought: handed on together (one lock round
         of the export's queue, not one per batch)."""
