@@ -4,7 +4,8 @@
 pure-Python path that behaves the same: ``traceml_records._speedups`` (the line and
 item encoders, a rank's step encoder, the core of the scan that reads the export
 files), ``traceml_ai.rank._timing.hotpath`` (the step timer's per-call methods) and
-``traceml_ai.transport._nowait`` (a rank sender's non-blocking socket calls).
+``traceml_ai.transport._nowait`` (a rank sender's non-blocking socket calls) and
+``traceml_ai.monitor._feedscan`` (the live feed's reader of step_time batches).
 """
 
 from setuptools import Extension, setup
@@ -27,6 +28,11 @@ setup(
         Extension(
             "traceml_ai.transport._nowait",
             sources=["src/traceml_ai/transport/_nowait.c"],
+            optional=True,
+        ),
+        Extension(
+            "traceml_ai.monitor._feedscan",
+            sources=["src/traceml_ai/monitor/_feedscan.c"],
             optional=True,
         ),
     ]

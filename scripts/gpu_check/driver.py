@@ -77,6 +77,9 @@ EXTENSIONS = (
     "traceml_ai.transport._nowait",
 )
 """The C extensions of setup.py, each of which the default lane must load."""
+AGGREGATOR_EXTENSIONS = ("traceml_ai.monitor._feedscan",)
+"""The C extensions of setup.py that only the aggregator loads: checked built, not
+looked for in a rank."""
 
 _print_lock = threading.Lock()
 
@@ -838,7 +841,7 @@ def build_extensions(
     }
     check_env.pop("TRACEML_PURE_PYTHON", None)
     proc = subprocess.run(
-        [python, "-c", _IMPORT_CHECK, str(src), *EXTENSIONS],
+        [python, "-c", _IMPORT_CHECK, str(src), *EXTENSIONS, *AGGREGATOR_EXTENSIONS],
         env=check_env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     problems = proc.stdout.split("\n") if proc.returncode == 0 else [proc.stderr[-300:]]
@@ -847,7 +850,8 @@ def build_extensions(
         more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
         why = f"{judge.one_line(problems[0], 160)}{more}; the build said: {build_failure(log)}"
         return None, judge.one_line(why, 400)
-    return src, f"C extensions built in {seconds:.1f} s ({', '.join(EXTENSIONS)})"
+    built = ", ".join((*EXTENSIONS, *AGGREGATOR_EXTENSIONS))
+    return src, f"C extensions built in {seconds:.1f} s ({built})"
 
 
 def build_failure(log: str) -> str:

@@ -17,9 +17,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from traceml_ai._queue import BoundedBatchQueue
-from traceml_ai.analysis import ExcessSoFar, analyze
+from traceml_ai.analysis import STEP_EVENT, ExcessSoFar, analyze
+from traceml_ai.monitor import _feedscan_py
 from traceml_ai.monitor._state import MAX_USER_PHASES, OTHER_PHASE, LiveState, StepSeen
 from traceml_ai.transport.wire import (
     FrameError,
@@ -27,6 +29,7 @@ from traceml_ai.transport.wire import (
     decode_batch_body,
     peek_batch_stream,
 )
+from traceml_records.internal import load_extension
 
 __all__ = [
     "DEFAULT_MAX_BATCHES",
@@ -74,6 +77,29 @@ def _gauge_key(batch: ReceivedBatch) -> bytes | None:
     if end < 0:
         return None
     return stream.encode() + body[start:end]
+
+
+ScanStepTime = Callable[
+    [bytes, _feedscan_py.LabelMap], "_feedscan_py.StepScan | tuple[Any, ...] | None"
+]
+
+
+def _load_scan() -> ScanStepTime:
+    """The step_time scan: ``_feedscan.c``'s, configured, or its pure-Python twin (not
+    built, ``TRACEML_PURE_PYTHON=1``, or refused)."""
+    scan = load_extension("traceml_ai.monitor._feedscan")
+    if scan is not None:
+        try:
+            scan.configure(STEP_EVENT)
+            chosen: ScanStepTime = scan.scan_step_time
+        except Exception:
+            return _feedscan_py.scan_step_time
+        return chosen
+    return _feedscan_py.scan_step_time
+
+
+SCAN_STEP_TIME: ScanStepTime = _load_scan()
+"""The one place the feed's step_time scan is chosen (C or its twin)."""
 
 
 def _backlog(read: Callable[[], float]) -> float:
@@ -200,7 +226,12 @@ class LiveFeed:
 
     def _take(self, batch: ReceivedBatch) -> None:
         payload = batch.payload
+        state = self.state
         if type(payload) is bytes:
+            scan = SCAN_STEP_TIME(payload, state.scan_labels)
+            if scan is not None:
+                self._took_steps(state.add_scan(scan))
+                return
             try:
                 message = decode_batch_body(payload)
             except FrameError:
@@ -216,18 +247,8 @@ class LiveFeed:
             self.bad_batches += 1
             return
         stream = message.get("stream")
-        state = self.state
         if stream == "step_time":
-            seen = state.add_steps(identity, items)
-            if state.folded_phase_names and not self._folding_said:
-                self._say_folding()
-            if seen:
-                self._straggler_dirty = True
-                for listener in self._listeners:
-                    try:
-                        listener(seen)
-                    except Exception:
-                        _log.exception("traceml: live views: a step listener failed")
+            self._took_steps(state.add_steps(identity, items))
         elif stream == "step_memory":
             state.add_memory(identity, items)
         elif stream == "process":
@@ -238,6 +259,18 @@ class LiveFeed:
             state.add_environment(identity, items)
         elif stream == "collectives":
             state.add_collectives(identity, items)
+
+    def _took_steps(self, seen: list[StepSeen]) -> None:
+        """After a step_time batch: the folding notice, the listeners."""
+        if self.state.folded_phase_names and not self._folding_said:
+            self._say_folding()
+        if seen:
+            self._straggler_dirty = True
+            for listener in self._listeners:
+                try:
+                    listener(seen)
+                except Exception:
+                    _log.exception("traceml: live views: a step listener failed")
 
     def _say_folding(self) -> None:
         """Once per run: user phase names beyond the bound count as ``other``."""

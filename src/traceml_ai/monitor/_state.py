@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
@@ -44,9 +45,12 @@ from traceml_ai.analysis import (
     wait_component,
     waits_measured,
 )
+from traceml_ai.monitor._feedscan_py import MAX_LABELS
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
+
+    from traceml_ai.monitor._feedscan_py import StepScan
 
 __all__ = [
     "HELD_ROWS_PER_RANK",
@@ -149,6 +153,10 @@ def _medians(rows: NDArray[Any], counts: Sequence[int]) -> list[float | None]:
     mids = np.where(n % 2 == 1, lo, (lo + hi) / 2.0).tolist()
     return [mid if count else None for mid, count in zip(mids, counts, strict=True)]
 
+
+_new_tuple = tuple.__new__
+"""``tuple.__new__(StepSeen, fields)``: a named tuple made without its Python
+``__new__`` (the scan's steps are made by ``map``, no Python frame per step)."""
 
 _bucket = bisect.bisect_left
 """A value's bucket of a histogram's bounds (``Histogram.observe``'s search)."""
@@ -414,6 +422,11 @@ class LiveState:
         self._nodes: dict[int, NodeLive] = {}
         self._fold = UserPhaseFold()
         self._labels: dict[str, str | None] = {}
+        self.scan_labels: dict[str, tuple[str, int] | None] = {}
+        """``_labels`` with each label's id, as the step_time scan takes it
+        (``_feedscan_py.LabelMap``; a label past ``MAX_LABELS`` ids is left out, so a
+        batch naming it is read the reference way)."""
+        self._label_ids: dict[str, int] = {}
         self._wait_keys: dict[tuple[str, str], tuple[str, str]] = {}
         self._line_keys: dict[tuple[str, str, str | None], tuple[str, str]] = {}
         """A collectives line's (phase, op, group) -> its wait key (``_NO_KEY``: none)."""
@@ -456,9 +469,13 @@ class LiveState:
     # -- writing (the feed thread) --------------------------------------------------
 
     def _rank(self, identity: Mapping[str, Any]) -> RankLive | None:
-        rank = identity.get("global_rank")
-        node = identity.get("node_rank")
-        world = identity.get("world_size")
+        return self._rank_of(
+            identity.get("global_rank"), identity.get("node_rank"), identity.get("world_size")
+        )
+
+    def _rank_of(self, rank: object, node: object, world: object) -> RankLive | None:
+        """The rank's state (made when new) from its identity's three fields; None for
+        a rank the state does not track."""
         if type(rank) is not int or not 0 <= rank < MAX_RANKS:
             return None
         if (
@@ -508,7 +525,93 @@ class LiveState:
                     self.ignored_items += 1
                 else:
                     seen.append(step_seen)
+            if len(self._labels) != len(self.scan_labels):
+                self._relabel()
         return seen
+
+    def _relabel(self) -> None:
+        """``scan_labels`` made again from ``_labels`` (names only ever get added)."""
+        ids = self._label_ids
+        out: dict[str, tuple[str, int] | None] = {}
+        for event, label in self._labels.items():
+            if label is None:
+                out[event] = None
+                continue
+            label_id = ids.get(label)
+            if label_id is None:
+                label_id = ids[label] = len(ids)
+            if label_id < MAX_LABELS:
+                out[event] = (label, label_id)
+        self.scan_labels = out
+
+    def add_scan(self, scan: StepScan | tuple[Any, ...]) -> list[StepSeen]:
+        """Take a step_time batch read by the scan (``_feedscan``): what
+        :meth:`add_steps` does with the same batch decoded."""
+        rank, node, world, ignored, steps, ends, step_ms, phases, tokens, top = scan[:10]
+        with self._lock:
+            live = self._rank_of(rank, node, world)
+            if live is None:
+                self.ignored_items += ignored + len(steps)
+                return []
+            self.ignored_items += ignored
+            if not steps:
+                return []
+            seen = list(
+                map(
+                    _new_tuple,
+                    repeat(StepSeen),
+                    zip(repeat(live.rank), repeat(live.node), steps, ends, step_ms, phases),
+                )
+            )
+            first = live.steps
+            live.steps += len(steps)
+            if steps[top] >= live.last_step:
+                live.last_step = steps[top]
+                live.last_end_ns = ends[top]
+            for step, count in tokens:
+                live.tokens[step] = count
+                if len(live.tokens) > 2 * WINDOW_STEPS:
+                    del live.tokens[next(iter(live.tokens))]
+            live.recent.extend(seen)
+            row = self._recent_ms[live.slot]
+            for i, ms in enumerate(
+                step_ms[-WINDOW_STEPS:], first + max(len(steps) - WINDOW_STEPS, 0)
+            ):
+                row[i % WINDOW_STEPS] = ms
+            self._observe(live, step_ms, phases)
+        return seen
+
+    def _observe(
+        self, live: RankLive, step_ms: Sequence[float], phases: Sequence[Mapping[str, float]]
+    ) -> None:
+        """Each step's time and phases into the rank's histograms and the job's."""
+        both = self._rank_hists
+        pairs = live.phase_pairs
+        step_hist, job_step = live.step_hist, self._job_step
+        for ms, row in zip(step_ms, phases, strict=True):
+            value = ms / 1000.0
+            index = _bucket(STEP_BUCKETS_S, value)
+            if both:
+                step_hist.counts[index] += 1
+                step_hist.total += value
+                step_hist.n += 1
+            job_step.counts[index] += 1
+            job_step.total += value
+            job_step.n += 1
+            for label, phase_ms in row.items():
+                pair = pairs.get(label)
+                if pair is None:
+                    pair = pairs[label] = self._phase_pair(live, label)
+                hist, job = pair
+                value = phase_ms / 1000.0
+                index = _bucket(PHASE_BUCKETS_S, value)
+                if both:
+                    hist.counts[index] += 1
+                    hist.total += value
+                    hist.n += 1
+                job.counts[index] += 1
+                job.total += value
+                job.n += 1
 
     def _step(self, live: RankLive, item: Any) -> StepSeen | None:
         if type(item) is not dict:
