@@ -6,7 +6,8 @@ the dashboard. Everything is bounded, and by the run's ranks, not its length: a
 window of recent steps per rank (its last :data:`WINDOW_STEPS`, and their tokens and
 collective waits: at most :data:`HELD_ROWS_PER_RANK` rows per rank, counted by
 :meth:`LiveState.held_rows`), histogram bucket counts per rank and phase and the job's
-(summed as steps arrive), the latest sample of each gauge, a fixed number of user
+(a scanned batch's values wait in a bounded buffer and are added in bulk, in numpy,
+at the next read), the latest sample of each gauge, a fixed number of user
 phase names (the rest fold into ``other``). Memory is O(ranks x window); the live
 straggler analysis reads each rank's last ``STRAGGLER_STEPS`` of that window.
 
@@ -23,7 +24,7 @@ import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -248,6 +249,8 @@ class RankLive:
     phase_pairs: dict[str, tuple[Histogram, Histogram]] = attrs.field(factory=dict)
     """label -> (its ``phase_hist``, the job's of the label): the feed's lookup (empty
     in copies)."""
+    label_mask: int = 0
+    """The label ids (bits) of the scanned batches ``phase_pairs`` has."""
     peak_memory: dict[str, tuple[float | None, float | None]] = attrs.field(factory=dict)
     """device -> (peak allocated, peak reserved) bytes of the last step that reported it."""
     process: dict[str, float] = attrs.field(factory=dict)
@@ -401,6 +404,55 @@ def _empty_rows(n: int) -> NDArray[Any]:
     return np.full((n, WINDOW_STEPS), np.inf)
 
 
+PENDING_VALUES = 1 << 16
+"""Values the state holds for its histograms before it adds them in (it does at every
+read too): the buffer's bound, whatever the run."""
+
+
+def _fold_into(
+    values: NDArray[Any],
+    bounds: tuple[float, ...],
+    slots: NDArray[Any],
+    own: NDArray[Any],
+    keys: NDArray[Any],
+    job_of: Callable[[int], Histogram],
+    hist_of: Callable[[int, int], Histogram],
+) -> None:
+    """Add ``values`` to the job's histogram of each key (``job_of``) and, where
+    ``own``, to its rank's (``hist_of(slot, key)``): the bucket search and the counts
+    in numpy, then one update per histogram, not per value. Each total adds its
+    values in order."""
+    import numpy as np
+
+    width = len(bounds) + 1
+    cells = np.searchsorted(np.array(bounds), values, side="left")
+    nkeys = int(keys.max(initial=0)) + 1
+    counts = np.bincount(keys * width + cells, minlength=nkeys * width).reshape(nkeys, width)
+    sums = np.bincount(keys, weights=values, minlength=nkeys)
+    for k in np.flatnonzero(counts.sum(axis=1)).tolist():
+        _add(job_of(k), counts[k], float(sums[k]))
+    if not own.any():
+        return
+    values, slots, keys, cells = values[own], slots[own], keys[own], cells[own]
+    found, inverse = np.unique(slots * nkeys + keys, return_inverse=True)
+    counts = np.bincount(inverse * width + cells, minlength=len(found) * width)
+    counts = counts.reshape(len(found), width)
+    sums = np.bincount(inverse, weights=values, minlength=len(found))
+    for g, (slot, key) in enumerate(
+        zip((found // nkeys).tolist(), (found % nkeys).tolist(), strict=True)
+    ):
+        _add(hist_of(slot, key), counts[g], float(sums[g]))
+
+
+def _add(hist: Histogram, counts: NDArray[Any], total: float) -> None:
+    """Bucket counts and their values' sum added to ``hist`` (in place: the state's
+    lookups hold it)."""
+    added = counts.tolist()
+    hist.counts[:] = [a + b for a, b in zip(hist.counts, added, strict=True)]
+    hist.total += total
+    hist.n += sum(added)
+
+
 class LiveState:
     """The run as the aggregator sees it now; thread-safe (one lock, short holds).
 
@@ -427,6 +479,12 @@ class LiveState:
         (``_feedscan_py.LabelMap``; a label past ``MAX_LABELS`` ids is left out, so a
         batch naming it is read the reference way)."""
         self._label_ids: dict[str, int] = {}
+        self._label_names: list[str] = []
+        """Label id -> label (``_label_ids`` the other way)."""
+        self._pending: list[tuple[RankLive, bool, bytes, bytes, bytes]] = []
+        """Scanned batches whose values the histograms have not taken yet: (rank,
+        whether its own histograms take them, step times, phase times, label ids)."""
+        self._pending_values = 0
         self._wait_keys: dict[tuple[str, str], tuple[str, str]] = {}
         self._line_keys: dict[tuple[str, str, str | None], tuple[str, str]] = {}
         """A collectives line's (phase, op, group) -> its wait key (``_NO_KEY``: none)."""
@@ -540,6 +598,7 @@ class LiveState:
             label_id = ids.get(label)
             if label_id is None:
                 label_id = ids[label] = len(ids)
+                self._label_names.append(label)
             if label_id < MAX_LABELS:
                 out[event] = (label, label_id)
         self.scan_labels = out
@@ -578,40 +637,63 @@ class LiveState:
                 step_ms[-WINDOW_STEPS:], first + max(len(steps) - WINDOW_STEPS, 0)
             ):
                 row[i % WINDOW_STEPS] = ms
-            self._observe(live, step_ms, phases)
+            mask = scan[13]
+            if mask & ~live.label_mask:
+                # A label new to this rank: its histograms made in the order the
+                # labels appear, as the reference path makes them.
+                pairs = live.phase_pairs
+                for row in phases:
+                    for label in row:
+                        if label not in pairs:
+                            pairs[label] = self._phase_pair(live, label)
+                live.label_mask |= mask
+            # The histograms take the batch's values later, in bulk (_fold).
+            self._pending.append((live, self._rank_hists, scan[10], scan[11], scan[12]))
+            self._pending_values += len(steps) + (len(scan[12]) >> 2)
+            if self._pending_values > PENDING_VALUES:
+                self._fold_pending()
         return seen
 
-    def _observe(
-        self, live: RankLive, step_ms: Sequence[float], phases: Sequence[Mapping[str, float]]
-    ) -> None:
-        """Each step's time and phases into the rank's histograms and the job's."""
-        both = self._rank_hists
-        pairs = live.phase_pairs
-        step_hist, job_step = live.step_hist, self._job_step
-        for ms, row in zip(step_ms, phases, strict=True):
-            value = ms / 1000.0
-            index = _bucket(STEP_BUCKETS_S, value)
-            if both:
-                step_hist.counts[index] += 1
-                step_hist.total += value
-                step_hist.n += 1
-            job_step.counts[index] += 1
-            job_step.total += value
-            job_step.n += 1
-            for label, phase_ms in row.items():
-                pair = pairs.get(label)
-                if pair is None:
-                    pair = pairs[label] = self._phase_pair(live, label)
-                hist, job = pair
-                value = phase_ms / 1000.0
-                index = _bucket(PHASE_BUCKETS_S, value)
-                if both:
-                    hist.counts[index] += 1
-                    hist.total += value
-                    hist.n += 1
-                job.counts[index] += 1
-                job.total += value
-                job.n += 1
+    def _fold_pending(self) -> None:
+        """The values of the scanned batches not yet in the histograms added to them in
+        bulk (numpy: a bucket search and a count per histogram, not a Python step per
+        value); under the lock, before any histogram is read."""
+        pending = self._pending
+        if not pending:
+            return
+        import numpy as np
+
+        self._pending = []
+        self._pending_values = 0
+        by_slot = {p[0].slot: p[0] for p in pending}
+        slots = np.array([p[0].slot for p in pending], dtype=np.intp)
+        own = np.array([p[1] for p in pending], dtype=bool)
+        step_packed = [p[2] for p in pending]
+        ids_packed = [p[4] for p in pending]
+        step_n = np.array([len(b) >> 3 for b in step_packed], dtype=np.intp)
+        phase_n = np.array([len(b) >> 2 for b in ids_packed], dtype=np.intp)
+        values = np.frombuffer(b"".join(step_packed), dtype=np.float64) / 1000.0
+        _fold_into(
+            values,
+            STEP_BUCKETS_S,
+            np.repeat(slots, step_n),
+            np.repeat(own, step_n),
+            np.zeros(len(values), dtype=np.intp),
+            lambda k: self._job_step,
+            lambda slot, k: by_slot[slot].step_hist,
+        )
+        if phase_n.any():
+            values = np.frombuffer(b"".join(p[3] for p in pending), dtype=np.float64) / 1000.0
+            names = self._label_names
+            _fold_into(
+                values,
+                PHASE_BUCKETS_S,
+                np.repeat(slots, phase_n),
+                np.repeat(own, phase_n),
+                np.frombuffer(b"".join(ids_packed), dtype=np.int32).astype(np.intp),
+                lambda k: self._job_phases[names[k]],
+                lambda slot, k: by_slot[slot].phase_pairs[names[k]][0],
+            )
 
     def _step(self, live: RankLive, item: Any) -> StepSeen | None:
         if type(item) is not dict:
@@ -908,6 +990,7 @@ class LiveState:
     def ranks(self) -> list[RankLive]:
         """A copy of every rank's figures (histograms copied; ``recent`` left empty)."""
         with self._lock:
+            self._fold_pending()
             return [
                 RankLive(
                     rank=r.rank,
@@ -931,6 +1014,7 @@ class LiveState:
         ``rank_histograms_max_ranks``, past which it keeps none). Only copies are made
         under the lock."""
         with self._lock:
+            self._fold_pending()
             order = self._order
             if order is None or len(order[0]) != len(self._ranks):
                 live = [r for _, r in sorted(self._ranks.items())]

@@ -4,6 +4,7 @@ or declines and leaves the batch to that path; for generated batches, valid and 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from traceml_ai.analysis import STEP_EVENT
 from traceml_ai.monitor import _feed, _feedscan_py
 from traceml_ai.monitor._feed import LiveFeed
 from traceml_ai.monitor._state import MAX_RANKS, LiveState
-from traceml_ai.testing import make_batch_body, make_identity, make_item
+from traceml_ai.testing import make_batch_body, make_events, make_identity, make_item
 from traceml_ai.transport.wire import ReceivedBatch, decode_batch_body
 from traceml_records.internal import load_extension
 
@@ -120,11 +121,20 @@ def _batch(draw: st.DrawFn) -> bytes:
     return body
 
 
+class _Close(float):
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, float) and math.isclose(self, other, rel_tol=1e-9, abs_tol=1e-12)
+
+    __hash__ = float.__hash__
+
+
 def _snapshot(state: LiveState) -> dict[str, Any]:
     figures = state.metric_figures(MAX_RANKS)
 
     def hist(h: Any) -> tuple[Any, ...]:
-        return (h.bounds, h.counts, h.n, round(h.total, 9))
+        # The histograms take a scanned batch's values in bulk: the same counts, the
+        # totals equal up to rounding.
+        return (h.bounds, h.counts, h.n, _Close(h.total))
 
     return {
         "ranks": [
@@ -236,3 +246,36 @@ def test_the_c_scan_declines_what_is_not_the_plain_case(rewrite: Callable[[bytes
     _known(state, body)
     assert _C.scan_step_time(body, state.scan_labels) is not None
     assert _C.scan_step_time(rewrite(body), state.scan_labels) is None
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_histograms_taken_in_bulk_equal_the_reference_across_many_batches(
+    scan: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many ranks' batches between two reads, a buffer bound crossed several times, and
+    the run growing past the ranks' own histograms' bound midway."""
+    import random
+
+    from traceml_ai.monitor import _state
+
+    monkeypatch.setattr(_state, "PENDING_VALUES", 50)
+    monkeypatch.setattr(_feed, "SCAN_STEP_TIME", scan)
+    rng = random.Random(3)
+    reference, scanned = LiveState(8), LiveState(8)
+    feed = LiveFeed(scanned)
+    done = [0] * 12
+    for n in range(200):
+        rank = rng.randrange(12 if n > 100 else 6)
+        world = 12 if n > 150 else 6  # past the bound of 8: the ranks' own ones stop
+        names = rng.sample(["a", "b", "c", "_traceml_internal:forward_time"], rng.randint(0, 3))
+        items = []
+        for _ in range(rng.randint(1, 3)):
+            ms = {STEP_EVENT: rng.uniform(1, 900), **{k: rng.uniform(0, 300) for k in names}}
+            items.append(make_item("step_time", done[rank], events=make_events(ms)))
+            done[rank] += 1
+        body = make_batch_body("step_time", items, make_identity(rank, world_size=world))
+        _reference(reference, body)
+        feed._take(ReceivedBatch(time.time_ns(), body, len(body)))
+        assert scanned._pending_values <= 50
+    assert _snapshot(scanned) == _snapshot(reference)
+    assert scanned._label_names  # the scan took batches (new names went the reference way)
