@@ -22,7 +22,14 @@ from typing import Any
 from traceml_ai._queue import BoundedBatchQueue
 from traceml_ai.analysis import STEP_EVENT, ExcessSoFar, analyze
 from traceml_ai.monitor import _feedscan_py
-from traceml_ai.monitor._state import MAX_USER_PHASES, OTHER_PHASE, LiveState, StepSeen
+from traceml_ai.monitor._state import (
+    COLLECTIVE_KEYS,
+    MAX_USER_PHASES,
+    MEMORY_KEYS,
+    OTHER_PHASE,
+    LiveState,
+    StepSeen,
+)
 from traceml_ai.transport.wire import (
     FrameError,
     ReceivedBatch,
@@ -82,24 +89,27 @@ def _gauge_key(batch: ReceivedBatch) -> bytes | None:
 ScanStepTime = Callable[
     [bytes, _feedscan_py.LabelMap], "_feedscan_py.StepScan | tuple[Any, ...] | None"
 ]
+ScanItems = Callable[[bytes, str, tuple[str, ...]], "_feedscan_py.ItemsScan | None"]
 
 
-def _load_scan() -> ScanStepTime:
-    """The step_time scan: ``_feedscan.c``'s, configured, or its pure-Python twin (not
+def _load_scans() -> tuple[ScanStepTime, ScanItems]:
+    """The batch scans: ``_feedscan.c``'s, configured, or their pure-Python twins (not
     built, ``TRACEML_PURE_PYTHON=1``, or refused)."""
+    twins = (_feedscan_py.scan_step_time, _feedscan_py.scan_items)
     scan = load_extension("traceml_ai.monitor._feedscan")
-    if scan is not None:
-        try:
-            scan.configure(STEP_EVENT)
-            chosen: ScanStepTime = scan.scan_step_time
-        except Exception:
-            return _feedscan_py.scan_step_time
-        return chosen
-    return _feedscan_py.scan_step_time
+    if scan is None:
+        return twins
+    try:
+        scan.configure(STEP_EVENT)
+        chosen: tuple[ScanStepTime, ScanItems] = (scan.scan_step_time, scan.scan_items)
+    except Exception:
+        return twins
+    return chosen
 
 
-SCAN_STEP_TIME: ScanStepTime = _load_scan()
-"""The one place the feed's step_time scan is chosen (C or its twin)."""
+SCAN_STEP_TIME, SCAN_ITEMS = _load_scans()
+"""The one place the feed's scans are chosen (C or their twins)."""
+_ROW_KEYS = {"collectives": COLLECTIVE_KEYS, "step_memory": MEMORY_KEYS}
 
 
 def _backlog(read: Callable[[], float]) -> float:
@@ -228,10 +238,20 @@ class LiveFeed:
         payload = batch.payload
         state = self.state
         if type(payload) is bytes:
-            scan = SCAN_STEP_TIME(payload, state.scan_labels)
-            if scan is not None:
-                self._took_steps(state.add_scan(scan))
-                return
+            stream = peek_batch_stream(payload)
+            if stream == "step_time":
+                scan = SCAN_STEP_TIME(payload, state.scan_labels)
+                if scan is not None:
+                    self._took_steps(state.add_scan(scan))
+                    return
+            elif stream in _ROW_KEYS:
+                rows = SCAN_ITEMS(payload, stream, _ROW_KEYS[stream])
+                if rows is not None:
+                    if stream == "collectives":
+                        state.add_collective_rows(*rows)
+                    else:
+                        state.add_memory_rows(*rows)
+                    return
             try:
                 message = decode_batch_body(payload)
             except FrameError:

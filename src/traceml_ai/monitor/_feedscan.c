@@ -759,6 +759,169 @@ done:
     return result;
 }
 
+
+/* A selected key's value: a str, int, float, bool or None (a new reference); DECLINE
+ * for an object, an array or what the scan does not hold exactly. */
+static int scan_scalar(Cur *c, PyObject **value) {
+    if (c->p >= c->end) return DECLINE;
+    int r;
+    switch (*c->p) {
+        case '"': {
+            const char *s;
+            Py_ssize_t n;
+            if ((r = scan_string(c, &s, &n))) return r;
+            *value = PyUnicode_FromStringAndSize(s, n);
+            return *value == NULL ? ERROR : 0;
+        }
+        case 't':
+            if ((r = literal(c, "true", 4))) return r;
+            *value = Py_NewRef(Py_True);
+            return 0;
+        case 'f':
+            if ((r = literal(c, "false", 5))) return r;
+            *value = Py_NewRef(Py_False);
+            return 0;
+        case 'n':
+            if ((r = literal(c, "null", 4))) return r;
+            *value = Py_NewRef(Py_None);
+            return 0;
+        case '{':
+        case '[':
+            return DECLINE;
+        default: {
+            Num num;
+            if ((r = scan_number(c, &num))) return r;
+            *value = num.is_int ? PyLong_FromLongLong(num.i) : PyFloat_FromDouble(num.d);
+            return *value == NULL ? ERROR : 0;
+        }
+    }
+}
+
+#define MAX_KEYS 16
+
+/* scan_items(body, stream, keys) -> (global_rank, node_rank, world_size, rows) or None:
+ * each item of a batch of ``stream`` as a tuple of its values of ``keys`` (None where
+ * absent), what ``item.get(key)`` gives for each; None for anything not the plain case
+ * (an item that is not an object, a selected value that is an object or an array, a
+ * duplicated selected key, an escape, a byte outside ASCII, invalid JSON). */
+static PyObject *scan_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyBytes_CheckExact(args[0]) || !PyUnicode_CheckExact(args[1]) ||
+        !PyTuple_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "scan_items takes (bytes, str, tuple of str)");
+        return NULL;
+    }
+    Py_ssize_t nkeys = PyTuple_GET_SIZE(args[2]);
+    if (nkeys > MAX_KEYS) {
+        PyErr_SetString(PyExc_ValueError, "scan_items takes at most 16 keys");
+        return NULL;
+    }
+    Name keys[MAX_KEYS];
+    for (Py_ssize_t k = 0; k < nkeys; k++) {
+        PyObject *key = PyTuple_GET_ITEM(args[2], k);
+        if (!PyUnicode_CheckExact(key)) {
+            PyErr_SetString(PyExc_TypeError, "scan_items' keys are str");
+            return NULL;
+        }
+        keys[k].s = PyUnicode_AsUTF8AndSize(key, &keys[k].n);
+        if (keys[k].s == NULL) return NULL;
+    }
+    Py_ssize_t stream_len;
+    const char *stream = PyUnicode_AsUTF8AndSize(args[1], &stream_len);
+    if (stream == NULL) return NULL;
+    PyObject *identity[3] = {NULL, NULL, NULL};
+    PyObject *rows = PyList_New(0);
+    PyObject *row = NULL;
+    PyObject *result = NULL;
+    if (rows == NULL) return NULL;
+    Cur c = {PyBytes_AS_STRING(args[0]), PyBytes_AS_STRING(args[0]) + PyBytes_GET_SIZE(args[0]), 0};
+    int r, empty, more = 1, has_stream = 0, has_identity = 0, has_items = 0;
+    ws(&c);
+    if ((r = open_container(&c, '{', '}', &empty))) goto done;
+    while (!empty && more) {
+        const char *s;
+        Py_ssize_t n;
+        if ((r = member_key(&c, &s, &n))) goto done;
+        if (KEY_IS(s, n, "stream")) {
+            const char *v;
+            Py_ssize_t vn;
+            r = DECLINE;
+            if (has_stream++ || scan_string(&c, &v, &vn) || vn != stream_len ||
+                memcmp(v, stream, (size_t)vn) != 0)
+                goto done;
+        } else if (KEY_IS(s, n, "identity")) {
+            r = DECLINE;
+            if (has_identity++ || c.p >= c.end || *c.p != '{') goto done;
+            if ((r = scan_identity(&c, identity))) goto done;
+        } else if (KEY_IS(s, n, "items")) {
+            int none, next = 1;
+            r = DECLINE;
+            if (has_items++) goto done;
+            if ((r = open_container(&c, '[', ']', &none))) goto done;
+            while (!none && next) {
+                int fields, further = 1;
+                if ((r = open_container(&c, '{', '}', &fields))) goto done;
+                row = PyTuple_New(nkeys);
+                r = ERROR;
+                if (row == NULL) goto done;
+                while (!fields && further) {
+                    const char *ks;
+                    Py_ssize_t kn;
+                    if ((r = member_key(&c, &ks, &kn))) goto done;
+                    Py_ssize_t which = -1;
+                    for (Py_ssize_t k = 0; k < nkeys; k++) {
+                        if (keys[k].n == kn && memcmp(keys[k].s, ks, (size_t)kn) == 0) {
+                            which = k;
+                            break;
+                        }
+                    }
+                    if (which < 0) {
+                        if ((r = skip_value(&c))) goto done;
+                    } else {
+                        PyObject *value;
+                        r = DECLINE;
+                        if (PyTuple_GET_ITEM(row, which) != NULL) goto done; /* duplicated */
+                        if ((r = scan_scalar(&c, &value))) goto done;
+                        PyTuple_SET_ITEM(row, which, value);
+                    }
+                    if ((r = next_member(&c, '}', &further))) goto done;
+                }
+                c.depth--;
+                for (Py_ssize_t k = 0; k < nkeys; k++)
+                    if (PyTuple_GET_ITEM(row, k) == NULL) PyTuple_SET_ITEM(row, k, Py_NewRef(Py_None));
+                r = ERROR;
+                if (PyList_Append(rows, row) < 0) goto done;
+                Py_CLEAR(row);
+                if ((r = next_member(&c, ']', &next))) goto done;
+            }
+            c.depth--;
+        } else if ((r = skip_value(&c))) {
+            goto done;
+        }
+        if ((r = next_member(&c, '}', &more))) goto done;
+    }
+    ws(&c);
+    r = DECLINE;
+    if (c.p != c.end || !has_stream || !has_identity || !has_items) goto done;
+    result = PyTuple_Pack(4, identity[0] ? identity[0] : Py_None,
+                          identity[1] ? identity[1] : Py_None,
+                          identity[2] ? identity[2] : Py_None, rows);
+    r = result ? 0 : ERROR;
+done:
+    if (row != NULL) {
+        /* A row cut short: its unset slots must not be read when it is freed. */
+        for (Py_ssize_t k = 0; k < nkeys; k++)
+            if (PyTuple_GET_ITEM(row, k) == NULL) PyTuple_SET_ITEM(row, k, Py_NewRef(Py_None));
+        Py_DECREF(row);
+    }
+    for (int k = 0; k < 3; k++) Py_XDECREF(identity[k]);
+    Py_DECREF(rows);
+    if (r == DECLINE) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    return result;
+}
+
 static PyObject *configure(PyObject *module, PyObject *arg) {
     if (!PyUnicode_CheckExact(arg)) {
         PyErr_SetString(PyExc_TypeError, "configure takes the step event's name (str)");
@@ -773,6 +936,8 @@ static PyMethodDef methods[] = {
     {"scan_step_time", (PyCFunction)(void (*)(void))scan_step_time, METH_FASTCALL,
      "scan_step_time(body, labels) -> the step_time batch's steps, or None (read it the "
      "Python way)."},
+    {"scan_items", (PyCFunction)(void (*)(void))scan_items, METH_FASTCALL,
+     "scan_items(body, stream, keys) -> (global_rank, node_rank, world_size, rows) or None."},
     {"configure", configure, METH_O, "configure(step_event): the whole-step event's name."},
     {NULL, NULL, 0, NULL},
 };

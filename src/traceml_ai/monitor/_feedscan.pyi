@@ -32,3 +32,8 @@ def scan_step_time(
     | None
 ):
     """``_feedscan_py.scan_step_time``'s fields as a plain tuple, or None."""
+
+def scan_items(
+    body: bytes, stream: str, keys: tuple[str, ...], /
+) -> tuple[int | None, int | None, int | None, list[tuple[object, ...]]] | None:
+    """``_feedscan_py.scan_items``: each item's values of ``keys``, or None."""

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
-from typing import NamedTuple, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 import orjson
 
 from traceml_ai.analysis import STEP_EVENT
 from traceml_ai.transport.wire import peek_batch_stream
 
-__all__ = ["MAX_LABELS", "LabelMap", "StepScan", "scan_step_time"]
+__all__ = ["MAX_LABELS", "ItemsScan", "LabelMap", "StepScan", "scan_items", "scan_step_time"]
 
 MAX_LABELS = 64
 """Label ids the scan takes (one bit each of ``StepScan.mask``)."""
@@ -189,3 +189,34 @@ def scan_step_time(body: bytes, labels: LabelMap) -> StepScan | None:
         array("d", step_ms).tobytes(), array("d", phase_ms).tobytes(), array("i", ids).tobytes(),
         mask,
     )  # fmt: skip
+
+
+ItemsScan = tuple[int | None, int | None, int | None, list[tuple[Any, ...]]]
+"""(global_rank, node_rank, world_size, each item's values of the keys asked for)."""
+
+
+def scan_items(body: bytes, stream: str, keys: tuple[str, ...]) -> ItemsScan | None:
+    """The items of the encoded ``stream`` batch ``body``, each as the tuple of its
+    values of ``keys`` (``item.get(key)`` for each), and the identity's three fields;
+    None when an item is not an object or a value asked for is an object or an array
+    (the caller then reads the batch the reference way)."""
+    try:
+        message = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if type(message) is not dict or message.get("stream") != stream:
+        return None
+    identity, items = message.get("identity"), message.get("items")
+    if type(identity) is not dict or type(items) is not list:
+        return None
+    rows: list[tuple[Any, ...]] = []
+    for item in items:
+        if type(item) is not dict:
+            return None
+        row = tuple(item.get(key) for key in keys)
+        if any(type(v) is dict or type(v) is list for v in row):
+            return None
+        rows.append(row)
+    fields = [identity.get(k) for k in ("global_rank", "node_rank", "world_size")]
+    rank, node, world = (v if type(v) is int else None for v in fields)
+    return rank, node, world, rows

@@ -151,7 +151,8 @@ def _medians(rows: NDArray[Any], counts: Sequence[int]) -> list[float | None]:
     lo = ordered[lines, np.maximum(n - 1, 0) // 2]
     hi = ordered[lines, n // 2]
     # An odd count takes its middle value as is ((a + a) / 2 would overflow near max).
-    mids = np.where(n % 2 == 1, lo, (lo + hi) / 2.0).tolist()
+    with np.errstate(over="ignore"):  # the even branch near max: not the one taken
+        mids = np.where(n % 2 == 1, lo, (lo + hi) / 2.0).tolist()
     return [mid if count else None for mid, count in zip(mids, counts, strict=True)]
 
 
@@ -403,6 +404,11 @@ def _empty_rows(n: int) -> NDArray[Any]:
 
     return np.full((n, WINDOW_STEPS), np.inf)
 
+
+MEMORY_KEYS = ("device", "peak_allocated_bytes", "peak_reserved_bytes")
+"""The fields of a step_memory item the state reads (``add_memory_rows``' columns)."""
+COLLECTIVE_KEYS = ("step", "phase", "op", "wait_ms", "group")
+"""The fields of a collectives item the state reads (``add_collective_rows``' columns)."""
 
 PENDING_VALUES = 1 << 16
 """Values the state holds for its histograms before it adds them in (it does at every
@@ -765,31 +771,37 @@ class LiveState:
         return hist, job
 
     def add_memory(self, identity: Mapping[str, Any], items: Iterable[Any]) -> None:
+        rows = [tuple(map(i.get, MEMORY_KEYS)) if type(i) is dict else None for i in items]
+        self.add_memory_rows(
+            identity.get("global_rank"), identity.get("node_rank"), identity.get("world_size"), rows
+        )
+
+    def add_memory_rows(
+        self, rank: object, node: object, world: object, rows: Iterable[tuple[Any, ...] | None]
+    ) -> None:
+        """A step_memory batch: its identity's three fields and each item's values of
+        :data:`MEMORY_KEYS` (None: an item that is not an object)."""
         with self._lock:
-            live = self._rank(identity)
+            live = self._rank_of(rank, node, world)
             if live is None:
                 return
             # A new dict, never one a reader holds changed: the scrape shares it.
             peaks = dict(live.peak_memory)
-            for item in items:
-                if type(item) is not dict or type(item.get("device")) is not str:
+            for row in rows:
+                if row is None or type(row[0]) is not str:
                     self.ignored_items += 1
                     continue
-                device = item["device"][:32]
+                device = row[0][:32]
                 if device not in peaks and len(peaks) >= MAX_DEVICES:
                     continue
-                peaks[device] = (
-                    _number(item.get("peak_allocated_bytes")),
-                    _number(item.get("peak_reserved_bytes")),
-                )
+                peaks[device] = (_number(row[1]), _number(row[2]))
             live.peak_memory = peaks
-            table = self._peak_table[live.slot]
-            table.fill(math.nan)
-            for row, (allocated, reserved) in enumerate(peaks.values()):
-                table[row] = (
-                    math.nan if allocated is None else allocated,
-                    math.nan if reserved is None else reserved,
-                )
+            if peaks:
+                # Devices are only ever added, in order: the rows after them stay NaN.
+                nan = math.nan
+                self._peak_table[live.slot, : len(peaks)] = [
+                    (nan if a is None else a, nan if r is None else r) for a, r in peaks.values()
+                ]
 
     def add_process(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
         with self._lock:
@@ -888,19 +900,28 @@ class LiveState:
 
     def add_collectives(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
         """A batch of ``collectives`` items: each step's wait per component and op."""
+        rows = [tuple(map(i.get, COLLECTIVE_KEYS)) if type(i) is dict else None for i in items]
+        self.add_collective_rows(
+            identity.get("global_rank"), identity.get("node_rank"), identity.get("world_size"), rows
+        )
+
+    def add_collective_rows(
+        self, rank: object, node: object, world: object, rows: Sequence[tuple[Any, ...] | None]
+    ) -> None:
+        """A collectives batch: its identity's three fields and each item's values of
+        :data:`COLLECTIVE_KEYS` (None: an item that is not an object)."""
         with self._lock:
-            live = self._rank(identity)
+            live = self._rank_of(rank, node, world)
             if live is None:
-                self.ignored_items += len(items)
+                self.ignored_items += len(rows)
                 return
             waits, op_waits = live.waits, live.op_waits
             line_keys = self._line_keys
-            for item in items:
-                if type(item) is not dict:
+            for row in rows:
+                if row is None:
                     self.ignored_items += 1
                     continue
-                step, phase, op = item.get("step"), item.get("phase"), item.get("op")
-                wait = item.get("wait_ms")
+                step, phase, op, wait, group = row
                 if (
                     type(step) is not int
                     or step < 1
@@ -918,7 +939,6 @@ class LiveState:
                 if ms is None or ms < 0.0:
                     self.ignored_items += 1
                     continue
-                group = item.get("group")
                 # The (component, operation) key of a line's (phase, op, group), looked
                 # up once: the collectives of every step of every rank pass here.
                 # (A group of another type names no group: op_label leaves it out.)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from traceml_ai.analysis import STEP_EVENT
 from traceml_ai.monitor import _feed, _feedscan_py
 from traceml_ai.monitor._feed import LiveFeed
-from traceml_ai.monitor._state import MAX_RANKS, LiveState
+from traceml_ai.monitor._state import COLLECTIVE_KEYS, MAX_RANKS, MEMORY_KEYS, LiveState
 from traceml_ai.testing import make_batch_body, make_events, make_identity, make_item
 from traceml_ai.transport.wire import ReceivedBatch, decode_batch_body
 from traceml_records.internal import load_extension
@@ -279,3 +279,95 @@ def test_histograms_taken_in_bulk_equal_the_reference_across_many_batches(
         assert scanned._pending_values <= 50
     assert _snapshot(scanned) == _snapshot(reference)
     assert scanned._label_names  # the scan took batches (new names went the reference way)
+
+
+_ITEM_SCANS: list[Any] = [
+    pytest.param(_feedscan_py.scan_items, id="python"),
+    pytest.param(
+        _C.scan_items if _C is not None else None,
+        id="c",
+        marks=pytest.mark.skipif(_C is None, reason="_feedscan not built"),
+    ),
+]
+_VALUE: st.SearchStrategy[Any] = st.one_of(
+    st.sampled_from([None, True, 0, -1, 3, 2**63 + 5, 1.5, -0.0, "x", 'q"', "é", [], {"a": 1}]),
+    st.floats(min_value=0.0, max_value=1e3),
+    st.sampled_from(["cuda:0", "cpu", "_traceml_internal:backward_time", "fwd", "all_reduce"]),
+)
+
+
+@st.composite
+def _row_batch(draw: st.DrawFn) -> bytes:
+    stream = draw(st.sampled_from(["collectives", "step_memory"]))
+    items: list[Any] = []
+    for k in range(draw(st.integers(0, 4))):
+        item: Any = make_item(stream, draw(st.integers(0, 300)) + k)
+        if draw(st.booleans()):
+            keys = ["step", "phase", "op", "wait_ms", "group", "device", "peak_allocated_bytes"]
+            for key in draw(st.lists(st.sampled_from(keys), max_size=2)):
+                if draw(st.integers(0, 3)) == 0:
+                    item.pop(key, None)
+                else:
+                    item[key] = draw(_VALUE)
+        if draw(st.integers(0, 30)) == 0:
+            item = draw(_VALUE)
+        items.append(item)
+    rank = draw(st.sampled_from([0, 1, -1, "1"]))
+    body = make_batch_body(stream, items, dict(make_identity(0, world_size=2), global_rank=rank))
+    if draw(st.integers(0, 4)) == 0:
+        body = draw(st.sampled_from(_REWRITES))(body)
+    return body
+
+
+def _rows_snapshot(state: LiveState) -> dict[Any, Any]:
+    return {
+        rank: (live.waits, live.op_waits, live.waits_unmeasured, live.peak_memory)
+        for rank, live in state._ranks.items()
+    } | {
+        "ignored": state.ignored_items,
+        "peaks": state.metric_figures(MAX_RANKS).peak_table.tobytes(),
+    }
+
+
+def _reference_rows(state: LiveState, body: bytes) -> None:
+    try:
+        message = decode_batch_body(body)
+    except Exception:
+        return
+    identity, items, stream = message["identity"], message["items"], message["stream"]
+    if stream == "collectives":
+        state.add_collectives(identity, items)
+    elif stream == "step_memory":
+        state.add_memory(identity, items)
+
+
+@pytest.mark.parametrize("scan", _ITEM_SCANS)
+@given(bodies=st.lists(_row_batch(), min_size=1, max_size=6))
+def test_item_scan_gives_the_reference_state_or_declines(scan: Any, bodies: list[bytes]) -> None:
+    reference, scanned = LiveState(), LiveState()
+    feed = LiveFeed(scanned)
+    old = _feed.SCAN_ITEMS
+    _feed.SCAN_ITEMS = scan
+    try:
+        for body in bodies:
+            for stream, keys in (("collectives", COLLECTIVE_KEYS), ("step_memory", MEMORY_KEYS)):
+                answer = scan(body, stream, keys)
+                if answer is not None and scan is not _feedscan_py.scan_items:
+                    assert _feedscan_py.scan_items(body, stream, keys) == answer
+            _reference_rows(reference, body)
+            feed._take(ReceivedBatch(time.time_ns(), body, len(body)))
+            assert _rows_snapshot(scanned) == _rows_snapshot(reference)
+    finally:
+        _feed.SCAN_ITEMS = old
+
+
+@pytest.mark.parametrize("scan", _ITEM_SCANS)
+def test_item_scan_reads_each_items_fields(scan: Any) -> None:
+    items = [make_item("collectives", k) for k in range(2)]
+    body = make_batch_body("collectives", items, make_identity(3, world_size=4))
+    rank, node, world, rows = scan(body, "collectives", COLLECTIVE_KEYS)
+    assert (rank, node, world) == (3, 0, 4)
+    assert rows == [tuple(item.get(k) for k in COLLECTIVE_KEYS) for item in items]
+    assert scan(body, "step_memory", MEMORY_KEYS) is None  # another stream
+    nested = make_batch_body("collectives", [dict(items[0], op=["x"])])
+    assert scan(nested, "collectives", COLLECTIVE_KEYS) is None
