@@ -228,6 +228,11 @@ _MAX_WAIT_KEY_OBJECTS = 4096
 """(component, operation) key objects kept for reuse at most (whatever ranks send)."""
 _NO_KEY: tuple[str, str] = ("", "")
 """The wait key of a collectives line whose phase names no component (compared by id)."""
+_STEP_OF = operator.itemgetter(2)
+_END_OF = operator.itemgetter(3)
+_MS_OF = operator.itemgetter(4)
+_PHASES_OF = operator.itemgetter(5)
+"""A ``StepSeen``'s step, end_ns, step_ms and phases, read in C."""
 _NO_WAITS: dict[str, float] = {}
 _NO_OP_WAITS: dict[tuple[str, str], float] = {}
 """A step's waits when it has none (read, never changed)."""
@@ -1166,19 +1171,22 @@ class LiveState:
         for rank, steps in sorted(self.recent_steps(last).items()):
             if not steps:
                 continue
-            by_step = {s.step: s for s in steps}
-            order = sorted(by_step)
-            seen = [by_step[step] for step in order]
+            order = list(map(_STEP_OF, steps))
+            # Steps come in order, each once, nearly always: then the window is its own
+            # columns, read by C-level maps (the straggler analysis reads every rank's).
+            if not all(map(operator.lt, order, order[1:])):
+                by_step = {s.step: s for s in steps}
+                order = sorted(by_step)
+                steps = [by_step[step] for step in order]
             theirs, their_ops = waits.get(rank, ({}, {}))
             said = tokens.get(rank, {})
-
             columns[rank] = rank_columns_of(
                 order,
-                [s.step_ms for s in seen],
-                [s.phases for s in seen],
-                end_ns=[float(s.end_ns) for s in seen],
-                tokens=[said.get(step) for step in order],
-                waits=[theirs.get(step, _NO_WAITS) for step in order],
-                op_waits=[their_ops.get(step, _NO_OP_WAITS) for step in order],
+                list(map(_MS_OF, steps)),
+                list(map(_PHASES_OF, steps)),
+                end_ns=list(map(float, map(_END_OF, steps))),
+                tokens=list(map(said.get, order)),
+                waits=list(map(theirs.get, order, repeat(_NO_WAITS))),
+                op_waits=list(map(their_ops.get, order, repeat(_NO_OP_WAITS))),
             )
         return columns

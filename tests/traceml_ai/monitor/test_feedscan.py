@@ -371,3 +371,21 @@ def test_item_scan_reads_each_items_fields(scan: Any) -> None:
     assert scan(body, "step_memory", MEMORY_KEYS) is None  # another stream
     nested = make_batch_body("collectives", [dict(items[0], op=["x"])])
     assert scan(nested, "collectives", COLLECTIVE_KEYS) is None
+
+
+def test_recent_columns_take_the_latest_of_each_step_in_order() -> None:
+    """Steps in order (the usual case, read by maps) and out of order or repeated (a
+    rank restarted): the columns hold each step number once, its latest, ascending."""
+    state = LiveState()
+    ms = {STEP_EVENT: 10.0, "_traceml_internal:forward_time": 4.0}
+    in_order = [make_item("step_time", k, events=make_events(ms)) for k in range(3)]
+    state.add_steps(make_identity(0, world_size=2), in_order)
+    again = dict(ms, **{STEP_EVENT: 30.0})
+    late = [make_item("step_time", k, events=make_events(again)) for k in (1, 0)]
+    state.add_steps(make_identity(1, world_size=2), in_order + late)
+    columns = state.recent_columns()
+    assert columns[0].steps.tolist() == [1, 2, 3]
+    assert columns[0].step_ms.tolist() == [10.0, 10.0, 10.0]
+    assert columns[1].steps.tolist() == [1, 2, 3]
+    assert columns[1].step_ms.tolist() == [30.0, 30.0, 10.0]
+    assert columns[1].phases["forward"].values.tolist() == [4.0, 4.0, 4.0]
