@@ -38,7 +38,6 @@ static locale_t c_locale = (locale_t)0; /* "C": a '.' whatever the process's loc
 #define MAX_NAMES 64   /* events of one step, devices of one event */
 #define MAX_LABELS 64  /* label ids fit one 64-bit mask */
 #define NAME_CACHE 32
-#define MAX_INT_DIGITS 19          /* fits uint64; checked against INT64_MAX */
 #define MAX_EXACT 9007199254740992 /* 2**53: a duration held exactly as a double */
 
 static PyObject *step_event = NULL; /* the whole-step event's name (configure) */
@@ -79,60 +78,89 @@ static int scan_string(Cur *c, const char **s, Py_ssize_t *n) {
     return DECLINE;
 }
 
-/* A JSON number: an integer within int64 (is_int), or a finite
- * double read as Python reads it (correctly rounded); anything else declines. */
+static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
+                                  1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                                  1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
+/* A JSON number, checked by its grammar; an integer within int64 (is_int), or, when
+ * ``value`` asks for it or it has a sign or an exponent, its double as Python reads it
+ * (correctly rounded); anything else declines. */
 static int scan_number_as(Cur *c, Num *num, int value) {
     const char *start = c->p, *end = c->end, *p = c->p;
-    int negative = 0;
+    int negative = 0, is_int = 1, has_exp = 0, dropped = 0, sig = 0, frac_digits = 0;
+    uint64_t w = 0; /* the significant digits, while at most 19 */
     if (p < end && *p == '-') {
         negative = 1;
         p++;
     }
     if (p >= end) return DECLINE;
-    const char *digits = p;
     if (*p == '0') {
         p++;
     } else if (*p >= '1' && *p <= '9') {
-        while (p < end && *p >= '0' && *p <= '9') p++;
+        for (; p < end && *p >= '0' && *p <= '9'; p++) {
+            if (sig < 19) {
+                w = w * 10 + (uint64_t)(*p - '0');
+                sig++;
+            } else {
+                dropped = 1;
+            }
+        }
     } else {
         return DECLINE;
     }
-    Py_ssize_t ndigits = p - digits;
-    int is_int = 1;
     if (p < end && *p == '.') {
         is_int = 0;
         p++;
         const char *frac = p;
-        while (p < end && *p >= '0' && *p <= '9') p++;
+        for (; p < end && *p >= '0' && *p <= '9'; p++) {
+            if (sig < 19) {
+                if (w != 0 || *p != '0') {
+                    w = w * 10 + (uint64_t)(*p - '0');
+                    sig++;
+                }
+                frac_digits++;
+            } else {
+                dropped = 1;
+            }
+        }
         if (p == frac) return DECLINE;
     }
+    int exp10 = 0;
     if (p < end && (*p == 'e' || *p == 'E')) {
         is_int = 0;
+        has_exp = 1;
         p++;
-        if (p < end && (*p == '+' || *p == '-')) p++;
+        int exp_negative = 0;
+        if (p < end && (*p == '+' || *p == '-')) exp_negative = *p++ == '-';
         const char *exp = p;
-        while (p < end && *p >= '0' && *p <= '9') p++;
+        for (; p < end && *p >= '0' && *p <= '9'; p++)
+            if (exp10 < 100000) exp10 = exp10 * 10 + (*p - '0');
         if (p == exp) return DECLINE;
+        if (exp_negative) exp10 = -exp10;
     }
     c->p = p;
     num->is_int = is_int;
-    num->plain = !negative && memchr(start, 'e', (size_t)(p - start)) == NULL &&
-                 memchr(start, 'E', (size_t)(p - start)) == NULL;
+    num->plain = !negative && !has_exp;
     if (is_int) {
-        if (ndigits > MAX_INT_DIGITS) return DECLINE;
-        uint64_t v = 0;
-        for (const char *q = digits; q < p; q++) v = v * 10 + (uint64_t)(*q - '0');
-        if (v > (uint64_t)INT64_MAX) return DECLINE;
-        num->i = negative ? -(int64_t)v : (int64_t)v;
+        if (dropped || w > (uint64_t)INT64_MAX) return DECLINE;
+        num->i = negative ? -(int64_t)w : (int64_t)w;
+        return 0;
+    }
+    /* A plain decimal is finite and not negative: nothing more to know of a value
+     * only checked (a timing's cpu_ms, gpu_ms). */
+    if (!value && num->plain && p - start < 64) return 0;
+    int e = exp10 - frac_digits;
+    if (!dropped && w <= ((uint64_t)1 << 53) && e >= -22 && e <= 22) {
+        /* Clinger's fast path: both operands exact, so one rounding, the correct one. */
+        double d = (double)w;
+        d = e >= 0 ? d * POW10[e] : d / POW10[-e];
+        num->d = negative ? -d : d;
         return 0;
     }
     /* The token is copied: the number's text must end where the grammar ended it. */
     char buf[64];
     Py_ssize_t len = p - start;
     if (len >= (Py_ssize_t)sizeof(buf)) return DECLINE;
-    /* A plain decimal this short is finite and not negative: nothing more to know
-     * of a value only checked (a duration's cpu_ms, gpu_ms). */
-    if (!value && num->plain) return 0;
     memcpy(buf, start, (size_t)len);
     buf[len] = '\0';
     char *stop = NULL;

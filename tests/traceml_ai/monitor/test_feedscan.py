@@ -389,3 +389,33 @@ def test_recent_columns_take_the_latest_of_each_step_in_order() -> None:
     assert columns[1].steps.tolist() == [1, 2, 3]
     assert columns[1].step_ms.tolist() == [30.0, 30.0, 10.0]
     assert columns[1].phases["forward"].values.tolist() == [4.0, 4.0, 4.0]
+
+
+_NUMBER_TEXT = r"-?(0|[1-9][0-9]{0,21})(\.[0-9]{1,24})?([eE][+-]?[0-9]{1,3})?"
+
+
+@pytest.mark.skipif(_C is None, reason="_feedscan not built")
+@given(
+    text=st.one_of(
+        st.from_regex(_NUMBER_TEXT, fullmatch=True),
+        st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    )
+)
+def test_the_c_scan_reads_a_number_as_orjson_does(text: str) -> None:
+    """Every number the C scan reads (its own fast path or strtod) is the double orjson
+    and Python read from the same text, or the scan declines."""
+    body = make_batch_body("collectives", [make_item("collectives", 0, wait_ms=None)])
+    marked = body.replace(b'"wait_ms":null', b'"wait_ms":' + text.encode(), 1)
+    assert marked != body
+    answer = _C.scan_items(marked, "collectives", COLLECTIVE_KEYS)
+    try:
+        expected = orjson.loads(marked)["items"][0]["wait_ms"]
+    except orjson.JSONDecodeError:
+        assert answer is None
+        return
+    if answer is not None:
+        (read,) = [row[3] for row in answer[3]]
+        assert type(read) is type(expected) and read == expected
+        if type(read) is float:
+            assert math.copysign(1.0, read) == math.copysign(1.0, expected)
+            assert read == float(text)
