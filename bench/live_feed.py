@@ -10,7 +10,7 @@ of each part is kept: CPU time, so the machine's other processes count little).
 Prints per step (µs):
 
 - ``parse``: decoding the batches (``decode_batch_body``; a tree whose feed scans
-  step_time batches, ``_feedscan``: that scan for those);
+  batches, ``_feedscan``: its scan of step_time, collectives and step_memory ones);
 - ``step_row``: the step rule (``analysis.step_row``) over the decoded step items (0
   for a tree that scans: the scan applies it);
 - ``hists``: the rest of the ``step_time`` batches' state updates (histograms, window,
@@ -175,6 +175,19 @@ def measure(ranks: int, steps_per_s: float, seconds: float, trace_sample: int) -
             scan(batch.payload, labels)
         parse["steps"] = clock() - t
         row = 0.0
+    # ...and one that scans collectives and step_memory batches into rows: that scan.
+    scan_items = getattr(_feed, "SCAN_ITEMS", None)
+    row_keys: dict[str, tuple[str, ...]] = getattr(_feed, "_ROW_KEYS", {})
+    if scan_items is not None:
+        for part in ("waits", "gauges"):
+            t = clock()
+            for batch in groups[part]:
+                stream = peek_batch_stream(batch.payload) or ""
+                if stream in row_keys:
+                    scan_items(batch.payload, stream, row_keys[stream])
+                else:
+                    decode_batch_body(batch.payload)
+            parse[part] = clock() - t
 
     sampler = StepSampler(trace_sample)
     builder = SpanBuilder(InstrumentationScope("bench"))
