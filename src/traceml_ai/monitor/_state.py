@@ -496,6 +496,8 @@ class LiveState:
         """Scanned batches whose values the histograms have not taken yet: (rank,
         whether its own histograms take them, step times, phase times, label ids)."""
         self._pending_values = 0
+        self._peaks_dirty: dict[int, RankLive] = {}
+        """slot -> the rank whose ``peak_memory`` its ``_peak_table`` row does not show yet."""
         self._wait_keys: dict[tuple[str, str], tuple[str, str]] = {}
         self._line_keys: dict[tuple[str, str, str | None], tuple[str, str]] = {}
         """A collectives line's (phase, op, group) -> its wait key (``_NO_KEY``: none)."""
@@ -801,12 +803,22 @@ class LiveState:
                     continue
                 peaks[device] = (_number(row[1]), _number(row[2]))
             live.peak_memory = peaks
+            # Its table row is written when read (_write_peaks): once a read, not once
+            # a batch (a rank sends one every flush).
+            self._peaks_dirty[live.slot] = live
+
+    def _write_peaks(self) -> None:
+        """The peak table rows of the ranks whose peaks changed since the last read."""
+        nan = math.nan
+        table = self._peak_table
+        for slot, live in self._peaks_dirty.items():
+            peaks = live.peak_memory
             if peaks:
                 # Devices are only ever added, in order: the rows after them stay NaN.
-                nan = math.nan
-                self._peak_table[live.slot, : len(peaks)] = [
+                table[slot, : len(peaks)] = [
                     (nan if a is None else a, nan if r is None else r) for a, r in peaks.values()
                 ]
+        self._peaks_dirty.clear()
 
     def add_process(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
         with self._lock:
@@ -1052,6 +1064,8 @@ class LiveState:
             job_phases = {label: h.copy() for label, h in sorted(self._job_phases.items())}
             recent_ms = self._recent_ms[slots]  # copies
             process_table = self._process_table[slots]
+            if self._peaks_dirty:
+                self._write_peaks()
             peak_table = self._peak_table[slots]
             # One pass over the ranks, then transposed: a tuple of scalars and of the
             # dicts the state replaces whole (never changes in place) per rank.
