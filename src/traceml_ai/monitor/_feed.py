@@ -2,10 +2,13 @@
 
 The aggregator's receive loop hands every batch to :meth:`LiveFeed.submit` as it
 hands it to the export; ``submit`` never blocks (a full queue drops the batch and
-counts it: the export worker's :class:`~traceml_ai._queue.BoundedBatchQueue`). The feed thread parses the batch itself (the export parses its own copy,
-so neither waits for the other, and the live views work with export off), updates the
-:class:`LiveState` and gives the new steps to the sinks that want them (the OTLP
-traces). Every few seconds it runs the summary's straggler analysis on each rank's
+counts it: the export worker's :class:`~traceml_ai._queue.BoundedBatchQueue`). The feed
+thread reads the batch itself (the export reads its own copy, so neither waits for the
+other, and the live views work with export off), updates the :class:`LiveState` and
+gives the new steps to the sinks that want them (the OTLP traces). A step_time,
+collectives or step_memory batch is read by a scan (``_feedscan.c``, or its twin
+``_feedscan_py``) into only the values the state keeps, without a Python object per
+item or timing; a batch the scan declines, and every other stream, is decoded. Every few seconds it runs the summary's straggler analysis on each rank's
 recent steps, so the live views name the straggler in the summary's words; when every
 live view asks for it when it reads it (Prometheus, OTLP, the trackers, not the
 dashboard), it is made only then, at most as often as it would be every few seconds.
