@@ -64,6 +64,8 @@ BACKLOG_YIELD = 0.25
 """When the export's queue is fuller than this share, the feed pauses between batches:
 the files come first, and the live views' own queue drops (and counts) instead."""
 _YIELD_S = 0.02
+_BACKLOG_EVERY = 16
+"""Batches taken between two looks at the export's backlog (each look is a call)."""
 
 StepListener = Callable[[Sequence[StepSeen]], None]
 
@@ -73,14 +75,23 @@ _IDENTITY = b'"identity":'
 _ITEMS = b',"items":'
 
 
-def _gauge_key(batch: ReceivedBatch) -> bytes | None:
-    """(stream, identity) of an encoded batch of a stream whose latest sample is all the
-    live views keep; None for step_time and anything not read cheaply."""
+_NOT_READ = ""
+"""``LiveFeed._take``'s stream when its caller has not read it (no stream's name)."""
+
+
+def _stream_of(batch: ReceivedBatch) -> str | None:
+    """The stream of an encoded batch, read from its prefix (None: not encoded, or not
+    found there)."""
     body = batch.payload
-    if type(body) is not bytes:
-        return None
-    stream = peek_batch_stream(body)
-    if stream not in _GAUGE_STREAMS:
+    return peek_batch_stream(body) if type(body) is bytes else None
+
+
+def _gauge_key(batch: ReceivedBatch, stream: str | None) -> bytes | None:
+    """(stream, identity) of an encoded batch of ``stream`` (:func:`_stream_of`), a
+    stream whose latest sample is all the live views keep; None for step_time and
+    anything not read cheaply."""
+    body = batch.payload
+    if stream not in _GAUGE_STREAMS or type(body) is not bytes:
         return None
     start = body.find(_IDENTITY, 0, 1024)
     end = body.find(_ITEMS, start, start + 4096) if start >= 0 else -1
@@ -208,8 +219,9 @@ class LiveFeed:
                     return
                 batches = queue.take_all()
             backlog = self.export_backlog
+            streams = list(map(_stream_of, batches))
             # Only a pass of several batches can hold two samples of one rank's gauges.
-            keys = [_gauge_key(b) for b in batches] if len(batches) > 1 else [None]
+            keys = list(map(_gauge_key, batches, streams)) if len(batches) > 1 else [None]
             latest = {key: i for i, key in enumerate(keys) if key is not None}
             for index, batch in enumerate(batches):
                 key = keys[index]
@@ -217,13 +229,13 @@ class LiveFeed:
                     # A later sample of the same rank's gauges is in this pop: the live
                     # views keep the latest only, so under load the feed skips unread.
                     continue
-                if backlog is not None and not queue.closed:
+                if backlog is not None and index % _BACKLOG_EVERY == 0 and not queue.closed:
                     # The aggregator process has one GIL: when the export falls behind,
                     # the live views wait (their own queue bounds what they hold).
                     while _backlog(backlog) > BACKLOG_YIELD and not queue.closed:
                         time.sleep(_YIELD_S)
                 try:
-                    self._take(batch)
+                    self._take(batch, streams[index])
                 except Exception:
                     # The state checks every value; this is a bug, not bad input.
                     _log.exception("traceml: live views: a batch could not be read")
@@ -237,11 +249,13 @@ class LiveFeed:
             if not queue.closed:
                 time.sleep(_LINGER_S)
 
-    def _take(self, batch: ReceivedBatch) -> None:
+    def _take(self, batch: ReceivedBatch, stream: str | None = _NOT_READ) -> None:
+        """Take one batch (``stream``: its :func:`_stream_of`, when already read)."""
         payload = batch.payload
         state = self.state
         if type(payload) is bytes:
-            stream = peek_batch_stream(payload)
+            if stream is _NOT_READ:
+                stream = peek_batch_stream(payload)
             if stream == "step_time":
                 scan = SCAN_STEP_TIME(payload, state.scan_labels)
                 if scan is not None:
