@@ -415,9 +415,10 @@ MEMORY_KEYS = ("device", "peak_allocated_bytes", "peak_reserved_bytes")
 COLLECTIVE_KEYS = ("step", "phase", "op", "wait_ms", "group")
 """The fields of a collectives item the state reads (``add_collective_rows``' columns)."""
 
-PENDING_VALUES = 1 << 16
+PENDING_VALUES = 1 << 14
 """Values the state holds for its histograms before it adds them in (it does at every
-read too): the buffer's bound, whatever the run."""
+read too): the buffer's bound, whatever the run (at most this many batches' packed
+values, a few MB; adding them in takes a few milliseconds)."""
 
 
 def _fold_into(
