@@ -3,9 +3,11 @@
 ``optional=True``: without a C compiler the install still succeeds, and each has a
 pure-Python path that behaves the same: ``traceml_records._speedups`` (the line and
 item encoders, a rank's step encoder, the core of the scan that reads the export
-files), ``traceml_ai.rank._timing.hotpath`` (the step timer's per-call methods) and
-``traceml_ai.transport._nowait`` (a rank sender's non-blocking socket calls) and
-``traceml_ai.transport._cut`` (the batches of a relay's connection cut out of a chunk).
+files), ``traceml_ai.rank._timing.hotpath`` (the step timer's per-call methods),
+``traceml_ai.transport._nowait`` (a rank sender's non-blocking socket calls),
+``traceml_ai.transport._cut`` (the batches of a relay's connection cut out of a chunk)
+and ``traceml_ai.monitor._feedscan`` (the live feed's reader of step_time, collectives
+and step_memory batches).
 """
 
 from setuptools import Extension, setup
@@ -33,6 +35,11 @@ setup(
         Extension(
             "traceml_ai.transport._cut",
             sources=["src/traceml_ai/transport/_cut.c"],
+            optional=True,
+        ),
+        Extension(
+            "traceml_ai.monitor._feedscan",
+            sources=["src/traceml_ai/monitor/_feedscan.c"],
             optional=True,
         ),
     ]

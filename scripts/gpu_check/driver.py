@@ -77,9 +77,11 @@ RANK_EXTENSIONS = (
     "traceml_ai.transport._nowait",
 )
 """The C extensions a rank loads: each check's workload must have run with them."""
-EXTENSIONS = (*RANK_EXTENSIONS, "traceml_ai.transport._cut")
-"""The C extensions of setup.py, each of which the default lane must build and load (the
-aggregator's, such as ``_cut``, only there: a check's workload is a rank)."""
+AGGREGATOR_EXTENSIONS = ("traceml_ai.transport._cut", "traceml_ai.monitor._feedscan")
+"""The C extensions of setup.py that only the aggregator loads: checked built and
+loaded by the build's import, not looked for in a rank (a check's workload is a rank)."""
+EXTENSIONS = (*RANK_EXTENSIONS, *AGGREGATOR_EXTENSIONS)
+"""Every C extension of setup.py: the default lane must build and load each."""
 
 _print_lock = threading.Lock()
 
@@ -850,7 +852,8 @@ def build_extensions(
         more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
         why = f"{judge.one_line(problems[0], 160)}{more}; the build said: {build_failure(log)}"
         return None, judge.one_line(why, 400)
-    return src, f"C extensions built in {seconds:.1f} s ({', '.join(EXTENSIONS)})"
+    built = ", ".join(EXTENSIONS)
+    return src, f"C extensions built in {seconds:.1f} s ({built})"
 
 
 def build_failure(log: str) -> str:

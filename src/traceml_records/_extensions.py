@@ -1,8 +1,8 @@
 """The one place that chooses a C extension or its pure-Python twin.
 
 Every optional C extension of the two packages (``traceml_records._speedups``,
-``traceml_ai.rank._timing.hotpath``, ``traceml_ai.transport._nowait`` and
-``traceml_ai.transport._cut``) is loaded
+``traceml_ai.rank._timing.hotpath``, ``traceml_ai.transport._nowait``,
+``traceml_ai.transport._cut`` and ``traceml_ai.monitor._feedscan``) is loaded
 through :func:`load`: the module when it was built, else None, and then its caller takes
 the pure-Python path that behaves the same. ``TRACEML_PURE_PYTHON`` set (to anything
 but ``0``) makes every caller take the pure-Python path.

@@ -211,23 +211,23 @@ def test_lanes_report_separately() -> None:
 def test_each_lane_runs_its_own_extensions() -> None:
     build = "/tmp/w/build/src"
     mine = {n: f"{build}/{n.replace('.', '/')}.cpython-312-x86_64-linux-gnu.so" for n in
-            driver.EXTENSIONS}  # fmt: skip
-    assert judge.extension_problems(mine, driver.EXTENSIONS, build) == []
-    assert judge.extension_problems(mine, driver.EXTENSIONS, build + "/") == []
+            driver.RANK_EXTENSIONS}  # fmt: skip
+    assert judge.extension_problems(mine, driver.RANK_EXTENSIONS, build) == []
+    assert judge.extension_problems(mine, driver.RANK_EXTENSIONS, build + "/") == []
     partial = {k: v for k, v in mine.items() if "_nowait" not in k}
-    assert judge.extension_problems(partial, driver.EXTENSIONS, build) == [
+    assert judge.extension_problems(partial, driver.RANK_EXTENSIONS, build) == [
         "the rank did not load the C extension traceml_ai.transport._nowait"
     ]
     elsewhere = {
         **mine,
         "traceml_ai.rank._timing.hotpath": "/site/traceml_ai/rank/_timing/hotpath.so",
     }
-    assert judge.extension_problems(elsewhere, driver.EXTENSIONS, "/tmp/w/build/src") == [
+    assert judge.extension_problems(elsewhere, driver.RANK_EXTENSIONS, "/tmp/w/build/src") == [
         "the rank loaded traceml_ai.rank._timing.hotpath from /site/traceml_ai/rank/_timing/hotpath.so, "
         "not from the lane's build"
     ]
-    assert judge.extension_problems({}, driver.EXTENSIONS, None) == []
-    assert judge.extension_problems(partial, driver.EXTENSIONS, None) == [
+    assert judge.extension_problems({}, driver.RANK_EXTENSIONS, None) == []
+    assert judge.extension_problems(partial, driver.RANK_EXTENSIONS, None) == [
         f"TRACEML_PURE_PYTHON=1, yet the rank loaded {name}" for name in sorted(partial)
     ]
 

@@ -2,10 +2,13 @@
 
 The aggregator's receive loop hands every batch to :meth:`LiveFeed.submit` as it
 hands it to the export; ``submit`` never blocks (a full queue drops the batch and
-counts it: the export worker's :class:`~traceml_ai._queue.BoundedBatchQueue`). The feed thread parses the batch itself (the export parses its own copy,
-so neither waits for the other, and the live views work with export off), updates the
-:class:`LiveState` and gives the new steps to the sinks that want them (the OTLP
-traces). Every few seconds it runs the summary's straggler analysis on each rank's
+counts it: the export worker's :class:`~traceml_ai._queue.BoundedBatchQueue`). The feed
+thread reads the batch itself (the export reads its own copy, so neither waits for the
+other, and the live views work with export off), updates the :class:`LiveState` and
+gives the new steps to the sinks that want them (the OTLP traces). A step_time,
+collectives or step_memory batch is read by a scan (``_feedscan.c``, or its twin
+``_feedscan_py``) into only the values the state keeps, without a Python object per
+item or timing; a batch the scan declines, and every other stream, is decoded. Every few seconds it runs the summary's straggler analysis on each rank's
 recent steps, so the live views name the straggler in the summary's words; when every
 live view asks for it when it reads it (Prometheus, OTLP, the trackers, not the
 dashboard), it is made only then, at most as often as it would be every few seconds.
@@ -17,16 +20,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from traceml_ai._queue import BoundedBatchQueue
-from traceml_ai.analysis import ExcessSoFar, analyze
-from traceml_ai.monitor._state import MAX_USER_PHASES, OTHER_PHASE, LiveState, StepSeen
+from traceml_ai.analysis import STEP_EVENT, ExcessSoFar, analyze
+from traceml_ai.monitor import _feedscan_py
+from traceml_ai.monitor._state import (
+    COLLECTIVE_KEYS,
+    MAX_USER_PHASES,
+    MEMORY_KEYS,
+    OTHER_PHASE,
+    LiveState,
+    StepSeen,
+)
 from traceml_ai.transport.wire import (
     FrameError,
     ReceivedBatch,
     decode_batch_body,
     peek_batch_stream,
 )
+from traceml_records.internal import load_extension
 
 __all__ = [
     "DEFAULT_MAX_BATCHES",
@@ -51,6 +64,8 @@ BACKLOG_YIELD = 0.25
 """When the export's queue is fuller than this share, the feed pauses between batches:
 the files come first, and the live views' own queue drops (and counts) instead."""
 _YIELD_S = 0.02
+_BACKLOG_EVERY = 16
+"""Batches taken between two looks at the export's backlog (each look is a call)."""
 
 StepListener = Callable[[Sequence[StepSeen]], None]
 
@@ -60,20 +75,55 @@ _IDENTITY = b'"identity":'
 _ITEMS = b',"items":'
 
 
-def _gauge_key(batch: ReceivedBatch) -> bytes | None:
-    """(stream, identity) of an encoded batch of a stream whose latest sample is all the
-    live views keep; None for step_time and anything not read cheaply."""
+_NOT_READ = ""
+"""``LiveFeed._take``'s stream when its caller has not read it (no stream's name)."""
+
+
+def _stream_of(batch: ReceivedBatch) -> str | None:
+    """The stream of an encoded batch, read from its prefix (None: not encoded, or not
+    found there)."""
     body = batch.payload
-    if type(body) is not bytes:
-        return None
-    stream = peek_batch_stream(body)
-    if stream not in _GAUGE_STREAMS:
+    return peek_batch_stream(body) if type(body) is bytes else None
+
+
+def _gauge_key(batch: ReceivedBatch, stream: str | None) -> bytes | None:
+    """(stream, identity) of an encoded batch of ``stream`` (:func:`_stream_of`), a
+    stream whose latest sample is all the live views keep; None for step_time and
+    anything not read cheaply."""
+    body = batch.payload
+    if stream not in _GAUGE_STREAMS or type(body) is not bytes:
         return None
     start = body.find(_IDENTITY, 0, 1024)
     end = body.find(_ITEMS, start, start + 4096) if start >= 0 else -1
     if end < 0:
         return None
     return stream.encode() + body[start:end]
+
+
+ScanStepTime = Callable[
+    [bytes, _feedscan_py.LabelMap], "_feedscan_py.StepScan | tuple[Any, ...] | None"
+]
+ScanItems = Callable[[bytes, str, tuple[str, ...]], "_feedscan_py.ItemsScan | None"]
+
+
+def _load_scans() -> tuple[ScanStepTime, ScanItems]:
+    """The batch scans: ``_feedscan.c``'s, configured, or their pure-Python twins (not
+    built, ``TRACEML_PURE_PYTHON=1``, or refused)."""
+    twins = (_feedscan_py.scan_step_time, _feedscan_py.scan_items)
+    scan = load_extension("traceml_ai.monitor._feedscan")
+    if scan is None:
+        return twins
+    try:
+        scan.configure(STEP_EVENT)
+        chosen: tuple[ScanStepTime, ScanItems] = (scan.scan_step_time, scan.scan_items)
+    except Exception:
+        return twins
+    return chosen
+
+
+SCAN_STEP_TIME, SCAN_ITEMS = _load_scans()
+"""The one place the feed's scans are chosen (C or their twins)."""
+_ROW_KEYS = {"collectives": COLLECTIVE_KEYS, "step_memory": MEMORY_KEYS}
 
 
 def _backlog(read: Callable[[], float]) -> float:
@@ -169,8 +219,9 @@ class LiveFeed:
                     return
                 batches = queue.take_all()
             backlog = self.export_backlog
+            streams = list(map(_stream_of, batches))
             # Only a pass of several batches can hold two samples of one rank's gauges.
-            keys = [_gauge_key(b) for b in batches] if len(batches) > 1 else [None]
+            keys = list(map(_gauge_key, batches, streams)) if len(batches) > 1 else [None]
             latest = {key: i for i, key in enumerate(keys) if key is not None}
             for index, batch in enumerate(batches):
                 key = keys[index]
@@ -178,13 +229,13 @@ class LiveFeed:
                     # A later sample of the same rank's gauges is in this pop: the live
                     # views keep the latest only, so under load the feed skips unread.
                     continue
-                if backlog is not None and not queue.closed:
+                if backlog is not None and index % _BACKLOG_EVERY == 0 and not queue.closed:
                     # The aggregator process has one GIL: when the export falls behind,
                     # the live views wait (their own queue bounds what they hold).
                     while _backlog(backlog) > BACKLOG_YIELD and not queue.closed:
                         time.sleep(_YIELD_S)
                 try:
-                    self._take(batch)
+                    self._take(batch, streams[index])
                 except Exception:
                     # The state checks every value; this is a bug, not bad input.
                     _log.exception("traceml: live views: a batch could not be read")
@@ -198,9 +249,26 @@ class LiveFeed:
             if not queue.closed:
                 time.sleep(_LINGER_S)
 
-    def _take(self, batch: ReceivedBatch) -> None:
+    def _take(self, batch: ReceivedBatch, stream: str | None = _NOT_READ) -> None:
+        """Take one batch (``stream``: its :func:`_stream_of`, when already read)."""
         payload = batch.payload
+        state = self.state
         if type(payload) is bytes:
+            if stream is _NOT_READ:
+                stream = peek_batch_stream(payload)
+            if stream == "step_time":
+                scan = SCAN_STEP_TIME(payload, state.scan_labels)
+                if scan is not None:
+                    self._took_steps(state.add_scan(scan))
+                    return
+            elif stream in _ROW_KEYS:
+                rows = SCAN_ITEMS(payload, stream, _ROW_KEYS[stream])
+                if rows is not None:
+                    if stream == "collectives":
+                        state.add_collective_rows(*rows)
+                    else:
+                        state.add_memory_rows(*rows)
+                    return
             try:
                 message = decode_batch_body(payload)
             except FrameError:
@@ -216,18 +284,8 @@ class LiveFeed:
             self.bad_batches += 1
             return
         stream = message.get("stream")
-        state = self.state
         if stream == "step_time":
-            seen = state.add_steps(identity, items)
-            if state.folded_phase_names and not self._folding_said:
-                self._say_folding()
-            if seen:
-                self._straggler_dirty = True
-                for listener in self._listeners:
-                    try:
-                        listener(seen)
-                    except Exception:
-                        _log.exception("traceml: live views: a step listener failed")
+            self._took_steps(state.add_steps(identity, items))
         elif stream == "step_memory":
             state.add_memory(identity, items)
         elif stream == "process":
@@ -238,6 +296,18 @@ class LiveFeed:
             state.add_environment(identity, items)
         elif stream == "collectives":
             state.add_collectives(identity, items)
+
+    def _took_steps(self, seen: list[StepSeen]) -> None:
+        """After a step_time batch: the folding notice, the listeners."""
+        if self.state.folded_phase_names and not self._folding_said:
+            self._say_folding()
+        if seen:
+            self._straggler_dirty = True
+            for listener in self._listeners:
+                try:
+                    listener(seen)
+                except Exception:
+                    _log.exception("traceml: live views: a step listener failed")
 
     def _say_folding(self) -> None:
         """Once per run: user phase names beyond the bound count as ``other``."""

@@ -59,22 +59,28 @@ class StepSampler:
         picked: list[tuple[StepSeen, str]] = []
         every = self.every
         insort, bisect_left = bisect.insort, bisect.bisect_left
+        rank = -1
+        recent: deque[float] = deque()
+        ordered: list[float] = []
         for step in steps:
-            window = self._recent.get(step.rank)
-            if window is None:
-                window = self._recent[step.rank] = (deque(), [])
-            recent, ordered = window
+            if step.rank != rank:  # a batch's steps are one rank's: one lookup
+                rank = step.rank
+                window = self._recent.get(rank)
+                if window is None:
+                    window = self._recent[rank] = (deque(), [])
+                recent, ordered = window
+            ms = step.step_ms
             if every == 1 or (step.step - 1) % every == 0:
                 picked.append((step, PERIODIC))
             elif len(ordered) >= SLOW_MIN_SEEN:
                 n = len(ordered)
                 median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-                if step.step_ms > SLOW_FACTOR * median:
+                if ms > SLOW_FACTOR * median:
                     picked.append((step, SLOW))
             if len(recent) == SLOW_WINDOW:
                 del ordered[bisect_left(ordered, recent.popleft())]
-            recent.append(step.step_ms)
-            insort(ordered, step.step_ms)
+            recent.append(ms)
+            insort(ordered, ms)
         return picked
 
 

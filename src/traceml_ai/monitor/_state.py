@@ -6,7 +6,8 @@ the dashboard. Everything is bounded, and by the run's ranks, not its length: a
 window of recent steps per rank (its last :data:`WINDOW_STEPS`, and their tokens and
 collective waits: at most :data:`HELD_ROWS_PER_RANK` rows per rank, counted by
 :meth:`LiveState.held_rows`), histogram bucket counts per rank and phase and the job's
-(summed as steps arrive), the latest sample of each gauge, a fixed number of user
+(a scanned batch's values wait in a bounded buffer and are added in bulk, in numpy,
+at the next read), the latest sample of each gauge, a fixed number of user
 phase names (the rest fold into ``other``). Memory is O(ranks x window); the live
 straggler analysis reads each rank's last ``STRAGGLER_STEPS`` of that window.
 
@@ -23,7 +24,8 @@ import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
@@ -44,9 +46,12 @@ from traceml_ai.analysis import (
     wait_component,
     waits_measured,
 )
+from traceml_ai.monitor._feedscan_py import MAX_LABELS
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
+
+    from traceml_ai.monitor._feedscan_py import StepScan
 
 __all__ = [
     "HELD_ROWS_PER_RANK",
@@ -146,9 +151,14 @@ def _medians(rows: NDArray[Any], counts: Sequence[int]) -> list[float | None]:
     lo = ordered[lines, np.maximum(n - 1, 0) // 2]
     hi = ordered[lines, n // 2]
     # An odd count takes its middle value as is ((a + a) / 2 would overflow near max).
-    mids = np.where(n % 2 == 1, lo, (lo + hi) / 2.0).tolist()
+    with np.errstate(over="ignore"):  # the even branch near max: not the one taken
+        mids = np.where(n % 2 == 1, lo, (lo + hi) / 2.0).tolist()
     return [mid if count else None for mid, count in zip(mids, counts, strict=True)]
 
+
+_new_tuple = tuple.__new__
+"""``tuple.__new__(StepSeen, fields)``: a named tuple made without its Python
+``__new__`` (the scan's steps are made by ``map``, no Python frame per step)."""
 
 _bucket = bisect.bisect_left
 """A value's bucket of a histogram's bounds (``Histogram.observe``'s search)."""
@@ -218,6 +228,11 @@ _MAX_WAIT_KEY_OBJECTS = 4096
 """(component, operation) key objects kept for reuse at most (whatever ranks send)."""
 _NO_KEY: tuple[str, str] = ("", "")
 """The wait key of a collectives line whose phase names no component (compared by id)."""
+_STEP_OF = operator.itemgetter(2)
+_END_OF = operator.itemgetter(3)
+_MS_OF = operator.itemgetter(4)
+_PHASES_OF = operator.itemgetter(5)
+"""A ``StepSeen``'s step, end_ns, step_ms and phases, read in C."""
 _NO_WAITS: dict[str, float] = {}
 _NO_OP_WAITS: dict[tuple[str, str], float] = {}
 """A step's waits when it has none (read, never changed)."""
@@ -240,6 +255,8 @@ class RankLive:
     phase_pairs: dict[str, tuple[Histogram, Histogram]] = attrs.field(factory=dict)
     """label -> (its ``phase_hist``, the job's of the label): the feed's lookup (empty
     in copies)."""
+    label_mask: int = 0
+    """The label ids (bits) of the scanned batches ``phase_pairs`` has."""
     peak_memory: dict[str, tuple[float | None, float | None]] = attrs.field(factory=dict)
     """device -> (peak allocated, peak reserved) bytes of the last step that reported it."""
     process: dict[str, float] = attrs.field(factory=dict)
@@ -393,6 +410,61 @@ def _empty_rows(n: int) -> NDArray[Any]:
     return np.full((n, WINDOW_STEPS), np.inf)
 
 
+MEMORY_KEYS = ("device", "peak_allocated_bytes", "peak_reserved_bytes")
+"""The fields of a step_memory item the state reads (``add_memory_rows``' columns)."""
+COLLECTIVE_KEYS = ("step", "phase", "op", "wait_ms", "group")
+"""The fields of a collectives item the state reads (``add_collective_rows``' columns)."""
+
+PENDING_VALUES = 1 << 14
+"""Values the state holds for its histograms before it adds them in (it does at every
+read too): the buffer's bound, whatever the run (at most this many batches' packed
+values, a few MB; adding them in takes a few milliseconds)."""
+
+
+def _fold_into(
+    values: NDArray[Any],
+    bounds: tuple[float, ...],
+    slots: NDArray[Any],
+    own: NDArray[Any],
+    keys: NDArray[Any],
+    job_of: Callable[[int], Histogram],
+    hist_of: Callable[[int, int], Histogram],
+) -> None:
+    """Add ``values`` to the job's histogram of each key (``job_of``) and, where
+    ``own``, to its rank's (``hist_of(slot, key)``): the bucket search and the counts
+    in numpy, then one update per histogram, not per value. Each total adds its
+    values in order."""
+    import numpy as np
+
+    width = len(bounds) + 1
+    cells = np.searchsorted(np.array(bounds), values, side="left")
+    nkeys = int(keys.max(initial=0)) + 1
+    counts = np.bincount(keys * width + cells, minlength=nkeys * width).reshape(nkeys, width)
+    sums = np.bincount(keys, weights=values, minlength=nkeys)
+    for k in np.flatnonzero(counts.sum(axis=1)).tolist():
+        _add(job_of(k), counts[k], float(sums[k]))
+    if not own.any():
+        return
+    values, slots, keys, cells = values[own], slots[own], keys[own], cells[own]
+    found, inverse = np.unique(slots * nkeys + keys, return_inverse=True)
+    counts = np.bincount(inverse * width + cells, minlength=len(found) * width)
+    counts = counts.reshape(len(found), width)
+    sums = np.bincount(inverse, weights=values, minlength=len(found))
+    for g, (slot, key) in enumerate(
+        zip((found // nkeys).tolist(), (found % nkeys).tolist(), strict=True)
+    ):
+        _add(hist_of(slot, key), counts[g], float(sums[g]))
+
+
+def _add(hist: Histogram, counts: NDArray[Any], total: float) -> None:
+    """Bucket counts and their values' sum added to ``hist`` (in place: the state's
+    lookups hold it)."""
+    added = counts.tolist()
+    hist.counts[:] = [a + b for a, b in zip(hist.counts, added, strict=True)]
+    hist.total += total
+    hist.n += sum(added)
+
+
 class LiveState:
     """The run as the aggregator sees it now; thread-safe (one lock, short holds).
 
@@ -414,6 +486,19 @@ class LiveState:
         self._nodes: dict[int, NodeLive] = {}
         self._fold = UserPhaseFold()
         self._labels: dict[str, str | None] = {}
+        self.scan_labels: dict[str, tuple[str, int] | None] = {}
+        """``_labels`` with each label's id, as the step_time scan takes it
+        (``_feedscan_py.LabelMap``; a label past ``MAX_LABELS`` ids is left out, so a
+        batch naming it is read the reference way)."""
+        self._label_ids: dict[str, int] = {}
+        self._label_names: list[str] = []
+        """Label id -> label (``_label_ids`` the other way)."""
+        self._pending: list[tuple[RankLive, bool, bytes, bytes, bytes]] = []
+        """Scanned batches whose values the histograms have not taken yet: (rank,
+        whether its own histograms take them, step times, phase times, label ids)."""
+        self._pending_values = 0
+        self._peaks_dirty: dict[int, RankLive] = {}
+        """slot -> the rank whose ``peak_memory`` its ``_peak_table`` row does not show yet."""
         self._wait_keys: dict[tuple[str, str], tuple[str, str]] = {}
         self._line_keys: dict[tuple[str, str, str | None], tuple[str, str]] = {}
         """A collectives line's (phase, op, group) -> its wait key (``_NO_KEY``: none)."""
@@ -456,9 +541,13 @@ class LiveState:
     # -- writing (the feed thread) --------------------------------------------------
 
     def _rank(self, identity: Mapping[str, Any]) -> RankLive | None:
-        rank = identity.get("global_rank")
-        node = identity.get("node_rank")
-        world = identity.get("world_size")
+        return self._rank_of(
+            identity.get("global_rank"), identity.get("node_rank"), identity.get("world_size")
+        )
+
+    def _rank_of(self, rank: object, node: object, world: object) -> RankLive | None:
+        """The rank's state (made when new) from its identity's three fields; None for
+        a rank the state does not track."""
         if type(rank) is not int or not 0 <= rank < MAX_RANKS:
             return None
         if (
@@ -508,7 +597,117 @@ class LiveState:
                     self.ignored_items += 1
                 else:
                     seen.append(step_seen)
+            if len(self._labels) != len(self.scan_labels):
+                self._relabel()
         return seen
+
+    def _relabel(self) -> None:
+        """``scan_labels`` made again from ``_labels`` (names only ever get added)."""
+        ids = self._label_ids
+        out: dict[str, tuple[str, int] | None] = {}
+        for event, label in self._labels.items():
+            if label is None:
+                out[event] = None
+                continue
+            label_id = ids.get(label)
+            if label_id is None:
+                label_id = ids[label] = len(ids)
+                self._label_names.append(label)
+            if label_id < MAX_LABELS:
+                out[event] = (label, label_id)
+        self.scan_labels = out
+
+    def add_scan(self, scan: StepScan | tuple[Any, ...]) -> list[StepSeen]:
+        """Take a step_time batch read by the scan (``_feedscan``): what
+        :meth:`add_steps` does with the same batch decoded."""
+        rank, node, world, ignored, steps, ends, step_ms, phases, tokens, top = scan[:10]
+        with self._lock:
+            live = self._rank_of(rank, node, world)
+            if live is None:
+                self.ignored_items += ignored + len(steps)
+                return []
+            self.ignored_items += ignored
+            if not steps:
+                return []
+            seen = list(
+                map(
+                    _new_tuple,
+                    repeat(StepSeen),
+                    zip(repeat(live.rank), repeat(live.node), steps, ends, step_ms, phases),
+                )
+            )
+            first = live.steps
+            live.steps += len(steps)
+            if steps[top] >= live.last_step:
+                live.last_step = steps[top]
+                live.last_end_ns = ends[top]
+            for step, count in tokens:
+                live.tokens[step] = count
+                if len(live.tokens) > 2 * WINDOW_STEPS:
+                    del live.tokens[next(iter(live.tokens))]
+            live.recent.extend(seen)
+            row = self._recent_ms[live.slot]
+            for i, ms in enumerate(
+                step_ms[-WINDOW_STEPS:], first + max(len(steps) - WINDOW_STEPS, 0)
+            ):
+                row[i % WINDOW_STEPS] = ms
+            mask = scan[13]
+            if mask & ~live.label_mask:
+                # A label new to this rank: its histograms made in the order the
+                # labels appear, as the reference path makes them.
+                pairs = live.phase_pairs
+                for row in phases:
+                    for label in row:
+                        if label not in pairs:
+                            pairs[label] = self._phase_pair(live, label)
+                live.label_mask |= mask
+            # The histograms take the batch's values later, in bulk (_fold).
+            self._pending.append((live, self._rank_hists, scan[10], scan[11], scan[12]))
+            self._pending_values += len(steps) + (len(scan[12]) >> 2)
+            if self._pending_values > PENDING_VALUES:
+                self._fold_pending()
+        return seen
+
+    def _fold_pending(self) -> None:
+        """The values of the scanned batches not yet in the histograms added to them in
+        bulk (numpy: a bucket search and a count per histogram, not a Python step per
+        value); under the lock, before any histogram is read."""
+        pending = self._pending
+        if not pending:
+            return
+        import numpy as np
+
+        self._pending = []
+        self._pending_values = 0
+        by_slot = {p[0].slot: p[0] for p in pending}
+        slots = np.array([p[0].slot for p in pending], dtype=np.intp)
+        own = np.array([p[1] for p in pending], dtype=bool)
+        step_packed = [p[2] for p in pending]
+        ids_packed = [p[4] for p in pending]
+        step_n = np.array([len(b) >> 3 for b in step_packed], dtype=np.intp)
+        phase_n = np.array([len(b) >> 2 for b in ids_packed], dtype=np.intp)
+        values = np.frombuffer(b"".join(step_packed), dtype=np.float64) / 1000.0
+        _fold_into(
+            values,
+            STEP_BUCKETS_S,
+            np.repeat(slots, step_n),
+            np.repeat(own, step_n),
+            np.zeros(len(values), dtype=np.intp),
+            lambda k: self._job_step,
+            lambda slot, k: by_slot[slot].step_hist,
+        )
+        if phase_n.any():
+            values = np.frombuffer(b"".join(p[3] for p in pending), dtype=np.float64) / 1000.0
+            names = self._label_names
+            _fold_into(
+                values,
+                PHASE_BUCKETS_S,
+                np.repeat(slots, phase_n),
+                np.repeat(own, phase_n),
+                np.frombuffer(b"".join(ids_packed), dtype=np.int32).astype(np.intp),
+                lambda k: self._job_phases[names[k]],
+                lambda slot, k: by_slot[slot].phase_pairs[names[k]][0],
+            )
 
     def _step(self, live: RankLive, item: Any) -> StepSeen | None:
         if type(item) is not dict:
@@ -580,31 +779,47 @@ class LiveState:
         return hist, job
 
     def add_memory(self, identity: Mapping[str, Any], items: Iterable[Any]) -> None:
+        rows = [tuple(map(i.get, MEMORY_KEYS)) if type(i) is dict else None for i in items]
+        self.add_memory_rows(
+            identity.get("global_rank"), identity.get("node_rank"), identity.get("world_size"), rows
+        )
+
+    def add_memory_rows(
+        self, rank: object, node: object, world: object, rows: Iterable[tuple[Any, ...] | None]
+    ) -> None:
+        """A step_memory batch: its identity's three fields and each item's values of
+        :data:`MEMORY_KEYS` (None: an item that is not an object)."""
         with self._lock:
-            live = self._rank(identity)
+            live = self._rank_of(rank, node, world)
             if live is None:
                 return
             # A new dict, never one a reader holds changed: the scrape shares it.
             peaks = dict(live.peak_memory)
-            for item in items:
-                if type(item) is not dict or type(item.get("device")) is not str:
+            for row in rows:
+                if row is None or type(row[0]) is not str:
                     self.ignored_items += 1
                     continue
-                device = item["device"][:32]
+                device = row[0][:32]
                 if device not in peaks and len(peaks) >= MAX_DEVICES:
                     continue
-                peaks[device] = (
-                    _number(item.get("peak_allocated_bytes")),
-                    _number(item.get("peak_reserved_bytes")),
-                )
+                peaks[device] = (_number(row[1]), _number(row[2]))
             live.peak_memory = peaks
-            table = self._peak_table[live.slot]
-            table.fill(math.nan)
-            for row, (allocated, reserved) in enumerate(peaks.values()):
-                table[row] = (
-                    math.nan if allocated is None else allocated,
-                    math.nan if reserved is None else reserved,
-                )
+            # Its table row is written when read (_write_peaks): once a read, not once
+            # a batch (a rank sends one every flush).
+            self._peaks_dirty[live.slot] = live
+
+    def _write_peaks(self) -> None:
+        """The peak table rows of the ranks whose peaks changed since the last read."""
+        nan = math.nan
+        table = self._peak_table
+        for slot, live in self._peaks_dirty.items():
+            peaks = live.peak_memory
+            if peaks:
+                # Devices are only ever added, in order: the rows after them stay NaN.
+                table[slot, : len(peaks)] = [
+                    (nan if a is None else a, nan if r is None else r) for a, r in peaks.values()
+                ]
+        self._peaks_dirty.clear()
 
     def add_process(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
         with self._lock:
@@ -703,19 +918,28 @@ class LiveState:
 
     def add_collectives(self, identity: Mapping[str, Any], items: Sequence[Any]) -> None:
         """A batch of ``collectives`` items: each step's wait per component and op."""
+        rows = [tuple(map(i.get, COLLECTIVE_KEYS)) if type(i) is dict else None for i in items]
+        self.add_collective_rows(
+            identity.get("global_rank"), identity.get("node_rank"), identity.get("world_size"), rows
+        )
+
+    def add_collective_rows(
+        self, rank: object, node: object, world: object, rows: Sequence[tuple[Any, ...] | None]
+    ) -> None:
+        """A collectives batch: its identity's three fields and each item's values of
+        :data:`COLLECTIVE_KEYS` (None: an item that is not an object)."""
         with self._lock:
-            live = self._rank(identity)
+            live = self._rank_of(rank, node, world)
             if live is None:
-                self.ignored_items += len(items)
+                self.ignored_items += len(rows)
                 return
             waits, op_waits = live.waits, live.op_waits
             line_keys = self._line_keys
-            for item in items:
-                if type(item) is not dict:
+            for row in rows:
+                if row is None:
                     self.ignored_items += 1
                     continue
-                step, phase, op = item.get("step"), item.get("phase"), item.get("op")
-                wait = item.get("wait_ms")
+                step, phase, op, wait, group = row
                 if (
                     type(step) is not int
                     or step < 1
@@ -733,7 +957,6 @@ class LiveState:
                 if ms is None or ms < 0.0:
                     self.ignored_items += 1
                     continue
-                group = item.get("group")
                 # The (component, operation) key of a line's (phase, op, group), looked
                 # up once: the collectives of every step of every rank pass here.
                 # (A group of another type names no group: op_label leaves it out.)
@@ -805,6 +1028,7 @@ class LiveState:
     def ranks(self) -> list[RankLive]:
         """A copy of every rank's figures (histograms copied; ``recent`` left empty)."""
         with self._lock:
+            self._fold_pending()
             return [
                 RankLive(
                     rank=r.rank,
@@ -828,6 +1052,7 @@ class LiveState:
         ``rank_histograms_max_ranks``, past which it keeps none). Only copies are made
         under the lock."""
         with self._lock:
+            self._fold_pending()
             order = self._order
             if order is None or len(order[0]) != len(self._ranks):
                 live = [r for _, r in sorted(self._ranks.items())]
@@ -840,6 +1065,8 @@ class LiveState:
             job_phases = {label: h.copy() for label, h in sorted(self._job_phases.items())}
             recent_ms = self._recent_ms[slots]  # copies
             process_table = self._process_table[slots]
+            if self._peaks_dirty:
+                self._write_peaks()
             peak_table = self._peak_table[slots]
             # One pass over the ranks, then transposed: a tuple of scalars and of the
             # dicts the state replaces whole (never changes in place) per rank.
@@ -959,19 +1186,22 @@ class LiveState:
         for rank, steps in sorted(self.recent_steps(last).items()):
             if not steps:
                 continue
-            by_step = {s.step: s for s in steps}
-            order = sorted(by_step)
-            seen = [by_step[step] for step in order]
+            order = list(map(_STEP_OF, steps))
+            # Steps come in order, each once, nearly always: then the window is its own
+            # columns, read by C-level maps (the straggler analysis reads every rank's).
+            if not all(map(operator.lt, order, order[1:])):
+                by_step = {s.step: s for s in steps}
+                order = sorted(by_step)
+                steps = [by_step[step] for step in order]
             theirs, their_ops = waits.get(rank, ({}, {}))
             said = tokens.get(rank, {})
-
             columns[rank] = rank_columns_of(
                 order,
-                [s.step_ms for s in seen],
-                [s.phases for s in seen],
-                end_ns=[float(s.end_ns) for s in seen],
-                tokens=[said.get(step) for step in order],
-                waits=[theirs.get(step, _NO_WAITS) for step in order],
-                op_waits=[their_ops.get(step, _NO_OP_WAITS) for step in order],
+                list(map(_MS_OF, steps)),
+                list(map(_PHASES_OF, steps)),
+                end_ns=list(map(float, map(_END_OF, steps))),
+                tokens=list(map(said.get, order)),
+                waits=list(map(theirs.get, order, repeat(_NO_WAITS))),
+                op_waits=list(map(their_ops.get, order, repeat(_NO_OP_WAITS))),
             )
         return columns
