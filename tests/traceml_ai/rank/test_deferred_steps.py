@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e_helpers import data_lines, export_dir, run_cli, warning_file
 from tests.rank_helpers import TensorlessModel, timer_steps
+from tests.traceml_ai.rank.conftest import once
 from traceml_ai.rank._timing import event_names, step_timer
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
@@ -224,6 +225,7 @@ _FAIL_SCRIPT = textwrap.dedent(
 )
 
 
+@once  # the steps are timed in the child
 def test_steps_waiting_for_the_builder_reach_the_files_after_a_timer_failure(
     tmp_path: Path,
 ) -> None:
@@ -266,6 +268,7 @@ _BUILDER_BUG_SCRIPT = textwrap.dedent(
 )
 
 
+@once  # the steps are timed in the child
 def test_a_failure_while_building_on_the_sender_thread_is_reported_once(tmp_path: Path) -> None:
     script = tmp_path / "bug.py"
     script.write_text(_BUILDER_BUG_SCRIPT)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import traceml_ai as traceml
 from tests.e2e_helpers import REPO
 from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
+from tests.traceml_ai.rank.conftest import once
 from traceml_ai.rank._patches import phase_hooks
 from traceml_ai.rank._runtime import connect, sdk
 from traceml_ai.rank._timing import step_timer
@@ -592,6 +593,7 @@ def test_mode_off_is_silent_and_bad_mode_is_rejected() -> None:
         traceml.init("sometimes")
 
 
+@once  # the steps are timed in the child
 def test_plain_python_script_runs_with_one_warning(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(
@@ -624,6 +626,7 @@ def test_plain_python_script_runs_with_one_warning(tmp_path: Path) -> None:
     assert "not launched by `traceml run`" in result.stderr
 
 
+@once  # a child's imports
 def test_import_does_not_import_torch() -> None:
     code = "import sys, traceml_ai; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
