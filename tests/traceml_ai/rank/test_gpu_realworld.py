@@ -25,6 +25,7 @@ import torch
 
 import traceml_ai as traceml
 from tests import e2e_helpers as e2e
+from tests.traceml_ai.rank.conftest import once
 from traceml_ai.rank import gpu
 from traceml_ai.rank._patches import phase_hooks
 from traceml_ai.rank._runtime import sdk
@@ -401,6 +402,7 @@ if __name__ == "__main__":
 """
 
 
+@once  # the steps are timed in the child
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_spawn_and_forkserver_workers_stay_off(tmp_path: Path, context: str) -> None:
     script = tmp_path / "train_workers.py"
