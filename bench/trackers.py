@@ -6,8 +6,8 @@ JSONL with ``--tracker`` naming every tracker TraceML knows
 (``traceml_ai.settings.TRACKER_NAMES``), the order of the two alternating from round to
 round so that the machine's noise hits both alike. Each tracker writes where a user's
 would: TensorBoard its event files in the run folder; MLflow to a real ``mlflow server``
-on sqlite that this bench starts (``bench/mlflow_server.py``; its CPU is its own
-process's, not the aggregator's); W&B offline
+on sqlite that this bench starts (``bench/mlflow_server.py``), or one already running
+(``--mlflow-uri``; its CPU is its own process's, not the aggregator's); W&B offline
 (``WANDB_MODE=offline``) into a temporary ``WANDB_DIR``.
 
 The figure is the aggregator process's own CPU time (user + system, from ``wait4`` at
@@ -18,6 +18,7 @@ is printed apart, as ``start-up``, and is not in the ratio.
 
     python -m bench.trackers                          # 256 ranks, 10 steps/s, 30 s, 3 rounds
     python -m bench.trackers --ranks 1024 --seconds 60 --rounds 2
+    python -m bench.trackers --mlflow-uri http://127.0.0.1:5000   # a server already up
 
 Prints each round's figures and, last, ``trackers_cpu_ratio=<median of on/off>
 trackers=<names> ranks=<n> steps_per_s=<s> every_steps=<k> points=<fewest points a
@@ -189,9 +190,12 @@ def one_run(
 
 
 @contextlib.contextmanager
-def tracker_environment(trackers: tuple[str, ...], folder: Path) -> Iterator[str | None]:
+def tracker_environment(
+    trackers: tuple[str, ...], folder: Path, mlflow_uri: str | None = None
+) -> Iterator[str | None]:
     """Where each tracker writes, set in this process's environment (the aggregator
-    inherits it); yields the MLflow server's URL when MLflow is among ``trackers``."""
+    inherits it); yields the MLflow server's URL when MLflow is among ``trackers``:
+    ``mlflow_uri``'s, a server already running, or else one started here."""
     saved = dict(os.environ)
     try:
         if "wandb" in trackers:
@@ -202,15 +206,17 @@ def tracker_environment(trackers: tuple[str, ...], folder: Path) -> Iterator[str
         if "mlflow" not in trackers:
             yield None
             return
-        store = folder / "mlflow"
-        store.mkdir()
-        with mlflow_server(store) as server:
+        with contextlib.ExitStack() as stack:
+            if mlflow_uri is None:
+                store = folder / "mlflow"
+                store.mkdir()
+                mlflow_uri = stack.enter_context(mlflow_server(store)).url
             clients = ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "NO_PROXY", "no_proxy")
             env = server_env()
             os.environ.update({k: env[k] for k in clients})
-            os.environ["MLFLOW_TRACKING_URI"] = server.url
+            os.environ["MLFLOW_TRACKING_URI"] = mlflow_uri
             os.environ["MLFLOW_EXPERIMENT_NAME"] = EXPERIMENT
-            yield server.url
+            yield mlflow_uri
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -262,6 +268,11 @@ def main(argv: list[str] | None = None) -> None:
         "--py-spy", type=Path, default=None, help="profile the last round's run with trackers"
     )
     parser.add_argument("--logs-dir", type=Path, default=None, help="kept; default: temporary")
+    parser.add_argument(
+        "--mlflow-uri",
+        default=None,
+        help="an MLflow server already running (its tracking URI); default: one started here",
+    )
     args = parser.parse_args(argv)
     trackers = tuple(t for t in args.trackers.split(",") if t)
     unknown = [t for t in trackers if t not in TRACKER_NAMES]
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     points: list[int] = []
     kinds = ["off", "on"] + (["feed"] if args.feed else [])
     try:
-        with tracker_environment(trackers, folder) as mlflow_url:
+        with tracker_environment(trackers, folder, args.mlflow_uri) as mlflow_url:
             for i in range(args.rounds):
                 order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
                 runs: dict[str, Run] = {}

@@ -4,7 +4,8 @@ server and one browser for the session.
 Lanes (docs/testing.md): every test is in exactly one of ``e2e`` (tests/e2e: the
 product through its commands), ``slow`` (marked in its module: real training runs,
 subprocesses, real receivers) and ``unit`` (everything else, given here), so that
-``bash scripts/test.sh --fast`` (``-m unit``) runs every unit test.
+``bash scripts/test.sh --fast`` (``-m unit``) runs every unit test (and does not import
+tests/e2e nor the modules marked slow as a whole).
 
 Hypothesis: ``ci`` (few examples) is loaded when the ``CI`` or ``FAST`` environment
 variable is set; otherwise ``thorough``. ``HYPOTHESIS_PROFILE`` picks one explicitly.
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -46,6 +49,26 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
 
 LANES = ("unit", "e2e", "slow")
 _E2E = os.path.join("tests", "e2e", "")
+
+
+# A module whose every test is slow says so in one line at its top level.
+_SLOW_MODULE = re.compile(rb"^pytestmark\s*=.*\bpytest\.mark\.slow\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With ``-m unit`` alone, tests/e2e and the modules marked slow as a whole are not
+    imported at all: they would only be deselected, and importing them (Lightning,
+    Accelerate, Ray, their assertion rewriting) is about half of the lane's collection.
+    Any other selection collects everything."""
+    if config.getoption("markexpr", "") != "unit":
+        return None
+    path = os.path.relpath(str(collection_path), str(config.rootpath))
+    if path == _E2E.rstrip(os.sep) or path.startswith(_E2E):
+        return True
+    name = collection_path.name
+    if name.startswith("test_") and name.endswith(".py") and collection_path.is_file():
+        return _SLOW_MODULE.search(collection_path.read_bytes()) is not None or None
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

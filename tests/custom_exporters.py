@@ -119,21 +119,25 @@ def factory_without_close(context: ExportContext) -> Any:
 
 
 class RaisingExporter(InMemoryExporter):
-    """Raises in ``export`` on calls 0, ``fail_every``, 2 * ``fail_every``, ...; keeps the rest."""
+    """Raises in ``export`` on each stream's calls 0, ``fail_every``, 2 * ``fail_every``,
+    ...; keeps the rest. Counted per stream, so every stream that is exported at all
+    sees a failure, however the worker groups its records into calls."""
 
     def __init__(self, fail_every: int = 1) -> None:
         super().__init__()
         self.fail_every = fail_every
         self.calls = 0
+        self.calls_by_stream: dict[str, int] = {}
         self.failed: dict[str, list[Any]] = {}
 
     def export(self, records: Sequence[Any]) -> None:
-        index = self.calls
+        stream = STREAM_BY_CLASS[type(records[0])].name
+        index = self.calls_by_stream.get(stream, 0)
+        self.calls_by_stream[stream] = index + 1
         self.calls += 1
         if index % self.fail_every == 0:
-            stream = STREAM_BY_CLASS[type(records[0])].name
             self.failed.setdefault(stream, []).extend(records)
-            raise OSError(f"export call {index} failed on purpose")
+            raise OSError(f"{stream} export call {index} failed on purpose")
         super().export(records)
 
 

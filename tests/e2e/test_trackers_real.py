@@ -160,11 +160,26 @@ def _step_medians(export: Path) -> dict[int, float]:
 Ran = dict[str, tuple[Path, Any]]
 
 
+def _hf_run(folder: Path, mlflow: MlflowServer) -> Any:
+    """An HF Trainer on 2 ranks reporting to MLflow (the session's server, an experiment
+    named after ``folder``) and W&B (offline, under ``folder``)."""
+    env = {k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES}
+    env.update(wandb_env(folder / "wb", WANDB_MODE="offline", WANDB_PROJECT="hf"))
+    env["MLFLOW_TRACKING_URI"] = mlflow.url
+    env["MLFLOW_EXPERIMENT_NAME"] = f"hf-{folder.name}"  # the session's server is shared
+    return _framework_run(
+        folder, "hf-run", "mlflow,wandb", "hf", str(FRAMEWORK_STEPS), "mlflow,wandb", env=env
+    )
+
+
 @pytest.fixture(scope="module")
-def without_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Ran:
-    """The two runs that need no MLflow server, together (each is mostly its processes'
-    start and imports; neither is read for its timings): name -> folder, result."""
+def together(tmp_path_factory: pytest.TempPathFactory, mlflow_started: MlflowServer) -> Ran:
+    """The runs read for their figures, never for their timings, two at a time (each is
+    mostly its processes' start and imports): Lightning with TensorBoard, a tracker
+    down, and HF reporting to MLflow and W&B once the session's MLflow server is up:
+    name -> folder, result."""
     lit, down = tmp_path_factory.mktemp("lit"), tmp_path_factory.mktemp("down")
+    hf = tmp_path_factory.mktemp("hf")
     with ThreadPoolExecutor(max_workers=2) as pool:
         lit_run = pool.submit(
             _framework_run,
@@ -179,15 +194,19 @@ def without_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Ran:
         down_run = pool.submit(
             _run, down, "down", "--tracker", "mlflow,tensorboard", env=env, steps=DOWN_STEPS
         )
-        return {"lit": (lit, lit_run.result()), "down": (down, down_run.result())}
+        mlflow_started.wait_ready()  # it starts with the module (tests/conftest.py)
+        hf_run = pool.submit(_hf_run, hf, mlflow_started)
+        return {
+            "lit": (lit, lit_run.result()),
+            "down": (down, down_run.result()),
+            "hf": (hf, hf_run.result()),
+        }
 
 
-def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(
-    without_mlflow: Ran,
-) -> None:
+def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(together: Ran) -> None:
     """Lightning's TensorBoardLogger writes on rank 0 into lit/version_0; TraceML's
     event file goes there too, so TensorBoard shows one run with both."""
-    folder, res = without_mlflow["lit"]
+    folder, res = together["lit"]
     assert res.returncode == 0, res.stderr
     assert "DONE" in res.stdout
     log_dir = folder / "tb" / "lit" / "version_0"
@@ -206,8 +225,8 @@ def test_a_lightning_tensorboard_logger_gets_the_figures_in_its_log_dir(
     assert not (folder / "logs" / "lit-run" / "aggregator" / "tensorboard").exists()
 
 
-def test_a_tracker_that_is_down_costs_one_line_and_counted_points(without_mlflow: Ran) -> None:
-    folder, res = without_mlflow["down"]  # MLflow's URI: a port nothing listens on
+def test_a_tracker_that_is_down_costs_one_line_and_counted_points(together: Ran) -> None:
+    folder, res = together["down"]  # MLflow's URI: a port nothing listens on
     assert res.returncode == 0, res.stderr
     lines = _tracker_lines(res.stderr, "mlflow")
     assert len(lines) == 1, res.stderr
@@ -330,7 +349,7 @@ def _artifact_json(client: Any, run_id: str, tmp_path: Path) -> Any:
 
 
 def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_runs(
-    tmp_path: Path, mlflow: MlflowServer
+    together: Ran, mlflow: MlflowServer, tmp_path: Path
 ) -> None:
     """HF's MLflowCallback and WandbCallback open their runs on rank 0. TraceML logs
     into the MLflow run itself (no second run), beside the loss, and leaves ending it
@@ -338,14 +357,8 @@ def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_run
     names the script's."""
     from mlflow.tracking import MlflowClient
 
-    experiment_name = f"hf-{tmp_path.name}"  # the session's server is shared
-    env = {k: v for k, v in server_env().items() if k.upper() in _CLIENT_VARIABLES}
-    env.update(wandb_env(tmp_path / "wb", WANDB_MODE="offline", WANDB_PROJECT="hf"))
-    env["MLFLOW_TRACKING_URI"] = mlflow.url
-    env["MLFLOW_EXPERIMENT_NAME"] = experiment_name
-    res = _framework_run(
-        tmp_path, "hf-run", "mlflow,wandb", "hf", str(FRAMEWORK_STEPS), "mlflow,wandb", env=env
-    )
+    folder, res = together["hf"]
+    experiment_name = f"hf-{folder.name}"
     assert res.returncode == 0, res.stderr
     assert "DONE" in res.stdout
     assert "Traceback" not in res.stderr
@@ -354,9 +367,9 @@ def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_run
     assert experiment is not None
     (run,) = client.search_runs([experiment.experiment_id])  # HF's, and no other
     run_id = run.info.run_id
-    assert run.data.tags["traceml.run_dir"] == str(tmp_path / "logs" / "hf-run")
+    assert run.data.tags["traceml.run_dir"] == str(folder / "logs" / "hf-run")
     assert client.get_metric_history(run_id, "loss")  # HF's own metric
-    expected = _step_medians(tmp_path / "logs" / "hf-run" / "aggregator" / "export")
+    expected = _step_medians(folder / "logs" / "hf-run" / "aggregator" / "export")
     history_ml = {
         m.step: m.value for m in client.get_metric_history(run_id, tm.STEP_TIME_MEDIAN.name)
     }
@@ -368,8 +381,8 @@ def test_an_hf_trainer_reporting_to_mlflow_and_wandb_gets_the_figures_in_its_run
     assert _artifact_json(client, run_id, tmp_path)["ranks"] == [0, 1]
     # W&B: the script's offline run and TraceML's, which names it.
     by_name = {}
-    for folder in run_folders(tmp_path / "wb"):
-        found = records(folder)
+    for wb_folder in run_folders(folder / "wb"):
+        found = records(wb_folder)
         (opened,) = of_type(found, "run")
         by_name[opened.get("display_name", "")] = (opened, found)
     script = next(v for k, v in by_name.items() if k != "hf-run")

@@ -4,12 +4,14 @@ The straggler tests (tests/traceml_ai/analysis/test_straggler.py) run it under `
 and check that the summary names the slowed ranks, the place and where the others wait.
 
 Usage: straggler_train.py --where WHERE [--slow-ranks 1,3] [--every N] [--sleep-ms MS]
-       [--steps N] [--strategy ddp|fsdp2|allreduce] [--exit-after N]
+       [--steps N] [--strategy ddp|fsdp2|allreduce] [--exit-after N] [--work-ms MS]
 
 WHERE is one of: none, forward, backward, optimizer, collate (the DataLoader's
 collate_fn, the batch fetched before the step opens), dataloader_in_step (the batch
 fetched inside the step), between (work after the step, before the next batch).
-``--every N`` slows only every Nth iteration (1: every one).
+``--every N`` slows only every Nth iteration (1: every one). ``--work-ms MS``: every rank
+sleeps MS at the start of each forward (0: none), so that the steps are long against a
+busy machine's scheduling delays, as real steps are.
 
 ``--strategy``: ``ddp`` (DistributedDataParallel, the default), ``fsdp2`` (every layer
 and the root under ``fully_shard``: all-gathers in forward and backward, reduce-scatters
@@ -132,6 +134,7 @@ def main() -> None:
     parser.add_argument(
         "--exit-after", type=int, default=0, help="the slowed ranks os._exit(0) after N steps"
     )
+    parser.add_argument("--work-ms", type=float, default=0.0)
     args = parser.parse_args()
     traceml.init()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -156,10 +159,14 @@ def main() -> None:
     model: nn.Module
     if args.strategy == "ddp":
         model = _Model(clock, args.where)
+        if args.work_ms > 0:
+            model.register_forward_pre_hook(lambda *_: time.sleep(args.work_ms / 1000))
         if world > 1:
             model = nn.parallel.DistributedDataParallel(model)
     else:
         model = _Deep(clock, args.where)
+        if args.work_ms > 0:
+            model.register_forward_pre_hook(lambda *_: time.sleep(args.work_ms / 1000))
         if args.strategy == "fsdp2" and world > 1:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard

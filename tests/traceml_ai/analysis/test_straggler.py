@@ -221,10 +221,20 @@ def test_1024_ranks(tmp_path: Path) -> None:
 SCRIPT = REPO / "tests" / "scripts" / "straggler_train.py"
 
 
+NO_STRAGGLER_WORK_MS = 40
+"""Each rank's own work a step in the runs without a slow rank. The script's steps take
+a few ms, and on a busy machine the scheduler delays one rank now and then by as much:
+three such steps out of 25 read as an intermittent straggler, as they should. With 40 ms
+a step, a single step counts as slow only past 0.3 x the iteration (about 13 ms), far
+above those delays. The slowed runs need none: their 30 ms stand above them already."""
+
+
 def _straggler_run(
     tmp_path: Path, ranks: int, strategy: str, where: str, slowed: str, every: int
 ) -> Any:
-    """``traceml run`` of the straggler script (25 steps, a 30 ms sleep), every stream."""
+    """``traceml run`` of the straggler script (25 steps, a 30 ms sleep), every stream;
+    without a slow rank (``where`` none), every rank works NO_STRAGGLER_WORK_MS a step."""
+    work_ms = NO_STRAGGLER_WORK_MS if where == "none" else 0
     return run_cli(
         [
             *("run", "--logs-dir", tmp_path / "logs", "--run-name", "r"),
@@ -232,6 +242,7 @@ def _straggler_run(
             *("--exporter", "jsonl", "--export-streams", "all", SCRIPT),
             *("--strategy", strategy, "--where", where, "--slow-ranks", slowed),
             *("--every", str(every), "--steps", "25", "--sleep-ms", "30"),
+            *("--work-ms", str(work_ms)),
         ],
         cwd=tmp_path,
     )

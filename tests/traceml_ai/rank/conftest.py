@@ -20,14 +20,25 @@ needs_c = pytest.mark.skipif(PURE_PYTHON, reason=f"{PURE_PYTHON_ENV} is set: no 
 built: CI builds them, and a silent fallback would leave the C path untested)."""
 
 
+AS_BUILT = "as-built"
+
+once = pytest.mark.parametrize("timer_core", [AS_BUILT], indirect=True)
+"""For a test that the swap of this process's timer core changes nothing for (its steps
+are timed in a child process, or it times none): it runs once, with the core as built,
+rather than twice the same way. On a test or as a module's ``pytestmark``."""
+
+
 @pytest.fixture(params=["c", "python"], autouse=True)
 def timer_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """``c``: StepTimer as built (``hotpath.TimerCore`` under its Python methods) and
     ``hotpath.StepContext``; ``python``: its per-step and per-call methods, in-flight
     phases and step context the pure-Python twins (``hotpath_py``) and the patches'
     Python wrappers (no ``hotpath.FastPatch``), as without the extension.
-    Under ``TRACEML_PURE_PYTHON=1`` only the ``python`` run takes place."""
+    Under ``TRACEML_PURE_PYTHON=1`` only the ``python`` run takes place. A test marked
+    :data:`once` runs once, ``as-built``: nothing swapped."""
     hotpath = timer_core_module.HOTPATH
+    if request.param == AS_BUILT:
+        return AS_BUILT
     if request.param == "c":
         if hotpath is None:
             if PURE_PYTHON:

@@ -15,6 +15,7 @@ from torch import nn
 
 import traceml_ai as traceml
 from tests.e2e_helpers import free_port, run_cli
+from tests.traceml_ai.rank.conftest import once
 from traceml_ai.rank import StepTimer
 from traceml_ai.rank._collectives import recorder as collective_recorder
 from traceml_ai.rank._patches import ddp as ddp_patches
@@ -265,6 +266,7 @@ def test_nccl_items_wait_for_their_works() -> None:
     assert (item["step"], item["wait_measure"], item["wait_ms"]) == (1, "device", 2.25)
 
 
+@once  # a child's environment
 def test_traceml_run_turns_nccl_timing_on_unless_set(tmp_path: Any) -> None:
     script = tmp_path / "env.py"
     script.write_text(

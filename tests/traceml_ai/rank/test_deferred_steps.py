@@ -9,8 +9,10 @@ a timer failure or a builder that does not keep up is still sent, in order.
 
 from __future__ import annotations
 
+import subprocess
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 
 from tests.e2e_helpers import data_lines, export_dir, run_cli, warning_file
 from tests.rank_helpers import TensorlessModel, timer_steps
+from tests.traceml_ai.rank.conftest import once
 from traceml_ai.rank._timing import event_names, step_timer
 from traceml_ai.rank.sink import RecordingSink
 from traceml_ai.testing import FakeCuda
@@ -224,25 +227,6 @@ _FAIL_SCRIPT = textwrap.dedent(
 )
 
 
-def test_steps_waiting_for_the_builder_reach_the_files_after_a_timer_failure(
-    tmp_path: Path,
-) -> None:
-    script = tmp_path / "fail.py"
-    script.write_text(_FAIL_SCRIPT)
-    logs = tmp_path / "logs"
-    options = ["--logs-dir", logs, "--run-name", "fail", "--exporter", "jsonl"]
-    res = run_cli(["run", *options, "--export-streams", "all", script], cwd=tmp_path, timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    waiting = int(res.stdout.split("WAITING ")[1].split()[0])
-    assert waiting > 0, res.stdout  # the sender had not built them yet
-    assert warning_file(logs, "fail") is None
-    folder = export_dir(logs, "fail")
-    for stream in ("step_time", "step_memory"):
-        lines = data_lines(folder / f"{stream}.jsonl")
-        assert [d["step"] for d in lines] == list(range(1, 301)), stream
-        assert [d["seq"] for d in lines] == list(range(300)), stream
-
-
 _BUILDER_BUG_SCRIPT = textwrap.dedent(
     """
     import time
@@ -266,11 +250,50 @@ _BUILDER_BUG_SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_failure_while_building_on_the_sender_thread_is_reported_once(tmp_path: Path) -> None:
-    script = tmp_path / "bug.py"
-    script.write_text(_BUILDER_BUG_SCRIPT)
-    options = ["--logs-dir", tmp_path / "logs", "--run-name", "bug", "--exporter", "jsonl"]
-    res = run_cli(["run", *options, script], cwd=tmp_path, timeout=120)
+CliRuns = dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
+"""A run's name -> its logs folder and ``traceml run``'s result."""
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> CliRuns:
+    """The module's two ``traceml run``s, started together: each is mostly its
+    processes' start, and neither is read for its timings."""
+
+    def run(name: str, source: str, *options: str) -> tuple[Path, Any]:
+        folder = tmp_path_factory.mktemp(name)
+        script = folder / f"{name}.py"
+        script.write_text(source)
+        logs = folder / "logs"
+        args = ["run", "--logs-dir", logs, "--run-name", name, "--exporter", "jsonl", *options]
+        return logs, run_cli([*args, script], cwd=folder, timeout=120)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        fail = pool.submit(run, "fail", _FAIL_SCRIPT, "--export-streams", "all")
+        bug = pool.submit(run, "bug", _BUILDER_BUG_SCRIPT)
+        return {"fail": fail.result(), "bug": bug.result()}
+
+
+@once  # the steps are timed in the child
+def test_steps_waiting_for_the_builder_reach_the_files_after_a_timer_failure(
+    cli_runs: CliRuns,
+) -> None:
+    logs, res = cli_runs["fail"]
+    assert res.returncode == 0, res.stdout + res.stderr
+    waiting = int(res.stdout.split("WAITING ")[1].split()[0])
+    assert waiting > 0, res.stdout  # the sender had not built them yet
+    assert warning_file(logs, "fail") is None
+    folder = export_dir(logs, "fail")
+    for stream in ("step_time", "step_memory"):
+        lines = data_lines(folder / f"{stream}.jsonl")
+        assert [d["step"] for d in lines] == list(range(1, 301)), stream
+        assert [d["seq"] for d in lines] == list(range(300)), stream
+
+
+@once  # the steps are timed in the child
+def test_a_failure_while_building_on_the_sender_thread_is_reported_once(
+    cli_runs: CliRuns,
+) -> None:
+    _, res = cli_runs["bug"]
     assert res.returncode == 0, res.stdout + res.stderr
     assert "TRAINED" in res.stdout
     failures = [line for line in res.stderr.splitlines() if "step timing failed" in line]

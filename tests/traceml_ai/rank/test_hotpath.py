@@ -23,7 +23,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tests.traceml_ai.rank.conftest import CORE_METHODS, PURE_PYTHON
+from tests.traceml_ai.rank.conftest import CORE_METHODS, PURE_PYTHON, once
 from traceml_ai.rank._timing import event_names, hotpath_py, step_timer
 from traceml_ai.rank._timing import timer_core as timer_core_module
 from traceml_ai.rank.sink import RecordingSink
@@ -244,6 +244,7 @@ def test_a_timer_in_a_reference_cycle_is_collected() -> None:
     assert ref() is None
 
 
+@once  # a child without the extension
 def test_without_the_extension_the_timer_is_pure_python() -> None:
     code = (
         "from traceml_ai.rank._timing import hotpath_py as py, step_timer as t, timer_core as c;"

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.e2e_helpers import free_port
+from tests.traceml_ai.rank.conftest import once
 from traceml_ai.rank._collectives import parallel_layout
 from traceml_ai.rank._init_config import forget_warnings
 from traceml_ai.rank._patches import layout_hooks
@@ -55,6 +56,7 @@ def _by_group(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.slow  # real gloo ranks in subprocesses
+@once  # ranks in children
 @pytest.mark.timeout(300)
 def test_a_device_mesh_gives_coordinates_and_group_names(tmp_path: Path) -> None:
     ranks = _run_ranks("mesh", 4, tmp_path)
@@ -79,6 +81,7 @@ def test_a_device_mesh_gives_coordinates_and_group_names(tmp_path: Path) -> None
 
 
 @pytest.mark.slow  # real gloo ranks in subprocesses
+@once  # ranks in children
 @pytest.mark.timeout(300)
 def test_megatron_core_parallel_state_gives_coordinates_and_groups(tmp_path: Path) -> None:
     """The real Megatron-Core (its parallel_state on gloo, CPU): each rank's place and
@@ -95,6 +98,7 @@ def test_megatron_core_parallel_state_gives_coordinates_and_groups(tmp_path: Pat
 
 
 @pytest.mark.slow  # real gloo ranks in subprocesses
+@once  # ranks in children
 @pytest.mark.timeout(300)
 def test_send_recv_between_pipeline_stages(tmp_path: Path) -> None:
     ranks = _run_ranks("pipeline", 2, tmp_path, {"TRACEML_PARALLEL": "pp=2"})
@@ -116,6 +120,7 @@ def test_send_recv_between_pipeline_stages(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # real gloo ranks in subprocesses
+@once  # ranks in children
 @pytest.mark.timeout(300)
 def test_a_declared_layout_that_is_not_the_world_is_unknown(tmp_path: Path) -> None:
     ranks = _run_ranks("declared", 2, tmp_path, {"TRACEML_PARALLEL": "tp=4"})
@@ -174,6 +179,7 @@ def test_the_setting_resolves_from_each_layer(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("command", ["run", "serve"])
 @pytest.mark.parametrize("value", ["tp=0", "tp=2,tp=2", "tp=x", "tp=123456789012", "tp:2"])
+@once  # the CLI in a child
 def test_the_cli_stops_on_a_malformed_layout_with_one_line(
     command: str, value: str, tmp_path: Path
 ) -> None:

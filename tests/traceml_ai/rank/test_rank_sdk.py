@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import traceml_ai as traceml
 from tests.e2e_helpers import REPO
 from tests.rank_helpers import ENV_VARS, make_loader, make_model, step_items
+from tests.traceml_ai.rank.conftest import once
 from traceml_ai.rank._patches import phase_hooks
 from traceml_ai.rank._runtime import connect, sdk
 from traceml_ai.rank._timing import step_timer
@@ -539,7 +540,9 @@ def test_fake_cuda_steps_wait_for_their_events_without_blocking() -> None:
     assert cuda.synchronize_calls == 0
 
 
-def test_fake_cuda_backlog_is_bounded() -> None:
+def test_fake_cuda_backlog_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # This GPU never catches up: shutdown gives up on it after this wait, not 3 s.
+    monkeypatch.setattr(step_timer, "SHUTDOWN_GPU_WAIT_S", 0.3)
     sink = RecordingSink()
     cuda = fake_cuda(gpu_keeps_up=False)
     traceml.init(sink=sink, sampler_interval=60, cuda_backend=cuda)
@@ -592,6 +595,7 @@ def test_mode_off_is_silent_and_bad_mode_is_rejected() -> None:
         traceml.init("sometimes")
 
 
+@once  # the steps are timed in the child
 def test_plain_python_script_runs_with_one_warning(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(
@@ -624,6 +628,7 @@ def test_plain_python_script_runs_with_one_warning(tmp_path: Path) -> None:
     assert "not launched by `traceml run`" in result.stderr
 
 
+@once  # a child's imports
 def test_import_does_not_import_torch() -> None:
     code = "import sys, traceml_ai; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -20,6 +20,7 @@ from tests.e2e_helpers import (
     traceml_cmd,
     warning_file,
 )
+from tests.traceml_ai.rank.conftest import once
 from traceml_ai.rank._runtime import sdk
 
 pytestmark = pytest.mark.slow  # real runs, subprocesses or receivers (docs/testing.md)
@@ -39,6 +40,7 @@ _REINIT_SCRIPT = textwrap.dedent(
 )
 
 
+@once  # the ranks are children
 def test_init_after_shutdown_goes_on_counting(tmp_path: Path) -> None:
     script = tmp_path / "reinit.py"
     script.write_text(_REINIT_SCRIPT)
