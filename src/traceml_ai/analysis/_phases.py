@@ -141,6 +141,36 @@ _MAX_CACHED_NAMES = 4096
 """Event names a caller's cache keeps at most (a hostile rank may send any number)."""
 
 
+def longest_timing(devices: object) -> float | None:
+    """An event's time: its longest device's ``duration_ms`` (devices run side by side);
+    None when it has no device timing or any timing is not one (every device's
+    ``duration_ms``, ``cpu_ms``, ``gpu_ms`` finite and not negative, ``n_calls`` at
+    least 1): :func:`step_row`'s rule for one event."""
+    if type(devices) is not dict:
+        return None
+    inf = _FLOAT_MAX
+    best: float = -1.0
+    for t in devices.values():
+        if type(t) is not dict:
+            return None
+        d, c, g, n = t.get("duration_ms"), t.get("cpu_ms"), t.get("gpu_ms"), t.get("n_calls")
+        # One test for the usual timing (a line's own check plan words what is wrong).
+        if not (
+            (type(d) is float or type(d) is int)
+            and (type(c) is float or type(c) is int)
+            and (g is None or type(g) is float or type(g) is int)
+            and type(n) is int
+            and 0.0 <= d <= inf
+            and 0.0 <= c <= inf
+            and (g is None or 0.0 <= g <= inf)
+            and n >= 1
+        ):
+            return None
+        if d > best:
+            best = d
+    return best if best >= 0.0 else None
+
+
 def step_row(
     events: object,
     name_of: Callable[[str], str | None] = phase_name,
@@ -161,38 +191,13 @@ def step_row(
     if type(events) is not dict or STEP_EVENT not in events:
         return None
     names = cache if cache is not None else {}
-    inf = _FLOAT_MAX
     row: dict[str, float] = {}
     step_ms = 0.0
     used = 0.0
     for event, devices in events.items():
-        best = -1.0
-        if type(devices) is dict:
-            for t in devices.values():
-                if type(t) is not dict:
-                    return None
-                d, c, g, n = (
-                    t.get("duration_ms"),
-                    t.get("cpu_ms"),
-                    t.get("gpu_ms"),
-                    t.get("n_calls"),
-                )
-                # One test for the usual timing (a line's own check plan words what is wrong).
-                if not (
-                    (type(d) is float or type(d) is int)
-                    and (type(c) is float or type(c) is int)
-                    and (g is None or type(g) is float or type(g) is int)
-                    and type(n) is int
-                    and 0.0 <= d <= inf
-                    and 0.0 <= c <= inf
-                    and (g is None or 0.0 <= g <= inf)
-                    and n >= 1
-                ):
-                    return None
-                if d > best:
-                    best = d
-        if best < 0.0:
-            return None  # no device timing
+        best = longest_timing(devices)
+        if best is None:
+            return None
         if event == STEP_EVENT:
             step_ms = float(best)
             continue

@@ -21,15 +21,13 @@ from typing import Any, NamedTuple, TypeGuard
 
 import orjson
 
-from traceml_ai.analysis import STEP_EVENT
+from traceml_ai.analysis import STEP_EVENT, longest_timing
 from traceml_ai.transport.wire import peek_batch_stream
 
 __all__ = ["MAX_LABELS", "ItemsScan", "LabelMap", "StepScan", "scan_items", "scan_step_time"]
 
 MAX_LABELS = 64
 """Label ids the scan takes (one bit each of ``StepScan.mask``)."""
-_FLOAT_MAX = 1.7976931348623157e308
-_MAX_EXACT = 2**53
 
 LabelMap = Mapping[str, "tuple[str, int] | None"]
 """event name -> (its label, the label's id below :data:`MAX_LABELS`), or None: an
@@ -71,31 +69,6 @@ def _count(value: object) -> TypeGuard[int]:
     return type(value) is int and value >= 0
 
 
-def _longest(devices: object) -> float | int | None:
-    """An event's longest device duration, or None when ``step_row`` takes no row."""
-    best: float | int = -1.0
-    if type(devices) is not dict:
-        return None
-    for t in devices.values():
-        if type(t) is not dict:
-            return None
-        d, c, g, n = t.get("duration_ms"), t.get("cpu_ms"), t.get("gpu_ms"), t.get("n_calls")
-        if not (
-            (type(d) is float or type(d) is int)
-            and (type(c) is float or type(c) is int)
-            and (g is None or type(g) is float or type(g) is int)
-            and type(n) is int
-            and 0.0 <= d <= _FLOAT_MAX
-            and 0.0 <= c <= _FLOAT_MAX
-            and (g is None or 0.0 <= g <= _FLOAT_MAX)
-            and n >= 1
-        ):
-            return None
-        if d > best:
-            best = d
-    return best if best >= 0.0 else None
-
-
 class _Decline(Exception):
     pass
 
@@ -110,7 +83,7 @@ def _row(
     ids: dict[str, int] = {}
     ok = True
     for event, devices in events.items():
-        best = _longest(devices)
+        best = longest_timing(devices)
         if best is None:
             ok = False
         if event == STEP_EVENT:
