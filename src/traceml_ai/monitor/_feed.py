@@ -8,10 +8,11 @@ other, and the live views work with export off), updates the :class:`LiveState` 
 gives the new steps to the sinks that want them (the OTLP traces). A step_time,
 collectives or step_memory batch is read by a scan (``_feedscan.c``, or its twin
 ``_feedscan_py``) into only the values the state keeps, without a Python object per
-item or timing; a batch the scan declines, and every other stream, is decoded. Every few seconds it runs the summary's straggler analysis on each rank's
-recent steps, so the live views name the straggler in the summary's words; when every
-live view asks for it when it reads it (Prometheus, OTLP, the trackers, not the
-dashboard), it is made only then, at most as often as it would be every few seconds.
+item or timing; a batch the scan declines, and every other stream, is decoded. Every
+few seconds it runs the summary's straggler analysis on each rank's recent steps, so
+the live views name the straggler in the summary's words; when every live view asks
+for it when it reads it (Prometheus, OTLP, the trackers, not the dashboard), it is made
+only then, at most as often as it would be every few seconds.
 """
 
 from __future__ import annotations

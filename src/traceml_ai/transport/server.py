@@ -591,7 +591,9 @@ class Connection(asyncio.Protocol):
 class AggregatorServer:
     """Receive rank frames over TCP and hand valid messages to callbacks.
 
-    ``on_batch`` gets a ``ReceivedBatch`` for each valid ``batch`` frame. ``on_finished``
+    ``on_batch`` gets a ``ReceivedBatch`` for each valid ``batch`` frame; with
+    ``on_batches``, that gets instead the batches of each read of a connection together,
+    in order, before any other message of the read is handled. ``on_finished``
     gets the whole decoded ``finished`` message (``identity``, ``sent_batches``,
     ``dropped_batches``). ``on_tracker_runs`` gets each valid ``tracker_runs`` message
     (the tracker runs a rank's script has open). ``on_connection_lost`` gets the
