@@ -269,8 +269,7 @@ class Aggregator:
         of the export's queue, not one per batch)."""
         monitoring = self._monitoring
         if monitoring is not None:
-            for batch in batches:
-                monitoring.submit(batch)
+            monitoring.submit_many(batches)
         if not self._export_started:
             with self._lock:
                 if not self._export_started:

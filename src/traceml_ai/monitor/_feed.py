@@ -193,6 +193,11 @@ class LiveFeed:
         usable ``nbytes`` or a submit after stop drops and counts it)."""
         self._queue.put(batch)
 
+    def submit_many(self, batches: list[ReceivedBatch]) -> None:
+        """:meth:`submit` of each, in order, under one hold of the queue's lock (one
+        wake-up of the feed thread for what one read of a connection brought)."""
+        self._queue.put_many(batches)
+
     def stop(self, timeout_s: float) -> None:
         """Take what is queued (for at most ``timeout_s``), then stop; what is left is
         counted as dropped."""

@@ -88,6 +88,11 @@ class Monitoring:
         """Hand a received batch to the live views; never blocks, never raises."""
         self.feed.submit(batch)
 
+    def submit_many(self, batches: list[ReceivedBatch]) -> None:
+        """Hand what one read brought to the live views together; never blocks, never
+        raises."""
+        self.feed.submit_many(batches)
+
     def start_sinks(self, factories: Mapping[str, SinkFactory]) -> None:
         """Start each sink (by its name); one that cannot is said in one line."""
         for name, factory in factories.items():

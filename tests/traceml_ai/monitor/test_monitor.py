@@ -175,6 +175,28 @@ def test_feed_never_blocks_a_full_queue_drops_and_counts() -> None:
     assert feed.dropped_batches == 10  # what was still queued at stop counts too
 
 
+def test_feed_takes_a_read_together_in_order_as_one_by_one() -> None:
+    """``submit_many`` (what the aggregator hands on per read) keeps the order and the
+    bounds of ``submit``: the same state, the same drops."""
+    batches = [
+        encoded("step_time", identity(rank), [step(i, 5.0 + i, 10**18 + i)])
+        for i in range(1, 6)
+        for rank in (0, 1)
+    ]
+    together, alone = LiveFeed(LiveState(), max_batches=7), LiveFeed(LiveState(), max_batches=7)
+    together.submit_many(batches[:4])
+    together.submit_many(batches[4:])
+    for batch in batches:
+        alone.submit(batch)
+    assert together.dropped_batches == alone.dropped_batches == 3
+    for feed in (together, alone):
+        feed.start()
+        feed.stop(5.0)
+    assert together.dropped_batches == alone.dropped_batches == 3
+    assert together.state.recent_steps() == alone.state.recent_steps()
+    assert [s.step for s in together.state.recent_steps()[0]] == [1, 2, 3, 4]
+
+
 def test_feed_sees_a_straggler_inside_backward_through_collectives() -> None:
     """Both ranks' backward lasts as long (rank 1 computes 30 ms longer, rank 0 waits
     that long in DDP's all-reduce): phase times say none, the measured waits name rank 1
