@@ -96,15 +96,39 @@ class BoundedBatchQueue(Generic[T]):
     def put_many(self, items: list[T]) -> int:
         """Queue ``items`` in order, each as :meth:`put` would, under one hold of the
         lock (one wake-up of a waiting consumer); how many were queued."""
-        sizes = [_size(item) for item in items]
+        sizes = list(map(_size, items))
         with self.cond:
             was_empty = not self._items
+            whole = self._room_for_all(sizes)
+            if whole is not None:
+                # Room for all of them (nearly always): what _admit would do for each.
+                queue = self._items
+                queue.extend(items)
+                self._nbytes += whole
+                self._hw_items = max(self._hw_items, len(queue))
+                self._hw_bytes = max(self._hw_bytes, self._nbytes)
+                if items and was_empty:
+                    self.cond.notify()
+                return len(items)
             queued = 0
             for item, nbytes in zip(items, sizes, strict=True):
                 queued += self._admit(item, nbytes)
             if queued and was_empty:
                 self.cond.notify()
             return queued
+
+    def _room_for_all(self, sizes: list[object]) -> int | None:
+        """The bytes of items of ``sizes`` when every one of them would be admitted
+        (``cond`` held: open, each size an ``int >= 0``, room for all of them under both
+        bounds), else None."""
+        if self._closed or len(self._items) + len(sizes) > self._max_items:
+            return None
+        total = 0
+        for n in sizes:
+            if type(n) is not int or n < 0:
+                return None
+            total += n
+        return total if self._nbytes + total <= self._max_bytes else None
 
     def _admit(self, item: T, nbytes: object) -> bool:
         """Append ``item`` if it fits the bounds, else count its drop (``cond`` held)."""
