@@ -10,7 +10,8 @@ its modes and accounting. Modules:
 - ``run``: one run end to end and its report; ``modes``: --find-max, --soak,
   --overload; ``pause``: --pause with real ``RankSender``s; ``pyspy``: profiles;
 - ``relays``: --relays (many relays per process) and --relay-processes (one real relay
-  process per node).
+  process per node); ``replay``: --replay-parts (the load through relays in parts,
+  replayed at once into the aggregator).
 """
 
 from .aggregator import QueueBounds
@@ -18,6 +19,7 @@ from .cli import main
 from .items import LoadSpec
 from .pause import run_pause
 from .relays import RelayHosts, RelayProcesses
+from .replay import run_replay
 from .run import RunResult, run_once
 
 __all__ = [
@@ -29,4 +31,5 @@ __all__ = [
     "main",
     "run_once",
     "run_pause",
+    "run_replay",
 ]

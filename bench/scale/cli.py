@@ -25,7 +25,12 @@ Modes (one per run):
 them) between the ranks and the aggregator: the ranks of node ``i`` send to relay
 ``i % N``, and the aggregator holds N connections. ``--relay-processes`` starts one real
 relay process per node instead (``python -m traceml_ai.launch._relay_process``, as
-``traceml run`` does on each node of a multi-node job).
+``traceml run`` does on each node of a multi-node job). ``--replay-parts K`` runs the
+load through ``--relays`` relays in ``K`` parts of the nodes, keeping what the relays
+send, then replays all of it at once into the aggregator: a job larger than this machine
+can simulate and receive at the same time (``bench/scale/replay.py``).
+
+    python -m bench.scale --ranks 16384 --steps-per-s 1 --relays 2048 --replay-parts 8
 
 Accounting (exact, also with drops): every item of a (rank, wire stream) has its own
 ``seq`` (0, 1, 2, ...), and the generator logs each batch as (first seq, item count,
@@ -61,6 +66,7 @@ from .modes import find_max, overload, soak
 from .pause import pause
 from .pyspy import print_profile, py_spy, summarize_profile
 from .relays import RelayHosts, RelayProcesses
+from .replay import run_replay
 from .run import final_line, run_once
 
 
@@ -92,6 +98,13 @@ def main(argv: list[str] | None = None) -> None:
         "--relay-threads",
         action="store_true",
         help="each relay on a thread and loop of its own (Relay's default) instead of one loop per process",
+    )
+    parser.add_argument(
+        "--replay-parts",
+        type=int,
+        default=0,
+        help="capture the load through --relays relays in this many parts, then replay it "
+        "all at once into the aggregator (bench/scale/replay.py)",
     )
     parser.add_argument(
         "--relay-processes", action="store_true", help="one real relay process per node"
@@ -149,6 +162,22 @@ def main(argv: list[str] | None = None) -> None:
             overload(args, spec, logs_dir)
         elif args.pause:
             pause(args, spec, logs_dir)
+        elif args.replay_parts:
+            if not args.relays:
+                parser.error("--replay-parts needs --relays")
+            r = run_replay(
+                spec,
+                args.streams,
+                logs_dir=logs_dir,
+                run_name="scale",
+                parts=args.replay_parts,
+                relays=args.relays,
+                relay_procs=args.relay_procs,
+                procs=args.procs,
+                bounds=args.bounds,
+                do_validate=not args.no_validate,
+            )
+            print(final_line(r, r.records_per_s if r.sustained else 0))
         else:
             hosts: RelayHosts | RelayProcesses | None = None
             if args.relay_processes:

@@ -157,6 +157,23 @@ def run_once(
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
+    return finish_run(spec, agg, files, results, idle, t0, gen_done, do_validate, quiet)
+
+
+def finish_run(
+    spec: LoadSpec,
+    agg: AggregatorProc,
+    files: tuple[str, ...],
+    results: list[dict[str, Any]],
+    idle: Sample,
+    t0: float,
+    gen_done: float,
+    do_validate: bool,
+    quiet: bool,
+) -> RunResult:
+    """The figures of a run whose aggregator exited: ``results`` are the generators'
+    (their logs of what each rank sent), ``idle`` the aggregator's sample before the load
+    began at ``t0``, ``gen_done`` when the last generator finished."""
     logs: dict[int, dict[str, Any]] = {}
     for res in results:
         logs.update(res["logs"])
