@@ -32,6 +32,10 @@ can simulate and receive at the same time (``bench/scale/replay.py``).
 
     python -m bench.scale --ranks 16384 --steps-per-s 1 --relays 2048 --replay-parts 8
 
+(``--capture-dir PATH`` keeps the capture, and a later run with the same load and
+``PATH`` replays it again: two aggregators, e.g. ``SCALE_AGGREGATOR_SRC``, take the same
+traffic in turn.)
+
 Accounting (exact, also with drops): every item of a (rank, wire stream) has its own
 ``seq`` (0, 1, 2, ...), and the generator logs each batch as (first seq, item count,
 sent or dropped by the generator). After the run every record of the files is counted
@@ -107,6 +111,12 @@ def main(argv: list[str] | None = None) -> None:
         "all at once into the aggregator (bench/scale/replay.py)",
     )
     parser.add_argument(
+        "--capture-dir",
+        type=Path,
+        default=None,
+        help="--replay-parts: keep the capture here, or replay the one kept here",
+    )
+    parser.add_argument(
         "--relay-processes", action="store_true", help="one real relay process per node"
     )
     mode = parser.add_mutually_exclusive_group()
@@ -176,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                 procs=args.procs,
                 bounds=args.bounds,
                 do_validate=not args.no_validate,
+                capture_dir=args.capture_dir,
             )
             print(final_line(r, r.records_per_s if r.sustained else 0))
         else:

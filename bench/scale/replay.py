@@ -116,6 +116,7 @@ def _capture_main(out_dir: str, part: int, conn: Connection) -> None:
 class Capture:
     """What the capture phase left: the chunk files, every rank's log, the load's cost."""
 
+    spec: LoadSpec
     folder: Path
     results: list[dict[str, Any]]
     """The generators' results (each rank's log of what it sent), all parts."""
@@ -129,11 +130,17 @@ class Capture:
 
 
 def capture(
-    spec: LoadSpec, token: str, parts: int, relays: int, relay_procs: int, procs: int
+    spec: LoadSpec,
+    token: str,
+    parts: int,
+    relays: int,
+    relay_procs: int,
+    procs: int,
+    folder: Path,
 ) -> Capture:
     """Run the job's load in ``parts`` parts of its nodes, each through its share of
-    ``relays`` relays into a capture server (see the module's docstring)."""
-    folder = Path(tempfile.mkdtemp(prefix="scale-capture-"))
+    ``relays`` relays into a capture server (see the module's docstring), its chunks
+    kept in ``folder``."""
     ctx = mp.get_context("fork")
     node_edges = np.linspace(0, spec.nodes, parts + 1).astype(int)
     results: list[dict[str, Any]] = []
@@ -202,6 +209,7 @@ def capture(
             flush=True,
         )
     return Capture(
+        spec,
         folder,
         results,
         connections,
@@ -337,12 +345,26 @@ def run_replay(
     do_validate: bool,
     quiet: bool = False,
     bounds: QueueBounds | None = None,
+    capture_dir: Path | None = None,
 ) -> RunResult:
     """Capture the job's traffic through its relays in ``parts`` parts, then replay all of
-    it at once into a real aggregator (see the module's docstring)."""
+    it at once into a real aggregator (see the module's docstring). With
+    ``capture_dir``, the capture is kept there, or taken from there when it holds one of
+    the same load (so that two aggregators can take the same traffic in turn)."""
     files = parse_export_streams(export_streams)
-    token = f"scale-{os.getpid()}-{time.monotonic_ns()}"
-    captured = capture(spec, token, parts, relays, relay_procs, procs)
+    saved = capture_dir / "capture.pkl" if capture_dir is not None else None
+    if saved is not None and saved.exists():
+        token, captured = pickle.loads(saved.read_bytes())
+        if captured.spec != spec:
+            raise RuntimeError(f"{capture_dir} holds the capture of another load: {captured.spec}")
+        print(f"capture: the one in {capture_dir}", flush=True)
+    else:
+        token = f"scale-{os.getpid()}-{time.monotonic_ns()}"
+        folder = capture_dir or Path(tempfile.mkdtemp(prefix="scale-capture-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        captured = capture(spec, token, parts, relays, relay_procs, procs, folder)
+        if saved is not None:
+            saved.write_bytes(pickle.dumps((token, captured)))
     paths = sorted(str(p) for p in captured.folder.glob("*.bin"))
     print(
         f"captured: {captured.connections} relay connections, {captured.chunks:,} chunks, "
@@ -395,7 +417,8 @@ def run_replay(
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(captured.folder, ignore_errors=True)
+        if capture_dir is None:
+            shutil.rmtree(captured.folder, ignore_errors=True)
     print(
         f"replay: {sum(r['sends'] for r in played):,} sends in {procs} processes, "
         f"{sum(r['cpu_s'] for r in played) / spec.seconds:.2f} cores, max lag "

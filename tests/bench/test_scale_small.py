@@ -127,25 +127,29 @@ def test_a_job_captured_in_parts_and_replayed_at_once_is_accounted_for_exactly(
 ) -> None:
     """4 nodes x 4 ranks through 4 relays, captured in 2 parts of 2 nodes, then replayed
     at once into one aggregator: every rank of both parts, every record once, one
-    aggregator connection per captured relay connection."""
+    aggregator connection per captured relay connection; the kept capture replays again
+    into a second aggregator with the same outcome."""
     spec = scale.LoadSpec(ranks=16, steps_per_s=20.0, seconds=2.0, ranks_per_node=4)
-    result = scale.run_replay(
-        spec, "all", logs_dir=tmp_path, run_name="replayed", parts=2, relays=4, procs=1,
-        do_validate=True, quiet=True,
-    )  # fmt: skip
-    check = result.check
-    assert check.exact, check
-    assert result.dropped == 0 and check.missing_batches == 0
-    assert check.written_records == check.generated_records > 0
-    stats = orjson.loads((tmp_path / "replayed" / "aggregator" / "stats.json").read_bytes())
-    assert stats["finished_ranks"] == spec.ranks
-    assert stats["connections_total"] == 4
-    ranks = {
-        orjson.loads(line)["global_rank"]
-        for line in (tmp_path / "replayed" / "aggregator" / "export" / "step_time.jsonl")
-        .read_bytes()
-        .splitlines()
-        if b'"closing"' not in line
-    }
-    assert ranks == set(range(spec.ranks))
-    assert result.valid is not None and result.valid[0], result.valid
+    kept = tmp_path / "capture"
+    for run in ("replayed", "again"):
+        result = scale.run_replay(
+            spec, "all", logs_dir=tmp_path, run_name=run, parts=2, relays=4, procs=1,
+            do_validate=True, quiet=True, capture_dir=kept,
+        )  # fmt: skip
+        check = result.check
+        assert check.exact, check
+        assert result.dropped == 0 and check.missing_batches == 0
+        assert check.written_records == check.generated_records > 0
+        stats = orjson.loads((tmp_path / run / "aggregator" / "stats.json").read_bytes())
+        assert stats["finished_ranks"] == spec.ranks
+        assert stats["connections_total"] == 4
+        ranks = {
+            orjson.loads(line)["global_rank"]
+            for line in (tmp_path / run / "aggregator" / "export" / "step_time.jsonl")
+            .read_bytes()
+            .splitlines()
+            if b'"closing"' not in line
+        }
+        assert ranks == set(range(spec.ranks))
+        assert result.valid is not None and result.valid[0], result.valid
+    assert len(list(kept.glob("*.bin"))) == 4
