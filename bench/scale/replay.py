@@ -182,6 +182,7 @@ def capture(
         parent.send(t0)
         for _, gen_conn, _ in gens:
             gen_conn.send(t0)
+        lag = 0.0
         for proc, gen_conn, out_path in gens:
             if not gen_conn.poll(spec.seconds + 600) or (msg := gen_conn.recv()) != "done":
                 raise RuntimeError("generator did not finish")
@@ -189,6 +190,7 @@ def capture(
             result = pickle.loads(out_path.read_bytes())
             results.append(result)
             gen_cpu += result["cpu_s"]
+            lag = max(lag, result["max_lag_s"])
         shutil.rmtree(workdir, ignore_errors=True)
         hosts.stop()  # each relay forwards what it holds, then closes its connection
         for key, value in hosts.totals.items():
@@ -205,7 +207,7 @@ def capture(
         print(
             f"  captured part {part + 1} of {parts}: ranks {first}-{end - 1}, "
             f"{stats['connections']} relay connections, {stats['chunks']:,} chunks, "
-            f"{stats['bytes'] / 2**20:,.0f} MiB",
+            f"{stats['bytes'] / 2**20:,.0f} MiB; the ranks' max lag {lag * 1000:.0f} ms",
             flush=True,
         )
     return Capture(
