@@ -1,16 +1,17 @@
-"""Export engine figures: end-to-end step_time throughput, submit latency, stalled memory.
+"""Export engine figures: end-to-end throughput, submit latency, stalled memory.
 
 Prints figures only; never passes or fails. The last line is machine-readable:
 
     export_ratio_vs_raw=<x> submit_p99_us=<y> stalled_peak_over_bound=<z>
 
-- end to end: wire batches as the server queues them (still encoded) →
+- end to end: wire batches of ``--stream`` (step_time; process; or mix: every batch
+  stream in turn) as the server queues them (still encoded) →
   ``ExportPipeline.submit`` → RecordBuilder (line mode) → JsonlExporter → lines on
   disk (``finalize`` included, so the closing lines too), next to a raw baseline in
-  the same run: the same lines as prebuilt dicts → ``orjson.dumps`` → a buffered
-  file write. Export and raw alternate for ``--rounds`` rounds and the best round of
-  each counts. Measured first with CPython's default GC thresholds, then with the
-  setting every aggregator process runs with (``tune_gc_for_aggregator``); the
+  the same run: the same lines (record mode's) as prebuilt dicts → ``orjson.dumps`` →
+  a buffered file write. Export and raw alternate for ``--rounds`` rounds and the best
+  round of each counts. Measured first with CPython's default GC thresholds, then with
+  the setting every aggregator process runs with (``tune_gc_for_aggregator``); the
   machine-readable ratio is the latter, the aggregator as deployed.
 - submit latency: ``submit()`` p50/p99/max while the worker is saturated (a backlog
   is always queued, so the worker thread competes for the GIL the whole time).
@@ -18,14 +19,25 @@ Prints figures only; never passes or fails. The last line is machine-readable:
   freshly decoded batches is submitted; the peak of traced Python memory above the
   start is compared with the byte bound (which counts wire bytes, not objects).
 
-    python -m bench.export [--records 200000] [--batch 100]
+    python -m bench.export [--records 200000] [--batch 100] [--stream step_time]
+
+With ``--baseline PATH`` (another checkout, e.g. a ``git worktree`` of the commit
+before) only the end-to-end figure is taken, with the aggregator's GC setting: this
+tree's ``src`` and the baseline's, each in its own process running this bench, taking
+turns ``--rounds`` times; last line ``export_records_per_s=<this tree, median>
+baseline_records_per_s=<median> export_vs_baseline=<ratio>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -41,9 +53,13 @@ from traceml_ai.export import ExportSummary, ExportWorker, RecordBuilder, start_
 from traceml_ai.settings import ExportSettings
 from traceml_ai.testing import make_batch_body, make_identity, make_item, make_phase
 from traceml_ai.transport.wire import ReceivedBatch
+from traceml_records import dumps_line
+from traceml_records.internal import BATCH_STREAMS
 
 IDENTITY = make_identity(0, world_size=2, local_world_size=2, pid=1234)
 PHASES = ("dataloader_next", "forward_time", "backward_time", "optimizer_step", "step_time")
+STREAM_CHOICES = ("step_time", "process", "mix")
+"""``--stream``: one batch stream, or mix: the batches cycle through every batch stream."""
 
 
 def step_time_item(seq: int) -> dict[str, Any]:
@@ -55,10 +71,37 @@ def step_time_item(seq: int) -> dict[str, Any]:
     return make_item("step_time", seq, events=events)
 
 
-def frame(first_seq: int, n: int) -> bytes:
+def item(stream: str, seq: int) -> dict[str, Any]:
+    """One item of batch stream ``stream`` as the rank SDK sends it."""
+    if stream == "step_time":
+        return step_time_item(seq)
+    if stream == "process":
+        return make_item("process", seq, device="cuda:0" if seq % 2 else "cpu")
+    return make_item(stream, seq, identity=IDENTITY)
+
+
+def batch_streams(choice: str) -> tuple[str, ...]:
+    return BATCH_STREAMS if choice == "mix" else (choice,)
+
+
+def export_settings(choice: str) -> ExportSettings:
+    """The JSONL export of what ``choice`` sends (mix: every stream)."""
+    return ExportSettings(exporter="jsonl", export_streams="all" if choice == "mix" else choice)
+
+
+def frame(first_seq: int, n: int, stream: str = "step_time") -> bytes:
     """One batch message body, as a rank sends it."""
-    items = [step_time_item(seq) for seq in range(first_seq, first_seq + n)]
-    return make_batch_body("step_time", items, IDENTITY)
+    items = [item(stream, seq) for seq in range(first_seq, first_seq + n)]
+    return make_batch_body(stream, items, IDENTITY)
+
+
+def frames(choice: str, records: int, per_batch: int) -> list[bytes]:
+    """The bodies of ``records`` items of ``choice``, ``per_batch`` to a batch."""
+    streams = batch_streams(choice)
+    return [
+        frame(first, per_batch, streams[n % len(streams)])
+        for n, first in enumerate(range(0, records, per_batch))
+    ]
 
 
 def received(body: bytes) -> ReceivedBatch:
@@ -67,31 +110,27 @@ def received(body: bytes) -> ReceivedBatch:
     return ReceivedBatch(time.time_ns(), bytes(bytearray(body)), len(body))
 
 
-def _raw_dicts(batches: list[ReceivedBatch]) -> list[dict[str, Any]]:
-    """The lines of ``batches`` as prebuilt dicts (what the raw baseline serializes)."""
+def _record_lines(batches: list[ReceivedBatch], streams: tuple[str, ...]) -> list[bytes]:
+    """The lines of ``batches`` as record mode writes them."""
+    builder = RecordBuilder(streams, include_hostname=False)
     return [
-        {
-            "stream": "step_time",
-            "schema_version": 1,
-            "observed_timestamp_unix_ns": b.observed_timestamp_unix_ns,
-            "rank": 0,
-            "global_rank": 0,
-            "local_rank": 0,
-            "world_size": 2,
-            "local_world_size": 2,
-            "node_rank": 0,
-            **item,
-        }
+        dumps_line(record)
         for b in batches
-        for item in orjson.loads(b.payload)["items"]
+        for group in builder.build(b).records.values()
+        for record in group
     ]
 
 
-def _export_once(bodies: list[bytes], total: int, tmp: Path) -> float:
+def _raw_dicts(lines: list[bytes]) -> list[dict[str, Any]]:
+    """The lines as prebuilt dicts (what the raw baseline serializes)."""
+    return [orjson.loads(line) for line in lines]
+
+
+def _export_once(bodies: list[bytes], total: int, settings: ExportSettings, tmp: Path) -> float:
     """Seconds from the first submit to finalize() returning, all lines on disk."""
     batches = [received(b) for b in bodies]
     run_dir = tmp / f"run-{time.monotonic_ns()}"
-    settings = ExportSettings(exporter="jsonl", export_streams="step_time")
+    streams = settings.export_streams.selected
     begin = time.perf_counter()
     pipeline = start_export(
         settings, run_dir, max_queue_batches=len(batches) + 1, max_queue_bytes=2**40
@@ -101,9 +140,10 @@ def _export_once(bodies: list[bytes], total: int, tmp: Path) -> float:
         pipeline.submit(b)
     stats = pipeline.finalize(timeout=600.0)
     took = time.perf_counter() - begin
-    path = run_dir / "aggregator" / "export" / "step_time.jsonl"
-    lines = path.read_bytes().count(b"\n")
-    assert stats.written_records["step_time"] == total and lines == total + 1, (stats, lines)
+    export_dir = run_dir / "aggregator" / "export"
+    lines = sum((export_dir / f"{s}.jsonl").read_bytes().count(b"\n") for s in streams)
+    written = sum(stats.written_records.values())
+    assert written == total and lines == total + len(streams), (stats, lines)
     shutil.rmtree(run_dir)
     return took
 
@@ -123,20 +163,23 @@ def raw_once(dumps: list[dict[str, Any]], tmp: Path) -> float:
 
 
 def bench_end_to_end(
-    records: int, per_batch: int, rounds: int
+    records: int, per_batch: int, rounds: int, choice: str = "step_time"
 ) -> tuple[float, float, float, list[float]]:
     """(export records/s, raw records/s, build-only records/s, per-round ratios).
 
     Export and raw alternate for ``rounds`` rounds; each rate is the best round's
     (the least disturbed by whatever else the machine did), and the per-round
-    ratios show the spread.
+    ratios show the spread. Records: the lines written (a system item's GPUs too).
     """
-    bodies = [frame(i, per_batch) for i in range(0, records, per_batch)]
+    bodies = frames(choice, records, per_batch)
     batches = [received(b) for b in bodies]
-    total = len(batches) * per_batch
+    settings = export_settings(choice)
+    streams = settings.export_streams.selected
+    lines = _record_lines(batches, streams)
+    total = len(lines)
 
     # Build only: the aggregator-side cost before any file write (record mode).
-    builder = RecordBuilder(("step_time",), include_hostname=False)
+    builder = RecordBuilder(streams, include_hostname=False)
     begin = time.perf_counter()
     built = sum(builder.build(b).record_count for b in batches)
     build_rate = built / (time.perf_counter() - begin)
@@ -146,15 +189,41 @@ def bench_end_to_end(
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
             gc.collect()
-            export_s.append(_export_once(bodies, total, Path(tmp)))
+            export_s.append(_export_once(bodies, total, settings, Path(tmp)))
             # Built per round and dropped after: 200,000 live dicts would otherwise
             # sit in the GC's way during the next export round.
-            dumps = _raw_dicts(batches)
+            dumps = _raw_dicts(lines)
             gc.collect()
             raw_s.append(raw_once(dumps, Path(tmp)))
             del dumps
     ratios = [r / e for e, r in zip(export_s, raw_s, strict=True)]
     return total / min(export_s), total / min(raw_s), build_rate, ratios
+
+
+def _run_tree(tree: Path, args: argparse.Namespace) -> float:
+    """End-to-end records/s of one round with ``tree``'s ``src`` (this bench's code)."""
+    here = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(here)])}
+    command = [sys.executable, "-m", "bench.export", "--one", "--rounds", "1"]
+    command += ["--records", str(args.records), "--batch", str(args.batch)]
+    command += ["--stream", args.stream]
+    out = subprocess.run(command, env=env, cwd=here, check=True, capture_output=True, text=True)
+    return float(json.loads(out.stdout.splitlines()[-1]))
+
+
+def compare_trees(args: argparse.Namespace) -> None:
+    """This tree against ``args.baseline``, alternating processes, ``args.rounds`` times."""
+    here = Path(__file__).resolve().parent.parent
+    runs: dict[str, list[float]] = {"this": [], "baseline": []}
+    for _ in range(args.rounds):
+        runs["this"].append(_run_tree(here, args))
+        runs["baseline"].append(_run_tree(args.baseline.resolve(), args))
+        print(" ".join(f"{name}={v[-1]:,.0f}" for name, v in runs.items()), flush=True)
+    mine, base = statistics.median(runs["this"]), statistics.median(runs["baseline"])
+    print(
+        f"export_records_per_s={mine:.0f} baseline_records_per_s={base:.0f}"
+        f" export_vs_baseline={mine / base:.3f}"
+    )
 
 
 class _Stalled:
@@ -237,13 +306,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="export/raw rounds, best kept")
     parser.add_argument("--latency-seconds", type=float, default=2.0)
     parser.add_argument("--bound-mib", type=int, default=16, help="queue byte bound, stalled run")
+    parser.add_argument("--stream", choices=STREAM_CHOICES, default="step_time")
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.baseline is not None:
+        compare_trees(args)
+        return
+    if args.one:
+        tune_gc_for_aggregator()
+        rate, _, _, _ = bench_end_to_end(args.records, args.batch, args.rounds, args.stream)
+        print(json.dumps(rate))
+        return
 
     # First with CPython's default GC thresholds, then as an aggregator process runs.
     default_export, default_raw, build_rate, default_ratios = bench_end_to_end(
-        args.records, args.batch, args.rounds
+        args.records, args.batch, args.rounds, args.stream
     )
-    print(f"build only (RecordBuilder record mode, step_time): {build_rate:,.0f} records/s")
+    print(f"build only (RecordBuilder record mode, {args.stream}): {build_rate:,.0f} records/s")
     print(
         f"default GC: end to end {default_export:,.0f} records/s, raw {default_raw:,.0f}"
         f" records/s: {default_export / default_raw:.3f} (per round: "
@@ -251,7 +331,9 @@ def main(argv: list[str] | None = None) -> None:
         + ")"
     )
     tune_gc_for_aggregator()
-    export_rate, raw_rate, _, ratios = bench_end_to_end(args.records, args.batch, args.rounds)
+    export_rate, raw_rate, _, ratios = bench_end_to_end(
+        args.records, args.batch, args.rounds, args.stream
+    )
     ratio = export_rate / raw_rate
     print("with the aggregator process's GC setting (tune_gc_for_aggregator):")
     print(f"end to end (submit -> JSONL lines on disk): {export_rate:,.0f} records/s")

@@ -234,7 +234,7 @@ def report(r: RunResult) -> None:
         f"written {r.written_records:,} ({r.records_per_s:,.0f}/s)"
     )
     print(
-        f"aggregator: {r.cpu_s_per_1k:.3f} CPU s per 1,000 records, {r.agg_cpu_cores:.2f} cores, "
+        f"aggregator: {r.cpu_s_per_1k:.4f} CPU s per 1,000 records, {r.agg_cpu_cores:.2f} cores, "
         f"peak RSS {r.peak_rss_mb:.0f} MB (idle with all connections {r.idle_rss_mb:.0f} MB), "
         f"queue high water {r.queue_hw_batches:,} batches / {r.queue_hw_bytes / 2**20:.1f} MiB, "
         f"drain after load {r.drain_s:.2f} s"

@@ -179,13 +179,17 @@ encode_items: Callable[..., tuple[bytes, int, list[tuple[int, int]]]] | None = (
 """The C item encoder (``_speedups.encode_items``), or None without the extension.
 
 ``encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules,
-conditions)`` returns ``(data, count, pending)``: ``data`` holds, in item order, the line
-of every item it can vouch for (plainly valid: exact types, bounds and sets of the
-schema, the class's schema ``conditions`` (``ENCODER_CONDITIONS`` with fields by index),
-and with ``step_rules`` the step_time rules), each ``prefix`` + the item's fields (the
-record's fields from index ``first_field`` on); ``count`` says how many; ``pending``
-lists ``(item index, offset in data)`` of every other item, for the caller to take
-through the strict Python loaders and put (or not) at that offset.
+conditions, batch_fields)`` returns ``(data, count, pending)``: ``data`` holds, in item
+order, the line of every item it can vouch for (plainly valid: exact types, bounds and
+sets of the schema, the class's schema ``conditions`` (``ENCODER_CONDITIONS`` with
+fields by index), and with ``step_rules`` the step_time rules), each ``prefix`` + the
+item's fields (the record's fields from index ``first_field`` on); ``batch_fields``
+(``((field index, value), ...)`` or None) are the batch's fields the record places
+among the item's (process's ``pid``): each value is checked as an item's value of
+that field would be and written at its index in every line, and one it cannot vouch
+for leaves every item pending; ``count`` says how many; ``pending`` lists ``(item
+index, offset in data)`` of every other item, for the caller to take through the
+strict Python loaders and put (or not) at that offset.
 """
 
 split_batch: Callable[[bytes], tuple[bytes, int, int, int] | None] | None = (
@@ -202,7 +206,7 @@ encode_batch: Callable[..., tuple[bytes, int] | None] | None = (
 """The C batch encoder (``_speedups.encode_batch``), or None without the extension.
 
 ``encode_batch(body, items_start, record_class, first_field, prefix, max_string_bytes,
-step_rules, conditions)`` returns ``(data, count)``: the lines :func:`encode_items` writes for
+step_rules, conditions, batch_fields)`` returns ``(data, count)``: the lines :func:`encode_items` writes for
 orjson's reading of the items array at ``items_start`` of ``body``, read from the bytes
 without a Python object per item; or None when the body is not in the plain form our
 senders write or :func:`encode_items` would leave any item to Python (the caller then

@@ -574,6 +574,8 @@ python:
  * this never decides that an item is invalid; it only recognises the valid ones.
  */
 
+#define MAX_OBJECT_FIELDS 32
+
 typedef struct {
     Py_ssize_t max_string_bytes;
     /* step_time rules the schemas cannot express (the builder's _check_events) */
@@ -595,7 +597,17 @@ typedef struct {
     /* the record class's schema conditions: ((when, then, otherwise), ...), each test
      * (field index, text the field's line value must be, or None: not null) */
     PyObject *conditions;
+    /* Batch fields the record places among the item's fields (process's pid), by
+     * field index from first on: their text ',"name":value' (owned), written into
+     * every line there; NULL for an item's field. Checked once per call, as an
+     * item's value is; batch_bad: one failed, so every item is Python's. */
+    PyObject *batch_text[MAX_OBJECT_FIELDS];
+    int batch_bad;
 } Rules;
+
+static void rules_free(Rules *rules) {
+    for (Py_ssize_t i = 0; i < MAX_OBJECT_FIELDS; i++) Py_CLEAR(rules->batch_text[i]);
+}
 
 /* Whether the written field values (field i's text at [at[i], end[i]) of buf) meet
  * the conditions; a test names a field by its index in the plan, from first on. */
@@ -690,8 +702,6 @@ static int phase_rule(PyObject **values, const Rules *r) {
     if (used == Py_None) return FALLBACK;
     return PyFloat_AS_DOUBLE(values[r->duration]) == PyFloat_AS_DOUBLE(used) ? OK : FALLBACK;
 }
-
-#define MAX_OBJECT_FIELDS 32
 
 /* A wire object whose keys are exactly the class's fields. Keys usually come in the
  * schema's order as the very str objects orjson handed out last time (it caches
@@ -881,7 +891,9 @@ static Py_ssize_t field_index(const ClassPlan *plan, const char *name) {
 static int item_line(Out *o, PyObject *item, ClassPlan *plan, Py_ssize_t first,
                      PyObject *prefix, Rules *rules) {
     Py_ssize_t n = plan->n - first;
-    if (!PyDict_CheckExact(item) || PyDict_GET_SIZE(item) > n) return FALLBACK;
+    if (!PyDict_CheckExact(item) || PyDict_GET_SIZE(item) > n || rules->batch_bad) {
+        return FALLBACK;
+    }
     Py_ssize_t mark = o->len, mark_floats = o->n_floats;
     rules->entries = 0;
     int rc = n > MAX_OBJECT_FIELDS ? FALLBACK
@@ -890,6 +902,15 @@ static int item_line(Out *o, PyObject *item, ClassPlan *plan, Py_ssize_t first,
     PyObject *key, *value;
     for (Py_ssize_t i = first; i < plan->n && rc == OK; i++) {
         FieldPlan *f = &plan->fields[i];
+        PyObject *batch_text = rules->batch_text[i - first];
+        if (batch_text != NULL) {
+            /* a batch field: its text, not a key of the item (an item holding such a
+             * key has one key too many: found says so below) */
+            at[i - first] = o->len + 1 + f->key_len;
+            rc = out_write(o, PyBytes_AS_STRING(batch_text), PyBytes_GET_SIZE(batch_text));
+            end[i - first] = o->len;
+            continue;
+        }
         /* by position and identity first, as in item_object; a key found by name
          * leaves the position where it was (an optional key may be missing) */
         Py_ssize_t next = pos;
@@ -946,13 +967,56 @@ static int tests_ok(PyObject *tests, ClassPlan *plan, Py_ssize_t first) {
     return 1;
 }
 
+/* The texts of the batch fields placed among the item's fields: None, or ((field
+ * index > first, value), ...), each value checked and written as an item's value of
+ * that field would be (a value the encoder cannot vouch for sets batch_bad). */
+static int batch_texts_of(Rules *rules, PyObject *batch_fields, ClassPlan *plan,
+                          Py_ssize_t first) {
+    if (batch_fields == Py_None) return OK;
+    if (!PyTuple_Check(batch_fields)) goto bad;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(batch_fields); k++) {
+        PyObject *pair = PyTuple_GET_ITEM(batch_fields, k);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            !PyLong_Check(PyTuple_GET_ITEM(pair, 0))) {
+            goto bad;
+        }
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
+        if (i == -1 && PyErr_Occurred()) return ERR;
+        /* the first item field starts the item's part: a batch field there would
+         * need the prefix to end elsewhere */
+        if (i <= first || i >= plan->n || i - first >= MAX_OBJECT_FIELDS ||
+            plan->fields[i].flag != F_ALWAYS || rules->batch_text[i - first] != NULL) {
+            goto bad;
+        }
+        FieldPlan *f = &plan->fields[i];
+        Out o;
+        out_init(&o);
+        int rc = out_char(&o, ',');
+        if (rc == OK) rc = out_write(&o, f->key, f->key_len);
+        if (rc == OK) rc = item_value(&o, PyTuple_GET_ITEM(pair, 1), &f->spec, rules);
+        if (rc == OK) {
+            rules->batch_text[i - first] = finish(&o, NULL);
+            if (rules->batch_text[i - first] == NULL) rc = ERR;
+        }
+        out_free(&o);
+        if (rc == ERR) return ERR;
+        if (rc == FALLBACK) rules->batch_bad = 1;
+    }
+    return OK;
+bad:
+    PyErr_SetString(PyExc_ValueError, "batch_fields: ((field index, value), ...) after first");
+    return ERR;
+}
+
 /* The step rules of encode_items and encode_batch: None, or (builtin_events,
- * reserved_prefix, required_event, max_entries, phase_class); and the conditions:
- * None, or ((when | None, then, otherwise), ...) of tests (field index >= first, text
- * | None). */
-static int rules_of(Rules *rules, PyObject *step_rules, PyObject *conditions, ClassPlan *plan,
-                    Py_ssize_t first) {
+ * reserved_prefix, required_event, max_entries, phase_class); the conditions: None,
+ * or ((when | None, then, otherwise), ...) of tests (field index >= first, text |
+ * None); the batch fields among the item's: see batch_texts_of. On ERR, and after
+ * the call, rules_free. */
+static int rules_of(Rules *rules, PyObject *step_rules, PyObject *conditions,
+                    PyObject *batch_fields, ClassPlan *plan, Py_ssize_t first) {
     PyObject *phase_class = NULL;
+    if (batch_texts_of(rules, batch_fields, plan, first) < 0) return ERR;
     if (conditions != Py_None) {
         int ok = PyTuple_Check(conditions) && plan->n - first <= MAX_OBJECT_FIELDS;
         for (Py_ssize_t c = 0; ok && c < PyTuple_GET_SIZE(conditions); c++) {
@@ -992,18 +1056,23 @@ static int rules_of(Rules *rules, PyObject *step_rules, PyObject *conditions, Cl
     return OK;
 }
 
+static PyObject *encode_items_by(PyObject *items, ClassPlan *plan, Py_ssize_t first,
+                                 PyObject *prefix, Rules *rules);
+
 /* encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules,
- *              conditions) -> (data, count, pending)
+ *              conditions, batch_fields) -> (data, count, pending)
  * data: the lines (prefix + the item's fields, the record's fields from first_field
- * on) of the items it could vouch for, in order; count: how many; pending: the
- * (item index, offset in data) of each item left to Python, where its line belongs.
- * step_rules and conditions: see rules_of. */
+ * on, with the batch fields' texts at their places) of the items it could vouch for,
+ * in order; count: how many; pending: the (item index, offset in data) of each item
+ * left to Python, where its line belongs. step_rules, conditions and batch_fields:
+ * see rules_of. */
 static PyObject *encode_items(PyObject *module, PyObject *args) {
-    PyObject *items, *cls, *prefix, *step_rules, *conditions;
+    PyObject *items, *cls, *prefix, *step_rules, *conditions, *batch_fields;
     Py_ssize_t first;
     Rules rules = {0};
-    if (!PyArg_ParseTuple(args, "O!OnO!nOO", &PyList_Type, &items, &cls, &first, &PyBytes_Type,
-                          &prefix, &rules.max_string_bytes, &step_rules, &conditions)) {
+    if (!PyArg_ParseTuple(args, "O!OnO!nOOO", &PyList_Type, &items, &cls, &first, &PyBytes_Type,
+                          &prefix, &rules.max_string_bytes, &step_rules, &conditions,
+                          &batch_fields)) {
         return NULL;
     }
     ClassPlan *plan = PyType_Check(cls) ? plan_of((PyTypeObject *)cls) : NULL;
@@ -1011,7 +1080,16 @@ static PyObject *encode_items(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "encode_items: no plan for that class and field");
         return NULL;
     }
-    if (rules_of(&rules, step_rules, conditions, plan, first) < 0) return NULL;
+    PyObject *result = NULL;
+    if (rules_of(&rules, step_rules, conditions, batch_fields, plan, first) == OK) {
+        result = encode_items_by(items, plan, first, prefix, &rules);
+    }
+    rules_free(&rules);
+    return result;
+}
+
+static PyObject *encode_items_by(PyObject *items, ClassPlan *plan, Py_ssize_t first,
+                                 PyObject *prefix, Rules *rules) {
     PyObject *pending = PyList_New(0);
     if (pending == NULL) return NULL;
     Out o;
@@ -1022,7 +1100,7 @@ static PyObject *encode_items(PyObject *module, PyObject *args) {
         /* the byte offset is final only after the floats are in: keep the float
          * index too, and turn it into a byte offset below */
         Py_ssize_t at = o.len, floats_before = o.n_floats;
-        int rc = item_line(&o, PyList_GET_ITEM(items, k), plan, first, prefix, &rules);
+        int rc = item_line(&o, PyList_GET_ITEM(items, k), plan, first, prefix, rules);
         if (rc == ERR) goto error;
         if (rc == OK) {
             count++;
@@ -1335,6 +1413,8 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
     const char *at[MAX_OBJECT_FIELDS], *ends[MAX_OBJECT_FIELDS];
     int rc = OK, in_order = 1;
     Py_ssize_t read = 0; /* keys read from the body */
+    Rules *r = w->rules;
+    if (top && r->batch_bad) return FALLBACK;
     for (Py_ssize_t i = 0; i < n; i++) {
         FieldPlan *f = &plan->fields[first + i];
         int optional = f->flag == F_OMIT_NONE;
@@ -1342,6 +1422,16 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
         floats[i] = -1;
         flags[i] = 0;
         text_at[i] = text_end[i] = o->len;
+        if (top && r->batch_text[i] != NULL) {
+            /* a batch field: its text; the body's keys go on with the next field */
+            text_at[i] = o->len + 1 + f->key_len;
+            if (out_write(o, PyBytes_AS_STRING(r->batch_text[i]),
+                          PyBytes_GET_SIZE(r->batch_text[i])) < 0) {
+                return ERR;
+            }
+            text_end[i] = o->len;
+            continue;
+        }
         if (optional) {
             /* absent unless its key comes next */
             const char *q = w->p;
@@ -1358,7 +1448,8 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
             break;
         }
         read++;
-        Py_ssize_t key_at = o->len;
+        /* null: left out (whether or not the value may be null on read) */
+        if (optional && WIRE_LIT(w, "null") == OK) continue;
         if (out_reserve(o, f->key_len + 1) < 0) return ERR;
         o->buf[o->len++] = (top || i) ? ',' : '{';
         memcpy(o->buf + o->len, f->key, f->key_len);
@@ -1367,10 +1458,6 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
         rc = wire_value(w, o, &f->spec, &floats[i], &flags[i]);
         if (rc != OK) return rc;
         text_end[i] = o->len;
-        if (optional && text_end[i] - text_at[i] == 4 && memcmp(o->buf + text_at[i], "null", 4) == 0) {
-            o->len = key_at; /* null: left out */
-            text_at[i] = text_end[i] = o->len;
-        }
     }
     if (!in_order) {
         o->len = mark;
@@ -1389,7 +1476,8 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
                               memcmp(plan->fields[first + i].key + 1, s, len) == 0)) {
                 i++;
             }
-            if (i == n || at[i] != NULL) return FALLBACK; /* unknown or repeated */
+            /* unknown (a batch field's name included) or repeated */
+            if (i == n || at[i] != NULL || (top && r->batch_text[i] != NULL)) return FALLBACK;
             at[i] = w->p;
             ends[i] = skip_value(w->p, w->end);
             if (ends[i] == NULL) return FALLBACK;
@@ -1399,33 +1487,39 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
         for (Py_ssize_t i = 0; i < n; i++) {
             FieldPlan *f = &plan->fields[first + i];
             text_at[i] = text_end[i] = o->len;
+            if (top && r->batch_text[i] != NULL) {
+                text_at[i] = o->len + 1 + f->key_len;
+                if (out_write(o, PyBytes_AS_STRING(r->batch_text[i]),
+                              PyBytes_GET_SIZE(r->batch_text[i])) < 0) {
+                    return ERR;
+                }
+                text_end[i] = o->len;
+                continue;
+            }
             if (at[i] == NULL) {
                 if (f->flag != F_OMIT_NONE) return FALLBACK; /* a key is missing */
                 continue;
             }
-            Py_ssize_t key_at = o->len;
+            w->p = at[i];
+            floats[i] = -1;
+            flags[i] = 0;
+            if (f->flag == F_OMIT_NONE && WIRE_LIT(w, "null") == OK) {
+                if (w->p != ends[i]) return FALLBACK;
+                continue; /* null: left out */
+            }
             if (out_reserve(o, f->key_len + 1) < 0) return ERR;
             o->buf[o->len++] = (top || i) ? ',' : '{';
             memcpy(o->buf + o->len, f->key, f->key_len);
             o->len += f->key_len;
-            w->p = at[i];
-            floats[i] = -1;
-            flags[i] = 0;
             text_at[i] = o->len;
             rc = wire_value(w, o, &f->spec, &floats[i], &flags[i]);
             if (rc != OK) return rc;
             text_end[i] = o->len;
             if (w->p != ends[i]) return FALLBACK;
-            if (f->flag == F_OMIT_NONE && text_end[i] - text_at[i] == 4 &&
-                memcmp(o->buf + text_at[i], "null", 4) == 0) {
-                o->len = key_at; /* null: left out */
-                text_at[i] = text_end[i] = o->len;
-            }
         }
         w->p = close;
     }
     if (wire_byte(w, '}') != OK) return FALLBACK;
-    Rules *r = w->rules;
     /* the record's conditions (a float's text here is the body's: they test no float's
      * value, only whether it is null) */
     if (top && !conditions_hold(r, o->buf, text_at, text_end, first)) return FALLBACK;
@@ -1772,19 +1866,22 @@ static PyObject *split_batch(PyObject *module, PyObject *arg) {
                          (Py_ssize_t)(identity_end - base), (Py_ssize_t)(w.p - base));
 }
 
+static PyObject *encode_batch_by(PyObject *body, Py_ssize_t start, ClassPlan *plan,
+                                 Py_ssize_t first, PyObject *prefix, Rules *rules);
+
 /* encode_batch(body, items_start, record_class, first_field, prefix, max_string_bytes,
- *              step_rules, conditions) -> (data, count) | None
+ *              step_rules, conditions, batch_fields) -> (data, count) | None
  * The lines of every item of the body's items array (from items_start, the rest of
  * the body closing it), as encode_items writes them for orjson's reading of it; None
  * if encode_items would leave any item to Python or the body is not in the plain
  * form, for the caller to take it through orjson and encode_items. */
 static PyObject *encode_batch(PyObject *module, PyObject *args) {
-    PyObject *body, *cls, *prefix, *step_rules, *conditions;
+    PyObject *body, *cls, *prefix, *step_rules, *conditions, *batch_fields;
     Py_ssize_t start, first;
     Rules rules = {0};
-    if (!PyArg_ParseTuple(args, "O!nOnO!nOO", &PyBytes_Type, &body, &start, &cls, &first,
+    if (!PyArg_ParseTuple(args, "O!nOnO!nOOO", &PyBytes_Type, &body, &start, &cls, &first,
                           &PyBytes_Type, &prefix, &rules.max_string_bytes, &step_rules,
-                          &conditions)) {
+                          &conditions, &batch_fields)) {
         return NULL;
     }
     ClassPlan *plan = PyType_Check(cls) ? plan_of((PyTypeObject *)cls) : NULL;
@@ -1792,7 +1889,16 @@ static PyObject *encode_batch(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "encode_batch: no plan for that class and field");
         return NULL;
     }
-    if (rules_of(&rules, step_rules, conditions, plan, first) < 0) return NULL;
+    PyObject *result = NULL;
+    if (rules_of(&rules, step_rules, conditions, batch_fields, plan, first) == OK) {
+        result = encode_batch_by(body, start, plan, first, prefix, &rules);
+    }
+    rules_free(&rules);
+    return result;
+}
+
+static PyObject *encode_batch_by(PyObject *body, Py_ssize_t start, ClassPlan *plan,
+                                 Py_ssize_t first, PyObject *prefix, Rules *rules) {
     if (orjson_loads == NULL) {
         PyObject *orjson = PyImport_ImportModule("orjson");
         if (orjson == NULL) return NULL;
@@ -1803,7 +1909,7 @@ static PyObject *encode_batch(PyObject *module, PyObject *args) {
     Py_ssize_t size = PyBytes_GET_SIZE(body);
     if (start < 0 || start > size) Py_RETURN_NONE;
     Wire w = {0};
-    w.rules = &rules;
+    w.rules = rules;
     w.p = PyBytes_AS_STRING(body) + start;
     w.end = PyBytes_AS_STRING(body) + size;
     Out o;
@@ -1814,7 +1920,7 @@ static PyObject *encode_batch(PyObject *module, PyObject *args) {
     int rc = wire_byte(&w, '[');
     if (rc == OK && wire_byte(&w, ']') != OK) {
         for (;;) {
-            rules.entries = 0;
+            rules->entries = 0;
             rc = out_write(&o, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix));
             if (rc == OK) rc = wire_fields(&w, &o, plan, first, 1);
             if (rc == OK) rc = out_write(&o, "}\n", 2);
@@ -4271,7 +4377,7 @@ static PyMethodDef methods[] = {
      "dumps_line(record, /, *, include_hostname=False) -> bytes"},
     {"encode_items", (PyCFunction)encode_items, METH_VARARGS,
      "encode_items(items, record_class, first_field, prefix, max_string_bytes, step_rules,"
-     " conditions)"
+     " conditions, batch_fields)"
      " -> (data, count, pending): the lines of the plainly valid wire items; pending holds"
      " (index, offset in data) of each item left to Python."},
     {"split_batch", (PyCFunction)split_batch, METH_O,
@@ -4279,7 +4385,7 @@ static PyMethodDef methods[] = {
      " parts of a batch body written as our senders write it."},
     {"encode_batch", (PyCFunction)encode_batch, METH_VARARGS,
      "encode_batch(body, items_start, record_class, first_field, prefix, max_string_bytes,"
-     " step_rules, conditions) -> (data, count) | None: the lines of a batch's items from its bytes, or"
+     " step_rules, conditions, batch_fields) -> (data, count) | None: the lines of a batch's items from its bytes, or"
      " None where encode_items (on orjson's reading) is needed."},
     {"configure_host_step", (PyCFunction)configure_host_step, METH_VARARGS,
      "configure_host_step(phase_class, orjson_dumps): where encode_host_step reads a"

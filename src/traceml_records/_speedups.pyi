@@ -16,6 +16,7 @@ def encode_items(
     max_string_bytes: int,
     step_rules: tuple[frozenset[str], str, str, int, type[Any]] | None,
     conditions: tuple[Any, ...] | None,
+    batch_fields: tuple[tuple[int, Any], ...] | None,
     /,
 ) -> tuple[bytes, int, list[tuple[int, int]]]: ...
 def configure_host_step(
@@ -45,6 +46,7 @@ def encode_batch(
     max_string_bytes: int,
     step_rules: tuple[frozenset[str], str, str, int, type[Any]] | None,
     conditions: tuple[Any, ...] | None,
+    batch_fields: tuple[tuple[int, Any], ...] | None,
     /,
 ) -> tuple[bytes, int] | None: ...
 

@@ -94,6 +94,10 @@ _SAFE_CHARS = MAX_STRING_BYTES // 4
 
 _NO_PATH: Path = ()
 
+_LineStart = tuple[bytes, bytes, str, tuple[tuple[int, Any], ...]]
+"""A line's start around the observed timestamp (text before, text after), its file
+stream, and the batch fields among the item's (``_prefix_around``)."""
+
 _MAX_PREFIXES = 65_536
 """Most identity blocks whose line start the C encoder's mode keeps (one per rank and
 stream: 16,384 ranks' three streams fit; past it the cache starts over)."""
@@ -200,12 +204,16 @@ _C_RULES: dict[str, tuple[Any, ...]] = {"step_time": _STEP_TIME_RULES}
 @attrs.frozen(slots=True)
 class _LinePlan:
     """How the C encoder writes the lines of a batch stream from its wire items: each
-    line is the batch's identity prefix followed by the item's fields, which are the
-    record's fields from ``first_item_field`` on."""
+    line is the batch's identity prefix followed by the record's fields from
+    ``first_item_field`` on: the item's, and the batch fields placed among them."""
 
     wire_name: bytes
     record_class: type[Any]
     first_item_field: int
+    batch_fields: tuple[tuple[int, str], ...]
+    """(field index, name) of each batch field the record places among the item's
+    fields (process's ``pid``): the C encoder checks the batch's value and writes it
+    there in every line."""
     rules: tuple[Any, ...] | None
     conditions: tuple[Any, ...] | None
     """The record class's schema conditions, each test naming its field by index."""
@@ -233,28 +241,35 @@ def _nested_classes(record_class: type[Any]) -> set[type[Any]]:
 
 def _line_plan(plan: _StreamPlan) -> _LinePlan | None:
     """The C encoder's plan for a batch stream, or None where its items need Python: a
-    line rule, a fan-out, a check in Python only, record fields that are not the batch's
-    fields followed by the item's, a condition on a batch field or on a float's value,
-    or a nested object's condition the C rules do not cover (step_time's phase timings:
-    the duration rule). Optional item keys are the C encoder's too: one written only
-    with a value (flag OMIT_NONE) is left out when missing or None, and an item without
-    an always-written one (an older sender's) is handed to Python, which writes null."""
+    line rule, a fan-out, a check in Python only, record fields that do not start with
+    the batch's fields (each batch field after them must be one written always, which
+    the C encoder checks and places among the item's), a condition on a batch field or
+    on a float's value, or a nested object's condition the C rules do not cover
+    (step_time's phase timings: the duration rule). Optional item keys are the C
+    encoder's too: one written only with a value (flag OMIT_NONE) is left out when
+    missing or None, and an item without an always-written one (an older sender's) is
+    handed to Python, which writes null."""
     wire = plan.wire
     rules = _C_RULES.get(wire.name)
     if plan.load_item is None or ((plan.limit or plan.check) and rules is None):
         return None
-    if "observed_timestamp_unix_ns" not in wire.from_batch:
-        return None  # the line start is cached per identity around this field
     fields = ENCODER_PLANS[wire.record_class]
-    head = ("stream", "schema_version", *wire.from_batch)
-    first = len(head)
+    from_batch = ("stream", "schema_version", *wire.from_batch)
+    first = next((i for i, f in enumerate(fields) if f.name not in from_batch), len(fields))
     tail = fields[first:]
+    among = tuple((first + i, f.name) for i, f in enumerate(tail) if f.name in from_batch)
+    among_names = {name for _, name in among}
+    head = tuple(name for name in from_batch if name not in among_names)
+    if "observed_timestamp_unix_ns" not in head:
+        return None  # the line start is cached per identity around this field
     if (
         tuple(field.name for field in fields[:first]) != head
-        or {field.name for field in tail} != wire.item_keys
+        or {field.name for field in tail} != wire.item_keys | among_names
+        or wire.item_keys & among_names
         or not wire.required_item_keys <= wire.item_keys
-        # written always, or only with a value (no hostname)
+        # written always, or only with a value (no hostname); a batch field always
         or any(field.flag not in (Flag.ALWAYS, Flag.OMIT_NONE) for field in tail)
+        or any(fields[i].flag is not Flag.ALWAYS for i, _ in among)
     ):
         return None
     covered = {rules[-1]} if rules is not None else set()  # the phase class
@@ -264,7 +279,7 @@ def _line_plan(plan: _StreamPlan) -> _LinePlan | None:
     conditions = []
     for when, then, otherwise in ENCODER_CONDITIONS.get(wire.record_class, ()):
         tests = [*(when or ()), *then, *otherwise]
-        if any(index[name] < first for name, _ in tests) or any(
+        if any(index[name] < first or name in among_names for name, _ in tests) or any(
             text is not None and text != b"null" and fields[index[name]].spec.kind == 1
             for name, text in tests
         ):  # a batch field, or a float const (its text is orjson's only once written)
@@ -276,7 +291,9 @@ def _line_plan(plan: _StreamPlan) -> _LinePlan | None:
         conditions.append(
             (None if when is None else by_index(when), by_index(then), by_index(otherwise))
         )
-    return _LinePlan(wire.name.encode(), wire.record_class, first, rules, tuple(conditions) or None)
+    return _LinePlan(
+        wire.name.encode(), wire.record_class, first, among, rules, tuple(conditions) or None
+    )
 
 
 _LINE_PLANS: dict[str, _LinePlan] = {
@@ -481,7 +498,7 @@ class RecordBuilder:
         self._split_batch = split_batch if self._encode_items is not None else None
         self._line_plans_by_name = {plan.wire_name: plan for plan in self._line_plans.values()}
         # (wire stream, identity block bytes) -> a line's start around the timestamp.
-        self._prefixes: dict[tuple[bytes, bytes], tuple[bytes, bytes, str] | None] = {}
+        self._prefixes: dict[tuple[bytes, bytes], _LineStart | None] = {}
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -657,11 +674,11 @@ class RecordBuilder:
             self._prefixes[key] = around
         if around is None:
             return None
-        head, tail, stream = around
+        head, tail, stream, batch_values = around
         prefix = b"%s%d%s" % (head, observed, tail)
         encoded = self._encode_batch(
             body, items_start, line_plan.record_class, line_plan.first_item_field, prefix,
-            MAX_STRING_BYTES, line_plan.rules, line_plan.conditions,
+            MAX_STRING_BYTES, line_plan.rules, line_plan.conditions, batch_values,
         )  # fmt: skip
         if encoded is None:
             return None
@@ -670,13 +687,12 @@ class RecordBuilder:
             return _EMPTY
         return BuildResult(records={stream: EncodedLines(stream, data, count)}, skipped_items=0)
 
-    def _prefix_around(
-        self, line_plan: _LinePlan, identity_bytes: bytes
-    ) -> tuple[bytes, bytes, str] | None:
+    def _prefix_around(self, line_plan: _LinePlan, identity_bytes: bytes) -> _LineStart | None:
         """A line's start for a batch with this identity block, as the text before and
         after the observed timestamp (the one field that differs between a rank's
-        batches), and the file stream the lines go to; None when the identity is bad or cannot be written (the parsed way
-        counts and reports it)."""
+        batches), the file stream the lines go to, and the values of the batch fields
+        among the item's; None when the identity is bad or cannot be written (the
+        parsed way counts and reports it)."""
         try:
             identity = orjson.loads(identity_bytes)
         except orjson.JSONDecodeError:
@@ -685,7 +701,9 @@ class RecordBuilder:
         if batch_fields is None:
             return None
         wire = self._plans[line_plan.wire_name.decode()].wire
-        base = _base(wire.stream, wire.from_batch, batch_fields)
+        base, batch_values = _line_parts(
+            line_plan, _base(wire.stream, wire.from_batch, batch_fields)
+        )
         names = list(base)
         at = names.index("observed_timestamp_unix_ns")
         head = _line_prefix({name: base[name] for name in names[:at]})
@@ -693,7 +711,7 @@ class RecordBuilder:
         if head is None or after is None:
             return None
         tail = b"," + after[1:] if len(after) > 1 else b""
-        return head + b',"observed_timestamp_unix_ns":', tail, wire.stream
+        return head + b',"observed_timestamp_unix_ns":', tail, wire.stream, batch_values
 
     def _item_lines(
         self, plan: _StreamPlan, line_plan: _LinePlan, items: list[Any], base: dict[str, Any]
@@ -702,15 +720,18 @@ class RecordBuilder:
 
         The C encoder writes the line of every plainly valid item; each item it leaves
         goes through the same strict loader and rules as in record mode, on its own,
-        and is skipped or written from its record at its place.
+        and is skipped or written from its record at its place (a record that has no
+        line makes the whole batch records, for the exporter to count as in record
+        mode).
         """
         assert self._encode_items is not None
-        prefix = _line_prefix(base)
+        line_start, batch_values = _line_parts(line_plan, base)
+        prefix = _line_prefix(line_start)
         if prefix is None:
             return None
         data, count, pending = self._encode_items(
             items, line_plan.record_class, line_plan.first_item_field, prefix,
-            MAX_STRING_BYTES, line_plan.rules, line_plan.conditions,
+            MAX_STRING_BYTES, line_plan.rules, line_plan.conditions, batch_values,
         )  # fmt: skip
         stream = plan.wire.stream
         if not pending:
@@ -724,12 +745,29 @@ class RecordBuilder:
             start = at
             try:
                 record, _ = _record(plan, bases, items[index], trusted=False)
-                parts.append(dumps_line(record, include_hostname=self._include_hostname))
-                count += 1
             except Exception:
                 skipped += 1
+                continue
+            try:
+                parts.append(dumps_line(record, include_hostname=self._include_hostname))
+            except (ValueError, TypeError):
+                # A record with no line (a lone surrogate in a string): record mode
+                # hands it on, and the exporter counts it as not serialized.
+                return None
+            count += 1
         parts.append(data[start:])
         return EncodedLines(stream, b"".join(parts), count), skipped
+
+
+def _line_parts(
+    line_plan: _LinePlan, base: dict[str, Any]
+) -> tuple[dict[str, Any], tuple[tuple[int, Any], ...]]:
+    """A line's start (``base`` but the batch fields placed among the item's), and the
+    (field index, value) of each of those for the C encoder to check and write."""
+    if not line_plan.batch_fields:
+        return base, ()
+    start = base.copy()
+    return start, tuple((index, start.pop(name)) for index, name in line_plan.batch_fields)
 
 
 def _line_prefix(base: dict[str, Any]) -> bytes | None:

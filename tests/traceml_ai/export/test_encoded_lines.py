@@ -1,7 +1,7 @@
 """The builder's line mode (for the JSONL exporter) against its record mode.
 
-In line mode the C encoder writes the lines of step_time, step_memory and collectives
-items itself: from the frame body as the server queues it (``encode_batch``, no Python
+In line mode the C encoder writes the lines of step_time, step_memory, process and
+collectives items itself (process's with the batch's pid among the item's fields): from the frame body as the server queues it (``encode_batch``, no Python
 object per item) or, for a body not in our senders' plain form, from the parsed items
 (``encode_items``); either leaves every item it cannot vouch for to the strict Python
 loaders. Whatever the items, both modes must give the same lines (record mode's lines
@@ -31,6 +31,7 @@ from tests.custom_exporters import (
     OBSERVED_NS,
     batch,
     phase,
+    process_item,
     step_memory_item,
     step_time_item,
 )
@@ -52,7 +53,13 @@ from traceml_ai.transport.wire import (
     encode_item,
     make_batch_message,
 )
-from traceml_records import STREAMS_BY_NAME, StepTimeRecord, dumps_line, loads_line
+from traceml_records import (
+    STREAMS_BY_NAME,
+    ProcessRecord,
+    StepTimeRecord,
+    dumps_line,
+    loads_line,
+)
 from traceml_records._codec import dumps_lines
 from traceml_records._generated.records import IDENTITY_FIELDS
 
@@ -121,12 +128,13 @@ def test_line_mode_needs_the_extension_and_takes_step_time() -> None:
     assert not RecordBuilder(("step_time",), False).encodes_lines
 
 
-LINE_STREAMS = ("step_time", "step_memory", "collectives")
+LINE_STREAMS = ("step_time", "step_memory", "process", "collectives")
 """The streams whose lines the C encoder writes (``_builder._LINE_PLANS``)."""
 
 GOOD: dict[str, Any] = {
     "step_time": lambda seq: step_time_item(seq=seq, step=seq + 1),
     "step_memory": lambda seq: step_memory_item(seq=seq, step=seq + 1),
+    "process": lambda seq: process_item(seq=seq, gpu=seq % 2 == 1),
     "collectives": lambda seq: make_item("collectives", seq),
 }
 LINE_MALFORMED = [(stream, item) for stream, _, item in MALFORMED if stream in LINE_STREAMS]
@@ -241,6 +249,72 @@ ODD_STEP_MEMORY: list[dict[str, Any]] = [
     {**step_memory_item(), "peak_allocated_bytes": 2**63 - 1, "timestamp_unix_ns": 2**63 - 1},
     {**step_memory_item(), "device": "xpu:12"},
 ]  # fmt: skip
+
+
+ODD_PROCESS: list[dict[str, Any]] = [
+    # keys out of order (pid's place in the line is the record's, not the item's)
+    dict(reversed(list(process_item(gpu=True).items()))),
+    {**process_item(gpu=True), "gpu_uuid": 'GPU-é😀"\n'},
+    {**process_item(gpu=True), "gpu_uuid": None},
+    {k: v for k, v in process_item(gpu=True).items() if k != "gpu_uuid"},
+    {**process_item(), "cpu_percent": 0, "ram_total_bytes": None, "cpu_logical_cores": None},
+    {**process_item(), "ram_used_bytes": 2**63 - 1, "timestamp_unix_ns": 2**63 - 1},
+    {**process_item(), "cpu_percent": 5e-324, "gpu_available": None},
+    # invalid: the strict loaders skip them
+    {**process_item(), "pid": 4242},  # the batch's field in the item
+    {**process_item(), "ram_used_bytes": 2**63},
+    {**process_item(), "cpu_percent": math.inf},
+    {**process_item(), "gpu_uuid": ""},
+    {**process_item(), "gpu_uuid": "x" * (MAX_STRING_BYTES + 1)},
+    {**process_item(), "gpu_uuid": "\ud800"},
+    {k: v for k, v in process_item().items() if k != "gpu_count"},
+]
+
+
+@pytest.mark.parametrize("index", range(len(ODD_PROCESS)))
+def test_odd_process_items(index: int) -> None:
+    _modes([ODD_PROCESS[index]], stream="process")
+    _modes([process_item(seq=0), ODD_PROCESS[index], process_item(seq=2)], stream="process")
+
+
+PIDS: list[Any] = [1, 4242, 2**63 - 1, 0, -1, None, True, 1.0, 2**63, 2**64, "4242", []]
+
+
+@pytest.mark.parametrize("pid", [*PIDS, "missing"])
+@pytest.mark.parametrize("include_hostname", [False, True])
+def test_the_batch_pid_of_process_lines(pid: Any, include_hostname: bool) -> None:
+    """pid comes from the batch and sits among the item's fields in the line: every
+    value the identity may hold is written, or leaves the items to Python, exactly as
+    record mode does."""
+    identity = {k: v for k, v in IDENTITY.items() if k != "pid"}
+    if pid != "missing":
+        identity["pid"] = pid
+    _modes([GOOD["process"](i) for i in range(3)], identity, include_hostname, "process")
+
+
+def test_the_c_encoder_writes_process_lines_with_the_batch_pid() -> None:
+    """The process lines come from C (nothing left to Python) with a valid pid, and a
+    pid it cannot vouch for leaves every item to Python; from the bytes alike."""
+    from traceml_records._codec import encode_batch, encode_items, split_batch
+
+    assert encode_items is not None and encode_batch is not None and split_batch is not None
+    line = _LINE_PLANS["process"]
+    ((pid_index, name),) = line.batch_fields
+    assert name == "pid" and line.record_class is ProcessRecord
+    items = [GOOD["process"](i) for i in range(4)]
+    args = (ProcessRecord, line.first_item_field, b"{", MAX_STRING_BYTES, None, line.conditions)
+    data, count, pending = encode_items(items, *args, ((pid_index, 77),))
+    assert (count, pending) == (4, []) and data.count(b',"seq":1,"pid":77,"cpu_percent":') == 1
+    body = _body(items, "process")
+    parts = split_batch(body)
+    assert parts is not None
+    assert encode_batch(body, parts[3], *args, ((pid_index, 77),)) == (data, 4)
+    all_pending = (b"", 0, [(i, 0) for i in range(4)])
+    for bad in (0, None, 2**64, True):
+        assert encode_items(items, *args, ((pid_index, bad),)) == all_pending
+        assert encode_batch(body, parts[3], *args, ((pid_index, bad),)) is None
+    with pytest.raises(ValueError):
+        encode_items(items, *args, ((line.first_item_field, 77),))  # must follow an item field
 
 
 @pytest.mark.parametrize("index", range(len(ODD_BUT_VALID)))
@@ -362,12 +436,43 @@ EDITS: list[tuple[bytes, bytes]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(len(EDITS)))
-def test_bodies_off_the_plain_form(index: int) -> None:
-    old, new = EDITS[index]
-    assert old in PLAIN
-    _same_from_bytes(PLAIN.replace(old, new, 1))
-    _same_from_bytes(PLAIN.replace(old, new))
+PLAIN_PROCESS = _body([GOOD["process"](i) for i in range(3)], "process")
+PROCESS_EDITS: list[tuple[bytes, bytes]] = [
+    # the batch's pid, which every line carries among the item's fields
+    (b'"pid":4242', b'"pid":1'),
+    (b'"pid":4242', b'"pid":0'),
+    (b'"pid":4242', b'"pid":-1'),
+    (b'"pid":4242', b'"pid":4242.0'),
+    (b'"pid":4242', b'"pid":9223372036854775808'),
+    (b'"pid":4242', b'"pid":null'),
+    (b'"pid":4242', b'"pid":"4242"'),
+    (b',"pid":4242', b''),
+    (b'"hostname":"host-a","pid":4242', b'"pid":4242,"hostname":"host-a"'),
+    # an item holding the batch's field, in order or not
+    (b'"seq":1,', b'"seq":1,"pid":4242,'),
+    (b'{"timestamp_unix_ns"', b'{"pid":4242,"timestamp_unix_ns"'),
+    (b',"gpu_uuid":null}', b',"gpu_uuid":null,"pid":4242}'),
+    # the item's keys out of order, optional ones left out
+    (b'"seq":0,"cpu_percent":153.5,', b'"cpu_percent":153.5,"seq":0,'),
+    (b'{"timestamp_unix_ns":1793808199881904896,', b'{"gpu_uuid":null,"timestamp_unix_ns":1793808199881904896,'),
+    (b',"gpu_uuid":null}', b'}'),
+    (b',"gpu_uuid":null}', b',"gpu_uuid":""}'),
+    (b'"cpu_percent":153.5', b'"cpu_percent":153.50'),
+    (b'"cpu_percent":153.5', b'"cpu_percent":153'),
+    (b'"gpu_available":false', b'"gpu_available":true'),
+    (b'"gpu_count":null', b'"gpu_count":1'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("plain", "old", "new", "stream"),
+    [(PLAIN, old, new, "step_time") for old, new in EDITS]
+    + [(PLAIN_PROCESS, old, new, "process") for old, new in PROCESS_EDITS],
+)
+def test_bodies_off_the_plain_form(plain: bytes, old: bytes, new: bytes, stream: str) -> None:
+    assert old in plain
+    _same_from_bytes(plain.replace(old, new, 1), stream)
+    _same_from_bytes(plain.replace(old, new), stream)
 
 
 def test_unsorted_events_and_odd_floats_are_read_from_the_bytes() -> None:
@@ -384,7 +489,7 @@ def test_unsorted_events_and_odd_floats_are_read_from_the_bytes() -> None:
     line = _LINE_PLANS["step_time"]
     encoded = encode_batch(
         body, parts[3], line.record_class, line.first_item_field, b"{", MAX_STRING_BYTES,
-        line.rules, None,
+        line.rules, None, (),
     )  # fmt: skip
     assert encoded is not None and encoded[1] == 3
     assert b"8.20" not in encoded[0] and encoded[0].count(b'"zz":') == 3
@@ -392,27 +497,28 @@ def test_unsorted_events_and_odd_floats_are_read_from_the_bytes() -> None:
     assert built.records["step_time"][0].events["zz"]["cpu"].cpu_ms == 1.25
 
 
+@pytest.mark.parametrize(("plain", "stream"), [(PLAIN, "step_time"), (PLAIN_PROCESS, "process")])
 @settings(suppress_health_check=[HealthCheck.too_slow], max_examples=300)
 @given(
-    cut=st.integers(min_value=0, max_value=len(PLAIN)),
-    at=st.integers(min_value=0, max_value=len(PLAIN) - 1),
+    data=st.data(),
     byte=st.sampled_from(list(b'{}[]",:0123456789.eE-+ \\atrufnl\x00\xc3')),
     how=st.sampled_from(["replace", "insert", "delete", "truncate"]),
 )
 def test_hostile_bytes_are_read_as_orjson_reads_them(
-    cut: int, at: int, byte: int, how: str
+    plain: bytes, stream: str, data: st.DataObject, byte: int, how: str
 ) -> None:
     """Any damage to a body: line mode reads it as record mode does (never raises)."""
-    data = bytearray(PLAIN)
+    body = bytearray(plain)
+    at = data.draw(st.integers(min_value=0, max_value=len(plain) - 1))
     if how == "replace":
-        data[at] = byte
+        body[at] = byte
     elif how == "insert":
-        data.insert(at, byte)
+        body.insert(at, byte)
     elif how == "delete":
-        del data[at]
+        del body[at]
     else:
-        del data[cut:]
-    _same_from_bytes(bytes(data))
+        del body[at:]
+    _same_from_bytes(bytes(body), stream)
 
 
 def _item_from_record(d: dict[str, Any]) -> dict[str, Any]:
@@ -451,7 +557,7 @@ def test_generated_items(
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
 @given(
-    stream=st.sampled_from(["step_memory", "collectives"]),
+    stream=st.sampled_from(["step_memory", "process", "collectives"]),
     data=st.data(),
     include_hostname=st.booleans(),
 )
@@ -467,6 +573,44 @@ def test_generated_items_of_the_other_streams(
     _modes(items, include_hostname=include_hostname, stream=stream)
 
 
+PROCESS_MUTATIONS = st.sampled_from(
+    [
+        lambda i: None,
+        lambda i: i.update(pid=7),
+        lambda i: i.pop("gpu_uuid", None),
+        lambda i: i.pop("seq"),
+        lambda i: i.update(gpu_available=not i["gpu_available"]),
+        lambda i: i.update(cpu_percent=math.nan),
+        lambda i: i.update(cpu_percent=3),
+        lambda i: i.update(ram_total_bytes=2**64),
+        lambda i: i.update(gpu_uuid="é" * 3),
+        lambda i: i.update(dict(reversed(list(i.items())))),
+    ]
+)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(
+    records=st.lists(consistent_json("process"), min_size=1, max_size=5),
+    mutations=st.lists(PROCESS_MUTATIONS, min_size=5, max_size=5),
+    pid=st.one_of(
+        st.integers(min_value=1, max_value=2**63 - 1), st.sampled_from([*PIDS, "missing"])
+    ),
+    include_hostname=st.booleans(),
+)
+def test_generated_process_items(
+    records: list[dict[str, Any]], mutations: list[Any], pid: Any, include_hostname: bool
+) -> None:
+    """Generated process items (and the batch's pid) in both modes: same lines."""
+    items = [_item_from_record(r) for r in records]
+    for item, mutate in zip(items, mutations, strict=False):
+        mutate(item)
+    identity = {k: v for k, v in IDENTITY.items() if k != "pid"}
+    if pid != "missing":
+        identity["pid"] = pid
+    _modes(items, identity, include_hostname, "process")
+
+
 def test_the_c_encoder_takes_plainly_valid_items_itself() -> None:
     from traceml_records._codec import encode_items
 
@@ -477,7 +621,7 @@ def test_the_c_encoder_takes_plainly_valid_items_itself() -> None:
     items[3] = {**items[3], "step": 0}  # invalid: left to Python
     line = _LINE_PLANS["step_time"]
     data, count, pending = encode_items(
-        items, StepTimeRecord, line.first_item_field, b"{", MAX_STRING_BYTES, line.rules, None
+        items, StepTimeRecord, line.first_item_field, b"{", MAX_STRING_BYTES, line.rules, None, ()
     )
     assert count == 9
     assert [index for index, _ in pending] == [3]
@@ -541,9 +685,19 @@ def test_one_builder_reused_across_ranks_and_times(
 
     monkeypatch.setattr(_builder, "_MAX_PREFIXES", max_prefixes)
     identities = [
-        {**IDENTITY, "global_rank": rank, "local_rank": rank % 2, "hostname": f"n{rank}"}
+        {
+            **IDENTITY,
+            "global_rank": rank,
+            "local_rank": rank % 2,
+            "hostname": f"n{rank}",
+            "pid": 100 + rank,
+        }
         for rank in range(4)
-    ] + [{**IDENTITY, "world_size": 0}, {**IDENTITY, "hostname": "\ud800"}]
+    ] + [
+        {**IDENTITY, "world_size": 0},
+        {**IDENTITY, "hostname": "\ud800"},
+        {**IDENTITY, "pid": 0},
+    ]
     for include_hostname in (False, True):
         reused = RecordBuilder(LINE_STREAMS, include_hostname, encode_lines=True)
         for round_ in range(3):

@@ -17,6 +17,7 @@ from tests.custom_exporters import (
     RaisingExporter,
     batch,
     process_item,
+    stdout_item,
     step_memory_item,
     step_time_item,
     system_item,
@@ -274,19 +275,21 @@ def test_a_backlog_goes_out_as_one_group_per_stream_in_batch_order() -> None:
             return None
 
     exporter = Groups()
-    builder = RecordBuilder(LOAD_STREAMS, include_hostname=False, encode_lines=True)
+    # stdout_stderr: a stream the C encoder does not write (its groups are records)
+    makers = {**MAKERS, "stdout_stderr": lambda seq: stdout_item(seq=seq)}
+    builder = RecordBuilder(tuple(makers), include_hostname=False, encode_lines=True)
     worker = ExportWorker(exporter, builder)
     for i in range(30):
-        for stream in LOAD_STREAMS:
-            worker.submit(batch(stream, [MAKERS[stream](i)]))
+        for stream, make in makers.items():
+            worker.submit(batch(stream, [make(i)]))
     worker.start()
     stats = worker.shutdown(timeout=10.0)
-    assert stats.written_records == dict.fromkeys(LOAD_STREAMS, 30)
+    assert stats.written_records == dict.fromkeys(makers, 30)
     assert stats.dropped_batches == 0 and stats.skipped_items == 0
-    assert len(exporter.groups) == len(LOAD_STREAMS)  # one group per stream
+    assert len(exporter.groups) == len(makers)  # one group per stream
     kinds = {type(next(iter(group))).__name__: group for group in exporter.groups}
     assert type(kinds["StepTimeRecord"]) is EncodedLines
-    assert type(kinds["ProcessRecord"]) is list
+    assert type(kinds["StdoutStderrRecord"]) is list
     for group in exporter.groups:
         assert [record.seq for record in group] == list(range(30))
 
