@@ -3,7 +3,8 @@ before the ranks, restarted on the same port if it dies while they train, stoppe
 (forwarding what it holds) after they exit.
 
 The child is ``python -m traceml_ai.launch._relay_process CONFIG`` (JSON: upstream host
-and port, listen host and port, stop timeout, the launcher's pid); the run token comes
+and port, listen host and port, stop timeout, the launcher's pid, and its node's global
+ranks as ``[start, stop]`` when known); the run token comes
 from ``TRACEML_RUN_TOKEN`` so it never shows in a process listing. It prints one JSON
 line when it listens (``{"event": "ready", "port": N}`` or ``{"event": "failed", ...}``)
 and one when it stopped (``{"event": "stopped", ...}`` with its counts); SIGTERM or
@@ -46,9 +47,14 @@ def split_address(text: str) -> tuple[str, int]:
 class RelayProcess:
     """The relay child process, seen from ``traceml run``."""
 
-    def __init__(self, upstream: str, token: str, stop_timeout_s: float) -> None:
+    def __init__(
+        self, upstream: str, token: str, stop_timeout_s: float, ranks: range | None = None
+    ) -> None:
+        """``ranks``: the node's global ranks, which the relay tells the aggregator it is
+        there for (see ``Relay``); None when unknown."""
         self.upstream = upstream
         self._token = token
+        self._ranks = ranks
         self._stop_timeout_s = stop_timeout_s
         self._port = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -67,6 +73,8 @@ class RelayProcess:
             "stop_timeout_s": self._stop_timeout_s,
             "parent_pid": os.getpid(),
         }
+        if self._ranks is not None:
+            config["ranks"] = [self._ranks.start, self._ranks.stop]
         env = dict(os.environ)
         env[ENV_RUN_TOKEN] = self._token
         try:
@@ -189,10 +197,15 @@ def main(argv: list[str]) -> int:
     try:
         config = json.loads(argv[0])
         host, port = config["upstream"]
+        node_ranks = config.get("ranks")
+        if node_ranks is not None:
+            start, stop = node_ranks
+            node_ranks = range(int(start), int(stop))
         relay = Relay(
             (str(host), int(port)),
             os.environ[ENV_RUN_TOKEN],
             port=int(config.get("port", 0)),
+            ranks=node_ranks,
             on_event=lambda line: say(f"the node's relay {line}"),
         )
         stop_timeout = float(config.get("stop_timeout_s", 5.0))
