@@ -6,7 +6,8 @@ The child is ``python -m traceml_ai.launch._relay_process CONFIG`` (JSON: upstre
 and port, listen host and port, stop timeout, the launcher's pid, and its node's global
 ranks as ``[start, stop]`` when known); the run token comes
 from ``TRACEML_RUN_TOKEN`` so it never shows in a process listing. It prints one JSON
-line when it listens (``{"event": "ready", "port": N}`` or ``{"event": "failed", ...}``)
+line when it listens and reached the aggregator, or gave up waiting for it
+(``{"event": "ready", "port": N}``; ``{"event": "failed", ...}`` if it cannot listen)
 and one when it stopped (``{"event": "stopped", ...}`` with its counts); SIGTERM or
 SIGINT make it stop. A relay of its own process: a relay killed or stuck never takes
 the launcher or the ranks with it.
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from traceml_ai.launch._child_lines import ChildLines
@@ -31,6 +33,10 @@ READY_TIMEOUT_S = 30.0
 """Longest wait for a relay process to listen."""
 MAX_RESTARTS = 3
 """Relay processes started again after one died during the run, at most."""
+UPSTREAM_WAIT_S = 2.0
+"""Longest wait, before it says it is ready, for the relay's first connection upstream:
+its first message (which names the node's ranks) is then on its way before any rank
+starts, when the aggregator can be reached."""
 WATCH_S = 0.2
 """How often, while the ranks train, the launcher looks whether the relay died."""
 PARENT_POLL_S = 0.5
@@ -226,6 +232,9 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         _emit(out, {"event": "failed", "error": f"cannot listen: {exc.strerror or exc}"})
         return 1
+    deadline = time.monotonic() + UPSTREAM_WAIT_S
+    while not relay.connected and time.monotonic() < deadline and not stop.wait(0.01):
+        pass
     _emit(out, {"event": "ready", "port": address[1]})
     while not stop.wait(PARENT_POLL_S):
         if parent and os.getppid() != parent and relay.intake.connections_open == 0:
