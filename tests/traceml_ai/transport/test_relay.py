@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
+from tests.e2e_helpers import free_port
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
 from traceml_ai.transport import AggregatorServer, RankSender, Relay
@@ -82,12 +83,6 @@ def sender(address: tuple[str, int], rank: int) -> RankSender:
     s = RankSender(address, TOKEN, identity(rank), flush_interval_s=0.02)
     s.start()
     return s
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.e2e_helpers import free_port
 from traceml_ai.transport import AggregatorServer, RankSender
 from traceml_ai.transport.wire import (
     BATCH_STREAMS,
@@ -153,13 +154,6 @@ def senders() -> Iterator[list[RankSender]]:
     yield made
     for sender in made:
         sender.close(timeout=0.5)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def raw_frame(body: bytes) -> bytes:
