@@ -8,6 +8,7 @@ timeout. Nothing here asserts on timing.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -58,8 +59,32 @@ def traceml_cmd(*args: str | Path) -> list[str]:
     return [PY, "-m", "traceml_ai", *(str(a) for a in args)]
 
 
+def _ephemeral_ports_start() -> int:
+    """Where the kernel's range of ports for outgoing connections starts."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free right now on the loopback (for torch.distributed rendezvous)."""
+    """A TCP port free right now on the loopback, for something a test binds later (a
+    rendezvous, an aggregator that starts after its ranks or relay), or where nothing
+    listens. Below the kernel's range for outgoing connections when it can be: a port
+    probed free there can be taken before the test binds it, as the source port of any
+    connection on the machine, or of one made to that very port while nothing listens
+    (a socket then connects to itself)."""
+    below = _ephemeral_ports_start()
+    if below > 2048:
+        for _ in range(100):
+            port = random.randrange(below // 2, below)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

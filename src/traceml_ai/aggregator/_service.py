@@ -8,6 +8,7 @@ process. It never imports torch.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import socket
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,7 +37,7 @@ from traceml_ai.export import (
 )
 from traceml_ai.settings import DEFAULT_FINALIZE_TIMEOUT_SEC, ExportSettings, MonitorSettings
 from traceml_ai.transport.server import AggregatorServer
-from traceml_ai.transport.wire import ReceivedBatch
+from traceml_ai.transport.wire import ReceivedBatch, relay_ranks
 from traceml_records import ExportLoss, MonitoringLoss
 
 if TYPE_CHECKING:
@@ -99,6 +101,24 @@ class FinalizeResult:
     rejected_frames: int
 
 
+class _Runs:
+    """Runs of ranks merged, for a quick ``rank in runs`` however many runs were told."""
+
+    def __init__(self, runs: Iterable[range]) -> None:
+        merged: list[list[int]] = []
+        for run in sorted(runs, key=lambda r: r.start):
+            if merged and run.start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], run.stop)
+            else:
+                merged.append([run.start, run.stop])
+        self._starts = [start for start, _ in merged]
+        self._stops = [stop for _, stop in merged]
+
+    def __contains__(self, rank: int) -> bool:
+        at = bisect.bisect_right(self._starts, rank) - 1
+        return at >= 0 and rank < self._stops[at]
+
+
 class Aggregator:
     """One run's aggregator: a TCP server, the export pipeline and rank bookkeeping."""
 
@@ -112,6 +132,9 @@ class Aggregator:
         self._rank_drops: dict[int, _RankDrops] = {}
         # What each relay reported dropping: relay id -> rank -> batch stream -> count.
         self._relay_drops: dict[str, dict[int, dict[str, int]]] = {}
+        # The runs of ranks relays said they are there for (a relay's every connection
+        # repeats its run, and a restarted relay its node's).
+        self._relay_ranks: set[range] = set()
         self._selected_wire = batch_streams_for(self._selected)
         self._reported_world_size: int | None = None
         self._all_finished = threading.Event()
@@ -296,10 +319,13 @@ class Aggregator:
                 self._all_finished.set()
 
     def _on_relay(self, message: dict[str, Any]) -> None:
-        """A relay's report: the batches it dropped so far, per rank and stream. Its
-        counts only grow, so the largest of each is kept (a report that comes again on a
-        new connection repeats them)."""
+        """A relay's report: the batches it dropped so far, per rank and stream, and the
+        ranks it is there for. Its counts only grow, so the largest of each is kept (a
+        report that comes again on a new connection repeats them)."""
+        ranks = relay_ranks(message)
         with self._lock:
+            if ranks is not None:
+                self._relay_ranks.add(ranks)
             drops = self._relay_drops.setdefault(message["relay"], {})
             for key, by_stream in message["dropped"].items():
                 mine = drops.setdefault(int(key), {})
@@ -308,6 +334,21 @@ class Aggregator:
                         mine[stream] = count
             if self._pipeline is not None:
                 self._pipeline.set_rank_dropped_batches(self._rank_dropped_batches())
+
+    def _behind_relays(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of ``ranks`` behind a relay: their batches came through one, or a relay
+        said it is there for them (their frames may never have passed: it died first)
+        and they never had a connection of their own. A relay's word never outweighs a
+        rank seen on its own connection, whose loss is its own; it only changes what the
+        warning says of ranks missing anyway (call after the server stopped)."""
+        server = self._server
+        if server is None:
+            return ()
+        relayed = server.relayed_ranks
+        direct = server.direct_ranks
+        with self._lock:
+            claimed = _Runs(self._relay_ranks)
+        return tuple(r for r in ranks if r in relayed or (r not in direct and r in claimed))
 
     def _relay_dropped(self) -> dict[int, dict[str, int]]:
         """The relays' drops per rank and stream, summed over relays (call with the lock)."""
@@ -445,12 +486,11 @@ class Aggregator:
             expected = self.expected_world_size or len(self._seen_ranks)
             finished = tuple(sorted(r for r in self._finished_ranks if r < expected))
             missing = tuple(r for r in range(expected) if r not in self._finished_ranks)
-        relayed = self._server.relayed_ranks if self._server is not None else frozenset()
         ranks = RankOutcome(
             expected_world_size=max(expected, 1),
             finished_ranks=finished,
             missing_ranks=missing,
-            relayed_missing_ranks=tuple(r for r in missing if r in relayed),
+            relayed_missing_ranks=self._behind_relays(missing),
         )
         if self._monitoring is not None:
             self._monitoring_loss = self._close_monitoring(self._monitoring, stats, ranks)

@@ -88,9 +88,10 @@ class RankOutcome:
     finished_ranks: tuple[int, ...] = attrs.field(converter=_rank_tuple)
     missing_ranks: tuple[int, ...] = attrs.field(converter=_rank_tuple, validator=_check_ranks)
     relayed_missing_ranks: tuple[int, ...] = attrs.field(default=(), converter=_rank_tuple)
-    """The missing ranks that sent through a node's relay: its connection ended before
-    they finished, so the relay may have failed rather than the ranks (said so in the
-    message)."""
+    """The missing ranks behind a node's relay (their batches came through it, or it said
+    it is there for them and they had no connection of their own): its connection ended
+    before they finished, so the relay may have failed rather than the ranks (said so in
+    the message)."""
 
     @property
     def lost(self) -> bool:
@@ -130,12 +131,14 @@ def _rank_clause(ranks: RankOutcome, reason: RankReason) -> str:
     through = ""
     if relayed and reason != "timeout":
         which = (
-            "all of them"
+            "all of them send"
             if len(relayed) == len(ranks.missing_ranks)
-            else f"rank{'s' if len(relayed) != 1 else ''} {', '.join(map(str, relayed))}"
+            else f"rank {relayed[0]} sends"
+            if len(relayed) == 1
+            else f"ranks {', '.join(map(str, relayed))} send"
         )
         through = (
-            f" ({which} sent through a node's relay, whose connection ended before they "
+            f" ({which} through a node's relay, whose connection ended before they "
             "finished: the relay may have stopped, not the ranks)"
         )
     return (

@@ -116,6 +116,15 @@ class RunPlan:
     world_size: int
 
 
+def node_global_ranks(options: RunOptions) -> range:
+    """The global ranks of this node's workers. ``rank_command`` runs
+    ``torch.distributed.run`` with ``--node-rank`` and its default static rendezvous,
+    whose group rank is the node rank, and every node has ``nproc_per_node`` workers
+    (``RunPlan.world_size``): node N's ranks follow the N nodes before it."""
+    first = options.node_rank * options.nproc_per_node
+    return range(first, first + options.nproc_per_node)
+
+
 def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> RunPlan:
     """Check every option and decide where things run; raises ``LaunchError``."""
     if options.nproc_per_node < 1:

@@ -3,9 +3,11 @@ before the ranks, restarted on the same port if it dies while they train, stoppe
 (forwarding what it holds) after they exit.
 
 The child is ``python -m traceml_ai.launch._relay_process CONFIG`` (JSON: upstream host
-and port, listen host and port, stop timeout, the launcher's pid); the run token comes
+and port, listen host and port, stop timeout, the launcher's pid, and its node's global
+ranks as ``[start, stop]`` when known); the run token comes
 from ``TRACEML_RUN_TOKEN`` so it never shows in a process listing. It prints one JSON
-line when it listens (``{"event": "ready", "port": N}`` or ``{"event": "failed", ...}``)
+line when it listens and reached the aggregator, or gave up waiting for it
+(``{"event": "ready", "port": N}``; ``{"event": "failed", ...}`` if it cannot listen)
 and one when it stopped (``{"event": "stopped", ...}`` with its counts); SIGTERM or
 SIGINT make it stop. A relay of its own process: a relay killed or stuck never takes
 the launcher or the ranks with it.
@@ -20,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from traceml_ai.launch._child_lines import ChildLines
@@ -30,6 +33,10 @@ READY_TIMEOUT_S = 30.0
 """Longest wait for a relay process to listen."""
 MAX_RESTARTS = 3
 """Relay processes started again after one died during the run, at most."""
+UPSTREAM_WAIT_S = 2.0
+"""Longest wait, before it says it is ready, for the relay's first connection upstream:
+its first message (which names the node's ranks) is then on its way before any rank
+starts, when the aggregator can be reached."""
 WATCH_S = 0.2
 """How often, while the ranks train, the launcher looks whether the relay died."""
 PARENT_POLL_S = 0.5
@@ -46,9 +53,14 @@ def split_address(text: str) -> tuple[str, int]:
 class RelayProcess:
     """The relay child process, seen from ``traceml run``."""
 
-    def __init__(self, upstream: str, token: str, stop_timeout_s: float) -> None:
+    def __init__(
+        self, upstream: str, token: str, stop_timeout_s: float, ranks: range | None = None
+    ) -> None:
+        """``ranks``: the node's global ranks, which the relay tells the aggregator it is
+        there for (see ``Relay``); None when unknown."""
         self.upstream = upstream
         self._token = token
+        self._ranks = ranks
         self._stop_timeout_s = stop_timeout_s
         self._port = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -67,6 +79,8 @@ class RelayProcess:
             "stop_timeout_s": self._stop_timeout_s,
             "parent_pid": os.getpid(),
         }
+        if self._ranks is not None:
+            config["ranks"] = [self._ranks.start, self._ranks.stop]
         env = dict(os.environ)
         env[ENV_RUN_TOKEN] = self._token
         try:
@@ -189,10 +203,15 @@ def main(argv: list[str]) -> int:
     try:
         config = json.loads(argv[0])
         host, port = config["upstream"]
+        node_ranks = config.get("ranks")
+        if node_ranks is not None:
+            start, stop = node_ranks
+            node_ranks = range(int(start), int(stop))
         relay = Relay(
             (str(host), int(port)),
             os.environ[ENV_RUN_TOKEN],
             port=int(config.get("port", 0)),
+            ranks=node_ranks,
             on_event=lambda line: say(f"the node's relay {line}"),
         )
         stop_timeout = float(config.get("stop_timeout_s", 5.0))
@@ -213,6 +232,9 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         _emit(out, {"event": "failed", "error": f"cannot listen: {exc.strerror or exc}"})
         return 1
+    deadline = time.monotonic() + UPSTREAM_WAIT_S
+    while not relay.connected and time.monotonic() < deadline and not stop.wait(0.01):
+        pass
     _emit(out, {"event": "ready", "port": address[1]})
     while not stop.wait(PARENT_POLL_S):
         if parent and os.getppid() != parent and relay.intake.connections_open == 0:

@@ -21,6 +21,7 @@ from traceml_ai.launch._plan import (
     check_script,
     default_run_name,
     multi_node_token,
+    node_global_ranks,
     plan,
 )
 from traceml_ai.launch._ranks import (
@@ -107,12 +108,12 @@ NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 
 
 def _start_relay(
-    upstream: str, token: str, stop_timeout_s: float
+    upstream: str, token: str, stop_timeout_s: float, ranks: range
 ) -> tuple[RelayProcess, str] | None:
-    """This node's relay, watched while the ranks train, and the address its ranks send
-    to; None (one line said why) when it cannot start: the ranks then send to the
-    aggregator themselves."""
-    relay = RelayProcess(upstream, token, stop_timeout_s)
+    """This node's relay for its global ``ranks``, watched while the ranks train, and
+    the address its ranks send to; None (one line said why) when it cannot start: the
+    ranks then send to the aggregator themselves."""
+    relay = RelayProcess(upstream, token, stop_timeout_s, ranks)
     started = relay.start()
     if isinstance(started, str):
         say(f"{started}; this node's ranks send to the aggregator themselves")
@@ -171,7 +172,12 @@ def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
         say(f"run folder {p.run_dir}")
     relay = None
     if options.nnodes > 1 and options.node_relay and ENV_AGGREGATOR_ADDR in env:
-        relay = _start_relay(env[ENV_AGGREGATOR_ADDR], p.token, options.finalize_timeout_sec)
+        relay = _start_relay(
+            env[ENV_AGGREGATOR_ADDR],
+            p.token,
+            options.finalize_timeout_sec,
+            node_global_ranks(options),
+        )
         if relay is not None:
             env[ENV_AGGREGATOR_ADDR] = relay[1]
 

@@ -9,9 +9,10 @@ written with ``sendmsg`` of as many queued frames as the kernel takes, never a c
 of a frame beyond the one that joins its length header to its body.
 
 Every connection it opens starts with a ``relay`` message (docs/dev/wire-format.md)
-that names the relay and carries what it dropped so far, per rank and stream; it is
-sent again whenever that grows (and before a rank's ``finished`` goes on). The
-aggregator tallies a relay connection's batches per rank from their identities, so
+that names the relay, carries what it dropped so far, per rank and stream, and the
+ranks it is there for when it was told them (a node's, from ``traceml run``); it is
+sent again whenever what it dropped grows (and before a rank's ``finished`` goes on).
+The aggregator tallies a relay connection's batches per rank from their identities, so
 that the ranks' ``sent_batches`` still tell it what never arrived, and counts the
 relay's drops of selected streams as dropped batches (docs/live-export.md: "When
 something was lost").
@@ -170,16 +171,23 @@ class Relay:
         connect_timeout_s: float = 1.0,
         report_interval_s: float = 0.5,
         expected_connections: int | None = None,
+        ranks: range | None = None,
         on_event: Callable[[str], None] | None = None,
         loop_runner: LoopRunner | None = None,
     ) -> None:
-        """``on_event`` gets a line for each change of the upstream connection worth
+        """``ranks``: the global ranks it is there for, told the aggregator on every
+        connection, so that a rank whose frames never passed (the relay died first) is
+        still known to be behind it (None: unknown; ``ValueError`` if not a nonempty
+        run). ``on_event`` gets a line for each change of the upstream connection worth
         telling (lost, back); it is called on the relay's loop thread. ``loop_runner``:
         the loop to run on, shared with other relays of the process (default: a thread
         and loop of its own)."""
         if max_pending_bytes < 1 or connect_timeout_s <= 0 or report_interval_s <= 0:
             raise ValueError("bounds and timeouts must be positive")
         self.relay_id = relay_id or new_relay_id()
+        self._ranks = ranks
+        # Refused here rather than on the loop thread, at each connection.
+        make_relay_message(token, self.relay_id, {}, ranks)
         self._upstream = (upstream[0], int(upstream[1]))
         self._token = token
         self._max_pending_bytes = max_pending_bytes
@@ -342,7 +350,9 @@ class Relay:
                 self._report_due = loop.call_later(self._report_interval_s, self._queue_report)
 
     def _report_frame(self) -> bytes:
-        return encode_frame(make_relay_message(self._token, self.relay_id, self._dropped))
+        return encode_frame(
+            make_relay_message(self._token, self.relay_id, self._dropped, self._ranks)
+        )
 
     def _queue_report(self) -> None:
         if self._report_due is not None:

@@ -311,6 +311,8 @@ class _PortGuard:
         # Batch frames accepted per global rank: from rank connections that have closed,
         # and every one a relay's connection carried.
         self.batches_by_rank: dict[int, int] = {}
+        # Global ranks that opened a connection of their own (not a relay's).
+        self.direct_ranks: set[int] = set()
         self.expected_connections = expected_connections
         self.max_connections, self.max_unproven = connection_limits(expected_connections)
         self.on_relay: Callable[[dict[str, Any]], None] | None = None
@@ -704,6 +706,11 @@ class AggregatorServer:
         return frozenset(self._relayed_ranks)
 
     @property
+    def direct_ranks(self) -> frozenset[int]:
+        """Ranks that opened a connection of their own (a first frame was accepted)."""
+        return frozenset(self._gate.direct_ranks)
+
+    @property
     def finished_messages(self) -> int:
         """Valid ``finished`` frames handed to ``on_finished``."""
         return self._finished_messages
@@ -1047,6 +1054,8 @@ class AggregatorServer:
 
     def _register(self, connection: Connection, rank: int | str) -> None:
         connection.rank = rank
+        if type(rank) is int:
+            self._gate.direct_ranks.add(rank)
         self._by_rank.setdefault(rank, set()).add(connection)
 
     def _unregister(self, connection: Connection, rank: int | str) -> None:

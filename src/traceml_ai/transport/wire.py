@@ -31,6 +31,7 @@ __all__ = [
     "MESSAGES",
     "MESSAGE_TYPES",
     "RELAY_ID_MAX_CHARS",
+    "RELAY_RANKS_END",
     "TRACKER_RUNS_BOUNDS",
     "WIRE_VERSION",
     "FrameError",
@@ -51,6 +52,7 @@ __all__ = [
     "make_tracker_runs_message",
     "new_run_token",
     "peek_batch_stream",
+    "relay_ranks",
 ]
 
 WIRE_VERSION = 1
@@ -114,7 +116,7 @@ MESSAGES: dict[str, WireMessage] = {
             optional=("dropped_batches_by_stream",),
         ),
         WireMessage(type="tracker_runs", keys=("identity", "runs")),
-        WireMessage(type="relay", keys=("relay", "dropped")),
+        WireMessage(type="relay", keys=("relay", "dropped", "ranks"), optional=("ranks",)),
     )
 }
 """Every message type of the wire, by ``type``."""
@@ -254,10 +256,16 @@ def make_tracker_runs_message(
 
 RELAY_ID_MAX_CHARS = 128
 """The longest relay id a ``relay`` message may carry."""
+RELAY_RANKS_END = 10**19
+"""Past the last global rank a ``relay`` message's ``ranks`` may name (a rank key of its
+``dropped`` has at most 19 digits too)."""
 
 
 def make_relay_message(
-    token: str, relay_id: str, dropped: Mapping[int, Mapping[str, int]]
+    token: str,
+    relay_id: str,
+    dropped: Mapping[int, Mapping[str, int]],
+    ranks: range | None = None,
 ) -> dict[str, Any]:
     """Build a ``relay`` message: the first frame of each connection a relay opens to the
     aggregator (or to the next relay), and again whenever its drops grow.
@@ -265,9 +273,26 @@ def make_relay_message(
     ``dropped`` maps a global rank to the batches of each stream the relay ``relay_id``
     dropped of that rank since it started (counts only grow, so the receiver keeps the
     largest it saw). Rank keys are written as decimal text (JSON object keys).
+    ``ranks``: the global ranks the relay is there for (its node's, when the launcher
+    knows them), so that the aggregator knows them behind it before their first frame
+    passes; left out when unknown.
     """
     counts = {str(rank): dict(by_stream) for rank, by_stream in sorted(dropped.items())}
-    return _message("relay", token, {"relay": relay_id, "dropped": counts})
+    values: dict[str, Any] = {"relay": relay_id, "dropped": counts}
+    if ranks is not None:
+        if ranks.step != 1 or not 0 <= ranks.start < ranks.stop <= RELAY_RANKS_END:
+            raise ValueError(f"a relay's ranks are a nonempty run of global ranks, got {ranks}")
+        values["ranks"] = {"first": ranks.start, "count": ranks.stop - ranks.start}
+    return _message("relay", token, values)
+
+
+def relay_ranks(message: Mapping[str, Any]) -> range | None:
+    """The global ranks a valid ``relay`` message says the relay is there for (None when
+    it does not say)."""
+    ranks = message.get("ranks")
+    if ranks is None:
+        return None
+    return range(ranks["first"], ranks["first"] + ranks["count"])
 
 
 def batch_prefix(token: str) -> bytes:
@@ -384,7 +409,8 @@ _RANK_KEY = re.compile(r"(0|[1-9][0-9]{0,18})")
 
 
 def _valid_relay(message: Mapping[str, Any]) -> bool:
-    """A ``relay`` message: a relay id, and batch drops per rank and known stream."""
+    """A ``relay`` message: a relay id, batch drops per rank and known stream, and
+    optionally the run of ranks it is there for."""
     relay_id = message.get("relay")
     if type(relay_id) is not str or not 0 < len(relay_id) <= RELAY_ID_MAX_CHARS:
         return False
@@ -396,7 +422,13 @@ def _valid_relay(message: Mapping[str, Any]) -> bool:
             return False
         if not all(k in BATCH_STREAMS and _is_count(v) for k, v in by_stream.items()):
             return False
-    return True
+    ranks = message.get("ranks")
+    if ranks is None:
+        return "ranks" not in message
+    if type(ranks) is not dict or ranks.keys() != {"first", "count"}:
+        return False
+    first, count = ranks["first"], ranks["count"]
+    return _is_count(first) and _is_count(count) and count > 0 and first + count <= RELAY_RANKS_END
 
 
 def _valid_counts(message: Mapping[str, Any]) -> bool:

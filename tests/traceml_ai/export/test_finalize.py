@@ -134,6 +134,39 @@ def test_missing_ranks_carry_the_rank_reason(tmp_path: Path, reason: Any) -> Non
     assert "2 of 4 ranks" in obj["message"] and "1, 3" in obj["message"]
 
 
+@pytest.mark.parametrize(
+    ("relayed", "said"),
+    [
+        ([1, 2, 3], "(all of them send through a node's relay"),
+        ([2], "(rank 2 sends through a node's relay"),
+        ([1, 3], "(ranks 1, 3 send through a node's relay"),
+        ([], None),
+    ],
+)
+def test_missing_ranks_behind_a_relay_are_said_to_be(
+    tmp_path: Path, relayed: list[int], said: str | None
+) -> None:
+    ranks = RankOutcome(
+        expected_world_size=4,
+        finished_ranks=[0],
+        missing_ranks=[1, 2, 3],
+        relayed_missing_ranks=relayed,
+    )
+    for reason in ("ranks_disconnected", "timeout"):
+        (tmp_path / reason).mkdir()
+        path = write_finalization_warning(
+            tmp_path / reason, export_loss=None, ranks=ranks, reason_if_ranks=reason
+        )
+        assert path is not None
+        message = read(path)["message"]
+        assert "missing ranks 1, 2, 3" in message
+        # Out of time, a relay's connection was still open: it did not end first.
+        if said is not None and reason == "ranks_disconnected":
+            assert said in message, message
+        else:
+            assert "relay" not in message, message
+
+
 def test_missing_ranks_and_export_loss_together(tmp_path: Path) -> None:
     ranks = RankOutcome(expected_world_size=2, finished_ranks=[0], missing_ranks=[1])
     path = write_finalization_warning(

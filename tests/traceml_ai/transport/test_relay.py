@@ -15,10 +15,19 @@ from typing import Any
 import orjson
 import pytest
 
+from tests.e2e_helpers import free_port
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
 from traceml_ai.transport import AggregatorServer, RankSender, Relay
-from traceml_ai.transport.wire import FRAME_HEADER, ReceivedBatch, batch_prefix
+from traceml_ai.transport.wire import (
+    FRAME_HEADER,
+    RELAY_RANKS_END,
+    ReceivedBatch,
+    batch_prefix,
+    encode_frame,
+    make_batch_message,
+    make_relay_message,
+)
 
 TOKEN = "relay-test-token"
 WAIT_S = 10.0
@@ -74,12 +83,6 @@ def sender(address: tuple[str, int], rank: int) -> RankSender:
     s = RankSender(address, TOKEN, identity(rank), flush_interval_s=0.02)
     s.start()
     return s
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -156,9 +159,17 @@ def test_drops_are_counted_per_rank_and_reported_once_it_connects(stack: list[An
     dropped = {rank: sum(c.values()) for rank, c in stats.dropped_by_rank.items()}
     for rank, s in enumerate(senders):
         assert received.get(rank, 0) + dropped.get(rank, 0) == s.sent_batches, rank
-    last = collector.reports[-1]
-    assert last["relay"] == relay.relay_id
-    assert {int(k): v for k, v in last["dropped"].items()} == stats.dropped_by_rank
+    # What the aggregator keeps of the reports: the largest count per rank and stream.
+    # (Not the last report: one queued while the relay was cut off arrives after the
+    # first message of the connection, which carries the counts as they are then.)
+    told: dict[int, dict[str, int]] = {}
+    for report in collector.reports:
+        assert report["relay"] == relay.relay_id
+        for rank, by_stream in report["dropped"].items():
+            mine = told.setdefault(int(rank), {})
+            for stream, count in by_stream.items():
+                mine[stream] = max(mine.get(stream, 0), count)
+    assert told == stats.dropped_by_rank
     assert all(set(c) == {"step_time"} for c in stats.dropped_by_rank.values())
 
 
@@ -291,3 +302,45 @@ def test_the_relays_drops_of_selected_streams_reach_the_warning(
     assert warning["export"]["dropped_batches"] == dropped_steps
     lines = (tmp_path / "run" / "aggregator" / "export" / "step_time.jsonl").read_bytes()
     assert warning["export"]["written_records"] == len(lines.splitlines()) - 1 > 0
+
+
+def test_the_ranks_a_relay_is_there_for_are_behind_it_before_any_frame_passed(
+    stack: list[Any], tmp_path: Path
+) -> None:
+    """A relay says it is there for ranks 0..2: rank 0 finishes through it, ranks 1 and 2
+    never send a frame, and once its connection ended they are missing behind it. A
+    second 'relay' claims every rank: rank 3, which sent a batch on a connection of its
+    own and never finished, is still the rank's loss, and no claim makes a rank missing
+    or finished."""
+    aggregator = Aggregator(
+        AggregatorConfig(
+            run_dir=tmp_path / "run",
+            settings=ExportSettings("jsonl", "step_time", False),
+            token=TOKEN,
+            expected_world_size=4,
+            finalize_timeout_sec=5.0,
+        )
+    )
+    address = aggregator.start()
+    relay = Relay(address, TOKEN, ranks=range(0, 3))
+    stack.append(relay)
+    s = sender(relay.start(), 0)
+    s.put("step_time", _step_item(0))
+    s.close(WAIT_S)
+    claims_all = make_relay_message(TOKEN, "claims-all", {}, range(0, RELAY_RANKS_END))
+    own = make_batch_message(TOKEN, identity(3), "step_time", [_step_item(0)])
+    for message in (claims_all, own):
+        with socket.create_connection(address) as sock:
+            sock.sendall(encode_frame(message))
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1)  # the aggregator read it all and closed
+    wait_until(lambda: aggregator.finished_ranks == {0})
+    relay.stop(WAIT_S)
+    wait_until(lambda: aggregator.wait_connections_closed(0.0))
+    result = aggregator.finalize()
+    assert result.ranks.finished_ranks == (0,)
+    assert result.ranks.missing_ranks == (1, 2, 3)
+    assert result.ranks.relayed_missing_ranks == (1, 2)
+    warning = orjson.loads((tmp_path / "run" / "finalization_warning.json").read_bytes())
+    assert warning["reason"] == "ranks_disconnected"
+    assert "(ranks 1, 2 send through a node's relay" in warning["message"], warning

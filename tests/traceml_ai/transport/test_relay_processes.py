@@ -63,21 +63,25 @@ def _relayed_run(
         )
     )
     host, port = aggregator.start()
-    relay = RelayProcess(f"{host}:{port}", TOKEN, 5.0)
+    relay = RelayProcess(f"{host}:{port}", TOKEN, 5.0, range(RANKS))
     started = relay.start()
     assert isinstance(started, int), started
     relay.watch()
+    return aggregator, relay, _start_ranks(tmp_path, started)
+
+
+def _start_ranks(tmp_path: Path, port: int) -> list[subprocess.Popen[bytes]]:
+    """RANKS real rank processes sending to ``port`` on loopback."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    ranks = [
+    return [
         subprocess.Popen(
-            [sys.executable, str(script), str(rank), "127.0.0.1", str(started), str(RANKS), TOKEN],
+            [sys.executable, str(script), str(rank), "127.0.0.1", str(port), str(RANKS), TOKEN],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
         for rank in range(RANKS)
     ]
-    return aggregator, relay, ranks
 
 
 @pytest.mark.timeout(90)
@@ -144,16 +148,7 @@ def test_an_aggregator_restarted_mid_run_gets_the_rest_through_the_relay(tmp_pat
     assert isinstance(started, int), started
     relay.watch()
     process = relay._proc
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), "127.0.0.1", str(started), str(RANKS), TOKEN],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(RANKS)
-    ]
+    ranks = _start_ranks(tmp_path, started)
     server = first._server
     assert server is not None
     # Mid-run: once every rank's batches reach the first aggregator (a rank's interpreter
@@ -198,8 +193,9 @@ def test_a_relay_gone_for_good_is_named_in_the_warning_not_only_its_ranks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Killed past its restarts, the node's relay stays gone: its ranks cannot finish. The
-    warning names them missing and says they sent through a relay whose connection
-    ended first, rather than only blaming the ranks."""
+    warning names them missing and says they send through a relay whose connection
+    ended first, rather than only blaming the ranks (those whose frames never passed
+    too: the relay told the aggregator its node's ranks)."""
     monkeypatch.setattr(relay_process, "MAX_RESTARTS", 0)
     aggregator, relay, ranks = _relayed_run(tmp_path, 2.0)
     time.sleep(1.0)
@@ -216,4 +212,52 @@ def test_a_relay_gone_for_good_is_named_in_the_warning_not_only_its_ranks(
     assert result.ranks.relayed_missing_ranks == tuple(range(RANKS))
     warning = orjson.loads((tmp_path / "run" / "finalization_warning.json").read_bytes())
     assert warning["reason"] == "ranks_disconnected"
-    assert "all of them sent through a node's relay" in warning["message"], warning
+    assert "all of them send through a node's relay" in warning["message"], warning
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_gone_before_any_rank_sent_still_stands_for_its_nodes_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's relay dies for good before any of its ranks' frames passed (a slow
+    node: the ranks' interpreters still start). The aggregator knows the node's ranks
+    from the relay's first message, so the warning still says all of them send through
+    a relay whose connection ended, not only that they are missing."""
+    monkeypatch.setattr(relay_process, "MAX_RESTARTS", 0)
+    aggregator = Aggregator(
+        AggregatorConfig(
+            run_dir=tmp_path / "run",
+            settings=ExportSettings("jsonl", "step_time", False),
+            token=TOKEN,
+            expected_world_size=RANKS,
+            finalize_timeout_sec=2.0,
+        )
+    )
+    host, port = aggregator.start()
+    relay = RelayProcess(f"{host}:{port}", TOKEN, 5.0, range(RANKS))
+    started = relay.start()
+    assert isinstance(started, int), started
+    relay.watch()
+    # Its first message reached the aggregator: the relay is known, none of its ranks.
+    deadline = time.monotonic() + 30.0
+    while not aggregator._relay_ranks:
+        assert time.monotonic() < deadline, "the relay's first message did not arrive"
+        time.sleep(0.02)
+    first = relay._proc
+    assert first is not None
+    os.kill(first.pid, signal.SIGKILL)
+    ranks = _start_ranks(tmp_path, started)
+    outputs = [proc.communicate(timeout=60) for proc in ranks]
+    relay.stop()
+    server = aggregator._server
+    assert server is not None
+    result = aggregator.finalize()
+    for proc, (_, err) in zip(ranks, outputs, strict=True):
+        assert proc.returncode == 0, err.decode()
+        assert b"Traceback" not in err
+    assert server.received_batches_by_rank() == {}
+    assert result.ranks.missing_ranks == tuple(range(RANKS))
+    assert result.ranks.relayed_missing_ranks == tuple(range(RANKS))
+    warning = orjson.loads((tmp_path / "run" / "finalization_warning.json").read_bytes())
+    assert warning["reason"] == "ranks_disconnected"
+    assert "all of them send through a node's relay" in warning["message"], warning

@@ -7,10 +7,10 @@ when the aggregator comes up, and what waited is forwarded."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
+from tests.e2e_helpers import free_port
 from tests.traceml_ai.transport.test_relay import TOKEN, Collector
 from traceml_ai.transport import RankSender, Relay
 
@@ -22,12 +22,6 @@ def wait_until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def identity(rank: int) -> dict[str, object]:

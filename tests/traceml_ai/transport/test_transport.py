@@ -20,12 +20,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.e2e_helpers import free_port
 from traceml_ai.transport import AggregatorServer, RankSender
 from traceml_ai.transport.wire import (
     BATCH_STREAMS,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_HEADER,
     MESSAGES,
+    RELAY_RANKS_END,
     TRACKER_RUNS_BOUNDS,
     WIRE_VERSION,
     FrameError,
@@ -42,6 +44,7 @@ from traceml_ai.transport.wire import (
     make_relay_message,
     make_tracker_runs_message,
     new_run_token,
+    relay_ranks,
 )
 
 # Every test runs with the sender's socket calls in C and in Python (conftest).
@@ -151,13 +154,6 @@ def senders() -> Iterator[list[RankSender]]:
     yield made
     for sender in made:
         sender.close(timeout=0.5)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def raw_frame(body: bytes) -> bytes:
@@ -1058,7 +1054,7 @@ def test_every_message_is_built_with_its_declared_keys_in_order() -> None:
         "batch": make_batch_message(TOKEN, identity(0), "step_time", []),
         "finished": make_finished_message(TOKEN, identity(0), 3, 1, {"step_time": 1}),
         "tracker_runs": make_tracker_runs_message(TOKEN, identity(0), {"wandb": {"id": "x"}}),
-        "relay": make_relay_message(TOKEN, "node-1", {3: {"step_time": 2}}),
+        "relay": make_relay_message(TOKEN, "node-1", {3: {"step_time": 2}}, range(4, 8)),
     }
     assert set(built) == set(MESSAGES)
     for kind, message in built.items():
@@ -1066,6 +1062,36 @@ def test_every_message_is_built_with_its_declared_keys_in_order() -> None:
         assert decode_message(orjson.dumps(message), TOKEN)["type"] == kind
     short = make_finished_message(TOKEN, identity(0), 3, 1)
     assert "dropped_batches_by_stream" not in short
+    assert "ranks" not in make_relay_message(TOKEN, "node-1", {})
+
+
+def _relay_body(ranks: object) -> bytes:
+    message = make_relay_message(TOKEN, "node-1", {})
+    message["ranks"] = ranks
+    return orjson.dumps(message)
+
+
+def test_a_relays_run_of_ranks_decodes_and_a_malformed_one_is_refused() -> None:
+    message = make_relay_message(TOKEN, "node-1", {}, range(8, 16))
+    assert message["ranks"] == {"first": 8, "count": 8}
+    assert relay_ranks(decode_message(orjson.dumps(message), TOKEN)) == range(8, 16)
+    assert relay_ranks(make_relay_message(TOKEN, "node-1", {})) is None
+    for bad in (
+        None,
+        [8, 8],
+        {"first": 8},
+        {"first": 8, "count": 0},
+        {"first": -1, "count": 2},
+        {"first": 8, "count": True},
+        {"first": 8.0, "count": 2},
+        {"first": 8, "count": 2, "more": 1},
+        {"first": RELAY_RANKS_END - 1, "count": 2},
+    ):
+        with pytest.raises(FrameError, match="bad relay report"):
+            decode_message(_relay_body(bad), TOKEN)
+    for unfit in (range(0), range(3, 2), range(0, 8, 2), range(-1, 2), range(RELAY_RANKS_END + 1)):
+        with pytest.raises(ValueError):
+            make_relay_message(TOKEN, "node-1", {}, unfit)
 
 
 def test_wire_format_md_documents_every_message_and_the_tracker_runs_bounds() -> None:
