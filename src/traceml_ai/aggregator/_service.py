@@ -130,6 +130,11 @@ class Aggregator:
         self._finished_ranks: set[int] = set()
         # What each rank's sender reported losing, per rank (see ``_note_rank_drops``).
         self._rank_drops: dict[int, _RankDrops] = {}
+        # The selected streams' share of those and of the relays' drops, kept as they
+        # change: every ``finished`` and ``relay`` message hands the sum on, and adding
+        # it up anew each time costs O(ranks) a message, O(ranks^2) a run.
+        self._rank_drop_sum = 0
+        self._relay_drop_sum = 0
         # What each relay reported dropping: relay id -> rank -> batch stream -> count.
         self._relay_drops: dict[str, dict[int, dict[str, int]]] = {}
         # The runs of ranks relays said they are there for (a relay's every connection
@@ -312,9 +317,12 @@ class Aggregator:
             if self._pipeline is not None:
                 self._pipeline.set_rank_dropped_batches(dropped)
             expected = self.expected_world_size
+            finished = self._finished_ranks
+            # Counted in full only once enough ranks finished (once or twice a run).
             if (
                 expected is not None
-                and len(self._finished_ranks & set(range(expected))) >= expected
+                and len(finished) >= expected
+                and all(r in finished for r in range(expected))
             ):
                 self._all_finished.set()
 
@@ -327,11 +335,15 @@ class Aggregator:
             if ranks is not None:
                 self._relay_ranks.add(ranks)
             drops = self._relay_drops.setdefault(message["relay"], {})
+            selected = self._selected_wire
             for key, by_stream in message["dropped"].items():
                 mine = drops.setdefault(int(key), {})
                 for stream, count in by_stream.items():
-                    if count > mine.get(stream, 0):
+                    before = mine.get(stream, 0)
+                    if count > before:
                         mine[stream] = count
+                        if stream in selected:
+                            self._relay_drop_sum += count - before
             if self._pipeline is not None:
                 self._pipeline.set_rank_dropped_batches(self._rank_dropped_batches())
 
@@ -381,6 +393,7 @@ class Aggregator:
         if type(total) is not int or total < 0:
             return
         drops = self._rank_drops.setdefault(rank, _RankDrops())
+        before = self._selected_drops(drops)
         drops.total = max(drops.total, total)
         if type(sent) is int and sent > drops.sent:
             drops.sent = sent
@@ -391,26 +404,24 @@ class Aggregator:
         else:
             # An older sender that does not split its drops: all of them may be ours.
             drops.split = False
+        self._rank_drop_sum += self._selected_drops(drops) - before
 
-    def _rank_dropped_batches(self) -> int:
-        """Batches the ranks lost that could have held records of a selected stream.
+    def _selected_drops(self, drops: _RankDrops) -> int:
+        """A rank's lost batches that could have held records of a selected stream.
 
         Drops of streams the run does not export are no loss (their records are never
-        built); a rank that did not split its drops by stream is counted in full. The
-        relays' drops (``relay`` messages) are counted alike.
+        built); a rank that did not split its drops by stream is counted in full.
         """
+        if not drops.split:
+            return drops.total
         selected = self._selected_wire
-        by_ranks = sum(
-            sum(n for s, n in d.by_stream.items() if s in selected) if d.split else d.total
-            for d in self._rank_drops.values()
-        )
-        by_relays = sum(
-            n
-            for by_stream in self._relay_dropped().values()
-            for s, n in by_stream.items()
-            if s in selected
-        )
-        return by_ranks + by_relays
+        return sum(n for s, n in drops.by_stream.items() if s in selected)
+
+    def _rank_dropped_batches(self) -> int:
+        """Batches the ranks lost that could have held records of a selected stream
+        (:meth:`_selected_drops` of each), and the relays' drops of selected streams
+        (``relay`` messages): kept up to date by the messages (call with the lock)."""
+        return self._rank_drop_sum + self._relay_drop_sum
 
     def _unseen_batches(self) -> int:
         """Batches the finished ranks wrote to their sockets that never arrived here.
