@@ -131,7 +131,7 @@ class QueueBounds:
 
     batches: int | None = None
     bytes: int | None = None
-    trace: Path | None = None  # sample the queue depth into this file every 50 ms
+    trace: Path | None = None  # queue depth, drops and GC CPU s into this file every 50 ms
 
     @property
     def custom(self) -> bool:
@@ -142,10 +142,10 @@ class QueueBounds:
 # ``run_until_done``), with queue bounds and an optional queue-depth trace. Run with
 # ``python -c`` so that the process imports nothing this script needs (numpy).
 _SERVE_WITH_BOUNDS = """
-import os, sys, threading, time
+import gc, os, sys, threading, time
 from pathlib import Path
 import orjson
-from traceml_ai.aggregator import Aggregator, AggregatorConfig, run_until_done
+from traceml_ai.aggregator import Aggregator, AggregatorConfig, run_until_done, tune_gc_for_aggregator
 from traceml_ai.settings import ExportSettings
 from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
@@ -159,15 +159,23 @@ aggregator = Aggregator(AggregatorConfig(
     max_queue_batches=cfg["batches"],
     max_queue_bytes=cfg["bytes"],
 ))
+tune_gc_for_aggregator()  # as traceml serve does
 host, port = aggregator.start()
 print(f"export TRACEML_AGGREGATOR_ADDR={host}:{port}", flush=True)
 if cfg["trace"]:
     worker = aggregator._pipeline.worker
+    collecting = [0.0, 0.0]  # (when the running collection began, collections' CPU so far)
+    def timed(phase, info):
+        if phase == "start":
+            collecting[0] = time.thread_time()
+        else:
+            collecting[1] += time.thread_time() - collecting[0]
+    gc.callbacks.append(timed)
     def trace():
         t0 = time.monotonic()
         with open(cfg["trace"], "w") as out:
             while True:
-                out.write(f"{time.monotonic() - t0:.3f} {worker.queued_batches} {worker.dropped_batches}\\n")
+                out.write(f"{time.monotonic() - t0:.3f} {worker.queued_batches} {worker.dropped_batches} {collecting[1]:.3f}\\n")
                 out.flush()
                 time.sleep(0.05)
     threading.Thread(target=trace, daemon=True).start()
