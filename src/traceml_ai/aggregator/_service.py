@@ -30,6 +30,7 @@ from traceml_ai.export import (
     RankOutcome,
     WarningWriteError,
     batch_streams_for,
+    max_queue_bytes_for,
     monitoring_clause,
     monitoring_lost,
     start_export,
@@ -86,6 +87,8 @@ class AggregatorConfig:
     finalize_timeout_sec: float = DEFAULT_FINALIZE_TIMEOUT_SEC
     max_queue_batches: int | None = None
     max_queue_bytes: int | None = None
+    """The export queue's byte bound; None: sized by the job (``max_queue_bytes_for`` of
+    ``expected_world_size``)."""
     monitor: MonitorSettings = attrs.field(factory=MonitorSettings)
     """The live views (Prometheus, OTLP, the dashboard); all off by default."""
 
@@ -195,8 +198,12 @@ class Aggregator:
         queue_limits: dict[str, Any] = {}
         if self.config.max_queue_batches is not None:
             queue_limits["max_queue_batches"] = self.config.max_queue_batches
-        if self.config.max_queue_bytes is not None:
-            queue_limits["max_queue_bytes"] = self.config.max_queue_bytes
+        # Unless set, the byte bound grows with the job (max_queue_bytes_for).
+        queue_limits["max_queue_bytes"] = (
+            self.config.max_queue_bytes
+            if self.config.max_queue_bytes is not None
+            else max_queue_bytes_for(self.config.expected_world_size)
+        )
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         self._earlier_warning = _file_identity(self.config.run_dir / WARNING_FILE_NAME)
         self._monitoring = self._start_monitoring()

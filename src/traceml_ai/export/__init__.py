@@ -43,7 +43,7 @@ from traceml_ai.export._protocol import (
     LineExporter,
     export_input_of,
 )
-from traceml_ai.export._worker import ExportStats, ExportWorker
+from traceml_ai.export._worker import ExportStats, ExportWorker, max_queue_bytes_for
 
 __all__ = [
     "WARNING_FILE_NAME",
@@ -73,6 +73,7 @@ __all__ = [
     "export_input_of",
     "load_exporter_factory",
     "make_in_memory_exporter",
+    "max_queue_bytes_for",
     "monitoring_clause",
     "monitoring_lost",
     "start_export",

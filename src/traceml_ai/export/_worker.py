@@ -42,8 +42,11 @@ __all__ = [
     "CLOSE_GRACE_S",
     "DEFAULT_MAX_QUEUE_BATCHES",
     "DEFAULT_MAX_QUEUE_BYTES",
+    "MAX_QUEUE_BYTES_CAP",
+    "QUEUE_BYTES_PER_RANK",
     "ExportStats",
     "ExportWorker",
+    "max_queue_bytes_for",
 ]
 
 _log = logging.getLogger("traceml_ai.export")
@@ -58,6 +61,26 @@ item per batch, about 37,000 batches a second, so a bound of 65,536 dropped batc
 a 1.8 s stall of the worker while the queue held 43 MiB of its 64 MiB.
 """
 DEFAULT_MAX_QUEUE_BYTES = 64 * 1024 * 1024
+"""The byte bound of a job of up to 8,192 ranks (and of one whose size is not known)."""
+
+QUEUE_BYTES_PER_RANK = 8 * 1024
+"""A larger job's byte bound grows with it (:func:`max_queue_bytes_for`), so the queue
+holds about as many seconds of its traffic: at 1 step/s with every stream a rank sends
+about 2.6 kB a second, and 64 MiB hold 1.5 s of 16,384 ranks' (too little for their
+start, when each rank's first batches come at once and each identity is read once)."""
+
+MAX_QUEUE_BYTES_CAP = 256 * 1024 * 1024
+"""The most a job's size raises the byte bound to (with the per-batch overhead, about
+320 MB of queue at 32,768 ranks and beyond)."""
+
+
+def max_queue_bytes_for(ranks: int | None) -> int:
+    """The export queue's byte bound for a job of ``ranks`` ranks (None: not known):
+    :data:`QUEUE_BYTES_PER_RANK` each, at least :data:`DEFAULT_MAX_QUEUE_BYTES`, at
+    most :data:`MAX_QUEUE_BYTES_CAP`."""
+    if ranks is None or ranks < 1:
+        return DEFAULT_MAX_QUEUE_BYTES
+    return min(MAX_QUEUE_BYTES_CAP, max(DEFAULT_MAX_QUEUE_BYTES, ranks * QUEUE_BYTES_PER_RANK))
 
 CLOSE_GRACE_S = 0.5
 """How long past its deadline ``shutdown`` waits for the exporter's ``close``."""
