@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     mode.add_argument("--pause", action="store_true", help="SIGSTOP the aggregator mid-run")
     parser.add_argument("--queue-batches", type=int, default=None, help="export queue bound")
     parser.add_argument("--queue-bytes", type=int, default=None, help="export queue bound")
-    parser.add_argument("--queue-trace", type=Path, default=None, help="queue depth, drops, GC CPU s every 50 ms")
+    parser.add_argument(
+        "--queue-trace", type=Path, default=None, help="queue depth, drops, GC CPU s every 50 ms"
+    )
     parser.add_argument("--probes", type=int, default=8)
     parser.add_argument("--probe-seconds", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=60.0)

@@ -48,6 +48,9 @@ from .items import LoadSpec
 from .relays import RelayHosts
 from .run import RunResult, finish_run
 
+_READ_BUFFER = 64 * 1024
+"""The replay's read buffer per captured connection."""
+
 _CHUNK = struct.Struct("<qI")
 """A captured chunk's header: when it was read (ns after the part's start of load; before
 it, negative: the relay's hello), and its length."""
@@ -256,12 +259,15 @@ def _replay_main(
     """Send each captured connection's chunks at their times after the start (``t0``)."""
     try:
         with contextlib.ExitStack() as stack:
+            # A small buffer each: a thousand files' first reads of 1 MiB would be a
+            # gigabyte read at the start, and the replay late by seconds.
             streams = [
-                _Stream(stack.enter_context(open(p, "rb", buffering=1 << 20)), address)
+                _Stream(stack.enter_context(open(p, "rb", buffering=_READ_BUFFER)), address)
                 for p in paths
             ]
+            ready = [s.advance() for s in streams]  # each first chunk's header, read now
             conn.send("connected")
-            figures = _play(streams, conn.recv())
+            figures = _play(streams, ready, conn.recv())
         Path(out_path).write_bytes(pickle.dumps(figures))
         conn.send("done")
     except BaseException as exc:
@@ -269,12 +275,13 @@ def _replay_main(
         raise
 
 
-def _play(streams: list[_Stream], t0: float) -> dict[str, float]:
-    """Every stream's chunks, each sent once due (what the socket does not take waits in
-    its ``pending``); then the rest, and the connections closed."""
+def _play(streams: list[_Stream], ready: list[bool], t0: float) -> dict[str, float]:
+    """Every stream's chunks (``ready``: whether it has one, its header read), each sent
+    once due (what the socket does not take waits in its ``pending``); then the rest,
+    and the connections closed."""
     started = time.monotonic()
     t0_ns = int(t0 * 1e9)
-    heap = [(s.due_ns, i) for i, s in enumerate(streams) if s.advance()]
+    heap = [(s.due_ns, i) for i, s in enumerate(streams) if ready[i]]
     heapq.heapify(heap)
     selector = selectors.DefaultSelector()
     waiting: set[int] = set()
