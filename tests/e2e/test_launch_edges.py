@@ -137,6 +137,38 @@ def test_ray_session_id_accepts_a_plain_name() -> None:
     assert TraceMLRayConfig(session_id="run-2026.11_a").session_id == "run-2026.11_a"
 
 
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        pytest.param(["--nnodes", "2", "--master-addr", ""], "--master-addr", id="empty-addr"),
+        pytest.param(["--master-port", "70000"], "--master-port must be in [0, 65535]", id="big"),
+        pytest.param(
+            ["--nnodes", "2", "--master-port", "0"],
+            "--master-port must be in [1, 65535] on a job of several nodes",
+            id="free-port-across-nodes",
+        ),
+        pytest.param(
+            ["--nnodes", "2", "--node-rank", "1", "--aggregator-port", "0"],
+            "--aggregator-port 0 picks a free port, which the other nodes cannot know",
+            id="free-aggregator-port-across-nodes",
+        ),
+    ],
+)
+def test_a_rendezvous_option_no_node_can_use_is_one_line(
+    tmp_path: Path, script: Path, options: list[str], why: str
+) -> None:
+    """Refused before anything starts: torchrun would end in a traceback of its own, a
+    relay given an empty host in one of ours, a node given port 0 would wait forever."""
+    res = run_cli(
+        ["run", "--run-name", "r1", *options, *_script_args(script, tmp_path / "marker")],
+        cwd=tmp_path,
+        timeout=QUICK_TIMEOUT_S,
+    )
+    _assert_one_error_line(res, why)
+    assert not (tmp_path / "logs").exists()
+    assert not (tmp_path / "marker.started").exists()
+
+
 # ------------------------------------------------------------------ item 7: logs dir
 
 
