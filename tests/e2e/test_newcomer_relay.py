@@ -5,6 +5,7 @@ sends its frames round to itself."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import threading
@@ -180,3 +181,74 @@ def test_a_relay_refused_by_the_aggregator_calls_what_went_out_lost_not_forwarde
     forwarded = int(stopped[0].split("relay stopped: ")[1].split(" frames forwarded")[0])
     refused = int(stopped[0].split("; ")[-1].split(" frames went out")[0])
     assert refused >= 1 and forwarded < refused, stopped[0]
+
+
+SLEEPY_RANK = """\
+import sys, time
+import traceml_ai as traceml
+
+traceml.init()
+for _ in range(int(sys.argv[1])):
+    with traceml.trace_step():
+        time.sleep(0.05)
+"""
+
+
+def test_a_node_with_another_run_token_says_so_and_what_it_lost(tmp_path: Path) -> None:
+    """Two nodes of ``traceml run`` on this host, node 1 given another
+    ``TRACEML_RUN_TOKEN``: its relay says once that the aggregator refuses it, and its
+    ``traceml run`` ends saying what the relay could not hand on (nothing else on node 1
+    would); node 0's warning names the missing rank. Training is untouched."""
+    script = tmp_path / "rank.py"
+    script.write_text(SLEEPY_RANK)
+    master_port, aggregator_port = free_port(), free_port()
+    procs = []
+    for node_rank, token in enumerate(("node-0-token", "not-node-0s-token")):
+        work = tmp_path / f"node{node_rank}"
+        work.mkdir()
+        command = traceml_cmd(
+            "run",
+            "--nnodes=2",
+            f"--node-rank={node_rank}",
+            f"--master-port={master_port}",
+            f"--aggregator-port={aggregator_port}",
+            "--run-name=r",
+            "--exporter=jsonl",
+            "--finalize-timeout-sec=2",
+            script,
+            "40",
+        )
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=work,
+                env=clean_env({"TRACEML_RUN_TOKEN": token}),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240.0))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    node1 = outputs[1][1]
+    ours = [line for line in node1.splitlines() if line.startswith("traceml:")]
+    assert "traceml_ai/" not in node1, node1  # no frame of ours in a traceback
+    refused = [line for line in ours if "are closed as soon as they open:" in line]
+    assert len(refused) == 1 and "TRACEML_RUN_TOKEN" in refused[0], ours
+    stopped = [line for line in ours if "the node's relay stopped" in line]
+    assert len(stopped) == 1, ours
+    assert "closed as soon as they opened" in stopped[0] and "they are lost" in stopped[0]
+    assert len(ours) == 2, ours
+    warning = json.loads(
+        (tmp_path / "node0" / "logs" / "r" / "finalization_warning.json").read_text()
+    )
+    assert warning["missing_ranks"] == [1], warning

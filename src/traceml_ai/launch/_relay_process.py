@@ -35,6 +35,35 @@ WATCH_S = 0.2
 PARENT_POLL_S = 0.5
 
 
+def relay_losses(
+    upstream: str,
+    *,
+    dropped_batches: int,
+    dropped_messages: int,
+    refused_frames: int,
+    upstream_connections: int,
+) -> str:
+    """What a stopped relay lost, for the end of its ``relay stopped`` line: ``""`` when
+    nothing, else ``"; ..."`` parts saying what and where it is counted."""
+    lost = ""
+    if dropped_batches or dropped_messages:
+        where = (
+            "the aggregator counts them in its finalization_warning.json"
+            if upstream_connections
+            else f"the aggregator at {upstream} was never reached"
+        )
+        lost = (
+            f"; dropped {dropped_batches} batches and {dropped_messages} other messages ({where})"
+        )
+    if refused_frames:
+        lost += (
+            f"; {refused_frames} frames went out on connections {upstream} "
+            "closed as soon as they opened (is TRACEML_RUN_TOKEN that aggregator's?): "
+            "they are lost"
+        )
+    return lost
+
+
 def split_address(text: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) as (host, port); ``ValueError`` if malformed."""
     host, sep, port = text.rpartition(":")
@@ -142,7 +171,7 @@ class RelayProcess:
         """Ask it to forward what it holds and stop; wait for that (bounded), then kill.
 
         Its ``stopped`` line (``forwarded_frames``, ``dropped_batches``,
-        ``dropped_messages``), or None when it stopped without one (it was gone, or
+        ``dropped_messages``, ``refused_frames``, ``upstream_connections``), or None when it stopped without one (it was gone, or
         out of time)."""
         self._watch_stop.set()
         if self._watcher is not None:
@@ -226,6 +255,7 @@ def main(argv: list[str]) -> int:
             "dropped_batches": stats.dropped_batches,
             "dropped_messages": stats.dropped_messages,
             "refused_frames": stats.refused_frames,
+            "upstream_connections": stats.upstream_connections,
         },
     )
     return 0

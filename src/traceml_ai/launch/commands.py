@@ -567,7 +567,7 @@ def _serve_relay(settings: LaunchSettings) -> int:
     """``traceml serve --relay HOST:PORT``: relay the ranks (or relays) that send here to
     the aggregator at HOST:PORT until Ctrl-C / SIGTERM; the exit code."""
     from traceml_ai.aggregator import install_stop_handlers
-    from traceml_ai.launch._relay_process import split_address
+    from traceml_ai.launch._relay_process import relay_losses, split_address
     from traceml_ai.transport.relay import Relay
     from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
@@ -608,22 +608,12 @@ def _serve_relay(settings: LaunchSettings) -> int:
         if relay.loop_found:
             break  # it said why in one line; relaying to itself forwards nothing
     stats = relay.stop(settings.finalize_timeout_sec)
-    lost = ""
-    if stats.dropped_batches or stats.dropped_messages:
-        where = (
-            "the aggregator counts them in its finalization_warning.json"
-            if stats.upstream_connections
-            else f"the aggregator at {settings.relay} was never reached"
-        )
-        lost = (
-            f"; dropped {stats.dropped_batches} batches and {stats.dropped_messages} other "
-            f"messages ({where})"
-        )
-    if stats.refused_frames:
-        lost += (
-            f"; {stats.refused_frames} frames went out on connections {settings.relay} "
-            "closed as soon as they opened (is TRACEML_RUN_TOKEN that aggregator's?): "
-            "they are lost"
-        )
+    lost = relay_losses(
+        settings.relay,
+        dropped_batches=stats.dropped_batches,
+        dropped_messages=stats.dropped_messages,
+        refused_frames=stats.refused_frames,
+        upstream_connections=stats.upstream_connections,
+    )
     click.echo(f"traceml: relay stopped: {stats.forwarded_frames} frames forwarded{lost}", err=True)
     return 1 if relay.loop_found else 0

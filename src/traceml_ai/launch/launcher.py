@@ -32,7 +32,7 @@ from traceml_ai.launch._ranks import (
     run_ranks,
     single_process_environment,
 )
-from traceml_ai.launch._relay_process import RelayProcess
+from traceml_ai.launch._relay_process import RelayProcess, relay_losses
 from traceml_ai.launch._report import (
     count_data_lines,
     export_tally,
@@ -121,6 +121,33 @@ def _start_relay(
     return relay, f"127.0.0.1:{started}"
 
 
+def _report_relay_stop(relay: RelayProcess) -> None:
+    """Stop the node's relay; what it lost is said here in one line, as ``traceml serve
+    --relay`` says it (on a node other than node 0 nothing else would tell it)."""
+    stopped = relay.stop()
+    if stopped is None:
+        return  # gone: its watcher said so
+    counts = {
+        name: value if type(value := stopped.get(name)) is int else 0
+        for name in (
+            "forwarded_frames",
+            "dropped_batches",
+            "dropped_messages",
+            "refused_frames",
+            "upstream_connections",
+        )
+    }
+    lost = relay_losses(
+        relay.upstream,
+        dropped_batches=counts["dropped_batches"],
+        dropped_messages=counts["dropped_messages"],
+        refused_frames=counts["refused_frames"],
+        upstream_connections=counts["upstream_connections"],
+    )
+    if lost:
+        say(f"the node's relay stopped: {counts['forwarded_frames']} frames forwarded{lost}")
+
+
 def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
     aggregator: AggregatorProcess | None = None
     not_started: str | None = None
@@ -186,7 +213,7 @@ def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
         exit_code = ends.exit_code
     if relay is not None:
         # Before the aggregator finalizes: what the relay holds goes first.
-        relay[0].stop()
+        _report_relay_stop(relay[0])
 
     if not_started is not None and export_on:
         assert p.run_dir is not None
