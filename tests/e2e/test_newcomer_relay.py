@@ -194,22 +194,44 @@ for _ in range(int(sys.argv[1])):
 """
 
 
-def test_a_node_with_another_run_token_says_so_and_what_it_lost(tmp_path: Path) -> None:
-    """Two nodes of ``traceml run`` on this host, node 1 given another
-    ``TRACEML_RUN_TOKEN``: its relay says once that the aggregator refuses it, and its
-    ``traceml run`` ends saying what the relay could not hand on (nothing else on node 1
-    would); node 0's warning names the missing rank. Training is untouched."""
+@pytest.mark.parametrize(
+    ("tokens", "addresses", "check"),
+    [
+        pytest.param(
+            ("node-0-token", "not-node-0s-token"),
+            ("127.0.0.1", "127.0.0.1"),
+            "is TRACEML_RUN_TOKEN that aggregator's?",
+            id="another-token",
+        ),
+        pytest.param(
+            (None, None),
+            ("127.0.0.1", "localhost"),
+            "run token is derived from --master-addr localhost",
+            id="node-0-spelled-otherwise",
+        ),
+    ],
+)
+def test_a_node_with_another_run_token_says_so_and_what_it_lost(
+    tmp_path: Path, tokens: tuple[str | None, ...], addresses: tuple[str, ...], check: str
+) -> None:
+    """Two nodes of ``traceml run`` on this host whose run tokens differ (one given
+    another ``TRACEML_RUN_TOKEN``, or none given and node 0's address spelled otherwise,
+    which the derived token depends on): node 1's relay says once that the aggregator
+    refuses it, and its ``traceml run`` ends saying what the relay could not hand on
+    and what to check (nothing else on node 1 would); node 0's warning names the missing
+    rank. Training is untouched."""
     script = tmp_path / "rank.py"
     script.write_text(SLEEPY_RANK)
     master_port, aggregator_port = free_port(), free_port()
     procs = []
-    for node_rank, token in enumerate(("node-0-token", "not-node-0s-token")):
+    for node_rank, (token, address) in enumerate(zip(tokens, addresses, strict=True)):
         work = tmp_path / f"node{node_rank}"
         work.mkdir()
         command = traceml_cmd(
             "run",
             "--nnodes=2",
             f"--node-rank={node_rank}",
+            f"--master-addr={address}",
             f"--master-port={master_port}",
             f"--aggregator-port={aggregator_port}",
             "--run-name=r",
@@ -222,7 +244,7 @@ def test_a_node_with_another_run_token_says_so_and_what_it_lost(tmp_path: Path) 
             subprocess.Popen(
                 command,
                 cwd=work,
-                env=clean_env({"TRACEML_RUN_TOKEN": token}),
+                env=clean_env({"TRACEML_RUN_TOKEN": token} if token else None),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
@@ -247,6 +269,7 @@ def test_a_node_with_another_run_token_says_so_and_what_it_lost(tmp_path: Path) 
     stopped = [line for line in ours if "the node's relay stopped" in line]
     assert len(stopped) == 1, ours
     assert "closed as soon as they opened" in stopped[0] and "they are lost" in stopped[0]
+    assert check in stopped[0], stopped[0]
     assert len(ours) == 2, ours
     warning = json.loads(
         (tmp_path / "node0" / "logs" / "r" / "finalization_warning.json").read_text()

@@ -115,6 +115,9 @@ class RunPlan:
     port: int
     token: str
     world_size: int
+    token_derived: bool = False
+    """No ``TRACEML_RUN_TOKEN`` on a job of several nodes: the token was derived from the
+    rendezvous options (``multi_node_token``)."""
 
 
 def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> RunPlan:
@@ -166,6 +169,7 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> Run
         )
     start_aggregator = not external and options.node_rank == 0
     token = environ.get(ENV_RUN_TOKEN, "").strip()
+    token_derived = not token and multi_node and not external
     if not token:
         if external:
             raise LaunchError(
@@ -209,5 +213,6 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> Run
         connect_host=connect_host,
         port=port,
         token=token,
+        token_derived=token_derived,
         world_size=options.nnodes * options.nproc_per_node,
     )

@@ -35,6 +35,10 @@ WATCH_S = 0.2
 PARENT_POLL_S = 0.5
 
 
+REFUSED_TOKEN_CHECK = "is TRACEML_RUN_TOKEN that aggregator's?"
+"""What to check when an aggregator refuses a relay given ``TRACEML_RUN_TOKEN``."""
+
+
 def relay_losses(
     upstream: str,
     *,
@@ -42,9 +46,11 @@ def relay_losses(
     dropped_messages: int,
     refused_frames: int,
     upstream_connections: int,
+    token_check: str = REFUSED_TOKEN_CHECK,
 ) -> str:
     """What a stopped relay lost, for the end of its ``relay stopped`` line: ``""`` when
-    nothing, else ``"; ..."`` parts saying what and where it is counted."""
+    nothing, else ``"; ..."`` parts saying what and where it is counted. ``token_check``:
+    what to check when the aggregator refused the relay (where its token came from)."""
     lost = ""
     if dropped_batches or dropped_messages:
         where = (
@@ -58,8 +64,7 @@ def relay_losses(
     if refused_frames:
         lost += (
             f"; {refused_frames} frames went out on connections {upstream} "
-            "closed as soon as they opened (is TRACEML_RUN_TOKEN that aggregator's?): "
-            "they are lost"
+            f"closed as soon as they opened ({token_check}): they are lost"
         )
     return lost
 

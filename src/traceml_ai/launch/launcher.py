@@ -32,7 +32,7 @@ from traceml_ai.launch._ranks import (
     run_ranks,
     single_process_environment,
 )
-from traceml_ai.launch._relay_process import RelayProcess, relay_losses
+from traceml_ai.launch._relay_process import REFUSED_TOKEN_CHECK, RelayProcess, relay_losses
 from traceml_ai.launch._report import (
     count_data_lines,
     export_tally,
@@ -121,7 +121,7 @@ def _start_relay(
     return relay, f"127.0.0.1:{started}"
 
 
-def _report_relay_stop(relay: RelayProcess) -> None:
+def _report_relay_stop(relay: RelayProcess, options: RunOptions, p: RunPlan) -> None:
     """Stop the node's relay; what it lost is said here in one line, as ``traceml serve
     --relay`` says it (on a node other than node 0 nothing else would tell it)."""
     stopped = relay.stop()
@@ -137,12 +137,22 @@ def _report_relay_stop(relay: RelayProcess) -> None:
             "upstream_connections",
         )
     }
+    token_check = REFUSED_TOKEN_CHECK
+    if p.token_derived:
+        # Nodes that spell node 0's address differently (a name on one, its IP on
+        # another) derive different tokens: every frame of this node is refused.
+        token_check = (
+            f"this node's run token is derived from --master-addr {options.master_addr}, "
+            f"--master-port {options.master_port} and --aggregator-port {p.port}: give "
+            f"every node the same three, or the same {ENV_RUN_TOKEN}"
+        )
     lost = relay_losses(
         relay.upstream,
         dropped_batches=counts["dropped_batches"],
         dropped_messages=counts["dropped_messages"],
         refused_frames=counts["refused_frames"],
         upstream_connections=counts["upstream_connections"],
+        token_check=token_check,
     )
     if lost:
         say(f"the node's relay stopped: {counts['forwarded_frames']} frames forwarded{lost}")
@@ -213,7 +223,7 @@ def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
         exit_code = ends.exit_code
     if relay is not None:
         # Before the aggregator finalizes: what the relay holds goes first.
-        _report_relay_stop(relay[0])
+        _report_relay_stop(relay[0], options, p)
 
     if not_started is not None and export_on:
         assert p.run_dir is not None
