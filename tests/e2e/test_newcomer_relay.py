@@ -5,6 +5,7 @@ sends its frames round to itself."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -12,9 +13,17 @@ import threading
 from pathlib import Path
 from typing import IO
 
+import psutil
 import pytest
 
-from tests.e2e_helpers import clean_env, free_port, run_cli, traceml_cmd
+from tests.e2e_helpers import (
+    clean_env,
+    free_port,
+    has_data_line,
+    run_cli,
+    traceml_cmd,
+    wait_for,
+)
 from traceml_ai.transport import RankSender
 
 TIMEOUT_S = 60.0
@@ -275,3 +284,110 @@ def test_a_node_with_another_run_token_says_so_and_what_it_lost(
         (tmp_path / "node0" / "logs" / "r" / "finalization_warning.json").read_text()
     )
     assert warning["missing_ranks"] == [1], warning
+
+
+def _child_running(proc: subprocess.Popen[str], module: str) -> bool:
+    """Whether ``proc`` has a child process running ``python -m MODULE``."""
+    for child in psutil.Process(proc.pid).children():
+        with contextlib.suppress(psutil.Error):
+            if module in child.cmdline():
+                return True
+    return False
+
+
+@pytest.mark.parametrize("presses", [0, 2], ids=["waits", "two-ctrl-c"])
+def test_a_node_whose_aggregator_died_says_what_its_relay_could_not_hand_on(
+    tmp_path: Path, presses: int
+) -> None:
+    """Two nodes of ``traceml run`` on this host; node 0's aggregator is killed while the
+    ranks train. Node 1's relay then holds its ranks' last frames until its stop: its
+    ``traceml run`` says they were dropped and that no warning file counts them (the
+    aggregator was gone at the end). Two Ctrl-C while it waits for the aggregator stop
+    that wait at once (with a long ``--finalize-timeout-sec`` the test's timeout would
+    end first otherwise) and say so."""
+    script = tmp_path / "rank.py"
+    script.write_text(SLEEPY_RANK)
+    master_port, aggregator_port = free_port(), free_port()
+    procs = []
+    for node_rank in range(2):
+        work = tmp_path / f"node{node_rank}"
+        work.mkdir()
+        command = traceml_cmd(
+            "run",
+            "--nnodes=2",
+            f"--node-rank={node_rank}",
+            f"--master-port={master_port}",
+            f"--aggregator-port={aggregator_port}",
+            "--run-name=r",
+            "--exporter=jsonl",
+            f"--finalize-timeout-sec={600 if presses and node_rank == 1 else 2}",
+            script,
+            "100",
+        )
+        # Into files: a pipe nobody reads while the test waits could fill and stall it.
+        with (tmp_path / f"node{node_rank}.err").open("w") as err:
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    cwd=work,
+                    env=clean_env(),
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
+    node0, node1 = procs
+    step_time = tmp_path / "node0" / "logs" / "r" / "aggregator" / "export" / "step_time.jsonl"
+    try:
+        wait_for(lambda: has_data_line(step_time), timeout=TIMEOUT_S, what="a step_time line")
+        for child in psutil.Process(node0.pid).children():
+            with contextlib.suppress(psutil.Error):
+                if "traceml_ai.aggregator" in child.cmdline():
+                    child.kill()
+        if presses:
+            # The ranks are done once torchrun is: node 1 then waits on its relay.
+            wait_for(
+                lambda: _child_running(node1, "torch.distributed.run"),
+                timeout=TIMEOUT_S,
+                what="node 1's torchrun",
+            )
+            wait_for(
+                lambda: not _child_running(node1, "torch.distributed.run"),
+                timeout=TIMEOUT_S,
+                what="node 1's ranks to end",
+            )
+            # A press before the launcher reached the relay's stop counts for the ranks:
+            # press until the wait says so, then once more.
+            err_file = tmp_path / "node1.err"
+            for _ in range(10):
+                node1.send_signal(signal.SIGINT)
+                with contextlib.suppress(AssertionError):
+                    wait_for(
+                        lambda: "press Ctrl-C again" in err_file.read_text(),
+                        timeout=2.0,
+                        what="the line that asks for a second Ctrl-C",
+                    )
+                    break
+            node1.send_signal(signal.SIGINT)
+        node1.wait(timeout=TIMEOUT_S)
+        node0.wait(timeout=TIMEOUT_S)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    err1 = (tmp_path / "node1.err").read_text()
+    assert node1.returncode == 0, err1
+    assert "traceml_ai/" not in err1, err1  # no frame of ours in a traceback
+    ours = [line for line in err1.splitlines() if line.startswith("traceml:")]
+    if presses:
+        assert sum("press Ctrl-C again to stop it now" in line for line in ours) == 1, ours
+        assert ours[-1] == (
+            "traceml: the node's relay was stopped by a second Ctrl-C: what it held is lost"
+        ), ours
+    else:
+        stopped = [line for line in ours if "the node's relay stopped" in line]
+        assert len(stopped) == 1, ours
+        assert "could not be reached at the end" in stopped[0], stopped[0]
+        assert "counts them" not in stopped[0], stopped[0]

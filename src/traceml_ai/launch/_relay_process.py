@@ -20,10 +20,11 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from traceml_ai.launch._child_lines import ChildLines
-from traceml_ai.launch._signals import exit_description, say
+from traceml_ai.launch._signals import Signals, exit_description, say
 from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
 READY_TIMEOUT_S = 30.0
@@ -46,6 +47,7 @@ def relay_losses(
     dropped_messages: int,
     refused_frames: int,
     upstream_connections: int,
+    pending_frames: int,
     token_check: str = REFUSED_TOKEN_CHECK,
 ) -> str:
     """What a stopped relay lost, for the end of its ``relay stopped`` line: ``""`` when
@@ -53,11 +55,16 @@ def relay_losses(
     what to check when the aggregator refused the relay (where its token came from)."""
     lost = ""
     if dropped_batches or dropped_messages:
-        where = (
-            "the aggregator counts them in its finalization_warning.json"
-            if upstream_connections
-            else f"the aggregator at {upstream} was never reached"
-        )
+        if not upstream_connections:
+            where = f"the aggregator at {upstream} was never reached"
+        elif pending_frames:
+            # What is still pending at the stop holds its last report of the drops.
+            where = (
+                f"the aggregator at {upstream} could not be reached at the end, so its "
+                "finalization_warning.json does not count them"
+            )
+        else:
+            where = "the aggregator counts them in its finalization_warning.json"
         lost = (
             f"; dropped {dropped_batches} batches and {dropped_messages} other messages ({where})"
         )
@@ -123,11 +130,13 @@ class RelayProcess:
         self._port = event["port"]
         return self._port
 
-    def _read_event(self, timeout: float) -> dict[str, Any] | None:
+    def _read_event(
+        self, timeout: float, give_up: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | None:
         proc = self._proc
         if proc is None or proc.stdout is None:
             return None
-        line = self._lines.next_line(proc.stdout.fileno(), timeout)
+        line = self._lines.next_line(proc.stdout.fileno(), timeout, give_up)
         if line is None:
             return None
         try:
@@ -172,11 +181,13 @@ class RelayProcess:
         self._watcher = threading.Thread(target=run, name="traceml-relay-watch", daemon=True)
         self._watcher.start()
 
-    def stop(self) -> dict[str, Any] | None:
+    def stop(self, signals: Signals | None = None) -> dict[str, Any] | None:
         """Ask it to forward what it holds and stop; wait for that (bounded), then kill.
+        A first signal meanwhile only says how long this may take; a second stops it.
 
         Its ``stopped`` line (``forwarded_frames``, ``dropped_batches``,
-        ``dropped_messages``, ``refused_frames``, ``upstream_connections``), or None when it stopped without one (it was gone, or
+        ``dropped_messages``, ``refused_frames``, ``upstream_connections``,
+        ``pending_frames``), or None when it stopped without one (it was gone, or
         out of time)."""
         self._watch_stop.set()
         if self._watcher is not None:
@@ -188,7 +199,23 @@ class RelayProcess:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
-            event = self._read_event(self._stop_timeout_s + 5.0)
+            longest = self._stop_timeout_s + 5.0
+            seen = signals.count if signals is not None else 0
+            told = False
+
+            def give_up() -> bool:
+                nonlocal told
+                if signals is None:
+                    return False
+                if signals.count > seen and not told:
+                    told = True
+                    say(
+                        f"handing on what the node's relay holds (at most {longest:.0f} s); "
+                        "press Ctrl-C again to stop it now"
+                    )
+                return signals.count > seen + 1
+
+            event = self._read_event(longest, give_up)
             if event is not None and event.get("event") == "stopped":
                 stopped = event
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -261,6 +288,7 @@ def main(argv: list[str]) -> int:
             "dropped_messages": stats.dropped_messages,
             "refused_frames": stats.refused_frames,
             "upstream_connections": stats.upstream_connections,
+            "pending_frames": stats.pending_frames,
         },
     )
     return 0

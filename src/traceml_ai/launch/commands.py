@@ -614,6 +614,7 @@ def _serve_relay(settings: LaunchSettings) -> int:
         dropped_messages=stats.dropped_messages,
         refused_frames=stats.refused_frames,
         upstream_connections=stats.upstream_connections,
+        pending_frames=stats.pending_frames,
     )
     click.echo(f"traceml: relay stopped: {stats.forwarded_frames} frames forwarded{lost}", err=True)
     return 1 if relay.loop_found else 0

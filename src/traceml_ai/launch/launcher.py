@@ -121,12 +121,17 @@ def _start_relay(
     return relay, f"127.0.0.1:{started}"
 
 
-def _report_relay_stop(relay: RelayProcess, options: RunOptions, p: RunPlan) -> None:
+def _report_relay_stop(
+    relay: RelayProcess, options: RunOptions, p: RunPlan, signals: Signals
+) -> None:
     """Stop the node's relay; what it lost is said here in one line, as ``traceml serve
     --relay`` says it (on a node other than node 0 nothing else would tell it)."""
-    stopped = relay.stop()
+    seen = signals.count
+    stopped = relay.stop(signals)
     if stopped is None:
-        return  # gone: its watcher said so
+        if signals.count > seen + 1:
+            say("the node's relay was stopped by a second Ctrl-C: what it held is lost")
+        return  # else gone: its watcher said so
     counts = {
         name: value if type(value := stopped.get(name)) is int else 0
         for name in (
@@ -135,6 +140,7 @@ def _report_relay_stop(relay: RelayProcess, options: RunOptions, p: RunPlan) -> 
             "dropped_messages",
             "refused_frames",
             "upstream_connections",
+            "pending_frames",
         )
     }
     token_check = REFUSED_TOKEN_CHECK
@@ -152,6 +158,7 @@ def _report_relay_stop(relay: RelayProcess, options: RunOptions, p: RunPlan) -> 
         dropped_messages=counts["dropped_messages"],
         refused_frames=counts["refused_frames"],
         upstream_connections=counts["upstream_connections"],
+        pending_frames=counts["pending_frames"],
         token_check=token_check,
     )
     if lost:
@@ -223,7 +230,7 @@ def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
         exit_code = ends.exit_code
     if relay is not None:
         # Before the aggregator finalizes: what the relay holds goes first.
-        _report_relay_stop(relay[0], options, p)
+        _report_relay_stop(relay[0], options, p, signals)
 
     if not_started is not None and export_on:
         assert p.run_dir is not None
