@@ -589,6 +589,44 @@ def test_signal_during_training_stops_the_ranks(
     _no_process_left(tmp_path)
 
 
+def test_sigterm_to_torchrun_ranks_names_the_signal_not_a_crash(
+    tmp_path: Path, script: Path
+) -> None:
+    """torchrun passes the SIGTERM on to its workers, which end without their exit
+    handlers: the end of the run says so, rather than blaming os._exit() or a crash."""
+    logs = tmp_path / "logs"
+    marker = tmp_path / "marker"
+    proc = _launch(
+        [
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--logs-dir",
+            logs,
+            "--run-name",
+            "r1",
+            "--exporter",
+            "jsonl",
+            *_script_args(script, marker, steps=600, sleep_s=0.1),
+        ],
+        tmp_path,
+    )
+    wait_for(lambda: (tmp_path / "marker.steps").exists(), timeout=120, what="training")
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # (torchrun's own SignalException traceback is above ours: torch's, not TraceML's.)
+    abrupt = [line for line in err.splitlines() if "without shutting down TraceML" in line]
+    assert len(abrupt) == 1, err
+    assert "stopped after the SIGTERM passed on to the ranks" in abrupt[0], abrupt[0]
+    assert "os._exit() or a crash" not in abrupt[0], abrupt[0]
+    _no_process_left(tmp_path)
+
+
 def _rank_alive(launcher_pid: int) -> bool:
     """Whether a rank process (the bootstrap) of this launcher still runs."""
     try:
