@@ -114,7 +114,47 @@ def test_a_relay_whose_aggregator_never_answers_says_so_and_what_it_dropped(
     assert "dropped" in stopped[0]
 
 
-def _relay_cli(cwd: Path, upstream: int, port: int) -> subprocess.Popen[str]:
+def test_a_second_ctrl_c_stops_a_relay_waiting_for_its_aggregator(tmp_path: Path) -> None:
+    """At its stop a relay forwards what it holds for up to ``--finalize-timeout-sec``: it
+    says so, and a second Ctrl-C stops it at once, saying what it held is lost (with a
+    long timeout the test's own would end first otherwise)."""
+    upstream, port = free_port(), free_port()
+    relay = _relay_cli(tmp_path, upstream, port, finalize_timeout_s=600)
+    try:
+        assert relay.stdout is not None and relay.stderr is not None
+        relay.stdout.readline()
+        sender = RankSender(("127.0.0.1", port), TOKEN, IDENTITY, flush_interval_s=0.02)
+        sender.start()
+        for step in range(5):
+            sender.put("step_time", {"step": step})
+        seen: list[str] = []
+        reader = threading.Thread(target=_read_until, args=(relay.stderr, seen), daemon=True)
+        reader.start()
+        reader.join(TIMEOUT_S)
+        relay.send_signal(signal.SIGINT)
+        asked = "press Ctrl-C again"
+        reader = threading.Thread(target=_read_until, args=(relay.stderr, seen, asked))
+        reader.start()
+        reader.join(TIMEOUT_S)
+        relay.send_signal(signal.SIGINT)
+        _, rest = relay.communicate(timeout=TIMEOUT_S)
+        sender.close(1.0)
+        err = "".join(seen) + rest
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+    assert relay.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.count(asked) == 1, err
+    last = err.splitlines()[-1]
+    assert last.startswith("traceml: relay stopped by a second Ctrl-C: the "), err
+    assert last.endswith(" frames it held are lost"), err
+
+
+def _relay_cli(
+    cwd: Path, upstream: int, port: int, *, finalize_timeout_s: float = 1
+) -> subprocess.Popen[str]:
     """``traceml serve --relay 127.0.0.1:UPSTREAM`` listening on ``port``, token TOKEN."""
     return subprocess.Popen(
         traceml_cmd(
@@ -124,7 +164,7 @@ def _relay_cli(cwd: Path, upstream: int, port: int) -> subprocess.Popen[str]:
             "--aggregator-port",
             str(port),
             "--finalize-timeout-sec",
-            "1",
+            str(finalize_timeout_s),
         ),
         cwd=cwd,
         env=clean_env({"TRACEML_RUN_TOKEN": TOKEN}),
