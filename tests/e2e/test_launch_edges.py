@@ -137,6 +137,38 @@ def test_ray_session_id_accepts_a_plain_name() -> None:
     assert TraceMLRayConfig(session_id="run-2026.11_a").session_id == "run-2026.11_a"
 
 
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        pytest.param(["--nnodes", "2", "--master-addr", ""], "--master-addr", id="empty-addr"),
+        pytest.param(["--master-port", "70000"], "--master-port must be in [0, 65535]", id="big"),
+        pytest.param(
+            ["--nnodes", "2", "--master-port", "0"],
+            "--master-port must be in [1, 65535] on a job of several nodes",
+            id="free-port-across-nodes",
+        ),
+        pytest.param(
+            ["--nnodes", "2", "--node-rank", "1", "--aggregator-port", "0"],
+            "--aggregator-port 0 picks a free port, which the other nodes cannot know",
+            id="free-aggregator-port-across-nodes",
+        ),
+    ],
+)
+def test_a_rendezvous_option_no_node_can_use_is_one_line(
+    tmp_path: Path, script: Path, options: list[str], why: str
+) -> None:
+    """Refused before anything starts: torchrun would end in a traceback of its own, a
+    relay given an empty host in one of ours, a node given port 0 would wait forever."""
+    res = run_cli(
+        ["run", "--run-name", "r1", *options, *_script_args(script, tmp_path / "marker")],
+        cwd=tmp_path,
+        timeout=QUICK_TIMEOUT_S,
+    )
+    _assert_one_error_line(res, why)
+    assert not (tmp_path / "logs").exists()
+    assert not (tmp_path / "marker.started").exists()
+
+
 # ------------------------------------------------------------------ item 7: logs dir
 
 
@@ -554,6 +586,44 @@ def test_signal_during_training_stops_the_ranks(
     assert proc.returncode == 128 + sig, err
     assert not (tmp_path / "marker.done").exists()
     assert int((tmp_path / "marker.steps").read_text()) < 600
+    _no_process_left(tmp_path)
+
+
+def test_sigterm_to_torchrun_ranks_names_the_signal_not_a_crash(
+    tmp_path: Path, script: Path
+) -> None:
+    """torchrun passes the SIGTERM on to its workers, which end without their exit
+    handlers: the end of the run says so, rather than blaming os._exit() or a crash."""
+    logs = tmp_path / "logs"
+    marker = tmp_path / "marker"
+    proc = _launch(
+        [
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--logs-dir",
+            logs,
+            "--run-name",
+            "r1",
+            "--exporter",
+            "jsonl",
+            *_script_args(script, marker, steps=600, sleep_s=0.1),
+        ],
+        tmp_path,
+    )
+    wait_for(lambda: (tmp_path / "marker.steps").exists(), timeout=120, what="training")
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # (torchrun's own SignalException traceback is above ours: torch's, not TraceML's.)
+    abrupt = [line for line in err.splitlines() if "without shutting down TraceML" in line]
+    assert len(abrupt) == 1, err
+    assert "stopped after the SIGTERM passed on to the ranks" in abrupt[0], abrupt[0]
+    assert "os._exit() or a crash" not in abrupt[0], abrupt[0]
     _no_process_left(tmp_path)
 
 

@@ -82,6 +82,7 @@ def max_queue_bytes_for(ranks: int | None) -> int:
         return DEFAULT_MAX_QUEUE_BYTES
     return min(MAX_QUEUE_BYTES_CAP, max(DEFAULT_MAX_QUEUE_BYTES, ranks * QUEUE_BYTES_PER_RANK))
 
+
 CLOSE_GRACE_S = 0.5
 """How long past its deadline ``shutdown`` waits for the exporter's ``close``."""
 

@@ -25,6 +25,7 @@ from traceml_ai.settings import (
     MonitorSettings,
     ResolvedExportSettings,
     check_code_value,
+    parse_host,
 )
 from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
@@ -114,6 +115,9 @@ class RunPlan:
     port: int
     token: str
     world_size: int
+    token_derived: bool = False
+    """No ``TRACEML_RUN_TOKEN`` on a job of several nodes: the token was derived from the
+    rendezvous options (``multi_node_token``)."""
 
 
 def node_global_ranks(options: RunOptions) -> range:
@@ -144,9 +148,27 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> Run
                 check_code_value(setting, value, setting.flag)
             except ValueError as exc:
                 raise LaunchError(str(exc)) from None
+    try:
+        parse_host(options.master_addr)
+    except ValueError as exc:
+        raise LaunchError(f"--master-addr: {exc}") from None
+    multi_node = options.nnodes > 1
+    # torchrun would end in a traceback of its own; across nodes each node must name
+    # node 0's rendezvous port, so 0 (a free port) cannot be it.
+    lowest = 1 if multi_node else 0
+    if not lowest <= options.master_port <= 65535:
+        across = " on a job of several nodes" if multi_node else ""
+        raise LaunchError(
+            f"--master-port must be in [{lowest}, 65535]{across}, got {options.master_port}"
+        )
+    if multi_node and options.aggregator_port == 0:
+        raise LaunchError(
+            "--aggregator-port 0 picks a free port, which the other nodes cannot know; on a "
+            f"job of several nodes give the same port on every node (default "
+            f"{DEFAULT_MULTI_NODE_AGGREGATOR_PORT})"
+        )
     check_script(options.script)
     port = options.aggregator_port
-    multi_node = options.nnodes > 1
     external = options.aggregator_host is not None
     if port is None:
         port = DEFAULT_MULTI_NODE_AGGREGATOR_PORT if (multi_node or external) else 0
@@ -156,6 +178,7 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> Run
         )
     start_aggregator = not external and options.node_rank == 0
     token = environ.get(ENV_RUN_TOKEN, "").strip()
+    token_derived = not token and multi_node and not external
     if not token:
         if external:
             raise LaunchError(
@@ -199,5 +222,6 @@ def plan(options: RunOptions, environ: dict[str, str] | os._Environ[str]) -> Run
         connect_host=connect_host,
         port=port,
         token=token,
+        token_derived=token_derived,
         world_size=options.nnodes * options.nproc_per_node,
     )

@@ -23,10 +23,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from traceml_ai.launch._child_lines import ChildLines
-from traceml_ai.launch._signals import exit_description, say
+from traceml_ai.launch._signals import Signals, exit_description, say
 from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
 READY_TIMEOUT_S = 30.0
@@ -40,6 +41,46 @@ starts, when the aggregator can be reached."""
 WATCH_S = 0.2
 """How often, while the ranks train, the launcher looks whether the relay died."""
 PARENT_POLL_S = 0.5
+
+
+REFUSED_TOKEN_CHECK = "is TRACEML_RUN_TOKEN that aggregator's?"
+"""What to check when an aggregator refuses a relay given ``TRACEML_RUN_TOKEN``."""
+
+
+def relay_losses(
+    upstream: str,
+    *,
+    dropped_batches: int,
+    dropped_messages: int,
+    refused_frames: int,
+    upstream_connections: int,
+    pending_frames: int,
+    token_check: str = REFUSED_TOKEN_CHECK,
+) -> str:
+    """What a stopped relay lost, for the end of its ``relay stopped`` line: ``""`` when
+    nothing, else ``"; ..."`` parts saying what and where it is counted. ``token_check``:
+    what to check when the aggregator refused the relay (where its token came from)."""
+    lost = ""
+    if dropped_batches or dropped_messages:
+        if not upstream_connections:
+            where = f"the aggregator at {upstream} was never reached"
+        elif pending_frames:
+            # What is still pending at the stop holds its last report of the drops.
+            where = (
+                f"the aggregator at {upstream} could not be reached at the end, so its "
+                "finalization_warning.json does not count them"
+            )
+        else:
+            where = "the aggregator counts them in its finalization_warning.json"
+        lost = (
+            f"; dropped {dropped_batches} batches and {dropped_messages} other messages ({where})"
+        )
+    if refused_frames:
+        lost += (
+            f"; {refused_frames} frames went out on connections {upstream} "
+            f"closed as soon as they opened ({token_check}): they are lost"
+        )
+    return lost
 
 
 def split_address(text: str) -> tuple[str, int]:
@@ -103,11 +144,13 @@ class RelayProcess:
         self._port = event["port"]
         return self._port
 
-    def _read_event(self, timeout: float) -> dict[str, Any] | None:
+    def _read_event(
+        self, timeout: float, give_up: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | None:
         proc = self._proc
         if proc is None or proc.stdout is None:
             return None
-        line = self._lines.next_line(proc.stdout.fileno(), timeout)
+        line = self._lines.next_line(proc.stdout.fileno(), timeout, give_up)
         if line is None:
             return None
         try:
@@ -152,11 +195,13 @@ class RelayProcess:
         self._watcher = threading.Thread(target=run, name="traceml-relay-watch", daemon=True)
         self._watcher.start()
 
-    def stop(self) -> dict[str, Any] | None:
+    def stop(self, signals: Signals | None = None) -> dict[str, Any] | None:
         """Ask it to forward what it holds and stop; wait for that (bounded), then kill.
+        A first signal meanwhile only says how long this may take; a second stops it.
 
         Its ``stopped`` line (``forwarded_frames``, ``dropped_batches``,
-        ``dropped_messages``), or None when it stopped without one (it was gone, or
+        ``dropped_messages``, ``refused_frames``, ``upstream_connections``,
+        ``pending_frames``), or None when it stopped without one (it was gone, or
         out of time)."""
         self._watch_stop.set()
         if self._watcher is not None:
@@ -168,7 +213,23 @@ class RelayProcess:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
-            event = self._read_event(self._stop_timeout_s + 5.0)
+            longest = self._stop_timeout_s + 5.0
+            seen = signals.count if signals is not None else 0
+            told = False
+
+            def give_up() -> bool:
+                nonlocal told
+                if signals is None:
+                    return False
+                if signals.count > seen and not told:
+                    told = True
+                    say(
+                        f"handing on what the node's relay holds (at most {longest:.0f} s); "
+                        "press Ctrl-C again to stop it now"
+                    )
+                return signals.count > seen + 1
+
+            event = self._read_event(longest, give_up)
             if event is not None and event.get("event") == "stopped":
                 stopped = event
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -248,6 +309,8 @@ def main(argv: list[str]) -> int:
             "dropped_batches": stats.dropped_batches,
             "dropped_messages": stats.dropped_messages,
             "refused_frames": stats.refused_frames,
+            "upstream_connections": stats.upstream_connections,
+            "pending_frames": stats.pending_frames,
         },
     )
     return 0

@@ -88,6 +88,13 @@ def _abrupt_how(ends: RankEnds) -> str:
     ``atexit`` shutdown sends its last steps and a goodbye)."""
     if ends.single and ends.raw_code < 0:
         return f"it {exit_description(ends.raw_code)}"
+    if not ends.single and ends.interrupted is not None:
+        # torchrun passes a signal on to its workers: SIGTERM (and a SIGKILL after it)
+        # ends a Python process without its exit handlers.
+        return (
+            f"stopped after the {signal_name(ends.interrupted)} passed on to the ranks; "
+            "a rank ended by SIGTERM or SIGKILL skips the interpreter's normal exit"
+        )
     code = f"; exit code {ends.exit_code}" if ends.single else ""
     return f"os._exit() or a crash skipped the interpreter's normal exit{code}"
 

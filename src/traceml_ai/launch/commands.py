@@ -13,7 +13,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import click
@@ -28,6 +28,9 @@ from traceml_ai.settings import (
     click_options,
     resolve_launch_settings,
 )
+
+if TYPE_CHECKING:
+    from traceml_ai.transport.relay import Relay, RelayStats
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -563,11 +566,44 @@ def serve(**cli: Any) -> None:
     click.echo(f"traceml: run folder {run_dir}", err=True)
 
 
+def _stop_relay(relay: Relay, timeout: float) -> RelayStats | None:
+    """Stop ``relay``, forwarding what it holds within ``timeout``; the first signal
+    started this, a second one gives up at once (None, one line said what was lost)."""
+    from traceml_ai.aggregator import install_stop_handlers
+
+    again = threading.Event()
+    install_stop_handlers(again)
+    pending = relay.stats().pending_frames
+    if pending and not relay.loop_found:
+        click.echo(
+            f"traceml: relay stopping: forwarding the {pending} frames it holds (at most "
+            f"{timeout:.0f} s); press Ctrl-C again to stop it now",
+            err=True,
+        )
+    stopped: list[RelayStats] = []
+    # A thread of its own: the wait can be cut short, which stop() itself cannot be.
+    stopper = threading.Thread(
+        target=lambda: stopped.append(relay.stop(timeout)), name="traceml-relay-stop", daemon=True
+    )
+    stopper.start()
+    while stopper.is_alive() and not again.wait(0.1):
+        pass
+    stopper.join(0.0 if stopper.is_alive() and again.is_set() else None)
+    if stopped:
+        return stopped[0]
+    click.echo(
+        f"traceml: relay stopped by a second Ctrl-C: the {relay.stats().pending_frames} "
+        "frames it held are lost",
+        err=True,
+    )
+    return None
+
+
 def _serve_relay(settings: LaunchSettings) -> int:
     """``traceml serve --relay HOST:PORT``: relay the ranks (or relays) that send here to
     the aggregator at HOST:PORT until Ctrl-C / SIGTERM; the exit code."""
     from traceml_ai.aggregator import install_stop_handlers
-    from traceml_ai.launch._relay_process import split_address
+    from traceml_ai.launch._relay_process import relay_losses, split_address
     from traceml_ai.transport.relay import Relay
     from traceml_ai.transport.wire import ENV_RUN_TOKEN
 
@@ -607,23 +643,16 @@ def _serve_relay(settings: LaunchSettings) -> int:
     while not stop.wait(0.5):
         if relay.loop_found:
             break  # it said why in one line; relaying to itself forwards nothing
-    stats = relay.stop(settings.finalize_timeout_sec)
-    lost = ""
-    if stats.dropped_batches or stats.dropped_messages:
-        where = (
-            "the aggregator counts them in its finalization_warning.json"
-            if stats.upstream_connections
-            else f"the aggregator at {settings.relay} was never reached"
-        )
-        lost = (
-            f"; dropped {stats.dropped_batches} batches and {stats.dropped_messages} other "
-            f"messages ({where})"
-        )
-    if stats.refused_frames:
-        lost += (
-            f"; {stats.refused_frames} frames went out on connections {settings.relay} "
-            "closed as soon as they opened (is TRACEML_RUN_TOKEN that aggregator's?): "
-            "they are lost"
-        )
+    stats = _stop_relay(relay, settings.finalize_timeout_sec)
+    if stats is None:
+        return 128 + signal.SIGINT
+    lost = relay_losses(
+        settings.relay,
+        dropped_batches=stats.dropped_batches,
+        dropped_messages=stats.dropped_messages,
+        refused_frames=stats.refused_frames,
+        upstream_connections=stats.upstream_connections,
+        pending_frames=stats.pending_frames,
+    )
     click.echo(f"traceml: relay stopped: {stats.forwarded_frames} frames forwarded{lost}", err=True)
     return 1 if relay.loop_found else 0

@@ -33,7 +33,7 @@ from traceml_ai.launch._ranks import (
     run_ranks,
     single_process_environment,
 )
-from traceml_ai.launch._relay_process import RelayProcess
+from traceml_ai.launch._relay_process import REFUSED_TOKEN_CHECK, RelayProcess, relay_losses
 from traceml_ai.launch._report import (
     count_data_lines,
     export_tally,
@@ -122,6 +122,50 @@ def _start_relay(
     return relay, f"127.0.0.1:{started}"
 
 
+def _report_relay_stop(
+    relay: RelayProcess, options: RunOptions, p: RunPlan, signals: Signals
+) -> None:
+    """Stop the node's relay; what it lost is said here in one line, as ``traceml serve
+    --relay`` says it (on a node other than node 0 nothing else would tell it)."""
+    seen = signals.count
+    stopped = relay.stop(signals)
+    if stopped is None:
+        if signals.count > seen + 1:
+            say("the node's relay was stopped by a second Ctrl-C: what it held is lost")
+        return  # else gone: its watcher said so
+    counts = {
+        name: value if type(value := stopped.get(name)) is int else 0
+        for name in (
+            "forwarded_frames",
+            "dropped_batches",
+            "dropped_messages",
+            "refused_frames",
+            "upstream_connections",
+            "pending_frames",
+        )
+    }
+    token_check = REFUSED_TOKEN_CHECK
+    if p.token_derived:
+        # Nodes that spell node 0's address differently (a name on one, its IP on
+        # another) derive different tokens: every frame of this node is refused.
+        token_check = (
+            f"this node's run token is derived from --master-addr {options.master_addr}, "
+            f"--master-port {options.master_port} and --aggregator-port {p.port}: give "
+            f"every node the same three, or the same {ENV_RUN_TOKEN}"
+        )
+    lost = relay_losses(
+        relay.upstream,
+        dropped_batches=counts["dropped_batches"],
+        dropped_messages=counts["dropped_messages"],
+        refused_frames=counts["refused_frames"],
+        upstream_connections=counts["upstream_connections"],
+        pending_frames=counts["pending_frames"],
+        token_check=token_check,
+    )
+    if lost:
+        say(f"the node's relay stopped: {counts['forwarded_frames']} frames forwarded{lost}")
+
+
 def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
     aggregator: AggregatorProcess | None = None
     not_started: str | None = None
@@ -192,7 +236,7 @@ def _run_planned(options: RunOptions, p: RunPlan, signals: Signals) -> int:
         exit_code = ends.exit_code
     if relay is not None:
         # Before the aggregator finalizes: what the relay holds goes first.
-        relay[0].stop()
+        _report_relay_stop(relay[0], options, p, signals)
 
     if not_started is not None and export_on:
         assert p.run_dir is not None

@@ -68,7 +68,8 @@ DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
 
 _INITIAL_BACKOFF_S = 0.1
 # The aggregator closing this many connections in a row, each within _QUICK_CLOSE_S of
-# its opening, is said once as a refusal rather than as lost-and-back lines.
+# its opening, is said once as a refusal; the closes before it say nothing (each would be
+# a lost-and-back pair of lines about one refusal).
 _QUICK_CLOSES_TOLD = 3
 _QUICK_CLOSE_S = 1.0
 _MAX_BACKOFF_S = 2.0
@@ -222,6 +223,10 @@ class Relay:
         self._flushed: asyncio.Event | None = None
         self._was_connected = False
         self._said_unreachable = False
+        # A line said the upstream was unreachable or lost: its coming back is said too.
+        self._said_down = False
+        # Why the connection was lost while nothing waited; said once a frame waits.
+        self._untold_loss: str | None = None
         self._connected_at = 0.0
         self._sent_on_connection = 0  # frames the kernel took on the current connection
         self._refused = 0
@@ -326,6 +331,13 @@ class Relay:
     def _enqueue(self, frame: bytes) -> None:
         self._queue.append(frame)
         self._queued_bytes += len(frame)
+        if (
+            self._sock is None
+            and self._untold_loss is not None
+            and not self._quick_closes
+            and not self._stopping
+        ):
+            self._say_lost(self._untold_loss)
         if self._sock is not None:
             if not self._pump_soon and not self._writing:
                 # Once per loop turn: the frames of one received chunk go in one sendmsg.
@@ -397,6 +409,7 @@ class Relay:
                 # Ranks send and the aggregator was never reached: a wrong address, or
                 # one not up yet. Said once; the lost-connection line covers later losses.
                 self._said_unreachable = True
+                self._said_down = True
                 why = (
                     "timed out"
                     if isinstance(exc, asyncio.TimeoutError)
@@ -408,6 +421,9 @@ class Relay:
                     f"cannot reach the aggregator at {self._address_text()} ({why}); "
                     "frames wait meanwhile, and it keeps trying"
                 )
+            elif self._queue and self._untold_loss is not None and not self._stopping:
+                # Lost, and not back: what waits is worth the line now.
+                self._say_lost(self._untold_loss)
             self._schedule_retry()
             return
         self._connecting = False
@@ -418,9 +434,9 @@ class Relay:
         self._connections += 1
         self._connected_at = time.monotonic()
         self._sent_on_connection = 0
-        if self._quick_closes >= _QUICK_CLOSES_TOLD:
-            pass  # refused again and again: said once, not at each try
-        elif self._was_connected or self._said_unreachable:
+        self._untold_loss = None  # back before anything waited: nothing was worth saying
+        if self._said_down and self._quick_closes < _QUICK_CLOSES_TOLD:
+            self._said_down = False
             self._say(f"connection to the aggregator at {self._address_text()} is back")
         self._was_connected = True
         # Every connection starts with the relay message: it names the relay (the
@@ -527,19 +543,32 @@ class Relay:
             # say; a frame that still comes connects again.
             return
         if self._quick_closes == _QUICK_CLOSES_TOLD and not self._stopping:
-            self._say(
+            self._say_down(
                 f"connections to the aggregator at {self._address_text()} are closed as "
                 "soon as they open: is TRACEML_RUN_TOKEN that aggregator's? It keeps "
                 "trying; frames wait meanwhile"
             )
-        elif (
-            not self._stopping and not self._loop_found and self._quick_closes < _QUICK_CLOSES_TOLD
-        ):
-            self._say(
-                f"lost its connection to the aggregator at {self._address_text()} ({why}); "
-                "reconnecting, frames wait meanwhile"
-            )
+        elif not self._stopping and not self._loop_found:
+            if self._queue and not self._quick_closes:
+                self._say_lost(why)
+            else:
+                # Said if the connection does not come back: a close as soon as it opened
+                # may be a refusal (said above once it repeats), and with nothing waiting
+                # the aggregator may be finalizing the run, whose last frames went out,
+                # while a rank's connection here is still closing.
+                self._untold_loss = why
         self._schedule_retry()
+
+    def _say_lost(self, why: str) -> None:
+        self._untold_loss = None
+        self._say_down(
+            f"lost its connection to the aggregator at {self._address_text()} ({why}); "
+            "reconnecting, frames wait meanwhile"
+        )
+
+    def _say_down(self, line: str) -> None:
+        self._said_down = True
+        self._say(line)
 
     async def _close_on_loop(self) -> None:
         """stop(), on the loop: cancel the timers, close the upstream socket."""

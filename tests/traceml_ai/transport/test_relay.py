@@ -19,6 +19,7 @@ from tests.e2e_helpers import free_port
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
 from traceml_ai.transport import AggregatorServer, RankSender, Relay
+from traceml_ai.transport.relay import _QUICK_CLOSE_S as QUICK_CLOSE_S
 from traceml_ai.transport.wire import (
     FRAME_HEADER,
     RELAY_RANKS_END,
@@ -221,6 +222,43 @@ def test_the_aggregator_closing_after_the_ranks_left_is_the_end_and_says_nothing
     assert events == []
     assert stats.upstream_connections == 1
     assert stats.dropped_batches == stats.dropped_messages == 0
+
+
+@pytest.mark.parametrize("connection", ["young", "old"])
+def test_a_loss_while_nothing_waits_is_said_only_once_a_frame_waits(
+    stack: list[Any], connection: str
+) -> None:
+    """The aggregator finalizing while a rank's connection here is still closing (its
+    last frames forwarded) is no loss worth a line; a frame that then has to wait is.
+    A connection closed as soon as it opened (young) may be a refusal: its loss is said
+    once reconnecting fails."""
+    collector = Collector()
+    server = collector.serve()
+    assert server.address is not None
+    port = server.address[1]
+    events: list[str] = []
+    relay = Relay(server.address, TOKEN, on_event=events.append)
+    stack.append(relay)
+    s = sender(relay.start(), 0)
+    s.put("step_time", {"step": 0})
+    wait_until(lambda: len(collector.batches) == 1)
+    wait_until(lambda: relay.stats().pending_frames == 0)
+    if connection == "old":
+        time.sleep(QUICK_CLOSE_S + 0.1)
+    server.stop()
+    wait_until(lambda: not relay.connected)
+    time.sleep(0.3)  # a retry would be due after 0.1 s
+    assert events == []
+    s.put("step_time", {"step": 1})
+    wait_until(lambda: len(events) == 1)
+    assert events[0].startswith(f"lost its connection to the aggregator at 127.0.0.1:{port}")
+    second = Collector()
+    again = second.serve(port)
+    stack.append(again)
+    wait_until(lambda: len(second.batches) == 1)
+    s.close(WAIT_S)
+    wait_until(lambda: len(second.finished) == 1)
+    assert events[1:] == [f"connection to the aggregator at 127.0.0.1:{port} is back"]
 
 
 def test_garbage_at_the_relay_is_refused_and_the_ranks_go_on(stack: list[Any]) -> None:
