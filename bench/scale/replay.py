@@ -46,7 +46,7 @@ from .aggregator import QueueBounds, start_aggregator
 from .generator import generator_main
 from .items import LoadSpec
 from .relays import RelayHosts
-from .run import RunResult, finish_run
+from .run import RunResult, finish_run, results_of, spans, start_children, wait_connected
 
 _READ_BUFFER = 64 * 1024
 """The replay's read buffer per captured connection."""
@@ -163,37 +163,20 @@ def capture(
         addresses = [routed[0]] * spec.nodes
         addresses[first_node:end_node] = routed
         first, end = first_node * spec.ranks_per_node, end_node * spec.ranks_per_node
-        edges = np.linspace(first, end, procs + 1).astype(int)
         workdir = Path(tempfile.mkdtemp(prefix="scale-gen-"))
-        gens = []
-        for p in range(procs):
-            gen_parent, gen_child = ctx.Pipe()
-            out_path = workdir / f"gen{p}.pkl"
-            proc = ctx.Process(
-                target=generator_main,
-                args=(spec, token, addresses, int(edges[p]), int(edges[p + 1]), gen_child,
-                      str(out_path)),
-                daemon=True,
-            )  # fmt: skip
-            proc.start()
-            gens.append((proc, gen_parent, out_path))
-        for _, gen_conn, _ in gens:
-            if (msg := gen_conn.recv()) != "connected":
-                raise RuntimeError(f"generator failed: {msg}")
+        gens = start_children(ctx, generator_main, [
+            (spec, token, addresses, a, b) for a, b in spans(first, end, procs)
+        ], workdir, "gen")  # fmt: skip
+        wait_connected(gens, "generator")
         time.sleep(0.5)
         t0 = time.monotonic() + 0.2
         parent.send(t0)
         for _, gen_conn, _ in gens:
             gen_conn.send(t0)
-        lag = 0.0
-        for proc, gen_conn, out_path in gens:
-            if not gen_conn.poll(spec.seconds + 600) or (msg := gen_conn.recv()) != "done":
-                raise RuntimeError("generator did not finish")
-            proc.join(30)
-            result = pickle.loads(out_path.read_bytes())
-            results.append(result)
-            gen_cpu += result["cpu_s"]
-            lag = max(lag, result["max_lag_s"])
+        done = results_of(gens, spec.seconds + 600, "generator")
+        results.extend(done)
+        gen_cpu += sum(r["cpu_s"] for r in done)
+        lag = max(r["max_lag_s"] for r in done)
         shutil.rmtree(workdir, ignore_errors=True)
         hosts.stop()  # each relay forwards what it holds, then closes its connection
         for key, value in hosts.totals.items():
@@ -386,20 +369,10 @@ def run_replay(
     workdir = Path(tempfile.mkdtemp(prefix="scale-replay-"))
     players = []
     try:
-        share = np.array_split(np.array(paths, dtype=object), procs)
-        for p, chunk in enumerate(share):
-            parent, child = ctx.Pipe()
-            out_path = workdir / f"replay{p}.pkl"
-            proc = ctx.Process(
-                target=_replay_main,
-                args=([str(x) for x in chunk], agg.address, child, str(out_path)),
-                daemon=True,
-            )
-            proc.start()
-            players.append((proc, parent, out_path))
-        for _, conn, _ in players:
-            if (msg := conn.recv()) != "connected":
-                raise RuntimeError(f"replay failed: {msg}")
+        players = start_children(ctx, _replay_main, [
+            ([paths[i] for i in range(a, b)], agg.address) for a, b in spans(0, len(paths), procs)
+        ], workdir, "replay")  # fmt: skip
+        wait_connected(players, "replay")
         time.sleep(0.5)
         idle = agg.sample_now()
         assert idle is not None
@@ -407,12 +380,7 @@ def run_replay(
         t0 = time.monotonic() + 0.2
         for _, conn, _ in players:
             conn.send(t0)
-        played = []
-        for proc, conn, out_path in players:
-            if not conn.poll(spec.seconds + 600) or (msg := conn.recv()) != "done":
-                raise RuntimeError("replay did not finish")
-            proc.join(30)
-            played.append(pickle.loads(out_path.read_bytes()))
+        played = results_of(players, spec.seconds + 600, "replay")
         gen_done = time.monotonic()
         if not agg.wait(max(180.0, spec.ranks / 40)):
             agg.kill()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -68,6 +69,51 @@ class RunResult:
         return self.dropped == 0 and self.check.exact and self.gen_max_lag_s < 0.5 and headroom
 
 
+Child = tuple[Any, Connection, Path]
+"""A run's child process, the parent's end of its pipe, the file its result is pickled to."""
+
+
+def spans(first: int, end: int, parts: int) -> list[tuple[int, int]]:
+    """``[first, end)`` cut into ``parts`` runs of about the same length."""
+    edges = np.linspace(first, end, parts + 1).astype(int)
+    return [(int(a), int(b)) for a, b in itertools.pairwise(edges)]
+
+
+def start_children(
+    ctx: Any, target: Callable[..., None], args: Sequence[tuple[Any, ...]], workdir: Path, name: str
+) -> list[Child]:
+    """One process of ``target(*args, conn, out_path)`` per ``args``; each says
+    ``connected`` when ready, waits for the start time, and says ``done`` once its
+    result is in ``out_path``."""
+    children: list[Child] = []
+    for i, each in enumerate(args):
+        parent, child = ctx.Pipe()
+        out_path = workdir / f"{name}{i}.pkl"
+        proc = ctx.Process(target=target, args=(*each, child, str(out_path)), daemon=True)
+        proc.start()
+        children.append((proc, parent, out_path))
+    return children
+
+
+def wait_connected(children: Sequence[Child], what: str) -> None:
+    for _, conn, _ in children:
+        if (msg := conn.recv()) != "connected":
+            raise RuntimeError(f"{what} failed: {msg}")
+
+
+def results_of(children: Sequence[Child], timeout_s: float, what: str) -> list[dict[str, Any]]:
+    """Each child's result, once it said ``done``."""
+    results = []
+    for proc, conn, out_path in children:
+        if not conn.poll(timeout_s):
+            raise RuntimeError(f"{what} did not finish")
+        if (msg := conn.recv()) != "done":
+            raise RuntimeError(f"{what} failed: {msg}")
+        proc.join(30)
+        results.append(pickle.loads(out_path.read_bytes()))
+    return results
+
+
 def run_once(
     spec: LoadSpec,
     export_streams: str,
@@ -93,32 +139,14 @@ def run_once(
     agg = start_aggregator(logs_dir, run_name, spec, export_streams, token, bounds)
     ctx = mp.get_context("fork")
     workdir = Path(tempfile.mkdtemp(prefix="scale-gen-"))
-    gens: list[tuple[Any, Connection, Path]] = []
+    gens: list[Child] = []
     try:
         addresses = list(route(agg.address, token)) if route is not None else [agg.address]
-        edges = np.linspace(0, spec.ranks, procs + 1).astype(int)
-        for p in range(procs):
-            parent, child = ctx.Pipe()
-            out_path = workdir / f"gen{p}.pkl"
-            proc = ctx.Process(
-                target=generator_main,
-                args=(
-                    spec,
-                    token,
-                    addresses,
-                    int(edges[p]),
-                    int(edges[p + 1]),
-                    child,
-                    str(out_path),
-                ),
-                daemon=True,
-            )
-            proc.start()
-            gens.append((proc, parent, out_path))
-        for _, conn, _ in gens:
-            msg = conn.recv()
-            if msg != "connected":
-                raise RuntimeError(f"generator failed: {msg}")
+        gens = start_children(ctx, generator_main, [
+            (spec, token, addresses, first, end)
+            for first, end in spans(0, spec.ranks, procs)
+        ], workdir, "gen")  # fmt: skip
+        wait_connected(gens, "generator")
         time.sleep(0.5)
         if before_load is not None:
             before_load(agg)  # e.g. until a tracker's start-up work is done (bench.trackers)
@@ -130,15 +158,7 @@ def run_once(
             conn.send(t0)
         if during is not None:
             during(agg, t0)
-        results = []
-        for proc, conn, out_path in gens:
-            if not conn.poll(spec.seconds + 600):
-                raise RuntimeError("generator did not finish")
-            msg = conn.recv()
-            if msg != "done":
-                raise RuntimeError(f"generator failed: {msg}")
-            proc.join(30)
-            results.append(pickle.loads(out_path.read_bytes()))
+        results = results_of(gens, spec.seconds + 600, "generator")
         gen_done = time.monotonic()
         if after_load is not None:
             after_load()
