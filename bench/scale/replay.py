@@ -46,7 +46,17 @@ from .aggregator import QueueBounds, start_aggregator
 from .generator import generator_main
 from .items import LoadSpec
 from .relays import RelayHosts
-from .run import RunResult, finish_run, results_of, spans, start_children, wait_connected
+from .run import (
+    Child,
+    RunResult,
+    await_aggregator,
+    finish_run,
+    kill_all,
+    results_of,
+    spans,
+    start_children,
+    wait_connected,
+)
 
 _READ_BUFFER = 64 * 1024
 """The replay's read buffer per captured connection."""
@@ -367,7 +377,7 @@ def run_replay(
     agg = start_aggregator(logs_dir, run_name, spec, export_streams, token, bounds)
     ctx = mp.get_context("fork")
     workdir = Path(tempfile.mkdtemp(prefix="scale-replay-"))
-    players = []
+    players: list[Child] = []
     try:
         players = start_children(ctx, _replay_main, [
             ([paths[i] for i in range(a, b)], agg.address) for a, b in spans(0, len(paths), procs)
@@ -382,15 +392,9 @@ def run_replay(
             conn.send(t0)
         played = results_of(players, spec.seconds + 600, "replay")
         gen_done = time.monotonic()
-        if not agg.wait(max(180.0, spec.ranks / 40)):
-            agg.kill()
-            raise RuntimeError("aggregator did not finalize on its own")
+        await_aggregator(agg, spec)
     except BaseException:
-        for proc, _, _ in players:
-            if proc.is_alive():
-                proc.kill()
-        if agg.exit_t is None:
-            agg.kill()
+        kill_all(players, agg)
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

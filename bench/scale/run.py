@@ -114,6 +114,24 @@ def results_of(children: Sequence[Child], timeout_s: float, what: str) -> list[d
     return results
 
 
+def await_aggregator(agg: AggregatorProc, spec: LoadSpec) -> None:
+    """Wait for the aggregator to finalize on its own once the load ended (a backlog,
+    on a starved machine, takes longer to drain the more ranks sent it)."""
+    if not agg.wait(max(180.0, spec.ranks / 40)):
+        agg.popen.send_signal(signal.SIGTERM)
+        agg.wait(90)
+        raise RuntimeError("aggregator did not finalize on its own")
+
+
+def kill_all(children: Sequence[Child], agg: AggregatorProc) -> None:
+    """After a failure: every child process still running, and the aggregator."""
+    for proc, _, _ in children:
+        if proc.is_alive():
+            proc.kill()
+    if agg.exit_t is None:
+        agg.kill()
+
+
 def run_once(
     spec: LoadSpec,
     export_streams: str,
@@ -162,17 +180,9 @@ def run_once(
         gen_done = time.monotonic()
         if after_load is not None:
             after_load()
-        # A backlog (a starved machine) takes longer to drain the more ranks sent it.
-        if not agg.wait(max(180.0, spec.ranks / 40)):
-            agg.popen.send_signal(signal.SIGTERM)
-            agg.wait(90)
-            raise RuntimeError("aggregator did not finalize on its own")
+        await_aggregator(agg, spec)
     except BaseException:
-        for proc, _, _ in gens:
-            if proc.is_alive():
-                proc.kill()
-        if agg.exit_t is None:
-            agg.kill()
+        kill_all(gens, agg)
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
