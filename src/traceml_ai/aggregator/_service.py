@@ -325,7 +325,8 @@ class Aggregator:
                 self._pipeline.set_rank_dropped_batches(dropped)
             expected = self.expected_world_size
             finished = self._finished_ranks
-            # Counted in full only once enough ranks finished (once or twice a run).
+            # Looked at rank by rank only once as many ranks finished as expected (and
+            # then up to the first one missing), not a set of every rank per message.
             if (
                 expected is not None
                 and len(finished) >= expected
