@@ -302,7 +302,8 @@ def _gather(maps: Sequence[Mapping[_K, float]]) -> dict[_K, Column]:
     shape = tuple(maps[0])
     if all(map(shape.__eq__, map(tuple, maps))):
         # Every row has the same keys in the same order (nearly always: a rank's phases
-        # and waits do not change from step to step): one table, a row per key.
+        # and waits do not change from step to step): each key's column read straight
+        # from the maps, without a presence mask.
         n = len(maps)
         return {
             key: Column(np.fromiter(map(itemgetter(key), maps), np.float64, n), None)

@@ -66,8 +66,8 @@ DEFAULT_MAX_QUEUE_BYTES = 64 * 1024 * 1024
 QUEUE_BYTES_PER_RANK = 8 * 1024
 """A larger job's byte bound grows with it (:func:`max_queue_bytes_for`), so the queue
 holds about as many seconds of its traffic: at 1 step/s with every stream a rank sends
-about 2.6 kB a second, and 64 MiB hold 1.5 s of 16,384 ranks' (too little for their
-start, when each rank's first batches come at once and each identity is read once)."""
+about 2.6 kB a second, so 64 MiB hold 1.5 s of 16,384 ranks' traffic, and a stall of
+the worker or the disk longer than that would drop; 128 MiB hold 3 s."""
 
 MAX_QUEUE_BYTES_CAP = 256 * 1024 * 1024
 """The most a job's size raises the byte bound to (with the per-batch overhead, about
