@@ -1402,6 +1402,16 @@ static int wire_value(Wire *w, Out *o, const Spec *spec, Py_ssize_t *float_index
  * are found first and read in the plan's order. On a line (top = 1) a field the plan
  * may leave out (F_OMIT_NONE) may be missing or null: then it is not written, as
  * item_line does. */
+/* A batch field's text (",\"pid\":N", made once per call by batch_texts_of) written
+ * at its place among the item's; its value's span noted as wire_fields notes each. */
+static int write_batch_field(Out *o, PyObject *text, const FieldPlan *f, Py_ssize_t *at,
+                             Py_ssize_t *end) {
+    *at = o->len + 1 + f->key_len;
+    if (out_write(o, PyBytes_AS_STRING(text), PyBytes_GET_SIZE(text)) < 0) return -1;
+    *end = o->len;
+    return 0;
+}
+
 static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int top) {
     Py_ssize_t n = plan->n - first;
     if (n <= 0 || n > MAX_OBJECT_FIELDS) return FALLBACK;
@@ -1424,12 +1434,9 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
         text_at[i] = text_end[i] = o->len;
         if (top && r->batch_text[i] != NULL) {
             /* a batch field: its text; the body's keys go on with the next field */
-            text_at[i] = o->len + 1 + f->key_len;
-            if (out_write(o, PyBytes_AS_STRING(r->batch_text[i]),
-                          PyBytes_GET_SIZE(r->batch_text[i])) < 0) {
+            if (write_batch_field(o, r->batch_text[i], f, &text_at[i], &text_end[i]) < 0) {
                 return ERR;
             }
-            text_end[i] = o->len;
             continue;
         }
         if (optional) {
@@ -1488,12 +1495,9 @@ static int wire_fields(Wire *w, Out *o, ClassPlan *plan, Py_ssize_t first, int t
             FieldPlan *f = &plan->fields[first + i];
             text_at[i] = text_end[i] = o->len;
             if (top && r->batch_text[i] != NULL) {
-                text_at[i] = o->len + 1 + f->key_len;
-                if (out_write(o, PyBytes_AS_STRING(r->batch_text[i]),
-                              PyBytes_GET_SIZE(r->batch_text[i])) < 0) {
+                if (write_batch_field(o, r->batch_text[i], f, &text_at[i], &text_end[i]) < 0) {
                     return ERR;
                 }
-                text_end[i] = o->len;
                 continue;
             }
             if (at[i] == NULL) {

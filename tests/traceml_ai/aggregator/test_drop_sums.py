@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -12,21 +11,10 @@ from hypothesis import strategies as st
 
 from traceml_ai.aggregator import Aggregator, AggregatorConfig
 from traceml_ai.settings import ExportSettings
+from traceml_ai.testing import make_identity
 from traceml_ai.transport.wire import make_finished_message, make_relay_message
 
 TOKEN = "drop-sums-token"
-
-
-def _identity(rank: int, world: int) -> dict[str, object]:
-    return {
-        "global_rank": rank,
-        "local_rank": rank,
-        "world_size": world,
-        "local_world_size": world,
-        "node_rank": 0,
-        "hostname": None,
-        "pid": os.getpid(),
-    }
 
 
 _DROP_MESSAGES = st.lists(
@@ -71,7 +59,9 @@ def test_the_drops_handed_on_are_the_selected_drops_of_every_message_so_far(
     relays: dict[tuple[str, int, str], int] = {}
     for kind, who, count, streams in messages:
         if kind == "finished":
-            agg._on_finished(make_finished_message(TOKEN, _identity(who, 4), 0, count, streams))
+            agg._on_finished(
+                make_finished_message(TOKEN, make_identity(who, world_size=4), 0, count, streams)
+            )
             totals[who] = max(totals.get(who, 0), count)
             if streams is None:
                 unsplit.add(who)
